@@ -1,0 +1,78 @@
+"""ckpt_integration: distributed checkpointing for PyTorch.
+
+Every rank saves only what it owns; any checkpoint loads into any other
+parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CheckpointingException,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedCheckpointingError,
+    IncompleteCheckpointError,
+    MismatchError,
+    ShardingIntegrityError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from .mapping import (  # noqa: E402
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .planning.strict import StrictHandling  # noqa: E402
+from .serialization import (  # noqa: E402
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from .storage.checkpoint_dir import CheckpointingConfig  # noqa: E402
+from .storage.safe_pickle import add_safe_globals  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "load_common_state_dict",
+    "load_tensors_metadata",
+    "load_sharded_metadata",
+    "load_plain_tensors",
+    "load_content_metadata",
+    "remove_sharded_tensors",
+    "StrictHandling",
+    "ShardedBase",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "ShardedStateDict",
+    "StateDict",
+    "apply_factories",
+    "apply_factory_merges",
+    "is_main_replica",
+    "CheckpointingConfig",
+    "add_safe_globals",
+    "CheckpointingException",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DistributedCheckpointingError",
+    "IncompleteCheckpointError",
+    "MismatchError",
+    "ShardingIntegrityError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+]

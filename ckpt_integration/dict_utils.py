@@ -1,0 +1,150 @@
+"""Helpers for nested state dicts (dicts and lists nested in any combination).
+
+Pure functions, no I/O. Paths are tuples of dict keys / list indices.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Tuple
+
+Path = Tuple[Any, ...]
+
+
+def nested_items(x: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
+    """Yield ``(path, leaf)`` for every non-container leaf of a nested dict/list."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from nested_items(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from nested_items(v, path + (i,))
+    else:
+        yield path, x
+
+
+def nested_values(x: Any) -> Iterator[Any]:
+    """Yield every leaf of a nested dict/list."""
+    for _, v in nested_items(x):
+        yield v
+
+
+def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
+    """Replace every leaf ``v`` with ``f(v)`` in place; returns ``x`` (or ``f(x)`` for a leaf)."""
+    if isinstance(x, dict):
+        for k in x:
+            x[k] = dict_list_map_inplace(f, x[k])
+        return x
+    if isinstance(x, list):
+        for i in range(len(x)):
+            x[i] = dict_list_map_inplace(f, x[i])
+        return x
+    return f(x)
+
+
+def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
+    """Like :func:`dict_list_map_inplace` but builds new containers."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(f, v) for v in x]
+    return f(x)
+
+
+def extract_matching_values(
+    x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Any, Any]:
+    """Split a nested structure into (matching, non-matching) parts by leaf predicate.
+
+    Containers are kept only where they hold something. Lists keep their
+    positions as dict keys when ``return_lists_as_dicts`` is set, so that a later
+    :func:`merge` puts each value back in its slot.
+    """
+
+    if isinstance(x, dict):
+        matching, other = {}, {}
+        for k, v in x.items():
+            if isinstance(v, (dict, list)):
+                m, o = extract_matching_values(v, predicate, return_lists_as_dicts)
+                if m:
+                    matching[k] = m
+                if o:
+                    other[k] = o
+            elif predicate(v):
+                matching[k] = v
+            else:
+                other[k] = v
+        return matching, other
+    if isinstance(x, list):
+        if return_lists_as_dicts:
+            m, o = extract_matching_values(dict(enumerate(x)), predicate, True)
+            return m, o
+        matching_l, other_l = [], []
+        for v in x:
+            if isinstance(v, (dict, list)) and v:
+                m, o = extract_matching_values(v, predicate, return_lists_as_dicts)
+                if m:
+                    matching_l.append(m)
+                if o:
+                    other_l.append(o)
+            elif predicate(v):
+                matching_l.append(v)
+            else:
+                other_l.append(v)
+        return matching_l, other_l
+    raise TypeError(f"expected a dict or list, got {type(x).__name__}")
+
+
+def set_at_path(root: Any, path: Path, value: Any) -> None:
+    """Set ``root[p0][p1]...[pn] = value``, creating dicts (never lists) as needed."""
+    node = root
+    for p in path[:-1]:
+        if isinstance(node, list):
+            node = node[p]
+        else:
+            node = node.setdefault(p, {})
+    node[path[-1]] = value
+
+
+def merge(x1: Any, x2: Any, key: Path = ()) -> Any:
+    """Merge ``x2`` into ``x1`` recursively (in place for dicts); returns the result.
+
+    A dict with integer keys merges into a list position by position (the
+    inverse of ``extract_matching_values(..., return_lists_as_dicts=True)``).
+    """
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                x1[k] = v2
+            else:
+                x1[k] = merge(x1[k], v2, key + (k,))
+        return x1
+    if isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not isinstance(k, int) or not 0 <= k < len(x1):
+                raise ValueError(f"cannot merge key {k!r} into a list of length {len(x1)} at {key}")
+            x1[k] = merge(x1[k], v2, key + (k,))
+        return x1
+    if isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(
+                f"cannot merge lists of different lengths ({len(x1)} and {len(x2)}) at {key}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2, key + (i,))
+        return x1
+    if isinstance(x1, dict) and not x1:
+        return x2
+    if isinstance(x2, dict) and not x2:
+        return x1
+    raise ValueError(
+        f"duplicate value at {key}: {type(x1).__name__} and {type(x2).__name__} "
+        "(both the checkpoint and the request define it)"
+    )
+
+
+def format_path(path: Path) -> str:
+    """Human-readable form of a nested path, e.g. ``model.layers[0].weight``."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<root>"

@@ -1,0 +1,257 @@
+"""Load with resharding from the torch_dist backend.
+
+Every rank reads only the parts of saved chunks that overlap its requested
+shards (see :mod:`ckpt_integration.planning.reshard`), with a thread pool.
+Collectives: one optional metadata exchange (integrity validation / strict
+``*_ALL`` modes) and one final agreement so that a failure on any rank raises
+on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ..dict_utils import dict_list_map_inplace, merge
+from ..errors import CheckpointingException, DistributedCheckpointingError, MismatchError, ShardingIntegrityError
+from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..planning.boxes import Box, relative_slices
+from ..planning.integrity import validate_sharding_integrity
+from ..planning.reshard import plan_chunk_reads, uncovered_elements
+from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
+from ..storage import checkpoint_dir as ckdir
+from ..storage.safe_pickle import safe_torch_load
+from ..storage.torch_dist import TorchDistReader, read_dcp_metadata, run_parallel
+from . import dist
+from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
+from .save import _describe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReadTask:
+    key: str
+    chunk: Any
+    overlap: Box
+    out: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def order(self) -> Tuple[str, int]:
+        return (self.chunk.storage.relative_path, self.chunk.storage.offset)
+
+
+def _request_key(sh: Any) -> str:
+    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+
+
+def _drop_keys(sharded: Any, keys: Set[str]) -> Any:
+    """Remove requested shards whose storage key is in ``keys``."""
+    if isinstance(sharded, dict):
+        out = {}
+        for k, v in sharded.items():
+            if isinstance(v, (dict, list)):
+                sub = _drop_keys(v, keys)
+                if sub:
+                    out[k] = sub
+            elif _request_key(v) not in keys:
+                out[k] = v
+        return out
+    return sharded
+
+
+def _handle_strict(
+    strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str, rank: int
+) -> None:
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        parts = []
+        if unexpected:
+            parts.append(f"requested but not in the checkpoint (unexpected): {sorted(unexpected)}")
+        if missing and strict == StrictHandling.RAISE_ALL:
+            parts.append(f"in the checkpoint but not requested by any rank (missing): {sorted(missing)}")
+        if parts:
+            raise MismatchError(f"rank {rank}: {checkpoint_dir}: " + "; ".join(parts))
+    elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        if unexpected:
+            logger.warning("%s: requested keys not in the checkpoint (skipped): %s", checkpoint_dir, sorted(unexpected))
+        if missing and strict == StrictHandling.LOG_ALL:
+            logger.warning("%s: checkpoint keys not requested by any rank: %s", checkpoint_dir, sorted(missing))
+
+
+def _tensor_tasks(sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str) -> Tuple[torch.Tensor, List[ReadTask]]:
+    tmeta = md.state_dict_metadata.get(sh.key)
+    if tmeta is None:
+        raise MismatchError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
+    if not isinstance(tmeta, TensorStorageMetadata):
+        raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
+    saved_dtype = tmeta.properties.dtype
+    saved_shape = tuple(tmeta.size)
+    if saved_dtype != sh.dtype:
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype}; "
+            "request it with the saved dtype and cast after loading"
+        )
+    if saved_shape != sh.global_shape and not sh.allow_shape_mismatch:
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} has global shape {saved_shape} in the checkpoint but "
+            f"{sh.global_shape} was requested (set allow_shape_mismatch=True to load the overlap)"
+        )
+    if len(saved_shape) != len(sh.global_shape):
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} has {len(saved_shape)} dims in the checkpoint but "
+            f"{len(sh.global_shape)} were requested"
+        )
+    out = sh.data
+    if out is None:
+        out = torch.empty(sh.local_shape, dtype=sh.dtype)
+    if tuple(out.shape) != sh.local_shape:
+        raise MismatchError(f"{sh.key!r}: data shape {tuple(out.shape)} != local_shape {sh.local_shape}")
+    if out.device.type != "cpu":
+        # Read into host memory, copy to the device afterwards (see load_torch_dist).
+        host = torch.empty(sh.local_shape, dtype=sh.dtype)
+    else:
+        host = out
+    view = host.view(sh.saved_shape())
+    request = Box(sh.global_offset, sh.saved_shape())
+    reads = plan_chunk_reads(request, [c.box for c in reader.chunks[sh.key]])
+    if sh.allow_shape_mismatch:
+        host.zero_()
+    elif uncovered_elements(request, saved_shape, reads) != 0:
+        raise MismatchError(
+            f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
+        )
+    chunk_of = {c.box: c for c in reader.chunks[sh.key]}
+    tasks = [
+        ReadTask(sh.key, chunk_of[r.chunk], r.overlap, view[relative_slices(r.overlap, request)], sh.dtype)
+        for r in reads
+    ]
+    return host, tasks
+
+
+def load_torch_dist(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: str,
+    *,
+    strict: Any = StrictHandling.ASSUME_OK_UNEXPECTED,
+    validate_access_integrity: bool = True,
+    trusted: bool = False,
+    allowed_globals: Optional[Iterable[Any]] = None,
+    thread_count: int = 4,
+    verify_checksums: bool = True,
+    process_group: Any = None,
+) -> Any:
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    group = process_group
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    strict = parse_strict_flag(strict)
+    local_error: Optional[str] = None
+    local_exc: Optional[BaseException] = None
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    result: Any = None
+    metas = []
+    requested: List[str] = []
+    needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
+    try:
+        ckdir.read_config(checkpoint_dir)
+        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
+        sharded, _req_common, nonpersistent, factories = split_state_dict(sharded_state_dict)
+        md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+        shards = local_shards(sharded)
+        requested = sorted({_request_key(s) for s in shards})
+        metas = [shard_meta(s, rank) for s in shards]
+    except Exception as e:
+        local_error, local_exc = _describe(e), e
+    if needs_exchange:
+        gathered = dist.all_gather_object((local_error, metas, requested), group)
+        errs = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
+        dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
+        if validate_access_integrity:
+            all_metas = [m for g in gathered for m in g[1]]
+            mine = validate_sharding_integrity(all_metas, rank, world)
+            problems = [p for ps in dist.all_gather_object(mine, group) for p in ps]
+            if problems:
+                raise ShardingIntegrityError(
+                    f"invalid sharding of the load request for {checkpoint_dir}:\n  " + "\n  ".join(problems)
+                )
+        requested_global = {k for g in gathered for k in g[2]}
+    else:
+        requested_global = set(requested)
+    if local_error is None:
+        try:
+            result = _load_local(
+                checkpoint_dir, md, common, sharded, nonpersistent, factories, sharded_state_dict, strict,
+                requested, requested_global, trusted, allowed_globals, thread_count, verify_checksums, rank,
+            )
+            result, missing, unexpected = result
+        except Exception as e:
+            local_error, local_exc = _describe(e), e
+    errs = dist.agree_on_errors(local_error, group)
+    dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, missing, unexpected
+    return result
+
+
+def _load_local(
+    checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
+    requested, requested_global, trusted, allowed_globals, thread_count, verify_checksums, rank,
+):
+    ckpt_keys = [k for k in md.state_dict_metadata]
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        missing, unexpected = mismatched_keys(requested, requested_global, ckpt_keys)
+        _handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
+        if unexpected:
+            sharded = _drop_keys(sharded, unexpected)
+        if not StrictHandling.requires_global_app_metadata(strict):
+            missing = set()
+    manifest = ckdir.read_manifest(checkpoint_dir)
+    checksums = manifest.checksums() if manifest else None
+    with TorchDistReader(checkpoint_dir, md, checksums, verify_checksums) as reader:
+        tasks: List[ReadTask] = []
+        device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+        def prepare(sh: Any) -> Any:
+            if isinstance(sh, ShardedTensor):
+                host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir)
+                tasks.extend(ts)
+                if sh.data is not None and host is not sh.data:
+                    device_copies.append((host, sh.data))
+                    return sh.data
+                return host
+            if isinstance(sh, ShardedObject):
+                meta = md.state_dict_metadata.get(sh.unique_key)
+                if not isinstance(meta, BytesStorageMetadata):
+                    raise MismatchError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
+                raw = reader.read_bytes(sh.unique_key)
+                import io
+
+                obj = safe_torch_load(
+                    io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
+                    what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
+                )
+                # Megatron-Core stores objects as a one-element list
+                return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+            return sh
+
+        loaded = dict_list_map_inplace(prepare, sharded)
+        tasks.sort(key=lambda t: t.order)
+        run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
+        for host, dev in device_copies:
+            dev.copy_(host)
+    result = common if isinstance(common, dict) else {"__common__": common}
+    merge(result, nonpersistent)
+    merge(result, loaded)
+    result = restore_list_types(result, template)
+    if factories:
+        result = apply_factory_merges(result, factories)
+    return result, missing, unexpected

@@ -1,0 +1,119 @@
+"""Turning a user's sharded state dict into shards, common state and shard metadata.
+
+Shared by save and load. The caller's dict is never modified: containers are
+copied before factories are applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..dict_utils import dict_list_map_outplace, extract_matching_values, nested_items
+from ..errors import CheckpointingException
+from ..mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    extract_factories,
+    is_sharded,
+)
+from ..planning.shards import ShardMeta, replica_tuple
+
+
+def copy_structure(x: Any) -> Any:
+    """New dicts/lists, same leaves."""
+    return dict_list_map_outplace(lambda v: v, x)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dt, torch.dtype):
+        raise CheckpointingException(f"unknown dtype {name!r}")
+    return dt
+
+
+def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
+    if isinstance(sh, ShardedTensor):
+        sizes = sh.saved_shape()
+        return ShardMeta(
+            key=sh.key,
+            kind="tensor",
+            rank=rank,
+            dtype=dtype_name(sh.dtype),
+            global_shape=sh.global_shape,
+            offsets=sh.global_offset,
+            sizes=sizes,
+            replica_id=replica_tuple(sh.replica_id),
+            nbytes=sh.local_numel() * torch.empty((), dtype=sh.dtype).element_size(),
+            allow_shape_mismatch=sh.allow_shape_mismatch,
+        )
+    if isinstance(sh, ShardedObject):
+        return ShardMeta(
+            key=sh.key,
+            kind="object",
+            rank=rank,
+            dtype="object",
+            global_shape=sh.global_shape,
+            offsets=sh.global_offset,
+            sizes=tuple(1 for _ in sh.global_shape),
+            replica_id=replica_tuple(sh.replica_id),
+            nbytes=0,
+        )
+    raise CheckpointingException(f"unsupported sharded value {type(sh).__name__}")
+
+
+def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any, Any]:
+    """Return ``(sharded, common, nonpersistent, factories)`` from a copy of the input.
+
+    ``sharded`` holds ShardedTensors/ShardedObjects at their positions,
+    ``common`` everything else that is saved, ``nonpersistent`` the unwrapped
+    LocalNonpersistentObjects, ``factories`` the factories for merging on load.
+    """
+    if not isinstance(sharded_state_dict, dict):
+        raise CheckpointingException(
+            f"a sharded state dict must be a dict, got {type(sharded_state_dict).__name__}"
+        )
+    sd = copy_structure(sharded_state_dict)
+    factories, _ = extract_factories(sd)
+    apply_factories(sd)
+    nonpersistent, sd = extract_matching_values(
+        sd, lambda v: isinstance(v, LocalNonpersistentObject), return_lists_as_dicts=True
+    )
+    nonpersistent = dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)
+    sharded, common = extract_matching_values(sd, is_sharded, return_lists_as_dicts=True)
+    for path, v in nested_items(common):
+        if isinstance(v, (ShardedBase, ShardedTensorFactory)):
+            raise CheckpointingException(f"unsupported sharded value {type(v).__name__} at {path}")
+    return sharded, common, nonpersistent, factories
+
+
+def local_shards(sharded: Any) -> List[ShardedBase]:
+    return [v for _, v in nested_items(sharded)]
+
+
+def restore_list_types(x: Any, template: Any) -> Any:
+    """Turn ``{0: a, 1: b}`` back into ``[a, b]`` wherever the request had a list."""
+    if isinstance(template, list) and isinstance(x, dict) and set(x) == set(range(len(template))):
+        return [restore_list_types(x[i], template[i]) for i in range(len(template))]
+    if isinstance(template, list) and isinstance(x, list):
+        return [restore_list_types(v, t) for v, t in zip(x, template)] + x[len(template):]
+    if isinstance(template, dict) and isinstance(x, dict):
+        for k in list(x):
+            if k in template:
+                x[k] = restore_list_types(x[k], template[k])
+        return x
+    if isinstance(template, list) and isinstance(x, dict):
+        for k in list(x):
+            if isinstance(k, int) and 0 <= k < len(template):
+                x[k] = restore_list_types(x[k], template[k])
+        return x
+    return x

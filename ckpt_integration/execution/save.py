@@ -1,0 +1,291 @@
+"""Synchronous save on the torch_dist backend, in three phases.
+
+1. **prepare** (collective): split the state dict, exchange shard metadata
+   (one ``all_gather`` of small records), validate sharding integrity (each rank
+   checks the keys it owns; one more ``all_gather`` of error strings), choose the
+   writer of every chunk (deterministic, no collective).
+2. **write** (local, no collectives; may run in the background): write this
+   rank's chunks with several threads and fsync them.
+3. **finalize** (collective): gather write results on the coordinator, which
+   writes ``.metadata``, ``common.pt``, ``manifest.json`` and finally the
+   ``metadata.json`` commit marker; the outcome is broadcast so that a failure
+   on any rank raises on every rank with all causes.
+
+A local error in any phase is carried through the next collective instead of
+being raised at once, so no rank is left waiting in a collective (no hang).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import __version__
+from ..dict_utils import nested_items
+from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
+from ..mapping import ShardedBase, ShardedObject, ShardedTensor
+from ..planning.integrity import validate_sharding_integrity
+from ..planning.save_plan import items_for_rank, plan_writers
+from ..planning.shards import ShardMeta
+from ..storage import checkpoint_dir as ckdir
+from ..storage.safe_pickle import torch_dumps
+from ..storage.torch_dist import WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
+from . import dist
+from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
+
+logger = logging.getLogger(__name__)
+
+CONTENT_METADATA_KEY = "content_metadata"
+
+_plan_cache: Dict[Tuple[ShardMeta, ...], Any] = {}
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, CheckpointingException):
+        return f"{type(e).__name__}: {e}"
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+@dataclass
+class SavePlan:
+    """Everything the write and finalize phases need (one per save)."""
+
+    rank: int
+    world_size: int
+    group: Any
+    checkpoint_dir: str  # the final location
+    write_dir: str  # where files go now (a staging dir when overwriting)
+    staging: bool
+    common: Any
+    requests: List[WriteRequest]
+    all_metas: List[ShardMeta]
+    thread_count: int
+    durable: bool
+    started: float = field(default_factory=time.time)
+    written: List[WrittenItem] = field(default_factory=list)
+    local_error: Optional[str] = None
+    local_exc: Optional[BaseException] = None
+
+
+def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]:
+    """Coordinator only: return (write_dir, staging). Never touches a committed checkpoint."""
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise CheckpointingException(f"cannot save to {checkpoint_dir}: it is a file")
+    committed = os.path.exists(os.path.join(checkpoint_dir, ckdir.CONFIG_FILE))
+    if committed:
+        if not overwrite:
+            raise CheckpointingException(
+                f"{checkpoint_dir} already holds a committed checkpoint; save to a new directory "
+                "or pass overwrite=True (the old one is replaced only after the new one is complete)"
+            )
+        staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(staging)
+        return staging, True
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    stale = ckdir.stale_save_files(checkpoint_dir)
+    if stale:
+        logger.warning("removing %d files of an incomplete earlier save in %s", len(stale), checkpoint_dir)
+        for n in stale:
+            os.remove(os.path.join(checkpoint_dir, n))
+    return checkpoint_dir, False
+
+
+def _requests_for(shards: List[ShardedBase], metas_to_write: List[ShardMeta]) -> List[WriteRequest]:
+    by_id = {}
+    for sh in shards:
+        if isinstance(sh, ShardedTensor):
+            by_id.setdefault((sh.key, sh.global_offset), sh)
+        else:
+            by_id.setdefault((sh.unique_key, sh.global_offset), sh)
+    out = []
+    for m in metas_to_write:
+        sh = by_id[m.chunk_id]
+        if isinstance(sh, ShardedTensor):
+            if sh.data is None:
+                raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
+            out.append(WriteRequest(m.storage_key, m.offsets, sh.data.reshape(m.sizes)))
+        else:
+            out.append(WriteRequest(m.storage_key, None, torch_dumps([sh.data])))
+    return out
+
+
+def prepare_save(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: str,
+    *,
+    validate_access_integrity: bool = True,
+    content_metadata: Optional[dict] = None,
+    thread_count: int = 2,
+    balance: bool = True,
+    overwrite: bool = False,
+    durable: bool = True,
+    process_group: Any = None,
+) -> SavePlan:
+    """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    group = process_group
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    coord = rank == 0
+    local_error = None
+    local_exc: Optional[BaseException] = None
+    metas: List[ShardMeta] = []
+    shards: List[ShardedBase] = []
+    common: Any = None
+    dir_info = None
+    try:
+        if content_metadata is not None:
+            sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
+        sharded, common, _nonpersistent, _factories = split_state_dict(sharded_state_dict)
+        shards = local_shards(sharded)
+        metas = [shard_meta(sh, rank) for sh in shards]
+        if coord:
+            dir_info = _prepare_directory(checkpoint_dir, overwrite)
+    except Exception as e:
+        local_error, local_exc = _describe(e), e
+    gathered = dist.all_gather_object((local_error, metas, dir_info), group)
+    errors = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
+    dist.raise_if_any_failed(local_exc, errors, f"save to {checkpoint_dir} failed before writing")
+    all_metas = [m for g in gathered for m in g[1]]
+    write_dir, staging = gathered[0][2]
+    if validate_access_integrity:
+        mine = validate_sharding_integrity(all_metas, rank, world)
+        problems = dist.all_gather_object(mine, group)
+        flat = [p for ps in problems for p in ps]
+        if flat:
+            if coord:
+                _cleanup_failed(write_dir, staging)
+            raise ShardingIntegrityError(
+                f"invalid sharding, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(flat)
+            )
+    fingerprint = tuple(all_metas)
+    chosen = _plan_cache.get(fingerprint)
+    if chosen is None:
+        chosen = plan_writers(all_metas, balance=balance)
+        _plan_cache.clear()  # keep only the latest structure
+        _plan_cache[fingerprint] = chosen
+    requests: List[WriteRequest] = []
+    try:
+        requests = _requests_for(shards, items_for_rank(chosen, rank))
+    except Exception as e:
+        local_error, local_exc = _describe(e), e
+    return SavePlan(
+        rank=rank,
+        world_size=world,
+        group=group,
+        checkpoint_dir=checkpoint_dir,
+        write_dir=write_dir,
+        staging=staging,
+        common=common if coord else None,
+        requests=requests,
+        all_metas=all_metas,
+        thread_count=thread_count,
+        durable=durable,
+        local_error=local_error,
+        local_exc=local_exc,
+    )
+
+
+def write_local(plan: SavePlan) -> None:
+    """Phase 2 (no collectives). Records an error instead of raising."""
+    if plan.local_error:
+        return
+    try:
+        plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
+    except Exception as e:
+        plan.local_error, plan.local_exc = _describe(e), e
+    finally:
+        plan.requests = []  # drop references to the state (and staged copies) early
+
+
+def _cleanup_failed(write_dir: str, staging: bool) -> None:
+    try:
+        if staging:
+            shutil.rmtree(write_dir, ignore_errors=True)
+        else:
+            for n in ckdir.stale_save_files(write_dir):
+                os.remove(os.path.join(write_dir, n))
+    except OSError:
+        logger.exception("could not clean up the failed save in %s", write_dir)
+
+
+def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
+    """Coordinator: write metadata files, then the commit marker, then swap if staging."""
+    tensors: Dict[str, Any] = {}
+    objects = set()
+    written_ids = {(w.storage_key, w.offsets) for w in written}
+    for m in plan.all_metas:
+        if m.kind == "object":
+            objects.add(m.storage_key)
+            continue
+        entry = tensors.setdefault(m.key, (dtype_from_name(m.dtype), m.global_shape, set()))
+        if m.is_main:
+            entry[2].add((m.offsets, m.sizes))
+    for key, (_, _, chunks) in tensors.items():
+        for offsets, _ in chunks:
+            if (key, offsets) not in written_ids:
+                raise CheckpointingException(f"internal error: chunk {offsets} of {key!r} was not written by any rank")
+    tensors = {k: (dt, shape, sorted(chunks)) for k, (dt, shape, chunks) in tensors.items()}
+    metadata = make_dcp_metadata(tensors, sorted(objects), written)
+    d = plan.write_dir
+    write_dcp_metadata(d, metadata, plan.durable)
+    ckdir.save_common(d, plan.common, plan.durable)
+    files: Dict[str, Dict[str, int]] = {}
+    for w in written:
+        f = files.setdefault(w.relative_path, {"size": 0})
+        f["size"] = max(f["size"], w.offset + w.length)
+    manifest = ckdir.Manifest(
+        world_size=plan.world_size,
+        items={f"{w.relative_path}@{w.offset}": w.crc32 for w in written},
+        files=files,
+        library_version=__version__,
+    )
+    ckdir.write_manifest(d, manifest, plan.durable)
+    ckdir.write_config(d, ckdir.CheckpointingConfig("torch_dist", 1), plan.durable)
+    if plan.staging:
+        old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(plan.checkpoint_dir, old)
+        os.rename(plan.write_dir, plan.checkpoint_dir)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def finalize_save(plan: SavePlan) -> None:
+    """Phase 3 (collective). Raises DistributedCheckpointingError on every rank if any rank failed."""
+    results = dist.gather_object((plan.local_error, plan.written), dst=dist.coordinator_rank(plan.group), group=plan.group)
+    status: Optional[str] = None
+    if plan.rank == 0:
+        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(results) if err]
+        if errors:
+            status = "\n  ".join(errors)
+        else:
+            try:
+                _commit(plan, [w for _, ws in results for w in ws])
+            except Exception as e:
+                status = f"rank 0 (commit): {_describe(e)}"
+                plan.local_exc = e
+        if status:
+            _cleanup_failed(plan.write_dir, plan.staging)
+    status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
+    if status:
+        dist.raise_if_any_failed(
+            plan.local_exc,
+            status.split("\n  "),
+            f"save to {plan.checkpoint_dir} failed; no checkpoint was committed there and earlier "
+            "checkpoints are untouched",
+        )
+    logger.debug("saved %s in %.3fs", plan.checkpoint_dir, time.time() - plan.started)
+
+
+def save_torch_dist(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: Any) -> None:
+    plan = prepare_save(sharded_state_dict, checkpoint_dir, **kwargs)
+    write_local(plan)
+    finalize_save(plan)

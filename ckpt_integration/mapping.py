@@ -1,0 +1,432 @@
+"""The sharded state dict data model.
+
+A *sharded state dict* is an ordinary nested dict/list whose leaves may be:
+
+* :class:`ShardedTensor` - this rank's piece of a global tensor, located by a
+  global offset inside a global shape;
+* :class:`ShardedObject` - an arbitrary picklable object, one per position in a
+  (usually tiny) grid of objects, e.g. one RNG state per pipeline stage;
+* :class:`ShardedTensorFactory` - a value that turns into a sub state dict of
+  ShardedTensors when saved (``build_fn``) and back into one tensor when loaded
+  (``merge_fn``), e.g. a fused QKV weight stored as three reshardable tensors;
+* :class:`LocalNonpersistentObject` - a value kept on load but never saved;
+* anything else - *common state*, identical on every rank, saved once by rank 0.
+
+Names and signatures follow Megatron-Core's ``dist_checkpointing.mapping`` so
+that code written for it works unchanged. This module does no I/O and no
+collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .errors import CheckpointingException
+
+ReplicaId = Union[int, Tuple[int, ...]]
+StateDict = Dict[str, Any]
+ShardedStateDict = Dict[str, Any]
+CkptShardedMetadata = Dict[str, Any]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """True for the replica responsible for saving: every component of replica_id is 0."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+class ShardedBase:
+    """Common base of ShardedTensor and ShardedObject."""
+
+    key: str
+    data: Any
+    replica_id: ReplicaId
+
+    def validate_metadata_integrity(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def without_data(self) -> "ShardedBase":  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """A local shard of a global tensor.
+
+    Attributes:
+        key: unique name of the global tensor in the checkpoint.
+        data: the local tensor (``None`` for metadata-only descriptions).
+        dtype: dtype of the global tensor.
+        local_shape: shape of ``data`` (without prepended axes).
+        global_shape: shape of the global tensor (with prepended axes).
+        global_offset: position of ``data`` inside the global tensor (with prepended axes).
+        axis_fragmentations: number of equal fragments per axis (``None`` for uneven shards).
+        replica_id: 0 (or all zeros) for the copy that is saved; other replicas of
+            the same shard (e.g. data-parallel copies) use non-zero ids.
+        prepend_axis_num: number of leading global axes of size 1 locally, used to
+            stack per-layer tensors into one global tensor (e.g. layers along a
+            pipeline-parallel axis).
+        allow_shape_mismatch: on load, the checkpoint's global shape may differ;
+            the overlap is loaded and the rest of the local tensor is zero-filled.
+
+    Example::
+
+        # rank r of a 2-way tensor-parallel column split of a [1024, 512] weight
+        ShardedTensor.from_rank_offsets("layer.weight", local_weight, (0, r, 2))
+    """
+
+    key: str
+    data: Optional[torch.Tensor]
+    dtype: torch.dtype
+    local_shape: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self) -> None:
+        self.local_shape = tuple(int(s) for s in self.local_shape)
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(s) for s in self.global_offset)
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = tuple(int(s) for s in self.axis_fragmentations)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Check that shapes, offsets and data agree; raise naming the key otherwise."""
+        if self.flattened_range is not None:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: flattened_range is not supported; "
+                "describe the shard with a global offset instead"
+            )
+        if not isinstance(self.key, str) or not self.key:
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {self.key!r}")
+        ndim = len(self.local_shape) + self.prepend_axis_num
+        if len(self.global_shape) != ndim or len(self.global_offset) != ndim:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: global_shape {self.global_shape} and global_offset "
+                f"{self.global_offset} must have {ndim} dims (local {self.local_shape} + "
+                f"{self.prepend_axis_num} prepended axes)"
+            )
+        if self.data is not None:
+            if tuple(self.data.shape) != self.local_shape:
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key!r}: data shape {tuple(self.data.shape)} != "
+                    f"local_shape {self.local_shape}"
+                )
+            if self.data.dtype != self.dtype:
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key!r}: data dtype {self.data.dtype} != dtype {self.dtype}"
+                )
+        for ax, (off, gsz) in enumerate(zip(self.global_offset, self.global_shape)):
+            lsz = 1 if ax < self.prepend_axis_num else self.local_shape[ax - self.prepend_axis_num]
+            if off < 0 or gsz < 0 or (off + lsz > gsz and not self.allow_shape_mismatch):
+                raise CheckpointingException(
+                    f"ShardedTensor {self.key!r}: local shard [{off}, {off + lsz}) on axis {ax} "
+                    f"lies outside the global shape {self.global_shape}"
+                )
+
+    # -- constructors -------------------------------------------------------------------
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Build a shard from its position in an even grid of fragments.
+
+        Each ``(axis, rank_offset, num_fragments)`` says: along global ``axis`` the
+        tensor is cut into ``num_fragments`` equal pieces and ``data`` is piece
+        number ``rank_offset``. Axes not mentioned are not split. Axes below
+        ``prepend_axis_num`` are the prepended (stacking) axes, of local size 1.
+        """
+        if flattened_range is not None:
+            raise CheckpointingException(f"{key!r}: flattened_range is not supported")
+        ndim = data.ndim + prepend_axis_num
+        global_offset = [0] * ndim
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        fragments = [1] * ndim
+        seen = set()
+        for entry in rank_offsets:
+            if len(entry) != 3:
+                raise CheckpointingException(
+                    f"{key!r}: rank offsets must be (axis, rank_offset, num_fragments), got {entry}"
+                )
+            axis, rank_offset, num_fragments = (int(v) for v in entry)
+            if not 0 <= axis < ndim or num_fragments < 1 or not 0 <= rank_offset < num_fragments:
+                raise CheckpointingException(f"Invalid rank offsets {rank_offsets} for key {key!r}")
+            if axis in seen:
+                raise CheckpointingException(f"{key!r}: axis {axis} given twice in {rank_offsets}")
+            seen.add(axis)
+            local = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
+            global_shape[axis] = local * num_fragments
+            global_offset[axis] = local * rank_offset
+            fragments[axis] = num_fragments
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(fragments),
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
+
+    @classmethod
+    def from_global_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        global_shape: Tuple[int, ...],
+        global_offset: Tuple[int, ...],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        allow_shape_mismatch: bool = False,
+    ) -> "ShardedTensor":
+        """Build a shard at an explicit global offset; use this for uneven shards.
+
+        Example: rows 0..4 of a 10-row tensor split 4/3/3 across 3 ranks::
+
+            ShardedTensor.from_global_offsets("emb", t[0:4], (10, 16), (0, 0))
+        """
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            None,
+            replica_id,
+            prepend_axis_num,
+            allow_shape_mismatch,
+        )
+
+    # -- derived properties ---------------------------------------------------------------
+    @property
+    def has_regular_grid(self) -> bool:
+        return self.axis_fragmentations is not None
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        return self.global_offset
+
+    def saved_shape(self) -> Tuple[int, ...]:
+        """Shape of the saved chunk: local shape with the prepended axes as 1."""
+        return (1,) * self.prepend_axis_num + tuple(self.local_shape)
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        if self.axis_fragmentations is None:
+            raise CheckpointingException(f"{self.key!r} has no regular grid")
+        return self.axis_fragmentations
+
+    def global_slice(self) -> Tuple[slice, ...]:
+        """Slices of the global tensor covered by this shard (prepended axes as 1-long)."""
+        return tuple(slice(o, o + s) for o, s in zip(self.global_offset, self.saved_shape()))
+
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+    def without_data(self) -> "ShardedTensor":
+        return replace(self, data=None)
+
+    def init_data(self, device: Union[str, torch.device] = "cpu", init_fn: Callable = torch.empty) -> None:
+        """Allocate ``data`` (if missing) with the local shape and dtype."""
+        if self.data is None:
+            self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}(key={self.key!r})"
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """A picklable object placed at one position of a global grid of objects.
+
+    ``global_shape``/``global_offset`` describe the grid (e.g. ``(pp_size,)`` and
+    ``(pp_rank,)``); each distinct offset is saved once (by its main replica).
+
+    Example::
+
+        ShardedObject("rng_state", torch.get_rng_state(), (pp_size,), (pp_rank,), replica_id=dp_rank)
+    """
+
+    key: str
+    data: Any
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(s) for s in self.global_offset)
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        if not isinstance(self.key, str) or not self.key:
+            raise CheckpointingException(f"ShardedObject key must be a non-empty str, got {self.key!r}")
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(
+                f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
+                f"{self.global_offset} differ in length"
+            )
+        for o, s in zip(self.global_offset, self.global_shape):
+            if not 0 <= o < s:
+                raise CheckpointingException(
+                    f"ShardedObject {self.key!r}: offset {self.global_offset} outside grid {self.global_shape}"
+                )
+
+    @property
+    def unique_key(self) -> str:
+        """Storage name: ``{key}/shard_{offsets}_{shape}`` (the Megatron-Core convention)."""
+        return (
+            f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_"
+            f"{'.'.join(map(str, self.global_shape))}"
+        )
+
+    def without_data(self) -> "ShardedObject":
+        return replace(self, data=None)
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+        """Inverse of :attr:`unique_key` (data is ``None``)."""
+        key, _, shard = unique_key.rpartition("/shard_")
+        if not key or shard.count("_") != 1:
+            raise CheckpointingException(f"{unique_key!r} is not a ShardedObject storage key")
+        offset, shape = shard.split("_")
+        as_tuple = lambda s: tuple(int(v) for v in s.split(".")) if s else ()
+        return cls(key, None, as_tuple(shape), as_tuple(offset), replica_id)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}(key={self.key!r})"
+
+
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """Stores ``data`` as the sub state dict built by ``build_fn`` and merges it back on load.
+
+    ``build_fn(key, data, replica_id, flattened_range)`` returns a sharded state
+    dict (ShardedTensors, possibly nested); ``merge_fn(loaded_sub_state_dict)``
+    returns the value to put in place of the factory after loading. Both are
+    applied identically on save and load, so the stored tensors reshard like any
+    other ShardedTensor.
+
+    Example (fused QKV stored as separate q/k/v tensors)::
+
+        def build(key, t, replica_id, _):
+            q, k, v = t.chunk(3)
+            return {n: ShardedTensor.from_rank_offsets(f"{key}.{n}", x, (0, tp_rank, tp), replica_id=replica_id)
+                    for n, x in zip("qkv", (q, k, v))}
+        merge = lambda sd: torch.cat([sd["q"], sd["k"], sd["v"]])
+        ShardedTensorFactory("attn.qkv", fused, build, merge)
+    """
+
+    key: str
+    data: Any
+    build_fn: Callable[..., ShardedStateDict]
+    merge_fn: Callable[[Any], Any]
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> ShardedStateDict:
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        return None
+
+    def without_data(self) -> "ShardedTensorFactory":
+        return replace(self, data=None)
+
+
+@dataclass
+class LocalNonpersistentObject:
+    """A value that is never saved; ``load`` returns it unchanged in its place.
+
+    Example: ``{"params": LocalNonpersistentObject(group["params"])}`` keeps an
+    optimizer's local parameter ids out of the checkpoint.
+    """
+
+    obj: Any
+
+    def unwrap(self) -> Any:
+        return self.obj
+
+
+def is_sharded(x: Any) -> bool:
+    return isinstance(x, (ShardedTensor, ShardedObject))
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace every ShardedTensorFactory by the sub state dict it builds (in place)."""
+
+    def build(x: Any) -> Any:
+        if isinstance(x, ShardedTensorFactory):
+            built = x.build()
+            return dict_list_map_inplace(build, built) if isinstance(built, (dict, list)) else build(built)
+        return x
+
+    dict_list_map_inplace(build, sharded_state_dict)
+
+
+def extract_factories(sharded_state_dict: ShardedStateDict) -> Tuple[Any, Any]:
+    """Return ``(factories, rest)`` where ``factories`` keeps the factories' positions."""
+    return extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
+    )
+
+
+def apply_factory_merges(loaded: Any, factories: Any, path: Tuple[Any, ...] = ()) -> Any:
+    """Call each factory's ``merge_fn`` on the loaded sub state dict at its position."""
+    if isinstance(factories, ShardedTensorFactory):
+        try:
+            return factories.merge_fn(loaded)
+        except Exception as e:  # name the factory; the merge_fn is user code
+            raise CheckpointingException(
+                f"merge_fn of ShardedTensorFactory {factories.key!r} failed: {e}"
+            ) from e
+    if isinstance(factories, dict):
+        for k, f in factories.items():
+            if isinstance(loaded, list):
+                loaded[k] = apply_factory_merges(loaded[k], f, path + (k,))
+            elif k in loaded:
+                loaded[k] = apply_factory_merges(loaded[k], f, path + (k,))
+            else:
+                raise CheckpointingException(
+                    f"nothing was loaded for ShardedTensorFactory at {path + (k,)}"
+                )
+        return loaded
+    raise CheckpointingException(f"unexpected factory container {type(factories).__name__} at {path}")
+
+
+__all__ = [
+    "ShardedBase",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "ReplicaId",
+    "StateDict",
+    "ShardedStateDict",
+    "CkptShardedMetadata",
+    "is_main_replica",
+    "is_sharded",
+    "apply_factories",
+    "extract_factories",
+    "apply_factory_merges",
+]

@@ -1,0 +1,1 @@
+"""Planning: pure functions over shard metadata (no I/O, no collectives)."""

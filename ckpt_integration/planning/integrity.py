@@ -1,0 +1,169 @@
+"""Sharding-integrity validation: every element saved by exactly one main replica.
+
+Pure functions over :class:`ShardMeta` records. Work per key is near-linear in
+its number of shards: overlaps are found with a sweep along the axis that has
+the most distinct offsets (so a 1-D split of N shards costs O(N log N)), and
+coverage is checked by summing volumes. Each rank can validate only the keys
+assigned to it (:func:`keys_owned_by`), so no rank does work for the whole job.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from typing import Dict, Iterable, List, Sequence
+
+from .boxes import Box, intersect
+from .shards import ShardMeta
+
+MAX_REPORTED = 5  # problems listed per key before summarising
+
+
+def owner_of_key(key: str, world_size: int) -> int:
+    """Deterministic rank that validates ``key`` (same on every rank and run)."""
+    return zlib.crc32(key.encode()) % max(world_size, 1)
+
+
+def group_by_key(shards: Iterable[ShardMeta]) -> Dict[str, List[ShardMeta]]:
+    grouped: Dict[str, List[ShardMeta]] = defaultdict(list)
+    for s in shards:
+        grouped[s.key].append(s)
+    return grouped
+
+
+def _ranks(shards: Sequence[ShardMeta]) -> str:
+    ranks = sorted({s.rank for s in shards})
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
+
+def _check_consistency(key: str, shards: Sequence[ShardMeta]) -> List[str]:
+    errors = []
+    for attr, label in (("kind", "kind"), ("global_shape", "global shape"), ("dtype", "dtype")):
+        values = defaultdict(list)
+        for s in shards:
+            values[getattr(s, attr)].append(s)
+        if len(values) > 1:
+            detail = "; ".join(f"{v} on ranks {_ranks(ss)}" for v, ss in values.items())
+            errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
+    return errors
+
+
+def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
+    """Describe pairs of main-replica shards that share elements (at most ``limit``)."""
+    if len(boxes) < 2:
+        return []
+    ndim = len(boxes[0].offsets)
+    if ndim == 0:
+        return [f"ranks {boxes[0].rank} and {b.rank} both save it as main replica" for b in boxes[1:limit + 1]]
+    axis = max(range(ndim), key=lambda a: len({b.offsets[a] for b in boxes}))
+    order = sorted(boxes, key=lambda b: (b.offsets[axis], b.rank))
+    active: List[ShardMeta] = []
+    found: List[str] = []
+    for b in order:
+        start = b.offsets[axis]
+        active = [a for a in active if a.offsets[axis] + a.sizes[axis] > start]
+        for a in active:
+            common = intersect(a.box, b.box)
+            if common is not None:
+                found.append(
+                    f"rank {a.rank} {a.box} and rank {b.rank} {b.box} overlap on {common}"
+                )
+                if len(found) >= limit:
+                    return found
+        active.append(b)
+    return found
+
+
+def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
+    """Describe regions not covered by any box (used only once coverage is known short).
+
+    Works on the grid induced by all box boundaries, so its cost depends on the
+    number of distinct boundaries, not on the tensor size.
+    """
+    ndim = len(global_shape)
+    cuts = []
+    for a in range(ndim):
+        pts = {0, int(global_shape[a])}
+        for b in boxes:
+            pts.add(min(max(b.offsets[a], 0), global_shape[a]))
+            pts.add(min(max(b.offsets[a] + b.sizes[a], 0), global_shape[a]))
+        cuts.append(sorted(pts))
+    ncells = math.prod(len(c) - 1 for c in cuts)
+    if ncells > 2_000_000:
+        return ["(too many distinct shard boundaries to locate the gaps)"]
+    index = [{p: i for i, p in enumerate(c)} for c in cuts]
+    import torch  # local import: only needed on this error path
+
+    covered = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.bool)
+    for b in boxes:
+        sl = []
+        for a in range(ndim):
+            lo = index[a][min(max(b.offsets[a], 0), global_shape[a])]
+            hi = index[a][min(max(b.offsets[a] + b.sizes[a], 0), global_shape[a])]
+            sl.append(slice(lo, hi))
+        covered[tuple(sl)] = True
+    missing = (~covered).nonzero().tolist()
+    out = []
+    for cell in missing[:limit]:
+        lo = [cuts[a][c] for a, c in enumerate(cell)]
+        hi = [cuts[a][c + 1] for a, c in enumerate(cell)]
+        out.append(str(Box(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))))
+    if len(missing) > limit:
+        out.append(f"... and {len(missing) - limit} more regions")
+    return out
+
+
+def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
+    """All integrity problems of one key (empty list when it is valid)."""
+    errors = _check_consistency(key, shards)
+    if errors:
+        return errors
+    main = [s for s in shards if s.is_main]
+    global_shape = shards[0].global_shape
+    if shards[0].kind == "object":
+        by_cell = defaultdict(list)
+        for s in main:
+            by_cell[s.offsets].append(s)
+        for cell, ss in by_cell.items():
+            if len(ss) > 1:
+                errors.append(
+                    f"{key!r}: object cell {cell} has {len(ss)} main replicas (ranks {_ranks(ss)}); "
+                    "exactly one rank must use replica_id 0"
+                )
+        holders = {s.offsets for s in shards}
+        lost = sorted(holders - set(by_cell))
+        if lost:
+            errors.append(
+                f"{key!r}: object cells {lost[:MAX_REPORTED]} have no main replica (replica_id 0); "
+                "they would not be saved"
+            )
+        return errors
+    if not main:
+        return [
+            f"{key!r}: no rank holds a main replica (replica_id all zeros); held by ranks "
+            f"{_ranks(shards)} - nothing would be saved"
+        ]
+    overlaps = find_overlaps(main)
+    if overlaps:
+        errors.append(f"{key!r} (global shape {tuple(global_shape)}): main replicas overlap: " + "; ".join(overlaps))
+        return errors
+    total = math.prod(global_shape)
+    covered = sum(math.prod(s.sizes) for s in main)
+    if covered != total:
+        gaps = find_gaps(global_shape, main)
+        errors.append(
+            f"{key!r} (global shape {tuple(global_shape)}): main replicas cover {covered} of "
+            f"{total} elements; not covered: " + "; ".join(gaps)
+        )
+    return errors
+
+
+def validate_sharding_integrity(shards: Iterable[ShardMeta], rank: int = 0, world_size: int = 1) -> List[str]:
+    """Validate the keys owned by ``rank``; returns a list of error messages."""
+    errors: List[str] = []
+    for key, group in sorted(group_by_key(shards).items()):
+        if owner_of_key(key, world_size) == rank:
+            errors.extend(validate_key(key, group))
+    return errors

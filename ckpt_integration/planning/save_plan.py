@@ -1,0 +1,66 @@
+"""Who writes which chunk: deduplicate replicas and balance the write volume.
+
+Decided from metadata only and deterministically, so every rank computes the
+same answer without another collective.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+from .shards import ShardMeta
+
+ChunkId = Tuple[str, Tuple[int, ...]]
+
+
+def plan_writers(shards: Iterable[ShardMeta], balance: bool = True) -> Dict[ChunkId, ShardMeta]:
+    """Choose one writer per stored chunk.
+
+    Without ``balance`` the main replica (replica_id all zeros) writes, as in
+    Megatron-Core. With ``balance`` every rank holding an identical copy of a
+    tensor chunk is a candidate and chunks are assigned largest-first to the
+    least-loaded candidate (ties to the lowest rank), which spreads the bytes of
+    data-parallel replicas over the whole group. Objects are always written by
+    their main replica: replicas of an object need not be byte-identical.
+    """
+    by_chunk: Dict[ChunkId, List[ShardMeta]] = defaultdict(list)
+    for s in shards:
+        by_chunk[s.chunk_id].append(s)
+    chosen: Dict[ChunkId, ShardMeta] = {}
+    pending = []
+    for cid, group in by_chunk.items():
+        main = next((s for s in group if s.is_main), None)
+        if main is None:
+            continue  # validation reports it; nothing to write for non-main partial copies
+        if not balance or main.kind == "object":
+            chosen[cid] = main
+        else:
+            candidates = sorted((s for s in group if s.sizes == main.sizes), key=lambda s: s.rank)
+            pending.append((cid, main.nbytes, candidates))
+    load: Dict[int, int] = defaultdict(int)
+    for s in chosen.values():
+        load[s.rank] += s.nbytes
+    pending.sort(key=lambda p: (-p[1], p[0]))
+    for cid, nbytes, candidates in pending:
+        best = min(candidates, key=lambda s: (load[s.rank], s.rank))
+        load[best.rank] += nbytes
+        chosen[cid] = best
+    return chosen
+
+
+def items_for_rank(chosen: Dict[ChunkId, ShardMeta], rank: int) -> List[ShardMeta]:
+    """The chunks ``rank`` must write, in a deterministic order."""
+    return sorted((s for s in chosen.values() if s.rank == rank), key=lambda s: s.chunk_id)
+
+
+def split_into_buckets(sizes: Sequence[int], n: int) -> List[List[int]]:
+    """Indices of ``sizes`` split into ``n`` buckets of similar total (largest first)."""
+    n = max(1, min(n, len(sizes)))
+    buckets: List[List[int]] = [[] for _ in range(n)]
+    totals = [0] * n
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        j = min(range(n), key=lambda b: totals[b])
+        buckets[j].append(i)
+        totals[j] += sizes[i]
+    return [sorted(b) for b in buckets if b]

@@ -1,0 +1,59 @@
+"""Compact, picklable descriptions of shards, exchanged between ranks.
+
+Only these small records travel through collectives (never tensors or whole
+state dicts), so the metadata exchange grows linearly with the number of shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+from .boxes import Box
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One rank's shard of one tensor or object, without data.
+
+    ``offsets``/``sizes`` include prepended axes (sizes 1 there). For objects the
+    box is the object's cell in its grid (sizes all 1) and ``storage_key`` is its
+    unique key.
+    """
+
+    key: str
+    kind: str  # "tensor" or "object"
+    rank: int
+    dtype: str
+    global_shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    replica_id: Tuple[int, ...]
+    nbytes: int
+    allow_shape_mismatch: bool = False
+
+    @property
+    def box(self) -> Box:
+        return Box(self.offsets, self.sizes)
+
+    @property
+    def is_main(self) -> bool:
+        return all(r == 0 for r in self.replica_id)
+
+    @property
+    def storage_key(self) -> str:
+        if self.kind == "object":
+            return (
+                f"{self.key}/shard_{'.'.join(map(str, self.offsets))}_"
+                f"{'.'.join(map(str, self.global_shape))}"
+            )
+        return self.key
+
+    @property
+    def chunk_id(self) -> Tuple[str, Tuple[int, ...]]:
+        """Identity of the stored chunk: replicas of the same data share it."""
+        return (self.storage_key, self.offsets)
+
+
+def replica_tuple(replica_id) -> Tuple[int, ...]:
+    return (int(replica_id),) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)

@@ -1,0 +1,268 @@
+"""Public save/load entry points (names and arguments follow Megatron-Core).
+
+All functions work with ``torch.distributed`` initialized (any world size) and
+without it (one process saves or loads everything).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, Dict, Iterable, Optional, Set, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .errors import CheckpointingException
+from .execution.load import load_torch_dist
+from .execution.save import CONTENT_METADATA_KEY, save_torch_dist
+from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
+from .planning.boxes import Box
+from .planning.strict import StrictHandling
+from .storage import checkpoint_dir as ckdir
+from .storage.fs import atomic_write_bytes
+from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
+    if strategy is None:
+        return default
+    if isinstance(strategy, tuple):
+        return strategy[0]
+    if isinstance(strategy, str):
+        return strategy
+    return getattr(strategy, "backend", default)
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Any = None,
+    content_metadata: Optional[dict] = None,
+    *,
+    thread_count: int = 2,
+    balance: bool = True,
+    overwrite: bool = False,
+    durable: bool = True,
+    process_group: Any = None,
+) -> None:
+    """Save a sharded state dict; every rank writes only what it owns.
+
+    Call on every rank with that rank's sharded state dict. Common (non-sharded)
+    values are taken from rank 0. The checkpoint becomes visible only once every
+    rank's data is durable (``metadata.json`` is written last); a failure on any
+    rank raises on every rank and commits nothing.
+
+    Args:
+        sharded_state_dict: nested dict of ShardedTensor / ShardedObject /
+            ShardedTensorFactory / LocalNonpersistentObject / common values.
+        checkpoint_dir: target directory; created if missing. A directory left by
+            an uncommitted save is cleaned and reused; a committed checkpoint is
+            replaced only with ``overwrite=True`` (after the new one is complete).
+        sharded_strategy: ``"torch_dist"`` or ``("torch_dist", 1)`` (the backend).
+        validate_access_integrity: check that every element is saved by exactly
+            one main replica (one small metadata exchange).
+        content_metadata: a dict stored with the common state; read it back with
+            :func:`load_content_metadata`.
+        thread_count: writer threads (and files) per rank.
+        balance: spread the writing of replicated shards over all replicas
+            (fully-parallel save); ``False`` lets main replicas write.
+        durable: fsync data before commit (disable only for throwaway checkpoints).
+        process_group: group of the ranks taking part (default: the world).
+
+    Example::
+
+        save({"w": ShardedTensor.from_rank_offsets("w", local_w, (0, rank, world))}, "ckpt/iter_100")
+    """
+    if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
+        raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
+    backend = _backend_from_strategy(sharded_strategy)
+    if backend != "torch_dist":
+        raise CheckpointingException(
+            f"unknown sharded backend {backend!r} for save; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}"
+        )
+    if async_sharded_save:
+        raise CheckpointingException("async_sharded_save is provided by ckpt_integration.save with async_save (see docs)")
+    save_torch_dist(
+        sharded_state_dict,
+        os.fspath(checkpoint_dir),
+        validate_access_integrity=validate_access_integrity,
+        content_metadata=content_metadata,
+        thread_count=thread_count,
+        balance=balance,
+        overwrite=overwrite,
+        durable=durable,
+        process_group=process_group,
+    )
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    trusted: bool = False,
+    allowed_globals: Optional[Iterable[Any]] = None,
+    thread_count: int = 4,
+    verify_checksums: bool = True,
+    process_group: Any = None,
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    """Load a checkpoint into the layout described by ``sharded_state_dict``.
+
+    Each ShardedTensor says which region of the global tensor this rank wants;
+    the saved layout may differ in any way (resharding). Tensors given as
+    ``data`` are filled in place and returned; ``None`` data is allocated.
+    The result is the checkpoint's common state merged with the loaded shards,
+    ShardedObjects and LocalNonpersistentObjects at their positions, with
+    factory merges applied.
+
+    Args:
+        strict: a :class:`StrictHandling` mode (or its string). With
+            ``RETURN_UNEXPECTED``/``RETURN_ALL`` returns
+            ``(state_dict, missing_keys, unexpected_keys)``; *unexpected* = requested
+            but not in the checkpoint, *missing* = in the checkpoint but not requested.
+        trusted: allow arbitrary pickled objects (runs code from the checkpoint:
+            only for checkpoints you trust). By default only tensors, containers and
+            primitive types load; refusals name the class and how to allow it.
+        allowed_globals: extra classes to allow without ``trusted``.
+        verify_checksums: check the stored CRC32 of every chunk read whole.
+    """
+    backend = _backend_from_strategy(sharded_strategy)
+    config = ckdir.read_config(os.fspath(checkpoint_dir))
+    if sharded_strategy is not None and backend != config.sharded_backend:
+        raise CheckpointingException(
+            f"{checkpoint_dir} was saved with backend {config.sharded_backend!r}, not {backend!r}"
+        )
+    return load_torch_dist(
+        sharded_state_dict,
+        os.fspath(checkpoint_dir),
+        strict=strict,
+        validate_access_integrity=validate_access_integrity,
+        trusted=trusted,
+        allowed_globals=allowed_globals,
+        thread_count=thread_count,
+        verify_checksums=verify_checksums,
+        process_group=process_group,
+    )
+
+
+def load_common_state_dict(
+    checkpoint_dir: PathLike, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None
+) -> StateDict:
+    """The common (non-sharded) state saved by rank 0, without any tensors shards.
+
+    Example: ``load_common_state_dict("ckpt")["iteration"]``
+    """
+    ckdir.read_config(os.fspath(checkpoint_dir))
+    return ckdir.load_common(os.fspath(checkpoint_dir), trusted=trusted, allowed_globals=allowed_globals)
+
+
+def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
+    """``{key: ShardedTensor without data}`` with the global shape and dtype of every saved tensor.
+
+    Keys are ShardedTensor keys (not state-dict paths). Example::
+
+        meta = load_tensors_metadata("ckpt"); meta["decoder.weight"].global_shape
+    """
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    ckdir.read_config(checkpoint_dir)
+    md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+    out: Dict[str, Any] = {}
+    for key, tmeta in md.state_dict_metadata.items():
+        if isinstance(tmeta, TensorStorageMetadata):
+            shape = tuple(tmeta.size)
+            out[key] = ShardedTensor(
+                key, None, tmeta.properties.dtype, shape, shape, (0,) * len(shape), (1,) * len(shape)
+            )
+    return out
+
+
+def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, common_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
+    """Like :func:`load_tensors_metadata` plus every ShardedObject (keyed by unique key)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    out = load_tensors_metadata(checkpoint_dir, trusted=trusted)
+    md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            try:
+                obj = ShardedObject.empty_from_unique_key(key)
+            except CheckpointingException:
+                continue  # a bytes item not written as a ShardedObject
+            out[obj.unique_key] = obj
+    return out
+
+
+def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> StateDict:
+    """Every saved tensor, whole, as ``{key: torch.Tensor}`` (needs memory for all of them).
+
+    Example: ``load_plain_tensors("ckpt")["embedding.weight"].shape``
+    """
+    from .execution.load import load_torch_dist
+
+    meta = load_tensors_metadata(checkpoint_dir, trusted=trusted)
+    request = {k: ShardedTensor.from_global_offsets(k, torch.empty(v.global_shape, dtype=v.dtype), v.global_shape, (0,) * len(v.global_shape)) for k, v in meta.items()}
+    loaded = load_torch_dist(request, os.fspath(checkpoint_dir), validate_access_integrity=False, trusted=trusted)
+    return {k: loaded[k] for k in request}
+
+
+def load_content_metadata(
+    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """The ``content_metadata`` dict given to :func:`save`, or ``None`` if there was none."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise ValueError("pass checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
+def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
+    """Drop every tensor/object whose key starts with ``key_prefix`` from a checkpoint.
+
+    Rewrites ``.metadata`` atomically first, then deletes data files that held
+    only removed items (files shared with kept items keep their bytes). Run it
+    on one process.
+
+    Example: ``remove_sharded_tensors("ckpt", "optimizer.")``
+    """
+    import pickle
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    ckdir.read_config(checkpoint_dir)
+    md = read_dcp_metadata(checkpoint_dir)
+    removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
+    if not removed:
+        return
+    files_kept, files_all = set(), set()
+    new_storage = {}
+    for index, info in md.storage_data.items():
+        files_all.add(info.relative_path)
+        if index.fqn in removed:
+            continue
+        files_kept.add(info.relative_path)
+        new_storage[index] = info
+    md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in removed}
+    md.storage_data = new_storage
+    if isinstance(md.planner_data, dict):
+        md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
+    atomic_write_bytes(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(md))
+    manifest = ckdir.read_manifest(checkpoint_dir)
+    if manifest is not None:
+        gone = files_all - files_kept
+        manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
+        manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
+        ckdir.write_manifest(checkpoint_dir, manifest)
+    for name in files_all - files_kept:
+        try:
+            os.remove(os.path.join(checkpoint_dir, name))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,181 @@
+"""Files shared by all backends: the commit marker, common state and manifest.
+
+* ``metadata.json`` - ``{"sharded_backend", "sharded_backend_version",
+  "common_backend", "common_backend_version"}`` exactly as Megatron-Core writes
+  it (Megatron builds a dataclass from it, so no extra keys may go there). It
+  is written **last**, atomically, after every rank's data is durable: a
+  directory without it is an incomplete save and is never loaded.
+* ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
+* ``manifest.json`` - our own record: format version, world size, per-item and
+  per-file checksums. Optional on load (Megatron/DCP checkpoints lack it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedCheckpointError,
+)
+from .fs import atomic_write_bytes
+from .safe_pickle import safe_torch_load
+
+CONFIG_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+MANIFEST_FILE = "manifest.json"
+FORMAT_NAME = "ckpt_integration"
+MANIFEST_VERSION = 1
+
+# backend -> supported versions of its on-disk layout
+SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,)}
+SUPPORTED_COMMON_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch": (1,)}
+
+
+@dataclass
+class CheckpointingConfig:
+    """Contents of ``metadata.json``: which backends wrote the checkpoint (Megatron-compatible)."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+@dataclass
+class Manifest:
+    """Contents of ``manifest.json`` (our addition; absent in foreign checkpoints)."""
+
+    format: str = FORMAT_NAME
+    version: int = MANIFEST_VERSION
+    created: float = field(default_factory=time.time)
+    world_size: int = 1
+    # "file@offset" -> crc32 of the item's stored bytes
+    items: Dict[str, int] = field(default_factory=dict)
+    # file name -> {"size": bytes}
+    files: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    library_version: str = ""
+
+    def checksums(self) -> Dict[Tuple[str, int], int]:
+        out = {}
+        for k, v in self.items.items():
+            name, _, off = k.rpartition("@")
+            out[(name, int(off))] = int(v)
+        return out
+
+
+_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE)
+
+
+def looks_like_partial_save(directory: str) -> bool:
+    """Whether the directory holds files of a save that never committed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
+
+
+def read_config(directory: str) -> CheckpointingConfig:
+    """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint."""
+    directory = os.fspath(directory)
+    if not os.path.exists(directory):
+        raise CheckpointNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise CheckpointNotFoundError(
+            f"{directory} is a file, not a checkpoint directory (for a torch.save file use torch.load)"
+        )
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(path):
+        if looks_like_partial_save(directory):
+            raise IncompleteCheckpointError(
+                f"{directory} holds an incomplete checkpoint: it has data files but no {CONFIG_FILE} "
+                "commit marker, so the save that wrote it did not finish; use an earlier checkpoint"
+            )
+        raise CheckpointNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict) or "sharded_backend" not in raw:
+        raise CorruptCheckpointError(f"{path} does not describe a checkpoint (no 'sharded_backend')")
+    known = {"sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"}
+    unknown = set(raw) - known
+    if unknown:
+        raise UnsupportedCheckpointError(f"{path} has unknown fields {sorted(unknown)}; written by a newer version?")
+    config = CheckpointingConfig(**raw)
+    versions = SUPPORTED_BACKENDS.get(config.sharded_backend)
+    if versions is None:
+        raise UnsupportedCheckpointError(
+            f"{directory}: unknown sharded backend {config.sharded_backend!r}; "
+            f"supported: {sorted(SUPPORTED_BACKENDS)}"
+        )
+    if config.sharded_backend_version not in versions:
+        raise UnsupportedCheckpointError(
+            f"{directory}: {config.sharded_backend} format version {config.sharded_backend_version} "
+            f"is not supported (supported: {list(versions)})"
+        )
+    cversions = SUPPORTED_COMMON_BACKENDS.get(config.common_backend)
+    if cversions is None or config.common_backend_version not in cversions:
+        raise UnsupportedCheckpointError(
+            f"{directory}: unsupported common backend {config.common_backend!r} "
+            f"version {config.common_backend_version}"
+        )
+    return config
+
+
+def write_config(directory: str, config: CheckpointingConfig, durable: bool = True) -> None:
+    """Write the commit marker (atomically). Call only when everything else is durable."""
+    atomic_write_bytes(os.path.join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable)
+
+
+def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> None:
+    buf = io.BytesIO()
+    torch.save(common_state_dict, buf)
+    atomic_write_bytes(os.path.join(directory, COMMON_FILE), buf.getvalue(), durable)
+
+
+def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.exists(path):
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state")
+    try:
+        return safe_torch_load(path, trusted=trusted, allowed_globals=allowed_globals, what=path)
+    except (RuntimeError, EOFError) as e:
+        raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
+
+
+def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> None:
+    atomic_write_bytes(os.path.join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
+
+
+def read_manifest(directory: str) -> Optional[Manifest]:
+    """Our manifest, or ``None`` for checkpoints written by other tools."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return Manifest(**raw)
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
+
+
+def stale_save_files(directory: str) -> List[str]:
+    """Files of an uncommitted earlier save that a new save into the same directory replaces."""
+    out = []
+    for n in os.listdir(directory):
+        if n.endswith(".distcp") or n in _DATA_MARKERS or ".tmp-" in n:
+            out.append(n)
+    return out

@@ -1,0 +1,76 @@
+"""Local-filesystem primitives: durable writes, atomic renames, positional reads.
+
+Durability matters for atomic commit: data files are fsync'ed before the
+commit marker is written, and the marker itself is written to a temporary name,
+fsync'ed and renamed, so a crash leaves either no marker or a complete one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Union
+
+import torch
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Make a directory's entries (new/renamed files) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (tmpfs on some kernels, network FS) refuse; nothing to do
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so that readers see either nothing or all of it."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        if durable:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype, incl. bf16)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("tensor_buffer needs a contiguous CPU tensor")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
+    """Fill ``buf`` from ``fd`` at ``offset``; a short read means the file is truncated."""
+    done = 0
+    total = len(buf)
+    while done < total:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            from ..errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(
+                f"{path or 'file'} is truncated: needed bytes [{offset}, {offset + total}) "
+                f"but the file ends at {offset + done}"
+            )
+        done += n
+
+
+def write_all(fd: int, buf: memoryview) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.write(fd, buf[done:])

@@ -1,0 +1,213 @@
+"""One tensor stored as a ``torch.save`` archive inside a ``.distcp`` file.
+
+The DCP format stores every tensor chunk as a complete ``torch.save`` zip
+archive at some byte range of a ``.distcp`` file. ``torch.load`` on that range
+reads the whole chunk. To read only the bytes a rank needs, we locate the raw
+tensor bytes inside the archive (zip local header of ``<prefix>/data/<key>``)
+and decode the tiny ``data.pkl`` with a restricted unpickler that only
+understands tensor rebuilds. Archives written by others (DCP, Megatron-Core)
+are handled the same way; anything unusual falls back to a safe ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Tuple
+
+import torch
+
+from ..errors import CorruptCheckpointError
+
+_LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where a serialized tensor's raw bytes lie, relative to the archive start."""
+
+    data_offset: int
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    storage_offset: int  # in elements
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected, acc = [], 1
+        for s in reversed(self.shape):
+            expected.append(acc)
+            acc *= s
+        return all(st == ex or sz == 1 for st, ex, sz in zip(self.stride, reversed(expected), self.shape))
+
+
+class _SliceFile(io.RawIOBase):
+    """Read-only file-like view of ``[offset, offset+length)`` of an open fd."""
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.length + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.length - self.pos
+        n = max(0, min(n, self.length - self.pos))
+        data = os.pread(self.fd, n, self.base + self.pos)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def _storage_dtypes() -> dict:
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in dir(torch):
+            cls = getattr(torch, name, None)
+            if name.endswith("Storage") and isinstance(cls, type) and isinstance(getattr(cls, "dtype", None), torch.dtype):
+                out[name] = cls.dtype
+    return out
+
+
+_STORAGE_DTYPES = _storage_dtypes()
+
+
+class _DescribingUnpickler(pickle.Unpickler):
+    """Decodes ``data.pkl`` of a single-tensor archive into a description, executing nothing."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _describe_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Unusual(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            raise _Unusual(f"persistent id {pid!r}")
+        _, storage_type, key, _location, _numel = pid
+        if not isinstance(storage_type, torch.dtype):
+            raise _Unusual(f"storage type {storage_type!r}")
+        dtype = storage_type
+        return ("storage", dtype, str(key))
+
+
+class _Unusual(Exception):
+    pass
+
+
+def _describe_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
+
+
+def parse_tensor_record(fd: int, offset: int, length: int, path: str = "") -> TensorRecord | None:
+    """Locate the raw bytes of the tensor archived at ``[offset, offset+length)``.
+
+    Returns ``None`` for archives that are valid but unusual (callers then fall
+    back to ``torch.load``); raises :class:`CorruptCheckpointError` when the
+    bytes are not a readable archive.
+    """
+    try:
+        zf = zipfile.ZipFile(_SliceFile(fd, offset, length))
+        names = {i.filename: i for i in zf.infolist()}
+        pkl_name = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl_name is None:
+            raise CorruptCheckpointError(f"{path}@{offset}: archive has no data.pkl")
+        prefix = pkl_name[: -len("data.pkl")]
+        pkl = _read_member(fd, offset, length, names[pkl_name])
+        try:
+            desc = _DescribingUnpickler(io.BytesIO(pkl)).load()
+        except _Unusual:
+            return None
+        if not (isinstance(desc, tuple) and desc and desc[0] == "tensor"):
+            return None
+        _, (_, dtype, key), storage_offset, shape, stride = desc
+        info = names.get(f"{prefix}data/{key}")
+        if info is None:
+            raise CorruptCheckpointError(f"{path}@{offset}: archive lacks storage data/{key}")
+        data_start = _member_data_start(fd, offset, length, info)
+        return TensorRecord(data_start, dtype, shape, stride, storage_offset)
+    except (zipfile.BadZipFile, struct.error, EOFError, pickle.UnpicklingError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {e}"
+        ) from None
+
+
+def _member_data_start(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> int:
+    header = os.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset)
+    if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header for {info.filename}")
+    fields = _LOCAL_HEADER.unpack(header)
+    name_len, extra_len = fields[-2], fields[-1]
+    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if info.compress_type != zipfile.ZIP_STORED or start + info.file_size > length:
+        raise zipfile.BadZipFile(f"member {info.filename} is compressed or exceeds the record")
+    return start
+
+
+def _read_member(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> bytes:
+    start = _member_data_start(fd, offset, length, info)
+    data = os.pread(fd, info.file_size, offset + start)
+    if len(data) != info.file_size:
+        raise zipfile.BadZipFile(f"member {info.filename} truncated")
+    return data
+
+
+class CrcWriter(io.RawIOBase):
+    """Write-through stream that keeps a running CRC32 of everything written."""
+
+    def __init__(self, f: BinaryIO, crc: int = 0):
+        self.f, self.crc, self.pos = f, crc, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.crc = zlib.crc32(mv, self.crc)
+        n = self.f.write(mv)
+        self.pos += len(mv)
+        return len(mv) if n is None else n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_tensor_record(tensor: torch.Tensor, stream: BinaryIO) -> None:
+    """Serialize one CPU tensor as a ``torch.save`` archive (what DCP readers expect).
+
+    ``torch.save`` would also CRC the archive members itself (single-threaded and
+    slower than the write); we checksum the bytes ourselves in :class:`CrcWriter`.
+    """
+    torch.save(tensor, stream)
