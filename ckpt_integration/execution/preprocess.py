@@ -85,11 +85,15 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
     sd = copy_structure(sharded_state_dict)
     factories, _ = extract_factories(sd)
     apply_factories(sd)
+    template = sd
     nonpersistent, sd = extract_matching_values(
         sd, lambda v: isinstance(v, LocalNonpersistentObject), return_lists_as_dicts=True
     )
     nonpersistent = dict_list_map_outplace(lambda v: v.unwrap(), nonpersistent)
     sharded, common = extract_matching_values(sd, is_sharded, return_lists_as_dicts=True)
+    # Lists that held no sharded value come back whole as lists; mixed lists stay
+    # {index: value} so that merging on load puts every value back in its slot.
+    common = restore_list_types(common, template)
     for path, v in nested_items(common):
         if isinstance(v, (ShardedBase, ShardedTensorFactory)):
             raise CheckpointingException(f"unsupported sharded value {type(v).__name__} at {path}")

@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
 
-_plan_cache: Dict[Tuple[ShardMeta, ...], Any] = {}
+# Writer choice for the last seen structure: recomputed only when shards change.
+_plan_cache: Dict[Tuple[Any, ...], Any] = {}
 
 
 def _describe(e: BaseException) -> str:
@@ -167,7 +168,7 @@ def prepare_save(
             raise ShardingIntegrityError(
                 f"invalid sharding, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(flat)
             )
-    fingerprint = tuple(all_metas)
+    fingerprint = (balance, tuple(all_metas))
     chosen = _plan_cache.get(fingerprint)
     if chosen is None:
         chosen = plan_writers(all_metas, balance=balance)

@@ -47,7 +47,9 @@ from .tensor_record import CrcWriter, TensorRecord, parse_tensor_record
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
-SPAN_READ_MAX_RUN = 128 * 1024  # runs shorter than this are read as one covering span
+# Runs (contiguous pieces of a strided region) shorter than this are read as one
+# covering span instead of one read each: below a page, syscalls cost more than the waste.
+SPAN_READ_MAX_RUN = 4096
 
 
 # --------------------------------------------------------------------------- writing

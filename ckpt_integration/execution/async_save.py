@@ -1,0 +1,381 @@
+"""Async save on the torch_dist backend (capability 7).
+
+``async_save_torch_dist`` blocks the caller only for
+
+1. waiting for room (at most ``max_in_flight`` unfinished saves; default 1, so a
+   new save first waits for the previous one),
+2. ``prepare_save`` (collective, small metadata only) and
+3. staging: every tensor to be written (and the common state) is copied into
+   host buffers that are reused from save to save (:class:`StateDictStager`),
+   so training may update its tensors in place as soon as the call returns.
+
+Writing (``write_local``) and the commit (``finalize_save``) then run on one
+background worker thread per queue, saves strictly in order. The commit's
+collectives use a **dedicated gloo group** made once per process group, so
+they never interleave with the training loop's collectives and the caller never
+has to enter a collective to finalize: every rank's worker runs every save it
+started (``prepare_save`` was collective, so all ranks did), hence the
+collectives always match and no rank can hang because another one skipped a
+"finalize" call. ``wait()``, ``is_done()`` and
+``maybe_finalize_async_calls()`` are purely local.
+
+Errors: a failure on any rank (write, staging, commit) makes ``finalize_save``
+fail on every rank and commit nothing (no ``metadata.json``); the exception is
+raised from ``wait()`` / ``finalize()``, from the next ``async_save_torch_dist``
+/ ``schedule_async_request`` on the same queue (when it waits for room), from
+``maybe_finalize_async_calls`` once the save is done, and at ``close()``.
+
+Example (every rank)::
+
+    queue = AsyncCallsQueue()
+    for step in range(...):
+        train_step()
+        if step % 100 == 0:
+            async_save_torch_dist(model_sharded_sd, f"ckpt/iter_{step}", queue=queue)
+        queue.maybe_finalize_async_calls(blocking=False)   # local, no collective
+    queue.close()                                           # waits; raises a failed save
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import dist
+from .save import SavePlan, _describe, finalize_save, prepare_save, write_local
+from .staging import StateDictStager
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AsyncRequest",
+    "AsyncCallsQueue",
+    "async_save_torch_dist",
+    "get_default_async_queue",
+]
+
+_PENDING, _RUNNING, _DONE = "pending", "running", "done"
+
+
+class AsyncRequest:
+    """One unit of background work plus what to run after it succeeded.
+
+    Args:
+        async_fn: runs on the queue's worker thread with ``async_fn_args``.
+        async_fn_args: positional arguments of ``async_fn``.
+        finalize_fns: run in the caller's thread, in order, after ``async_fn``
+            succeeded, when the request is finalized (``wait``/``finalize`` or the
+            queue's ``maybe_finalize_async_calls``); local, no collectives.
+        description: shown in errors and logs (e.g. the checkpoint directory).
+
+    ``blocking_seconds`` (set by :func:`async_save_torch_dist`) is how long the
+    caller was stalled to start the save; ``timings`` breaks it down.
+    """
+
+    def __init__(
+        self,
+        async_fn: Callable[..., Any],
+        async_fn_args: Sequence[Any] = (),
+        finalize_fns: Optional[List[Callable[[], Any]]] = None,
+        description: str = "",
+    ):
+        self.async_fn = async_fn
+        self.async_fn_args = tuple(async_fn_args)
+        self.finalize_fns: List[Callable[[], Any]] = list(finalize_fns or [])
+        self.description = description
+        self.call_idx: Optional[int] = None
+        self.blocking_seconds: Optional[float] = None
+        self.timings: Dict[str, float] = {}
+        self._state = _PENDING
+        self._event = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._finalized = False
+        self._finalize_lock = threading.Lock()
+
+    # -- worker side -------------------------------------------------------------------
+    def _run(self) -> None:
+        self._state = _RUNNING
+        t0 = time.perf_counter()
+        try:
+            self.async_fn(*self.async_fn_args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self._exc = e
+        finally:
+            self.timings["background"] = time.perf_counter() - t0
+            self.async_fn = None  # drop references to staged data early
+            self.async_fn_args = ()
+            self._state = _DONE
+            self._event.set()
+
+    # -- caller side -------------------------------------------------------------------
+    def add_finalize_fn(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` in the caller's thread once the request succeeded."""
+        self.finalize_fns.append(fn)
+
+    def is_done(self) -> bool:
+        """Whether the background work has ended (successfully or not); local, never blocks."""
+        return self._event.is_set()
+
+    def exception(self) -> Optional[BaseException]:
+        """The background failure, once done (``None`` if it succeeded or is still running)."""
+        return self._exc if self.is_done() else None
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until the background work ended, then finalize (see :meth:`finalize`).
+
+        Raises the background failure (on every rank, since the commit step
+        shares all ranks' errors) or ``TimeoutError`` after ``timeout`` seconds.
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save {self.description} did not finish within {timeout}s")
+        self.finalize()
+
+    def finalize(self) -> None:
+        """Wait for the background work and run the finalize functions once.
+
+        Raises the background failure; calling again raises it again.
+        """
+        self._event.wait()
+        if self._exc is not None:
+            raise self._exc
+        with self._finalize_lock:
+            if self._finalized:
+                return
+            self._finalized = True
+            fns, self.finalize_fns = self.finalize_fns, []
+        for fn in fns:
+            fn()
+
+    def __repr__(self) -> str:
+        return f"AsyncRequest({self.description!r}, idx={self.call_idx}, state={self._state})"
+
+
+class AsyncCallsQueue:
+    """Runs :class:`AsyncRequest` s one after another on a background thread.
+
+    Args:
+        max_in_flight: most requests scheduled and not yet finalized; scheduling
+            one more first waits for (and finalizes) the oldest. Default 1.
+        pin_memory: pin staging buffers (default: when CUDA is available).
+
+    Holds one :class:`StateDictStager` per in-flight slot, so host buffers are
+    allocated by the first saves and reused afterwards (``stagers[i].stats``).
+    Use as a context manager or call :meth:`close` at teardown.
+    """
+
+    def __init__(self, max_in_flight: int = 1, *, pin_memory: Optional[bool] = None):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = int(max_in_flight)
+        self.stagers = [StateDictStager(pin_memory=pin_memory) for _ in range(self.max_in_flight)]
+        self._unfinalized: Deque[AsyncRequest] = deque()
+        self._jobs: Deque[Optional[AsyncRequest]] = deque()
+        self._cv = threading.Condition()
+        self._worker: Optional[threading.Thread] = None
+        self._next_idx = 0
+        self._closed = False
+        self._groups: Dict[Any, Any] = {}
+
+    # -- worker ------------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._loop, name="ckpt-async-save", daemon=True)
+            self._worker.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                req = self._jobs.popleft()
+            if req is None:
+                return
+            req._run()
+
+    # -- scheduling --------------------------------------------------------------------
+    def _make_room(self, slots: int = 1) -> None:
+        while len(self._unfinalized) > self.max_in_flight - slots:
+            req = self._unfinalized.popleft()
+            req.finalize()
+
+    def _next_stager(self) -> StateDictStager:
+        return self.stagers[self._next_idx % self.max_in_flight]
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Start ``async_request`` in the background; returns its call index.
+
+        Waits first for the oldest request if ``max_in_flight`` are unfinalized
+        (raising its error, if it failed; the new request is then not scheduled).
+        """
+        if self._closed:
+            raise RuntimeError("AsyncCallsQueue is closed")
+        self._make_room()
+        return self._submit(async_request)
+
+    def _submit(self, req: AsyncRequest) -> int:
+        req.call_idx = self._next_idx
+        self._next_idx += 1
+        self._unfinalized.append(req)
+        self._ensure_worker()
+        with self._cv:
+            self._jobs.append(req)
+            self._cv.notify()
+        return req.call_idx
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = True) -> List[int]:
+        """Finalize the requests that are done, oldest first; return their call indices.
+
+        ``blocking=True`` waits for all of them. Local (no collectives) in both
+        modes, so ranks may call it at different points. Raises the first failure
+        met (that request is dropped from the queue; later ones stay queued).
+        ``no_dist`` is accepted for Megatron-Core compatibility.
+        """
+        done: List[int] = []
+        while self._unfinalized and (blocking or self._unfinalized[0].is_done()):
+            req = self._unfinalized.popleft()
+            req.finalize()
+            done.append(req.call_idx)
+        return done
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Requests scheduled and not yet finalized."""
+        return len(self._unfinalized)
+
+    def close(self) -> None:
+        """Wait for and finalize every request, stop the worker; raise the first failure."""
+        first: Optional[BaseException] = None
+        while self._unfinalized:
+            req = self._unfinalized.popleft()
+            try:
+                req.finalize()
+            except BaseException as e:  # noqa: BLE001
+                if first is None:
+                    first = e
+                else:
+                    logger.error("async save %s also failed: %s", req.description, _describe(e))
+        if not self._closed:
+            self._closed = True
+            if self._worker is not None:
+                with self._cv:
+                    self._jobs.append(None)
+                    self._cv.notify()
+                self._worker.join()
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "AsyncCallsQueue":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not hide the original error
+            try:
+                self.close()
+            except BaseException as e:  # noqa: BLE001
+                logger.error("async save failed during teardown: %s", _describe(e))
+
+    # -- groups ------------------------------------------------------------------------
+    def _finalize_group(self, process_group: Any) -> Any:
+        """A private gloo group with the members of ``process_group`` (made once, collectively)."""
+        if not dist.is_distributed():
+            return process_group
+        import torch.distributed as tdist
+
+        key = id(process_group) if process_group is not None else None
+        group = self._groups.get(key)
+        if group is None:
+            if process_group is None:
+                ranks = list(range(tdist.get_world_size()))
+            else:
+                ranks = list(tdist.get_process_group_ranks(process_group))
+            group = tdist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._groups[key] = group
+        return group
+
+
+_default_queue: Optional[AsyncCallsQueue] = None
+_default_lock = threading.Lock()
+
+
+def get_default_async_queue() -> AsyncCallsQueue:
+    """The process-wide queue used when ``queue`` is not given (closed at exit)."""
+    global _default_queue
+    with _default_lock:
+        if _default_queue is None or _default_queue._closed:
+            _default_queue = AsyncCallsQueue()
+        return _default_queue
+
+
+@atexit.register
+def _close_default_queue() -> None:
+    q = _default_queue
+    if q is not None and not q._closed:
+        try:
+            q.close()
+        except BaseException as e:  # noqa: BLE001
+            logger.error("an async checkpoint save failed: %s", _describe(e))
+
+
+def _stage_plan(plan: SavePlan, stager: StateDictStager) -> None:
+    """Replace the plan's tensors (and common state) by staged host copies."""
+    idx = [i for i, r in enumerate(plan.requests) if isinstance(r.data, torch.Tensor)]
+    staged = stager.stage({"tensors": [plan.requests[i].data for i in idx], "common": plan.common})
+    for i, t in zip(idx, staged["tensors"]):
+        plan.requests[i].data = t
+    plan.common = staged["common"]
+
+
+def _write_and_commit(plan: SavePlan) -> None:
+    write_local(plan)
+    finalize_save(plan)
+
+
+def async_save_torch_dist(
+    sharded_state_dict: Dict[str, Any],
+    checkpoint_dir: str,
+    *,
+    queue: Optional[AsyncCallsQueue] = None,
+    finalize_fns: Optional[List[Callable[[], Any]]] = None,
+    **save_kwargs: Any,
+) -> AsyncRequest:
+    """Start saving ``sharded_state_dict`` in the background; collective (call on every rank).
+
+    Returns after ``prepare_save`` and staging; the state may then be modified.
+    ``save_kwargs`` are those of :func:`prepare_save` (``validate_access_integrity``,
+    ``content_metadata``, ``thread_count``, ``balance``, ``overwrite``, ``durable``,
+    ``process_group``). ``queue`` defaults to :func:`get_default_async_queue`.
+    Call ``request.wait()`` (or the queue's ``maybe_finalize_async_calls`` /
+    ``close``) to learn the outcome; the checkpoint is committed by the
+    background worker once every rank's data is written.
+    """
+    t0 = time.perf_counter()
+    q = queue if queue is not None else get_default_async_queue()
+    if q._closed:
+        raise RuntimeError("AsyncCallsQueue is closed")
+    q._make_room()  # may raise the previous save's error (on every rank)
+    t1 = time.perf_counter()
+    group = q._finalize_group(save_kwargs.get("process_group"))
+    plan = prepare_save(sharded_state_dict, checkpoint_dir, **save_kwargs)
+    t2 = time.perf_counter()
+    stager = q._next_stager()
+    if not plan.local_error:
+        try:
+            _stage_plan(plan, stager)
+        except Exception as e:  # reported by finalize_save on every rank
+            plan.local_error, plan.local_exc = _describe(e), e
+            plan.requests = []
+    plan.group = group
+    t3 = time.perf_counter()
+    req = AsyncRequest(_write_and_commit, (plan,), finalize_fns, description=str(checkpoint_dir))
+    q._submit(req)
+    t4 = time.perf_counter()
+    req.timings.update(wait_previous=t1 - t0, prepare=t2 - t1, stage=t3 - t2, submit=t4 - t3)
+    req.blocking_seconds = t4 - t0
+    return req
