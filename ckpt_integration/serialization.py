@@ -24,6 +24,7 @@ from .storage.fs import atomic_write_bytes
 from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
 
 PathLike = Union[str, "os.PathLike[str]"]
+LOAD_STRATEGIES = ("local", "fully_parallel", "two_stage")
 
 
 def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
@@ -115,6 +116,8 @@ def load(
     thread_count: int = 4,
     verify_checksums: bool = True,
     process_group: Any = None,
+    load_strategy: str = "local",
+    memory_budget: int = 1 << 30,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict``.
 
@@ -135,7 +138,14 @@ def load(
             primitive types load; refusals name the class and how to allow it.
         allowed_globals: extra classes to allow without ``trusted``.
         verify_checksums: check the stored CRC32 of every chunk read whole.
+        load_strategy: ``"local"`` (each rank reads what it needs),
+            ``"fully_parallel"`` or ``"two_stage"`` (each needed byte is read once
+            per ``process_group`` and broadcast to the ranks that need it; see
+            docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
+        process_group: the ranks taking part (default: the world).
     """
+    if load_strategy not in LOAD_STRATEGIES:
+        raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
     backend = _backend_from_strategy(sharded_strategy)
     config = ckdir.read_config(os.fspath(checkpoint_dir))
     if sharded_strategy is not None and backend != config.sharded_backend:
@@ -152,6 +162,8 @@ def load(
         thread_count=thread_count,
         verify_checksums=verify_checksums,
         process_group=process_group,
+        load_strategy=load_strategy,
+        memory_budget=memory_budget,
     )
 
 

@@ -9,6 +9,7 @@ on every rank.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from dataclasses import dataclass
@@ -145,6 +146,8 @@ def load_torch_dist(
     thread_count: int = 4,
     verify_checksums: bool = True,
     process_group: Any = None,
+    load_strategy: str = "local",
+    memory_budget: int = 1 << 30,
 ) -> Any:
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
@@ -184,15 +187,40 @@ def load_torch_dist(
         requested_global = {k for g in gathered for k in g[2]}
     else:
         requested_global = set(requested)
+    job: Optional[_LoadJob] = None
     if local_error is None:
         try:
-            result = _load_local(
+            job = _prepare_reads(
                 checkpoint_dir, md, common, sharded, nonpersistent, factories, sharded_state_dict, strict,
-                requested, requested_global, trusted, allowed_globals, thread_count, verify_checksums, rank,
+                requested, requested_global, trusted, allowed_globals, verify_checksums, rank,
             )
-            result, missing, unexpected = result
         except Exception as e:
             local_error, local_exc = _describe(e), e
+    try:
+        if load_strategy in ("fully_parallel", "two_stage") and world > 1:
+            from .parallel_load import exchange_reads
+
+            try:
+                exchange_reads(
+                    job.reader if job else None, job.tasks if job else [], local_error, group,
+                    mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
+                )
+            except Exception as e:
+                if local_error is None:
+                    local_error, local_exc = _describe(e), e
+        elif job is not None and local_error is None:
+            try:
+                job.read_all(thread_count)
+            except Exception as e:
+                local_error, local_exc = _describe(e), e
+        if job is not None and local_error is None:
+            try:
+                result, missing, unexpected = job.finish()
+            except Exception as e:
+                local_error, local_exc = _describe(e), e
+    finally:
+        if job is not None:
+            job.reader.close()
     errs = dist.agree_on_errors(local_error, group)
     dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
     if StrictHandling.requires_returning_mismatch_keys(strict):
@@ -200,10 +228,42 @@ def load_torch_dist(
     return result
 
 
-def _load_local(
+@dataclass
+class _LoadJob:
+    """The local part of a load: read tasks prepared, results assembled after reading."""
+
+    reader: TorchDistReader
+    tasks: List[ReadTask]
+    device_copies: List[Tuple[torch.Tensor, torch.Tensor]]
+    loaded: Any
+    common: Any
+    nonpersistent: Any
+    factories: Any
+    template: Any
+    missing: Set[str]
+    unexpected: Set[str]
+
+    def read_all(self, thread_count: int) -> None:
+        run_parallel(
+            self.tasks, lambda t: self.reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count
+        )
+
+    def finish(self) -> Tuple[Any, Set[str], Set[str]]:
+        for host, dev in self.device_copies:
+            dev.copy_(host)
+        result = self.common if isinstance(self.common, dict) else {"__common__": self.common}
+        merge(result, self.nonpersistent)
+        merge(result, self.loaded)
+        result = restore_list_types(result, self.template)
+        if self.factories:
+            result = apply_factory_merges(result, self.factories)
+        return result, self.missing, self.unexpected
+
+
+def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-    requested, requested_global, trusted, allowed_globals, thread_count, verify_checksums, rank,
-):
+    requested, requested_global, trusted, allowed_globals, verify_checksums, rank,
+) -> _LoadJob:
     ckpt_keys = [k for k in md.state_dict_metadata]
     missing: Set[str] = set()
     unexpected: Set[str] = set()
@@ -216,42 +276,35 @@ def _load_local(
             missing = set()
     manifest = ckdir.read_manifest(checkpoint_dir)
     checksums = manifest.checksums() if manifest else None
-    with TorchDistReader(checkpoint_dir, md, checksums, verify_checksums) as reader:
-        tasks: List[ReadTask] = []
-        device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    reader = TorchDistReader(checkpoint_dir, md, checksums, verify_checksums)
+    tasks: List[ReadTask] = []
+    device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-        def prepare(sh: Any) -> Any:
-            if isinstance(sh, ShardedTensor):
-                host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir)
-                tasks.extend(ts)
-                if sh.data is not None and host is not sh.data:
-                    device_copies.append((host, sh.data))
-                    return sh.data
-                return host
-            if isinstance(sh, ShardedObject):
-                meta = md.state_dict_metadata.get(sh.unique_key)
-                if not isinstance(meta, BytesStorageMetadata):
-                    raise MismatchError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
-                raw = reader.read_bytes(sh.unique_key)
-                import io
+    def prepare(sh: Any) -> Any:
+        if isinstance(sh, ShardedTensor):
+            host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir)
+            tasks.extend(ts)
+            if sh.data is not None and host is not sh.data:
+                device_copies.append((host, sh.data))
+                return sh.data
+            return host
+        if isinstance(sh, ShardedObject):
+            meta = md.state_dict_metadata.get(sh.unique_key)
+            if not isinstance(meta, BytesStorageMetadata):
+                raise MismatchError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
+            raw = reader.read_bytes(sh.unique_key)
+            obj = safe_torch_load(
+                io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
+                what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
+            )
+            # Megatron-Core stores objects as a one-element list
+            return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+        return sh
 
-                obj = safe_torch_load(
-                    io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
-                    what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
-                )
-                # Megatron-Core stores objects as a one-element list
-                return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
-            return sh
-
+    try:
         loaded = dict_list_map_inplace(prepare, sharded)
-        tasks.sort(key=lambda t: t.order)
-        run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
-        for host, dev in device_copies:
-            dev.copy_(host)
-    result = common if isinstance(common, dict) else {"__common__": common}
-    merge(result, nonpersistent)
-    merge(result, loaded)
-    result = restore_list_types(result, template)
-    if factories:
-        result = apply_factory_merges(result, factories)
-    return result, missing, unexpected
+    except BaseException:
+        reader.close()
+        raise
+    tasks.sort(key=lambda t: t.order)
+    return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected)
