@@ -1,0 +1,149 @@
+"""``ckpt-integration``: inspect, verify, convert and diff checkpoints from the shell.
+
+Runs on one process without a GPU or ``torch.distributed``; see ``docs/cli.md``.
+
+Exit codes: 0 success (``verify``: undamaged, ``diff``: identical), 1 damage found
+(``verify``) or differences found (``diff``), 2 usage error or unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, List, Optional
+
+from . import __version__
+
+EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+
+
+def _progress_factory(quiet: bool):
+    """A tqdm factory writing to stderr, disabled with --quiet or when stderr is not a TTY."""
+    from . import tools
+
+    if quiet or not sys.stderr.isatty():
+        return tools._no_progress
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency of the CLI but optional for the library
+        return tools._no_progress
+
+    def factory(iterable: Any = None, **kwargs: Any) -> Any:
+        return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
+
+    return factory
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``ckpt-integration`` (subcommands inspect, verify, convert, diff)."""
+    p = argparse.ArgumentParser(
+        prog="ckpt-integration",
+        description="Inspect, verify, convert and compare distributed checkpoints (no GPU needed).",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def common(sp: argparse.ArgumentParser, json_flag: bool = True) -> None:
+        sp.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+        sp.add_argument("--trusted", action="store_true",
+                        help="allow arbitrary pickled objects (runs code from the checkpoint; only for files you trust)")
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+
+    sp = sub.add_parser("inspect", help="tensor tree, shapes, dtypes, shard layout, objects, common state")
+    sp.add_argument("path", metavar="DIR", help="checkpoint directory (or a torch.save / safetensors file)")
+    sp.add_argument("--shards", action="store_true", help="list every saved shard with its file and byte range")
+    common(sp)
+
+    sp = sub.add_parser("verify", help="completeness and checksums; exit 1 when damaged")
+    sp.add_argument("path", metavar="DIR", help="checkpoint directory")
+    common(sp)
+
+    sp = sub.add_parser("convert", help="streaming conversion to torch / safetensors / torch_dist")
+    sp.add_argument("src", metavar="SRC", help="checkpoint directory, torch.save file, safetensors file or folder")
+    sp.add_argument("out", metavar="OUT", help="output file (torch) or directory (safetensors, torch_dist)")
+    sp.add_argument("--to", required=True, choices=["torch", "safetensors", "torch_dist"], help="output format")
+    sp.add_argument("--max-shard-size", default="5GB",
+                    help="safetensors: largest file (e.g. 5GB, 500MB, 64MiB; default 5GB)")
+    sp.add_argument("--memory-budget", default="256MiB",
+                    help="largest block of tensor data held in memory (default 256MiB)")
+    sp.add_argument("--nested", action="store_true", help="torch: nest keys on '.' instead of a flat dict")
+    sp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    common(sp)
+
+    sp = sub.add_parser("diff", help="compare tensors of two checkpoints; exit 1 when different")
+    sp.add_argument("a", metavar="A")
+    sp.add_argument("b", metavar="B")
+    sp.add_argument("--memory-budget", default="256MiB", help="largest block compared at once (default 256MiB)")
+    common(sp)
+    return p
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run ``ckpt-integration`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help / --version (0) and usage errors (2)
+        return int(e.code or 0)
+    from . import tools
+    from .errors import CheckpointingException
+
+    progress = _progress_factory(args.quiet)
+    try:
+        if args.command == "inspect":
+            info = tools.inspect_checkpoint(args.path, trusted=args.trusted)
+            if args.json:
+                _print_json(info)
+            else:
+                print(tools.format_inspect(info, show_shards=args.shards))
+            return EXIT_OK
+        if args.command == "verify":
+            report = tools.verify_checkpoint(args.path, progress=progress, trusted=args.trusted)
+            if args.json:
+                _print_json(report.to_dict())
+            else:
+                print(report.format())
+            return EXIT_OK if report.ok else EXIT_FAIL
+        if args.command == "convert":
+            result = tools.convert_checkpoint(
+                args.src, args.to, args.out,
+                max_shard_size=args.max_shard_size, memory_budget=args.memory_budget,
+                overwrite=args.overwrite, trusted=args.trusted, nested=args.nested, progress=progress,
+            )
+            if args.json:
+                _print_json(result.__dict__)
+            else:
+                print(f"wrote {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} "
+                      f"to {result.output}: {', '.join(result.files)}")
+                if result.skipped:
+                    print(f"skipped {len(result.skipped)} ShardedObject(s) ({args.to} holds tensors only): "
+                          + ", ".join(result.skipped))
+            return EXIT_OK
+        if args.command == "diff":
+            report = tools.diff_checkpoints(args.a, args.b, memory_budget=args.memory_budget,
+                                            trusted=args.trusted, progress=progress)
+            if args.json:
+                _print_json(report.to_dict())
+            else:
+                print(report.format())
+            return EXIT_OK if report.identical else EXIT_FAIL
+    except (CheckpointingException, OSError, ValueError) as e:
+        print(f"ckpt-integration {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")  # pragma: no cover
+    return EXIT_ERROR  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""The ``ckpt-integration`` command line (inspect / verify / convert / diff) on real checkpoints.
+
+Checkpoints are written with ckpt_integration.save by one process and by 2 gloo ranks
+(multi-shard layout). The CLI runs in-process via ``main([...])`` and in a subprocess via
+``python -m ckpt_integration.cli``; one conversion runs under an address-space cap smaller
+than the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import tools
+from ckpt_integration.cli import main
+
+from .dist_utils import run_distributed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------- fixtures
+def _expected_two_rank():
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "decoder.layers.0.tp_row.weight": torch.randn(8, 6, generator=g),
+        "decoder.layers.0.tp_col.weight": torch.randn(4, 10, generator=g),
+        "embedding.weight": torch.randn(7, 3, generator=g),
+        "decoder.final_norm.weight": torch.randn(5, generator=g),
+        "decoder.final_norm.bias": torch.randn(5, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(11, dtype=torch.int64),
+    }
+
+
+def _save_two_ranks(rank, world, path):
+    full = _expected_two_rank()
+    ST = ci.ShardedTensor
+    sd = {
+        "row": ST.from_rank_offsets("decoder.layers.0.tp_row.weight",
+                                    full["decoder.layers.0.tp_row.weight"][rank * 4:(rank + 1) * 4].clone(), (0, rank, 2)),
+        "col": ST.from_rank_offsets("decoder.layers.0.tp_col.weight",
+                                    full["decoder.layers.0.tp_col.weight"][:, rank * 5:(rank + 1) * 5].clone(), (1, rank, 2)),
+        # uneven: rows 0..5 on rank 0, 5..7 on rank 1
+        "emb": ST.from_global_offsets("embedding.weight", full["embedding.weight"][[slice(0, 5), slice(5, 7)][rank]].clone(),
+                                      (7, 3), ((0, 5)[rank], 0)),
+        "norm_w": ST.from_rank_offsets("decoder.final_norm.weight", full["decoder.final_norm.weight"].clone(), replica_id=rank),
+        "norm_b": ST.from_rank_offsets("decoder.final_norm.bias", full["decoder.final_norm.bias"].clone(), replica_id=rank),
+        "step": ST.from_rank_offsets("step", full["step"].clone(), replica_id=rank),
+        "rng": ci.ShardedObject("rng_state", {"rank": rank}, (2,), (rank,)),
+        "iteration": 42,
+        "config": {"lr": 0.001, "name": "tiny"},
+    }
+    ci.save(sd, path, durable=False)
+
+
+@pytest.fixture(scope="module")
+def two_rank_ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli2") / "ckpt")
+    run_distributed(_save_two_ranks, 2, path)
+    return path
+
+
+def _expected_single():
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model.encoder.weight": torch.randn(16, 8, generator=g),
+        "model.encoder.bias": torch.randn(8, generator=g).half(),
+        "model.head.weight": torch.randn(3, 4, 5, generator=g).to(torch.bfloat16),
+        "model.counter": torch.arange(6, dtype=torch.int32),
+        "model.mask": torch.tensor([True, False, True]),
+        "model.scale": torch.tensor(0.5),
+    }
+
+
+def _save_single(path, tensors=None, common=None):
+    tensors = _expected_single() if tensors is None else tensors
+    sd = {k: ci.ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}
+    sd.update(common if common is not None else {"epoch": 3, "hparams": {"dropout": 0.1}})
+    ci.save(sd, path, durable=False)
+    return tensors
+
+
+@pytest.fixture
+def single_ckpt(tmp_path):
+    path = str(tmp_path / "single")
+    _save_single(path)
+    return path
+
+
+def run_cli(*args, capsys):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_module(*args, env=None, preexec_fn=None, timeout=120):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "ckpt_integration.cli", *map(str, args)], capture_output=True,
+                          text=True, env=e, preexec_fn=preexec_fn, timeout=timeout, cwd=REPO)
+
+
+def _assert_same(loaded, expected):
+    assert sorted(loaded) == sorted(expected)
+    for k, v in expected.items():
+        assert loaded[k].dtype == v.dtype, k
+        assert torch.equal(loaded[k], v), k
+
+
+# --------------------------------------------------------------------------- inspect
+def test_inspect_text_tree(two_rank_ckpt, capsys):
+    code, out, _ = run_cli("inspect", two_rank_ckpt, capsys=capsys)
+    assert code == 0
+    assert "backend: torch_dist (version 1)" in out
+    assert "on 2 rank(s)" in out
+    # tree split on '.'
+    assert re.search(r"^  decoder$", out, re.M)
+    assert re.search(r"^    layers$", out, re.M)
+    assert re.search(r"^\s+weight: \[8, 6\] float32 192 B\s+\[2 shards, split along axis 0, each \[4, 6\]\]", out, re.M)
+    assert "2 shards, split along axis 1, each [4, 5]" in out
+    assert "uneven: [2, 3], [5, 3]" in out
+    assert re.search(r"bias: \[5\] bfloat16 10 B\s+\[1 shard \(whole tensor\)\]", out)
+    assert "sharded objects: 2" in out and "rng_state/shard_0_2" in out and "rng_state/shard_1_2" in out
+    assert "iteration: int = 42" in out and "config.lr: float = 0.001" in out
+
+
+def test_inspect_json(two_rank_ckpt, capsys):
+    code, out, _ = run_cli("inspect", two_rank_ckpt, "--json", capsys=capsys)
+    assert code == 0
+    info = json.loads(out)
+    t = info["tensors"]["decoder.layers.0.tp_row.weight"]
+    assert t["shape"] == [8, 6] and t["dtype"] == "float32" and t["nbytes"] == 192
+    assert [s["offsets"] for s in t["shards"]] == [[0, 0], [4, 0]]
+    assert all(s["file"].endswith(".distcp") and s["length"] > 0 for s in t["shards"])
+    assert info["manifest"]["world_size"] == 2
+    assert sorted(o["key"] for o in info["objects"]) == ["rng_state/shard_0_2", "rng_state/shard_1_2"]
+    assert info["common_state"]["keys"]["iteration"] == "int = 42"
+    assert info["total_bytes"] == sum(v.numel() * v.element_size() for v in _expected_two_rank().values())
+
+
+@dataclasses.dataclass
+class _Custom:
+    value: int = 1
+
+
+def test_inspect_unsafe_common_state_is_reported_not_run(tmp_path, capsys):
+    path = str(tmp_path / "unsafe")
+    _save_single(path, common={"custom": _Custom(5), "epoch": 1})
+    code, out, _ = run_cli("inspect", path, capsys=capsys)
+    assert code == 0
+    assert "common state: not shown" in out and "refusing to load" in out and "_Custom" in out
+    assert "--trusted" in out
+    assert "model.encoder.weight" not in out  # tree shown as leaves under model/encoder
+    assert re.search(r"^\s+weight: \[16, 8\] float32", out, re.M)
+    code, out, _ = run_cli("inspect", path, "--trusted", capsys=capsys)
+    assert code == 0 and "custom: _Custom" in out and "epoch: int = 1" in out
+
+
+# --------------------------------------------------------------------------- verify
+def test_verify_good(two_rank_ckpt, capsys):
+    code, out, _ = run_cli("verify", two_rank_ckpt, capsys=capsys)
+    assert code == 0, out
+    assert "OK: checksums of" in out
+    code, out, _ = run_cli("verify", two_rank_ckpt, "--json", capsys=capsys)
+    rep = json.loads(out)
+    assert rep["ok"] and rep["checksums_available"] and rep["items_checked"] >= 8
+
+
+def _file_holding(path, key):
+    info = tools.inspect_checkpoint(path)
+    shard = info["tensors"][key]["shards"][0]
+    return shard["file"], shard["file_offset"], shard["length"]
+
+
+def test_verify_flipped_bytes(single_ckpt, capsys):
+    name, offset, length = _file_holding(single_ckpt, "model.encoder.weight")
+    file = os.path.join(single_ckpt, name)
+    with open(file, "r+b") as f:  # flip bytes in the middle of the tensor's data
+        f.seek(offset + length - 200)
+        b = f.read(4)
+        f.seek(offset + length - 200)
+        f.write(bytes(x ^ 0xFF for x in b))
+    code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
+    assert code == 1
+    assert "DAMAGED" in out and "checksum mismatch" in out
+    assert name in out and "model.encoder.weight" in out
+    # the same through the module entry point
+    r = run_module("verify", single_ckpt, "--json")
+    assert r.returncode == 1
+    rep = json.loads(r.stdout)
+    assert not rep["ok"] and rep["problems"][0]["file"] == name
+    assert "model.encoder.weight[0, 0]" in rep["problems"][0]["keys"]
+
+
+def test_verify_truncated_file(two_rank_ckpt, tmp_path, capsys):
+    import shutil
+
+    path = str(tmp_path / "trunc")
+    shutil.copytree(two_rank_ckpt, path)
+    name, offset, length = _file_holding(path, "decoder.layers.0.tp_row.weight")
+    file = os.path.join(path, name)
+    os.truncate(file, offset + length // 2)
+    code, out, _ = run_cli("verify", path, capsys=capsys)
+    assert code == 1
+    assert "is truncated" in out and name in out
+    assert "decoder.layers.0.tp_row.weight" in out
+
+
+def test_verify_missing_file_and_commit_marker(single_ckpt, capsys):
+    name, _, _ = _file_holding(single_ckpt, "model.encoder.weight")
+    os.remove(os.path.join(single_ckpt, name))
+    os.remove(os.path.join(single_ckpt, "metadata.json"))
+    code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
+    assert code == 1
+    assert "incomplete checkpoint" in out
+    assert f"{name} is missing" in out and "model.encoder.weight" in out
+
+
+def test_verify_foreign_checkpoint_without_manifest(single_ckpt, capsys):
+    os.remove(os.path.join(single_ckpt, "manifest.json"))
+    code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
+    assert code == 0
+    assert "checksums are unavailable" in out and "OK: structure of" in out
+
+
+# --------------------------------------------------------------------------- convert
+def test_convert_to_safetensors_sharded(two_rank_ckpt, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out_dir = tmp_path / "st"
+    code, out, err = run_cli("convert", two_rank_ckpt, out_dir, "--to", "safetensors", "--max-shard-size", "100B",
+                             capsys=capsys)
+    assert code == 0, err
+    assert "skipped 2 ShardedObject(s)" in out
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    expected = _expected_two_rank()
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in expected.values())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f) for f in files)
+    loaded = {}
+    for f in files:
+        part = load_file(str(out_dir / f))
+        assert all(index["weight_map"][k] == f for k in part)
+        with safe_open(str(out_dir / f), "pt") as h:
+            assert h.metadata() == {"format": "pt"}
+        data_bytes = sum(v.numel() * v.element_size() for v in part.values())
+        assert data_bytes <= 100 or len(part) == 1  # bounded, or one tensor larger than the bound
+        loaded.update(part)
+    _assert_same(loaded, expected)
+    # refuses to overwrite
+    code, _, err = run_cli("convert", two_rank_ckpt, out_dir, "--to", "safetensors", capsys=capsys)
+    assert code == 2 and "already exists" in err
+
+
+def test_convert_in_row_blocks_with_tiny_budget(two_rank_ckpt, tmp_path, capsys):
+    """A budget smaller than one row forces sub-row blocks read with read_region."""
+    from safetensors.torch import load_file
+
+    out_dir = tmp_path / "st"
+    code, _, err = run_cli("convert", two_rank_ckpt, out_dir, "--to", "safetensors", "--memory-budget", "8",
+                           capsys=capsys)
+    assert code == 0, err
+    assert os.listdir(out_dir) == ["model.safetensors", "model.safetensors.index.json"] or \
+        sorted(os.listdir(out_dir)) == ["model.safetensors", "model.safetensors.index.json"]
+    _assert_same(load_file(str(out_dir / "model.safetensors")), _expected_two_rank())
+
+
+def test_plan_blocks_cover_tensor_in_order():
+    for shape, budget in [((8, 6), 4 * 6 * 3), ((8, 6), 8), ((3, 4, 5), 2 * 5 * 2), ((7,), 4), ((), 1), ((0, 3), 4)]:
+        t = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.float32)[: torch.Size(shape).numel()].reshape(shape)
+        pieces = []
+        for box in tools.plan_blocks(shape, torch.float32, budget):
+            block = t[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            assert block.numel() * 4 <= max(budget, 4) or block.numel() == 0
+            pieces.append(block.reshape(-1))
+        assert torch.equal(torch.cat(pieces), t.reshape(-1))
+
+
+def test_convert_to_torch(two_rank_ckpt, tmp_path, capsys):
+    out_file = tmp_path / "model.pt"
+    code, out, err = run_cli("convert", two_rank_ckpt, out_file, "--to", "torch", "--memory-budget", "16",
+                             capsys=capsys)
+    assert code == 0, err
+    expected = _expected_two_rank()
+    _assert_same(torch.load(out_file, weights_only=True), expected)
+    _assert_same(torch.load(out_file, weights_only=True, mmap=True), expected)
+    # nested on '.'
+    nested_file = tmp_path / "nested.pt"
+    assert run_cli("convert", two_rank_ckpt, nested_file, "--to", "torch", "--nested", capsys=capsys)[0] == 0
+    nested = torch.load(nested_file, weights_only=True)
+    assert torch.equal(nested["decoder"]["layers"]["0"]["tp_col"]["weight"], expected["decoder.layers.0.tp_col.weight"])
+
+
+def test_convert_torch_dist_copy_keeps_objects_and_common(two_rank_ckpt, tmp_path, capsys):
+    out_dir = tmp_path / "copy"
+    code, _, err = run_cli("convert", two_rank_ckpt, out_dir, "--to", "torch_dist", "--memory-budget", "32",
+                           capsys=capsys)
+    assert code == 0, err
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".ckpt-convert-spill")]
+    _assert_same(ci.load_plain_tensors(out_dir), _expected_two_rank())
+    common = ci.load_common_state_dict(out_dir)
+    assert common["iteration"] == 42 and common["config"] == {"lr": 0.001, "name": "tiny"}
+    req = {"rng": ci.ShardedObject("rng_state", None, (2,), (1,))}
+    assert ci.load(req, out_dir)["rng"] == {"rank": 1}
+    assert run_cli("verify", out_dir, capsys=capsys)[0] == 0
+    code, out, _ = run_cli("diff", two_rank_ckpt, out_dir, capsys=capsys)
+    assert code == 0, out
+
+
+def test_import_torch_save_file(tmp_path, capsys):
+    expected = _expected_single()
+    nested = {"state_dict": {"encoder": {"weight": expected["model.encoder.weight"], "bias": expected["model.encoder.bias"]},
+                             "head": [expected["model.head.weight"]]},
+              "epoch": 5, "name": "run-1"}
+    src = tmp_path / "lightning.ckpt"
+    torch.save(nested, src)
+    out_dir = tmp_path / "imported"
+    r = run_module("convert", src, out_dir, "--to", "torch_dist")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""  # no progress bar without a TTY
+    request = {"state_dict": {
+        "encoder": {"weight": ci.ShardedTensor.from_rank_offsets("state_dict.encoder.weight", torch.empty(16, 8)),
+                    "bias": ci.ShardedTensor.from_rank_offsets("state_dict.encoder.bias", torch.empty(8, dtype=torch.half))},
+        "head": [ci.ShardedTensor.from_rank_offsets("state_dict.head.0", torch.empty(3, 4, 5, dtype=torch.bfloat16))]}}
+    loaded = ci.load(request, out_dir)
+    assert torch.equal(loaded["state_dict"]["encoder"]["weight"], expected["model.encoder.weight"])
+    assert torch.equal(loaded["state_dict"]["encoder"]["bias"], expected["model.encoder.bias"])
+    assert torch.equal(loaded["state_dict"]["head"][0], expected["model.head.weight"])
+    assert loaded["epoch"] == 5 and loaded["name"] == "run-1"
+    code, out, _ = run_cli("diff", src, out_dir, capsys=capsys)
+    assert code == 0, out
+
+
+def test_import_safetensors_folder(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    expected = _expected_single()
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    keys = sorted(expected)
+    save_file({k: expected[k] for k in keys[:3]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: expected[k] for k in keys[3:]}, str(folder / "model-00002-of-00002.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({
+        "metadata": {"total_size": 0},
+        "weight_map": {k: f"model-0000{1 if i < 3 else 2}-of-00002.safetensors" for i, k in enumerate(keys)}}))
+    out_dir = tmp_path / "imported"
+    code, _, err = run_cli("convert", folder, out_dir, "--to", "torch_dist", capsys=capsys)
+    assert code == 0, err
+    request = {k: ci.ShardedTensor.from_rank_offsets(k, torch.empty(v.shape, dtype=v.dtype)) for k, v in expected.items()}
+    _assert_same(ci.load(request, out_dir), expected)
+    # a single safetensors file too, and the round trip back
+    single = tmp_path / "one.safetensors"
+    save_file(expected, str(single))
+    assert run_cli("convert", single, tmp_path / "imp2", "--to", "torch_dist", capsys=capsys)[0] == 0
+    assert run_cli("diff", tmp_path / "imp2", out_dir, capsys=capsys)[0] == 0
+
+
+# --------------------------------------------------------------------------- diff
+def test_diff_identical_and_different(tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    base = _save_single(a)
+    code, out, _ = run_cli("diff", a, a, capsys=capsys)
+    assert code == 0 and out.strip().endswith("identical")
+    changed = dict(base)
+    changed["model.encoder.weight"] = base["model.encoder.weight"].clone()
+    changed["model.encoder.weight"][3, 2] += 0.25
+    changed["model.counter"] = base["model.counter"].long()  # dtype change
+    changed["model.mask"] = torch.tensor([True, False])  # shape change
+    del changed["model.scale"]
+    changed["model.extra"] = torch.zeros(2)
+    _save_single(b, changed)
+    code, out, _ = run_cli("diff", a, b, "--memory-budget", "16", capsys=capsys)
+    assert code == 1
+    assert "only in A (1):\n  model.scale" in out
+    assert "only in B (1):\n  model.extra" in out
+    assert "model.mask: [3] vs [2]" in out
+    assert "model.counter: int32 vs int64" in out
+    assert re.search(r"model.encoder.weight: max abs diff 0.25", out)
+    assert out.strip().endswith("different")
+    r = run_module("diff", a, b, "--json")
+    assert r.returncode == 1
+    rep = json.loads(r.stdout)
+    assert not rep["identical"] and rep["max_abs_diff"]["model.encoder.weight"] == pytest.approx(0.25)
+    assert rep["max_abs_diff"]["model.counter"] == 0  # same values, different dtype
+
+
+def test_errors_and_usage(tmp_path, capsys):
+    code, _, err = run_cli("inspect", tmp_path / "nope", capsys=capsys)
+    assert code == 2 and "does not exist" in err
+    code, _, err = run_cli("convert", "x", "y", "--to", "zarr", capsys=capsys)
+    assert code == 2
+    assert tools.parse_size("5GB") == 5 * 10**9 and tools.parse_size("500MB") == 500 * 10**6
+    assert tools.parse_size("64MiB") == 64 * 2**20 and tools.parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        tools.parse_size("lots")
+
+
+# --------------------------------------------------------------------------- memory bound
+_PROBE = (
+    "import ckpt_integration.cli, ckpt_integration.tools\n"
+    "for line in open('/proc/self/status'):\n"
+    "    if line.startswith('VmPeak'): print(line.split()[1])\n"
+)
+
+
+def test_convert_larger_than_memory_cap(tmp_path):
+    """Convert a ~150 MiB checkpoint while the process may map only baseline + 64 MiB."""
+    from safetensors import safe_open
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs /proc to measure the baseline")
+    path = str(tmp_path / "big")
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"layers.{i}.weight": torch.randn(2500, 4000, generator=g) for i in range(4)}  # 4 x 40 MB
+    ci.save({k: ci.ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}, path, durable=False)
+    ckpt_bytes = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    probe = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, check=True)
+    baseline = int(probe.stdout.strip()) * 1024
+    margin = 64 * 2**20
+    assert margin < ckpt_bytes / 2
+    cap = baseline + margin
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    # control: loading every tensor at once does not fit under the cap
+    control = subprocess.run([sys.executable, "-c", f"import ckpt_integration as c; c.load_plain_tensors({path!r})"],
+                             capture_output=True, text=True, env=env, preexec_fn=limit, timeout=120)
+    assert control.returncode != 0, "the memory cap is not effective"
+    out_dir = tmp_path / "st"
+    r = run_module("convert", path, out_dir, "--to", "safetensors", "--max-shard-size", "100MB",
+                   "--memory-budget", "8MB", env=env, preexec_fn=limit)
+    assert r.returncode == 0, r.stderr[-3000:]
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    for key, file in index["weight_map"].items():
+        with safe_open(str(out_dir / file), "pt") as h:
+            assert torch.equal(h.get_tensor(key), tensors[key]), key
