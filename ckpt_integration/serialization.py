@@ -37,6 +37,15 @@ def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
     return getattr(strategy, "backend", default)
 
 
+def default_thread_count() -> int:
+    """I/O threads per rank: the machine's cores shared by the ranks on it (1..4)."""
+    from .execution import dist
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks = int(local) if local else dist.get_world_size()
+    return max(1, min(4, (os.cpu_count() or 1) // max(1, ranks)))
+
+
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -47,12 +56,13 @@ def save(
     preprocess_common_before_consistancy_check: Any = None,
     content_metadata: Optional[dict] = None,
     *,
-    thread_count: int = 2,
+    thread_count: Optional[int] = None,
     balance: bool = True,
     overwrite: bool = False,
     durable: bool = True,
     process_group: Any = None,
-) -> None:
+    async_queue: Any = None,
+) -> Any:
     """Save a sharded state dict; every rank writes only what it owns.
 
     Call on every rank with that rank's sharded state dict. Common (non-sharded)
@@ -71,7 +81,13 @@ def save(
             one main replica (one small metadata exchange).
         content_metadata: a dict stored with the common state; read it back with
             :func:`load_content_metadata`.
-        thread_count: writer threads (and files) per rank.
+        async_sharded_save: return at once with an ``AsyncRequest`` after the
+            collective planning and a host snapshot of the tensors; the write and
+            the commit run in the background (``request.wait()`` to block; errors
+            surface there, at the next save or at ``close()`` of ``async_queue``,
+            default: a process-wide queue with one save in flight).
+        thread_count: writer threads (and files) per rank; default: the cores
+            per local rank (at most 4).
         balance: spread the writing of replicated shards over all replicas
             (fully-parallel save); ``False`` lets main replicas write.
         durable: fsync data before commit (disable only for throwaway checkpoints).
@@ -88,19 +104,21 @@ def save(
         raise CheckpointingException(
             f"unknown sharded backend {backend!r} for save; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}"
         )
-    if async_sharded_save:
-        raise CheckpointingException("async_sharded_save is provided by ckpt_integration.save with async_save (see docs)")
-    save_torch_dist(
-        sharded_state_dict,
-        os.fspath(checkpoint_dir),
+    kwargs = dict(
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
-        thread_count=thread_count,
+        thread_count=default_thread_count() if thread_count is None else thread_count,
         balance=balance,
         overwrite=overwrite,
         durable=durable,
         process_group=process_group,
     )
+    if async_sharded_save:
+        from .execution.async_save import async_save_torch_dist
+
+        return async_save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), queue=async_queue, **kwargs)
+    save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), **kwargs)
+    return None
 
 
 def load(
@@ -113,7 +131,7 @@ def load(
     *,
     trusted: bool = False,
     allowed_globals: Optional[Iterable[Any]] = None,
-    thread_count: int = 4,
+    thread_count: Optional[int] = None,
     verify_checksums: bool = True,
     process_group: Any = None,
     load_strategy: str = "local",
@@ -159,7 +177,7 @@ def load(
         validate_access_integrity=validate_access_integrity,
         trusted=trusted,
         allowed_globals=allowed_globals,
-        thread_count=thread_count,
+        thread_count=default_thread_count() if thread_count is None else thread_count,
         verify_checksums=verify_checksums,
         process_group=process_group,
         load_strategy=load_strategy,

@@ -23,7 +23,9 @@ Errors: a failure on any rank (write, staging, commit) makes ``finalize_save``
 fail on every rank and commit nothing (no ``metadata.json``); the exception is
 raised from ``wait()`` / ``finalize()``, from the next ``async_save_torch_dist``
 / ``schedule_async_request`` on the same queue (when it waits for room), from
-``maybe_finalize_async_calls`` once the save is done, and at ``close()``.
+``maybe_finalize_async_calls`` once the save is done, and at ``close()``; a
+failure already raised by ``wait()`` is not raised again by the queue. Since
+the commit step shares every rank's error, all ranks raise at the same call.
 
 Example (every rank)::
 
@@ -96,6 +98,7 @@ class AsyncRequest:
         self._event = threading.Event()
         self._exc: Optional[BaseException] = None
         self._finalized = False
+        self._reported = False  # the failure was raised to the caller once
         self._finalize_lock = threading.Lock()
 
     # -- worker side -------------------------------------------------------------------
@@ -143,6 +146,7 @@ class AsyncRequest:
         """
         self._event.wait()
         if self._exc is not None:
+            self._reported = True
             raise self._exc
         with self._finalize_lock:
             if self._finalized:
@@ -199,10 +203,19 @@ class AsyncCallsQueue:
             req._run()
 
     # -- scheduling --------------------------------------------------------------------
+    def _finalize_oldest(self) -> AsyncRequest:
+        req = self._unfinalized[0]
+        try:
+            if not req._reported:  # a failure already raised by req.wait() is not raised again
+                req.finalize()  # counts as in flight while we wait for it
+        finally:
+            if self._unfinalized and self._unfinalized[0] is req:
+                self._unfinalized.popleft()
+        return req
+
     def _make_room(self, slots: int = 1) -> None:
         while len(self._unfinalized) > self.max_in_flight - slots:
-            req = self._unfinalized.popleft()
-            req.finalize()
+            self._finalize_oldest()
 
     def _next_stager(self) -> StateDictStager:
         return self.stagers[self._next_idx % self.max_in_flight]
@@ -238,9 +251,7 @@ class AsyncCallsQueue:
         """
         done: List[int] = []
         while self._unfinalized and (blocking or self._unfinalized[0].is_done()):
-            req = self._unfinalized.popleft()
-            req.finalize()
-            done.append(req.call_idx)
+            done.append(self._finalize_oldest().call_idx)
         return done
 
     def get_num_unfinalized_calls(self) -> int:
@@ -251,9 +262,9 @@ class AsyncCallsQueue:
         """Wait for and finalize every request, stop the worker; raise the first failure."""
         first: Optional[BaseException] = None
         while self._unfinalized:
-            req = self._unfinalized.popleft()
+            req = self._unfinalized[0]
             try:
-                req.finalize()
+                self._finalize_oldest()
             except BaseException as e:  # noqa: BLE001
                 if first is None:
                     first = e

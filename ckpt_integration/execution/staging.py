@@ -296,6 +296,10 @@ class StateDictStager:
                 es = t.element_size()
                 off = t.storage_offset() - g.lo // es
                 v = torch.empty(0, dtype=t.dtype).set_(g.buffer, off, t.size(), t.stride())
+                if t.is_conj():  # lazy conjugate / negative views: keep their meaning
+                    v = v.conj()
+                if t.is_neg():
+                    v = torch._neg_view(v)
                 staged[tid] = v
                 memo[tid] = v
             memo[id(memo)] = list(tensors.values())  # keep sources alive while memo ids are used

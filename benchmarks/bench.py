@@ -1,0 +1,524 @@
+#!/usr/bin/env python
+"""Side-by-side checkpoint benchmark: ckpt_integration vs torch.save vs PyTorch DCP vs plain I/O.
+
+One run measures, on the same synthetic sharded state (every rank owns
+``total_gib / ranks`` of float32 tensors, row-sharded ShardedTensors / DTensors):
+
+* ``plain write`` / ``plain read`` - the same bytes per rank with buffered file
+  I/O (write + fsync; ``readinto`` preallocated tensors): the physical limit;
+* ``torch.save`` / ``torch.load`` per rank (no fsync, as users call it);
+* PyTorch DCP ``save`` / ``load`` (defaults) and ``async_save``;
+* ours: ``save``, ``load`` (same layout), ``load`` into a different layout
+  (uneven row boundaries shifted by half a shard, so every rank reads from two
+  saved chunks), and async save (blocking time = how long the training loop is
+  stalled, averaged from the 2nd save on; the loop "trains" until the previous
+  save is done before starting the next).
+
+Throughput = bytes of the whole state / wall time (slowest rank, between
+barriers). Peak memory per rank: VmHWM (reset with ``/proc/self/clear_refs``
+before each phase, stdlib only) compared with the RSS before the phase; the
+``mem`` column is ``(state + extra peak) / state``.
+
+Usage::
+
+    python benchmarks/bench.py --total-gib 2 --ranks 2            # /dev/shm
+    python benchmarks/bench.py --total-gib 2 --disk-dir /var/tmp  # also a disk dir
+    python benchmarks/bench.py --quick --json out.json            # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------- memory helpers
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_bytes() -> int:
+    v = _status_kib("VmRSS")
+    if v is not None:
+        return v * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_bytes() -> int:
+    v = _status_kib("VmHWM")
+    if v is not None:
+        return v * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _drop_cache(directory: str) -> None:
+    """Evict the files' pages (for disk targets) so reads really read; no-op on tmpfs."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for root, _, files in os.walk(directory):
+        for n in files:
+            try:
+                fd = os.open(os.path.join(root, n), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+# --------------------------------------------------------------------------- per-rank work
+class Ctx:
+    def __init__(self, rank: int, world: int, args: argparse.Namespace):
+        import torch
+
+        self.rank, self.world, self.args = rank, world, args
+        per_rank = int(args.total_gib * GiB) // world
+        self.n = args.tensors
+        self.cols = args.cols
+        self.rows = max(2, per_rank // (self.n * self.cols * 4))
+        self.rows -= self.rows % 2
+        g = torch.Generator().manual_seed(1234 + rank)
+        self.local = [torch.rand(self.rows, self.cols, generator=g) for _ in range(self.n)]
+        self.state_bytes = sum(t.numel() * 4 for t in self.local)
+        self.dst = [torch.zeros_like(t) for t in self.local]  # touched: loads do not count page faults
+        self.results: Dict[str, Dict[str, Any]] = {}
+
+    # global layout: key t{i}, shape (world*rows, cols), rank r owns rows [r*rows, (r+1)*rows)
+    def sharded(self, tensors) -> Dict[str, Any]:
+        from ckpt_integration import ShardedTensor
+
+        return {
+            f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, self.rank, self.world))
+            for i, t in enumerate(tensors)
+        }
+
+    def reshard_bounds(self):
+        r, R, W = self.rank, self.rows, self.world
+        b = [0] + [k * R + R // 2 for k in range(1, W)] + [W * R]
+        return b[r], b[r + 1]
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callable[[], Any]] = None, repeats: int = 1):
+    """Run ``fn`` ``repeats`` times between barriers; keep the best wall time (slowest rank)."""
+    import torch.distributed as dist
+
+    best = None
+    for _ in range(repeats):
+        if setup is not None:
+            setup()
+        _barrier()
+        have_peak = _reset_peak()
+        rss0 = _rss_bytes()
+        t0 = time.perf_counter()
+        fn()
+        t_local = time.perf_counter() - t0
+        _barrier()
+        peak = _peak_bytes() if have_peak else None
+        rec = {"t": t_local, "extra_rss": (peak - rss0) if peak is not None else None}
+        allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
+        dist.all_gather_object(allrec, rec)
+        t = max(r["t"] for r in allrec)
+        extras = [r["extra_rss"] for r in allrec if r["extra_rss"] is not None]
+        out = {
+            "seconds": t,
+            "gib_s": ctx.state_bytes * ctx.world / GiB / t if t > 0 else float("inf"),
+            "extra_rss_gib": max(extras) / GiB if extras else None,
+            "mem_ratio": (ctx.state_bytes + max(extras)) / ctx.state_bytes if extras else None,
+        }
+        if best is None or out["seconds"] < best["seconds"]:
+            best = out
+    ctx.results[name] = best
+    return best
+
+
+def _fresh(path: str, rank: int) -> None:
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+    _barrier()
+
+
+def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+    from ckpt_integration.execution.async_save import AsyncCallsQueue, async_save_torch_dist
+
+    args, rank, world = ctx.args, ctx.rank, ctx.world
+    rep = args.repeats
+    ctx.results = {}
+    cache = (lambda d: None) if is_tmpfs else _drop_cache
+
+    def check(tensors):
+        assert torch.equal(tensors[0], ctx.local[0]) and torch.equal(tensors[-1], ctx.local[-1]), "bad data read back"
+
+    # ---- plain buffered I/O: the physical limit
+    d = os.path.join(root, "plain")
+    _fresh(d, rank)
+    path = os.path.join(d, f"rank{rank}.bin")
+
+    def plain_write():
+        with open(path, "wb") as f:
+            for t in ctx.local:
+                f.write(memoryview(t.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def plain_read():
+        with open(path, "rb") as f:
+            for t in ctx.dst:
+                f.readinto(memoryview(t.numpy()).cast("B"))
+
+    _measure(ctx, "plain_write", plain_write, repeats=rep)
+    _measure(ctx, "plain_read", plain_read, setup=lambda: cache(d), repeats=rep)
+    check(ctx.dst)
+    _fresh(d, rank)
+
+    # ---- torch.save / torch.load per rank
+    d = os.path.join(root, "torch_save")
+    _fresh(d, rank)
+    path = os.path.join(d, f"rank{rank}.pt")
+    _measure(ctx, "torch_save", lambda: torch.save({f"t{i}": t for i, t in enumerate(ctx.local)}, path), repeats=rep)
+    loaded = {}
+
+    def tload():
+        loaded["sd"] = torch.load(path, weights_only=True)
+
+    _measure(ctx, "torch_load", tload, setup=lambda: (loaded.clear(), cache(d)), repeats=rep)
+    check([loaded["sd"][f"t{i}"] for i in range(ctx.n)])
+    loaded.clear()
+    _fresh(d, rank)
+
+    # ---- PyTorch DCP (DTensor, row-sharded)
+    if not args.skip_dcp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+
+        def dsd(tensors):
+            return {f"t{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(tensors)}
+
+        d = os.path.join(root, "dcp")
+        _measure(ctx, "dcp_save", lambda: dcp.save(dsd(ctx.local), checkpoint_id=d), setup=lambda: _fresh(d, rank), repeats=rep)
+        _measure(ctx, "dcp_load", lambda: dcp.load(dsd(ctx.dst), checkpoint_id=d), setup=lambda: cache(d), repeats=rep)
+        check(ctx.dst)
+        blocking = []
+        total = []
+        for i in range(args.async_saves):
+            di = os.path.join(root, f"dcp_async{i}")
+            _fresh(di, rank)
+            _barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save(dsd(ctx.local), checkpoint_id=di)
+            blocking.append(time.perf_counter() - t0)
+            fut = getattr(fut, "upload_completion", fut)
+            fut.result()
+            total.append(time.perf_counter() - t0)
+            _barrier()
+            if rank == 0:
+                shutil.rmtree(di, ignore_errors=True)
+        _async_result(ctx, "dcp_async_save", blocking, total)
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        _barrier()
+
+    # ---- ours
+    d = os.path.join(root, "ours")
+    kw = dict(thread_count=args.threads)
+    _measure(ctx, "ours_save", lambda: ci.save(ctx.sharded(ctx.local), d, **kw), setup=lambda: _fresh(d, rank), repeats=rep)
+    for t in ctx.dst:
+        t.zero_()
+    _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
+    check(ctx.dst)
+    lo, hi = ctx.reshard_bounds()
+    G = ctx.world * ctx.rows
+    rdst = [torch.zeros(hi - lo, ctx.cols) for _ in range(ctx.n)]
+    rsd = lambda: {  # noqa: E731
+        f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, ctx.cols), (lo, 0)) for i, t in enumerate(rdst)
+    }
+    _measure(ctx, "ours_load_resharded", lambda: ci.load(rsd(), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
+    # rows [lo, hi) come from this rank's and the next rank's saved shards
+    own_hi = (rank + 1) * ctx.rows
+    n_own = own_hi - lo if lo >= rank * ctx.rows else None
+    if n_own is not None and n_own > 0:
+        assert torch.equal(rdst[0][:n_own], ctx.local[0][lo - rank * ctx.rows :]), "bad resharded read"
+    del rdst
+    if rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+    _barrier()
+
+    blocking, total, stage, prepare = [], [], [], []
+    have_peak = _reset_peak()
+    rss0 = _rss_bytes()
+    with AsyncCallsQueue() as q:
+        for i in range(args.async_saves):
+            di = os.path.join(root, f"ours_async{i}")
+            _fresh(di, rank)
+            t0 = time.perf_counter()
+            req = async_save_torch_dist(ctx.sharded(ctx.local), di, queue=q, **kw)
+            blocking.append(time.perf_counter() - t0)
+            stage.append(req.timings["stage"])
+            prepare.append(req.timings["prepare"])
+            # "training" (in place updates would be safe here) until the save is done
+            while not req.is_done():
+                time.sleep(0.002)
+            total.append(time.perf_counter() - t0)
+            req.wait()
+            _barrier()
+            if rank == 0:
+                shutil.rmtree(di, ignore_errors=True)
+        allocs = q.stagers[0].stats.allocations
+    peak = _peak_bytes() if have_peak else None
+    _async_result(ctx, "ours_async_save", blocking, total, extra_rss=(peak - rss0) if peak is not None else None,
+                  stage=stage, prepare=prepare, allocations=allocs)
+    return ctx.results
+
+
+def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float], extra_rss=None, **more) -> None:
+    import torch.distributed as dist
+
+    rec = {"blocking": blocking, "total": total, "extra_rss": extra_rss, **more}
+    allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
+    dist.all_gather_object(allrec, rec)
+
+    def worst(key, i):
+        return max(r[key][i] for r in allrec)
+
+    n = len(blocking)
+    steady = list(range(1, n)) if n > 1 else [0]
+    b = statistics.mean(worst("blocking", i) for i in steady)
+    tt = statistics.mean(worst("total", i) for i in steady)
+    out = {
+        "blocking_first_s": worst("blocking", 0),
+        "blocking_s": b,
+        "total_s": tt,
+        "seconds": tt,
+        "gib_s": ctx.state_bytes * ctx.world / GiB / tt,
+    }
+    if "stage" in rec:
+        out["stage_s"] = statistics.mean(worst("stage", i) for i in steady)
+        out["prepare_s"] = statistics.mean(worst("prepare", i) for i in steady)
+        out["staging_allocations"] = max(r["allocations"] for r in allrec)
+    extras = [r["extra_rss"] for r in allrec if r["extra_rss"] is not None]
+    out["extra_rss_gib"] = max(extras) / GiB if extras else None
+    out["mem_ratio"] = (ctx.state_bytes + max(extras)) / ctx.state_bytes if extras else None
+    ctx.results[name] = out
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=1800))
+    try:
+        ctx = Ctx(rank, world, args)
+        results = {"state_bytes_per_rank": ctx.state_bytes, "tensors_per_rank": ctx.n,
+                   "tensor_shape": [ctx.rows, ctx.cols], "targets": {}}
+        for target, is_tmpfs in _targets(args):
+            root = os.path.join(target, f"ckpt_bench_{port}")
+            try:
+                results["targets"][target] = _run_target(ctx, root, is_tmpfs)
+            finally:
+                _barrier()
+                if rank == 0:
+                    shutil.rmtree(root, ignore_errors=True)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _is_tmpfs(path: str) -> bool:
+    try:
+        best, fstype = "", ""
+        rp = os.path.realpath(path)
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                mnt = parts[1]
+                if (rp == mnt or rp.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, fstype = mnt, parts[2]
+        return fstype in ("tmpfs", "ramfs")
+    except OSError:
+        return False
+
+
+def _targets(args):
+    out = [(args.dir, _is_tmpfs(args.dir))]
+    if args.disk_dir:
+        out.append((args.disk_dir, _is_tmpfs(args.disk_dir)))
+    return out
+
+
+# --------------------------------------------------------------------------- reporting
+def _fmt(v, spec="{:.2f}", none="-"):
+    return none if v is None else spec.format(v)
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    lines = []
+    for target, res in results["targets"].items():
+        lines.append(f"target: {target}")
+        hdr = f"{'method':<24}{'time s':>9}{'GiB/s':>9}{'x DCP':>8}{'% plain':>9}{'mem':>7}"
+        lines.append(hdr)
+        lines.append("-" * len(hdr))
+        rows = [
+            ("plain write (limit)", "plain_write", None, "plain_write"),
+            ("plain read (limit)", "plain_read", None, "plain_read"),
+            ("torch.save", "torch_save", "dcp_save", "plain_write"),
+            ("torch.load", "torch_load", "dcp_load", "plain_read"),
+            ("DCP save", "dcp_save", "dcp_save", "plain_write"),
+            ("DCP load", "dcp_load", "dcp_load", "plain_read"),
+            ("DCP async_save (total)", "dcp_async_save", "dcp_save", "plain_write"),
+            ("ours save", "ours_save", "dcp_save", "plain_write"),
+            ("ours load", "ours_load", "dcp_load", "plain_read"),
+            ("ours load resharded", "ours_load_resharded", "dcp_load", "plain_read"),
+            ("ours async (total)", "ours_async_save", "dcp_save", "plain_write"),
+        ]
+        for label, key, dcp_key, plain_key in rows:
+            r = res.get(key)
+            if r is None:
+                continue
+            d = res.get(dcp_key) if dcp_key else None
+            p = res.get(plain_key)
+            xd = r["gib_s"] / d["gib_s"] if d else None
+            pp = 100 * r["gib_s"] / p["gib_s"] if p else None
+            lines.append(
+                f"{label:<24}{r['seconds']:>9.3f}{r['gib_s']:>9.2f}{_fmt(xd, '{:.2f}x'):>8}"
+                f"{_fmt(pp, '{:.0f}%'):>9}{_fmt(r.get('mem_ratio'), '{:.2f}'):>7}"
+            )
+        sync = res.get("ours_save", {}).get("seconds")
+        for label, key in (("ours async", "ours_async_save"), ("DCP async", "dcp_async_save")):
+            r = res.get(key)
+            if r is None:
+                continue
+            frac = f" = {100 * r['blocking_s'] / sync:.1f}% of ours sync save" if sync else ""
+            extra = ""
+            if "stage_s" in r:
+                extra = (f" (prepare {r['prepare_s']:.3f}s + staging {r['stage_s']:.3f}s;"
+                         f" 1st save {r['blocking_first_s']:.3f}s; staging buffers allocated: {r['staging_allocations']})")
+            lines.append(f"{label} blocking (2nd save on): {r['blocking_s']:.3f}s{frac}{extra}")
+        lines.append("")
+    lines.append("mem = (rank state + peak extra RSS during the phase) / rank state; "
+                 "x DCP vs DCP save/load; % plain vs plain write/read")
+    return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--total-gib", type=float, default=2.0, help="state size over all ranks (GiB)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo CPU processes (2..8)")
+    p.add_argument("--tensors", type=int, default=32, help="tensors per rank")
+    p.add_argument("--cols", type=int, default=4096, help="columns of every tensor (float32)")
+    p.add_argument("--dir", default="/dev/shm", help="target directory (default: /dev/shm)")
+    p.add_argument("--disk-dir", default=None, help="also run on this (disk) directory")
+    p.add_argument("--repeats", type=int, default=2, help="runs per measurement (best kept)")
+    p.add_argument("--async-saves", type=int, default=3, help="async saves in a row (>=2)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="our writer/reader threads per rank (0: cores // ranks, at least 1)")
+    p.add_argument("--skip-dcp", action="store_true", help="leave PyTorch DCP out")
+    p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.total_gib = min(a.total_gib, 1 / 16)
+        a.tensors = min(a.tensors, 8)
+        a.cols = min(a.cols, 1024)
+        a.repeats = 1
+        a.async_saves = 2
+    a.async_saves = max(2, a.async_saves)
+    if a.threads <= 0:
+        a.threads = max(1, (os.cpu_count() or 1) // a.ranks)
+    if not 1 <= a.ranks <= 64:
+        p.error("--ranks must be between 1 and 64")
+    return a
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        t0 = time.perf_counter()
+        mp.spawn(_worker, args=(args.ranks, port, args, out_path), nprocs=args.ranks, join=True)
+        with open(out_path) as f:
+            results = json.load(f)
+    results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+    results["config"]["wall_s"] = time.perf_counter() - t0
+    import torch
+
+    results["config"]["torch"] = torch.__version__
+    sb = results["state_bytes_per_rank"]
+    print(
+        f"ckpt benchmark: {args.ranks} ranks x {sb / GiB:.3f} GiB "
+        f"({results['tensors_per_rank']} tensors of {results['tensor_shape']} float32 per rank), "
+        f"best of {args.repeats}, our threads/rank {args.threads}, torch {torch.__version__}"
+    )
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

@@ -1,0 +1,29 @@
+"""Smoke test of benchmarks/bench.py: a tiny 2-rank run completes and prints the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow  # ~10-20 s (two spawned ranks, DCP included)
+def test_bench_quick_runs_and_prints_table(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--ranks", "2",
+        "--total-gib", "0.004", "--tensors", "4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("plain write (limit)", "DCP save", "ours save", "ours load resharded", "ours async blocking"):
+        assert label in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    target = res["targets"][str(tmp_path)]
+    assert target["ours_async_save"]["staging_allocations"] == 4  # buffers reused on the 2nd save
+    assert all(target[k]["gib_s"] > 0 for k in ("ours_save", "ours_load", "dcp_save", "plain_write"))
