@@ -1,0 +1,314 @@
+"""``DistCkptIO``: a Lightning ``CheckpointIO`` writing ckpt_integration directory checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as tdist
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+
+from .. import serialization
+from ..optimizer import load_optimizer_state
+from ..storage import checkpoint_dir as ckdir
+
+logger = logging.getLogger(__name__)
+
+#: key of the marker our strategies put into the state they hand to the plugin
+MARKER = "_ckpt_integration_lightning"
+LOAD_STRATEGIES = serialization.LOAD_STRATEGIES
+
+
+class UnsupportedStrategyError(ValueError):
+    """``DistCkptIO`` was combined with a strategy that would bypass it or save on rank 0 only."""
+
+
+def _unsupported_message(strategy: Any) -> str:
+    name = type(strategy).__name__
+    if name == "SingleDeviceStrategy":
+        return ("DistCkptIO needs a strategy that builds sharded state: pass "
+                "strategy=ckpt_integration.lightning.DistCkptSingleDeviceStrategy() together with plugins=[DistCkptIO()] "
+                "(SingleDeviceStrategy would hand it a plain torch checkpoint)")
+    why = {
+        "FSDPStrategy": "it saves sharded checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
+        "ModelParallelStrategy": "it saves DTensor checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
+        "DeepSpeedStrategy": "DeepSpeed writes its own checkpoints and never calls CheckpointIO",
+    }.get(name, "it calls CheckpointIO on rank 0 only (or not at all), so a sharded save would never happen")
+    return (
+        f"DistCkptIO cannot be used with {name}: {why}. Use "
+        "strategy=ckpt_integration.lightning.DistCkptDDPStrategy(...) (DDP, optionally with hand-written "
+        "tensor parallelism via ckpt_integration.modules) or DistCkptSingleDeviceStrategy() for one device; "
+        "they call sharded_state_dict() on every rank. To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
+    )
+
+
+def is_dist_ckpt_strategy(strategy: Any) -> bool:
+    """True for strategies that use the :class:`~ckpt_integration.lightning.DistCkptStrategyMixin`."""
+    from .strategy import DistCkptStrategyMixin
+
+    return isinstance(strategy, DistCkptStrategyMixin)
+
+
+def check_strategy(strategy: Any) -> None:
+    """Accept a DistCkpt strategy or raise :class:`UnsupportedStrategyError` naming what to use instead."""
+    if strategy is None or is_dist_ckpt_strategy(strategy):
+        return
+    raise UnsupportedStrategyError(_unsupported_message(strategy))
+
+
+def _strategy_from_callers(max_depth: int = 6) -> Any:
+    """The Lightning strategy (or accelerator connector's strategy) in the calling frames, if any."""
+    from lightning.pytorch.strategies import Strategy
+
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, Strategy):
+            return obj
+        strat = getattr(obj, "strategy", None) if hasattr(obj, "_strategy_flag") else None
+        if isinstance(strat, Strategy):
+            return strat
+        frame = frame.f_back
+    return None
+
+
+class DistCkptIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` plugin saving sharded, reshardable directory checkpoints.
+
+    Use with ``Trainer(strategy=DistCkptDDPStrategy(...) or DistCkptSingleDeviceStrategy(),
+    plugins=[DistCkptIO()])``. Any other strategy (single-device, DDP, FSDP,
+    ModelParallel, DeepSpeed, ...) raises :class:`UnsupportedStrategyError` at
+    ``Trainer(...)`` saying what to use instead.
+
+    Args:
+        async_save: write in the background (training continues after staging);
+            finalized by :class:`DistCkptAsyncFinalizer` (added automatically) and at teardown.
+        load_strategy: ``"local"``, ``"fully_parallel"`` or ``"two_stage"``.
+        thread_count: I/O threads per rank for save and load.
+        backend: sharded backend (``"torch_dist"``).
+        max_in_flight: async saves in flight at once (older ones are waited for).
+        trusted: allow arbitrary pickled objects on load (only for trusted checkpoints).
+        allowed_globals: extra classes allowed in the common state on load.
+        durable: fsync before commit.
+        balance: spread writes of replicated tensors over DP replicas (fully-parallel save).
+    """
+
+    def __init__(
+        self,
+        async_save: bool = False,
+        load_strategy: str = "local",
+        thread_count: int = 2,
+        backend: str = "torch_dist",
+        max_in_flight: int = 1,
+        trusted: bool = False,
+        allowed_globals: Optional[List[Any]] = None,
+        durable: bool = True,
+        balance: bool = True,
+        validate_access_integrity: bool = True,
+    ):
+        if load_strategy not in LOAD_STRATEGIES:
+            raise ValueError(f"DistCkptIO: unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
+        if backend not in ckdir.SUPPORTED_BACKENDS:
+            raise ValueError(f"DistCkptIO: unknown backend {backend!r}; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}")
+        if thread_count < 1 or max_in_flight < 1:
+            raise ValueError("DistCkptIO: thread_count and max_in_flight must be >= 1")
+        self.async_save = bool(async_save)
+        self.load_strategy = load_strategy
+        self.thread_count = int(thread_count)
+        self.backend = backend
+        self.max_in_flight = int(max_in_flight)
+        self.trusted = trusted
+        self.allowed_globals = list(allowed_globals or [])
+        self.durable = durable
+        self.balance = balance
+        self.validate_access_integrity = validate_access_integrity
+        self._queue: Any = None
+        self._requests: List[Any] = []
+        self._deferred_removals: List[str] = []
+        self._check_group: Any = None
+        self._checked = False
+        self.save_fn: Callable[..., Any] = start_async_save
+
+    # -- connection check ----------------------------------------------------------------------
+    def __bool__(self) -> bool:
+        # Lightning's accelerator connector evaluates ``if self.checkpoint_io:`` right before
+        # connecting the plugin to the final strategy: check the combination there (early,
+        # on every rank, before anything is trained or saved).
+        if not self._checked:
+            strategy = _strategy_from_callers()
+            if strategy is not None:
+                self._checked = True
+                check_strategy(strategy)
+        return True
+
+    def _check_caller(self) -> None:
+        strategy = _strategy_from_callers()
+        if strategy is not None and not is_dist_ckpt_strategy(strategy):
+            raise UnsupportedStrategyError(_unsupported_message(strategy))
+
+    # -- low-level API used by the strategies ----------------------------------------------------
+    def _load_kwargs(self) -> Dict[str, Any]:
+        from lightning.fabric.utilities.data import AttributeDict
+
+        allowed = [AttributeDict, *self.allowed_globals]
+        try:
+            from omegaconf import DictConfig, ListConfig
+
+            allowed += [DictConfig, ListConfig]
+        except ImportError:  # pragma: no cover
+            pass
+        return dict(trusted=self.trusted, allowed_globals=allowed, thread_count=self.thread_count,
+                    load_strategy=self.load_strategy)
+
+    def save_sharded(self, state: Dict[str, Any], path: str, content_metadata: Optional[dict] = None) -> None:
+        """Save a sharded state dict (collective); async if configured."""
+        kwargs = dict(thread_count=self.thread_count, balance=self.balance, overwrite=True, durable=self.durable,
+                      validate_access_integrity=self.validate_access_integrity, content_metadata=content_metadata)
+        path = os.fspath(path)
+        if path in self._deferred_removals:
+            self._deferred_removals.remove(path)
+        if not self.async_save:
+            serialization.save(state, path, sharded_strategy=self.backend, **kwargs)
+            return
+        if self._queue is None:
+            from ..execution.async_save import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
+        self._ensure_check_group()
+        req = self.save_fn(state, path, self._queue, kwargs)
+        self._requests.append(req)
+
+    def load_sharded(self, request: Dict[str, Any], path: str, **overrides: Any) -> Dict[str, Any]:
+        """Load ``request`` (collective) with this plugin's load strategy and safety settings."""
+        kwargs = {**self._load_kwargs(), **overrides}
+        return serialization.load(request, os.fspath(path), **kwargs)
+
+    def load_optimizer(self, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str, module: Any = None) -> None:
+        """Load one optimizer's state resharded for the current layout (collective)."""
+        kw = self._load_kwargs()
+        kw.pop("allowed_globals")
+        kw.pop("trusted")
+        load_optimizer_state(optimizer, model_sd, os.fspath(path), prefix=prefix, module=module, **kw)
+
+    # -- async bookkeeping -----------------------------------------------------------------------
+    def _ensure_check_group(self) -> None:
+        if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
+            self._check_group = tdist.new_group(backend="gloo")
+
+    @property
+    def num_unfinalized(self) -> int:
+        """Async saves started and not yet finalized on this rank."""
+        return len(self._requests)
+
+    def maybe_finalize(self, blocking: bool = False, collective: bool = True) -> int:
+        """Finalize finished async saves; returns how many were finalized.
+
+        ``collective=True`` (call it at a point every rank reaches with the same saves
+        started, e.g. a callback hook) finalizes only when *every* rank's saves are done
+        (a tiny all-reduce, made only while saves are pending), so a failure is raised on
+        all ranks at the same step. ``blocking=True`` waits for all of them.
+        """
+        if not self._requests:
+            self._run_deferred_removals()
+            return 0
+        if blocking:
+            done = True
+        else:
+            done = all(r.is_done() for r in self._requests)
+            if collective and self._check_group is not None:
+                flag = torch.tensor([1 if done else 0], dtype=torch.int32)
+                tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, group=self._check_group)
+                done = bool(flag.item())
+        if not done:
+            return 0
+        reqs, self._requests = self._requests, []
+        first: Optional[BaseException] = None
+        for r in reqs:
+            try:
+                r.wait()
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        if self._queue is not None:
+            try:
+                self._queue.maybe_finalize_async_calls(blocking=True)
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            self._deferred_removals.clear()  # keep older checkpoints when the newer one failed
+            raise first
+        self._run_deferred_removals()
+        return len(reqs)
+
+    def _run_deferred_removals(self) -> None:
+        while self._deferred_removals:
+            self._remove_now(self._deferred_removals.pop(0))
+
+    # -- Lightning CheckpointIO API --------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        """Save a state prepared by a DistCkpt strategy (on every rank)."""
+        if storage_options is not None:
+            raise TypeError("DistCkptIO.save_checkpoint does not take storage_options")
+        if MARKER not in checkpoint:
+            if os.path.basename(os.fspath(path)).startswith(".temp"):  # Lightning's spawn launcher hand-off
+                return TorchCheckpointIO().save_checkpoint(checkpoint, path)
+            self._check_caller()
+            raise UnsupportedStrategyError(
+                "DistCkptIO.save_checkpoint got a plain Lightning checkpoint; it must be called by a DistCkpt "
+                "strategy (DistCkptDDPStrategy / DistCkptSingleDeviceStrategy) on every rank"
+            )
+        state = dict(checkpoint)
+        meta = state.pop(MARKER)
+        self.save_sharded(state, os.fspath(path), content_metadata=meta)
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Outside a DistCkpt strategy: the common state plus whole model tensors (one process)."""
+        path = os.fspath(path)
+        if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+        self._check_caller()
+        common = dict(serialization.load_common_state_dict(path, trusted=self.trusted,
+                                                           allowed_globals=self._load_kwargs()["allowed_globals"]))
+        tensors = serialization.load_plain_tensors(path, trusted=self.trusted)
+        common["state_dict"] = {k: v for k, v in tensors.items() if not k.startswith("optimizer")}
+        return common
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint directory; deferred while an async save is in flight."""
+        path = os.fspath(path)
+        if self._requests:
+            if path not in self._deferred_removals:
+                self._deferred_removals.append(path)
+            return
+        self._remove_now(path)
+
+    @staticmethod
+    def _remove_now(path: str) -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def teardown(self) -> None:
+        """Wait for and finalize every async save (raises a failed one), then stop the worker."""
+        try:
+            self.maybe_finalize(blocking=True, collective=False)
+        finally:
+            if self._queue is not None:
+                q, self._queue = self._queue, None
+                q.close()
+
+
+def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: Dict[str, Any]) -> Any:
+    """The one place async saving goes through: ``ckpt_integration.execution.async_save``.
+
+    Returns a request with ``is_done()`` and ``wait()`` (raises the failure).
+    """
+    from ..execution.async_save import async_save_torch_dist
+
+    return async_save_torch_dist(state, path, queue=queue, **save_kwargs)

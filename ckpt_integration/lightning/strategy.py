@@ -1,0 +1,304 @@
+"""Lightning strategies that save and load sharded checkpoints on every rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Dict, List, Mapping, Optional
+
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+from .. import serialization
+from ..errors import IncompleteCheckpointError
+from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
+from ..optimizer import optimizer_sharded_state_dict
+from ..storage.checkpoint_dir import CONFIG_FILE
+from .io import MARKER, DistCkptIO
+
+logger = logging.getLogger(__name__)
+
+RNG_KEY = "lightning.rng_states"
+_LAST_RE = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
+
+
+def optimizer_key(idx: int) -> str:
+    """Prefix and top-level key of optimizer ``idx`` in the checkpoint (``optimizer``, ``optimizer_1``, ...)."""
+    return "optimizer" if idx == 0 else f"optimizer_{idx}"
+
+
+def is_complete_checkpoint(path: Any) -> bool:
+    """True if ``path`` is a committed checkpoint directory (has ``metadata.json``)."""
+    return os.path.isfile(os.path.join(os.fspath(path), CONFIG_FILE))
+
+
+def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt") -> Optional[str]:
+    """The most recently modified committed checkpoint directory in ``dirpath`` (or ``None``)."""
+    dirpath = os.fspath(dirpath)
+    if not os.path.isdir(dirpath):
+        return None
+    cands = [os.path.join(dirpath, n) for n in os.listdir(dirpath) if n.endswith(suffix)]
+    cands = [c for c in cands if is_complete_checkpoint(c)]
+    if not cands:
+        return None
+    return max(cands, key=lambda c: os.path.getmtime(os.path.join(c, CONFIG_FILE)))
+
+
+def resolve_checkpoint_path(path: str) -> str:
+    """``path`` if complete; for an incomplete ``last*.ckpt`` the newest complete sibling; else raise."""
+    if is_complete_checkpoint(path):
+        return path
+    real = os.path.realpath(path)
+    if real != path and is_complete_checkpoint(real):
+        return real
+    if _LAST_RE.match(os.path.basename(path.rstrip(os.sep))) and os.path.exists(path):
+        alt = latest_complete_checkpoint(os.path.dirname(os.path.abspath(path)))
+        if alt is not None:
+            logger.warning("%s is incomplete (interrupted save); resuming from %s instead", path, alt)
+            return alt
+    if os.path.isdir(path):
+        raise IncompleteCheckpointError(
+            f"{path} is not a complete checkpoint (no {CONFIG_FILE}: the save was interrupted or is still "
+            "running); pass a committed checkpoint directory"
+        )
+    return path  # let ci.load raise its specific error (missing path, a file, ...)
+
+
+def _rng_to_safe(states: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:  # numpy arrays are not on the safe-unpickle allow-list: store lists
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
+    return out
+
+
+def _rng_from_safe(states: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(states)
+    if "numpy" in out:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = out["numpy"]
+        out["numpy"] = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    if "python" in out and isinstance(out["python"], list):
+        v = out["python"]
+        out["python"] = (v[0], tuple(v[1]), v[2])
+    return out
+
+
+def _contains_sharded(x: Any) -> bool:
+    if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
+        return True
+    if isinstance(x, dict):
+        return any(_contains_sharded(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_contains_sharded(v) for v in x)
+    return False
+
+
+class DistCkptStrategyMixin:
+    """Strategy mixin: sharded checkpoints through :class:`DistCkptIO` on every rank.
+
+    On save: ``lightning_module.sharded_state_dict()`` (or the default from
+    :mod:`ckpt_integration.modules`) on every rank, the optimizers' sharded state
+    (:func:`~ckpt_integration.optimizer.optimizer_sharded_state_dict`), per-rank RNG
+    states as ShardedObjects and the rest of Lightning's checkpoint (loops, callbacks,
+    LR schedulers, hyper-parameters, precision plugin, epoch/global_step) as common
+    state. On load: the request is built from the current module (current layout),
+    model and optimizer state are loaded resharded, RNG states restored (same world size).
+    """
+
+    # -- configuration ------------------------------------------------------------------------------
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """TP/DP layout of this run (trivial unless a tensor-parallel size was given)."""
+        lay = getattr(self, "_parallel_layout", None)
+        return lay if lay is not None else ParallelLayout()
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # optimizers exist when loading, so they are restored in the new layout
+
+    @property
+    def checkpoint_io(self) -> DistCkptIO:  # type: ignore[override]
+        return self.dist_checkpoint_io()
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    def dist_checkpoint_io(self) -> DistCkptIO:
+        """The :class:`DistCkptIO` in use (created with defaults if none was given)."""
+        io = getattr(self, "_checkpoint_io", None)
+        if io is None:
+            io = DistCkptIO()
+            self._checkpoint_io = io
+        if not isinstance(io, DistCkptIO):
+            raise TypeError(
+                f"{type(self).__name__} needs plugins=[DistCkptIO(...)] (or no CheckpointIO), got {type(io).__name__}"
+            )
+        return io
+
+    def _module_sharded_state_dict(self) -> Dict[str, Any]:
+        return module_sharded_state_dict(self.lightning_module, "", {"layout": self.parallel_layout})
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        io = self.dist_checkpoint_io()
+        if io.async_save:
+            from .callbacks import DistCkptAsyncFinalizer
+
+            if not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Save on every rank (collective)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        io = self.dist_checkpoint_io()
+        path = self.broadcast(os.fspath(filepath))  # type: ignore[attr-defined]
+        state = dict(checkpoint)
+        dumped = state.pop("state_dict", None)
+        model_sd = dumped if _contains_sharded(dumped) else self._module_sharded_state_dict()
+        state["state_dict"] = model_sd
+        opt_states = state.pop("optimizer_states", None)
+        num_opt = 0
+        if opt_states is not None:
+            for i, opt in enumerate(self.optimizers):  # type: ignore[attr-defined]
+                state[optimizer_key(i)] = optimizer_sharded_state_dict(
+                    opt, model_sd, prefix=optimizer_key(i), module=self.lightning_module
+                )
+                num_opt += 1
+        from lightning.fabric.utilities.seed import _collect_rng_states
+
+        rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
+        state["rng_states"] = ShardedObject(RNG_KEY, _rng_to_safe(_collect_rng_states()), (world,), (rank,))
+        lay = self.parallel_layout
+        state[MARKER] = {
+            "lightning": 1,
+            "world_size": world,
+            "num_optimizers": num_opt,
+            "has_optimizer_states": opt_states is not None,
+            "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
+        }
+        io.save_checkpoint(state, path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Load into the current layout on every rank (collective); returns Lightning's checkpoint dict."""
+        io = self.dist_checkpoint_io()
+        path = resolve_checkpoint_path(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
+        meta = serialization.load_content_metadata(path) or {}
+        model_sd = self._module_sharded_state_dict()
+        request: Dict[str, Any] = {"state_dict": model_sd}
+        rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
+        if meta.get("world_size") == world:
+            request["rng_states"] = ShardedObject(RNG_KEY, None, (world,), (rank,))
+        loaded = dict(io.load_sharded(request, path))
+        load_into_module(self.lightning_module, loaded["state_dict"])
+        fitting = getattr(getattr(self.lightning_module, "_trainer", None), "state", None)
+        fitting = fitting is not None and fitting.fn == TrainerFn.FITTING
+        if meta.get("has_optimizer_states") and fitting:
+            optimizers = list(self.optimizers)  # type: ignore[attr-defined]
+            if len(optimizers) != meta.get("num_optimizers", 0):
+                raise ValueError(
+                    f"{path} holds {meta.get('num_optimizers')} optimizer(s), the module configures {len(optimizers)}"
+                )
+            for i, opt in enumerate(optimizers):
+                io.load_optimizer(opt, model_sd, path, optimizer_key(i), module=self.lightning_module)
+            loaded["optimizer_states"] = [opt.state_dict() for opt in optimizers]
+        for i in range(int(meta.get("num_optimizers", 0))):
+            loaded.pop(optimizer_key(i), None)
+        rng = loaded.pop("rng_states", None)
+        if isinstance(rng, dict):
+            from lightning.fabric.utilities.seed import _set_rng_states
+
+            _set_rng_states(_rng_from_safe(rng))
+        loaded["state_dict"] = {k: v for k, v in loaded["state_dict"].items()}
+        return loaded
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing to do: :meth:`load_checkpoint` already loaded the weights in place."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states resharded."""
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 removes (deferred by the plugin while an async save is in flight)."""
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            self.dist_checkpoint_io().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        io = getattr(self, "_checkpoint_io", None)
+        if isinstance(io, DistCkptIO):
+            try:
+                io.teardown()
+            except BaseException as e:  # noqa: BLE001 - do not hide the original error
+                logger.error("async checkpoint save failed during exception handling: %s", e)
+
+
+class DistCkptSingleDeviceStrategy(DistCkptStrategyMixin, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` saving ckpt_integration sharded checkpoints (loadable in any layout)."""
+
+    def __init__(self, device: Any = "cpu", checkpoint_io: Optional[DistCkptIO] = None, **kwargs: Any):
+        super().__init__(device=device, checkpoint_io=checkpoint_io, **kwargs)
+
+
+class DistCkptDDPStrategy(DistCkptStrategyMixin, DDPStrategy):
+    """``DDPStrategy`` saving sharded checkpoints on every rank, with optional tensor parallelism.
+
+    Args:
+        tensor_parallel_size: TP size for hand-written tensor-parallel modules
+            (:mod:`ckpt_integration.modules`); ``world_size / tensor_parallel_size`` ranks do
+            data parallelism. DDP then averages gradients over the DP group only, and the
+            distributed sampler splits data by DP rank (TP ranks see the same batches).
+            The layout is ``strategy.parallel_layout`` (use it in ``configure_model``).
+        checkpoint_io: a :class:`DistCkptIO` (default: ``DistCkptIO()``).
+        kwargs: as for ``DDPStrategy``.
+    """
+
+    def __init__(self, tensor_parallel_size: int = 1, checkpoint_io: Optional[DistCkptIO] = None, **kwargs: Any):
+        super().__init__(checkpoint_io=checkpoint_io, **kwargs)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self._tp_size = int(tensor_parallel_size)
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        tp = getattr(self, "_tp_size", 1)
+        if self.world_size % tp:
+            raise ValueError(f"world size {self.world_size} is not divisible by tensor_parallel_size={tp}")
+        self._parallel_layout = ParallelLayout.initialize(tp) if tp > 1 else ParallelLayout(
+            dp_size=self.world_size, dp_rank=self.global_rank
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        lay = self.parallel_layout
+        if getattr(self, "_tp_size", 1) > 1:
+            return dict(num_replicas=lay.dp_size, rank=lay.dp_rank)
+        return super().distributed_sampler_kwargs
+
+    def _setup_model(self, model: Any) -> Any:
+        if getattr(self, "_tp_size", 1) > 1 and "process_group" not in self._ddp_kwargs:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = self.determine_ddp_device_ids()
+            return DistributedDataParallel(
+                module=model, device_ids=device_ids, process_group=self.parallel_layout.dp_group, **self._ddp_kwargs
+            )
+        return super()._setup_model(model)
+
+
+__all__ = [
+    "DistCkptStrategyMixin",
+    "DistCkptSingleDeviceStrategy",
+    "DistCkptDDPStrategy",
+    "optimizer_key",
+    "is_complete_checkpoint",
+    "latest_complete_checkpoint",
+    "resolve_checkpoint_path",
+    "RNG_KEY",
+]

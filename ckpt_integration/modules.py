@@ -1,0 +1,390 @@
+"""Default ``sharded_state_dict`` for ``nn.Module`` s and helpers for model parallelism.
+
+* :func:`default_sharded_state_dict` works for any module, so most users write no
+  hook at all: ordinary parameters/buffers become replicated ShardedTensors
+  (``replica_id`` = data-parallel rank, so each is written once) and DTensor
+  parameters (``torch.distributed.tensor``: ``Shard(dim)`` / ``Replicate`` on a
+  DeviceMesh, uneven shards included) become ShardedTensors at their global
+  offsets. Children with their own ``sharded_state_dict`` hook are asked for
+  theirs.
+* :class:`ShardedModuleMixin` is a base for modules with hand-written tensor /
+  pipeline parallelism: declare which parameters are column- or row-parallel in
+  ``tp_axes`` and the mixin builds the ShardedTensors; :func:`column_parallel`,
+  :func:`row_parallel`, :func:`replicated`, :func:`fused_column_parallel` and
+  :func:`stack_layers` are the building blocks (layers stacked along a layer axis
+  with a pipeline-stage offset via ``prepend_axis_num``).
+* :class:`ParallelLayout` holds TP/PP/DP sizes, ranks and process groups.
+* :func:`load_into_module` copies loaded values that were not filled in place
+  (factory merges) back into the module.
+
+Dict paths of the returned state dicts are the module's ``state_dict()`` names
+(with ``prefix``); ShardedTensor keys are the same names except for stacked
+layers, whose layer index moves into the global tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
+
+__all__ = [
+    "ParallelLayout",
+    "ShardedModuleMixin",
+    "default_sharded_state_dict",
+    "module_sharded_state_dict",
+    "dtensor_to_sharded_tensor",
+    "column_parallel",
+    "row_parallel",
+    "replicated",
+    "fused_column_parallel",
+    "stack_layers",
+    "load_into_module",
+]
+
+
+def _world() -> Tuple[int, int]:
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_rank(), tdist.get_world_size()
+    return 0, 1
+
+
+@dataclass
+class ParallelLayout:
+    """Tensor / pipeline / data-parallel sizes, this rank's coordinates and groups.
+
+    Rank order follows Megatron-Core (TP fastest, then DP, then PP):
+    ``rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank``.
+    Build one collectively with :meth:`initialize` (every rank, same arguments).
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def rank_replica_id(self) -> int:
+        """A replica id unique per rank within a DP x TP grid (0 only at tp_rank = dp_rank = 0)."""
+        return self.tp_rank + self.tp_size * self.dp_rank
+
+    @classmethod
+    def initialize(cls, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, backend: Optional[str] = None) -> "ParallelLayout":
+        """Create the TP, PP and DP groups (collective when ``torch.distributed`` is initialized).
+
+        Without ``torch.distributed`` (or world size 1) returns the trivial layout.
+        ``data_parallel_size = world_size / (tp * pp)``.
+        """
+        rank, world = _world()
+        tp, pp = int(tensor_parallel_size), int(pipeline_parallel_size)
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ValueError(
+                f"world size {world} is not divisible by tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+            )
+        dp = world // (tp * pp)
+        tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+        layout = cls(tp, pp, dp, tp_rank, pp_rank, dp_rank)
+        if world == 1 or not tdist.is_initialized():
+            return layout
+        kw = {"backend": backend} if backend else {}
+
+        def rank_of(t: int, d: int, p: int) -> int:
+            return (p * dp + d) * tp + t
+
+        for p in range(pp):  # every rank creates every group, in the same order
+            for d in range(dp):
+                g = tdist.new_group([rank_of(t, d, p) for t in range(tp)], **kw)
+                if (p, d) == (pp_rank, dp_rank):
+                    layout.tp_group = g
+        for p in range(pp):
+            for t in range(tp):
+                g = tdist.new_group([rank_of(t, d, p) for d in range(dp)], **kw)
+                if (p, t) == (pp_rank, tp_rank):
+                    layout.dp_group = g
+        for d in range(dp):
+            for t in range(tp):
+                g = tdist.new_group([rank_of(t, d, p) for p in range(pp)], **kw)
+                if (d, t) == (dp_rank, tp_rank):
+                    layout.pp_group = g
+        return layout
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+# ---------------------------------------------------------------------------------------------
+def replicated(key: str, tensor: torch.Tensor, replica_id: ReplicaId = 0) -> ShardedTensor:
+    """A tensor held whole by every rank; only ``replica_id == 0`` writes it."""
+    return ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
+
+
+def column_parallel(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, replica_id: ReplicaId = 0) -> ShardedTensor:
+    """Column-parallel weight/bias (``nn.Linear`` output features split): axis 0 split in ``tp_size``."""
+    return ShardedTensor.from_rank_offsets(key, tensor, (0, tp_rank, tp_size), replica_id=replica_id)
+
+
+def row_parallel(key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, replica_id: ReplicaId = 0) -> ShardedTensor:
+    """Row-parallel weight (``nn.Linear`` input features split): axis 1 split in ``tp_size``."""
+    return ShardedTensor.from_rank_offsets(key, tensor, (1, tp_rank, tp_size), replica_id=replica_id)
+
+
+def fused_column_parallel(
+    key: str, tensor: torch.Tensor, tp_rank: int, tp_size: int, num_parts: int = 3, replica_id: ReplicaId = 0
+) -> ShardedTensorFactory:
+    """A fused column-parallel tensor (e.g. QKV: local ``[q_r; k_r; v_r]``) stored as ``num_parts``
+    separate column-parallel tensors ``{key}.part{i}``, so it reshards under any TP size."""
+
+    def build(k: str, t: torch.Tensor, rid: ReplicaId, _: Any) -> Dict[str, ShardedTensor]:
+        parts = t.chunk(num_parts, dim=0)
+        return {f"part{i}": ShardedTensor.from_rank_offsets(f"{k}.part{i}", p, (0, tp_rank, tp_size), replica_id=rid)
+                for i, p in enumerate(parts)}
+
+    def merge(sd: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([sd[f"part{i}"] for i in range(num_parts)], dim=0)
+
+    return ShardedTensorFactory(key, tensor, build, merge, replica_id)
+
+
+def stack_layers(
+    layer_state_dicts: Sequence[Dict[str, Any]], layer_offset: int, num_layers: int, layer_key_prefix: str, index_tag: str = "{i}"
+) -> Dict[str, Any]:
+    """Stack per-layer sharded state dicts along a leading layer axis (``prepend_axis_num``).
+
+    ``layer_state_dicts[i]`` is local layer ``i`` (global index ``layer_offset + i`` of
+    ``num_layers``, e.g. ``layer_offset = pp_rank * layers_per_stage``). Every
+    ShardedTensor key containing ``f"{layer_key_prefix}{i}."`` is renamed to
+    ``f"{layer_key_prefix}"`` + rest, and gets a prepended global axis of size
+    ``num_layers``, so a checkpoint written with one pipeline split loads with another.
+    Dict paths are unchanged. Factories are not supported here.
+    """
+    out: Dict[str, Any] = {}
+    for i, sd in enumerate(layer_state_dicts):
+        g = layer_offset + i
+        tag = f"{layer_key_prefix}{index_tag.format(i=i)}."
+        for path, st in sd.items():
+            if isinstance(st, ShardedTensorFactory):
+                raise TypeError(f"stack_layers: factory {st.key!r} cannot be stacked; use plain ShardedTensors")
+            if not isinstance(st, ShardedTensor):
+                out[path] = st
+                continue
+            key = st.key.replace(tag, layer_key_prefix, 1)
+            frag = None if st.axis_fragmentations is None else (num_layers, *st.axis_fragmentations)
+            out[path] = replace(
+                st,
+                key=key,
+                global_shape=(num_layers, *st.global_shape),
+                global_offset=(g, *st.global_offset),
+                axis_fragmentations=frag,
+                prepend_axis_num=st.prepend_axis_num + 1,
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor
+# ---------------------------------------------------------------------------------------------
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dtensor_local_offset(dt: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(local shape, global offset) of this rank's shard, as torch computes them (uneven too)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+        return tuple(shape), tuple(offset)
+    except ImportError:  # pragma: no cover - fallback for other torch versions: Shard(dim) only, once per dim
+        from torch.distributed.tensor import Shard
+
+        coord = dt.device_mesh.get_coordinate()
+        offset = [0] * dt.ndim
+        for mesh_dim, pl in enumerate(dt.placements):
+            if isinstance(pl, Shard):
+                n = dt.device_mesh.size(mesh_dim)
+                size = dt.shape[pl.dim]
+                chunk = math.ceil(size / n)
+                offset[pl.dim] += min(chunk * coord[mesh_dim], size)
+        return tuple(dt.to_local().shape), tuple(offset)
+
+
+def dtensor_to_sharded_tensor(key: str, dt: Any, extra_replica_id: Optional[int] = None) -> Optional[ShardedTensor]:
+    """A ShardedTensor for this rank's shard of a DTensor (``None`` if the local shard is empty).
+
+    Global offsets come from the mesh coordinates and ``Shard(dim)`` placements
+    (uneven shards as torch makes them); the ``replica_id`` is the tuple of this
+    rank's coordinates on the mesh dims with ``Replicate`` placement (plus
+    ``extra_replica_id`` if given), so each element has exactly one main replica.
+    ``Partial`` placements are refused (reduce first).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    rid: List[int] = []
+    for mesh_dim, pl in enumerate(dt.placements):
+        if isinstance(pl, Replicate):
+            rid.append(int(coord[mesh_dim]))
+        elif not isinstance(pl, Shard):
+            raise ValueError(f"{key!r}: DTensor placement {pl} cannot be checkpointed; redistribute to Shard/Replicate")
+    if extra_replica_id is not None:
+        rid.append(int(extra_replica_id))
+    local = dt.to_local().detach()
+    if local.numel() == 0:
+        return None
+    _, offset = _dtensor_local_offset(dt)
+    replica: ReplicaId = tuple(rid) if rid else 0
+    return ShardedTensor.from_global_offsets(key, local, tuple(dt.shape), offset, replica_id=replica)
+
+
+# ---------------------------------------------------------------------------------------------
+# defaults
+# ---------------------------------------------------------------------------------------------
+def _has_own_hook(module: nn.Module) -> bool:
+    hook = getattr(type(module), "sharded_state_dict", None)
+    return callable(hook)
+
+
+def _local_tensors(module: nn.Module) -> Iterable[Tuple[str, torch.Tensor]]:
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield name, p
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            yield name, b
+
+
+def _default_replica_id(metadata: Optional[dict]) -> ReplicaId:
+    if metadata and "replica_id" in metadata:
+        return metadata["replica_id"]
+    if metadata and isinstance(metadata.get("layout"), ParallelLayout):
+        return metadata["layout"].rank_replica_id
+    return _world()[0]
+
+
+def default_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
+    """The sharded state dict of ``module`` without a hand-written hook.
+
+    Parameters and persistent buffers of ``module`` itself: DTensors become their
+    shard (:func:`dtensor_to_sharded_tensor`); plain tensors are replicated with
+    ``replica_id`` = this rank (``metadata["replica_id"]`` or
+    ``metadata["layout"].rank_replica_id`` override it), so each is written once.
+    Children are recursed into; a child with its own ``sharded_state_dict`` hook
+    is asked with ``prefix + name + "."``.
+    """
+    out: Dict[str, Any] = {}
+    rid = _default_replica_id(metadata)
+    for name, t in _local_tensors(module):
+        key = f"{prefix}{name}"
+        if _is_dtensor(t):
+            st = dtensor_to_sharded_tensor(key, t)
+            if st is not None:
+                out[key] = st
+        else:
+            out[key] = ShardedTensor.from_rank_offsets(key, t.detach(), replica_id=rid)
+    for cname, child in module._modules.items():
+        if child is None:
+            continue
+        out.update(module_sharded_state_dict(child, f"{prefix}{cname}.", metadata))
+    return out
+
+
+def module_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
+    """``module.sharded_state_dict(prefix, metadata)`` if the module has that hook, else the default."""
+    if _has_own_hook(module):
+        return module.sharded_state_dict(prefix=prefix, metadata=metadata)
+    return default_sharded_state_dict(module, prefix, metadata)
+
+
+class ShardedModuleMixin:
+    """Mixin for ``nn.Module`` s with hand-written tensor/pipeline parallelism.
+
+    Set ``self.parallel_layout`` (a :class:`ParallelLayout`) and declare the split
+    of local parameters in ``tp_axes``: ``{"weight": 0}`` (column-parallel),
+    ``{"weight": 1}`` (row-parallel), or ``"fused:3"`` for a fused column-parallel
+    tensor stored as 3 reshardable parts (QKV). Parameters not listed are
+    replicated (norms, row-parallel biases). Override :meth:`sharded_state_dict`
+    for anything else, using the module-level helpers.
+
+    Example::
+
+        class ColumnParallelLinear(ShardedModuleMixin, nn.Module):
+            tp_axes = {"weight": 0, "bias": 0}
+    """
+
+    tp_axes: Dict[str, Any] = {}
+    parallel_layout: Optional[ParallelLayout] = None
+
+    def _layout(self, metadata: Optional[dict]) -> ParallelLayout:
+        if metadata and isinstance(metadata.get("layout"), ParallelLayout):
+            return metadata["layout"]
+        return self.parallel_layout or ParallelLayout()
+
+    def sharded_state_dict(self, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
+        """ShardedTensors for own parameters per ``tp_axes``; children via their hooks/defaults."""
+        lay = self._layout(metadata)
+        out: Dict[str, Any] = {}
+        for name, t in _local_tensors(self):  # type: ignore[arg-type]
+            key, data = f"{prefix}{name}", t.detach()
+            spec = self.tp_axes.get(name)
+            if spec is None:
+                out[key] = replicated(key, data, lay.rank_replica_id)
+            elif isinstance(spec, str) and spec.startswith("fused:"):
+                out[key] = fused_column_parallel(key, data, lay.tp_rank, lay.tp_size, int(spec.split(":")[1]), lay.dp_rank)
+            elif spec == 0:
+                out[key] = column_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
+            elif spec == 1:
+                out[key] = row_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
+            else:
+                raise ValueError(f"{type(self).__name__}.tp_axes[{name!r}] = {spec!r}; use 0, 1 or 'fused:N'")
+        for cname, child in self._modules.items():  # type: ignore[attr-defined]
+            if child is not None:
+                out.update(module_sharded_state_dict(child, f"{prefix}{cname}.", {**(metadata or {}), "layout": lay}))
+        return out
+
+
+def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = "") -> List[str]:
+    """Copy loaded tensors into ``module`` where they were not filled in place.
+
+    ``loaded`` is the result of ``ci.load`` for a request built by
+    :func:`module_sharded_state_dict` (dict paths = state-dict names). Tensors
+    already sharing the target's memory are skipped; factory merges (new tensors)
+    are copied. Returns the names that were copied.
+    """
+    copied: List[str] = []
+    targets = dict(module.state_dict(keep_vars=True))
+    for name, value in loaded.items():
+        if not isinstance(value, torch.Tensor) or not name.startswith(prefix):
+            continue
+        target = targets.get(name[len(prefix):])
+        if target is None:
+            continue
+        local = target.to_local() if _is_dtensor(target) else target
+        local = local.detach()
+        if local.data_ptr() == value.data_ptr() and local.numel() == value.numel():
+            continue
+        with torch.no_grad():
+            local.copy_(value.view(local.shape))
+        copied.append(name)
+    return copied

@@ -1,0 +1,212 @@
+"""Lightning integration: real Trainer.fit in 1, 2 and 4 gloo processes (batched scenarios).
+
+Tolerances: same layout -> next-step losses equal an uninterrupted run to 1e-5;
+different TP/DP/world size -> within 2e-3 absolute (fp32 summation order only).
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from tests.dist_utils import run_distributed  # noqa: E402
+
+CHARS, BLOCK, GBS = 2000, 32, 8  # 7 steps per epoch
+
+
+def _trainer(rank, world, tp, ckdir, max_epochs, async_save=False, top_k=2, io=None):
+    import lightning as L
+
+    from ckpt_integration.lightning import DistCkptDDPStrategy, DistCkptIO, DistCkptModelCheckpoint
+
+    cb = DistCkptModelCheckpoint(dirpath=ckdir, save_top_k=top_k, monitor="train_loss", save_last=True, every_n_epochs=1)
+    return L.Trainer(accelerator="cpu", devices=world, strategy=DistCkptDDPStrategy(tensor_parallel_size=tp),
+                     plugins=[io or DistCkptIO(async_save=async_save)], max_epochs=max_epochs, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                     num_sanity_val_steps=0, limit_val_batches=0)
+
+
+def _fit(rank, world, tp, ckdir, max_epochs, resume, **kw):
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
+    import lightning as L
+
+    import gpt
+
+    L.seed_everything(0, verbose=False)
+    m = gpt.GPTModule(vocab_size=gpt.vocab_size(CHARS), corpus_chars=CHARS)
+    tr = _trainer(rank, world, tp, ckdir, max_epochs, **kw)
+    tr.fit(m, gpt.make_dataloader(BLOCK, GBS, world // tp, CHARS), ckpt_path=resume)
+    return dict(m.step_losses)
+
+
+def _complete(d):
+    from ckpt_integration.lightning import is_complete_checkpoint
+
+    return sorted(n for n in os.listdir(d) if is_complete_checkpoint(os.path.join(d, n)))
+
+
+def _phase_2proc(rank, world, tmp):
+    out = {}
+    out["ref"] = _fit(rank, world, 1, f"{tmp}/ref", 4, None)                     # uninterrupted, TP1 DP2
+    out["tp2"] = _fit(rank, world, 2, f"{tmp}/tp2", 2, None, async_save=True)    # TP2 DP1, async
+    assert _complete(f"{tmp}/tp2") == ["epoch=0-step=7.ckpt", "epoch=1-step=14.ckpt", "last.ckpt"]
+    out["same"] = _fit(rank, world, 2, f"{tmp}/tp2", 3, "last", async_save=True)  # TP2 -> TP2
+    # top-k keeps exactly k complete directories (+ last), with async save
+    out["dirs"] = sorted(os.listdir(f"{tmp}/tp2"))
+    out["tp1dp2"] = _fit(rank, world, 1, f"{tmp}/tp1", 4, f"{tmp}/tp2/epoch=1-step=14.ckpt")  # TP2 -> TP1 DP2
+    if rank == 0:
+        json.dump(out, open(f"{tmp}/out2.json", "w"))
+
+
+def _phase_4proc(rank, world, tmp):
+    losses = _fit(rank, world, 2, f"{tmp}/w4", 3, f"{tmp}/tp2/epoch=1-step=14.ckpt", async_save=True)  # 2 -> 4
+    if rank == 0:
+        json.dump(losses, open(f"{tmp}/out4.json", "w"))
+
+
+@pytest.mark.slow
+def test_resume_across_layouts_and_topk(tmp_path):
+    tmp = str(tmp_path)
+    run_distributed(_phase_2proc, 2, tmp, timeout=400)
+    out = json.load(open(f"{tmp}/out2.json"))
+    ref = {int(k): v for k, v in out["ref"].items()}
+    assert len(ref) == 28
+    same = {int(k): v for k, v in out["same"].items()}
+    assert sorted(same) == list(range(14, 21))
+    for s, v in same.items():  # same layout: identical continuation
+        assert v == pytest.approx(ref[s], abs=1e-5), (s, v, ref[s])
+    tp2 = {int(k): v for k, v in out["tp2"].items()}
+    for s in range(14):
+        assert tp2[s] == pytest.approx(ref[s], abs=2e-3)
+    tp1 = {int(k): v for k, v in out["tp1dp2"].items()}
+    assert min(tp1) == 14
+    for s in range(14, 21):  # TP 2 -> 1, DP 1 -> 2
+        assert tp1[s] == pytest.approx(ref[s], abs=2e-3), (s, tp1[s], ref[s])
+    # top-k = 2 directories + last.ckpt, all complete, nothing left behind
+    assert len([d for d in out["dirs"] if d.startswith("epoch=")]) == 2 and "last.ckpt" in out["dirs"]
+    assert not [d for d in out["dirs"] if ".tmp-" in d]
+    assert _complete(f"{tmp}/tp2") == sorted(out["dirs"]) == ["epoch=1-step=14.ckpt", "epoch=2-step=21.ckpt", "last.ckpt"]
+
+    # world size 2 -> 4 (TP2 x DP2), then 4 -> 1, both vs the uninterrupted run
+    run_distributed(_phase_4proc, 4, tmp, timeout=400)
+    w4 = {int(k): v for k, v in json.load(open(f"{tmp}/out4.json")).items()}
+    for s in range(14, 21):
+        assert w4[s] == pytest.approx(ref[s], abs=2e-3), (s, w4[s], ref[s])
+    run_distributed(_phase_1proc_last, 1, tmp, timeout=400)
+    w1 = {int(k): v for k, v in json.load(open(f"{tmp}/out1.json")).items()}
+    assert sorted(w1) == list(range(21, 28))
+    for s in range(21, 28):  # world size 4 -> 1
+        assert w1[s] == pytest.approx(ref[s], abs=2e-3), (s, w1[s], ref[s])
+
+
+def _phase_1proc_last(rank, world, tmp):
+    losses = _fit(rank, world, 1, f"{tmp}/w4", 4, "last")  # 4 -> 1 via ckpt_path="last"
+    json.dump(losses, open(f"{tmp}/out1.json", "w"))
+
+
+def _single_process_scenarios(rank, world, tmp):
+    import lightning as L
+
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO, latest_complete_checkpoint
+
+    # 1) sync run, then a save "killed halfway": the writer raises -> previous checkpoints stay loadable
+    _fit(rank, world, 1, f"{tmp}/a", 2, None)
+    before = _complete(f"{tmp}/a")
+
+    def broken(state, path, queue, kwargs):
+        raise RuntimeError("simulated crash while writing")
+
+    io = DistCkptIO(async_save=True)
+    io.save_fn = broken
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _fit(rank, world, 1, f"{tmp}/a", 3, "last", io=io)
+    assert _complete(f"{tmp}/a") == before
+    ci.load_common_state_dict(f"{tmp}/a/last.ckpt")
+    # 2) an incomplete last.ckpt (no metadata.json) is never chosen by ckpt_path="last"
+    os.remove(f"{tmp}/a/last.ckpt/metadata.json")
+    newest = latest_complete_checkpoint(f"{tmp}/a")
+    assert newest.endswith("epoch=1-step=14.ckpt")
+    losses = _fit(rank, world, 1, f"{tmp}/a", 3, "last")
+    assert min(losses) == 14  # resumed from epoch=1-step=14, not from scratch
+    # an explicitly given incomplete checkpoint is refused with a clear error
+    os.makedirs(f"{tmp}/a/partial.ckpt")
+    open(f"{tmp}/a/partial.ckpt/__0_0.distcp", "w").close()
+    with pytest.raises(ci.IncompleteCheckpointError, match="not a complete checkpoint"):
+        _fit(rank, world, 1, f"{tmp}/a", 4, f"{tmp}/a/partial.ckpt")
+    L.seed_everything(0)
+
+
+@pytest.mark.slow
+def test_crash_and_incomplete_checkpoints(tmp_path):
+    run_distributed(_single_process_scenarios, 1, str(tmp_path), timeout=300)
+
+
+def test_unsupported_combinations_raise(tmp_path):
+    import lightning as L
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+    from ckpt_integration.lightning import (DistCkptDDPStrategy, DistCkptIO, DistCkptSingleDeviceStrategy,
+                                            UnsupportedStrategyError)
+
+    kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    from ckpt_integration.lightning import check_strategy
+
+    # FSDP needs a GPU in Lightning; the check the plugin runs when it is connected:
+    with pytest.raises(UnsupportedStrategyError, match="FSDPStrategy.*never calls CheckpointIO.*DistCkptDDPStrategy"):
+        check_strategy(FSDPStrategy())
+    with pytest.raises(UnsupportedStrategyError, match="ModelParallelStrategy.*DistCkptDDPStrategy"):
+        L.Trainer(devices=2, strategy=ModelParallelStrategy(), plugins=[DistCkptIO()], **kw)
+
+    class MyDDP(DDPStrategy):  # an unknown DDP subclass: would save on rank 0 only
+        pass
+
+    with pytest.raises(UnsupportedStrategyError, match="MyDDP.*rank 0 only"):
+        L.Trainer(devices=2, strategy=MyDDP(), plugins=[DistCkptIO()], **kw)
+    # plain single-device / DDP strategies: clear error naming the DistCkpt strategy to use
+    with pytest.raises(UnsupportedStrategyError, match="DistCkptSingleDeviceStrategy"):
+        L.Trainer(devices=1, plugins=[DistCkptIO()], **kw)
+    with pytest.raises(UnsupportedStrategyError, match="DDPStrategy.*rank 0 only.*DistCkptDDPStrategy"):
+        L.Trainer(devices=2, strategy="ddp", plugins=[DistCkptIO()], **kw)
+    t = L.Trainer(devices=2, strategy=DistCkptDDPStrategy(), plugins=[DistCkptIO()], **kw)
+    assert isinstance(t.strategy.checkpoint_io, DistCkptIO)
+    # a DistCkpt strategy with another CheckpointIO
+    t = L.Trainer(devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[TorchCheckpointIO()], **kw)
+    with pytest.raises(TypeError, match="needs plugins=\\[DistCkptIO"):
+        t.strategy.checkpoint_io
+    with pytest.raises(ValueError, match="load_strategy"):
+        DistCkptIO(load_strategy="nope")
+    with pytest.raises(ValueError, match="backend"):
+        DistCkptIO(backend="zarr")
+
+
+def test_single_device_plugin_only_roundtrip(tmp_path):
+    """``DistCkptSingleDeviceStrategy`` + ``DistCkptIO`` on one device, no torch.distributed: save, resume, reload."""
+    import lightning as L
+
+    import ckpt_integration as ci
+    import gpt
+    from ckpt_integration.lightning import DistCkptIO, DistCkptSingleDeviceStrategy
+
+    def run(epochs, ckpt):
+        L.seed_everything(0, verbose=False)
+        m = gpt.GPTModule(vocab_size=gpt.vocab_size(CHARS), corpus_chars=CHARS, n_layers=1)
+        t = L.Trainer(accelerator="cpu", devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()], max_epochs=epochs, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                      limit_train_batches=3)
+        t.fit(m, gpt.make_dataloader(BLOCK, GBS, 1, CHARS), ckpt_path=ckpt)
+        return m, t
+
+    m, t = run(1, None)
+    path = t.checkpoint_callback.best_model_path
+    assert os.path.isdir(path) and os.path.isfile(os.path.join(path, "metadata.json"))
+    meta = ci.load_tensors_metadata(path)
+    assert "model.blocks.0.qkv.weight.part0" in meta and "optimizer.state.exp_avg.model.head.weight" in meta
+    m2, t2 = run(2, path)
+    assert min(dict(m2.step_losses)) == 3
+    assert t2.global_step == 6
+    torch.testing.assert_close(dict(m2.named_parameters())["model.tok.weight"].shape, (gpt.vocab_size(CHARS), 32))
