@@ -113,6 +113,13 @@ def read_config(directory: str) -> CheckpointingConfig:
     unknown = set(raw) - known
     if unknown:
         raise UnsupportedCheckpointError(f"{path} has unknown fields {sorted(unknown)}; written by a newer version?")
+    # Field types are checked before use: e.g. a list as backend name would otherwise
+    # escape as "TypeError: unhashable type" from the lookups below.
+    for name, typ in (("sharded_backend", str), ("common_backend", str), ("sharded_backend_version", int), ("common_backend_version", int)):
+        if name in raw and (not isinstance(raw[name], typ) or isinstance(raw[name], bool)):
+            raise CorruptCheckpointError(
+                f"{path}: field {name!r} must be a {typ.__name__}, got {type(raw[name]).__name__} {raw[name]!r}"
+            )
     config = CheckpointingConfig(**raw)
     versions = SUPPORTED_BACKENDS.get(config.sharded_backend)
     if versions is None:
@@ -167,8 +174,15 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     try:
         with open(path) as f:
             raw = json.load(f)
-        return Manifest(**raw)
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        manifest = Manifest(**raw)
+        # Parse the checksum table now, so that wrong shapes/values (valid JSON, not a
+        # manifest) fail here as CorruptCheckpointError rather than later as
+        # ValueError/AttributeError in the middle of a load.
+        if not isinstance(manifest.items, dict) or not isinstance(manifest.files, dict):
+            raise TypeError("'items' and 'files' must be objects")
+        manifest.checksums()
+        return manifest
+    except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
 
 

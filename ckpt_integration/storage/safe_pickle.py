@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Iterable, Optional, Set, Tuple
 
 import torch
 
-from ..errors import UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
 # (module, name) pairs allowed inside DCP ``.metadata`` files.
 _DCP_METADATA_ALLOWED: Set[Tuple[str, str]] = {
@@ -36,6 +36,12 @@ _DCP_METADATA_ALLOWED: Set[Tuple[str, str]] = {
         "StorageMeta",
         "_MEM_FORMAT_ENCODING",
     )
+} | {
+    # Megatron-Core >= 0.1x stores every rank's SavePlan in ``Metadata.all_local_plans``
+    # (used to reuse plans on the next save). These are plain dataclasses / an Enum of
+    # DCP's planner module: unpickling them builds data, it calls no user code.
+    ("torch.distributed.checkpoint.planner", n)
+    for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -116,7 +122,15 @@ def load_dcp_metadata(f: BinaryIO, trusted: bool = False) -> Any:
     return _RestrictedMetadataUnpickler(f).load()
 
 
-_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+# torch's weights-only unpickler names refused globals as "Unsupported global: GLOBAL x.y"
+# or "Trying to load unsupported GLOBAL x.y whose module x is blocked" (case differs).
+_UNSUPPORTED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)", re.IGNORECASE)
+# Other refusals of the weights-only unpickler (objects it will not build or call).
+_REFUSAL_MARKERS = ("allowlisted", "unrecognized function", "must be imported", "Unsupported class")
+
+
+def _is_refusal(message: str) -> bool:
+    return bool(_UNSUPPORTED_GLOBAL.search(message)) or any(m in message for m in _REFUSAL_MARKERS)
 
 
 def safe_torch_load(
@@ -127,15 +141,27 @@ def safe_torch_load(
 ) -> Any:
     """``torch.load`` that refuses to execute code unless ``trusted``.
 
-    ``what`` names the file/object in the error message.
+    ``what`` names the file/object in the error message. Raises
+    :class:`UnsafeCheckpointError` for objects outside the allow-list and
+    :class:`CorruptCheckpointError` for bytes that are not a readable archive.
     """
     if trusted:
-        return torch.load(f, map_location="cpu", weights_only=False)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=False)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, UnicodeDecodeError) as e:
+            # damaged archive / pickle stream (errors raised by the objects' own code pass through)
+            raise CorruptCheckpointError(f"{what} is damaged and cannot be read: {e}") from None
     allowed = [collections.OrderedDict, *(_extra_safe_globals), *(allowed_globals or ())]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        if not _is_refusal(str(e)):
+            # torch wraps every error of the weights-only unpickler in UnpicklingError,
+            # including damaged streams ("Unsupported operand 142"): that is corruption,
+            # not an unsafe object, and must not tell the user to pass trusted=True.
+            detail = str(e).split("WeightsUnpickler error:")[-1].strip().split("\n")[0]
+            raise CorruptCheckpointError(f"{what} is damaged and cannot be decoded: {detail}") from None
         m = _UNSUPPORTED_GLOBAL.search(str(e))
         name = m.group(1) if m else "an object outside the allow-list"
         raise UnsafeCheckpointError(
@@ -144,6 +170,13 @@ def safe_torch_load(
             f"to allow just this class pass allowed_globals=[{name}] (or call "
             f"ckpt_integration.add_safe_globals)."
         ) from None
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        # Any other failure while decoding untrusted bytes (bad zip records, invalid
+        # UTF-8 in names, impossible sizes -> MemoryError/OverflowError, rebuild
+        # TypeErrors, ...) means the bytes are damaged; report it as such, naming ``what``.
+        raise CorruptCheckpointError(f"{what} is damaged and cannot be read: {type(e).__name__}: {e}") from None
 
 
 def torch_dumps(obj: Any) -> bytes:

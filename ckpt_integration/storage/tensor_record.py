@@ -155,7 +155,13 @@ def parse_tensor_record(fd: int, offset: int, length: int, path: str = "") -> Te
             raise CorruptCheckpointError(f"{path}@{offset}: archive lacks storage data/{key}")
         data_start = _member_data_start(fd, offset, length, info)
         return TensorRecord(data_start, dtype, shape, stride, storage_offset)
-    except (zipfile.BadZipFile, struct.error, EOFError, pickle.UnpicklingError, ValueError) as e:
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:
+        # Damaged archive bytes surface as many types besides BadZipFile: zipfile's
+        # NotImplementedError ("zip file version"), OSError/OverflowError from a pread at an
+        # impossible offset, MemoryError from a huge pickle length field, TypeError from a
+        # mangled rebuild call... All mean the record is unreadable: name file and offset.
         raise CorruptCheckpointError(
             f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {e}"
         ) from None

@@ -414,6 +414,7 @@ class TorchDistReader:
         self._verify(info, [bytes(buf)], f"chunk {chunk.box} of {key!r}")
         from .safe_pickle import safe_torch_load
 
+        # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
         t = safe_torch_load(io.BytesIO(bytes(buf)), what=f"chunk {chunk.box} of {key!r} in {path}")
         if not isinstance(t, torch.Tensor) or t.numel() != chunk.box.numel:
             raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
