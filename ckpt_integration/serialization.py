@@ -21,7 +21,7 @@ from .planning.boxes import Box
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir
 from .storage.fs import atomic_write_bytes
-from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
+from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata, write_dcp_metadata
 
 PathLike = Union[str, "os.PathLike[str]"]
 LOAD_STRATEGIES = ("local", "fully_parallel", "two_stage")
@@ -234,14 +234,16 @@ def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
 def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> StateDict:
     """Every saved tensor, whole, as ``{key: torch.Tensor}`` (needs memory for all of them).
 
+    Reads only tensors: the common state is not unpickled, so checkpoints whose
+    common state holds arbitrary objects load without ``trusted``.
+
     Example: ``load_plain_tensors("ckpt")["embedding.weight"].shape``
     """
-    from .execution.load import load_torch_dist
+    from .execution.load import read_whole_tensors
 
-    meta = load_tensors_metadata(checkpoint_dir, trusted=trusted)
-    request = {k: ShardedTensor.from_global_offsets(k, torch.empty(v.global_shape, dtype=v.dtype), v.global_shape, (0,) * len(v.global_shape)) for k, v in meta.items()}
-    loaded = load_torch_dist(request, os.fspath(checkpoint_dir), validate_access_integrity=False, trusted=trusted)
-    return {k: loaded[k] for k in request}
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    ckdir.read_config(checkpoint_dir)
+    return read_whole_tensors(checkpoint_dir, read_dcp_metadata(checkpoint_dir, trusted=trusted))
 
 
 def load_content_metadata(
@@ -264,8 +266,6 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
 
     Example: ``remove_sharded_tensors("ckpt", "optimizer.")``
     """
-    import pickle
-
     checkpoint_dir = os.fspath(checkpoint_dir)
     ckdir.read_config(checkpoint_dir)
     md = read_dcp_metadata(checkpoint_dir)
@@ -284,9 +284,10 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     md.storage_data = new_storage
     if isinstance(md.planner_data, dict):
         md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
-    atomic_write_bytes(os.path.join(checkpoint_dir, DCP_METADATA_FILE), pickle.dumps(md))
     manifest = ckdir.read_manifest(checkpoint_dir)
+    md_entry = write_dcp_metadata(checkpoint_dir, md)
     if manifest is not None:
+        manifest.files[DCP_METADATA_FILE] = md_entry
         gone = files_all - files_kept
         manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import traceback
 
@@ -24,6 +25,8 @@ def free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args, errq):
+    # Own process group per rank: a timeout kills the rank and anything it started.
+    os.setpgrp()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,6 +73,10 @@ def run_distributed(fn, world_size, *args, timeout: float = 180.0):
                 raise AssertionError(f"a rank died: {e}") from None
     finally:
         for p in pc.processes:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and its children (e.g. writer processes)
+            except (ProcessLookupError, PermissionError):
+                pass
             if p.is_alive():
                 p.kill()
-                p.join(5)
+            p.join(5)

@@ -41,7 +41,7 @@ def _worker(rank, world, root):
             req = _state(rank, world)
             for v in req.values():
                 v.data.zero_()
-            out = ci.load(req, root + "/c", load_strategy=strategy, memory_budget=600)  # small budget: many rounds
+            out = ci.load(req, root + "/c", load_strategy=strategy, memory_budget=600, thread_count=1)  # small budget: many rounds
             assert torch.equal(out["w"], expected_grid("w", (16, 8), rank % 2, (2, 1)))
             assert torch.equal(out["e"], global_tensor("e", (32, 4), torch.bfloat16))
             assert torch.equal(out["u"], expected_grid("u", (8, 8), rank, (4, 1)))

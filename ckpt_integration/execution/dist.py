@@ -81,7 +81,10 @@ def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], c
 
     if local_exc is not None:
         if hasattr(local_exc, "add_note"):
-            others = f"; failing ranks:\n  " + "\n  ".join(errors) if len(errors) > 1 else ""
-            local_exc.add_note(context + others)
+            from torch.distributed import get_rank
+
+            me = f"rank {get_rank()}: " if is_distributed() else ""
+            others = "; failing ranks:\n  " + "\n  ".join(errors) if len(errors) > 1 else ""
+            local_exc.add_note(me + context + others)
         raise local_exc
     raise DistributedCheckpointingError(f"{context}:\n  " + "\n  ".join(errors))

@@ -308,3 +308,25 @@ def _prepare_reads(
         raise
     tasks.sort(key=lambda t: t.order)
     return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected)
+
+
+def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, whole (no common state, no collectives)."""
+    manifest = ckdir.read_manifest(checkpoint_dir)
+    out: Dict[str, torch.Tensor] = {}
+    with TorchDistReader(checkpoint_dir, md, manifest.checksums() if manifest else None) as reader:
+        tasks = []
+        for key, tmeta in md.state_dict_metadata.items():
+            if not isinstance(tmeta, TensorStorageMetadata):
+                continue
+            shape = tuple(tmeta.size)
+            out[key] = torch.empty(shape, dtype=tmeta.properties.dtype)
+            whole = Box((0,) * len(shape), shape)
+            reads = plan_chunk_reads(whole, [c.box for c in reader.chunks[key]])
+            if uncovered_elements(whole, shape, reads):
+                raise MismatchError(f"{checkpoint_dir}: the saved chunks of {key!r} do not cover the whole tensor")
+            chunk_of = {c.box: c for c in reader.chunks[key]}
+            tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype) for r in reads]
+        tasks.sort(key=lambda t: t.order)
+        run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
+    return out

@@ -146,6 +146,9 @@ def exchange_reads(
     private = [u for u in units if len(u.needers) == 1 and u.needers[0] == rank]
     shared = [u for u in units if len(u.needers) > 1]
     pool = ThreadPoolExecutor(max(1, thread_count), thread_name_prefix="ckpt-pload")
+    # The two-stage prefetch runs a whole round, which itself fans out to ``pool``:
+    # it needs its own thread, or a 1-thread pool would wait on itself forever.
+    prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-prefetch")
     try:
         for u, buf in zip(private, pool.map(read_unit, private)):
             deliver(u, buf)
@@ -172,7 +175,7 @@ def exchange_reads(
             if errors:
                 raise RuntimeError(f"reading failed during the parallel load: {errors[0]}")
             if mode == "two_stage" and k + 1 < len(rounds):
-                prefetch = pool.submit(read_round, rounds[k + 1])
+                prefetch = prefetcher.submit(read_round, rounds[k + 1])
             else:
                 prefetch = None
             t3 = time.perf_counter()
@@ -190,6 +193,7 @@ def exchange_reads(
             bufs = {}
             stats["broadcast_s"] += time.perf_counter() - t3
     finally:
+        prefetcher.shutdown(wait=True)
         pool.shutdown(wait=True)
     stats["total_s"] = time.perf_counter() - t0
     stats["units_total"] = len(units)

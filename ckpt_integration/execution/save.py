@@ -37,7 +37,7 @@ from ..planning.save_plan import items_for_rank, plan_writers
 from ..planning.shards import ShardMeta
 from ..storage import checkpoint_dir as ckdir
 from ..storage.safe_pickle import torch_dumps
-from ..storage.torch_dist import WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
+from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
@@ -238,9 +238,10 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
     tensors = {k: (dt, shape, sorted(chunks)) for k, (dt, shape, chunks) in tensors.items()}
     metadata = make_dcp_metadata(tensors, sorted(objects), written)
     d = plan.write_dir
-    write_dcp_metadata(d, metadata, plan.durable)
-    ckdir.save_common(d, plan.common, plan.durable)
-    files: Dict[str, Dict[str, int]] = {}
+    files: Dict[str, Dict[str, int]] = {
+        DCP_METADATA_FILE: write_dcp_metadata(d, metadata, plan.durable),
+        ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
+    }
     for w in written:
         f = files.setdefault(w.relative_path, {"size": 0})
         f["size"] = max(f["size"], w.offset + w.length)

@@ -155,7 +155,7 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
         gaps = find_gaps(global_shape, main)
         errors.append(
             f"{key!r} (global shape {tuple(global_shape)}): main replicas cover {covered} of "
-            f"{total} elements; not covered: " + "; ".join(gaps)
+            f"{total} elements (shards held by ranks {_ranks(shards)}); not covered: " + "; ".join(gaps)
         )
     return errors
 

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -146,16 +147,34 @@ def write_config(directory: str, config: CheckpointingConfig, durable: bool = Tr
     atomic_write_bytes(os.path.join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable)
 
 
-def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> None:
+def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> Dict[str, int]:
+    """Write ``common.pt``; returns ``{"size", "crc32"}`` for the manifest."""
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
-    atomic_write_bytes(os.path.join(directory, COMMON_FILE), buf.getvalue(), durable)
+    data = buf.getvalue()
+    atomic_write_bytes(os.path.join(directory, COMMON_FILE), data, durable)
+    return {"size": len(data), "crc32": zlib.crc32(data)}
+
+
+def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest"]) -> None:
+    """Compare a whole small file (``common.pt``, ``.metadata``) with its manifest entry."""
+    entry = (manifest.files.get(name) if manifest else None) or {}
+    if "crc32" not in entry:
+        return
+    path = os.path.join(directory, name)
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) != entry.get("size", len(data)) or zlib.crc32(data) != entry["crc32"]:
+        raise CorruptCheckpointError(
+            f"{path} is damaged: its size/checksum differs from the one recorded at save time"
+        )
 
 
 def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.exists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state")
+    verify_file_checksum(directory, COMMON_FILE, read_manifest(directory))
     try:
         return safe_torch_load(path, trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:

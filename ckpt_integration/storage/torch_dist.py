@@ -193,14 +193,21 @@ def make_dcp_metadata(
     )
 
 
-def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True) -> None:
+def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
+    """Write ``.metadata``; returns ``{"size", "crc32"}`` for the manifest."""
     import pickle
 
-    atomic_write_bytes(os.path.join(directory, DCP_METADATA_FILE), pickle.dumps(metadata), durable)
+    data = pickle.dumps(metadata)
+    atomic_write_bytes(os.path.join(directory, DCP_METADATA_FILE), data, durable)
+    return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def read_dcp_metadata(directory: str, trusted: bool = False) -> Metadata:
     path = os.path.join(directory, DCP_METADATA_FILE)
+    if os.path.exists(path):
+        from .checkpoint_dir import read_manifest, verify_file_checksum
+
+        verify_file_checksum(directory, DCP_METADATA_FILE, read_manifest(directory))
     try:
         with open(path, "rb") as f:
             md = load_dcp_metadata(f, trusted=trusted)
