@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import json
 import math
 import mmap
@@ -129,25 +130,11 @@ def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[B
     step = max(1, min(shape[axis], budget // inner))
     boxes = []
     outer_shape = shape[:axis]
-    for idx in _iter_index(outer_shape):
+    for idx in itertools.product(*map(range, outer_shape)):
         for start in range(0, shape[axis], step):
             size = min(step, shape[axis] - start)
             boxes.append(Box(tuple(idx) + (start,) + (0,) * (ndim - axis - 1), (1,) * axis + (size,) + shape[axis + 1 :]))
     return boxes
-
-
-def _iter_index(lens: Sequence[int]) -> Iterator[Tuple[int, ...]]:
-    if not lens:
-        yield ()
-        return
-    idx = [0] * len(lens)
-    for _ in range(math.prod(lens)):
-        yield tuple(idx)
-        for a in range(len(lens) - 1, -1, -1):
-            idx[a] += 1
-            if idx[a] < lens[a]:
-                break
-            idx[a] = 0
 
 
 def _box_slices(box: Box) -> Tuple[slice, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import os
 import threading
@@ -391,7 +392,7 @@ class TorchDistReader:
             target = out if direct else torch.empty(lens, dtype=dtype)
             flat = tensor_buffer(target)
             run_bytes = run_elems * esize
-            for i, idx in enumerate(_iter_index(lens[:k])):
+            for i, idx in enumerate(itertools.product(*map(range, lens[:k]))):
                 first = sum((starts[a] + idx[a]) * strides[a] for a in range(k)) + starts[k] * strides[k]
                 pread_exact(fd, flat[i * run_bytes : (i + 1) * run_bytes], base + first * esize, path)
             if not direct:
@@ -427,22 +428,6 @@ class TorchDistReader:
             raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
         t = t.reshape(chunk.box.sizes)
         out.copy_(t[relative_slices(overlap, chunk.box)])
-
-
-def _iter_index(lens: Sequence[int]):
-    """All index tuples of an array of shape ``lens`` in C order."""
-    if not lens:
-        yield ()
-        return
-    idx = [0] * len(lens)
-    total = math.prod(lens)
-    for _ in range(total):
-        yield tuple(idx)
-        for a in range(len(lens) - 1, -1, -1):
-            idx[a] += 1
-            if idx[a] < lens[a]:
-                break
-            idx[a] = 0
 
 
 def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
