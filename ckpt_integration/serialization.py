@@ -20,7 +20,7 @@ from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, Shard
 from .planning.boxes import Box
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir
-from .storage.fs import atomic_write_bytes
+from .storage.filesystem import join, storage_for
 from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata, write_dcp_metadata
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -292,8 +292,9 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(checkpoint_dir, manifest)
+    storage, checkpoint_dir = storage_for(checkpoint_dir)
     for name in files_all - files_kept:
         try:
-            os.remove(os.path.join(checkpoint_dir, name))
+            storage.remove(join(checkpoint_dir, name))
         except FileNotFoundError:
             pass

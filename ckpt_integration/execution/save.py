@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import traceback
 import uuid
@@ -36,6 +35,7 @@ from ..planning.integrity import validate_sharding_integrity
 from ..planning.save_plan import items_for_rank, plan_writers
 from ..planning.shards import ShardMeta
 from ..storage import checkpoint_dir as ckdir
+from ..storage.filesystem import join, storage_for
 from ..storage.safe_pickle import torch_dumps
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
@@ -80,24 +80,30 @@ class SavePlan:
 
 def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]:
     """Coordinator only: return (write_dir, staging). Never touches a committed checkpoint."""
-    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    if storage.exists(checkpoint_dir) and not storage.isdir(checkpoint_dir):
         raise CheckpointingException(f"cannot save to {checkpoint_dir}: it is a file")
-    committed = os.path.exists(os.path.join(checkpoint_dir, ckdir.CONFIG_FILE))
+    committed = storage.exists(join(checkpoint_dir, ckdir.CONFIG_FILE))
     if committed:
         if not overwrite:
             raise CheckpointingException(
                 f"{checkpoint_dir} already holds a committed checkpoint; save to a new directory "
                 "or pass overwrite=True (the old one is replaced only after the new one is complete)"
             )
+        if storage.remote:
+            raise CheckpointingException(
+                f"overwrite=True is not supported for {checkpoint_dir}: object stores cannot swap "
+                "directories atomically; save to a new location and delete the old one afterwards"
+            )
         staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
-        os.makedirs(staging)
+        storage.makedirs(staging)
         return staging, True
-    os.makedirs(checkpoint_dir, exist_ok=True)
+    storage.makedirs(checkpoint_dir)
     stale = ckdir.stale_save_files(checkpoint_dir)
     if stale:
         logger.warning("removing %d files of an incomplete earlier save in %s", len(stale), checkpoint_dir)
         for n in stale:
-            os.remove(os.path.join(checkpoint_dir, n))
+            storage.remove(join(checkpoint_dir, n))
     return checkpoint_dir, False
 
 
@@ -209,12 +215,13 @@ def write_local(plan: SavePlan) -> None:
 
 
 def _cleanup_failed(write_dir: str, staging: bool) -> None:
+    storage, write_dir = storage_for(write_dir)
     try:
         if staging:
-            shutil.rmtree(write_dir, ignore_errors=True)
+            storage.rmtree(write_dir)
         else:
             for n in ckdir.stale_save_files(write_dir):
-                os.remove(os.path.join(write_dir, n))
+                storage.remove(join(write_dir, n))
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
 
@@ -254,10 +261,12 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
     ckdir.write_manifest(d, manifest, plan.durable)
     ckdir.write_config(d, ckdir.CheckpointingConfig("torch_dist", 1), plan.durable)
     if plan.staging:
+        storage, _ = storage_for(plan.checkpoint_dir)
         old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(plan.checkpoint_dir, old)
-        os.rename(plan.write_dir, plan.checkpoint_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        storage.rename(plan.checkpoint_dir, old)
+        storage.rename(plan.write_dir, plan.checkpoint_dir)
+        storage.sync_dir(os.path.dirname(os.path.abspath(plan.checkpoint_dir)))
+        storage.rmtree(old)
 
 
 def finalize_save(plan: SavePlan) -> None:

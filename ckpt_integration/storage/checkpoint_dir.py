@@ -28,7 +28,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .fs import atomic_write_bytes
+from .filesystem import join, storage_for
 from .safe_pickle import safe_torch_load
 
 CONFIG_FILE = "metadata.json"
@@ -79,8 +79,9 @@ _DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE)
 
 def looks_like_partial_save(directory: str) -> bool:
     """Whether the directory holds files of a save that never committed."""
+    storage, directory = storage_for(directory)
     try:
-        names = os.listdir(directory)
+        names = storage.listdir(directory)
     except OSError:
         return False
     return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
@@ -88,15 +89,15 @@ def looks_like_partial_save(directory: str) -> bool:
 
 def read_config(directory: str) -> CheckpointingConfig:
     """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint."""
-    directory = os.fspath(directory)
-    if not os.path.exists(directory):
+    storage, directory = storage_for(directory)
+    if not storage.exists(directory):
         raise CheckpointNotFoundError(f"checkpoint directory {directory} does not exist")
-    if not os.path.isdir(directory):
+    if not storage.isdir(directory):
         raise CheckpointNotFoundError(
             f"{directory} is a file, not a checkpoint directory (for a torch.save file use torch.load)"
         )
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(path):
+    path = join(directory, CONFIG_FILE)
+    if not storage.exists(path):
         if looks_like_partial_save(directory):
             raise IncompleteCheckpointError(
                 f"{directory} holds an incomplete checkpoint: it has data files but no {CONFIG_FILE} "
@@ -104,8 +105,7 @@ def read_config(directory: str) -> CheckpointingConfig:
             )
         raise CheckpointNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        raw = json.loads(storage.read_bytes(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
@@ -144,7 +144,8 @@ def read_config(directory: str) -> CheckpointingConfig:
 
 def write_config(directory: str, config: CheckpointingConfig, durable: bool = True) -> None:
     """Write the commit marker (atomically). Call only when everything else is durable."""
-    atomic_write_bytes(os.path.join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable)
+    storage, directory = storage_for(directory)
+    storage.write_atomic(join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable)
 
 
 def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> Dict[str, int]:
@@ -152,7 +153,8 @@ def save_common(directory: str, common_state_dict: Any, durable: bool = True) ->
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
     data = buf.getvalue()
-    atomic_write_bytes(os.path.join(directory, COMMON_FILE), data, durable)
+    storage, directory = storage_for(directory)
+    storage.write_atomic(join(directory, COMMON_FILE), data, durable)
     return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
@@ -161,9 +163,9 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
     entry = (manifest.files.get(name) if manifest else None) or {}
     if "crc32" not in entry:
         return
-    path = os.path.join(directory, name)
-    with open(path, "rb") as f:
-        data = f.read()
+    storage, directory = storage_for(directory)
+    path = join(directory, name)
+    data = storage.read_bytes(path)
     if len(data) != entry.get("size", len(data)) or zlib.crc32(data) != entry["crc32"]:
         raise CorruptCheckpointError(
             f"{path} is damaged: its size/checksum differs from the one recorded at save time"
@@ -171,28 +173,31 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
 
 
 def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
-    path = os.path.join(directory, COMMON_FILE)
-    if not os.path.exists(path):
+    storage, directory = storage_for(directory)
+    path = join(directory, COMMON_FILE)
+    if not storage.exists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state")
     verify_file_checksum(directory, COMMON_FILE, read_manifest(directory))
     try:
-        return safe_torch_load(path, trusted=trusted, allowed_globals=allowed_globals, what=path)
+        source = path if not storage.remote else io.BytesIO(storage.read_bytes(path))
+        return safe_torch_load(source, trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
 
 
 def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> None:
-    atomic_write_bytes(os.path.join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
+    storage, directory = storage_for(directory)
+    storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
 
 
 def read_manifest(directory: str) -> Optional[Manifest]:
     """Our manifest, or ``None`` for checkpoints written by other tools."""
-    path = os.path.join(directory, MANIFEST_FILE)
-    if not os.path.exists(path):
+    storage, directory = storage_for(directory)
+    path = join(directory, MANIFEST_FILE)
+    if not storage.exists(path):
         return None
     try:
-        with open(path) as f:
-            raw = json.load(f)
+        raw = json.loads(storage.read_bytes(path))
         manifest = Manifest(**raw)
         # Parse the checksum table now, so that wrong shapes/values (valid JSON, not a
         # manifest) fail here as CorruptCheckpointError rather than later as
@@ -207,8 +212,9 @@ def read_manifest(directory: str) -> Optional[Manifest]:
 
 def stale_save_files(directory: str) -> List[str]:
     """Files of an uncommitted earlier save that a new save into the same directory replaces."""
+    storage, directory = storage_for(directory)
     out = []
-    for n in os.listdir(directory):
+    for n in storage.listdir(directory):
         if n.endswith(".distcp") or n in _DATA_MARKERS or ".tmp-" in n:
             out.append(n)
     return out

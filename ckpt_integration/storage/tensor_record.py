@@ -48,10 +48,10 @@ class TensorRecord:
 
 
 class _SliceFile(io.RawIOBase):
-    """Read-only file-like view of ``[offset, offset+length)`` of an open fd."""
+    """Read-only file-like view of ``[offset, offset+length)`` of a :class:`FileReader`."""
 
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+    def __init__(self, reader: Any, offset: int, length: int):
+        self.reader, self.base, self.length, self.pos = reader, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -70,7 +70,7 @@ class _SliceFile(io.RawIOBase):
         if n is None or n < 0:
             n = self.length - self.pos
         n = max(0, min(n, self.length - self.pos))
-        data = os.pread(self.fd, n, self.base + self.pos)
+        data = self.reader.read(self.base + self.pos, n)
         self.pos += len(data)
         return data
 
@@ -128,8 +128,10 @@ def _describe_tensor(storage, storage_offset, size, stride, requires_grad=False,
     return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
 
 
-def parse_tensor_record(fd: int, offset: int, length: int, path: str = "") -> TensorRecord | None:
+def parse_tensor_record(fd: Any, offset: int, length: int, path: str = "") -> TensorRecord | None:
     """Locate the raw bytes of the tensor archived at ``[offset, offset+length)``.
+
+    ``fd`` is a :class:`~ckpt_integration.storage.filesystem.FileReader`.
 
     Returns ``None`` for archives that are valid but unusual (callers then fall
     back to ``torch.load``); raises :class:`CorruptCheckpointError` when the
@@ -168,7 +170,7 @@ def parse_tensor_record(fd: int, offset: int, length: int, path: str = "") -> Te
 
 
 def _member_data_start(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> int:
-    header = os.pread(fd, _LOCAL_HEADER.size, offset + info.header_offset)
+    header = fd.read(offset + info.header_offset, _LOCAL_HEADER.size)
     if len(header) < _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
     fields = _LOCAL_HEADER.unpack(header)
@@ -181,7 +183,7 @@ def _member_data_start(fd: int, offset: int, length: int, info: zipfile.ZipInfo)
 
 def _read_member(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> bytes:
     start = _member_data_start(fd, offset, length, info)
-    data = os.pread(fd, info.file_size, offset + start)
+    data = fd.read(offset + start, info.file_size)
     if len(data) != info.file_size:
         raise zipfile.BadZipFile(f"member {info.filename} truncated")
     return data

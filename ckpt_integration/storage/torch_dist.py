@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError, MismatchError
 from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
-from .fs import atomic_write_bytes, pread_exact, tensor_buffer
+from .filesystem import FileReader, join, storage_for
+from .fs import tensor_buffer
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import CrcWriter, TensorRecord, parse_tensor_record
 
@@ -130,13 +131,14 @@ def write_data_files(
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them."""
     if not requests:
         return []
+    storage, directory = storage_for(directory)
     buckets = split_into_buckets([r.nbytes for r in requests], thread_count)
 
     def write_bucket(index: int, bucket: List[int]) -> List[WrittenItem]:
         name = data_file_name(rank, index)
-        path = os.path.join(directory, name)
+        path = join(directory, name)
         out = []
-        with open(path, "wb") as f:
+        with storage.open_write(path) as f:
             for i in bucket:
                 req = requests[i]
                 w = CrcWriter(f)
@@ -146,9 +148,7 @@ def write_data_files(
                 else:
                     w.write(req.data)
                 out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, w.crc))
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
+            storage.sync(f, durable)
         return out
 
     with _archive_member_crc_disabled():
@@ -199,19 +199,20 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
     import pickle
 
     data = pickle.dumps(metadata)
-    atomic_write_bytes(os.path.join(directory, DCP_METADATA_FILE), data, durable)
+    storage, directory = storage_for(directory)
+    storage.write_atomic(join(directory, DCP_METADATA_FILE), data, durable)
     return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def read_dcp_metadata(directory: str, trusted: bool = False) -> Metadata:
-    path = os.path.join(directory, DCP_METADATA_FILE)
-    if os.path.exists(path):
+    storage, directory = storage_for(directory)
+    path = join(directory, DCP_METADATA_FILE)
+    if storage.exists(path):
         from .checkpoint_dir import read_manifest, verify_file_checksum
 
         verify_file_checksum(directory, DCP_METADATA_FILE, read_manifest(directory))
     try:
-        with open(path, "rb") as f:
-            md = load_dcp_metadata(f, trusted=trusted)
+        md = load_dcp_metadata(io.BytesIO(storage.read_bytes(path)), trusted=trusted)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the torch_dist checkpoint has no tensor metadata") from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
@@ -245,12 +246,11 @@ class TorchDistReader:
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
     ):
-        self.directory = directory
+        self.storage, self.directory = storage_for(directory)
         self.metadata = metadata
         self.checksums = checksums or {}
         self.verify_checksums = verify_checksums and bool(checksums)
-        self._fds: Dict[str, int] = {}
-        self._sizes: Dict[str, int] = {}
+        self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
         self._lock = threading.Lock()
         self.chunks: Dict[str, List[ChunkInfo]] = defaultdict(list)
@@ -268,36 +268,35 @@ class TorchDistReader:
                 self.chunks[key] = lst
 
     # -- file handles ------------------------------------------------------------------
-    def _fd(self, relative_path: str) -> int:
+    def _fd(self, relative_path: str) -> FileReader:
         with self._lock:
-            fd = self._fds.get(relative_path)
+            fd = self._files.get(relative_path)
             if fd is None:
-                path = os.path.join(self.directory, relative_path)
+                path = join(self.directory, relative_path)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = self.storage.open_reader(path)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
                         f"data file {path} is missing (listed in .metadata)"
                     ) from None
-                self._fds[relative_path] = fd
-                self._sizes[relative_path] = os.fstat(fd).st_size
+                self._files[relative_path] = fd
             return fd
 
     def _check_extent(self, info: _StorageInfo, what: str) -> int:
         fd = self._fd(info.relative_path)
-        size = self._sizes[info.relative_path]
+        size = fd.size
         if info.offset + info.length > size:
             raise CorruptCheckpointError(
-                f"{os.path.join(self.directory, info.relative_path)} is truncated: {what} needs bytes "
+                f"{join(self.directory, info.relative_path)} is truncated: {what} needs bytes "
                 f"[{info.offset}, {info.offset + info.length}) but the file has {size} bytes"
             )
         return fd
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for fd in self._files.values():
+                fd.close()
+            self._files.clear()
 
     def __enter__(self) -> "TorchDistReader":
         return self
@@ -312,7 +311,7 @@ class TorchDistReader:
             raise MismatchError(f"object {storage_key!r} is not in the checkpoint")
         fd = self._check_extent(info, f"object {storage_key!r}")
         buf = bytearray(info.length)
-        pread_exact(fd, memoryview(buf), info.offset, os.path.join(self.directory, info.relative_path))
+        pread_exact(fd, memoryview(buf), info.offset, join(self.directory, info.relative_path))
         self._verify(info, [bytes(buf)], storage_key)
         return bytes(buf)
 
@@ -322,7 +321,7 @@ class TorchDistReader:
         rid = (info.relative_path, info.offset)
         if rid not in self._records:
             fd = self._check_extent(info, f"chunk {chunk.box} of {key!r}")
-            rec = parse_tensor_record(fd, info.offset, info.length, os.path.join(self.directory, info.relative_path))
+            rec = parse_tensor_record(fd, info.offset, info.length, join(self.directory, info.relative_path))
             self._records[rid] = rec
         return self._records[rid]
 
@@ -337,14 +336,14 @@ class TorchDistReader:
             crc = zlib.crc32(p, crc)
         if crc != expected:
             raise CorruptCheckpointError(
-                f"{os.path.join(self.directory, info.relative_path)}: checksum mismatch for {what} "
+                f"{join(self.directory, info.relative_path)}: checksum mismatch for {what} "
                 f"(bytes [{info.offset}, {info.offset + info.length})): the file is damaged"
             )
 
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
         """Copy ``overlap`` (global coords, inside ``chunk``) of ``key`` into ``out``."""
         info = chunk.storage
-        path = os.path.join(self.directory, info.relative_path)
+        path = join(self.directory, info.relative_path)
         rec = self._record(key, chunk)
         if rec is None or not rec.is_contiguous:
             self._read_region_fallback(key, chunk, overlap, out)
@@ -408,16 +407,16 @@ class TorchDistReader:
         """Checksum the whole archive: small header/footer reads + the data already read."""
         if rec.storage_offset != 0:
             return  # the data read is not the whole storage; only whole archives are checksummed
-        head = os.pread(fd, rec.data_offset, info.offset)
+        head = fd.read(info.offset, rec.data_offset)
         tail_start = rec.data_offset + len(data)
-        tail = os.pread(fd, info.length - tail_start, info.offset + tail_start)
+        tail = fd.read(info.offset + tail_start, info.length - tail_start)
         self._verify(info, [head, data, tail], f"chunk {chunk.box} of {key!r}")
 
     def _read_region_fallback(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor) -> None:
         info = chunk.storage
         fd = self._check_extent(info, f"chunk {chunk.box} of {key!r}")
         buf = bytearray(info.length)
-        path = os.path.join(self.directory, info.relative_path)
+        path = join(self.directory, info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
         self._verify(info, [bytes(buf)], f"chunk {chunk.box} of {key!r}")
         from .safe_pickle import safe_torch_load
@@ -428,6 +427,11 @@ class TorchDistReader:
             raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
         t = t.reshape(chunk.box.sizes)
         out.copy_(t[relative_slices(overlap, chunk.box)])
+
+
+def pread_exact(reader: FileReader, buf: memoryview, offset: int, path: str = "") -> None:
+    """Fill ``buf`` from ``reader`` at ``offset`` (a short read raises CorruptCheckpointError)."""
+    reader.read_into(buf, offset)
 
 
 def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:

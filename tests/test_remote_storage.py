@@ -1,0 +1,133 @@
+"""Checkpoints on fsspec URLs: memory:// and an S3 endpoint started locally (moto)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedObject, ShardedTensor
+from tests.dist_utils import free_port, run_distributed
+from tests.layouts import expected_grid, global_tensor, grid_shard
+
+
+def _state(rank, world):
+    return {
+        "w": grid_shard("w", (8, 6), rank, (world, 1)),
+        "b": ShardedTensor.from_rank_offsets("b", global_tensor("b", (5,), torch.bfloat16), replica_id=rank),
+        "obj": ShardedObject("obj", {"rank": rank}, (world,), (rank,)),
+        "step": 11,
+    }
+
+
+def test_memory_url_roundtrip_and_reshard():
+    url = "memory://ckpt-tests/roundtrip"
+    ci.save(_state(0, 1), url)
+    req = {"w": ShardedTensor.from_global_offsets("w", torch.zeros(3, 6), (8, 6), (2, 0))}
+    out = ci.load(req, url, validate_access_integrity=False)
+    assert torch.equal(out["w"], global_tensor("w", (8, 6))[2:5]) and out["step"] == 11
+    assert set(ci.load_tensors_metadata(url)) == {"w", "b"}
+    assert torch.equal(ci.load_plain_tensors(url)["b"], global_tensor("b", (5,), torch.bfloat16))
+    with pytest.raises(ci.CheckpointingException, match="overwrite=True is not supported"):
+        ci.save(_state(0, 1), url, overwrite=True)
+    with pytest.raises(ci.CheckpointingException, match="already holds a committed checkpoint"):
+        ci.save(_state(0, 1), url)
+
+
+def test_memory_url_uncommitted_save_is_invisible(monkeypatch):
+    import fsspec
+
+    import ckpt_integration.execution.save as save_mod
+
+    url = "memory://ckpt-tests/crash"
+    monkeypatch.setattr(save_mod.ckdir, "write_config", lambda *a, **k: (_ for _ in ()).throw(OSError("crash before commit")))
+    with pytest.raises(OSError, match="crash before commit"):
+        ci.save(_state(0, 1), url)
+    monkeypatch.undo()
+    fs = fsspec.filesystem("memory")
+    assert not fs.exists(url + "/metadata.json")
+    with pytest.raises((ci.IncompleteCheckpointError, ci.CheckpointNotFoundError)):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6))}, url)
+    # a new save into the same location works and becomes visible
+    ci.save(_state(0, 1), url)
+    assert fs.exists(url + "/metadata.json")
+
+
+# --------------------------------------------------------------------------- S3 (moto server)
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "FSSPEC_S3_ENDPOINT_URL": endpoint}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+    import s3fs
+
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = fsspec.filesystem("s3", endpoint_url=endpoint)
+    fs.mkdir("ckpt-bucket")
+    yield endpoint
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+    server.stop()
+
+
+def _s3_save(rank, world, url, fail_rank):
+    import ckpt_integration.execution.save as save_mod
+
+    ci.save(_state(rank, world), url + "/good")
+    if rank == fail_rank:
+        real = save_mod.write_data_files
+
+        def broken(*a, **k):
+            raise OSError("disk full (simulated)")
+
+        save_mod.write_data_files = broken
+    # the failing rank re-raises its own error; the others raise DistributedCheckpointingError
+    with pytest.raises(OSError if rank == fail_rank else ci.DistributedCheckpointingError):
+        ci.save(_state(rank, world), url + "/interrupted")
+    if rank == fail_rank:
+        save_mod.write_data_files = real
+
+
+def test_s3_save_resharded_load_and_interrupted_save(s3_endpoint):
+    url = "s3://ckpt-bucket/run1"
+    run_distributed(_s3_save, 2, url, 1)
+    # resharded load of the 2-rank checkpoint in one process
+    out = ci.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+         "b": ShardedTensor.from_rank_offsets("b", torch.zeros(5, dtype=torch.bfloat16)),
+         "obj": [ShardedObject("obj", None, (2,), (r,)) for r in range(2)]},
+        url + "/good",
+    )
+    assert torch.equal(out["w"], global_tensor("w", (8, 6)))
+    assert torch.equal(out["b"], global_tensor("b", (5,), torch.bfloat16))
+    assert [o["rank"] for o in out["obj"]] == [0, 1] and out["step"] == 11
+    # the save that failed on rank 1 never became visible
+    with pytest.raises((ci.IncompleteCheckpointError, ci.CheckpointNotFoundError)):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6))}, url + "/interrupted")
+    import fsspec
+
+    assert not fsspec.filesystem("s3").exists(url + "/interrupted/metadata.json")
+    # column split on 2 ranks straight from S3
+    run_distributed(_s3_load_columns, 2, url + "/good")
+
+
+def _s3_load_columns(rank, world, url):
+    req = {"w": grid_shard("w", (8, 6), rank, (1, world))}
+    req["w"].data.zero_()
+    out = ci.load(req, url)
+    assert torch.equal(out["w"], expected_grid("w", (8, 6), rank, (1, world)))
