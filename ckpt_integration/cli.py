@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("convert", help="streaming conversion to torch / safetensors / torch_dist")
     sp.add_argument("src", metavar="SRC", help="checkpoint directory, torch.save file, safetensors file or folder")
     sp.add_argument("out", metavar="OUT", help="output file (torch) or directory (safetensors, torch_dist)")
-    sp.add_argument("--to", required=True, choices=["torch", "safetensors", "torch_dist"], help="output format")
+    sp.add_argument("--to", required=True, choices=["torch", "safetensors", "torch_dist", "zarr"], help="output format")
     sp.add_argument("--max-shard-size", default="5GB",
                     help="safetensors: largest file (e.g. 5GB, 500MB, 64MiB; default 5GB)")
     sp.add_argument("--memory-budget", default="256MiB",

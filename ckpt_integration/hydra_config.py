@@ -99,7 +99,7 @@ class TrainConfig:
 
 _ALLOWED = {
     "checkpoint.load_strategy": ("local", "fully_parallel", "two_stage"),
-    "checkpoint.backend": ("torch_dist",),
+    "checkpoint.backend": ("torch_dist", "zarr"),
     "trainer.accelerator": ("cpu", "gpu", "cuda"),
 }
 

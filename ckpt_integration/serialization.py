@@ -21,6 +21,7 @@ from .planning.boxes import Box
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir
 from .storage.filesystem import join, storage_for
+from .storage.backends import read_metadata
 from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata, write_dcp_metadata
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -76,7 +77,8 @@ def save(
         checkpoint_dir: target directory; created if missing. A directory left by
             an uncommitted save is cleaned and reused; a committed checkpoint is
             replaced only with ``overwrite=True`` (after the new one is complete).
-        sharded_strategy: ``"torch_dist"`` or ``("torch_dist", 1)`` (the backend).
+        sharded_strategy: the backend: ``"torch_dist"`` (default, PyTorch DCP format)
+            or ``"zarr"``, also as ``(name, version)``. ``load`` detects it.
         validate_access_integrity: check that every element is saved by exactly
             one main replica (one small metadata exchange).
         content_metadata: a dict stored with the common state; read it back with
@@ -100,7 +102,7 @@ def save(
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
     backend = _backend_from_strategy(sharded_strategy)
-    if backend != "torch_dist":
+    if backend not in ckdir.SUPPORTED_BACKENDS:
         raise CheckpointingException(
             f"unknown sharded backend {backend!r} for save; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}"
         )
@@ -112,6 +114,7 @@ def save(
         overwrite=overwrite,
         durable=durable,
         process_group=process_group,
+        backend=backend,
     )
     if async_sharded_save:
         from .execution.async_save import async_save_torch_dist
@@ -205,7 +208,7 @@ def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
     ckdir.read_config(checkpoint_dir)
-    md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+    md = read_metadata(checkpoint_dir, trusted=trusted)
     out: Dict[str, Any] = {}
     for key, tmeta in md.state_dict_metadata.items():
         if isinstance(tmeta, TensorStorageMetadata):
@@ -220,7 +223,7 @@ def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
     """Like :func:`load_tensors_metadata` plus every ShardedObject (keyed by unique key)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     out = load_tensors_metadata(checkpoint_dir, trusted=trusted)
-    md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+    md = read_metadata(checkpoint_dir, trusted=trusted)
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             try:
@@ -243,7 +246,7 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> St
 
     checkpoint_dir = os.fspath(checkpoint_dir)
     ckdir.read_config(checkpoint_dir)
-    return read_whole_tensors(checkpoint_dir, read_dcp_metadata(checkpoint_dir, trusted=trusted))
+    return read_whole_tensors(checkpoint_dir, read_metadata(checkpoint_dir, trusted=trusted))
 
 
 def load_content_metadata(
@@ -267,7 +270,9 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     Example: ``remove_sharded_tensors("ckpt", "optimizer.")``
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
-    ckdir.read_config(checkpoint_dir)
+    if ckdir.read_config(checkpoint_dir).sharded_backend == "zarr":
+        _remove_from_zarr(checkpoint_dir, key_prefix)
+        return
     md = read_dcp_metadata(checkpoint_dir)
     removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
     if not removed:
@@ -298,3 +303,24 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
             storage.remove(join(checkpoint_dir, name))
         except FileNotFoundError:
             pass
+
+
+def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
+    from .storage import zarr_backend
+
+    index = zarr_backend.read_index(checkpoint_dir)
+    tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]
+    objects = [k for k in index.get("objects", []) if k.startswith(key_prefix)]
+    if not tensors and not objects:
+        return
+    for k in tensors:
+        del index["tensors"][k]
+    index["objects"] = [k for k in index.get("objects", []) if k not in objects]
+    zarr_backend.write_index(checkpoint_dir, index)  # the index no longer names them: then delete
+    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    for k in tensors:
+        storage.rmtree(join(checkpoint_dir, k))
+    for k in objects:
+        path = zarr_backend.object_path(checkpoint_dir, k)
+        if storage.exists(path):
+            storage.remove(path)

@@ -22,9 +22,10 @@ def _state(rank, world):
     }
 
 
-def test_memory_url_roundtrip_and_reshard():
-    url = "memory://ckpt-tests/roundtrip"
-    ci.save(_state(0, 1), url)
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_memory_url_roundtrip_and_reshard(backend):
+    url = f"memory://ckpt-tests/roundtrip-{backend}"
+    ci.save(_state(0, 1), url, sharded_strategy=backend)
     req = {"w": ShardedTensor.from_global_offsets("w", torch.zeros(3, 6), (8, 6), (2, 0))}
     out = ci.load(req, url, validate_access_integrity=False)
     assert torch.equal(out["w"], global_tensor("w", (8, 6))[2:5]) and out["step"] == 11
@@ -89,6 +90,7 @@ def _s3_save(rank, world, url, fail_rank):
     import ckpt_integration.execution.save as save_mod
 
     ci.save(_state(rank, world), url + "/good")
+    ci.save(_state(rank, world), url + "/good_zarr", sharded_strategy="zarr")
     if rank == fail_rank:
         real = save_mod.write_data_files
 
@@ -122,8 +124,9 @@ def test_s3_save_resharded_load_and_interrupted_save(s3_endpoint):
     import fsspec
 
     assert not fsspec.filesystem("s3").exists(url + "/interrupted/metadata.json")
-    # column split on 2 ranks straight from S3
+    # column split on 2 ranks straight from S3, from both backends
     run_distributed(_s3_load_columns, 2, url + "/good")
+    run_distributed(_s3_load_columns, 2, url + "/good_zarr")
 
 
 def _s3_load_columns(rank, world, url):

@@ -59,10 +59,13 @@ def _save4(rank, world, root):
     ci.save(state_world4(rank), os.path.join(root, "main"))
     # the same state saved with balance=False (main replicas write) must be identical on load
     ci.save(state_world4(rank), os.path.join(root, "main_unbalanced"), balance=False)
+    # the same matrix on the second backend
+    ci.save(state_world4(rank), os.path.join(root, "main_zarr"), sharded_strategy="zarr")
 
 
 def _save3(rank, world, root):
     ci.save(uneven_state(rank), os.path.join(root, "uneven"))
+    ci.save(uneven_state(rank), os.path.join(root, "uneven_zarr"), sharded_strategy="zarr")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def check_common(out, rank_label):
 
 def _load4(rank, world, root):
     # 2x2 grid -> 1x4 grid; rows -> columns; PP 2 stages -> 4 stages; TP2 qkv -> TP4
-    for name in ("main", "main_unbalanced"):
+    for name in ("main", "main_unbalanced", "main_zarr"):
         req = {
             "grid": empty_like_request(grid_shard("grid.w", GRID, rank, (1, 4))),
             "rows": empty_like_request(grid_shard("rows.w", ROWS, rank, (1, 4), dtype=torch.bfloat16)),
@@ -109,6 +112,11 @@ def _load4(rank, world, root):
 
 
 def _load2(rank, world, root):
+    for suffix in ("", "_zarr"):
+        _load2_one(rank, root, suffix)
+
+
+def _load2_one(rank, root, suffix):
     # rows -> columns, 2x2 grid -> 2x1, PP 2 stages (with DP) -> 2 stages without DP,
     # 3 uneven shards -> 2 shards, TP2 qkv -> TP1 replicated
     req = {
@@ -117,7 +125,7 @@ def _load2(rank, world, root):
         "pp": empty_like_request(layer_stack("pp.layers", LAYERS, LAYER_SHAPE, rank, 2)),
         "qkv": fused_qkv_factory("attn.qkv", HIDDEN, 0, 1, replica_id=rank),
     }
-    out = ci.load(req, os.path.join(root, "main"))
+    out = ci.load(req, os.path.join(root, "main" + suffix))
     assert torch.equal(out["grid"], expected_grid("grid.w", GRID, rank, (2, 1)))
     assert torch.equal(out["rows"], expected_grid("rows.w", ROWS, rank, (1, 2), torch.bfloat16))
     full_pp = global_tensor("pp.layers", (LAYERS, *LAYER_SHAPE))
@@ -126,7 +134,7 @@ def _load2(rank, world, root):
     assert torch.equal(out["qkv"], expected_fused("attn.qkv", HIDDEN, 0, 1))
     full = global_tensor("uneven.emb", UNEVEN)
     emb = ShardedTensor.from_global_offsets("uneven.emb", torch.zeros(5, 4), UNEVEN, (5 * rank, 0))
-    out = ci.load({"emb": emb}, os.path.join(root, "uneven"))
+    out = ci.load({"emb": emb}, os.path.join(root, "uneven" + suffix))
     assert torch.equal(out["emb"], full[5 * rank : 5 * rank + 5])
 
 
@@ -138,7 +146,8 @@ def test_reshard_to_2_ranks(saved):
     run_distributed(_load2, 2, saved)
 
 
-def test_reshard_to_single_process(saved):
+@pytest.mark.parametrize("suffix", ["", "_zarr"], ids=["torch_dist", "zarr"])
+def test_reshard_to_single_process(saved, suffix):
     """Without torch.distributed: one process loads whole tensors from any layout."""
     assert not dist.is_initialized()
     root = saved
@@ -151,7 +160,7 @@ def test_reshard_to_single_process(saved):
         "qkv": fused_qkv_factory("attn.qkv", HIDDEN, 0, 1),
         "list_of_shards": [ShardedTensor.from_rank_offsets("list.a", torch.zeros(4, 4)), "plain"],
     }
-    out = ci.load(req, os.path.join(root, "main"))
+    out = ci.load(req, os.path.join(root, "main" + suffix))
     assert torch.equal(out["grid"], global_tensor("grid.w", GRID))
     assert torch.equal(out["rows"], global_tensor("rows.w", ROWS, torch.bfloat16))
     full_pp = global_tensor("pp.layers", (LAYERS, *LAYER_SHAPE))
@@ -165,11 +174,11 @@ def test_reshard_to_single_process(saved):
     assert "local" not in out  # non-persistent values are never saved
     # uneven 3 shards -> one whole tensor, and -> a differently uneven split read piecewise
     full = global_tensor("uneven.emb", UNEVEN)
-    out = ci.load({"emb": ShardedTensor.from_rank_offsets("uneven.emb", torch.zeros(UNEVEN))}, os.path.join(root, "uneven"))
+    out = ci.load({"emb": ShardedTensor.from_rank_offsets("uneven.emb", torch.zeros(UNEVEN))}, os.path.join(root, "uneven" + suffix))
     assert torch.equal(out["emb"], full)
     pieces = {f"p{i}": ShardedTensor.from_global_offsets("uneven.emb", torch.zeros(s, 2), UNEVEN, (o, 2))
               for i, (o, s) in enumerate(uneven_bounds([1, 6, 3]))}
-    out = ci.load(pieces, os.path.join(root, "uneven"), validate_access_integrity=False)
+    out = ci.load(pieces, os.path.join(root, "uneven" + suffix), validate_access_integrity=False)
     for i, (o, s) in enumerate(uneven_bounds([1, 6, 3])):
         assert torch.equal(out[f"p{i}"], full[o : o + s, 2:])
 
@@ -201,16 +210,17 @@ def test_balanced_save_spreads_replicated_writes(saved):
     assert max(balanced.values()) < max(unbalanced.values())
 
 
-def test_load_tensors_metadata_and_plain_tensors(saved):
-    meta = ci.load_tensors_metadata(os.path.join(saved, "main"))
+@pytest.mark.parametrize("name", ["main", "main_zarr"])
+def test_load_tensors_metadata_and_plain_tensors(saved, name):
+    meta = ci.load_tensors_metadata(os.path.join(saved, name))
     assert meta["grid.w"].global_shape == GRID and meta["rows.w"].dtype == torch.bfloat16
     assert meta["pp.layers"].global_shape == (LAYERS, *LAYER_SHAPE)
-    sharded = ci.load_sharded_metadata(os.path.join(saved, "main"))
+    sharded = ci.load_sharded_metadata(os.path.join(saved, name))
     assert {"rng/shard_0_2", "rng/shard_1_2"} <= set(sharded)
-    plain = ci.load_plain_tensors(os.path.join(saved, "main"))
+    plain = ci.load_plain_tensors(os.path.join(saved, name))
     assert torch.equal(plain["grid.w"], global_tensor("grid.w", GRID))
     assert torch.equal(plain["attn.qkv.k"], global_tensor("attn.qkv.k", (HIDDEN, HIDDEN)))
-    common = ci.load_common_state_dict(os.path.join(saved, "main"))
+    common = ci.load_common_state_dict(os.path.join(saved, name))
     assert common["iteration"] == 7 and "local" not in common
 
 

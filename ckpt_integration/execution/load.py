@@ -27,7 +27,8 @@ from ..planning.reshard import plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
 from ..storage.safe_pickle import safe_torch_load
-from ..storage.torch_dist import TorchDistReader, read_dcp_metadata, run_parallel
+from ..storage.backends import open_reader, read_metadata
+from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .save import _describe
@@ -163,10 +164,10 @@ def load_torch_dist(
     requested: List[str] = []
     needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     try:
-        ckdir.read_config(checkpoint_dir)
+        backend = ckdir.read_config(checkpoint_dir).sharded_backend
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
         sharded, _req_common, nonpersistent, factories = split_state_dict(sharded_state_dict)
-        md = read_dcp_metadata(checkpoint_dir, trusted=trusted)
+        md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})
         metas = [shard_meta(s, rank) for s in shards]
@@ -192,7 +193,7 @@ def load_torch_dist(
         try:
             job = _prepare_reads(
                 checkpoint_dir, md, common, sharded, nonpersistent, factories, sharded_state_dict, strict,
-                requested, requested_global, trusted, allowed_globals, verify_checksums, rank,
+                requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
             )
         except Exception as e:
             local_error, local_exc = _describe(e), e
@@ -262,7 +263,7 @@ class _LoadJob:
 
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-    requested, requested_global, trusted, allowed_globals, verify_checksums, rank,
+    requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
 ) -> _LoadJob:
     ckpt_keys = [k for k in md.state_dict_metadata]
     missing: Set[str] = set()
@@ -276,7 +277,7 @@ def _prepare_reads(
             missing = set()
     manifest = ckdir.read_manifest(checkpoint_dir)
     checksums = manifest.checksums() if manifest else None
-    reader = TorchDistReader(checkpoint_dir, md, checksums, verify_checksums)
+    reader = open_reader(checkpoint_dir, md, backend, checksums, verify_checksums)
     tasks: List[ReadTask] = []
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -314,7 +315,7 @@ def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2)
     """Every tensor of a checkpoint, whole (no common state, no collectives)."""
     manifest = ckdir.read_manifest(checkpoint_dir)
     out: Dict[str, torch.Tensor] = {}
-    with TorchDistReader(checkpoint_dir, md, manifest.checksums() if manifest else None) as reader:
+    with open_reader(checkpoint_dir, md, None, manifest.checksums() if manifest else None) as reader:
         tasks = []
         for key, tmeta in md.state_dict_metadata.items():
             if not isinstance(tmeta, TensorStorageMetadata):

@@ -37,6 +37,8 @@ from ..planning.shards import ShardMeta
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import join, storage_for
 from ..storage.safe_pickle import torch_dumps
+from ..storage.zarr_backend import create_arrays, write_zarr_requests
+from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
@@ -72,6 +74,7 @@ class SavePlan:
     all_metas: List[ShardMeta]
     thread_count: int
     durable: bool
+    backend: str = "torch_dist"
     started: float = field(default_factory=time.time)
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
@@ -103,7 +106,7 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]
     if stale:
         logger.warning("removing %d files of an incomplete earlier save in %s", len(stale), checkpoint_dir)
         for n in stale:
-            storage.remove(join(checkpoint_dir, n))
+            storage.remove_any(join(checkpoint_dir, n))
     return checkpoint_dir, False
 
 
@@ -137,8 +140,11 @@ def prepare_save(
     overwrite: bool = False,
     durable: bool = True,
     process_group: Any = None,
+    backend: str = "torch_dist",
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
+    if backend not in ckdir.SUPPORTED_BACKENDS:
+        raise CheckpointingException(f"unknown backend {backend!r}; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}")
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -174,6 +180,19 @@ def prepare_save(
             raise ShardingIntegrityError(
                 f"invalid sharding, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(flat)
             )
+    if backend == "zarr":
+        # Arrays must exist before any rank writes chunks: the coordinator creates them,
+        # and the error exchange doubles as the barrier.
+        err = None
+        if coord:
+            try:
+                _create_zarr_arrays(write_dir, all_metas, durable)
+            except Exception as e:
+                err = f"rank 0 (creating zarr arrays): {_describe(e)}"
+                _cleanup_failed(write_dir, staging)
+        errs = [e for e in dist.all_gather_object(err, group) if e]
+        if errs:
+            raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + "\n  ".join(errs))
     fingerprint = (balance, tuple(all_metas))
     chosen = _plan_cache.get(fingerprint)
     if chosen is None:
@@ -197,6 +216,7 @@ def prepare_save(
         all_metas=all_metas,
         thread_count=thread_count,
         durable=durable,
+        backend=backend,
         local_error=local_error,
         local_exc=local_exc,
     )
@@ -207,7 +227,10 @@ def write_local(plan: SavePlan) -> None:
     if plan.local_error:
         return
     try:
-        plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
+        if plan.backend == "zarr":
+            plan.written = write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
+        else:
+            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
     except Exception as e:
         plan.local_error, plan.local_exc = _describe(e), e
     finally:
@@ -221,13 +244,16 @@ def _cleanup_failed(write_dir: str, staging: bool) -> None:
             storage.rmtree(write_dir)
         else:
             for n in ckdir.stale_save_files(write_dir):
-                storage.remove(join(write_dir, n))
+                storage.remove_any(join(write_dir, n))
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
 
 
 def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
     """Coordinator: write metadata files, then the commit marker, then swap if staging."""
+    if plan.backend == "zarr":
+        _commit_zarr(plan, written)
+        return
     tensors: Dict[str, Any] = {}
     objects = set()
     written_ids = {(w.storage_key, w.offsets) for w in written}
@@ -260,6 +286,10 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
     )
     ckdir.write_manifest(d, manifest, plan.durable)
     ckdir.write_config(d, ckdir.CheckpointingConfig("torch_dist", 1), plan.durable)
+    _swap_if_staging(plan)
+
+
+def _swap_if_staging(plan: SavePlan) -> None:
     if plan.staging:
         storage, _ = storage_for(plan.checkpoint_dir)
         old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
@@ -267,6 +297,35 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
         storage.rename(plan.write_dir, plan.checkpoint_dir)
         storage.sync_dir(os.path.dirname(os.path.abspath(plan.checkpoint_dir)))
         storage.rmtree(old)
+
+
+def _tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
+    """key -> (dtype, global shape, main-replica boxes); and the object storage keys."""
+    tensors: Dict[str, Any] = {}
+    objects = set()
+    for m in all_metas:
+        if m.kind == "object":
+            objects.add(m.storage_key)
+            continue
+        entry = tensors.setdefault(m.key, (dtype_from_name(m.dtype), m.global_shape, []))
+        if m.is_main:
+            entry[2].append(m.box)
+    return tensors, sorted(objects)
+
+
+def _create_zarr_arrays(write_dir: str, all_metas: List[ShardMeta], durable: bool) -> None:
+    tensors, objects = _tensor_layouts(all_metas)
+    index = create_arrays(write_dir, tensors, objects)
+    write_zarr_index(write_dir, index, durable)  # also marks the directory as a (partial) save
+
+
+def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
+    d = plan.write_dir
+    files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
+    manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__)
+    ckdir.write_manifest(d, manifest, plan.durable)
+    ckdir.write_config(d, ckdir.CheckpointingConfig("zarr", 1), plan.durable)
+    _swap_if_staging(plan)
 
 
 def finalize_save(plan: SavePlan) -> None:

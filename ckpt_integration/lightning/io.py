@@ -91,7 +91,7 @@ class DistCkptIO(CheckpointIO):
             finalized by :class:`DistCkptAsyncFinalizer` (added automatically) and at teardown.
         load_strategy: ``"local"``, ``"fully_parallel"`` or ``"two_stage"``.
         thread_count: I/O threads per rank for save and load.
-        backend: sharded backend (``"torch_dist"``).
+        backend: sharded backend, ``"torch_dist"`` (default) or ``"zarr"``.
         max_in_flight: async saves in flight at once (older ones are waited for).
         trusted: allow arbitrary pickled objects on load (only for trusted checkpoints).
         allowed_globals: extra classes allowed in the common state on load.
@@ -181,7 +181,7 @@ class DistCkptIO(CheckpointIO):
 
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
         self._ensure_check_group()
-        req = self.save_fn(state, path, self._queue, kwargs)
+        req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend})
         self._requests.append(req)
 
     def load_sharded(self, request: Dict[str, Any], path: str, **overrides: Any) -> Dict[str, Any]:

@@ -38,7 +38,7 @@ FORMAT_NAME = "ckpt_integration"
 MANIFEST_VERSION = 1
 
 # backend -> supported versions of its on-disk layout
-SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,)}
+SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,), "zarr": (1,)}
 SUPPORTED_COMMON_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch": (1,)}
 
 
@@ -74,7 +74,8 @@ class Manifest:
         return out
 
 
-_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE)
+ZARR_INDEX_FILE = "zarr_index.json"
+_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE, ZARR_INDEX_FILE)
 
 
 def looks_like_partial_save(directory: str) -> bool:
@@ -213,8 +214,15 @@ def read_manifest(directory: str) -> Optional[Manifest]:
 def stale_save_files(directory: str) -> List[str]:
     """Files of an uncommitted earlier save that a new save into the same directory replaces."""
     storage, directory = storage_for(directory)
-    out = []
-    for n in storage.listdir(directory):
-        if n.endswith(".distcp") or n in _DATA_MARKERS or ".tmp-" in n:
-            out.append(n)
+    names = storage.listdir(directory)
+    out = [n for n in names if n.endswith(".distcp") or n in _DATA_MARKERS or ".tmp-" in n]
+    if ZARR_INDEX_FILE in names:
+        # a zarr save: its arrays and object files are the top-level entries its keys name
+        try:
+            index = json.loads(storage.read_bytes(join(directory, ZARR_INDEX_FILE)))
+            keys = list(index.get("tensors", {})) + list(index.get("objects", []))
+        except (ValueError, AttributeError, TypeError):
+            keys = []
+        tops = {k.split("/", 1)[0] for k in keys} | {f"{k}.pt" for k in keys if "/" not in k}
+        out += sorted(n for n in tops if n in names and n not in out)
     return out

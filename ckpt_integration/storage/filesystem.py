@@ -158,6 +158,13 @@ class Storage:
         else:
             os.remove(path)
 
+    def remove_any(self, path: str) -> None:
+        """Remove a file or a whole directory."""
+        if self.isdir(path):
+            self.rmtree(path)
+        else:
+            self.remove(path)
+
     def rmtree(self, path: str) -> None:
         if self.fs:
             if self.fs.exists(path):

@@ -1,0 +1,43 @@
+"""Backend dispatch: metadata and readers for whichever backend wrote a checkpoint.
+
+Both backends describe their content as a DCP ``Metadata`` (tensor keys with
+dtype, global shape and chunks; object keys) and provide a reader with the
+same interface, so everything above the storage layer is backend-agnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import checkpoint_dir as ckdir
+from .torch_dist import TorchDistReader, read_dcp_metadata
+
+
+def backend_of(directory: str) -> str:
+    return ckdir.read_config(directory).sharded_backend
+
+
+def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] = None) -> Metadata:
+    backend = backend or backend_of(directory)
+    if backend == "zarr":
+        from .zarr_backend import ZarrReader
+
+        return ZarrReader(directory).metadata
+    return read_dcp_metadata(directory, trusted=trusted)
+
+
+def open_reader(
+    directory: str,
+    metadata: Metadata,
+    backend: Optional[str] = None,
+    checksums: Optional[Dict[Tuple[str, int], int]] = None,
+    verify_checksums: bool = True,
+) -> Any:
+    backend = backend or backend_of(directory)
+    if backend == "zarr":
+        from .zarr_backend import ZarrReader
+
+        return ZarrReader(directory)
+    return TorchDistReader(directory, metadata, checksums, verify_checksums)
