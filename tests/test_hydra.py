@@ -46,8 +46,9 @@ def test_wrong_keys_and_values_fail_fast():
         _compose("parallel=tp3_dp9")  # no such option
     with pytest.raises(ValueError, match="checkpoint.load_strategy='three_stage'"):
         validate_config(_compose("checkpoint.load_strategy=three_stage"))
-    with pytest.raises(ValueError, match="checkpoint.backend='zarr'"):
-        validate_config(_compose("checkpoint.backend=zarr"))
+    with pytest.raises(ValueError, match="checkpoint.backend='tensorstore'"):
+        validate_config(_compose("checkpoint.backend=tensorstore"))
+    validate_config(_compose("checkpoint.backend=zarr"))  # the second backend is a valid switch
     from hydra.errors import InstantiationException
 
     with pytest.raises(InstantiationException, match="unknown load_strategy 'three_stage'"):
