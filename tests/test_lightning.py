@@ -181,7 +181,7 @@ def test_unsupported_combinations_raise(tmp_path):
     with pytest.raises(ValueError, match="load_strategy"):
         DistCkptIO(load_strategy="nope")
     with pytest.raises(ValueError, match="backend"):
-        DistCkptIO(backend="zarr")
+        DistCkptIO(backend="nope")
 
 
 def test_single_device_plugin_only_roundtrip(tmp_path):

@@ -46,6 +46,19 @@ from .torch_dist import ChunkInfo, WriteRequest, WrittenItem, run_parallel
 
 INDEX_FILE = "zarr_index.json"
 
+
+def _zarr() -> Any:
+    """zarr-python, or an error that says how to install it (it is an optional dependency)."""
+    try:
+        import zarr
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the zarr backend needs zarr-python >= 3: pip install 'ckpt_integration[zarr]' "
+            "(or save with the default backend, sharded_strategy='torch_dist')"
+        ) from e
+    return zarr
+
+
 # torch dtypes numpy cannot represent -> same-width integer storage
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -86,7 +99,7 @@ def _store(directory: str, key: str, read_only: bool = False) -> Any:
     path = _array_path(directory, key)
     if not is_remote(path):
         return path
-    import zarr
+    zarr = _zarr()
 
     return zarr.storage.FsspecStore.from_url(path, read_only=read_only)
 
@@ -101,7 +114,7 @@ def create_arrays(
     object_keys: Iterable[str],
 ) -> Dict[str, Any]:
     """Coordinator: create every array (metadata only) and return the index to commit."""
-    import zarr
+    zarr = _zarr()
 
     index: Dict[str, Any] = {"format": 1, "tensors": {}, "objects": sorted(object_keys)}
     for key, (dtype, shape, boxes) in tensors.items():
@@ -143,7 +156,7 @@ def read_index(directory: str) -> Dict[str, Any]:
 
 def write_zarr_requests(directory: str, requests: Sequence[WriteRequest], thread_count: int = 2, durable: bool = True) -> List[WrittenItem]:
     """Write tensor chunks into their arrays and objects into ``.pt`` files."""
-    import zarr
+    zarr = _zarr()
 
     storage, directory = storage_for(directory)
     arrays: Dict[str, Any] = {}
@@ -206,7 +219,7 @@ class ZarrReader:
         self.metadata = Metadata(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data={})
 
     def _array(self, key: str) -> Any:
-        import zarr
+        zarr = _zarr()
 
         with self._lock:
             if key not in self._arrays:
