@@ -88,11 +88,41 @@ def looks_like_partial_save(directory: str) -> bool:
     return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
 
 
+def interrupted_overwrite_hint(directory: str) -> str:
+    """Where an ``overwrite=True`` save that crashed mid-swap left the checkpoints, if it did.
+
+    Only the two-rename fallback (filesystems without an atomic exchange) can leave
+    ``<dir>`` missing, with the old checkpoint at ``<dir>.old-*`` and the new committed
+    one at ``<dir>.tmp-*``; nothing is lost, and this says where to find it.
+    """
+    storage, directory = storage_for(directory)
+    if storage.remote:
+        return ""
+    parent, base = os.path.split(directory.rstrip(os.sep))
+    try:
+        names = storage.listdir(parent or ".")
+    except OSError:
+        return ""
+    found = [
+        join(parent, n) for n in names
+        if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")
+        if storage.exists(join(parent, n, CONFIG_FILE))
+    ]
+    if not found:
+        return ""
+    return (
+        "; a save with overwrite=True was interrupted while replacing it, and these complete "
+        f"checkpoints remain: {', '.join(found)} (.tmp-* is the newer one); rename one back to {directory}"
+    )
+
+
 def read_config(directory: str) -> CheckpointingConfig:
     """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint."""
     storage, directory = storage_for(directory)
     if not storage.exists(directory):
-        raise CheckpointNotFoundError(f"checkpoint directory {directory} does not exist")
+        raise CheckpointNotFoundError(
+            f"checkpoint directory {directory} does not exist" + interrupted_overwrite_hint(directory)
+        )
     if not storage.isdir(directory):
         raise CheckpointNotFoundError(
             f"{directory} is a file, not a checkpoint directory (for a torch.save file use torch.load)"

@@ -20,7 +20,7 @@ import shutil
 import threading
 from typing import Any, BinaryIO, List, Tuple
 
-from .fs import atomic_write_bytes, fsync_dir, pread_exact
+from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
 
 
 def is_remote(path: Any) -> bool:
@@ -176,6 +176,12 @@ class Storage:
         if self.fs:
             raise OSError(f"cannot rename {src} on a remote filesystem atomically")
         os.rename(src, dst)
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Swap two local directories atomically; False where this filesystem cannot."""
+        if self.fs:
+            return False
+        return exchange_paths(a, b)
 
     def sync_dir(self, path: str) -> None:
         if not self.fs:

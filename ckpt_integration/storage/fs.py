@@ -8,6 +8,7 @@ fsync'ed and renamed, so a crash leaves either no marker or a complete one.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from typing import Union
 
@@ -42,6 +43,33 @@ def atomic_write_bytes(path: PathLike, data: bytes, durable: bool = True) -> Non
     os.replace(tmp, path)
     if durable:
         fsync_dir(os.path.dirname(path) or ".")
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: PathLike, b: PathLike) -> bool:
+    """Atomically swap two directory entries (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the kernel, libc or filesystem cannot do it (the caller then
+    falls back to two renames). Why: replacing a committed checkpoint with two renames
+    leaves a moment where neither the old nor the new one is at the path; an exchange
+    never does, so a crash at any point leaves a complete checkpoint in place.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
 
 
 def tensor_buffer(t: torch.Tensor) -> memoryview:

@@ -1,0 +1,136 @@
+"""A save killed with SIGKILL at every step of the commit protocol never damages an earlier checkpoint.
+
+Each case runs a real save in a child process that kills itself (``SIGKILL``, no cleanup, no
+``finally``) at one precise point: while writing data, before the commit marker, right before and
+right after the directory swap of ``overwrite=True``, and between the two renames of the fallback
+swap. The parent then checks what a user would find at the path.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration.errors import CheckpointNotFoundError, IncompleteCheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(version):
+    g = torch.Generator().manual_seed(version)
+    return {
+        **{f"w{i}": ci.ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(64, 64, generator=g)) for i in range(6)},
+        "iteration": version,
+    }
+
+
+def _request():
+    return {f"w{i}": ci.ShardedTensor.from_rank_offsets(f"w{i}", torch.empty(64, 64)) for i in range(6)}
+
+
+def _assert_is_version(path, version):
+    out = ci.load(_request(), path)
+    want = _state(version)
+    assert out["iteration"] == version
+    for i in range(6):
+        assert torch.equal(out[f"w{i}"], want[f"w{i}"].data), f"w{i} differs from version {version}"
+
+
+# The child: save version 2 to ``path`` and SIGKILL itself at ``point``.
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import ckpt_integration.storage.checkpoint_dir as ckdir
+    from ckpt_integration.storage import filesystem
+    from tests.test_crash import _state
+    import ckpt_integration as ci
+
+    path, point, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+
+    def die(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "mid_data":  # the second fsync: one data file is durable, the rest is not
+        real_fsync, calls = os.fsync, []
+        def fsync(fd):
+            calls.append(fd)
+            if len(calls) == 2:
+                die()
+            real_fsync(fd)
+        os.fsync = fsync
+    elif point == "before_commit_marker":
+        ckdir.write_config = die
+    elif point == "before_swap":
+        filesystem.Storage.exchange = die
+    elif point == "after_swap":
+        filesystem.Storage.rmtree = die
+    elif point == "between_renames":  # the fallback for filesystems without an atomic exchange
+        filesystem.Storage.exchange = lambda self, a, b: False
+        real_rename, calls = filesystem.Storage.rename, []
+        def rename(self, a, b):
+            calls.append(a)
+            if len(calls) == 2:
+                die()
+            real_rename(self, a, b)
+        filesystem.Storage.rename = rename
+    ci.save(_state(2), path, overwrite=overwrite)
+    print("finished without being killed")
+    """
+)
+
+
+def _save_and_kill(tmp_path, path, point, overwrite):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD.format(root=ROOT))
+    proc = subprocess.run([sys.executable, str(script), path, point, "1" if overwrite else "0"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.mark.parametrize("point", ["mid_data", "before_commit_marker", "before_swap"])
+def test_killed_overwrite_keeps_the_old_checkpoint(tmp_path, point):
+    path = str(tmp_path / "ckpt")
+    ci.save(_state(1), path)
+    _save_and_kill(tmp_path, path, point, overwrite=True)
+    _assert_is_version(path, 1)
+    # the next save over it works and leaves no debris from the killed one
+    ci.save(_state(3), path, overwrite=True)
+    _assert_is_version(path, 3)
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith("ckpt.")]
+    assert all(n.startswith("ckpt.tmp-") for n in leftovers), leftovers  # only the killed save's staging dir
+
+
+def test_killed_right_after_the_swap_has_the_new_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ci.save(_state(1), path)
+    _save_and_kill(tmp_path, path, "after_swap", overwrite=True)
+    _assert_is_version(path, 2)
+
+
+def test_killed_between_fallback_renames_names_both_checkpoints(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ci.save(_state(1), path)
+    _save_and_kill(tmp_path, path, "between_renames", overwrite=True)
+    with pytest.raises(CheckpointNotFoundError, match=r"overwrite=True was interrupted.*ckpt\.old-.*ckpt\.tmp-") as ei:
+        ci.load(_request(), path)
+    msg = str(ei.value)
+    old = next(p for p in msg.split(": ", 2)[-1].split(" (")[0].split(", ") if ".old-" in p)
+    new = next(p for p in msg.split(": ", 2)[-1].split(" (")[0].split(", ") if ".tmp-" in p)
+    _assert_is_version(old, 1)  # nothing lost: both are complete
+    _assert_is_version(new, 2)
+
+
+@pytest.mark.parametrize("point", ["mid_data", "before_commit_marker"])
+def test_killed_first_save_is_incomplete_and_can_be_redone(tmp_path, point):
+    path = str(tmp_path / "ckpt")
+    _save_and_kill(tmp_path, path, point, overwrite=False)
+    with pytest.raises(IncompleteCheckpointError, match="incomplete checkpoint"):
+        ci.load(_request(), path)
+    ci.save(_state(2), path)  # the debris of the killed save is cleaned up and replaced
+    _assert_is_version(path, 2)
