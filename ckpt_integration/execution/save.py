@@ -290,13 +290,26 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
-    if plan.staging:
-        storage, _ = storage_for(plan.checkpoint_dir)
-        old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
-        storage.rename(plan.checkpoint_dir, old)
-        storage.rename(plan.write_dir, plan.checkpoint_dir)
-        storage.sync_dir(os.path.dirname(os.path.abspath(plan.checkpoint_dir)))
-        storage.rmtree(old)
+    """Put the committed staging directory in place of the old checkpoint (``overwrite=True``).
+
+    An atomic exchange where the filesystem has one: at every instant the path holds a
+    complete checkpoint. Otherwise two renames; a crash between them leaves the old
+    checkpoint at ``<dir>.old-*`` and the new, committed one at ``<dir>.tmp-*``, which
+    ``load`` names in its error (see ``checkpoint_dir.interrupted_overwrite_hint``).
+    """
+    if not plan.staging:
+        return
+    storage, _ = storage_for(plan.checkpoint_dir)
+    parent = os.path.dirname(os.path.abspath(plan.checkpoint_dir))
+    if storage.exchange(plan.write_dir, plan.checkpoint_dir):
+        storage.sync_dir(parent)
+        storage.rmtree(plan.write_dir)  # now holds the old checkpoint
+        return
+    old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+    storage.rename(plan.checkpoint_dir, old)
+    storage.rename(plan.write_dir, plan.checkpoint_dir)
+    storage.sync_dir(parent)
+    storage.rmtree(old)
 
 
 def _tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
