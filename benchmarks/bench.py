@@ -463,8 +463,10 @@ def _free_port() -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--total-gib", type=float, default=2.0, help="state size over all ranks (GiB)")
-    p.add_argument("--ranks", type=int, default=2, help="gloo CPU processes (2..8)")
-    p.add_argument("--tensors", type=int, default=32, help="tensors per rank")
+    p.add_argument("--ranks", type=_int_list, default=[2],
+                   help="gloo CPU processes; a comma list (e.g. 2,4,8) runs each in turn")
+    p.add_argument("--tensors", type=_int_list, default=[32],
+                   help="tensors per rank; a comma list (e.g. 8,512) runs each in turn")
     p.add_argument("--cols", type=int, default=4096, help="columns of every tensor (float32)")
     p.add_argument("--dir", default="/dev/shm", help="target directory (default: /dev/shm)")
     p.add_argument("--disk-dir", default=None, help="also run on this (disk) directory")
@@ -478,45 +480,95 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.total_gib = min(a.total_gib, 1 / 16)
-        a.tensors = min(a.tensors, 8)
+        a.tensors = [min(t, 8) for t in a.tensors]
         a.cols = min(a.cols, 1024)
         a.repeats = 1
         a.async_saves = 2
     a.async_saves = max(2, a.async_saves)
-    if a.threads <= 0:
-        a.threads = max(1, (os.cpu_count() or 1) // a.ranks)
-    if not 1 <= a.ranks <= 64:
+    if not all(1 <= r <= 64 for r in a.ranks):
         p.error("--ranks must be between 1 and 64")
+    if not all(t >= 1 for t in a.tensors):
+        p.error("--tensors must be >= 1")
     return a
 
 
-def main(argv=None) -> Dict[str, Any]:
-    args = parse_args(argv)
+def _int_list(text: str) -> List[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or a comma list of integers, got {text!r}") from None
+
+
+def run_one(args: argparse.Namespace, ranks: int, tensors: int) -> Dict[str, Any]:
+    """One configuration (``ranks`` processes, ``tensors`` per rank): every method, every target."""
     import torch.multiprocessing as mp
 
+    cfg = argparse.Namespace(**{**vars(args), "ranks": ranks, "tensors": tensors})
+    if cfg.threads <= 0:  # I/O threads per rank: the cores shared out among the ranks
+        cfg.threads = max(1, (os.cpu_count() or 1) // ranks)
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
         t0 = time.perf_counter()
-        mp.spawn(_worker, args=(args.ranks, port, args, out_path), nprocs=args.ranks, join=True)
+        mp.spawn(_worker, args=(ranks, port, cfg, out_path), nprocs=ranks, join=True)
         with open(out_path) as f:
             results = json.load(f)
-    results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+    results["config"] = {k: v for k, v in vars(cfg).items() if k != "json"}
     results["config"]["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def summary_rows(runs: List[Dict[str, Any]]) -> str:
+    """One line per configuration and target: the ratios the performance targets are stated in."""
+    hdr = (f"{'ranks':>5}{'tensors':>8}  {'target':<22}{'save xDCP':>10}{'save %plain':>12}{'load xDCP':>10}"
+           f"{'reshard/same':>13}{'async block %':>14}{'save mem':>9}")
+    lines = [hdr, "-" * len(hdr)]
+    for run in runs:
+        c = run["config"]
+        for target, res in run["targets"].items():
+            def ratio(a, b):
+                return res[a]["gib_s"] / res[b]["gib_s"] if a in res and b in res else None
+
+            block = res.get("ours_async_save", {}).get("blocking_s")
+            sync = res.get("ours_save", {}).get("seconds")
+            lines.append(
+                f"{c['ranks']:>5}{c['tensors']:>8}  {os.path.basename(target.rstrip('/')) or target:<22}"
+                f"{_fmt(ratio('ours_save', 'dcp_save'), '{:.2f}x'):>10}"
+                f"{_fmt(ratio('ours_save', 'plain_write'), '{:.0%}'):>12}"
+                f"{_fmt(ratio('ours_load', 'dcp_load'), '{:.2f}x'):>10}"
+                f"{_fmt(ratio('ours_load_resharded', 'ours_load'), '{:.2f}x'):>13}"
+                f"{_fmt(100 * block / sync if block is not None and sync else None, '{:.1f}%'):>14}"
+                f"{_fmt(res.get('ours_save', {}).get('mem_ratio'), '{:.2f}'):>9}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
     import torch
 
-    results["config"]["torch"] = torch.__version__
-    sb = results["state_bytes_per_rank"]
-    print(
-        f"ckpt benchmark: {args.ranks} ranks x {sb / GiB:.3f} GiB "
-        f"({results['tensors_per_rank']} tensors of {results['tensor_shape']} float32 per rank), "
-        f"best of {args.repeats}, our threads/rank {args.threads}, torch {torch.__version__}"
-    )
-    print(format_table(results))
+    runs = []
+    for ranks in args.ranks:
+        for tensors in args.tensors:
+            results = run_one(args, ranks, tensors)
+            results["config"]["torch"] = torch.__version__
+            sb = results["state_bytes_per_rank"]
+            print(
+                f"ckpt benchmark: {ranks} ranks x {sb / GiB:.3f} GiB "
+                f"({results['tensors_per_rank']} tensors of {results['tensor_shape']} float32 per rank), "
+                f"best of {args.repeats}, our threads/rank {results['config']['threads']}, torch {torch.__version__}"
+            )
+            print(format_table(results), flush=True)
+            runs.append(results)
+    if len(runs) > 1:
+        print("summary (ratios; targets: save >= 3x DCP and >= 70% plain, load >= 3x DCP, "
+              "reshard/same >= 0.8, async block <= 10%, save mem <= 1.2)")
+        print(summary_rows(runs))
+    out = runs[0] if len(runs) == 1 else {"runs": runs}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return results
+            json.dump(out, f, indent=2)
+    return out
 
 
 if __name__ == "__main__":

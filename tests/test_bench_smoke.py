@@ -27,3 +27,19 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
     target = res["targets"][str(tmp_path)]
     assert target["ours_async_save"]["staging_allocations"] == 4  # buffers reused on the 2nd save
     assert all(target[k]["gib_s"] > 0 for k in ("ours_save", "ours_load", "dcp_save", "plain_write"))
+
+
+@pytest.mark.slow  # ~20-40 s (two configurations)
+def test_bench_sweep_prints_summary(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--ranks", "2",
+        "--total-gib", "0.004", "--tensors", "2,4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
+        "--skip-dcp",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "summary (ratios" in proc.stdout, proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"]["tensors"] for r in runs] == [2, 4]
+    assert [r["tensors_per_rank"] for r in runs] == [2, 4]
