@@ -40,6 +40,7 @@ __all__ = [
     "default_sharded_state_dict",
     "module_sharded_state_dict",
     "dtensor_to_sharded_tensor",
+    "mesh_replica_index",
     "column_parallel",
     "row_parallel",
     "replicated",
@@ -227,16 +228,30 @@ def _dtensor_local_offset(dt: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         return tuple(dt.to_local().shape), tuple(offset)
 
 
+def _is_shard_placement(pl: Any) -> bool:
+    """``Shard(dim)``, or ``_StridedShard`` (FSDP2 over tensor-parallel params: the data-parallel split
+    of a TP shard, still one contiguous block per rank, as torch's offset computation gives it)."""
+    from torch.distributed.tensor import Shard
+
+    if isinstance(pl, Shard):
+        return True
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(pl, _StridedShard)
+
+
 def dtensor_to_sharded_tensor(key: str, dt: Any, extra_replica_id: Optional[int] = None) -> Optional[ShardedTensor]:
     """A ShardedTensor for this rank's shard of a DTensor (``None`` if the local shard is empty).
 
     Global offsets come from the mesh coordinates and ``Shard(dim)`` placements
-    (uneven shards as torch makes them); the ``replica_id`` is the tuple of this
+    (uneven shards as torch makes them; FSDP2 + TP's ``_StridedShard`` too); the ``replica_id`` is the tuple of this
     rank's coordinates on the mesh dims with ``Replicate`` placement (plus
     ``extra_replica_id`` if given), so each element has exactly one main replica.
     ``Partial`` placements are refused (reduce first).
     """
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate
 
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
@@ -246,16 +261,48 @@ def dtensor_to_sharded_tensor(key: str, dt: Any, extra_replica_id: Optional[int]
     for mesh_dim, pl in enumerate(dt.placements):
         if isinstance(pl, Replicate):
             rid.append(int(coord[mesh_dim]))
-        elif not isinstance(pl, Shard):
+        elif not _is_shard_placement(pl):
             raise ValueError(f"{key!r}: DTensor placement {pl} cannot be checkpointed; redistribute to Shard/Replicate")
     if extra_replica_id is not None:
         rid.append(int(extra_replica_id))
     local = dt.to_local().detach()
     if local.numel() == 0:
         return None
-    _, offset = _dtensor_local_offset(dt)
+    shape, offset = _dtensor_local_offset(dt)
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(
+            f"{key!r}: the local shard of DTensor {tuple(dt.shape)} with placements {tuple(dt.placements)} has shape "
+            f"{tuple(local.shape)}, but torch computes {tuple(shape)} at offset {tuple(offset)}; it is not one "
+            "block of the global tensor and cannot be checkpointed (redistribute to Shard/Replicate)"
+        )
     replica: ReplicaId = tuple(rid) if rid else 0
     return ShardedTensor.from_global_offsets(key, local, tuple(dt.shape), offset, replica_id=replica)
+
+
+def mesh_replica_index(dt: Any, mesh: Any) -> Optional[int]:
+    """Which copy of ``dt``'s device mesh this rank is in, within the larger ``mesh``.
+
+    A DTensor on a sub-mesh (e.g. FSDP2 on the ``data_parallel`` dims of a 2-D mesh, for a
+    parameter that tensor parallelism left alone) is replicated along the other dims of
+    ``mesh``: the result is this rank's coordinate on those dims (row-major), 0 on exactly
+    one copy. ``None`` if ``dt``'s mesh spans ``mesh`` (nothing replicated outside it) or
+    this rank is not in ``mesh``.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    full = mesh.mesh
+    sub = [int(r) for r in dt.device_mesh.mesh.flatten().tolist()]
+    positions = [(full == r).nonzero() for r in sub]
+    positions = [p[0].tolist() for p in positions if len(p)]
+    if not positions:
+        return None
+    extra, found = 0, False
+    for d in range(full.ndim):
+        if full.size(d) > 1 and len({p[d] for p in positions}) == 1:  # dt's mesh does not vary along d
+            extra = extra * full.size(d) + int(coord[d])
+            found = True
+    return extra if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +334,9 @@ def default_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Op
     """The sharded state dict of ``module`` without a hand-written hook.
 
     Parameters and persistent buffers of ``module`` itself: DTensors become their
-    shard (:func:`dtensor_to_sharded_tensor`); plain tensors are replicated with
+    shard (:func:`dtensor_to_sharded_tensor`; with ``metadata["dtensor_mesh"]`` = the whole
+    device mesh, a DTensor on a sub-mesh of it is marked replicated along the other dims,
+    see :func:`mesh_replica_index`); plain tensors are replicated with
     ``replica_id`` = this rank (``metadata["replica_id"]`` or
     ``metadata["layout"].rank_replica_id`` override it), so each is written once.
     Children are recursed into; a child with its own ``sharded_state_dict`` hook
@@ -298,7 +347,8 @@ def default_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Op
     for name, t in _local_tensors(module):
         key = f"{prefix}{name}"
         if _is_dtensor(t):
-            st = dtensor_to_sharded_tensor(key, t)
+            root = metadata.get("dtensor_mesh") if metadata else None
+            st = dtensor_to_sharded_tensor(key, t, None if root is None else mesh_replica_index(t, root))
             if st is not None:
                 out[key] = st
         else:

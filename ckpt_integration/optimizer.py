@@ -74,8 +74,31 @@ class UnmatchedParameterError(CheckpointingException):
 # ---------------------------------------------------------------------------------------------
 # identity mapping
 # ---------------------------------------------------------------------------------------------
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: Any) -> Any:
+    """This rank's shard of a DTensor (``torch.distributed.tensor``: FSDP2 / TP params and their
+    optimizer states); any other value unchanged."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _empty_local_shard(p: Any) -> bool:
+    """A DTensor param whose shard on this rank is empty (uneven FSDP2 / TP split): nothing to save here."""
+    return _is_dtensor(p) and p.to_local().numel() == 0
+
+
 def _identity(t: torch.Tensor) -> Optional[Tuple[int, int, torch.dtype]]:
-    """Identity of a tensor's memory: same for a parameter, its ``.detach()``/``.data`` and reshapes."""
+    """Identity of a tensor's memory: same for a parameter, its ``.detach()``/``.data`` and reshapes.
+
+    A DTensor is identified by its local shard (what its ShardedTensor holds).
+    """
+    t = _local(t)
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return None
     return (t.data_ptr(), t.numel(), t.dtype)
@@ -114,7 +137,9 @@ def get_param_id_to_sharded_param_map(
     """Map each optimizer param id to the model ShardedTensor/ShardedTensorFactory holding it.
 
     Matching is by tensor identity (same memory: the parameter itself, ``p.detach()``,
-    ``p.data`` or a reshaped view), never by name or shape. Param ids follow
+    ``p.data`` or a reshaped view; for a DTensor parameter its local shard, as
+    :func:`~ckpt_integration.modules.default_sharded_state_dict` puts it), never by name
+    or shape. DTensor params whose shard on this rank is empty are left out. Param ids follow
     ``optimizer.state_dict()`` numbering (all groups' params in order).
     With ``strict`` (default) a parameter without a sharded counterpart raises
     :class:`UnmatchedParameterError` naming it (names come from ``module`` if given);
@@ -129,7 +154,8 @@ def get_param_id_to_sharded_param_map(
         pid = param_to_id.get(_identity(v.data))
         if pid is not None and pid not in out:
             out[pid] = v
-    unmatched = [i for i in range(len(params)) if i not in out]
+    # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
+    unmatched = [i for i in range(len(params)) if i not in out and not _empty_local_shard(params[i])]
     if unmatched:
         names = _names_from_module(module, params)
         labels = ", ".join(_param_label(i, params[i], names) for i in unmatched)
@@ -227,6 +253,7 @@ def optim_state_to_sharding_state(
         for name, value in param_state.items():
             if name in exclude_keys:
                 continue
+            value = _local(value)  # DTensor states (FSDP2 / TP params) are saved as this rank's shard
             if _is_param_tensor_state(value, numel):
                 entry[name] = make_sharded_optimizer_tensor(sp, value, f"{prefix}.state.{name}")
                 tensors[name] = str(value.dtype).replace("torch.", "")
@@ -353,6 +380,8 @@ def optimizer_sharded_state_dict(
         sd["state"].setdefault(pid, {}).update(extra)
     for pid in range(len(params)):  # params without state still get their (empty) meta object
         sd["state"].setdefault(pid, {})
+        if pid not in id_map and _empty_local_shard(identity[pid]):
+            del sd["state"][pid]  # empty DTensor shard on this rank: the other ranks save this param
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
     return sd
 
@@ -486,6 +515,17 @@ class _LabelDict(dict):
         return self[max(hits, key=len)] if hits else default
 
 
+def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor (this rank's shard) shaped like ``param``: a DTensor with the
+    param's mesh and placements if the param is one (FSDP2 / TP), else a view of its shape."""
+    if not _is_dtensor(param):
+        return local.view(param.shape)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.view(param.to_local().shape), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: ShardedStateDict,
@@ -527,7 +567,8 @@ def load_optimizer_state(
     identity = list(model_params) if model_params is not None else params
     names = _names_from_module(module, identity)
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
-    metas = {pid: _meta_object(prefix, id_map[pid], None) for pid in range(len(params))}
+    # (a DTensor param with an empty shard on this rank has nothing to load here)
+    metas = {pid: _meta_object(prefix, id_map[pid], None) for pid in range(len(params)) if pid in id_map}
 
     def make_requests(pid: int, name: str, dtype: torch.dtype) -> Any:
         sp = id_map[pid]
@@ -547,7 +588,7 @@ def load_optimizer_state(
             if name in extract:
                 extracted.setdefault(pid, {})[name] = st.pop(name)
             elif isinstance(st[name], torch.Tensor):
-                st[name] = st[name].view(params[pid].shape)
+                st[name] = _like_param(st[name], params[pid])
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st

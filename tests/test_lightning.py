@@ -150,8 +150,8 @@ def test_unsupported_combinations_raise(tmp_path):
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    from ckpt_integration.lightning import (DistCkptDDPStrategy, DistCkptIO, DistCkptSingleDeviceStrategy,
-                                            UnsupportedStrategyError)
+    from ckpt_integration.lightning import (DistCkptDDPStrategy, DistCkptIO, DistCkptModelParallelStrategy,
+                                            DistCkptSingleDeviceStrategy, UnsupportedStrategyError)
 
     kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
     from ckpt_integration.lightning import check_strategy
@@ -159,8 +159,14 @@ def test_unsupported_combinations_raise(tmp_path):
     # FSDP needs a GPU in Lightning; the check the plugin runs when it is connected:
     with pytest.raises(UnsupportedStrategyError, match="FSDPStrategy.*never calls CheckpointIO.*DistCkptDDPStrategy"):
         check_strategy(FSDPStrategy())
-    with pytest.raises(UnsupportedStrategyError, match="ModelParallelStrategy.*DistCkptDDPStrategy"):
+    # plain ModelParallelStrategy bypasses CheckpointIO: the error names the DistCkpt variant of it
+    with pytest.raises(UnsupportedStrategyError,
+                       match="ModelParallelStrategy.*never calls CheckpointIO.*DistCkptModelParallelStrategy"):
         L.Trainer(devices=2, strategy=ModelParallelStrategy(), plugins=[DistCkptIO()], **kw)
+    t = L.Trainer(devices=2, strategy=DistCkptModelParallelStrategy(), plugins=[DistCkptIO()], **kw)
+    assert isinstance(t.strategy.checkpoint_io, DistCkptIO)
+    with pytest.raises(TypeError, match="save_distributed_checkpoint"):
+        DistCkptModelParallelStrategy(save_distributed_checkpoint=False)
 
     class MyDDP(DDPStrategy):  # an unknown DDP subclass: would save on rank 0 only
         pass

@@ -1,39 +1,73 @@
 """Fully-parallel and two-stage loads: each needed byte is read from storage once per group.
 
 Ranks that need the same data (typically a data-parallel group) would otherwise
-each read it. Here the group first exchanges what it needs (one ``all_gather``
-of small records), every distinct region of a saved chunk becomes a *unit*
-assigned to one of the ranks that need it (largest first, to the least-loaded
-rank, so the lowest rank is not always chosen), the assigned rank reads it,
-and a broadcast delivers it to the others, who copy their parts into place.
+each read it. Here (Megatron-Core's ``TwoStageDataParallelLoadShardedStrategy``
+steps, generalised to any saved/requested layout):
 
-* ``fully_parallel``: per memory-bounded round, read everything assigned, then exchange.
-* ``two_stage`` (Megatron-Core's TwoStageDataParallelLoadShardedStrategy idea):
-  the next round is read in the background while the current round is
-  broadcast, and a per-phase, per-rank load-time summary is logged.
+1. the group exchanges what each rank needs (one ``all_gather`` of small
+   ``(key, saved chunk, region)`` records);
+2. the needs are aligned: within each saved chunk, requested regions that
+   overlap are merged into one *unit* (their bounding box); disjoint regions
+   stay separate units, so ranks that need different parts of a chunk never
+   read or receive each other's bytes;
+3. every unit is assigned one *reader* among the ranks that need it, largest
+   unit first to the least-loaded rank (ties rotated by a hash of the unit),
+   so reads are balanced over the group and not always done by the lowest
+   rank. The plan is a pure function of the gathered records: identical on
+   every rank;
+4. the units are processed in one order shared by the group: the reader reads
+   the unit, it is sent to the other ranks that need it (``broadcast`` when the
+   whole group needs it, point-to-point sends to the needers otherwise, so a
+   rank that needs nothing takes part in nothing), every needer copies its
+   parts into place, and the buffer is freed.
 
-Peak extra memory is bounded by ``memory_budget`` bytes of unit buffers per
-round (twice that with the two-stage prefetch). A unit needed by one rank
-only is read by that rank directly and never broadcast.
+Modes:
+
+* ``fully_parallel``: per-rank rounds of at most ``memory_budget`` staged
+  bytes: read the round (``thread_count`` threads), then exchange it.
+* ``two_stage``: a prefetch thread admits this rank's units in the shared
+  order while earlier ones are exchanged, so reading (and, for an NCCL-only
+  group, the host-to-device copy) of unit ``i+1`` overlaps the exchange of
+  unit ``i``, as far as the budget allows. A per-phase, per-rank load-time
+  summary is gathered to the group's first rank and logged (INFO).
+
+Memory: staging buffers (reads and receive buffers) live on a rank at the
+same time never exceed ``max(memory_budget, largest unit it stages)`` bytes,
+in both modes: a unit is admitted only when it fits in what is left of the
+budget or nothing else is staged. A rank that needs exactly one contiguous
+region of a unit (the usual data-parallel replica) reads or receives straight
+into its destination, which stages nothing. Freed per unit.
+
+Deadlock freedom: every rank walks the same ordered unit list and takes part
+only in the transfers of the units it needs (or, for a broadcast, all of
+them); the prefetcher admits in that same order, so the unit the exchange
+waits for is always admitted. Errors (a failed read, a failed copy) are
+recorded, the transfer still runs with a zeroed buffer so no peer waits
+forever, and the error is raised after the last transfer.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+import zlib
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as tdist
 
-from ..planning.boxes import Box, relative_slices
+from ..planning.boxes import Box, intersect, relative_slices
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
+
+MODES = ("fully_parallel", "two_stage")
 
 
 @dataclass(frozen=True)
@@ -52,54 +86,183 @@ class Unit:
     dtype: str
     needers: Tuple[int, ...]
     reader: int = -1
+    index: int = -1  # position in the group's processing order
 
     @property
     def nbytes(self) -> int:
-        return self.region.numel * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+        return self.region.numel * _element_size(self.dtype)
+
+    @property
+    def ident(self) -> Tuple[str, Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]:
+        return (self.key, self.chunk.offsets, self.region.offsets, self.region.sizes)
 
 
-def _bounding(boxes: List[Box]) -> Box:
+_ESIZE: Dict[str, int] = {}
+
+
+def _element_size(name: str) -> int:
+    if name not in _ESIZE:
+        _ESIZE[name] = torch.empty((), dtype=dtype_from_name(name)).element_size()
+    return _ESIZE[name]
+
+
+def _bounding(boxes: Sequence[Box]) -> Box:
     lo = [min(b.offsets[a] for b in boxes) for a in range(len(boxes[0].offsets))]
     hi = [max(b.offsets[a] + b.sizes[a] for b in boxes) for a in range(len(boxes[0].offsets))]
     return Box(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))
 
 
-def plan_units(needs_per_rank: List[List[Need]]) -> List[Unit]:
-    """Distinct regions to read and who reads each; identical on every rank."""
-    by_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Tuple[int, Need]]] = defaultdict(list)
-    for rank, needs in enumerate(needs_per_rank):
-        for n in needs:
-            by_chunk[(n.key, n.chunk.offsets)].append((rank, n))
-    units = []
-    for (key, _), entries in sorted(by_chunk.items()):
-        region = _bounding([n.overlap for _, n in entries])
-        needers = tuple(sorted({r for r, _ in entries}))
-        units.append(Unit(key, entries[0][1].chunk, region, entries[0][1].dtype, needers))
-    load: Dict[int, int] = defaultdict(int)
-    for u in sorted(units, key=lambda u: (-u.nbytes, u.key, u.chunk.offsets)):
-        u.reader = min(u.needers, key=lambda r: (load[r], (r - hash_index(u)) % 1_000_003))
-        load[u.reader] += u.nbytes
-    return units
+def _box_order(b: Box) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    return (b.offsets, b.sizes)
+
+
+def _clusters(regions: Dict[Box, Set[int]]) -> List[Tuple[Box, Set[int]]]:
+    """Merge overlapping requested regions of one chunk into bounding boxes (until none overlap)."""
+    groups = [(box, set(ranks)) for box, ranks in sorted(regions.items(), key=lambda kv: _box_order(kv[0]))]
+    merged = True
+    while merged and len(groups) > 1:
+        merged = False
+        for i in range(len(groups)):
+            for j in range(i + 1, len(groups)):
+                if intersect(groups[i][0], groups[j][0]) is not None:
+                    groups[i] = (_bounding([groups[i][0], groups[j][0]]), groups[i][1] | groups[j][1])
+                    del groups[j]
+                    merged = True
+                    break
+            if merged:
+                break
+    return sorted(groups, key=lambda g: _box_order(g[0]))
 
 
 def hash_index(u: Unit) -> int:
     """Deterministic per-unit number used to rotate tie-breaks between equally loaded ranks."""
-    import zlib
-
-    return zlib.crc32(f"{u.key}{u.chunk.offsets}".encode())
+    return zlib.crc32(f"{u.key}|{u.chunk.offsets}|{u.region.offsets}".encode())
 
 
-def _rounds(units: List[Unit], budget: int) -> List[List[Unit]]:
-    rounds, current, size = [], [], 0
-    for u in units:
-        if current and size + u.nbytes > budget:
-            rounds.append(current)
-            current, size = [], 0
-        current.append(u)
-        size += u.nbytes
-    if current:
-        rounds.append(current)
-    return rounds
+def plan_units(needs_per_rank: Sequence[Sequence[Need]]) -> List[Unit]:
+    """Units to read, who reads each, in the group's processing order. Identical on every rank.
+
+    ``needs_per_rank[r]`` are the records of group rank ``r``. The result does not
+    depend on the order of the records within a rank.
+    """
+    by_chunk: Dict[Tuple[str, Tuple[int, ...]], Dict[Box, Set[int]]] = defaultdict(lambda: defaultdict(set))
+    info: Dict[Tuple[str, Tuple[int, ...]], Tuple[Box, str]] = {}
+    for rank, needs in enumerate(needs_per_rank):
+        for n in needs:
+            k = (n.key, n.chunk.offsets)
+            by_chunk[k][n.overlap].add(rank)
+            info[k] = (n.chunk, n.dtype)
+    units: List[Unit] = []
+    for k in sorted(by_chunk):
+        chunk, dtype = info[k]
+        for region, ranks in _clusters(by_chunk[k]):
+            units.append(Unit(k[0], chunk, region, dtype, tuple(sorted(ranks))))
+    # balance: largest first, to the least-loaded rank that needs it; equal loads are
+    # broken by rotating over the candidates with a hash of the unit (never "lowest rank wins")
+    load: Dict[int, int] = defaultdict(int)
+    for u in sorted(units, key=lambda u: (-u.nbytes, u.ident)):
+        h = hash_index(u)
+        n = len(u.needers)
+        u.reader = min(
+            ((pos, r) for pos, r in enumerate(u.needers)), key=lambda pr: (load[pr[1]], (pr[0] - h) % n)
+        )[1]
+        load[u.reader] += u.nbytes
+    # processing order: interleave the readers (i-th unit of every reader, then the (i+1)-th, ...)
+    # so all readers work at once, each in storage order of its own units
+    position: Dict[int, int] = defaultdict(int)
+    keyed = []
+    for u in units:  # already in storage order (key, chunk, region)
+        keyed.append(((position[u.reader], u.reader), u))
+        position[u.reader] += 1
+    ordered = [u for _, u in sorted(keyed, key=lambda ku: ku[0])]
+    for i, u in enumerate(ordered):
+        u.index = i
+    return ordered
+
+
+class _Budget:
+    """Byte budget for staging buffers, admitted in one fixed order.
+
+    ``acquire(n)`` returns once ``n`` more bytes fit, or at once when nothing is
+    staged (a unit larger than the budget runs alone). ``peak`` is the largest
+    number of bytes ever admitted at the same time.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = max(0, int(limit))
+        self.used = 0
+        self.peak = 0
+        self.closed = False
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int) -> bool:
+        with self._cv:
+            while not self.closed and self.used > 0 and self.used + n > self.limit:
+                self._cv.wait()
+            if self.closed:
+                return False
+            self.used += n
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+
+def _new_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every staging buffer is allocated here (tests hook it to measure live staging bytes)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _exchange_device(group: Any) -> torch.device:
+    """Where transfer buffers live: host memory unless the group's backend cannot carry CPU tensors."""
+    if not dist.is_distributed():
+        return torch.device("cpu")
+    backend = str(tdist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@dataclass
+class _Item:
+    """One unit as this rank handles it."""
+
+    unit: Unit
+    tasks: List[Any]
+    direct: Optional[torch.Tensor] = None  # destination to read/receive into (no staging)
+    staged: int = 0  # bytes admitted against the budget
+    future: Optional["Future[torch.Tensor]"] = None
+    reads: bool = False  # this rank is the unit's reader
+
+
+@dataclass
+class _Stats:
+    values: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, key: str, v: float) -> None:
+        with self.lock:
+            self.values[key] += v
+
+
+PHASES = (
+    ("metadata_s", "metadata exchange"),
+    ("plan_s", "plan"),
+    ("read_s", "storage reads (summed over threads)"),
+    ("h2d_s", "host-to-device copies"),
+    ("read_wait_s", "waiting for reads"),
+    ("exchange_s", "broadcast/send/recv"),
+    ("copy_s", "copy into place"),
+    ("total_s", "total"),
+)
 
 
 def exchange_reads(
@@ -114,100 +277,266 @@ def exchange_reads(
 ) -> Dict[str, float]:
     """Fill every task's ``out`` reading each unit once per group. Collective over ``group``.
 
-    Returns this rank's statistics (bytes read, bytes received, seconds per phase).
+    ``tasks`` are this rank's :class:`~ckpt_integration.execution.load.ReadTask` (key,
+    chunk, overlap, out, dtype). Returns this rank's statistics (bytes, seconds per
+    phase, peak staging bytes). Raises after the last transfer when anything failed
+    on this rank; the caller's final agreement makes every rank raise.
     """
+    if mode not in MODES:
+        raise ValueError(f"unknown parallel load mode {mode!r}; choose one of {MODES}")
     rank = dist.get_rank(group)
-    stats: Dict[str, float] = defaultdict(float)
+    size = dist.get_world_size(group)
+    st = _Stats()
     t0 = time.perf_counter()
     needs = [Need(t.key, t.chunk.box, t.overlap, dtype_name(t.dtype)) for t in tasks]
     gathered = dist.all_gather_object((local_error, needs), group)
-    stats["exchange_metadata_s"] = time.perf_counter() - t0
+    st.values["metadata_s"] = time.perf_counter() - t0
     if any(err for err, _ in gathered):
-        return stats  # the caller's final agreement raises on every rank
-    units = plan_units([n for _, n in gathered])
-    my_tasks: Dict[Tuple[str, Tuple[int, ...]], List[Any]] = defaultdict(list)
-    for t in tasks:
-        my_tasks[(t.key, t.chunk.box.offsets)].append(t)
-    chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
-
-    def read_unit(u: Unit) -> torch.Tensor:
-        buf = torch.empty(u.region.sizes, dtype=dtype_from_name(u.dtype))
-        chunk = chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u)
-        reader.read_region(u.key, chunk, u.region, buf, buf.dtype)
-        stats["bytes_read"] += u.nbytes
-        return buf
-
-    def deliver(u: Unit, buf: torch.Tensor) -> None:
-        for t in my_tasks.get((u.key, u.chunk.offsets), []):
-            t.out.copy_(buf[relative_slices(t.overlap, u.region)])
-
-    # units only this rank needs: plain local reads, no broadcast
+        return dict(st.values)  # the caller's final agreement raises on every rank
     t1 = time.perf_counter()
-    private = [u for u in units if len(u.needers) == 1 and u.needers[0] == rank]
-    shared = [u for u in units if len(u.needers) > 1]
-    pool = ThreadPoolExecutor(max(1, thread_count), thread_name_prefix="ckpt-pload")
-    # The two-stage prefetch runs a whole round, which itself fans out to ``pool``:
-    # it needs its own thread, or a 1-thread pool would wait on itself forever.
-    prefetcher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-prefetch")
-    try:
-        for u, buf in zip(private, pool.map(read_unit, private)):
-            deliver(u, buf)
-        stats["private_read_s"] = time.perf_counter() - t1
-        rounds = _rounds(shared, memory_budget)
+    units = plan_units([n for _, n in gathered])
+    device = _exchange_device(group)
+    chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
+    units_of_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Unit]] = defaultdict(list)
+    for u in units:
+        units_of_chunk[(u.key, u.chunk.offsets)].append(u)
+    tasks_of: Dict[int, List[Any]] = defaultdict(list)
+    for t in tasks:
+        for u in units_of_chunk[(t.key, t.chunk.box.offsets)]:
+            if intersect(t.overlap, u.region) == t.overlap:
+                tasks_of[u.index].append(t)
+                break
+    items: List[_Item] = []
+    for u in units:
+        if rank not in u.needers:
+            continue  # a unit is only ever sent to the ranks that need it: no part in it
+        it = _Item(u, tasks_of.get(u.index, []), reads=u.reader == rank)
+        if device.type == "cpu" and len(it.tasks) == 1:
+            t = it.tasks[0]
+            if t.overlap == u.region and t.out.is_contiguous() and t.out.dtype == dtype_from_name(u.dtype):
+                it.direct = t.out
+        if it.direct is None:
+            it.staged = u.nbytes
+        items.append(it)
+    st.values["plan_s"] = time.perf_counter() - t1
+    st.values["units_total"] = len(units)
+    budget = _Budget(memory_budget)
+    failed = threading.Event()
+    local = threading.local()
 
-        def read_round(rnd: List[Unit]) -> Dict[int, torch.Tensor]:
-            mine = [i for i, u in enumerate(rnd) if u.reader == rank]
-            return dict(zip(mine, pool.map(lambda i: read_unit(rnd[i]), mine)))
+    def read(it: _Item) -> torch.Tensor:
+        """Read one unit (on a pool thread): into its destination, or into a staging buffer."""
+        u = it.unit
+        dtype = dtype_from_name(u.dtype)
+        if failed.is_set():  # an earlier unit failed and the load will raise: skip the I/O
+            raise RuntimeError("skipped after an earlier failure")
+        if it.direct is not None:
+            target = it.direct
+        elif device.type == "cpu":
+            target = _new_buffer(u.region.sizes, dtype, device)
+        else:
+            target = torch.empty(u.region.sizes, dtype=dtype, pin_memory=True)
+        tr = time.perf_counter()
+        chunk = chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u)
+        reader.read_region(u.key, chunk, u.region, target, dtype)
+        st.add("read_s", time.perf_counter() - tr)
+        st.add("bytes_read", u.nbytes)
+        st.add("units_read", 1)
+        if device.type != "cpu":
+            th = time.perf_counter()
+            dev = _new_buffer(u.region.sizes, dtype, device)
+            stream = getattr(local, "stream", None)
+            if stream is None:
+                stream = local.stream = torch.cuda.Stream(device)  # one per reader thread
+            with torch.cuda.stream(stream):
+                dev.copy_(target, non_blocking=True)
+            stream.synchronize()
+            st.add("h2d_s", time.perf_counter() - th)
+            target = dev
+        return target
 
-        prefetch = None
-        for k, rnd in enumerate(rounds):
-            t2 = time.perf_counter()
-            err = None
+    errors: List[str] = []
+
+    def note_error(msg: str) -> None:
+        if not errors:
+            errors.append(msg)
+        failed.set()
+
+    def finish(it: _Item) -> None:
+        """Exchange one admitted unit, copy it into place, free it (main thread, shared order)."""
+        u = it.unit
+        tw = time.perf_counter()
+        buf: Optional[torch.Tensor] = None
+        if it.future is not None:
             try:
-                if prefetch is not None:
-                    bufs = prefetch.result()
-                else:
-                    bufs = read_round(rnd)
-            except Exception as e:  # agree before any broadcast, so nobody waits forever
-                err, bufs = f"{type(e).__name__}: {e}", {}
-            stats["read_s"] += time.perf_counter() - t2
-            errors = [e for e in dist.all_gather_object(err, group) if e]
-            if errors:
-                raise RuntimeError(f"reading failed during the parallel load: {errors[0]}")
-            if mode == "two_stage" and k + 1 < len(rounds):
-                prefetch = prefetcher.submit(read_round, rounds[k + 1])
+                buf = it.future.result()
+            except Exception as e:  # keep the transfer going: peers are waiting for it
+                note_error(f"reading {u.key!r} {u.region} failed: {type(e).__name__}: {e}")
+        st.add("read_wait_s", time.perf_counter() - tw)
+        if buf is None:
+            if it.direct is not None:
+                buf = it.direct
             else:
-                prefetch = None
-            t3 = time.perf_counter()
-            for i, u in enumerate(rnd):
-                buf = bufs.get(i)
-                if buf is None:
-                    buf = torch.empty(u.region.sizes, dtype=dtype_from_name(u.dtype))
-                src = u.reader if group is None else tdist.get_global_rank(group, u.reader)
-                tdist.broadcast(buf.view(-1).view(torch.uint8), src=src, group=group)
-                if u.reader != rank:
-                    stats["bytes_received"] += u.nbytes
-                if rank in u.needers:
-                    deliver(u, buf)
-                del buf  # free as soon as it is copied into place
-            bufs = {}
-            stats["broadcast_s"] += time.perf_counter() - t3
+                buf = _new_buffer(u.region.sizes, dtype_from_name(u.dtype), device)
+            if u.reader == rank:
+                buf.zero_()
+        if device.type != "cpu":
+            buf.record_stream(torch.cuda.current_stream(device))
+        tx = time.perf_counter()
+        _exchange_unit(u, buf, rank, size, group)
+        st.add("exchange_s", time.perf_counter() - tx)
+        if u.reader != rank and rank in u.needers:
+            st.add("bytes_received", u.nbytes)
+        if it.direct is None and it.tasks:
+            tc = time.perf_counter()
+            try:
+                for t in it.tasks:
+                    t.out.copy_(buf[relative_slices(t.overlap, u.region)])
+            except Exception as e:
+                note_error(f"copying {u.key!r} {u.region} into place failed: {type(e).__name__}: {e}")
+            st.add("copy_s", time.perf_counter() - tc)
+        it.future = None
+        del buf
+        budget.release(it.staged)
+
+    pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-pload")
+    try:
+        if mode == "fully_parallel":
+            _run_rounds(items, budget, pool, read, finish)
+        else:
+            _run_pipelined(items, budget, pool, read, finish, note_error)
     finally:
-        prefetcher.shutdown(wait=True)
-        pool.shutdown(wait=True)
-    stats["total_s"] = time.perf_counter() - t0
-    stats["units_total"] = len(units)
-    if mode == "two_stage":
-        summary = dist.all_gather_object(dict(stats), group)
-        if rank == 0:
-            lines = [
-                f"rank {r}: read {s.get('bytes_read', 0) / 2**20:.1f} MiB in {s.get('read_s', 0) + s.get('private_read_s', 0):.3f}s, "
-                f"received {s.get('bytes_received', 0) / 2**20:.1f} MiB, broadcast {s.get('broadcast_s', 0):.3f}s, "
-                f"total {s.get('total_s', 0):.3f}s"
-                for r, s in enumerate(summary)
-            ]
-            logger.info("two-stage load summary (%d units):\n  %s", len(units), "\n  ".join(lines))
-    return dict(stats)
+        budget.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+    st.values["peak_staging_bytes"] = budget.peak
+    st.values["total_s"] = time.perf_counter() - t0
+    stats = dict(st.values)
+    _log_summary(stats, mode, len(units), group)
+    if errors:
+        raise RuntimeError(f"parallel load ({mode}) failed on rank {rank} of its group: {errors[0]}")
+    return stats
+
+
+def _run_rounds(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, read, finish) -> None:
+    """fully_parallel: read a budget-sized round of this rank's units (in parallel), then exchange it."""
+    i = 0
+    while i < len(items):
+        rnd, used = [items[i]], items[i].staged
+        i += 1
+        while i < len(items) and used + items[i].staged <= budget.limit:
+            used += items[i].staged
+            rnd.append(items[i])
+            i += 1
+        for it in rnd:
+            budget.acquire(it.staged)  # never waits: the previous round is released, this one fits
+            if it.reads:
+                it.future = pool.submit(read, it)
+        for it in rnd:
+            if it.future is not None:
+                it.future.exception()  # the whole round is read before any exchange
+        for it in rnd:
+            finish(it)
+
+
+def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, read, finish, note_error) -> None:
+    """two_stage: a prefetch thread admits units in order while the main thread exchanges earlier ones."""
+    ready: "queue.Queue[Optional[_Item]]" = queue.Queue()
+
+    def prefetch() -> None:
+        try:
+            for it in items:
+                if not budget.acquire(it.staged):
+                    return  # closed: the main thread stopped early
+                if it.reads:
+                    it.future = pool.submit(read, it)
+                ready.put(it)
+        except BaseException as e:  # never leave the main thread waiting
+            note_error(f"prefetch failed: {type(e).__name__}: {e}")
+        finally:
+            ready.put(None)
+
+    # a dedicated thread, not the read pool: with thread_count=1 the pool's only
+    # thread must stay free for the reads the prefetcher submits
+    thread = threading.Thread(target=prefetch, name="ckpt-prefetch", daemon=True)
+    thread.start()
+    try:
+        done = 0
+        while done < len(items):
+            it = ready.get()
+            if it is None:
+                break
+            finish(it)
+            done += 1
+        thread.join()
+        for it in items[done:]:  # the prefetcher failed: finish the transfers without it
+            budget.acquire(it.staged)
+            if it.future is None and it.reads:
+                it.future = pool.submit(read, it)
+            finish(it)
+    finally:
+        budget.close()
+        thread.join()
+
+
+def _global(group: Any, r: int) -> int:
+    return r if group is None else tdist.get_global_rank(group, r)
+
+
+def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Any) -> None:
+    """Deliver the reader's ``buf`` to the other ranks that need ``u``. Called in the shared order."""
+    if len(u.needers) == 1 or size == 1:
+        return
+    flat = buf.reshape(-1).view(torch.uint8)
+    if u.needers == tuple(range(size)):
+        tdist.broadcast(flat, src=_global(group, u.reader), group=group)
+    elif rank == u.reader:
+        works = [
+            tdist.isend(flat, dst=_global(group, r), group=group, tag=u.index % (1 << 30))
+            for r in u.needers
+            if r != rank
+        ]
+        for w in works:
+            w.wait()
+    else:
+        tdist.recv(flat, src=_global(group, u.reader), group=group, tag=u.index % (1 << 30))
+
+
+def _log_summary(stats: Dict[str, float], mode: str, n_units: int, group: Any) -> None:
+    """Gather every rank's statistics to the group's first rank and log a per-phase, per-rank table."""
+    dst = dist.coordinator_rank(group)
+    gathered = dist.gather_object(stats, dst=dst, group=group)
+    if gathered is None:
+        return
+    level = logging.INFO if mode == "two_stage" else logging.DEBUG
+    if not logger.isEnabledFor(level):
+        return
+    lines = [format_summary(gathered, mode, n_units)]
+    logger.log(level, "%s", "\n".join(lines))
+
+
+def format_summary(per_rank: Sequence[Dict[str, float]], mode: str, n_units: int) -> str:
+    """Text table: one row per group rank and a max row; seconds per phase, MiB read/received."""
+    cols = [k for k, _ in PHASES]
+    head = f"{'rank':>5} " + " ".join(f"{k[:-2]:>11}" for k in cols) + f" {'read MiB':>9} {'recv MiB':>9} {'peak MiB':>9}"
+    rows = [head]
+
+    def row(label: str, s: Dict[str, float]) -> str:
+        return (
+            f"{label:>5} " + " ".join(f"{s.get(k, 0.0):11.3f}" for k in cols)
+            + f" {s.get('bytes_read', 0) / 2**20:9.1f} {s.get('bytes_received', 0) / 2**20:9.1f}"
+            + f" {s.get('peak_staging_bytes', 0) / 2**20:9.1f}"
+        )
+
+    for r, s in enumerate(per_rank):
+        rows.append(row(str(r), s))
+    keys = set(cols) | {"bytes_read", "bytes_received", "peak_staging_bytes"}
+    rows.append(row("max", {k: max(s.get(k, 0.0) for s in per_rank) for k in keys}))
+    total_read = sum(s.get("bytes_read", 0) for s in per_rank)
+    return (
+        f"{mode} load summary: {n_units} units, {total_read / 2**20:.1f} MiB read from storage by "
+        f"{len(per_rank)} ranks (seconds per phase: " + ", ".join(f"{k[:-2]} = {d}" for k, d in PHASES) + ")\n  "
+        + "\n  ".join(rows)
+    )
 
 
 def _find_chunk(reader: Any, u: Unit) -> Any:

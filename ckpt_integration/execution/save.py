@@ -37,7 +37,7 @@ from ..planning.shards import ShardMeta
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import join, storage_for
 from ..storage.safe_pickle import torch_dumps
-from ..storage.zarr_backend import create_arrays, write_zarr_requests
+from ..storage.zarr_backend import commit_file_records, create_arrays, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
@@ -334,6 +334,7 @@ def _create_zarr_arrays(write_dir: str, all_metas: List[ShardMeta], durable: boo
 
 def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
     d = plan.write_dir
+    commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__)
     ckdir.write_manifest(d, manifest, plan.durable)

@@ -2,6 +2,7 @@
 
 See ``docs/lightning.md``. Public names: :class:`DistCkptIO`,
 :class:`DistCkptDDPStrategy`, :class:`DistCkptSingleDeviceStrategy`,
+:class:`DistCkptModelParallelStrategy`,
 :class:`DistCkptStrategyMixin`, :class:`DistCkptAsyncFinalizer`,
 :class:`DistCkptModelCheckpoint`, :class:`UnsupportedStrategyError`,
 :func:`is_complete_checkpoint`, :func:`latest_complete_checkpoint`.
@@ -11,6 +12,7 @@ from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint
 from .io import DistCkptIO, UnsupportedStrategyError, check_strategy, start_async_save
 from .strategy import (
     DistCkptDDPStrategy,
+    DistCkptModelParallelStrategy,
     DistCkptSingleDeviceStrategy,
     DistCkptStrategyMixin,
     is_complete_checkpoint,
@@ -22,6 +24,7 @@ from .strategy import (
 __all__ = [
     "DistCkptIO",
     "DistCkptDDPStrategy",
+    "DistCkptModelParallelStrategy",
     "DistCkptSingleDeviceStrategy",
     "DistCkptStrategyMixin",
     "DistCkptAsyncFinalizer",

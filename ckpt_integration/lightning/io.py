@@ -33,15 +33,26 @@ def _unsupported_message(strategy: Any) -> str:
         return ("DistCkptIO needs a strategy that builds sharded state: pass "
                 "strategy=ckpt_integration.lightning.DistCkptSingleDeviceStrategy() together with plugins=[DistCkptIO()] "
                 "(SingleDeviceStrategy would hand it a plain torch checkpoint)")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return (
+            f"DistCkptIO cannot be used with {name}: it saves DTensor checkpoints with "
+            "torch.distributed.checkpoint and never calls CheckpointIO. Use "
+            "strategy=ckpt_integration.lightning.DistCkptModelParallelStrategy(data_parallel_size=..., "
+            "tensor_parallel_size=...) instead: the same strategy (FSDP2 fully_shard / parallelize_module in "
+            "configure_model), saving sharded, reshardable checkpoints through DistCkptIO on every rank. "
+            "To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
+        )
     why = {
         "FSDPStrategy": "it saves sharded checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
-        "ModelParallelStrategy": "it saves DTensor checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
         "DeepSpeedStrategy": "DeepSpeed writes its own checkpoints and never calls CheckpointIO",
     }.get(name, "it calls CheckpointIO on rank 0 only (or not at all), so a sharded save would never happen")
     return (
         f"DistCkptIO cannot be used with {name}: {why}. Use "
         "strategy=ckpt_integration.lightning.DistCkptDDPStrategy(...) (DDP, optionally with hand-written "
-        "tensor parallelism via ckpt_integration.modules) or DistCkptSingleDeviceStrategy() for one device; "
+        "tensor parallelism via ckpt_integration.modules), DistCkptModelParallelStrategy(...) (FSDP2 fully_shard / "
+        "DTensor tensor parallelism in configure_model) or DistCkptSingleDeviceStrategy() for one device; "
         "they call sharded_state_dict() on every rank. To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
     )
 
@@ -81,8 +92,8 @@ def _strategy_from_callers(max_depth: int = 6) -> Any:
 class DistCkptIO(CheckpointIO):
     """Lightning ``CheckpointIO`` plugin saving sharded, reshardable directory checkpoints.
 
-    Use with ``Trainer(strategy=DistCkptDDPStrategy(...) or DistCkptSingleDeviceStrategy(),
-    plugins=[DistCkptIO()])``. Any other strategy (single-device, DDP, FSDP,
+    Use with ``Trainer(strategy=DistCkptDDPStrategy(...), DistCkptModelParallelStrategy(...) or
+    DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()])``. Any other strategy (single-device, DDP, FSDP,
     ModelParallel, DeepSpeed, ...) raises :class:`UnsupportedStrategyError` at
     ``Trainer(...)`` saying what to use instead.
 
@@ -260,7 +271,7 @@ class DistCkptIO(CheckpointIO):
             self._check_caller()
             raise UnsupportedStrategyError(
                 "DistCkptIO.save_checkpoint got a plain Lightning checkpoint; it must be called by a DistCkpt "
-                "strategy (DistCkptDDPStrategy / DistCkptSingleDeviceStrategy) on every rank"
+                "strategy (DistCkptDDPStrategy / DistCkptModelParallelStrategy / DistCkptSingleDeviceStrategy) on every rank"
             )
         state = dict(checkpoint)
         meta = state.pop(MARKER)

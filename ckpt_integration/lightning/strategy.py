@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Dict, List, Mapping, Optional
 
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import serialization
@@ -181,6 +181,9 @@ class DistCkptStrategyMixin:
             "world_size": world,
             "num_optimizers": num_opt,
             "has_optimizer_states": opt_states is not None,
+            # empty top-level containers (``lr_schedulers: []`` without a scheduler) are not kept in
+            # the common state; Lightning requires some of them on resume, so they are recreated
+            "empty_keys": {k: type(v).__name__ for k, v in state.items() if isinstance(v, (list, dict)) and not v},
             "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
         }
         io.save_checkpoint(state, path)
@@ -196,6 +199,9 @@ class DistCkptStrategyMixin:
         if meta.get("world_size") == world:
             request["rng_states"] = ShardedObject(RNG_KEY, None, (world,), (rank,))
         loaded = dict(io.load_sharded(request, path))
+        empty = meta.get("empty_keys", {"lr_schedulers": "list"} if meta.get("has_optimizer_states") else {})
+        for k, kind in empty.items():  # e.g. ``lr_schedulers: []``: dropped from the common state on save
+            loaded.setdefault(k, [] if kind == "list" else {})
         load_into_module(self.lightning_module, loaded["state_dict"])
         fitting = getattr(getattr(self.lightning_module, "_trainer", None), "state", None)
         fitting = fitting is not None and fitting.fn == TrainerFn.FITTING
@@ -292,10 +298,89 @@ class DistCkptDDPStrategy(DistCkptStrategyMixin, DDPStrategy):
         return super()._setup_model(model)
 
 
+def _reshard_fsdp2(module: Any) -> None:
+    """Register FSDP2's sharded parameters everywhere (after e.g. an eval forward of the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+class DistCkptModelParallelStrategy(DistCkptStrategyMixin, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and/or tensor parallelism with
+    ``parallelize_module`` in ``LightningModule.configure_model``) saving ckpt_integration
+    sharded checkpoints through :class:`DistCkptIO` on every rank.
+
+    Model state is the module's ``sharded_state_dict()`` hook or the default one, which turns
+    every DTensor parameter into its shard at its global offsets; optimizer states (DTensors
+    too) are saved sharded like their parameters. A checkpoint loads into any other layout:
+    another TP / DP size, FSDP2 instead of TP, plain (un-parallelized) modules in one process,
+    or :class:`DistCkptDDPStrategy` / :class:`DistCkptSingleDeviceStrategy`. Async saving
+    works as with the other DistCkpt strategies.
+
+    Args:
+        data_parallel_size, tensor_parallel_size: as for ``ModelParallelStrategy`` (the device
+            mesh ``("data_parallel", "tensor_parallel")`` given to ``configure_model``).
+        checkpoint_io: a :class:`DistCkptIO` (default: ``DistCkptIO()``).
+        kwargs: as for ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Any = "auto",
+        tensor_parallel_size: Any = "auto",
+        checkpoint_io: Optional[DistCkptIO] = None,
+        **kwargs: Any,
+    ):
+        if "save_distributed_checkpoint" in kwargs:
+            raise TypeError(
+                f"{type(self).__name__} always saves sharded checkpoints through DistCkptIO; "
+                "drop save_distributed_checkpoint (use ModelParallelStrategy without DistCkptIO for Lightning's own format)"
+            )
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size, **kwargs)
+        if checkpoint_io is not None:
+            self.checkpoint_io = checkpoint_io
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        mesh = self.device_mesh
+        tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+        multi = self.world_size > 1
+        # plain (non-DTensor) tensors are replicated on every rank: one main replica (rank 0)
+        self._parallel_layout = ParallelLayout(
+            tp_size=tp.size(), dp_size=dp.size(), tp_rank=tp.get_local_rank(), dp_rank=dp.get_local_rank(),
+            tp_group=tp.get_group() if multi else None, dp_group=dp.get_group() if multi else None,
+        )
+
+    def _module_sharded_state_dict(self) -> Dict[str, Any]:
+        _reshard_fsdp2(self.lightning_module)
+        # DTensors on a sub-mesh (FSDP2 on "data_parallel" only, TP on "tensor_parallel" only) are
+        # replicated along the other mesh dim: one main replica
+        meta = {"layout": self.parallel_layout, "dtensor_mesh": self.device_mesh}
+        return module_sharded_state_dict(self.lightning_module, "", meta)
+
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """The module's sharded state dict (no DCP gathering / CPU offload of the whole model)."""
+        return self._module_sharded_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        """The optimizer's own ``state_dict()`` (references, no copy): the sharded optimizer state
+        is built from the optimizer itself in :meth:`save_checkpoint`."""
+        from lightning.pytorch.core.optimizer import LightningOptimizer
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer.state_dict()
+
+
 __all__ = [
     "DistCkptStrategyMixin",
     "DistCkptSingleDeviceStrategy",
     "DistCkptDDPStrategy",
+    "DistCkptModelParallelStrategy",
     "optimizer_key",
     "is_complete_checkpoint",
     "latest_complete_checkpoint",

@@ -1,0 +1,265 @@
+"""zarr backend integrity: chunk and object files carry size + CRC32 records in zarr_index.json.
+
+Damage (a deleted, truncated or bit-flipped chunk file) must fail the load with a
+CorruptCheckpointError naming the key and the file, instead of reading zeros or
+garbage; loads that do not touch the damaged chunk still work; ``verify`` reports
+every bad file. Checkpoints written before the records existed still load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTensor
+from ckpt_integration.cli import main
+from tests.dist_utils import run_distributed
+from tests.layouts import global_tensor, grid_shard
+
+pytest.importorskip("zarr")
+
+SHAPE = (8, 6)  # saved as a 2x2 grid of shards -> chunks (4, 3): files w/c/{0,1}/{0,1}
+W = global_tensor("w", SHAPE)
+B = global_tensor("b", (5,), torch.bfloat16)  # stored as int16 in zarr
+Z = torch.zeros(4, 4)  # all zeros: zarr would skip such a chunk unless told to write it
+
+
+def _state():
+    state = {
+        f"w{r}{c}": ShardedTensor.from_global_offsets("w", W[4 * r : 4 * r + 4, 3 * c : 3 * c + 3], SHAPE, (4 * r, 3 * c))
+        for r in range(2)
+        for c in range(2)
+    }
+    state.update(
+        b=ShardedTensor.from_rank_offsets("b", B),
+        z=ShardedTensor.from_rank_offsets("z", Z),
+        obj=ShardedObject("obj", {"step": 7}, (1,), (0,)),
+        step=7,
+    )
+    return state
+
+
+def _request(rows=(0, 8), cols=(0, 6)):
+    """The whole checkpoint, or only rows x cols of ``w`` (a resharded read)."""
+    (r0, r1), (c0, c1) = rows, cols
+    req = {"w": ShardedTensor.from_global_offsets("w", torch.full((r1 - r0, c1 - c0), -1.0), SHAPE, (r0, c0))}
+    if (rows, cols) == ((0, 8), (0, 6)):
+        req.update(
+            b=ShardedTensor.from_rank_offsets("b", torch.zeros(5, dtype=torch.bfloat16)),
+            z=ShardedTensor.from_rank_offsets("z", torch.ones(4, 4)),
+            obj=ShardedObject("obj", None, (1,), (0,)),
+        )
+    return req
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("zarr") / "good")
+    ci.save(_state(), path, sharded_strategy="zarr")
+    return path
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A fresh copy of the good checkpoint, free to damage."""
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(saved, path)
+    return path
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "delete":
+        os.remove(path)
+    elif how == "truncate":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(5)
+            byte = f.read(1)
+            f.seek(5)
+            f.write(bytes([byte[0] ^ 0x10]))
+    else:
+        raise ValueError(how)
+
+
+EXPECTED_ERROR = {"delete": "is missing", "truncate": "is truncated", "flip": "is damaged: CRC32"}
+
+
+# --------------------------------------------------------------------------- good checkpoint
+def test_good_checkpoint_loads_exactly(saved):
+    out = ci.load(_request(), saved)
+    assert torch.equal(out["w"], W)
+    assert out["b"].dtype == torch.bfloat16 and torch.equal(out["b"], B)
+    assert torch.equal(out["z"], Z)
+    assert out["obj"] == {"step": 7} and out["step"] == 7
+    plain = ci.load_plain_tensors(saved)
+    assert torch.equal(plain["w"], W) and torch.equal(plain["b"], B)
+
+
+def test_index_records_every_chunk_and_object_file(saved):
+    with open(os.path.join(saved, "zarr_index.json")) as f:
+        index = json.load(f)
+    assert index["format"] == 2
+    files = index["files"]
+    assert set(files) == {"w/c/0/0", "w/c/0/1", "w/c/1/0", "w/c/1/1", "b/c/0", "z/c/0/0", "obj/shard_0_1.pt"}
+    for name, rec in files.items():
+        assert os.path.getsize(os.path.join(saved, name)) == rec["size"], name
+    assert files["w/c/0/0"] == {"key": "w", "size": 4 * 3 * 4, "crc32": files["w/c/0/0"]["crc32"]}
+    assert files["z/c/0/0"]["key"] == "z"  # the all-zero chunk was written, not skipped
+
+
+# --------------------------------------------------------------------------- damaged chunks
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_damaged_chunk_fails_the_load_naming_key_and_file(ckpt, how):
+    _damage(os.path.join(ckpt, "w", "c", "1", "1"), how)
+    with pytest.raises(CorruptCheckpointError, match=EXPECTED_ERROR[how]) as e:
+        ci.load(_request(), ckpt)
+    assert os.path.join(ckpt, "w", "c", "1", "1") in str(e.value) and "'w'" in str(e.value)
+
+
+def test_deleted_all_zero_chunk_is_not_read_as_zeros(ckpt):
+    _damage(os.path.join(ckpt, "z", "c", "0", "0"), "delete")
+    with pytest.raises(CorruptCheckpointError, match=r"z/c/0/0 of 'z' is missing"):
+        ci.load(_request(), ckpt)
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "flip"])
+def test_resharded_load_reads_only_the_chunks_it_needs(ckpt, how):
+    _damage(os.path.join(ckpt, "w", "c", "1", "1"), how)  # rows 4:8, columns 3:6
+    for rows, cols in [((0, 4), (0, 6)), ((0, 8), (0, 3)), ((2, 7), (1, 3))]:
+        out = ci.load(_request(rows, cols), ckpt, validate_access_integrity=False)
+        assert torch.equal(out["w"], W[rows[0] : rows[1], cols[0] : cols[1]]), (rows, cols)
+    with pytest.raises(CorruptCheckpointError, match=r"w/c/1/1 of 'w'"):
+        ci.load(_request((5, 6), (4, 5)), ckpt, validate_access_integrity=False)
+
+
+def test_damaged_object_file_fails_the_load(ckpt):
+    _damage(os.path.join(ckpt, "obj", "shard_0_1.pt"), "flip")
+    with pytest.raises(CorruptCheckpointError, match=r"object file .*shard_0_1\.pt of 'obj/shard_0_1' is damaged"):
+        ci.load(_request(), ckpt)
+
+
+def test_reader_without_checksum_verification_still_checks_presence_and_size(ckpt):
+    from ckpt_integration.planning.boxes import Box
+    from ckpt_integration.storage.zarr_backend import ZarrReader
+
+    _damage(os.path.join(ckpt, "w", "c", "0", "0"), "flip")
+    _damage(os.path.join(ckpt, "w", "c", "1", "1"), "truncate")
+
+    def read(reader, rows):
+        box = Box((rows[0], 0), (rows[1] - rows[0], 6))
+        out = torch.empty(box.sizes)
+        reader.read_region("w", reader.chunks["w"][0], box, out, torch.float32)
+        return out
+
+    with ZarrReader(ckpt, verify_checksums=False) as reader:
+        assert not torch.equal(read(reader, (0, 4)), W[:4])  # flipped bit read unchecked, as asked
+        with pytest.raises(CorruptCheckpointError, match="is truncated"):
+            read(reader, (4, 8))
+    with ZarrReader(ckpt) as reader, pytest.raises(CorruptCheckpointError, match="is damaged: CRC32"):
+        read(reader, (0, 4))
+
+
+# --------------------------------------------------------------------------- verify
+def test_verify_cli_reports_every_damaged_file(saved, ckpt, capsys):
+    assert main(["verify", saved]) == 0
+    assert "OK: checksums of 7 items" in capsys.readouterr().out
+    _damage(os.path.join(ckpt, "w", "c", "0", "1"), "delete")
+    _damage(os.path.join(ckpt, "w", "c", "1", "0"), "flip")
+    _damage(os.path.join(ckpt, "b", "c", "0"), "truncate")
+    _damage(os.path.join(ckpt, "obj", "shard_0_1.pt"), "flip")
+    assert main(["verify", ckpt]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED: 4 problem(s)" in out
+    for name, key, what in [
+        ("w/c/0/1", "w", "is missing"),
+        ("w/c/1/0", "w", "is damaged: CRC32"),
+        ("b/c/0", "b", "is truncated: 5 bytes, expected 10"),
+        ("obj/shard_0_1.pt", "obj/shard_0_1", "is damaged: CRC32"),
+    ]:
+        assert f"{os.path.join(ckpt, name)} of {key!r} {what}" in out, (name, out)
+
+
+def test_verify_json_names_file_and_key(ckpt, capsys):
+    _damage(os.path.join(ckpt, "z", "c", "0", "0"), "truncate")
+    assert main(["verify", ckpt, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["checksums_available"] is True
+    assert [(p["file"], p["keys"]) for p in report["problems"]] == [("z/c/0/0", ["z"])]
+
+
+# --------------------------------------------------------------------------- older checkpoints
+def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
+    index_path = os.path.join(ckpt, "zarr_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    del index["files"]
+    index["format"] = 1  # as written before records existed
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    out = ci.load(_request(), ckpt)
+    assert torch.equal(out["w"], W) and torch.equal(out["b"], B) and out["obj"] == {"step": 7}
+    assert main(["verify", ckpt]) == 0
+    assert "before chunk checksums were recorded" in capsys.readouterr().out
+    # integrity unknown, not corrupt: a missing chunk reads as fill value, as it always did there
+    _damage(os.path.join(ckpt, "w", "c", "0", "0"), "delete")
+    out = ci.load(_request((0, 4), (0, 3)), ckpt, validate_access_integrity=False)
+    assert torch.equal(out["w"], torch.zeros(4, 3))
+
+
+def test_commit_refuses_a_chunk_no_rank_wrote(ckpt):
+    from ckpt_integration.storage.zarr_backend import commit_file_records, read_index
+
+    before = read_index(ckpt)
+    with pytest.raises(ci.CheckpointingException, match="not written by any rank"):
+        commit_file_records(ckpt, [])
+    assert read_index(ckpt) == before
+
+
+# --------------------------------------------------------------------------- fsspec URLs
+def test_memory_url_damage_is_detected():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    url = "memory://ckpt-tests/zarr-integrity"
+    ci.save(_state(), url, sharded_strategy="zarr")
+    assert torch.equal(ci.load(_request(), url)["w"], W)
+    assert main(["verify", url, "-q"]) == 0
+    fs.rm(url + "/w/c/1/1")
+    fs.pipe_file(url + "/w/c/0/0", fs.cat_file(url + "/w/c/0/0")[:-4])
+    with pytest.raises(CorruptCheckpointError, match=r"w/c/1/1 of 'w' is missing"):
+        ci.load(_request((4, 8), (3, 6)), url, validate_access_integrity=False)
+    with pytest.raises(CorruptCheckpointError, match=r"w/c/0/0 of 'w' is truncated"):
+        ci.load(_request((0, 4), (0, 3)), url, validate_access_integrity=False)
+    out = ci.load(_request((0, 4), (3, 6)), url, validate_access_integrity=False)
+    assert torch.equal(out["w"], W[:4, 3:])
+    assert main(["verify", url, "-q"]) == 1
+
+
+# --------------------------------------------------------------------------- 2 ranks
+def _save_two_ranks(rank, world, path):
+    state = {
+        "w": grid_shard("w", SHAPE, rank, (world, 1)),
+        "b": ShardedTensor.from_rank_offsets("b", B, replica_id=rank),
+        "obj": ShardedObject("obj", {"rank": rank}, (world,), (rank,)),
+    }
+    ci.save(state, path, sharded_strategy="zarr")
+
+
+def test_two_rank_save_records_both_ranks_files(tmp_path):
+    path = str(tmp_path / "two")
+    run_distributed(_save_two_ranks, 2, path)
+    with open(os.path.join(path, "zarr_index.json")) as f:
+        files = json.load(f)["files"]
+    assert set(files) == {"w/c/0/0", "w/c/1/0", "b/c/0", "obj/shard_0_2.pt", "obj/shard_1_2.pt"}
+    out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(SHAPE))}, path)
+    assert torch.equal(out["w"], W)
+    _damage(os.path.join(path, "w", "c", "1", "0"), "flip")  # written by rank 1
+    with pytest.raises(CorruptCheckpointError, match=r"w/c/1/0 of 'w' is damaged"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(SHAPE))}, path)
+    assert main(["verify", path, "-q"]) == 1
