@@ -322,8 +322,9 @@ class DistCkptModelParallelStrategy(DistCkptStrategyMixin, ModelParallelStrategy
     works as with the other DistCkpt strategies.
 
     Args:
-        data_parallel_size, tensor_parallel_size: as for ``ModelParallelStrategy`` (the device
-            mesh ``("data_parallel", "tensor_parallel")`` given to ``configure_model``).
+        data_parallel_size: as for ``ModelParallelStrategy`` (the ``"data_parallel"`` dim of the
+            device mesh given to ``configure_model``).
+        tensor_parallel_size: as for ``ModelParallelStrategy`` (the ``"tensor_parallel"`` dim).
         checkpoint_io: a :class:`DistCkptIO` (default: ``DistCkptIO()``).
         kwargs: as for ``ModelParallelStrategy`` (``process_group_backend``, ``timeout``).
     """
