@@ -89,8 +89,9 @@ def _local(t: Any) -> Any:
 
 
 def _empty_local_shard(p: Any) -> bool:
-    """A DTensor param whose shard on this rank is empty (uneven FSDP2 / TP split): nothing to save here."""
-    return _is_dtensor(p) and p.to_local().numel() == 0
+    """A param with no elements on this rank (a zero-size param, or a DTensor whose shard here is
+    empty after an uneven FSDP2 / TP split): nothing to save or load here."""
+    return isinstance(p, torch.Tensor) and _local(p).numel() == 0
 
 
 def _identity(t: torch.Tensor) -> Optional[Tuple[int, int, torch.dtype]]:
@@ -221,6 +222,12 @@ def _meta_object(prefix: str, sp: ShardedParam, data: Any, main: Optional[bool] 
     return ShardedObject(f"{prefix}.param_state.{sp.key}", data, shape, offset, 0 if main else 1)
 
 
+def _is_split(sp: ShardedParam) -> bool:
+    """Whether the param's tensor is split across ranks (its local shard is not the whole tensor)."""
+    st = _first_built_tensor(sp)
+    return tuple(st.local_shape) != tuple(st.global_shape[st.prepend_axis_num:])
+
+
 def _is_param_tensor_state(v: Any, param_numel: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param_numel
 
@@ -257,6 +264,15 @@ def optim_state_to_sharding_state(
             if _is_param_tensor_state(value, numel):
                 entry[name] = make_sharded_optimizer_tensor(sp, value, f"{prefix}.state.{name}")
                 tensors[name] = str(value.dtype).replace("torch.", "")
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and _is_split(sp):
+                # e.g. Adafactor's row_var/col_var: shaped unlike the param, so it cannot follow the
+                # param's sharding; saved as one object it would silently hand every rank rank 0's copy
+                raise CheckpointingException(
+                    f"optimizer state {name!r} of param {sp.key!r} (id {param_id}) has shape {tuple(value.shape)}, "
+                    f"unlike the parameter's local shard ({numel} elements), and the parameter is sharded "
+                    f"across ranks: it cannot be resharded with the parameter. Pass exclude_keys=({name!r},) "
+                    "to leave it out of the checkpoint (re-create it after loading), or keep such optimizers on replicated params"
+                )
             else:
                 scalars[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
         entry[PARAM_META_KEY] = _meta_object(prefix, sp, {"tensors": tensors, "scalars": scalars})
@@ -276,14 +292,26 @@ def sharding_state_to_optim_state(loaded: Dict[str, Any], *, extract: Sequence[s
     """
     state: Dict[int, Dict[str, Any]] = {}
     extracted: Dict[int, Dict[str, Any]] = {}
+    not_loaded: List[str] = []
     for pid, pstate in loaded.get("state", {}).items():
         pstate = dict(pstate)
         meta = pstate.pop(PARAM_META_KEY, None) or {}
+        lacking = [n for n in meta.get("tensors", {}) if n not in pstate]
+        if lacking:
+            not_loaded.append(f"param id {pid}: {', '.join(lacking)}")
         for name in list(pstate):
             if name in extract:
                 extracted.setdefault(pid, {})[name] = pstate.pop(name)
         pstate.update(meta.get("scalars", {}))
         state[pid] = pstate
+    if not_loaded:
+        # the request had no tensors for these states: the optimizer had no state yet when its
+        # sharded state dict was built; loading only the scalars would fail at the next step
+        raise OptimizerStateMismatchError(
+            "the checkpoint holds optimizer tensor states that were not requested (the optimizer had no state "
+            "when optimizer_sharded_state_dict was called): build the request with init_state=True, or use "
+            "load_optimizer_state(), which needs no existing state:\n  " + "\n  ".join(not_loaded[:20])
+        )
     groups = loaded.get("param_groups", [])
     if isinstance(groups, dict):
         groups = [groups[k] for k in sorted(groups)]
@@ -295,6 +323,18 @@ def sharding_state_to_optim_state(loaded: Dict[str, Any], *, extract: Sequence[s
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
+    """Per-param tensor states a known torch optimizer keeps (``None``: unknown optimizer)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",) if group.get("momentum", 0) != 0 else ()
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
+                + (("grad_avg",) if group.get("centered") else ()))
+    return None
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -463,7 +503,7 @@ def _two_phase_load(
     load_kwargs: Dict[str, Any],
 ) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, Dict[str, Any]], List[Dict[str, Any]]]:
     """Phase 1 reads the per-param meta objects (names, dtypes, scalars); phase 2 the tensors."""
-    from .serialization import load, load_sharded_metadata
+    from .serialization import load, load_common_state_dict, load_sharded_metadata
 
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
@@ -483,6 +523,15 @@ def _two_phase_load(
             flat_requests.extend(req if isinstance(req, list) else [req])
     problems = _check_requests(flat_requests, ckpt_meta, labels)
     _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
+    common = load_common_state_dict(
+        checkpoint_dir, trusted=load_kwargs.get("trusted", False), allowed_globals=load_kwargs.get("allowed_globals")
+    )
+    saved_groups = common.get(state_dict_key, {}).get("param_groups") if isinstance(common.get(state_dict_key), dict) else None
+    if isinstance(saved_groups, (list, dict)) and len(saved_groups) != len(param_groups_template):
+        raise OptimizerStateMismatchError(
+            f"{os.fspath(checkpoint_dir)}: the checkpoint's optimizer {state_dict_key!r} has {len(saved_groups)} "
+            f"param groups, this optimizer {len(param_groups_template)}: build the optimizer with the same groups"
+        )
     template = {
         "state": requests,
         "param_groups": [
@@ -592,12 +641,34 @@ def load_optimizer_state(
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st
-    if len(groups) != len(template_groups):
-        raise OptimizerStateMismatchError(
-            f"{os.fspath(checkpoint_dir)}: the checkpoint has {len(groups)} param groups, the optimizer {len(template_groups)}"
-        )
+    _check_state_names(optimizer, torch_state, extract, names, id_map, checkpoint_dir)
     optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
     return extracted
+
+
+def _check_state_names(
+    optimizer: torch.optim.Optimizer, torch_state: Dict[int, Dict[str, Any]], extract: Sequence[str],
+    names: Dict[int, str], id_map: Dict[int, ShardedParam], checkpoint_dir: Any,
+) -> None:
+    """A checkpoint of another optimizer kind (SGD into Adam) would load, then fail at the next step."""
+    problems = []
+    pid = 0
+    for group in optimizer.param_groups:
+        expected = _expected_tensor_states(optimizer, group)
+        for _ in group["params"]:
+            st = torch_state.get(pid)
+            if expected is not None and st is not None and pid in id_map:
+                lacking = [n for n in expected if n not in st and n not in extract]
+                if lacking:
+                    label = f"{id_map[pid].key!r}" + (f" ({names[pid]})" if pid in names else "")
+                    problems.append(f"parameter {label}: no {', '.join(lacking)} (saved: {sorted(st)})")
+            pid += 1
+    if problems:
+        raise OptimizerStateMismatchError(
+            f"{os.fspath(checkpoint_dir)}: the saved optimizer state does not fit {type(optimizer).__name__} "
+            f"(saved by another optimizer or with other options?):\n  " + "\n  ".join(problems[:20])
+            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,7 +790,8 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tupl
 
 
 def _zero_replica_id(replica_id: ReplicaId) -> ReplicaId:
-    """Default: the data-parallel replica is the last replica_id component (Megatron convention)."""
+    """Default for tuples: the data-parallel replica is the last replica_id component (Megatron
+    convention). Integers are handled by :meth:`ZeroShardedOptimizer._replica_id`."""
     if isinstance(replica_id, int):
         return 0
     return tuple(replica_id[:-1]) + (0,)
@@ -745,7 +817,8 @@ class ZeroShardedOptimizer:
             AdamW, SGD, ...).
         dp_group: the data-parallel process group (default: world; none without dist).
         replica_id_fn: maps a model ShardedTensor's replica_id to the id of the optimizer
-            pieces; default: set the last component (the DP replica) to 0.
+            pieces; default: set the last component (the DP replica) to 0; an integer must
+            be 0 or the DP rank (anything else is refused, see :meth:`_replica_id`).
     """
 
     def __init__(
@@ -754,12 +827,12 @@ class ZeroShardedOptimizer:
         optimizer_cls: type = torch.optim.AdamW,
         *,
         dp_group: Any = None,
-        replica_id_fn: Callable[[ReplicaId], ReplicaId] = _zero_replica_id,
+        replica_id_fn: Optional[Callable[[ReplicaId], ReplicaId]] = None,
         **optimizer_kwargs: Any,
     ):
         self.params = list(params)
         self.dp_group = dp_group
-        self.replica_id_fn = replica_id_fn
+        self.replica_id_fn = replica_id_fn or self._replica_id
         initialized = tdist.is_available() and tdist.is_initialized()
         self.dp_size = tdist.get_world_size(dp_group) if initialized else 1
         self.dp_rank = tdist.get_rank(dp_group) if initialized else 0
@@ -809,6 +882,25 @@ class ZeroShardedOptimizer:
             p.copy_(flat[off:off + n].view_as(p))
 
     # -- checkpointing --------------------------------------------------------------------
+    def _replica_id(self, replica_id: ReplicaId) -> ReplicaId:
+        """The default ``replica_id_fn``: drop the data-parallel part of a model replica_id.
+
+        A tuple's last component is the DP replica (Megatron convention). An integer is
+        taken as the DP replica only if it is 0 or this rank's DP rank; any other integer
+        (e.g. a tensor-parallel replica index) cannot be split and is refused, since
+        mapping it to 0 would make several ranks the main replica of the same slice.
+        """
+        if not isinstance(replica_id, int):
+            return _zero_replica_id(replica_id)
+        if replica_id in (0, self.dp_rank):
+            return 0
+        raise CheckpointingException(
+            f"ZeroShardedOptimizer: a model ShardedTensor has replica_id {replica_id} on data-parallel rank "
+            f"{self.dp_rank}: an integer replica_id other than 0 or the DP rank mixes in other replication "
+            "(e.g. tensor parallelism), so the DP part cannot be dropped. Use tuple replica_ids with the DP "
+            "replica last, e.g. (tp_rank, dp_rank), or pass replica_id_fn"
+        )
+
     def _pieces(self, sp: ShardedTensor, pid: int, prefix: str, name: str, flat: torch.Tensor) -> List[ShardedTensor]:
         ps, pe = self.offsets[pid], self.offsets[pid + 1]
         a, b = max(ps, self.start), min(pe, self.end)

@@ -250,13 +250,21 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> St
 
 
 def load_content_metadata(
-    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
+    checkpoint_dir: Optional[PathLike] = None,
+    *,
+    preloaded_state_dict: Optional[StateDict] = None,
+    trusted: bool = False,
+    allowed_globals: Optional[Iterable[Any]] = None,
 ) -> Optional[dict]:
-    """The ``content_metadata`` dict given to :func:`save`, or ``None`` if there was none."""
+    """The ``content_metadata`` dict given to :func:`save`, or ``None`` if there was none.
+
+    ``trusted`` / ``allowed_globals`` as for :func:`load_common_state_dict` (the content
+    metadata lives in the common state).
+    """
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
             raise ValueError("pass checkpoint_dir or preloaded_state_dict")
-        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 

@@ -118,7 +118,9 @@ def _tensor_tasks(sh: ShardedTensor, md: Metadata, reader: TorchDistReader, chec
         # Read into host memory, copy to the device afterwards (see load_torch_dist).
         host = torch.empty(sh.local_shape, dtype=sh.dtype)
     else:
-        host = out
+        # a Parameter (requires_grad) as destination: write through a detached alias of its
+        # memory, since in-place copies into a leaf that requires grad are refused by autograd
+        host = out.detach()
     view = host.view(sh.saved_shape())
     request = Box(sh.global_offset, sh.saved_shape())
     reads = plan_chunk_reads(request, [c.box for c in reader.chunks[sh.key]])
@@ -250,8 +252,9 @@ class _LoadJob:
         )
 
     def finish(self) -> Tuple[Any, Set[str], Set[str]]:
-        for host, dev in self.device_copies:
-            dev.copy_(host)
+        with torch.no_grad():  # destinations may be Parameters
+            for host, dev in self.device_copies:
+                dev.copy_(host)
         result = self.common if isinstance(self.common, dict) else {"__common__": self.common}
         merge(result, self.nonpersistent)
         merge(result, self.loaded)
@@ -285,9 +288,10 @@ def _prepare_reads(
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir)
             tasks.extend(ts)
-            if sh.data is not None and host is not sh.data:
-                device_copies.append((host, sh.data))
-                return sh.data
+            if sh.data is not None:
+                if sh.data.device.type != "cpu":
+                    device_copies.append((host, sh.data))
+                return sh.data  # loaded in place: the caller's tensor (or Parameter) itself
             return host
         if isinstance(sh, ShardedObject):
             meta = md.state_dict_metadata.get(sh.unique_key)

@@ -55,6 +55,7 @@ def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
             replica_id=replica_tuple(sh.replica_id),
             nbytes=sh.local_numel() * torch.empty((), dtype=sh.dtype).element_size(),
             allow_shape_mismatch=sh.allow_shape_mismatch,
+            has_data=sh.data is not None,
         )
     if isinstance(sh, ShardedObject):
         return ShardMeta(
@@ -95,9 +96,22 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
     # {index: value} so that merging on load puts every value back in its slot.
     common = restore_list_types(common, template)
     for path, v in nested_items(common):
-        if isinstance(v, (ShardedBase, ShardedTensorFactory)):
-            raise CheckpointingException(f"unsupported sharded value {type(v).__name__} at {path}")
+        _refuse_hidden_sharded(v, path)
     return sharded, common, nonpersistent, factories
+
+
+def _refuse_hidden_sharded(v: Any, path: Any) -> None:
+    """Sharded values are found in dicts and lists only; one inside a tuple/set (or anywhere
+    else in the common state) would be pickled into common.pt by rank 0 instead of saved."""
+    if isinstance(v, (ShardedBase, ShardedTensorFactory, LocalNonpersistentObject)):
+        raise CheckpointingException(
+            f"{type(v).__name__} {getattr(v, 'key', '')!r} at {path} is not in a dict or list: sharded values must "
+            "sit in dicts and lists of the state dict (a tuple or set would save it as common state from rank 0); "
+            "use a list instead"
+        )
+    if isinstance(v, (tuple, set, frozenset)):
+        for i, x in enumerate(v):
+            _refuse_hidden_sharded(x, f"{path}[{i}]")
 
 
 def local_shards(sharded: Any) -> List[ShardedBase]:

@@ -145,6 +145,18 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
             f"{key!r}: no rank holds a main replica (replica_id all zeros); held by ranks "
             f"{_ranks(shards)} - nothing would be saved"
         ]
+    # a shard reaching past the global shape (possible with allow_shape_mismatch) would make
+    # the volume count below accept a gap elsewhere
+    outside = [
+        s for s in main
+        if any(o < 0 or o + n > g for o, n, g in zip(s.offsets, s.sizes, global_shape))
+    ]
+    if outside:
+        return [
+            f"{key!r} (global shape {tuple(global_shape)}): shard {s.box} of rank {s.rank} reaches outside the "
+            "global shape; saved shards must lie inside it (allow_shape_mismatch only applies on load)"
+            for s in outside[:MAX_REPORTED]
+        ]
     overlaps = find_overlaps(main)
     if overlaps:
         errors.append(f"{key!r} (global shape {tuple(global_shape)}): main replicas overlap: " + "; ".join(overlaps))

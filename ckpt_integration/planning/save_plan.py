@@ -18,8 +18,8 @@ def plan_writers(shards: Iterable[ShardMeta], balance: bool = True) -> Dict[Chun
     """Choose one writer per stored chunk.
 
     Without ``balance`` the main replica (replica_id all zeros) writes, as in
-    Megatron-Core. With ``balance`` every rank holding an identical copy of a
-    tensor chunk is a candidate and chunks are assigned largest-first to the
+    Megatron-Core. With ``balance`` every rank holding a copy of a tensor chunk
+    (with data) is a candidate, so replicas must be identical, as data parallelism keeps them and chunks are assigned largest-first to the
     least-loaded candidate (ties to the lowest rank), which spreads the bytes of
     data-parallel replicas over the whole group. Objects are always written by
     their main replica: replicas of an object need not be byte-identical.
@@ -36,7 +36,11 @@ def plan_writers(shards: Iterable[ShardMeta], balance: bool = True) -> Dict[Chun
         if not balance or main.kind == "object":
             chosen[cid] = main
         else:
-            candidates = sorted((s for s in group if s.sizes == main.sizes), key=lambda s: s.rank)
+            # replicas are assumed identical (as data parallelism keeps them); one without data
+            # (a metadata-only non-main replica) can never write
+            candidates = sorted((s for s in group if s.sizes == main.sizes and s.has_data), key=lambda s: s.rank)
+            if not candidates:
+                candidates = [main]  # the save reports the main replica's missing data
             pending.append((cid, main.nbytes, candidates))
     load: Dict[int, int] = defaultdict(int)
     for s in chosen.values():

@@ -31,6 +31,8 @@ class ShardMeta:
     replica_id: Tuple[int, ...]
     nbytes: int
     allow_shape_mismatch: bool = False
+    # False for a non-main replica that carries no data (allowed, as in Megatron): never a writer
+    has_data: bool = True
 
     @property
     def box(self) -> Box:

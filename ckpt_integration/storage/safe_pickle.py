@@ -44,6 +44,12 @@ _DCP_METADATA_ALLOWED: Set[Tuple[str, str]] = {
     for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    # DCP's own FileSystemWriter keeps ``StorageMeta.checkpoint_id`` as the Path it was given;
+    # rebuilding a path object from its string parts runs no code
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
     ("torch", "Size"),
     ("torch", "device"),
     ("collections", "OrderedDict"),

@@ -422,7 +422,16 @@ class TorchDistReader:
         from .safe_pickle import safe_torch_load
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
-        t = safe_torch_load(io.BytesIO(bytes(buf)), what=f"chunk {chunk.box} of {key!r} in {path}")
+        from ..errors import UnsafeCheckpointError
+
+        try:
+            t = safe_torch_load(io.BytesIO(bytes(buf)), what=f"chunk {chunk.box} of {key!r} in {path}")
+        except UnsafeCheckpointError as e:
+            # tensor data never needs arbitrary objects, so trusted=True is no remedy here
+            raise CorruptCheckpointError(
+                f"{path}: chunk {chunk.box} of {key!r} is not a plain tensor record and was refused "
+                f"without running it; the file is damaged or was not written by a checkpoint writer ({e})"
+            ) from None
         if not isinstance(t, torch.Tensor) or t.numel() != chunk.box.numel:
             raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
         t = t.reshape(chunk.box.sizes)

@@ -1,0 +1,209 @@
+"""Edge cases of the core engine and the optimizer helpers found in review.
+
+Each test fails on the behaviour it guards against: silent corruption (optimizer states shaped
+unlike their param under TP, sharded values hidden in tuples, gaps hidden by out-of-shape shards),
+late raw errors (group count, optimizer kind, Parameters as load targets) or needless refusals
+(DCP ``.metadata`` holding a ``pathlib`` path, metadata-only non-main replicas with balancing).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedTensor
+from ckpt_integration.errors import CheckpointingException, ShardingIntegrityError
+from ckpt_integration.optimizer import (
+    OptimizerStateMismatchError,
+    ZeroShardedOptimizer,
+    load_optimizer_state,
+    optimizer_sharded_state_dict,
+    sharding_state_to_optim_state,
+)
+from ckpt_integration.planning.save_plan import plan_writers
+from ckpt_integration.planning.shards import ShardMeta
+from tests.dist_utils import run_distributed
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 4)
+        self.b = torch.nn.Linear(4, 2)
+
+    def sharded(self):
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in self.state_dict().items()}
+
+
+def _train(model, opt, steps=2):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        model.b(model.a(torch.randn(5, 3, generator=g))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _saved(tmp_path, opt_factory, name="c"):
+    torch.manual_seed(0)
+    m = _Net()
+    o = opt_factory(m)
+    _train(m, o)
+    msd = m.sharded()
+    path = str(tmp_path / name)
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(o, msd)}, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------
+# optimizer helpers
+# ------------------------------------------------------------------------------------------
+def test_request_without_optimizer_state_is_refused_not_half_loaded(tmp_path):
+    path = _saved(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
+    m = _Net()
+    o = torch.optim.Adam(m.parameters(), lr=0.01)  # no state yet, init_state not asked for
+    loaded = ci.load({"optimizer": optimizer_sharded_state_dict(o, m.sharded())}, path)
+    with pytest.raises(OptimizerStateMismatchError, match=r"(?s)init_state=True.*load_optimizer_state.*param id 0: exp_avg"):
+        sharding_state_to_optim_state(loaded["optimizer"])
+
+
+def test_param_group_count_mismatch_names_both_counts(tmp_path):
+    path = _saved(tmp_path, lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
+    m = _Net()
+    o = torch.optim.Adam([{"params": m.a.parameters()}, {"params": m.b.parameters(), "lr": 0.5}])
+    with pytest.raises(OptimizerStateMismatchError, match="has 1 param groups, this optimizer 2"):
+        load_optimizer_state(o, m.sharded(), path)
+
+
+def test_state_of_another_optimizer_kind_is_refused(tmp_path):
+    path = _saved(tmp_path, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), "sgd")
+    m = _Net()
+    o = torch.optim.Adam(m.parameters())
+    with pytest.raises(OptimizerStateMismatchError, match=r"(?s)does not fit Adam.*'a.weight'.*no exp_avg, exp_avg_sq"):
+        load_optimizer_state(o, m.sharded(), path)
+    # the same kind loads, and a step works afterwards
+    o2 = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    load_optimizer_state(o2, m.sharded(), path)
+    _train(m, o2, 1)
+
+
+def test_zero_size_param_needs_no_sharded_tensor(tmp_path):
+    class Z(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.empty = torch.nn.Parameter(torch.zeros(0, 3))
+            self.v = torch.nn.Parameter(torch.ones(2))
+
+    z = Z()
+    o = torch.optim.Adam(z.parameters(), lr=0.1)
+    z.v.sum().backward()
+    o.step()
+    msd = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in z.state_dict().items() if v.numel()}
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(o, msd)}, str(tmp_path / "z"))
+    z2 = Z()
+    o2 = torch.optim.Adam(z2.parameters(), lr=0.1)
+    load_optimizer_state(o2, {k: ShardedTensor.from_rank_offsets(k, v) for k, v in z2.state_dict().items() if v.numel()},
+                         str(tmp_path / "z"))
+    assert torch.equal(o2.state[z2.v]["exp_avg"], o.state[z.v]["exp_avg"])
+
+
+def _adafactor_under_tp(rank, world, root):
+    p = torch.nn.Parameter(torch.randn(4, 6))  # rows [4r, 4r+4) of (8, 6)
+    opt = torch.optim.Adafactor([p], lr=0.01)
+    (p ** 2).sum().backward()
+    opt.step()
+    msd = {"w": ShardedTensor.from_rank_offsets("w", p.detach(), (0, rank, world))}
+    with pytest.raises(CheckpointingException, match=r"'row_var' of param 'w'.*sharded across ranks.*exclude_keys"):
+        optimizer_sharded_state_dict(opt, msd)
+    # excluding the factored states saves the rest, and it loads back exactly
+    sd = optimizer_sharded_state_dict(opt, msd, exclude_keys=("row_var", "col_var"))
+    ci.save({"model": msd, "optimizer": sd}, root + "/c")
+    loaded = ci.load({"model": {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 6), (0, rank, world))}}, root + "/c")
+    assert torch.equal(loaded["model"]["w"], p.detach())
+
+
+def test_optimizer_state_shaped_unlike_a_sharded_param_is_refused(tmp_path):
+    if not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch without Adafactor")
+    run_distributed(_adafactor_under_tp, 2, str(tmp_path), timeout=120)
+
+
+def test_zero_refuses_an_integer_replica_id_it_cannot_split():
+    w = torch.nn.Parameter(torch.randn(4, 6))
+    z = ZeroShardedOptimizer([w], torch.optim.Adam, lr=0.1)  # no torch.distributed: DP rank 0
+    assert z.replica_id_fn(0) == 0 and z.replica_id_fn((1, 0)) == (1, 0) and z.replica_id_fn((1, 3)) == (1, 0)
+    with pytest.raises(CheckpointingException, match="replica_id 1 on data-parallel rank 0.*tuple replica_ids"):
+        z.replica_id_fn(1)
+
+
+# ------------------------------------------------------------------------------------------
+# core engine
+# ------------------------------------------------------------------------------------------
+def test_sharded_value_in_a_tuple_is_refused(tmp_path):
+    sd = {"t": (ShardedTensor.from_rank_offsets("tt", torch.ones(2)),)}
+    with pytest.raises(CheckpointingException, match=r"ShardedTensor 'tt' at .*not in a dict or list"):
+        ci.save(sd, str(tmp_path / "c"))
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_shard_outside_the_global_shape_cannot_hide_a_gap(tmp_path):
+    # [0:6) + [8:12) of a (10,) tensor sum to 10 elements, but [6:8) is a gap
+    sd = {
+        "a": ShardedTensor.from_global_offsets("k", torch.ones(6), (10,), (0,)),
+        "b": ShardedTensor.from_global_offsets("k", torch.ones(4), (10,), (8,), allow_shape_mismatch=True),
+    }
+    with pytest.raises(ShardingIntegrityError, match=r"'k'.*\[8:12\].*outside the global shape"):
+        ci.save(sd, str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("strategy", ["local", "fully_parallel", "two_stage"])
+def test_parameters_as_load_targets_under_resharding(tmp_path, strategy):
+    full = torch.arange(64 * 8.0).reshape(64, 8)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", full)}, str(tmp_path / "c"))
+    col = torch.nn.Parameter(torch.zeros(64, 4))  # a column half: strided reads into the Parameter
+    out = ci.load({"w": ShardedTensor.from_global_offsets("w", col, (64, 8), (0, 4))}, str(tmp_path / "c"),
+                  validate_access_integrity=False, load_strategy=strategy, thread_count=2)
+    assert out["w"] is col and col.requires_grad
+    assert torch.equal(col.detach(), full[:, 4:])
+    padded = torch.nn.Parameter(torch.full((70, 8), 5.0))  # allow_shape_mismatch zero-fills the rest
+    ci.load({"w": ShardedTensor.from_rank_offsets("w", padded, allow_shape_mismatch=True)}, str(tmp_path / "c"),
+            load_strategy=strategy)
+    assert torch.equal(padded.detach()[:64], full) and not padded.detach()[64:].any()
+
+
+def test_dcp_metadata_with_a_pathlib_checkpoint_id_loads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    md.storage_meta.checkpoint_id = pathlib.PosixPath(tmp_path / "dcp")  # as a Path-given writer keeps it
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    # a plain DCP directory becomes loadable with the torch_dist backend's commit marker
+    (tmp_path / "dcp" / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
+    ))
+    out = ci.load_plain_tensors(str(tmp_path / "dcp"))
+    assert torch.equal(out["w"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_load_content_metadata_accepts_trust_arguments(tmp_path):
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / "c"),
+            content_metadata={"format": 2})
+    assert ci.load_content_metadata(str(tmp_path / "c"), trusted=False) == {"format": 2}
+
+
+def test_balancing_skips_replicas_without_data():
+    def meta(rank, has_data):
+        return ShardMeta("k", "tensor", rank, "float32", (1000,), (0,), (1000,), (rank,), 4000, has_data=has_data)
+
+    chosen = plan_writers([meta(0, True), meta(1, False), meta(2, False)], balance=True)
+    assert [s.rank for s in chosen.values()] == [0]
+    chosen = plan_writers(
+        [ShardMeta(f"k{i}", "tensor", r, "float32", (10,), (0,), (10,), (r,), 40) for i in range(4) for r in range(2)]
+    )
+    assert sorted(s.rank for s in chosen.values()) == [0, 0, 1, 1]  # with data everywhere: balanced
+
