@@ -3,19 +3,23 @@
 Runs on one process without a GPU or ``torch.distributed``; see ``docs/cli.md``.
 
 Exit codes: 0 success (``verify``: undamaged, ``diff``: identical), 1 damage found
-(``verify``) or differences found (``diff``), 2 usage error or unreadable input.
+(``verify``) or differences found (``diff``), 2 usage error or unreadable input,
+141 (128 + SIGPIPE, as a shell reports a process killed by it) when stdout was closed
+early, e.g. ``ckpt-integration inspect --json DIR | head -1`` (nothing is printed then).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, List, Optional
 
 from . import __version__
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE (signal.SIGPIPE does not exist on Windows)
 
 
 def _progress_factory(quiet: bool):
@@ -81,13 +85,66 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _StdoutClosed(Exception):
+    """The reader of stdout went away (``| head``); raised instead of a BrokenPipeError from
+    writing stdout, so that a broken pipe elsewhere (e.g. remote storage) is still an error."""
+
+
+_OUT_PIECE = 64 * 1024
+
+
+def _out(text: str) -> None:
+    """Print a line to stdout (every result goes through here).
+
+    Written in pieces: when the reader closes the pipe during one huge write, Python's
+    buffered stdout returns a short count without raising, and the rest would vanish
+    silently; the next piece raises BrokenPipeError instead.
+    """
+    text += "\n"
+    try:
+        for start in range(0, len(text), _OUT_PIECE):
+            sys.stdout.write(text[start:start + _OUT_PIECE])
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
+
+
+def _flush_stdout() -> None:
+    """Flush what is still buffered: a closed pipe often shows up only now."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
+
+
 def _print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    _out(json.dumps(obj, indent=2, default=str))
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout's descriptor at devnull, so that the interpreter's
+    final flush of the buffered rest does not fail again ("Exception ignored ... BrokenPipeError")."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. captured in tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``ckpt-integration`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    try:
+        code = _run(argv)
+        _flush_stdout()
+        return code
+    except _StdoutClosed:  # the standard handling: not an error of ours, say nothing
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Optional[List[str]]) -> int:
+    """:func:`main` without the handling of a closed stdout."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -103,14 +160,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.json:
                 _print_json(info)
             else:
-                print(tools.format_inspect(info, show_shards=args.shards))
+                _out(tools.format_inspect(info, show_shards=args.shards))
             return EXIT_OK
         if args.command == "verify":
             report = tools.verify_checkpoint(args.path, progress=progress, trusted=args.trusted)
             if args.json:
                 _print_json(report.to_dict())
             else:
-                print(report.format())
+                _out(report.format())
             return EXIT_OK if report.ok else EXIT_FAIL
         if args.command == "convert":
             result = tools.convert_checkpoint(
@@ -121,11 +178,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.json:
                 _print_json(result.__dict__)
             else:
-                print(f"wrote {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} "
+                _out(f"wrote {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} "
                       f"to {result.output}: {', '.join(result.files)}")
                 if result.skipped:
-                    print(f"skipped {len(result.skipped)} ShardedObject(s) ({args.to} holds tensors only): "
+                    _out(f"skipped {len(result.skipped)} ShardedObject(s) ({args.to} holds tensors only): "
                           + ", ".join(result.skipped))
+                if result.skipped_common:
+                    _out("skipped common state: " + ", ".join(result.skipped_common))
             return EXIT_OK
         if args.command == "diff":
             report = tools.diff_checkpoints(args.a, args.b, memory_budget=args.memory_budget,
@@ -133,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.json:
                 _print_json(report.to_dict())
             else:
-                print(report.format())
+                _out(report.format())
             return EXIT_OK if report.identical else EXIT_FAIL
     except (CheckpointingException, OSError, ValueError) as e:
         print(f"ckpt-integration {args.command}: error: {e}", file=sys.stderr)

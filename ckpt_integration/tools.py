@@ -28,6 +28,7 @@ import re
 import shutil
 import struct
 import tempfile
+import uuid
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -424,10 +425,11 @@ def open_source(path: str, trusted: bool = False) -> TensorSource:
 
 
 # --------------------------------------------------------------------------- inspect
-def _layout_summary(global_shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> str:
+def _layout_summary(global_shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]],
+                    unit: str = "shard") -> str:
     n = len(chunks)
     if n == 1:
-        return "1 shard (whole tensor)"
+        return f"1 {unit} (whole tensor)"
     split_axes = [a for a in range(len(global_shape)) if any(s[a] != global_shape[a] for _, s in chunks)]
     grid = [len({o[a] for o, _ in chunks}) for a in split_axes]
     sizes = sorted({s for _, s in chunks})
@@ -440,7 +442,7 @@ def _layout_summary(global_shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int,
     else:
         shown = ", ".join(str(list(s)) for s in sizes[:4]) + (", ..." if len(sizes) > 4 else "")
         sz = f"uneven: {shown}"
-    return f"{n} shards, {where}, {sz}"
+    return f"{n} {unit}s, {where}, {sz}"
 
 
 def _describe_value(v: Any) -> str:
@@ -469,12 +471,62 @@ def _common_keys(obj: Any, prefix: str = "") -> Dict[str, str]:
     return out
 
 
+def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, Dict[str, Any]], Dict[str, int]]:
+    """``(shards, objects, files)`` of a zarr checkpoint, from the records in ``zarr_index.json``.
+
+    zarr checkpoints have no DCP storage records: a tensor's "shards" are its chunk files
+    (each a file of its own, so ``file_offset`` is 0) and the sizes come from the chunk
+    and object records the save committed. Indexes written before records existed give
+    ``length`` None and no files.
+    """
+    from .storage.zarr_backend import ZarrReader, chunk_file_names, object_file_name
+
+    with ZarrReader(path) as reader:
+        records = reader.files or {}
+        shards: Dict[str, List[Dict[str, Any]]] = {}
+        for key, info in reader.index.get("tensors", {}).items():
+            shape, chunks = [int(n) for n in info["shape"]], [int(c) for c in info["chunks"]]
+            shards[key] = []
+            for name in chunk_file_names(shape, chunks):  # "c/i/j": chunk coordinates
+                offsets = [int(i) * c for i, c in zip(name.split("/")[1:], chunks)]
+                record = records.get(f"{key}/{name}")
+                shards[key].append({
+                    "offsets": offsets,
+                    "sizes": [min(c, n - o) for c, n, o in zip(chunks, shape, offsets)],
+                    "file": f"{key}/{name}", "file_offset": 0, "length": record.size if record else None,
+                })
+        objects = {}
+        for key in reader.index.get("objects", []):
+            record = records.get(object_file_name(key))
+            objects[key] = {"key": key, "file": object_file_name(key), "length": record.size if record else None}
+        files = {name: record.size for name, record in records.items()}
+    return shards, objects, files
+
+
+def _dcp_shards(md: Any, key: str, meta: TensorStorageMetadata) -> List[Dict[str, Any]]:
+    """The saved chunks of a torch_dist tensor with the file and byte range of each."""
+    storage = md.storage_data or {}
+    shards = []
+    for c in meta.chunks:
+        info = storage.get(MetadataIndex(key, torch.Size(c.offsets)))
+        shards.append({
+            "offsets": [int(o) for o in c.offsets],
+            "sizes": [int(s) for s in c.sizes],
+            "file": getattr(info, "relative_path", None),
+            "file_offset": getattr(info, "offset", None),
+            "length": getattr(info, "length", None),
+        })
+    return shards
+
+
 def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """Describe a checkpoint directory as a JSON-serializable dict (nothing but metadata is read).
 
-    Keys: ``path, kind, backend, backend_version, common_backend, manifest, tensors`` (key ->
+    Keys: ``path, kind`` (= ``backend``: ``torch_dist`` or ``zarr``), ``backend, backend_version,
+    common_backend, manifest, manifest_expected, files`` (data file -> bytes), ``tensors`` (key ->
     shape, dtype, nbytes, shards, layout), ``objects``, ``common_state`` (``{"keys": {...}}`` or
-    ``{"error": "..."}`` when loading it was refused as unsafe) and ``total_bytes``.
+    ``{"error": "..."}`` when loading it was refused as unsafe) and ``total_bytes``. For zarr the
+    shards are the chunk files, sized from the records in ``zarr_index.json``.
     Safetensors and torch.save inputs are described too (without shard details).
     """
     path = os.fspath(path)
@@ -488,33 +540,37 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             return {"path": path, "kind": kind, "tensors": tensors, "objects": [], "common_state": None,
                     "total_bytes": sum(t["nbytes"] for t in tensors.values())}
     config = ckdir.read_config(path)
-    md = read_metadata(path, trusted=trusted, backend=config.sharded_backend)
+    backend = config.sharded_backend
+    md = read_metadata(path, trusted=trusted, backend=backend)
     manifest = ckdir.read_manifest(path)
+    storage = md.storage_data or {}
+    if backend == "zarr":
+        zarr_shards, zarr_objects, files = _zarr_layout(path)
+        checksummed = len(files)  # every chunk/object record carries a CRC32
+    else:
+        files = {}
+        for info in storage.values():
+            files[info.relative_path] = files.get(info.relative_path, 0) + info.length
+        checksummed = len(manifest.items) if manifest is not None else 0
     tensors: Dict[str, Any] = {}
     objects = []
-    storage = md.storage_data or {}
     for key, meta in sorted(md.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
             shape = tuple(int(s) for s in meta.size)
-            shards = []
-            for c in meta.chunks:
-                info = storage.get(MetadataIndex(key, torch.Size(c.offsets)))
-                shards.append({
-                    "offsets": [int(o) for o in c.offsets],
-                    "sizes": [int(s) for s in c.sizes],
-                    "file": getattr(info, "relative_path", None),
-                    "file_offset": getattr(info, "offset", None),
-                    "length": getattr(info, "length", None),
-                })
+            shards = zarr_shards.get(key, []) if backend == "zarr" else _dcp_shards(md, key, meta)
             shards.sort(key=lambda s: s["offsets"])
+            unit = "chunk" if backend == "zarr" else "shard"
             tensors[key] = {
                 "shape": list(shape),
                 "dtype": _dtype_name(meta.properties.dtype),
                 "nbytes": math.prod(shape) * _esize(meta.properties.dtype),
                 "shards": shards,
-                "layout": _layout_summary(shape, [(tuple(s["offsets"]), tuple(s["sizes"])) for s in shards]),
+                "layout": _layout_summary(shape, [(tuple(s["offsets"]), tuple(s["sizes"])) for s in shards], unit),
             }
         elif isinstance(meta, BytesStorageMetadata):
+            if backend == "zarr":
+                objects.append(zarr_objects.get(key, {"key": key, "file": None, "length": None}))
+                continue
             info = storage.get(MetadataIndex(key))
             objects.append({"key": key, "file": getattr(info, "relative_path", None), "length": getattr(info, "length", None)})
     try:
@@ -525,21 +581,19 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
         common = {"error": str(e), "unsafe": True}
     except CheckpointingException as e:
         common = {"error": str(e)}
-    files: Dict[str, int] = {}
-    for info in storage.values():
-        files[info.relative_path] = files.get(info.relative_path, 0) + info.length
     return {
         "path": path,
-        "kind": "torch_dist",
-        "backend": config.sharded_backend,
+        "kind": backend,
+        "backend": backend,
         "backend_version": config.sharded_backend_version,
         "common_backend": config.common_backend,
         "common_backend_version": config.common_backend_version,
         "manifest": None if manifest is None else {
             "format": manifest.format, "version": manifest.version, "world_size": manifest.world_size,
             "library_version": manifest.library_version, "created": manifest.created,
-            "checksummed_items": len(manifest.items),
+            "checksummed_items": checksummed,
         },
+        "manifest_expected": ckdir.manifest_expected(path),
         "files": dict(sorted(files.items())),
         "tensors": tensors,
         "objects": objects,
@@ -551,13 +605,16 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
 def format_inspect(info: Dict[str, Any], show_shards: bool = False) -> str:
     """Render :func:`inspect_checkpoint` output as text: a tree of keys split on ``'.'``."""
     lines = [f"checkpoint: {info['path']}"]
-    if info["kind"] == "torch_dist":
+    is_dir = "backend" in info  # a checkpoint directory (torch_dist or zarr), not a file
+    if is_dir:
         lines.append(f"  backend: {info['backend']} (version {info['backend_version']}), common state: "
                      f"{info['common_backend']} (version {info['common_backend_version']})")
         m = info["manifest"]
         if m:
             lines.append(f"  written by: {m['format']} {m['library_version']} on {m['world_size']} rank(s); "
                          f"{m['checksummed_items']} checksummed items")
+        elif info.get("manifest_expected"):
+            lines.append("  manifest.json is missing although it was saved with one: run verify")
         else:
             lines.append("  no manifest.json: written by another tool (Megatron-Core / PyTorch DCP); no checksums")
         lines.append(f"  data files: {len(info['files'])} ({format_size(sum(info['files'].values()))})")
@@ -595,7 +652,7 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False) -> str:
                 render(child, depth + 1)
 
     render(tree, 1)
-    if info["kind"] == "torch_dist":
+    if is_dir:
         lines.append("")
         lines.append(f"sharded objects: {len(info['objects'])}")
         for o in info["objects"]:
@@ -656,12 +713,26 @@ def _item_name(index: MetadataIndex) -> str:
     return f"{index.fqn}[{', '.join(str(o) for o in index.offset)}]"
 
 
+def _manifest_deleted(path: str, report: VerifyReport) -> bool:
+    """Report a missing ``manifest.json`` of a checkpoint that was saved with one; True if so.
+
+    Foreign checkpoints (Megatron-Core, DCP) never have one: their missing manifest is
+    no damage. Ours record at save time that they have one (``checkpoint_dir.WRITER_FILE``).
+    """
+    if not ckdir.manifest_deleted(path):  # storage-aware: path may be a URL
+        return False
+    report.add(f"{os.path.join(path, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
+               "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
+    return True
+
+
 def _verify_zarr(path: str, report: VerifyReport) -> VerifyReport:
     """zarr checkpoints: every array opens, every chunk and object file matches its recorded
     size and CRC32 (each bad file reported with its key), common.pt checksum. Checkpoints
     written before chunk records existed: every array is read in full instead."""
     from .storage.zarr_backend import ZarrReader
 
+    _manifest_deleted(path, report)
     try:
         ckdir.load_common(path, trusted=False)
     except UnsafeCheckpointError:
@@ -763,7 +834,8 @@ def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trust
                     report.add(f"tensor {key!r}: chunk at {tuple(c.offsets)} has no storage location", None, [key])
     checksums = manifest.checksums() if manifest is not None else {}
     report.checksums_available = manifest is not None
-    if manifest is None:
+    manifest_damaged = any(p["file"] == ckdir.MANIFEST_FILE for p in report.problems)
+    if manifest is None and not manifest_damaged and not _manifest_deleted(path, report):
         report.notes.append("no manifest.json (checkpoint written by another tool): checksums are unavailable, "
                             "only the structure was verified")
     total_bytes = sum(info.length for info in storage.values())
@@ -874,6 +946,8 @@ class TorchSaveWriter:
         self.zf = zipfile.ZipFile(self.tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
         self.prefix = "archive/"
         self.refs: Dict[str, Any] = {}
+        self.values: Dict[Any, Any] = {}  # non-tensor top-level entries (add_value)
+        self._records = 0  # data/<i> records written; also names the next one
         self._open_member: Any = None
 
     def _member(self, name: str, size: int) -> Any:
@@ -888,7 +962,8 @@ class TorchSaveWriter:
         return self.zf.open(zi, "w", force_zip64=zip64)
 
     def begin_tensor(self, key: str, info: TensorInfo) -> None:
-        index = str(len(self.refs))
+        index = str(self._records)
+        self._records += 1
         self.refs[key] = _TensorRef(_StorageRef(index, info.dtype, math.prod(info.shape)), info.shape)
         self._open_member = self._member(f"data/{index}", info.nbytes)
 
@@ -901,6 +976,23 @@ class TorchSaveWriter:
         self._open_member.close()
         self._open_member = None
 
+    def add_value(self, key: Any, value: Any) -> None:
+        """Store ``value`` (plain data, may hold tensors) at top-level ``key`` of the saved dict.
+
+        Its tensors become data records like the others: pickled in place they would need
+        ``torch.load(weights_only=False)``.
+        """
+        found: Dict[str, torch.Tensor] = {}
+        structure = _flatten_tensors(value, "", found)
+        refs = {}
+        for name, t in found.items():
+            slot = f"\0value\0{self._records}"  # never a tensor key; removed from refs below
+            self.begin_tensor(slot, TensorInfo(t.dtype, tuple(t.shape)))
+            self.write(t.detach().cpu())
+            self.end_tensor()
+            refs[name] = self.refs.pop(slot)
+        self.values[key] = _restore_structure(structure, refs)
+
     def close(self, nested: bool = False) -> None:
         obj: Dict[str, Any] = {}
         for key, ref in self.refs.items():
@@ -912,6 +1004,7 @@ class TorchSaveWriter:
                 node[parts[-1]] = ref
             else:
                 obj[key] = ref
+        obj.update(self.values)  # keys checked against the tensors' by the caller
         buf = io.BytesIO()
         _RefPickler(buf, protocol=2).dump(obj)
         for name, data in (("data.pkl", buf.getvalue()), ("byteorder", b"little"), ("version", b"3\n"),
@@ -964,7 +1057,11 @@ class _RefPickler(pickle.Pickler):
 # --------------------------------------------------------------------------- convert
 @dataclass
 class ConvertResult:
-    """What :func:`convert_checkpoint` wrote."""
+    """What :func:`convert_checkpoint` wrote.
+
+    ``skipped``: ShardedObject keys not written (torch / safetensors outputs hold tensors);
+    ``skipped_common``: common-state entries not written, each with the reason.
+    """
 
     output: str
     to: str
@@ -972,6 +1069,7 @@ class ConvertResult:
     bytes: int = 0
     files: List[str] = field(default_factory=list)
     skipped: List[str] = field(default_factory=list)
+    skipped_common: List[str] = field(default_factory=list)
 
 
 def _shard_plan(entries: List[Tuple[str, TensorInfo]], max_size: int) -> List[List[Tuple[str, TensorInfo]]]:
@@ -989,20 +1087,170 @@ def _shard_plan(entries: List[Tuple[str, TensorInfo]], max_size: int) -> List[Li
     return shards
 
 
-def _prepare_output(out: str, overwrite: bool, is_dir: bool) -> None:
-    if os.path.exists(out):
-        if not overwrite and (not is_dir or not os.path.isdir(out) or os.listdir(out)):
-            raise CheckpointingException(f"{out} already exists; pass --overwrite to replace it")
-        if overwrite:
-            if os.path.isdir(out) and not os.path.islink(out):
-                shutil.rmtree(out)
-            else:
-                os.remove(out)
+# --------------------------------------------------------------------------- convert: output handling
+def _contains(parent: str, child: str) -> bool:
+    """Whether resolved path ``child`` is ``parent`` or lies below it."""
+    return os.path.commonpath([parent, child]) == parent
+
+
+def _check_not_source(src: str, out: str) -> None:
+    """Refuse an OUT that is SRC, holds SRC or lies inside SRC (resolved, symlinks followed).
+
+    Replacing such an OUT would delete or change the source before (or while) it is read.
+    """
+    s, o = os.path.realpath(src), os.path.realpath(out)
+    if s == o:
+        raise CheckpointingException(
+            f"output {out} is the source {src} itself: converting in place would destroy the source; choose another OUT")
+    if _contains(o, s):
+        raise CheckpointingException(
+            f"output {out} contains the source {src}: replacing it would delete the source; choose another OUT")
+    if _contains(s, o):
+        raise CheckpointingException(
+            f"output {out} lies inside the source {src}: writing there would change the source; choose another OUT")
+
+
+def _check_output(out: str, overwrite: bool, is_dir: bool) -> None:
+    """OUT must not exist (or be an empty directory, for directory outputs) unless ``overwrite``."""
+    if os.path.lexists(out) and not overwrite and (not is_dir or not os.path.isdir(out) or os.listdir(out)):
+        raise CheckpointingException(f"{out} already exists; pass --overwrite to replace it")
+
+
+def _staging_path(out: str, is_dir: bool) -> str:
+    """A fresh hidden sibling of OUT to write into; :func:`_commit_output` moves it to OUT.
+
+    A sibling (same filesystem) so that the final move is a rename, and so that the old
+    OUT stays intact until the new output is complete.
+    """
+    parent, base = os.path.split(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{base}.convert-tmp-{uuid.uuid4().hex[:8]}")
     if is_dir:
-        os.makedirs(out, exist_ok=True)
-    else:
-        parent = os.path.dirname(os.path.abspath(out))
-        os.makedirs(parent, exist_ok=True)
+        os.mkdir(tmp)
+    return tmp
+
+
+def _remove_path(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _commit_output(tmp: str, out: str) -> None:
+    """Put the finished output ``tmp`` in place of OUT; only now is an old OUT removed."""
+    if not os.path.lexists(out) or (not os.path.isdir(tmp) and not os.path.isdir(out)) or os.path.islink(out):
+        os.replace(tmp, out)  # atomic: OUT is the old or the new output at every instant
+        return
+    # a directory on either side cannot be replaced atomically: move the old one aside first
+    old = f"{tmp}.old"
+    os.rename(out, old)
+    os.rename(tmp, out)
+    _remove_path(old)
+
+
+def _discard_output(tmp: str) -> None:
+    """Remove a failed conversion's partial output (and a writer's ``.partial`` file)."""
+    for path in (tmp, tmp + ".partial"):
+        try:
+            _remove_path(path)
+        except OSError:
+            pass  # best effort: the original error is the one to report
+
+
+# --------------------------------------------------------------------------- convert: common state
+def _load_common_for_output(src: TensorSource, result: ConvertResult) -> Dict[Any, Any]:
+    """The common state of a checkpoint source as a dict (empty for other sources).
+
+    A common state that cannot be loaded (unsafe without ``--trusted``, damaged) is
+    recorded in ``result.skipped_common`` instead of failing the tensor conversion.
+    """
+    if not isinstance(src, DistCheckpointSource):
+        return {}
+    from .serialization import load_common_state_dict
+
+    try:
+        common = load_common_state_dict(src.path, trusted=src.trusted)
+    except CheckpointingException as e:
+        result.skipped_common.append(f"the common state ({str(e).splitlines()[0]})")
+        return {}
+    return common if isinstance(common, dict) else {"common": common}
+
+
+def _weights_only_loadable(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` can load ``value`` (plain data, tensors, allow-listed types)."""
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+        return True
+    except Exception:  # pickling and the weights-only unpickler fail in many ways
+        return False
+
+
+def _common_values_for_torch(src: TensorSource, tensor_names: set, result: ConvertResult) -> Dict[Any, Any]:
+    """Common-state entries to store next to the tensors of a torch output, at their own top-level keys.
+
+    Skipped (and listed in ``result.skipped_common``): entries whose key is already taken by
+    a tensor, and entries ``torch.load(weights_only=True)`` could not load, so that the
+    output stays loadable without ``weights_only=False``.
+    """
+    values = {}
+    for key, value in _load_common_for_output(src, result).items():
+        if key in tensor_names:
+            result.skipped_common.append(f"{key!r} (same key as a tensor)")
+        elif not _weights_only_loadable(value):
+            result.skipped_common.append(f"{key!r} (not loadable with torch.load(weights_only=True))")
+        else:
+            values[key] = value
+    return values
+
+
+# --------------------------------------------------------------------------- convert
+def _write_safetensors(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_dir: str, max_shard_size: int,
+                       budget: int, bar: Any, result: ConvertResult) -> None:
+    """HF-style folder: size-bounded ``.safetensors`` files and ``model.safetensors.index.json``."""
+    plan = _shard_plan(entries, max_shard_size)
+    n = len(plan)
+    weight_map: Dict[str, str] = {}
+    for i, shard in enumerate(plan):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        writer = SafetensorsWriter(os.path.join(out_dir, name), shard)
+        try:
+            for key, _ in shard:
+                for _, block in src.iter_blocks(key, budget):
+                    writer.write(block)
+                    bar.update(block.numel() * block.element_size())
+                    del block
+                weight_map[key] = name
+        except BaseException:
+            writer.f.close()
+            raise
+        writer.close()
+        result.files.append(name)
+    index = {"metadata": {"total_size": sum(i.nbytes for _, i in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    result.files.append(SAFETENSORS_INDEX)
+
+
+def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_file: str, nested: bool,
+                 budget: int, bar: Any, result: ConvertResult) -> None:
+    """One ``torch.load``-able file: the tensors, and the common state of a checkpoint source."""
+    tensor_names = {k.split(".")[0] for k, _ in entries} if nested else {k for k, _ in entries}
+    common = _common_values_for_torch(src, tensor_names, result)
+    writer = TorchSaveWriter(out_file)
+    for key, info in entries:
+        writer.begin_tensor(key, info)
+        for _, block in src.iter_blocks(key, budget):
+            writer.write(block)
+            bar.update(block.numel() * block.element_size())
+            del block
+        writer.end_tensor()
+    for key, value in common.items():
+        writer.add_value(key, value)
+    writer.close(nested=nested)
 
 
 def convert_checkpoint(
@@ -1021,9 +1269,14 @@ def convert_checkpoint(
 
     ``to``: ``"safetensors"`` (folder ``out`` with size-bounded files and
     ``model.safetensors.index.json``), ``"torch"`` (one ``torch.load``-able file ``out``, a flat
-    dict ``{key: tensor}``, nested on ``'.'`` with ``nested=True``) or ``"torch_dist"`` (checkpoint
+    dict ``{key: tensor}``, nested on ``'.'`` with ``nested=True``, plus the common state of a
+    checkpoint input at its own top-level keys) or ``"torch_dist"`` / ``"zarr"`` (checkpoint
     directory ``out``, written with :func:`ckpt_integration.save`; non-tensor values of a torch.save
     input, and common state / ShardedObjects of a checkpoint input, are kept).
+
+    ``out`` may not be the source, contain it or lie inside it. The output is written into a
+    hidden sibling of ``out`` and moved to ``out`` when complete, so with ``overwrite`` the old
+    ``out`` is replaced only by a finished conversion (a failed one leaves it untouched).
 
     Tensors are streamed in blocks of at most ``memory_budget`` bytes for the safetensors and
     torch outputs. The torch_dist output of a checkpoint input spills tensors to a temporary file
@@ -1035,61 +1288,47 @@ def convert_checkpoint(
     max_shard_size = parse_size(max_shard_size)
     budget = parse_size(memory_budget)
     out = os.fspath(out)
+    _check_not_source(os.fspath(src_path), out)
+    is_dir = to != "torch"
+    _check_output(out, overwrite, is_dir)
     src = open_source(src_path, trusted=trusted)
     result = ConvertResult(out, to)
     try:
-        entries = list(src.tensors.items())
-        total = sum(i.nbytes for _, i in entries)
-        if to in ("torch_dist", "zarr"):
-            _prepare_output(out, overwrite, is_dir=True)
-            _convert_to_torch_dist(src, out, budget, progress, result, backend=to)
-            return result
-        if isinstance(src, DistCheckpointSource):
-            result.skipped = list(src.objects)
-        bar = progress(total=total, unit="B", unit_scale=True, desc=f"convert to {to}")
+        tmp = _staging_path(out, is_dir)
         try:
-            if to == "safetensors":
-                _prepare_output(out, overwrite, is_dir=True)
-                plan = _shard_plan(entries, max_shard_size)
-                n = len(plan)
-                weight_map: Dict[str, str] = {}
-                for i, shard in enumerate(plan):
-                    name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                    writer = SafetensorsWriter(os.path.join(out, name), shard)
-                    try:
-                        for key, _ in shard:
-                            for _, block in src.iter_blocks(key, budget):
-                                writer.write(block)
-                                bar.update(block.numel() * block.element_size())
-                                del block
-                            weight_map[key] = name
-                    except BaseException:
-                        writer.f.close()
-                        raise
-                    writer.close()
-                    result.files.append(name)
-                index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-                with open(os.path.join(out, SAFETENSORS_INDEX), "w") as f:
-                    json.dump(index, f, indent=2)
-                result.files.append(SAFETENSORS_INDEX)
-            else:
-                _prepare_output(out, overwrite, is_dir=False)
-                writer = TorchSaveWriter(out)
-                for key, info in entries:
-                    writer.begin_tensor(key, info)
-                    for _, block in src.iter_blocks(key, budget):
-                        writer.write(block)
-                        bar.update(block.numel() * block.element_size())
-                        del block
-                    writer.end_tensor()
-                writer.close(nested=nested)
-                result.files.append(os.path.basename(out))
-        finally:
-            bar.close()
-        result.tensors, result.bytes = len(entries), total
+            _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
+            _commit_output(tmp, out)
+        except BaseException:
+            _discard_output(tmp)
+            raise
+        if to == "torch":
+            result.files = [os.path.basename(os.path.abspath(out))]
         return result
     finally:
         src.close()
+
+
+def _convert_into(src: TensorSource, to: str, target: str, max_shard_size: int, budget: int, nested: bool,
+                  progress: ProgressFactory, result: ConvertResult) -> None:
+    """Write the conversion of ``src`` to ``target`` (the staging path of OUT)."""
+    entries = list(src.tensors.items())
+    if to in ("torch_dist", "zarr"):
+        _convert_to_torch_dist(src, target, budget, progress, result, backend=to)
+        return
+    if isinstance(src, DistCheckpointSource):
+        result.skipped = list(src.objects)
+    total = sum(i.nbytes for _, i in entries)
+    bar = progress(total=total, unit="B", unit_scale=True, desc=f"convert to {to}")
+    try:
+        if to == "safetensors":
+            common = _load_common_for_output(src, result)
+            result.skipped_common += [f"{k!r} (safetensors holds tensors only)" for k in common]
+            _write_safetensors(src, entries, target, max_shard_size, budget, bar, result)
+        else:
+            _write_torch(src, entries, target, nested, budget, bar, result)
+    finally:
+        bar.close()
+    result.tensors, result.bytes = len(entries), total
 
 
 def _restore_structure(obj: Any, tensors: Dict[str, Any]) -> Any:

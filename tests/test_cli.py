@@ -226,10 +226,20 @@ def test_verify_missing_file_and_commit_marker(single_ckpt, capsys):
 
 
 def test_verify_foreign_checkpoint_without_manifest(single_ckpt, capsys):
+    # a foreign writer (Megatron-Core, DCP) writes neither the manifest nor our marker of it
     os.remove(os.path.join(single_ckpt, "manifest.json"))
+    os.remove(os.path.join(single_ckpt, "ckpt_integration.json"))
     code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
     assert code == 0
     assert "checksums are unavailable" in out and "OK: structure of" in out
+
+
+def test_verify_deleted_manifest_is_damage(single_ckpt, capsys):
+    os.remove(os.path.join(single_ckpt, "manifest.json"))
+    code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
+    assert code == 1
+    assert f"{os.path.join(single_ckpt, 'manifest.json')} is missing" in out
+    assert "checksums are unavailable" not in out
 
 
 # --------------------------------------------------------------------------- convert
@@ -292,12 +302,15 @@ def test_convert_to_torch(two_rank_ckpt, tmp_path, capsys):
                              capsys=capsys)
     assert code == 0, err
     expected = _expected_two_rank()
-    _assert_same(torch.load(out_file, weights_only=True), expected)
-    _assert_same(torch.load(out_file, weights_only=True, mmap=True), expected)
+    common = {"iteration": 42, "config": {"lr": 0.001, "name": "tiny"}}  # kept at their own keys
+    for loaded in (torch.load(out_file, weights_only=True), torch.load(out_file, weights_only=True, mmap=True)):
+        assert {k: loaded.pop(k) for k in common} == common
+        _assert_same(loaded, expected)
     # nested on '.'
     nested_file = tmp_path / "nested.pt"
     assert run_cli("convert", two_rank_ckpt, nested_file, "--to", "torch", "--nested", capsys=capsys)[0] == 0
     nested = torch.load(nested_file, weights_only=True)
+    assert nested["iteration"] == 42 and nested["config"] == common["config"]
     assert torch.equal(nested["decoder"]["layers"]["0"]["tp_col"]["weight"], expected["decoder.layers.0.tp_col.weight"])
 
 

@@ -8,6 +8,10 @@
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
 * ``manifest.json`` - our own record: format version, world size, per-item and
   per-file checksums. Optional on load (Megatron/DCP checkpoints lack it).
+* ``ckpt_integration.json`` - written with the manifest, before the commit marker:
+  says that this checkpoint has a ``manifest.json`` with checksums, so that
+  ``verify`` can tell a deleted manifest (damage) from a foreign checkpoint that
+  never had one. A separate file because ``metadata.json`` must stay Megatron's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .safe_pickle import safe_torch_load
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 MANIFEST_FILE = "manifest.json"
+WRITER_FILE = "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
 MANIFEST_VERSION = 1
 
@@ -75,7 +80,7 @@ class Manifest:
 
 
 ZARR_INDEX_FILE = "zarr_index.json"
-_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE, ZARR_INDEX_FILE)
+_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
 
 
 def looks_like_partial_save(directory: str) -> bool:
@@ -217,8 +222,27 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
 
 
 def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> None:
+    """Write ``manifest.json``, then :data:`WRITER_FILE` recording that it exists (both before the commit marker)."""
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
+    writer = {"format": manifest.format, "library_version": manifest.library_version, "manifest": MANIFEST_FILE}
+    storage.write_atomic(join(directory, WRITER_FILE), json.dumps(writer).encode(), durable)
+
+
+def manifest_deleted(directory: str) -> bool:
+    """Whether ``manifest.json`` is gone from a checkpoint that was saved with one (damage)."""
+    storage, directory = storage_for(directory)
+    return storage.exists(join(directory, WRITER_FILE)) and not storage.exists(join(directory, MANIFEST_FILE))
+
+
+def manifest_expected(directory: str) -> bool:
+    """Whether the checkpoint was saved with a ``manifest.json`` (so its absence is damage).
+
+    False for checkpoints of other writers (Megatron-Core, PyTorch DCP), which have no
+    :data:`WRITER_FILE`, and for ours saved before the marker existed.
+    """
+    storage, directory = storage_for(directory)
+    return storage.exists(join(directory, WRITER_FILE))
 
 
 def read_manifest(directory: str) -> Optional[Manifest]:
