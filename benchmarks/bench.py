@@ -275,6 +275,11 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
         t.zero_()
     _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
     check(ctx.dst)
+    # the same load without CRC32 verification of every chunk: the cost of the safety check
+    _measure(ctx, "ours_load_noverify",
+             lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads, verify_checksums=False),
+             setup=lambda: cache(d), repeats=rep)
+    check(ctx.dst)
     lo, hi = ctx.reshard_bounds()
     G = ctx.world * ctx.rows
     rdst = [torch.zeros(hi - lo, ctx.cols) for _ in range(ctx.n)]
@@ -422,6 +427,7 @@ def format_table(results: Dict[str, Any]) -> str:
             ("DCP async_save (total)", "dcp_async_save", "dcp_save", "plain_write"),
             ("ours save", "ours_save", "dcp_save", "plain_write"),
             ("ours load", "ours_load", "dcp_load", "plain_read"),
+            ("ours load (no CRC check)", "ours_load_noverify", "dcp_load", "plain_read"),
             ("ours load resharded", "ours_load_resharded", "dcp_load", "plain_read"),
             ("ours async (total)", "ours_async_save", "dcp_save", "plain_write"),
         ]
