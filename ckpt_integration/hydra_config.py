@@ -1,7 +1,10 @@
 """Structured (dataclass) Hydra configs, registered in Hydra's ConfigStore.
 
 Groups (``configs/`` holds the YAML files; these schemas validate them so a wrong
-key or a wrongly typed value fails at startup with a readable message):
+key, a wrongly typed value or a value outside a fixed set of choices (the Enum-typed
+fields: backend, load strategy, accelerator) fails when the config is composed, with a
+readable message; :func:`validate_config` checks the rest, e.g. sizes, before any
+process is spawned):
 
 * ``checkpoint``: :class:`CheckpointConfig` — builds :class:`~ckpt_integration.lightning.DistCkptIO`
   with ``hydra.utils.instantiate(cfg.checkpoint)``;
@@ -15,11 +18,15 @@ Call :func:`register_configs` once before ``@hydra.main`` (``examples/train.py``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from enum import Enum
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
 __all__ = [
+    "Backend",
+    "LoadStrategy",
+    "Accelerator",
     "CheckpointConfig",
     "ParallelConfig",
     "TrainerConfig",
@@ -30,15 +37,49 @@ __all__ = [
 ]
 
 
+class _Choice(str, Enum):
+    """A fixed set of string choices: OmegaConf rejects anything else at composition.
+
+    Members are also ``str`` (``LoadStrategy.local == "local"``), so code reading the
+    config and the :class:`DistCkptIO` built from it see plain strings.
+    """
+
+    def __str__(self) -> str:  # "zarr", not "Backend.zarr", in messages and f-strings
+        return self.value
+
+
+class Backend(_Choice):
+    """``checkpoint.backend``: the sharded tensor format."""
+
+    torch_dist = "torch_dist"
+    zarr = "zarr"
+
+
+class LoadStrategy(_Choice):
+    """``checkpoint.load_strategy``: how ranks read a checkpoint."""
+
+    local = "local"
+    fully_parallel = "fully_parallel"
+    two_stage = "two_stage"
+
+
+class Accelerator(_Choice):
+    """``trainer.accelerator``."""
+
+    cpu = "cpu"
+    gpu = "gpu"
+    cuda = "cuda"
+
+
 @dataclass
 class CheckpointConfig:
     """Arguments of :class:`DistCkptIO` (``_target_`` makes it instantiable)."""
 
     _target_: str = "ckpt_integration.lightning.DistCkptIO"
-    backend: str = "torch_dist"
+    backend: Backend = Backend.torch_dist
     async_save: bool = False
-    load_strategy: str = "local"  # local | fully_parallel | two_stage
-    thread_count: int = 2
+    load_strategy: LoadStrategy = LoadStrategy.local
+    thread_count: int = 2  # >= 1 (validate_config)
     max_in_flight: int = 1
     durable: bool = True
     balance: bool = True
@@ -63,7 +104,7 @@ class TrainerConfig:
     """The subset of ``lightning.Trainer`` arguments the example uses."""
 
     max_epochs: int = 4
-    accelerator: str = "cpu"
+    accelerator: Accelerator = Accelerator.cpu
     global_batch_size: int = 8
     save_top_k: int = 2
     save_last: bool = True
@@ -93,32 +134,60 @@ class TrainConfig:
     model: ModelConfig = MISSING
     ckpt_dir: str = "checkpoints/tiny_gpt"
     resume: bool = False
-    demo: bool = False
+    overwrite: bool = False  # a fresh run may delete complete checkpoints in ckpt_dir
+    demo: bool = False  # a fresh run by definition: always starts from an empty ckpt_dir
     port: Optional[int] = None
 
 
+# the same choices as the Enums, for configs built without the schemas (plain dicts / YAML)
 _ALLOWED = {
-    "checkpoint.load_strategy": ("local", "fully_parallel", "two_stage"),
-    "checkpoint.backend": ("torch_dist", "zarr"),
-    "trainer.accelerator": ("cpu", "gpu", "cuda"),
+    "checkpoint.load_strategy": tuple(m.value for m in LoadStrategy),
+    "checkpoint.backend": tuple(m.value for m in Backend),
+    "trainer.accelerator": tuple(m.value for m in Accelerator),
 }
+_AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
+                 "trainer.global_batch_size", "model.n_heads")
 
 
-def validate_config(cfg: Any) -> None:
-    """Check values the type system cannot (choices, positive sizes); raise ``ValueError`` naming the key."""
+def _config_errors(cfg: Any) -> List[str]:
+    """Every problem :func:`validate_config` reports, one message per key."""
     from omegaconf import OmegaConf
 
+    errors = []
     for path, choices in _ALLOWED.items():
         v = OmegaConf.select(cfg, path)
         if v is not None and v not in choices:
-            raise ValueError(f"{path}={v!r} is not allowed; choose one of {list(choices)}")
-    par = cfg.get("parallel")
-    if par is not None:
-        for k in ("tp", "pp", "dp"):
-            if par[k] < 1:
-                raise ValueError(f"parallel.{k}={par[k]} must be >= 1")
-        if par.pp != 1:
-            raise ValueError("parallel.pp > 1 is not supported by examples/train.py (the checkpoint API supports it)")
+            errors.append(f"{path}={str(v)!r} is not allowed; choose one of {list(choices)}")
+    for path in _AT_LEAST_ONE:
+        v = OmegaConf.select(cfg, path)
+        if v is not None and v < 1:
+            errors.append(f"{path}={v} must be >= 1")
+    if errors:  # the checks below divide by these values
+        return errors
+    tp, pp, dp = (OmegaConf.select(cfg, f"parallel.{k}") for k in ("tp", "pp", "dp"))
+    if pp is not None and pp != 1:
+        errors.append("parallel.pp > 1 is not supported by examples/train.py (the checkpoint API supports it)")
+    heads, d_model = OmegaConf.select(cfg, "model.n_heads"), OmegaConf.select(cfg, "model.d_model")
+    # the example's attention splits heads over TP ranks; it would assert inside every spawned worker
+    if tp is not None and heads is not None and heads % tp:
+        errors.append(f"model.n_heads={heads} must be divisible by parallel.tp={tp} (attention heads are split "
+                      "over tensor-parallel ranks)")
+    if heads is not None and d_model is not None and d_model % heads:
+        errors.append(f"model.d_model={d_model} must be divisible by model.n_heads={heads}")
+    gbs = OmegaConf.select(cfg, "trainer.global_batch_size")
+    if dp is not None and gbs is not None and gbs % dp:
+        errors.append(f"trainer.global_batch_size={gbs} must be divisible by parallel.dp={dp}")
+    return errors
+
+
+def validate_config(cfg: Any) -> None:
+    """Check what the schemas cannot (sizes >= 1, divisibility, choices of untyped configs) before spawning.
+
+    Raises ``ValueError`` listing every problem, each with its key.
+    """
+    errors = _config_errors(cfg)
+    if errors:
+        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
 
 
 def register_configs() -> None:

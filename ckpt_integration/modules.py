@@ -421,14 +421,33 @@ def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = ""
     :func:`module_sharded_state_dict` (dict paths = state-dict names). Tensors
     already sharing the target's memory are skipped; factory merges (new tensors)
     are copied. Returns the names that were copied.
+
+    Raises ``ValueError`` naming every loaded tensor (under ``prefix``) that could not
+    be put back: its key is no state-dict name of ``module`` and it shares no memory
+    with the module's parameters or buffers (e.g. a ``sharded_state_dict`` hook that
+    returned ``weight.t().contiguous()`` under a key of its own). Such weights would
+    otherwise silently keep their old values.
     """
     copied: List[str] = []
     targets = dict(module.state_dict(keep_vars=True))
+    unplaced: List[str] = []
+    storages = None  # built on first need: only hooks with keys of their own get here
     for name, value in loaded.items():
         if not isinstance(value, torch.Tensor) or not name.startswith(prefix):
             continue
         target = targets.get(name[len(prefix):])
         if target is None:
+            if value.numel() == 0:
+                continue
+            if storages is None:
+                storages = set()
+                for t in [*targets.values(), *module.parameters(), *module.buffers()]:
+                    if isinstance(t, torch.Tensor):
+                        t = t.to_local() if _is_dtensor(t) else t
+                        storages.add(t.untyped_storage().data_ptr())
+            # a view of a parameter / buffer (any key) was filled in place by the load
+            if value.untyped_storage().data_ptr() not in storages:
+                unplaced.append(name)
             continue
         local = target.to_local() if _is_dtensor(target) else target
         local = local.detach()
@@ -437,4 +456,13 @@ def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = ""
         with torch.no_grad():
             local.copy_(value.view(local.shape))
         copied.append(name)
+    if unplaced:
+        raise ValueError(
+            f"load_into_module: {len(unplaced)} loaded tensor(s) could not be put back into "
+            f"{type(module).__name__}: {sorted(unplaced)}. Their keys are not state-dict names "
+            f"(prefix {prefix!r}) and they share no memory with the module's parameters or buffers, so "
+            "the module's weights would not be restored. In sharded_state_dict(), give such entries the "
+            "parameter's memory (a view, not a copy such as .t().contiguous()), or use a "
+            "ShardedTensorFactory whose merge_fn returns the tensor under the parameter's state-dict name."
+        )
     return copied

@@ -3,18 +3,20 @@
     python examples/train.py demo=true                      # both phases below, one command
     python examples/train.py parallel=tp2_dp1               # train with TP=2 (2 processes), async checkpoints
     python examples/train.py parallel=tp1_dp2 resume=true trainer.max_epochs=6   # resume with TP=1, DP=2
+    python examples/train.py overwrite=true                 # fresh run, deleting the checkpoints in ckpt_dir
 
 Processes are launched here (torch.multiprocessing, gloo on CPU / NCCL on GPU), one per
 rank: world size = parallel.tp * parallel.dp. Checkpoints go to ``ckpt_dir``
 (``epoch=N-step=M.ckpt`` top-k directories plus ``last.ckpt``); ``resume=true`` continues
-from ``last`` in whatever layout ``parallel`` now says.
+from ``last`` in whatever layout ``parallel`` now says. A fresh run (``resume=false``) refuses
+to start over complete checkpoints in ``ckpt_dir`` unless ``overwrite=true``; ``demo=true`` is
+a fresh run by definition and always starts from an empty ``ckpt_dir``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sys
 import tempfile
@@ -26,6 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckpt_integration.hydra_config import register_configs, validate_config  # noqa: E402
+from ckpt_integration.storage.checkpoint_dir import CONFIG_FILE  # noqa: E402
+from ckpt_integration.storage.filesystem import join, storage_for  # noqa: E402
 
 register_configs()
 
@@ -34,6 +38,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _complete_checkpoints(ckpt_dir: str) -> list:
+    """Names of the committed checkpoints (with ``metadata.json``) in ``ckpt_dir`` (local path or URL)."""
+    storage, d = storage_for(ckpt_dir)
+    if not storage.isdir(d):
+        return []
+    return [n for n in storage.listdir(d) if storage.exists(join(d, n, CONFIG_FILE))]
+
+
+def prepare_ckpt_dir(cfg: DictConfig) -> None:
+    """Create ``ckpt_dir``; for a fresh run (``resume=false``) empty it first.
+
+    Complete checkpoints are only deleted with ``overwrite=true``: a forgotten ``resume=true``
+    must not throw a training run away. Leftovers of interrupted saves are always removed.
+    """
+    storage, d = storage_for(cfg.ckpt_dir)
+    if not cfg.resume and storage.isdir(d):
+        found = _complete_checkpoints(cfg.ckpt_dir)
+        if found and not cfg.overwrite:
+            raise FileExistsError(
+                f"{cfg.ckpt_dir} holds {len(found)} complete checkpoint(s) ({', '.join(sorted(found))}) and "
+                "resume=false would delete them. Pass resume=true to continue from them, overwrite=true to "
+                "delete them and start over, or another ckpt_dir=..."
+            )
+        storage.rmtree(d)
+    storage.makedirs(d)
 
 
 def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
@@ -69,19 +100,19 @@ def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
     trainer.fit(module, loader, ckpt_path="last" if cfg.resume else None)
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"losses": module.step_losses, "checkpoints": sorted(os.listdir(cfg.ckpt_dir))}, f)
+            storage, d = storage_for(cfg.ckpt_dir)
+            json.dump({"losses": module.step_losses, "checkpoints": storage.listdir(d)}, f)
 
 
 def run(cfg: DictConfig) -> dict:
     """Launch ``parallel.tp * parallel.dp`` processes for one training run; returns rank 0's losses."""
     validate_config(cfg)
     world = cfg.parallel.tp * cfg.parallel.dp
-    if not cfg.resume and os.path.isdir(cfg.ckpt_dir):
-        shutil.rmtree(cfg.ckpt_dir)
-    os.makedirs(cfg.ckpt_dir, exist_ok=True)
+    prepare_ckpt_dir(cfg)
     result = os.path.join(tempfile.mkdtemp(), "result.json")
     t0 = time.time()
-    mp.start_processes(_worker, args=(OmegaConf.to_container(cfg, resolve=True), cfg.port or _free_port(), result),
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values for the workers
+    mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result),
                        nprocs=world, start_method="spawn")
     with open(result) as f:
         out = json.load(f)
@@ -101,7 +132,9 @@ def main(cfg: DictConfig) -> None:
         return
     # demo: train with the configured layout (default TP=2, DP=1), then resume with TP=1, DP=2
     total = cfg.trainer.max_epochs
-    first = OmegaConf.merge(cfg, {"resume": False, "trainer": {"max_epochs": max(1, total // 2)}})
+    # the demo is a fresh run by definition: phase 1 wipes its ckpt_dir (overwrite=true), so the
+    # README command works when run again
+    first = OmegaConf.merge(cfg, {"resume": False, "overwrite": True, "trainer": {"max_epochs": max(1, total // 2)}})
     print(f"== phase 1: train {first.trainer.max_epochs} epochs with TP={first.parallel.tp}, DP={first.parallel.dp}")
     a = run(first)
     second = OmegaConf.merge(cfg, {"resume": True, "parallel": {"tp": 1, "dp": 2}})

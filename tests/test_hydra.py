@@ -44,12 +44,59 @@ def test_wrong_keys_and_values_fail_fast():
         _compose("checkpoint.thread_count=many")  # wrong type
     with pytest.raises(ConfigCompositionException, match="tp3"):
         _compose("parallel=tp3_dp9")  # no such option
-    with pytest.raises(ValueError, match="checkpoint.load_strategy='three_stage'"):
-        validate_config(_compose("checkpoint.load_strategy=three_stage"))
-    with pytest.raises(ValueError, match="checkpoint.backend='tensorstore'"):
-        validate_config(_compose("checkpoint.backend=tensorstore"))
-    validate_config(_compose("checkpoint.backend=zarr"))  # the second backend is a valid switch
-    from hydra.errors import InstantiationException
+    # Enum-typed choices fail at composition (so also under --cfg job), listing the valid values
+    for override, choices in {"checkpoint.backend=foo": "torch_dist, zarr",
+                              "checkpoint.load_strategy=three_stage": "local, fully_parallel, two_stage",
+                              "trainer.accelerator=tpu": "cpu, gpu, cuda"}.items():
+        with pytest.raises(ConfigCompositionException) as e:
+            _compose(override)
+        msg = str(e.value) + str(e.value.__cause__)
+        assert override.split("=")[1] in msg and choices in msg, msg
+    validate_config(_compose("checkpoint=zarr"))  # the second backend is a valid switch
+    validate_config(_compose("checkpoint.backend=zarr"))
 
-    with pytest.raises(InstantiationException, match="unknown load_strategy 'three_stage'"):
-        instantiate(_compose("checkpoint.load_strategy=three_stage").checkpoint)
+
+def test_validate_config_before_spawning():
+    from omegaconf import OmegaConf
+
+    for override, match in {"checkpoint.thread_count=0": "checkpoint.thread_count=0 must be >= 1",
+                            "checkpoint.max_in_flight=0": "checkpoint.max_in_flight=0 must be >= 1",
+                            "parallel.dp=0": "parallel.dp=0 must be >= 1",
+                            "parallel.tp=-1": "parallel.tp=-1 must be >= 1",
+                            "model.n_heads=3": "model.n_heads=3 must be divisible by parallel.tp=2",
+                            "parallel=tp1_dp4 trainer.global_batch_size=6": "global_batch_size=6 .* parallel.dp=4"}.items():
+        with pytest.raises(ValueError, match=match):
+            validate_config(_compose(*override.split()))
+    validate_config(_compose("parallel=tp4_dp1"))  # 4 heads over 4 ranks
+    # configs built without the schemas get the same choice checks
+    with pytest.raises(ValueError, match="checkpoint.backend='tensorstore' is not allowed"):
+        validate_config(OmegaConf.create({"checkpoint": {"backend": "tensorstore"}}))
+
+
+def test_enum_values_reach_the_plugin_as_strings():
+    cfg = _compose("checkpoint=zarr", "checkpoint.load_strategy=two_stage")
+    assert cfg.checkpoint.backend == "zarr" and f"{cfg.checkpoint.load_strategy}" == "two_stage"
+    io = instantiate(cfg.checkpoint)
+    assert (type(io.backend), io.backend, type(io.load_strategy), io.load_strategy) == (str, "zarr", str, "two_stage")
+
+
+def test_fresh_run_refuses_to_delete_complete_checkpoints(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from train import prepare_ckpt_dir
+
+    d = tmp_path / "ck"
+    (d / "last.ckpt").mkdir(parents=True)
+    (d / "last.ckpt" / "metadata.json").write_text("{}")
+    (d / "partial.ckpt").mkdir()  # an interrupted save: no metadata.json
+    with pytest.raises(FileExistsError, match="1 complete checkpoint.*last.ckpt.*resume=true.*overwrite=true"):
+        prepare_ckpt_dir(_compose(f"ckpt_dir={d}"))
+    assert (d / "last.ckpt" / "metadata.json").exists()
+    prepare_ckpt_dir(_compose(f"ckpt_dir={d}", "resume=true"))  # resuming keeps everything
+    assert sorted(os.listdir(d)) == ["last.ckpt", "partial.ckpt"]
+    prepare_ckpt_dir(_compose(f"ckpt_dir={d}", "overwrite=true"))  # explicit: start over
+    assert os.listdir(d) == []
+    (d / "partial.ckpt").mkdir()
+    prepare_ckpt_dir(_compose(f"ckpt_dir={d}"))  # only leftovers of interrupted saves: removed without asking
+    assert os.listdir(d) == []

@@ -7,8 +7,27 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from ..storage.checkpoint_dir import CONFIG_FILE
+from ..storage.filesystem import is_remote, join
 from .io import DistCkptIO
 from .strategy import is_complete_checkpoint, latest_complete_checkpoint
+
+
+def _resolve_link(path: Any) -> str:
+    """A local ``last.ckpt`` symlink's target (``save_last="link"``); URLs as given."""
+    p = os.fspath(path)
+    return p if is_remote(p) else os.path.realpath(p)
+
+
+def _lightning_candidate(path: str) -> str:
+    """How a "last" candidate is handed to Lightning, which picks among them by ``fs.modified(path)``.
+
+    Object stores answer ``modified`` only for objects, not for directory prefixes, so a
+    remote checkpoint is named by its ``metadata.json`` (the object committed last);
+    :func:`~ckpt_integration.lightning.resolve_checkpoint_path` maps it back to the directory.
+    """
+    p = os.fspath(path)
+    return join(p, CONFIG_FILE) if is_remote(p) else p
 
 
 def _io(trainer: Any) -> Any:
@@ -48,15 +67,31 @@ class DistCkptAsyncFinalizer(Callback):
 
 class DistCkptModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` for directory checkpoints: ``ckpt_path="last"`` never picks an
-    incomplete one (no ``metadata.json``); it falls back to the newest complete checkpoint."""
+    incomplete one (no ``metadata.json``); it falls back to the newest complete checkpoint.
+
+    ``dirpath`` may be an fsspec URL (``s3://bucket/run``); top-k deletions go through fsspec.
+    ``save_last`` is refused there: ``last.ckpt`` is rewritten in place every epoch, and object
+    stores cannot replace a checkpoint directory atomically. With ``save_last=False``,
+    ``ckpt_path="last"`` still resumes from the newest complete checkpoint in ``dirpath``.
+    """
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.save_last and self.dirpath is not None and is_remote(os.fspath(self.dirpath)):
+            raise ValueError(
+                f"DistCkptModelCheckpoint(save_last={self.save_last!r}) is not supported on {self.dirpath}: "
+                "last.ckpt is overwritten every save, and object stores cannot replace a checkpoint directory "
+                "atomically. Pass save_last=False: ckpt_path=\"last\" then resumes from the newest complete "
+                "checkpoint in dirpath."
+            )
 
     def _find_last_checkpoints(self, trainer: Any) -> set:
-        found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(os.path.realpath(p))}
+        found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
         if not found and self.dirpath is not None:
             alt = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION)
             if alt is not None:
                 found.add(alt)
-        return found
+        return {_lightning_candidate(p) for p in found}
 
 
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]

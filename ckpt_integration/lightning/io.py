@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
+from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from .. import serialization
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
+from ..storage.filesystem import storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,15 @@ def _unsupported_message(strategy: Any) -> str:
         "DTensor tensor parallelism in configure_model) or DistCkptSingleDeviceStrategy() for one device; "
         "they call sharded_state_dict() on every rank. To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
     )
+
+
+def _plain(value: Any) -> Any:
+    """An Enum member's value, anything else as given.
+
+    Hydra's structured configs (:mod:`ckpt_integration.hydra_config`) hand over Enum members;
+    plain strings are kept from here on (messages, metadata, the async worker).
+    """
+    return value.value if isinstance(value, Enum) else value
 
 
 def is_dist_ckpt_strategy(strategy: Any) -> bool:
@@ -123,6 +133,7 @@ class DistCkptIO(CheckpointIO):
         balance: bool = True,
         validate_access_integrity: bool = True,
     ):
+        load_strategy, backend = _plain(load_strategy), _plain(backend)
         if load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"DistCkptIO: unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
         if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -300,10 +311,12 @@ class DistCkptIO(CheckpointIO):
 
     @staticmethod
     def _remove_now(path: str) -> None:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.exists(path):
-            os.remove(path)
+        """Delete a checkpoint directory (or file), locally or through fsspec (``s3://``, ``memory://`` ...)."""
+        storage, p = storage_for(path)
+        if not storage.remote and os.path.islink(p):  # ``save_last="link"``: drop the link, not its target
+            os.remove(p)
+        elif storage.exists(p):
+            storage.remove_any(p)
 
     def teardown(self) -> None:
         """Wait for and finalize every async save (raises a failed one), then stop the worker."""

@@ -1,0 +1,80 @@
+"""Lightning checkpoints on an fsspec URL (``memory://``): top-k deletions, resume, incomplete saves."""
+
+import os
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+CHARS, BLOCK, GBS = 2000, 32, 8
+
+
+@pytest.fixture
+def mem_url():
+    """A fresh ``memory://`` directory, removed afterwards (the memory filesystem is process-global)."""
+    fsspec = pytest.importorskip("fsspec")
+    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def _names(url):
+    from ckpt_integration.storage.filesystem import storage_for
+
+    storage, p = storage_for(url)
+    return storage.listdir(p)
+
+
+def _fit(url, epochs, ckpt_path=None, save_last=False, top_k=1):
+    import lightning as L
+
+    import gpt
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy
+
+    L.seed_everything(0, verbose=False)
+    m = gpt.GPTModule(vocab_size=gpt.vocab_size(CHARS), corpus_chars=CHARS, n_layers=1)
+    cb = DistCkptModelCheckpoint(dirpath=url, save_top_k=top_k, monitor="train_loss", save_last=save_last,
+                                 every_n_epochs=1)
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()],
+                  max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[cb], limit_train_batches=2, num_sanity_val_steps=0, limit_val_batches=0)
+    t.fit(m, gpt.make_dataloader(BLOCK, GBS, 1, CHARS), ckpt_path=ckpt_path)
+    return m, t
+
+
+def test_topk_deletes_and_resume_on_fsspec_url(mem_url):
+    from ckpt_integration.lightning import (is_complete_checkpoint, latest_complete_checkpoint,
+                                            resolve_checkpoint_path)
+
+    _, t = _fit(mem_url, 3)
+    # save_top_k=1: the two older checkpoint directories were deleted through fsspec
+    assert len(_names(mem_url)) == 1, _names(mem_url)
+    best = f"{mem_url}/{_names(mem_url)[0]}"
+    assert is_complete_checkpoint(best) and not is_complete_checkpoint(f"{mem_url}/nope.ckpt")
+    assert latest_complete_checkpoint(mem_url) == best
+    assert resolve_checkpoint_path(best) == best
+
+    # an interrupted last.ckpt (data written, no metadata.json) resolves to the newest complete one
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file(f"{mem_url}/last.ckpt/__0_0.distcp", b"partial")
+    assert not is_complete_checkpoint(f"{mem_url}/last.ckpt")
+    assert resolve_checkpoint_path(f"{mem_url}/last.ckpt") == best
+    import ckpt_integration as ci
+
+    fsspec.filesystem("memory").pipe_file(f"{mem_url}/partial.ckpt/__0_0.distcp", b"partial")
+    with pytest.raises(ci.IncompleteCheckpointError, match="not a complete checkpoint"):
+        resolve_checkpoint_path(f"{mem_url}/partial.ckpt")
+
+    # without save_last, ckpt_path="last" resumes from the newest complete checkpoint
+    m, t = _fit(mem_url, 4, ckpt_path="last")
+    assert min(dict(m.step_losses)) == 6 and t.global_step == 8
+
+
+def test_save_last_refused_on_object_store(mem_url):
+    with pytest.raises(ValueError, match="save_last=True.*save_last=False"):
+        _fit(mem_url, 1, save_last=True)
