@@ -104,9 +104,11 @@ def test_good_checkpoint_loads_exactly(saved):
 def test_index_records_every_chunk_and_object_file(saved):
     with open(os.path.join(saved, "zarr_index.json")) as f:
         index = json.load(f)
-    assert index["format"] == 2
+    assert index["format"] == 3
     files = index["files"]
-    assert set(files) == {"w/c/0/0", "w/c/0/1", "w/c/1/0", "w/c/1/1", "b/c/0", "z/c/0/0", "obj/shard_0_1.pt"}
+    chunks = {"w/c/0/0", "w/c/0/1", "w/c/1/0", "w/c/1/1", "b/c/0", "z/c/0/0", "obj/shard_0_1.pt"}
+    assert set(files) == chunks | {"w/zarr.json", "b/zarr.json", "z/zarr.json"}
+    assert index["tensors"]["w"] == {"dtype": "float32", "stored_dtype": "float32", "shape": [8, 6], "chunks": [4, 3]}
     for name, rec in files.items():
         assert os.path.getsize(os.path.join(saved, name)) == rec["size"], name
     assert files["w/c/0/0"] == {"key": "w", "size": 4 * 3 * 4, "crc32": files["w/c/0/0"]["crc32"]}
@@ -256,10 +258,71 @@ def test_two_rank_save_records_both_ranks_files(tmp_path):
     run_distributed(_save_two_ranks, 2, path)
     with open(os.path.join(path, "zarr_index.json")) as f:
         files = json.load(f)["files"]
-    assert set(files) == {"w/c/0/0", "w/c/1/0", "b/c/0", "obj/shard_0_2.pt", "obj/shard_1_2.pt"}
+    assert set(files) == {"w/c/0/0", "w/c/1/0", "b/c/0", "obj/shard_0_2.pt", "obj/shard_1_2.pt", "w/zarr.json", "b/zarr.json"}
     out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(SHAPE))}, path)
     assert torch.equal(out["w"], W)
     _damage(os.path.join(path, "w", "c", "1", "0"), "flip")  # written by rank 1
     with pytest.raises(CorruptCheckpointError, match=r"w/c/1/0 of 'w' is damaged"):
         ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(SHAPE))}, path)
     assert main(["verify", path, "-q"]) == 1
+
+
+# --------------------------------------------------------------------------- edited zarr.json
+def _edit_array_metadata(path: str, key: str, edit) -> None:
+    meta_path = os.path.join(path, key, "zarr.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def _drop_metadata_records(path: str) -> None:
+    """As a format-2 index (before zarr.json records): only the comparison with the index is left."""
+    index_path = os.path.join(path, "zarr_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["format"] = 2
+    index["files"] = {k: v for k, v in index["files"].items() if not k.endswith("/zarr.json")}
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+
+
+EDITS = {
+    "dtype": (lambda m: m.__setitem__("data_type", "int32"), r"data type int32, expected float32"),
+    "shape": (lambda m: m.__setitem__("shape", [8, 5]), r"shape \[8, 5\], expected \[8, 6\]"),
+    "chunks": (lambda m: m["chunk_grid"]["configuration"].__setitem__("chunk_shape", [2, 3]), r"chunk shape \[2, 3\], expected \[4, 3\]"),
+    "endian": (lambda m: m["codecs"][0]["configuration"].__setitem__("endian", "big"), r"byte order"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+@pytest.mark.parametrize("records", [True, False], ids=["format3", "format2"])
+def test_edited_zarr_json_fails_the_load_naming_key_and_file(ckpt, edit, records):
+    change, mismatch = EDITS[edit]
+    _edit_array_metadata(ckpt, "w", change)
+    if not records:
+        _drop_metadata_records(ckpt)
+    # format 3: the CRC32 of zarr.json; format 2: the comparison with zarr_index.json
+    expected = r"is damaged: changed after the save" if records else mismatch
+    with pytest.raises(CorruptCheckpointError, match=expected) as e:
+        ci.load(_request(), ckpt)
+    assert os.path.join(ckpt, "w", "zarr.json") in str(e.value) and "'w'" in str(e.value)
+    with pytest.raises(CorruptCheckpointError, match=expected):
+        ci.load_plain_tensors(ckpt)
+    # untouched arrays still load
+    out = ci.load({"b": ShardedTensor.from_rank_offsets("b", torch.zeros(5, dtype=torch.bfloat16))}, ckpt)
+    assert torch.equal(out["b"], B)
+
+
+@pytest.mark.parametrize("records", [True, False], ids=["format3", "format2"])
+def test_verify_reports_an_edited_zarr_json(ckpt, capsys, records):
+    _edit_array_metadata(ckpt, "w", EDITS["dtype"][0])
+    if not records:
+        _drop_metadata_records(ckpt)
+    assert main(["verify", ckpt]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED: 1 problem(s)" in out, out
+    assert f"{os.path.join(ckpt, 'w', 'zarr.json')} of 'w'" in out
+    assert ("is damaged: changed after the save" if records else "data type int32, expected float32") in out
+

@@ -37,7 +37,8 @@ from ..planning.shards import ShardMeta
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import join, storage_for
 from ..storage.safe_pickle import torch_dumps
-from ..storage.zarr_backend import commit_file_records, create_arrays, write_zarr_requests
+from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
+from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
@@ -204,6 +205,9 @@ def prepare_save(
         requests = _requests_for(shards, items_for_rank(chosen, rank))
     except Exception as e:
         local_error, local_exc = _describe(e), e
+    if backend == "zarr":
+        # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
+        requests, local_error, local_exc = _zarr_chunk_requests(requests, all_metas, chosen, rank, group, local_error, local_exc)
     return SavePlan(
         rank=rank,
         world_size=world,
@@ -330,6 +334,73 @@ def _create_zarr_arrays(write_dir: str, all_metas: List[ShardMeta], durable: boo
     tensors, objects = _tensor_layouts(all_metas)
     index = create_arrays(write_dir, tensors, objects)
     write_zarr_index(write_dir, index, durable)  # also marks the directory as a (partial) save
+
+
+def _zarr_chunk_requests(
+    requests: List[WriteRequest],
+    all_metas: List[ShardMeta],
+    chosen: Dict[Any, ShardMeta],
+    rank: int,
+    group: Any,
+    local_error: Optional[str],
+    local_exc: Optional[BaseException],
+) -> Tuple[List[WriteRequest], Optional[str], Optional[BaseException]]:
+    """zarr: this rank's requests as whole-chunk writes (part of phase 1, collective).
+
+    With shard-aligned chunks nothing changes. Coarser chunks (uneven shards, see
+    ``chunk_shape_for``) may straddle shards of different writers; two ranks must not
+    write one chunk file, so each such chunk's owner assembles it from the pieces the
+    other writers send here, while the data is still at hand (before staging for an
+    async save). Only ranks that have pieces for another rank send; all ranks agree on
+    who that is from metadata, so a save without such chunks runs no collective.
+    """
+    tensors, _ = _tensor_layouts(all_metas)
+    writers: Dict[str, List[Any]] = {}
+    for m in chosen.values():
+        if m.kind != "object":
+            writers.setdefault(m.key, []).append((m.box, m.rank))
+    plans = plan_array_writes(tensors, writers)
+    senders = sorted({r for _, _, border in plans.values() for c in border.values() for _, r in c.pieces if r != c.owner})
+    pieces: List[Piece] = []
+    if local_error is None:
+        try:
+            requests, pieces = split_for_chunks(requests, plans)
+        except Exception as e:
+            local_error, local_exc = _describe(e), e
+    owners = {(key, coords): c.owner for key, (_, _, border) in plans.items() for coords, c in border.items()}
+    mine = [p for p in pieces if owners[(p[0], p[1])] == rank]
+    outgoing: Dict[int, List[Piece]] = {}
+    for p in pieces:
+        if owners[(p[0], p[1])] != rank:
+            # clone: a view would pickle the whole shard's storage
+            outgoing.setdefault(owners[(p[0], p[1])], []).append((p[0], p[1], p[2], p[3].detach().cpu().clone()))
+    received = _exchange_pieces(outgoing, senders, rank, group) if senders else []
+    if local_error is None:
+        try:
+            dtypes = {key: dtype for key, (dtype, _, _) in tensors.items()}
+            requests = requests + assemble_border_chunks(plans, dtypes, rank, mine + received)
+        except Exception as e:
+            local_error, local_exc = _describe(e), e
+    return requests, local_error, local_exc
+
+
+def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Any) -> List[Piece]:
+    """Each sender scatters its pieces to their owners; returns the pieces sent to ``rank``.
+
+    One ``scatter_object_list`` per sending rank, so each piece travels only to its
+    owner (pieces are small: a coarsened chunk holds under 2 MiB).
+    """
+    import torch.distributed as tdist
+
+    world = dist.get_world_size(group)
+    received: List[Piece] = []
+    for src in senders:
+        inputs = [outgoing.get(r, []) for r in range(world)] if src == rank else None
+        box: List[Any] = [None]
+        global_src = tdist.get_global_rank(group, src) if group is not None else src
+        tdist.scatter_object_list(box, inputs, src=global_src, group=group)
+        received.extend(box[0] or [])
+    return received
 
 
 def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
