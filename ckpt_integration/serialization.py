@@ -317,6 +317,7 @@ def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
     from .storage import zarr_backend
 
     index = zarr_backend.read_index(checkpoint_dir)
+    zarr_backend.check_index_paths(checkpoint_dir, index)  # never delete outside the checkpoint
     tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]
     objects = [k for k in index.get("objects", []) if k.startswith(key_prefix)]
     if not tensors and not objects:

@@ -207,3 +207,21 @@ def test_balancing_skips_replicas_without_data():
     )
     assert sorted(s.rank for s in chosen.values()) == [0, 0, 1, 1]  # with data everywhere: balanced
 
+
+
+def test_remove_sharded_tensors_never_deletes_outside_a_zarr_checkpoint(tmp_path):
+    pytest.importorskip("zarr")
+    from ckpt_integration.errors import UnsafeCheckpointError
+
+    d = tmp_path / "ck"
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(d), sharded_strategy="zarr")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    index_path = d / "zarr_index.json"
+    index = json.loads(index_path.read_text())
+    index["tensors"]["../victim"] = index["tensors"]["w"]  # a crafted index naming a path outside
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(UnsafeCheckpointError, match=r"\.\./victim.*outside the checkpoint"):
+        ci.remove_sharded_tensors(str(d), "../")
+    assert (victim / "keep.txt").exists()

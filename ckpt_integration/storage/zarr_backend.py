@@ -306,7 +306,7 @@ def check_layout_paths(tensor_keys: Iterable[str], object_keys: Iterable[str]) -
                 )
 
 
-def _check_index_paths(directory: str, index: Dict[str, Any]) -> None:
+def check_index_paths(directory: str, index: Dict[str, Any]) -> None:
     """Reader: every path the index names must stay inside the checkpoint directory.
 
     Lexically for every backend (a crafted index could name ``../../x`` or ``/etc``),
@@ -786,7 +786,7 @@ class ZarrReader:
         self.storage, self.directory = storage_for(directory)
         self.index = read_index(self.directory)
         _check_index_entries(self.directory, self.index)
-        _check_index_paths(self.directory, self.index)
+        check_index_paths(self.directory, self.index)
         # None: an index written before records existed; such files are read unchecked
         self.files = _read_file_records(self.index, join(self.directory, INDEX_FILE))
         self.verify_checksums = verify_checksums
