@@ -100,7 +100,9 @@ def reduce_from_tp(x: torch.Tensor, lay: ParallelLayout) -> torch.Tensor:
 
 
 def _global_init(gen: torch.Generator, *shape: int, std: float = 0.02) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen) * std
+    # drawn on the CPU generator whatever the default device is (Lightning's configure_model runs
+    # under the accelerator's device context), so every layout and device sees the same weights
+    return torch.randn(*shape, generator=gen, device="cpu") * std
 
 
 class ColumnParallelLinear(ShardedModuleMixin, nn.Module):
