@@ -99,6 +99,7 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]
                 f"overwrite=True is not supported for {checkpoint_dir}: object stores cannot swap "
                 "directories atomically; save to a new location and delete the old one afterwards"
             )
+        _remove_dead_staging(storage, checkpoint_dir)
         staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
         storage.makedirs(staging)
         return staging, True
@@ -109,6 +110,21 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]
         for n in stale:
             storage.remove_any(join(checkpoint_dir, n))
     return checkpoint_dir, False
+
+
+def _remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
+    """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
+
+    Called only while ``<dir>`` itself is committed, so a staging sibling without its own
+    ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
+    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``).
+    """
+    parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
+    for name in storage.listdir(parent or "."):
+        path = join(parent, name)
+        if name.startswith(base + ".tmp-") and storage.isdir(path) and not storage.exists(join(path, ckdir.CONFIG_FILE)):
+            logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
+            storage.rmtree(path)
 
 
 def _requests_for(shards: List[ShardedBase], metas_to_write: List[ShardMeta]) -> List[WriteRequest]:

@@ -85,6 +85,18 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 "checkpoint in dirpath."
             )
 
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        """Only a complete checkpoint counts as existing (decided on rank 0, shared with all).
+
+        A directory left by a save killed before its commit would otherwise make Lightning
+        write the redone save as ``<name>-v1.ckpt`` next to the debris; treating it as absent
+        lets the new save reuse the name (the save clears an incomplete directory first).
+        """
+        local = False
+        if trainer.is_global_zero and self._fs.exists(filepath):
+            local = is_complete_checkpoint(_resolve_link(filepath))
+        return trainer.strategy.reduce_boolean_decision(local, all=False)
+
     def _find_last_checkpoints(self, trainer: Any) -> set:
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
         if not found and self.dirpath is not None:
