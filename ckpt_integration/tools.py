@@ -30,7 +30,7 @@ import struct
 import tempfile
 import uuid
 import zipfile
-import zlib
+from .storage.checksum import crc32
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -877,7 +877,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trust
                         piece = os.pread(fd, min(_READ_PIECE, end - pos), pos)
                         if not piece:
                             break
-                        crc = zlib.crc32(piece, crc)
+                        crc = crc32(piece, crc)
                         pos += len(piece)
                         bar.update(len(piece))
                     if crc != expected_crc:

@@ -225,3 +225,21 @@ def test_remove_sharded_tensors_never_deletes_outside_a_zarr_checkpoint(tmp_path
     with pytest.raises(UnsafeCheckpointError, match=r"\.\./victim.*outside the checkpoint"):
         ci.remove_sharded_tensors(str(d), "../")
     assert (victim / "keep.txt").exists()
+
+
+def test_checksum_matches_zlib_whatever_the_implementation():
+    import os
+    import zlib
+
+    from ckpt_integration.storage import checksum
+
+    data = os.urandom(1 << 20)
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(data[1000:], checksum.crc32(data[:1000])) == zlib.crc32(data)  # continued
+    assert checksum.crc32(memoryview(data)) == zlib.crc32(data)
+    try:
+        import zlib_ng  # noqa: F401
+    except ImportError:
+        assert checksum.IMPLEMENTATION == "zlib"
+    else:
+        assert checksum.IMPLEMENTATION == "zlib-ng"

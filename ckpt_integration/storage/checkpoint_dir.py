@@ -20,7 +20,7 @@ import io
 import json
 import os
 import time
-import zlib
+from .checksum import crc32
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -191,7 +191,7 @@ def save_common(directory: str, common_state_dict: Any, durable: bool = True) ->
     data = buf.getvalue()
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, COMMON_FILE), data, durable)
-    return {"size": len(data), "crc32": zlib.crc32(data)}
+    return {"size": len(data), "crc32": crc32(data)}
 
 
 def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest"]) -> None:
@@ -202,7 +202,7 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
     storage, directory = storage_for(directory)
     path = join(directory, name)
     data = storage.read_bytes(path)
-    if len(data) != entry.get("size", len(data)) or zlib.crc32(data) != entry["crc32"]:
+    if len(data) != entry.get("size", len(data)) or crc32(data) != entry["crc32"]:
         raise CorruptCheckpointError(
             f"{path} is damaged: its size/checksum differs from the one recorded at save time"
         )

@@ -17,7 +17,7 @@ import os
 import pickle
 import struct
 import zipfile
-import zlib
+from .checksum import crc32
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Tuple
 
@@ -200,7 +200,7 @@ class CrcWriter(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        self.crc = zlib.crc32(mv, self.crc)
+        self.crc = crc32(mv, self.crc)
         n = self.f.write(mv)
         self.pos += len(mv)
         return len(mv) if n is None else n

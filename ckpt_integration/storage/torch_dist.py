@@ -21,7 +21,7 @@ import itertools
 import math
 import os
 import threading
-import zlib
+from .checksum import crc32
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -201,7 +201,7 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
     data = pickle.dumps(metadata)
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, DCP_METADATA_FILE), data, durable)
-    return {"size": len(data), "crc32": zlib.crc32(data)}
+    return {"size": len(data), "crc32": crc32(data)}
 
 
 def read_dcp_metadata(directory: str, trusted: bool = False) -> Metadata:
@@ -333,7 +333,7 @@ class TorchDistReader:
             return
         crc = 0
         for p in parts:
-            crc = zlib.crc32(p, crc)
+            crc = crc32(p, crc)
         if crc != expected:
             raise CorruptCheckpointError(
                 f"{join(self.directory, info.relative_path)}: checksum mismatch for {what} "

@@ -54,7 +54,7 @@ import math
 import os
 import posixpath
 import threading
-import zlib
+from .checksum import crc32
 from dataclasses import asdict, dataclass
 from functools import reduce
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -371,7 +371,7 @@ class FileRecord:
 
     key: str  # the tensor or object key the file belongs to (named in every error)
     size: int  # bytes
-    crc32: int  # zlib.crc32 of the bytes, the checksum torch_dist uses too
+    crc32: int  # crc32 of the bytes, the checksum torch_dist uses too
 
 
 def chunk_file_names(shape: Sequence[int], chunks: Sequence[int]) -> Iterator[str]:
@@ -393,8 +393,8 @@ def _chunk_offsets(name: str, chunks: Sequence[int]) -> Tuple[int, ...]:
 async def _crc32(buffer: Any) -> int:
     view = buffer.as_buffer_like()
     if len(buffer) >= _CRC_IN_THREAD_BYTES:
-        return await asyncio.to_thread(zlib.crc32, view)
-    return zlib.crc32(view)
+        return await asyncio.to_thread(crc32, view)
+    return crc32(view)
 
 
 def file_problem(what: str, path: str, record: FileRecord, size: Optional[int], crc: Optional[int] = None) -> Optional[str]:
@@ -470,7 +470,7 @@ def _store_wrappers() -> Tuple[type, type]:
             path = join(self.array_dir, ARRAY_METADATA_FILE)
             if data is None:
                 raise CorruptCheckpointError(file_problem("zarr metadata file", path, record, None) or path)
-            size, crc = len(data), zlib.crc32(data.as_buffer_like())
+            size, crc = len(data), crc32(data.as_buffer_like())
             if (size, crc) != (record.size, record.crc32):
                 raise CorruptCheckpointError(
                     f"zarr metadata file {path} of {record.key!r} is damaged: changed after the save "
@@ -499,7 +499,7 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
     storage, directory = storage_for(directory)
     for key in sorted(index["tensors"]):
         data = storage.read_bytes(join(_array_path(directory, key), ARRAY_METADATA_FILE))
-        files[metadata_file_name(key)] = FileRecord(key, len(data), zlib.crc32(data))
+        files[metadata_file_name(key)] = FileRecord(key, len(data), crc32(data))
     index["format"] = INDEX_FORMAT
     index["files"] = {path: asdict(r) for path, r in sorted(files.items())}
     write_index(directory, index, durable)
@@ -699,7 +699,7 @@ def write_zarr_requests(directory: str, requests: Sequence[WriteRequest], thread
             parent = path.rsplit("/", 1)[0]
             storage.makedirs(parent)
             storage.write_atomic(path, req.data, durable)
-            return WrittenItem(req.storage_key, None, object_file_name(req.storage_key), 0, len(req.data), zlib.crc32(req.data))
+            return WrittenItem(req.storage_key, None, object_file_name(req.storage_key), 0, len(req.data), crc32(req.data))
         t = req.data.detach().cpu().contiguous()
         stored = _storage_dtype(t.dtype)
         values = (t.view(stored) if stored != t.dtype else t).numpy()
@@ -872,7 +872,7 @@ class ZarrReader:
             raise CorruptCheckpointError(f"object file {path} of {storage_key!r} is missing (listed in {INDEX_FILE})") from None
         record = self.files.get(object_file_name(storage_key)) if self.files is not None else None
         if record is not None:
-            crc = zlib.crc32(data) if self.verify_checksums else None
+            crc = crc32(data) if self.verify_checksums else None
             problem = file_problem("object file", path, record, len(data), crc)
             if problem:
                 raise CorruptCheckpointError(problem)
@@ -902,7 +902,7 @@ class ZarrReader:
                 return file_problem(what, path, record, reader.size)
             crc = 0
             for start in range(0, reader.size, _VERIFY_BLOCK):
-                crc = zlib.crc32(reader.read(start, min(_VERIFY_BLOCK, reader.size - start)), crc)
+                crc = crc32(reader.read(start, min(_VERIFY_BLOCK, reader.size - start)), crc)
             return file_problem(what, path, record, reader.size, crc)
         finally:
             reader.close()
