@@ -6,23 +6,20 @@ without it (one process saves or loads everything).
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any, Dict, Iterable, Optional, Set, Tuple, Union
 
-import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .errors import CheckpointingException
 from .execution.load import load_torch_dist
 from .execution.save import CONTENT_METADATA_KEY, save_torch_dist
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from .planning.boxes import Box
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir
 from .storage.filesystem import join, storage_for
 from .storage.backends import read_metadata
-from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata, write_dcp_metadata
+from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 
 PathLike = Union[str, "os.PathLike[str]"]
 LOAD_STRATEGIES = ("local", "fully_parallel", "two_stage")

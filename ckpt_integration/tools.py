@@ -42,7 +42,7 @@ from .planning.boxes import Box, intersect, relative_slices
 from .storage import checkpoint_dir as ckdir
 from .storage.fs import tensor_buffer
 from .storage.backends import open_reader, read_metadata
-from .storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
+from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9

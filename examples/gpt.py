@@ -8,7 +8,6 @@ seed, so every TP size starts from the same model. Works with gloo (CPU) and NCC
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any, List, Optional
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from ckpt_integration import ShardedObject, ShardedTensor, ShardedTensorFactory, LocalNonpersistentObject
+from ckpt_integration import ShardedTensor, ShardedTensorFactory
 
 
 def global_tensor(key: str, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import pickle
-import shutil
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from ckpt_integration import (
     CheckpointingException,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    DistributedCheckpointingError,
     IncompleteCheckpointError,
     MismatchError,
     ShardedObject,

@@ -25,12 +25,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 
 from .. import __version__
-from ..dict_utils import nested_items
 from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
-from ..mapping import ShardedBase, ShardedObject, ShardedTensor
+from ..mapping import ShardedBase, ShardedTensor
 from ..planning.integrity import validate_sharding_integrity
 from ..planning.save_plan import items_for_rank, plan_writers
 from ..planning.shards import ShardMeta

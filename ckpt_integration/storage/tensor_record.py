@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
 import zipfile

@@ -19,7 +19,6 @@ import contextlib
 import io
 import itertools
 import math
-import os
 import threading
 from .checksum import crc32
 from collections import defaultdict
