@@ -11,8 +11,10 @@ Real ``Trainer.fit`` in 2 gloo processes (tiny GPT of ``examples/gpt.py``, ``Dis
    (background writer thread), the victim being the coordinator (rank 0) or not (rank 1);
 3. on disk: the step-7 checkpoints are byte-for-byte unchanged and load, the interrupted save
    is not complete, ``latest_complete_checkpoint`` / ``resolve_checkpoint_path("last.ckpt")``
-   give complete checkpoints, and a new 2-process ``Trainer.fit(ckpt_path="last")`` starts at
-   global step 7, reproduces the killed run's losses and commits step 14.
+   give complete checkpoints, and a new 2-process ``Trainer.fit(ckpt_path="last")`` resumes from
+   the newest complete checkpoint: step 7 when the step-14 save was killed (reproducing the
+   killed run's losses and committing step 14 under the same name), step 14 when only the
+   following ``last.ckpt`` replacement was killed; no incomplete directory is left behind.
 
 Each rank is a plain subprocess in its own session, launched here (not ``run_distributed``, which
 treats a dead rank as a failure); every wait has a deadline and everything left is SIGKILLed.
@@ -304,28 +306,36 @@ def test_save_killed_halfway_keeps_previous_checkpoint_and_last(tmp_path, first_
         assert latest == INTERRUPTED, latest
         assert ci.load_common_state_dict(os.path.join(ckdir, INTERRUPTED))["global_step"] == 14
 
-    # 4) ckpt_path="last" resumes from global step 7 in 2 processes, reproduces the lost steps, finishes
-    records = _run_ok(tmp, "resumed", dict(dir=ckdir, epochs=2, resume="last", async_save=async_save))
-    for rec in records:
-        assert (rec["start_step"], rec["start_epoch"], rec["end_step"]) == (7, 1, 14), rec
-    resumed = records[0]["losses"]
-    assert sorted(map(int, resumed)) == list(range(7, 14))
-    for s in resumed:  # same checkpoint, same layout: the same continuation as the killed run
-        assert resumed[s] == pytest.approx(lost_losses[s], abs=1e-5), (s, resumed[s], lost_losses[s])
-    names = sorted(os.listdir(ckdir))
-    # the redone step-14 save is committed and last.ckpt was replaced by it; top-2 keeps the step-7 one
-    # unchanged. A killed top-k save's incomplete directory does not count as existing, so the redone
-    # save reuses its name (no "-v1" copy beside debris); a complete one gets Lightning's "-v1"
-    complete = [n for n in names if is_complete_checkpoint(os.path.join(ckdir, n))]
-    redone = [n for n in complete if n not in (FIRST, "last.ckpt")]
-    assert redone and all(n.startswith("epoch=1-step=14") for n in redone), names
-    for n in redone + ["last.ckpt"]:
-        assert ci.load_common_state_dict(os.path.join(ckdir, n))["global_step"] == 14, n
-    assert _digest(os.path.join(ckdir, FIRST)) == before[FIRST]
-    assert os.path.basename(latest_complete_checkpoint(ckdir)) in redone + ["last.ckpt"]
-    assert not [n for n in names if ".old-" in n], names
+    # 4) ckpt_path="last" resumes from the newest complete checkpoint in 2 processes and finishes
     if kill_at == 0:
-        assert redone == [INTERRUPTED], names
+        # the step-14 top-k save was killed: "last" is the step-7 one; the lost steps are redone exactly
+        records = _run_ok(tmp, "resumed", dict(dir=ckdir, epochs=2, resume="last", async_save=async_save))
+        for rec in records:
+            assert (rec["start_step"], rec["start_epoch"], rec["end_step"]) == (7, 1, 14), rec
+        resumed = records[0]["losses"]
+        assert sorted(map(int, resumed)) == list(range(7, 14))
+        for s in resumed:  # same checkpoint, same layout: the same continuation as the killed run
+            assert resumed[s] == pytest.approx(lost_losses[s], abs=1e-5), (s, resumed[s], lost_losses[s])
+    else:
+        # the step-14 top-k save had committed before the last.ckpt replacement was killed: "last"
+        # resumes from step 14 (the newest complete checkpoint), so no trained step is lost
+        records = _run_ok(tmp, "resumed", dict(dir=ckdir, epochs=3, resume="last", async_save=async_save))
+        for rec in records:
+            assert (rec["start_step"], rec["start_epoch"], rec["end_step"]) == (14, 2, 21), rec
+    end_step = 14 if kill_at == 0 else 21
+    names = sorted(os.listdir(ckdir))
+    # the redone (or next) save is committed and last.ckpt was replaced by it. A killed top-k save's
+    # incomplete directory does not count as existing, so the redone save reuses its name (no "-v1"
+    # copy beside debris)
+    complete = [n for n in names if is_complete_checkpoint(os.path.join(ckdir, n))]
+    assert ci.load_common_state_dict(os.path.join(ckdir, "last.ckpt"))["global_step"] == end_step
+    assert os.path.basename(latest_complete_checkpoint(ckdir)) in complete
+    assert ci.load_common_state_dict(latest_complete_checkpoint(ckdir))["global_step"] == end_step
+    if kill_at == 0:
+        assert sorted(complete) == sorted([FIRST, INTERRUPTED, "last.ckpt"]), names
+        assert ci.load_common_state_dict(os.path.join(ckdir, INTERRUPTED))["global_step"] == 14
+        assert _digest(os.path.join(ckdir, FIRST)) == before[FIRST]  # top-2 keeps the step-7 one
+    assert not [n for n in names if ".old-" in n], names
     incomplete = sorted(set(names) - set(complete))
     # no debris: the killed top-k directory was reused, a killed last.ckpt.tmp-* staging dir removed
     assert incomplete == [], names

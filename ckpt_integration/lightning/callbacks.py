@@ -67,7 +67,7 @@ class DistCkptAsyncFinalizer(Callback):
 
 class DistCkptModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` for directory checkpoints: ``ckpt_path="last"`` never picks an
-    incomplete one (no ``metadata.json``); it falls back to the newest complete checkpoint.
+    incomplete one (no ``metadata.json``): it resumes from the newest complete checkpoint.
 
     ``dirpath`` may be an fsspec URL (``s3://bucket/run``); top-k deletions go through fsspec.
     ``save_last`` is refused there: ``last.ckpt`` is rewritten in place every epoch, and object
@@ -98,11 +98,18 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     def _find_last_checkpoints(self, trainer: Any) -> set:
+        """Candidates for ``ckpt_path="last"``; Lightning takes the most recently modified one.
+
+        Complete ``last*`` checkpoints, plus the newest complete checkpoint of ``dirpath``: when a
+        save of ``last.ckpt`` was interrupted after a top-k save of a later step had committed,
+        "last" resumes from that later step instead of the older ``last.ckpt`` (in normal runs
+        ``last.ckpt`` is committed after the top-k save of its step and stays the newest).
+        """
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
-        if not found and self.dirpath is not None:
-            alt = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION)
-            if alt is not None:
-                found.add(alt)
+        if self.dirpath is not None:
+            newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION)
+            if newest is not None:
+                found.add(newest)
         return {_lightning_candidate(p) for p in found}
 
 
