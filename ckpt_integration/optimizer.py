@@ -346,33 +346,22 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     :func:`load_optimizer_state`, which needs no existing state.
     """
     scalar = torch.tensor(0.0, dtype=torch.float32)
+    has_step = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
     for group in optimizer.param_groups:
+        names = _expected_tensor_states(optimizer, group)
         for p in group["params"]:
             st = optimizer.state[p]
             if st:
                 continue
-            zeros = lambda: torch.zeros_like(p, memory_format=torch.preserve_format)  # noqa: E731
-            if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                st["step"] = scalar.clone()
-                st["exp_avg"] = zeros()
-                st["exp_avg_sq"] = zeros()
-                if group.get("amsgrad"):
-                    st["max_exp_avg_sq"] = zeros()
-            elif isinstance(optimizer, torch.optim.SGD):
-                if group.get("momentum", 0) != 0:
-                    st["momentum_buffer"] = zeros()
-            elif isinstance(optimizer, torch.optim.RMSprop):
-                st["step"] = scalar.clone()
-                st["square_avg"] = zeros()
-                if group.get("momentum", 0) > 0:
-                    st["momentum_buffer"] = zeros()
-                if group.get("centered"):
-                    st["grad_avg"] = zeros()
-            else:
+            if names is None:
                 raise CheckpointingException(
                     f"init_optimizer_state does not know {type(optimizer).__name__}; use "
                     "load_optimizer_state (it creates the state from the checkpoint)"
                 )
+            if has_step:
+                st["step"] = scalar.clone()
+            for name in names:
+                st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def optimizer_sharded_state_dict(
@@ -503,13 +492,15 @@ def _two_phase_load(
     load_kwargs: Dict[str, Any],
 ) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, Dict[str, Any]], List[Dict[str, Any]]]:
     """Phase 1 reads the per-param meta objects (names, dtypes, scalars); phase 2 the tensors."""
-    from .serialization import load, load_common_state_dict, load_sharded_metadata
+    from .serialization import load, load_sharded_metadata
 
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
     _raise_mismatch(_gather_problems(_check_requests(metas.values(), ckpt_meta, labels), group), checkpoint_dir, prefix)
-    loaded_meta = load({state_dict_key: {"state": {pid: {PARAM_META_KEY: m} for pid, m in metas.items()}}},
-                       checkpoint_dir, **load_kwargs)[state_dict_key]["state"]
+    # the result holds the saved common state too (param_groups, checked below)
+    phase1 = load({state_dict_key: {"state": {pid: {PARAM_META_KEY: m} for pid, m in metas.items()}}},
+                  checkpoint_dir, **load_kwargs)[state_dict_key]
+    loaded_meta = phase1["state"]
     metas_data = {pid: loaded_meta[pid][PARAM_META_KEY] for pid in metas}
     requests: Dict[int, Dict[str, Any]] = {}
     flat_requests: List[Any] = []
@@ -523,10 +514,7 @@ def _two_phase_load(
             flat_requests.extend(req if isinstance(req, list) else [req])
     problems = _check_requests(flat_requests, ckpt_meta, labels)
     _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
-    common = load_common_state_dict(
-        checkpoint_dir, trusted=load_kwargs.get("trusted", False), allowed_globals=load_kwargs.get("allowed_globals")
-    )
-    saved_groups = common.get(state_dict_key, {}).get("param_groups") if isinstance(common.get(state_dict_key), dict) else None
+    saved_groups = phase1.get("param_groups")
     if isinstance(saved_groups, (list, dict)) and len(saved_groups) != len(param_groups_template):
         raise OptimizerStateMismatchError(
             f"{os.fspath(checkpoint_dir)}: the checkpoint's optimizer {state_dict_key!r} has {len(saved_groups)} "
