@@ -30,7 +30,6 @@ import struct
 import tempfile
 import uuid
 import zipfile
-from .storage.checksum import crc32
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from .planning.boxes import Box, intersect, relative_slices
 from .storage import checkpoint_dir as ckdir
+from .storage.checksum import crc32
 from .storage.fs import tensor_buffer
 from .storage.backends import open_reader, read_metadata
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
@@ -479,7 +479,7 @@ def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, 
     and object records the save committed. Indexes written before records existed give
     ``length`` None and no files.
     """
-    from .storage.zarr_backend import ZarrReader, chunk_file_names, object_file_name
+    from .storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 
     with ZarrReader(path) as reader:
         records = reader.files or {}
@@ -487,12 +487,12 @@ def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, 
         for key, info in reader.index.get("tensors", {}).items():
             shape, chunks = [int(n) for n in info["shape"]], [int(c) for c in info["chunks"]]
             shards[key] = []
-            for name in chunk_file_names(shape, chunks):  # "c/i/j": chunk coordinates
-                offsets = [int(i) * c for i, c in zip(name.split("/")[1:], chunks)]
+            for name in chunk_file_names(shape, chunks):
+                box = chunk_box(chunk_coords(name), shape, chunks)
                 record = records.get(f"{key}/{name}")
                 shards[key].append({
-                    "offsets": offsets,
-                    "sizes": [min(c, n - o) for c, n, o in zip(chunks, shape, offsets)],
+                    "offsets": list(box.offsets),
+                    "sizes": list(box.sizes),
                     "file": f"{key}/{name}", "file_offset": 0, "length": record.size if record else None,
                 })
         objects = {}

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import time
-from .checksum import crc32
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -32,6 +31,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
+from .checksum import crc32
 from .filesystem import join, storage_for
 from .safe_pickle import safe_torch_load
 
@@ -231,8 +231,8 @@ def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> 
 
 def manifest_deleted(directory: str) -> bool:
     """Whether ``manifest.json`` is gone from a checkpoint that was saved with one (damage)."""
-    storage, directory = storage_for(directory)
-    return storage.exists(join(directory, WRITER_FILE)) and not storage.exists(join(directory, MANIFEST_FILE))
+    storage, path = storage_for(directory)
+    return manifest_expected(directory) and not storage.exists(join(path, MANIFEST_FILE))
 
 
 def manifest_expected(directory: str) -> bool:

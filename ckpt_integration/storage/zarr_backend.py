@@ -54,7 +54,6 @@ import math
 import os
 import posixpath
 import threading
-from .checksum import crc32
 from dataclasses import asdict, dataclass
 from functools import reduce
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -73,6 +72,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointingException, CorruptCheckpointError, MismatchError, UnsafeCheckpointError
 from ..planning.boxes import Box, intersect, relative_slices
 from .checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE
+from .checksum import crc32
 from .filesystem import is_remote, join, storage_for
 from .torch_dist import ChunkInfo, WriteRequest, WrittenItem, run_parallel
 
@@ -385,9 +385,14 @@ def _is_chunk_name(name: str) -> bool:
     return name == "c" or name.startswith("c/")
 
 
+def chunk_coords(name: str) -> Tuple[int, ...]:
+    """Grid coordinates of the chunk file ``c/i/j/...`` (see :func:`chunk_file_names`)."""
+    return tuple(int(i) for i in name.split("/")[1:])
+
+
 def _chunk_offsets(name: str, chunks: Sequence[int]) -> Tuple[int, ...]:
     """Global offsets of the chunk file ``c/i/j/...``."""
-    return tuple(int(i) * c for i, c in zip(name.split("/")[1:], chunks))
+    return tuple(i * c for i, c in zip(chunk_coords(name), chunks))
 
 
 async def _crc32(buffer: Any) -> int:
