@@ -25,7 +25,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-
 from .. import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
 from ..mapping import ShardedBase, ShardedTensor

@@ -16,13 +16,13 @@ import io
 import pickle
 import struct
 import zipfile
-from .checksum import crc32
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Tuple
 
 import torch
 
 from ..errors import CorruptCheckpointError
+from .checksum import crc32
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
 

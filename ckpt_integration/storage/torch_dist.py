@@ -20,7 +20,6 @@ import io
 import itertools
 import math
 import threading
-from .checksum import crc32
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,9 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError, MismatchError
+from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointError
 from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
+from .checksum import crc32
 from .filesystem import FileReader, join, storage_for
 from .fs import tensor_buffer
 from .safe_pickle import load_dcp_metadata
@@ -421,8 +421,6 @@ class TorchDistReader:
         from .safe_pickle import safe_torch_load
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
-        from ..errors import UnsafeCheckpointError
-
         try:
             t = safe_torch_load(io.BytesIO(bytes(buf)), what=f"chunk {chunk.box} of {key!r} in {path}")
         except UnsafeCheckpointError as e:
