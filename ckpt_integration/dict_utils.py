@@ -5,9 +5,23 @@ Pure functions, no I/O. Paths are tuples of dict keys / list indices.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Iterator, Tuple
 
 Path = Tuple[Any, ...]
+
+
+def empty_like(d: dict) -> dict:
+    """A new, empty dict of the same type as ``d`` (an OrderedDict stays one, a
+    ``defaultdict`` keeps its factory); a plain dict where the type cannot be copied."""
+    if type(d) is dict:
+        return {}
+    try:
+        out = copy.copy(d)
+        out.clear()
+        return out
+    except Exception:  # an exotic mapping subclass: keep the values, lose the type
+        return {}
 
 
 def nested_items(x: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
@@ -42,9 +56,12 @@ def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
 
 
 def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
-    """Like :func:`dict_list_map_inplace` but builds new containers."""
+    """Like :func:`dict_list_map_inplace` but builds new containers (of the same dict types)."""
     if isinstance(x, dict):
-        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+        out = empty_like(x)
+        for k, v in x.items():
+            out[k] = dict_list_map_outplace(f, v)
+        return out
     if isinstance(x, list):
         return [dict_list_map_outplace(f, v) for v in x]
     return f(x)
@@ -55,19 +72,22 @@ def extract_matching_values(
 ) -> Tuple[Any, Any]:
     """Split a nested structure into (matching, non-matching) parts by leaf predicate.
 
-    Containers are kept only where they hold something. Lists keep their
-    positions as dict keys when ``return_lists_as_dicts`` is set, so that a later
-    :func:`merge` puts each value back in its slot.
+    A container appears on a side only where it holds something of that side, except
+    that empty containers are kept on the non-matching side: they are state too (an
+    empty ``lr_lambdas`` entry, empty hyper-parameters) and must survive a round trip.
+    Dict types are kept (an OrderedDict stays one). Lists keep their positions as dict
+    keys when ``return_lists_as_dicts`` is set, so that a later :func:`merge` puts each
+    value back in its slot.
     """
 
     if isinstance(x, dict):
-        matching, other = {}, {}
+        matching, other = {}, empty_like(x)
         for k, v in x.items():
             if isinstance(v, (dict, list)):
                 m, o = extract_matching_values(v, predicate, return_lists_as_dicts)
                 if m:
                     matching[k] = m
-                if o:
+                if o or not v:
                     other[k] = o
             elif predicate(v):
                 matching[k] = v
@@ -86,6 +106,8 @@ def extract_matching_values(
                     matching_l.append(m)
                 if o:
                     other_l.append(o)
+            elif isinstance(v, (dict, list)):
+                other_l.append(v)  # an empty container is state of its own
             elif predicate(v):
                 matching_l.append(v)
             else:

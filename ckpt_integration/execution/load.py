@@ -168,7 +168,7 @@ def load_torch_dist(
     try:
         backend = ckdir.read_config(checkpoint_dir).sharded_backend
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
-        sharded, _req_common, nonpersistent, factories = split_state_dict(sharded_state_dict)
+        sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
         md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})
@@ -194,7 +194,7 @@ def load_torch_dist(
     if local_error is None:
         try:
             job = _prepare_reads(
-                checkpoint_dir, md, common, sharded, nonpersistent, factories, sharded_state_dict, strict,
+                checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
                 requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
             )
         except Exception as e:

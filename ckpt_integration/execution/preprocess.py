@@ -72,12 +72,15 @@ def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
     raise CheckpointingException(f"unsupported sharded value {type(sh).__name__}")
 
 
-def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any, Any]:
-    """Return ``(sharded, common, nonpersistent, factories)`` from a copy of the input.
+def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any, Any, Any]:
+    """Return ``(sharded, common, nonpersistent, factories, template)`` from a copy of the input.
 
     ``sharded`` holds ShardedTensors/ShardedObjects at their positions,
-    ``common`` everything else that is saved, ``nonpersistent`` the unwrapped
-    LocalNonpersistentObjects, ``factories`` the factories for merging on load.
+    ``common`` everything else that is saved (empty containers included, dict types
+    kept), ``nonpersistent`` the unwrapped LocalNonpersistentObjects, ``factories``
+    the factories for merging on load, ``template`` the input with factories built
+    (what :func:`restore_list_types` needs to give every list back as a list, also the
+    lists a ``build_fn`` returned).
     """
     if not isinstance(sharded_state_dict, dict):
         raise CheckpointingException(
@@ -97,7 +100,7 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
     common = restore_list_types(common, template)
     for path, v in nested_items(common):
         _refuse_hidden_sharded(v, path)
-    return sharded, common, nonpersistent, factories
+    return sharded, common, nonpersistent, factories, template
 
 
 def _refuse_hidden_sharded(v: Any, path: Any) -> None:
@@ -119,7 +122,11 @@ def local_shards(sharded: Any) -> List[ShardedBase]:
 
 
 def restore_list_types(x: Any, template: Any) -> Any:
-    """Turn ``{0: a, 1: b}`` back into ``[a, b]`` wherever the request had a list."""
+    """Turn ``{0: a, 1: b}`` back into ``[a, b]`` wherever the request had a list.
+
+    A mixed list whose positions are not all present (its sharded values were not
+    loaded) stays ``{index: value}``.
+    """
     if isinstance(template, list) and isinstance(x, dict) and set(x) == set(range(len(template))):
         return [restore_list_types(x[i], template[i]) for i in range(len(template))]
     if isinstance(template, list) and isinstance(x, list):

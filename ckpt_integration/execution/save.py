@@ -172,7 +172,7 @@ def prepare_save(
     try:
         if content_metadata is not None:
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
-        sharded, common, _nonpersistent, _factories = split_state_dict(sharded_state_dict)
+        sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
         metas = [shard_meta(sh, rank) for sh in shards]
         if coord:
