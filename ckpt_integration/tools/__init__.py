@@ -1,0 +1,43 @@
+"""Checkpoint tools behind the ``ckpt-integration`` command line (also usable as a library).
+
+* :func:`inspect_checkpoint` - backend, tensors (shape, dtype, bytes, shard layout),
+  ShardedObjects and common-state keys of a checkpoint directory.
+* :func:`verify_checkpoint` - completeness and per-item CRC32 checksums.
+* :func:`convert_checkpoint` - streaming conversion between a distributed checkpoint,
+  ``torch.save`` files and (HF-style, sharded) safetensors, in both directions.
+* :func:`diff_checkpoints` - keys, shapes, dtypes and max abs difference of two sources.
+
+Nothing here needs a GPU or ``torch.distributed``. Tensor data is streamed: at
+most one *block* of ``memory_budget`` bytes (rows of one tensor, read with
+:meth:`TorchDistReader.read_region`) is held at a time, so checkpoints larger
+than RAM can be converted, verified and diffed. Inputs given as ``torch.save``
+or safetensors files are memory-mapped (their pages stay in the page cache).
+
+Modules: one per command (:mod:`.inspect`, :mod:`.verify`, :mod:`.convert`,
+:mod:`.diff`) over the shared :mod:`.sources` (readers), :mod:`.writers` and
+:mod:`.common` (sizes, progress). The names below are re-exported here so that
+``from ckpt_integration.tools import X`` keeps working.
+"""
+
+from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_INDEX, ProgressFactory, format_size,
+                     parse_size)
+from .common import _no_progress  # noqa: F401 (the CLI's progress factory when bars are off)
+from .convert import ConvertResult, convert_checkpoint
+from .diff import DiffReport, diff_checkpoints
+from .inspect import format_inspect, inspect_checkpoint
+from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, detect_kind,
+                      open_source, plan_blocks, read_safetensors_header)
+from .verify import VerifyReport, verify_checkpoint
+from .writers import SafetensorsWriter, TorchSaveWriter
+
+__all__ = [
+    "inspect_checkpoint", "format_inspect",
+    "verify_checkpoint", "VerifyReport",
+    "convert_checkpoint", "ConvertResult",
+    "diff_checkpoints", "DiffReport",
+    "detect_kind", "open_source", "plan_blocks", "read_safetensors_header",
+    "TensorInfo", "TensorSource", "DistCheckpointSource", "SafetensorsSource", "TorchFileSource",
+    "SafetensorsWriter", "TorchSaveWriter",
+    "parse_size", "format_size", "ProgressFactory",
+    "DEFAULT_MEMORY_BUDGET", "DEFAULT_MAX_SHARD_SIZE", "SAFETENSORS_INDEX",
+]

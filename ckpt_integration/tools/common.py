@@ -1,0 +1,75 @@
+"""Shared by the tools: sizes (parse and print, binary units), the no-op progress bar, dtype helpers."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_READ_PIECE = 8 * 2**20
+
+ProgressFactory = Callable[..., Any]
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: Any) -> int:
+    """Parse ``"5GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096"`` into bytes (GB = 10^9, GiB = 2^30)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB, 64MiB, 4096)")
+    number, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
+    power = "kmgtp".find(unit) + 1 if unit else 0
+    return int(number * ((1024 if binary else 1000) ** power))
+
+
+def format_size(n: int) -> str:
+    """Human-readable binary size: ``1.5 MiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _no_progress(iterable: Any = None, **_: Any) -> Any:
+    return _NullBar(iterable)
+
+
+class _NullBar:
+    def __init__(self, iterable: Any = None):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

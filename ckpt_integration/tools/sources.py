@@ -1,0 +1,352 @@
+"""Read-only tensor sources for the tools: checkpoint directories, torch.save files, safetensors.
+
+Every source lists its tensors (:class:`TensorInfo`) and reads them block by block
+(:func:`plan_blocks` cuts a tensor into boxes of at most a memory budget), so the
+commands stream checkpoints larger than RAM.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import math
+import mmap
+import os
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
+from ..planning.boxes import Box, intersect, relative_slices
+from ..storage import checkpoint_dir as ckdir
+from ..storage.backends import open_reader, read_metadata
+from ..storage.torch_dist import DCP_METADATA_FILE
+from .common import SAFETENSORS_INDEX, _esize
+
+
+def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[Box]:
+    """Cut a tensor into boxes of at most ``budget`` bytes that are contiguous in C order.
+
+    Whole rows (axis 0) when a row fits, otherwise rows of the first axis whose
+    sub-rows fit; a tensor within the budget is one box.
+    """
+    shape = tuple(int(s) for s in shape)
+    ndim = len(shape)
+    if ndim == 0 or math.prod(shape) == 0:
+        return [Box((0,) * ndim, shape)]
+    esize = _esize(dtype)
+    budget = max(budget, esize)
+    axis = 0
+    while axis < ndim - 1 and math.prod(shape[axis + 1 :]) * esize > budget:
+        axis += 1
+    inner = math.prod(shape[axis + 1 :]) * esize
+    step = max(1, min(shape[axis], budget // inner))
+    boxes = []
+    outer_shape = shape[:axis]
+    for idx in itertools.product(*map(range, outer_shape)):
+        for start in range(0, shape[axis], step):
+            size = min(step, shape[axis] - start)
+            boxes.append(Box(tuple(idx) + (start,) + (0,) * (ndim - axis - 1), (1,) * axis + (size,) + shape[axis + 1 :]))
+    return boxes
+
+
+def _box_slices(box: Box) -> Tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+
+
+# --------------------------------------------------------------------------- sources
+@dataclass
+class TensorInfo:
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _esize(self.dtype)
+
+
+class TensorSource:
+    """Read-only view of named tensors, read block by block. Subclasses fill ``tensors``."""
+
+    kind = "?"
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tensors: Dict[str, TensorInfo] = {}
+        self.extra_values: Any = None  # nested non-tensor state (torch files) or common state
+
+    def read_block(self, key: str, box: Box) -> torch.Tensor:
+        raise NotImplementedError
+
+    def iter_blocks(self, key: str, budget: int) -> Iterator[Tuple[Box, torch.Tensor]]:
+        info = self.tensors[key]
+        for box in plan_blocks(info.shape, info.dtype, budget):
+            yield box, self.read_block(key, box)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "TensorSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class DistCheckpointSource(TensorSource):
+    """A committed checkpoint directory: ``torch_dist`` (ours, Megatron-Core's, PyTorch DCP's) or ``zarr``."""
+
+    kind = "torch_dist"
+
+    def __init__(self, path: str, trusted: bool = False):
+        super().__init__(path)
+        self.trusted = trusted
+        self.config = ckdir.read_config(path)
+        self.kind = self.config.sharded_backend
+        self.metadata = read_metadata(path, trusted=trusted, backend=self.kind)
+        self.manifest = ckdir.read_manifest(path)
+        checksums = self.manifest.checksums() if self.manifest is not None else None
+        self.reader = open_reader(path, self.metadata, self.kind, checksums, verify_checksums=True)
+        self.objects: List[str] = []
+        for key, md in sorted(self.metadata.state_dict_metadata.items()):
+            if isinstance(md, TensorStorageMetadata):
+                self.tensors[key] = TensorInfo(md.properties.dtype, tuple(int(s) for s in md.size))
+            elif isinstance(md, BytesStorageMetadata):
+                self.objects.append(key)
+
+    def read_block(self, key: str, box: Box) -> torch.Tensor:
+        info = self.tensors[key]
+        out = torch.empty(box.sizes, dtype=info.dtype)
+        covered = 0
+        for chunk in self.reader.chunks[key]:
+            ov = intersect(chunk.box, box) if box.sizes else Box((), ())
+            if ov is None:
+                continue
+            self.reader.read_region(key, chunk, ov, out[relative_slices(ov, box)], info.dtype)
+            covered += ov.numel
+            if not box.sizes:
+                break
+        if covered != box.numel:
+            raise CorruptCheckpointError(
+                f"{self.path}: the saved chunks of {key!r} cover {covered} of the {box.numel} elements of "
+                f"region {box} (the checkpoint is missing shards)"
+            )
+        return out
+
+    def read_object(self, unique_key: str) -> Any:
+        """Unpickle a ShardedObject payload (restricted unless the source is trusted)."""
+        from ..storage.safe_pickle import safe_torch_load
+
+        data = self.reader.read_bytes(unique_key)
+        value = safe_torch_load(io.BytesIO(data), trusted=self.trusted, what=f"object {unique_key!r} in {self.path}")
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+class _MappedFiles:
+    """Private read-only memory maps of files (pages come from the page cache, not the heap)."""
+
+    def __init__(self) -> None:
+        self.maps: Dict[str, Any] = {}
+
+    def get(self, path: str) -> Any:
+        mm = self.maps.get(path)
+        if mm is None:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
+            self.maps[path] = mm
+        return mm
+
+
+def _tensor_from_map(mm: Any, dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
+    count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mm, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("U16", "uint16"),
+                     ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        _ST_DTYPES[_name] = getattr(torch, _attr)
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
+    """``(header, data_start)`` of a safetensors file (the JSON header and where tensor bytes begin)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CorruptCheckpointError(f"{path} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8 or n > 100 * 2**20:
+            raise CorruptCheckpointError(f"{path} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{path} is not a safetensors file: {e}") from None
+    return header, 8 + n
+
+
+class SafetensorsSource(TensorSource):
+    """A ``.safetensors`` file, or a folder of them (with or without ``model.safetensors.index.json``)."""
+
+    kind = "safetensors"
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        if os.path.isdir(path):
+            index = os.path.join(path, SAFETENSORS_INDEX)
+            if os.path.exists(index):
+                with open(index) as f:
+                    files = sorted(set(json.load(f)["weight_map"].values()))
+            else:
+                files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not files:
+                raise CheckpointingException(f"{path} holds no .safetensors files")
+            files = [os.path.join(path, n) for n in files]
+        else:
+            files = [path]
+        self._maps = _MappedFiles()
+        self._where: Dict[str, Tuple[str, int]] = {}
+        self.metadata: Dict[str, str] = {}
+        for file in files:
+            header, start = read_safetensors_header(file)
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    self.metadata.update(entry or {})
+                    continue
+                dtype = _ST_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise CheckpointingException(f"{file}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+                if key in self.tensors:
+                    raise CorruptCheckpointError(f"tensor {key!r} appears in more than one file of {path}")
+                self.tensors[key] = TensorInfo(dtype, tuple(entry["shape"]))
+                self._where[key] = (file, start + int(entry["data_offsets"][0]))
+        self.tensors = dict(sorted(self.tensors.items()))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The whole tensor as a view of the memory-mapped file."""
+        file, offset = self._where[key]
+        info = self.tensors[key]
+        return _tensor_from_map(self._maps.get(file), info.dtype, info.shape, offset)
+
+    def read_block(self, key: str, box: Box) -> torch.Tensor:
+        return self.tensor(key)[_box_slices(box)]
+
+
+def _flatten_tensors(obj: Any, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
+    """Collect tensors of nested dicts/lists under dotted keys; return the structure with tensors replaced by keys."""
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+        return _TensorSlot(prefix)
+    if isinstance(obj, dict):
+        return {k: _flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k), out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [_flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i), out) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    key: str
+
+
+def _restore_structure(obj: Any, tensors: Dict[str, Any]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.key]
+    if isinstance(obj, dict):
+        return {k: _restore_structure(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore_structure(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_restore_structure(v, tensors) for v in obj)
+    return obj
+
+
+class TorchFileSource(TensorSource):
+    """A ``torch.save`` file holding a (flat or nested) dict of tensors; loaded memory-mapped, weights-only."""
+
+    kind = "torch"
+
+    def __init__(self, path: str, trusted: bool = False):
+        super().__init__(path)
+        try:
+            try:
+                obj = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
+            except pickle.UnpicklingError:
+                raise
+            except Exception:  # legacy (non-zip) format cannot be memory-mapped
+                obj = torch.load(path, map_location="cpu", weights_only=not trusted)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"refusing to load {path} with weights_only=True ({str(e).splitlines()[0]}); "
+                "pass --trusted only if you trust the file"
+            ) from None
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path} cannot be read by torch.load: {e}") from None
+        if isinstance(obj, torch.Tensor):
+            raise CheckpointingException(f"{path} holds a single tensor, not a dict of tensors")
+        self._values: Dict[str, torch.Tensor] = {}
+        self.structure = _flatten_tensors(obj, "", self._values)
+        for k, t in sorted(self._values.items()):
+            self.tensors[k] = TensorInfo(t.dtype, tuple(t.shape))
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._values[key]
+
+    def read_block(self, key: str, box: Box) -> torch.Tensor:
+        return self._values[key][_box_slices(box)]
+
+
+def detect_kind(path: str) -> str:
+    """``"torch_dist"``, ``"safetensors"`` or ``"torch"`` for a checkpoint dir, safetensors file/folder or torch.save file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointingException(f"{path} does not exist")
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        if ckdir.CONFIG_FILE in names or DCP_METADATA_FILE in names or any(n.endswith(".distcp") for n in names):
+            return "torch_dist"
+        if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names):
+            return "safetensors"
+        raise CheckpointingException(
+            f"{path} is neither a checkpoint directory (no {ckdir.CONFIG_FILE}) nor a folder of .safetensors files"
+        )
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if head[:4] == b"PK\x03\x04" or path.endswith((".pt", ".pth", ".bin", ".ckpt")):
+        return "torch"
+    if path.endswith(".safetensors") or len(head) == 8:
+        return "safetensors"
+    raise CheckpointingException(f"cannot tell what kind of file {path} is")
+
+
+def open_source(path: str, trusted: bool = False) -> TensorSource:
+    """Open a checkpoint directory, a torch.save file or safetensors file/folder for reading."""
+    path = os.fspath(path)
+    kind = detect_kind(path)
+    if kind == "torch_dist":
+        return DistCheckpointSource(path, trusted=trusted)
+    if kind == "safetensors":
+        return SafetensorsSource(path)
+    return TorchFileSource(path, trusted=trusted)

@@ -1,0 +1,178 @@
+"""Streaming writers for the convert outputs: safetensors files and ``torch.load``-able archives."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import math
+import os
+import pickle
+import struct
+import zipfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointingException
+from ..storage.fs import tensor_buffer
+from .common import _esize
+from .sources import _ST_NAMES, TensorInfo, _flatten_tensors, _restore_structure
+
+
+class SafetensorsWriter:
+    """Writes tensors into one safetensors file whose header is known up front; data streamed in blocks."""
+
+    def __init__(self, path: str, entries: List[Tuple[str, TensorInfo]], metadata: Optional[Dict[str, str]] = None):
+        header: Dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        pos = 0
+        self.offsets: Dict[str, Tuple[int, int]] = {}
+        for key, info in entries:
+            name = _ST_NAMES.get(info.dtype)
+            if name is None:
+                raise CheckpointingException(f"tensor {key!r}: dtype {info.dtype} cannot be stored in safetensors")
+            header[key] = {"dtype": name, "shape": list(info.shape), "data_offsets": [pos, pos + info.nbytes]}
+            self.offsets[key] = (pos, pos + info.nbytes)
+            pos += info.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = path
+        self.tmp = path + ".partial"
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.data_start = 8 + len(raw)
+        self.size = pos
+
+    def write(self, block: torch.Tensor) -> None:
+        """Append the next block (in header order, C-contiguous bytes)."""
+        block = block.contiguous()
+        if block.numel():
+            self.f.write(tensor_buffer(block))
+
+    def close(self) -> None:
+        written = self.f.tell() - self.data_start
+        self.f.close()
+        if written != self.size:
+            raise CheckpointingException(f"internal error: wrote {written} of {self.size} bytes to {self.path}")
+        os.replace(self.tmp, self.path)
+
+
+class TorchSaveWriter:
+    """Writes a ``torch.load``-able zip archive tensor by tensor, without holding the tensors.
+
+    Produces the same records as ``torch.save`` (``data.pkl``, ``data/<i>``, ``version``,
+    ``byteorder``), tensor data 64-byte aligned so ``torch.load(mmap=True)`` works too.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tmp = path + ".partial"
+        self.zf = zipfile.ZipFile(self.tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+        self.prefix = "archive/"
+        self.refs: Dict[str, Any] = {}
+        self.values: Dict[Any, Any] = {}  # non-tensor top-level entries (add_value)
+        self._records = 0  # data/<i> records written; also names the next one
+        self._open_member: Any = None
+
+    def _member(self, name: str, size: int) -> Any:
+        zi = zipfile.ZipInfo(self.prefix + name, date_time=(1980, 1, 1, 0, 0, 0))
+        zi.compress_type = zipfile.ZIP_STORED
+        zi.file_size = size
+        zip64 = size * 1.05 > zipfile.ZIP64_LIMIT
+        start = self.zf.fp.tell()
+        base = start + 30 + len(zi.filename.encode()) + 4 + (20 if zip64 else 0)
+        pad = -base % 64
+        zi.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        return self.zf.open(zi, "w", force_zip64=zip64)
+
+    def begin_tensor(self, key: str, info: TensorInfo) -> None:
+        index = str(self._records)
+        self._records += 1
+        self.refs[key] = _TensorRef(_StorageRef(index, info.dtype, math.prod(info.shape)), info.shape)
+        self._open_member = self._member(f"data/{index}", info.nbytes)
+
+    def write(self, block: torch.Tensor) -> None:
+        block = block.contiguous()
+        if block.numel():
+            self._open_member.write(tensor_buffer(block))
+
+    def end_tensor(self) -> None:
+        self._open_member.close()
+        self._open_member = None
+
+    def add_value(self, key: Any, value: Any) -> None:
+        """Store ``value`` (plain data, may hold tensors) at top-level ``key`` of the saved dict.
+
+        Its tensors become data records like the others: pickled in place they would need
+        ``torch.load(weights_only=False)``.
+        """
+        found: Dict[str, torch.Tensor] = {}
+        structure = _flatten_tensors(value, "", found)
+        refs = {}
+        for name, t in found.items():
+            slot = f"\0value\0{self._records}"  # never a tensor key; removed from refs below
+            self.begin_tensor(slot, TensorInfo(t.dtype, tuple(t.shape)))
+            self.write(t.detach().cpu())
+            self.end_tensor()
+            refs[name] = self.refs.pop(slot)
+        self.values[key] = _restore_structure(structure, refs)
+
+    def close(self, nested: bool = False) -> None:
+        obj: Dict[str, Any] = {}
+        for key, ref in self.refs.items():
+            if nested:
+                node = obj
+                parts = key.split(".")
+                for p in parts[:-1]:
+                    node = node.setdefault(p, {})
+                node[parts[-1]] = ref
+            else:
+                obj[key] = ref
+        obj.update(self.values)  # keys checked against the tensors' by the caller
+        buf = io.BytesIO()
+        _RefPickler(buf, protocol=2).dump(obj)
+        for name, data in (("data.pkl", buf.getvalue()), ("byteorder", b"little"), ("version", b"3\n"),
+                           (".format_version", b"1"), (".storage_alignment", b"64")):
+            with self._member(name, len(data)) as m:
+                m.write(data)
+        self.zf.close()
+        os.replace(self.tmp, self.path)
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _TensorRef:
+    def __init__(self, storage: _StorageRef, shape: Tuple[int, ...]):
+        self.storage, self.shape = storage, tuple(shape)
+
+    def __reduce__(self) -> Any:
+        stride, acc = [], 1
+        for s in reversed(self.shape):
+            stride.append(acc)
+            acc *= s
+        args = (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict())
+        if self.storage.dtype in _legacy_storage_types():
+            return torch._utils._rebuild_tensor_v2, args
+        return torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,)
+
+
+def _legacy_storage_types() -> Dict[torch.dtype, Any]:
+    return {d: getattr(torch, n) for d, n in torch.storage._dtype_to_storage_type_map().items() if hasattr(torch, n)}
+
+
+class _RefPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            legacy = _legacy_storage_types().get(obj.dtype)
+            if legacy is not None:
+                return ("storage", legacy, obj.key, "cpu", obj.numel)
+            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * _esize(obj.dtype))
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Size):
+            return torch.Size, (tuple(obj),)
+        return NotImplemented
