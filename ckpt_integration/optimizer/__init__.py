@@ -1,0 +1,64 @@
+"""Optimizer state checkpointing: optimizer state sharded exactly like the model.
+
+The optimizer's per-parameter state tensors (``exp_avg``, ``exp_avg_sq``,
+``momentum_buffer``, fp32 master weights, ...) are described with the *same*
+sharding as the parameter they belong to: each becomes a copy of the
+parameter's :class:`~ckpt_integration.ShardedTensor` (or
+:class:`~ckpt_integration.ShardedTensorFactory`) with the key
+``f"{prefix}.state.{state_name}.{param_key}"``, e.g.
+``optimizer.state.exp_avg.decoder.fc1.weight``. Optimizer state therefore
+reshards exactly like the weights (TP/PP/DP changes, fused tensors).
+
+Per parameter, one small :class:`~ckpt_integration.ShardedObject`
+``f"{prefix}.param_state.{param_key}"`` stores the scalar states (``step``) and
+the names/dtypes of the tensor states, so a job whose optimizer has no state yet
+can load without running a training step. ``param_groups`` hyper-parameters are
+common state; their ``params`` lists stay local (``LocalNonpersistentObject``).
+
+Public names: :func:`get_param_id_to_sharded_param_map`,
+:func:`make_sharded_optimizer_tensor`, :func:`optim_state_to_sharding_state`,
+:func:`sharding_state_to_optim_state`, :func:`optimizer_sharded_state_dict`,
+:func:`init_optimizer_state`, :func:`load_optimizer_state`,
+:func:`has_optimizer_state`, :func:`flat_range_to_boxes`,
+:class:`MixedPrecisionOptimizer`, :class:`ZeroShardedOptimizer` and the errors
+:class:`OptimizerStateNotFoundError`, :class:`OptimizerStateMismatchError`,
+:class:`UnmatchedParameterError`. See ``docs/optimizer.md``.
+"""
+
+from .load import has_optimizer_state, load_optimizer_state
+from .mixed_precision import MixedPrecisionOptimizer
+from .sharding import (
+    DEFAULT_PREFIX,
+    EXTRA_STATE_NAMES,
+    PARAM_META_KEY,
+    OptimizerStateMismatchError,
+    OptimizerStateNotFoundError,
+    UnmatchedParameterError,
+    get_optim_param_to_id_map,
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+    sharding_state_to_optim_state,
+)
+from .state import init_optimizer_state, optimizer_sharded_state_dict
+from .zero import ZeroShardedOptimizer, flat_range_to_boxes
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "PARAM_META_KEY",
+    "OptimizerStateNotFoundError",
+    "OptimizerStateMismatchError",
+    "UnmatchedParameterError",
+    "get_optim_param_to_id_map",
+    "get_param_id_to_sharded_param_map",
+    "make_sharded_optimizer_tensor",
+    "optim_state_to_sharding_state",
+    "sharding_state_to_optim_state",
+    "optimizer_sharded_state_dict",
+    "init_optimizer_state",
+    "has_optimizer_state",
+    "load_optimizer_state",
+    "flat_range_to_boxes",
+    "MixedPrecisionOptimizer",
+    "ZeroShardedOptimizer",
+]

@@ -1,0 +1,298 @@
+"""Megatron-compatible optimizer helpers: which model ShardedTensor each optimizer param belongs
+to, and ``optimizer.state_dict()`` <-> optimizer sharded state dict.
+
+Each per-param tensor state becomes a copy of the parameter's ShardedTensor (or factory) keyed
+``f"{prefix}.state.{state_name}.{param_key}"``; the scalars and tensor-state names of a param go
+into one ShardedObject ``f"{prefix}.param_state.{param_key}"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..dict_utils import nested_values
+from ..errors import CheckpointingException, MismatchError
+from ..mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "optimizer"
+#: key of the per-parameter metadata object inside ``state[param_id]``
+PARAM_META_KEY = "_ckpt_param_state"
+#: state names that are not torch-optimizer state (returned to the caller, never put into torch state)
+EXTRA_STATE_NAMES = ("fp32_param",)
+
+ShardedParam = Union[ShardedTensor, ShardedTensorFactory]
+
+
+class OptimizerStateNotFoundError(CheckpointingException):
+    """The checkpoint holds no optimizer state (it was saved without it)."""
+
+
+class OptimizerStateMismatchError(MismatchError):
+    """The optimizer state in the checkpoint does not fit the current parameters (names/shapes)."""
+
+
+class UnmatchedParameterError(CheckpointingException):
+    """An optimizer parameter has no counterpart in the model's sharded state dict."""
+
+
+# ---------------------------------------------------------------------------------------------
+# identity mapping
+# ---------------------------------------------------------------------------------------------
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: Any) -> Any:
+    """This rank's shard of a DTensor (``torch.distributed.tensor``: FSDP2 / TP params and their
+    optimizer states); any other value unchanged."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _empty_local_shard(p: Any) -> bool:
+    """A param with no elements on this rank (a zero-size param, or a DTensor whose shard here is
+    empty after an uneven FSDP2 / TP split): nothing to save or load here."""
+    return isinstance(p, torch.Tensor) and _local(p).numel() == 0
+
+
+def _identity(t: torch.Tensor) -> Optional[Tuple[int, int, torch.dtype]]:
+    """Identity of a tensor's memory: same for a parameter, its ``.detach()``/``.data`` and reshapes.
+
+    A DTensor is identified by its local shard (what its ShardedTensor holds).
+    """
+    t = _local(t)
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    return (t.data_ptr(), t.numel(), t.dtype)
+
+
+def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> Dict[Any, int]:
+    """``{identity(param): param_id}`` with ids numbered like ``optimizer.state_dict()`` (0, 1, ...)."""
+    out: Dict[Any, int] = {}
+    for i, p in enumerate(optim_params_iter):
+        ident = _identity(p)
+        if ident is not None:
+            out.setdefault(ident, i)
+    return out
+
+
+def _param_label(i: int, p: torch.Tensor, names: Optional[Dict[int, str]]) -> str:
+    name = names.get(i) if names else None
+    desc = f"shape {tuple(p.shape)}, {p.dtype}"
+    return f"{name!r} (optimizer param id {i}, {desc})" if name else f"optimizer param id {i} ({desc})"
+
+
+def _names_from_module(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Dict[int, str]:
+    if module is None:
+        return {}
+    by_ident = {_identity(p): n for n, p in module.named_parameters()}
+    return {i: by_ident[_identity(p)] for i, p in enumerate(params) if _identity(p) in by_ident}
+
+
+def get_param_id_to_sharded_param_map(
+    model_sharded_state_dict: ShardedStateDict,
+    optim_params_iter: Iterable[torch.Tensor],
+    *,
+    strict: bool = True,
+    module: Optional[torch.nn.Module] = None,
+) -> Dict[int, ShardedParam]:
+    """Map each optimizer param id to the model ShardedTensor/ShardedTensorFactory holding it.
+
+    Matching is by tensor identity (same memory: the parameter itself, ``p.detach()``,
+    ``p.data`` or a reshaped view; for a DTensor parameter its local shard, as
+    :func:`~ckpt_integration.modules.default_sharded_state_dict` puts it), never by name
+    or shape. DTensor params whose shard on this rank is empty are left out. Param ids follow
+    ``optimizer.state_dict()`` numbering (all groups' params in order).
+    With ``strict`` (default) a parameter without a sharded counterpart raises
+    :class:`UnmatchedParameterError` naming it (names come from ``module`` if given);
+    ``strict=False`` only logs, like Megatron-Core.
+    """
+    params = list(optim_params_iter)
+    param_to_id = get_optim_param_to_id_map(params)
+    out: Dict[int, ShardedParam] = {}
+    for v in nested_values(model_sharded_state_dict):
+        if not isinstance(v, (ShardedTensor, ShardedTensorFactory)) or not isinstance(v.data, torch.Tensor):
+            continue
+        pid = param_to_id.get(_identity(v.data))
+        if pid is not None and pid not in out:
+            out[pid] = v
+    # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
+    unmatched = [i for i in range(len(params)) if i not in out and not _empty_local_shard(params[i])]
+    if unmatched:
+        names = _names_from_module(module, params)
+        labels = ", ".join(_param_label(i, params[i], names) for i in unmatched)
+        msg = (
+            f"{len(unmatched)} optimizer parameter(s) have no ShardedTensor/ShardedTensorFactory in the "
+            f"model sharded state dict (matched by tensor identity): {labels}. Put the parameter (or "
+            "p.detach()) as the data of its ShardedTensor"
+        )
+        if strict:
+            raise UnmatchedParameterError(msg)
+        logger.warning(msg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# building the optimizer sharded state dict
+# ---------------------------------------------------------------------------------------------
+def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.Tensor, prefix: str) -> ShardedParam:
+    """A copy of the parameter's ShardedTensor (or factory) for ``optim_param``, keyed ``f"{prefix}.{key}"``.
+
+    Same global shape, offsets, replica_id and prepend_axis_num as the parameter;
+    the dtype is ``optim_param``'s (e.g. fp32 state of a bf16 parameter).
+    """
+    key = f"{prefix}.{model_param.key}"
+    if isinstance(model_param, ShardedTensorFactory):
+        return replace(model_param, key=key, data=optim_param)
+    if optim_param.numel() != model_param.local_numel():
+        raise OptimizerStateMismatchError(
+            f"optimizer tensor {key!r} has shape {tuple(optim_param.shape)} but the parameter "
+            f"{model_param.key!r} has local shape {model_param.local_shape}"
+        )
+    data = optim_param if tuple(optim_param.shape) == model_param.local_shape else optim_param.view(model_param.local_shape)
+    return replace(model_param, key=key, data=data, dtype=data.dtype)
+
+
+def _first_built_tensor(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> ShardedTensor:
+    if isinstance(sp, ShardedTensor):
+        return sp
+    built = sp.build_fn(sp.key, sp.data if data is None else data, sp.replica_id, None)
+    tensors = [v for v in nested_values(built) if isinstance(v, ShardedTensor)]
+    if not tensors:
+        raise CheckpointingException(f"ShardedTensorFactory {sp.key!r} builds no ShardedTensor")
+    return min(tensors, key=lambda t: t.key)
+
+
+def _meta_grid(st: ShardedTensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    p = st.prepend_axis_num
+    if p:
+        return st.global_shape[:p], st.global_offset[:p]
+    return (1,), (0,)
+
+
+def _is_origin(st: ShardedTensor) -> bool:
+    return all(o == 0 for o in st.global_offset[st.prepend_axis_num:])
+
+
+def _meta_object(prefix: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+    """Per-param object ``{prefix}.param_state.{key}``; saved by the main replica at the origin shard."""
+    st = _first_built_tensor(sp)
+    shape, offset = _meta_grid(st)
+    if main is None:
+        main = is_main_replica(st.replica_id) and _is_origin(st)
+    return ShardedObject(f"{prefix}.param_state.{sp.key}", data, shape, offset, 0 if main else 1)
+
+
+def _is_split(sp: ShardedParam) -> bool:
+    """Whether the param's tensor is split across ranks (its local shard is not the whole tensor)."""
+    st = _first_built_tensor(sp)
+    return tuple(st.local_shape) != tuple(st.global_shape[st.prepend_axis_num:])
+
+
+def _is_param_tensor_state(v: Any, param_numel: int) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param_numel
+
+
+def optim_state_to_sharding_state(
+    optim_state_dict: Dict[str, Any],
+    id_to_sharded_param_map: Dict[int, ShardedParam],
+    exclude_keys: Sequence[str] = (),
+    *,
+    prefix: str = DEFAULT_PREFIX,
+) -> None:
+    """Turn ``optimizer.state_dict()`` into a sharded state dict, in place (Megatron-compatible).
+
+    Every per-param tensor state with the parameter's number of elements becomes
+    :func:`make_sharded_optimizer_tensor` with prefix ``f"{prefix}.state.{name}"``; scalar
+    states (``step``, 0-dim tensors, numbers) and the list of tensor-state names go into
+    one ShardedObject per param (``state[id][PARAM_META_KEY]``);
+    ``param_groups[*]['params']`` become LocalNonpersistentObjects. States named in
+    ``exclude_keys`` are dropped. A state for a param id missing from the map raises.
+    """
+    sharded_state: Dict[int, Dict[str, Any]] = {}
+    for param_id, param_state in optim_state_dict["state"].items():
+        sp = id_to_sharded_param_map.get(param_id)
+        if sp is None:
+            raise UnmatchedParameterError(f"optimizer param id {param_id} does not match any model sharded param")
+        numel = sp.data.numel() if isinstance(sp, ShardedTensorFactory) else sp.local_numel()
+        entry: Dict[str, Any] = {}
+        tensors: Dict[str, str] = {}
+        scalars: Dict[str, Any] = {}
+        for name, value in param_state.items():
+            if name in exclude_keys:
+                continue
+            value = _local(value)  # DTensor states (FSDP2 / TP params) are saved as this rank's shard
+            if _is_param_tensor_state(value, numel):
+                entry[name] = make_sharded_optimizer_tensor(sp, value, f"{prefix}.state.{name}")
+                tensors[name] = str(value.dtype).replace("torch.", "")
+            elif isinstance(value, torch.Tensor) and value.dim() > 0 and _is_split(sp):
+                # e.g. Adafactor's row_var/col_var: shaped unlike the param, so it cannot follow the
+                # param's sharding; saved as one object it would silently hand every rank rank 0's copy
+                raise CheckpointingException(
+                    f"optimizer state {name!r} of param {sp.key!r} (id {param_id}) has shape {tuple(value.shape)}, "
+                    f"unlike the parameter's local shard ({numel} elements), and the parameter is sharded "
+                    f"across ranks: it cannot be resharded with the parameter. Pass exclude_keys=({name!r},) "
+                    "to leave it out of the checkpoint (re-create it after loading), or keep such optimizers on replicated params"
+                )
+            else:
+                scalars[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        entry[PARAM_META_KEY] = _meta_object(prefix, sp, {"tensors": tensors, "scalars": scalars})
+        sharded_state[param_id] = entry
+    optim_state_dict["state"] = sharded_state
+    for group in optim_state_dict["param_groups"]:
+        group["params"] = LocalNonpersistentObject(group["params"])
+
+
+def sharding_state_to_optim_state(loaded: Dict[str, Any], *, extract: Sequence[str] = EXTRA_STATE_NAMES) -> Dict[str, Any]:
+    """Inverse of :func:`optim_state_to_sharding_state` for the dict returned by ``load``.
+
+    Returns a dict for ``optimizer.load_state_dict`` (scalars merged back into each
+    param's state). States named in ``extract`` (default ``fp32_param``) are removed
+    and returned under the extra key ``"extracted"`` (``{param_id: {name: tensor}}``);
+    pop it before calling ``load_state_dict``.
+    """
+    state: Dict[int, Dict[str, Any]] = {}
+    extracted: Dict[int, Dict[str, Any]] = {}
+    not_loaded: List[str] = []
+    for pid, pstate in loaded.get("state", {}).items():
+        pstate = dict(pstate)
+        meta = pstate.pop(PARAM_META_KEY, None) or {}
+        lacking = [n for n in meta.get("tensors", {}) if n not in pstate]
+        if lacking:
+            not_loaded.append(f"param id {pid}: {', '.join(lacking)}")
+        for name in list(pstate):
+            if name in extract:
+                extracted.setdefault(pid, {})[name] = pstate.pop(name)
+        pstate.update(meta.get("scalars", {}))
+        state[pid] = pstate
+    if not_loaded:
+        # the request had no tensors for these states: the optimizer had no state yet when its
+        # sharded state dict was built; loading only the scalars would fail at the next step
+        raise OptimizerStateMismatchError(
+            "the checkpoint holds optimizer tensor states that were not requested (the optimizer had no state "
+            "when optimizer_sharded_state_dict was called): build the request with init_state=True, or use "
+            "load_optimizer_state(), which needs no existing state:\n  " + "\n  ".join(not_loaded[:20])
+        )
+    groups = loaded.get("param_groups", [])
+    if isinstance(groups, dict):
+        groups = [groups[k] for k in sorted(groups)]
+    out = {"state": state, "param_groups": [dict(g) for g in groups]}
+    if extracted:
+        out["extracted"] = extracted
+    return out

@@ -1,0 +1,110 @@
+"""Building the sharded state dict of a ``torch.optim.Optimizer`` (and placeholder state for it)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointingException
+from ..mapping import ShardedStateDict
+from .sharding import (
+    DEFAULT_PREFIX,
+    _empty_local_shard,
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
+    """Per-param tensor states a known torch optimizer keeps (``None``: unknown optimizer)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    if isinstance(optimizer, torch.optim.SGD):
+        return ("momentum_buffer",) if group.get("momentum", 0) != 0 else ()
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
+                + (("grad_avg",) if group.get("centered") else ()))
+    return None
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Explicitly create (zero) state for every param without state, without a training step.
+
+    Supported: Adam, AdamW (incl. ``amsgrad``), SGD with momentum, RMSprop, Adagrad
+    (state exists at construction). The values are placeholders to be overwritten by
+    a load; the parameters are not touched. Other optimizers raise; use
+    :func:`load_optimizer_state`, which needs no existing state.
+    """
+    scalar = torch.tensor(0.0, dtype=torch.float32)
+    has_step = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
+    for group in optimizer.param_groups:
+        names = _expected_tensor_states(optimizer, group)
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if st:
+                continue
+            if names is None:
+                raise CheckpointingException(
+                    f"init_optimizer_state does not know {type(optimizer).__name__}; use "
+                    "load_optimizer_state (it creates the state from the checkpoint)"
+                )
+            if has_step:
+                st["step"] = scalar.clone()
+            for name in names:
+                st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_sharded_state_dict(
+    optimizer: torch.optim.Optimizer,
+    model_sharded_state_dict: ShardedStateDict,
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    exclude_keys: Sequence[str] = (),
+    model_params: Optional[Sequence[torch.Tensor]] = None,
+    extra_states: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
+    init_state: bool = False,
+    module: Optional[torch.nn.Module] = None,
+) -> ShardedStateDict:
+    """The sharded state dict of any ``torch.optim.Optimizer``, sharded like the model.
+
+    Args:
+        optimizer: the optimizer (its params must appear in the model sharded state dict).
+        model_sharded_state_dict: the model's sharded state dict (same call's output
+            that is saved/loaded next to it).
+        prefix: key prefix of every optimizer tensor/object in the checkpoint.
+        exclude_keys: state names not to save.
+        model_params: tensors to identify each optimizer param with (aligned with the
+            optimizer's params), e.g. bf16 model params for fp32 master params.
+        extra_states: additional per-param tensors ``{param_id: {name: tensor}}`` saved
+            with the same sharding (e.g. ``fp32_param`` master weights).
+        init_state: create placeholder state first (:func:`init_optimizer_state`) so the
+            result can be used as a load request before any step.
+        module: used only to name parameters in errors.
+
+    Example::
+
+        sd = {"model": model_sd, "optimizer": optimizer_sharded_state_dict(opt, model_sd)}
+        ckpt.save(sd, path)
+    """
+    if init_state:
+        init_optimizer_state(optimizer)
+    params = _optimizer_params(optimizer)
+    identity = list(model_params) if model_params is not None else params
+    if len(identity) != len(params):
+        raise CheckpointingException(f"model_params has {len(identity)} tensors, the optimizer has {len(params)} params")
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
+    sd = optimizer.state_dict()
+    sd["state"] = {pid: dict(s) for pid, s in sd["state"].items()}
+    for pid, extra in (extra_states or {}).items():
+        sd["state"].setdefault(pid, {}).update(extra)
+    for pid in range(len(params)):  # params without state still get their (empty) meta object
+        sd["state"].setdefault(pid, {})
+        if pid not in id_map and _empty_local_shard(identity[pid]):
+            del sd["state"][pid]  # empty DTensor shard on this rank: the other ranks save this param
+    optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
+    return sd

@@ -1,0 +1,279 @@
+"""ZeRO-1: optimizer state as one flat slice per data-parallel rank, saved in model space."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from ..errors import CheckpointingException
+from ..mapping import LocalNonpersistentObject, ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, is_main_replica
+from .load import _LabelDict, _labels, _missing, _two_phase_load, has_optimizer_state
+from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, PARAM_META_KEY, _is_origin, _meta_object, get_param_id_to_sharded_param_map
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1
+# ---------------------------------------------------------------------------------------------
+def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Split the row-major flat range ``[start, end)`` of a tensor of ``shape`` into rectangles.
+
+    Returns ``[(offset, size), ...]`` in flat order; concatenating the boxes' elements in
+    row-major order gives the flat range. Per axis at most a partial first part, a block
+    of whole sub-tensors and a partial last part (3 boxes for 2-D, recursively for N-D).
+
+    Example: ``flat_range_to_boxes((4, 5), 3, 17)`` ->
+    ``[((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]``
+    """
+    shape = tuple(int(s) for s in shape)
+    if start >= end:
+        return []
+    if len(shape) == 0:
+        return [((), ())]
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    row = math.prod(shape[1:])
+    first, first_off = divmod(start, row)
+    last, last_off = divmod(end, row)
+    sub = lambda r, a, b: [((r,) + o, (1,) + s) for o, s in flat_range_to_boxes(shape[1:], a, b)]  # noqa: E731
+    if first == last:
+        return sub(first, first_off, last_off)
+    out = []
+    if first_off:
+        out += sub(first, first_off, row)
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
+    if last_off:
+        out += sub(last, 0, last_off)
+    return out
+
+
+def _zero_replica_id(replica_id: ReplicaId) -> ReplicaId:
+    """Default for tuples: the data-parallel replica is the last replica_id component (Megatron
+    convention). Integers are handled by :meth:`ZeroShardedOptimizer._replica_id`."""
+    if isinstance(replica_id, int):
+        return 0
+    return tuple(replica_id[:-1]) + (0,)
+
+
+class ZeroShardedOptimizer:
+    """ZeRO-1: each data-parallel rank keeps fp32 masters and optimizer state for one flat slice.
+
+    All params (any dtype) are flattened into one virtual fp32 vector of ``N`` elements; DP
+    rank ``r`` owns ``[r*S, min(N, (r+1)*S))`` with ``S = ceil(N / dp_size)``. ``step()``
+    expects grads already averaged over the DP group (as after DDP or a manual all-reduce),
+    updates the own slice with the inner optimizer and all-gathers the new params.
+
+    The checkpoint is in *model space*: each owned piece of a param becomes one to a few
+    rectangular ShardedTensors (:func:`flat_range_to_boxes`) at the param's global
+    coordinates, under the same keys as a non-ZeRO optimizer
+    (``optimizer.state.exp_avg.<key>``, plus ``optimizer.state.fp32_param.<key>``), so it
+    resumes under any DP/TP size and with or without ZeRO.
+
+    Args:
+        params: the model parameters (all of them, identical on the DP ranks).
+        optimizer_cls: inner torch optimizer for the flat slice (elementwise ones: Adam,
+            AdamW, SGD, ...).
+        dp_group: the data-parallel process group (default: world; none without dist).
+        replica_id_fn: maps a model ShardedTensor's replica_id to the id of the optimizer
+            pieces; default: set the last component (the DP replica) to 0; an integer must
+            be 0 or the DP rank (anything else is refused, see :meth:`_replica_id`).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        optimizer_cls: type = torch.optim.AdamW,
+        *,
+        dp_group: Any = None,
+        replica_id_fn: Optional[Callable[[ReplicaId], ReplicaId]] = None,
+        **optimizer_kwargs: Any,
+    ):
+        self.params = list(params)
+        self.dp_group = dp_group
+        self.replica_id_fn = replica_id_fn or self._replica_id
+        initialized = tdist.is_available() and tdist.is_initialized()
+        self.dp_size = tdist.get_world_size(dp_group) if initialized else 1
+        self.dp_rank = tdist.get_rank(dp_group) if initialized else 0
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+        total = self.offsets[-1]
+        self.shard_size = max(1, math.ceil(total / self.dp_size))
+        self.start = min(total, self.dp_rank * self.shard_size)
+        self.end = min(total, self.start + self.shard_size)
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params]) if self.params else torch.zeros(0)
+        self.main_param = torch.nn.Parameter(flat[self.start:self.end].clone())
+        self.optimizer = optimizer_cls([self.main_param], **optimizer_kwargs)
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        """Drop the model grads."""
+        for p in self.params:
+            p.grad = None
+        self.main_param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the own slice, then all-gather the full params over the DP group."""
+        grads = torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params
+        ])
+        self.main_param.grad = grads[self.start:self.end].clone()
+        self.optimizer.step()
+        self._gather_params()
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        local = torch.zeros(self.shard_size)
+        local[: self.end - self.start] = self.main_param.detach()
+        if self.dp_size > 1:
+            parts = [torch.empty(self.shard_size) for _ in range(self.dp_size)]
+            tdist.all_gather(parts, local, group=self.dp_group)
+            flat = torch.cat(parts)
+        else:
+            flat = local
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            p.copy_(flat[off:off + n].view_as(p))
+
+    # -- checkpointing --------------------------------------------------------------------
+    def _replica_id(self, replica_id: ReplicaId) -> ReplicaId:
+        """The default ``replica_id_fn``: drop the data-parallel part of a model replica_id.
+
+        A tuple's last component is the DP replica (Megatron convention). An integer is
+        taken as the DP replica only if it is 0 or this rank's DP rank; any other integer
+        (e.g. a tensor-parallel replica index) cannot be split and is refused, since
+        mapping it to 0 would make several ranks the main replica of the same slice.
+        """
+        if not isinstance(replica_id, int):
+            return _zero_replica_id(replica_id)
+        if replica_id in (0, self.dp_rank):
+            return 0
+        raise CheckpointingException(
+            f"ZeroShardedOptimizer: a model ShardedTensor has replica_id {replica_id} on data-parallel rank "
+            f"{self.dp_rank}: an integer replica_id other than 0 or the DP rank mixes in other replication "
+            "(e.g. tensor parallelism), so the DP part cannot be dropped. Use tuple replica_ids with the DP "
+            "replica last, e.g. (tp_rank, dp_rank), or pass replica_id_fn"
+        )
+
+    def _pieces(self, sp: ShardedTensor, pid: int, prefix: str, name: str, flat: torch.Tensor) -> List[ShardedTensor]:
+        ps, pe = self.offsets[pid], self.offsets[pid + 1]
+        a, b = max(ps, self.start), min(pe, self.end)
+        out: List[ShardedTensor] = []
+        pos = a - self.start
+        p = sp.prepend_axis_num
+        rid = self.replica_id_fn(sp.replica_id)
+        for off, size in flat_range_to_boxes(sp.local_shape, a - ps, b - ps):
+            n = math.prod(size)
+            data = flat[pos:pos + n].view(size)
+            pos += n
+            goff = tuple(sp.global_offset[:p]) + tuple(g + o for g, o in zip(sp.global_offset[p:], off))
+            out.append(ShardedTensor.from_global_offsets(
+                f"{prefix}.state.{name}.{sp.key}", data, sp.global_shape, goff, replica_id=rid, prepend_axis_num=p,
+            ))
+        return out
+
+    def _id_map(self, model_sharded_state_dict: ShardedStateDict) -> Dict[int, ShardedTensor]:
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
+        for pid, sp in id_map.items():
+            if isinstance(sp, ShardedTensorFactory):
+                raise CheckpointingException(
+                    f"ZeroShardedOptimizer: parameter {sp.key!r} is a ShardedTensorFactory; ZeRO checkpoints "
+                    "support plain ShardedTensor params only"
+                )
+        return id_map  # type: ignore[return-value]
+
+    def _meta(self, prefix: str, sp: ShardedTensor, pid: int, data: Any) -> ShardedObject:
+        owner = self.start <= self.offsets[pid] < self.end or (self.numels[pid] == 0 and self.dp_rank == 0)
+        main = owner and is_main_replica(self.replica_id_fn(sp.replica_id)) and _is_origin(sp)
+        return _meta_object(prefix, sp, data, main=main)
+
+    def sharded_state_dict(self, model_sharded_state_dict: ShardedStateDict, *, prefix: str = DEFAULT_PREFIX) -> ShardedStateDict:
+        """Optimizer state and fp32 masters in model space (see the class docstring)."""
+        id_map = self._id_map(model_sharded_state_dict)
+        inner = self.optimizer.state.get(self.main_param, {})
+        n_local = self.end - self.start
+        tensors: Dict[str, torch.Tensor] = {"fp32_param": self.main_param.detach()}
+        scalars: Dict[str, Any] = {}
+        for name, v in inner.items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n_local:
+                tensors[name] = v
+            else:
+                scalars[name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in tensors.items()}
+        state: Dict[int, Dict[str, Any]] = {}
+        for pid, sp in id_map.items():
+            entry: Dict[str, Any] = {}
+            for name, flat in tensors.items():
+                pieces = self._pieces(sp, pid, prefix, name, flat)
+                if pieces:
+                    entry[name] = pieces
+            entry[PARAM_META_KEY] = self._meta(prefix, sp, pid, {"tensors": dtypes, "scalars": scalars})
+            state[pid] = entry
+        groups = []
+        for g in self.optimizer.state_dict()["param_groups"]:
+            g = dict(g)
+            g["params"] = LocalNonpersistentObject(g["params"])
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_checkpoint(
+        self,
+        model_sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: Any,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        state_dict_key: Optional[str] = None,
+        missing_ok: bool = False,
+        **load_kwargs: Any,
+    ) -> bool:
+        """Load this rank's slice of masters and state from a checkpoint of any layout.
+
+        Works with a checkpoint of a non-ZeRO optimizer too (masters then come from the
+        current params if the checkpoint has no ``fp32_param``). Returns False if the
+        checkpoint has no optimizer state and ``missing_ok`` is set. Collective.
+        """
+        state_dict_key = state_dict_key or prefix
+        if not has_optimizer_state(checkpoint_dir, prefix):
+            _missing(checkpoint_dir, prefix, missing_ok)
+            return False
+        id_map = self._id_map(model_sharded_state_dict)
+        metas = {pid: self._meta(prefix, sp, pid, None) for pid, sp in id_map.items()}
+        n_local = self.end - self.start
+        buffers: Dict[str, torch.Tensor] = {}
+
+        def make_requests(pid: int, name: str, dtype: torch.dtype) -> Any:
+            if name not in buffers:
+                buffers[name] = torch.zeros(n_local, dtype=dtype)
+            pieces = self._pieces(id_map[pid], pid, prefix, name, buffers[name])
+            return pieces or None
+
+        groups_template = self.optimizer.state_dict()["param_groups"]
+        labels = _LabelDict(_labels(id_map, self.params, {}, prefix))
+        _, scalars, groups = _two_phase_load(
+            checkpoint_dir, prefix, metas, make_requests, groups_template, labels, state_dict_key, load_kwargs,
+        )
+        # scalars are identical for all params of a ZeRO optimizer; take the first one available
+        # (every rank reads every param's object, so all ranks agree)
+        all_scalars = next((s for s in scalars.values() if s), {})
+        master = buffers.pop("fp32_param", None)
+        if master is not None:
+            self.main_param.copy_(master)
+        else:
+            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+            self.main_param.copy_(flat[self.start:self.end])
+        inner_state = {name: buf for name, buf in buffers.items() if name not in EXTRA_STATE_NAMES}
+        inner_state.update(all_scalars)
+        self.optimizer.load_state_dict({"state": {0: inner_state} if inner_state else {}, "param_groups": groups})
+        return True
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.optimizer.state_dict()
