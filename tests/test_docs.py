@@ -217,3 +217,16 @@ def test_the_convention_is_checked(tmp_path, monkeypatch):
     namespace = {}
     exec(blocks[1].setup + blocks[1].code, namespace)
     assert namespace["x"] == 42
+
+
+def test_ci_runs_the_readme_test_command():
+    """README's second command and .ci/run stay the same command (install with the test extra, pytest)."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        first_block = _FENCE.search(f.read()).group(2).splitlines()
+    assert len(first_block) == 2, first_block
+    install, run = (part.strip() for part in first_block[1].split("&&"))
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    assert install == 'pip install -e ".[test]" -c constraints.txt' and run == "python -m pytest -q"
+    assert 'python -m pip install -q -e ".[test]" -c constraints.txt' in ci and run in ci
+    assert ci.index(run) > ci.index('python -m pip install -q -e ".[test]" -c constraints.txt')
