@@ -24,7 +24,7 @@ import ckpt_integration as ci
 from ckpt_integration import tools
 from ckpt_integration.cli import main
 
-from .dist_utils import run_distributed
+from .dist_utils import run_distributed, scaled_timeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,10 +104,11 @@ def run_cli(*args, capsys):
 
 
 def run_module(*args, env=None, preexec_fn=None, timeout=120):
+    """``python -m ckpt_integration.cli ARGS``; ``timeout``: seconds on an idle machine (scaled to the load)."""
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "ckpt_integration.cli", *map(str, args)], capture_output=True,
-                          text=True, env=e, preexec_fn=preexec_fn, timeout=timeout, cwd=REPO)
+                          text=True, env=e, preexec_fn=preexec_fn, timeout=scaled_timeout(timeout), cwd=REPO)
 
 
 def _assert_same(loaded, expected):
@@ -451,7 +452,7 @@ def test_convert_larger_than_memory_cap(tmp_path):
 
     # control: loading every tensor at once does not fit under the cap
     control = subprocess.run([sys.executable, "-c", f"import ckpt_integration as c; c.load_plain_tensors({path!r})"],
-                             capture_output=True, text=True, env=env, preexec_fn=limit, timeout=120)
+                             capture_output=True, text=True, env=env, preexec_fn=limit, timeout=scaled_timeout(120))
     assert control.returncode != 0, "the memory cap is not effective"
     out_dir = tmp_path / "st"
     r = run_module("convert", path, out_dir, "--to", "safetensors", "--max-shard-size", "100MB",
