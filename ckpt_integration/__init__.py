@@ -6,6 +6,7 @@ parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
 
 __version__ = "0.1.0"
 
+from .checkpoints import list_checkpoints  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointingException,
     CheckpointNotFoundError,
@@ -53,6 +54,7 @@ __all__ = [
     "load_plain_tensors",
     "load_content_metadata",
     "remove_sharded_tensors",
+    "list_checkpoints",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",

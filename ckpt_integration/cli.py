@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import __version__
 
@@ -29,12 +30,38 @@ def _progress_factory(quiet: bool):
     if quiet or not sys.stderr.isatty():
         return tools._no_progress
     try:
-        from tqdm import tqdm
+        import tqdm  # noqa: F401
     except ImportError:  # pragma: no cover - tqdm is a dependency of the CLI but optional for the library
         return tools._no_progress
+    return _bar_factory(sys.stderr)
+
+
+# tqdm's own scaling (unit_scale) prints decimal kB/MB, or "MB" for 2**20 with unit_divisor=1024;
+# byte bars use tools.format_size instead, the binary units (KiB, MiB, GiB) of every summary.
+_BYTES_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+
+def _bar_factory(file: Any):
+    """A progress-bar factory (``tools.ProgressFactory``) drawing tqdm bars on ``file``."""
+    from tqdm import tqdm
+
+    from .tools import format_size
+
+    class BinaryBytesBar(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else None)
+            # extra keys of format_dict override tqdm's own strings in the bar format
+            d.update(n_fmt=format_size(d["n"]), total_fmt=format_size(d["total"]) if d["total"] else "?",
+                     rate_fmt=f"{format_size(rate)}/s" if rate else "? B/s")
+            return d
 
     def factory(iterable: Any = None, **kwargs: Any) -> Any:
-        return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, leave=False, **kwargs)
+        if kwargs.get("unit") == "B":
+            kwargs.update(unit_scale=False, bar_format=_BYTES_BAR_FORMAT)
+            return BinaryBytesBar(iterable, file=file, dynamic_ncols=True, leave=False, **kwargs)
+        return tqdm(iterable, file=file, dynamic_ncols=True, leave=False, **kwargs)
 
     return factory
 
@@ -43,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``ckpt-integration`` (subcommands inspect, verify, convert, diff)."""
     p = argparse.ArgumentParser(
         prog="ckpt-integration",
-        description="Inspect, verify, convert and compare distributed checkpoints (no GPU needed).",
+        description="Inspect, verify, convert and compare distributed checkpoints (no GPU needed): checkpoint "
+                    "directories of either backend, torch_dist (also Megatron-Core's and PyTorch DCP's) or zarr, "
+                    "torch.save files and safetensors files or folders.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -57,17 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
 
     sp = sub.add_parser("inspect", help="tensor tree, shapes, dtypes, shard layout, objects, common state")
-    sp.add_argument("path", metavar="DIR", help="checkpoint directory (or a torch.save / safetensors file)")
+    sp.add_argument("path", metavar="DIR",
+                    help="checkpoint directory (torch_dist or zarr), or a torch.save / safetensors file")
     sp.add_argument("--shards", action="store_true", help="list every saved shard with its file and byte range")
+    sp.add_argument("--all", action="store_true", dest="show_all",
+                    help="list every common-state key and sharded object (large groups are folded by default)")
     common(sp)
 
     sp = sub.add_parser("verify", help="completeness and checksums; exit 1 when damaged")
-    sp.add_argument("path", metavar="DIR", help="checkpoint directory")
+    sp.add_argument("path", metavar="DIR", help="checkpoint directory (torch_dist or zarr)")
     common(sp)
 
-    sp = sub.add_parser("convert", help="streaming conversion to torch / safetensors / torch_dist")
+    sp = sub.add_parser("convert", help="streaming conversion to torch / safetensors / torch_dist / zarr")
     sp.add_argument("src", metavar="SRC", help="checkpoint directory, torch.save file, safetensors file or folder")
-    sp.add_argument("out", metavar="OUT", help="output file (torch) or directory (safetensors, torch_dist)")
+    sp.add_argument("out", metavar="OUT", help="output file (torch) or directory (safetensors, torch_dist, zarr)")
     sp.add_argument("--to", required=True, choices=["torch", "safetensors", "torch_dist", "zarr"], help="output format")
     sp.add_argument("--max-shard-size", default="5GB",
                     help="safetensors: largest file (e.g. 5GB, 500MB, 64MiB; default 5GB)")
@@ -78,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
 
     sp = sub.add_parser("diff", help="compare tensors of two checkpoints; exit 1 when different")
-    sp.add_argument("a", metavar="A")
-    sp.add_argument("b", metavar="B")
+    sp.add_argument("a", metavar="A", help="first: checkpoint directory, torch.save file, safetensors file or folder")
+    sp.add_argument("b", metavar="B", help="second, any kind A may be (e.g. a conversion of A)")
     sp.add_argument("--memory-budget", default="256MiB", help="largest block compared at once (default 256MiB)")
     common(sp)
     return p
@@ -132,6 +164,22 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _first_few(items: List[str], n: int = 3) -> str:
+    """``a, b, c and 7 more (--json lists all)``: one short line however many items there are."""
+    shown = ", ".join(items[:n])
+    return shown if len(items) <= n else f"{shown} and {len(items) - n} more (--json lists all)"
+
+
+def _by_reason(skipped: List[str]) -> Dict[str, List[str]]:
+    """Group ``"'key' (reason)"`` entries by reason: ``{" (reason)": ["'key'", ...]}``."""
+    groups: Dict[str, List[str]] = {}
+    for entry in skipped:
+        m = re.fullmatch(r"(.*?) (\(.*\))", entry, re.S)
+        what, reason = (m.group(1), f" {m.group(2)}") if m else (entry, "")
+        groups.setdefault(reason, []).append(what)
+    return groups
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``ckpt-integration`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     try:
@@ -160,7 +208,7 @@ def _run(argv: Optional[List[str]]) -> int:
             if args.json:
                 _print_json(info)
             else:
-                _out(tools.format_inspect(info, show_shards=args.shards))
+                _out(tools.format_inspect(info, show_shards=args.shards, show_all=args.show_all))
             return EXIT_OK
         if args.command == "verify":
             report = tools.verify_checkpoint(args.path, progress=progress, trusted=args.trusted)
@@ -178,13 +226,13 @@ def _run(argv: Optional[List[str]]) -> int:
             if args.json:
                 _print_json(result.__dict__)
             else:
-                _out(f"wrote {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} "
-                      f"to {result.output}: {', '.join(result.files)}")
+                _out(f"wrote {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} to "
+                     f"{result.output}: {result.file_count} file(s), {tools.format_size(result.file_bytes)}")
                 if result.skipped:
                     _out(f"skipped {len(result.skipped)} ShardedObject(s) ({args.to} holds tensors only): "
-                          + ", ".join(result.skipped))
-                if result.skipped_common:
-                    _out("skipped common state: " + ", ".join(result.skipped_common))
+                         + _first_few(result.skipped))
+                for reason, entries in _by_reason(result.skipped_common).items():
+                    _out(f"skipped common state{reason}: " + _first_few(entries))
             return EXIT_OK
         if args.command == "diff":
             report = tools.diff_checkpoints(args.a, args.b, memory_budget=args.memory_budget,

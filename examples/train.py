@@ -22,14 +22,14 @@ import sys
 import tempfile
 import time
 
+import fsspec
 import hydra
 import torch.multiprocessing as mp
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ckpt_integration as ci  # noqa: E402
 from ckpt_integration.hydra_config import register_configs, validate_config  # noqa: E402
-from ckpt_integration.storage.checkpoint_dir import CONFIG_FILE  # noqa: E402
-from ckpt_integration.storage.filesystem import join, storage_for  # noqa: E402
 
 register_configs()
 
@@ -42,10 +42,7 @@ def _free_port() -> int:
 
 def _complete_checkpoints(ckpt_dir: str) -> list:
     """Names of the committed checkpoints (with ``metadata.json``) in ``ckpt_dir`` (local path or URL)."""
-    storage, d = storage_for(ckpt_dir)
-    if not storage.isdir(d):
-        return []
-    return [n for n in storage.listdir(d) if storage.exists(join(d, n, CONFIG_FILE))]
+    return [p.rstrip("/").rsplit("/", 1)[-1] for p in ci.list_checkpoints(ckpt_dir)]
 
 
 def prepare_ckpt_dir(cfg: DictConfig) -> None:
@@ -54,8 +51,8 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
     Complete checkpoints are only deleted with ``overwrite=true``: a forgotten ``resume=true``
     must not throw a training run away. Leftovers of interrupted saves are always removed.
     """
-    storage, d = storage_for(cfg.ckpt_dir)
-    if not cfg.resume and storage.isdir(d):
+    fs, d = fsspec.core.url_to_fs(cfg.ckpt_dir)
+    if not cfg.resume and fs.isdir(d):
         found = _complete_checkpoints(cfg.ckpt_dir)
         if found and not cfg.overwrite:
             raise FileExistsError(
@@ -63,8 +60,8 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
                 "resume=false would delete them. Pass resume=true to continue from them, overwrite=true to "
                 "delete them and start over, or another ckpt_dir=..."
             )
-        storage.rmtree(d)
-    storage.makedirs(d)
+        fs.rm(d, recursive=True)
+    fs.makedirs(d, exist_ok=True)
 
 
 def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
@@ -100,8 +97,9 @@ def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
     trainer.fit(module, loader, ckpt_path="last" if cfg.resume else None)
     if rank == 0:
         with open(result_path, "w") as f:
-            storage, d = storage_for(cfg.ckpt_dir)
-            json.dump({"losses": module.step_losses, "checkpoints": storage.listdir(d)}, f)
+            fs, d = fsspec.core.url_to_fs(cfg.ckpt_dir)
+            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(d, detail=False))
+            json.dump({"losses": module.step_losses, "checkpoints": names}, f)
 
 
 def run(cfg: DictConfig) -> dict:

@@ -1,9 +1,14 @@
-"""Run a test function on N gloo ranks in spawned processes, with a hard timeout.
+"""Run a test function on N gloo ranks in spawned processes, with a hard deadline.
 
 ``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on
 every rank after ``init_process_group("gloo")``; an exception on any rank fails
-the test with that rank's traceback; a hang fails after ``timeout`` seconds and
-kills the processes, so a broken collective cannot hang CI.
+the test with that rank's traceback; a hang fails at the deadline and kills the
+processes, so a broken collective cannot hang CI.
+
+Deadlines are measured, not fixed: ``timeout`` is the work budget on an unloaded
+machine, stretched by the slowdown measured now (:func:`slowdown`; for ranks, the
+wall-clock / CPU time of their own start-up), so a busy machine (2 cores shared by
+several test runs) does not turn a slow run into a failure, and a hang is still caught.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import datetime
 import os
 import signal
 import socket
+import time
 import traceback
 
 import torch.distributed as dist
@@ -24,7 +30,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, errq):
+# The start of the ranks (spawn, imports, connecting) gets this long before it counts as a hang.
+STARTUP_LIMIT_S = 600.0
+
+
+def slowdown(probe_cpu_s: float = 0.05) -> float:
+    """How many times slower than on an idle machine work runs right now (>= 1).
+
+    A busy loop of ``probe_cpu_s`` CPU seconds: its wall-clock time over its CPU time is the
+    share of a core this process gets. Independent of the machine's speed.
+    """
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - cpu0 < probe_cpu_s:
+        pass
+    return max(1.0, (time.perf_counter() - wall0) / max(time.thread_time() - cpu0, 1e-9))
+
+
+def scaled_timeout(budget_s: float) -> float:
+    """A deadline for work that takes up to ``budget_s`` on an idle machine, scaled by :func:`slowdown`."""
+    return budget_s * slowdown()
+
+
+def _entry(rank, world_size, port, fn, args, errq, readyq=None, spawned_at=None):
     # Own process group per rank: a timeout kills the rank and anything it started.
     os.setpgrp()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -33,9 +60,13 @@ def _entry(rank, world_size, port, fn, args, errq):
     import torch
 
     torch.set_num_threads(1)
+    if readyq is not None:
+        # start-up so far (interpreter, imports of torch and the test module): wall-clock / CPU time
+        readyq.put((rank, (time.time() - spawned_at) / max(time.process_time(), 1e-3)))
     try:
+        # generous: only a hang; run_distributed's measured deadline stops slow runs
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=STARTUP_LIMIT_S)
         )
         fn(rank, world_size, *args)
         dist.barrier()
@@ -48,18 +79,35 @@ def _entry(rank, world_size, port, fn, args, errq):
 
 
 def run_distributed(fn, world_size, *args, timeout: float = 180.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    ``timeout``: seconds the ranks may take after start-up on an idle machine; the deadline is
+    that budget times the slowdown the ranks measured during their own start-up (the start-up
+    itself may take :data:`STARTUP_LIMIT_S`).
+    """
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
+    readyq = ctx.SimpleQueue()
     port = free_port()
     pc = mp.start_processes(
-        _entry, args=(world_size, port, fn, args, errq), nprocs=world_size, join=False, start_method="spawn"
+        _entry, args=(world_size, port, fn, args, errq, readyq, time.time()), nprocs=world_size, join=False,
+        start_method="spawn"
     )
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    ready: dict = {}
+    limit = f"start within {STARTUP_LIMIT_S:.0f}s"
     try:
         while True:
-            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            while len(ready) < world_size and not readyq.empty():
+                rank, factor = readyq.get()
+                ready[rank] = factor
+                if len(ready) == world_size:
+                    factor = max(1.0, *ready.values())
+                    deadline = time.monotonic() + timeout * factor
+                    limit = f"finish within {timeout}s x {factor:.1f} (slowdown measured at start-up)"
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"distributed test did not finish within {timeout}s")
+                raise TimeoutError(f"distributed test did not {limit}")
             try:
                 if pc.join(timeout=min(remaining, 1.0)):
                     break

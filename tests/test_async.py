@@ -22,7 +22,7 @@ from ckpt_integration.errors import CheckpointingException
 from ckpt_integration.execution import save as save_mod
 from ckpt_integration.execution.async_save import AsyncCallsQueue, AsyncRequest, async_save_torch_dist
 from ckpt_integration.execution.staging import StateDictStager
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, scaled_timeout
 
 
 # --------------------------------------------------------------------------- containers
@@ -211,7 +211,7 @@ def test_bounded_in_flight(max_in_flight):
     time.sleep(0.1)
     assert t.is_alive() and q.get_num_unfinalized_calls() == max_in_flight
     gates[0].set()
-    t.join(5)
+    t.join(scaled_timeout(5))
     assert not t.is_alive() and reqs[0].is_done()
     assert q.get_num_unfinalized_calls() == max_in_flight
     for g in gates:

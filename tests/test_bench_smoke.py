@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.dist_utils import scaled_timeout
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,7 +21,7 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
         sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--ranks", "2",
         "--total-gib", "0.004", "--tensors", "4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for label in ("plain write (limit)", "DCP save", "ours save", "ours load resharded", "ours async blocking"):
         assert label in proc.stdout, proc.stdout
@@ -37,7 +39,7 @@ def test_bench_sweep_prints_summary(tmp_path):
         "--total-gib", "0.004", "--tensors", "2,4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
         "--skip-dcp",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "summary (ratios" in proc.stdout, proc.stdout
     runs = json.loads(out.read_text())["runs"]

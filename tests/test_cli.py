@@ -9,6 +9,7 @@ than the checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import ckpt_integration as ci
 from ckpt_integration import tools
 from ckpt_integration.cli import main
 
-from .dist_utils import run_distributed
+from .dist_utils import run_distributed, scaled_timeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,10 +104,11 @@ def run_cli(*args, capsys):
 
 
 def run_module(*args, env=None, preexec_fn=None, timeout=120):
+    """``python -m ckpt_integration.cli ARGS``; ``timeout``: seconds on an idle machine (scaled to the load)."""
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "ckpt_integration.cli", *map(str, args)], capture_output=True,
-                          text=True, env=e, preexec_fn=preexec_fn, timeout=timeout, cwd=REPO)
+                          text=True, env=e, preexec_fn=preexec_fn, timeout=scaled_timeout(timeout), cwd=REPO)
 
 
 def _assert_same(loaded, expected):
@@ -450,7 +452,7 @@ def test_convert_larger_than_memory_cap(tmp_path):
 
     # control: loading every tensor at once does not fit under the cap
     control = subprocess.run([sys.executable, "-c", f"import ckpt_integration as c; c.load_plain_tensors({path!r})"],
-                             capture_output=True, text=True, env=env, preexec_fn=limit, timeout=120)
+                             capture_output=True, text=True, env=env, preexec_fn=limit, timeout=scaled_timeout(120))
     assert control.returncode != 0, "the memory cap is not effective"
     out_dir = tmp_path / "st"
     r = run_module("convert", path, out_dir, "--to", "safetensors", "--max-shard-size", "100MB",
@@ -483,3 +485,114 @@ def test_zarr_checkpoint_inspect_verify_convert_roundtrip(tmp_path):
 
     shutil.rmtree(tmp_path / "z2" / "w")
     assert main(["verify", str(tmp_path / "z2"), "-q"]) == 1
+
+
+# --------------------------------------------------------------------------- first contact: what the CLI prints
+def test_help_names_both_backends_and_every_argument(capsys):
+    code, out, _ = run_cli("--help", capsys=capsys)
+    assert code == 0 and "zarr" in out and "torch_dist" in out
+    code, out, _ = run_cli("convert", "--help", capsys=capsys)
+    assert code == 0 and "zarr" in out
+    code, out, _ = run_cli("inspect", "--help", capsys=capsys)
+    assert code == 0 and "zarr" in out and "--all" in out
+    code, out, _ = run_cli("diff", "--help", capsys=capsys)
+    assert code == 0
+    # each positional argument has a help text on its line
+    assert re.search(r"^\s+A\s+\S", out, re.M) and re.search(r"^\s+B\s+\S", out, re.M), out
+
+
+def test_convert_prints_a_summary_not_every_file(two_rank_ckpt, tmp_path, capsys):
+    """zarr writes one file per chunk: the summary counts them instead of listing them on one line."""
+    out_dir = tmp_path / "z"
+    code, out, err = run_cli("convert", two_rank_ckpt, out_dir, "--to", "zarr", capsys=capsys)
+    assert code == 0, err
+    files = [os.path.join(r, n) for r, _, names in os.walk(out_dir) for n in names]
+    size = sum(os.path.getsize(f) for f in files)
+    first = out.splitlines()[0]
+    assert first == (f"wrote 6 tensors ({tools.format_size(474)}) as zarr to {out_dir}: "
+                     f"{len(files)} file(s), {tools.format_size(size)}")
+    assert len(files) > 10 and "zarr_index.json" not in out and "metadata.json" not in out
+    code, out, _ = run_cli("convert", two_rank_ckpt, tmp_path / "st", "--to", "safetensors", "--json", capsys=capsys)
+    result = json.loads(out)
+    assert result["file_count"] == 2 and result["files"] == ["model.safetensors", "model.safetensors.index.json"]
+    assert result["file_bytes"] == sum(os.path.getsize(tmp_path / "st" / n) for n in result["files"])
+
+
+def test_convert_summary_shortens_long_skipped_lists(tmp_path, capsys):
+    src = str(tmp_path / "objs")
+    objects = {f"opt.{i}": ci.ShardedObject(f"optimizer.param_state.layer{i}", {"step": i}, (1,), (0,)) for i in range(12)}
+    _save_single(src, common={**objects, **{f"meta{i}": i for i in range(6)}})
+    code, out, err = run_cli("convert", src, tmp_path / "st", "--to", "safetensors", capsys=capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[1] == ("skipped 12 ShardedObject(s) (safetensors holds tensors only): optimizer.param_state.layer0/shard_0_1, "
+                        "optimizer.param_state.layer1/shard_0_1, optimizer.param_state.layer10/shard_0_1 "
+                        "and 9 more (--json lists all)")
+    assert lines[2] == ("skipped common state (safetensors holds tensors only): 'meta0', 'meta1', 'meta2' "
+                        "and 3 more (--json lists all)")
+    code, out, _ = run_cli("convert", src, tmp_path / "st2", "--to", "safetensors", "--json", capsys=capsys)
+    assert len(json.loads(out)["skipped"]) == 12 and len(json.loads(out)["skipped_common"]) == 6
+
+
+def _lightning_like_common():
+    """The shape of Lightning's checkpoint dict: a deep ``loops`` tree beside a few plain keys."""
+    progress = {"total": {"ready": 60, "completed": 60}, "current": {"ready": 15, "completed": 15}}
+    loops = {name: {"state_dict": {}, "batch_progress": progress, "epoch_progress": progress}
+             for name in ("fit_loop", "validate_loop", "test_loop", "predict_loop")}
+    return {"epoch": 3, "global_step": 60, "loops": loops, "hyper_parameters": {"lr": 0.003, "d_model": 32}}
+
+
+def test_inspect_folds_large_common_state_groups(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    objects = {f"o{i}": ci.ShardedObject(f"optimizer.param_state.layer{i}", {"step": i}, (1,), (0,)) for i in range(12)}
+    objects["rng"] = ci.ShardedObject("lightning.rng_states", {"seed": 1}, (1,), (0,))
+    _save_single(path, common={**_lightning_like_common(), **objects})
+    code, out, _ = run_cli("inspect", path, capsys=capsys)
+    assert code == 0
+    assert "loops." not in out
+    assert re.search(r"^  loops: 36 keys under fit_loop, validate_loop, test_loop, predict_loop$", out, re.M), out
+    assert "common state: 40 key(s); 1 group(s) of more than 8 keys folded (--all lists every key)" in out
+    assert "  epoch: int = 3" in out and "  hyper_parameters.lr: float = 0.003" in out  # small groups stay
+    assert re.search(r"^  optimizer\.\*: 12 shards \(.+ in \d+ file\(s\); --all lists them\)$", out, re.M), out
+    assert "  lightning.rng_states/shard_0_1 (" in out and "param_state.layer3" not in out
+    code, full, _ = run_cli("inspect", path, "--all", capsys=capsys)
+    assert code == 0 and "folded" not in full
+    assert "  loops.fit_loop.batch_progress.total.ready: int = 60" in full
+    assert full.count("  loops.") == 36 and full.count("  optimizer.param_state.layer") == 12
+    code, js, _ = run_cli("inspect", path, "--json", capsys=capsys)  # JSON is never folded
+    assert sum(k.startswith("loops.") for k in json.loads(js)["common_state"]["keys"]) == 36
+
+
+def test_inspect_of_a_file_that_is_not_a_checkpoint(tmp_path, capsys):
+    """``inspect README.md`` said 'not a safetensors file (header length 7592915522956763171)'."""
+    for path in (os.path.join(REPO, "README.md"), tmp_path):
+        (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+        code, out, err = run_cli("inspect", path, capsys=capsys)
+        assert code == 2 and out == ""
+        assert f"{path} is not a checkpoint" in err and "header length" not in err, err
+    code, _, err = run_cli("diff", os.path.join(REPO, "README.md"), tmp_path, capsys=capsys)
+    assert code == 2 and "README.md is not a checkpoint" in err
+    # files are recognised by content, whatever their names
+    torch.save({"w": torch.ones(2)}, tmp_path / "weights.data")
+    code, out, _ = run_cli("inspect", tmp_path / "weights.data", capsys=capsys)
+    assert code == 0 and "kind: torch" in out
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bars_use_binary_units(tmp_path, capsys, monkeypatch):
+    """Bars (on a terminal) count bytes in KiB/MiB like the summaries, not tqdm's kB/MB."""
+    path = str(tmp_path / "ckpt")
+    _save_single(path, tensors={"w": torch.zeros(3 * 2**18)})  # 3 MiB
+    for args in (["verify", path], ["convert", path, tmp_path / "o.pt", "--to", "torch"], ["diff", path, path]):
+        err = _TTY()
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main([str(a) for a in args]) == 0
+        monkeypatch.undo()
+        bar = err.getvalue()
+        assert "/3.0 MiB [" in bar, (args, bar)
+        assert not re.search(r"\d[kMG]B\b", bar), (args, bar)
+    capsys.readouterr()

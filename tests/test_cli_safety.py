@@ -21,6 +21,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import tools
 from ckpt_integration.cli import EXIT_BROKEN_PIPE, main
+from tests.dist_utils import scaled_timeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -214,7 +215,7 @@ def test_closed_stdout_pipe_in_a_subprocess(tmp_path):
     assert proc.stdout.readline().strip() == b"{"
     proc.stdout.close()
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE
+    assert proc.wait(timeout=scaled_timeout(120)) == EXIT_BROKEN_PIPE
     assert err == "", err
 
 

@@ -17,6 +17,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from tests.dist_utils import scaled_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +90,7 @@ def _save_and_kill(tmp_path, path, point, overwrite):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=ROOT))
     proc = subprocess.run([sys.executable, str(script), path, point, "1" if overwrite else "0"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
 
 

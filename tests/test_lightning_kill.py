@@ -41,8 +41,9 @@ CHARS, BLOCK, GBS = 2000, 32, 8  # 7 steps per epoch
 WORLD = 2
 FIRST, INTERRUPTED = "epoch=0-step=7.ckpt", "epoch=1-step=14.ckpt"
 
-LAUNCH_TIMEOUT = 240.0  # seconds for one 2-process launch
-SURVIVOR_GRACE = 60.0  # seconds the other rank may take to notice the dead one before it is killed
+# seconds on an idle machine, scaled to the load measured at each launch (tests.dist_utils.slowdown)
+LAUNCH_TIMEOUT = 240.0  # for one 2-process launch
+SURVIVOR_GRACE = 60.0  # the other rank may take this long to notice the dead one before it is killed
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,7 +85,9 @@ def _rank_main(cfg: dict) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # generous (only a hang): the launcher's measured deadline stops slow runs; a dead peer is
+    # noticed through its closed connections, not through this timeout
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
 
     import lightning as L
     from lightning.pytorch.callbacks import Callback
@@ -161,10 +164,13 @@ def _launch(tmp: str, name: str, cfg: dict, victim=None):
                                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
                                               stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True))
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        from tests.dist_utils import slowdown
+
+        factor = slowdown()
+        deadline = time.monotonic() + LAUNCH_TIMEOUT * factor
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if victim is not None and procs[victim].poll() is not None:
-                deadline = min(deadline, time.monotonic() + SURVIVOR_GRACE)
+                deadline = min(deadline, time.monotonic() + SURVIVOR_GRACE * factor)
             time.sleep(0.2)
     finally:
         for p in procs:

@@ -23,7 +23,7 @@ import ckpt_integration as ci
 import ckpt_integration.execution.parallel_load as pl
 import ckpt_integration.storage.torch_dist as td
 from ckpt_integration.planning.boxes import Box
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, scaled_timeout
 from tests.layouts import global_tensor, grid_shard
 
 PARALLEL = ("fully_parallel", "two_stage")
@@ -413,7 +413,7 @@ def test_two_stage_reads_next_unit_during_exchange(thread_count, monkeypatch):
     def exchange(u, buf, rank, size, group):
         i = int(u.key[1:])
         if i + 1 < n:
-            assert started[i + 1].wait(10), f"unit {i + 1} was not read while unit {i} was exchanged"
+            assert started[i + 1].wait(scaled_timeout(10)), f"unit {i + 1} was not read while unit {i} was exchanged"
         order.append(i)
         return real(u, buf, rank, size, group)
 

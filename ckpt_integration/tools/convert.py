@@ -26,6 +26,9 @@ from .writers import SafetensorsWriter, TorchSaveWriter
 class ConvertResult:
     """What :func:`convert_checkpoint` wrote.
 
+    ``files``: the names in the output directory (the file name for a torch output);
+    ``file_count`` / ``file_bytes``: every file written, counted recursively (zarr writes one
+    file per chunk), and their total size;
     ``skipped``: ShardedObject keys not written (torch / safetensors outputs hold tensors);
     ``skipped_common``: common-state entries not written, each with the reason.
     """
@@ -35,6 +38,8 @@ class ConvertResult:
     tensors: int = 0
     bytes: int = 0
     files: List[str] = field(default_factory=list)
+    file_count: int = 0
+    file_bytes: int = 0
     skipped: List[str] = field(default_factory=list)
     skipped_common: List[str] = field(default_factory=list)
 
@@ -114,6 +119,18 @@ def _commit_output(tmp: str, out: str) -> None:
     os.rename(out, old)
     os.rename(tmp, out)
     _remove_path(old)
+
+
+def _disk_usage(path: str) -> Tuple[int, int]:
+    """``(number of files, total bytes)`` of a file or of a directory tree."""
+    if not os.path.isdir(path):
+        return 1, os.path.getsize(path)
+    count = size = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            count += 1
+            size += os.path.getsize(os.path.join(root, name))
+    return count, size
 
 
 def _discard_output(tmp: str) -> None:
@@ -270,6 +287,7 @@ def convert_checkpoint(
             raise
         if to == "torch":
             result.files = [os.path.basename(os.path.abspath(out))]
+        result.file_count, result.file_bytes = _disk_usage(out)
         return result
     finally:
         src.close()

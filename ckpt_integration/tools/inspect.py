@@ -62,6 +62,21 @@ def _common_keys(obj: Any, prefix: str = "") -> Dict[str, str]:
     return out
 
 
+def _common_groups(state: Any) -> Dict[str, Dict[str, Any]]:
+    """Per top-level dict of the common state: its flattened keys and its direct children.
+
+    The text view folds a group with more than :data:`FOLD_AT` keys into one line
+    (Lightning's ``loops`` alone flattens to ~90 keys).
+    """
+    if not isinstance(state, dict):
+        return {}
+    groups = {}
+    for k, v in state.items():
+        if isinstance(v, dict) and v:
+            groups[str(k)] = {"keys": list(_common_keys(v, str(k))), "children": [str(c) for c in v]}
+    return groups
+
+
 def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, Dict[str, Any]], Dict[str, int]]:
     """``(shards, objects, files)`` of a zarr checkpoint, from the records in ``zarr_index.json``.
 
@@ -167,7 +182,8 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     try:
         from ..serialization import load_common_state_dict
 
-        common: Dict[str, Any] = {"keys": _common_keys(load_common_state_dict(path, trusted=trusted))}
+        state = load_common_state_dict(path, trusted=trusted)
+        common: Dict[str, Any] = {"keys": _common_keys(state), "groups": _common_groups(state)}
     except UnsafeCheckpointError as e:
         common = {"error": str(e), "unsafe": True}
     except CheckpointingException as e:
@@ -193,8 +209,57 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     }
 
 
-def format_inspect(info: Dict[str, Any], show_shards: bool = False) -> str:
-    """Render :func:`inspect_checkpoint` output as text: a tree of keys split on ``'.'``."""
+FOLD_AT = 8
+"""Without ``--all``, a top-level common-state dict or a group of sharded objects with more
+entries than this is shown as one line with its count."""
+
+
+def _shorten(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _format_common(common: Dict[str, Any], show_all: bool) -> List[str]:
+    keys = common["keys"]
+    groups = {} if show_all else {g: d for g, d in common.get("groups", {}).items() if len(d["keys"]) > FOLD_AT}
+    folded = {k: g for g, d in groups.items() for k in d["keys"]}
+    head = f"common state: {len(keys)} key(s)"
+    if groups:
+        head += f"; {len(groups)} group(s) of more than {FOLD_AT} keys folded (--all lists every key)"
+    lines = [head]
+    shown = set()
+    for k, v in keys.items():
+        g = folded.get(k)
+        if g is None:
+            lines.append(f"  {k}: {v}")
+        elif g not in shown:
+            shown.add(g)
+            children = groups[g]["children"]
+            names = ", ".join(_shorten(c) for c in children[:4]) + (", ..." if len(children) > 4 else "")
+            lines.append(f"  {g}: {len(groups[g]['keys'])} keys under {names}")
+    return lines
+
+
+def _format_objects(objects: List[Dict[str, Any]], show_all: bool) -> List[str]:
+    lines = [f"sharded objects: {len(objects)}"]
+    by_top: Dict[str, List[Dict[str, Any]]] = {}
+    for o in objects:
+        by_top.setdefault(o["key"].split("/")[0].split(".")[0], []).append(o)
+    for top, group in by_top.items():
+        if show_all or len(group) <= FOLD_AT:
+            lines += [f"  {o['key']} ({format_size(o['length'] or 0)} in {o['file']})" for o in group]
+            continue
+        size = sum(o["length"] or 0 for o in group)
+        files = len({o["file"] for o in group})
+        lines.append(f"  {top}.*: {len(group)} shards ({format_size(size)} in {files} file(s); --all lists them)")
+    return lines
+
+
+def format_inspect(info: Dict[str, Any], show_shards: bool = False, show_all: bool = False) -> str:
+    """Render :func:`inspect_checkpoint` output as text: a tree of keys split on ``'.'``.
+
+    Large groups of the common state and of the sharded objects are folded into one line
+    each (more than :data:`FOLD_AT` entries); ``show_all`` lists every entry.
+    """
     lines = [f"checkpoint: {info['path']}"]
     is_dir = "backend" in info  # a checkpoint directory (torch_dist or zarr), not a file
     if is_dir:
@@ -245,9 +310,7 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False) -> str:
     render(tree, 1)
     if is_dir:
         lines.append("")
-        lines.append(f"sharded objects: {len(info['objects'])}")
-        for o in info["objects"]:
-            lines.append(f"  {o['key']} ({format_size(o['length'] or 0)} in {o['file']})")
+        lines += _format_objects(info["objects"], show_all)
         lines.append("")
         common = info["common_state"]
         if "error" in common:
@@ -255,7 +318,5 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False) -> str:
             if common.get("unsafe"):
                 lines.append("  (rerun with --trusted to load it anyway, only if you trust this checkpoint)")
         else:
-            lines.append(f"common state: {len(common['keys'])} key(s)")
-            for k, v in common["keys"].items():
-                lines.append(f"  {k}: {v}")
+            lines += _format_common(common, show_all)
     return "\n".join(lines)

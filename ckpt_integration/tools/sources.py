@@ -16,12 +16,12 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import open_reader, read_metadata
@@ -318,27 +318,59 @@ class TorchFileSource(TensorSource):
         return self._values[key][_box_slices(box)]
 
 
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _sniff_file(path: str) -> Optional[str]:
+    """``"torch"`` or ``"safetensors"`` from the first bytes of a file, ``None`` if neither.
+
+    A torch.save file is a zip archive (``PK``) or, in the legacy format, a protocol-2 pickle
+    of torch's magic number; a safetensors file starts with the length of the JSON header
+    that follows, which must fit in the file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(9)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] == b"PK\x03\x04" or head[:3] == b"\x80\x02\x8a":
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":
+        (n,) = struct.unpack("<Q", head[:8])
+        if n <= size - 8:
+            return "safetensors"
+    return None
+
+
 def detect_kind(path: str) -> str:
-    """``"torch_dist"``, ``"safetensors"`` or ``"torch"`` for a checkpoint dir, safetensors file/folder or torch.save file."""
+    """``"torch_dist"``, ``"safetensors"`` or ``"torch"`` for a checkpoint dir, safetensors file/folder or torch.save file.
+
+    Anything else (a README, an empty folder) raises :class:`CheckpointNotFoundError` saying
+    that it is not a checkpoint. Files are told apart by their first bytes; a file with a
+    checkpoint suffix whose content is not recognised goes to the reader of that suffix,
+    which names the damage.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise CheckpointingException(f"{path} does not exist")
+        raise CheckpointNotFoundError(f"{path} does not exist")
     if os.path.isdir(path):
         names = os.listdir(path)
         if ckdir.CONFIG_FILE in names or DCP_METADATA_FILE in names or any(n.endswith(".distcp") for n in names):
             return "torch_dist"
         if SAFETENSORS_INDEX in names or any(n.endswith(".safetensors") for n in names):
             return "safetensors"
-        raise CheckpointingException(
-            f"{path} is neither a checkpoint directory (no {ckdir.CONFIG_FILE}) nor a folder of .safetensors files"
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: the directory has no {ckdir.CONFIG_FILE} (checkpoint directory) "
+            "and no .safetensors files"
         )
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if head[:4] == b"PK\x03\x04" or path.endswith((".pt", ".pth", ".bin", ".ckpt")):
-        return "torch"
-    if path.endswith(".safetensors") or len(head) == 8:
-        return "safetensors"
-    raise CheckpointingException(f"cannot tell what kind of file {path} is")
+    kind = _sniff_file(path)
+    if kind is None and path.endswith(_TORCH_SUFFIXES):
+        kind = "torch"
+    elif kind is None and path.endswith(".safetensors"):
+        kind = "safetensors"
+    if kind is None:
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: not a checkpoint directory, torch.save file or safetensors file"
+        )
+    return kind
 
 
 def open_source(path: str, trusted: bool = False) -> TensorSource:
