@@ -462,6 +462,8 @@ def export_checkpoint(
             if isinstance(saved_extra, dict):
                 extra_state = {k: v for k, v in saved_extra.items() if not isinstance(v, torch.Tensor)}
         plan = _strip(plan, strip_prefix, result)
+        if strip_prefix:
+            result.merged = [n[len(strip_prefix):] for n in result.merged if n.startswith(strip_prefix)]
         names = sorted(plan)
         if strip_prefix:
             extra_state = {k[len(strip_prefix):]: v for k, v in extra_state.items() if k.startswith(strip_prefix)}
