@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory-budget", default="256MiB",
                     help="largest block of tensor data held in memory (default 256MiB)")
     sp.add_argument("--nested", action="store_true", help="torch: nest keys on '.' instead of a flat dict")
+    sp.add_argument("--module", metavar="PKG.MOD:CLASS",
+                    help="stock Lightning import: the LightningModule class (imported: runs its code), to carry a "
+                         ".ckpt's optimizer state and store tensors as its sharded_state_dict does")
     sp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     common(sp)
 
@@ -99,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory-budget", default="256MiB", help="largest block compared at once (default 256MiB)")
     common(sp)
     return p
+
+
+def _import_class(spec: str) -> Any:
+    """``pkg.mod:Class`` (or ``pkg.mod.Class``) imported."""
+    import importlib
+
+    mod, sep, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not mod or not name:
+        raise ValueError(f"--module {spec!r}: expected pkg.module:Class")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--module {spec!r}: {e}") from None
 
 
 class _StdoutClosed(Exception):
@@ -190,6 +206,7 @@ def _run(argv: Optional[List[str]]) -> int:
                 args.src, args.to, args.out,
                 max_shard_size=args.max_shard_size, memory_budget=args.memory_budget,
                 overwrite=args.overwrite, trusted=args.trusted, nested=args.nested, progress=progress,
+                module=_import_class(args.module) if args.module else None,
             )
             if args.json:
                 _print_json(result.__dict__)
@@ -201,6 +218,10 @@ def _run(argv: Optional[List[str]]) -> int:
                           + ", ".join(result.skipped))
                 if result.skipped_common:
                     _out("skipped common state: " + ", ".join(result.skipped_common))
+                if getattr(result, "source_kind", ""):
+                    _out(f"imported a stock Lightning checkpoint ({result.source_kind}): resume with a DistCkpt strategy")
+                for what in getattr(result, "not_carried", []):
+                    _out(f"not carried: {what}")
             return EXIT_OK
         if args.command == "export":
             result = tools.export_checkpoint(

@@ -14,7 +14,7 @@ from torch import nn
 import ckpt_integration as ci
 from ckpt_integration.cli import main as cli_main
 from ckpt_integration.modules import ParallelLayout, ShardedModuleMixin, module_sharded_state_dict
-from ckpt_integration.tools import ExportError, export_checkpoint, export_recipe_object
+from ckpt_integration.tools import ExportError, convert_checkpoint, export_checkpoint, export_recipe_object
 from tests.dist_utils import run_distributed
 
 # --------------------------------------------------------------------------- a small LightningModule with a fused layer
@@ -39,11 +39,11 @@ def __getattr__(name):
         import lightning as L
 
         class Lit(L.LightningModule):
-            def __init__(self, hidden=6, lr=0.05):
+            def __init__(self, hidden=6, lr=0.05, fused=True):
                 super().__init__()
                 self.save_hyperparameters()
                 torch.manual_seed(0)
-                self.qkv = FusedLinear(4, 3 * hidden)
+                self.qkv = FusedLinear(4, 3 * hidden) if fused else nn.Linear(4, 3 * hidden)
                 self.head = nn.Linear(3 * hidden, 1)
                 self.register_buffer("seen", torch.zeros((), dtype=torch.long))
 
@@ -51,6 +51,9 @@ def __getattr__(name):
                 x, y = batch
                 self.seen += 1
                 return ((self.head(torch.tanh(self.qkv(x))).squeeze(-1) - y) ** 2).mean()
+
+            def configure_model(self):
+                pass  # stock ModelParallelStrategy requires the hook; nothing is parallelized here
 
             def configure_optimizers(self):
                 opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
@@ -218,3 +221,99 @@ def test_export_lightning_ckpt_loads_and_resumes_in_stock_lightning(tmp_path):
         for name, v in st.items():
             assert torch.equal(seen["opt"]["state"][i][name], v), (i, name)
     assert seen["opt"]["param_groups"][0]["lr"] == ref["param_groups"][0]["lr"]
+
+
+# --------------------------------------------------------------------------- import from stock Lightning
+class _Snapshot:
+    """A Lightning callback (built lazily) recording weights, optimizer state and step when training starts."""
+
+    def __new__(cls, seen):
+        import lightning as L
+
+        class Snap(L.Callback):
+            def on_train_start(self, trainer, module):
+                seen["state"] = {k: v.clone() for k, v in module.state_dict().items()}
+                seen["opt"] = copy.deepcopy(trainer.optimizers[0].state_dict())
+                seen["sched"] = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+                seen["step"] = trainer.global_step
+
+        return Snap()
+
+
+def _resume_dist_ckpt(root, path, fused=True):
+    """Resume ``fit`` from our checkpoint ``path`` with the single-device DistCkpt strategy."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptSingleDeviceStrategy
+
+    seen = {}
+    t = _trainer(root, DistCkptSingleDeviceStrategy(), [DistCkptIO()], callbacks=[_Snapshot(seen)], max_epochs=2,
+                 enable_checkpointing=False)
+    t.fit(__getattr__("Lit")(fused=fused), _loader(), ckpt_path=str(path))
+    return seen, t
+
+
+def _assert_resumed(seen, module, optimizer, step, sched=None):
+    assert seen["step"] == step
+    _assert_same(seen["state"], module.state_dict())
+    ref = optimizer.state_dict()
+    assert sorted(seen["opt"]["state"]) == sorted(ref["state"])
+    for i, st in ref["state"].items():
+        _assert_same(seen["opt"]["state"][i], st)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in seen["opt"]["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in ref["param_groups"]]
+    if sched is not None:
+        assert seen["sched"] == sched
+
+
+def test_convert_stock_lightning_ckpt_then_resume(tmp_path, capsys):
+    """Stock Trainer saves a .ckpt -> ``convert --to torch_dist`` -> the DistCkpt strategy resumes ``fit``."""
+    Lit = __getattr__("Lit")
+    m = Lit()
+    t = _trainer(tmp_path / "stock")
+    t.fit(m, _loader())
+    stock = t.checkpoint_callback.best_model_path
+    assert os.path.isfile(stock) and t.global_step == 3
+
+    # without the module: weights and training state under their names; optimizer state not carried, said so
+    assert cli("convert", stock, tmp_path / "plain", "--to", "torch_dist") == 0
+    text = capsys.readouterr().out
+    assert "imported a stock Lightning checkpoint (ckpt)" in text and "not carried: optimizer_states" in text
+    _assert_same(ci.load_plain_tensors(str(tmp_path / "plain")), m.state_dict())
+    assert ci.load_common_state_dict(str(tmp_path / "plain"))["global_step"] == 3
+
+    # with the module class: everything, stored as its sharded_state_dict asks (fused parts)
+    assert cli("convert", stock, tmp_path / "full", "--to", "torch_dist", "--module", "tests.test_export:Lit") == 0
+    assert "not carried" not in capsys.readouterr().out
+    assert "qkv.weight.part1" in ci.load_tensors_metadata(str(tmp_path / "full"))
+    seen, t2 = _resume_dist_ckpt(tmp_path / "resume", tmp_path / "full")
+    _assert_resumed(seen, m, t.optimizers[0], 3, t.lr_scheduler_configs[0].scheduler.state_dict())
+    assert t2.global_step == 6
+
+
+def _stock_model_parallel(rank, world, root):
+    """Stock ModelParallelStrategy writing Lightning's own DCP directory checkpoint."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    m = __getattr__("Lit")(fused=False)
+    t = _trainer(root, ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    t.fit(m, _loader())
+    torch.save({"state": m.state_dict(), "opt": t.optimizers[0].state_dict(),
+                "sched": t.lr_scheduler_configs[0].scheduler.state_dict(), "path": t.checkpoint_callback.best_model_path},
+               os.path.join(root, "ref.pt"))
+
+
+def test_convert_stock_model_parallel_dcp_then_resume(tmp_path):
+    """A stock ``ModelParallelStrategy`` DCP directory (names, not positions) is carried whole without the module."""
+    root = str(tmp_path / "mp")
+    os.makedirs(root)
+    run_distributed(_stock_model_parallel, 1, root, timeout=300)
+    ref = torch.load(os.path.join(root, "ref.pt"), weights_only=False)
+    assert os.path.isdir(ref["path"]) and os.path.isfile(os.path.join(ref["path"], "meta.pt"))
+    result = convert_checkpoint(ref["path"], "torch_dist", str(tmp_path / "imported"))
+    assert result.source_kind == "dcp" and not result.not_carried
+    seen, t = _resume_dist_ckpt(tmp_path / "resume", tmp_path / "imported", fused=False)
+    assert seen["step"] == 3 and t.global_step == 6
+    _assert_same(seen["state"], ref["state"])
+    for i, st in ref["opt"]["state"].items():
+        _assert_same(seen["opt"]["state"][i], st)
+    assert seen["sched"] == ref["sched"]
