@@ -185,6 +185,57 @@ def test_export_without_recipe_refuses_part_groups(tmp_path, capsys):
     _assert_same(load_file(str(tmp_path / "m" / "model.safetensors")), m.state_dict())
 
 
+class _Transposed(nn.Module):
+    """A hand-written hook: the weight stored transposed through a factory (its merge is no concatenation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 5))
+
+    def sharded_state_dict(self, prefix="", metadata=None):
+        build = lambda k, t, rid, _: {"t": ci.ShardedTensor.from_rank_offsets(k + ".t", t.t().contiguous())}  # noqa: E731
+        return {prefix + "weight": ci.ShardedTensorFactory(prefix + "weight", self.weight.detach(), build,
+                                                           lambda sd: sd["t"].t())}
+
+
+class _Stacked(nn.Module):
+    """A transposed factory and 3 layers stacked along a layer axis (``stack_layers``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tr = _Transposed()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+    def sharded_state_dict(self, prefix="", metadata=None, with_tr=True):
+        from ckpt_integration.modules import stack_layers
+
+        per_layer = [module_sharded_state_dict(l, f"{prefix}layers.{i}.") for i, l in enumerate(self.layers)]
+        tr = module_sharded_state_dict(self.tr, prefix + "tr.") if with_tr else {}
+        return {**tr, **stack_layers(per_layer, 0, 3, prefix + "layers.")}
+
+
+def test_export_recipe_opaque_factory_and_stacked_layers(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    m = _Stacked()
+    sd = m.sharded_state_dict()
+    assert sd["layers.0.weight"].key == "layers.weight" and sd["layers.0.weight"].global_shape == (3, 2, 2)
+    path = str(tmp_path / "c")
+    ci.save({**sd, "r": export_recipe_object(sd)}, path)
+    # the transposed factory can only be merged by its own code: refused from disk, exported through the module
+    with pytest.raises(ExportError, match=r"'tr\.weight'.*module="):
+        export_checkpoint(path, str(tmp_path / "o"), "hf")
+    export_checkpoint(path, str(tmp_path / "m"), "hf", module=_Stacked())
+    _assert_same(load_file(str(tmp_path / "m" / "model.safetensors")), m.state_dict())
+    # without the factory, the stacked layers come back under their per-layer names from disk
+    sd = m.sharded_state_dict(with_tr=False)
+    ci.save({**sd, "r": export_recipe_object(sd)}, str(tmp_path / "s"))
+    export_checkpoint(str(tmp_path / "s"), str(tmp_path / "so"), "hf")
+    _assert_same(load_file(str(tmp_path / "so" / "model.safetensors")),
+                 {k: v for k, v in m.state_dict().items() if k.startswith("layers.")})
+
+
 def test_export_lightning_ckpt_loads_and_resumes_in_stock_lightning(tmp_path):
     import lightning as L
 

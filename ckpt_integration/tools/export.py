@@ -192,9 +192,9 @@ def _plan_from_disk(src: DistCheckpointSource, marker: Dict[str, Any], recipe: O
                     merge_parts: Optional[bool], result: ExportResult) -> Dict[str, List[_Piece]]:
     """Output name -> stored pieces, for every model tensor of a checkpoint (optimizer state left out)."""
     prefixes = _optimizer_prefixes(src, marker)
-    opt_keys = [k for k in src.tensors if any(k.startswith(p + ".") for p in prefixes)]
+    opt_keys = [k for k in src.tensors if any(k.startswith(p + ".state.") for p in prefixes)]
     if opt_keys:
-        result.skipped.append(f"optimizer state: {len(opt_keys)} tensor(s) under {', '.join(p + '.' for p in prefixes)}")
+        result.skipped.append(f"optimizer state: {len(opt_keys)} tensor(s) under {', '.join(p + '.state.' for p in prefixes)}")
     keys = [k for k in src.tensors if k not in set(opt_keys)]
     plan: Dict[str, List[_Piece]] = {}
     used: set = set()
@@ -262,7 +262,7 @@ def _model_objects(src: DistCheckpointSource, prefixes: Sequence[str]) -> List[s
     out = []
     for unique in src.objects:
         key = unique.rpartition("/shard_")[0] or unique
-        if key in (EXPORT_RECIPE_KEY, "lightning.rng_states") or any(key.startswith(p + ".") for p in prefixes):
+        if key in (EXPORT_RECIPE_KEY, "lightning.rng_states") or any(key.startswith(p + ".param_state.") for p in prefixes):
             continue
         out.append(key)
     return sorted(set(out))
@@ -447,7 +447,7 @@ def export_checkpoint(
             extra_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
             view: TensorSource = _DictSource(src_path, tensors)
             plan = {k: k for k in tensors}
-            if any(k.startswith(p + ".") for k in src.tensors for p in prefixes):
+            if any(k.startswith(p + ".state.") for k in src.tensors for p in prefixes):
                 result.skipped.append("optimizer state" + (" (as optimizer_states)" if include_optimizer else ""))
         else:
             recipe = read_recipe(src)

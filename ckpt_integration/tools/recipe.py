@@ -114,10 +114,13 @@ def export_recipe(model_sharded_state_dict: Any) -> Dict[str, Any]:
 
 
 def export_recipe_object(model_sharded_state_dict: Any, rank: Optional[int] = None,
-                         world_size: Optional[int] = None) -> ShardedObject:
+                         world_size: Optional[int] = None, replica_id: Any = 0) -> ShardedObject:
     """This rank's :func:`export_recipe` as a ShardedObject to put into the saved state dict.
 
-    ``rank`` / ``world_size`` default to ``torch.distributed``'s (0 / 1 without it).
+    ``rank`` / ``world_size`` (the object's place in a grid of ``world_size`` recipes) default to
+    ``torch.distributed``'s (0 / 1 without it). Ranks holding the same model part may share one
+    place, the copies marked by a non-zero ``replica_id`` (e.g. ``rank = pp_rank * tp_size + tp_rank``,
+    ``world_size = tp_size * pp_size``, ``replica_id = dp_rank``), so that one copy is written.
 
     Example::
 
@@ -130,7 +133,7 @@ def export_recipe_object(model_sharded_state_dict: Any, rank: Optional[int] = No
         on = tdist.is_available() and tdist.is_initialized()
         rank = tdist.get_rank() if on else 0
         world_size = tdist.get_world_size() if on else 1
-    return ShardedObject(EXPORT_RECIPE_KEY, export_recipe(model_sharded_state_dict), (world_size,), (rank,))
+    return ShardedObject(EXPORT_RECIPE_KEY, export_recipe(model_sharded_state_dict), (world_size,), (rank,), replica_id)
 
 
 def _merge_into(total: Dict[str, Any], recipe: Dict[str, Any], where: str) -> None:
