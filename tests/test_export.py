@@ -107,7 +107,7 @@ def test_export_hf_loads_with_from_pretrained(tmp_path, monkeypatch, capsys):
     an extra tensor; the export under ``model.`` loads with ``from_pretrained`` and equals it tensor by tensor."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(cfg)
     opt = torch.optim.Adam(hf.parameters())

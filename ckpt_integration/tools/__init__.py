@@ -9,6 +9,8 @@
 * :func:`export_checkpoint` - model weights for stock tools: HF safetensors or a Lightning ``.ckpt``
   (fused parts merged, optimizer state left out); :func:`export_recipe_object` records at save
   time what an export without the model's code needs.
+* :func:`import_lightning_checkpoint` - a stock Lightning ``.ckpt`` / DCP directory as a checkpoint the
+  DistCkpt strategies resume from (``convert --to torch_dist`` uses it for such sources).
 
 Nothing here needs a GPU or ``torch.distributed``. Tensor data is streamed: at
 most one *block* of ``memory_budget`` bytes (rows of one tensor, read with
@@ -29,6 +31,7 @@ from .convert import ConvertResult, convert_checkpoint
 from .diff import DiffReport, diff_checkpoints
 from .export import ExportError, ExportResult, export_checkpoint
 from .inspect import format_inspect, inspect_checkpoint
+from .lightning_import import ImportResult, import_lightning_checkpoint, stock_lightning_kind
 from .recipe import EXPORT_RECIPE_KEY, export_recipe, export_recipe_object
 from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, detect_kind,
                       open_source, plan_blocks, read_safetensors_header)
@@ -41,6 +44,7 @@ __all__ = [
     "convert_checkpoint", "ConvertResult",
     "diff_checkpoints", "DiffReport",
     "export_checkpoint", "ExportResult", "ExportError", "export_recipe", "export_recipe_object", "EXPORT_RECIPE_KEY",
+    "import_lightning_checkpoint", "ImportResult", "stock_lightning_kind",
     "detect_kind", "open_source", "plan_blocks", "read_safetensors_header",
     "TensorInfo", "TensorSource", "DistCheckpointSource", "SafetensorsSource", "TorchFileSource",
     "SafetensorsWriter", "TorchSaveWriter",
