@@ -208,6 +208,10 @@ def _run(argv: Optional[List[str]]) -> int:
                 overwrite=args.overwrite, trusted=args.trusted, nested=args.nested, progress=progress,
                 module=_import_class(args.module) if args.module else None,
             )
+            if getattr(result, "source_kind", "") and not args.json:  # a stock Lightning import
+                _out(f"imported a stock Lightning checkpoint ({result.source_kind}): resume with a DistCkpt strategy")
+                for what in result.not_carried:
+                    _out(f"not carried: {what}")
             if args.json:
                 _print_json(result.__dict__)
             else:
@@ -218,10 +222,6 @@ def _run(argv: Optional[List[str]]) -> int:
                           + ", ".join(result.skipped))
                 if result.skipped_common:
                     _out("skipped common state: " + ", ".join(result.skipped_common))
-                if getattr(result, "source_kind", ""):
-                    _out(f"imported a stock Lightning checkpoint ({result.source_kind}): resume with a DistCkpt strategy")
-                for what in getattr(result, "not_carried", []):
-                    _out(f"not carried: {what}")
             return EXIT_OK
         if args.command == "export":
             result = tools.export_checkpoint(

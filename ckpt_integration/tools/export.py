@@ -365,7 +365,7 @@ def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any
     if common is None or not marker.get("lightning"):
         if common:
             result.skipped.append(f"common state {sorted(map(str, common))} (not a Lightning checkpoint)")
-        return {"epoch": 0, "global_step": 0, "pytorch-lightning_version": lightning.__version__}
+        return {"pytorch-lightning_version": lightning.__version__}
     n_opt = int(marker.get("num_optimizers") or 0)
     drop = {_CONTENT_METADATA_KEY, "state_dict", "rng_states"} | {"optimizer" if i == 0 else f"optimizer_{i}" for i in range(n_opt)}
     if not include_training:
