@@ -447,8 +447,8 @@ def export_checkpoint(
             extra_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
             view: TensorSource = _DictSource(src_path, tensors)
             plan = {k: k for k in tensors}
-            if any(k.startswith(p + ".state.") for k in src.tensors for p in prefixes):
-                result.skipped.append("optimizer state" + (" (as optimizer_states)" if include_optimizer else ""))
+            if not include_optimizer and any(k.startswith(p + ".state.") for k in src.tensors for p in prefixes):
+                result.skipped.append("optimizer state")
         else:
             recipe = read_recipe(src)
             pieces = _plan_from_disk(src, marker, recipe, merge_parts, result)
