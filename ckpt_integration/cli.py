@@ -1,4 +1,4 @@
-"""``ckpt-integration``: inspect, verify, convert and diff checkpoints from the shell.
+"""``ckpt-integration``: inspect, verify, convert, export and diff checkpoints from the shell.
 
 Runs on one process without a GPU or ``torch.distributed``; see ``docs/cli.md``.
 
@@ -106,6 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory-budget", default="256MiB",
                     help="largest block of tensor data held in memory (default 256MiB)")
     sp.add_argument("--nested", action="store_true", help="torch: nest keys on '.' instead of a flat dict")
+    sp.add_argument("--module", metavar="PKG.MOD:CLASS",
+                    help="stock Lightning import: the LightningModule class (imported: runs its code), to carry a "
+                         ".ckpt's optimizer state and store tensors as its sharded_state_dict does")
+    sp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    common(sp)
+
+    sp = sub.add_parser("export", help="model weights for stock tools: HF safetensors or a Lightning .ckpt")
+    sp.add_argument("src", metavar="DIR", help="checkpoint directory")
+    sp.add_argument("out", metavar="OUT", help="output directory (hf) or file (lightning)")
+    sp.add_argument("--to", required=True, choices=["hf", "lightning"], help="output format")
+    sp.add_argument("--strip-prefix", metavar="PREFIX", help="export the tensors under PREFIX (e.g. model.) without it")
+    parts = sp.add_mutually_exclusive_group()
+    parts.add_argument("--merge-parts", dest="merge_parts", action="store_const", const=True, default=None,
+                       help="without an export recipe: merge X.part0..N groups along axis 0 (fused parameters)")
+    parts.add_argument("--keep-parts", dest="merge_parts", action="store_const", const=False,
+                       help="export X.partN tensors as stored (no merging, recipe ignored)")
+    sp.add_argument("--config", metavar="PATH", help="hf: config.json (or a folder holding one) to copy next to the weights")
+    sp.add_argument("--max-shard-size", default="5GB", help="hf: largest file (default 5GB)")
+    sp.add_argument("--memory-budget", default="256MiB", help="largest block of tensor data held in memory (default 256MiB)")
     sp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     common(sp)
 
@@ -115,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--memory-budget", default="256MiB", help="largest block compared at once (default 256MiB)")
     common(sp)
     return p
+
+
+def _import_class(spec: str) -> Any:
+    """``pkg.mod:Class`` (or ``pkg.mod.Class``) imported."""
+    import importlib
+
+    mod, sep, name = spec.partition(":") if ":" in spec else spec.rpartition(".")
+    if not mod or not name:
+        raise ValueError(f"--module {spec!r}: expected pkg.module:Class")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--module {spec!r}: {e}") from None
 
 
 class _StdoutClosed(Exception):
@@ -222,7 +254,12 @@ def _run(argv: Optional[List[str]]) -> int:
                 args.src, args.to, args.out,
                 max_shard_size=args.max_shard_size, memory_budget=args.memory_budget,
                 overwrite=args.overwrite, trusted=args.trusted, nested=args.nested, progress=progress,
+                module=_import_class(args.module) if args.module else None,
             )
+            if getattr(result, "source_kind", "") and not args.json:  # a stock Lightning import
+                _out(f"imported a stock Lightning checkpoint ({result.source_kind}): resume with a DistCkpt strategy")
+                for what in result.not_carried:
+                    _out(f"not carried: {what}")
             if args.json:
                 _print_json(result.__dict__)
             else:
@@ -233,6 +270,22 @@ def _run(argv: Optional[List[str]]) -> int:
                          + _first_few(result.skipped))
                 for reason, entries in _by_reason(result.skipped_common).items():
                     _out(f"skipped common state{reason}: " + _first_few(entries))
+            return EXIT_OK
+        if args.command == "export":
+            result = tools.export_checkpoint(
+                args.src, args.out, args.to, strip_prefix=args.strip_prefix, merge_parts=args.merge_parts,
+                config=args.config, max_shard_size=args.max_shard_size, memory_budget=args.memory_budget,
+                overwrite=args.overwrite, trusted=args.trusted, progress=progress,
+            )
+            if args.json:
+                _print_json(result.__dict__)
+            else:
+                _out(f"exported {result.tensors} tensors ({tools.format_size(result.bytes)}) as {result.to} "
+                     f"to {result.output}: {', '.join(result.files)}")
+                if result.merged:
+                    _out(f"merged from parts ({len(result.merged)}): " + ", ".join(result.merged))
+                for what in result.skipped:
+                    _out(f"not exported: {what}")
             return EXIT_OK
         if args.command == "diff":
             report = tools.diff_checkpoints(args.a, args.b, memory_budget=args.memory_budget,

@@ -6,6 +6,11 @@
 * :func:`convert_checkpoint` - streaming conversion between a distributed checkpoint,
   ``torch.save`` files and (HF-style, sharded) safetensors, in both directions.
 * :func:`diff_checkpoints` - keys, shapes, dtypes and max abs difference of two sources.
+* :func:`export_checkpoint` - model weights for stock tools: HF safetensors or a Lightning ``.ckpt``
+  (fused parts merged, optimizer state left out); :func:`export_recipe_object` records at save
+  time what an export without the model's code needs.
+* :func:`import_lightning_checkpoint` - a stock Lightning ``.ckpt`` / DCP directory as a checkpoint the
+  DistCkpt strategies resume from (``convert --to torch_dist`` uses it for such sources).
 
 Nothing here needs a GPU or ``torch.distributed``. Tensor data is streamed: at
 most one *block* of ``memory_budget`` bytes (rows of one tensor, read with
@@ -24,7 +29,10 @@ from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_
 from .common import _no_progress  # noqa: F401 (the CLI's progress factory when bars are off)
 from .convert import ConvertResult, convert_checkpoint
 from .diff import DiffReport, diff_checkpoints
+from .export import ExportError, ExportResult, export_checkpoint
 from .inspect import format_inspect, inspect_checkpoint
+from .lightning_import import ImportResult, import_lightning_checkpoint, stock_lightning_kind
+from .recipe import EXPORT_RECIPE_KEY, export_recipe, export_recipe_object
 from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, detect_kind,
                       open_source, plan_blocks, read_safetensors_header)
 from .verify import VerifyReport, verify_checkpoint
@@ -35,6 +43,8 @@ __all__ = [
     "verify_checkpoint", "VerifyReport",
     "convert_checkpoint", "ConvertResult",
     "diff_checkpoints", "DiffReport",
+    "export_checkpoint", "ExportResult", "ExportError", "export_recipe", "export_recipe_object", "EXPORT_RECIPE_KEY",
+    "import_lightning_checkpoint", "ImportResult", "stock_lightning_kind",
     "detect_kind", "open_source", "plan_blocks", "read_safetensors_header",
     "TensorInfo", "TensorSource", "DistCheckpointSource", "SafetensorsSource", "TorchFileSource",
     "SafetensorsWriter", "TorchSaveWriter",

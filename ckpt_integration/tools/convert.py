@@ -248,6 +248,7 @@ def convert_checkpoint(
     trusted: bool = False,
     nested: bool = False,
     progress: ProgressFactory = _no_progress,
+    module: Any = None,
 ) -> ConvertResult:
     """Convert a checkpoint dir / torch.save file / safetensors file or folder into ``to`` at ``out``.
 
@@ -265,10 +266,23 @@ def convert_checkpoint(
     Tensors are streamed in blocks of at most ``memory_budget`` bytes for the safetensors and
     torch outputs. The torch_dist output of a checkpoint input spills tensors to a temporary file
     next to ``out`` and saves them memory-mapped.
+
+    A stock Lightning checkpoint (``.ckpt`` file or ``ModelParallelStrategy`` DCP directory) converted
+    to ``torch_dist`` / ``zarr`` is imported as a checkpoint the DistCkpt strategies resume from
+    (:func:`~ckpt_integration.tools.lightning_import.import_lightning_checkpoint`, which ``module``
+    is for); the result is then an ``ImportResult`` listing what was ``not_carried``.
     """
     to = to.lower().replace("-", "_")
     if to not in ("safetensors", "torch", "torch_dist", "zarr"):
         raise ValueError(f"unknown output format {to!r}: choose torch, safetensors, torch_dist or zarr")
+    if to in ("torch_dist", "zarr"):
+        from .lightning_import import import_lightning_checkpoint, stock_lightning_kind
+
+        if stock_lightning_kind(src_path, trusted=trusted):
+            return import_lightning_checkpoint(src_path, out, to=to, module=module, overwrite=overwrite,
+                                               trusted=trusted, memory_budget=memory_budget, progress=progress)
+    if module is not None:
+        raise ValueError("module= is for importing stock Lightning checkpoints (--to torch_dist or zarr)")
     max_shard_size = parse_size(max_shard_size)
     budget = parse_size(memory_budget)
     out = os.fspath(out)
