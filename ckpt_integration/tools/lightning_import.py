@@ -36,7 +36,7 @@ import torch
 from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..storage.fs import tensor_buffer
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
-from .convert import ConvertResult, _check_not_source, _check_output, _commit_output, _discard_output, _staging_path
+from .convert import ConvertResult, _check_not_source, _check_output, _commit_output, _discard_output, _disk_usage, _staging_path
 from .sources import DistCheckpointSource, TensorInfo, TensorSource, _MappedFiles, _tensor_from_map
 
 #: Lightning's file of non-tensor state inside a distributed checkpoint directory
@@ -330,6 +330,7 @@ def import_lightning_checkpoint(
     result.tensors = len(tensors)
     result.bytes = sum(t.numel() * t.element_size() for t in tensors)
     result.files = sorted(os.listdir(out))
+    result.file_count, result.file_bytes = _disk_usage(out)
     return result
 
 
