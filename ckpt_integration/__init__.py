@@ -12,6 +12,8 @@ from .errors import (  # noqa: E402
     CorruptCheckpointError,
     DistributedCheckpointingError,
     IncompleteCheckpointError,
+    KeyNotInCheckpointError,
+    KeyPrefixError,
     MismatchError,
     ShardingIntegrityError,
     UnsafeCheckpointError,
@@ -29,8 +31,11 @@ from .mapping import (  # noqa: E402
     apply_factory_merges,
     is_main_replica,
 )
+from .core import check_is_distributed_checkpoint  # noqa: E402
 from .planning.strict import StrictHandling  # noqa: E402
 from .serialization import (  # noqa: E402
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
     load,
     load_common_state_dict,
     load_content_metadata,
@@ -53,6 +58,9 @@ __all__ = [
     "load_plain_tensors",
     "load_content_metadata",
     "remove_sharded_tensors",
+    "check_is_distributed_checkpoint",
+    "get_default_save_sharded_strategy",
+    "get_default_load_sharded_strategy",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",
@@ -71,6 +79,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedCheckpointingError",
     "IncompleteCheckpointError",
+    "KeyNotInCheckpointError",
+    "KeyPrefixError",
     "MismatchError",
     "ShardingIntegrityError",
     "UnsafeCheckpointError",
