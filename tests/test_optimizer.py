@@ -404,9 +404,10 @@ def test_keys_shapes_and_identity_mapping():
     ea = osd["state"][0]["exp_avg"]
     assert ea.key == "optimizer.state.exp_avg.lin.weight" and ea.global_shape == (4, 3)
     assert ea.data is opt.state[model.lin.weight]["exp_avg"]
-    meta = osd["state"][0]["_ckpt_param_state"]
-    assert meta.key == "optimizer.param_state.lin.weight"
-    assert meta.data["scalars"]["step"] == 1 and set(meta.data["tensors"]) == {"exp_avg", "exp_avg_sq"}
+    # scalars are ShardedObjects in their place (Megatron-Core's key scheme), no other entries
+    step = osd["state"][0]["step"]
+    assert isinstance(step, ci.ShardedObject) and step.key == "optimizer.state.step.lin.weight"
+    assert step.data == 1 and set(osd["state"][0]) == {"exp_avg", "exp_avg_sq", "step"}
     assert isinstance(osd["param_groups"][0]["params"], ci.LocalNonpersistentObject)
 
 

@@ -41,7 +41,8 @@ from .sharding import (
     sharding_state_to_optim_state,
 )
 from .state import init_optimizer_state, optimizer_sharded_state_dict
-from .zero import ZeroShardedOptimizer, flat_range_to_boxes
+from ..mapping import flat_range_to_boxes
+from .zero import ZeroShardedOptimizer
 
 __all__ = [
     "DEFAULT_PREFIX",
