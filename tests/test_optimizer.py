@@ -472,6 +472,43 @@ def test_adam_step_scalar_restored_lazily(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
 
 
+def _earlier_version_state(model, opt):
+    """The optimizer sharded state dict as versions before in-place scalars wrote it: tensors
+    under the same keys, scalars and tensor names in one ``param_state`` object per param."""
+    from ckpt_integration.optimizer.sharding import PARAM_META_KEY, _param_object, make_sharded_optimizer_tensor
+
+    msd = model.sharded_state_dict()
+    id_map = get_param_id_to_sharded_param_map(msd, list(model.parameters()))
+    sd = opt.state_dict()
+    state = {}
+    for pid, st in sd["state"].items():
+        tensors = {n: v for n, v in st.items() if v.dim() > 0}
+        entry = {n: make_sharded_optimizer_tensor(id_map[pid], v, f"optimizer.state.{n}") for n, v in tensors.items()}
+        entry[PARAM_META_KEY] = _param_object(f"optimizer.param_state.{id_map[pid].key}", id_map[pid], {
+            "tensors": {n: str(v.dtype).replace("torch.", "") for n, v in tensors.items()},
+            "scalars": {n: v.clone() for n, v in st.items() if v.dim() == 0}})
+        state[pid] = entry
+    sd["state"] = state
+    for g in sd["param_groups"]:
+        g["params"] = ci.LocalNonpersistentObject(g["params"])
+    return {"model": msd, "optimizer": sd}
+
+
+def test_checkpoint_of_an_earlier_version_still_loads(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _steps(model, opt, 2)
+    ci.save(_earlier_version_state(model, opt), tmp_path / "c")
+    model2 = Net()
+    model2.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.7)
+    load_optimizer_state(opt2, model2.sharded_state_dict(), tmp_path / "c")
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert opt2.param_groups[0]["lr"] == 0.1
+
+
 def test_unmatched_parameter_is_named():
     model = Net()
     extra = torch.nn.Parameter(torch.zeros(7))
