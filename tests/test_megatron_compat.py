@@ -440,3 +440,19 @@ SCENARIOS = [
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_two_ranks(two_ranks, scenario):
     _assert_ok(two_ranks, scenario)
+
+
+def test_async_request_scheduled_again_megatron_style(tmp_path):
+    # Megatron-Core: request = save(..., async_sharded_save=True); queue.schedule_async_request(request)
+    from ckpt_integration.execution.async_save import AsyncCallsQueue
+
+    queue = AsyncCallsQueue()
+    try:
+        req = ci.save({"w": ST.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", async_sharded_save=True,
+                      async_queue=queue)
+        assert queue.schedule_async_request(req) == req.call_idx
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert queue.get_num_unfinalized_calls() == 0
+    finally:
+        queue.close()
+    assert torch.equal(ci.load_plain_tensors(tmp_path / "c")["w"], torch.ones(2))
