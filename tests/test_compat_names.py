@@ -163,3 +163,14 @@ def test_megatron_strategy_object_is_accepted(tmp_path):
 
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", get_default_save_sharded_strategy())
     assert ci.get_default_load_sharded_strategy(tmp_path / "c").backend == "torch_dist"
+
+
+def test_megatron_strict_handling_is_accepted(tmp_path):
+    _megatron()
+    from megatron.core.dist_checkpointing.validation import StrictHandling as MStrict
+
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
+    req = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(2)), "v": ci.ShardedTensor.from_rank_offsets("v", torch.empty(1))}
+    out, missing, unexpected = ci.load(req, tmp_path / "c", strict=MStrict.RETURN_ALL)
+    assert unexpected == {"v"} and missing == set() and torch.equal(out["w"], torch.ones(2))
+    assert {m.value for m in MStrict} == {m.value for m in ci.StrictHandling}

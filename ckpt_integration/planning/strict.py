@@ -56,13 +56,16 @@ class StrictHandling(Enum):
 
 
 def parse_strict_flag(strict: Union[str, bool, StrictHandling, None]) -> StrictHandling:
-    """Accept a StrictHandling, its value string, or a bool (True = assume ok, False = log)."""
+    """Accept a StrictHandling, its value string, Megatron-Core's ``StrictHandling`` (same
+    values), or a bool (True = assume ok, False = log)."""
     if isinstance(strict, StrictHandling):
         return strict
     if strict is None or strict is True:
         return StrictHandling.ASSUME_OK_UNEXPECTED
     if strict is False:
         return StrictHandling.LOG_UNEXPECTED
+    if isinstance(getattr(strict, "value", None), str):  # another library's enum of the same values
+        strict = strict.value
     try:
         return StrictHandling(str(strict).lower())
     except ValueError:
