@@ -409,7 +409,57 @@ def _worker(rank: int, world: int, base: str, out: str) -> None:
         ci.save({"d": replicated}, os.path.join(base, "dtensor_replicated"))  # one copy is all there is
 
     _record(results, "sharded_dtensor_in_common_state_refused", sharded_dtensor_in_common_state_refused)
+    _record(results, "optimizer_flow_two_ranks", lambda: _optimizer_flow(m, rank, world, os.path.join(base, "optim")))
     _write_results(out, rank, results)
+
+
+def _optimizer_flow(m, rank: int, world: int, path: str) -> None:
+    """TP-style: rank r holds columns [3r, 3r+3) of a [4, 6] weight (Megatron's classes) and a
+    replicated bias; AdamW state goes through optim_state_to_sharding_state -> save -> load ->
+    load_state_dict with no other call, same layout and resharded (rows), exactly."""
+    torch.manual_seed(rank)
+    w = torch.nn.Parameter(_split(FULL, world, 1)[rank].clone())
+    b = torch.nn.Parameter(BIAS.clone())
+
+    def model_sd(w, b, rows=False):
+        spec = (0, rank, world) if rows else (1, rank, world)
+        return {"w": m.ShardedTensor.from_rank_offsets("w", w, spec), "b": m.ShardedTensor.from_rank_offsets("b", b, replica_id=rank)}
+
+    def request(w, b, opt, rows=False):
+        msd = model_sd(w, b, rows)
+        osd = opt.state_dict()
+        optim_state_to_sharding_state(osd, get_param_id_to_sharded_param_map(msd, [w, b]))
+        return {"model": msd, "optimizer": osd}
+
+    opt = torch.optim.AdamW([w, b], lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        ((w * (step + 1)).sum() ** 2 + (b ** 2).sum()).backward()
+        opt.step()
+    ci.save(request(w, b, opt), path)
+    # same layout: a fresh optimizer with placeholder state, loaded directly
+    w2, b2 = torch.nn.Parameter(torch.zeros_like(w)), torch.nn.Parameter(torch.zeros(3))
+    opt2 = torch.optim.AdamW([w2, b2], lr=1.0)
+    init_optimizer_state(opt2)
+    opt2.load_state_dict(ci.load(request(w2, b2, opt2), path)["optimizer"])
+    assert torch.equal(w2, w) and opt2.param_groups[0]["lr"] == 0.1
+    for p, q in ((w, w2), (b, b2)):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    # resharded: rows instead of columns; compare with the gathered global state
+    full = [torch.empty_like(opt.state[w]["exp_avg"]) for _ in range(world)]
+    dist.all_gather(full, opt.state[w]["exp_avg"].contiguous())
+    w3 = torch.nn.Parameter(torch.zeros(4 // world, 6))
+    opt3 = torch.optim.AdamW([w3, torch.nn.Parameter(torch.zeros(3))], lr=1.0)
+    init_optimizer_state(opt3)
+    opt3.load_state_dict(ci.load(request(w3, opt3.param_groups[0]["params"][1], opt3, rows=True), path)["optimizer"])
+    assert torch.equal(opt3.state[w3]["exp_avg"], _split(torch.cat(full, 1), world, 0)[rank])
+    assert torch.equal(w3, _split(torch.cat([x.detach() for x in _gather(w)], 1), world, 0)[rank])
+
+
+def _gather(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.detach().contiguous())
+    return out
 
 
 def _assert_eq(a, b):
@@ -434,6 +484,7 @@ SCENARIOS = [
     "common_state_differences_logged",
     "key_missing_on_one_rank_is_dcp_exception",
     "sharded_dtensor_in_common_state_refused",
+    "optimizer_flow_two_ranks",
 ]
 
 
