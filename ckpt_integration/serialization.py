@@ -80,7 +80,8 @@ def save(
         preprocess_common_before_consistancy_check: maps the common state to what that
             comparison sees (e.g. drops keys expected to differ); must not modify it.
         content_metadata: a dict stored with the common state; read it back with
-            :func:`load_content_metadata`.
+            :func:`load_content_metadata`. A ``dp_cp_group`` entry (a process group
+            Megatron-Core's sharded_state_dict metadata carries) is left out, as Megatron does.
         async_sharded_save: return at once with an ``AsyncRequest`` after the
             collective planning and a host snapshot of the tensors; the write and
             the commit run in the background (``request.wait()`` to block; errors

@@ -143,6 +143,10 @@ def test_content_metadata_empty_dict_round_trips(tmp_path):
     assert ci.load_content_metadata(tmp_path / "c") == {}
     ci.save({"w": ST.from_rank_offsets("w", torch.ones(1))}, tmp_path / "d")
     assert ci.load_content_metadata(tmp_path / "d") is None
+    # Megatron-Core drops the process group its sharded_state_dict metadata may carry
+    ci.save({"w": ST.from_rank_offsets("w", torch.ones(1))}, tmp_path / "e",
+            content_metadata={"dp_cp_group": torch.distributed.group.WORLD, "singleton_local_shards": True})
+    assert ci.load_content_metadata(tmp_path / "e") == {"singleton_local_shards": True}
 
 
 @pytest.mark.parametrize("make", ["missing", "empty"])
