@@ -13,6 +13,8 @@ from .errors import (  # noqa: E402
     CorruptCheckpointError,
     DistributedCheckpointingError,
     IncompleteCheckpointError,
+    KeyNotInCheckpointError,
+    KeyPrefixError,
     MismatchError,
     ShardingIntegrityError,
     UnsafeCheckpointError,
@@ -30,8 +32,11 @@ from .mapping import (  # noqa: E402
     apply_factory_merges,
     is_main_replica,
 )
+from .core import check_is_distributed_checkpoint  # noqa: E402
 from .planning.strict import StrictHandling  # noqa: E402
 from .serialization import (  # noqa: E402
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
     load,
     load_common_state_dict,
     load_content_metadata,
@@ -55,6 +60,9 @@ __all__ = [
     "load_content_metadata",
     "remove_sharded_tensors",
     "list_checkpoints",
+    "check_is_distributed_checkpoint",
+    "get_default_save_sharded_strategy",
+    "get_default_load_sharded_strategy",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",
@@ -73,6 +81,8 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedCheckpointingError",
     "IncompleteCheckpointError",
+    "KeyNotInCheckpointError",
+    "KeyPrefixError",
     "MismatchError",
     "ShardingIntegrityError",
     "UnsafeCheckpointError",

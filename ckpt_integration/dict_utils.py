@@ -170,3 +170,59 @@ def format_path(path: Path) -> str:
     for p in path:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
     return out or "<root>"
+
+
+def diff(x1: Any, x2: Any, prefix: Path = ()) -> Tuple[list, list, list]:
+    """Recursive comparison of two nested structures (Megatron-Core's ``dict_utils.diff``).
+
+    Returns ``(only_left, only_right, mismatch)``: paths (tuples) present only in ``x1``,
+    only in ``x2``, and ``(path, type(left), type(right))`` for values present in both that
+    differ (tensors and numpy arrays element-wise; sharded values by their ``data``).
+    Lists and tuples are compared position by position; extra positions count as only
+    left/right (as paths, where Megatron-Core gives bare indices).
+
+    Example: ``diff({"a": 1, "b": 2}, {"a": 1, "c": 3, "b": 5})`` ->
+    ``([], [("c",)], [(("b",), int, int)])``
+    """
+    only_left: list = []
+    only_right: list = []
+    mismatch: list = []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1 if k not in x2]
+        only_right = [prefix + (k,) for k in x2 if k not in x1]
+        pairs = [(k, x1[k], x2[k]) for k in x1 if k in x2]
+    elif isinstance(x1, (list, tuple)) and type(x1) is type(x2):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        pairs = list(zip(range(len(x1)), x1, x2))
+    elif type(x1) is type(x2) and hasattr(x1, "replica_id") and hasattr(x1, "data"):
+        return diff(x1.data, x2.data, prefix + (type(x1),))  # a sharded value: compare what it holds
+    else:
+        if _values_differ(x1, x2):
+            mismatch.append((prefix, type(x1), type(x2)))
+        return only_left, only_right, mismatch
+    for k, v1, v2 in pairs:
+        left, right, mis = diff(v1, v2, prefix + (k,))
+        only_left += left
+        only_right += right
+        mismatch += mis
+    return only_left, only_right, mismatch
+
+
+def _values_differ(x1: Any, x2: Any) -> bool:
+    import torch  # local: keep this module importable without torch for docs tooling
+
+    if type(x1) is not type(x2):
+        return True
+    if type(x1).__name__ == "DTensor":  # compare local shards: DTensor ops may be collectives
+        return _values_differ(x1.to_local(), x2.to_local()) or x1.placements != x2.placements
+    if isinstance(x1, torch.Tensor):
+        return x1.shape != x2.shape or x1.dtype != x2.dtype or not torch.equal(x1.cpu(), x2.cpu())
+    if type(x1).__module__ == "numpy" and hasattr(x1, "shape"):
+        import numpy as np
+
+        return x1.shape != x2.shape or not np.array_equal(x1, x2)
+    try:
+        return bool(x1 != x2)
+    except Exception:  # e.g. an ambiguous truth value: treat as different
+        return True

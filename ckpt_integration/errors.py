@@ -9,6 +9,31 @@ class CheckpointingException(Exception):
     """Base class of every checkpointing error (same name as Megatron-Core's)."""
 
 
+def _dcp_checkpoint_exception() -> type:
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # pragma: no cover - torch built without torch.distributed
+        return BaseException
+    return CheckpointException
+
+
+class _DCPCompatible(_dcp_checkpoint_exception()):  # type: ignore[misc]
+    """Mixin: also an instance of ``torch.distributed.checkpoint.api.CheckpointException``.
+
+    Megatron-Core's ``load`` lets DCP's exception escape when a requested key is not in the
+    checkpoint, and DCP raises it on every rank when any rank failed, so code written for
+    them catches that type. DCP's class derives from ``BaseException`` and takes
+    ``(msg, failures)``; ``failures`` (``{rank: (exc, trace)}``) stays empty here since the
+    message names the failing ranks. ``str()`` is our message.
+    """
+
+    def __init__(self, msg: str = "", failures: "dict | None" = None):
+        super().__init__(msg, failures or {})
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class ShardingIntegrityError(CheckpointingException):
     """Shards of a tensor overlap, leave gaps, or disagree on shape/dtype across ranks."""
 
@@ -37,5 +62,18 @@ class MismatchError(CheckpointingException):
     """Requested state dict and checkpoint disagree (keys, shapes, dtypes)."""
 
 
-class DistributedCheckpointingError(CheckpointingException):
-    """A save or load failed on another rank; raised on the healthy ranks with the causes."""
+class DistributedCheckpointingError(CheckpointingException, _DCPCompatible):
+    """A save or load failed on another rank; raised on the healthy ranks with the causes.
+
+    Also a DCP ``CheckpointException`` (what DCP raises on every rank in that case)."""
+
+
+class KeyNotInCheckpointError(MismatchError, _DCPCompatible):
+    """A requested tensor or object is not in the checkpoint (an *unexpected* key, in
+    Megatron-Core's words). Also a DCP ``CheckpointException``, the type Megatron-Core's
+    ``load`` raises there."""
+
+
+class KeyPrefixError(CheckpointingException, ValueError):
+    """A sharded key does not start with the prefix to replace (``replace_prefix_for_sharding``);
+    also a ``ValueError``, as in Megatron-Core."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,6 +32,40 @@ ReplicaId = Union[int, Tuple[int, ...]]
 StateDict = Dict[str, Any]
 ShardedStateDict = Dict[str, Any]
 CkptShardedMetadata = Dict[str, Any]
+
+
+def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """Split the row-major flat range ``[start, end)`` of a tensor of ``shape`` into rectangles.
+
+    Returns ``[(offset, size), ...]`` in flat order; concatenating the boxes' elements in
+    row-major order gives the flat range. Per axis at most a partial first part, a block
+    of whole sub-tensors and a partial last part (3 boxes for 2-D, recursively for N-D).
+
+    Example: ``flat_range_to_boxes((4, 5), 3, 17)`` ->
+    ``[((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]``
+    """
+    shape = tuple(int(s) for s in shape)
+    if start >= end:
+        return []
+    if len(shape) == 0:
+        return [((), ())]
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    row = math.prod(shape[1:])
+    first, first_off = divmod(start, row)
+    last, last_off = divmod(end, row)
+    sub = lambda r, a, b: [((r,) + o, (1,) + s) for o, s in flat_range_to_boxes(shape[1:], a, b)]  # noqa: E731
+    if first == last:
+        return sub(first, first_off, last_off)
+    out = []
+    if first_off:
+        out += sub(first, first_off, row)
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
+    if last_off:
+        out += sub(last, 0, last_off)
+    return out
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:
@@ -74,6 +108,9 @@ class ShardedTensor(ShardedBase):
             pipeline-parallel axis).
         allow_shape_mismatch: on load, the checkpoint's global shape may differ;
             the overlap is loaded and the rest of the local tensor is zero-filled.
+        flattened_range: for a flattened shard (see :meth:`from_rank_offsets_flat`), the
+            ``slice(start, stop)`` of the row-major flattened local shard that ``data``
+            (1-D) holds; ``None`` otherwise.
 
     Example::
 
@@ -103,11 +140,6 @@ class ShardedTensor(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Check that shapes, offsets and data agree; raise naming the key otherwise."""
-        if self.flattened_range is not None:
-            raise CheckpointingException(
-                f"ShardedTensor {self.key!r}: flattened_range is not supported; "
-                "describe the shard with a global offset instead"
-            )
         if not isinstance(self.key, str) or not self.key:
             raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {self.key!r}")
         ndim = len(self.local_shape) + self.prepend_axis_num
@@ -117,11 +149,14 @@ class ShardedTensor(ShardedBase):
                 f"{self.global_offset} must have {ndim} dims (local {self.local_shape} + "
                 f"{self.prepend_axis_num} prepended axes)"
             )
+        if self.flattened_range is not None:
+            self._validate_flattened_range()
         if self.data is not None:
-            if tuple(self.data.shape) != self.local_shape:
+            expected = (self.flat_numel(),) if self.flattened_range is not None else self.local_shape
+            if tuple(self.data.shape) != expected:
+                what = "flattened_range length" if self.flattened_range is not None else "local_shape"
                 raise CheckpointingException(
-                    f"ShardedTensor {self.key!r}: data shape {tuple(self.data.shape)} != "
-                    f"local_shape {self.local_shape}"
+                    f"ShardedTensor {self.key!r}: data shape {tuple(self.data.shape)} != {what} {expected}"
                 )
             if self.data.dtype != self.dtype:
                 raise CheckpointingException(
@@ -134,6 +169,21 @@ class ShardedTensor(ShardedBase):
                     f"ShardedTensor {self.key!r}: local shard [{off}, {off + lsz}) on axis {ax} "
                     f"lies outside the global shape {self.global_shape}"
                 )
+
+    def _validate_flattened_range(self) -> None:
+        fr = self.flattened_range
+        ok = (
+            isinstance(fr, slice)
+            and isinstance(fr.start, int)
+            and isinstance(fr.stop, int)
+            and fr.step in (None, 1)
+            and 0 <= fr.start <= fr.stop <= math.prod(self.local_shape)
+        )
+        if not ok:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: flattened_range {fr} must be a slice(start, stop) with "
+                f"0 <= start <= stop <= {math.prod(self.local_shape)} (the local shard {self.local_shape}, flattened)"
+            )
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
@@ -155,7 +205,9 @@ class ShardedTensor(ShardedBase):
         ``prepend_axis_num`` are the prepended (stacking) axes, of local size 1.
         """
         if flattened_range is not None:
-            raise CheckpointingException(f"{key!r}: flattened_range is not supported")
+            raise CheckpointingException(
+                f"{key!r}: from_rank_offsets builds non-flat shards; use from_rank_offsets_flat for a flattened one"
+            )
         ndim = data.ndim + prepend_axis_num
         global_offset = [0] * ndim
         global_shape = [1] * prepend_axis_num + list(data.shape)
@@ -188,6 +240,41 @@ class ShardedTensor(ShardedBase):
             prepend_axis_num,
             **init_kwargs,
         )
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: Tuple[int, ...],
+        *rank_offsets: Tuple[int, int, int],
+        flattened_range: Optional[slice] = None,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """A *flattened* shard: ``data`` (1-D) is ``flattened_range`` of the local shard of shape
+        ``non_flat_local_shape``, flattened row-major; the local shard is placed by
+        ``rank_offsets`` as in :meth:`from_rank_offsets`.
+
+        This is how a distributed optimizer describes the slice of a parameter that one
+        data-parallel rank owns. It is saved as the rectangles it covers (see
+        :meth:`unflattened`), so the checkpoint is an ordinary one that loads into any
+        layout, flattened or not, and that DCP and Megatron-Core read.
+
+        Example (DP rank r of 2 owns half of the 12 elements of a [3, 4] shard)::
+
+            ShardedTensor.from_rank_offsets_flat("w", flat[6*r:6*r+6], (3, 4), (0, tp_rank, tp),
+                                                 flattened_range=slice(6*r, 6*r+6), replica_id=0)
+        """
+        if flattened_range is None:
+            raise CheckpointingException(
+                f"{key!r}: from_rank_offsets_flat needs flattened_range; use from_rank_offsets for a non-flat shard"
+            )
+        if data.ndim != 1:
+            raise CheckpointingException(f"{key!r}: a flattened shard needs 1-D data, got shape {tuple(data.shape)}")
+        placed = cls.from_rank_offsets(
+            key, torch.empty(tuple(non_flat_local_shape), dtype=data.dtype, device="meta"), *rank_offsets, **init_kwargs
+        )
+        return replace(placed, data=data, flattened_range=flattened_range)
 
     @classmethod
     def from_global_offsets(
@@ -241,15 +328,97 @@ class ShardedTensor(ShardedBase):
         return tuple(slice(o, o + s) for o, s in zip(self.global_offset, self.saved_shape()))
 
     def local_numel(self) -> int:
+        """Elements of the local shard (of the non-flat local shape)."""
         return math.prod(self.local_shape)
+
+    def flat_numel(self) -> int:
+        """Elements in ``data``: the flattened range's length, or the local shard's size."""
+        fr = self.flattened_range
+        return self.local_numel() if fr is None else fr.stop - fr.start
+
+    def unflattened(self) -> List["ShardedTensor"]:
+        """The rectangular shards covered by a flattened shard (``[self]`` for a non-flat one).
+
+        ``flattened_range`` of the row-major flattened local shard is cut into at most a
+        few boxes per axis (:func:`flat_range_to_boxes`); each box's ``data`` is a view into
+        ``data``, so reading into the boxes fills the flat tensor in place. This is how
+        flattened shards are saved and loaded: the checkpoint holds ordinary chunks.
+        """
+        fr = self.flattened_range
+        if fr is None:
+            return [self]
+        p = self.prepend_axis_num
+        flat = self.data.detach() if self.data is not None else None
+        out: List[ShardedTensor] = []
+        pos = 0
+        for off, size in flat_range_to_boxes(self.local_shape, fr.start, fr.stop):
+            n = math.prod(size)
+            data = flat[pos:pos + n].view(size) if flat is not None else None
+            pos += n
+            goff = self.global_offset[:p] + tuple(g + o for g, o in zip(self.global_offset[p:], off))
+            out.append(replace(
+                self, data=data, local_shape=size, global_offset=goff, axis_fragmentations=None, flattened_range=None,
+            ))
+        return out
+
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """Like ``torch.narrow`` on the local shard of every rank (e.g. one half of a fused
+        SwiGLU weight): local shape, global shape and offset shrink by ``length / local size``.
+
+        Needs a regular grid along ``dim`` (the global size and offset are multiples of the
+        local size). A non-flat shard gives one ShardedTensor (``data`` a view); a flattened
+        one gives one per contiguous run of its data inside the narrowed region (none if it
+        does not overlap it; one for ``dim=0``), each with its own ``flattened_range``.
+        """
+        ndim = len(self.local_shape)
+        if not 0 <= dim < ndim:
+            raise CheckpointingException(f"ShardedTensor {self.key!r}: cannot narrow dim {dim} of a {ndim}-D shard")
+        local_len = self.local_shape[dim]
+        if start < 0 or length < 0 or start + length > local_len:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow({dim}, {start}, {length}) is outside the local size {local_len}"
+            )
+        pdim = dim + self.prepend_axis_num
+        gsz, goff = self.global_shape[pdim], self.global_offset[pdim]
+        if local_len == 0 or gsz % local_len or goff % local_len:
+            raise CheckpointingException(
+                f"ShardedTensor {self.key!r}: narrow needs a regular grid of local shards along dim {dim} "
+                f"(global size {gsz} and offset {goff} multiples of the local size {local_len})"
+            )
+        fields = dict(
+            local_shape=tuple(length if a == dim else s for a, s in enumerate(self.local_shape)),
+            global_shape=tuple(gsz // local_len * length if a == pdim else s for a, s in enumerate(self.global_shape)),
+            global_offset=tuple(goff // local_len * length if a == pdim else s for a, s in enumerate(self.global_offset)),
+        )
+        fr = self.flattened_range
+        if fr is None:
+            data = self.data.narrow(dim, start, length) if self.data is not None else None
+            return [replace(self, data=data, **fields)]
+        # flat: per index of the axes before `dim`, the narrowed region is one run of `block`
+        inner = math.prod(self.local_shape[dim + 1:])
+        block, new_block = local_len * inner, length * inner
+        out: List[ShardedTensor] = []
+        if block == 0 or new_block == 0:
+            return out
+        for o in range(fr.start // block, -(-fr.stop // block)):
+            lo = max(fr.start, o * block + start * inner)
+            hi = min(fr.stop, o * block + (start + length) * inner)
+            if lo >= hi:
+                continue
+            new_lo = o * new_block + lo - o * block - start * inner
+            data = self.data[lo - fr.start:hi - fr.start] if self.data is not None else None
+            out.append(replace(self, data=data, flattened_range=slice(new_lo, new_lo + hi - lo), **fields))
+        return out
 
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
 
     def init_data(self, device: Union[str, torch.device] = "cpu", init_fn: Callable = torch.empty) -> None:
-        """Allocate ``data`` (if missing) with the local shape and dtype."""
+        """Allocate ``data`` (if missing) with the local shape (the range's length for a flattened
+        shard) and the dtype."""
         if self.data is None:
-            self.data = init_fn(self.local_shape, dtype=self.dtype, device=device)
+            shape = (self.flat_numel(),) if self.flattened_range is not None else self.local_shape
+            self.data = init_fn(shape, dtype=self.dtype, device=device)
 
     def __str__(self) -> str:
         return f"{type(self).__name__}(key={self.key!r})"

@@ -20,19 +20,14 @@ from .storage import checkpoint_dir as ckdir
 from .storage.filesystem import join, storage_for
 from .storage.backends import read_metadata
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
+from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
 
 PathLike = Union[str, "os.PathLike[str]"]
 LOAD_STRATEGIES = ("local", "fully_parallel", "two_stage")
 
 
 def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
-    if strategy is None:
-        return default
-    if isinstance(strategy, tuple):
-        return strategy[0]
-    if isinstance(strategy, str):
-        return strategy
-    return getattr(strategy, "backend", default)
+    return backend_and_version(strategy, default)[0]
 
 
 def default_thread_count() -> int:
@@ -75,11 +70,18 @@ def save(
             an uncommitted save is cleaned and reused; a committed checkpoint is
             replaced only with ``overwrite=True`` (after the new one is complete).
         sharded_strategy: the backend: ``"torch_dist"`` (default, PyTorch DCP format)
-            or ``"zarr"``, also as ``(name, version)``. ``load`` detects it.
+            or ``"zarr"``, also as ``(name, version)`` or a strategy object with
+            ``backend``/``version`` (:func:`get_default_save_sharded_strategy`, or
+            Megatron-Core's). ``load`` detects it.
         validate_access_integrity: check that every element is saved by exactly
-            one main replica (one small metadata exchange).
+            one main replica (one small metadata exchange), and log on every rank whose
+            common state differs from rank 0's which keys differ (only rank 0's is saved;
+            a digest is compared first, details travel only when it differs).
+        preprocess_common_before_consistancy_check: maps the common state to what that
+            comparison sees (e.g. drops keys expected to differ); must not modify it.
         content_metadata: a dict stored with the common state; read it back with
-            :func:`load_content_metadata`.
+            :func:`load_content_metadata`. A ``dp_cp_group`` entry (a process group
+            Megatron-Core's sharded_state_dict metadata carries) is left out, as Megatron does.
         async_sharded_save: return at once with an ``AsyncRequest`` after the
             collective planning and a host snapshot of the tensors; the write and
             the commit run in the background (``request.wait()`` to block; errors
@@ -98,11 +100,11 @@ def save(
     """
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
-    backend = _backend_from_strategy(sharded_strategy)
-    if backend not in ckdir.SUPPORTED_BACKENDS:
-        raise CheckpointingException(
-            f"unknown sharded backend {backend!r} for save; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}"
-        )
+    backend, version = backend_and_version(sharded_strategy)
+    check_backend(backend, version)
+    if isinstance(content_metadata, dict) and "dp_cp_group" in content_metadata:
+        # Megatron-Core drops the process group it may carry before saving (it cannot be pickled)
+        content_metadata = {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
     kwargs = dict(
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
@@ -112,6 +114,7 @@ def save(
         durable=durable,
         process_group=process_group,
         backend=backend,
+        preprocess_common=preprocess_common_before_consistancy_check,
     )
     if async_sharded_save:
         from .execution.async_save import async_save_torch_dist
@@ -136,12 +139,17 @@ def load(
     process_group: Any = None,
     load_strategy: str = "local",
     memory_budget: int = 1 << 30,
+    strict_dtype: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict``.
 
     Each ShardedTensor says which region of the global tensor this rank wants;
     the saved layout may differ in any way (resharding). Tensors given as
-    ``data`` are filled in place and returned; ``None`` data is allocated.
+    ``data`` are filled in place and returned; ``None`` data is allocated. Data
+    saved in another dtype is cast into the requested one (bf16 saved, fp32
+    requested: fp32 values), as Megatron-Core does; ``strict_dtype=True`` refuses
+    that with :class:`MismatchError` instead. Megatron-Core's own sharded classes
+    are accepted in the request as well.
     The result is the checkpoint's common state merged with the loaded shards,
     ShardedObjects and LocalNonpersistentObjects at their positions, with
     factory merges applied.
@@ -161,6 +169,12 @@ def load(
             per ``process_group`` and broadcast to the ranks that need it; see
             docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
         process_group: the ranks taking part (default: the world).
+        strict_dtype: refuse a dtype that differs from the saved one instead of casting.
+
+    A requested key that is not in the checkpoint raises
+    :class:`~ckpt_integration.errors.KeyNotInCheckpointError` (with the default ``strict``),
+    which is also a ``torch.distributed.checkpoint.api.CheckpointException``, the type
+    Megatron-Core raises there.
     """
     if load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
@@ -182,7 +196,25 @@ def load(
         process_group=process_group,
         load_strategy=load_strategy,
         memory_budget=memory_budget,
+        strict_dtype=strict_dtype,
     )
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    """The strategy object for ``save(..., sharded_strategy=...)`` (Megatron-Core's name).
+
+    Example: ``save(sd, path, get_default_save_sharded_strategy("zarr"))``
+    """
+    return SaveShardedStrategy(backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
+    """The strategy matching the backend ``checkpoint_dir`` was saved with (Megatron-Core's name).
+
+    Example: ``get_default_load_sharded_strategy("ckpt").backend == "torch_dist"``
+    """
+    config = ckdir.read_config(os.fspath(checkpoint_dir))
+    return LoadShardedStrategy(config.sharded_backend, config.sharded_backend_version)
 
 
 def load_common_state_dict(
@@ -253,7 +285,8 @@ def load_content_metadata(
     trusted: bool = False,
     allowed_globals: Optional[Iterable[Any]] = None,
 ) -> Optional[dict]:
-    """The ``content_metadata`` dict given to :func:`save`, or ``None`` if there was none.
+    """The ``content_metadata`` dict given to :func:`save` (``{}`` stays ``{}``), or ``None`` if
+    there was none.
 
     ``trusted`` / ``allowed_globals`` as for :func:`load_common_state_dict` (the content
     metadata lives in the common state).

@@ -404,9 +404,10 @@ def test_keys_shapes_and_identity_mapping():
     ea = osd["state"][0]["exp_avg"]
     assert ea.key == "optimizer.state.exp_avg.lin.weight" and ea.global_shape == (4, 3)
     assert ea.data is opt.state[model.lin.weight]["exp_avg"]
-    meta = osd["state"][0]["_ckpt_param_state"]
-    assert meta.key == "optimizer.param_state.lin.weight"
-    assert meta.data["scalars"]["step"] == 1 and set(meta.data["tensors"]) == {"exp_avg", "exp_avg_sq"}
+    # scalars are ShardedObjects in their place (Megatron-Core's key scheme), no other entries
+    step = osd["state"][0]["step"]
+    assert isinstance(step, ci.ShardedObject) and step.key == "optimizer.state.step.lin.weight"
+    assert step.data == 1 and set(osd["state"][0]) == {"exp_avg", "exp_avg_sq", "step"}
     assert isinstance(osd["param_groups"][0]["params"], ci.LocalNonpersistentObject)
 
 
@@ -469,6 +470,43 @@ def test_adam_step_scalar_restored_lazily(tmp_path):
     _steps(model, opt, 1, seed=5)
     _steps(model2, opt2, 1, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def _earlier_version_state(model, opt):
+    """The optimizer sharded state dict as versions before in-place scalars wrote it: tensors
+    under the same keys, scalars and tensor names in one ``param_state`` object per param."""
+    from ckpt_integration.optimizer.sharding import PARAM_META_KEY, _param_object, make_sharded_optimizer_tensor
+
+    msd = model.sharded_state_dict()
+    id_map = get_param_id_to_sharded_param_map(msd, list(model.parameters()))
+    sd = opt.state_dict()
+    state = {}
+    for pid, st in sd["state"].items():
+        tensors = {n: v for n, v in st.items() if v.dim() > 0}
+        entry = {n: make_sharded_optimizer_tensor(id_map[pid], v, f"optimizer.state.{n}") for n, v in tensors.items()}
+        entry[PARAM_META_KEY] = _param_object(f"optimizer.param_state.{id_map[pid].key}", id_map[pid], {
+            "tensors": {n: str(v.dtype).replace("torch.", "") for n, v in tensors.items()},
+            "scalars": {n: v.clone() for n, v in st.items() if v.dim() == 0}})
+        state[pid] = entry
+    sd["state"] = state
+    for g in sd["param_groups"]:
+        g["params"] = ci.LocalNonpersistentObject(g["params"])
+    return {"model": msd, "optimizer": sd}
+
+
+def test_checkpoint_of_an_earlier_version_still_loads(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _steps(model, opt, 2)
+    ci.save(_earlier_version_state(model, opt), tmp_path / "c")
+    model2 = Net()
+    model2.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.7)
+    load_optimizer_state(opt2, model2.sharded_state_dict(), tmp_path / "c")
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert opt2.param_groups[0]["lr"] == 0.1
 
 
 def test_unmatched_parameter_is_named():

@@ -225,7 +225,11 @@ class AsyncCallsQueue:
 
         Waits first for the oldest request if ``max_in_flight`` are unfinalized
         (raising its error, if it failed; the new request is then not scheduled).
+        A request that is already scheduled (``save(..., async_sharded_save=True)``
+        schedules its own; Megatron-Core code schedules it once more) keeps its index.
         """
+        if async_request.call_idx is not None:
+            return async_request.call_idx
         if self._closed:
             raise RuntimeError("AsyncCallsQueue is closed")
         self._make_room()

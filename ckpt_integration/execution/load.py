@@ -12,19 +12,19 @@ from __future__ import annotations
 import io
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..dict_utils import dict_list_map_inplace, merge
-from ..errors import MismatchError, ShardingIntegrityError
+from ..errors import KeyNotInCheckpointError, MismatchError, ShardingIntegrityError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..planning.boxes import Box, relative_slices
 from ..planning.integrity import validate_sharding_integrity
 from ..planning.reshard import plan_chunk_reads, uncovered_elements
-from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
+from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.backends import open_reader, read_metadata
@@ -71,33 +71,33 @@ def _drop_keys(sharded: Any, keys: Set[str]) -> Any:
 def _handle_strict(
     strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str, rank: int
 ) -> None:
+    """Raise or log a key mismatch, in Megatron-Core's words followed by ours."""
+    report_missing = StrictHandling.requires_global_app_metadata(strict)
+    missing = missing if report_missing else set()
+    if not missing and not unexpected:
+        return
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-        parts = []
-        if unexpected:
-            parts.append(f"requested but not in the checkpoint (unexpected): {sorted(unexpected)}")
-        if missing and strict == StrictHandling.RAISE_ALL:
-            parts.append(f"in the checkpoint but not requested by any rank (missing): {sorted(missing)}")
-        if parts:
-            raise MismatchError(f"rank {rank}: {checkpoint_dir}: " + "; ".join(parts))
-    elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-        if unexpected:
-            logger.warning("%s: requested keys not in the checkpoint (skipped): %s", checkpoint_dir, sorted(unexpected))
-        if missing and strict == StrictHandling.LOG_ALL:
-            logger.warning("%s: checkpoint keys not requested by any rank: %s", checkpoint_dir, sorted(missing))
+        error = KeyNotInCheckpointError if unexpected else MismatchError
+        raise error(f"rank {rank}: {checkpoint_dir}: " + mismatch_message(missing, unexpected))
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        logger.warning("rank %d: %s: %s (skipped)", rank, checkpoint_dir, mismatch_message(missing, unexpected))
 
 
-def _tensor_tasks(sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str) -> Tuple[torch.Tensor, List[ReadTask]]:
+def _tensor_tasks(
+    sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str, strict_dtype: bool = False
+) -> Tuple[torch.Tensor, List[ReadTask]]:
     tmeta = md.state_dict_metadata.get(sh.key)
     if tmeta is None:
-        raise MismatchError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
+        raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
     if not isinstance(tmeta, TensorStorageMetadata):
         raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
     saved_dtype = tmeta.properties.dtype
     saved_shape = tuple(tmeta.size)
-    if saved_dtype != sh.dtype:
+    if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)):
+        why = "strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
         raise MismatchError(
-            f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype}; "
-            "request it with the saved dtype and cast after loading"
+            f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype} ({why}); "
+            "request it with the saved dtype"
         )
     if saved_shape != sh.global_shape and not sh.allow_shape_mismatch:
         raise MismatchError(
@@ -131,8 +131,9 @@ def _tensor_tasks(sh: ShardedTensor, md: Metadata, reader: TorchDistReader, chec
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
         )
     chunk_of = {c.box: c for c in reader.chunks[sh.key]}
+    # read as stored, cast on copy into the requested dtype (like Megatron-Core: bf16 saved, fp32 requested)
     tasks = [
-        ReadTask(sh.key, chunk_of[r.chunk], r.overlap, view[relative_slices(r.overlap, request)], sh.dtype)
+        ReadTask(sh.key, chunk_of[r.chunk], r.overlap, view[relative_slices(r.overlap, request)], saved_dtype)
         for r in reads
     ]
     return host, tasks
@@ -151,6 +152,7 @@ def load_torch_dist(
     process_group: Any = None,
     load_strategy: str = "local",
     memory_budget: int = 1 << 30,
+    strict_dtype: bool = False,
 ) -> Any:
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
@@ -196,6 +198,7 @@ def load_torch_dist(
             job = _prepare_reads(
                 checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
                 requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
+                strict_dtype=strict_dtype,
             )
         except Exception as e:
             local_error, local_exc = _describe(e), e
@@ -267,6 +270,7 @@ class _LoadJob:
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
     requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
+    strict_dtype=False,
 ) -> _LoadJob:
     ckpt_keys = [k for k in md.state_dict_metadata]
     missing: Set[str] = set()
@@ -285,8 +289,16 @@ def _prepare_reads(
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def prepare(sh: Any) -> Any:
+        if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
+            # read into the boxes it covers: views into the flat tensor, which is the result
+            flat = sh.data
+            if flat is None:
+                flat = (torch.zeros if sh.allow_shape_mismatch else torch.empty)(sh.flat_numel(), dtype=sh.dtype)
+            for box in replace(sh, data=flat).unflattened():
+                prepare(box)
+            return flat
         if isinstance(sh, ShardedTensor):
-            host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir)
+            host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
             tasks.extend(ts)
             if sh.data is not None:
                 if sh.data.device.type != "cpu":
@@ -296,7 +308,7 @@ def _prepare_reads(
         if isinstance(sh, ShardedObject):
             meta = md.state_dict_metadata.get(sh.unique_key)
             if not isinstance(meta, BytesStorageMetadata):
-                raise MismatchError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
+                raise KeyNotInCheckpointError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
             raw = reader.read_bytes(sh.unique_key)
             obj = safe_torch_load(
                 io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,

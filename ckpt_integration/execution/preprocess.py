@@ -10,24 +10,19 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..dict_utils import dict_list_map_outplace, extract_matching_values, nested_items
+from ..dict_utils import dict_list_map_inplace, dict_list_map_outplace, extract_matching_values, nested_items
 from ..errors import CheckpointingException
+from ..foreign import convert_foreign, refuse_sharded_looking
 from ..mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
     ShardedTensor,
     ShardedTensorFactory,
-    apply_factories,
     extract_factories,
     is_sharded,
 )
 from ..planning.shards import ShardMeta, replica_tuple
-
-
-def copy_structure(x: Any) -> Any:
-    """New dicts/lists, same leaves."""
-    return dict_list_map_outplace(lambda v: v, x)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -75,7 +70,10 @@ def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
 def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any, Any, Any]:
     """Return ``(sharded, common, nonpersistent, factories, template)`` from a copy of the input.
 
-    ``sharded`` holds ShardedTensors/ShardedObjects at their positions,
+    Other libraries' sharded values (Megatron-Core's classes) are converted to ours first,
+    also where a factory's ``build_fn`` returns them (see :mod:`ckpt_integration.foreign`).
+    ``sharded`` holds ShardedTensors/ShardedObjects at their positions (a flattened
+    ShardedTensor as it is: :func:`local_shards` cuts it into boxes),
     ``common`` everything else that is saved (empty containers included, dict types
     kept), ``nonpersistent`` the unwrapped LocalNonpersistentObjects, ``factories``
     the factories for merging on load, ``template`` the input with factories built
@@ -86,9 +84,9 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
         raise CheckpointingException(
             f"a sharded state dict must be a dict, got {type(sharded_state_dict).__name__}"
         )
-    sd = copy_structure(sharded_state_dict)
+    sd = convert_foreign(sharded_state_dict)
     factories, _ = extract_factories(sd)
-    apply_factories(sd)
+    _build_factories(sd)
     template = sd
     nonpersistent, sd = extract_matching_values(
         sd, lambda v: isinstance(v, LocalNonpersistentObject), return_lists_as_dicts=True
@@ -99,26 +97,32 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
     # {index: value} so that merging on load puts every value back in its slot.
     common = restore_list_types(common, template)
     for path, v in nested_items(common):
-        _refuse_hidden_sharded(v, path)
+        refuse_sharded_looking(v, path)
     return sharded, common, nonpersistent, factories, template
 
 
-def _refuse_hidden_sharded(v: Any, path: Any) -> None:
-    """Sharded values are found in dicts and lists only; one inside a tuple/set (or anywhere
-    else in the common state) would be pickled into common.pt by rank 0 instead of saved."""
-    if isinstance(v, (ShardedBase, ShardedTensorFactory, LocalNonpersistentObject)):
-        raise CheckpointingException(
-            f"{type(v).__name__} {getattr(v, 'key', '')!r} at {path} is not in a dict or list: sharded values must "
-            "sit in dicts and lists of the state dict (a tuple or set would save it as common state from rank 0); "
-            "use a list instead"
-        )
-    if isinstance(v, (tuple, set, frozenset)):
-        for i, x in enumerate(v):
-            _refuse_hidden_sharded(x, f"{path}[{i}]")
+def _build_factories(sd: Any) -> None:
+    """Replace every factory by what it builds (in place), recursively; what a foreign
+    ``build_fn`` returns (Megatron-Core's classes) is converted to ours."""
+
+    def build(x: Any) -> Any:
+        if isinstance(x, ShardedTensorFactory):
+            built = convert_foreign(x.build(), (f"<built by factory {x.key!r}>",))
+            return dict_list_map_inplace(build, built)
+        return x
+
+    dict_list_map_inplace(build, sd)
 
 
 def local_shards(sharded: Any) -> List[ShardedBase]:
-    return [v for _, v in nested_items(sharded)]
+    """Every shard to save or load, a flattened ShardedTensor as the boxes it covers."""
+    out: List[ShardedBase] = []
+    for _, v in nested_items(sharded):
+        if isinstance(v, ShardedTensor) and v.flattened_range is not None:
+            out.extend(v.unflattened())
+        else:
+            out.append(v)
+    return out
 
 
 def restore_list_types(x: Any, template: Any) -> Any:

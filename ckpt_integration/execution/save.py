@@ -23,7 +23,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
@@ -39,6 +39,7 @@ from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
+from .common_check import check_common_consistency
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
 logger = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ def prepare_save(
     durable: bool = True,
     process_group: Any = None,
     backend: str = "torch_dist",
+    preprocess_common: Optional[Callable[[Any], Any]] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -182,6 +184,8 @@ def prepare_save(
     gathered = dist.all_gather_object((local_error, metas, dir_info), group)
     errors = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
     dist.raise_if_any_failed(local_exc, errors, f"save to {checkpoint_dir} failed before writing")
+    if validate_access_integrity:
+        check_common_consistency(common, group, preprocess_common)
     all_metas = [m for g in gathered for m in g[1]]
     write_dir, staging = gathered[0][2]
     if validate_access_integrity:

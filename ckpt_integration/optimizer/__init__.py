@@ -9,11 +9,13 @@ parameter's :class:`~ckpt_integration.ShardedTensor` (or
 ``optimizer.state.exp_avg.decoder.fc1.weight``. Optimizer state therefore
 reshards exactly like the weights (TP/PP/DP changes, fused tensors).
 
-Per parameter, one small :class:`~ckpt_integration.ShardedObject`
-``f"{prefix}.param_state.{param_key}"`` stores the scalar states (``step``) and
-the names/dtypes of the tensor states, so a job whose optimizer has no state yet
-can load without running a training step. ``param_groups`` hyper-parameters are
-common state; their ``params`` lists stay local (``LocalNonpersistentObject``).
+Scalar states (``step``, ...) are :class:`~ckpt_integration.ShardedObject` s under
+the same key scheme, in their place, so the dict ``load`` returns goes straight into
+``optimizer.load_state_dict``. A job whose optimizer has no state yet loads with
+:func:`load_optimizer_state` (names and dtypes from the checkpoint's metadata).
+``param_groups`` hyper-parameters are common state; their ``params`` lists stay
+local (``LocalNonpersistentObject``). One module per job: ``sharding`` (the
+Megatron-compatible helpers), ``state``, ``load``, ``mixed_precision``, ``zero``.
 
 Public names: :func:`get_param_id_to_sharded_param_map`,
 :func:`make_sharded_optimizer_tensor`, :func:`optim_state_to_sharding_state`,
@@ -41,7 +43,8 @@ from .sharding import (
     sharding_state_to_optim_state,
 )
 from .state import init_optimizer_state, optimizer_sharded_state_dict
-from .zero import ZeroShardedOptimizer, flat_range_to_boxes
+from ..mapping import flat_range_to_boxes
+from .zero import ZeroShardedOptimizer
 
 __all__ = [
     "DEFAULT_PREFIX",

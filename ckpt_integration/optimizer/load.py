@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as tdist
 
 from ..dict_utils import nested_values
-from ..mapping import LocalNonpersistentObject, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
+from ..foreign import sharded_kind
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from .sharding import (
     DEFAULT_PREFIX,
     EXTRA_STATE_NAMES,
@@ -19,8 +20,8 @@ from .sharding import (
     OptimizerStateNotFoundError,
     ShardedParam,
     _is_dtensor,
-    _meta_object,
     _names_from_module,
+    _param_object,
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
 )
@@ -95,58 +96,112 @@ def _missing(checkpoint_dir: Any, prefix: str, missing_ok: bool) -> None:
     logger.warning("%s; continuing with fresh optimizer state", msg.split(";")[0])
 
 
-def _two_phase_load(
+def _saved_layout(ckpt_meta: Dict[str, Any], prefix: str) -> Tuple[Dict[str, Dict[str, torch.dtype]], Dict[str, Set[str]], Set[str]]:
+    """What the checkpoint holds under ``prefix``: ``{param part: {tensor state: dtype}}``,
+    ``{param key: {scalar state names}}`` and the param keys with a per-param object of
+    earlier versions. Keys are ``f"{prefix}.state.{name}.{param part}"``; state names hold no dot."""
+    state, legacy_prefix = prefix + ".state.", prefix + ".param_state."
+    tensors: Dict[str, Dict[str, torch.dtype]] = {}
+    objects: Dict[str, Set[str]] = {}
+    legacy: Set[str] = set()
+    for key, v in ckpt_meta.items():
+        if isinstance(v, ShardedObject):
+            if v.key.startswith(legacy_prefix):
+                legacy.add(v.key[len(legacy_prefix):])
+            elif v.key.startswith(state):
+                name, _, part = v.key[len(state):].partition(".")
+                objects.setdefault(part, set()).add(name)
+        elif key.startswith(state):
+            name, _, part = key[len(state):].partition(".")
+            tensors.setdefault(part, {})[name] = v.dtype
+    return tensors, objects, legacy
+
+
+def _param_parts(sp: ShardedParam) -> List[str]:
+    """The keys a param's tensors are stored under: its key, or the keys its factory builds."""
+    if isinstance(sp, ShardedTensor):
+        return [sp.key]
+    built = sp.build_fn(sp.key, sp.data, sp.replica_id, None)
+    return sorted({v.key for v in nested_values(built) if sharded_kind(v) == "ShardedTensor"})
+
+
+def _load_state(
     checkpoint_dir: Any,
     prefix: str,
-    metas: Dict[int, ShardedObject],
+    id_map: Dict[int, ShardedParam],
+    object_request: Callable[[int, str], ShardedObject],
     make_requests: Callable[[int, str, torch.dtype], Any],
     param_groups_template: List[Dict[str, Any]],
     labels: Dict[str, str],
     state_dict_key: str,
     load_kwargs: Dict[str, Any],
 ) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, Dict[str, Any]], List[Dict[str, Any]]]:
-    """Phase 1 reads the per-param meta objects (names, dtypes, scalars); phase 2 the tensors."""
+    """Read every saved state of the params in ``id_map`` in one ``load`` (collective).
+
+    State names and dtypes come from the checkpoint's metadata, so nothing has to exist in
+    the optimizer first. Returns ``(tensor states, scalar states, param groups)``; the
+    scalars are those saved as objects in place, those of an earlier version's per-param
+    object, or Megatron-Core's ``common_step`` (as ``step``).
+    """
     from ..serialization import load, load_sharded_metadata
 
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
-    _raise_mismatch(_gather_problems(_check_requests(metas.values(), ckpt_meta, labels), group), checkpoint_dir, prefix)
-    # the result holds the saved common state too (param_groups, checked below)
-    phase1 = load({state_dict_key: {"state": {pid: {PARAM_META_KEY: m} for pid, m in metas.items()}}},
-                  checkpoint_dir, **load_kwargs)[state_dict_key]
-    loaded_meta = phase1["state"]
-    metas_data = {pid: loaded_meta[pid][PARAM_META_KEY] for pid in metas}
+    tensors, objects, legacy = _saved_layout(ckpt_meta, prefix)
     requests: Dict[int, Dict[str, Any]] = {}
-    flat_requests: List[Any] = []
-    for pid, meta in metas_data.items():
+    scalar_names: Dict[int, Set[str]] = {}
+    checked: List[Any] = []
+    problems: List[str] = []
+    for pid, sp in id_map.items():
+        parts = _param_parts(sp)
+        names: Dict[str, torch.dtype] = {}
+        for part in parts:
+            names.update(tensors.get(part, {}))
+        scalar_names[pid] = objects.get(sp.key, set())
         requests[pid] = {}
-        for name, dtype_name in meta.get("tensors", {}).items():
-            req = make_requests(pid, name, getattr(torch, dtype_name))
-            if req is None:
-                continue
-            requests[pid][name] = req
-            flat_requests.extend(req if isinstance(req, list) else [req])
-    problems = _check_requests(flat_requests, ckpt_meta, labels)
+        if not names and not scalar_names[pid] and sp.key not in legacy:
+            # a param without state at save time is in the checkpoint as a model tensor
+            if not any(part in ckpt_meta for part in parts):
+                problems.append(f"{labels.get(sp.key) or sp.key}: no optimizer state in the checkpoint, nor the "
+                                "parameter itself (renamed?)")
+            continue
+        for name, dtype in sorted(names.items()):
+            req = make_requests(pid, name, dtype)
+            if req is not None:
+                requests[pid][name] = req
+                checked.extend(req if isinstance(req, list) else [req])
+        for name in sorted(scalar_names[pid]):
+            requests[pid][name] = object_request(pid, f"{prefix}.state.{name}.{sp.key}")
+            checked.append(requests[pid][name])
+        if sp.key in legacy:
+            requests[pid][PARAM_META_KEY] = object_request(pid, f"{prefix}.param_state.{sp.key}")
+            checked.append(requests[pid][PARAM_META_KEY])
+    problems += _check_requests(checked, ckpt_meta, labels)
     _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
-    saved_groups = phase1.get("param_groups")
-    if isinstance(saved_groups, (list, dict)) and len(saved_groups) != len(param_groups_template):
+    # the result holds the saved common state too: param_groups (and Megatron's common_step)
+    loaded = load({state_dict_key: {"state": requests}}, checkpoint_dir, **load_kwargs)[state_dict_key]
+    saved_groups = loaded.get("param_groups")
+    if isinstance(saved_groups, dict):
+        saved_groups = [saved_groups[k] for k in sorted(saved_groups)]
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(param_groups_template):
+        count = len(saved_groups) if isinstance(saved_groups, list) else "no"
         raise OptimizerStateMismatchError(
-            f"{os.fspath(checkpoint_dir)}: the checkpoint's optimizer {state_dict_key!r} has {len(saved_groups)} "
+            f"{os.fspath(checkpoint_dir)}: the checkpoint's optimizer {state_dict_key!r} has {count} "
             f"param groups, this optimizer {len(param_groups_template)}: build the optimizer with the same groups"
         )
-    template = {
-        "state": requests,
-        "param_groups": [
-            {"params": LocalNonpersistentObject(g["params"])} for g in param_groups_template
-        ],
-    }
-    loaded = load({state_dict_key: template}, checkpoint_dir, **load_kwargs)[state_dict_key]
-    groups = loaded.get("param_groups", [])
-    if isinstance(groups, dict):
-        groups = [groups[k] for k in sorted(groups)]
-    state = {pid: dict(loaded.get("state", {}).get(pid, {})) for pid in metas}
-    scalars = {pid: dict(m.get("scalars", {})) for pid, m in metas_data.items()}
-    return state, scalars, [dict(g) for g in groups]
+    groups = [{**g, "params": t["params"]} for g, t in zip(saved_groups, param_groups_template)]
+    loaded_state = loaded.get("state", {})
+    common_step = loaded_state.get("common_step")
+    state: Dict[int, Dict[str, Any]] = {}
+    scalars: Dict[int, Dict[str, Any]] = {}
+    for pid in id_map:
+        got = dict(loaded_state.get(pid, {}))
+        meta = got.pop(PARAM_META_KEY, None) or {}
+        scalars[pid] = {**meta.get("scalars", {}), **{n: got.pop(n) for n in scalar_names[pid] if n in got}}
+        if common_step is not None and got and "step" not in scalars[pid]:
+            scalars[pid]["step"] = common_step.clone() if isinstance(common_step, torch.Tensor) else common_step
+        state[pid] = got
+    return state, scalars, groups
 
 
 def _labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor], names: Dict[int, str], prefix: str) -> Dict[str, str]:
@@ -192,9 +247,11 @@ def load_optimizer_state(
 ) -> Optional[Dict[int, Dict[str, torch.Tensor]]]:
     """Load optimizer state from a checkpoint into ``optimizer`` under the current layout.
 
-    Works for an optimizer without state (nothing needs to run first): state names,
-    dtypes and scalars are read from the per-param objects, then every state tensor
-    is read resharded for this rank. Collective: call on every rank.
+    Works for an optimizer without state (nothing needs to run first): state names and
+    dtypes come from the checkpoint's metadata, and every state tensor and scalar is read
+    resharded for this rank in one ``load``. Reads checkpoints written by Megatron-Core's
+    ``optim_state_to_sharding_state`` (``step`` from its ``common_step``) and by earlier
+    versions of this library too. Collective: call on every rank.
 
     Args:
         state_dict_key: where the optimizer sharded state dict sits in the saved dict
@@ -217,9 +274,8 @@ def load_optimizer_state(
     params = _optimizer_params(optimizer)
     identity = list(model_params) if model_params is not None else params
     names = _names_from_module(module, identity)
+    # (a DTensor param with an empty shard on this rank is not in the map: nothing to load here)
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
-    # (a DTensor param with an empty shard on this rank has nothing to load here)
-    metas = {pid: _meta_object(prefix, id_map[pid], None) for pid in range(len(params)) if pid in id_map}
 
     def make_requests(pid: int, name: str, dtype: torch.dtype) -> Any:
         sp = id_map[pid]
@@ -227,9 +283,9 @@ def load_optimizer_state(
         return make_sharded_optimizer_tensor(sp, torch.empty(shape, dtype=dtype), f"{prefix}.state.{name}")
 
     template_groups = optimizer.state_dict()["param_groups"]
-    state, scalars, groups = _two_phase_load(
-        checkpoint_dir, prefix, metas, make_requests, template_groups,
-        _LabelDict(_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
+    state, scalars, groups = _load_state(
+        checkpoint_dir, prefix, id_map, lambda pid, key: _param_object(key, id_map[pid], None), make_requests,
+        template_groups, _LabelDict(_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
     )
     extracted: Dict[int, Dict[str, torch.Tensor]] = {}
     torch_state: Dict[int, Dict[str, Any]] = {}

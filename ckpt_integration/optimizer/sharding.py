@@ -2,8 +2,11 @@
 to, and ``optimizer.state_dict()`` <-> optimizer sharded state dict.
 
 Each per-param tensor state becomes a copy of the parameter's ShardedTensor (or factory) keyed
-``f"{prefix}.state.{state_name}.{param_key}"``; the scalars and tensor-state names of a param go
-into one ShardedObject ``f"{prefix}.param_state.{param_key}"``.
+``f"{prefix}.state.{state_name}.{param_key}"`` (Megatron-Core's keys); each scalar state
+(``step``, ...) a ShardedObject under the same key scheme, in its place, so the dict ``load``
+returns is a plain ``optimizer.state_dict()``. Checkpoints of earlier versions kept the
+scalars in one ShardedObject ``f"{prefix}.param_state.{param_key}"`` per param; they still load
+with :func:`~ckpt_integration.optimizer.load_optimizer_state`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from ..dict_utils import nested_values
 from ..errors import CheckpointingException, MismatchError
+from ..foreign import sharded_kind, to_native
 from ..mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -28,7 +32,7 @@ from ..mapping import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "optimizer"
-#: key of the per-parameter metadata object inside ``state[param_id]``
+#: key of the per-parameter metadata object inside ``state[param_id]`` of earlier versions
 PARAM_META_KEY = "_ckpt_param_state"
 #: state names that are not torch-optimizer state (returned to the caller, never put into torch state)
 EXTRA_STATE_NAMES = ("fp32_param",)
@@ -127,11 +131,11 @@ def get_param_id_to_sharded_param_map(
     param_to_id = get_optim_param_to_id_map(params)
     out: Dict[int, ShardedParam] = {}
     for v in nested_values(model_sharded_state_dict):
-        if not isinstance(v, (ShardedTensor, ShardedTensorFactory)) or not isinstance(v.data, torch.Tensor):
+        if sharded_kind(v) not in ("ShardedTensor", "ShardedTensorFactory") or not isinstance(v.data, torch.Tensor):
             continue
         pid = param_to_id.get(_identity(v.data))
         if pid is not None and pid not in out:
-            out[pid] = v
+            out[pid] = to_native(v)  # Megatron-Core's classes (a Megatron model's state dict) become ours
     # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
     unmatched = [i for i in range(len(params)) if i not in out and not _empty_local_shard(params[i])]
     if unmatched:
@@ -157,6 +161,7 @@ def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.
     Same global shape, offsets, replica_id and prepend_axis_num as the parameter;
     the dtype is ``optim_param``'s (e.g. fp32 state of a bf16 parameter).
     """
+    model_param = to_native(model_param)
     key = f"{prefix}.{model_param.key}"
     if isinstance(model_param, ShardedTensorFactory):
         return replace(model_param, key=key, data=optim_param)
@@ -173,7 +178,7 @@ def _first_built_tensor(sp: ShardedParam, data: Optional[torch.Tensor] = None) -
     if isinstance(sp, ShardedTensor):
         return sp
     built = sp.build_fn(sp.key, sp.data if data is None else data, sp.replica_id, None)
-    tensors = [v for v in nested_values(built) if isinstance(v, ShardedTensor)]
+    tensors = [to_native(v) for v in nested_values(built) if sharded_kind(v) == "ShardedTensor"]
     if not tensors:
         raise CheckpointingException(f"ShardedTensorFactory {sp.key!r} builds no ShardedTensor")
     return min(tensors, key=lambda t: t.key)
@@ -190,13 +195,20 @@ def _is_origin(st: ShardedTensor) -> bool:
     return all(o == 0 for o in st.global_offset[st.prepend_axis_num:])
 
 
-def _meta_object(prefix: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
-    """Per-param object ``{prefix}.param_state.{key}``; saved by the main replica at the origin shard."""
+def _param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+    """A ShardedObject ``key`` that belongs to one param: one grid position per stacked layer
+    (the param's prepended axes), saved by the main replica holding the origin shard."""
     st = _first_built_tensor(sp)
     shape, offset = _meta_grid(st)
     if main is None:
         main = is_main_replica(st.replica_id) and _is_origin(st)
-    return ShardedObject(f"{prefix}.param_state.{sp.key}", data, shape, offset, 0 if main else 1)
+    return ShardedObject(key, data, shape, offset, 0 if main else 1)
+
+
+def _state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+    """A scalar state (``step``, a number, a 0-dim tensor, ...) of one param, saved in its place
+    as ShardedObject ``f"{prefix}.state.{name}.{param_key}"``."""
+    return _param_object(f"{prefix}.state.{name}.{sp.key}", sp, data, main)
 
 
 def _is_split(sp: ShardedParam) -> bool:
@@ -212,35 +224,48 @@ def _is_param_tensor_state(v: Any, param_numel: int) -> bool:
 def optim_state_to_sharding_state(
     optim_state_dict: Dict[str, Any],
     id_to_sharded_param_map: Dict[int, ShardedParam],
-    exclude_keys: Sequence[str] = (),
+    exclude_keys: Union[str, Sequence[str]] = (),
     *,
     prefix: str = DEFAULT_PREFIX,
 ) -> None:
     """Turn ``optimizer.state_dict()`` into a sharded state dict, in place (Megatron-compatible).
 
     Every per-param tensor state with the parameter's number of elements becomes
-    :func:`make_sharded_optimizer_tensor` with prefix ``f"{prefix}.state.{name}"``; scalar
-    states (``step``, 0-dim tensors, numbers) and the list of tensor-state names go into
-    one ShardedObject per param (``state[id][PARAM_META_KEY]``);
-    ``param_groups[*]['params']`` become LocalNonpersistentObjects. States named in
-    ``exclude_keys`` are dropped. A state for a param id missing from the map raises.
+    :func:`make_sharded_optimizer_tensor` keyed ``f"{prefix}.state.{name}.{param_key}"``
+    (Megatron-Core's keys); every other state (``step``, numbers, 0-dim tensors) becomes a
+    ShardedObject under the same key scheme, in its place. ``param_groups[*]['params']``
+    become LocalNonpersistentObjects. States named in ``exclude_keys`` are dropped (a
+    string is tested by ``in``, as in Megatron-Core: ``exclude_keys="step"``). A state for a
+    param id missing from the map raises.
+
+    The dict ``load`` returns for such a request is what ``optimizer.load_state_dict``
+    takes, scalars included; a Megatron-Core-style wrapper that saves
+    ``state["common_step"]`` next to it (with ``exclude_keys="step"``) gets it back there.
+
+    Example::
+
+        osd = optimizer.state_dict()
+        optim_state_to_sharding_state(osd, get_param_id_to_sharded_param_map(model_sd, params))
+        save({"model": model_sd, "optimizer": osd}, path)
+        ...
+        optimizer.load_state_dict(load({"model": model_sd, "optimizer": osd}, path)["optimizer"])
     """
-    sharded_state: Dict[int, Dict[str, Any]] = {}
+    sharded_state: Dict[Any, Any] = {}
     for param_id, param_state in optim_state_dict["state"].items():
+        if not isinstance(param_id, int):  # e.g. Megatron-Core's "common_step": common state
+            sharded_state[param_id] = param_state
+            continue
         sp = id_to_sharded_param_map.get(param_id)
         if sp is None:
             raise UnmatchedParameterError(f"optimizer param id {param_id} does not match any model sharded param")
         numel = sp.data.numel() if isinstance(sp, ShardedTensorFactory) else sp.local_numel()
         entry: Dict[str, Any] = {}
-        tensors: Dict[str, str] = {}
-        scalars: Dict[str, Any] = {}
         for name, value in param_state.items():
             if name in exclude_keys:
                 continue
             value = _local(value)  # DTensor states (FSDP2 / TP params) are saved as this rank's shard
             if _is_param_tensor_state(value, numel):
                 entry[name] = make_sharded_optimizer_tensor(sp, value, f"{prefix}.state.{name}")
-                tensors[name] = str(value.dtype).replace("torch.", "")
             elif isinstance(value, torch.Tensor) and value.dim() > 0 and _is_split(sp):
                 # e.g. Adafactor's row_var/col_var: shaped unlike the param, so it cannot follow the
                 # param's sharding; saved as one object it would silently hand every rank rank 0's copy
@@ -251,8 +276,8 @@ def optim_state_to_sharding_state(
                     "to leave it out of the checkpoint (re-create it after loading), or keep such optimizers on replicated params"
                 )
             else:
-                scalars[name] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-        entry[PARAM_META_KEY] = _meta_object(prefix, sp, {"tensors": tensors, "scalars": scalars})
+                data = value.detach().clone() if isinstance(value, torch.Tensor) else value
+                entry[name] = _state_object(prefix, name, sp, data)
         sharded_state[param_id] = entry
     optim_state_dict["state"] = sharded_state
     for group in optim_state_dict["param_groups"]:
@@ -260,17 +285,22 @@ def optim_state_to_sharding_state(
 
 
 def sharding_state_to_optim_state(loaded: Dict[str, Any], *, extract: Sequence[str] = EXTRA_STATE_NAMES) -> Dict[str, Any]:
-    """Inverse of :func:`optim_state_to_sharding_state` for the dict returned by ``load``.
+    """The optimizer part of a ``load`` result, ready for ``optimizer.load_state_dict``, for the
+    cases a plain ``optimizer.load_state_dict(loaded)`` does not cover.
 
-    Returns a dict for ``optimizer.load_state_dict`` (scalars merged back into each
-    param's state). States named in ``extract`` (default ``fp32_param``) are removed
-    and returned under the extra key ``"extracted"`` (``{param_id: {name: tensor}}``);
-    pop it before calling ``load_state_dict``.
+    States named in ``extract`` (default ``fp32_param``: master weights that are not
+    torch-optimizer state) are removed and returned under the extra key ``"extracted"``
+    (``{param_id: {name: tensor}}``; pop it before calling ``load_state_dict``); a
+    Megatron-Core ``state["common_step"]`` becomes every param's ``step``; a request built
+    by an older version (with per-param ``_ckpt_param_state`` objects) gets its scalars back
+    in place. Param groups given as ``{index: group}`` become a list.
     """
-    state: Dict[int, Dict[str, Any]] = {}
+    state: Dict[Any, Dict[str, Any]] = {}
     extracted: Dict[int, Dict[str, Any]] = {}
     not_loaded: List[str] = []
-    for pid, pstate in loaded.get("state", {}).items():
+    saved_state = dict(loaded.get("state", {}))
+    common_step = saved_state.pop("common_step", None)
+    for pid, pstate in saved_state.items():
         pstate = dict(pstate)
         meta = pstate.pop(PARAM_META_KEY, None) or {}
         lacking = [n for n in meta.get("tensors", {}) if n not in pstate]
@@ -280,6 +310,8 @@ def sharding_state_to_optim_state(loaded: Dict[str, Any], *, extract: Sequence[s
             if name in extract:
                 extracted.setdefault(pid, {})[name] = pstate.pop(name)
         pstate.update(meta.get("scalars", {}))
+        if common_step is not None and pstate and "step" not in pstate:
+            pstate["step"] = common_step.clone() if isinstance(common_step, torch.Tensor) else common_step
         state[pid] = pstate
     if not_loaded:
         # the request had no tensors for these states: the optimizer had no state yet when its

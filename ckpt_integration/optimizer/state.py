@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +15,8 @@ from .sharding import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -100,11 +103,16 @@ def optimizer_sharded_state_dict(
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
     sd = optimizer.state_dict()
     sd["state"] = {pid: dict(s) for pid, s in sd["state"].items()}
+    if not sd["state"] and params and not init_state:
+        logger.warning(
+            "%s has no state yet: its sharded state dict holds no per-parameter state, so a save stores "
+            "none and, used as a load request, it loads none. To load into it, pass init_state=True or "
+            "use load_optimizer_state()", type(optimizer).__name__,
+        )
     for pid, extra in (extra_states or {}).items():
         sd["state"].setdefault(pid, {}).update(extra)
-    for pid in range(len(params)):  # params without state still get their (empty) meta object
-        sd["state"].setdefault(pid, {})
+    for pid in range(len(params)):
         if pid not in id_map and _empty_local_shard(identity[pid]):
-            del sd["state"][pid]  # empty DTensor shard on this rank: the other ranks save this param
+            sd["state"].pop(pid, None)  # empty DTensor shard on this rank: the other ranks save this param
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
     return sd

@@ -3,54 +3,29 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as tdist
 
 from ..errors import CheckpointingException
-from ..mapping import LocalNonpersistentObject, ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, is_main_replica
-from .load import _LabelDict, _labels, _missing, _two_phase_load, has_optimizer_state
-from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, PARAM_META_KEY, _is_origin, _meta_object, get_param_id_to_sharded_param_map
+from ..mapping import (
+    LocalNonpersistentObject,
+    ReplicaId,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    flat_range_to_boxes,
+    is_main_replica,
+)
+from .load import _LabelDict, _labels, _load_state, _missing, has_optimizer_state
+from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, _is_origin, _param_object, get_param_id_to_sharded_param_map
 
 
 # ---------------------------------------------------------------------------------------------
 # ZeRO-1
 # ---------------------------------------------------------------------------------------------
-def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """Split the row-major flat range ``[start, end)`` of a tensor of ``shape`` into rectangles.
-
-    Returns ``[(offset, size), ...]`` in flat order; concatenating the boxes' elements in
-    row-major order gives the flat range. Per axis at most a partial first part, a block
-    of whole sub-tensors and a partial last part (3 boxes for 2-D, recursively for N-D).
-
-    Example: ``flat_range_to_boxes((4, 5), 3, 17)`` ->
-    ``[((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]``
-    """
-    shape = tuple(int(s) for s in shape)
-    if start >= end:
-        return []
-    if len(shape) == 0:
-        return [((), ())]
-    if len(shape) == 1:
-        return [((start,), (end - start,))]
-    row = math.prod(shape[1:])
-    first, first_off = divmod(start, row)
-    last, last_off = divmod(end, row)
-    sub = lambda r, a, b: [((r,) + o, (1,) + s) for o, s in flat_range_to_boxes(shape[1:], a, b)]  # noqa: E731
-    if first == last:
-        return sub(first, first_off, last_off)
-    out = []
-    if first_off:
-        out += sub(first, first_off, row)
-        first += 1
-    if last > first:
-        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
-    if last_off:
-        out += sub(last, 0, last_off)
-    return out
-
-
 def _zero_replica_id(replica_id: ReplicaId) -> ReplicaId:
     """Default for tuples: the data-parallel replica is the last replica_id component (Megatron
     convention). Integers are handled by :meth:`ZeroShardedOptimizer._replica_id`."""
@@ -190,10 +165,11 @@ class ZeroShardedOptimizer:
                 )
         return id_map  # type: ignore[return-value]
 
-    def _meta(self, prefix: str, sp: ShardedTensor, pid: int, data: Any) -> ShardedObject:
+    def _object(self, key: str, sp: ShardedTensor, pid: int, data: Any) -> ShardedObject:
+        """A per-param object (a scalar state), saved by the DP rank owning the param's first element."""
         owner = self.start <= self.offsets[pid] < self.end or (self.numels[pid] == 0 and self.dp_rank == 0)
         main = owner and is_main_replica(self.replica_id_fn(sp.replica_id)) and _is_origin(sp)
-        return _meta_object(prefix, sp, data, main=main)
+        return _param_object(key, sp, data, main=main)
 
     def sharded_state_dict(self, model_sharded_state_dict: ShardedStateDict, *, prefix: str = DEFAULT_PREFIX) -> ShardedStateDict:
         """Optimizer state and fp32 masters in model space (see the class docstring)."""
@@ -207,7 +183,6 @@ class ZeroShardedOptimizer:
                 tensors[name] = v
             else:
                 scalars[name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in tensors.items()}
         state: Dict[int, Dict[str, Any]] = {}
         for pid, sp in id_map.items():
             entry: Dict[str, Any] = {}
@@ -215,7 +190,8 @@ class ZeroShardedOptimizer:
                 pieces = self._pieces(sp, pid, prefix, name, flat)
                 if pieces:
                     entry[name] = pieces
-            entry[PARAM_META_KEY] = self._meta(prefix, sp, pid, {"tensors": dtypes, "scalars": scalars})
+            for name, value in scalars.items():  # the inner optimizer's scalars are every param's
+                entry[name] = self._object(f"{prefix}.state.{name}.{sp.key}", sp, pid, value)
             state[pid] = entry
         groups = []
         for g in self.optimizer.state_dict()["param_groups"]:
@@ -246,7 +222,6 @@ class ZeroShardedOptimizer:
             _missing(checkpoint_dir, prefix, missing_ok)
             return False
         id_map = self._id_map(model_sharded_state_dict)
-        metas = {pid: self._meta(prefix, sp, pid, None) for pid, sp in id_map.items()}
         n_local = self.end - self.start
         buffers: Dict[str, torch.Tensor] = {}
 
@@ -258,8 +233,9 @@ class ZeroShardedOptimizer:
 
         groups_template = self.optimizer.state_dict()["param_groups"]
         labels = _LabelDict(_labels(id_map, self.params, {}, prefix))
-        _, scalars, groups = _two_phase_load(
-            checkpoint_dir, prefix, metas, make_requests, groups_template, labels, state_dict_key, load_kwargs,
+        _, scalars, groups = _load_state(
+            checkpoint_dir, prefix, id_map, lambda pid, key: self._object(key, id_map[pid], pid, None),
+            make_requests, groups_template, labels, state_dict_key, load_kwargs,
         )
         # scalars are identical for all params of a ZeRO optimizer; take the first one available
         # (every rank reads every param's object, so all ranks agree)

@@ -56,13 +56,16 @@ class StrictHandling(Enum):
 
 
 def parse_strict_flag(strict: Union[str, bool, StrictHandling, None]) -> StrictHandling:
-    """Accept a StrictHandling, its value string, or a bool (True = assume ok, False = log)."""
+    """Accept a StrictHandling, its value string, Megatron-Core's ``StrictHandling`` (same
+    values), or a bool (True = assume ok, False = log)."""
     if isinstance(strict, StrictHandling):
         return strict
     if strict is None or strict is True:
         return StrictHandling.ASSUME_OK_UNEXPECTED
     if strict is False:
         return StrictHandling.LOG_UNEXPECTED
+    if isinstance(getattr(strict, "value", None), str):  # another library's enum of the same values
+        strict = strict.value
     try:
         return StrictHandling(str(strict).lower())
     except ValueError:
@@ -78,3 +81,25 @@ def mismatched_keys(
     unexpected = set(requested_local) - ckpt
     missing = ckpt - set(requested_global)
     return missing, unexpected
+
+
+def mismatch_message(missing: Iterable[str], unexpected: Iterable[str]) -> str:
+    """Megatron-Core's words for a key mismatch ("Missing keys" / "Unexpected keys"), then ours.
+
+    Example: ``"Unexpected keys (not found in the checkpoint) encountered in the provided
+    sharded state dict. Unexpected keys (for this rank): ['b']. ..."``
+    """
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    titles, bodies = [], []
+    if missing:
+        titles.append("Some keys found in the checkpoint are missing in the provided sharded state dict.")
+        bodies.append(f"Missing keys (for all ranks): {missing}.")
+    if unexpected:
+        titles.append("Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict.")
+        bodies.append(f"Unexpected keys (for this rank): {unexpected}.")
+    ours = []
+    if unexpected:
+        ours.append("unexpected = requested but not in the checkpoint")
+    if missing:
+        ours.append("missing = in the checkpoint but requested by no rank")
+    return " ".join(titles + bodies) + f" ({'; '.join(ours)})"

@@ -126,7 +126,8 @@ def read_config(directory: str) -> CheckpointingConfig:
     storage, directory = storage_for(directory)
     if not storage.exists(directory):
         raise CheckpointNotFoundError(
-            f"checkpoint directory {directory} does not exist" + interrupted_overwrite_hint(directory)
+            f"{directory} is not a distributed checkpoint: checkpoint directory {directory} does not exist"
+            + interrupted_overwrite_hint(directory)
         )
     if not storage.isdir(directory):
         raise CheckpointNotFoundError(
@@ -136,10 +137,10 @@ def read_config(directory: str) -> CheckpointingConfig:
     if not storage.exists(path):
         if looks_like_partial_save(directory):
             raise IncompleteCheckpointError(
-                f"{directory} holds an incomplete checkpoint: it has data files but no {CONFIG_FILE} "
+                f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint, with data files but no {CONFIG_FILE} "
                 "commit marker, so the save that wrote it did not finish; use an earlier checkpoint"
             )
-        raise CheckpointNotFoundError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}")
+        raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
     try:
         raw = json.loads(storage.read_bytes(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -1,0 +1,84 @@
+"""Warn when the common state differs between ranks (it is saved from rank 0 only).
+
+Megatron-Core broadcasts rank 0's common state at every save and diffs it on every
+other rank. Here each rank hashes its common state and one tiny ``all_gather`` of the
+digests decides; rank 0's common state travels (one broadcast) only when some digest
+differs, and then each differing rank logs, in Megatron-Core's words, which keys exist
+only on rank 0, only on that rank, or differ. Nothing is raised: rank 0's copy is
+what gets saved, as in Megatron-Core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import pickle
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..dict_utils import diff
+from . import dist
+
+logger = logging.getLogger(__name__)
+
+
+def _comparable(x: Any) -> Any:
+    """The common state with every DTensor replaced by its local tensor: comparing or pickling
+    a DTensor may run collectives, which only some ranks would enter here."""
+    if isinstance(x, dict):
+        return {k: _comparable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_comparable(v) for v in x) if type(x) in (list, tuple) else x
+    if type(x).__name__ == "DTensor" and hasattr(x, "to_local"):
+        return x.to_local()
+    return x
+
+
+def _digest(common: Any) -> Optional[bytes]:
+    """A hash of the pickled common state; ``None`` if it cannot be pickled (then the save
+    itself reports it) so that every rank still takes part in the collectives below."""
+    try:
+        return hashlib.blake2b(pickle.dumps(common, protocol=4), digest_size=16).digest()
+    except Exception:  # noqa: BLE001 - reported by the save, not by this check
+        return None
+
+
+def check_common_consistency(
+    common: Any, group: Any = None, preprocess: Optional[Callable[[Any], Any]] = None
+) -> None:
+    """Collective: log on every rank != 0 how its common state differs from rank 0's.
+
+    ``preprocess`` (Megatron-Core's ``preprocess_common_before_consistancy_check``) maps
+    the common state to what is compared, e.g. to drop keys expected to differ; it must
+    not modify its argument. Costs one hash per rank and one all_gather of 16 bytes when
+    the states agree.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    view = _comparable(preprocess(common) if preprocess is not None else common)
+    digests = dist.all_gather_object(_digest(view), group)
+    if all(d == digests[0] for d in digests) and digests[0] is not None:
+        return
+    rank = dist.get_rank(group)
+    payload = None
+    if rank == 0:
+        try:
+            buf = io.BytesIO()
+            torch.save(view, buf)
+            payload = buf.getvalue()
+        except Exception:  # noqa: BLE001 - the save reports an unpicklable common state
+            payload = None
+    payload = dist.broadcast_object(payload, src=dist.coordinator_rank(group), group=group)
+    if rank == 0 or payload is None or digests[rank] == digests[0]:
+        return
+    # rank 0's common state, from this job: trusted like the local one
+    rank0 = torch.load(io.BytesIO(payload), weights_only=False)
+    only_rank0, only_here, mismatch = diff(rank0, view)
+    if only_rank0 or only_here or mismatch:
+        logger.warning(
+            "Rank %d common state dict differs from rank 0 common state dict. Keys only on rank 0: %s, "
+            "Keys only on %d: %s, Mismatched keys: %s (only rank 0's common state is saved)",
+            rank, only_rank0, rank, only_here, mismatch,
+        )

@@ -1,0 +1,85 @@
+"""Strategy objects for ``save``/``load``'s ``sharded_strategy`` argument (Megatron-Core's names).
+
+Megatron-Core passes strategy objects that carry the backend and its format version;
+code written for it builds them with ``get_default_save_sharded_strategy()`` /
+``get_default_load_sharded_strategy(dir)`` and reads ``backend`` / ``version``. Here a
+strategy only names the backend: how the work is parallelised is chosen by ``save`` /
+``load`` arguments (``balance``, ``thread_count``, ``load_strategy``), see
+``docs/strategies.md``. A string (``"zarr"``) or a tuple (``("torch_dist", 1)``) works as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+from .errors import CheckpointingException, UnsupportedCheckpointError
+from .storage.checkpoint_dir import SUPPORTED_BACKENDS
+
+
+@dataclass
+class SaveShardedStrategy:
+    """The backend ``save`` writes tensors with: ``"torch_dist"`` (DCP format) or ``"zarr"``.
+
+    Example: ``save(sd, path, sharded_strategy=SaveShardedStrategy("zarr"))``
+    """
+
+    backend: str = "torch_dist"
+    version: int = 1
+    #: read by Megatron-Core code: objects are saved by the sharded backend itself
+    can_handle_sharded_objects: bool = True
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend, self.version)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.backend}, {self.version})"
+
+
+@dataclass
+class LoadShardedStrategy:
+    """The backend ``load`` expects; :func:`~ckpt_integration.serialization.get_default_load_sharded_strategy`
+    returns the one a checkpoint was written with.
+
+    Example: ``load(request, path, sharded_strategy=get_default_load_sharded_strategy(path))``
+    """
+
+    backend: str = "torch_dist"
+    version: int = 1
+    can_handle_sharded_objects: bool = True
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend, self.version)
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise if the checkpoint was written by another backend."""
+        if loaded_backend != self.backend:
+            raise CheckpointingException(f"strategy for {self.backend!r} cannot load a {loaded_backend!r} checkpoint")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise if the checkpoint's format version cannot be read."""
+        check_backend(self.backend, loaded_version)
+
+
+def check_backend(backend: Any, version: Any = 1) -> None:
+    """Raise :class:`UnsupportedCheckpointError` for an unknown backend or format version."""
+    versions = SUPPORTED_BACKENDS.get(backend) if isinstance(backend, str) else None
+    if versions is None:
+        raise UnsupportedCheckpointError(f"unknown sharded backend {backend!r}; supported: {sorted(SUPPORTED_BACKENDS)}")
+    if version not in versions:
+        raise UnsupportedCheckpointError(f"{backend} format version {version!r} is not supported (supported: {list(versions)})")
+
+
+def backend_and_version(strategy: Any, default: str = "torch_dist") -> Tuple[str, int]:
+    """``(backend, version)`` of a strategy given as ``None``, a name, a ``(name, version)`` tuple
+    or an object with ``backend``/``version`` attributes (ours or Megatron-Core's)."""
+    if strategy is None:
+        return default, 1
+    if isinstance(strategy, str):
+        return strategy, 1
+    if isinstance(strategy, tuple):
+        return strategy[0], (strategy[1] if len(strategy) > 1 else 1)
+    return getattr(strategy, "backend", default), getattr(strategy, "version", 1)
+
+
+__all__ = ["SaveShardedStrategy", "LoadShardedStrategy", "check_backend", "backend_and_version"]

@@ -1,0 +1,176 @@
+"""Megatron-Core ``dist_checkpointing`` names provided here: ``utils``, ``dict_utils.diff``,
+``core``, the strategy getters, and the top-level ``check_is_distributed_checkpoint``.
+
+Where Megatron-Core is installed, results are compared with its own functions on the
+same inputs; the ``utils`` helpers are checked on our classes and on Megatron's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import core, utils
+from ckpt_integration.dict_utils import diff
+from ckpt_integration.errors import CorruptCheckpointError, KeyPrefixError
+
+
+def _megatron():
+    from tests.test_interop import _import_megatron
+
+    return _import_megatron().dist_checkpointing
+
+
+def _classes(which):
+    if which == "ours":
+        return ci.ShardedTensor, ci.ShardedObject, ci.ShardedTensorFactory, ci.LocalNonpersistentObject
+    m = _megatron()
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    return m.ShardedTensor, m.ShardedObject, ShardedTensorFactory, m.LocalNonpersistentObject
+
+
+def _state(which):
+    ST, SO, STF, LNO = _classes(which)
+    t = ST.from_rank_offsets("dec.w", torch.ones(2, 2))
+    f = STF("dec.qkv", torch.ones(3), lambda k, d, r, fr: [ST.from_rank_offsets(f"{k}.q", d)], lambda x: x[0])
+    return {
+        "model": {"w": t, "qkv": f, "extra": [SO("dec.rng", 1, (1,), (0,)), 5]},
+        "opt": {"params": LNO([0, 1]), "lr": 0.1},
+    }
+
+
+@pytest.mark.parametrize("which", ["ours", "megatron"])
+def test_extract_helpers(which):
+    sd = _state(which)
+    tensors, rest = utils.extract_sharded_tensors(sd)
+    assert list(tensors) == ["model"] and list(tensors["model"]) == ["w"]
+    assert rest["opt"]["lr"] == 0.1 and "qkv" in rest["model"]
+    tf, _ = utils.extract_sharded_tensors_and_factories(sd)
+    assert sorted(tf["model"]) == ["qkv", "w"]
+    tfn, rest = utils.extract_sharded_tensors_or_nonpersistent(sd)
+    assert sorted(tfn["model"]) == ["qkv", "w"] and "params" in tfn["opt"] and rest["opt"] == {"lr": 0.1}
+    base, rest = utils.extract_sharded_base(sd)
+    assert sorted(base["model"]) == ["extra", "qkv", "w"] and rest["model"]["extra"] == [5]
+    nonp, rest = utils.extract_nonpersistent(sd)
+    assert list(nonp) == ["opt"] and "params" not in rest["opt"]
+
+
+@pytest.mark.parametrize("which", ["ours", "megatron"])
+def test_prefix_helpers(which):
+    sd = _state(which)
+    utils.add_prefix_for_sharding(sd, "m.")
+    keys = lambda: sorted(v.key for v in (sd["model"]["w"], sd["model"]["qkv"], sd["model"]["extra"][0]))  # noqa: E731
+    assert keys() == ["m.dec.qkv", "m.dec.rng", "m.dec.w"]
+    utils.replace_prefix_for_sharding(sd, "m.dec.", "decoder.")
+    assert keys() == ["decoder.qkv", "decoder.rng", "decoder.w"]
+    with pytest.raises(KeyPrefixError, match=r"'decoder\.w'.*'x\.'") as e:
+        utils.replace_prefix_for_sharding(sd, "x.", "y.")
+    assert isinstance(e.value, ValueError)  # what Megatron-Core raises
+    utils.apply_prefix_mapping(sd, {"decoder.q": "attn.q", "decoder.": "never.", "zzz": "no"})
+    assert keys() == ["attn.qkv", "never.rng", "never.w"]
+
+
+def test_megatron_and_our_helpers_agree():
+    _megatron()
+    import megatron.core.dist_checkpointing.utils as mutils
+
+    which = "megatron"  # Megatron's helpers recognise Megatron's classes only
+    for name in ("extract_sharded_tensors", "extract_sharded_tensors_and_factories", "extract_sharded_base",
+                 "extract_nonpersistent", "extract_sharded_tensors_or_nonpersistent"):
+        a, b = getattr(utils, name)(_state(which)), getattr(mutils, name)(_state(which))
+        assert repr(_shape(a)) == repr(_shape(b)), name
+
+
+def _shape(x):
+    if isinstance(x, dict):
+        return {k: _shape(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shape(v) for v in x)
+    return type(x).__name__
+
+
+DIFF_CASES = [
+    ({"a": 1, "b": {"c": 2}}, {"a": 1, "b": {"c": 2}}),
+    ({"a": 1, "b": 2}, {"a": 1, "c": 3, "b": 5}),
+    ({"t": torch.ones(3), "n": {"x": "s"}}, {"t": torch.tensor([1.0, 2, 1]), "n": {"x": "s", "y": None}}),
+    ({"l": [1, {"k": 2}], "o": 4}, {"l": [1, {"k": 3}], "p": 4}),
+]
+
+
+@pytest.mark.parametrize("x1, x2", DIFF_CASES)
+def test_diff_matches_megatron(x1, x2):
+    only_left, only_right, mismatch = diff(x1, x2)
+    mdict = pytest.importorskip("megatron.core.dist_checkpointing.dict_utils")
+    ml, mr, mm = mdict.diff(x1, x2)
+    assert sorted(only_left) == sorted(ml) and sorted(only_right) == sorted(mr)
+    assert sorted((m[0], m[1], m[2]) for m in mismatch) == sorted((m[0], m[1], m[2]) for m in mm)
+
+
+def test_diff_lists_tuples_and_sharded():
+    assert diff([1, 2, 3], [1, 2]) == ([(2,)], [], [])
+    assert diff({"t": (1, 2)}, {"t": (1, 3)})[2] == [(("t", 1), int, int)]
+    assert diff({"a": [1]}, {"a": (1,)})[2] == [(("a",), list, tuple)]
+    a = ci.ShardedObject("o", {"x": 1}, (1,), (0,))
+    b = ci.ShardedObject("o", {"x": 2, "y": 0}, (1,), (0,))
+    assert diff(a, b) == ([], [(ci.ShardedObject, "y")], [((ci.ShardedObject, "x"), int, int)])
+
+
+def test_check_is_distributed_checkpoint_and_config(tmp_path):
+    assert not ci.check_is_distributed_checkpoint(tmp_path / "missing")
+    assert not ci.check_is_distributed_checkpoint(tmp_path)  # empty
+    assert core.maybe_load_config(tmp_path) is None and core.maybe_load_config("") is None
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", sharded_strategy="zarr")
+    assert ci.check_is_distributed_checkpoint(tmp_path / "c")
+    cfg = core.maybe_load_config(str(tmp_path / "c"))
+    assert cfg == core.CheckpointingConfig("zarr", 1, "torch", 1) and core.CONFIG_FNAME == "metadata.json"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "metadata.json").write_text("{nope")
+    with pytest.raises(CorruptCheckpointError):  # damaged: not passed off as "not a checkpoint"
+        core.maybe_load_config(tmp_path / "bad")
+    core.save_config(core.CheckpointingConfig("torch_dist"), tmp_path / "bad")
+    assert json.loads((tmp_path / "bad" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+
+
+def test_megatron_reads_our_config_the_same(tmp_path):
+    mcore = pytest.importorskip("megatron.core.dist_checkpointing.core")
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
+    assert mcore.check_is_distributed_checkpoint(str(tmp_path / "c")) == ci.check_is_distributed_checkpoint(tmp_path / "c")
+    assert mcore.maybe_load_config(str(tmp_path / "c")).__dict__ == core.maybe_load_config(tmp_path / "c").__dict__
+
+
+def test_default_strategies(tmp_path):
+    s = ci.get_default_save_sharded_strategy()
+    assert (s.backend, s.version, s.can_handle_sharded_objects) == ("torch_dist", 1, True)
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c",
+            ci.get_default_save_sharded_strategy("zarr"))
+    loader = ci.get_default_load_sharded_strategy(tmp_path / "c")
+    assert (loader.backend, loader.version) == ("zarr", 1)
+    out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(2))}, tmp_path / "c", loader)
+    assert torch.equal(out["w"], torch.ones(2))
+    with pytest.raises(ci.CheckpointingException, match="'torch_dist'"):
+        ci.load({}, tmp_path / "c", ci.get_default_save_sharded_strategy())
+    with pytest.raises(ci.UnsupportedCheckpointError, match="version 2"):
+        ci.get_default_save_sharded_strategy("torch_dist", 2)
+
+
+def test_megatron_strategy_object_is_accepted(tmp_path):
+    _megatron()
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", get_default_save_sharded_strategy())
+    assert ci.get_default_load_sharded_strategy(tmp_path / "c").backend == "torch_dist"
+
+
+def test_megatron_strict_handling_is_accepted(tmp_path):
+    _megatron()
+    from megatron.core.dist_checkpointing.validation import StrictHandling as MStrict
+
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
+    req = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(2)), "v": ci.ShardedTensor.from_rank_offsets("v", torch.empty(1))}
+    out, missing, unexpected = ci.load(req, tmp_path / "c", strict=MStrict.RETURN_ALL)
+    assert unexpected == {"v"} and missing == set() and torch.equal(out["w"], torch.ones(2))
+    assert {m.value for m in MStrict} == {m.value for m in ci.StrictHandling}
