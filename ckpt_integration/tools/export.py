@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointingException
+from ..optimizer import DEFAULT_PREFIX
 from ..planning.boxes import Box
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
 from .convert import _check_not_source, _check_output, _commit_output, _discard_output, _staging_path, _write_safetensors
@@ -136,11 +137,15 @@ class _DictSource(TensorSource):
 
 # --------------------------------------------------------------------------- what a checkpoint holds
 def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> List[str]:
-    """Prefixes of the optimizer states: from the Lightning marker and from the per-param
-    ``{prefix}.param_state.{key}`` objects that :mod:`ckpt_integration.optimizer` writes."""
+    """Prefixes of the optimizer states: from the Lightning marker, the default prefix
+    (``optimizer.state.*`` tensors and scalar objects, as :mod:`ckpt_integration.optimizer` and
+    Megatron-Core write them) and the per-param ``{prefix}.param_state.{key}`` objects of
+    checkpoints written before scalars were stored in place."""
     prefixes = {"optimizer" if i == 0 else f"optimizer_{i}" for i in range(int(marker.get("num_optimizers") or 0))}
-    for unique in src.objects:
-        key = unique.rpartition("/shard_")[0] or unique
+    keys = [u.rpartition("/shard_")[0] or u for u in src.objects] + list(src.tensors)
+    if any(k.startswith(DEFAULT_PREFIX + ".state.") for k in keys):
+        prefixes.add(DEFAULT_PREFIX)
+    for key in keys:
         if ".param_state." in key:
             prefixes.add(key.split(".param_state.", 1)[0])
     return sorted(prefixes)
@@ -262,7 +267,9 @@ def _model_objects(src: DistCheckpointSource, prefixes: Sequence[str]) -> List[s
     out = []
     for unique in src.objects:
         key = unique.rpartition("/shard_")[0] or unique
-        if key in (EXPORT_RECIPE_KEY, "lightning.rng_states") or any(key.startswith(p + ".param_state.") for p in prefixes):
+        if key in (EXPORT_RECIPE_KEY, "lightning.rng_states") or any(
+            key.startswith((p + ".state.", p + ".param_state.")) for p in prefixes
+        ):
             continue
         out.append(key)
     return sorted(set(out))

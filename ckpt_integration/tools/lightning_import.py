@@ -9,8 +9,8 @@ Two inputs (detected by :func:`stock_lightning_kind`, used by ``convert --to tor
 
 The output is what a DistCkpt strategy would have saved from the same state: model tensors
 under their ``state_dict`` names (dict path ``state_dict -> name``), optimizer state as
-``optimizer.state.<state>.<param key>`` tensors and ``optimizer.param_state.<param key>``
-objects, the rest of Lightning's dict as common state, and the strategy's marker.
+``optimizer.state.<state>.<param key>`` tensors (scalars such as ``step`` as
+objects under the same names), the rest of Lightning's dict as common state, and the strategy's marker.
 
 What needs the LightningModule (``module=``): a stock ``.ckpt`` numbers optimizer state by
 parameter *position* (``configure_optimizers`` order), which the file alone cannot map to
