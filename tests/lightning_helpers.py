@@ -87,17 +87,30 @@ class TinyModule(L.LightningModule):
         if mesh is not None and mesh["data_parallel"].size() > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self.net, mesh=mesh["data_parallel"])
+            fully_shard(self.net, mesh=mesh["data_parallel"])  # every parameter: FSDP2 keeps them in sync
+            fully_shard(self.counter.lin, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: Any, idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = ((self.net(self.counter.lin(x)) - y) ** 2).mean()
+        loss = self._loss(batch)
         self.metric.update(loss.detach())
         self.counter.calls += 1
         self.counter.history.append(int(self.global_step))
         self.net.format_version = int(self.global_step) + 1
         self.log("train_loss", loss.detach())
         return loss
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return ((self.net(self.counter.lin(x)) - y) ** 2).mean()
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def test_step(self, batch: Any, idx: int) -> None:
+        self.log("test_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, idx: int) -> torch.Tensor:
+        return self.net(self.counter.lin(batch[0]))
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)

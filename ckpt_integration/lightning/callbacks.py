@@ -89,6 +89,11 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             return
         if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
             self._last_checkpoint_saved = ""  # nothing saved at this step to link to: write last.ckpt itself
+            link = self.last_model_path
+            if link and trainer.strategy.broadcast(os.path.islink(link)):
+                if trainer.is_global_zero:  # replace the link to an older checkpoint, not the checkpoint it names
+                    os.remove(link)
+                trainer.strategy.barrier()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
 

@@ -82,23 +82,41 @@ class _Source:
             from torch.distributed.checkpoint import FileSystemReader
 
             self.reader = FileSystemReader(path)
-            self.metadata = self.reader.read_metadata().state_dict_metadata
+            md = self.reader.read_metadata()
+            self.metadata = md.state_dict_metadata
+            # DCP flattens nested values (an extra-state dict becomes one item per entry); its planner
+            # data maps every stored key back to its path in the saved dict
+            mappings = md.planner_data if isinstance(md.planner_data, dict) else {}
+            self.paths = {k: tuple(mappings.get(k, tuple(k.split(".", 1)))) for k in self.metadata}
             self.rest = safe_torch_load(os.path.join(path, LIGHTNING_META), trusted=trusted,
                                         allowed_globals=allowed_globals, what=os.path.join(path, LIGHTNING_META))
-            self.model = {k[len("state_dict."):]: k for k in self.metadata if k.startswith("state_dict.")}
+            self.model = {}
+            for k, p in self.paths.items():
+                if p[0] == "state_dict" and len(p) > 1:
+                    self.model.setdefault(p[1], []).append((k, p[2:]))
             self.optimizer_states = None
 
     def model_values(self, keys: List[str]) -> Dict[str, Any]:
         """The whole tensors (or other values) saved for the module keys ``keys`` (read at once)."""
         if self.layout == "file":
             return {k: self.model[k] for k in keys}
-        read = self._read([self.model[k] for k in keys])
-        return {k: read[self.model[k]] for k in keys}
+        read = self._read([fqn for k in keys for fqn, _ in self.model[k]])
+        out: Dict[str, Any] = {}
+        for k in keys:
+            parts = self.model[k]
+            if len(parts) == 1 and not parts[0][1]:
+                out[k] = read[parts[0][0]]
+                continue
+            nested: Dict[Any, Any] = {}
+            for fqn, sub in parts:
+                _set_path(nested, sub, read[fqn])
+            out[k] = _lists(nested)
+        return out
 
     def has_optimizer_states(self) -> bool:
         if self.layout == "file":
             return self.optimizer_states is not None
-        return "optimizer_0.param_groups" in self.metadata
+        return any(p[:2] == ("optimizer_0", "param_groups") for p in self.paths.values())
 
     def _read(self, keys: List[str]) -> Dict[str, Any]:
         """Whole values of DCP keys: tensors at their saved shape/dtype, other items unpickled safely."""
@@ -111,14 +129,16 @@ class _Source:
             md = self.metadata[k]
             targets[k] = (torch.empty(tuple(md.size), dtype=md.properties.dtype)
                           if isinstance(md, TensorStorageMetadata) else None)
-        source = self
+        source, objects = self, {}
 
         class SafePlanner(DefaultLoadPlanner):  # DCP unpickles byte items with weights_only=False
             def load_bytes(self, read_item: Any, value: Any) -> None:
-                self.state_dict[read_item.dest_index.fqn] = safe_torch_load(
-                    value, trusted=source.trusted, allowed_globals=source.allowed, what=f"{source.path}: {read_item.dest_index.fqn}")
+                fqn = read_item.dest_index.fqn
+                objects[fqn] = safe_torch_load(value, trusted=source.trusted, allowed_globals=source.allowed,
+                                               what=f"{source.path}: {fqn}")
 
         load(targets, storage_reader=self.reader, planner=SafePlanner(flatten_state_dict=False), no_dist=True)
+        targets.update(objects)
         return targets
 
     def optimizer(self, idx: int, params_by_name: Dict[int, str], n_params: int) -> Optional[Dict[str, Any]]:
@@ -126,22 +146,38 @@ class _Source:
         if self.layout == "file":
             states = self.optimizer_states
             return None if states is None or idx >= len(states) else states[idx]
-        prefix = f"optimizer_{idx}."
-        if f"{prefix}param_groups" not in self.metadata:
+        top = f"optimizer_{idx}"
+        keys = [k for k, p in self.paths.items() if p[0] == top]
+        if not any(self.paths[k][1:2] == ("param_groups",) for k in keys):
             return None
-        keys = [k for k in self.metadata if k.startswith(prefix)]
-        values = self._read(keys)
-        groups = values.pop(f"{prefix}param_groups")
+        tree: Dict[Any, Any] = {}
+        for k, v in self._read(keys).items():
+            _set_path(tree, self.paths[k][1:], v)
+        tree = _lists(tree)
         by_name = {n: i for i, n in params_by_name.items()}
-        state: Dict[int, Dict[str, Any]] = {}
-        for k, v in values.items():
-            rest = k[len(prefix) + len("state."):]
-            name, _, state_name = rest.rpartition(".")
-            if name not in by_name:
-                raise UnsupportedCheckpointError(f"{self.path}: optimizer state {k!r} is for a parameter the module does not have")
-            state.setdefault(by_name[name], {})[state_name] = v
-        groups = [{**g, "params": [by_name[n] for n in g["params"]]} for g in groups]
+        unknown = sorted(set(tree.get("state", {})) - set(by_name))
+        if unknown:
+            raise UnsupportedCheckpointError(f"{self.path}: optimizer {idx} holds state of parameters the module does not have: {unknown}")
+        state = {by_name[n]: st for n, st in tree.get("state", {}).items()}
+        groups = [{**g, "params": [by_name[n] for n in g["params"]]} for g in tree["param_groups"]]
         return {"state": state, "param_groups": groups}
+
+
+def _set_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: Any) -> None:
+    node = root
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
+def _lists(x: Any) -> Any:
+    """DCP's flattened paths rebuilt: dicts keyed 0..n-1 were lists."""
+    if not isinstance(x, dict):
+        return x
+    x = {k: _lists(v) for k, v in x.items()}
+    if x and all(isinstance(k, int) for k in x) and sorted(x) == list(range(len(x))):
+        return [x[i] for i in range(len(x))]
+    return x
 
 
 def _load_model(source: _Source, request: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str], List[str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
@@ -12,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .. import serialization
-from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_sharded_state_dict
 from .callbacks import DistCkptAsyncFinalizer
@@ -59,6 +60,34 @@ def _contains_sharded(x: Any) -> bool:
     if isinstance(x, (list, tuple)):
         return any(_contains_sharded(v) for v in x)
     return False
+
+
+def _main_replica_copies(model_sd: Any, module: Any) -> Any:
+    """``model_sd`` with non-parameter tensors of non-main replicas described without data.
+
+    Data parallelism keeps parameters identical on every rank, so a balanced save may write any
+    replica's copy. Other tensors (buffers such as BatchNorm statistics updated after DDP's broadcast,
+    torchmetrics states, hook entries) can differ between ranks: the checkpoint keeps the main
+    replica's copy (rank 0's, as stock Lightning does), so the others must not be candidates.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+              for p in module.parameters()}
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            if (x.data is not None and not is_main_replica(x.replica_id)
+                    and x.data.untyped_storage().data_ptr() not in params):
+                return replace(x, data=None)
+            return x
+        if isinstance(x, dict):
+            return type(x)((k, visit(v)) for k, v in x.items())
+        if isinstance(x, list):
+            return [visit(v) for v in x]
+        return x
+
+    return visit(model_sd)
 
 
 def _sharded_keys(request: Mapping[str, Any]) -> Set[str]:
@@ -161,6 +190,7 @@ class DistCkptStrategyMixin(Strategy):
                     opt, model_sd, prefix=optimizer_key(i), module=self.lightning_module
                 )
                 num_opt += 1
+        state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
         from lightning.fabric.utilities.seed import _collect_rng_states
 
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
