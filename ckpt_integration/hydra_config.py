@@ -118,7 +118,7 @@ class StrategyConfig:
     """How the ``parallel`` layout runs: ``ddp`` (``DistCkptDDPStrategy``: DDP over the DP group,
     hand-written TP), ``model_parallel`` (``DistCkptModelParallelStrategy``: DTensor TP via
     ``parallelize_module`` + FSDP2 ``fully_shard`` over DP) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])``
-    alone on one device, ``tp = dp = 1``). Checkpoints of any of them resume under any other."""
+    alone on one device, ``tp = dp = 1``). See docs/hydra.md for what resumes across them."""
 
     name: StrategyName = StrategyName.ddp
 

@@ -161,9 +161,11 @@ class DTensorBlock(nn.Module):
     """:class:`Block` with plain ``nn.Linear`` layers, for ``ModelParallelStrategy``: tensor parallelism
     comes from ``parallelize_module`` (DTensor), FSDP2 from ``fully_shard`` (see :func:`parallelize`).
 
-    Same global weights as :class:`Block` (drawn in the same order), and the same checkpoint keys:
+    Same global weights as :class:`Block` (drawn in the same order), and the same weight keys:
     :meth:`sharded_state_dict` stores ``q``, ``k``, ``v`` under the names the fused, hand-written
-    ``qkv`` uses (``qkv.weight.part0/1/2``), so a checkpoint of either block resumes in the other.
+    ``qkv`` uses (``qkv.weight.part0/1/2``), so the weights of either block load into the other
+    (``load_from_checkpoint`` builds :class:`Block`). Optimizer state does not carry over between the
+    two: the fused QKV is one optimizer parameter in :class:`Block`, three here.
     """
 
     def __init__(self, d: int, n_heads: int, gen: torch.Generator):

@@ -4,14 +4,14 @@
     python examples/train.py parallel=tp2_dp1               # train with TP=2 (2 processes), async checkpoints
     python examples/train.py parallel=tp1_dp2 resume=true trainer.max_epochs=6   # resume with TP=1, DP=2
     python examples/train.py overwrite=true                 # fresh run, deleting the checkpoints in ckpt_dir
-    python examples/train.py strategy=model_parallel parallel=tp1_dp2 resume=true   # FSDP2 instead of DDP
+    python examples/train.py strategy=model_parallel parallel=tp2_dp2 ckpt_dir=checkpoints/fsdp   # DTensor TP + FSDP2
     python examples/train.py -m parallel=tp2_dp1,tp1_dp2    # one job per layout, each in ckpt_dir/<overrides>
 
 Processes are launched here (torch.multiprocessing, gloo on CPU / NCCL on GPU), one per
 rank: world size = parallel.tp * parallel.dp. ``strategy`` picks how the layout runs: ``ddp``
 (``DistCkptDDPStrategy``, hand-written TP), ``model_parallel`` (``DistCkptModelParallelStrategy``,
 DTensor TP + FSDP2) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])`` alone, one process);
-their checkpoints resume under each other. Checkpoints go to ``ckpt_dir``
+their weights load under each other (docs/hydra.md says what resumes where). Checkpoints go to ``ckpt_dir``
 (``epoch=N-step=M.ckpt`` top-k directories plus ``last.ckpt``); ``resume=true`` continues
 from ``last`` in whatever layout ``parallel`` now says. A fresh run (``resume=false``) refuses
 to start over complete checkpoints in ``ckpt_dir`` unless ``overwrite=true``; ``demo=true`` is
@@ -91,7 +91,7 @@ def job_ckpt_dir(cfg: DictConfig) -> str:
 
 
 def _strategy(cfg: DictConfig, gpu: bool) -> object:
-    """The Lightning strategy ``cfg.strategy.name`` asks for (checkpoints of each resume under the others)."""
+    """The Lightning strategy ``cfg.strategy.name`` asks for."""
     from ckpt_integration.lightning import DistCkptDDPStrategy, DistCkptModelParallelStrategy
 
     backend = "nccl" if gpu else "gloo"
