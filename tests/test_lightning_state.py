@@ -135,3 +135,33 @@ def test_default_sharded_state_dict_is_what_state_dict_holds(tmp_path):
     assert load_module_state_dict(dst, loaded, "m.") == ([], [])
     assert (dst.counter.calls, dst.col.inner.calls, dst.net.format_version) == (5, 7, 9)
     assert_same(dict(src.state_dict()), dict(dst.state_dict()))
+
+
+def test_stock_checkpoint_of_fused_module_is_refused_and_checkpoint_dict(tmp_path):
+    """A stock ``.ckpt`` holds whole tensors: a module storing fused parts (factories) cannot take it;
+    ``load_checkpoint_dict`` reads a directory checkpoint without any module."""
+    import sys
+
+    import lightning as L
+
+    from ckpt_integration.errors import UnsupportedCheckpointError
+    from ckpt_integration.lightning import DistCkptIO, load_checkpoint_dict
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import gpt
+
+    def fit(root, ckpt=None, **kw):
+        L.seed_everything(0, verbose=False)
+        m = gpt.GPTModule(vocab_size=gpt.vocab_size(300), corpus_chars=300, n_layers=1, d_model=8, n_heads=2)
+        t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=f"{tmp_path}/{root}", **kw)
+        t.fit(m, gpt.make_dataloader(16, 4, 1, 300), ckpt_path=ckpt)
+        return t
+
+    stock = fit("stock").checkpoint_callback.best_model_path  # stock Lightning: a .ckpt file
+    with pytest.raises(UnsupportedCheckpointError, match="'model.blocks.0.qkv.weight' is described by a ShardedTensorFactory"):
+        fit("ours", stock, plugins=[DistCkptIO()])
+    ours = fit("ours2", plugins=[DistCkptIO()]).checkpoint_callback.best_model_path
+    ckpt = load_checkpoint_dict(ours)
+    assert ckpt["global_step"] == 1 and ckpt["hyper_parameters"]["d_model"] == 8
+    assert ckpt["state_dict"]["model.blocks.0.qkv.weight.part1"].shape == (8, 8)
+    assert not [k for k in ckpt["state_dict"] if k.startswith("optimizer")]
