@@ -7,7 +7,7 @@
     python examples/train.py strategy=model_parallel parallel=tp2_dp2 ckpt_dir=checkpoints/fsdp   # DTensor TP + FSDP2
     python examples/train.py -m parallel=tp2_dp1,tp1_dp2    # one job per layout, each in ckpt_dir/<overrides>
 
-Processes are launched here (torch.multiprocessing, gloo on CPU / NCCL on GPU), one per
+Processes are launched here (torch.multiprocessing with a forkserver, gloo on CPU / NCCL on GPU), one per
 rank: world size = parallel.tp * parallel.dp. ``strategy`` picks how the layout runs: ``ddp``
 (``DistCkptDDPStrategy``, hand-written TP), ``model_parallel`` (``DistCkptModelParallelStrategy``,
 DTensor TP + FSDP2) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])`` alone, one process);
@@ -148,8 +148,11 @@ def run(cfg: DictConfig) -> dict:
     result = os.path.join(tempfile.mkdtemp(), "result.json")
     t0 = time.time()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values for the workers
+    # forkserver: one clean server process imports torch and Lightning once, every rank of every run is
+    # forked from it (no CUDA / threads in the server, so this is as safe as spawn, without re-importing)
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "lightning"])
     mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result),
-                       nprocs=world, start_method="spawn")
+                       nprocs=world, start_method="forkserver")
     with open(result) as f:
         out = json.load(f)
     losses = out["losses"]
