@@ -27,7 +27,7 @@ STEPS = 2  # per epoch: (600 - 1) // 32 = 18 windows, batches of 8, drop_last
 
 
 def _cfg(*overrides):
-    from train import register_configs  # noqa: F401  (registers the schemas)
+    import train  # noqa: F401  (importing it registers the config schemas)
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
         return compose(config_name="config", overrides=[*SMALL, *overrides])
