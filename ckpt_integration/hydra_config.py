@@ -9,6 +9,10 @@ process is spawned):
 * ``checkpoint``: :class:`CheckpointConfig` — builds :class:`~ckpt_integration.lightning.DistCkptIO`
   with ``hydra.utils.instantiate(cfg.checkpoint)``;
 * ``parallel``: :class:`ParallelConfig` — tensor / pipeline / data parallel sizes;
+* ``strategy``: :class:`StrategyConfig` — which Lightning strategy runs the layout (``ddp``:
+  ``DistCkptDDPStrategy`` with hand-written TP; ``model_parallel``: ``DistCkptModelParallelStrategy``
+  with DTensor TP and FSDP2; ``single_device``: Lightning's own choice for one device with the plugin
+  alone);
 * ``trainer``: :class:`TrainerConfig`; ``model``: :class:`ModelConfig`;
 * :class:`TrainConfig` is the top-level schema of ``examples/train.py``.
 
@@ -27,8 +31,10 @@ __all__ = [
     "Backend",
     "LoadStrategy",
     "Accelerator",
+    "StrategyName",
     "CheckpointConfig",
     "ParallelConfig",
+    "StrategyConfig",
     "TrainerConfig",
     "ModelConfig",
     "TrainConfig",
@@ -61,6 +67,14 @@ class LoadStrategy(_Choice):
     local = "local"
     fully_parallel = "fully_parallel"
     two_stage = "two_stage"
+
+
+class StrategyName(_Choice):
+    """``strategy.name``: the Lightning strategy of ``examples/train.py``."""
+
+    ddp = "ddp"
+    model_parallel = "model_parallel"
+    single_device = "single_device"
 
 
 class Accelerator(_Choice):
@@ -100,6 +114,16 @@ class ParallelConfig:
 
 
 @dataclass
+class StrategyConfig:
+    """How the ``parallel`` layout runs: ``ddp`` (``DistCkptDDPStrategy``: DDP over the DP group,
+    hand-written TP), ``model_parallel`` (``DistCkptModelParallelStrategy``: DTensor TP via
+    ``parallelize_module`` + FSDP2 ``fully_shard`` over DP) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])``
+    alone on one device, ``tp = dp = 1``). See docs/hydra.md for what resumes across them."""
+
+    name: StrategyName = StrategyName.ddp
+
+
+@dataclass
 class TrainerConfig:
     """The subset of ``lightning.Trainer`` arguments the example uses."""
 
@@ -130,6 +154,7 @@ class TrainConfig:
 
     checkpoint: CheckpointConfig = MISSING
     parallel: ParallelConfig = MISSING
+    strategy: StrategyConfig = MISSING
     trainer: TrainerConfig = MISSING
     model: ModelConfig = MISSING
     ckpt_dir: str = "checkpoints/tiny_gpt"
@@ -144,6 +169,7 @@ _ALLOWED = {
     "checkpoint.load_strategy": tuple(m.value for m in LoadStrategy),
     "checkpoint.backend": tuple(m.value for m in Backend),
     "trainer.accelerator": tuple(m.value for m in Accelerator),
+    "strategy.name": tuple(m.value for m in StrategyName),
 }
 _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
                  "trainer.global_batch_size", "model.n_heads")
@@ -174,6 +200,9 @@ def _config_errors(cfg: Any) -> List[str]:
                       "over tensor-parallel ranks)")
     if heads is not None and d_model is not None and d_model % heads:
         errors.append(f"model.d_model={d_model} must be divisible by model.n_heads={heads}")
+    if OmegaConf.select(cfg, "strategy.name") == "single_device" and (tp, dp) != (1, 1):
+        errors.append(f"strategy=single_device runs one process: it needs parallel.tp=1 and parallel.dp=1 "
+                      f"(got tp={tp}, dp={dp}); use strategy=ddp or strategy=model_parallel")
     gbs = OmegaConf.select(cfg, "trainer.global_batch_size")
     if dp is not None and gbs is not None and gbs % dp:
         errors.append(f"trainer.global_batch_size={gbs} must be divisible by parallel.dp={dp}")
@@ -202,5 +231,6 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(group="checkpoint", name="base_checkpoint", node=CheckpointConfig)
     cs.store(group="parallel", name="base_parallel", node=ParallelConfig)
+    cs.store(group="strategy", name="base_strategy", node=StrategyConfig)
     cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from .errors import MismatchError
 from .mapping import ReplicaId, ShardedTensor, ShardedTensorFactory
 
 __all__ = [
@@ -47,6 +48,9 @@ __all__ = [
     "fused_column_parallel",
     "stack_layers",
     "load_into_module",
+    "load_module_state_dict",
+    "state_dict_sharded",
+    "StateDictMismatchError",
 ]
 
 
@@ -306,7 +310,7 @@ def mesh_replica_index(dt: Any, mesh: Any) -> Optional[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# defaults
+# defaults: everything ``module.state_dict()`` returns
 # ---------------------------------------------------------------------------------------------
 def _has_own_hook(module: nn.Module) -> bool:
     hook = getattr(type(module), "sharded_state_dict", None)
@@ -330,34 +334,82 @@ def _default_replica_id(metadata: Optional[dict]) -> ReplicaId:
     return _world()[0]
 
 
-def default_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
-    """The sharded state dict of ``module`` without a hand-written hook.
-
-    Parameters and persistent buffers of ``module`` itself: DTensors become their
-    shard (:func:`dtensor_to_sharded_tensor`; with ``metadata["dtensor_mesh"]`` = the whole
-    device mesh, a DTensor on a sub-mesh of it is marked replicated along the other dims,
-    see :func:`mesh_replica_index`); plain tensors are replicated with
-    ``replica_id`` = this rank (``metadata["replica_id"]`` or
-    ``metadata["layout"].rank_replica_id`` override it), so each is written once.
-    Children are recursed into; a child with its own ``sharded_state_dict`` hook
-    is asked with ``prefix + name + "."``.
-    """
-    out: Dict[str, Any] = {}
-    rid = _default_replica_id(metadata)
-    for name, t in _local_tensors(module):
-        key = f"{prefix}{name}"
-        if _is_dtensor(t):
-            root = metadata.get("dtensor_mesh") if metadata else None
-            st = dtensor_to_sharded_tensor(key, t, None if root is None else mesh_replica_index(t, root))
-            if st is not None:
-                out[key] = st
-        else:
-            out[key] = ShardedTensor.from_rank_offsets(key, t.detach(), replica_id=rid)
-    for cname, child in module._modules.items():
+def _hooked_descendants(module: nn.Module, prefix: str) -> List[Tuple[str, nn.Module]]:
+    """The topmost descendants of ``module`` with a ``sharded_state_dict`` hook, with their key prefixes."""
+    out: List[Tuple[str, nn.Module]] = []
+    for name, child in module._modules.items():
         if child is None:
             continue
-        out.update(module_sharded_state_dict(child, f"{prefix}{cname}.", metadata))
+        p = f"{prefix}{name}."
+        if _has_own_hook(child):
+            out.append((p, child))
+        else:
+            out.extend(_hooked_descendants(child, p))
     return out
+
+
+def _default_entry(key: str, value: Any, rid: ReplicaId, metadata: Optional[dict]) -> Any:
+    """One ``state_dict()`` entry as saved: a tensor as a ShardedTensor (a DTensor as its shard, ``None``
+    when this rank's shard is empty), anything else (``get_extra_state()`` objects, list states) as is:
+    common state, taken from the first rank."""
+    if _is_dtensor(value):
+        root = metadata.get("dtensor_mesh") if metadata else None
+        return dtensor_to_sharded_tensor(key, value, None if root is None else mesh_replica_index(value, root))
+    if isinstance(value, torch.Tensor):
+        return ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=rid)
+    return value
+
+
+def state_dict_sharded(
+    module: nn.Module, prefix: str = "", metadata: Optional[dict] = None, own_tensor: Optional[Any] = None
+) -> Dict[str, Any]:
+    """The sharded state dict of everything ``module.state_dict(prefix=prefix)`` returns.
+
+    ``module.state_dict()`` runs with every hook it has (``_save_to_state_dict`` overrides such as
+    torchmetrics' persistent metric states, ``get_extra_state``, state-dict pre/post hooks), so its keys
+    and values are exactly what a plain ``torch.save(module.state_dict())`` would hold. Descendants
+    with their own ``sharded_state_dict`` hook are asked for theirs instead (their keys are skipped
+    here). ``own_tensor(name, tensor, key)`` may describe ``module``'s own parameters and buffers
+    (returning ``None`` falls back to the default); every other entry goes through the default: tensors
+    replicated (``replica_id`` from ``metadata``), DTensors as their shard, other values as common state.
+    """
+    rid = _default_replica_id(metadata)
+    sd = module.state_dict(prefix=prefix, keep_vars=True)
+    out: Dict[str, Any] = {}
+    hooked = _hooked_descendants(module, prefix)
+    for child_prefix, child in hooked:
+        out.update(child.sharded_state_dict(prefix=child_prefix, metadata=metadata))
+    skip = tuple(p for p, _ in hooked)
+    own = {id(t): name for name, t in _local_tensors(module)} if own_tensor is not None else {}
+    for key, value in sd.items():
+        if skip and key.startswith(skip):
+            continue
+        entry = None
+        name = own.get(id(value))
+        if name is not None and key == f"{prefix}{name}":
+            entry = own_tensor(name, value, key)
+        if entry is None:
+            entry = _default_entry(key, value, rid, metadata)
+            if entry is None:  # a DTensor whose shard on this rank is empty: nothing to save or load here
+                continue
+        out[key] = entry
+    return out
+
+
+def default_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
+    """The sharded state dict of ``module`` without a hand-written hook: what ``module.state_dict()`` holds.
+
+    Keys and entries are those of ``module.state_dict(prefix=prefix)`` (non-persistent buffers
+    excluded; extra state, ``_save_to_state_dict`` overrides and state-dict hooks included).
+    DTensors become their shard (:func:`dtensor_to_sharded_tensor`; with ``metadata["dtensor_mesh"]``
+    = the whole device mesh, a DTensor on a sub-mesh of it is marked replicated along the other dims,
+    see :func:`mesh_replica_index`); other tensors are replicated with ``replica_id`` = this rank
+    (``metadata["replica_id"]`` or ``metadata["layout"].rank_replica_id`` override it), so each is
+    written once; non-tensor values (``get_extra_state()`` objects, list states) are common state.
+    A descendant with its own ``sharded_state_dict`` hook is asked with its prefix instead.
+    Restore with :func:`load_module_state_dict` so the module's own ``load_state_dict`` hooks run.
+    """
+    return state_dict_sharded(module, prefix, metadata)
 
 
 def module_sharded_state_dict(module: nn.Module, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
@@ -392,26 +444,24 @@ class ShardedModuleMixin:
         return self.parallel_layout or ParallelLayout()
 
     def sharded_state_dict(self, prefix: str = "", metadata: Optional[dict] = None) -> Dict[str, Any]:
-        """ShardedTensors for own parameters per ``tp_axes``; children via their hooks/defaults."""
+        """ShardedTensors for own parameters per ``tp_axes``; everything else ``state_dict()`` holds
+        (children, buffers, extra state) as :func:`default_sharded_state_dict` describes it."""
         lay = self._layout(metadata)
-        out: Dict[str, Any] = {}
-        for name, t in _local_tensors(self):  # type: ignore[arg-type]
-            key, data = f"{prefix}{name}", t.detach()
+
+        def own(name: str, t: torch.Tensor, key: str) -> Any:
+            data = t.detach()
             spec = self.tp_axes.get(name)
             if spec is None:
-                out[key] = replicated(key, data, lay.rank_replica_id)
-            elif isinstance(spec, str) and spec.startswith("fused:"):
-                out[key] = fused_column_parallel(key, data, lay.tp_rank, lay.tp_size, int(spec.split(":")[1]), lay.dp_rank)
-            elif spec == 0:
-                out[key] = column_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
-            elif spec == 1:
-                out[key] = row_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
-            else:
-                raise ValueError(f"{type(self).__name__}.tp_axes[{name!r}] = {spec!r}; use 0, 1 or 'fused:N'")
-        for cname, child in self._modules.items():  # type: ignore[attr-defined]
-            if child is not None:
-                out.update(module_sharded_state_dict(child, f"{prefix}{cname}.", {**(metadata or {}), "layout": lay}))
-        return out
+                return replicated(key, data, lay.rank_replica_id)
+            if isinstance(spec, str) and spec.startswith("fused:"):
+                return fused_column_parallel(key, data, lay.tp_rank, lay.tp_size, int(spec.split(":")[1]), lay.dp_rank)
+            if spec == 0:
+                return column_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
+            if spec == 1:
+                return row_parallel(key, data, lay.tp_rank, lay.tp_size, lay.dp_rank)
+            raise ValueError(f"{type(self).__name__}.tp_axes[{name!r}] = {spec!r}; use 0, 1 or 'fused:N'")
+
+        return state_dict_sharded(self, prefix, {**(metadata or {}), "layout": lay}, own)  # type: ignore[arg-type]
 
 
 def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -466,3 +516,94 @@ def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = ""
             "ShardedTensorFactory whose merge_fn returns the tensor under the parameter's state-dict name."
         )
     return copied
+
+
+class StateDictMismatchError(MismatchError, RuntimeError):
+    """Strict loading found keys of the module missing from the checkpoint, or checkpoint keys the module
+    does not have (a ``RuntimeError`` too, like ``torch.nn.Module.load_state_dict(strict=True)``'s)."""
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _as_target(value: Any, target: Any) -> Any:
+    """A loaded value shaped for ``target``'s ``load_state_dict``: the target itself when the load filled
+    its memory in place, a DTensor with the target's mesh and placements for a loaded local shard."""
+    if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return value
+    if _is_dtensor(target) and not _is_dtensor(value):
+        local = target.to_local()
+        if _shares_memory(value, local) and value.data_ptr() == local.data_ptr():
+            return target
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.reshape(local.shape), target.device_mesh, target.placements,
+                                  run_check=False, shape=target.shape, stride=target.stride())
+    if value.data_ptr() == target.data_ptr() and value.shape == target.shape:
+        return target
+    return value
+
+
+def load_module_state_dict(
+    module: nn.Module,
+    loaded: Dict[str, Any],
+    prefix: str = "",
+    strict: bool = True,
+    *,
+    missing_keys: Iterable[str] = (),
+    unexpected_keys: Iterable[str] = (),
+    requested_keys: Optional[Iterable[str]] = None,
+) -> Tuple[List[str], List[str]]:
+    """Restore ``module`` from ``loaded`` through its own ``load_state_dict`` (hooks, ``set_extra_state``,
+    torchmetrics' ``_load_from_state_dict`` all run).
+
+    ``loaded`` is what :func:`ckpt_integration.load` returned for a request built by
+    :func:`module_sharded_state_dict` (keys: ``prefix`` + state-dict names). Tensors the load filled in
+    place are passed as the module's own tensors (no copy); loaded local shards of DTensor parameters
+    are passed as DTensors. Entries that are not in ``loaded`` keep the module's value: with a
+    ``sharded_state_dict`` hook the load may have filled them in place under keys of its own (a loaded
+    tensor under a key that is no state-dict name must share memory with the module, else
+    ``ValueError``, as in :func:`load_into_module`). With ``requested_keys`` (the keys of the request
+    that held ShardedTensors / factories), other entries under keys the module does not have (e.g.
+    added to ``checkpoint["state_dict"]`` by ``on_save_checkpoint``) are unexpected keys instead.
+
+    ``missing_keys`` (in the module, not in the checkpoint) and ``unexpected_keys`` (in the checkpoint,
+    not in the module) come from the load (``strict="return_all"``); non-tensor entries that are not
+    in ``loaded`` are missing too. With ``strict`` any of them raises :class:`StateDictMismatchError`
+    naming them all, like ``torch.nn.Module.load_state_dict(strict=True)``; otherwise they are returned.
+    Returns ``(missing_keys, unexpected_keys)``.
+    """
+    targets = module.state_dict(keep_vars=True)
+    sd: Dict[str, Any] = {}
+    missing = {k[len(prefix):] if k.startswith(prefix) else k for k in missing_keys}
+    for name, target in targets.items():
+        key = f"{prefix}{name}"
+        if key in loaded:
+            sd[name] = _as_target(loaded[key], target)
+        else:
+            sd[name] = target  # keeps the module's value (missing, filled in place under another key, empty shard)
+            if not isinstance(target, torch.Tensor):
+                missing.add(name)  # a common-state entry the checkpoint does not have
+    extra = {k: v for k, v in loaded.items() if k.startswith(prefix) and k[len(prefix):] not in targets}
+    if requested_keys is not None:
+        requested = set(requested_keys)
+        unexpected_keys = [*unexpected_keys, *(k for k in extra if k not in requested)]
+        extra = {k: v for k, v in extra.items() if k in requested}
+    if extra:  # a tensor under a key of a hook's own must have been loaded into the module's memory
+        load_into_module(module, extra, prefix)
+    result = module.load_state_dict(sd, strict=False)
+    missing_out = sorted(missing | set(result.missing_keys))
+    unexpected_out = sorted({k[len(prefix):] if k.startswith(prefix) else k for k in unexpected_keys}
+                            | set(result.unexpected_keys))
+    if strict and (missing_out or unexpected_out):
+        parts = []
+        if missing_out:
+            parts.append(f"missing key(s) (in the module, not in the checkpoint): {missing_out}")
+        if unexpected_out:
+            parts.append(f"unexpected key(s) (in the checkpoint, not in the module): {unexpected_out}")
+        raise StateDictMismatchError(
+            f"error(s) loading the state dict of {type(module).__name__}: " + "; ".join(parts)
+            + ". Pass strict=False (Lightning: LightningModule.strict_loading = False) to load the matching keys only."
+        )
+    return missing_out, unexpected_out

@@ -157,10 +157,77 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(h)))
 
 
+class DTensorBlock(nn.Module):
+    """:class:`Block` with plain ``nn.Linear`` layers, for ``ModelParallelStrategy``: tensor parallelism
+    comes from ``parallelize_module`` (DTensor), FSDP2 from ``fully_shard`` (see :func:`parallelize`).
+
+    Same global weights as :class:`Block` (drawn in the same order), and the same weight keys:
+    :meth:`sharded_state_dict` stores ``q``, ``k``, ``v`` under the names the fused, hand-written
+    ``qkv`` uses (``qkv.weight.part0/1/2``), so the weights of either block load into the other
+    (``load_from_checkpoint`` builds :class:`Block`). Optimizer state does not carry over between the
+    two: the fused QKV is one optimizer parameter in :class:`Block`, three here.
+    """
+
+    def __init__(self, d: int, n_heads: int, gen: torch.Generator):
+        super().__init__()
+        self.head_dim = d // n_heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.proj, self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        with torch.no_grad():
+            for lin, w in zip((self.q, self.k, self.v), _global_init(gen, 3 * d, d).chunk(3)):
+                lin.weight.copy_(w)
+            for lin, shape in ((self.proj, (d, d)), (self.fc1, (4 * d, d)), (self.fc2, (d, 4 * d))):
+                lin.weight.copy_(_global_init(gen, *shape))
+            for lin in (self.q, self.k, self.v, self.proj, self.fc1, self.fc2):
+                lin.bias.zero_()
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.ln1(x)
+        # under tensor parallelism q/k/v hold this rank's heads only (column-parallel outputs)
+        q, k, v = (lin(h).view(B, T, -1, self.head_dim).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    def sharded_state_dict(self, prefix: str = "", metadata: Optional[dict] = None) -> dict:
+        """The default (DTensor shards), with q/k/v keyed like the fused ``qkv`` parts of :class:`Block`."""
+        from dataclasses import replace
+
+        from ckpt_integration.modules import default_sharded_state_dict
+
+        sd = default_sharded_state_dict(self, prefix, metadata)
+        for i, name in enumerate("qkv"):
+            for p in ("weight", "bias"):
+                path = f"{prefix}{name}.{p}"
+                if path in sd:  # absent where this rank's shard is empty
+                    sd[path] = replace(sd[path], key=f"{prefix}qkv.{p}.part{i}")
+        return sd
+
+
+def parallelize(model: "GPT", mesh: Any) -> None:
+    """DTensor tensor parallelism over ``mesh["tensor_parallel"]`` and FSDP2 over ``mesh["data_parallel"]``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+    if tp.size() > 1:
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
+                "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        for b in model.blocks:
+            parallelize_module(b, tp, plan)
+    if dp.size() > 1:
+        for b in model.blocks:
+            fully_shard(b, mesh=dp)
+        fully_shard(model, mesh=dp)
+
+
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layers`` TP blocks, final norm, replicated LM head."""
 
-    def __init__(self, vocab: int, d: int, n_heads: int, n_layers: int, block: int, lay: ParallelLayout, seed: int = 0):
+    def __init__(self, vocab: int, d: int, n_heads: int, n_layers: int, block: int, lay: ParallelLayout, seed: int = 0,
+                 dtensor: bool = False):
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
         self.tok = nn.Embedding(vocab, d)
@@ -168,7 +235,8 @@ class GPT(nn.Module):
         with torch.no_grad():
             self.tok.weight.copy_(_global_init(gen, vocab, d))
             self.pos.weight.copy_(_global_init(gen, block, d))
-        self.blocks = nn.ModuleList(Block(d, n_heads, lay, gen) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(DTensorBlock(d, n_heads, gen) if dtensor else Block(d, n_heads, lay, gen)
+                                    for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
         with torch.no_grad():
@@ -183,8 +251,10 @@ class GPT(nn.Module):
 
 
 class GPTModule(L.LightningModule):
-    """LightningModule around :class:`GPT`; builds the TP model in ``configure_model`` from
-    ``trainer.strategy.parallel_layout``. ``step_losses`` records the DP-averaged loss per step."""
+    """LightningModule around :class:`GPT`; builds the model in ``configure_model``: hand-written TP
+    from ``trainer.strategy.parallel_layout`` (``DistCkptDDPStrategy``), or DTensor TP + FSDP2 on
+    ``self.device_mesh`` (``DistCkptModelParallelStrategy``). ``step_losses`` records the DP-averaged
+    loss per step."""
 
     def __init__(self, vocab_size: int = 0, d_model: int = 32, n_heads: int = 4, n_layers: int = 2,
                  block_size: int = 32, lr: float = 3e-3, seed: int = 0, corpus_chars: int = 16000):
@@ -196,8 +266,17 @@ class GPTModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        lay = getattr(self.trainer.strategy, "parallel_layout", None) or ParallelLayout()
         h = self.hparams
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is not None:  # ModelParallelStrategy: plain layers, then DTensor TP and FSDP2
+            self.model = GPT(h.vocab_size, h.d_model, h.n_heads, h.n_layers, h.block_size, ParallelLayout(), h.seed,
+                             dtensor=True)
+            parallelize(self.model, mesh)
+            return
+        # hand-written TP from DistCkptDDPStrategy's layout; without a Trainer (``load_from_checkpoint``)
+        # or with another strategy: the whole model
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        lay = getattr(strategy, "parallel_layout", None) or ParallelLayout()
         self.model = GPT(h.vocab_size, h.d_model, h.n_heads, h.n_layers, h.block_size, lay, h.seed)
 
     def training_step(self, batch, batch_idx):

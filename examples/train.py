@@ -4,13 +4,19 @@
     python examples/train.py parallel=tp2_dp1               # train with TP=2 (2 processes), async checkpoints
     python examples/train.py parallel=tp1_dp2 resume=true trainer.max_epochs=6   # resume with TP=1, DP=2
     python examples/train.py overwrite=true                 # fresh run, deleting the checkpoints in ckpt_dir
+    python examples/train.py strategy=model_parallel parallel=tp2_dp2 ckpt_dir=checkpoints/fsdp   # DTensor TP + FSDP2
+    python examples/train.py -m parallel=tp2_dp1,tp1_dp2    # one job per layout, each in ckpt_dir/<overrides>
 
-Processes are launched here (torch.multiprocessing, gloo on CPU / NCCL on GPU), one per
-rank: world size = parallel.tp * parallel.dp. Checkpoints go to ``ckpt_dir``
+Processes are launched here (torch.multiprocessing with a forkserver, gloo on CPU / NCCL on GPU), one per
+rank: world size = parallel.tp * parallel.dp. ``strategy`` picks how the layout runs: ``ddp``
+(``DistCkptDDPStrategy``, hand-written TP), ``model_parallel`` (``DistCkptModelParallelStrategy``,
+DTensor TP + FSDP2) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])`` alone, one process);
+their weights load under each other (docs/hydra.md says what resumes where). Checkpoints go to ``ckpt_dir``
 (``epoch=N-step=M.ckpt`` top-k directories plus ``last.ckpt``); ``resume=true`` continues
 from ``last`` in whatever layout ``parallel`` now says. A fresh run (``resume=false``) refuses
 to start over complete checkpoints in ``ckpt_dir`` unless ``overwrite=true``; ``demo=true`` is
-a fresh run by definition and always starts from an empty ``ckpt_dir``.
+a fresh run by definition and always starts from an empty ``ckpt_dir``. In a multirun (``-m``)
+every job uses ``ckpt_dir/<its overrides>`` (:func:`job_ckpt_dir`), so jobs never share a directory.
 """
 
 from __future__ import annotations
@@ -64,6 +70,36 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
     fs.makedirs(d, exist_ok=True)
 
 
+def job_ckpt_dir(cfg: DictConfig) -> str:
+    """``cfg.ckpt_dir``; in a Hydra multirun, ``<ckpt_dir>/<this job's overrides>`` (e.g.
+    ``checkpoints/tiny_gpt/parallel=tp1_dp2``) so that the jobs of a sweep never write into one directory.
+
+    ``resume``, ``overwrite``, ``demo``, ``port``, ``ckpt_dir`` and ``trainer.max_epochs`` are left out of
+    the name (``hydra.job.config.override_dirname.exclude_keys`` in ``configs/config.yaml``), so the same
+    sweep with ``resume=true`` continues each job from its own checkpoints.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return cfg.ckpt_dir
+    job = HydraConfig.get().job
+    return join(cfg.ckpt_dir, job.override_dirname or f"job{job.num}")
+
+
+def _strategy(cfg: DictConfig, gpu: bool) -> object:
+    """The Lightning strategy ``cfg.strategy.name`` asks for."""
+    from ckpt_integration.lightning import DistCkptDDPStrategy, DistCkptModelParallelStrategy
+
+    backend = "nccl" if gpu else "gloo"
+    if cfg.strategy.name == "model_parallel":  # DTensor TP + FSDP2 in GPTModule.configure_model
+        return DistCkptModelParallelStrategy(data_parallel_size=cfg.parallel.dp, tensor_parallel_size=cfg.parallel.tp,
+                                             process_group_backend=backend)
+    if cfg.strategy.name == "single_device":  # Lightning's own choice; the DistCkptIO plugin alone does the rest
+        return "auto"
+    return DistCkptDDPStrategy(tensor_parallel_size=cfg.parallel.tp, process_group_backend=backend)
+
+
 def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
     world = cfg_dict["parallel"]["tp"] * cfg_dict["parallel"]["dp"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
@@ -76,14 +112,14 @@ def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
     from hydra.utils import instantiate
 
     import gpt
-    from ckpt_integration.lightning import DistCkptDDPStrategy, DistCkptModelCheckpoint
+    from ckpt_integration.lightning import DistCkptModelCheckpoint
 
     torch.set_num_threads(1)
     cfg = OmegaConf.create(cfg_dict)
     L.seed_everything(cfg.trainer.seed, verbose=False)
     gpu = cfg.trainer.accelerator in ("gpu", "cuda")
     plugin = instantiate(cfg.checkpoint)  # DistCkptIO(async_save=..., load_strategy=..., ...)
-    strategy = DistCkptDDPStrategy(tensor_parallel_size=cfg.parallel.tp, process_group_backend="nccl" if gpu else "gloo")
+    strategy = _strategy(cfg, gpu)
     ckpt_cb = DistCkptModelCheckpoint(dirpath=cfg.ckpt_dir, save_top_k=cfg.trainer.save_top_k, monitor="train_loss",
                                       save_last=cfg.trainer.save_last, every_n_epochs=1)
     m = cfg.model
@@ -110,12 +146,15 @@ def run(cfg: DictConfig) -> dict:
     result = os.path.join(tempfile.mkdtemp(), "result.json")
     t0 = time.time()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values for the workers
+    # forkserver: one clean server process imports torch and Lightning once, every rank of every run is
+    # forked from it (no CUDA / threads in the server, so this is as safe as spawn, without re-importing)
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "lightning"])
     mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result),
-                       nprocs=world, start_method="spawn")
+                       nprocs=world, start_method="forkserver")
     with open(result) as f:
         out = json.load(f)
     losses = out["losses"]
-    print(f"[TP={cfg.parallel.tp} DP={cfg.parallel.dp}, {world} processes, async_save={cfg.checkpoint.async_save}, "
+    print(f"[{cfg.strategy.name} TP={cfg.parallel.tp} DP={cfg.parallel.dp}, {world} processes, async_save={cfg.checkpoint.async_save}, "
           f"load_strategy={cfg.checkpoint.load_strategy}] {len(losses)} steps in {time.time() - t0:.1f}s")
     if losses:
         print(f"  step {losses[0][0]:3d}: loss {losses[0][1]:.4f}  ->  step {losses[-1][0]:3d}: loss {losses[-1][1]:.4f}")
@@ -125,6 +164,7 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    cfg.ckpt_dir = job_ckpt_dir(cfg)
     if not cfg.demo:
         run(cfg)
         return

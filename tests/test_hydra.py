@@ -27,6 +27,9 @@ def test_defaults_and_groups():
         assert (c.parallel.tp, c.parallel.dp, c.resume) == (tp, dp, True)
     c = _compose("checkpoint=two_stage")
     assert c.checkpoint.load_strategy == "two_stage"
+    assert cfg.strategy.name == "ddp"
+    for name in ("ddp", "model_parallel", "single_device"):
+        assert _compose(f"strategy={name}", "parallel=tp1_dp1").strategy.name == name
 
 
 def test_plugin_from_config():
@@ -68,6 +71,11 @@ def test_validate_config_before_spawning():
         with pytest.raises(ValueError, match=match):
             validate_config(_compose(*override.split()))
     validate_config(_compose("parallel=tp4_dp1"))  # 4 heads over 4 ranks
+    with pytest.raises(ValueError, match="strategy=single_device runs one process.*tp=2, dp=1"):
+        validate_config(_compose("strategy=single_device"))
+    validate_config(_compose("strategy=single_device", "parallel=tp1_dp1"))
+    with pytest.raises(ConfigCompositionException, match="strategy.name"):
+        _compose("strategy.name=deepspeed")
     # configs built without the schemas get the same choice checks
     with pytest.raises(ValueError, match="checkpoint.backend='tensorstore' is not allowed"):
         validate_config(OmegaConf.create({"checkpoint": {"backend": "tensorstore"}}))
@@ -100,3 +108,28 @@ def test_fresh_run_refuses_to_delete_complete_checkpoints(tmp_path):
     (d / "partial.ckpt").mkdir()
     prepare_ckpt_dir(_compose(f"ckpt_dir={d}"))  # only leftovers of interrupted saves: removed without asking
     assert os.listdir(d) == []
+
+
+@pytest.mark.slow
+def test_multirun_jobs_get_their_own_checkpoint_directories(tmp_path):
+    """``-m`` over two layouts (DTensor TP=2, then FSDP2 DP=2 with strategy=model_parallel): one directory each."""
+    import subprocess
+    import sys
+
+    import ckpt_integration as ci
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    ck = tmp_path / "ck"
+    small = ["model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.corpus_chars=600", "trainer.max_epochs=1"]
+    cmd = [sys.executable, os.path.join(root, "examples", "train.py"), "-m", "parallel=tp2_dp1,tp1_dp2",
+           "strategy=model_parallel", f"ckpt_dir={ck}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *small]
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    jobs = sorted(os.listdir(ck))  # named by each job's overrides (sorted by key; trainer.max_epochs left out)
+    prefix = "model.corpus_chars=600,model.d_model=16,model.n_heads=2,model.n_layers=1,"
+    assert jobs == [prefix + "parallel=tp1_dp2,strategy=model_parallel", prefix + "parallel=tp2_dp1,strategy=model_parallel"]
+    for job, layout in zip(jobs, ({"tp": 1, "pp": 1, "dp": 2}, {"tp": 2, "pp": 1, "dp": 1})):
+        assert ci.load_content_metadata(ck / job / "last.ckpt")["layout"] == layout
+    # the DTensor checkpoints hold the hand-written model's keys (fused QKV parts): any strategy resumes them
+    assert "model.blocks.0.qkv.weight.part2" in ci.load_tensors_metadata(ck / jobs[1] / "last.ckpt")

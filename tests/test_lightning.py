@@ -145,41 +145,14 @@ def test_crash_and_incomplete_checkpoints(tmp_path):
     run_distributed(_single_process_scenarios, 1, str(tmp_path), timeout=300)
 
 
-def test_unsupported_combinations_raise(tmp_path):
+def test_plugin_arguments_and_foreign_checkpoint_io(tmp_path):
+    """Which strategies the plugin accepts is tested per strategy name in test_lightning_plugin.py."""
     import lightning as L
     from lightning.pytorch.plugins.io import TorchCheckpointIO
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    from ckpt_integration.lightning import (DistCkptDDPStrategy, DistCkptIO, DistCkptModelParallelStrategy,
-                                            DistCkptSingleDeviceStrategy, UnsupportedStrategyError)
+    from ckpt_integration.lightning import DistCkptIO, DistCkptSingleDeviceStrategy
 
     kw = dict(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
-    from ckpt_integration.lightning import check_strategy
-
-    # FSDP needs a GPU in Lightning; the check the plugin runs when it is connected:
-    with pytest.raises(UnsupportedStrategyError, match="FSDPStrategy.*never calls CheckpointIO.*DistCkptDDPStrategy"):
-        check_strategy(FSDPStrategy())
-    # plain ModelParallelStrategy bypasses CheckpointIO: the error names the DistCkpt variant of it
-    with pytest.raises(UnsupportedStrategyError,
-                       match="ModelParallelStrategy.*never calls CheckpointIO.*DistCkptModelParallelStrategy"):
-        L.Trainer(devices=2, strategy=ModelParallelStrategy(), plugins=[DistCkptIO()], **kw)
-    t = L.Trainer(devices=2, strategy=DistCkptModelParallelStrategy(), plugins=[DistCkptIO()], **kw)
-    assert isinstance(t.strategy.checkpoint_io, DistCkptIO)
-    with pytest.raises(TypeError, match="save_distributed_checkpoint"):
-        DistCkptModelParallelStrategy(save_distributed_checkpoint=False)
-
-    class MyDDP(DDPStrategy):  # an unknown DDP subclass: would save on rank 0 only
-        pass
-
-    with pytest.raises(UnsupportedStrategyError, match="MyDDP.*rank 0 only"):
-        L.Trainer(devices=2, strategy=MyDDP(), plugins=[DistCkptIO()], **kw)
-    # plain single-device / DDP strategies: clear error naming the DistCkpt strategy to use
-    with pytest.raises(UnsupportedStrategyError, match="DistCkptSingleDeviceStrategy"):
-        L.Trainer(devices=1, plugins=[DistCkptIO()], **kw)
-    with pytest.raises(UnsupportedStrategyError, match="DDPStrategy.*rank 0 only.*DistCkptDDPStrategy"):
-        L.Trainer(devices=2, strategy="ddp", plugins=[DistCkptIO()], **kw)
-    t = L.Trainer(devices=2, strategy=DistCkptDDPStrategy(), plugins=[DistCkptIO()], **kw)
-    assert isinstance(t.strategy.checkpoint_io, DistCkptIO)
     # a DistCkpt strategy with another CheckpointIO
     t = L.Trainer(devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[TorchCheckpointIO()], **kw)
     with pytest.raises(TypeError, match="needs plugins=\\[DistCkptIO"):

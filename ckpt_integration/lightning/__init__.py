@@ -1,24 +1,22 @@
 """Lightning integration: ``Trainer(plugins=[DistCkptIO()])`` with sharded, reshardable checkpoints.
 
-See ``docs/lightning.md``. Public names: :class:`DistCkptIO`,
-:class:`DistCkptDDPStrategy`, :class:`DistCkptSingleDeviceStrategy`,
-:class:`DistCkptModelParallelStrategy`,
-:class:`DistCkptStrategyMixin`, :class:`DistCkptAsyncFinalizer`,
-:class:`DistCkptModelCheckpoint`, :class:`UnsupportedStrategyError`,
-:func:`is_complete_checkpoint`, :func:`latest_complete_checkpoint`.
+See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
+directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``strategy``, ``connect`` (the plugin on
+stock strategies), ``stock`` (importing stock Lightning checkpoints), ``loading``
+(:func:`load_from_checkpoint`).
 """
 
 from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint
-from .io import DistCkptIO, UnsupportedStrategyError, check_strategy, start_async_save
+from .connect import check_strategy
+from .io import DistCkptIO, UnsupportedStrategyError, start_async_save
+from .loading import load_checkpoint_dict, load_from_checkpoint
+from .paths import is_complete_checkpoint, latest_complete_checkpoint, resolve_checkpoint_path
 from .strategy import (
     DistCkptDDPStrategy,
     DistCkptModelParallelStrategy,
     DistCkptSingleDeviceStrategy,
     DistCkptStrategyMixin,
-    is_complete_checkpoint,
-    latest_complete_checkpoint,
     optimizer_key,
-    resolve_checkpoint_path,
 )
 
 __all__ = [
@@ -34,6 +32,8 @@ __all__ = [
     "start_async_save",
     "is_complete_checkpoint",
     "latest_complete_checkpoint",
+    "load_checkpoint_dict",
+    "load_from_checkpoint",
     "optimizer_key",
     "resolve_checkpoint_path",
 ]

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import is_remote, join
 from .io import DistCkptIO
-from .strategy import is_complete_checkpoint, latest_complete_checkpoint
+from .paths import is_complete_checkpoint, latest_complete_checkpoint
 
 
 def _resolve_link(path: Any) -> str:
@@ -69,11 +69,53 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` for directory checkpoints: ``ckpt_path="last"`` never picks an
     incomplete one (no ``metadata.json``): it resumes from the newest complete checkpoint.
 
+    ``last.ckpt`` is always the newest trained state: with ``save_last`` it is written at every
+    checkpoint trigger (epoch end / validation end per ``every_n_epochs``, and the step / time
+    triggers), whether or not the step made it into the top k (Lightning 2.6 rewrites it only
+    when a top-k checkpoint was saved at that step, so a resume could silently redo steps). With
+    ``save_last="link"`` it links to the checkpoint saved at this step, or is written itself when
+    there is none.
+
     ``dirpath`` may be an fsspec URL (``s3://bucket/run``); top-k deletions go through fsspec.
     ``save_last`` is refused there: ``last.ckpt`` is rewritten in place every epoch, and object
     stores cannot replace a checkpoint directory atomically. With ``save_last=False``,
     ``ckpt_path="last"`` still resumes from the newest complete checkpoint in ``dirpath``.
     """
+
+    _last_written_at_step: int = -1
+
+    def _save_last_checkpoint(self, trainer: Any, monitor_candidates: Any) -> None:
+        if not self.save_last:
+            return
+        if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
+            self._last_checkpoint_saved = ""  # nothing saved at this step to link to: write last.ckpt itself
+            link = self.last_model_path
+            if link and trainer.strategy.broadcast(os.path.islink(link)):
+                if trainer.is_global_zero:  # replace the link to an older checkpoint, not the checkpoint it names
+                    os.remove(link)
+                trainer.strategy.barrier()
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_written_at_step = trainer.global_step
+
+    def _save_last_if_behind(self, trainer: Any) -> None:
+        """At an epoch-level trigger: write ``last`` if this step's top-k decision did not."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if (not self.save_last or self._last_written_at_step == trainer.global_step or trainer.fast_dev_run
+                or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking
+                or self._every_n_epochs < 1 or (trainer.current_epoch + 1) % self._every_n_epochs):
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_behind(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not self._should_save_on_train_epoch_end(trainer):
+            self._save_last_if_behind(trainer)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)

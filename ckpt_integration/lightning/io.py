@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
 
@@ -28,36 +27,6 @@ class UnsupportedStrategyError(ValueError):
     """``DistCkptIO`` was combined with a strategy that would bypass it or save on rank 0 only."""
 
 
-def _unsupported_message(strategy: Any) -> str:
-    name = type(strategy).__name__
-    if name == "SingleDeviceStrategy":
-        return ("DistCkptIO needs a strategy that builds sharded state: pass "
-                "strategy=ckpt_integration.lightning.DistCkptSingleDeviceStrategy() together with plugins=[DistCkptIO()] "
-                "(SingleDeviceStrategy would hand it a plain torch checkpoint)")
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if isinstance(strategy, ModelParallelStrategy):
-        return (
-            f"DistCkptIO cannot be used with {name}: it saves DTensor checkpoints with "
-            "torch.distributed.checkpoint and never calls CheckpointIO. Use "
-            "strategy=ckpt_integration.lightning.DistCkptModelParallelStrategy(data_parallel_size=..., "
-            "tensor_parallel_size=...) instead: the same strategy (FSDP2 fully_shard / parallelize_module in "
-            "configure_model), saving sharded, reshardable checkpoints through DistCkptIO on every rank. "
-            "To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
-        )
-    why = {
-        "FSDPStrategy": "it saves sharded checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
-        "DeepSpeedStrategy": "DeepSpeed writes its own checkpoints and never calls CheckpointIO",
-    }.get(name, "it calls CheckpointIO on rank 0 only (or not at all), so a sharded save would never happen")
-    return (
-        f"DistCkptIO cannot be used with {name}: {why}. Use "
-        "strategy=ckpt_integration.lightning.DistCkptDDPStrategy(...) (DDP, optionally with hand-written "
-        "tensor parallelism via ckpt_integration.modules), DistCkptModelParallelStrategy(...) (FSDP2 fully_shard / "
-        "DTensor tensor parallelism in configure_model) or DistCkptSingleDeviceStrategy() for one device; "
-        "they call sharded_state_dict() on every rank. To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
-    )
-
-
 def _plain(value: Any) -> Any:
     """An Enum member's value, anything else as given.
 
@@ -67,45 +36,17 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-def is_dist_ckpt_strategy(strategy: Any) -> bool:
-    """True for strategies that use the :class:`~ckpt_integration.lightning.DistCkptStrategyMixin`."""
-    from .strategy import DistCkptStrategyMixin
-
-    return isinstance(strategy, DistCkptStrategyMixin)
-
-
-def check_strategy(strategy: Any) -> None:
-    """Accept a DistCkpt strategy or raise :class:`UnsupportedStrategyError` naming what to use instead."""
-    if strategy is None or is_dist_ckpt_strategy(strategy):
-        return
-    raise UnsupportedStrategyError(_unsupported_message(strategy))
-
-
-def _strategy_from_callers(max_depth: int = 6) -> Any:
-    """The Lightning strategy (or accelerator connector's strategy) in the calling frames, if any."""
-    from lightning.pytorch.strategies import Strategy
-
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
-        if isinstance(obj, Strategy):
-            return obj
-        strat = getattr(obj, "strategy", None) if hasattr(obj, "_strategy_flag") else None
-        if isinstance(strat, Strategy):
-            return strat
-        frame = frame.f_back
-    return None
-
-
 class DistCkptIO(CheckpointIO):
     """Lightning ``CheckpointIO`` plugin saving sharded, reshardable directory checkpoints.
 
-    Use with ``Trainer(strategy=DistCkptDDPStrategy(...), DistCkptModelParallelStrategy(...) or
-    DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()])``. Any other strategy (single-device, DDP, FSDP,
-    ModelParallel, DeepSpeed, ...) raises :class:`UnsupportedStrategyError` at
-    ``Trainer(...)`` saying what to use instead.
+    ``Trainer(plugins=[DistCkptIO()])`` is enough: when Lightning connects the plugin to its strategy,
+    a stock ``SingleDeviceStrategy`` (``"auto"`` on one device, ``"single_device"``), ``DDPStrategy``
+    (``"auto"`` on several devices, ``"ddp"``, ``"ddp_spawn"``, ``"ddp_fork"``) or
+    ``ModelParallelStrategy`` becomes its DistCkpt variant (:mod:`ckpt_integration.lightning.connect`),
+    so every rank saves its part. ``DistCkptDDPStrategy(tensor_parallel_size=...)``,
+    ``DistCkptModelParallelStrategy(...)`` and ``DistCkptSingleDeviceStrategy()`` can be given directly.
+    Other strategies (FSDP1, DeepSpeed, subclasses of the stock ones) raise
+    :class:`UnsupportedStrategyError` at ``Trainer(...)`` saying what to use instead.
 
     Args:
         async_save: write in the background (training continues after staging);
@@ -154,25 +95,7 @@ class DistCkptIO(CheckpointIO):
         self._requests: List[Any] = []
         self._deferred_removals: List[str] = []
         self._check_group: Any = None
-        self._checked = False
         self.save_fn: Callable[..., Any] = start_async_save
-
-    # -- connection check ----------------------------------------------------------------------
-    def __bool__(self) -> bool:
-        # Lightning's accelerator connector evaluates ``if self.checkpoint_io:`` right before
-        # connecting the plugin to the final strategy: check the combination there (early,
-        # on every rank, before anything is trained or saved).
-        if not self._checked:
-            strategy = _strategy_from_callers()
-            if strategy is not None:
-                self._checked = True
-                check_strategy(strategy)
-        return True
-
-    def _check_caller(self) -> None:
-        strategy = _strategy_from_callers()
-        if strategy is not None and not is_dist_ckpt_strategy(strategy):
-            raise UnsupportedStrategyError(_unsupported_message(strategy))
 
     # -- low-level API used by the strategies ----------------------------------------------------
     def _load_kwargs(self) -> Dict[str, Any]:
@@ -279,21 +202,24 @@ class DistCkptIO(CheckpointIO):
         if MARKER not in checkpoint:
             if os.path.basename(os.fspath(path)).startswith(".temp"):  # Lightning's spawn launcher hand-off
                 return TorchCheckpointIO().save_checkpoint(checkpoint, path)
-            self._check_caller()
             raise UnsupportedStrategyError(
-                "DistCkptIO.save_checkpoint got a plain Lightning checkpoint; it must be called by a DistCkpt "
-                "strategy (DistCkptDDPStrategy / DistCkptModelParallelStrategy / DistCkptSingleDeviceStrategy) on every rank"
+                "DistCkptIO.save_checkpoint got a plain Lightning checkpoint: the strategy calling it bypassed the "
+                "connection that turns it into a DistCkpt strategy (DistCkptDDPStrategy / DistCkptModelParallelStrategy "
+                "/ DistCkptSingleDeviceStrategy), which save on every rank. Pass the strategy to Trainer(strategy=...) "
+                "with plugins=[DistCkptIO()]"
             )
         state = dict(checkpoint)
         meta = state.pop(MARKER)
         self.save_sharded(state, os.fspath(path), content_metadata=meta)
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Outside a DistCkpt strategy: the common state plus whole model tensors (one process)."""
+        """Outside a DistCkpt strategy (one process, e.g. a script inspecting a checkpoint): Lightning's
+        checkpoint dict with the common state and ``state_dict`` as whole tensors keyed by their saved
+        keys (fused parts stay parts; :func:`ckpt_integration.lightning.load_from_checkpoint` rebuilds
+        a module). The DistCkpt strategies load through :meth:`load_sharded` instead."""
         path = os.fspath(path)
         if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
-        self._check_caller()
         common = dict(serialization.load_common_state_dict(path, trusted=self.trusted,
                                                            allowed_globals=self._load_kwargs()["allowed_globals"]))
         tensors = serialization.load_plain_tensors(path, trusted=self.trusted)

@@ -5,107 +5,30 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Dict, Mapping, Optional
+from dataclasses import replace
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .. import serialization
-from ..errors import IncompleteCheckpointError
-from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
+from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
+from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_sharded_state_dict
-from ..storage.checkpoint_dir import CONFIG_FILE
-from ..storage.filesystem import is_remote, join, storage_for
+from .callbacks import DistCkptAsyncFinalizer
 from .io import MARKER, DistCkptIO
+from .paths import resolve_checkpoint_path
 
 logger = logging.getLogger(__name__)
 
 RNG_KEY = "lightning.rng_states"
-_LAST_RE = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
+_OPTIMIZER_KEY_RE = re.compile(r"^optimizer(_\d+)?\.")
 
 
 def optimizer_key(idx: int) -> str:
     """Prefix and top-level key of optimizer ``idx`` in the checkpoint (``optimizer``, ``optimizer_1``, ...)."""
     return "optimizer" if idx == 0 else f"optimizer_{idx}"
-
-
-def is_complete_checkpoint(path: Any) -> bool:
-    """True if ``path`` (local path or fsspec URL) is a committed checkpoint directory (has ``metadata.json``)."""
-    storage, p = storage_for(path)
-    meta = join(p, CONFIG_FILE)
-    return storage.exists(meta) and not storage.isdir(meta)
-
-
-def _parent(path: str) -> str:
-    """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
-    if is_remote(path):
-        return path.rstrip("/").rsplit("/", 1)[0]
-    return os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(path.rstrip(os.sep))
-
-
-def _mtime(storage: Any, path: str) -> float:
-    """Modification time of ``path`` in seconds since the epoch, locally or through fsspec."""
-    if not storage.remote:
-        return os.path.getmtime(path)
-    try:
-        return storage.fs.modified(path).timestamp()
-    except (NotImplementedError, AttributeError):
-        # filesystems without ``modified()`` usually report a time in ``info()``, under varying keys
-        info = storage.fs.info(path)
-        for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-            v = info.get(key)
-            if v is not None:
-                return v.timestamp() if hasattr(v, "timestamp") else float(v)
-        raise NotImplementedError(
-            f"cannot tell when {path} was written: {type(storage.fs).__name__} reports no modification time"
-        ) from None
-
-
-def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt") -> Optional[str]:
-    """The most recently committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
-
-    "Most recent" is the modification time of ``metadata.json``, written last by every save.
-    """
-    storage, d = storage_for(dirpath)
-    if not storage.isdir(d):
-        return None
-    cands = [join(d, n) for n in storage.listdir(d) if n.endswith(suffix)]
-    cands = [c for c in cands if is_complete_checkpoint(c)]
-    if not cands:
-        return None
-    return max(cands, key=lambda c: _mtime(storage, join(c, CONFIG_FILE)))
-
-
-def resolve_checkpoint_path(path: str) -> str:
-    """``path`` if complete; for an incomplete ``last*.ckpt`` the newest complete sibling; else raise.
-
-    Works for local paths and fsspec URLs (``s3://...``, ``memory://...``).
-    """
-    if is_complete_checkpoint(path):
-        return path
-    storage, p = storage_for(path)
-    if _basename(p) == CONFIG_FILE and is_complete_checkpoint(_parent(p)):
-        return _parent(p)  # how DistCkptModelCheckpoint names remote "last" candidates for Lightning
-    if not storage.remote:  # ``last.ckpt`` may be a symlink (``save_last="link"``)
-        real = os.path.realpath(p)
-        if real != p and is_complete_checkpoint(real):
-            return real
-    if _LAST_RE.match(_basename(p)) and storage.exists(p):
-        alt = latest_complete_checkpoint(_parent(p))
-        if alt is not None:
-            logger.warning("%s is incomplete (interrupted save); resuming from %s instead", path, alt)
-            return alt
-    if storage.isdir(p):
-        raise IncompleteCheckpointError(
-            f"{path} is not a complete checkpoint (no {CONFIG_FILE}: the save was interrupted or is still "
-            "running); pass a committed checkpoint directory"
-        )
-    return path  # let ci.load raise its specific error (missing path, a file, ...)
 
 
 def _rng_to_safe(states: Dict[str, Any]) -> Dict[str, Any]:
@@ -123,7 +46,7 @@ def _rng_from_safe(states: Dict[str, Any]) -> Dict[str, Any]:
 
         name, keys, pos, has_gauss, cached = out["numpy"]
         out["numpy"] = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
-    if "python" in out and isinstance(out["python"], list):
+    if "python" in out and isinstance(out["python"], list):  # checkpoints written before tuples were kept
         v = out["python"]
         out["python"] = (v[0], tuple(v[1]), v[2])
     return out
@@ -139,17 +62,69 @@ def _contains_sharded(x: Any) -> bool:
     return False
 
 
-class DistCkptStrategyMixin:
+def _main_replica_copies(model_sd: Any, module: Any) -> Any:
+    """``model_sd`` with non-parameter tensors of non-main replicas described without data.
+
+    Data parallelism keeps parameters identical on every rank, so a balanced save may write any
+    replica's copy. Other tensors (buffers such as BatchNorm statistics updated after DDP's broadcast,
+    torchmetrics states, hook entries) can differ between ranks: the checkpoint keeps the main
+    replica's copy (rank 0's, as stock Lightning does), so the others must not be candidates.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+              for p in module.parameters()}
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            if (x.data is not None and not is_main_replica(x.replica_id)
+                    and x.data.untyped_storage().data_ptr() not in params):
+                return replace(x, data=None)
+            return x
+        if isinstance(x, dict):
+            return type(x)((k, visit(v)) for k, v in x.items())
+        if isinstance(x, list):
+            return [visit(v) for v in x]
+        return x
+
+    return visit(model_sd)
+
+
+def _sharded_keys(request: Mapping[str, Any]) -> Set[str]:
+    """Dict paths of ``request`` holding tensors (ShardedTensors, factories): filled by the load itself."""
+    return {k for k, v in request.items() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+
+
+def model_key_report(ckpt_not_requested: Set[str], requested_not_in_ckpt: Set[str]) -> Tuple[List[str], List[str]]:
+    """``(missing, unexpected)`` model keys in ``torch.nn.Module.load_state_dict``'s terms from the sets
+    ``ckpt_integration.load(strict="return_all")`` returns (checkpoint keys nobody requested; requested
+    keys the checkpoint lacks). Optimizer and RNG entries of a Lightning checkpoint are no model keys."""
+    unexpected = sorted(k for k in ckpt_not_requested if not _OPTIMIZER_KEY_RE.match(k) and not k.startswith(RNG_KEY))
+    return sorted(k for k in requested_not_in_ckpt if not k.startswith(RNG_KEY)), unexpected
+
+
+class DistCkptStrategyMixin(Strategy):
     """Strategy mixin: sharded checkpoints through :class:`DistCkptIO` on every rank.
 
     On save: ``lightning_module.sharded_state_dict()`` (or the default from
-    :mod:`ckpt_integration.modules`) on every rank, the optimizers' sharded state
-    (:func:`~ckpt_integration.optimizer.optimizer_sharded_state_dict`), per-rank RNG
-    states as ShardedObjects and the rest of Lightning's checkpoint (loops, callbacks,
-    LR schedulers, hyper-parameters, precision plugin, epoch/global_step) as common
-    state. On load: the request is built from the current module (current layout),
-    model and optimizer state are loaded resharded, RNG states restored (same world size).
+    :mod:`ckpt_integration.modules`: everything ``module.state_dict()`` holds) on every rank, the
+    optimizers' sharded state (:func:`~ckpt_integration.optimizer.optimizer_sharded_state_dict`),
+    per-rank RNG states as ShardedObjects and the rest of Lightning's checkpoint (loops, callbacks,
+    LR schedulers, hyper-parameters, precision plugin, epoch/global_step, ``on_save_checkpoint``
+    additions) as common state, kept exactly. On load: the request is built from the current
+    module (current layout); tensors are loaded resharded in place, then Lightning's
+    ``load_model_state_dict`` restores the module through its own ``load_state_dict`` (hooks,
+    ``set_extra_state``, ``strict_loading``); optimizer states are loaded resharded; RNG states
+    restored (same world size). Checkpoints written by stock Lightning (a ``.ckpt`` file, or a
+    ``ModelParallelStrategy`` DCP directory) are imported (:mod:`ckpt_integration.lightning.stock`).
     """
+
+    # A ``Strategy`` subclass adding no instance layout (no ``__slots__`` entries, no ``__init__`` state):
+    # a stock strategy object can become a DistCkpt subclass in place (``strategy.__class__ = ...``,
+    # which Python allows only between classes of the same layout; see ``ckpt_integration.lightning.connect``)
+    __slots__ = ()
+
+    _load_report: Optional[Tuple[List[str], List[str]]] = None
 
     # -- configuration ------------------------------------------------------------------------------
     @property
@@ -185,15 +160,17 @@ class DistCkptStrategyMixin:
     def _module_sharded_state_dict(self) -> Dict[str, Any]:
         return module_sharded_state_dict(self.lightning_module, "", {"layout": self.parallel_layout})
 
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """The module's sharded state dict: what ``checkpoint["state_dict"]`` holds in
+        ``on_save_checkpoint`` (entries removed or added there are saved so)."""
+        return self._module_sharded_state_dict()
+
     # -- hooks -----------------------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)  # type: ignore[misc]
         io = self.dist_checkpoint_io()
-        if io.async_save:
-            from .callbacks import DistCkptAsyncFinalizer
-
-            if not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
-                trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+        if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Save on every rank (collective)."""
@@ -213,6 +190,7 @@ class DistCkptStrategyMixin:
                     opt, model_sd, prefix=optimizer_key(i), module=self.lightning_module
                 )
                 num_opt += 1
+        state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
         from lightning.fabric.utilities.seed import _collect_rng_states
 
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
@@ -223,31 +201,42 @@ class DistCkptStrategyMixin:
             "world_size": world,
             "num_optimizers": num_opt,
             "has_optimizer_states": opt_states is not None,
-            # empty top-level containers (``lr_schedulers: []`` without a scheduler) are not kept in
-            # the common state; Lightning requires some of them on resume, so they are recreated
-            "empty_keys": {k: type(v).__name__ for k, v in state.items() if isinstance(v, (list, dict)) and not v},
             "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
         }
         io.save_checkpoint(state, path)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        """Load into the current layout on every rank (collective); returns Lightning's checkpoint dict."""
+        """Load into the current layout on every rank (collective); returns Lightning's checkpoint dict.
+
+        Tensors are loaded in place; ``load_model_state_dict`` then restores the module through its
+        ``load_state_dict``. A stock Lightning checkpoint (``.ckpt`` file, ``ModelParallelStrategy``
+        directory) is imported: see :mod:`ckpt_integration.lightning.stock`.
+        """
+        from .stock import load_stock_checkpoint, stock_layout
+
         io = self.dist_checkpoint_io()
-        path = resolve_checkpoint_path(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
-        meta = serialization.load_content_metadata(path) or {}
+        path = self.broadcast(os.fspath(checkpoint_path))  # type: ignore[attr-defined]
         model_sd = self._module_sharded_state_dict()
+        self._loaded_sharded_keys = _sharded_keys(model_sd)
+        if stock_layout(path) is not None:
+            loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
+            return loaded
+        path = resolve_checkpoint_path(path)
+        meta = serialization.load_content_metadata(path, allowed_globals=io._load_kwargs()["allowed_globals"],
+                                                   trusted=io.trusted) or {}
         request: Dict[str, Any] = {"state_dict": model_sd}
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
         if meta.get("world_size") == world:
             request["rng_states"] = ShardedObject(RNG_KEY, None, (world,), (rank,))
-        loaded = dict(io.load_sharded(request, path))
+        loaded, ckpt_only, request_only = io.load_sharded(request, path, strict="return_all")
+        loaded = dict(loaded)
+        # checkpoints written before the common state kept empty containers recorded them here
         empty = meta.get("empty_keys", {"lr_schedulers": "list"} if meta.get("has_optimizer_states") else {})
-        for k, kind in empty.items():  # e.g. ``lr_schedulers: []``: dropped from the common state on save
+        for k, kind in empty.items():
             loaded.setdefault(k, [] if kind == "list" else {})
-        load_into_module(self.lightning_module, loaded["state_dict"])
-        fitting = getattr(getattr(self.lightning_module, "_trainer", None), "state", None)
-        fitting = fitting is not None and fitting.fn == TrainerFn.FITTING
-        if meta.get("has_optimizer_states") and fitting:
+        self._load_report = model_key_report(ckpt_only, request_only)
+        loaded["state_dict"] = dict(loaded.get("state_dict", {}))
+        if meta.get("has_optimizer_states") and self._fitting():
             optimizers = list(self.optimizers)  # type: ignore[attr-defined]
             if len(optimizers) != meta.get("num_optimizers", 0):
                 raise ValueError(
@@ -263,11 +252,27 @@ class DistCkptStrategyMixin:
             from lightning.fabric.utilities.seed import _set_rng_states
 
             _set_rng_states(_rng_from_safe(rng))
-        loaded["state_dict"] = {k: v for k, v in loaded["state_dict"].items()}
         return loaded
 
+    def _fitting(self) -> bool:
+        state = getattr(getattr(self.lightning_module, "_trainer", None), "state", None)
+        return state is not None and state.fn == TrainerFn.FITTING
+
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing to do: :meth:`load_checkpoint` already loaded the weights in place."""
+        """Restore the module through its own ``load_state_dict`` from the tensors :meth:`load_checkpoint`
+        loaded in place (after ``on_load_checkpoint``). ``strict`` is ``LightningModule.strict_loading``:
+        with ``False``, keys missing from the checkpoint keep their values and checkpoint keys the module
+        does not have are skipped (both logged)."""
+        missing, unexpected = self._load_report or ([], [])
+        self._load_report = None
+        missing, unexpected = load_module_state_dict(
+            self.lightning_module, dict(checkpoint["state_dict"]), strict=strict, missing_keys=missing,
+            unexpected_keys=unexpected, requested_keys=getattr(self, "_loaded_sharded_keys", None),
+        )
+        if missing:
+            rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint: {missing}")
+        if unexpected:
+            rank_zero_warn(f"Found keys that are not in the model state dict but in the checkpoint: {unexpected}")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states resharded."""
@@ -306,6 +311,8 @@ class DistCkptDDPStrategy(DistCkptStrategyMixin, DDPStrategy):
         checkpoint_io: a :class:`DistCkptIO` (default: ``DistCkptIO()``).
         kwargs: as for ``DDPStrategy``.
     """
+
+    _tp_size = 1  # (a stock DDPStrategy given DistCkptIO becomes this class without __init__)
 
     def __init__(self, tensor_parallel_size: int = 1, checkpoint_io: Optional[DistCkptIO] = None, **kwargs: Any):
         super().__init__(checkpoint_io=checkpoint_io, **kwargs)
@@ -405,10 +412,6 @@ class DistCkptModelParallelStrategy(DistCkptStrategyMixin, ModelParallelStrategy
         meta = {"layout": self.parallel_layout, "dtensor_mesh": self.device_mesh}
         return module_sharded_state_dict(self.lightning_module, "", meta)
 
-    def lightning_module_state_dict(self) -> Dict[str, Any]:
-        """The module's sharded state dict (no DCP gathering / CPU offload of the whole model)."""
-        return self._module_sharded_state_dict()
-
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         """The optimizer's own ``state_dict()`` (references, no copy): the sharded optimizer state
         is built from the optimizer itself in :meth:`save_checkpoint`."""
@@ -425,8 +428,5 @@ __all__ = [
     "DistCkptDDPStrategy",
     "DistCkptModelParallelStrategy",
     "optimizer_key",
-    "is_complete_checkpoint",
-    "latest_complete_checkpoint",
-    "resolve_checkpoint_path",
     "RNG_KEY",
 ]

@@ -1,0 +1,167 @@
+"""Nothing a training job keeps is lost through the Trainer (one process, no torch.distributed).
+
+``TinyModule`` (tests/lightning_helpers.py) keeps torchmetrics ``persistent(True)`` states, extra state,
+a state-dict hook entry, an HF-style ``LambdaLR(functools.partial(...))`` scheduler, empty
+hyper-parameters and ``on_save_checkpoint`` additions: a resumed run starts from exactly the state the
+saving run ended with. Also: ``strict_loading``, and ``last.ckpt`` being the newest state whatever top-k
+decides.
+"""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.lightning_helpers import TinyModule, assert_same, loader, trainer
+
+
+def _fit(tmp, name, epochs, ckpt_path=None, strategy=None, module=None, **kw):
+    import lightning as L
+
+    from ckpt_integration.lightning import DistCkptIO
+
+    L.seed_everything(0, verbose=False)
+    m = module or TinyModule(dump=f"{tmp}/{name}", options={})
+    if strategy is not None:
+        kw["strategy"] = strategy
+    t = trainer(max_epochs=epochs, limit_train_batches=3, default_root_dir=f"{tmp}/{name}", plugins=[DistCkptIO()], **kw)
+    t.fit(m, loader(), ckpt_path=ckpt_path)
+    return m, t
+
+
+@pytest.mark.parametrize("how", ["plugin", "strategy"])
+def test_resume_restores_every_kind_of_state(tmp_path, how):
+    from ckpt_integration.lightning import DistCkptSingleDeviceStrategy
+
+    tmp = str(tmp_path)
+    strategy = DistCkptSingleDeviceStrategy if how == "strategy" else lambda: None
+    _, t = _fit(tmp, "a", 1, strategy=strategy())
+    ckpt = t.checkpoint_callback.best_model_path
+    m, t2 = _fit(tmp, "b", 2, ckpt_path=ckpt, strategy=strategy())
+    end, start = torch.load(f"{tmp}/a.end", weights_only=False), torch.load(f"{tmp}/b.start", weights_only=False)
+    assert start["scheduler"]["lr_lambdas"] == [{}] and start["hparams"] == {"options": {}, "lr": 1e-2}
+    assert start["metric"][1] == 3 and start["state_dict"]["net.format_version"].item() == 3
+    assert_same(end, start)
+    assert m.loaded_user == {"empty": {}, "list": [], "nested": [{}], "pair": (1, None), "step": 3}
+    assert m.counter.restored_extra == {"calls": 3, "history": [0, 1, 2], "empty": {}, "pair": (3, None)}
+    assert t2.global_step == 6
+
+
+class _Renamed(TinyModule):
+    """``net.fc2`` has become ``net.out`` (missing ``net.out.*``, unexpected ``net.fc2.*``)."""
+
+    def __init__(self, strict: bool = True, **kw):
+        super().__init__(**kw)
+        self.net.out = self.net.fc2
+        del self.net.fc2
+        self.net.forward = lambda x: self.net.out(torch.relu(self.net.fc1(x))).squeeze(-1)
+        self.strict_loading = strict
+
+
+def test_strict_loading(tmp_path):
+    from ckpt_integration.lightning import DistCkptIO
+    from ckpt_integration.modules import StateDictMismatchError
+
+    tmp = str(tmp_path)
+    m0, t = _fit(tmp, "a", 1)
+    ckpt = t.checkpoint_callback.best_model_path
+    val = trainer(plugins=[DistCkptIO()], limit_val_batches=1, default_root_dir=f"{tmp}/v")
+    with pytest.raises(StateDictMismatchError, match=r"missing key\(s\).*'net.out.bias', 'net.out.weight'.*"
+                                                     r"unexpected key\(s\).*'net.fc2.bias', 'net.fc2.weight'"):
+        val.validate(_Renamed(options={}), loader(), ckpt_path=ckpt)
+    m = _Renamed(strict=False, options={})
+    before = m.net.out.weight.detach().clone()
+    with pytest.warns(UserWarning, match="not in the checkpoint: \\['net.out.bias', 'net.out.weight'\\]"):
+        val.validate(m, loader(), ckpt_path=ckpt)
+    assert torch.equal(m.net.out.weight, before)  # kept: not in the checkpoint
+    assert torch.equal(m.net.fc1.weight, m0.net.fc1.weight) and m.counter.calls == 3
+
+
+class _Rising(TinyModule):
+    """Monitors a value that only gets worse: after epoch 0 no step makes it into the top 1."""
+
+    def training_step(self, batch, idx):
+        self.log("rising", float(self.global_step))
+        return super().training_step(batch, idx)
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_last_is_the_newest_state_whatever_top_k_says(tmp_path, save_last):
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptModelCheckpoint
+
+    tmp = str(tmp_path)
+    cb = DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", monitor="rising", mode="min", save_top_k=1, save_last=save_last)
+    _fit(tmp, "a", 3, module=_Rising(options={}), callbacks=[cb])
+    assert sorted(os.listdir(f"{tmp}/ck")) == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert ci.load_common_state_dict(f"{tmp}/ck/last.ckpt")["global_step"] == 9
+    m, t = _fit(tmp, "b", 4, ckpt_path="last", module=_Rising(options={}), callbacks=[
+        DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", monitor="rising", mode="min", save_top_k=1, save_last=save_last)])
+    assert m.counter.history[:1] == [0] and m.counter.calls == 12  # resumed from step 9, not from step 3
+    assert ci.load_common_state_dict(f"{tmp}/ck/last.ckpt")["global_step"] == 12
+
+
+def test_default_sharded_state_dict_is_what_state_dict_holds(tmp_path):
+    """Hooked children (ShardedModuleMixin) and state_dict semantics side by side, without Lightning."""
+    import ckpt_integration as ci
+    from ckpt_integration.modules import (ParallelLayout, ShardedModuleMixin, load_module_state_dict,
+                                          module_sharded_state_dict)
+    from tests.lightning_helpers import Counter, Net
+
+    class Col(ShardedModuleMixin, nn.Module):
+        tp_axes = {"weight": 0}
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 2))
+            self.inner = Counter()  # children of a hooked module: state_dict semantics too
+
+    def build(seed):
+        torch.manual_seed(seed)
+        root = nn.Module()
+        root.col, root.net, root.counter = Col(), Net(), Counter()
+        root.register_buffer("scratch", torch.ones(1), persistent=False)
+        root.counter.calls, root.col.inner.calls, root.net.format_version = 5 + seed, 7 + seed, 9 + seed
+        return root
+
+    src = build(0)
+    sd = module_sharded_state_dict(src, "m.", {"layout": ParallelLayout()})
+    assert set(sd) == {"m." + k for k in src.state_dict()} and "m.scratch" not in sd
+    assert isinstance(sd["m.col.weight"], ci.ShardedTensor) and sd["m.counter._extra_state"]["calls"] == 5
+    ci.save(sd, f"{tmp_path}/c")
+    dst = build(1)
+    loaded = ci.load(module_sharded_state_dict(dst, "m.", {"layout": ParallelLayout()}), f"{tmp_path}/c")
+    assert load_module_state_dict(dst, loaded, "m.") == ([], [])
+    assert (dst.counter.calls, dst.col.inner.calls, dst.net.format_version) == (5, 7, 9)
+    assert_same(dict(src.state_dict()), dict(dst.state_dict()))
+
+
+def test_stock_checkpoint_of_fused_module_is_refused_and_checkpoint_dict(tmp_path):
+    """A stock ``.ckpt`` holds whole tensors: a module storing fused parts (factories) cannot take it;
+    ``load_checkpoint_dict`` reads a directory checkpoint without any module."""
+    import sys
+
+    import lightning as L
+
+    from ckpt_integration.errors import UnsupportedCheckpointError
+    from ckpt_integration.lightning import DistCkptIO, load_checkpoint_dict
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import gpt
+
+    def fit(root, ckpt=None, **kw):
+        L.seed_everything(0, verbose=False)
+        m = gpt.GPTModule(vocab_size=gpt.vocab_size(300), corpus_chars=300, n_layers=1, d_model=8, n_heads=2)
+        t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=f"{tmp_path}/{root}", **kw)
+        t.fit(m, gpt.make_dataloader(16, 4, 1, 300), ckpt_path=ckpt)
+        return t
+
+    stock = fit("stock").checkpoint_callback.best_model_path  # stock Lightning: a .ckpt file
+    with pytest.raises(UnsupportedCheckpointError, match="'model.blocks.0.qkv.weight' is described by a ShardedTensorFactory"):
+        fit("ours", stock, plugins=[DistCkptIO()])
+    ours = fit("ours2", plugins=[DistCkptIO()]).checkpoint_callback.best_model_path
+    ckpt = load_checkpoint_dict(ours)
+    assert ckpt["global_step"] == 1 and ckpt["hyper_parameters"]["d_model"] == 8
+    assert ckpt["state_dict"]["model.blocks.0.qkv.weight.part1"].shape == (8, 8)
+    assert not [k for k in ckpt["state_dict"] if k.startswith("optimizer")]
