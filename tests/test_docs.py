@@ -42,9 +42,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "**", "*.md"),
                                                                             recursive=True))
 UNMARKED = {
-    # owned by the Lightning / Hydra work (issue 10), which is rewriting these pages
-    "docs/lightning.md": "blocks not marked yet (pages rewritten by the Lightning issue)",
-    "docs/hydra.md": "blocks not marked yet (pages rewritten by the Lightning issue)",
 }
 
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)

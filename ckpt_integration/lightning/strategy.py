@@ -16,6 +16,7 @@ from .. import serialization
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_sharded_state_dict
+from ..tools.recipe import EXPORT_RECIPE_KEY, export_recipe_object
 from .callbacks import DistCkptAsyncFinalizer
 from .io import MARKER, DistCkptIO
 from .paths import resolve_checkpoint_path
@@ -98,8 +99,10 @@ def _sharded_keys(request: Mapping[str, Any]) -> Set[str]:
 def model_key_report(ckpt_not_requested: Set[str], requested_not_in_ckpt: Set[str]) -> Tuple[List[str], List[str]]:
     """``(missing, unexpected)`` model keys in ``torch.nn.Module.load_state_dict``'s terms from the sets
     ``ckpt_integration.load(strict="return_all")`` returns (checkpoint keys nobody requested; requested
-    keys the checkpoint lacks). Optimizer and RNG entries of a Lightning checkpoint are no model keys."""
-    unexpected = sorted(k for k in ckpt_not_requested if not _OPTIMIZER_KEY_RE.match(k) and not k.startswith(RNG_KEY))
+    keys the checkpoint lacks). Optimizer, RNG and export-recipe entries of a Lightning checkpoint are no
+    model keys."""
+    not_model = (RNG_KEY, EXPORT_RECIPE_KEY)
+    unexpected = sorted(k for k in ckpt_not_requested if not _OPTIMIZER_KEY_RE.match(k) and not k.startswith(not_model))
     return sorted(k for k in requested_not_in_ckpt if not k.startswith(RNG_KEY)), unexpected
 
 
@@ -196,6 +199,12 @@ class DistCkptStrategyMixin(Strategy):
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
         state["rng_states"] = ShardedObject(RNG_KEY, _rng_to_safe(_collect_rng_states()), (world,), (rank,))
         lay = self.parallel_layout
+        # how fused parts / renamed / stacked tensors map back to state-dict names, so that
+        # ``ckpt-integration export`` works from the checkpoint alone (one object per TP x PP position)
+        state["export_recipe"] = export_recipe_object(
+            model_sd, rank=lay.pp_rank * lay.tp_size + lay.tp_rank, world_size=lay.tp_size * lay.pp_size,
+            replica_id=lay.dp_rank,
+        )
         state[MARKER] = {
             "lightning": 1,
             "world_size": world,
