@@ -39,3 +39,16 @@ class MismatchError(CheckpointingException):
 
 class DistributedCheckpointingError(CheckpointingException):
     """A save or load failed on another rank; raised on the healthy ranks with the causes."""
+
+
+class CheckpointWriteError(CheckpointingException, OSError):
+    """Writing a checkpoint file failed (no space left on device, permission denied, I/O error).
+
+    Also an ``OSError`` (``errno`` set), so ``except OSError`` keeps working; the message
+    names the file, e.g. ``no space left on device while writing ckpt/__0_0.distcp``.
+    """
+
+
+class SaveConflictError(CheckpointingException):
+    """The target directory is not this save's to write: another save is writing or has
+    committed there, or it holds files this library did not write (named in the message)."""
