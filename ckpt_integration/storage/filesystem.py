@@ -118,7 +118,7 @@ _KINDS = (
 )
 
 
-def _not_regular(mode: int, path: str, what: str) -> CorruptCheckpointError:
+def not_regular(mode: int, path: str, what: str) -> CorruptCheckpointError:
     kind = next((k for test, k in _KINDS if test(mode)), "special file")
     return CorruptCheckpointError(
         f"{what} {path} is a {kind}, not a regular file: refusing to read it (a checkpoint holds only regular files)"
@@ -133,12 +133,12 @@ def open_regular(path: str, what: str = "file") -> int:
     """
     st = os.stat(path)  # FileNotFoundError passes through: callers name the missing file
     if not stat.S_ISREG(st.st_mode):
-        raise _not_regular(st.st_mode, path, what)
+        raise not_regular(st.st_mode, path, what)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _not_regular(st.st_mode, path, what)
+            raise not_regular(st.st_mode, path, what)
     except BaseException:
         os.close(fd)
         raise
