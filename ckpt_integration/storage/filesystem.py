@@ -171,8 +171,10 @@ def write_error(e: BaseException, path: str) -> BaseException:
         code, reason = _errno.ENOSPC, "no space left on device"
     else:
         code, reason = err.errno, (err.strerror or os.strerror(err.errno)).lower()
+        path = err.filename if isinstance(err.filename, str) and err.filename else path
     out = CheckpointWriteError(f"{reason} while writing {path}")
-    out.errno, out.strerror, out.filename = code, reason, path
+    out.errno = code  # (strerror/filename left unset: they would replace the message in str())
+    out.path = path
     return out
 
 

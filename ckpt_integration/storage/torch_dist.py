@@ -296,6 +296,7 @@ class TorchDistReader:
         self.verify_checksums = verify_checksums and bool(self.checksums or self.block_records)
         self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
+        self._frames_checked: set = set()
         self._lock = threading.Lock()
         where = join(self.directory, DCP_METADATA_FILE)
         for index, info in (metadata.storage_data or {}).items():
@@ -463,6 +464,7 @@ class TorchDistReader:
                     blocks = Blocks(brec.bounds(info.length), brec.crcs)
                 except ValueError as e:
                     raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+                self._check_archive_frame(fd, info, brec, blocks, path, what)
         else:
             rec = self._record(key, chunk)
             if rec is None or not rec.is_contiguous:
@@ -482,6 +484,27 @@ class TorchDistReader:
                 blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected])
         starts = [s.start for s in relative_slices(overlap, chunk.box)]
         _read_region(fd, path, info.offset, data_start, chunk.box.sizes, starts, overlap.sizes, out, dtype, blocks, what)
+
+    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> None:
+        """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
+        directory; a few hundred bytes each) match their CRC32s, so a damaged archive - which
+        PyTorch DCP could no longer read - is reported by any load that reads from it."""
+        rid = (info.relative_path, info.offset)
+        if rid in self._frames_checked:
+            return
+        d, end, length = brec.data_offset, brec.data_offset + brec.data_length, info.length
+        parts = [(0, d)] if d > 0 else []
+        parts += [(end, length)] if end < length else []
+        for lo, hi in parts:
+            buf = bytearray(hi - lo)
+            fd.read_into(memoryview(buf), info.offset + lo)
+            b = blocks.index(lo)
+            if int(blocks.bounds[b]) != lo or int(blocks.bounds[b + 1]) != hi or crc32(buf) != int(blocks.crcs[b]):
+                raise CorruptCheckpointError(
+                    f"{path}: checksum mismatch for the archive {'header' if lo == 0 else 'trailer'} of {what} "
+                    f"(bytes [{info.offset + lo}, {info.offset + hi})): the file is damaged"
+                )
+        self._frames_checked.add(rid)
 
     def _read_region_fallback(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor) -> None:
         info = chunk.storage
