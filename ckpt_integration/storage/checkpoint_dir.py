@@ -272,6 +272,24 @@ def read_config(directory: str) -> CheckpointingConfig:
     return config
 
 
+def check_strategy_version(directory: str, config: CheckpointingConfig, strategy: Any) -> None:
+    """A load strategy given as ``(backend, version)`` (or an object with ``backend``/``version``)
+    must name the checkpoint's format version, as in Megatron-Core: ``("torch_dist", 2)`` on a
+    version-1 checkpoint is refused instead of silently reading it as version 1."""
+    if isinstance(strategy, tuple) and len(strategy) >= 2:
+        version = strategy[1]
+    else:
+        version = getattr(strategy, "version", None) if strategy is not None and not isinstance(strategy, str) else None
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int) or version != config.sharded_backend_version:
+        raise UnsupportedCheckpointError(
+            f"{directory} is a {config.sharded_backend} checkpoint of format version {config.sharded_backend_version}, "
+            f"but the load strategy asks for version {version!r}; pass sharded_strategy="
+            f"({config.sharded_backend!r}, {config.sharded_backend_version}) or leave it out (detected from the checkpoint)"
+        )
+
+
 def write_config(directory: str, config: CheckpointingConfig, durable: bool = True, exclusive: bool = False) -> None:
     """Write the commit marker (atomically). Call only when everything else is durable.
 

@@ -331,9 +331,13 @@ class Storage:
         else:
             os.makedirs(path, exist_ok=True)
 
-    def open_write(self, path: str) -> BinaryIO:
+    def open_write(self, path: str, exclusive: bool = False) -> BinaryIO:
+        """A new file for writing; ``exclusive`` (local): ``FileExistsError`` if it exists, so a
+        save never overwrites a file another save created (object stores: overwritten)."""
         with writing(path):
-            return self.fs.open(path, "wb") if self.fs else open(path, "wb")
+            if self.fs:
+                return self.fs.open(path, "wb")
+            return open(path, "xb" if exclusive else "wb")
 
     def sync(self, f: BinaryIO, durable: bool) -> None:
         """Flush a file opened with :meth:`open_write` (and fsync it locally when ``durable``)."""

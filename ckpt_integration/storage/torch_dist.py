@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, MismatchError, SaveConflictError, UnsafeCheckpointError
 from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
 from . import checkpoint_dir as ckdir
@@ -152,7 +152,14 @@ def write_data_files(
         name = data_file_name(rank, index)
         path = join(directory, name)
         out = []
-        with writing(path), storage.open_write(path) as f:
+        try:
+            f = storage.open_write(path, exclusive=True)
+        except FileExistsError:
+            raise SaveConflictError(
+                f"cannot write {path}: the file exists, created by another save into the same directory "
+                "(two jobs saving to one path at once); this save is abandoned"
+            ) from None
+        with writing(path), f:
             for i in bucket:
                 req = requests[i]
                 start = f.tell()
