@@ -183,7 +183,7 @@ def writing(path: str) -> Iterator[None]:
     """Raise :class:`CheckpointWriteError` naming ``path`` for OS errors of the block."""
     try:
         yield
-    except CheckpointingException:
+    except (CheckpointingException, FileExistsError):  # FileExistsError: exclusive creates, handled by callers
         raise
     except Exception as e:
         converted = write_error(e, path)

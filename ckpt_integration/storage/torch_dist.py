@@ -55,6 +55,8 @@ from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
+# block size of the data checksums of new saves (recorded per item, so readers need not know it)
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 
 
 # --------------------------------------------------------------------------- writing
@@ -136,7 +138,7 @@ def write_data_files(
     requests: Sequence[WriteRequest],
     thread_count: int = 2,
     durable: bool = True,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: Optional[int] = None,
 ) -> List[WrittenItem]:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
@@ -145,6 +147,7 @@ def write_data_files(
     """
     if not requests:
         return []
+    block_size = block_size or BLOCK_SIZE
     storage, directory = storage_for(directory)
     buckets = split_into_buckets([r.nbytes for r in requests], thread_count)
 

@@ -883,8 +883,8 @@ class ZarrReader:
                 try:
                     # format pinned: zarr would otherwise also probe for zarr v2 metadata files
                     arr = zarr.open_array(self._open_store(key), mode="r", zarr_format=3)
-                except CorruptCheckpointError:
-                    raise  # from the checking store: names the damaged zarr.json
+                except CheckpointingException:
+                    raise  # from the checking store: names the damaged zarr.json (or a refused path)
                 except Exception as e:  # zarr raises several types for missing/damaged metadata
                     raise CorruptCheckpointError(f"zarr array {path} for {key!r} cannot be opened: {e}") from None
                 problem = _array_mismatch(arr, self.index["tensors"][key])
@@ -933,7 +933,7 @@ class ZarrReader:
         region = tuple(slice(o, o + s) for o, s in zip(overlap.offsets, overlap.sizes))
         try:
             values = arr[region] if region else arr[...]
-        except CorruptCheckpointError:
+        except CheckpointingException:
             raise  # from the checking store: already names key and chunk file
         except Exception as e:
             raise CorruptCheckpointError(f"reading {overlap} of zarr array {key!r} in {self.directory} failed: {e}") from None
