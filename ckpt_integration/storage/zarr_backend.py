@@ -77,7 +77,7 @@ from ..errors import CheckpointingException, CorruptCheckpointError, MismatchErr
 from ..planning.boxes import Box, intersect, relative_slices
 from .checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, load_json
 from .checksum import crc32
-from .filesystem import checked_path, is_remote, join, not_regular, storage_for, write_error
+from .filesystem import checked_path, is_remote, join, not_regular, storage_for, symlinks_allowed, write_error
 from .torch_dist import ChunkInfo, WriteRequest, WrittenItem, run_parallel
 
 INDEX_FILE = "zarr_index.json"
@@ -318,7 +318,7 @@ def check_index_paths(directory: str, index: Dict[str, Any]) -> None:
     """
     where = join(directory, INDEX_FILE)
     keys = [("tensor", k) for k in index.get("tensors", {})] + [("object", k) for k in index.get("objects", [])]
-    root = None if is_remote(directory) else os.path.realpath(directory)
+    root = None if is_remote(directory) or symlinks_allowed() else os.path.realpath(directory)
     for what, key in keys:
         if not isinstance(key, str) or not key:
             raise CorruptCheckpointError(f"{where} is damaged: it names an empty or non-string {what} key {key!r}")
