@@ -136,10 +136,10 @@ class BlockRecord:
         d, n, b = self.data_offset, self.data_length, self.block_size
         if d + n > item_length:
             raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
-        cuts = [0] if d > 0 else []
-        cuts += list(range(d, d + n, b))
-        cuts += [d + n] if d + n < item_length else []
-        out = np.array(cuts + [item_length], dtype=np.int64)
+        head = [0] if d > 0 else []
+        tail = [d + n] if d + n < item_length else []
+        out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
+                              np.array(tail + [item_length], dtype=np.int64)])
         if len(out) != len(self.crcs) + 1:
             raise ValueError(f"{len(self.crcs)} block checksums recorded for {len(out) - 1} blocks")
         return out

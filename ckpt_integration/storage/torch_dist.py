@@ -307,6 +307,7 @@ class TorchDistReader:
         self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
         self._frames_checked: set = set()
+        self._block_cache: Dict[Tuple[str, int], Blocks] = {}
         self._lock = threading.Lock()
         where = join(self.directory, DCP_METADATA_FILE)
         for index, info in (metadata.storage_data or {}).items():
@@ -470,10 +471,7 @@ class TorchDistReader:
                 )
             data_start = brec.data_offset
             if self.verify_checksums:
-                try:
-                    blocks = Blocks(brec.bounds(info.length), brec.crcs)
-                except ValueError as e:
-                    raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+                blocks = self._blocks(info, brec, what)
                 self._check_archive_frame(fd, info, brec, blocks, path, what)
         else:
             rec = self._record(key, chunk)
@@ -494,6 +492,17 @@ class TorchDistReader:
                 blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected])
         starts = [s.start for s in relative_slices(overlap, chunk.box)]
         _read_region(fd, path, info.offset, data_start, chunk.box.sizes, starts, overlap.sizes, out, dtype, blocks, what)
+
+    def _blocks(self, info: _StorageInfo, brec: Any, what: str) -> Blocks:
+        rid = (info.relative_path, info.offset)
+        blocks = self._block_cache.get(rid)
+        if blocks is None:
+            try:
+                blocks = Blocks(brec.bounds(info.length), brec.crcs)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+            self._block_cache[rid] = blocks
+        return blocks
 
     def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> None:
         """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
