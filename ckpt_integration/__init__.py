@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from .errors import (  # noqa: E402
     CheckpointingException,
     CheckpointNotFoundError,
+    CheckpointReadError,
     CheckpointWriteError,
     CorruptCheckpointError,
     DistributedCheckpointingError,
@@ -70,6 +71,7 @@ __all__ = [
     "add_safe_globals",
     "CheckpointingException",
     "CheckpointNotFoundError",
+    "CheckpointReadError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "DistributedCheckpointingError",

@@ -52,3 +52,8 @@ class CheckpointWriteError(CheckpointingException, OSError):
 class SaveConflictError(CheckpointingException):
     """The target directory is not this save's to write: another save is writing or has
     committed there, or it holds files this library did not write (named in the message)."""
+
+
+class CheckpointReadError(CheckpointingException, OSError):
+    """Reading a checkpoint file failed in the operating system (permission denied, I/O error);
+    also an ``OSError`` (``errno`` set). A missing or damaged file is a CorruptCheckpointError."""

@@ -33,7 +33,7 @@ import stat
 import threading
 from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import CheckpointingException, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
 
 # Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
@@ -179,6 +179,21 @@ def write_error(e: BaseException, path: str) -> BaseException:
 
 
 @contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Raise :class:`CheckpointReadError` naming ``path`` for OS errors of the block (a missing
+    file passes through as ``FileNotFoundError``: callers say which checkpoint file is missing)."""
+    try:
+        yield
+    except (CheckpointingException, FileNotFoundError):
+        raise
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        out = CheckpointReadError(f"{reason} while reading {path}")
+        out.errno = e.errno
+        raise out from e
+
+
+@contextlib.contextmanager
 def writing(path: str) -> Iterator[None]:
     """Raise :class:`CheckpointWriteError` naming ``path`` for OS errors of the block."""
     try:
@@ -221,17 +236,24 @@ _IOV_MAX = 1024
 class _LocalReader(FileReader):
     def __init__(self, path: str, what: str = "file"):
         self.path = path
-        self.fd = open_regular(path, what)
-        self.size = os.fstat(self.fd).st_size
+        with reading(path):
+            self.fd = open_regular(path, what)
+            self.size = os.fstat(self.fd).st_size
 
     def read(self, offset: int, length: int) -> bytes:
-        return os.pread(self.fd, length, offset)
+        with reading(self.path):
+            return os.pread(self.fd, length, offset)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
-        pread_exact(self.fd, buf, offset, self.path)
+        with reading(self.path):
+            pread_exact(self.fd, buf, offset, self.path)
 
     def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
         """One ``preadv`` per up to 1024 buffers (a short read at the file end raises)."""
+        with reading(self.path):
+            self._readv(buffers, offset)
+
+    def _readv(self, buffers: Sequence[memoryview], offset: int) -> None:
         buffers = [b for b in buffers if len(b)]
         i = 0
         while i < len(buffers):
@@ -384,9 +406,10 @@ class Storage:
             if info.get("type", "file") != "file":
                 raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
             return self.fs.cat_file(path)
-        fd = open_regular(path, what)
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
+        with reading(path):
+            fd = open_regular(path, what)
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
 
     def open_reader(self, path: str, what: str = "file") -> FileReader:
         return _FsspecReader(self.fs, path, what) if self.fs else _LocalReader(path, what)
