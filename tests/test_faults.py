@@ -352,6 +352,14 @@ def test_declared_shape_larger_than_the_chunks_is_refused_before_allocating(tmp_
     _rewrite_metadata(d, edit)
     with pytest.raises(CorruptCheckpointError, match="elements"):
         ci.load_plain_tensors(str(d))
+    # zarr: the declared shape must match the recorded chunk files
+    z = tmp_path / "z"
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, str(z), sharded_strategy="zarr")
+    index = json.loads((z / "zarr_index.json").read_text())
+    index["tensors"]["w"]["shape"] = [10**12]
+    (z / "zarr_index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="chunk files"):
+        ci.load_plain_tensors(str(z))
 
 
 # =========================================================================== save-time refusals

@@ -851,6 +851,7 @@ class ZarrReader:
         # None: an index written before records existed; such files are read unchecked
         self.files = _read_file_records(self.index, join(self.directory, INDEX_FILE))
         self.verify_checksums = verify_checksums
+        self._chunk_records: Optional[Dict[str, List[int]]] = None
         self._arrays: Dict[str, Any] = {}
         self._lock = threading.Lock()
         sd_meta: Dict[str, Any] = {}
@@ -919,8 +920,14 @@ class ZarrReader:
         esize = torch.empty((), dtype=getattr(torch, info["stored_dtype"])).element_size()
         grid = math.prod(math.ceil(n / c) for n, c in zip(shape, chunks)) if math.prod(shape) else 0
         per_chunk = math.prod(chunks) * esize
-        recorded = [r for name, r in self.files.items() if name.startswith(f"{key}/c") and _is_chunk_name(name[len(key) + 1 :])]
-        if len(recorded) != grid or any(r.size != per_chunk for r in recorded):
+        if self._chunk_records is None:  # key -> sizes of its recorded chunk files (one pass over the records)
+            self._chunk_records = {}
+            for name, r in self.files.items():
+                head, sep, rest = name.rpartition("/c/") if "/c/" in name else name.rpartition("/c")
+                if sep and _is_chunk_name(sep[1:] + rest):
+                    self._chunk_records.setdefault(head, []).append(r.size)
+        recorded = self._chunk_records.get(key, [])
+        if len(recorded) != grid or any(size != per_chunk for size in recorded):
             raise CorruptCheckpointError(
                 f"{join(self.directory, INDEX_FILE)} is damaged: tensor {key!r} is declared with shape {shape} "
                 f"in chunks of {chunks} ({grid} chunk files of {per_chunk} bytes), but {len(recorded)} chunk "
