@@ -100,11 +100,16 @@ class Manifest:
         return out
 
     def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
-        """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums."""
+        """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
+        (decoded once per manifest object)."""
+        cached = self.__dict__.get("_block_records")
+        if cached is not None and cached[0] is self.blocks:
+            return cached[1]
         out = {}
         for k, v in self.blocks.items():
             name, _, off = k.rpartition("@")
             out[(name, int(off))] = BlockRecord.parse(v)
+        self.__dict__["_block_records"] = (self.blocks, out)
         return out
 
 
