@@ -7,6 +7,7 @@ every read crosses many of both. (The damage cases are in ``test_faults.py``.)
 
 import random
 
+import pytest
 import torch
 
 import ckpt_integration as ci
@@ -16,12 +17,14 @@ from ckpt_integration.storage import region_read
 from ckpt_integration.storage import torch_dist as td
 from ckpt_integration.storage.backends import open_reader, read_metadata
 
-def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_path, monkeypatch):
+@pytest.mark.parametrize("scatter_min", [1, 4096])
+def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_path, monkeypatch, scatter_min):
     """Random boxes of random N-d chunks, read (checked and unchecked) into contiguous,
     non-contiguous and other-dtype destinations, with tiny pieces and blocks so that reads
     cross many of both: always exactly the saved values."""
     monkeypatch.setattr(region_read, "PIECE", 512)
     monkeypatch.setattr(region_read, "SLACK", 1024)
+    monkeypatch.setattr(region_read, "SCATTER_MIN", scatter_min)  # 1: rows of non-contiguous outputs read in place
     rng = random.Random(0)
     for trial in range(12):
         ndim = rng.randint(0, 3)

@@ -42,9 +42,9 @@ from .fs import tensor_buffer
 # Bytes read (and checksummed) per step: small enough to stay in cache between the read,
 # the checksum and the copy out of the scratch buffer.
 PIECE = 8 << 20
-# Without checksums, gaps between runs below this are read rather than skipped (a syscall
-# per run costs more than reading a page).
-GAP_READ = 4096
+# Without checksums, gaps between runs below this are read rather than skipped: a read call
+# per run (and its bookkeeping) costs more than copying a few pages.
+GAP_READ = 64 << 10
 # Room in the reused scratch buffers beyond a piece: the touched blocks' bytes around it.
 SLACK = 4 << 20
 
@@ -182,17 +182,44 @@ def read_region(
     while k > 0 and (k == ndim or (starts[k] == 0 and lens[k] == shape[k])):
         k -= 1
     checker = _Checker(blocks, path, base, what) if blocks is not None else None
-    if k == 0 and out.is_contiguous() and out.dtype == dtype and out.device.type == "cpu":
+    direct = k == 0 and out.dtype == dtype and out.device.type == "cpu"
+    if direct and out.is_contiguous():
         _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker)
+    elif direct and (layout := _scatter_layout(out, list(lens), esize)) is not None:
+        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, layout[1], layout[2])
     else:
         _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker)
     if checker is not None:
         checker.finish()
 
 
-def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker) -> None:
-    """The request is bytes ``[lo, lo + nbytes)``: read them into ``dest``, the rest of the
-    touched blocks into scratch (for the checksum only), piece by piece."""
+# A contiguous request into a non-contiguous ``out`` is read straight into out's rows when they
+# are at least this long (below, the per-row bookkeeping costs more than a copy via scratch).
+SCATTER_MIN = 4096
+
+
+def _scatter_layout(out: torch.Tensor, lens: List[int], esize: int) -> Optional[Tuple[memoryview, np.ndarray, int]]:
+    """For ``out`` whose innermost axes are contiguous: a byte view spanning ``out``, the byte
+    offsets of its contiguous segments in row-major order, and the segment length."""
+    st = out.stride()
+    j, expect = len(lens), 1
+    while j > 0 and (lens[j - 1] == 1 or st[j - 1] == expect):
+        expect *= lens[j - 1]
+        j -= 1
+    seg = math.prod(lens[j:])
+    if seg * esize < SCATTER_MIN:
+        return None
+    offs = np.zeros(1, dtype=np.int64)
+    for a in range(j):
+        offs = (offs[:, None] + np.arange(lens[a], dtype=np.int64) * st[a]).reshape(-1)
+    span = torch.as_strided(out.detach(), (int(offs.max()) + seg,), (1,))
+    return tensor_buffer(span), offs * esize, seg * esize
+
+
+def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, seg_offsets=None, seg_bytes=0) -> None:
+    """The request is bytes ``[lo, lo + nbytes)``: read them into ``dest`` (contiguous, or the
+    segments at ``seg_offsets`` of ``seg_bytes`` each), the rest of the touched blocks into
+    scratch (for the checksum only), piece by piece."""
     hi = lo + nbytes
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
     for r_lo, r_hi in ranges:
@@ -207,7 +234,10 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker) ->
                 segs.append((pos, scratch[:head]))
             if end > lo and pos < hi:
                 a, b = max(pos, lo), min(end, hi)
-                segs.append((a, dest[a - lo : b - lo]))
+                if seg_offsets is None:
+                    segs.append((a, dest[a - lo : b - lo]))
+                else:
+                    segs.extend(_dest_segments(dest, seg_offsets, seg_bytes, a - lo, b - lo, lo))
             if tail:
                 segs.append((end - tail, scratch[head : head + tail]))
             reader.readv([s for _, s in segs], base + pos)
@@ -215,6 +245,20 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker) ->
                 for p, s in segs:
                     checker.feed(p, s)
             pos = end
+
+
+def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: int, lo: int) -> List[Tuple[int, memoryview]]:
+    """(file position, destination view) for request bytes ``[a, b)`` spread over segments."""
+    out = []
+    s = a // seg
+    while a < b:
+        within = a - s * seg
+        take = min(seg - within, b - a)
+        start = int(offsets[s]) + within
+        out.append((lo + a, dest[start : start + take]))
+        a += take
+        s += 1
+    return out
 
 
 def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker) -> None:
