@@ -23,6 +23,7 @@ def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_
     non-contiguous and other-dtype destinations, with tiny pieces and blocks so that reads
     cross many of both: always exactly the saved values."""
     monkeypatch.setattr(region_read, "PIECE", 512)
+    monkeypatch.setattr(region_read, "DIRECT_PIECE", 300)
     monkeypatch.setattr(region_read, "SLACK", 1024)
     monkeypatch.setattr(region_read, "SCATTER_MIN", scatter_min)  # 1: rows of non-contiguous outputs read in place
     rng = random.Random(0)

@@ -40,8 +40,11 @@ from .checksum import crc32
 from .fs import tensor_buffer
 
 # Bytes read (and checksummed) per step: small enough to stay in cache between the read,
-# the checksum and the copy out of the scratch buffer.
+# the checksum and the copy out of the scratch buffer (window reads) ...
 PIECE = 8 << 20
+# ... and for reads straight into the destination, where the checksum reads what was just
+# written there: a few blocks, so they are still in the core's cache.
+DIRECT_PIECE = 2 << 20
 # Without checksums, gaps between runs below this are read rather than skipped: a read call
 # per run (and its bookkeeping) costs more than copying a few pages.
 GAP_READ = 64 << 10
@@ -109,6 +112,32 @@ class _Checker:
             self.pos = p + take
             if self.pos == end:
                 self._check(self.block, self.crc)
+                self.block, self.crc = -1, 0
+
+    def feed_all(self, segments: Sequence[Tuple[int, memoryview]]) -> None:
+        """:meth:`feed` for consecutive segments (file order, no gaps): one call, tight loop."""
+        bounds = self.blocks.bounds
+        i = 0
+        n = len(segments)
+        while i < n:
+            pos, data = segments[i]
+            if self.block < 0 or pos != self.pos or pos + len(data) > int(bounds[self.block + 1]):
+                self.feed(pos, data)  # starts or ends a block: the general path
+                i += 1
+                continue
+            # the common case: whole segments inside the current block
+            end = int(bounds[self.block + 1])
+            crc, p = self.crc, pos
+            while i < n:
+                q, seg = segments[i]
+                if q != p or q + len(seg) > end:
+                    break
+                crc = crc32(seg, crc)
+                p = q + len(seg)
+                i += 1
+            self.crc, self.pos = crc, p
+            if p == end:
+                self._check(self.block, crc)
                 self.block, self.crc = -1, 0
 
     def _check(self, b: int, crc: int) -> None:
@@ -195,7 +224,7 @@ def read_region(
 
 # A contiguous request into a non-contiguous ``out`` is read straight into out's rows when they
 # are at least this long (below, the per-row bookkeeping costs more than a copy via scratch).
-SCATTER_MIN = 4096
+SCATTER_MIN = 16 << 10
 
 
 def _scatter_layout(out: torch.Tensor, lens: List[int], esize: int) -> Optional[Tuple[memoryview, np.ndarray, int]]:
@@ -225,7 +254,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, se
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
-            end = min(r_hi, pos + PIECE)
+            end = min(r_hi, pos + DIRECT_PIECE)
             segs: List[Tuple[int, memoryview]] = []
             head = max(0, min(end, lo) - pos)  # bytes of the first block before the request
             tail = max(0, end - max(pos, hi))  # bytes of the last block after it
@@ -242,8 +271,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, se
                 segs.append((end - tail, scratch[head : head + tail]))
             reader.readv([s for _, s in segs], base + pos)
             if checker is not None:
-                for p, s in segs:
-                    checker.feed(p, s)
+                checker.feed_all(segs)
             pos = end
 
 
