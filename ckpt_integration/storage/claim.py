@@ -60,7 +60,7 @@ def zarr_top_names(storage: Storage, directory: str, names: List[str]) -> Set[st
     if ZARR_INDEX_FILE not in names:
         return set()
     try:
-        index = json.loads(storage.read_bytes(join(directory, ZARR_INDEX_FILE)))
+        index = json.loads(storage.read_in(directory, ZARR_INDEX_FILE, "zarr index"))
         keys = [k for k in index.get("tensors", {})] + [k for k in index.get("objects", [])]
     except Exception:  # a damaged index names nothing: its arrays then count as foreign
         return set()
@@ -93,10 +93,9 @@ def classify_entries(directory: str) -> tuple:
 def read_marker(directory: str) -> Optional[dict]:
     """The parsed marker of ``directory`` if it is one of ours, else None (missing, damaged, foreign)."""
     storage, directory = storage_for(directory)
-    path = join(directory, MARKER_FILE)
     try:
-        raw = json.loads(storage.read_bytes(path, "save marker"))
-    except Exception:
+        raw = json.loads(storage.read_in(directory, MARKER_FILE, "save marker"))
+    except Exception:  # missing, a link out, not a file, damaged, hostile: not a marker of ours
         return None
     return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
 

@@ -47,7 +47,7 @@ PIECE = 8 << 20
 DIRECT_PIECE = 2 << 20
 # Without checksums, gaps between runs below this are read rather than skipped: a read call
 # per run (and its bookkeeping) costs more than copying a few pages.
-GAP_READ = 64 << 10
+GAP_READ = 16 << 10
 # Room in the reused scratch buffers beyond a piece: the touched blocks' bytes around it.
 SLACK = 4 << 20
 
