@@ -114,31 +114,25 @@ class _Checker:
                 self._check(self.block, self.crc)
                 self.block, self.crc = -1, 0
 
-    def feed_all(self, segments: Sequence[Tuple[int, memoryview]]) -> None:
-        """:meth:`feed` for consecutive segments (file order, no gaps): one call, tight loop."""
+    def feed_views(self, pos: int, views: Sequence[memoryview]) -> None:
+        """:meth:`feed` for views of consecutive bytes starting at ``pos``: a tight loop for
+        the common case (a view inside the block being accumulated), the general path else."""
         bounds = self.blocks.bounds
-        i = 0
-        n = len(segments)
-        while i < n:
-            pos, data = segments[i]
-            if self.block < 0 or pos != self.pos or pos + len(data) > int(bounds[self.block + 1]):
-                self.feed(pos, data)  # starts or ends a block: the general path
-                i += 1
+        q = pos  # file position of the current view
+        block, crc, end = self.block, self.crc, (int(bounds[self.block + 1]) if self.block >= 0 else -1)
+        for v in views:
+            n = len(v)
+            if block >= 0 and q == self.pos and q + n < end:
+                crc = crc32(v, crc)
+                q += n
+                self.pos = q
                 continue
-            # the common case: whole segments inside the current block
-            end = int(bounds[self.block + 1])
-            crc, p = self.crc, pos
-            while i < n:
-                q, seg = segments[i]
-                if q != p or q + len(seg) > end:
-                    break
-                crc = crc32(seg, crc)
-                p = q + len(seg)
-                i += 1
-            self.crc, self.pos = crc, p
-            if p == end:
-                self._check(self.block, crc)
-                self.block, self.crc = -1, 0
+            self.block, self.crc = block, crc
+            self.feed(q, v)  # starts or ends a block
+            q += n
+            block, crc = self.block, self.crc
+            end = int(bounds[block + 1]) if block >= 0 else -1
+        self.block, self.crc = block, crc
 
     def _check(self, b: int, crc: int) -> None:
         expected = int(self.blocks.crcs[b])
@@ -269,23 +263,28 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, se
                     segs.extend(_dest_segments(dest, seg_offsets, seg_bytes, a - lo, b - lo, lo))
             if tail:
                 segs.append((end - tail, scratch[head : head + tail]))
-            reader.readv([s for _, s in segs], base + pos)
+            views = [v for _, v in segs]
+            reader.readv(views, base + pos)
             if checker is not None:
-                checker.feed_all(segs)
+                checker.feed_views(pos, views)
             pos = end
 
 
 def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: int, lo: int) -> List[Tuple[int, memoryview]]:
     """(file position, destination view) for request bytes ``[a, b)`` spread over segments."""
     out = []
-    s = a // seg
-    while a < b:
-        within = a - s * seg
-        take = min(seg - within, b - a)
-        start = int(offsets[s]) + within
+    s0, s1 = a // seg, -(-b // seg)  # segments touched
+    if a != s0 * seg:  # a partial first segment
+        start = int(offsets[s0]) + a - s0 * seg
+        take = min(b, (s0 + 1) * seg) - a
         out.append((lo + a, dest[start : start + take]))
-        a += take
-        s += 1
+        s0 += 1
+    last_partial = b != s1 * seg and s1 - 1 >= s0
+    full_end = s1 - 1 if last_partial else s1
+    out.extend((lo + s * seg, dest[o : o + seg]) for s, o in zip(range(s0, full_end), offsets[s0:full_end].tolist()))
+    if last_partial:
+        o = int(offsets[s1 - 1])
+        out.append((lo + (s1 - 1) * seg, dest[o : o + b - (s1 - 1) * seg]))
     return out
 
 
