@@ -6,17 +6,19 @@ the request touches (block CRC32s recorded at save, see ``checksum.py``): a rang
 reads and checks only those, a strided read that touches every block reads the covering
 span once. Without block records (checkpoints saved before them) the item is one block,
 checked whole, and without checksums (foreign checkpoints, ``verify_checksums=False``) only
-the requested runs are read (gaps below a page merged).
+the requested runs are read (gaps below ``GAP_READ`` read through).
 
 How the bytes get into ``out``:
 
-* **direct**: the request is one contiguous run, ``out`` is contiguous with the stored
-  dtype: ``preadv`` places the run straight into ``out`` (bytes of partly needed blocks go
-  to a small scratch buffer, only to be checksummed);
-* **window**: anything else (strided requests, a non-contiguous ``out`` such as a column
-  slice of the destination, a different ``out`` dtype): pieces of at most ``PIECE`` bytes
-  go into a per-thread scratch buffer and the request's rows are copied (and cast) out of
-  it with one strided ``copy_`` per piece, while the piece is still in cache.
+* **direct**: the request is one contiguous run and ``out`` has the stored dtype:
+  ``preadv`` places the run straight into ``out`` - as one buffer if ``out`` is contiguous,
+  or as one buffer per row of ``out`` if its rows are contiguous and at least
+  ``SCATTER_MIN`` long (e.g. a row split loaded into column slices of the destination).
+  Bytes of partly needed blocks go to a small scratch buffer, only to be checksummed;
+* **window**: anything else (strided requests such as a column slice of a row-major chunk,
+  short rows, a different ``out`` dtype): pieces of at most ``PIECE`` bytes go into a
+  per-thread scratch buffer and the request's rows are copied (and cast) out of it with one
+  strided ``copy_`` per piece, while the piece is still in cache.
 
 Either way the bytes are read in pieces in file order, each piece is checksummed right
 after it was read (cache-hot; zlib-ng releases the GIL, so threads reading other chunks
