@@ -734,6 +734,8 @@ def _multi_rank_worker(rank: int, world: int, base: str) -> None:
         ci.save(sd, os.path.join(base, "bad_input"))
 
     attempt("bad_input", bad_input_one_rank)
+    # the failed save released its directory: the next save there (same processes) proceeds
+    attempt("after_bad_input", lambda: ci.save(good_state(8.5), os.path.join(base, "bad_input")))
 
     # overwrite=True onto the good checkpoint, failing on rank 1: the old one must survive
     attempt("overwrite_fail", lambda: ci.save(data_none_state(), good, overwrite=True))
@@ -879,6 +881,11 @@ def test_save_fails_on_all_ranks_on_bad_input_on_one_rank(multi_rank):
         assert "must be a dict" in msg
         if rank != 2:
             assert "rank 2" in msg
+
+
+def test_save_after_a_failed_save_into_the_same_directory(multi_rank):
+    for rank, typ, msg in _outcomes(multi_rank, "after_bad_input"):
+        assert typ == "ok", (rank, typ, msg)
 
 
 def test_failed_overwrite_keeps_the_old_checkpoint(multi_rank):

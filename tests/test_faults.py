@@ -560,3 +560,4 @@ def _w_item_of(d, offsets):
 def test_parallel_loads_raise_library_errors_on_every_rank(tmp_path):
     run_distributed(_parallel_worker, 2, str(tmp_path / "c"))
 
+

@@ -222,6 +222,8 @@ def prepare_save(
         local_error, local_exc = _describe(e), e
     gathered = dist.all_gather_object((local_error, metas, dir_info), group)
     errors = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
+    if errors and coord and dir_info is not None:
+        _cleanup_failed(*dir_info)  # another rank failed: remove this save's marker, release the directory
     dist.raise_if_any_failed(local_exc, errors, f"save to {checkpoint_dir} failed before writing")
     all_metas = [m for g in gathered for m in g[1]]
     write_dir, staging = gathered[0][2]
