@@ -516,7 +516,7 @@ def test_disk_full_during_save(tmp_path):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for name in ("second", "first"):
         typ, msg = res[name]
-        assert typ == "CheckpointWriteError" and f"{reason} while writing" in msg and str(mnt) in msg, (name, typ, msg)
+        assert typ == CheckpointWriteError.__name__ and f"{reason} while writing" in msg and str(mnt) in msg, (name, typ, msg)
     assert res["first_intact"] and not res["second_committed"]
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import os
-import posixpath
 import shutil
 import stat
 import threading
