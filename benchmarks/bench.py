@@ -12,7 +12,14 @@ One run measures, on the same synthetic sharded state (every rank owns
   (uneven row boundaries shifted by half a shard, so every rank reads from two
   saved chunks), and async save (blocking time = how long the training loop is
   stalled, averaged from the 2nd save on; the loop "trains" until the previous
-  save is done before starting the next).
+  save is done before starting the next);
+* more resharded loads, each rank reading as many bytes as in the same-layout load:
+  ``row->col`` (saved split by rows, loaded split by columns: a TP change of a
+  column-parallel layer; every rank reads a column slice of every saved chunk),
+  ``col->row`` (a checkpoint saved split by columns, loaded split by rows) and
+  ``ws change`` (each rank loads its rows as two shards, as twice the ranks would).
+  With checksums every byte read is verified: a column slice touches every checksum
+  block of the rows it spans, so ``row->col`` reads and checks those rows whole.
 
 Throughput = bytes of the whole state / wall time (slowest rank, between
 barriers). Peak memory per rank: VmHWM (reset with ``/proc/self/clear_refs``
@@ -293,6 +300,7 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     if n_own is not None and n_own > 0:
         assert torch.equal(rdst[0][:n_own], ctx.local[0][lo - rank * ctx.rows :]), "bad resharded read"
     del rdst
+    _more_resharded_loads(ctx, root, d, cache)
     if rank == 0:
         shutil.rmtree(d, ignore_errors=True)
     _barrier()
@@ -322,6 +330,57 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     _async_result(ctx, "ours_async_save", blocking, total, extra_rss=(peak - rss0) if peak is not None else None,
                   stage=stage, prepare=prepare, allocations=allocs)
     return ctx.results
+
+
+def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) -> None:
+    """row->col, ws change (from the row-split checkpoint ``d``) and col->row (a column-split one)."""
+    import torch
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+
+    args, rank, W = ctx.args, ctx.rank, ctx.world
+    R, C, G = ctx.rows, ctx.cols, ctx.world * ctx.rows
+    threads = args.threads
+    # row -> column: every rank wants a column slice of every saved (row) chunk
+    cw = C // W
+    c0 = rank * cw
+    cw = C - c0 if rank == W - 1 else cw
+    dst = [torch.zeros(G, cw) for _ in range(ctx.n)]
+    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0)) for i, t in enumerate(dst)}  # noqa: E731
+    _measure(ctx, "ours_load_row_to_col", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
+             setup=lambda: cache(d), repeats=args.repeats)
+    assert torch.equal(dst[0][rank * R : (rank + 1) * R], ctx.local[0][:, c0 : c0 + cw]), "bad row->col read"
+    del dst
+    # world-size change: each rank's rows as two shards (what twice the ranks would each load)
+    h = R // 2
+    halves = [(torch.zeros(h, C), torch.zeros(R - h, C)) for _ in range(ctx.n)]
+    sd = lambda: {  # noqa: E731
+        f"t{i}_{j}": ShardedTensor.from_global_offsets(f"t{i}", hv[j], (G, C), (rank * R + j * h, 0))
+        for i, hv in enumerate(halves) for j in (0, 1)
+    }
+    _measure(ctx, "ours_load_ws_change", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
+             setup=lambda: cache(d), repeats=args.repeats)
+    assert torch.equal(torch.cat(halves[0]), ctx.local[0]), "bad world-size-change read"
+    del halves
+    # column -> row: a checkpoint saved split by columns (rank r holds columns [r*C, (r+1)*C)), loaded by rows
+    dc = os.path.join(root, "ours_cols")
+    _fresh(dc, rank)
+    ci.save({f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (1, rank, W)) for i, t in enumerate(ctx.local)},
+            dc, thread_count=threads)
+    rr = R // W
+    r0 = rank * rr
+    rr = R - r0 if rank == W - 1 else rr
+    dst = [torch.zeros(rr, W * C) for _ in range(ctx.n)]
+    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0)) for i, t in enumerate(dst)}  # noqa: E731
+    _measure(ctx, "ours_load_col_to_row", lambda: ci.load(sd(), dc, thread_count=threads, validate_access_integrity=False),
+             setup=lambda: cache(dc), repeats=args.repeats)
+    assert torch.equal(dst[0][:, rank * C : (rank + 1) * C], ctx.local[0][r0 : r0 + rr]), "bad col->row read"
+    del dst
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(dc, ignore_errors=True)
+    _barrier()
 
 
 def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float], extra_rss=None, **more) -> None:
@@ -429,6 +488,9 @@ def format_table(results: Dict[str, Any]) -> str:
             ("ours load", "ours_load", "dcp_load", "plain_read"),
             ("ours load (no CRC check)", "ours_load_noverify", "dcp_load", "plain_read"),
             ("ours load resharded", "ours_load_resharded", "dcp_load", "plain_read"),
+            ("ours load row->col", "ours_load_row_to_col", "dcp_load", "plain_read"),
+            ("ours load col->row", "ours_load_col_to_row", "dcp_load", "plain_read"),
+            ("ours load ws change", "ours_load_ws_change", "dcp_load", "plain_read"),
             ("ours async (total)", "ours_async_save", "dcp_save", "plain_write"),
         ]
         for label, key, dcp_key, plain_key in rows:
@@ -455,6 +517,13 @@ def format_table(results: Dict[str, Any]) -> str:
                          f" 1st save {r['blocking_first_s']:.3f}s; staging buffers allocated: {r['staging_allocations']})")
             lines.append(f"{label} blocking (2nd save on): {r['blocking_s']:.3f}s{frac}{extra}")
         lines.append("")
+    for target, res in results["targets"].items():
+        same = res.get("ours_load", {}).get("gib_s")
+        parts = [f"{label} {res[key]['gib_s'] / same:.2f}x" for label, key in (
+            ("uneven", "ours_load_resharded"), ("row->col", "ours_load_row_to_col"),
+            ("col->row", "ours_load_col_to_row"), ("ws change", "ours_load_ws_change")) if key in res and same]
+        if parts:
+            lines.append(f"resharded / same-layout load ({os.path.basename(target.rstrip('/')) or target}): " + ", ".join(parts))
     lines.append("mem = (rank state + peak extra RSS during the phase) / rank state; "
                  "x DCP vs DCP save/load; % plain vs plain write/read")
     return "\n".join(lines)
@@ -527,7 +596,8 @@ def run_one(args: argparse.Namespace, ranks: int, tensors: int) -> Dict[str, Any
 def summary_rows(runs: List[Dict[str, Any]]) -> str:
     """One line per configuration and target: the ratios the performance targets are stated in."""
     hdr = (f"{'ranks':>5}{'tensors':>8}  {'target':<22}{'save xDCP':>10}{'save %plain':>12}{'load xDCP':>10}"
-           f"{'reshard/same':>13}{'async block %':>14}{'save mem':>9}")
+           f"{'reshard/same':>13}{'async block %':>14}{'save mem':>9}"
+           f"{'load %plain':>12}{'r->c/same':>10}{'c->r/same':>10}{'ws/same':>8}")
     lines = [hdr, "-" * len(hdr)]
     for run in runs:
         c = run["config"]
@@ -545,6 +615,10 @@ def summary_rows(runs: List[Dict[str, Any]]) -> str:
                 f"{_fmt(ratio('ours_load_resharded', 'ours_load'), '{:.2f}x'):>13}"
                 f"{_fmt(100 * block / sync if block is not None and sync else None, '{:.1f}%'):>14}"
                 f"{_fmt(res.get('ours_save', {}).get('mem_ratio'), '{:.2f}'):>9}"
+                f"{_fmt(ratio('ours_load', 'plain_read'), '{:.0%}'):>12}"
+                f"{_fmt(ratio('ours_load_row_to_col', 'ours_load'), '{:.2f}x'):>10}"
+                f"{_fmt(ratio('ours_load_col_to_row', 'ours_load'), '{:.2f}x'):>10}"
+                f"{_fmt(ratio('ours_load_ws_change', 'ours_load'), '{:.2f}x'):>8}"
             )
     return "\n".join(lines)
 

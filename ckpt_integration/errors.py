@@ -77,3 +77,21 @@ class KeyNotInCheckpointError(MismatchError, _DCPCompatible):
 class KeyPrefixError(CheckpointingException, ValueError):
     """A sharded key does not start with the prefix to replace (``replace_prefix_for_sharding``);
     also a ``ValueError``, as in Megatron-Core."""
+
+
+class CheckpointWriteError(CheckpointingException, OSError):
+    """Writing a checkpoint file failed (no space left on device, permission denied, I/O error).
+
+    Also an ``OSError`` (``errno`` set), so ``except OSError`` keeps working; the message
+    names the file, e.g. ``no space left on device while writing ckpt/__0_0.distcp``.
+    """
+
+
+class SaveConflictError(CheckpointingException):
+    """The target directory is not this save's to write: another save is writing or has
+    committed there, or it holds files this library did not write (named in the message)."""
+
+
+class CheckpointReadError(CheckpointingException, OSError):
+    """Reading a checkpoint file failed in the operating system (permission denied, I/O error);
+    also an ``OSError`` (``errno`` set). A missing or damaged file is a CorruptCheckpointError."""

@@ -184,6 +184,7 @@ def load(
         raise CheckpointingException(
             f"{checkpoint_dir} was saved with backend {config.sharded_backend!r}, not {backend!r}"
         )
+    ckdir.check_strategy_version(os.fspath(checkpoint_dir), config, sharded_strategy)
     return load_torch_dist(
         sharded_state_dict,
         os.fspath(checkpoint_dir),

@@ -23,7 +23,8 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for label in ("plain write (limit)", "DCP save", "ours save", "ours load resharded", "ours async blocking"):
+    for label in ("plain write (limit)", "DCP save", "ours save", "ours load resharded", "ours async blocking",
+                  "ours load row->col", "ours load col->row", "ours load ws change"):
         assert label in proc.stdout, proc.stdout
     res = json.loads(out.read_text())
     target = res["targets"][str(tmp_path)]

@@ -24,6 +24,7 @@ from ckpt_integration import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     MismatchError,
+    SaveConflictError,
     ShardedObject,
     ShardedTensor,
     ShardingIntegrityError,
@@ -98,6 +99,12 @@ def _flip(path: str, offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _make_foreign(d: str) -> None:
+    """Strip our manifest and marker: the checkpoint now looks like Megatron-Core's (no checksums)."""
+    os.remove(os.path.join(d, "manifest.json"))
+    os.remove(os.path.join(d, "ckpt_integration.json"))
 
 
 def _write_config(d: str, **fields) -> None:
@@ -261,7 +268,7 @@ def test_flipped_byte_in_archive_header_or_footer(ckpt, where):
 def test_damaged_archive_without_checksums_is_still_a_clean_error(ckpt, where):
     """Checkpoints from Megatron/DCP have no checksums: damaged archives must still raise
     CorruptCheckpointError (not TypeError/MemoryError/OSError/... from the decoders)."""
-    os.remove(os.path.join(ckpt, "manifest.json"))
+    _make_foreign(ckpt)
     info = _storage_of(ckpt, "a")
     path = os.path.join(ckpt, info.relative_path)
     _flip(path, info.offset + (where if where >= 0 else info.length + where))
@@ -349,7 +356,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(ckpt, tmp_path, payload):
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata is damaged"):
         ci.load(_request(), ckpt)
     assert not marker.exists()
-    os.remove(os.path.join(ckpt, "manifest.json"))  # a foreign/stripped checkpoint: the unpickler must refuse
+    _make_foreign(ckpt)  # a foreign checkpoint (no manifest, no marker): the unpickler must refuse
     for call in (
         lambda: ci.load(_request(), ckpt),
         lambda: ci.load_tensors_metadata(ckpt),
@@ -370,7 +377,7 @@ def test_common_state_that_would_run_code_is_refused(ckpt, tmp_path, payload):
     with pytest.raises(CorruptCheckpointError, match="common.pt is damaged"):
         ci.load_common_state_dict(ckpt)
     assert not marker.exists()
-    os.remove(os.path.join(ckpt, "manifest.json"))
+    _make_foreign(ckpt)
     for call in (lambda: ci.load(_request(), ckpt), lambda: ci.load_common_state_dict(ckpt), lambda: ci.load_content_metadata(ckpt)):
         with pytest.raises(UnsafeCheckpointError) as ei:
             call()
@@ -556,20 +563,37 @@ def test_save_over_committed_checkpoint_needs_overwrite(ckpt):
     assert sorted(os.listdir(parent)) == ["ckpt"], "staging/old directories left behind"
 
 
+def _dead_save_marker(d) -> None:
+    """The marker every save writes first; no process holds its lock: the save was killed."""
+    with open(os.path.join(str(d), "ckpt_integration.json"), "w") as f:
+        json.dump({"format": "ckpt_integration", "save": "killed-save", "started": 0}, f)
+
+
 def test_save_into_directory_of_interrupted_save(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
     # leftovers of a crashed save (more ranks than now, garbage content, no commit marker)
+    _dead_save_marker(d)
     for name in ("__0_0.distcp", "__7_1.distcp", ".metadata", "common.pt", "manifest.json", "metadata.json.tmp-123"):
         (d / name).write_bytes(b"garbage from a crashed save")
-    (d / "notes.txt").write_text("user file")
     with pytest.raises(IncompleteCheckpointError):
         ci.load(_request(), str(d))
     ci.save(_state(), str(d))
     out = ci.load(_request(), str(d))
     assert torch.equal(out["a"], A) and torch.equal(out["b"], B)
     assert not (d / "__7_1.distcp").exists() and not (d / "metadata.json.tmp-123").exists()
-    assert (d / "notes.txt").read_text() == "user file"
+
+
+def test_save_into_interrupted_directory_with_a_user_file_refuses(tmp_path):
+    """A user's file beside an interrupted save's leftovers: nothing is deleted, nothing mixed in."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _dead_save_marker(d)
+    (d / "__7_1.distcp").write_bytes(b"garbage from a crashed save")
+    (d / "notes.txt").write_text("user file")
+    with pytest.raises(SaveConflictError, match="notes.txt"):
+        ci.save(_state(), str(d))
+    assert sorted(os.listdir(d)) == ["__7_1.distcp", "ckpt_integration.json", "notes.txt"]
 
 
 def test_save_to_a_file_path(tmp_path):
@@ -711,6 +735,8 @@ def _multi_rank_worker(rank: int, world: int, base: str) -> None:
         ci.save(sd, os.path.join(base, "bad_input"))
 
     attempt("bad_input", bad_input_one_rank)
+    # the failed save released its directory: the next save there (same processes) proceeds
+    attempt("after_bad_input", lambda: ci.save(good_state(8.5), os.path.join(base, "bad_input")))
 
     # overwrite=True onto the good checkpoint, failing on rank 1: the old one must survive
     attempt("overwrite_fail", lambda: ci.save(data_none_state(), good, overwrite=True))
@@ -747,6 +773,7 @@ def _multi_rank_worker(rank: int, world: int, base: str) -> None:
     partial = os.path.join(base, "partial")
     if rank == 0:
         os.makedirs(partial)
+        _dead_save_marker(partial)
         for n in ("__0_0.distcp", "__1_0.distcp", "__5_3.distcp", ".metadata", "common.pt"):
             with open(os.path.join(partial, n), "wb") as f:
                 f.write(b"left by a crashed save")
@@ -828,8 +855,9 @@ def test_save_fails_on_all_ranks_when_one_rank_has_no_data(multi_rank):
 
 def test_save_fails_on_all_ranks_when_one_rank_cannot_write(multi_rank):
     for rank, typ, msg in _outcomes(multi_rank, "write_fail"):
-        assert typ == ("PermissionError" if rank == 2 else "DistributedCheckpointingError"), (rank, typ, msg)
-        assert "Permission denied" in msg and "__2_0.distcp" in msg
+        # a library error on every rank (CheckpointWriteError is also an OSError), naming the file
+        assert typ == ("CheckpointWriteError" if rank == 2 else "DistributedCheckpointingError"), (rank, typ, msg)
+        assert "permission denied while writing" in msg.lower() and "__2_0.distcp" in msg
         if rank != 2:
             assert "rank 2" in msg
         assert "no checkpoint was committed" in msg
@@ -841,8 +869,8 @@ def test_save_fails_on_all_ranks_when_one_rank_cannot_write(multi_rank):
 
 def test_save_fails_on_all_ranks_when_commit_fails(multi_rank):
     for rank, typ, msg in _outcomes(multi_rank, "commit_fail"):
-        assert typ == ("OSError" if rank == 0 else "DistributedCheckpointingError"), (rank, typ, msg)
-        assert "No space left on device" in msg
+        assert typ == ("CheckpointWriteError" if rank == 0 else "DistributedCheckpointingError"), (rank, typ, msg)
+        assert "no space left on device while writing" in msg
         if rank != 0:  # the failing rank re-raises its own exception; the others name it
             assert "rank 0 (commit)" in msg
     assert not any(res["commit_fail_committed"] for res in multi_rank)
@@ -854,6 +882,11 @@ def test_save_fails_on_all_ranks_on_bad_input_on_one_rank(multi_rank):
         assert "must be a dict" in msg
         if rank != 2:
             assert "rank 2" in msg
+
+
+def test_save_after_a_failed_save_into_the_same_directory(multi_rank):
+    for rank, typ, msg in _outcomes(multi_rank, "after_bad_input"):
+        assert typ == "ok", (rank, typ, msg)
 
 
 def test_failed_overwrite_keeps_the_old_checkpoint(multi_rank):

@@ -457,7 +457,7 @@ def test_read_error_is_raised_after_the_transfers():
         if key == "k1":
             raise OSError("disk gone")
 
-    with pytest.raises(RuntimeError, match="disk gone"):
+    with pytest.raises(ci.CheckpointingException, match="disk gone"):  # a library error, naming the cause
         pl.exchange_reads(_FakeReader(boom), tasks, None, mode="two_stage", thread_count=1, memory_budget=1)
 
 

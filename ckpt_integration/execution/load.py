@@ -282,9 +282,8 @@ def _prepare_reads(
             sharded = _drop_keys(sharded, unexpected)
         if not StrictHandling.requires_global_app_metadata(strict):
             missing = set()
-    manifest = ckdir.read_manifest(checkpoint_dir)
-    checksums = manifest.checksums() if manifest else None
-    reader = open_reader(checkpoint_dir, md, backend, checksums, verify_checksums)
+    # the reader reads the manifest itself (checksums, block checksums; a deleted one is damage)
+    reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums)
     tasks: List[ReadTask] = []
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -329,19 +328,19 @@ def _prepare_reads(
 
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, whole (no common state, no collectives)."""
-    manifest = ckdir.read_manifest(checkpoint_dir)
     out: Dict[str, torch.Tensor] = {}
-    with open_reader(checkpoint_dir, md, None, manifest.checksums() if manifest else None) as reader:
+    with open_reader(checkpoint_dir, md, None) as reader:
         tasks = []
         for key, tmeta in md.state_dict_metadata.items():
             if not isinstance(tmeta, TensorStorageMetadata):
                 continue
             shape = tuple(tmeta.size)
-            out[key] = torch.empty(shape, dtype=tmeta.properties.dtype)
             whole = Box((0,) * len(shape), shape)
             reads = plan_chunk_reads(whole, [c.box for c in reader.chunks[key]])
             if uncovered_elements(whole, shape, reads):
                 raise MismatchError(f"{checkpoint_dir}: the saved chunks of {key!r} do not cover the whole tensor")
+            reader.validate_tensor(key)  # declared shape vs what the chunks hold, before allocating
+            out[key] = torch.empty(shape, dtype=tmeta.properties.dtype)
             chunk_of = {c.box: c for c in reader.chunks[key]}
             tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype) for r in reads]
         tasks.sort(key=lambda t: t.order)

@@ -413,7 +413,10 @@ def exchange_reads(
     stats = dict(st.values)
     _log_summary(stats, mode, len(units), group)
     if errors:
-        raise RuntimeError(f"parallel load ({mode}) failed on rank {rank} of its group: {errors[0]}")
+        from ..errors import CheckpointingException, CorruptCheckpointError
+
+        kind = CorruptCheckpointError if "CorruptCheckpointError" in errors[0] else CheckpointingException
+        raise kind(f"parallel load ({mode}) failed on rank {rank} of its group: {errors[0]}")
     return stats
 
 

@@ -11,6 +11,12 @@
    ``metadata.json`` commit marker; the outcome is broadcast so that a failure
    on any rank raises on every rank with all causes.
 
+The coordinator claims the target directory first (``storage/claim.py``): it writes
+the save's marker before anything else, refuses directories holding files this
+library did not write, and holds the marker's lock until the save is committed or
+cleaned up, so two saves into one directory never mix their files and the second
+committer fails.
+
 A local error in any phase is carried through the next collective instead of
 being raised at once, so no rank is left waiting in a collective (no hang).
 """
@@ -22,17 +28,22 @@ import os
 import time
 import traceback
 import uuid
+
+import torch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
+from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError, ShardingIntegrityError
 from ..mapping import ShardedBase, ShardedTensor
 from ..planning.integrity import validate_sharding_integrity
 from ..planning.save_plan import items_for_rank, plan_writers
 from ..planning.shards import ShardMeta
+from ..planning.storage_keys import storage_key_collisions
 from ..storage import checkpoint_dir as ckdir
-from ..storage.filesystem import join, storage_for
+from ..storage import claim as claims
+from ..storage.checksum import pack_crcs
+from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
 from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
@@ -80,11 +91,17 @@ class SavePlan:
     local_exc: Optional[BaseException] = None
 
 
-def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]:
-    """Coordinator only: return (write_dir, staging). Never touches a committed checkpoint."""
+# Coordinator: the claim (marker lock) of each save in progress, by write directory.
+_claims: Dict[str, claims.SaveClaim] = {}
+
+
+def _prepare_directory(checkpoint_dir: str, overwrite: bool, durable: bool = True) -> Tuple[str, bool]:
+    """Coordinator only: claim the target and return (write_dir, staging). Never touches a
+    committed checkpoint, never mixes into or deletes files this library did not write."""
     storage, checkpoint_dir = storage_for(checkpoint_dir)
     if storage.exists(checkpoint_dir) and not storage.isdir(checkpoint_dir):
         raise CheckpointingException(f"cannot save to {checkpoint_dir}: it is a file")
+    token = uuid.uuid4().hex
     committed = storage.exists(join(checkpoint_dir, ckdir.CONFIG_FILE))
     if committed:
         if not overwrite:
@@ -97,17 +114,26 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool) -> Tuple[str, bool]
                 f"overwrite=True is not supported for {checkpoint_dir}: object stores cannot swap "
                 "directories atomically; save to a new location and delete the old one afterwards"
             )
+        _, foreign = claims.classify_entries(checkpoint_dir)
+        if foreign:
+            raise SaveConflictError(
+                f"refusing to replace {checkpoint_dir} (overwrite=True): besides the checkpoint it holds files this "
+                f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
+                "would delete; move them elsewhere first"
+            )
         _remove_dead_staging(storage, checkpoint_dir)
-        staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
-        storage.makedirs(staging)
-        return staging, True
-    storage.makedirs(checkpoint_dir)
-    stale = ckdir.stale_save_files(checkpoint_dir)
-    if stale:
-        logger.warning("removing %d files of an incomplete earlier save in %s", len(stale), checkpoint_dir)
-        for n in stale:
-            storage.remove_any(join(checkpoint_dir, n))
-    return checkpoint_dir, False
+        staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{token[:8]}"
+        claim = claims.claim_staging(checkpoint_dir, staging, token, durable)
+    else:
+        claim = claims.claim_new(checkpoint_dir, token, durable)
+    _claims[claim.write_dir] = claim
+    return claim.write_dir, claim.staging
+
+
+def _release_claim(write_dir: str) -> None:
+    claim = _claims.pop(write_dir, None)
+    if claim is not None:
+        claim.release()
 
 
 def _remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
@@ -115,14 +141,28 @@ def _remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
 
     Called only while ``<dir>`` itself is committed, so a staging sibling without its own
     ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
-    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``).
+    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
+    and so is one whose save is still running (its marker is locked).
     """
     parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
     for name in storage.listdir(parent or "."):
         path = join(parent, name)
         if name.startswith(base + ".tmp-") and storage.isdir(path) and not storage.exists(join(path, ckdir.CONFIG_FILE)):
+            if not claims.staging_is_dead(path):
+                continue
             logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
             storage.rmtree(path)
+
+
+def _check_savable(shards: List[ShardedBase]) -> None:
+    """Before anything is written: tensors must have data a save can read (not on the meta device)."""
+    for sh in shards:
+        data = getattr(sh, "data", None)
+        if isinstance(sh, ShardedTensor) and isinstance(data, torch.Tensor) and data.device.type == "meta":
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} is on the meta device (it has a shape but no values); "
+                "materialize it (e.g. module.to_empty(device=...) and initialize) before saving"
+            )
 
 
 def _requests_for(shards: List[ShardedBase], metas_to_write: List[ShardMeta]) -> List[WriteRequest]:
@@ -176,18 +216,30 @@ def prepare_save(
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
         sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
+        _check_savable(shards)
         metas = [shard_meta(sh, rank) for sh in shards]
         if coord:
-            dir_info = _prepare_directory(checkpoint_dir, overwrite)
+            dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     gathered = dist.all_gather_object((local_error, metas, dir_info), group)
     errors = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
+    if errors and coord and dir_info is not None:
+        _cleanup_failed(*dir_info)  # another rank failed: remove this save's marker, release the directory
     dist.raise_if_any_failed(local_exc, errors, f"save to {checkpoint_dir} failed before writing")
     if validate_access_integrity:
         check_common_consistency(common, group, preprocess_common)
     all_metas = [m for g in gathered for m in g[1]]
     write_dir, staging = gathered[0][2]
+    # Storage-key collisions: one pure step over the gathered records (no collective; every
+    # rank computes the same). Kept apart from the exchange so it can move with it.
+    collisions = storage_key_collisions(all_metas)
+    if collisions:
+        if coord:
+            _cleanup_failed(write_dir, staging)
+        raise ShardingIntegrityError(
+            f"two items would be stored under the same key, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(collisions)
+        )
     if validate_access_integrity:
         mine = validate_sharding_integrity(all_metas, rank, world)
         problems = dist.all_gather_object(mine, group)
@@ -253,21 +305,28 @@ def write_local(plan: SavePlan) -> None:
         else:
             plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
     except Exception as e:
+        e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
         plan.local_error, plan.local_exc = _describe(e), e
     finally:
         plan.requests = []  # drop references to the state (and staged copies) early
 
 
 def _cleanup_failed(write_dir: str, staging: bool) -> None:
+    """Coordinator: remove what the failed save wrote, if the directory is still its own; release it."""
     storage, write_dir = storage_for(write_dir)
+    claim = _claims.get(write_dir)
     try:
-        if staging:
+        if claim is not None and not claim.owned():
+            logger.warning("not cleaning up %s: another save has taken the directory over", write_dir)
+        elif staging:
             storage.rmtree(write_dir)
         else:
-            for n in ckdir.stale_save_files(write_dir):
+            for n in claims.library_entries(write_dir):
                 storage.remove_any(join(write_dir, n))
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
+    finally:
+        _release_claim(write_dir)
 
 
 def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
@@ -292,6 +351,7 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
     tensors = {k: (dt, shape, sorted(chunks)) for k, (dt, shape, chunks) in tensors.items()}
     metadata = make_dcp_metadata(tensors, sorted(objects), written)
     d = plan.write_dir
+    claim = _check_claim(plan)
     files: Dict[str, Dict[str, int]] = {
         DCP_METADATA_FILE: write_dcp_metadata(d, metadata, plan.durable),
         ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
@@ -304,10 +364,33 @@ def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
         items={f"{w.relative_path}@{w.offset}": w.crc32 for w in written},
         files=files,
         library_version=__version__,
+        blocks={f"{w.relative_path}@{w.offset}": [w.blocks[0], w.blocks[1], w.blocks[2], pack_crcs(w.blocks[3])]
+                for w in written if w.blocks is not None},
+        save=claim.token if claim else "",
     )
     ckdir.write_manifest(d, manifest, plan.durable)
-    ckdir.write_config(d, ckdir.CheckpointingConfig("torch_dist", 1), plan.durable)
+    _write_commit_marker(plan, "torch_dist")
     _swap_if_staging(plan)
+
+
+def _check_claim(plan: SavePlan) -> Optional[claims.SaveClaim]:
+    """Before the commit files: the write directory must still be this save's."""
+    claim = _claims.get(storage_for(plan.write_dir)[1])
+    if claim is not None:
+        claim.check_owned()
+    return claim
+
+
+def _write_commit_marker(plan: SavePlan, backend: str) -> None:
+    """``metadata.json``, created exclusively in place: of two saves committing into one
+    directory at once exactly one succeeds (a staging directory is this save's alone)."""
+    try:
+        ckdir.write_config(plan.write_dir, ckdir.CheckpointingConfig(backend, 1), plan.durable, exclusive=not plan.staging)
+    except FileExistsError:
+        raise SaveConflictError(
+            f"cannot commit the save to {plan.write_dir}: another save committed a checkpoint there meanwhile "
+            "(two jobs saved to the same path at once); this save is abandoned"
+        ) from None
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
@@ -422,11 +505,13 @@ def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank:
 
 def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
     d = plan.write_dir
+    claim = _check_claim(plan)
     commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
-    manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__)
+    manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
+                              save=claim.token if claim else "")
     ckdir.write_manifest(d, manifest, plan.durable)
-    ckdir.write_config(d, ckdir.CheckpointingConfig("zarr", 1), plan.durable)
+    _write_commit_marker(plan, "zarr")
     _swap_if_staging(plan)
 
 
@@ -442,10 +527,12 @@ def finalize_save(plan: SavePlan) -> None:
             try:
                 _commit(plan, [w for _, ws in results for w in ws])
             except Exception as e:
+                e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
                 status = f"rank 0 (commit): {_describe(e)}"
                 plan.local_exc = e
         if status:
             _cleanup_failed(plan.write_dir, plan.staging)
+        _release_claim(storage_for(plan.write_dir)[1])
     status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
     if status:
         dist.raise_if_any_failed(

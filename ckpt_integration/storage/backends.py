@@ -35,9 +35,13 @@ def open_reader(
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True,
 ) -> Any:
+    """A reader of ``directory`` (``TorchDistReader`` or ``ZarrReader``) for ``read_region`` /
+    ``read_bytes``. Each reader reads its integrity records itself (manifest / zarr index), so
+    every caller gets verified reads and the containment checks; ``checksums`` is accepted
+    for compatibility and ignored where the checkpoint has a manifest."""
     backend = backend or backend_of(directory)
     if backend == "zarr":
         from .zarr_backend import ZarrReader
 
-        return ZarrReader(directory)
+        return ZarrReader(directory, verify_checksums=verify_checksums)
     return TorchDistReader(directory, metadata, checksums, verify_checksums)

@@ -7,22 +7,34 @@
   directory without it is an incomplete save and is never loaded.
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
 * ``manifest.json`` - our own record: format version, world size, per-item and
-  per-file checksums. Optional on load (Megatron/DCP checkpoints lack it).
-* ``ckpt_integration.json`` - written with the manifest, before the commit marker:
-  says that this checkpoint has a ``manifest.json`` with checksums, so that
-  ``verify`` can tell a deleted manifest (damage) from a foreign checkpoint that
-  never had one. A separate file because ``metadata.json`` must stay Megatron's.
+  per-file checksums, per-block checksums of tensor data (format 2). Optional on load
+  (Megatron/DCP checkpoints lack it; they load unchecked, with a note in the log).
+* ``ckpt_integration.json`` - the save marker, written *first* by every save (see
+  :mod:`.claim`): says that the directory is ours and that the checkpoint has a
+  ``manifest.json``, so a deleted manifest is reported as damage instead of the
+  checkpoint silently loading unchecked. A separate file because ``metadata.json``
+  must stay Megatron's.
+
+A directory without ``metadata.json`` is an interrupted save when it holds files only
+our saves (or Megatron-Core's) write; a directory with only ``.metadata`` and data files
+is a complete checkpoint of plain PyTorch DCP (``torch.distributed.checkpoint.save``),
+which loads as a foreign checkpoint (tensors and objects; no common state, no checksums).
+
+Every JSON file is parsed by :func:`load_json`: malformed or hostile content (deep
+nesting included) raises :class:`CorruptCheckpointError`, never ``RecursionError``.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..errors import (
@@ -31,16 +43,21 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .checksum import crc32
+from .checksum import crc32, unpack_crcs
+from .claim import MARKER_FILE, library_entries
 from .filesystem import join, storage_for
 from .safe_pickle import safe_torch_load
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 MANIFEST_FILE = "manifest.json"
-WRITER_FILE = "ckpt_integration.json"
+WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
-MANIFEST_VERSION = 1
+# 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token
+MANIFEST_VERSION = 2
+SUPPORTED_MANIFEST_VERSIONS = (1, 2)
 
 # backend -> supported versions of its on-disk layout
 SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,), "zarr": (1,)}
@@ -67,9 +84,13 @@ class Manifest:
     world_size: int = 1
     # "file@offset" -> crc32 of the item's stored bytes
     items: Dict[str, int] = field(default_factory=dict)
-    # file name -> {"size": bytes}
+    # file name -> {"size": bytes, "crc32": ...}
     files: Dict[str, Dict[str, int]] = field(default_factory=dict)
     library_version: str = ""
+    # format 2: "file@offset" -> [data_offset, data_length, block_size, base64 of uint32 CRC32s]
+    # (CRCs of: bytes before the data, each data block, bytes after the data; empty ones left out)
+    blocks: Dict[str, List[Any]] = field(default_factory=dict)
+    save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
 
     def checksums(self) -> Dict[Tuple[str, int], int]:
         out = {}
@@ -78,9 +99,73 @@ class Manifest:
             out[(name, int(off))] = int(v)
         return out
 
+    def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
+        """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
+        (decoded once per manifest object)."""
+        cached = self.__dict__.get("_block_records")
+        if cached is not None and cached[0] is self.blocks:
+            return cached[1]
+        out = {}
+        for k, v in self.blocks.items():
+            name, _, off = k.rpartition("@")
+            out[(name, int(off))] = BlockRecord.parse(v)
+        self.__dict__["_block_records"] = (self.blocks, out)
+        return out
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """Block checksums of one tensor item: where its raw data lies in the item and the CRC32s.
+
+    Blocks, in item-relative bytes: ``[0, data_offset)`` (archive header), then the data in
+    blocks of ``block_size`` (the last one shorter), then ``[data_offset + data_length,
+    item_length)`` (archive trailer); empty blocks have no CRC.
+    """
+
+    data_offset: int
+    data_length: int
+    block_size: int
+    crcs: Any  # numpy uint32 array
+
+    @staticmethod
+    def parse(v: Any) -> "BlockRecord":
+        if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:3])):
+            raise ValueError(f"a block record must be [data_offset, data_length, block_size, crcs], got {str(v)[:80]}")
+        d, n, b, text = v
+        if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
+            raise ValueError(f"invalid block record {str(v)[:80]}")
+        return BlockRecord(d, n, b, unpack_crcs(text))
+
+    def bounds(self, item_length: int) -> np.ndarray:
+        """Item-relative block boundaries (``len(crcs) + 1`` of them); ValueError if inconsistent."""
+        d, n, b = self.data_offset, self.data_length, self.block_size
+        if d + n > item_length:
+            raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
+        head = [0] if d > 0 else []
+        tail = [d + n] if d + n < item_length else []
+        out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
+                              np.array(tail + [item_length], dtype=np.int64)])
+        if len(out) != len(self.crcs) + 1:
+            raise ValueError(f"{len(self.crcs)} block checksums recorded for {len(out) - 1} blocks")
+        return out
+
 
 ZARR_INDEX_FILE = "zarr_index.json"
 _DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+# files only our saves (and Megatron-Core's) write: with them and no commit marker a
+# directory is an interrupted save, not a plain PyTorch DCP checkpoint
+_OURS_ONLY = (COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+DCP_METADATA_FILE = ".metadata"
+
+
+def load_json(data: bytes, path: str) -> Any:
+    """Parse a checkpoint JSON file; anything malformed or hostile raises CorruptCheckpointError."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{path} is damaged: its JSON is nested too deeply to be a checkpoint file") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, too many digits, bad bytes
+        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
 def looks_like_partial_save(directory: str) -> bool:
@@ -91,6 +176,17 @@ def looks_like_partial_save(directory: str) -> bool:
     except OSError:
         return False
     return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
+
+
+def is_plain_dcp(directory: str) -> bool:
+    """A complete checkpoint of plain PyTorch DCP: ``.metadata`` (DCP writes it last), no
+    ``metadata.json`` and none of the files only our (or Megatron-Core's) saves write."""
+    storage, directory = storage_for(directory)
+    try:
+        names = set(storage.listdir(directory))
+    except OSError:
+        return False
+    return DCP_METADATA_FILE in names and CONFIG_FILE not in names and not names.intersection(_OURS_ONLY)
 
 
 def interrupted_overwrite_hint(directory: str) -> str:
@@ -135,16 +231,19 @@ def read_config(directory: str) -> CheckpointingConfig:
         )
     path = join(directory, CONFIG_FILE)
     if not storage.exists(path):
+        if is_plain_dcp(directory):
+            _note_unchecked(directory, "a PyTorch DCP checkpoint (no metadata.json): loaded as a foreign checkpoint, "
+                                       "tensors and objects only (no common state)")
+            return CheckpointingConfig("torch_dist", 1)
         if looks_like_partial_save(directory):
             raise IncompleteCheckpointError(
-                f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint, with data files but no {CONFIG_FILE} "
-                "commit marker, so the save that wrote it did not finish; use an earlier checkpoint"
+                f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint, with data "
+                f"files but no {CONFIG_FILE} commit marker, so the save that wrote it did not finish; use an "
+                f"earlier checkpoint (a complete PyTorch DCP checkpoint would have {DCP_METADATA_FILE} and none of "
+                f"{', '.join(_OURS_ONLY)})"
             )
         raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
-    try:
-        raw = json.loads(storage.read_bytes(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
+    raw = load_json(storage.read_bytes(path, "commit marker"), path)
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         raise CorruptCheckpointError(f"{path} does not describe a checkpoint (no 'sharded_backend')")
     known = {"sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"}
@@ -179,10 +278,32 @@ def read_config(directory: str) -> CheckpointingConfig:
     return config
 
 
-def write_config(directory: str, config: CheckpointingConfig, durable: bool = True) -> None:
-    """Write the commit marker (atomically). Call only when everything else is durable."""
+def check_strategy_version(directory: str, config: CheckpointingConfig, strategy: Any) -> None:
+    """A load strategy given as ``(backend, version)`` (or an object with ``backend``/``version``)
+    must name the checkpoint's format version, as in Megatron-Core: ``("torch_dist", 2)`` on a
+    version-1 checkpoint is refused instead of silently reading it as version 1."""
+    if isinstance(strategy, tuple) and len(strategy) >= 2:
+        version = strategy[1]
+    else:
+        version = getattr(strategy, "version", None) if strategy is not None and not isinstance(strategy, str) else None
+    if version is None:
+        return
+    if isinstance(version, bool) or not isinstance(version, int) or version != config.sharded_backend_version:
+        raise UnsupportedCheckpointError(
+            f"{directory} is a {config.sharded_backend} checkpoint of format version {config.sharded_backend_version}, "
+            f"but the load strategy asks for version {version!r}; pass sharded_strategy="
+            f"({config.sharded_backend!r}, {config.sharded_backend_version}) or leave it out (detected from the checkpoint)"
+        )
+
+
+def write_config(directory: str, config: CheckpointingConfig, durable: bool = True, exclusive: bool = False) -> None:
+    """Write the commit marker (atomically). Call only when everything else is durable.
+
+    ``exclusive``: fail with ``FileExistsError`` if a commit marker exists already (two
+    saves committing into one directory: exactly one succeeds).
+    """
     storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable)
+    storage.write_atomic(join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
 
 
 def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> Dict[str, int]:
@@ -195,39 +316,47 @@ def save_common(directory: str, common_state_dict: Any, durable: bool = True) ->
     return {"size": len(data), "crc32": crc32(data)}
 
 
+def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"], what: str = "file") -> bytes:
+    """The bytes of a small whole file (``common.pt``, ``.metadata``), checked against its
+    manifest entry (size and CRC32) when there is one. Read once: the bytes checked are
+    the bytes returned. Containment and regular-file checks as every reader's open."""
+    storage, directory = storage_for(directory)
+    data = storage.read_in(directory, name, what)
+    entry = (manifest.files.get(name) if manifest else None) or {}
+    if "crc32" in entry and (len(data) != entry.get("size", len(data)) or crc32(data) != entry["crc32"]):
+        raise CorruptCheckpointError(
+            f"{join(directory, name)} is damaged: its size/checksum differs from the one recorded at save time "
+            f"({len(data)} bytes, CRC32 {crc32(data):#010x}; recorded {entry.get('size')} bytes, "
+            f"CRC32 {int(entry['crc32']):#010x})"
+        )
+    return data
+
+
 def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest"]) -> None:
     """Compare a whole small file (``common.pt``, ``.metadata``) with its manifest entry."""
-    entry = (manifest.files.get(name) if manifest else None) or {}
-    if "crc32" not in entry:
-        return
-    storage, directory = storage_for(directory)
-    path = join(directory, name)
-    data = storage.read_bytes(path)
-    if len(data) != entry.get("size", len(data)) or crc32(data) != entry["crc32"]:
-        raise CorruptCheckpointError(
-            f"{path} is damaged: its size/checksum differs from the one recorded at save time"
-        )
+    read_verified_file(directory, name, manifest)
 
 
 def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
+    """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint."""
     storage, directory = storage_for(directory)
     path = join(directory, COMMON_FILE)
     if not storage.exists(path):
+        if is_plain_dcp(directory):
+            return {}
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state")
-    verify_file_checksum(directory, COMMON_FILE, read_manifest(directory))
+    data = read_verified_file(directory, COMMON_FILE, read_manifest_checked(directory), "common state file")
     try:
-        source = path if not storage.remote else io.BytesIO(storage.read_bytes(path))
-        return safe_torch_load(source, trusted=trusted, allowed_globals=allowed_globals, what=path)
+        return safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
 
 
 def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> None:
-    """Write ``manifest.json``, then :data:`WRITER_FILE` recording that it exists (both before the commit marker)."""
+    """Write ``manifest.json`` (before the commit marker). The marker :data:`WRITER_FILE`
+    that says the checkpoint has one was written when the save began (see :mod:`.claim`)."""
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
-    writer = {"format": manifest.format, "library_version": manifest.library_version, "manifest": MANIFEST_FILE}
-    storage.write_atomic(join(directory, WRITER_FILE), json.dumps(writer).encode(), durable)
 
 
 def manifest_deleted(directory: str) -> bool:
@@ -252,32 +381,58 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     path = join(directory, MANIFEST_FILE)
     if not storage.exists(path):
         return None
+    raw = load_json(storage.read_bytes(path, "manifest"), path)
+    if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] not in SUPPORTED_MANIFEST_VERSIONS:
+        raise UnsupportedCheckpointError(
+            f"{path} has format version {raw['version']} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "
+            "written by a newer version of ckpt_integration?"
+        )
     try:
-        raw = json.loads(storage.read_bytes(path))
         manifest = Manifest(**raw)
-        # Parse the checksum table now, so that wrong shapes/values (valid JSON, not a
+        # Parse the checksum tables now, so that wrong shapes/values (valid JSON, not a
         # manifest) fail here as CorruptCheckpointError rather than later as
         # ValueError/AttributeError in the middle of a load.
-        if not isinstance(manifest.items, dict) or not isinstance(manifest.files, dict):
-            raise TypeError("'items' and 'files' must be objects")
+        if not isinstance(manifest.items, dict) or not isinstance(manifest.files, dict) or not isinstance(manifest.blocks, dict):
+            raise TypeError("'items', 'files' and 'blocks' must be objects")
+        if not all(isinstance(v, dict) for v in manifest.files.values()):
+            raise TypeError("every 'files' entry must be an object")
         manifest.checksums()
+        manifest.block_records()
         return manifest
-    except (json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as e:
+    except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
+
+
+def read_manifest_checked(directory: str) -> Optional[Manifest]:
+    """:func:`read_manifest`, but a missing manifest of a checkpoint saved with one is damage.
+
+    ``None`` (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch
+    DCP) and ours saved before the marker existed; such loads log a note once per directory.
+    """
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        return manifest
+    storage, path = storage_for(directory)
+    if manifest_expected(directory):
+        raise CorruptCheckpointError(
+            f"{join(path, MANIFEST_FILE)} is missing, but {WRITER_FILE} says the checkpoint was saved with it: "
+            "the recorded checksums are lost, so its data cannot be verified (refusing to load it unchecked)"
+        )
+    _note_unchecked(path, "no manifest.json (written by another tool, e.g. Megatron-Core or PyTorch DCP): "
+                          "its data has no checksums and is loaded unverified")
+    return None
+
+
+_noted: set = set()
+
+
+def _note_unchecked(directory: str, message: str) -> None:
+    key = (directory, message)
+    if key not in _noted:
+        _noted.add(key)
+        logger.warning("%s: %s", directory, message)
 
 
 def stale_save_files(directory: str) -> List[str]:
     """Files of an uncommitted earlier save that a new save into the same directory replaces."""
-    storage, directory = storage_for(directory)
-    names = storage.listdir(directory)
-    out = [n for n in names if n.endswith(".distcp") or n in _DATA_MARKERS or ".tmp-" in n]
-    if ZARR_INDEX_FILE in names:
-        # a zarr save: its arrays and object files are the top-level entries its keys name
-        try:
-            index = json.loads(storage.read_bytes(join(directory, ZARR_INDEX_FILE)))
-            keys = list(index.get("tensors", {})) + list(index.get("objects", []))
-        except (ValueError, AttributeError, TypeError):
-            keys = []
-        tops = {k.split("/", 1)[0] for k in keys} | {f"{k}.pt" for k in keys if "/" not in k}
-        out += sorted(n for n in tops if n in names and n not in out)
-    return out
+    return library_entries(directory)

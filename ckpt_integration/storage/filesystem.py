@@ -11,16 +11,32 @@ complete, and ``metadata.json`` is uploaded last, after every data object, so
 the commit protocol is the same as on a local filesystem. Renames are copies
 there, so replacing an existing checkpoint (``overwrite=True``) is refused
 for remote URLs rather than done non-atomically.
+
+Containment (readers): every file a reader opens is named relative to the checkpoint
+directory and goes through :func:`checked_path` (no absolute paths, no ``..``, no path
+separators where a plain file name is expected, and - locally - no symbolic link that
+resolves outside the directory unless ``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``), and is
+opened only if it is a regular file (checked with ``stat`` before opening and ``fstat``
+after a non-blocking open), so a FIFO, device or directory gives an error instead of a
+hang. Writes that fail with an ``OSError`` (disk full, permissions) raise
+:class:`~ckpt_integration.errors.CheckpointWriteError` naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as _errno
 import os
 import shutil
+import stat
 import threading
-from typing import Any, BinaryIO, List, Tuple
+from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple
 
+from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
+
+# Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
+ALLOW_SYMLINKS_ENV = "CKPT_INTEGRATION_ALLOW_SYMLINKS"
 
 
 def is_remote(path: Any) -> bool:
@@ -35,6 +51,161 @@ def join(base: str, *names: str) -> str:
     return os.path.join(base, *names)
 
 
+# --------------------------------------------------------------------------- containment
+def symlinks_allowed() -> bool:
+    """Whether links leading outside a checkpoint may be followed (``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``)."""
+    return os.environ.get(ALLOW_SYMLINKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def name_problem(name: Any, nested: bool = False) -> Optional[str]:
+    """Why ``name`` cannot name a file inside a checkpoint directory, or None.
+
+    ``nested``: ``/``-separated relative paths are allowed (zarr chunk files
+    ``<key>/c/0/1``); otherwise the name must be a single file name (``.metadata``
+    entries, ``common.pt``). Never allowed: absolute paths, ``.``/``..`` segments,
+    backslashes, NUL and other control characters.
+    """
+    if not isinstance(name, str) or not name:
+        return "it is empty or not a string"
+    if any(ord(ch) < 32 for ch in name):
+        return "it contains a control character"
+    if "\\" in name:
+        return "it contains a backslash (a path separator on Windows)"
+    if name.startswith("/") or os.path.isabs(name):
+        return "it is an absolute path"
+    segments = name.split("/")
+    if any(seg in ("", ".", "..") for seg in segments):
+        return "it has an empty, '.' or '..' path segment (it would leave its directory)"
+    if not nested and len(segments) > 1:
+        return "it contains a path separator (data files lie directly in the checkpoint directory)"
+    return None
+
+
+def checked_path(directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> str:
+    """``directory/name`` after refusing names that could lead outside ``directory``.
+
+    Raises :class:`UnsafeCheckpointError` for unsafe names (always, trusted or not) and,
+    for local checkpoints, for symbolic links that resolve outside the directory (unless
+    :func:`symlinks_allowed`). ``source`` names where the name came from (for the message).
+    """
+    problem = name_problem(name, nested)
+    where = f" (named in {source})" if source else ""
+    if problem:
+        raise UnsafeCheckpointError(
+            f"refusing to open {what} {name!r}{where} of checkpoint {directory}: {problem}; "
+            "a checkpoint may only name files inside its own directory"
+        )
+    path = join(directory, name)
+    if not is_remote(directory) and not symlinks_allowed():
+        root = os.path.realpath(directory)
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise UnsafeCheckpointError(
+                f"refusing to open {what} {path}{where}: it is a symbolic link leading outside the checkpoint "
+                f"directory (to {real}). If you deduplicate checkpoint storage with links on purpose, set "
+                f"{ALLOW_SYMLINKS_ENV}=1 to follow them"
+            )
+    return path
+
+
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def not_regular(mode: int, path: str, what: str) -> CorruptCheckpointError:
+    kind = next((k for test, k in _KINDS if test(mode)), "special file")
+    return CorruptCheckpointError(
+        f"{what} {path} is a {kind}, not a regular file: refusing to read it (a checkpoint holds only regular files)"
+    )
+
+
+def open_regular(path: str, what: str = "file") -> int:
+    """A read-only fd of ``path`` if it is a regular file; never blocks on FIFOs or devices.
+
+    ``stat`` first (a device is never opened: opening some has side effects), then a
+    non-blocking open and ``fstat`` of what was actually opened.
+    """
+    st = os.stat(path)  # FileNotFoundError passes through: callers name the missing file
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(st.st_mode, path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(st.st_mode, path, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# --------------------------------------------------------------------------- write errors
+def _os_error_in(e: BaseException) -> Optional[OSError]:
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, OSError) and e.errno:
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def write_error(e: BaseException, path: str) -> BaseException:
+    """The library error for a failed write of ``path`` (``e`` itself if it is not an OS error).
+
+    torch's zip writer wraps the ``OSError`` of a full disk in a ``RuntimeError``
+    ("unexpected pos ..."); the cause is found in the exception chain.
+    """
+    if isinstance(e, CheckpointingException):
+        return e
+    err = _os_error_in(e)
+    if err is None:
+        if "No space left on device" not in str(e):
+            return e
+        code, reason = _errno.ENOSPC, "no space left on device"
+    else:
+        code, reason = err.errno, (err.strerror or os.strerror(err.errno)).lower()
+        path = err.filename if isinstance(err.filename, str) and err.filename else path
+    out = CheckpointWriteError(f"{reason} while writing {path}")
+    out.errno = code  # (strerror/filename left unset: they would replace the message in str())
+    out.path = path
+    return out
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Raise :class:`CheckpointReadError` naming ``path`` for OS errors of the block (a missing
+    file passes through as ``FileNotFoundError``: callers say which checkpoint file is missing)."""
+    try:
+        yield
+    except (CheckpointingException, FileNotFoundError):
+        raise
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        out = CheckpointReadError(f"{reason} while reading {path}")
+        out.errno = e.errno
+        raise out from e
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Raise :class:`CheckpointWriteError` naming ``path`` for OS errors of the block."""
+    try:
+        yield
+    except (CheckpointingException, FileExistsError):  # FileExistsError: exclusive creates, handled by callers
+        raise
+    except Exception as e:
+        converted = write_error(e, path)
+        if converted is e:
+            raise
+        raise converted from e
+
+
 class FileReader:
     """Random-access reads of one file, safe to share between threads."""
 
@@ -47,30 +218,72 @@ class FileReader:
     def read_into(self, buf: memoryview, offset: int) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers`` in order from consecutive bytes starting at ``offset``."""
+        for b in buffers:
+            self.read_into(b, offset)
+            offset += len(b)
+
     def close(self) -> None:
         pass
 
 
+# iovecs per preadv call (Linux IOV_MAX is 1024)
+_IOV_MAX = 1024
+
+
 class _LocalReader(FileReader):
-    def __init__(self, path: str):
+    def __init__(self, path: str, what: str = "file"):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self.fd).st_size
+        with reading(path):
+            self.fd = open_regular(path, what)
+            self.size = os.fstat(self.fd).st_size
 
     def read(self, offset: int, length: int) -> bytes:
-        return os.pread(self.fd, length, offset)
+        with reading(self.path):
+            return os.pread(self.fd, length, offset)
 
     def read_into(self, buf: memoryview, offset: int) -> None:
-        pread_exact(self.fd, buf, offset, self.path)
+        with reading(self.path):
+            pread_exact(self.fd, buf, offset, self.path)
+
+    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """One ``preadv`` per up to 1024 buffers (a short read at the file end raises)."""
+        with reading(self.path):
+            self._readv(buffers, offset)
+
+    def _readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        buffers = [b for b in buffers if len(b)]
+        i = 0
+        while i < len(buffers):
+            group = buffers[i : i + _IOV_MAX]
+            want = sum(len(b) for b in group)
+            n = os.preadv(self.fd, group, offset)
+            if n == want:
+                offset += n
+                i += len(group)
+                continue
+            # rare: an interrupted or short read; finish this group buffer by buffer
+            for b in group:
+                if n >= len(b):
+                    n -= len(b)
+                else:
+                    pread_exact(self.fd, b[n:], offset + n, self.path)
+                    n = 0
+                offset += len(b)
+            i += len(group)
 
     def close(self) -> None:
         os.close(self.fd)
 
 
 class _FsspecReader(FileReader):
-    def __init__(self, fs: Any, path: str):
+    def __init__(self, fs: Any, path: str, what: str = "file"):
         self.fs, self.path = fs, path
-        self.size = int(fs.size(path))
+        info = fs.info(path)
+        if info.get("type", "file") != "file":
+            raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
+        self.size = int(info.get("size") if info.get("size") is not None else fs.size(path))
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(offset + length, self.size)
@@ -88,6 +301,18 @@ class _FsspecReader(FileReader):
                 f"{offset + len(data)}"
             )
         buf[:] = data
+
+    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        total = sum(len(b) for b in buffers)
+        data = memoryview(self.read(offset, total))
+        if len(data) != total:
+            raise CorruptCheckpointError(
+                f"{self.path} is truncated: needed bytes [{offset}, {offset + total}) but the file ends at {offset + len(data)}"
+            )
+        pos = 0
+        for b in buffers:
+            b[:] = data[pos : pos + len(b)]
+            pos += len(b)
 
 
 class Storage:
@@ -127,8 +352,13 @@ class Storage:
         else:
             os.makedirs(path, exist_ok=True)
 
-    def open_write(self, path: str) -> BinaryIO:
-        return self.fs.open(path, "wb") if self.fs else open(path, "wb")
+    def open_write(self, path: str, exclusive: bool = False) -> BinaryIO:
+        """A new file for writing; ``exclusive`` (local): ``FileExistsError`` if it exists, so a
+        save never overwrites a file another save created (object stores: overwritten)."""
+        with writing(path):
+            if self.fs:
+                return self.fs.open(path, "wb")
+            return open(path, "xb" if exclusive else "wb")
 
     def sync(self, f: BinaryIO, durable: bool) -> None:
         """Flush a file opened with :meth:`open_write` (and fsync it locally when ``durable``)."""
@@ -136,21 +366,60 @@ class Storage:
         if durable and not self.fs:
             os.fsync(f.fileno())
 
-    def write_atomic(self, path: str, data: bytes, durable: bool = True) -> None:
-        """Readers see all of ``data`` or nothing (temp + rename locally, one PUT remotely)."""
-        if self.fs:
-            self.fs.pipe_file(path, data)
-        else:
-            atomic_write_bytes(path, data, durable)
+    def write_atomic(self, path: str, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
+        """Readers see all of ``data`` or nothing (temp + rename locally, one PUT remotely).
 
-    def read_bytes(self, path: str) -> bytes:
+        ``exclusive``: fail with ``FileExistsError`` if ``path`` exists (local: ``link``
+        of the temporary file, atomic; remote: a conditional PUT where the filesystem
+        supports one, else a check before the upload).
+        """
+        with writing(path):
+            if self.fs:
+                if exclusive:
+                    self._pipe_exclusive(path, data)
+                else:
+                    self.fs.pipe_file(path, data)
+            else:
+                atomic_write_bytes(path, data, durable, exclusive=exclusive)
+
+    def _pipe_exclusive(self, path: str, data: bytes) -> None:
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+            return
+        except FileExistsError:
+            raise
+        except (TypeError, NotImplementedError, ValueError):
+            pass  # no conditional writes here: check, then write (a small window remains)
+        except OSError as e:
+            if e.errno in (_errno.EEXIST,) or "PreconditionFailed" in str(e) or "412" in str(e):
+                raise FileExistsError(_errno.EEXIST, "already exists", path) from None
+            raise
+        if self.fs.exists(path):
+            raise FileExistsError(_errno.EEXIST, "already exists", path)
+        self.fs.pipe_file(path, data)
+
+    def read_bytes(self, path: str, what: str = "file") -> bytes:
+        """All bytes of a regular file (a FIFO, device or directory raises instead of blocking)."""
         if self.fs:
+            info = self.fs.info(path)  # FileNotFoundError passes through
+            if info.get("type", "file") != "file":
+                raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
             return self.fs.cat_file(path)
-        with open(path, "rb") as f:
-            return f.read()
+        with reading(path):
+            fd = open_regular(path, what)
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
 
-    def open_reader(self, path: str) -> FileReader:
-        return _FsspecReader(self.fs, path) if self.fs else _LocalReader(path)
+    def open_reader(self, path: str, what: str = "file") -> FileReader:
+        return _FsspecReader(self.fs, path, what) if self.fs else _LocalReader(path, what)
+
+    def read_in(self, directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> bytes:
+        """:meth:`read_bytes` of ``directory/name`` after the containment checks of :func:`checked_path`."""
+        return self.read_bytes(checked_path(directory, name, what, nested, source), what)
+
+    def open_in(self, directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> FileReader:
+        """:meth:`open_reader` of ``directory/name`` after the containment checks of :func:`checked_path`."""
+        return self.open_reader(checked_path(directory, name, what, nested, source), what)
 
     def remove(self, path: str) -> None:
         if self.fs:

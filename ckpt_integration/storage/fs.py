@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from typing import Union
 
 import torch
@@ -31,16 +32,32 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: PathLike, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` so that readers see either nothing or all of it."""
+def atomic_write_bytes(path: PathLike, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
+    """Write ``data`` to ``path`` so that readers see either nothing or all of it.
+
+    ``exclusive``: the file must not exist yet; the temporary file is hard-linked into
+    place (``link`` fails atomically with ``FileExistsError`` if ``path`` exists), so of
+    two writers racing for the same name exactly one succeeds.
+    """
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident() % 100000}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        if exclusive:
+            os.link(tmp, path)
+            os.remove(tmp)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     if durable:
         fsync_dir(os.path.dirname(path) or ".")
 
@@ -79,7 +96,8 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     nbytes = t.numel() * t.element_size()
     if nbytes == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+    # through numpy: a bytes view of the same memory (a ctypes array type per size is slower)
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:

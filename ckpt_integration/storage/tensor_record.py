@@ -17,12 +17,13 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Tuple
+from typing import Any, BinaryIO, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
-from .checksum import crc32
+from .checksum import crc32, crc32_combine
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
 
@@ -203,6 +204,115 @@ class CrcWriter(io.RawIOBase):
         n = self.f.write(mv)
         self.pos += len(mv)
         return len(mv) if n is None else n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _address(mv: memoryview) -> int:
+    return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
+
+
+class BlockCrcWriter(io.RawIOBase):
+    """Write-through stream for one ``torch.save`` archive of ``tensor``: block CRC32s of its data.
+
+    The raw tensor bytes are recognised as the write(s) whose buffer is the tensor's own
+    memory (torch hands the storage to the writer without copying). Before them: one CRC
+    of the archive header; during them: one CRC per ``block_size`` bytes, each computed
+    on a slice right before that slice is written (one pass over memory, cache-hot for the
+    write); after them: one CRC of the trailer. The whole-archive CRC32 is combined from
+    these (:func:`crc32_combine`), so the data is checksummed once.
+
+    If the data write is not recognised (some other torch version), ``record`` is None and
+    only the whole-archive CRC is known; the item is then verified whole on load.
+    OS errors of the underlying file are kept in ``error`` (torch wraps them).
+    """
+
+    def __init__(self, f: BinaryIO, tensor: torch.Tensor, block_size: int):
+        self.f, self.block_size = f, block_size
+        self.data_ptr = tensor.data_ptr() if tensor.numel() else -1
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.pos = 0
+        self.data_offset: Optional[int] = None  # where the data starts (archive-relative)
+        self.data_done = 0
+        self.head_crc, self.tail_crc, self.tail_len = 0, 0, 0
+        self.blocks: List[int] = []
+        self.block_fill, self.block_crc = 0, 0
+        self.unrecognised = False
+        self.error: Optional[BaseException] = None
+
+    def writable(self) -> bool:
+        return True
+
+    def _write(self, mv: memoryview) -> None:
+        try:
+            self.f.write(mv)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        in_data = (
+            self.data_ptr >= 0
+            and self.data_done < self.nbytes
+            and _address(mv) == self.data_ptr + self.data_done
+            and (self.data_offset is None or self.pos == self.data_offset + self.data_done)
+        )
+        if in_data and self.data_done + n <= self.nbytes:
+            if self.data_offset is None:
+                self.data_offset = self.pos
+            self._write_data(mv)
+        elif self.data_offset is None:
+            self.head_crc = crc32(mv, self.head_crc)
+            self._write(mv)
+        else:
+            if self.data_done < self.nbytes:
+                self.unrecognised = True  # data interrupted: not the layout we understand
+            self.tail_crc = crc32(mv, self.tail_crc)
+            self.tail_len += n
+            self._write(mv)
+        self.pos += n
+        return n
+
+    def _write_data(self, mv: memoryview) -> None:
+        bs, i, n = self.block_size, 0, len(mv)
+        while i < n:
+            take = min(bs - self.block_fill, n - i)
+            piece = mv[i : i + take]
+            self.block_crc = crc32(piece, self.block_crc)
+            self._write(piece)
+            self.block_fill += take
+            i += take
+            if self.block_fill == bs:
+                self.blocks.append(self.block_crc)
+                self.block_fill, self.block_crc = 0, 0
+        self.data_done += n
+
+    def finish(self) -> Tuple[int, Optional[Tuple[int, int, int, List[int]]]]:
+        """``(whole-archive crc32, block record or None)``; call after ``torch.save`` returned.
+
+        The block record is ``(data_offset, data_length, block_size, crcs)`` with the CRCs of
+        the non-empty blocks in order: header, data blocks, trailer.
+        """
+        if self.block_fill:
+            self.blocks.append(self.block_crc)
+            self.block_fill, self.block_crc = 0, 0
+        d = self.pos if self.data_offset is None else self.data_offset  # no data: all header
+        n = self.data_done
+        crcs = ([self.head_crc] if d > 0 else []) + self.blocks + ([self.tail_crc] if self.tail_len else [])
+        lengths = ([d] if d > 0 else []) + [min(self.block_size, n - k) for k in range(0, n, self.block_size)]
+        lengths += [self.tail_len] if self.tail_len else []
+        whole = 0
+        for c, length in zip(crcs, lengths):
+            whole = crc32_combine(whole, c, length)
+        if self.unrecognised or n != self.nbytes or d + n + self.tail_len != self.pos:
+            return whole, None
+        return whole, (d, n, self.block_size, crcs)
 
     def tell(self) -> int:
         return self.pos

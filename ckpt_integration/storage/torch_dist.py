@@ -9,15 +9,20 @@ Layout of a checkpoint directory (shared with PyTorch DCP and Megatron-Core)::
     manifest.json         our checksums and save info      - see checkpoint_dir.py
     metadata.json         commit marker + backend/version  - see checkpoint_dir.py
 
-Writes use one file per writer thread; reads group requests by file, read only
-the byte ranges needed (see :mod:`tensor_record`) and run in a thread pool.
+Writes use one file per writer thread; every tensor item's data is checksummed in
+blocks while it is written (:class:`~.tensor_record.BlockCrcWriter`), recorded in the
+manifest. Reads check every byte they read against those blocks (or, for checkpoints
+saved before block checksums, against the whole-item CRC32) and read only the blocks a
+request touches (see :mod:`.region_read`). Every name in ``.metadata`` is checked to be a
+plain file name inside the checkpoint before it is opened (see ``filesystem.checked_path``),
+and declared shapes are checked against what the chunks can hold before anything is
+allocated for them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import math
 import threading
 from collections import defaultdict
@@ -25,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -37,20 +43,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, MismatchError, SaveConflictError, UnsafeCheckpointError
 from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
-from .checksum import crc32
-from .filesystem import FileReader, join, storage_for
-from .fs import tensor_buffer
+from . import checkpoint_dir as ckdir
+from .checksum import DEFAULT_BLOCK_SIZE, crc32
+from .filesystem import FileReader, join, name_problem, storage_for, writing
+from .region_read import Blocks, read_region as _read_region
 from .safe_pickle import load_dcp_metadata
-from .tensor_record import CrcWriter, TensorRecord, parse_tensor_record
+from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
-# Runs (contiguous pieces of a strided region) shorter than this are read as one
-# covering span instead of one read each: below a page, syscalls cost more than the waste.
-SPAN_READ_MAX_RUN = 4096
+# block size of the data checksums of new saves (recorded per item, so readers need not know it)
+BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 
 
 # --------------------------------------------------------------------------- writing
@@ -77,6 +83,8 @@ class WrittenItem:
     offset: int
     length: int
     crc32: int
+    # tensor items: (data_offset, data_length, block_size, block CRC32s), see BlockCrcWriter
+    blocks: Optional[Tuple[int, int, int, List[int]]] = None
 
 
 _crc_lock = threading.Lock()
@@ -125,11 +133,21 @@ def data_file_name(rank: int, index: int) -> str:
 
 
 def write_data_files(
-    directory: str, rank: int, requests: Sequence[WriteRequest], thread_count: int = 2, durable: bool = True
+    directory: str,
+    rank: int,
+    requests: Sequence[WriteRequest],
+    thread_count: int = 2,
+    durable: bool = True,
+    block_size: Optional[int] = None,
 ) -> List[WrittenItem]:
-    """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them."""
+    """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
+
+    Tensor items get block CRC32s (``block_size``) besides their whole-item CRC32. A failed
+    write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
+    """
     if not requests:
         return []
+    block_size = block_size or BLOCK_SIZE
     storage, directory = storage_for(directory)
     buckets = split_into_buckets([r.nbytes for r in requests], thread_count)
 
@@ -137,16 +155,30 @@ def write_data_files(
         name = data_file_name(rank, index)
         path = join(directory, name)
         out = []
-        with storage.open_write(path) as f:
+        try:
+            f = storage.open_write(path, exclusive=True)
+        except FileExistsError:
+            raise SaveConflictError(
+                f"cannot write {path}: the file exists, created by another save into the same directory "
+                "(two jobs saving to one path at once); this save is abandoned"
+            ) from None
+        with writing(path), f:
             for i in bucket:
                 req = requests[i]
-                w = CrcWriter(f)
                 start = f.tell()
                 if isinstance(req.data, torch.Tensor):
-                    torch.save(_standalone(req.data), w)
+                    t = _standalone(req.data)
+                    w = BlockCrcWriter(f, t, block_size)
+                    try:
+                        torch.save(t, w)
+                    except Exception as e:
+                        raise (w.error or e) from e  # torch wraps the OSError of a full disk
+                    crc, blocks = w.finish()
                 else:
+                    w = CrcWriter(f)
                     w.write(req.data)
-                out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, w.crc))
+                    crc, blocks = w.crc, None
+                out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, crc, blocks))
             storage.sync(f, durable)
         return out
 
@@ -204,16 +236,18 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
 
 
 def read_dcp_metadata(directory: str, trusted: bool = False) -> Metadata:
+    """``.metadata``, checked against the manifest (read once: the bytes checked are the bytes
+    unpickled) and unpickled restrictedly unless ``trusted``."""
     storage, directory = storage_for(directory)
     path = join(directory, DCP_METADATA_FILE)
-    if storage.exists(path):
-        from .checkpoint_dir import read_manifest, verify_file_checksum
-
-        verify_file_checksum(directory, DCP_METADATA_FILE, read_manifest(directory))
     try:
-        md = load_dcp_metadata(io.BytesIO(storage.read_bytes(path)), trusted=trusted)
+        data = ckdir.read_verified_file(directory, DCP_METADATA_FILE, ckdir.read_manifest(directory), "tensor metadata file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the torch_dist checkpoint has no tensor metadata") from None
+    try:
+        md = load_dcp_metadata(io.BytesIO(data), trusted=trusted)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{path} is damaged: its pickle is nested too deeply") from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e!r}") from None
     except Exception as e:  # pickle.UnpicklingError and friends
@@ -235,8 +269,24 @@ class ChunkInfo:
     crc32: Optional[int] = None
 
 
+_FROM_DIRECTORY = object()
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 class TorchDistReader:
-    """Reads regions of saved chunks and object payloads from a torch_dist checkpoint."""
+    """Reads regions of saved chunks and object payloads from a torch_dist checkpoint.
+
+    Integrity: the manifest is read here (``read_manifest_checked``: a missing manifest of a
+    checkpoint saved with one is damage); with ``verify_checksums`` every byte read is
+    checked - against block CRC32s (format 2), against the whole item's CRC32 (format 1:
+    the item is read whole, also for a partial request), or not at all for checkpoints of
+    other writers (logged once). Containment: every data file named in ``.metadata`` must
+    be a plain file name inside the directory (checked here, before anything is opened).
+    ``checksums`` is accepted for compatibility; the manifest's tables are used when it exists.
+    """
 
     def __init__(
         self,
@@ -244,26 +294,50 @@ class TorchDistReader:
         metadata: Metadata,
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
+        manifest: Any = _FROM_DIRECTORY,
     ):
         self.storage, self.directory = storage_for(directory)
         self.metadata = metadata
-        self.checksums = checksums or {}
-        self.verify_checksums = verify_checksums and bool(checksums)
+        if manifest is _FROM_DIRECTORY:
+            manifest = ckdir.read_manifest_checked(self.directory)
+        self.manifest = manifest
+        self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})
+        self.block_records = manifest.block_records() if manifest is not None else {}
+        self.verify_checksums = verify_checksums and bool(self.checksums or self.block_records)
         self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
+        self._frames_checked: set = set()
+        self._block_cache: Dict[Tuple[str, int], Blocks] = {}
         self._lock = threading.Lock()
+        where = join(self.directory, DCP_METADATA_FILE)
+        for index, info in (metadata.storage_data or {}).items():
+            problem = name_problem(getattr(info, "relative_path", None))
+            if problem:
+                raise UnsafeCheckpointError(
+                    f"refusing {where}: item {getattr(index, 'fqn', index)!r} is stored in "
+                    f"{getattr(info, 'relative_path', None)!r}: {problem}; a checkpoint may only name files "
+                    "inside its own directory"
+                )
+            if not (_is_index(getattr(info, "offset", None)) and _is_index(getattr(info, "length", None))):
+                raise CorruptCheckpointError(f"{where} is damaged: item {getattr(index, 'fqn', index)!r} has an invalid byte range")
         self.chunks: Dict[str, List[ChunkInfo]] = defaultdict(list)
         for key, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
+                shape = tuple(md.size)
                 lst = []
                 for c in md.chunks:
+                    box = Box(tuple(c.offsets), tuple(c.sizes))
+                    if len(box.offsets) != len(shape) or len(box.sizes) != len(shape) or any(
+                        not (_is_index(o) and _is_index(n) and o + n <= g) for o, n, g in zip(box.offsets, box.sizes, shape)
+                    ):
+                        raise CorruptCheckpointError(f"{where} is damaged: chunk {box} of {key!r} lies outside its global shape {shape}")
                     info = (metadata.storage_data or {}).get(MetadataIndex(key, torch.Size(c.offsets)))
                     if info is None:
                         raise CorruptCheckpointError(
                             f"{directory}/.metadata lists chunk {tuple(c.offsets)} of {key!r} but not where it is stored"
                         )
                     crc = self.checksums.get((info.relative_path, info.offset))
-                    lst.append(ChunkInfo(Box(tuple(c.offsets), tuple(c.sizes)), info, crc))
+                    lst.append(ChunkInfo(box, info, crc))
                 self.chunks[key] = lst
 
     # -- file handles ------------------------------------------------------------------
@@ -271,17 +345,16 @@ class TorchDistReader:
         with self._lock:
             fd = self._files.get(relative_path)
             if fd is None:
-                path = join(self.directory, relative_path)
                 try:
-                    fd = self.storage.open_reader(path)
+                    fd = self.storage.open_in(self.directory, relative_path, "data file", source=DCP_METADATA_FILE)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
-                        f"data file {path} is missing (listed in .metadata)"
+                        f"data file {join(self.directory, relative_path)} is missing (listed in .metadata)"
                     ) from None
                 self._files[relative_path] = fd
             return fd
 
-    def _check_extent(self, info: _StorageInfo, what: str) -> int:
+    def _check_extent(self, info: _StorageInfo, what: str) -> FileReader:
         fd = self._fd(info.relative_path)
         size = fd.size
         if info.offset + info.length > size:
@@ -303,6 +376,32 @@ class TorchDistReader:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def validate_tensor(self, key: str) -> None:
+        """Before allocating a whole ``key``: its declared global shape must be what its chunks
+        can hold. Each chunk must fit its stored bytes (which must lie inside the data file),
+        and the chunks must hold at least as many elements as the shape declares; a damaged
+        or hostile ``.metadata`` (a 10^12-element tensor) raises CorruptCheckpointError."""
+        md = self.metadata.state_dict_metadata[key]
+        shape = tuple(md.size)
+        esize = torch.empty((), dtype=md.properties.dtype).element_size()
+        held = 0
+        for c in self.chunks.get(key, []):
+            info = c.storage
+            self._check_extent(info, f"chunk {c.box} of {key!r}")
+            if c.box.numel * esize > info.length:
+                raise CorruptCheckpointError(
+                    f"{join(self.directory, DCP_METADATA_FILE)} is damaged: chunk {c.box} of {key!r} declares "
+                    f"{c.box.numel} elements ({c.box.numel * esize} bytes) but its stored item has {info.length} bytes"
+                )
+            held += c.box.numel
+        declared = math.prod(shape)
+        if declared > held:
+            raise CorruptCheckpointError(
+                f"{join(self.directory, DCP_METADATA_FILE)} declares tensor {key!r} of shape {shape} "
+                f"({declared} elements), but its saved chunks hold only {held}: the metadata is damaged "
+                "(or chunks are missing); nothing was allocated for it"
+            )
+
     # -- objects -----------------------------------------------------------------------
     def read_bytes(self, storage_key: str) -> bytes:
         info = (self.metadata.storage_data or {}).get(MetadataIndex(storage_key))
@@ -311,7 +410,7 @@ class TorchDistReader:
         fd = self._check_extent(info, f"object {storage_key!r}")
         buf = bytearray(info.length)
         pread_exact(fd, memoryview(buf), info.offset, join(self.directory, info.relative_path))
-        self._verify(info, [bytes(buf)], storage_key)
+        self._verify(info, [buf], storage_key)
         return bytes(buf)
 
     # -- tensors -----------------------------------------------------------------------
@@ -324,10 +423,20 @@ class TorchDistReader:
             self._records[rid] = rec
         return self._records[rid]
 
-    def _verify(self, info: _StorageInfo, parts: Sequence[Any], what: str) -> None:
+    def _expected_crc(self, info: _StorageInfo, what: str) -> Optional[int]:
+        """The whole-item CRC32 to check (None: unchecked); a manifest without it is damaged."""
         if not self.verify_checksums:
-            return
+            return None
         expected = self.checksums.get((info.relative_path, info.offset))
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{join(self.directory, ckdir.MANIFEST_FILE)} has no checksum for {what} "
+                f"({info.relative_path}@{info.offset}): the manifest is damaged or does not belong to this checkpoint"
+            )
+        return expected
+
+    def _verify(self, info: _StorageInfo, parts: Sequence[Any], what: str) -> None:
+        expected = self._expected_crc(info, what)
         if expected is None:
             return
         crc = 0
@@ -340,76 +449,81 @@ class TorchDistReader:
             )
 
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
-        """Copy ``overlap`` (global coords, inside ``chunk``) of ``key`` into ``out``."""
+        """Copy ``overlap`` (global coords, inside ``chunk``) of ``key``, stored as ``dtype``, into ``out``.
+
+        ``out`` may be non-contiguous and of another dtype (the copy casts). Every byte read is
+        verified when checksums exist (see the class docstring).
+        """
         info = chunk.storage
         path = join(self.directory, info.relative_path)
-        rec = self._record(key, chunk)
-        if rec is None or not rec.is_contiguous:
-            self._read_region_fallback(key, chunk, overlap, out)
-            return
-        if rec.dtype != dtype:
-            raise CorruptCheckpointError(
-                f"{path}: chunk {chunk.box} of {key!r} is stored as {rec.dtype} but .metadata says {dtype}"
-            )
-        if math.prod(rec.shape) != chunk.box.numel:
-            raise CorruptCheckpointError(
-                f"{path}: chunk {chunk.box} of {key!r} holds {math.prod(rec.shape)} elements, "
-                f"expected {chunk.box.numel}"
-            )
-        fd = self._fd(info.relative_path)
+        what = f"chunk {chunk.box} of {key!r}"
+        fd = self._check_extent(info, what)
         esize = torch.empty((), dtype=dtype).element_size()
-        base = info.offset + rec.data_offset + rec.storage_offset * esize
-        shape = chunk.box.sizes
-        rel = relative_slices(overlap, chunk.box)
-        starts = [s.start for s in rel]
-        lens = list(overlap.sizes)
-        ndim = len(shape)
-        strides = [1] * ndim
-        for a in range(ndim - 2, -1, -1):
-            strides[a] = strides[a + 1] * shape[a + 1]
-        # k: first axis from which the request is one contiguous run per index of the axes before it
-        k = ndim
-        while k > 0 and (k == ndim or (starts[k] == 0 and lens[k] == shape[k])):
-            k -= 1
-        # axes < k index runs; axis k and after form one run
-        run_elems = lens[k] * strides[k] if ndim else 1
-        nruns = math.prod(lens[:k]) if ndim else 1
-        whole_chunk = overlap == chunk.box
-        direct = out.is_contiguous() and out.dtype == dtype
-        if nruns == 1:
-            first = sum(s * st for s, st in zip(starts, strides))
-            target = out if direct else torch.empty(lens, dtype=dtype)
-            buf = tensor_buffer(target)
-            pread_exact(fd, buf, base + first * esize, path)
-            if whole_chunk and self.verify_checksums and chunk.crc32 is not None:
-                self._verify_whole(fd, info, rec, buf, key, chunk)
-            if not direct:
-                out.copy_(target)
-            return
-        if run_elems * esize >= SPAN_READ_MAX_RUN:
-            target = out if direct else torch.empty(lens, dtype=dtype)
-            flat = tensor_buffer(target)
-            run_bytes = run_elems * esize
-            for i, idx in enumerate(itertools.product(*map(range, lens[:k]))):
-                first = sum((starts[a] + idx[a]) * strides[a] for a in range(k)) + starts[k] * strides[k]
-                pread_exact(fd, flat[i * run_bytes : (i + 1) * run_bytes], base + first * esize, path)
-            if not direct:
-                out.copy_(target)
-            return
-        first = sum(s * st for s, st in zip(starts, strides))
-        last = sum((s + l - 1) * st for s, l, st in zip(starts, lens, strides))
-        span = torch.empty(last - first + 1, dtype=dtype)
-        pread_exact(fd, tensor_buffer(span), base + first * esize, path)
-        out.copy_(torch.as_strided(span, lens, strides, 0))
+        nbytes = chunk.box.numel * esize
+        brec = self.block_records.get((info.relative_path, info.offset))
+        blocks = None
+        if brec is not None:
+            # block checksums: the data's place is recorded, the archive needs no parsing
+            if brec.data_length != nbytes:
+                raise CorruptCheckpointError(
+                    f"{path}: {what} holds {brec.data_length} bytes of data, but .metadata says "
+                    f"{chunk.box.numel} elements of {dtype} ({nbytes} bytes)"
+                )
+            data_start = brec.data_offset
+            if self.verify_checksums:
+                blocks = self._blocks(info, brec, what)
+                self._check_archive_frame(fd, info, brec, blocks, path, what)
+        else:
+            rec = self._record(key, chunk)
+            if rec is None or not rec.is_contiguous:
+                self._read_region_fallback(key, chunk, overlap, out)
+                return
+            if rec.dtype != dtype:
+                raise CorruptCheckpointError(f"{path}: {what} is stored as {rec.dtype} but .metadata says {dtype}")
+            if math.prod(rec.shape) != chunk.box.numel:
+                raise CorruptCheckpointError(
+                    f"{path}: {what} holds {math.prod(rec.shape)} elements, expected {chunk.box.numel}"
+                )
+            data_start = rec.data_offset + rec.storage_offset * esize
+            if data_start + nbytes > info.length:
+                raise CorruptCheckpointError(f"{path}: {what}: the tensor data exceeds its stored item")
+            expected = self._expected_crc(info, what)
+            if expected is not None:  # checkpoints before block checksums: the item is one block
+                blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected])
+        starts = [s.start for s in relative_slices(overlap, chunk.box)]
+        _read_region(fd, path, info.offset, data_start, chunk.box.sizes, starts, overlap.sizes, out, dtype, blocks, what)
 
-    def _verify_whole(self, fd: int, info: _StorageInfo, rec: TensorRecord, data: memoryview, key: str, chunk: ChunkInfo) -> None:
-        """Checksum the whole archive: small header/footer reads + the data already read."""
-        if rec.storage_offset != 0:
-            return  # the data read is not the whole storage; only whole archives are checksummed
-        head = fd.read(info.offset, rec.data_offset)
-        tail_start = rec.data_offset + len(data)
-        tail = fd.read(info.offset + tail_start, info.length - tail_start)
-        self._verify(info, [head, data, tail], f"chunk {chunk.box} of {key!r}")
+    def _blocks(self, info: _StorageInfo, brec: Any, what: str) -> Blocks:
+        rid = (info.relative_path, info.offset)
+        blocks = self._block_cache.get(rid)
+        if blocks is None:
+            try:
+                blocks = Blocks(brec.bounds(info.length), brec.crcs)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+            self._block_cache[rid] = blocks
+        return blocks
+
+    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> None:
+        """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
+        directory; a few hundred bytes each) match their CRC32s, so a damaged archive - which
+        PyTorch DCP could no longer read - is reported by any load that reads from it."""
+        rid = (info.relative_path, info.offset)
+        if rid in self._frames_checked:
+            return
+        d, end, length = brec.data_offset, brec.data_offset + brec.data_length, info.length
+        parts = [(0, d)] if d > 0 else []
+        parts += [(end, length)] if end < length else []
+        for lo, hi in parts:
+            buf = bytearray(hi - lo)
+            fd.read_into(memoryview(buf), info.offset + lo)
+            b = blocks.index(lo)
+            if int(blocks.bounds[b]) != lo or int(blocks.bounds[b + 1]) != hi or crc32(buf) != int(blocks.crcs[b]):
+                raise CorruptCheckpointError(
+                    f"{path}: checksum mismatch for the archive {'header' if lo == 0 else 'trailer'} of {what} "
+                    f"(bytes [{info.offset + lo}, {info.offset + hi})): the file is damaged"
+                )
+        self._frames_checked.add(rid)
 
     def _read_region_fallback(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor) -> None:
         info = chunk.storage
@@ -417,7 +531,7 @@ class TorchDistReader:
         buf = bytearray(info.length)
         path = join(self.directory, info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
-        self._verify(info, [bytes(buf)], f"chunk {chunk.box} of {key!r}")
+        self._verify(info, [buf], f"chunk {chunk.box} of {key!r}")
         from .safe_pickle import safe_torch_load
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes

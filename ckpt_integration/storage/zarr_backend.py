@@ -33,11 +33,14 @@ wrapper sees them, no re-read), and the coordinator commits these records (and
 those of every array's ``zarr.json``) into ``zarr_index.json`` before
 ``metadata.json``. Reads go through a checking store wrapper: zarr fetches only
 the chunks a region needs, and each fetched chunk is checked (present, size,
-CRC32) before it is decoded. Opening an array checks its ``zarr.json`` (CRC32,
-and shape, dtype, chunk shape and encoding against the index), so an edited
-``zarr.json`` cannot make a load decode garbage. Indexes without records
+CRC32) before it is decoded; a partial (byte-range) fetch is served from the
+whole chunk, checked, so every byte read is verified. Opening an array checks its
+``zarr.json`` (CRC32, and shape, dtype, chunk shape and encoding against the index),
+so an edited ``zarr.json`` cannot make a load decode garbage. Indexes without records
 (written before format 2) are read unchecked, as before, except for that
-comparison.
+comparison. Containment: every file the store wrapper reads is checked like every
+other reader's open (no path leading outside the checkpoint, no link leading
+outside it, only regular files), records or not.
 
 The load side exposes the same interface as :class:`TorchDistReader` (a DCP
 ``Metadata`` view, ``chunks``, ``read_region``, ``read_bytes``), so every load
@@ -53,6 +56,7 @@ import json
 import math
 import os
 import posixpath
+import stat
 import threading
 from dataclasses import asdict, dataclass
 from functools import reduce
@@ -71,9 +75,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointingException, CorruptCheckpointError, MismatchError, UnsafeCheckpointError
 from ..planning.boxes import Box, intersect, relative_slices
-from .checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE
+from .checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, load_json
 from .checksum import crc32
-from .filesystem import is_remote, join, storage_for
+from .filesystem import checked_path, is_remote, join, not_regular, storage_for, symlinks_allowed, write_error
 from .torch_dist import ChunkInfo, WriteRequest, WrittenItem, run_parallel
 
 INDEX_FILE = "zarr_index.json"
@@ -314,7 +318,7 @@ def check_index_paths(directory: str, index: Dict[str, Any]) -> None:
     """
     where = join(directory, INDEX_FILE)
     keys = [("tensor", k) for k in index.get("tensors", {})] + [("object", k) for k in index.get("objects", [])]
-    root = None if is_remote(directory) else os.path.realpath(directory)
+    root = None if is_remote(directory) or symlinks_allowed() else os.path.realpath(directory)
     for what, key in keys:
         if not isinstance(key, str) or not key:
             raise CorruptCheckpointError(f"{where} is damaged: it names an empty or non-string {what} key {key!r}")
@@ -431,30 +435,67 @@ def _store_wrappers() -> Tuple[type, type]:
             return type(self)(store, self.records)
 
         async def set(self, key: str, value: Any) -> None:
-            if not _is_chunk_name(key):
-                await self._store.set(key, value)
-                return
-            # checksum while the store writes: both only read the buffer
-            crc, _ = await asyncio.gather(_crc32(value), self._store.set(key, value))
+            try:
+                if not _is_chunk_name(key):
+                    await self._store.set(key, value)
+                    return
+                # checksum while the store writes: both only read the buffer
+                crc, _ = await asyncio.gather(_crc32(value), self._store.set(key, value))
+            except Exception as e:
+                converted = write_error(e, f"{self._store}/{key}")
+                if converted is e:
+                    raise
+                raise converted from e
             self.records[key] = (len(value), crc)
 
     class CheckingStore(WrapperStore):
-        """Checks every whole chunk zarr fetches against its record before zarr decodes it."""
+        """Checks every file zarr fetches: containment always, and a chunk against its record
+        (``records`` None: an index without records) before zarr decodes it."""
 
-        def __init__(self, store: Any, array_dir: str, records: Callable[[str], Optional[FileRecord]], verify: bool):
+        def __init__(
+            self, store: Any, array_dir: str, records: Optional[Callable[[str], Optional[FileRecord]]], verify: bool,
+            root: str = "", prefix: str = "",
+        ):
             super().__init__(store)
             self.array_dir, self.records, self.verify = array_dir, records, verify
+            self.root, self.prefix = root, prefix  # checkpoint directory, array key
 
         def _with_store(self, store: Any) -> Any:
-            return type(self)(store, self.array_dir, self.records, self.verify)
+            return type(self)(store, self.array_dir, self.records, self.verify, self.root, self.prefix)
+
+        def _contain(self, key: str) -> None:
+            # containment as for every reader: a name inside the checkpoint, no link out, a regular file
+            path = checked_path(self.root, f"{self.prefix}/{key}", "zarr file", nested=True, source=INDEX_FILE)
+            if not is_remote(path):
+                try:
+                    mode = os.stat(path).st_mode
+                except FileNotFoundError:
+                    return  # zarr reports it missing (records say whether that is damage)
+                if not stat.S_ISREG(mode):
+                    raise not_regular(mode, path, "zarr file")
 
         async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            if self.root:
+                self._contain(key)
+            if byte_range is not None and _is_chunk_name(key) and self.records is not None:
+                # a partial fetch would skip the check: fetch the chunk whole, check it, cut the range
+                whole = await self.get(key, prototype, None)
+                return None if whole is None else _byte_range(whole, byte_range)
             data = await self._store.get(key, prototype, byte_range)
+            if self.records is None:
+                return data
             if byte_range is None and _is_chunk_name(key):
                 await self._check(key, data)
             elif byte_range is None and key == ARRAY_METADATA_FILE:
                 await self._check_metadata(data)
             return data
+
+        async def get_partial_values(self, prototype: Any, key_ranges: Any) -> List[Any]:
+            return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+        async def _get_many(self, requests: Any) -> Any:
+            for key, prototype, byte_range in requests:
+                yield key, await self.get(key, prototype, byte_range)
 
         async def _check(self, name: str, data: Any) -> None:
             path = join(self.array_dir, name)
@@ -484,6 +525,20 @@ def _store_wrappers() -> Tuple[type, type]:
                 )
 
     return RecordingStore, CheckingStore
+
+
+def _byte_range(buf: Any, byte_range: Any) -> Any:
+    """The part of a whole fetched ``buf`` a zarr ``ByteRequest`` asks for."""
+    n = len(buf)
+    if hasattr(byte_range, "start") and hasattr(byte_range, "end"):  # RangeByteRequest
+        lo, hi = byte_range.start, byte_range.end
+    elif hasattr(byte_range, "offset"):  # OffsetByteRequest
+        lo, hi = byte_range.offset, n
+    elif hasattr(byte_range, "suffix"):  # SuffixByteRequest
+        lo, hi = max(0, n - byte_range.suffix), n
+    else:
+        raise CorruptCheckpointError(f"unsupported byte range request {byte_range!r}")
+    return buf[lo:hi]
 
 
 def commit_file_records(directory: str, written: Iterable[WrittenItem], durable: bool = True) -> None:
@@ -588,11 +643,12 @@ def read_index(directory: str) -> Dict[str, Any]:
     storage, directory = storage_for(directory)
     path = join(directory, INDEX_FILE)
     try:
-        return json.loads(storage.read_bytes(path))
+        index = load_json(storage.read_in(directory, INDEX_FILE, "zarr index"), path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the zarr checkpoint has no index") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
+    if not isinstance(index, dict):
+        raise CorruptCheckpointError(f"{path} is damaged: it is not a JSON object")
+    return index
 
 
 # --------------------------------------------------------------------------- chunk-aligned writes
@@ -795,6 +851,7 @@ class ZarrReader:
         # None: an index written before records existed; such files are read unchecked
         self.files = _read_file_records(self.index, join(self.directory, INDEX_FILE))
         self.verify_checksums = verify_checksums
+        self._chunk_records: Optional[Dict[str, List[int]]] = None
         self._arrays: Dict[str, Any] = {}
         self._lock = threading.Lock()
         sd_meta: Dict[str, Any] = {}
@@ -827,8 +884,8 @@ class ZarrReader:
                 try:
                     # format pinned: zarr would otherwise also probe for zarr v2 metadata files
                     arr = zarr.open_array(self._open_store(key), mode="r", zarr_format=3)
-                except CorruptCheckpointError:
-                    raise  # from the checking store: names the damaged zarr.json
+                except CheckpointingException:
+                    raise  # from the checking store: names the damaged zarr.json (or a refused path)
                 except Exception as e:  # zarr raises several types for missing/damaged metadata
                     raise CorruptCheckpointError(f"zarr array {path} for {key!r} cannot be opened: {e}") from None
                 problem = _array_mismatch(arr, self.index["tensors"][key])
@@ -841,16 +898,41 @@ class ZarrReader:
             return self._arrays[key]
 
     def _open_store(self, key: str) -> Any:
-        if self.files is None:
-            return _store(self.directory, key, read_only=True)
         files = self.files
         _, CheckingStore = _store_wrappers()
         return CheckingStore(
             _base_store(self.directory, key, read_only=True),
             _array_path(self.directory, key),
-            lambda name: files.get(f"{key}/{name}"),
+            None if files is None else (lambda name: files.get(f"{key}/{name}")),
             self.verify_checksums,
+            self.directory,
+            key,
         )
+
+    def validate_tensor(self, key: str) -> None:
+        """Before allocating a whole ``key``: with file records, its declared shape must match
+        the recorded chunk files (their number and sizes), so a damaged index cannot make a
+        load allocate a tensor the files cannot hold. (Indexes without records: unchecked.)"""
+        if self.files is None:
+            return
+        info = self.index["tensors"][key]
+        shape, chunks = info["shape"], info["chunks"]
+        esize = torch.empty((), dtype=getattr(torch, info["stored_dtype"])).element_size()
+        grid = math.prod(math.ceil(n / c) for n, c in zip(shape, chunks)) if math.prod(shape) else 0
+        per_chunk = math.prod(chunks) * esize
+        if self._chunk_records is None:  # key -> sizes of its recorded chunk files (one pass over the records)
+            self._chunk_records = {}
+            for name, r in self.files.items():
+                head, sep, rest = name.rpartition("/c/") if "/c/" in name else name.rpartition("/c")
+                if sep and _is_chunk_name(sep[1:] + rest):
+                    self._chunk_records.setdefault(head, []).append(r.size)
+        recorded = self._chunk_records.get(key, [])
+        if len(recorded) != grid or any(size != per_chunk for size in recorded):
+            raise CorruptCheckpointError(
+                f"{join(self.directory, INDEX_FILE)} is damaged: tensor {key!r} is declared with shape {shape} "
+                f"in chunks of {chunks} ({grid} chunk files of {per_chunk} bytes), but {len(recorded)} chunk "
+                "files are recorded; nothing was allocated for it"
+            )
 
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
         arr = self.array(key)
@@ -858,7 +940,7 @@ class ZarrReader:
         region = tuple(slice(o, o + s) for o, s in zip(overlap.offsets, overlap.sizes))
         try:
             values = arr[region] if region else arr[...]
-        except CorruptCheckpointError:
+        except CheckpointingException:
             raise  # from the checking store: already names key and chunk file
         except Exception as e:
             raise CorruptCheckpointError(f"reading {overlap} of zarr array {key!r} in {self.directory} failed: {e}") from None
@@ -872,7 +954,7 @@ class ZarrReader:
             raise MismatchError(f"object {storage_key!r} is not in the checkpoint")
         path = object_path(self.directory, storage_key)
         try:
-            data = self.storage.read_bytes(path)
+            data = self.storage.read_in(self.directory, object_file_name(storage_key), "object file", nested=True, source=INDEX_FILE)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"object file {path} of {storage_key!r} is missing (listed in {INDEX_FILE})") from None
         record = self.files.get(object_file_name(storage_key)) if self.files is not None else None
@@ -899,7 +981,7 @@ class ZarrReader:
         path = join(self.directory, name)
         what = "object file" if name == object_file_name(record.key) else "zarr chunk file"
         try:
-            reader = self.storage.open_reader(path)
+            reader = self.storage.open_in(self.directory, name, what, nested=True, source=INDEX_FILE)
         except FileNotFoundError:
             return file_problem(what, path, record, None)
         try:

@@ -1,0 +1,338 @@
+"""Which files of a directory this library wrote, and claiming a directory for one save.
+
+Every save writes its marker ``ckpt_integration.json`` *first*, before any data, holding
+a token unique to that save. The marker says three things:
+
+* the directory's checkpoint files are ours (so a later save may clean up what a killed
+  save left, and ``load`` reports such a directory as an interrupted save, while a
+  complete PyTorch DCP checkpoint - ``.metadata`` and data files, no marker - loads as a
+  foreign checkpoint);
+* which save is writing there: the coordinator compares the token before it commits, so
+  of two jobs saving into one directory at once the second committer fails;
+* locally, the marker is also a lock: the coordinator holds ``flock`` on it for the whole
+  save, so a save never cleans up (or mixes into) the files of a save that is still
+  running; a killed process's lock vanishes with it, so its leftovers are reclaimed.
+  Object stores have no locks: there a new prefix is claimed with a conditional PUT,
+  and a prefix left by an earlier save is taken over (the earlier save, if it is still
+  running, fails at its commit).
+
+What counts as ours (:func:`checkpoint_entry`): ``metadata.json``, ``.metadata``,
+``common.pt``, ``manifest.json``, ``ckpt_integration.json``, ``zarr_index.json``,
+``__<rank>_<i>.distcp``, the temporary names of atomic writes (``<one of those>.tmp-<n>``)
+and the top-level arrays/objects listed in ``zarr_index.json``. Anything else in a target
+directory (a user's ``notes.txt``, a nested checkpoint) makes a save refuse, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Set
+
+from ..errors import SaveConflictError
+from .filesystem import Storage, join, name_problem, storage_for
+from .fs import fsync_dir
+
+logger = logging.getLogger(__name__)
+
+MARKER_FILE = "ckpt_integration.json"  # also checkpoint_dir.WRITER_FILE
+FORMAT_NAME = "ckpt_integration"
+CONFIG_FILE = "metadata.json"
+ZARR_INDEX_FILE = "zarr_index.json"
+KNOWN_FILES = frozenset({CONFIG_FILE, ".metadata", "common.pt", "manifest.json", MARKER_FILE, ZARR_INDEX_FILE})
+_DATA_FILE = re.compile(r"__\d+_\d+\.distcp")
+_TEMP_FILE = re.compile(r"(.+)\.tmp-[0-9-]+")
+
+try:  # pragma: no cover - POSIX only
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+
+# --------------------------------------------------------------------------- what is ours
+def zarr_top_names(storage: Storage, directory: str, names: List[str]) -> Set[str]:
+    """Top-level entries that ``zarr_index.json`` says are arrays or object files of the checkpoint."""
+    if ZARR_INDEX_FILE not in names:
+        return set()
+    try:
+        index = json.loads(storage.read_in(directory, ZARR_INDEX_FILE, "zarr index"))
+        keys = [k for k in index.get("tensors", {})] + [k for k in index.get("objects", [])]
+    except Exception:  # a damaged index names nothing: its arrays then count as foreign
+        return set()
+    tops = set()
+    for k in keys:
+        if isinstance(k, str) and name_problem(k, nested=True) is None:
+            tops.add(k.split("/", 1)[0])
+            if "/" not in k:
+                tops.add(f"{k}.pt")
+    return tops
+
+
+def checkpoint_entry(name: str, zarr_tops: Set[str] = frozenset()) -> bool:
+    """Whether a directory entry is a file a checkpoint of ours (or Megatron-Core's) consists of."""
+    if name in KNOWN_FILES or _DATA_FILE.fullmatch(name) or name in zarr_tops:
+        return True
+    m = _TEMP_FILE.fullmatch(name)
+    return bool(m and m.group(1) in KNOWN_FILES)
+
+
+def classify_entries(directory: str) -> tuple:
+    """``(ours, foreign)`` entry names of ``directory`` (by name, see :func:`checkpoint_entry`)."""
+    storage, directory = storage_for(directory)
+    names = storage.listdir(directory)
+    tops = zarr_top_names(storage, directory, names)
+    ours = [n for n in names if checkpoint_entry(n, tops)]
+    return ours, [n for n in names if n not in ours]
+
+
+def read_marker(directory: str) -> Optional[dict]:
+    """The parsed marker of ``directory`` if it is one of ours, else None (missing, damaged, foreign)."""
+    storage, directory = storage_for(directory)
+    try:
+        raw = json.loads(storage.read_in(directory, MARKER_FILE, "save marker"))
+    except Exception:  # missing, a link out, not a file, damaged, hostile: not a marker of ours
+        return None
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
+
+
+def describe_names(names: List[str], limit: int = 10) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------- locks
+_HELD = "held"
+_UNSUPPORTED = "unsupported"
+
+
+def _try_lock(path: str) -> Any:
+    """An fd of ``path`` with an exclusive flock; ``_HELD`` if another open file holds it;
+    ``_UNSUPPORTED`` where the filesystem has no flock (some network filesystems)."""
+    if fcntl is None:
+        return _UNSUPPORTED
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return _HELD
+    except OSError:
+        os.close(fd)
+        return _UNSUPPORTED
+
+
+def _unlock(fd: int) -> None:
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # also when a forked child still holds a copy of the fd
+    except OSError:
+        pass
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def marker_is_live(directory: str) -> bool:
+    """Local: whether a running save holds the marker of ``directory`` (False without a marker)."""
+    storage, directory = storage_for(directory)
+    if storage.remote:
+        return False
+    fd = _try_lock(join(directory, MARKER_FILE))
+    if isinstance(fd, int):
+        _unlock(fd)
+        return False
+    return fd == _HELD
+
+
+def _marker_bytes(token: str) -> bytes:
+    from .. import __version__
+
+    return json.dumps({"format": FORMAT_NAME, "library_version": __version__, "manifest": "manifest.json",
+                       "save": token, "started": time.time()}).encode()
+
+
+def _write_marker(storage: Storage, directory: str, token: str, replace: bool, durable: bool) -> Optional[int]:
+    """Write this save's marker; locally return an fd holding its lock (taken before it is visible).
+
+    ``replace=False``: the marker must not exist (``FileExistsError`` otherwise), so of two
+    saves claiming a new directory at once exactly one succeeds.
+    """
+    path = join(directory, MARKER_FILE)
+    if storage.remote:
+        storage.write_atomic(path, _marker_bytes(token), durable, exclusive=not replace)
+        return None
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident() % 100000}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass  # no flock here: the token check at commit still catches a second save
+        os.write(fd, _marker_bytes(token))
+        if durable:
+            os.fsync(fd)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.remove(tmp)
+        if durable:
+            fsync_dir(directory)
+    except BaseException:
+        _unlock(fd)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return fd
+
+
+# --------------------------------------------------------------------------- claims
+@dataclass
+class SaveClaim:
+    """One save's hold on its write directory (``write_dir``: the checkpoint or its staging dir).
+
+    Picklable (sent to the other ranks): the lock fds stay with the coordinator.
+    """
+
+    write_dir: str
+    staging: bool
+    token: str
+    fds: List[int] = field(default_factory=list)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "fds": []}
+
+    def owned(self) -> bool:
+        """Whether ``write_dir`` still holds this save's marker (nobody took the directory over)."""
+        storage, d = storage_for(self.write_dir)
+        path = join(d, MARKER_FILE)
+        if not storage.remote and self.fds:
+            try:
+                return os.fstat(self.fds[0]).st_ino == os.stat(path).st_ino
+            except OSError:
+                return False
+        marker = read_marker(d)
+        return bool(marker and marker.get("save") == self.token)
+
+    def check_owned(self, what: str = "commit") -> None:
+        if not self.owned():
+            raise SaveConflictError(
+                f"cannot {what} the save to {self.write_dir}: another save took over the directory while this one "
+                "was writing (two jobs saved to the same path at once); this save is abandoned, the other one decides"
+            )
+
+    def release(self) -> None:
+        for fd in self.fds:
+            _unlock(fd)
+        self.fds = []
+
+
+def claim_new(directory: str, token: str, durable: bool = True) -> SaveClaim:
+    """Claim a directory that is empty or holds only leftovers of dead saves of ours.
+
+    Raises :class:`SaveConflictError` if it holds files this library did not write, or if
+    another save is running there (locally: its marker is locked).
+    """
+    storage, directory = storage_for(directory)
+    storage.makedirs(directory)
+    ours, foreign = classify_entries(directory)
+    if not ours and not foreign:
+        try:
+            fd = _write_marker(storage, directory, token, replace=False, durable=durable)
+        except FileExistsError:
+            raise SaveConflictError(f"cannot save to {directory}: another save started writing there at the same time") from None
+        return SaveClaim(directory, False, token, [fd] if fd is not None else [])
+    marker = read_marker(directory) if MARKER_FILE in ours else None
+    if marker is None:
+        names = foreign + [n for n in ours if n not in foreign]
+        raise SaveConflictError(
+            f"cannot save to {directory}: it holds files this library did not write ({describe_names(sorted(names))}). "
+            "A save never mixes into or deletes such files: they may be another tool's checkpoint (PyTorch DCP, "
+            "Megatron-Core) or an interrupted save of an older version. Remove them, or save to another directory"
+        )
+    if foreign:
+        raise SaveConflictError(
+            f"cannot save to {directory}: besides the files of an interrupted save it holds files this library did "
+            f"not write ({describe_names(sorted(foreign))}); remove them, or save to another directory"
+        )
+    old = None
+    if not storage.remote:
+        old = _try_lock(join(directory, MARKER_FILE))
+        if old == _HELD:
+            raise SaveConflictError(
+                f"cannot save to {directory}: another save is writing there right now (its marker "
+                f"{MARKER_FILE} is locked by a running process, started {_started(marker)})"
+            )
+        if old == _UNSUPPORTED:
+            logger.warning("%s: file locks are not supported here; taking over the leftovers of an earlier save "
+                           "without knowing whether it still runs", directory)
+    else:
+        logger.warning("%s: taking over the files of an earlier save that never committed (object stores cannot "
+                       "tell whether it still runs; if it does, it fails at its commit)", directory)
+    try:
+        logger.warning("removing %d files of an incomplete earlier save in %s", len(ours), directory)
+        for n in ours:
+            if n != MARKER_FILE:
+                storage.remove_any(join(directory, n))
+        fd = _write_marker(storage, directory, token, replace=True, durable=durable)
+    finally:
+        if isinstance(old, int):
+            _unlock(old)
+    return SaveClaim(directory, False, token, [fd] if fd is not None else [])
+
+
+def _started(marker: dict) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(marker.get("started"))))
+    except (TypeError, ValueError, OverflowError):
+        return "at an unknown time"
+
+
+def claim_staging(checkpoint_dir: str, staging: str, token: str, durable: bool = True) -> SaveClaim:
+    """Claim a fresh staging directory for replacing the committed ``checkpoint_dir``.
+
+    Also locks the committed checkpoint's marker (if it has one), so two saves replacing
+    the same checkpoint at once do not both proceed.
+    """
+    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    fds: List[int] = []
+    current = _try_lock(join(checkpoint_dir, MARKER_FILE)) if not storage.remote else None
+    if current == _HELD:
+        raise SaveConflictError(f"cannot save to {checkpoint_dir}: another save is replacing it right now")
+    if isinstance(current, int):
+        fds.append(current)
+    try:
+        os.makedirs(staging)
+        fd = _write_marker(storage, staging, token, replace=False, durable=durable)
+    except BaseException:
+        for f in fds:
+            _unlock(f)
+        raise
+    return SaveClaim(staging, True, token, ([fd] if fd is not None else []) + fds)
+
+
+def staging_is_dead(path: str) -> bool:
+    """Whether an uncommitted ``<dir>.tmp-*`` staging directory belongs to no running save."""
+    fd = _try_lock(join(path, MARKER_FILE))
+    if isinstance(fd, int):
+        _unlock(fd)
+        return True
+    return fd is None  # no marker: killed before it wrote one (or an older version's)
+
+
+def library_entries(directory: str) -> List[str]:
+    """The entries of ``directory`` that are checkpoint files (for cleaning up a failed save)."""
+    return classify_entries(directory)[0]

@@ -1,0 +1,356 @@
+"""Reading a region of one stored tensor chunk: verified, each byte read once, bounded buffers.
+
+A stored chunk is a row-major array of ``shape`` at byte ``data_start`` of its item; a request
+is the box ``starts``/``lens`` of it. The bytes that must be read are those of the *blocks*
+the request touches (block CRC32s recorded at save, see ``checksum.py``): a ranged read
+reads and checks only those, a strided read that touches every block reads the covering
+span once. Without block records (checkpoints saved before them) the item is one block,
+checked whole, and without checksums (foreign checkpoints, ``verify_checksums=False``) only
+the requested runs are read (gaps below ``GAP_READ`` read through).
+
+How the bytes get into ``out``:
+
+* **direct**: the request is one contiguous run and ``out`` has the stored dtype:
+  ``preadv`` places the run straight into ``out`` - as one buffer if ``out`` is contiguous,
+  or as one buffer per row of ``out`` if its rows are contiguous and at least
+  ``SCATTER_MIN`` long (e.g. a row split loaded into column slices of the destination).
+  Bytes of partly needed blocks go to a small scratch buffer, only to be checksummed;
+* **window**: anything else (strided requests such as a column slice of a row-major chunk,
+  short rows, a different ``out`` dtype): pieces of at most ``PIECE`` bytes go into a
+  per-thread scratch buffer and the request's rows are copied (and cast) out of it with one
+  strided ``copy_`` per piece, while the piece is still in cache.
+
+Either way the bytes are read in pieces in file order, each piece is checksummed right
+after it was read (cache-hot; zlib-ng releases the GIL, so threads reading other chunks
+proceed meanwhile), a block's CRC32 runs across pieces, and a mismatch raises
+:class:`CorruptCheckpointError` naming the file, the byte range and the tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError
+from .checksum import crc32
+from .fs import tensor_buffer
+
+# Bytes read (and checksummed) per step: small enough to stay in cache between the read,
+# the checksum and the copy out of the scratch buffer (window reads) ...
+PIECE = 8 << 20
+# ... and for reads straight into the destination, where the checksum reads what was just
+# written there: a few blocks, so they are still in the core's cache.
+DIRECT_PIECE = 2 << 20
+# Without checksums, gaps between runs below this are read rather than skipped: a read call
+# per run (and its bookkeeping) costs more than copying a few pages.
+GAP_READ = 16 << 10
+# Room in the reused scratch buffers beyond a piece: the touched blocks' bytes around it.
+SLACK = 4 << 20
+
+_scratch = threading.local()
+
+
+def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
+    """A uint8 buffer of at least ``nbytes``: reused per thread (``which``: 0 for windows,
+    1 for the head/tail bytes of direct reads) up to ``PIECE + SLACK`` bytes (a piece plus
+    the parts of blocks around it).
+
+    Larger (rare: blocks larger than usual, or gaps inside a row) is a fresh allocation,
+    whose pages never read into stay untouched and cost no memory.
+    """
+    if nbytes > PIECE + SLACK:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = [None, None]
+    if bufs[which] is None:
+        bufs[which] = torch.empty(PIECE + SLACK, dtype=torch.uint8)
+    return bufs[which]
+
+
+@dataclass
+class Blocks:
+    """Checksummed blocks of one item: ``bounds`` (item-relative, len m+1) and ``crcs`` (len m)."""
+
+    bounds: np.ndarray
+    crcs: Any
+
+    def index(self, pos: int) -> int:
+        return int(np.searchsorted(self.bounds, pos, side="right")) - 1
+
+
+class _Checker:
+    """Running CRC32 of the blocks, fed with consecutive byte segments in file order."""
+
+    def __init__(self, blocks: Blocks, path: str, base: int, what: str):
+        self.blocks, self.path, self.base, self.what = blocks, path, base, what
+        self.block = -1  # block being accumulated
+        self.pos = 0  # next expected item-relative byte
+        self.crc = 0
+
+    def feed(self, pos: int, data: memoryview) -> None:
+        bounds = self.blocks.bounds
+        n = len(data)
+        i = 0
+        while i < n:
+            p = pos + i
+            if self.block < 0 or p != self.pos:
+                b = self.blocks.index(p)
+                if self.block >= 0 and self.pos < bounds[self.block + 1]:
+                    raise AssertionError("internal error: a checksummed block was not read whole")
+                if p != bounds[b]:
+                    raise AssertionError("internal error: a checksummed block was read from its middle")
+                self.block, self.crc = b, 0
+            end = int(bounds[self.block + 1])
+            take = min(n - i, end - p)
+            self.crc = crc32(data[i : i + take], self.crc)
+            i += take
+            self.pos = p + take
+            if self.pos == end:
+                self._check(self.block, self.crc)
+                self.block, self.crc = -1, 0
+
+    def feed_views(self, pos: int, views: Sequence[memoryview]) -> None:
+        """:meth:`feed` for views of consecutive bytes starting at ``pos``: a tight loop for
+        the common case (a view inside the block being accumulated), the general path else."""
+        bounds = self.blocks.bounds
+        q = pos  # file position of the current view
+        block, crc, end = self.block, self.crc, (int(bounds[self.block + 1]) if self.block >= 0 else -1)
+        for v in views:
+            n = len(v)
+            if block >= 0 and q == self.pos and q + n < end:
+                crc = crc32(v, crc)
+                q += n
+                self.pos = q
+                continue
+            self.block, self.crc = block, crc
+            self.feed(q, v)  # starts or ends a block
+            q += n
+            block, crc = self.block, self.crc
+            end = int(bounds[block + 1]) if block >= 0 else -1
+        self.block, self.crc = block, crc
+
+    def _check(self, b: int, crc: int) -> None:
+        expected = int(self.blocks.crcs[b])
+        if crc != expected:
+            lo, hi = int(self.blocks.bounds[b]), int(self.blocks.bounds[b + 1])
+            raise CorruptCheckpointError(
+                f"{self.path}: checksum mismatch for {self.what} (bytes [{self.base + lo}, {self.base + hi}) "
+                f"of the file: CRC32 {crc:#010x}, recorded at save time {expected:#010x}): the file is damaged"
+            )
+
+    def finish(self) -> None:
+        if self.block >= 0:
+            raise AssertionError("internal error: the last checksummed block was not read whole")
+
+
+def _merge(lo: np.ndarray, hi: np.ndarray, gap: int) -> List[Tuple[int, int]]:
+    """Sorted intervals ``[lo, hi)`` merged where they overlap or are less than ``gap`` apart
+    (``gap=1``: also where they touch)."""
+    if len(lo) == 0:
+        return []
+    reach = np.maximum.accumulate(hi)
+    new = np.empty(len(lo), dtype=bool)
+    new[0] = True
+    new[1:] = lo[1:] >= reach[:-1] + gap
+    starts = lo[new]
+    ends_idx = np.append(np.nonzero(new)[0][1:] - 1, len(lo) - 1)
+    return list(zip(starts.tolist(), reach[ends_idx].tolist()))
+
+
+def _touched(run_lo: np.ndarray, run_hi: np.ndarray, blocks: Optional[Blocks]) -> List[Tuple[int, int]]:
+    """Byte ranges to read for runs ``[run_lo, run_hi)``: their whole blocks (or the runs)."""
+    if blocks is None:
+        return _merge(run_lo, run_hi, GAP_READ)
+    b = blocks.bounds
+    first = np.searchsorted(b, run_lo, side="right") - 1
+    last = np.searchsorted(b, run_hi - 1, side="right") - 1
+    return [(int(b[s]), int(b[e])) for s, e in _merge(first, last + 1, 1)]
+
+
+def read_region(
+    reader: Any,
+    path: str,
+    base: int,
+    data_start: int,
+    shape: Sequence[int],
+    starts: Sequence[int],
+    lens: Sequence[int],
+    out: torch.Tensor,
+    dtype: torch.dtype,
+    blocks: Optional[Blocks],
+    what: str,
+) -> None:
+    """Copy the box ``starts``/``lens`` of the chunk ``shape`` (stored as ``dtype`` at
+    item-relative byte ``data_start``; the item starts at file offset ``base``) into ``out``.
+
+    ``blocks``: the item's checksummed blocks (every byte read is verified), or None.
+    """
+    esize = torch.empty((), dtype=dtype).element_size()
+    ndim = len(shape)
+    numel = math.prod(lens)
+    if numel == 0:
+        return
+    strides = [1] * ndim
+    for a in range(ndim - 2, -1, -1):
+        strides[a] = strides[a + 1] * shape[a + 1]
+    bstrides = [s * esize for s in strides]
+    first = data_start + sum(s * st for s, st in zip(starts, bstrides))
+    # k: first axis from which the request is one contiguous run per index of the axes before it
+    k = ndim
+    while k > 0 and (k == ndim or (starts[k] == 0 and lens[k] == shape[k])):
+        k -= 1
+    checker = _Checker(blocks, path, base, what) if blocks is not None else None
+    direct = k == 0 and out.dtype == dtype and out.device.type == "cpu"
+    if direct and out.is_contiguous():
+        _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker)
+    elif direct and (layout := _scatter_layout(out, list(lens), esize)) is not None:
+        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, layout[1], layout[2])
+    else:
+        _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker)
+    if checker is not None:
+        checker.finish()
+
+
+# A contiguous request into a non-contiguous ``out`` is read straight into out's rows when they
+# are at least this long (below, the per-row bookkeeping costs more than a copy via scratch).
+SCATTER_MIN = 16 << 10
+
+
+def _scatter_layout(out: torch.Tensor, lens: List[int], esize: int) -> Optional[Tuple[memoryview, np.ndarray, int]]:
+    """For ``out`` whose innermost axes are contiguous: a byte view spanning ``out``, the byte
+    offsets of its contiguous segments in row-major order, and the segment length."""
+    st = out.stride()
+    j, expect = len(lens), 1
+    while j > 0 and (lens[j - 1] == 1 or st[j - 1] == expect):
+        expect *= lens[j - 1]
+        j -= 1
+    seg = math.prod(lens[j:])
+    if seg * esize < SCATTER_MIN:
+        return None
+    offs = np.zeros(1, dtype=np.int64)
+    for a in range(j):
+        offs = (offs[:, None] + np.arange(lens[a], dtype=np.int64) * st[a]).reshape(-1)
+    span = torch.as_strided(out.detach(), (int(offs.max()) + seg,), (1,))
+    return tensor_buffer(span), offs * esize, seg * esize
+
+
+def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, seg_offsets=None, seg_bytes=0) -> None:
+    """The request is bytes ``[lo, lo + nbytes)``: read them into ``dest`` (contiguous, or the
+    segments at ``seg_offsets`` of ``seg_bytes`` each), the rest of the touched blocks into
+    scratch (for the checksum only), piece by piece."""
+    hi = lo + nbytes
+    ranges = _touched(np.array([lo]), np.array([hi]), blocks)
+    for r_lo, r_hi in ranges:
+        pos = r_lo
+        while pos < r_hi:
+            end = min(r_hi, pos + DIRECT_PIECE)
+            segs: List[Tuple[int, memoryview]] = []
+            head = max(0, min(end, lo) - pos)  # bytes of the first block before the request
+            tail = max(0, end - max(pos, hi))  # bytes of the last block after it
+            scratch = tensor_buffer(_scratch_buffer(head + tail, 1)) if head + tail else None
+            if head:
+                segs.append((pos, scratch[:head]))
+            if end > lo and pos < hi:
+                a, b = max(pos, lo), min(end, hi)
+                if seg_offsets is None:
+                    segs.append((a, dest[a - lo : b - lo]))
+                else:
+                    segs.extend(_dest_segments(dest, seg_offsets, seg_bytes, a - lo, b - lo, lo))
+            if tail:
+                segs.append((end - tail, scratch[head : head + tail]))
+            views = [v for _, v in segs]
+            reader.readv(views, base + pos)
+            if checker is not None:
+                checker.feed_views(pos, views)
+            pos = end
+
+
+def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: int, lo: int) -> List[Tuple[int, memoryview]]:
+    """(file position, destination view) for request bytes ``[a, b)`` spread over segments."""
+    out = []
+    s0, s1 = a // seg, -(-b // seg)  # segments touched
+    if a != s0 * seg:  # a partial first segment
+        start = int(offsets[s0]) + a - s0 * seg
+        take = min(b, (s0 + 1) * seg) - a
+        out.append((lo + a, dest[start : start + take]))
+        s0 += 1
+    last_partial = b != s1 * seg and s1 - 1 >= s0
+    full_end = s1 - 1 if last_partial else s1
+    out.extend((lo + s * seg, dest[o : o + seg]) for s, o in zip(range(s0, full_end), offsets[s0:full_end].tolist()))
+    if last_partial:
+        o = int(offsets[s1 - 1])
+        out.append((lo + (s1 - 1) * seg, dest[o : o + b - (s1 - 1) * seg]))
+    return out
+
+
+def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker) -> None:
+    """Strided requests and indirect destinations: pieces through a scratch buffer, rows copied out.
+
+    Rows are the indices of axis ``r``, the outermost axis one index of which spans at most a
+    piece; each piece is a group of consecutive rows. A block that holds the end of one
+    piece and the start of the next is read in two parts, each in its piece, its CRC32
+    running across both: every byte is read and checked once.
+    """
+    ndim = len(lens)
+    if ndim == 0:
+        lens, bstrides, k = [1], [esize], 0
+        out = out.reshape(1)
+        ndim = 1
+    # span[a]: bytes from the first to the last byte of the request at one index of axis a
+    span = [0] * ndim
+    inner = esize
+    for a in range(ndim - 1, -1, -1):
+        span[a] = inner
+        inner += (lens[a] - 1) * bstrides[a]
+    r = next(a for a in range(ndim) if span[a] <= PIECE)
+    # byte offsets of a row's contiguous runs, relative to the row start
+    if k <= r:  # the axes below r are whole: the row is one run
+        row_runs, run_len = np.zeros(1, dtype=np.int64), span[r]
+    else:
+        run_len = lens[k] * bstrides[k]
+        axes = [np.arange(lens[a], dtype=np.int64) * bstrides[a] for a in range(r + 1, k)]
+        row_runs = np.zeros(1, dtype=np.int64)
+        for off in axes:
+            row_runs = (row_runs[:, None] + off[None, :]).reshape(-1)
+    row_step = bstrides[r]
+    rows_per_piece = max(1, (PIECE - span[r]) // max(1, row_step) + 1)
+    src_strides = [s // esize for s in bstrides[r:]]
+    pieces = []  # (destination, first row, end row, file offset of the first row)
+    for outer in itertools.product(*[range(n) for n in lens[:r]]):
+        o_start = first + sum(i * bstrides[a] for a, i in enumerate(outer))
+        dest = out[outer] if outer else out
+        for i0 in range(0, lens[r], rows_per_piece):
+            pieces.append((dest, i0, min(lens[r], i0 + rows_per_piece), o_start + i0 * row_step))
+    done_hi = 0  # file bytes below this were read (and checked) by earlier pieces
+    for j, (dest, i0, i1, start) in enumerate(pieces):
+        row_lo = start + np.arange(i1 - i0, dtype=np.int64) * row_step
+        run_lo = (row_lo[:, None] + row_runs[None, :]).reshape(-1)
+        # read up to where the next piece's rows begin: the rest of a block they share is
+        # read there, so every byte is read (and checksummed) once, in file order
+        stop = pieces[j + 1][3] if j + 1 < len(pieces) else None
+        ranges = [
+            (max(a, done_hi), b if stop is None else min(b, stop))
+            for a, b in _touched(run_lo, run_lo + run_len, blocks)
+            if b > done_hi and (stop is None or a < stop)
+        ]
+        w_lo = min(start, ranges[0][0])
+        w_hi = max(ranges[-1][1], int(row_lo[-1]) + span[r])
+        pad = (w_lo - first) % esize
+        buf = _scratch_buffer(w_hi - w_lo + pad)
+        mv = tensor_buffer(buf)
+        for a, b in ranges:
+            seg = mv[pad + a - w_lo : pad + b - w_lo]
+            reader.readv([seg], base + a)
+            if checker is not None:
+                checker.feed(a, seg)
+        done_hi = ranges[-1][1]
+        typed = buf[: (buf.numel() // esize) * esize].view(dtype)
+        src = torch.as_strided(typed, [i1 - i0, *lens[r + 1 :]], src_strides, (pad + start - w_lo) // esize)
+        dest[i0:i1].copy_(src)

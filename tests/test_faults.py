@@ -1,0 +1,563 @@
+"""Fault injection: real checkpoints, damaged in every way the fault campaign found.
+
+Each test damages checkpoints written by ``save`` (flips, truncations, swaps between
+checkpoints of the same layout, absolute/``..`` paths, links, FIFOs, hostile JSON and
+shapes, key collisions, concurrent saves, a full disk) and asserts a clear library error
+(a ``CheckpointingException`` subclass naming the file/key), nothing wrong returned, and
+earlier checkpoints intact. Data tensors are a few hundred KiB with the checksum block size
+lowered to 16 KiB, so ranged reads cross many blocks quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zlib
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import (
+    CheckpointingException,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    SaveConflictError,
+    ShardedObject,
+    ShardedTensor,
+    ShardingIntegrityError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckpt_integration.storage import torch_dist as td
+from tests.dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS, COLS = 256, 192  # 192 KiB of float32: 12 checksum blocks of 16 KiB
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(td, "BLOCK_SIZE", 16 << 10)
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _save(d, seed: int = 0, **kw) -> torch.Tensor:
+    w = _full(seed)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", w.clone()), "o": ShardedObject("o", {"seed": seed}, (1,), (0,)),
+             "step": seed}, str(d), thread_count=1, **kw)
+    return w
+
+
+def _load_box(d, rows: slice, cols: slice, **kw) -> torch.Tensor:
+    """Load a part of ``w`` (a resharded request: rows and/or columns of the saved chunk)."""
+    r0, r1 = rows.start or 0, rows.stop or ROWS
+    c0, c1 = cols.start or 0, cols.stop or COLS
+    out = torch.full((r1 - r0, c1 - c0), float("nan"))
+    ci.load({"w": ShardedTensor.from_global_offsets("w", out, (ROWS, COLS), (r0, c0))}, str(d),
+            validate_access_integrity=False, **kw)
+    return out
+
+
+REQUESTS = {  # every kind of partial request: columns (strided), row ranges (direct), a small box
+    "columns": (slice(None), slice(64, 128)),
+    "rows": (slice(100, 200), slice(None)),
+    "box": (slice(120, 140), slice(10, 20)),
+}
+
+
+def _data_file(d) -> str:
+    return os.path.join(str(d), "__0_0.distcp")
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _w_item(d):
+    with open(os.path.join(str(d), ".metadata"), "rb") as f:
+        md = pickle.load(f)  # our own, freshly written checkpoint
+    return next(v for k, v in md.storage_data.items() if k.fqn == "w")
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int):
+    """Fail instead of hanging (a FIFO opened for reading blocks until a writer appears)."""
+    def expired(*_):
+        raise TimeoutError(f"blocked for more than {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# =========================================================================== silent wrong data
+def test_damaged_data_is_never_returned_by_partial_reads(tmp_path):
+    """Flips (archive header, first/middle/last data rows, archive trailer), truncation and a swap
+    with the same file of another checkpoint of the same layout: a partial request either raises
+    CorruptCheckpointError naming the file or returns exactly the saved values (it read no
+    damaged byte); requests that read the damaged block always raise."""
+    good = tmp_path / "good"
+    want = _save(good, seed=1)
+    other = tmp_path / "other"
+    _save(other, seed=2)  # same layout, other values
+    item = _w_item(good)
+    row = lambda r, c=0: item.offset + 1024 + (r * COLS + c) * 4  # noqa: E731 - a data byte (header < 1 KiB)
+    damages = {  # damage -> the requests that must raise
+        "flip_header": (lambda d: _flip(_data_file(d), item.offset + 100), set(REQUESTS)),
+        "flip_first_rows": (lambda d: _flip(_data_file(d), row(2)), {"columns"}),
+        "flip_middle": (lambda d: _flip(_data_file(d), row(130, 15)), set(REQUESTS)),
+        "flip_last_rows": (lambda d: _flip(_data_file(d), row(ROWS - 2, 100)), {"columns"}),
+        "flip_trailer": (lambda d: _flip(_data_file(d), item.offset + item.length - 100), set(REQUESTS)),
+        "truncate": (lambda d: os.truncate(_data_file(d), item.offset + item.length - 5000), set(REQUESTS)),
+        "swap": (lambda d: shutil.copy(_data_file(other), _data_file(d)), set(REQUESTS)),
+    }
+    for name, (damage, must_raise) in damages.items():
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        damage(d)
+        for req, (rows, cols) in REQUESTS.items():
+            try:
+                got = _load_box(d, rows, cols)
+            except CorruptCheckpointError as e:
+                assert "__0_0.distcp" in str(e), (name, req, str(e))
+                continue
+            assert req not in must_raise, f"{name}: request {req!r} read damaged bytes without an error"
+            assert torch.equal(got, want[rows, cols]), f"{name}: request {req!r} returned wrong values"
+        with pytest.raises(CorruptCheckpointError):
+            ci.load_plain_tensors(str(d))
+    assert torch.equal(_load_box(good, slice(None), slice(64, 128)), want[:, 64:128])  # the original is intact
+
+
+def test_every_partial_read_is_checked_on_memory_urls():
+    import fsspec
+
+    url = f"memory://faults-{os.getpid()}-{time.time_ns()}/ckpt"
+    want = _save(url, seed=3)
+    assert torch.equal(_load_box(url, slice(None), slice(64, 128)), want[:, 64:128])
+    fs = fsspec.filesystem("memory")
+    path = url + "/__0_0.distcp"
+    raw = bytearray(fs.cat_file(path))
+    raw[_w_item_remote(url).offset + 1024 + (130 * COLS + 15) * 4] ^= 0x10  # inside every request
+    fs.pipe_file(path, bytes(raw))
+    for rows, cols in REQUESTS.values():
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            _load_box(url, rows, cols)
+
+
+def _w_item_remote(url):
+    from ckpt_integration.storage.torch_dist import read_dcp_metadata
+
+    md = read_dcp_metadata(url)
+    return next(v for k, v in md.storage_data.items() if k.fqn == "w")
+
+
+def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path):
+    """Manifest format 1 (whole-item CRC32s only, as written before block checksums): partial
+    reads read and check the whole item, and still load what an undamaged one holds."""
+    d = tmp_path / "old"
+    want = _save(d, seed=4)
+    man = json.loads((d / "manifest.json").read_text())
+    man.pop("blocks", None), man.pop("save", None)
+    man["version"] = 1
+    (d / "manifest.json").write_text(json.dumps(man))
+    for rows, cols in REQUESTS.values():
+        assert torch.equal(_load_box(d, rows, cols), want[rows, cols])
+    _flip(_data_file(d), _w_item(d).offset + 1024 + 3 * COLS * 4)  # far from every request
+    for rows, cols in REQUESTS.values():
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            _load_box(d, rows, cols)
+
+
+def test_deleted_manifest_is_damage_not_a_foreign_checkpoint(tmp_path):
+    d = tmp_path / "c"
+    _save(d)
+    os.remove(d / "manifest.json")
+    with pytest.raises(CorruptCheckpointError, match="manifest.json is missing"):
+        _load_box(d, slice(None), slice(0, 10))
+
+
+def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
+    """A complete checkpoint of torch.distributed.checkpoint.save (no metadata.json): its tensors
+    load, with a note that nothing is checked; a DCP save that never finished is incomplete."""
+    import torch.distributed.checkpoint as dcp
+
+    want = _full(5)
+    d = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": want.clone()}, checkpoint_id=str(d))
+    with caplog.at_level("WARNING"):
+        out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
+    assert torch.equal(out["w"], want)
+    assert any("no checksums" in r.getMessage() for r in caplog.records)
+    assert torch.equal(ci.load_plain_tensors(str(d))["w"], want)
+    os.remove(d / ".metadata")  # DCP writes .metadata last: without it the save did not finish
+    with pytest.raises(IncompleteCheckpointError, match="incomplete"):
+        ci.load_plain_tensors(str(d))
+    # our own interrupted saves stay interrupted (the marker tells them apart)
+    ours = tmp_path / "ours"
+    _save(ours)
+    os.remove(ours / "metadata.json")
+    with pytest.raises(IncompleteCheckpointError):
+        ci.load_plain_tensors(str(ours))
+
+
+# =========================================================================== containment
+def _rewrite_metadata(d, edit) -> None:
+    """Edit ``.metadata`` and record the new bytes in the manifest: a consistently crafted checkpoint."""
+    path = os.path.join(str(d), ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    edit(md)
+    data = pickle.dumps(md)
+    with open(path, "wb") as f:
+        f.write(data)
+    man_path = os.path.join(str(d), "manifest.json")
+    man = json.loads(open(man_path).read())
+    man["files"][".metadata"] = {"size": len(data), "crc32": zlib.crc32(data)}
+    open(man_path, "w").write(json.dumps(man))
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.distcp", "sub/__0_0.distcp"])
+def test_data_file_names_outside_the_checkpoint_are_refused(tmp_path, name):
+    outside = tmp_path / "outside.distcp"
+    d = tmp_path / "sub" / "c"
+    d.mkdir(parents=True)
+    shutil.rmtree(d)
+    _save(d)
+    shutil.copy(_data_file(d), outside)  # a readable copy outside: it must not be read
+    target = str(outside) if name == "ABSOLUTE" else name
+
+    def edit(md):
+        for k, v in list(md.storage_data.items()):
+            md.storage_data[k] = type(v)(target, v.offset, v.length)
+
+    _rewrite_metadata(d, edit)
+    for call in (lambda: _load_box(d, slice(None), slice(0, 10)), lambda: ci.load_plain_tensors(str(d)),
+                 lambda: ci.load({"o": ShardedObject("o", None, (1,), (0,))}, str(d))):
+        with pytest.raises(UnsafeCheckpointError, match="only name files inside"):
+            call()
+
+
+def test_links_leading_outside_are_refused_unless_allowed(tmp_path, monkeypatch):
+    d = tmp_path / "c"
+    want = _save(d, seed=6)
+    store = tmp_path / "dedup"
+    store.mkdir()
+    for name in ("__0_0.distcp", "common.pt", ".metadata"):
+        shutil.move(str(d / name), str(store / name))
+        os.symlink(store / name, d / name)
+        with pytest.raises(UnsafeCheckpointError, match="symbolic link leading outside"):
+            ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
+    monkeypatch.setenv("CKPT_INTEGRATION_ALLOW_SYMLINKS", "1")  # documented opt-in (deduplicated storage)
+    out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
+    assert torch.equal(out["w"], want) and out["step"] == 6
+    monkeypatch.delenv("CKPT_INTEGRATION_ALLOW_SYMLINKS")
+    # a link inside the checkpoint to a file inside it is fine; a link to the checkpoint too
+    inner = tmp_path / "c2"
+    _save(inner, seed=7)
+    os.rename(inner / "common.pt", inner / "common.real")
+    os.symlink("common.real", inner / "common.pt")
+    os.symlink(inner, tmp_path / "latest")
+    assert ci.load_common_state_dict(str(tmp_path / "latest"))["step"] == 7
+
+
+@pytest.mark.parametrize("name", ["common.pt", ".metadata", "__0_0.distcp", "manifest.json", "metadata.json"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_special_files_give_an_error_not_a_hang(tmp_path, name, kind):
+    d = tmp_path / "c"
+    _save(d)
+    os.remove(d / name)
+    os.mkfifo(d / name) if kind == "fifo" else os.mkdir(d / name)
+    with _deadline(20), pytest.raises(CheckpointingException, match="not a regular file|is a directory"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
+
+
+def test_zarr_chunk_files_are_contained(tmp_path):
+    d = tmp_path / "z"
+    w = _full(8)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, str(d), sharded_strategy="zarr")
+    chunk = next(os.path.join(r, f) for r, _, fs in os.walk(d / "w" / "c") for f in fs)
+    outside = tmp_path / "elsewhere"
+    shutil.move(chunk, outside)
+    os.symlink(outside, chunk)
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link leading outside"):
+        ci.load_plain_tensors(str(d))
+    os.remove(chunk)
+    os.mkfifo(chunk)
+    with _deadline(20), pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        ci.load_plain_tensors(str(d))
+
+
+# =========================================================================== hostile metadata
+@pytest.mark.parametrize("name", ["metadata.json", "manifest.json"])
+def test_deeply_nested_json_is_corruption(tmp_path, name):
+    d = tmp_path / "c"
+    _save(d)
+    (d / name).write_text("[" * 200000 + "]" * 200000)
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
+
+
+def test_deeply_nested_save_marker_is_not_ours(tmp_path):
+    """The marker is parsed only by saves: a hostile one makes the directory foreign (refused)."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "ckpt_integration.json").write_text("[" * 200000 + "]" * 200000)
+    (d / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(SaveConflictError, match="did not write"):
+        _save(d)
+    assert sorted(os.listdir(d)) == ["__0_0.distcp", "ckpt_integration.json"]
+
+
+def test_deeply_nested_zarr_index_is_corruption(tmp_path):
+    d = tmp_path / "z"
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(d), sharded_strategy="zarr")
+    (d / "zarr_index.json").write_text('{"tensors": ' + "[" * 200000 + "]" * 200000 + "}")
+    with pytest.raises(CorruptCheckpointError):
+        ci.load_plain_tensors(str(d))
+
+
+def test_declared_shape_larger_than_the_chunks_is_refused_before_allocating(tmp_path):
+    d = tmp_path / "c"
+    _save(d)
+
+    def edit(md):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        meta = md.state_dict_metadata["w"]
+        meta.size = torch.Size([10**6, 10**6])  # 10^12 elements: 4 TB
+        meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([10**6, 10**6]))]
+
+    _rewrite_metadata(d, edit)
+    with pytest.raises(CorruptCheckpointError, match="elements"):
+        ci.load_plain_tensors(str(d))
+    # zarr: the declared shape must match the recorded chunk files
+    z = tmp_path / "z"
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, str(z), sharded_strategy="zarr")
+    index = json.loads((z / "zarr_index.json").read_text())
+    index["tensors"]["w"]["shape"] = [10**12]
+    (z / "zarr_index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="chunk files"):
+        ci.load_plain_tensors(str(z))
+
+
+# =========================================================================== save-time refusals
+def test_tensor_key_equal_to_an_object_storage_key_is_refused(tmp_path):
+    d = tmp_path / "c"
+    sd = {"t": ShardedTensor.from_rank_offsets("x/shard_0_1", torch.ones(3)), "o": ShardedObject("x", {"a": 1}, (1,), (0,))}
+    with pytest.raises(ShardingIntegrityError, match="x/shard_0_1"):
+        ci.save(sd, str(d))
+    assert not d.exists() or os.listdir(d) == []
+
+
+def test_meta_device_tensor_is_refused_before_anything_is_written(tmp_path):
+    d = tmp_path / "c"
+    with pytest.raises(CheckpointingException, match="'meta_w'.*meta device"):
+        ci.save({"w": ShardedTensor.from_rank_offsets("meta_w", torch.empty(4, 4, device="meta"))}, str(d))
+    assert not d.exists()
+
+
+def test_files_the_library_did_not_write_are_never_adopted(tmp_path):
+    # a first save into a directory with foreign files
+    d = tmp_path / "new"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    with pytest.raises(SaveConflictError, match="notes.txt"):
+        _save(d)
+    assert os.listdir(d) == ["notes.txt"]
+    # overwrite=True of a checkpoint that holds foreign files: refused, nothing deleted
+    c = tmp_path / "c"
+    want = _save(c, seed=9)
+    (c / "notes.txt").write_text("mine")
+    (c / "nested").mkdir()
+    with pytest.raises(SaveConflictError, match="notes.txt.*nested|nested.*notes.txt"):
+        _save(c, seed=10, overwrite=True)
+    assert (c / "notes.txt").read_text() == "mine" and (c / "nested").is_dir()
+    assert torch.equal(ci.load_plain_tensors(str(c))["w"], want)
+    # a plain DCP checkpoint (no marker, our file names) is not adopted either
+    import torch.distributed.checkpoint as dcp
+
+    p = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=str(p))
+    with pytest.raises(SaveConflictError, match="did not write"):
+        _save(p)
+    assert torch.equal(ci.load_plain_tensors(str(p))["w"], torch.ones(3))
+
+
+HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import torch
+    import ckpt_integration as ci
+    from ckpt_integration.execution import save as save_mod
+    path, ready, go = sys.argv[1:4]
+    real = save_mod.write_data_files
+    def paused(*a, **k):
+        open(ready, "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        return real(*a, **k)
+    save_mod.write_data_files = paused
+    ci.save({{"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((8, 8), 1.0))}}, path)
+    print("committed")
+    """
+)
+
+
+def test_two_jobs_saving_into_one_directory(tmp_path):
+    """Job A is writing into a new directory; job B saving there at the same time fails and
+    touches nothing; A commits its own checkpoint. On object stores (no locks) the second
+    claim of a new prefix fails too."""
+    d, ready, go = tmp_path / "c", tmp_path / "ready", tmp_path / "go"
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER.format(root=ROOT))
+    proc = subprocess.Popen([sys.executable, str(script), str(d), str(ready), str(go)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.05)
+        for overwrite in (False, True):
+            with pytest.raises(SaveConflictError, match="another save"):
+                ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((8, 8), 2.0))}, str(d), overwrite=overwrite)
+        go.touch()
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "committed" in out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert torch.equal(ci.load_plain_tensors(str(d))["w"], torch.full((8, 8), 1.0))
+    # memory://: the marker is created with a conditional write, so of two saves that both saw
+    # the new prefix empty, the second to claim it fails
+    from ckpt_integration.storage import claim
+
+    url = f"memory://faults-{os.getpid()}-{time.time_ns()}/c"
+    first = claim.claim_new(url, "job-a")
+    real = claim.classify_entries
+    claim.classify_entries = lambda directory: ([], [])  # job B listed the prefix before A's marker appeared
+    try:
+        with pytest.raises(SaveConflictError, match="at the same time"):
+            claim.claim_new(url, "job-b")
+    finally:
+        claim.classify_entries = real
+    assert first.owned()
+
+
+ENOSPC_CHILD = textwrap.dedent(
+    """
+    import json, os, resource, signal, sys
+    sys.path.insert(0, {root!r})
+    import torch
+    import ckpt_integration as ci
+    root, how = sys.argv[1], sys.argv[2]
+    small = {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(1000.0)), "step": 1}}
+    ci.save(small, os.path.join(root, "first"))
+    if how == "fsize":  # no private mount: the per-process file size limit stands in for a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    big = {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4 << 20)), "step": 2}}
+    out = {{}}
+    for name, kw in (("second", {{}}), ("first", {{"overwrite": True}})):
+        try:
+            ci.save(big, os.path.join(root, name), **kw)
+            out[name] = ["saved", ""]
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e)]
+    first = ci.load({{"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(1000))}}, os.path.join(root, "first"))
+    out["first_intact"] = bool(torch.equal(first["w"], torch.arange(1000.0)) and first["step"] == 1)
+    out["second_committed"] = os.path.exists(os.path.join(root, "second", "metadata.json"))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_disk_full_during_save(tmp_path):
+    """A full filesystem (a 6 MiB tmpfs in a private mount namespace; else RLIMIT_FSIZE):
+    CheckpointWriteError 'no space left on device while writing <file>', nothing committed,
+    the earlier checkpoint intact (also after a failed overwrite=True)."""
+    script = tmp_path / "child.py"
+    script.write_text(ENOSPC_CHILD.format(root=ROOT))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = f"mount -t tmpfs -o size=6m tmpfs {mnt} && exec {sys.executable} {script} {mnt} tmpfs"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=180) \
+        if shutil.which("unshare") else None
+    if proc is None or (proc.returncode != 0 and "mount" in proc.stderr):
+        proc = subprocess.run([sys.executable, str(script), str(mnt), "fsize"], capture_output=True, text=True,
+                              cwd=ROOT, timeout=180)
+        reason = "file too large"
+    else:
+        reason = "no space left on device"
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("second", "first"):
+        typ, msg = res[name]
+        assert typ == CheckpointWriteError.__name__ and f"{reason} while writing" in msg and str(mnt) in msg, (name, typ, msg)
+    assert res["first_intact"] and not res["second_committed"]
+
+
+def test_strategy_version_is_compared(tmp_path):
+    d = tmp_path / "c"
+    _save(d)
+    with pytest.raises(UnsupportedCheckpointError, match="version 1.*version 2"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d), sharded_strategy=("torch_dist", 2))
+    out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d), sharded_strategy=("torch_dist", 1))
+    assert out["step"] == 0
+
+
+# =========================================================================== parallel loads
+def _parallel_worker(rank, world, d):
+    from ckpt_integration.storage import torch_dist
+
+    torch_dist.BLOCK_SIZE = 16 << 10
+    full = _full(11)
+    half = ROWS // world
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))}, d)
+    torch.distributed.barrier()
+    if rank == 0:
+        _flip(os.path.join(d, "__1_0.distcp"), _w_item_of(d, (half, 0)).offset + 2048 + 5 * COLS * 4)
+    torch.distributed.barrier()
+    cols = COLS // world  # column split: every rank reads from both saved chunks
+    out = torch.zeros(ROWS, cols)
+    for strategy in ("fully_parallel", "two_stage"):
+        with pytest.raises(CheckpointingException) as ei:
+            ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, d, load_strategy=strategy)
+        assert "checksum mismatch" in str(ei.value) and "__1_0.distcp" in str(ei.value), str(ei.value)
+        assert type(ei.value).__name__ in ("CorruptCheckpointError", "DistributedCheckpointingError"), type(ei.value)
+
+
+def _w_item_of(d, offsets):
+    with open(os.path.join(d, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    return next(v for k, v in md.storage_data.items() if k.fqn == "w" and tuple(k.offset) == offsets)
+
+
+@pytest.mark.slow
+def test_parallel_loads_raise_library_errors_on_every_rank(tmp_path):
+    run_distributed(_parallel_worker, 2, str(tmp_path / "c"))
+
+
