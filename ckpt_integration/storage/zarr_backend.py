@@ -984,6 +984,8 @@ class ZarrReader:
             reader = self.storage.open_in(self.directory, name, what, nested=True, source=INDEX_FILE)
         except FileNotFoundError:
             return file_problem(what, path, record, None)
+        except CheckpointingException as e:  # refused (leads outside the checkpoint) or not a regular file
+            return str(e)
         try:
             if reader.size != record.size:
                 return file_problem(what, path, record, reader.size)

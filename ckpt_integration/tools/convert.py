@@ -225,15 +225,19 @@ def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_f
     tensor_names = {k.split(".")[0] for k, _ in entries} if nested else {k for k, _ in entries}
     common = _common_values_for_torch(src, tensor_names, result)
     writer = TorchSaveWriter(out_file)
-    for key, info in entries:
-        writer.begin_tensor(key, info)
-        for _, block in src.iter_blocks(key, budget):
-            writer.write(block)
-            bar.update(block.numel() * block.element_size())
-            del block
-        writer.end_tensor()
-    for key, value in common.items():
-        writer.add_value(key, value)
+    try:
+        for key, info in entries:
+            writer.begin_tensor(key, info)
+            for _, block in src.iter_blocks(key, budget):
+                writer.write(block)
+                bar.update(block.numel() * block.element_size())
+                del block
+            writer.end_tensor()
+        for key, value in common.items():
+            writer.add_value(key, value)
+    except BaseException:
+        writer.abort()
+        raise
     writer.close(nested=nested)
 
 

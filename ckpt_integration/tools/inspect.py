@@ -12,6 +12,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import read_metadata
+from ..storage.filesystem import checked_path
+from ..storage.torch_dist import DCP_METADATA_FILE
 from .common import _dtype_name, _esize, format_size
 from .sources import detect_kind, open_source
 
@@ -125,6 +127,18 @@ def _dcp_shards(md: Any, key: str, meta: TensorStorageMetadata) -> List[Dict[str
     return shards
 
 
+def _unsafe_file_names(path: str, files: Dict[Any, int]) -> List[str]:
+    """Why data files named in ``.metadata`` would be refused by every load (a name or a symbolic
+    link leading outside the checkpoint); nothing is opened."""
+    out = []
+    for name in files:
+        try:
+            checked_path(path, name, "data file", source=DCP_METADATA_FILE)
+        except UnsafeCheckpointError as e:
+            out.append(f"{e} (loads and verify refuse this checkpoint)")
+    return out
+
+
 def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """Describe a checkpoint directory as a JSON-serializable dict (nothing but metadata is read).
 
@@ -150,6 +164,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     md = read_metadata(path, trusted=trusted, backend=backend)
     manifest = ckdir.read_manifest(path)
     storage = md.storage_data or {}
+    warnings: List[str] = []
     if backend == "zarr":
         zarr_shards, zarr_objects, files = _zarr_layout(path)
         checksummed = len(files)  # every chunk/object record carries a CRC32
@@ -158,6 +173,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
         for info in storage.values():
             files[info.relative_path] = files.get(info.relative_path, 0) + info.length
         checksummed = len(manifest.items) if manifest is not None else 0
+        warnings += _unsafe_file_names(path, files)
     tensors: Dict[str, Any] = {}
     objects = []
     for key, meta in sorted(md.state_dict_metadata.items()):
@@ -206,6 +222,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
         "objects": objects,
         "common_state": common,
         "total_bytes": sum(t["nbytes"] for t in tensors.values()),
+        "warnings": warnings,
     }
 
 
@@ -274,6 +291,7 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False, show_all: bo
         else:
             lines.append("  no manifest.json: written by another tool (Megatron-Core / PyTorch DCP); no checksums")
         lines.append(f"  data files: {len(info['files'])} ({format_size(sum(info['files'].values()))})")
+        lines += [f"  warning: {w}" for w in info.get("warnings", [])]
     else:
         lines.append(f"  kind: {info['kind']}")
     lines.append(f"  tensors: {len(info['tensors'])} ({format_size(info['total_bytes'])})")

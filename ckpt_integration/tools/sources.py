@@ -25,6 +25,7 @@ from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptChe
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import open_reader, read_metadata
+from ..storage.filesystem import name_problem, open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
 from .common import SAFETENSORS_INDEX, _esize
 
@@ -109,9 +110,10 @@ class DistCheckpointSource(TensorSource):
         self.config = ckdir.read_config(path)
         self.kind = self.config.sharded_backend
         self.metadata = read_metadata(path, trusted=trusted, backend=self.kind)
-        self.manifest = ckdir.read_manifest(path)
-        checksums = self.manifest.checksums() if self.manifest is not None else None
-        self.reader = open_reader(path, self.metadata, self.kind, checksums, verify_checksums=True)
+        # the reader reads the manifest (a deleted one is damage) and checks every byte it reads,
+        # and every file name in the metadata before opening it
+        self.reader = open_reader(path, self.metadata, self.kind, verify_checksums=True)
+        self.manifest = getattr(self.reader, "manifest", None)
         self.objects: List[str] = []
         for key, md in sorted(self.metadata.state_dict_metadata.items()):
             if isinstance(md, TensorStorageMetadata):
@@ -159,11 +161,17 @@ class _MappedFiles:
     def get(self, path: str) -> Any:
         mm = self.maps.get(path)
         if mm is None:
-            with open(path, "rb") as f:
+            with _open_file(path) as f:
                 size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
             self.maps[path] = mm
         return mm
+
+
+def _open_file(path: str) -> Any:
+    """``open(path, "rb")`` of a regular file only: a FIFO, device or directory raises
+    CorruptCheckpointError instead of blocking (see ``filesystem.open_regular``)."""
+    return os.fdopen(open_regular(path, "input file"), "rb")
 
 
 def _tensor_from_map(mm: Any, dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
@@ -191,7 +199,7 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
     """``(header, data_start)`` of a safetensors file (the JSON header and where tensor bytes begin)."""
-    with open(path, "rb") as f:
+    with _open_file(path) as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise CorruptCheckpointError(f"{path} is not a safetensors file (too short)")
@@ -201,7 +209,7 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
             raise CorruptCheckpointError(f"{path} is not a safetensors file (header length {n})")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{path} is not a safetensors file: {e}") from None
     return header, 8 + n
 
@@ -216,8 +224,17 @@ class SafetensorsSource(TensorSource):
         if os.path.isdir(path):
             index = os.path.join(path, SAFETENSORS_INDEX)
             if os.path.exists(index):
-                with open(index) as f:
-                    files = sorted(set(json.load(f)["weight_map"].values()))
+                with _open_file(index) as f:
+                    weight_map = ckdir.load_json(f.read(), index)
+                try:
+                    files = sorted(set(weight_map["weight_map"].values()))
+                except (TypeError, KeyError, AttributeError):
+                    raise CorruptCheckpointError(f"{index} has no valid 'weight_map' (file names by tensor)") from None
+                for name in files:  # names from the index stay inside the folder (links are followed: HF caches use them)
+                    problem = name_problem(name)
+                    if problem:
+                        raise UnsafeCheckpointError(f"refusing {index}: it names the file {name!r}: {problem}; an index "
+                                                    "may only name files inside its own folder")
             else:
                 files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
             if not files:
@@ -328,7 +345,7 @@ def _sniff_file(path: str) -> Optional[str]:
     of torch's magic number; a safetensors file starts with the length of the JSON header
     that follows, which must fit in the file.
     """
-    with open(path, "rb") as f:
+    with _open_file(path) as f:
         head = f.read(9)
         size = os.fstat(f.fileno()).st_size
     if head[:4] == b"PK\x03\x04" or head[:3] == b"\x80\x02\x8a":

@@ -1,43 +1,66 @@
-"""``verify``: completeness of a checkpoint and the CRC32 of every recorded item."""
+"""``verify``: completeness of a checkpoint and the checksum of every file, item and block it records.
+
+Everything is opened through the storage layer, as every load opens it: names from
+``.metadata``, ``manifest.json`` or ``zarr_index.json`` that lead outside the checkpoint
+(absolute, ``..``, separators, symbolic links out) are refused and special files (FIFOs,
+devices, directories) are reported without being read, each as a problem of the report.
+Data is streamed in pieces of 8 MiB, so memory stays small whatever the checkpoint size.
+"""
 
 from __future__ import annotations
 
 import collections
+import io
 import math
 import os
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ..errors import CheckpointingException, UnsafeCheckpointError
+from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.checksum import crc32
-from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from ..storage.checksum import crc32, crc32_combine
+from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
+from ..storage.tensor_record import parse_tensor_record
+from ..storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
 from .common import _READ_PIECE, ProgressFactory, _esize, _no_progress, format_size
 
 
 @dataclass
 class VerifyReport:
-    """Result of :func:`verify_checkpoint`; ``ok`` is False when anything is damaged or missing."""
+    """Result of :func:`verify_checkpoint`; ``ok`` is False when anything is damaged, missing or refused.
+
+    ``items_checked`` / ``bytes_checked``: stored items (tensor chunks, objects, zarr chunk
+    files) and their bytes; ``blocks_checked``: block checksums compared (manifest format 2);
+    ``files_checked``: whole files compared with their recorded size and CRC32
+    (``.metadata``, ``common.pt``).
+    """
 
     path: str
     ok: bool = True
     checksums_available: bool = False
     items_checked: int = 0
     bytes_checked: int = 0
+    blocks_checked: int = 0
+    files_checked: int = 0
     problems: List[Dict[str, Any]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
 
     def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = ()) -> None:
         self.ok = False
+        for p in self.problems:  # one damage seen by two checks (e.g. a damaged manifest) is one problem
+            if p["message"] == message:
+                p["keys"] = sorted(set(p["keys"]) | set(keys))
+                return
         self.problems.append({"file": file, "message": message, "keys": sorted(set(keys))})
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "items_checked",
-                                               "bytes_checked", "problems", "notes")}
+        return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "items_checked", "bytes_checked",
+                                               "blocks_checked", "files_checked", "problems", "notes")}
 
     def format(self) -> str:
         lines = [f"checkpoint: {self.path}"]
@@ -61,32 +84,120 @@ def _item_name(index: MetadataIndex) -> str:
     return f"{index.fqn}[{', '.join(str(o) for o in index.offset)}]"
 
 
-def _manifest_deleted(path: str, report: VerifyReport) -> bool:
-    """Report a missing ``manifest.json`` of a checkpoint that was saved with one; True if so.
+# --------------------------------------------------------------------------- entry point
+def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trusted: bool = False) -> VerifyReport:
+    """Check that a checkpoint is complete and undamaged, reading every byte it records.
 
-    Foreign checkpoints (Megatron-Core, DCP) never have one: their missing manifest is
-    no damage. Ours record at save time that they have one (``checkpoint_dir.WRITER_FILE``).
+    * every file ``manifest.json`` records has its recorded size, and ``.metadata`` and
+      ``common.pt`` their recorded CRC32 (without a manifest: ``common.pt`` is a zip archive;
+      a plain PyTorch DCP checkpoint has none);
+    * every data file named in ``.metadata`` is a regular file inside the checkpoint, long
+      enough for its items; every item matches its CRC32 and, for manifest format 2, every
+      1 MiB block of tensor data its block CRC32;
+    * ``.metadata`` agrees with the data: each chunk's size and dtype with the stored tensor
+      archive, and the chunks of every tensor cover its declared shape;
+    * zarr: every chunk and object file against its record in ``zarr_index.json``, every
+      array's ``zarr.json`` against the index.
+
+    Problems name the file and the tensors/objects stored in the damaged part. A path that is
+    not a checkpoint (missing, empty, a file, a directory of checkpoints) raises
+    :class:`CheckpointNotFoundError` saying ``not a checkpoint`` and naming the checkpoints
+    found inside; damage never raises, it is reported.
     """
-    if not ckdir.manifest_deleted(path):  # storage-aware: path may be a URL
-        return False
-    report.add(f"{os.path.join(path, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
-               "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
-    return True
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    try:
+        config: Optional[ckdir.CheckpointingConfig] = ckdir.read_config(path)
+    except CheckpointNotFoundError:
+        raise _not_a_checkpoint(path) from None
+    except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
+        report.add(str(e), ckdir.CONFIG_FILE)
+        config = None
+        storage, root = storage_for(path)
+        if not storage.exists(join(root, DCP_METADATA_FILE)):
+            return report
+    if config is not None and config.sharded_backend == "zarr":
+        return _verify_zarr(path, report, progress)
+    return _verify_torch_dist(path, report, progress, trusted)
 
 
-def _verify_zarr(path: str, report: VerifyReport) -> VerifyReport:
-    """zarr checkpoints: every array opens, every chunk and object file matches its recorded
-    size and CRC32 (each bad file reported with its key), common.pt checksum. Checkpoints
-    written before chunk records existed: every array is read in full instead."""
+def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
+    """The error for a path that is no checkpoint, naming the checkpoints directly inside it."""
+    from ..checkpoints import list_checkpoints
+
+    storage, root = storage_for(path)
+    if not storage.exists(root):
+        return CheckpointNotFoundError(f"{path} is not a checkpoint: it does not exist"
+                                       + ckdir.interrupted_overwrite_hint(root))
+    if not storage.isdir(root):
+        return CheckpointNotFoundError(f"{path} is not a checkpoint: it is a file, not a checkpoint directory")
+    names = storage.listdir(root)
+    if not names:
+        return CheckpointNotFoundError(f"{path} is not a checkpoint: the directory is empty")
+    found = list_checkpoints(root)
+    found += [join(root, n) for n in names if join(root, n) not in found and storage.isdir(join(root, n))
+              and ckdir.is_plain_dcp(join(root, n))]
+    if found:
+        shown = ", ".join(sorted(found)[:10]) + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
+        return CheckpointNotFoundError(
+            f"{path} is not a checkpoint (it has no {ckdir.CONFIG_FILE}), but it holds {len(found)} "
+            f"checkpoint(s): {shown}; verify each of them")
+    return CheckpointNotFoundError(f"{path} is not a checkpoint: the directory has no {ckdir.CONFIG_FILE} "
+                                   "and no checkpoints inside")
+
+
+# --------------------------------------------------------------------------- shared checks
+def _read_manifest(path: str, report: VerifyReport) -> Tuple[Optional[ckdir.Manifest], bool]:
+    """``(manifest or None, whether its absence or damage was reported)``."""
+    try:
+        manifest = ckdir.read_manifest(path)
+    except CheckpointingException as e:
+        report.add(str(e), ckdir.MANIFEST_FILE)
+        return None, True
+    if manifest is None and ckdir.manifest_deleted(path):
+        # ours record at save time that they have one (ckpt_integration.json); foreign ones
+        # (Megatron-Core, DCP) never have one, which is no damage
+        storage, root = storage_for(path)
+        report.add(f"{join(root, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
+                   "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
+        return None, True
+    return manifest, False
+
+
+def _recorded(manifest: Optional[ckdir.Manifest], name: str) -> Dict[str, Any]:
+    return ((manifest.files if manifest is not None else {}).get(name)) or {}
+
+
+def _verify_common(path: str, manifest: Optional[ckdir.Manifest], report: VerifyReport) -> None:
+    """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
+    storage, root = storage_for(path)
+    file = join(root, ckdir.COMMON_FILE)
+    try:
+        data = ckdir.read_verified_file(path, ckdir.COMMON_FILE, manifest, "common state file")
+    except FileNotFoundError:
+        report.add(f"{file} is missing (common state)", ckdir.COMMON_FILE)
+        return
+    except CheckpointingException as e:  # damaged, refused (outside the checkpoint), not a regular file
+        report.add(str(e), ckdir.COMMON_FILE)
+        return
+    if "crc32" in _recorded(manifest, ckdir.COMMON_FILE):
+        report.files_checked += 1
+        return
+    if manifest is not None:
+        report.notes.append(f"{ckdir.COMMON_FILE} has no checksum in {ckdir.MANIFEST_FILE}: only its format was checked")
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        report.add(f"{file} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
+
+
+# --------------------------------------------------------------------------- zarr
+def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> VerifyReport:
+    """zarr checkpoints: every array opens and matches the index, every chunk and object file
+    matches its recorded size and CRC32 (each bad file reported with its key), ``common.pt``.
+    Checkpoints written before chunk records existed: every array is read in full instead."""
     from ..storage.zarr_backend import ZarrReader
 
-    _manifest_deleted(path, report)
-    try:
-        ckdir.load_common(path, trusted=False)
-    except UnsafeCheckpointError:
-        pass  # readable, only not allow-listed: not damage
-    except CheckpointingException as e:
-        report.add(str(e), ckdir.COMMON_FILE)
+    manifest, _ = _read_manifest(path, report)
+    _verify_common(path, manifest, report)
     try:
         reader = ZarrReader(path)
     except CheckpointingException as e:
@@ -99,15 +210,21 @@ def _verify_zarr(path: str, report: VerifyReport) -> VerifyReport:
         report.checksums_available = True
         for key in sorted(reader.chunks):
             try:
-                reader.array(key)  # zarr.json of the array: the chunk checks below do not read it
+                reader.array(key)  # zarr.json of the array: the file checks below do not read it
+                reader.validate_tensor(key)  # declared shape vs the recorded chunk files
             except CheckpointingException as e:
                 report.add(str(e), key, [key])
-        for key, name, size, problem in reader.check_files():
-            if problem:
-                report.add(problem, name, [key])
-            else:
-                report.items_checked += 1
-                report.bytes_checked += size
+        bar = progress(total=sum(r.size for r in reader.files.values()), unit="B", unit_scale=True, desc="verify")
+        try:
+            for key, name, size, problem in reader.check_files():
+                if problem:
+                    report.add(problem, name, [key])
+                else:
+                    report.items_checked += 1
+                    report.bytes_checked += size
+                bar.update(size)
+        finally:
+            bar.close()
     return report
 
 
@@ -132,112 +249,314 @@ def _verify_zarr_unrecorded(reader: Any, report: VerifyReport) -> None:
             report.add(str(e), key, [key])
 
 
-def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trusted: bool = False) -> VerifyReport:
-    """Check that a checkpoint is complete and undamaged; stream every item's bytes through CRC32.
+# --------------------------------------------------------------------------- torch_dist
+@dataclass
+class _Chunk:
+    """What ``.metadata`` says a stored tensor item holds."""
 
-    Completeness: ``metadata.json`` (commit marker), ``.metadata`` and ``common.pt`` readable,
-    every data file named in ``.metadata`` exists and is long enough, the chunks of every tensor
-    cover it. Checksums: per item from ``manifest.json``; for checkpoints without a manifest
-    (written by Megatron-Core or DCP) only the structure is checked and a note says so.
-    Problems name the file and the tensors/objects stored in it.
-    """
-    path = os.fspath(path)
-    report = VerifyReport(path)
+    key: str
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _esize(self.dtype)
+
+
+def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool) -> VerifyReport:
+    storage, root = storage_for(path)
+    manifest, manifest_reported = _read_manifest(path, report)
+    report.checksums_available = manifest is not None
+    plain = ckdir.is_plain_dcp(path)
+    if manifest is None and not manifest_reported:
+        report.notes.append(
+            "a plain PyTorch DCP checkpoint (no metadata.json): it has no checksums and no common state, only the "
+            "structure was verified" if plain else
+            "no manifest.json (checkpoint written by another tool): checksums are unavailable, only the structure "
+            "was verified")
     try:
-        if ckdir.read_config(path).sharded_backend == "zarr":
-            return _verify_zarr(path, report)
-    except CheckpointingException as e:
-        report.add(str(e))
-        if not os.path.isdir(path) or not os.path.exists(os.path.join(path, DCP_METADATA_FILE)):
-            return report
-    try:
-        md = read_dcp_metadata(path, trusted=trusted)
+        md: Optional[Metadata] = read_dcp_metadata(path, trusted=trusted)  # size + CRC32, as every load reads it
+        if "crc32" in _recorded(manifest, DCP_METADATA_FILE):
+            report.files_checked += 1
     except CheckpointingException as e:
         report.add(str(e), DCP_METADATA_FILE)
+        md = None
+    if not plain:
+        _verify_common(path, manifest, report)
+    data_files = {info.relative_path for info in (md.storage_data or {}).values()} if md is not None else set()
+    if manifest is not None:
+        _verify_other_recorded_files(storage, root, manifest, data_files, report)
+    if md is None:
         return report
-    try:
-        manifest = ckdir.read_manifest(path)
-    except CheckpointingException as e:
-        report.add(str(e), ckdir.MANIFEST_FILE)
-        manifest = None
-    common = os.path.join(path, ckdir.COMMON_FILE)
-    if not os.path.exists(common):
-        report.add(f"{common} is missing (common state)", ckdir.COMMON_FILE)
-    elif not zipfile.is_zipfile(common):
-        report.add(f"{common} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
+    affected = _check_coverage(md, report)
+    affected |= _DataPass(storage, root, md, manifest, report, progress).run()
+    _validate_tensors(root, md, manifest, affected, report)
+    return report
 
+
+def _verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Manifest, data_files: Set[str],
+                                 report: VerifyReport) -> None:
+    """Files the manifest records that ``.metadata`` does not name (checked by the data pass)."""
+    for name in sorted(manifest.files):
+        if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
+            continue
+        entry = manifest.files[name]
+        file = join(root, name)
+        try:
+            if "crc32" in entry:
+                ckdir.read_verified_file(root, name, manifest)
+                report.files_checked += 1
+                continue
+            reader = storage.open_in(root, name, "data file", source=ckdir.MANIFEST_FILE)
+        except FileNotFoundError:
+            report.add(f"{file} is missing (recorded in {ckdir.MANIFEST_FILE})", name)
+            continue
+        except CheckpointingException as e:
+            report.add(str(e), name)
+            continue
+        try:
+            if "size" in entry and reader.size != int(entry["size"]):
+                report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {entry['size']}", name)
+        finally:
+            reader.close()
+
+
+def _check_coverage(md: Metadata, report: VerifyReport) -> Set[str]:
+    """Every tensor's chunks hold exactly its declared elements and have a storage record."""
     storage = md.storage_data or {}
-    by_file: Dict[str, List[Tuple[MetadataIndex, Any]]] = collections.defaultdict(list)
-    for index, info in storage.items():
-        by_file[info.relative_path].append((index, info))
-    # coverage of every tensor
+    affected = set()
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             total = math.prod(int(s) for s in meta.size)
             have = sum(math.prod(int(s) for s in c.sizes) for c in meta.chunks)
             if have != total:
                 report.add(f"tensor {key!r}: saved chunks hold {have} of its {total} elements", None, [key])
+                affected.add(key)
             for c in meta.chunks:
                 if MetadataIndex(key, torch.Size(c.offsets)) not in storage:
                     report.add(f"tensor {key!r}: chunk at {tuple(c.offsets)} has no storage location", None, [key])
-    checksums = manifest.checksums() if manifest is not None else {}
-    report.checksums_available = manifest is not None
-    manifest_damaged = any(p["file"] == ckdir.MANIFEST_FILE for p in report.problems)
-    if manifest is None and not manifest_damaged and not _manifest_deleted(path, report):
-        report.notes.append("no manifest.json (checkpoint written by another tool): checksums are unavailable, "
-                            "only the structure was verified")
-    total_bytes = sum(info.length for info in storage.values())
-    bar = progress(total=total_bytes, unit="B", unit_scale=True, desc="verify")
+                    affected.add(key)
+    return affected
+
+
+def _validate_tensors(root: str, md: Metadata, manifest: Optional[ckdir.Manifest], affected: Set[str],
+                      report: VerifyReport) -> None:
+    """The loaders' own check of declared shapes against the chunks (for tensors not reported yet)."""
     try:
-        for name in sorted(by_file):
-            items = sorted(by_file[name], key=lambda x: x[1].offset)
-            file = os.path.join(path, name)
-            keys_in_file = [_item_name(i) for i, _ in items]
-            try:
-                size = os.path.getsize(file)
-            except OSError:
-                report.add(f"{file} is missing (listed in .metadata)", name, keys_in_file)
-                bar.update(sum(i.length for _, i in items))
+        reader = TorchDistReader(root, md, manifest=manifest, verify_checksums=False)
+    except UnsafeCheckpointError:
+        return  # a data file name leading outside: reported by the data pass, file by file
+    except CheckpointingException as e:  # a chunk outside its tensor, an invalid byte range
+        report.add(str(e), DCP_METADATA_FILE)
+        return
+    with reader:
+        for key, meta in sorted(md.state_dict_metadata.items()):
+            if isinstance(meta, TensorStorageMetadata) and key not in affected:
+                try:
+                    reader.validate_tensor(key)
+                except CheckpointingException as e:
+                    report.add(str(e), DCP_METADATA_FILE, [key])
+
+
+class _DataPass:
+    """Streams every data file once: sizes, item CRC32s, block CRC32s, and each tensor archive
+    against what ``.metadata`` says it holds. Returns the keys of the tensors found damaged."""
+
+    def __init__(self, storage: Storage, root: str, md: Metadata, manifest: Optional[ckdir.Manifest],
+                 report: VerifyReport, progress: ProgressFactory):
+        self.storage, self.root, self.md, self.manifest, self.report = storage, root, md, manifest, report
+        self.progress = progress
+        self.checksums = manifest.checksums() if manifest is not None else {}
+        self.blocks = manifest.block_records() if manifest is not None else {}
+        self.chunks: Dict[MetadataIndex, _Chunk] = {}
+        for key, meta in md.state_dict_metadata.items():
+            if isinstance(meta, TensorStorageMetadata):
+                for c in meta.chunks:
+                    numel = math.prod(int(s) for s in c.sizes)
+                    self.chunks[MetadataIndex(key, torch.Size(c.offsets))] = _Chunk(key, numel, meta.properties.dtype)
+        self.affected: Set[str] = set()
+        self.unparsed = 0
+
+    def problem(self, message: str, file: Optional[str], items: Sequence[MetadataIndex]) -> None:
+        self.report.add(message, file, [_item_name(i) for i in items])
+        self.affected.update(i.fqn for i in items)
+
+    def run(self) -> Set[str]:
+        by_file: Dict[str, List[Tuple[MetadataIndex, Any]]] = collections.defaultdict(list)
+        for index, info in (self.md.storage_data or {}).items():
+            name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+            if not isinstance(name, str):  # (a str name leading outside is refused by the storage layer's open)
+                self.problem(f"refusing {join(self.root, DCP_METADATA_FILE)}: {_item_name(index)} is stored in "
+                             f"{name!r}: {name_problem(name)}", DCP_METADATA_FILE, [index])
                 continue
-            expected = max(i.offset + i.length for _, i in items)
-            if manifest is not None and name in manifest.files:
-                expected = max(expected, int(manifest.files[name].get("size", 0)))
-            if size < expected:
-                cut = [_item_name(i) for i, info in items if info.offset + info.length > size]
-                report.add(f"{file} is truncated: {size} bytes, expected {expected}", name, cut)
-            elif manifest is not None and name in manifest.files and size != int(manifest.files[name]["size"]):
-                report.add(f"{file} has {size} bytes, manifest.json says {manifest.files[name]['size']}", name, keys_in_file)
-            damaged = []
-            with open(file, "rb") as f:
-                fd = f.fileno()
-                for index, info in items:
-                    if info.offset + info.length > size:
-                        bar.update(info.length)
-                        continue
-                    expected_crc = checksums.get((name, info.offset))
-                    report.items_checked += 1
-                    report.bytes_checked += info.length
-                    if expected_crc is None:
-                        bar.update(info.length)
-                        continue
-                    crc, pos, end = 0, info.offset, info.offset + info.length
-                    while pos < end:
-                        piece = os.pread(fd, min(_READ_PIECE, end - pos), pos)
-                        if not piece:
-                            break
-                        crc = crc32(piece, crc)
-                        pos += len(piece)
-                        bar.update(len(piece))
-                    if crc != expected_crc:
-                        damaged.append((index, info))
-            if damaged:
-                ranges = ", ".join(f"[{i.offset}, {i.offset + i.length})" for _, i in damaged[:5])
-                report.add(f"{file}: checksum mismatch in {len(damaged)} item(s) at bytes {ranges}: the file is damaged",
-                           name, [_item_name(i) for i, _ in damaged])
-            if manifest is not None:
-                missing = [_item_name(i) for i, info in items if (name, info.offset) not in checksums]
-                if missing:
-                    report.notes.append(f"{name}: {len(missing)} item(s) have no checksum in manifest.json")
-    finally:
-        bar.close()
-    return report
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+                self.problem(f"{join(self.root, DCP_METADATA_FILE)} is damaged: {_item_name(index)} has an invalid byte "
+                             f"range ({offset!r}, {length!r})", DCP_METADATA_FILE, [index])
+                continue
+            by_file[name].append((index, info))
+        total = sum(info.length for items in by_file.values() for _, info in items)
+        self.bar = self.progress(total=total, unit="B", unit_scale=True, desc="verify")
+        try:
+            for name in sorted(by_file):
+                self.verify_file(name, sorted(by_file[name], key=lambda x: x[1].offset))
+        finally:
+            self.bar.close()
+        if self.unparsed:
+            self.report.notes.append(f"{self.unparsed} tensor item(s) are archives of an unusual layout: their checksums "
+                                     "were checked, their dtype and size against .metadata were not")
+        return self.affected
+
+    def verify_file(self, name: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
+        file = join(self.root, name)
+        indexes = [i for i, _ in items]
+        try:
+            reader = self.storage.open_in(self.root, name, "data file", source=DCP_METADATA_FILE)
+        except FileNotFoundError:
+            reader = None
+            self.problem(f"{file} is missing (listed in .metadata)", name, indexes)
+        except CheckpointingException as e:  # refused: a name or link leading outside, a FIFO, a directory
+            reader = None
+            self.problem(str(e), name, indexes)
+        if reader is None:
+            self.bar.update(sum(info.length for _, info in items))
+            return
+        try:
+            self._verify_items(reader, name, file, items)
+        except CheckpointingException as e:  # an OS error while reading (CheckpointReadError) or a file that shrank
+            self.problem(str(e), name, indexes)
+        finally:
+            reader.close()
+
+    def _verify_items(self, reader: FileReader, name: str, file: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
+        size = reader.size
+        expected = max(info.offset + info.length for _, info in items)
+        recorded = _recorded(self.manifest, name).get("size")
+        if size < max(expected, int(recorded or 0)):
+            cut = [i for i, info in items if info.offset + info.length > size]
+            self.problem(f"{file} is truncated: {size} bytes, expected {max(expected, int(recorded or 0))}", name, cut)
+        elif recorded is not None and size != int(recorded):
+            self.problem(f"{file} has {size} bytes, {ckdir.MANIFEST_FILE} says {recorded}", name, [i for i, _ in items])
+        damaged: List[Tuple[MetadataIndex, Any, List[Tuple[int, int]]]] = []
+        for index, info in items:
+            if info.offset + info.length > size:
+                self.bar.update(info.length)
+                continue
+            bad = self._verify_item(reader, name, file, index, info)
+            if bad is not None:
+                damaged.append((index, info, bad))
+        if damaged:
+            ranges = ", ".join(f"[{a}, {b})" for _, info, bad in damaged for a, b in bad or [(info.offset, info.offset + info.length)])
+            ranges = ranges if len(ranges) < 300 else ranges[:300] + ", ..."
+            self.problem(f"{file}: checksum mismatch in {len(damaged)} item(s) at bytes {ranges}: the file is damaged",
+                         name, [i for i, _, _ in damaged])
+        if self.manifest is not None:
+            unrecorded = [i for i, info in items if (name, info.offset) not in self.checksums
+                          and (name, info.offset) not in self.blocks]
+            if unrecorded:
+                self.problem(f"{ckdir.MANIFEST_FILE} has no checksum for {len(unrecorded)} item(s) in {file}: the manifest "
+                             "is damaged or does not belong to this checkpoint (loads of them fail)", name, unrecorded)
+
+    def _verify_item(self, reader: FileReader, name: str, file: str, index: MetadataIndex,
+                     info: Any) -> Optional[List[Tuple[int, int]]]:
+        """Check one item; a list of damaged byte ranges (empty: the whole item) if its data is
+        damaged, ``None`` otherwise (other problems are reported here)."""
+        rid = (name, info.offset)
+        expected = self.checksums.get(rid)
+        brec = self.blocks.get(rid)
+        chunk = self.chunks.get(index)
+        bounds = None
+        if expected is None and brec is None:  # no checksum (a foreign checkpoint): its data is not read
+            self.report.items_checked += 1
+            self.report.bytes_checked += info.length
+            self.bar.update(info.length)
+            if chunk is not None:
+                self._check_archive(reader, file, index, info, chunk, None)
+            return None
+        if brec is not None:
+            try:
+                bounds = brec.bounds(info.length)
+            except ValueError as e:
+                self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)}: the block record of {_item_name(index)} in {file} "
+                             f"is damaged: {e}", ckdir.MANIFEST_FILE, [index])
+                brec = None
+        crc, bad = _stream_item(reader, info.offset, info.length, bounds, brec.crcs if brec is not None else None, self.bar)
+        self.report.items_checked += 1
+        self.report.bytes_checked += info.length
+        if bounds is not None:
+            self.report.blocks_checked += len(bounds) - 1
+        if bad and (expected is None or crc != expected):
+            return [(info.offset + int(bounds[b]), info.offset + int(bounds[b + 1])) for b in bad[:5]]
+        if bad:  # the data matches the item's CRC32 but not the block CRC32s: the manifest's block table is wrong
+            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: {len(bad)} block checksum(s) of "
+                         f"{_item_name(index)} in {file} do not match the data, whose whole-item checksum does "
+                         "(loads of those blocks fail)", ckdir.MANIFEST_FILE, [index])
+            return None
+        if expected is not None and crc != expected:
+            if brec is None:
+                return []
+            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: the checksum of {_item_name(index)} in "
+                         f"{file} does not match the data, whose block checksums do", ckdir.MANIFEST_FILE, [index])
+            return None
+        if chunk is not None:
+            self._check_archive(reader, file, index, info, chunk, brec)
+        return None
+
+    def _check_archive(self, reader: FileReader, file: str, index: MetadataIndex, info: Any, chunk: _Chunk,
+                       brec: Any) -> None:
+        """What ``.metadata`` says the chunk holds (elements x dtype) against the stored archive."""
+        what = f"chunk at {tuple(index.offset or ())} of {chunk.key!r}"
+        declared = f".metadata says {chunk.numel} elements of {chunk.dtype} ({chunk.nbytes} bytes)"
+        if brec is not None and brec.data_length != chunk.nbytes:
+            self.problem(f"{file}: {what} holds {brec.data_length} bytes of data, but {declared}", info.relative_path, [index])
+            return
+        try:
+            rec = parse_tensor_record(reader, info.offset, info.length, file)
+        except CorruptCheckpointError as e:
+            self.problem(str(e), info.relative_path, [index])
+            return
+        if rec is None:
+            self.unparsed += 1
+            return
+        start = rec.data_offset + rec.storage_offset * _esize(rec.dtype)
+        numel = math.prod(rec.shape)
+        if rec.dtype != chunk.dtype or numel != chunk.numel:
+            self.problem(f"{file}: {what} is stored as {numel} elements of {rec.dtype}, but {declared}",
+                         info.relative_path, [index])
+        elif start + chunk.nbytes > info.length:
+            self.problem(f"{file}: the tensor data of {what} exceeds its stored item", info.relative_path, [index])
+        elif brec is not None and rec.is_contiguous and start != brec.data_offset:
+            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
+                         f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
+
+
+def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[np.ndarray], crcs: Any,
+                 bar: Any) -> Tuple[int, List[int]]:
+    """``(CRC32 of the item, indexes of the blocks whose CRC32 differs from crcs)``, reading the
+    item once in pieces of 8 MiB. With blocks the item's CRC32 is combined from the block CRC32s
+    (as the writer does), so every byte is checksummed once."""
+    crc, bad = 0, []
+    b, bcrc = 0, 0  # block being accumulated and its running CRC32
+    pos = 0
+    while pos < length:
+        n = min(_READ_PIECE, length - pos)
+        piece = memoryview(reader.read(offset + pos, n))
+        if len(piece) != n:
+            raise CorruptCheckpointError(f"{reader.path} is truncated: needed bytes [{offset + pos}, {offset + pos + n}) "
+                                         f"but the file ends at {offset + pos + len(piece)}")
+        if bounds is None:
+            crc = crc32(piece, crc)
+        else:
+            i = 0
+            while i < n:
+                left = int(bounds[b + 1]) - (pos + i)  # bytes of block b not fed yet
+                take = min(n - i, left)
+                bcrc = crc32(piece[i:i + take], bcrc)
+                i += take
+                if take == left:
+                    if bcrc != int(crcs[b]):
+                        bad.append(b)
+                    crc = crc32_combine(crc, bcrc, int(bounds[b + 1] - bounds[b]))
+                    b, bcrc = b + 1, 0
+        pos += n
+        bar.update(n)
+    return crc, bad

@@ -117,6 +117,20 @@ class TorchSaveWriter:
             refs[name] = self.refs.pop(slot)
         self.values[key] = _restore_structure(structure, refs)
 
+    def abort(self) -> None:
+        """Close the partial archive after a failure (the caller removes the ``.partial`` file)."""
+        try:
+            if self._open_member is not None:
+                self._open_member.close()
+        except Exception:  # noqa: S110 - best effort: the original error is the one to report
+            pass
+        finally:
+            self._open_member = None
+            try:
+                self.zf.close()
+            except Exception:  # noqa: S110
+                pass
+
     def close(self, nested: bool = False) -> None:
         obj: Dict[str, Any] = {}
         for key, ref in self.refs.items():

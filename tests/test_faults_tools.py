@@ -1,0 +1,350 @@
+"""Fault injection at the tools level: ``verify``, ``inspect``, ``convert`` and ``diff`` on
+damaged, malicious and foreign checkpoints (issue 11, items 2-5 and the "not a checkpoint" /
+plain DCP cases).
+
+The tools run in-process through ``ckpt_integration.cli.main``. ``verify`` must report every
+damage a load would refuse (exit 1, ``DAMAGED``, naming the file), including ``common.pt``, the
+block checksums and ``.metadata`` records that disagree with the data; every tool must refuse
+names and links leading outside the checkpoint and special files (never a hang: a deadline
+fails the test instead), and ``verify`` tells "not a checkpoint" (exit 2) from damage (exit 1).
+Checkpoints are one 48 KiB tensor with the checksum block size lowered to 16 KiB.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import zlib
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import CheckpointingException, ShardedObject, ShardedTensor
+from ckpt_integration.cli import main
+from ckpt_integration.storage import torch_dist as td
+
+ROWS, COLS = 128, 96  # 48 KiB of float32: 3 checksum blocks of 16 KiB
+DATA = "__0_0.distcp"
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _save(d, seed: int, **kw) -> None:
+    sd = {"w": ShardedTensor.from_rank_offsets("w", _full(seed)), "o": ShardedObject("o", {"seed": seed}, (1,), (0,)),
+          "step": seed}
+    ci.save(sd, str(d), thread_count=1, durable=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two checkpoints of the same layout (``good``, ``other``) and a zarr one, written once."""
+    base = tmp_path_factory.mktemp("tools_faults")
+    old = td.BLOCK_SIZE
+    td.BLOCK_SIZE = 16 << 10
+    try:
+        _save(base / "good", seed=1)
+        _save(base / "other", seed=2)
+        _save(base / "zarr", seed=3, sharded_strategy="zarr")
+    finally:
+        td.BLOCK_SIZE = old
+    return base
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A fresh copy of the good checkpoint, to damage."""
+    d = tmp_path / "c"
+    shutil.copytree(saved / "good", d)
+    return d
+
+
+def run_cli(*args, capsys):
+    code = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int = 20):
+    """Fail instead of hanging (opening a FIFO for reading blocks until a writer appears)."""
+    def expired(*_):
+        raise TimeoutError(f"blocked for more than {seconds}s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _append(path, data: bytes = b"garbage") -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def _metadata(d):
+    with open(os.path.join(str(d), ".metadata"), "rb") as f:
+        return pickle.load(f)  # our own, freshly written checkpoint
+
+
+def _w_item(d):
+    return next(v for k, v in _metadata(d).storage_data.items() if k.fqn == "w")
+
+
+def _manifest(d) -> dict:
+    return json.loads((d / "manifest.json").read_text())
+
+
+def _write_manifest(d, man: dict) -> None:
+    (d / "manifest.json").write_text(json.dumps(man))
+
+
+def _rewrite_metadata(d, edit) -> None:
+    """Edit ``.metadata`` and record its new bytes in the manifest: a consistently crafted checkpoint."""
+    md = _metadata(d)
+    edit(md)
+    data = pickle.dumps(md)
+    (d / ".metadata").write_bytes(data)
+    man = _manifest(d)
+    man["files"][".metadata"] = {"size": len(data), "crc32": zlib.crc32(data)}
+    _write_manifest(d, man)
+
+
+def _to_format_1(d) -> None:
+    """The manifest as written before block checksums (whole-item CRC32s only)."""
+    man = _manifest(d)
+    man.pop("blocks"), man.pop("save")
+    man["version"] = 1
+    _write_manifest(d, man)
+
+
+def _tamper_block_crc(d) -> None:
+    """One block CRC32 of ``w`` wrong, its whole-item CRC32 right: loads of that block fail."""
+    man = _manifest(d)
+    key = next(iter(man["blocks"]))
+    rec = man["blocks"][key]
+    crcs = bytearray(base64.b64decode(rec[3]))
+    crcs[8] ^= 1  # the CRC of the second data block (after the archive header's)
+    rec[3] = base64.b64encode(bytes(crcs)).decode()
+    _write_manifest(d, man)
+
+
+def _expect_damaged(d, capsys, *needles):
+    code, out, err = run_cli("verify", d, capsys=capsys)
+    assert code == 1 and "DAMAGED" in out, (code, out, err)
+    for n in needles:
+        assert n in out, (n, out)
+    return out
+
+
+# =========================================================================== verify: every recorded file and block
+DAMAGES = {
+    # name: (damage(d, other), words the report must contain); loads refuse all but "data_appended"
+    # (bytes after the last item are never read, but the file differs from the one saved)
+    "common_flipped": (lambda d, o: _flip(d / "common.pt", (d / "common.pt").stat().st_size // 2), ["common.pt"]),
+    "common_swapped": (lambda d, o: shutil.copy(o / "common.pt", d / "common.pt"), ["common.pt"]),
+    "common_appended": (lambda d, o: _append(d / "common.pt"), ["common.pt"]),
+    "common_missing": (lambda d, o: os.remove(d / "common.pt"), ["common.pt is missing"]),
+    "metadata_flipped": (lambda d, o: _flip(d / ".metadata", 40), [".metadata"]),
+    "metadata_appended": (lambda d, o: _append(d / ".metadata"), [".metadata"]),
+    "data_flipped_header": (lambda d, o: _flip(d / DATA, _w_item(d).offset + 100), [DATA, "checksum mismatch"]),
+    "data_flipped_block": (lambda d, o: _flip(d / DATA, _w_item(d).offset + 20000), [DATA, "checksum mismatch", "w[0, 0]"]),
+    "data_flipped_trailer": (lambda d, o: _flip(d / DATA, _w_item(d).offset + _w_item(d).length - 50), [DATA, "checksum mismatch"]),
+    "data_truncated": (lambda d, o: os.truncate(d / DATA, _w_item(d).offset + 1000), [DATA, "truncated"]),
+    "data_appended": (lambda d, o: _append(d / DATA), [DATA, "manifest.json says"]),
+    "data_swapped": (lambda d, o: shutil.copy(o / DATA, d / DATA), [DATA, "checksum mismatch"]),
+    "block_checksum": (lambda d, o: _tamper_block_crc(d), [DATA, "block"]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_verify_reports_what_loads_refuse(saved, ckpt, capsys, damage):
+    fn, needles = DAMAGES[damage]
+    fn(ckpt, saved / "other")
+    _expect_damaged(ckpt, capsys, *needles)
+    if damage == "data_appended":
+        return
+    with pytest.raises(CheckpointingException):  # verify agrees with the loaders
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(ckpt))
+
+
+def test_verify_good_checkpoints(saved, tmp_path, capsys):
+    code, out, _ = run_cli("verify", saved / "good", capsys=capsys)
+    assert code == 0 and "OK: checksums of" in out, out
+    rep = json.loads(run_cli("verify", saved / "good", "--json", capsys=capsys)[1])
+    assert rep["ok"] and rep["checksums_available"] and rep["blocks_checked"] >= 3
+    old = tmp_path / "old"
+    shutil.copytree(saved / "good", old)
+    _to_format_1(old)
+    assert run_cli("verify", old, capsys=capsys)[0] == 0
+    _flip(old / DATA, _w_item(old).offset + 20000)
+    _expect_damaged(old, capsys, DATA, "checksum mismatch")
+
+
+# =========================================================================== verify: .metadata vs the data
+def _set_dtype(dtype):
+    def edit(md):
+        md.state_dict_metadata["w"].properties.dtype = dtype
+    return edit
+
+
+def _halve_rows(md):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    meta = md.state_dict_metadata["w"]
+    meta.size = torch.Size([ROWS // 2, COLS])
+    meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([ROWS // 2, COLS]))]
+
+
+EDITS = {"dtype_same_size": _set_dtype(torch.int32), "dtype_larger": _set_dtype(torch.float64), "fewer_elements": _halve_rows}
+
+
+@pytest.mark.parametrize("fmt", [2, 1])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_verify_finds_metadata_that_disagrees_with_the_archive(ckpt, capsys, edit, fmt):
+    if fmt == 1:
+        _to_format_1(ckpt)
+    _rewrite_metadata(ckpt, EDITS[edit])
+    _expect_damaged(ckpt, capsys, DATA, "'w'")
+
+
+# =========================================================================== containment
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.distcp", "sub/__0_0.distcp"])
+def test_tools_refuse_data_file_names_outside_the_checkpoint(saved, tmp_path, capsys, name):
+    """Names from .metadata that lead outside: verify reports a refusal (exit 1), convert and diff
+    refuse (exit 2), inspect warns; nothing outside is opened (it is a FIFO: opening it would hang)."""
+    d = tmp_path / "sub" / "c"
+    shutil.copytree(saved / "good", d)
+    os.mkfifo(tmp_path / "sub" / "outside.distcp")
+    target = str(tmp_path / "sub" / "outside.distcp") if name == "ABSOLUTE" else name
+
+    def edit(md):
+        for k, v in list(md.storage_data.items()):
+            md.storage_data[k] = type(v)(target, v.offset, v.length)
+
+    _rewrite_metadata(d, edit)
+    with _deadline():
+        out = _expect_damaged(d, capsys, "refus", "only name files inside")
+        code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+        assert code == 2 and "only name files inside" in err, err
+        code, _, err = run_cli("diff", d, saved / "good", capsys=capsys)
+        assert code == 2 and "only name files inside" in err, err
+        code, out, _ = run_cli("inspect", d, capsys=capsys)
+        assert code == 0 and "warning" in out and "only name files inside" in out, out
+
+
+def test_verify_refuses_manifest_names_outside_the_checkpoint(ckpt, tmp_path, capsys):
+    os.mkfifo(tmp_path / "secret")
+    man = _manifest(ckpt)
+    man["files"]["../secret"] = {"size": 1, "crc32": 0}
+    _write_manifest(ckpt, man)
+    with _deadline():
+        _expect_damaged(ckpt, capsys, "refus", "../secret")
+
+
+@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata"])
+def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch, name):
+    store = tmp_path / "dedup"
+    store.mkdir()
+    shutil.move(str(ckpt / name), str(store / name))
+    os.symlink(store / name, ckpt / name)
+    _expect_damaged(ckpt, capsys, "symbolic link leading outside", name)
+    if name != "common.pt":  # (convert reports an unreadable common state as skipped, with the reason)
+        code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+        assert code == 2 and "symbolic link leading outside" in err, err
+    code, out, err = run_cli("inspect", ckpt, capsys=capsys)
+    assert "symbolic link leading outside" in out + err
+    monkeypatch.setenv("CKPT_INTEGRATION_ALLOW_SYMLINKS", "1")  # the documented opt-in
+    code, out, _ = run_cli("verify", ckpt, capsys=capsys)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "manifest.json", "metadata.json"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_tools_on_special_files_give_an_error_not_a_hang(ckpt, tmp_path, capsys, name, kind):
+    os.remove(ckpt / name)
+    os.mkfifo(ckpt / name) if kind == "fifo" else os.mkdir(ckpt / name)
+    with _deadline():
+        _expect_damaged(ckpt, capsys, name, "not a regular file")
+        if name in (DATA, ".metadata"):
+            code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+            assert code == 2 and "not a regular file" in err, err
+            code, _, err = run_cli("diff", ckpt, ckpt, capsys=capsys)
+            assert code == 2 and "not a regular file" in err, err
+        code, out, err = run_cli("inspect", ckpt, capsys=capsys)
+        if name in ("common.pt", ".metadata", "manifest.json", "metadata.json"):
+            assert "not a regular file" in out + err, (out, err)
+
+
+def test_zarr_chunk_files_fifo_and_links(saved, tmp_path, capsys):
+    d = tmp_path / "z"
+    shutil.copytree(saved / "zarr", d)
+    chunk = next(os.path.join(r, f) for r, _, fs in os.walk(d / "w" / "c") for f in fs)
+    shutil.move(chunk, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", chunk)
+    _expect_damaged(d, capsys, "symbolic link leading outside")
+    os.remove(chunk)
+    os.mkfifo(chunk)
+    with _deadline():
+        _expect_damaged(d, capsys, "not a regular file")
+        code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+        assert code == 2 and "not a regular file" in err, err
+
+
+# =========================================================================== not a checkpoint
+def test_verify_on_what_is_not_a_checkpoint_exits_2(saved, tmp_path, capsys):
+    for path in (tmp_path / "missing", tmp_path / "empty"):
+        if path.name == "empty":
+            path.mkdir()
+        code, out, err = run_cli("verify", path, capsys=capsys)
+        assert code == 2 and "not a checkpoint" in err and "DAMAGED" not in out, (code, out, err)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name in ("iter_1", "iter_2"):
+        shutil.copytree(saved / "good", runs / name)
+    code, out, err = run_cli("verify", runs, capsys=capsys)
+    assert code == 2 and "not a checkpoint" in err, (code, out, err)
+    assert str(runs / "iter_1") in err and str(runs / "iter_2") in err, err
+    assert run_cli("verify", runs / "iter_1", capsys=capsys)[0] == 0
+
+
+# =========================================================================== plain PyTorch DCP
+def test_tools_on_a_plain_dcp_checkpoint(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    want = _full(5)
+    d = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": want.clone(), "b": torch.arange(7)}, checkpoint_id=str(d))
+    code, out, err = run_cli("verify", d, capsys=capsys)
+    assert code == 0 and "OK: structure of" in out and "no checksums" in out, (out, err)
+    assert "common.pt" not in out
+    code, out, _ = run_cli("inspect", d, capsys=capsys)
+    assert code == 0 and "w: [128, 96] float32" in out, out
+    code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+    assert code == 0, err
+    got = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert torch.equal(got["w"], want) and torch.equal(got["b"], torch.arange(7))
+    assert run_cli("diff", d, tmp_path / "o.pt", capsys=capsys)[0] == 0
+    # damage that needs no checksums to be seen: a truncated data file
+    data = next(n for n in os.listdir(d) if n.endswith(".distcp") and os.path.getsize(d / n) > 1000)
+    os.truncate(d / data, 1000)
+    _expect_damaged(d, capsys, data, "truncated")
