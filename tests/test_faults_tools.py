@@ -260,7 +260,7 @@ def test_verify_refuses_manifest_names_outside_the_checkpoint(ckpt, tmp_path, ca
         _expect_damaged(ckpt, capsys, "refus", "../secret")
 
 
-@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata"])
+@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "manifest.json", "metadata.json"])
 def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch, name):
     store = tmp_path / "dedup"
     store.mkdir()

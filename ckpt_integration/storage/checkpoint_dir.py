@@ -243,7 +243,7 @@ def read_config(directory: str) -> CheckpointingConfig:
                 f"{', '.join(_OURS_ONLY)})"
             )
         raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
-    raw = load_json(storage.read_bytes(path, "commit marker"), path)
+    raw = load_json(storage.read_in(directory, CONFIG_FILE, "commit marker"), path)
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         raise CorruptCheckpointError(f"{path} does not describe a checkpoint (no 'sharded_backend')")
     known = {"sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"}
@@ -381,7 +381,7 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     path = join(directory, MANIFEST_FILE)
     if not storage.exists(path):
         return None
-    raw = load_json(storage.read_bytes(path, "manifest"), path)
+    raw = load_json(storage.read_in(directory, MANIFEST_FILE, "manifest"), path)
     if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] not in SUPPORTED_MANIFEST_VERSIONS:
         raise UnsupportedCheckpointError(
             f"{path} has format version {raw['version']} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "
