@@ -2,7 +2,8 @@
 
 * :func:`inspect_checkpoint` - backend, tensors (shape, dtype, bytes, shard layout),
   ShardedObjects and common-state keys of a checkpoint directory.
-* :func:`verify_checkpoint` - completeness and per-item CRC32 checksums.
+* :func:`verify_checkpoint` - completeness, the size and CRC32 of every recorded file, item and
+  block, and ``.metadata`` against the stored data (files opened with the loaders' containment checks).
 * :func:`convert_checkpoint` - streaming conversion between a distributed checkpoint,
   ``torch.save`` files and (HF-style, sharded) safetensors, in both directions.
 * :func:`diff_checkpoints` - keys, shapes, dtypes and max abs difference of two sources.
