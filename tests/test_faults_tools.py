@@ -186,6 +186,16 @@ def test_verify_reports_what_loads_refuse(saved, ckpt, capsys, damage):
         ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(ckpt))
 
 
+def test_verify_names_the_damaged_blocks(ckpt, capsys):
+    """Two flipped data blocks of one item: the report gives the byte range of each block."""
+    item = _w_item(ckpt)
+    data_offset, _, block, _ = _manifest(ckpt)["blocks"][f"{DATA}@{item.offset}"]
+    starts = [item.offset + data_offset + k * block for k in (0, 2)]
+    for s in starts:
+        _flip(ckpt / DATA, s + 5)
+    _expect_damaged(ckpt, capsys, *(f"[{s}, {s + block})" for s in starts))
+
+
 def test_verify_good_checkpoints(saved, tmp_path, capsys):
     code, out, _ = run_cli("verify", saved / "good", capsys=capsys)
     assert code == 0 and "OK: checksums of" in out, out
@@ -295,18 +305,23 @@ def test_tools_on_special_files_give_an_error_not_a_hang(ckpt, tmp_path, capsys,
 
 
 def test_zarr_chunk_files_fifo_and_links(saved, tmp_path, capsys):
+    """A chunk file linked outside and an object file that is a FIFO: both reported (each with
+    its key), the rest still checked; convert refuses."""
+    from ckpt_integration.storage.zarr_backend import object_file_name
+
     d = tmp_path / "z"
     shutil.copytree(saved / "zarr", d)
     chunk = next(os.path.join(r, f) for r, _, fs in os.walk(d / "w" / "c") for f in fs)
     shutil.move(chunk, tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", chunk)
-    _expect_damaged(d, capsys, "symbolic link leading outside")
-    os.remove(chunk)
-    os.mkfifo(chunk)
+    obj = d / object_file_name("o/shard_0_1")  # the unique key of ShardedObject "o"
+    os.remove(obj)
+    os.mkfifo(obj)
     with _deadline():
-        _expect_damaged(d, capsys, "not a regular file")
+        out = _expect_damaged(d, capsys, "DAMAGED: 2 problem(s)", "symbolic link leading outside", "not a regular file")
+        assert "affected: w" in out and "affected: o/shard_0_1" in out, out
         code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
-        assert code == 2 and "not a regular file" in err, err
+        assert code == 2 and "symbolic link leading outside" in err, err
 
 
 # =========================================================================== not a checkpoint
