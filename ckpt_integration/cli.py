@@ -3,7 +3,9 @@
 Runs on one process without a GPU or ``torch.distributed``; see ``docs/cli.md``.
 
 Exit codes: 0 success (``verify``: undamaged, ``diff``: identical), 1 damage found
-(``verify``) or differences found (``diff``), 2 usage error or unreadable input,
+(``verify``: damaged, incomplete or refused files) or differences found (``diff``), 2 usage
+error, unreadable input or not a checkpoint (``verify`` of a missing path, an empty directory
+or a directory of checkpoints),
 141 (128 + SIGPIPE, as a shell reports a process killed by it) when stdout was closed
 early, e.g. ``ckpt-integration inspect --json DIR | head -1`` (nothing is printed then).
 """

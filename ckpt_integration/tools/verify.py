@@ -168,6 +168,11 @@ def _recorded(manifest: Optional[ckdir.Manifest], name: str) -> Dict[str, Any]:
     return ((manifest.files if manifest is not None else {}).get(name)) or {}
 
 
+def _recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int]:
+    size = _recorded(manifest, name).get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def _verify_common(path: str, manifest: Optional[ckdir.Manifest], report: VerifyReport) -> None:
     """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
     storage, root = storage_for(path)
@@ -198,6 +203,9 @@ def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> 
 
     manifest, _ = _read_manifest(path, report)
     _verify_common(path, manifest, report)
+    if manifest is not None:
+        storage, root = storage_for(path)
+        _verify_other_recorded_files(storage, root, manifest, set(), report)
     try:
         reader = ZarrReader(path)
     except CheckpointingException as e:
@@ -283,7 +291,8 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
         md = None
     if not plain:
         _verify_common(path, manifest, report)
-    data_files = {info.relative_path for info in (md.storage_data or {}).values()} if md is not None else set()
+    data_files = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()
+                  if isinstance(getattr(info, "relative_path", None), str)} if md is not None else set()
     if manifest is not None:
         _verify_other_recorded_files(storage, root, manifest, data_files, report)
     if md is None:
@@ -315,8 +324,9 @@ def _verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Ma
             report.add(str(e), name)
             continue
         try:
-            if "size" in entry and reader.size != int(entry["size"]):
-                report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {entry['size']}", name)
+            size = _recorded_size(manifest, name)
+            if size is not None and reader.size != size:
+                report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {size}", name)
         finally:
             reader.close()
 
@@ -430,11 +440,11 @@ class _DataPass:
     def _verify_items(self, reader: FileReader, name: str, file: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
         size = reader.size
         expected = max(info.offset + info.length for _, info in items)
-        recorded = _recorded(self.manifest, name).get("size")
-        if size < max(expected, int(recorded or 0)):
+        recorded = _recorded_size(self.manifest, name)
+        if size < max(expected, recorded or 0):
             cut = [i for i, info in items if info.offset + info.length > size]
-            self.problem(f"{file} is truncated: {size} bytes, expected {max(expected, int(recorded or 0))}", name, cut)
-        elif recorded is not None and size != int(recorded):
+            self.problem(f"{file} is truncated: {size} bytes, expected {max(expected, recorded or 0)}", name, cut)
+        elif recorded is not None and size != recorded:
             self.problem(f"{file} has {size} bytes, {ckdir.MANIFEST_FILE} says {recorded}", name, [i for i, _ in items])
         damaged: List[Tuple[MetadataIndex, Any, List[Tuple[int, int]]]] = []
         for index, info in items:
