@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -71,5 +72,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+@functools.lru_cache(maxsize=None)
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

@@ -489,7 +489,8 @@ class _DataPass:
                 self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)}: the block record of {_item_name(index)} in {file} "
                              f"is damaged: {e}", ckdir.MANIFEST_FILE, [index])
                 brec = None
-        crc, bad = _stream_item(reader, info.offset, info.length, bounds, brec.crcs if brec is not None else None, self.bar)
+        crc, bad, whole = _stream_item(reader, info.offset, info.length, bounds, brec.crcs if brec is not None else None,
+                                       self.bar)
         self.report.items_checked += 1
         self.report.bytes_checked += info.length
         if bounds is not None:
@@ -507,8 +508,8 @@ class _DataPass:
             self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: the checksum of {_item_name(index)} in "
                          f"{file} does not match the data, whose block checksums do", ckdir.MANIFEST_FILE, [index])
             return None
-        if chunk is not None:
-            self._check_archive(reader, file, index, info, chunk, brec)
+        if chunk is not None:  # (a small item is parsed from the bytes just checked: no second read)
+            self._check_archive(reader if whole is None else _InMemory(whole, info.offset), file, index, info, chunk, brec)
         return None
 
     def _check_archive(self, reader: FileReader, file: str, index: MetadataIndex, info: Any, chunk: _Chunk,
@@ -539,11 +540,23 @@ class _DataPass:
                          f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
 
 
+class _InMemory:
+    """The ``read(offset, length)`` of a :class:`FileReader`, served from an item's bytes."""
+
+    def __init__(self, data: memoryview, base: int):
+        self.data, self.base = data, base
+
+    def read(self, offset: int, length: int) -> bytes:
+        start = max(0, offset - self.base)
+        return bytes(self.data[start:start + max(0, length)])
+
+
 def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[np.ndarray], crcs: Any,
-                 bar: Any) -> Tuple[int, List[int]]:
-    """``(CRC32 of the item, indexes of the blocks whose CRC32 differs from crcs)``, reading the
-    item once in pieces of 8 MiB. With blocks the item's CRC32 is combined from the block CRC32s
-    (as the writer does), so every byte is checksummed once."""
+                 bar: Any) -> Tuple[int, List[int], Optional[memoryview]]:
+    """``(CRC32 of the item, indexes of the blocks whose CRC32 differs from crcs, the item's bytes
+    if it was read in one piece)``, reading the item once in pieces of 8 MiB. With blocks the
+    item's CRC32 is combined from the block CRC32s (as the writer does), so every byte is
+    checksummed once."""
     crc, bad = 0, []
     b, bcrc = 0, 0  # block being accumulated and its running CRC32
     pos = 0
@@ -569,4 +582,4 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
                     b, bcrc = b + 1, 0
         pos += n
         bar.update(n)
-    return crc, bad
+    return crc, bad, (piece if length and length <= _READ_PIECE else None)
