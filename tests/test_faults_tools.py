@@ -363,3 +363,22 @@ def test_tools_on_a_plain_dcp_checkpoint(tmp_path, capsys):
     data = next(n for n in os.listdir(d) if n.endswith(".distcp") and os.path.getsize(d / n) > 1000)
     os.truncate(d / data, 1000)
     _expect_damaged(d, capsys, data, "truncated")
+
+
+# =========================================================================== other inputs of the tools
+def test_safetensors_index_names_and_special_input_files(tmp_path, capsys):
+    """A safetensors index naming a file outside its folder is refused; a FIFO given as the input
+    file is refused instead of waited on."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"w": torch.ones(3)}, str(tmp_path / "outside.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    code, _, err = run_cli("inspect", folder, capsys=capsys)
+    assert code == 2 and "refusing" in err and "../outside.safetensors" in err, err
+    os.mkfifo(tmp_path / "model.pt")
+    with _deadline():
+        for args in (("inspect", tmp_path / "model.pt"), ("diff", tmp_path / "model.pt", tmp_path / "outside.safetensors")):
+            code, _, err = run_cli(*args, capsys=capsys)
+            assert code == 2 and "not a regular file" in err, err
