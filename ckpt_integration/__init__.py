@@ -21,6 +21,7 @@ from .errors import (  # noqa: E402
     SaveConflictError,
     ShardingIntegrityError,
     UnsafeCheckpointError,
+    UntrustedObjectError,
     UnsupportedCheckpointError,
 )
 from .mapping import (  # noqa: E402
@@ -92,5 +93,6 @@ __all__ = [
     "SaveConflictError",
     "ShardingIntegrityError",
     "UnsafeCheckpointError",
+    "UntrustedObjectError",
     "UnsupportedCheckpointError",
 ]

@@ -55,7 +55,21 @@ class UnsupportedCheckpointError(CheckpointingException):
 
 
 class UnsafeCheckpointError(CheckpointingException):
-    """The checkpoint would execute code (pickled globals outside the allow-list)."""
+    """The checkpoint would execute code or reach outside its directory (a pickled global
+    outside the allow-list, a file name or link leading outside the checkpoint)."""
+
+
+class UntrustedObjectError(UnsafeCheckpointError):
+    """A pickled object outside the safe allow-list; ``trusted=True`` or ``allowed_globals``
+    opt in. Unlike the other unsafe cases, this one is the caller's choice to lift.
+
+    Example::
+
+        try:
+            state = load_common_state_dict(path)
+        except UntrustedObjectError:
+            state = load_common_state_dict(path, trusted=True)  # only for checkpoints you trust
+    """
 
 
 class MismatchError(CheckpointingException):

@@ -84,7 +84,8 @@ def job_ckpt_dir(cfg: DictConfig) -> str:
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return cfg.ckpt_dir
     job = HydraConfig.get().job
-    return join(cfg.ckpt_dir, job.override_dirname or f"job{job.num}")
+    # A plain "/" join works for local paths and fsspec URLs alike.
+    return cfg.ckpt_dir.rstrip("/") + "/" + (job.override_dirname or f"job{job.num}")
 
 
 def _strategy(cfg: DictConfig, gpu: bool) -> object:

@@ -270,6 +270,18 @@ def test_verify_refuses_manifest_names_outside_the_checkpoint(ckpt, tmp_path, ca
         _expect_damaged(ckpt, capsys, "refus", "../secret")
 
 
+@pytest.mark.parametrize("damage", ["common_flipped", "common_swapped", "common_appended", "common_missing"])
+def test_convert_refuses_a_damaged_common_state(saved, ckpt, tmp_path, capsys, damage):
+    """A damaged or missing common.pt fails the conversion (exit 2, file named, no output): an
+    output silently without the common state would be a loss. (An *unsafe* one, refused for
+    want of --trusted, is skipped and named in the summary instead: the user's choice.)"""
+    DAMAGES[damage][0](ckpt, saved / "other")
+    out_path = tmp_path / "o.pt"
+    code, _, err = run_cli("convert", ckpt, out_path, "--to", "torch", capsys=capsys)
+    assert code == 2 and "common.pt" in err, (code, err)
+    assert not out_path.exists()
+
+
 @pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "manifest.json", "metadata.json"])
 def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch, name):
     store = tmp_path / "dedup"
@@ -277,9 +289,8 @@ def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch,
     shutil.move(str(ckpt / name), str(store / name))
     os.symlink(store / name, ckpt / name)
     _expect_damaged(ckpt, capsys, "symbolic link leading outside", name)
-    if name != "common.pt":  # (convert reports an unreadable common state as skipped, with the reason)
-        code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
-        assert code == 2 and "symbolic link leading outside" in err, err
+    code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
+    assert code == 2 and "symbolic link leading outside" in err, err
     code, out, err = run_cli("inspect", ckpt, capsys=capsys)
     assert "symbolic link leading outside" in out + err
     monkeypatch.setenv("CKPT_INTEGRATION_ALLOW_SYMLINKS", "1")  # the documented opt-in
@@ -294,9 +305,10 @@ def test_tools_on_special_files_give_an_error_not_a_hang(ckpt, tmp_path, capsys,
     os.mkfifo(ckpt / name) if kind == "fifo" else os.mkdir(ckpt / name)
     with _deadline():
         _expect_damaged(ckpt, capsys, name, "not a regular file")
-        if name in (DATA, ".metadata"):
+        if name in (DATA, ".metadata", "common.pt"):
             code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
+        if name in (DATA, ".metadata"):  # (diff compares tensors only)
             code, _, err = run_cli("diff", ckpt, ckpt, capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
         code, out, err = run_cli("inspect", ckpt, capsys=capsys)

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Iterable, Optional, Set, Tuple
 
 import torch
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError, UntrustedObjectError
 
 # (module, name) pairs allowed inside DCP ``.metadata`` files.
 _DCP_METADATA_ALLOWED: Set[Tuple[str, str]] = {
@@ -99,7 +99,7 @@ class _RestrictedMetadataUnpickler(pickle.Unpickler):
                 except (ImportError, AttributeError):
                     return _Placeholder
             return super().find_class(module, name)
-        raise UnsafeCheckpointError(
+        raise UntrustedObjectError(
             f"refusing to unpickle global '{module}.{name}' from DCP metadata: it is not a "
             "checkpoint-metadata class and could run code. If you trust this checkpoint, "
             "load it with trusted=True."
@@ -110,7 +110,7 @@ def _safe_getattr(obj: Any, name: str) -> Any:
     # Only torch dtype/layout/memory_format attributes (e.g. torch.float32) pass.
     if obj is torch and name in _TORCH_ATTRS:
         return getattr(torch, name)
-    raise UnsafeCheckpointError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
+    raise UntrustedObjectError(f"refusing getattr({obj!r}, {name!r}) in checkpoint metadata")
 
 
 def _layout_by_name(name: str) -> torch.layout:
@@ -170,7 +170,7 @@ def safe_torch_load(
             raise CorruptCheckpointError(f"{what} is damaged and cannot be decoded: {detail}") from None
         m = _UNSUPPORTED_GLOBAL.search(str(e))
         name = m.group(1) if m else "an object outside the allow-list"
-        raise UnsafeCheckpointError(
+        raise UntrustedObjectError(
             f"refusing to load {what}: it contains '{name}', which is not on the safe "
             f"allow-list and could run code. If you trust this checkpoint, pass trusted=True; "
             f"to allow just this class pass allowed_globals=[{name}] (or call "

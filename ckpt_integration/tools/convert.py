@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..errors import CheckpointingException
+from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
 from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_INDEX, ProgressFactory, _no_progress,
                      parse_size)
@@ -146,8 +146,10 @@ def _discard_output(tmp: str) -> None:
 def _load_common_for_output(src: TensorSource, result: ConvertResult) -> Dict[Any, Any]:
     """The common state of a checkpoint source as a dict (empty for other sources).
 
-    A common state that cannot be loaded (unsafe without ``--trusted``, damaged) is
-    recorded in ``result.skipped_common`` instead of failing the tensor conversion.
+    A common state that is refused as unsafe (objects outside the allow-list, without
+    ``--trusted``) is recorded in ``result.skipped_common`` instead of failing the tensor
+    conversion (the user chose not to trust it; the summary names it). A damaged or missing
+    one fails the conversion: an output silently without the common state is a loss.
     """
     if not isinstance(src, DistCheckpointSource):
         return {}
@@ -155,7 +157,7 @@ def _load_common_for_output(src: TensorSource, result: ConvertResult) -> Dict[An
 
     try:
         common = load_common_state_dict(src.path, trusted=src.trusted)
-    except CheckpointingException as e:
+    except UntrustedObjectError as e:
         result.skipped_common.append(f"the common state ({str(e).splitlines()[0]})")
         return {}
     return common if isinstance(common, dict) else {"common": common}

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointingException, UnsafeCheckpointError
+from ..errors import CheckpointingException, UnsafeCheckpointError, UntrustedObjectError
 from ..storage.fs import tensor_buffer
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
 from .convert import ConvertResult, _check_not_source, _check_output, _commit_output, _discard_output, _disk_usage, _staging_path
@@ -58,7 +58,7 @@ def _load_file(path: str, trusted: bool) -> Any:
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
     except pickle.UnpicklingError as e:
-        raise UnsafeCheckpointError(
+        raise UntrustedObjectError(
             f"refusing to load {path} with weights_only=True ({str(e).splitlines()[0]}); "
             "pass --trusted (trusted=True) only if you trust the file") from None
 
