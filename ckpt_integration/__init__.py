@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from .execution.snapshot import SnapshotModifiedError, wait_for_snapshot  # noqa: E402
 from .mapping import (  # noqa: E402
     LocalNonpersistentObject,
     ShardedBase,
@@ -55,6 +56,7 @@ __all__ = [
     "load_content_metadata",
     "remove_sharded_tensors",
     "list_checkpoints",
+    "wait_for_snapshot",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",
@@ -77,4 +79,5 @@ __all__ = [
     "ShardingIntegrityError",
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
+    "SnapshotModifiedError",
 ]

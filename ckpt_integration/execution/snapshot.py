@@ -89,7 +89,7 @@ class Snapshot:
         t0 = time.perf_counter()
         try:
             self.pending.run()
-            self._check("while it was being copied")  # check 1: before anyone may go on
+            self._check("before the snapshot was complete")  # check 1: before anyone may go on
         except BaseException as e:  # noqa: BLE001 - reported through the save's commit step
             self.error = e
         finally:
@@ -118,7 +118,7 @@ class Snapshot:
             self.waited_seconds += time.perf_counter() - t0
             if not ok:
                 return False
-        self._seal("before the training thread went on")  # check 2: exact
+        self._seal("before the snapshot was complete")  # check 2: exact (this thread runs no op now)
         return True
 
     def wait_copied(self) -> Optional[BaseException]:
@@ -129,7 +129,7 @@ class Snapshot:
     def seal_in_writer(self) -> Optional[BaseException]:
         """Writer thread, before the commit: the last check unless the training thread sealed already."""
         self._copied.wait()
-        self._seal("before the commit")  # check 3
+        self._seal("before the commit, with no wait_for_snapshot() or optimizer step first")  # check 3
         return self.error
 
     def _seal(self, when: str) -> None:
