@@ -164,7 +164,8 @@ class OursAsync(Method):
         import ckpt_integration as ci
 
         t0 = time.perf_counter()
-        req = ci.save(self.job.sharded(), path, async_sharded_save=True, async_queue=self.queue, durable=self.args.durable)
+        req = ci.save(self.job.sharded(), path, async_sharded_save=True, async_queue=self.queue,
+                      durable=self.args.durable)
         self.blocking.append(time.perf_counter() - t0)
         self.reqs.append(req)
         self.queue.maybe_finalize_async_calls(blocking=False)
@@ -288,9 +289,10 @@ def run_memory_probes(args: argparse.Namespace, names: List[str]) -> Dict[str, O
     extras: Dict[str, Optional[int]] = {}
     for rep in range(args.mem_repeats):  # the lowest peak of each: allocator noise is tens of MiB
         for name in ["none", *names]:
-            cmd = [sys.executable, os.path.abspath(__file__), "--mem-probe", name, *(["--durable"] if args.durable else []),
-                   "--state-mib", str(args.state_mib), "--width", str(args.width), "--batch", str(args.batch),
-                   "--every", str(args.every), "--dir", args.dir, "--threads", str(args.threads)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--mem-probe", name,
+                   *(["--durable"] if args.durable else []), "--state-mib", str(args.state_mib),
+                   "--width", str(args.width), "--batch", str(args.batch), "--every", str(args.every),
+                   "--dir", args.dir, "--threads", str(args.threads)]
             env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
             here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             env["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
@@ -367,6 +369,8 @@ def summarize(job: Job, args: argparse.Namespace, steps: int, res: Dict[str, Dic
         n = r.get("saves", 0)
         stall = (best - base) / n if n else 0.0
         extra = r.get("extra")
+        blocked = (statistics.mean(r["blocking"]) + (statistics.mean(r["step_wait"]) if r.get("step_wait") else 0.0)
+                   if r.get("blocking") else None)
         rows[name] = {
             "loop_s": best,
             "step_ms": 1000 * best / steps,
@@ -374,10 +378,7 @@ def summarize(job: Job, args: argparse.Namespace, steps: int, res: Dict[str, Dic
             "stall_pct_of_sync_save": 100 * stall / sync_save if n else 0.0,
             "blocking_s": statistics.mean(r["blocking"]) if r.get("blocking") else None,
             "step_wait_s": statistics.mean(r["step_wait"]) if r.get("step_wait") else None,
-            "blocked_pct_of_sync_save": (
-                100 * (statistics.mean(r["blocking"]) + (statistics.mean(r["step_wait"]) if r.get("step_wait") else 0.0))
-                / sync_save if r.get("blocking") else None
-            ),
+            "blocked_pct_of_sync_save": None if blocked is None else 100 * blocked / sync_save,
             "extra_peak_rss_mib": None if extra is None else extra / MiB,
             "mem_ratio": None if extra is None else (job.state_bytes + max(0, extra)) / job.state_bytes,
         }

@@ -414,11 +414,12 @@ def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optio
     names: Dict[int, str] = {}
     for i in idx:
         r = plan.requests[i]
-        names[id(r.data)] = r.storage_key if not r.offsets or not any(r.offsets) else f"{r.storage_key} at {tuple(r.offsets)}"
+        at = f" at {tuple(r.offsets)}" if r.offsets and any(r.offsets) else ""
+        names[id(r.data)] = r.storage_key + at
     pending = stager.prepare(
         {"tensors": [plan.requests[i].data for i in idx], "common": plan.common}, defer_from_bytes=defer_from_bytes
     )
-    staged = pending.state
+    staged, pending.state = pending.state, None  # the plan holds what is needed from here on
     for i, t in zip(idx, staged["tensors"]):
         plan.requests[i].data = t
     plan.common = staged["common"]
