@@ -17,10 +17,12 @@ without checkpoints and once per checkpointing method, in the same process and r
 * ``DCP async (async staging)``: the same stager with ``use_async_staging=True``; the loop
   waits for ``staging_completion`` before the next optimizer step, as DCP asks.
 
-Stall per checkpoint = (loop time with checkpoints - loop time without) / checkpoints, best
-(lowest) loop time of ``--repeats`` runs each, in % of a synchronous save of ours (its mean
-call time). Each loop ends ``--every`` steps after its last save, so an async write still
-running there is counted when it slows the steps. Also shown: how long the save call itself
+Stall per checkpoint = (loop time with checkpoints - loop time without) / checkpoints, the two
+loops run back to back (alternating which goes first) and the median over ``--repeats`` such
+pairs taken, so that a busy spell of a shared machine hits both loops of a pair alike; in % of a
+synchronous save of ours (its mean call time). ``step ms`` is the fastest loop's mean step.
+Each loop ends ``--every`` steps after its last save, so an async write still running there is
+counted when it slows the steps. Also shown: how long the save call itself
 blocked and how long the optimizer step waited for the snapshot, and the peak RSS (VmHWM) of a
 process running a loop with two saves, each method in fresh processes (lowest of
 ``--mem-repeats``), above that of the same loop without checkpoints, as ``(state + extra) / state``.
@@ -342,13 +344,19 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             m.step_wait.clear()
             _clean(root)
         run_loop(job, None, args.every, args.every, root, "warm")
-        for rep in range(args.repeats):  # interleaved, so a busy spell hits every method alike
-            for m in [None, *methods]:
-                r = run_loop(job, m, steps, args.every, root, f"r{rep}")
-                key = "none" if m is None else m.name
-                res[key]["totals"].append(r["total"])
-                res[key]["saves"] = r["saves"]
-                _clean(root)
+        for rep in range(args.repeats):
+            for m in methods:
+                # each method's loop next to a loop without checkpoints (alternating which goes
+                # first): the pair sees the same machine load, their difference is the stall
+                pair = {}
+                for x in ((None, m) if rep % 2 == 0 else (m, None)):
+                    r = run_loop(job, x, steps, args.every, root, f"r{rep}")
+                    key = "none" if x is None else x.name
+                    res[key]["totals"].append(r["total"])
+                    res[key]["saves"] = r["saves"]
+                    pair[key] = r["total"]
+                    _clean(root)
+                res[m.name].setdefault("diffs", []).append(pair[m.name] - pair["none"])
     finally:
         for m in methods:
             m.close()
@@ -361,13 +369,12 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def summarize(job: Job, args: argparse.Namespace, steps: int, res: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    base = min(res["none"]["totals"])
     sync_save = statistics.mean(res["ours sync"]["blocking"])
     rows = {}
     for name, r in res.items():
         best = min(r["totals"])
         n = r.get("saves", 0)
-        stall = (best - base) / n if n else 0.0
+        stall = statistics.median(r["diffs"]) / n if n and r.get("diffs") else 0.0
         extra = r.get("extra")
         blocked = (statistics.mean(r["blocking"]) + (statistics.mean(r["step_wait"]) if r.get("step_wait") else 0.0)
                    if r.get("blocking") else None)
@@ -412,7 +419,8 @@ def format_table(out: Dict[str, Any]) -> str:
         )
     lines.append(
         "call = time in the save call; step wait = optimizer step waiting for the snapshot; blocked = call + step "
-        "wait, % of ours sync save; stall = (loop time - loop time without checkpoints) / checkpoints, i.e. blocked "
+        "wait, % of ours sync save; stall = median over pairs of (loop time - loop time without checkpoints run next "
+        "to it) / checkpoints, i.e. blocked "
         "+ the slowdown of the steps by background work; mem = (state + peak RSS above the same loop without "
         "checkpoints) / state"
     )
@@ -434,7 +442,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--every", type=int, default=4, help="steps between checkpoints")
     p.add_argument("--checkpoints", type=int, default=3, help="checkpoints per loop")
-    p.add_argument("--repeats", type=int, default=3, help="loops per method; the fastest counts")
+    p.add_argument("--repeats", type=int, default=5, help="loop pairs (with / without checkpoints) per method")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for training")
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     p.add_argument("--durable", action="store_true", help="fsync before commit (ours; DCP always syncs)")
