@@ -10,6 +10,7 @@ and that errors surface where async save errors always do.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
@@ -20,7 +21,7 @@ import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
 from ckpt_integration.execution import save as save_mod
 from ckpt_integration.execution import snapshot as snap_mod
-from ckpt_integration.execution.async_save import AsyncCallsQueue, async_save_torch_dist
+from ckpt_integration.execution.async_save import AsyncCallsQueue, AsyncRequest, async_save_torch_dist
 from ckpt_integration.execution.staging import PendingCopy
 from tests.dist_utils import scaled_timeout
 
@@ -277,6 +278,22 @@ def test_snapshot_caller_mode_copies_everything_before_returning(gate, tmp_path)
     assert torch.equal(_load(str(tmp_path / "c"), {"w": BIG})["w"], ref)
     with pytest.raises(ValueError, match="snapshot"):
         AsyncCallsQueue(snapshot="later")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_writer_thread_runs_at_lower_priority():
+    seen = []
+
+    def record():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with AsyncCallsQueue(writer_nice=5) as q:
+        q.schedule_async_request(AsyncRequest(record))
+    with AsyncCallsQueue(writer_nice=0) as q:
+        q.schedule_async_request(AsyncRequest(record))
+    assert seen == [min(19, mine + 5), mine]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller is untouched
 
 
 # --------------------------------------------------------------------------- two ranks

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -76,6 +78,18 @@ __all__ = [
 
 SNAPSHOT_MODES = ("background", "caller")
 DEFAULT_COPY_NOW_BYTES = 1 << 18  # smaller storages are copied before the save returns
+DEFAULT_WRITER_NICE = 10  # CPU weight about 1/10 of the training thread's when they compete
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it starts)."""
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as e:  # never fatal: the save works at any priority
+        logger.debug("could not lower the async writer's priority: %s", e)
 
 _PENDING, _RUNNING, _DONE = "pending", "running", "done"
 
@@ -212,6 +226,11 @@ class AsyncCallsQueue:
         copy_now_bytes: storages smaller than this are copied before the save
             returns even in ``"background"`` mode (state that forward passes modify,
             like BatchNorm statistics, is small and changes without a version bump).
+        writer_nice: added to the nice value of the writer thread and the write
+            threads it starts (Linux; 0 keeps the priority). Where cores are scarce
+            the training thread then wins them, and the write, which has until the
+            next save, takes what is left (the snapshot copy, which the next
+            optimizer step may wait for, keeps its priority).
 
     Holds one :class:`StateDictStager` per in-flight slot, so host buffers are
     allocated by the first saves and reused afterwards (``stagers[i].stats``).
@@ -225,6 +244,7 @@ class AsyncCallsQueue:
         pin_memory: Optional[bool] = None,
         snapshot: str = "background",
         copy_now_bytes: int = DEFAULT_COPY_NOW_BYTES,
+        writer_nice: int = DEFAULT_WRITER_NICE,
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
@@ -233,6 +253,7 @@ class AsyncCallsQueue:
         self.max_in_flight = int(max_in_flight)
         self.snapshot = snapshot
         self.copy_now_bytes = int(copy_now_bytes)
+        self.writer_nice = int(writer_nice)
         self.stagers = [StateDictStager(pin_memory=pin_memory) for _ in range(self.max_in_flight)]
         self._unfinalized: Deque[AsyncRequest] = deque()
         self._jobs: Deque[Optional[AsyncRequest]] = deque()
@@ -249,6 +270,7 @@ class AsyncCallsQueue:
             self._worker.start()
 
     def _loop(self) -> None:
+        _lower_thread_priority(self.writer_nice)
         while True:
             with self._cv:
                 while not self._jobs:
