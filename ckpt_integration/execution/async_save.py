@@ -453,6 +453,7 @@ def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optio
 def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
     if snap is not None and not plan.local_error:
         if snap.wait_copied() is not None:  # the copy failed or saw a modification
+            snap.seal_in_writer()  # final; no longer in flight
             plan.local_error, plan.local_exc = _describe(snap.error), snap.error
             plan.requests = []
     write_local(plan)
