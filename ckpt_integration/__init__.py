@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
     UntrustedObjectError,
     UnsupportedCheckpointError,
 )
+from .execution.snapshot import SnapshotModifiedError, wait_for_snapshot  # noqa: E402
 from .mapping import (  # noqa: E402
     LocalNonpersistentObject,
     ShardedBase,
@@ -67,6 +68,7 @@ __all__ = [
     "check_is_distributed_checkpoint",
     "get_default_save_sharded_strategy",
     "get_default_load_sharded_strategy",
+    "wait_for_snapshot",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",
@@ -95,4 +97,5 @@ __all__ = [
     "UnsafeCheckpointError",
     "UntrustedObjectError",
     "UnsupportedCheckpointError",
+    "SnapshotModifiedError",
 ]

@@ -1,6 +1,7 @@
 """Async save with staging: snapshots, buffer reuse, aliasing, containers, failures, bounds.
 
-Distributed scenarios are batched into two 2-rank launches (each spawn costs seconds).
+Distributed scenarios are batched into one 2-rank launch (each spawn costs seconds), with
+the background-snapshot scenarios of ``tests/test_async_snapshot.py``.
 """
 
 from __future__ import annotations
@@ -368,9 +369,13 @@ def _dist_failures(rank, world, root):
 
 
 def _dist_all(rank, world, root):
+    from tests.test_async_snapshot import dist_snapshot_scenarios
+
     _dist_snapshot_and_reuse(rank, world, os.path.join(root, "a"))
     dist.barrier()
     _dist_failures(rank, world, os.path.join(root, "b"))
+    dist.barrier()
+    dist_snapshot_scenarios(rank, world, os.path.join(root, "c"))  # last: it gates the background copies
 
 
 def test_async_distributed_two_ranks(tmp_path):

@@ -5,9 +5,18 @@
 1. waiting for room (at most ``max_in_flight`` unfinished saves; default 1, so a
    new save first waits for the previous one),
 2. ``prepare_save`` (collective, small metadata only) and
-3. staging: every tensor to be written (and the common state) is copied into
-   host buffers that are reused from save to save (:class:`StateDictStager`),
-   so training may update its tensors in place as soon as the call returns.
+3. preparing the snapshot: the staged structure (non-tensor state copied, tensors
+   as views of host buffers reused from save to save, :class:`StateDictStager`)
+   and the copies of small tensors.
+
+The large tensors are then copied into the buffers by a background thread
+**while training goes on** (``snapshot="background"``, the default; see
+:mod:`~ckpt_integration.execution.snapshot`): the next ``torch.optim`` optimizer
+step waits for that copy by itself, anything else that modifies saved tensors in
+place calls :func:`~ckpt_integration.execution.snapshot.wait_for_snapshot` (or
+``request.wait_for_snapshot()``) first, and a modification made too early fails
+the save loudly instead of writing a torn tensor. ``snapshot="caller"`` copies
+everything before returning (the state may then be modified at once).
 
 Writing (``write_local``) and the commit (``finalize_save``) then run on one
 background worker thread per queue, saves strictly in order. The commit's
@@ -16,10 +25,10 @@ they never interleave with the training loop's collectives and the caller never
 has to enter a collective to finalize: every rank's worker runs every save it
 started (``prepare_save`` was collective, so all ranks did), hence the
 collectives always match and no rank can hang because another one skipped a
-"finalize" call. ``wait()``, ``is_done()`` and
+"finalize" call. ``wait()``, ``is_done()``, ``wait_for_snapshot()`` and
 ``maybe_finalize_async_calls()`` are purely local.
 
-Errors: a failure on any rank (write, staging, commit) makes ``finalize_save``
+Errors: a failure on any rank (snapshot, write, commit) makes ``finalize_save``
 fail on every rank and commit nothing (no ``metadata.json``); the exception is
 raised from ``wait()`` / ``finalize()``, from the next ``async_save_torch_dist``
 / ``schedule_async_request`` on the same queue (when it waits for room), from
@@ -31,7 +40,8 @@ Example (every rank)::
 
     queue = AsyncCallsQueue()
     for step in range(...):
-        train_step()
+        loss = model(batch).sum(); loss.backward()  # overlaps the last save's snapshot
+        optimizer.step()                             # waits for that snapshot if needed
         if step % 100 == 0:
             async_save_torch_dist(model_sharded_sd, f"ckpt/iter_{step}", queue=queue)
         queue.maybe_finalize_async_calls(blocking=False)   # local, no collective
@@ -42,6 +52,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -51,6 +63,7 @@ import torch
 
 from . import dist
 from .save import SavePlan, _describe, finalize_save, prepare_save, write_local
+from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
 
 logger = logging.getLogger(__name__)
@@ -60,7 +73,23 @@ __all__ = [
     "AsyncCallsQueue",
     "async_save_torch_dist",
     "get_default_async_queue",
+    "wait_for_snapshot",
 ]
+
+SNAPSHOT_MODES = ("background", "caller")
+DEFAULT_COPY_NOW_BYTES = 1 << 18  # smaller storages are copied before the save returns
+DEFAULT_WRITER_NICE = 10  # CPU weight about 1/10 of the training thread's when they compete
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value (Linux: per thread, inherited by threads it starts)."""
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as e:  # never fatal: the save works at any priority
+        logger.debug("could not lower the async writer's priority: %s", e)
 
 _PENDING, _RUNNING, _DONE = "pending", "running", "done"
 
@@ -77,7 +106,9 @@ class AsyncRequest:
         description: shown in errors and logs (e.g. the checkpoint directory).
 
     ``blocking_seconds`` (set by :func:`async_save_torch_dist`) is how long the
-    caller was stalled to start the save; ``timings`` breaks it down.
+    caller was stalled to start the save; ``timings`` breaks it down. ``snapshot``
+    is the background copy of the save's tensors (``None`` when the caller copied
+    everything).
     """
 
     def __init__(
@@ -94,6 +125,7 @@ class AsyncRequest:
         self.call_idx: Optional[int] = None
         self.blocking_seconds: Optional[float] = None
         self.timings: Dict[str, float] = {}
+        self.snapshot: Optional[Snapshot] = None
         self._state = _PENDING
         self._event = threading.Event()
         self._exc: Optional[BaseException] = None
@@ -125,6 +157,23 @@ class AsyncRequest:
         """Whether the background work has ended (successfully or not); local, never blocks."""
         return self._event.is_set()
 
+    def snapshot_done(self) -> bool:
+        """Whether the snapshot is complete, so the saved tensors may be modified; never blocks."""
+        return self.snapshot is None or self.snapshot.sealed() or self.snapshot.copied()
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> bool:
+        """Block until this save's snapshot is complete (not its write); local.
+
+        After it the saved tensors may be modified in place. Returns ``False`` if
+        ``timeout`` seconds passed first. Does not raise the save's failure.
+        """
+        if self.snapshot is None:
+            return True
+        ok = self.snapshot.wait(timeout)
+        if ok:
+            maybe_remove_hook()
+        return ok
+
     def exception(self) -> Optional[BaseException]:
         """The background failure, once done (``None`` if it succeeded or is still running)."""
         return self._exc if self.is_done() else None
@@ -135,7 +184,10 @@ class AsyncRequest:
         Raises the background failure (on every rank, since the commit step
         shares all ranks' errors) or ``TimeoutError`` after ``timeout`` seconds.
         """
-        if not self._event.wait(timeout):
+        t0 = time.monotonic()
+        if not self.wait_for_snapshot(timeout) or not self._event.wait(
+            None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        ):
             raise TimeoutError(f"async save {self.description} did not finish within {timeout}s")
         self.finalize()
 
@@ -144,6 +196,7 @@ class AsyncRequest:
 
         Raises the background failure; calling again raises it again.
         """
+        self.wait_for_snapshot()  # checked from this thread first (exact, see snapshot.py)
         self._event.wait()
         if self._exc is not None:
             self._reported = True
@@ -167,16 +220,40 @@ class AsyncCallsQueue:
         max_in_flight: most requests scheduled and not yet finalized; scheduling
             one more first waits for (and finalizes) the oldest. Default 1.
         pin_memory: pin staging buffers (default: when CUDA is available).
+        snapshot: default of :func:`async_save_torch_dist`'s ``snapshot``:
+            ``"background"`` (copy the tensors while training goes on) or
+            ``"caller"`` (copy everything before the save returns).
+        copy_now_bytes: storages smaller than this are copied before the save
+            returns even in ``"background"`` mode (state that forward passes modify,
+            like BatchNorm statistics, is small and changes without a version bump).
+        writer_nice: added to the nice value of the writer thread and the write
+            threads it starts (Linux; 0 keeps the priority). Where cores are scarce
+            the training thread then wins them, and the write, which has until the
+            next save, takes what is left (the snapshot copy, which the next
+            optimizer step may wait for, keeps its priority).
 
     Holds one :class:`StateDictStager` per in-flight slot, so host buffers are
     allocated by the first saves and reused afterwards (``stagers[i].stats``).
     Use as a context manager or call :meth:`close` at teardown.
     """
 
-    def __init__(self, max_in_flight: int = 1, *, pin_memory: Optional[bool] = None):
+    def __init__(
+        self,
+        max_in_flight: int = 1,
+        *,
+        pin_memory: Optional[bool] = None,
+        snapshot: str = "background",
+        copy_now_bytes: int = DEFAULT_COPY_NOW_BYTES,
+        writer_nice: int = DEFAULT_WRITER_NICE,
+    ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        if snapshot not in SNAPSHOT_MODES:
+            raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
         self.max_in_flight = int(max_in_flight)
+        self.snapshot = snapshot
+        self.copy_now_bytes = int(copy_now_bytes)
+        self.writer_nice = int(writer_nice)
         self.stagers = [StateDictStager(pin_memory=pin_memory) for _ in range(self.max_in_flight)]
         self._unfinalized: Deque[AsyncRequest] = deque()
         self._jobs: Deque[Optional[AsyncRequest]] = deque()
@@ -193,6 +270,7 @@ class AsyncCallsQueue:
             self._worker.start()
 
     def _loop(self) -> None:
+        _lower_thread_priority(self.writer_nice)
         while True:
             with self._cv:
                 while not self._jobs:
@@ -253,10 +331,23 @@ class AsyncCallsQueue:
         met (that request is dropped from the queue; later ones stay queued).
         ``no_dist`` is accepted for Megatron-Core compatibility.
         """
+        for req in list(self._unfinalized):  # check finished snapshots from this thread (exact)
+            if req.snapshot is not None and req.snapshot.copied():
+                req.snapshot.wait(0)
         done: List[int] = []
         while self._unfinalized and (blocking or self._unfinalized[0].is_done()):
             done.append(self._finalize_oldest().call_idx)
+        maybe_remove_hook()
         return done
+
+    def wait_for_snapshot(self, timeout: Optional[float] = None) -> bool:
+        """Block until the snapshots of this queue's saves are complete (not their writes); local."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for req in list(self._unfinalized):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not req.wait_for_snapshot(left):
+                return False
+        return True
 
     def get_num_unfinalized_calls(self) -> int:
         """Requests scheduled and not yet finalized."""
@@ -274,6 +365,7 @@ class AsyncCallsQueue:
                     first = e
                 else:
                     logger.error("async save %s also failed: %s", req.description, _describe(e))
+        maybe_remove_hook()
         if not self._closed:
             self._closed = True
             if self._worker is not None:
@@ -338,17 +430,41 @@ def _close_default_queue() -> None:
             logger.error("an async checkpoint save failed: %s", _describe(e))
 
 
-def _stage_plan(plan: SavePlan, stager: StateDictStager) -> None:
-    """Replace the plan's tensors (and common state) by staged host copies."""
+def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optional[int]) -> Optional[Snapshot]:
+    """Replace the plan's tensors (and common state) by staged host copies.
+
+    Returns the :class:`Snapshot` still to copy in the background, or ``None`` when
+    everything was copied here.
+    """
     idx = [i for i, r in enumerate(plan.requests) if isinstance(r.data, torch.Tensor)]
-    staged = stager.stage({"tensors": [plan.requests[i].data for i in idx], "common": plan.common})
+    names: Dict[int, str] = {}
+    for i in idx:
+        r = plan.requests[i]
+        at = f" at {tuple(r.offsets)}" if r.offsets and any(r.offsets) else ""
+        names[id(r.data)] = r.storage_key + at
+    pending = stager.prepare(
+        {"tensors": [plan.requests[i].data for i in idx], "common": plan.common}, defer_from_bytes=defer_from_bytes
+    )
+    staged, pending.state = pending.state, None  # the plan holds what is needed from here on
     for i, t in zip(idx, staged["tensors"]):
         plan.requests[i].data = t
     plan.common = staged["common"]
+    if pending.done.is_set():
+        return None
+    return Snapshot(pending, names, plan.checkpoint_dir)
 
 
-def _write_and_commit(plan: SavePlan) -> None:
+def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
+    if snap is not None and not plan.local_error:
+        if snap.wait_copied() is not None:  # the copy failed or saw a modification
+            snap.seal_in_writer()  # final; no longer in flight
+            plan.local_error, plan.local_exc = _describe(snap.error), snap.error
+            plan.requests = []
     write_local(plan)
+    if snap is not None and not plan.local_error:
+        err = snap.seal_in_writer()  # unless the training thread has checked it already
+        if err is not None:
+            plan.local_error, plan.local_exc = _describe(err), err
     finalize_save(plan)
 
 
@@ -358,11 +474,18 @@ def async_save_torch_dist(
     *,
     queue: Optional[AsyncCallsQueue] = None,
     finalize_fns: Optional[List[Callable[[], Any]]] = None,
+    snapshot: Optional[str] = None,
     **save_kwargs: Any,
 ) -> AsyncRequest:
     """Start saving ``sharded_state_dict`` in the background; collective (call on every rank).
 
-    Returns after ``prepare_save`` and staging; the state may then be modified.
+    Returns after ``prepare_save`` and the start of the snapshot. With
+    ``snapshot="background"`` (the queue's default) the large tensors are copied
+    while training goes on: modify saved tensors in place only after the snapshot
+    (``torch.optim`` optimizer steps wait for it by themselves; otherwise call
+    ``request.wait_for_snapshot()`` or :func:`wait_for_snapshot`); an earlier
+    modification fails the save with ``SnapshotModifiedError``. With
+    ``snapshot="caller"`` everything is copied before returning.
     ``save_kwargs`` are those of :func:`prepare_save` (``validate_access_integrity``,
     ``content_metadata``, ``thread_count``, ``balance``, ``overwrite``, ``durable``,
     ``process_group``). ``queue`` defaults to :func:`get_default_async_queue`.
@@ -374,23 +497,31 @@ def async_save_torch_dist(
     q = queue if queue is not None else get_default_async_queue()
     if q._closed:
         raise RuntimeError("AsyncCallsQueue is closed")
+    mode = q.snapshot if snapshot is None else snapshot
+    if mode not in SNAPSHOT_MODES:
+        raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {mode!r}")
     q._make_room()  # may raise the previous save's error (on every rank)
     t1 = time.perf_counter()
     group = q._finalize_group(save_kwargs.get("process_group"))
     plan = prepare_save(sharded_state_dict, checkpoint_dir, **save_kwargs)
     t2 = time.perf_counter()
     stager = q._next_stager()
+    snap: Optional[Snapshot] = None
     if not plan.local_error:
         try:
-            _stage_plan(plan, stager)
+            snap = _stage_plan(plan, stager, q.copy_now_bytes if mode == "background" else None)
         except Exception as e:  # reported by finalize_save on every rank
             plan.local_error, plan.local_exc = _describe(e), e
             plan.requests = []
     plan.group = group
     t3 = time.perf_counter()
-    req = AsyncRequest(_write_and_commit, (plan,), finalize_fns, description=str(checkpoint_dir))
+    req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
+    req.snapshot = snap
+    if snap is not None:
+        snap.start()
     q._submit(req)
     t4 = time.perf_counter()
     req.timings.update(wait_previous=t1 - t0, prepare=t2 - t1, stage=t3 - t2, submit=t4 - t3)
     req.blocking_seconds = t4 - t0
+    maybe_remove_hook()  # left installed by earlier saves, if nothing is in flight any more
     return req

@@ -27,6 +27,19 @@ goes on and updates the live tensors in place:
 A stager's buffers back the copies it returned last; call :meth:`stage` again
 only once the previous copies are no longer in use (the async queue keeps one
 stager per save that may be in flight).
+
+**Deferred copies** (async save's background snapshot): :meth:`StateDictStager.prepare`
+does everything above in the caller except the copies of large storages, which it
+returns as a :class:`PendingCopy` to :meth:`~PendingCopy.run` on another thread
+(``Tensor.copy_`` releases the GIL). The staged structure exists at once (its tensors
+are views of buffers that :meth:`~PendingCopy.run` fills), so non-tensor state is
+snapshotted in the caller and cannot race with training. Small storages, storages
+whose version counter cannot be read (inference tensors) and storages that an earlier
+deferred copy saw modified are copied before ``prepare`` returns: forward passes
+modify small state without bumping version counters (BatchNorm running statistics).
+For the deferred ones, :meth:`~PendingCopy.changed` compares every source tensor's
+``_version`` with its value at ``prepare``: an in-place update in between is seen
+(updates through ``.data``, ``set_``, NumPy views or raw storage are not).
 """
 
 from __future__ import annotations
@@ -34,13 +47,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["StagingStats", "StateDictStager"]
+__all__ = ["PendingCopy", "StagingStats", "StateDictStager"]
 
 _ALIGN = 64  # staged byte ranges start at a multiple of this (>= any element size)
 
@@ -63,6 +77,9 @@ class StagingStats:
     last_allocations: int = 0  # allocations in the latest call
     last_copied_bytes: int = 0
     last_seconds: float = 0.0
+    deferred_bytes: int = 0  # bytes copied later by PendingCopy.run
+    last_deferred_bytes: int = 0
+    copy_now_learned: int = 0  # storages copied before returning because they changed during a deferred copy
 
 
 def _is_plain_tensor(x: Any) -> bool:
@@ -100,7 +117,7 @@ def _byte_view(storage: torch.UntypedStorage, device: torch.device, start: int, 
 class _Group:
     """All tensors of one call that view one source storage."""
 
-    __slots__ = ("key", "storage", "device", "lo", "hi", "buffer")
+    __slots__ = ("key", "storage", "device", "lo", "hi", "buffer", "members", "versions")
 
     def __init__(self, key: Optional[_StorageKey], storage: torch.UntypedStorage, device: torch.device):
         self.key = key
@@ -109,6 +126,8 @@ class _Group:
         self.lo = None  # type: Optional[int]
         self.hi = 0
         self.buffer = None  # type: Optional[torch.UntypedStorage]
+        self.members: List[torch.Tensor] = []  # the source tensors viewing this storage
+        self.versions: List[int] = []  # their version counters at prepare (deferred groups only)
 
 
 class StateDictStager:
@@ -135,6 +154,9 @@ class StateDictStager:
         self.stats = StagingStats()
         self._by_key: Dict[_StorageKey, torch.UntypedStorage] = {}
         self._lock = threading.Lock()
+        self._pending: Optional["PendingCopy"] = None  # deferred copies into our buffers, if running
+        self._copy_now: set = set()  # storages seen modified during a deferred copy
+        self._streams: Dict[Any, Any] = {}  # CUDA side streams for deferred copies
 
     # -- buffers ---------------------------------------------------------------------------
     @property
@@ -261,13 +283,25 @@ class StateDictStager:
         Blocks until every copy is complete (device copies are synchronised), so
         the caller may modify ``state`` as soon as this returns.
         """
-        import time
+        return self.prepare(state).state
 
+    def prepare(self, state: Any, *, defer_from_bytes: Optional[int] = None) -> "PendingCopy":
+        """Stage ``state``, leaving the copies of storages of ``defer_from_bytes`` or more to later.
+
+        Returns a :class:`PendingCopy`: its ``state`` is the staged structure; the
+        deferred storages are copied by its :meth:`~PendingCopy.run` (any thread). With
+        ``defer_from_bytes=None`` nothing is deferred (``run`` has nothing to do).
+        The stager's buffers stay in use until ``run`` returned; a later ``prepare``
+        waits for that.
+        """
+        if self._pending is not None:
+            self._pending.done.wait()
         t0 = time.perf_counter()
         with self._lock:
             self.stats.stage_calls += 1
             self.stats.last_allocations = 0
             self.stats.last_copied_bytes = 0
+            self.stats.last_deferred_bytes = 0
             tensors: Dict[int, torch.Tensor] = {}
             self._collect(state, tensors, set())
             groups: Dict[Any, _Group] = {}
@@ -283,12 +317,15 @@ class StateDictStager:
                 lo, hi = _byte_extent(t)
                 g.lo = lo if g.lo is None else min(g.lo, lo)
                 g.hi = max(g.hi, hi)
+                g.members.append(t)
                 member[tid] = g
             for g in order:
                 g.lo = (g.lo // _ALIGN) * _ALIGN
                 g.hi = max(g.hi, g.lo)
             self._assign_buffers(order)
-            self._copy(order)
+            now, later = self._split(order, defer_from_bytes)
+            pending = PendingCopy(self, later)  # versions recorded before anything is copied
+            self._copy(now)
             staged: Dict[int, torch.Tensor] = {}
             memo: Dict[int, Any] = {}
             for tid, t in tensors.items():
@@ -305,13 +342,49 @@ class StateDictStager:
             memo[id(memo)] = list(tensors.values())  # keep sources alive while memo ids are used
             self.stats.tensors_staged += len(tensors)
             self.stats.storages_staged += len(order)
-            out = self._rebuild(state, staged, memo)
+            pending.state = self._rebuild(state, staged, memo)
             self.stats.last_seconds = time.perf_counter() - t0
-            return out
+            if later:
+                self._pending = pending
+            else:
+                pending.done.set()
+            return pending
 
-    def _copy(self, groups: List[_Group]) -> None:
+    def _split(self, groups: List[_Group], defer_from_bytes: Optional[int]) -> Tuple[List[_Group], List[_Group]]:
+        """(copy now, copy later): only large CPU/CUDA storages whose versions are readable wait."""
+        if defer_from_bytes is None:
+            return groups, []
+        now, later = [], []
+        for g in groups:
+            defer = (
+                g.hi - g.lo >= defer_from_bytes
+                and g.device.type in ("cpu", "cuda")
+                and (g.key is None or g.key not in self._copy_now)
+            )
+            if defer:
+                try:
+                    g.versions = [t._version for t in g.members]
+                except RuntimeError:  # inference tensors have no version counter: cannot be watched
+                    defer = False
+            (later if defer else now).append(g)
+        return now, later
+
+    def _remember_changed(self, groups: List[_Group]) -> None:
+        for g in groups:
+            if g.key is not None and g.key not in self._copy_now:
+                self._copy_now.add(g.key)
+                self.stats.copy_now_learned += 1
+
+    def _side_stream(self, device: torch.device) -> Any:
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def _copy(self, groups: List[_Group], background: bool = False, events: Optional[Dict[Any, Any]] = None) -> None:
         device_copies = False
         jobs = []
+        streams = {}
         for g in groups:
             n = g.hi - g.lo
             if n == 0:
@@ -319,8 +392,18 @@ class StateDictStager:
             src = _byte_view(g.storage, g.device, g.lo, n)
             dst = _byte_view(g.buffer, torch.device("cpu"), 0, n)
             if g.device.type != "cpu":
-                dst.copy_(src, non_blocking=self.pin_memory)
-                device_copies = True
+                if background and g.device.type == "cuda":
+                    # a side stream, ordered after the work queued before the save (the event),
+                    # so later training kernels are not held up behind this copy
+                    stream = streams.get(g.device)
+                    if stream is None:
+                        stream = streams[g.device] = self._side_stream(g.device)
+                        stream.wait_event(events[g.device])
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src, non_blocking=self.pin_memory)
+                else:
+                    dst.copy_(src, non_blocking=self.pin_memory)
+                    device_copies = True
             else:
                 jobs.append((dst, src))
             self.stats.copied_bytes += n
@@ -333,6 +416,8 @@ class StateDictStager:
         else:
             for dst, src in jobs:
                 dst.copy_(src)
+        for stream in streams.values():
+            stream.synchronize()
         if device_copies:
             for dev in {g.device for g in groups if g.device.type == "cuda"}:
                 torch.cuda.synchronize(dev)
@@ -340,3 +425,62 @@ class StateDictStager:
                 mod = getattr(torch, dev.type, None)
                 if mod is not None and hasattr(mod, "synchronize"):
                     mod.synchronize()
+
+
+class PendingCopy:
+    """The deferred part of :meth:`StateDictStager.prepare`: copies of large storages.
+
+    ``state`` is the staged structure (complete once :meth:`run` returned);
+    ``done`` is set when :meth:`run` ended (or at once if nothing was deferred);
+    ``nbytes`` is what :meth:`run` copies. :meth:`changed` names the source tensors
+    whose version counter moved since ``prepare``.
+    """
+
+    def __init__(self, stager: StateDictStager, groups: List[_Group]):
+        self.stager = stager
+        self.state: Any = None
+        self.done = threading.Event()
+        self.seconds = 0.0
+        self._groups = groups
+        self._ran = False
+        self.nbytes = sum(g.hi - g.lo for g in groups)
+        # device work queued before the save must come first: an event on the caller's stream
+        self._events: Dict[Any, Any] = {}
+        for dev in {g.device for g in groups if g.device.type == "cuda"}:
+            stager._side_stream(dev)  # created in the caller's thread
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._events[dev] = ev
+
+    def run(self) -> None:
+        """Copy the deferred storages (once; any thread). ``done`` is set even if it fails."""
+        if self._ran:
+            return
+        self._ran = True
+        t0 = time.perf_counter()
+        try:
+            self.stager._copy(self._groups, background=True, events=self._events)
+            self.stager.stats.deferred_bytes += self.nbytes
+            self.stager.stats.last_deferred_bytes += self.nbytes
+        finally:
+            for g in self._groups:
+                g.storage = None  # the source storages are not needed any more
+            self.seconds = time.perf_counter() - t0
+            self.done.set()
+
+    def changed(self) -> List[torch.Tensor]:
+        """Source tensors modified in place since ``prepare`` (version counter moved).
+
+        Their storages are copied before ``prepare`` returns in later saves.
+        """
+        out = [t for g in self._groups for t, v in zip(g.members, g.versions) if t._version != v]
+        if out:
+            ids = {id(t) for t in out}
+            self.stager._remember_changed([g for g in self._groups if any(id(t) in ids for t in g.members)])
+        return out
+
+    def release(self) -> None:
+        """Drop the references to the source tensors (after the last :meth:`changed`)."""
+        for g in self._groups:
+            g.members = []
+            g.versions = []
