@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from typing import Dict, Iterable, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from .boxes import Box, intersect
+from .records import decode_runs, encode_runs
 from .shards import ShardMeta
 
 MAX_REPORTED = 5  # problems listed per key before summarising
@@ -32,21 +34,55 @@ def group_by_key(shards: Iterable[ShardMeta]) -> Dict[str, List[ShardMeta]]:
     return grouped
 
 
-def _ranks(shards: Sequence[ShardMeta]) -> str:
-    ranks = sorted({s.rank for s in shards})
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = sorted(set(ranks))
     shown = ", ".join(map(str, ranks[:8]))
     return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
-def _check_consistency(key: str, shards: Sequence[ShardMeta]) -> List[str]:
+@dataclass(frozen=True)
+class Holding:
+    """Shards of one chunk (same offsets) that agree on kind, dtype and global shape, and who holds them.
+
+    What a key's validator needs about the non-main copies: not one record per
+    replica, only the chunk, its signature and the holder ranks (as arithmetic runs,
+    see :func:`~ckpt_integration.planning.records.encode_runs`).
+    """
+
+    kind: str
+    dtype: str
+    global_shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    runs: Tuple[int, ...]
+
+    @property
+    def ranks(self) -> List[int]:
+        return decode_runs(self.runs)
+
+
+def holdings_of(shards: Iterable[ShardMeta]) -> List[Holding]:
+    """Group shard records into :class:`Holding` s (one per chunk and signature)."""
+    by: Dict[Tuple, set] = defaultdict(set)
+    for s in shards:
+        by[(s.kind, s.dtype, s.global_shape, s.offsets)].add(s.rank)
+    return [Holding(k[0], k[1], k[2], k[3], tuple(encode_runs(sorted(r)))) for k, r in by.items()]
+
+
+def _holder_ranks(holdings: Sequence[Holding]) -> List[int]:
+    return sorted({r for h in holdings for r in h.ranks})
+
+
+def _check_consistency(key: str, holdings: Sequence[Holding]) -> List[str]:
     errors = []
     for attr, label in (("kind", "kind"), ("global_shape", "global shape"), ("dtype", "dtype")):
-        values = defaultdict(list)
-        for s in shards:
-            values[getattr(s, attr)].append(s)
-        if len(values) > 1:
-            detail = "; ".join(f"{v} on ranks {_ranks(ss)}" for v, ss in values.items())
-            errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
+        if len({getattr(h, attr) for h in holdings}) < 2:
+            continue
+        values: Dict[Any, set] = defaultdict(set)
+        for h in holdings:
+            values[getattr(h, attr)].update(h.ranks)
+        ordered = sorted(values.items(), key=lambda kv: min(kv[1]))
+        detail = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in ordered)
+        errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
     return errors
 
 
@@ -117,22 +153,30 @@ def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: in
 
 def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
     """All integrity problems of one key (empty list when it is valid)."""
-    errors = _check_consistency(key, shards)
+    return validate_key_records(key, [s for s in shards if s.is_main], holdings_of(shards))
+
+
+def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence[Holding]) -> List[str]:
+    """:func:`validate_key` from the main-replica records and the holdings of every chunk.
+
+    The form a key's owner receives in the scalable exchange
+    (:mod:`~ckpt_integration.planning.exchange`); the messages are the same.
+    """
+    errors = _check_consistency(key, holdings)
     if errors:
         return errors
-    main = [s for s in shards if s.is_main]
-    global_shape = shards[0].global_shape
-    if shards[0].kind == "object":
+    global_shape = holdings[0].global_shape
+    if holdings[0].kind == "object":
         by_cell = defaultdict(list)
         for s in main:
             by_cell[s.offsets].append(s)
         for cell, ss in by_cell.items():
             if len(ss) > 1:
                 errors.append(
-                    f"{key!r}: object cell {cell} has {len(ss)} main replicas (ranks {_ranks(ss)}); "
+                    f"{key!r}: object cell {cell} has {len(ss)} main replicas (ranks {_ranks(s.rank for s in ss)}); "
                     "exactly one rank must use replica_id 0"
                 )
-        holders = {s.offsets for s in shards}
+        holders = {h.offsets for h in holdings}
         lost = sorted(holders - set(by_cell))
         if lost:
             errors.append(
@@ -143,7 +187,7 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
     if not main:
         return [
             f"{key!r}: no rank holds a main replica (replica_id all zeros); held by ranks "
-            f"{_ranks(shards)} - nothing would be saved"
+            f"{_ranks(_holder_ranks(holdings))} - nothing would be saved"
         ]
     # a shard reaching past the global shape (possible with allow_shape_mismatch) would make
     # the volume count below accept a gap elsewhere
@@ -167,7 +211,7 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
         gaps = find_gaps(global_shape, main)
         errors.append(
             f"{key!r} (global shape {tuple(global_shape)}): main replicas cover {covered} of "
-            f"{total} elements (shards held by ranks {_ranks(shards)}); not covered: " + "; ".join(gaps)
+            f"{total} elements (shards held by ranks {_ranks(_holder_ranks(holdings))}); not covered: " + "; ".join(gaps)
         )
     return errors
 
