@@ -43,7 +43,7 @@ from . import dist
 from . import exchange
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .save import _describe
-from .shared_metadata import SharedMetadata, read_shared
+from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,19 @@ _indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.Weak
 def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
     """Reads filling ``request`` from the saved chunks of ``key`` (``source`` = the reader's chunk record).
 
-    The key's :class:`ChunkIndex` is built on first use and kept as long as the reader lives.
+    When the metadata came from :mod:`.shared_metadata`, a binary search in the
+    broadcast's integers (sorted by the coordinator): O(log n) per request, chunk
+    records materialised only for the chunks read. Otherwise the key's
+    :class:`ChunkIndex` is built from the reader's chunk list on first use and kept as
+    long as the reader lives.
     """
+    compact = compact_chunks_of(getattr(reader, "metadata", None))
+    if compact is not None and key in compact:
+        reads = compact.reads(key, request)
+        checksums, where = getattr(reader, "checksums", None), getattr(reader, "directory", "")
+        return [
+            ChunkRead(r.chunk, r.overlap, compact.chunk_info(key, r.source, r.chunk, checksums, where)) for r in reads
+        ]
     per_reader = _indexes.get(reader)
     if per_reader is None:
         per_reader = _indexes[reader] = {}
@@ -202,9 +213,11 @@ def load_torch_dist(
         backend = shared.backend
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
-        md = shared.metadata if shared.metadata is not None else read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})
+        md = shared.metadata_for(requested)  # chunk records of the requested keys only
+        if md is None:  # zarr: the rank's reader reads the zarr index
+            md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         metas = [shard_meta(s, rank) for s in shards]
         routed = route_shards(metas, rank, world, options="load") if validate_access_integrity else None
     except Exception as e:

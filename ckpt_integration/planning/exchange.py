@@ -320,7 +320,13 @@ class Written:
 
 
 def encode_finalize(error: Optional[str], written: Sequence[Written], summaries: Sequence[KeySummary]) -> bytes:
-    """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys."""
+    """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys.
+
+    Empty (zero bytes) for a rank with nothing to report, so rank 0 receives O(unique
+    chunks + keys) bytes plus one size per rank.
+    """
+    if not error and not written and not summaries:
+        return b""
     w = MessageWriter()
     w.sid(error or "")
     w.add(1 if error else 0, len(written))
@@ -333,6 +339,8 @@ def encode_finalize(error: Optional[str], written: Sequence[Written], summaries:
 
 
 def decode_finalize(msg: bytes) -> Tuple[Optional[str], List[Written], List[KeySummary]]:
+    if not msg:
+        return None, [], []
     strings, ints = decode(msg)
     error = strings[0] if ints[0] else None
     items = []

@@ -87,29 +87,63 @@ def _check_consistency(key: str, holdings: Sequence[Holding]) -> List[str]:
 
 
 def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
-    """Describe pairs of main-replica shards that share elements (at most ``limit``)."""
+    """Describe pairs of main-replica shards that share elements (at most ``limit``).
+
+    A sweep along the axis with the most distinct starts; shards with the same
+    interval along it (the tensor-parallel pieces of one layer of a stacked tensor)
+    are compared by recursing on the other axes, so the usual layouts cost
+    O(n log n) instead of comparing every shard of a layer with every other.
+    """
     if len(boxes) < 2:
         return []
     ndim = len(boxes[0].offsets)
     if ndim == 0:
         return [f"ranks {boxes[0].rank} and {b.rank} both save it as main replica" for b in boxes[1:limit + 1]]
-    axis = max(range(ndim), key=lambda a: len({b.offsets[a] for b in boxes}))
-    order = sorted(boxes, key=lambda b: (b.offsets[axis], b.rank))
-    active: List[ShardMeta] = []
     found: List[str] = []
-    for b in order:
-        start = b.offsets[axis]
-        active = [a for a in active if a.offsets[axis] + a.sizes[axis] > start]
-        for a in active:
-            common = intersect(a.box, b.box)
-            if common is not None:
-                found.append(
-                    f"rank {a.rank} {a.box} and rank {b.rank} {b.box} overlap on {common}"
-                )
-                if len(found) >= limit:
-                    return found
-        active.append(b)
+    items = [(s.offsets, tuple(o + n for o, n in zip(s.offsets, s.sizes)), s) for s in boxes]
+    _sweep(items, tuple(range(ndim)), limit, found)
     return found
+
+
+def _sweep(items: List[Tuple], axes: Tuple[int, ...], limit: int, found: List[str]) -> None:
+    if len(items) < 2 or len(found) >= limit:
+        return
+    if not axes:  # identical boxes: every pair overlaps
+        for i, x in enumerate(items):
+            for b in items[i + 1 :]:
+                _report(x, b, found, limit)
+                if len(found) >= limit:
+                    return
+        return
+    axis = max(axes, key=lambda a: len({it[0][a] for it in items}))
+    rest = tuple(a for a in axes if a != axis)
+    groups: Dict[Tuple[int, int], List[Tuple]] = defaultdict(list)
+    for it in sorted(items, key=lambda it: (it[0][axis], it[2].rank)):
+        groups[(it[0][axis], it[1][axis])].append(it)
+    active: List[Tuple] = []
+    for (start, end), group in sorted(groups.items()):
+        if end <= start:
+            continue  # empty along this axis: overlaps nothing
+        active = [x for x in active if x[1][axis] > start]
+        for b in group:
+            for x in active:
+                if all(x[0][a] < b[1][a] and b[0][a] < x[1][a] for a in axes):
+                    _report(x, b, found, limit)
+                    if len(found) >= limit:
+                        return
+        _sweep(group, rest, limit, found)
+        if len(found) >= limit:
+            return
+        active.extend(group)
+
+
+def _report(x: Tuple, b: Tuple, found: List[str], limit: int) -> None:
+    if len(found) >= limit:
+        return
+    a, c = x[2], b[2]
+    common = intersect(a.box, c.box)
+    if common is not None:
+        found.append(f"rank {a.rank} {a.box} and rank {c.rank} {c.box} overlap on {common}")
 
 
 def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:

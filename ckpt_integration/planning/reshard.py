@@ -52,17 +52,26 @@ class ChunkIndex:
 
     def __init__(self, boxes: Sequence[Box], sources: Optional[Sequence[Any]] = None):
         sources = list(sources) if sources is not None else list(boxes)
-        ndim = len(boxes[0].offsets) if boxes else 0
-        self.axis = max(range(ndim), key=lambda a: len({b.offsets[a] for b in boxes})) if ndim else -1
-        if self.axis < 0:
-            self._order = list(zip(boxes, sources))
-            self._starts: List[int] = [0] * len(boxes)
-            self._longest = 1
-            return
+        self._build([b.offsets for b in boxes], [b.sizes for b in boxes], sources)
+
+    @classmethod
+    def from_tuples(cls, offsets: Sequence[Tuple[int, ...]], sizes: Sequence[Tuple[int, ...]], sources: Sequence[Any]) -> "ChunkIndex":
+        """Build from offset/size tuples (no Box objects until a chunk matches a request)."""
+        self = cls.__new__(cls)
+        self._build(list(offsets), list(sizes), list(sources))
+        return self
+
+    def _build(self, offsets: List[Tuple[int, ...]], sizes: List[Tuple[int, ...]], sources: List[Any]) -> None:
+        ndim = len(offsets[0]) if offsets else 0
+        self.axis = max(range(ndim), key=lambda a: len({o[a] for o in offsets})) if ndim else -1
+        order = range(len(offsets))
+        if self.axis >= 0:
+            a = self.axis
+            order = sorted(order, key=lambda i: offsets[i][a])
+        self._order = [(offsets[i], sizes[i], sources[i]) for i in order]
         a = self.axis
-        self._order = sorted(zip(boxes, sources), key=lambda bs: bs[0].offsets[a])
-        self._starts = [b.offsets[a] for b, _ in self._order]
-        self._longest = max((b.sizes[a] for b, _ in self._order), default=0)
+        self._starts: List[int] = [o[a] for o, _, _ in self._order] if a >= 0 else []
+        self._longest = max((s[a] for _, s, _ in self._order), default=0) if a >= 0 else 0
 
     def __len__(self) -> int:
         return len(self._order)
@@ -78,10 +87,10 @@ class ChunkIndex:
             cands = range(first, last)
         out = []
         for i in cands:
-            chunk, source = self._order[i]
-            common = intersect(request, chunk)
-            if common is not None:
-                out.append(ChunkRead(chunk, common, source))
+            offsets, sizes, source = self._order[i]
+            if all(o < ro + rs and ro < o + s for o, s, ro, rs in zip(offsets, sizes, request.offsets, request.sizes)):
+                chunk = Box(offsets, sizes)
+                out.append(ChunkRead(chunk, intersect(request, chunk), source))
         return out
 
 
