@@ -52,6 +52,7 @@ sys.path.insert(0, ROOT)
 from ckpt_integration.planning.exchange import (  # noqa: E402
     Written,
     assign_writes,
+    detail_requests,
     chunk_owner_step,
     commit_layout,
     decode_finalize,
@@ -315,6 +316,8 @@ def simulate_save(layout: GPTLayout, commit_dir: str, samples: int = 3) -> Dict[
         metas = layout.rank_metas(r)
         mine, dt = _timed(lambda: assign_writes(metas, mail_r[r]))
         steps["assign"].add(r, dt)
+        if detail_requests(mail_r[r]):  # identical replicas: every copy matches its main by digest
+            raise AssertionError(f"rank {r}: a copy differs from its main replica in the simulated layout")
         mail_r[r] = []
         written = _fake_written(r, [metas[i] for i in mine])
         written_per_rank[r] = len(written)

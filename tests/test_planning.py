@@ -159,6 +159,15 @@ def simulate(per_rank, balance=True, validate=True):
             fwd[k].append(m)
         for k, m in a.items():
             rep[k].append(m)
+    detail = [ex.detail_requests(rep[r]) for r in range(world)]
+    if any(detail):  # the detail round: those records in full, their holdings to the key owners
+        mail = [[] for _ in range(world)]
+        for r in range(world):
+            for d, msg in ex.route_shards(per_rank[r], r, world, only=detail[r]).messages.items():
+                mail[d].append(msg)
+        for d in range(world):
+            for k, m in ex.chunk_owner_step(mail[d], world, replies=False)[0].items():
+                fwd[k].append(m)
     problems, summaries = [], []
     for d in range(world):
         p, s = ex.key_owner_step(fwd[d], validate=validate)
@@ -184,6 +193,9 @@ BAD_LAYOUTS = {
     "object_dup": [meta("o", r, (0,), (1,), (1,), (0,), dtype="object", kind="object") for r in range(2)],
     "object_lost": [meta("o", r, (r,), (1,), (2,), (1,), dtype="object", kind="object") for r in range(2)],
     "outside": [meta("w", 0, (0,), (3,), (4,)), meta("w", 1, (3,), (3,), (4,))],
+    # a data-parallel copy (sent as a digest) that differs from its main replica
+    "replica_dtype": [meta("w", 0, (0,), (4,), (4,)), meta("w", 1, (0,), (4,), (4,), (1,), dtype="bfloat16")],
+    "replica_shape": [meta("w", 0, (0,), (4,), (4,)), meta("w", 2, (0,), (4,), (6,), (1,))],
 }
 
 

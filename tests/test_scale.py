@@ -110,3 +110,27 @@ def test_a_rank_failing_during_the_exchange_fails_every_rank(tmp_path):
         assert outcomes[r].startswith("DistributedCheckpointingError"), outcomes
         assert "rank 1" in outcomes[r] and "simulated failure" in outcomes[r], outcomes
     assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+@pytest.mark.slow  # ~20-40 s: a tiny layout at 8 and 16 simulated ranks, with both anchors
+def test_scale_benchmark_smoke(tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "scale.json"
+    cmd = [
+        sys.executable, os.path.join(root, "benchmarks", "scale.py"), "--worlds", "8,16", "--tp", "2", "--pp", "2",
+        "--layers", "4", "--hidden", "64", "--anchor-max-records", "5000", "--json", str(out), "--dir", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    runs = {(r["world"], r["zero"]): r for r in res["runs"]}
+    assert set(runs) == {(8, False), (16, False), (8, True), (16, True)}
+    for r in runs.values():
+        assert r["save"]["commit"]["sizes"][".metadata"] > 0 and r["load"]["broadcast_bytes"] > 0
+    # same model, twice the ranks: the same unique chunks, the same metadata file
+    assert runs[(8, False)]["save"]["unique_chunks"] == runs[(16, False)]["save"]["unique_chunks"]
+    assert all(a["megatron"] and a["dcp"] for a in res["anchors"])
+    assert "| ZeRO | ranks |" in proc.stdout

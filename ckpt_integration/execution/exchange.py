@@ -7,13 +7,19 @@ dataclasses; "W" is the group size):
    input (its shard records, its rank, W, the options) the same as at the last
    save whose plan it cached, under the same global token. If so the cached plan
    is reused and steps 2-4 are skipped ("plan once, reuse").
-2. ``all_to_all``: each shard record to its chunk's owner.
-3. ``all_to_all``: chunk owners send each key owner the holdings and main records
-   of its chunks, and each holder its position in the chunk's holder set.
-4. ``all_reduce(sum)`` of 5 integers: problems found, local failures, and the parts
-   of the global token (sum of the ranks' input digests). Only when something is
-   wrong: the messages are gathered on the coordinator and broadcast, and every
-   rank raises.
+2. ``all_to_all``: each shard record to its chunk's owner - main replicas in full
+   (key, dtype, shapes, offsets), other copies as a 16-byte digest of the same.
+3. ``all_to_all``: chunk owners send each key owner the holdings (signature + holder
+   ranks as arithmetic runs) and main records of its chunks, and each holder its
+   position in the chunk's holder set (or a request for a copy's full record when
+   its digest matches no main replica there).
+4. ``all_reduce(sum)`` of 6 integers: problems found, local failures, full records
+   requested, and the parts of the global token (sum of the ranks' input digests).
+   Only if records were requested (copies that differ from their main, chunks
+   without one): two more ``all_to_all`` (those records in full to the chunk owners,
+   their holdings to the key owners) and a 2-integer ``all_reduce``. Only when
+   something is wrong: the messages are gathered on the coordinator and broadcast,
+   and every rank raises.
 
 zarr saves add one ``all_gather`` of each rank's write assignment (the coordinator
 creates the arrays, and border chunks need every chunk's writer).
@@ -35,8 +41,10 @@ from ..planning.exchange import (
     assign_writes,
     chunk_owner_step,
     decode_shards,
+    detail_requests,
     encode_shards,
     key_owner_step,
+    route_shards,
 )
 from ..planning.records import digest64
 from ..planning.shards import ShardMeta
@@ -131,20 +139,31 @@ def run(
     inbox = dist.all_to_all_bytes(outgoing, group)
     result = ExchangeResult(digest=routed.digest)
     problems: List[str] = []
+    forwards_in: List[bytes] = []
+    detail: List[int] = []
     if error is None:
         try:
             parts = [_unframe(m) for m in inbox.values()]
-            problems, result.summaries = key_owner_step([f for f, _ in parts if f], validate=validate)
+            forwards_in = [f for f, _ in parts if f]
+            answers_in = [a for _, a in parts if a]
+            problems, result.summaries = key_owner_step(forwards_in, validate=validate)
+            detail = detail_requests(answers_in)
             if replies:
-                result.to_write = assign_writes(metas, [a for _, a in parts if a])
+                result.to_write = assign_writes(metas, answers_in)
         except Exception as e:
             error, exc = _describe(e), e
     d = routed.digest
     sums = dist.all_reduce_ints(
-        [len(problems), 1 if error else 0, d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF], "sum", group
+        [len(problems), 1 if error else 0, len(detail), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF],
+        "sum", group,
     )
     if sums[1]:
         _raise_errors(error, exc, group, context)
+    if sums[2]:
+        # detail round (only when some copy differs from its main replica, or a chunk has no
+        # main): those records in full to their chunk owners, holdings on to the key owners
+        problems = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
+        sums[0] = len(problems)
     if sums[0]:
         _raise_problems(problems, group, problems_header, on_problems)
     result.token = digest64(f"{world}/{sums[2]}/{sums[3]}/{sums[4]}".encode()) or 1
@@ -155,6 +174,37 @@ def run(
         _last.clear()
         _last[purpose] = result
     return result
+
+
+def _detail_round(
+    metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Any,
+    validate: bool, result: ExchangeResult, context: str,
+) -> List[str]:
+    error: Optional[str] = None
+    exc: Optional[BaseException] = None
+    outgoing: Dict[int, bytes] = {}
+    try:
+        outgoing = route_shards(metas, rank, world, only=detail).messages
+    except Exception as e:
+        error, exc = _describe(e), e
+    inbox = dist.all_to_all_bytes(outgoing, group)
+    forwards: Dict[int, bytes] = {}
+    if error is None:
+        try:
+            forwards, _ = chunk_owner_step(inbox.values(), world, replies=False)
+        except Exception as e:
+            error, exc = _describe(e), e
+    inbox = dist.all_to_all_bytes(forwards, group)
+    problems: List[str] = []
+    if error is None:
+        try:
+            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate)
+        except Exception as e:
+            error, exc = _describe(e), e
+    count, failed = dist.all_reduce_ints([len(problems), 1 if error else 0], "sum", group)
+    if failed:
+        _raise_errors(error, exc, group, context)
+    return problems if count else []
 
 
 def _raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]]) -> None:

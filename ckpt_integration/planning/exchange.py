@@ -62,8 +62,25 @@ def key_owner(key: str, world: int) -> int:
 
 
 # --------------------------------------------------------------------------- holder -> chunk owner
-def _put_shard(w: MessageWriter, idx: int, m: ShardMeta) -> None:
-    w.add(idx, w.sid(m.key), KIND_CODES[m.kind], w.sid(m.dtype), (MAIN if m.is_main else 0) | (HAS_DATA if m.has_data else 0),
+COMPACT = -1  # in a record's key position: a non-main copy sent as (digest, flags)
+DETAIL = -1  # in a reply's digest position: "send this record in full"
+
+
+def record_digest(key: str, kind: int, dtype: str, global_shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> int:
+    """Digest of everything in a record but its rank, main flag and data flag.
+
+    A non-main copy identical to its main replica (the data-parallel case) is sent
+    as this digest: the chunk owner matches it against the main's full record.
+    """
+    return digest64(f"{key}\0{kind}\0{dtype}\0{tuple(global_shape)}\0{tuple(offsets)}\0{tuple(sizes)}".encode())
+
+
+def _put_shard(w: MessageWriter, idx: int, m: ShardMeta, full: bool = True) -> None:
+    flags = (MAIN if m.is_main else 0) | (HAS_DATA if m.has_data else 0)
+    if not full:
+        w.add(idx, COMPACT, record_digest(m.key, KIND_CODES[m.kind], m.dtype, m.global_shape, m.offsets, m.sizes), flags)
+        return
+    w.add(idx, w.sid(m.key), KIND_CODES[m.kind], w.sid(m.dtype), flags,
           len(m.global_shape), *m.global_shape, *m.offsets, *m.sizes)
 
 
@@ -75,14 +92,20 @@ class Routed:
     digest: int
 
 
-def route_shards(metas: Sequence[ShardMeta], rank: int, world: int, options: str = "") -> Routed:
+def route_shards(
+    metas: Sequence[ShardMeta], rank: int, world: int, options: str = "", only: Optional[Sequence[int]] = None
+) -> Routed:
     """Step 1 (holder): each shard record to its chunk's owner.
 
+    Main replicas go in full; other copies as a 16-byte digest (see
+    :func:`record_digest`), completed only if the owner asks (:func:`detail_requests`).
+    ``only`` (indices into ``metas``) sends just those records, in full.
     ``digest`` covers the records, ``rank``, ``world`` and ``options``: equal digests on
     every rank mean the same global input, hence the same plan (see "plan once, reuse").
     """
     writers: Dict[int, MessageWriter] = {}
-    for i, m in enumerate(metas):
+    for i in range(len(metas)) if only is None else only:
+        m = metas[i]
         if len(m.offsets) != len(m.global_shape) or len(m.sizes) != len(m.global_shape):
             raise ValueError(f"shard record of {m.key!r} has offsets/sizes of another rank than its global shape")
         d = owner_of(chunk_token(m.storage_key, m.offsets), world)
@@ -90,17 +113,24 @@ def route_shards(metas: Sequence[ShardMeta], rank: int, world: int, options: str
         if w is None:
             w = writers[d] = MessageWriter()
             w.add(rank)
-        _put_shard(w, i, m)
+        _put_shard(w, i, m, full=only is not None or m.is_main)
     messages = {d: w.tobytes() for d, w in sorted(writers.items())}
     head = f"{rank}/{world}/{options}/{len(metas)}".encode()
     return Routed(messages, digest64(head, *(d.to_bytes(8, "little") + b for d, b in messages.items())))
 
 
 def _read_shards(msg: bytes):
-    """Yield ``(src, idx, key, kind, dtype, flags, global_shape, offsets, sizes)`` of a holder's message."""
+    """Yield ``(src, idx, key, kind, dtype, flags, global_shape, offsets, sizes)`` of a holder's message.
+
+    A compact copy yields ``(src, idx, None, digest, None, flags, None, None, None)``.
+    """
     strings, ints = decode(msg)
     src, p, n = ints[0], 1, len(ints)
     while p < n:
+        if ints[p + 1] == COMPACT:
+            yield src, ints[p], None, ints[p + 2], None, ints[p + 3], None, None, None
+            p += 4
+            continue
         idx, ks, kind, ds, flags, nd = ints[p : p + 6]
         p += 6
         gshape = tuple(ints[p : p + nd])
@@ -114,6 +144,8 @@ def decode_shards(msg: bytes) -> List[ShardMeta]:
     """The records of a :func:`route_shards`-style message as main-replica ShardMetas of its sender."""
     out = []
     for src, _idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
+        if key is None:
+            raise ValueError("decode_shards: a compact record has no content")
         out.append(ShardMeta(key, KIND_NAMES[kind], src, dtype, gshape, offsets, sizes, (0,), 0, has_data=bool(flags & HAS_DATA)))
     return out
 
@@ -133,18 +165,46 @@ def chunk_owner_step(
 ) -> Tuple[Dict[int, bytes], Dict[int, bytes]]:
     """Step 2 (chunk owner): ``(forwards to key owners, replies to holders)``.
 
+    Compact copies are matched to the main replica with the same record digest; a
+    copy that matches none is answered with a request for its full record (the
+    caller then runs a detail round: :func:`detail_requests`, ``route_shards(only=)``
+    and this step again on those full records, with ``replies=False``).
+
     The main replica of a chunk is its lowest-rank main record; the writer
     candidates are the copies with the main's dtype, global shape, sizes and data
     (only the main for objects or without ``balance``; the main alone when no copy
     has data - its missing data is then reported by the save).
     """
     chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)
+    compact: List[Tuple[int, int, int, int]] = []
     for msg in inbox:
         for src, idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
+            if key is None:
+                compact.append((src, idx, kind, flags))  # kind holds the digest here
+                continue
             cid = (key, kind, offsets, gshape if kind == 1 else ())
             chunks[cid].append((src, idx, dtype, gshape, sizes, flags))
+    matched: Dict[int, Tuple[Tuple, Tuple]] = {}  # record digest -> (chunk id, the main's content)
+    if compact:
+        for cid, recs in chunks.items():
+            for r in recs:
+                if r[5] & MAIN:
+                    dig = record_digest(cid[0], cid[1], r[2], r[3], cid[2], r[4])
+                    matched.setdefault(dig, (cid, (r[2], r[3], r[4])))
+    unresolved: List[Tuple[int, int]] = []
+    for src, idx, dig, flags in compact:
+        hit = matched.get(dig)
+        if hit is None:
+            unresolved.append((src, idx))  # differs from every main here, or its chunk has no main
+        else:
+            chunks[hit[0]].append((src, idx) + hit[1] + (flags,))
     forwards: Dict[int, MessageWriter] = {}
     answers: Dict[int, MessageWriter] = {}
+    for src, idx in unresolved:
+        a = answers.get(src)
+        if a is None:
+            a = answers[src] = MessageWriter()
+        a.add(idx, DETAIL, 0, 0)
     for (key, kind, offsets, _), recs in chunks.items():
         recs.sort()
         by_sig: Dict[Tuple, List[Tuple]] = defaultdict(list)
@@ -286,6 +346,8 @@ def assign_writes(metas: Sequence[ShardMeta], replies: Iterable[bytes]) -> List[
         _, ints = decode(msg)
         for p in range(0, len(ints), 4):
             idx, hdig, n, pos = ints[p : p + 4]
+            if hdig == DETAIL:
+                continue
             m = metas[idx]
             groups[(hdig, n)].append((-m.nbytes, m.storage_key, m.offsets, idx, pos))
     mine: List[int] = []
@@ -303,6 +365,15 @@ def assign_writes(metas: Sequence[ShardMeta], replies: Iterable[bytes]) -> List[
                 mine.append(idx)
             heapq.heappush(heap, (load - neg_bytes, order, p))
     return sorted(mine, key=lambda i: metas[i].chunk_id)
+
+
+def detail_requests(replies: Iterable[bytes]) -> List[int]:
+    """Indices of the records whose owner asked for them in full (copies that differ from their main)."""
+    out = []
+    for msg in replies:
+        _, ints = decode(msg)
+        out.extend(ints[p] for p in range(0, len(ints), 4) if ints[p + 1] == DETAIL)
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------- writers -> rank 0
