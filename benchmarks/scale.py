@@ -6,7 +6,10 @@ Builds every simulated rank's shard records for a GPT layout (48 layers, hidden
 ``exp_avg_sq`` and a per-parameter state object; with and without ZeRO-1) and
 runs, rank by rank, the functions the real collectives call
 (:mod:`ckpt_integration.planning.exchange`, :mod:`ckpt_integration.execution.shared_metadata`),
-including the encoding and decoding of every message. Messages move through
+including the encoding and decoding of every message. Per-rank times are the CPU
+time of the simulated rank's own steps (thread CPU clock), so other processes on a
+shared machine do not inflate them; rank 0's commit is wall time (it writes files).
+Messages move through
 in-memory mailboxes; bytes are counted with the rule of
 ``ckpt_integration.execution.dist.traffic`` (what lands on a rank from the others,
 including the per-rank sizes of an all-to-all).
@@ -230,9 +233,11 @@ class Stat:
 
 
 def _timed(fn: Callable[[], Any]) -> Tuple[Any, float]:
-    t = time.perf_counter()
+    """Result and CPU seconds of this thread: what the simulated rank itself computes, unaffected by
+    other processes on a shared machine taking the core away (wall time would add that)."""
+    t = time.thread_time()
     out = fn()
-    return out, time.perf_counter() - t
+    return out, time.thread_time() - t
 
 
 def _peak(fn: Callable[[], Any]) -> int:
@@ -330,12 +335,12 @@ def simulate_save(layout: GPTLayout, commit_dir: str, samples: int = 3) -> Dict[
     del mail_r
     gc.collect()
     # collectives around the exchange: step-1 all-reduce (4 ints), directory broadcast,
-    # two all-to-all size vectors, step-4 all-reduce (5 ints), commit status broadcast
+    # two all-to-all size vectors (int32), step-4 all-reduce (6 ints), commit status broadcast
     dir_bcast = 8 + len(pickle.dumps(("/checkpoints/iter_0001000", False)))
-    fixed = 32 + dir_bcast + 2 * 8 * (W - 1) + 40 + 8 + len(pickle.dumps(None))
+    fixed = 32 + dir_bcast + 2 * 4 * (W - 1) + 48 + 8 + len(pickle.dumps(None))
     for r in range(W):
         recv.add(r, fixed - (dir_bcast + 8 + len(pickle.dumps(None)) if r == 0 else 0))
-        sent.add(r, 32 + 2 * 8 * (W - 1) + 40)
+        sent.add(r, 32 + 2 * 4 * (W - 1) + 48)
         t_rank.add(r, sum(s.v[r] for s in steps.values()))
     commit = simulate_commit(layout, fin_msgs, commit_dir)
     # peak heap of the sampled ranks' steps (+ the bytes they received)
@@ -393,11 +398,13 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
         _commit(plan, lay)
         return lay
 
-    lay, dt = _timed(run)
+    t0 = time.perf_counter()
+    lay, cpu = _timed(run)
+    dt = time.perf_counter() - t0
     sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt")}
     chunks = sum(len(c) for _, _, c in lay.tensors.values()) + len(lay.objects)
     files = len({w.relative_path for w in lay.written})
-    return {"time": dt, "chunks": chunks, "files": files, "sizes": sizes, "input_bytes": sum(map(len, fin_msgs))}
+    return {"time": dt, "cpu": cpu, "chunks": chunks, "files": files, "sizes": sizes, "input_bytes": sum(map(len, fin_msgs))}
 
 
 # --------------------------------------------------------------------------- load
@@ -469,9 +476,9 @@ def anchor_megatron(layout: GPTLayout) -> Dict[str, Any]:
     real_get_rank = torch.distributed.get_rank
     torch.distributed.get_rank = lambda group=None: 0
     try:
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         validate_sharding_integrity(global_md)
-        t_val = time.perf_counter() - t1
+        t_val = time.thread_time() - t1
     finally:
         torch.distributed.get_rank = real_get_rank
     peak = tracemalloc.get_traced_memory()[1]
@@ -513,9 +520,9 @@ def anchor_dcp(layout: GPTLayout) -> Dict[str, Any]:
     all_plans = plans()
     per_rank_bytes = [len(pickle.dumps(p)) for p in all_plans[: min(W, 64)]]
     received = int(statistics.mean(per_rank_bytes) * (W - 1))
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     _, md = DefaultSavePlanner()._create_global_plan(all_plans)
-    dt = time.perf_counter() - t0
+    dt = time.thread_time() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     return {"global_plan_time": dt, "received_rank0": received, "peak_mem_rank0": peak,

@@ -348,3 +348,13 @@ def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
     n = 2000
     out = pl._clusters({Box((2 * i, 0), (2, 8)): {i} for i in range(n)})  # disjoint: nothing merges
     assert len(out) == n and len(calls) <= 2 * n  # was n*(n-1)/2 comparisons
+
+
+def test_small_chunks_of_large_replica_groups_get_one_writer_chosen_by_their_owner():
+    world = 3 * (ex.DIRECT_ABOVE + 1)
+    shards = [meta(f"norm{k}", r, (0,), (8,), (8,), (r,)) for k in range(12) for r in range(world)]
+    shards += [ShardMeta("big", "tensor", r, "float32", (1 << 20,), (0,), (1 << 20,), (r,), 4 << 20) for r in range(world)]
+    _, _, writes = simulate(_per_rank(shards, world))
+    written = [m for ws in writes for m in ws]
+    assert sorted(m.key for m in written) == sorted(["big"] + [f"norm{k}" for k in range(12)])
+    assert len({m.rank for m in written if m.key != "big"}) > 6  # spread by hash, not all on rank 0

@@ -134,3 +134,24 @@ def test_scale_benchmark_smoke(tmp_path):
     assert runs[(8, False)]["save"]["unique_chunks"] == runs[(16, False)]["save"]["unique_chunks"]
     assert all(a["megatron"] and a["dcp"] for a in res["anchors"])
     assert "| ZeRO | ranks |" in proc.stdout
+
+
+def test_repeated_save_with_the_same_structure_reuses_the_plan(tmp_path, monkeypatch):
+    calls = []
+    real = ex_mod.chunk_owner_step
+    monkeypatch.setattr(ex_mod, "chunk_owner_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ex_mod.forget_plans()
+
+    def state(value, rows=4):
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((rows, 2), value)), "it": int(value)}
+
+    ci.save(state(1.0), str(tmp_path / "a"))
+    ci.save(state(2.0), str(tmp_path / "b"))  # same keys, shapes, offsets: no exchange
+    assert len(calls) == 1
+    ci.save(state(3.0, rows=6), str(tmp_path / "c"))  # another structure: planned again
+    assert len(calls) == 2
+    ci.save(state(4.0, rows=6), str(tmp_path / "d"), validate_access_integrity=False)  # other options: again
+    assert len(calls) == 3
+    for name, value, rows in (("a", 1.0, 4), ("b", 2.0, 4), ("c", 3.0, 6), ("d", 4.0, 6)):
+        out = ci.load(state(0.0, rows), str(tmp_path / name))
+        assert torch.equal(out["w"], torch.full((rows, 2), value)) and out["it"] == int(value)

@@ -8,9 +8,9 @@ check that the metadata traffic per rank does not grow with the world size.
 
 Counting rule (what lands on this rank from others, as the tensors the backend
 moves): an all-gather delivers every other rank's padded buffer plus its size; an
-all-to-all the messages addressed here plus one size per rank; a gather only to its
-destination; a broadcast the size and payload to every other rank; an all-reduce
-its vector once.
+all-to-all the messages addressed here plus one 4-byte size per rank; a gather only
+to its destination; a broadcast the size and payload to every other rank; an
+all-reduce its vector once.
 
 ``src``/``dst`` arguments are global ranks, as in ``torch.distributed``.
 """
@@ -127,8 +127,11 @@ def all_to_all_bytes(messages: Dict[int, bytes], group: Optional[Any] = None) ->
         return {me: own} if own else {}
     world, dev = get_world_size(group), _device(group)
     send_sizes = [len(messages.get(d, b"")) for d in range(world)]
-    recv_t = torch.empty(world, dtype=torch.int64, device=dev)
-    dist.all_to_all_single(recv_t, _ints(send_sizes, dev), group=group)
+    if max(send_sizes) >= 1 << 31:
+        raise ValueError("all_to_all_bytes: a message of 2 GiB or more")
+    # int32 sizes: this vector is the only part of the exchange that grows with the group
+    recv_t = torch.empty(world, dtype=torch.int32, device=dev)
+    dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int32, device=dev), group=group)
     recv_sizes = recv_t.cpu().tolist()
     blob = b"".join(messages.get(d, b"") for d in range(world))
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
@@ -142,8 +145,8 @@ def all_to_all_bytes(messages: Dict[int, bytes], group: Optional[Any] = None) ->
         pos += n
     traffic.add(
         "all_to_all",
-        8 * (world - 1) + sum(send_sizes) - send_sizes[me],
-        8 * (world - 1) + sum(recv_sizes) - recv_sizes[me],
+        4 * (world - 1) + sum(send_sizes) - send_sizes[me],
+        4 * (world - 1) + sum(recv_sizes) - recv_sizes[me],
     )
     return result
 

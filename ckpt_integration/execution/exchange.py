@@ -166,7 +166,7 @@ def run(
         sums[0] = len(problems)
     if sums[0]:
         _raise_problems(problems, group, problems_header, on_problems)
-    result.token = digest64(f"{world}/{sums[2]}/{sums[3]}/{sums[4]}".encode()) or 1
+    result.token = digest64(f"{world}/{sums[3]}/{sums[4]}/{sums[5]}".encode()) or 1
     if want_layout:
         mine = encode_shards([metas[i] for i in result.to_write], rank)
         result.layout = [m for msg in dist.all_gather_bytes(mine, group) for m in decode_shards(msg)]

@@ -32,6 +32,7 @@ its own shards - flat in the world size for a fixed model-parallel layout.
 from __future__ import annotations
 
 import heapq
+import math
 import zlib
 from array import array
 from collections import defaultdict
@@ -62,6 +63,8 @@ def key_owner(key: str, world: int) -> int:
 
 
 # --------------------------------------------------------------------------- holder -> chunk owner
+DIRECT_ABOVE = 64  # more writer candidates than this and ...
+DIRECT_BELOW_ELEMENTS = 1 << 20  # ... fewer elements: the chunk owner picks the writer itself
 COMPACT = -1  # in a record's key position: a non-main copy sent as (digest, flags)
 DETAIL = -1  # in a reply's digest position: "send this record in full"
 
@@ -173,7 +176,9 @@ def chunk_owner_step(
     The main replica of a chunk is its lowest-rank main record; the writer
     candidates are the copies with the main's dtype, global shape, sizes and data
     (only the main for objects or without ``balance``; the main alone when no copy
-    has data - its missing data is then reported by the save).
+    has data - its missing data is then reported by the save). A small chunk with
+    more than :data:`DIRECT_ABOVE` candidates gets one, chosen by hash, so replies
+    stay O(1) per chunk however large the replica group.
     """
     chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)
     compact: List[Tuple[int, int, int, int]] = []
@@ -236,6 +241,11 @@ def chunk_owner_step(
                     seen.add(r[0])
                     candidates.append(r)
             candidates = candidates or [main]
+            if len(candidates) > DIRECT_ABOVE and math.prod(main[4]) < DIRECT_BELOW_ELEMENTS:
+                # a small chunk held by many ranks (a tensor-parallel-replicated norm or bias
+                # across a large data-parallel group): this owner picks the writer, spread by
+                # hash, and tells only it - O(1) replies instead of one per copy
+                candidates = [candidates[digest64(chunk_token(key, offsets)) % len(candidates)]]
         n = len(candidates)
         hdig = digest64(array("q", [c[0] for c in candidates]).tobytes()) if n > 1 else 0
         for pos, c in enumerate(candidates):
