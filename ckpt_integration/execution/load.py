@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..dict_utils import dict_list_map_inplace, merge
-from ..errors import MismatchError, ShardingIntegrityError
+from ..errors import MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..planning.boxes import Box, relative_slices
 from ..planning.exchange import route_shards

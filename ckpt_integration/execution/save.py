@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..errors import CheckpointingException, DistributedCheckpointingError, ShardingIntegrityError
+from ..errors import CheckpointingException, DistributedCheckpointingError
 from ..mapping import ShardedBase, ShardedTensor
 from ..planning.exchange import CommitLayout, KeySummary, Routed, Written, commit_layout, decode_finalize, encode_finalize
 from ..planning.exchange import route_shards
