@@ -234,12 +234,22 @@ class Stat:
         return {"max": s[-1], "p50": s[len(s) // 2], "mean": sum(s) / len(s), "argmax": self.v.index(s[-1])}
 
 
-def _timed(fn: Callable[[], Any]) -> Tuple[Any, float]:
+def _timed(fn: Callable[[], Any], retry_above: float = 0.01) -> Tuple[Any, float]:
     """Result and CPU seconds of this thread: what the simulated rank itself computes, unaffected by
-    other processes on a shared machine taking the core away (wall time would add that)."""
+    other processes on a shared machine taking the core away (wall time would add that).
+
+    The steps are pure functions, so a call above ``retry_above`` seconds is repeated twice and the
+    fastest kept: kernel time from the simulation's own multi-GiB heap growing (page faults,
+    charged to whichever rank allocates) is not a cost of the rank's work.
+    """
     t = time.thread_time()
     out = fn()
-    return out, time.thread_time() - t
+    best = time.thread_time() - t
+    for _ in range(2 if best > retry_above else 0):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return out, best
 
 
 def _peak(fn: Callable[[], Any]) -> int:
@@ -401,7 +411,7 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
         return lay
 
     t0 = time.perf_counter()
-    lay, cpu = _timed(run)
+    lay, cpu = _timed(run, retry_above=float("inf"))  # writes files: once
     dt = time.perf_counter() - t0
     sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt")}
     chunks = sum(len(c) for _, _, c in lay.tensors.values()) + len(lay.objects)
