@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..planning.boxes import Box, intersect, relative_slices
+from ..planning.boxes import Box, intersect, relative_slices, sweep_axis
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 
@@ -117,13 +117,13 @@ def _box_order(b: Box) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
 
 
 def _overlapping_pairs(boxes: Sequence[Box]) -> List[Tuple[int, int]]:
-    """Index pairs of boxes that share elements: a sweep along the axis with the most distinct starts."""
+    """Index pairs of boxes that share elements: a sweep along the axis where they overlap least."""
     if len(boxes) < 2:
         return []
     ndim = len(boxes[0].offsets)
     if ndim == 0:
         return [(0, j) for j in range(1, len(boxes))]
-    axis = max(range(ndim), key=lambda a: len({b.offsets[a] for b in boxes}))
+    axis = sweep_axis([b.offsets for b in boxes], [b.sizes for b in boxes])
     order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[axis])
     active: List[int] = []
     pairs = []

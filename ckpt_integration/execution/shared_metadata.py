@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import errors as errors_mod
 from ..errors import CorruptCheckpointError
-from ..planning.boxes import Box, intersect
+from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead
 from ..storage import checkpoint_dir as ckdir
@@ -156,9 +156,9 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
         if isinstance(meta, TensorStorageMetadata):
             size = tuple(meta.size)
             # the per-key index, built once here: chunks sorted by their start along the axis
-            # with the most distinct starts, and the longest extent along it (see ChunkIndex)
+            # where they overlap least, and the longest extent along it (see ChunkIndex)
             chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
-            axis = max(range(len(size)), key=lambda a: len({o[a] for o, _ in chunks})) if size else -1
+            axis = sweep_axis([o for o, _ in chunks], [s for _, s in chunks]) if size else -1
             if axis >= 0:
                 chunks.sort(key=lambda c: c[0][axis])
             longest = max((s[axis] for _, s in chunks), default=0) if axis >= 0 else 0

@@ -180,38 +180,43 @@ def chunk_owner_step(
     more than :data:`DIRECT_ABOVE` candidates gets one, chosen by hash, so replies
     stay O(1) per chunk however large the replica group.
     """
-    chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)
-    compact: List[Tuple[int, int, int, int]] = []
+    chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)  # chunk id -> full records
+    compact: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # record digest -> (src, idx, flags)
     for msg in inbox:
-        for src, idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
-            if key is None:
-                compact.append((src, idx, kind, flags))  # kind holds the digest here
+        strings, ints = decode(msg)
+        src, p, n = ints[0], 1, len(ints)
+        while p < n:
+            if ints[p + 1] == COMPACT:
+                compact[ints[p + 2]].append((src, ints[p], ints[p + 3]))
+                p += 4
                 continue
-            cid = (key, kind, offsets, gshape if kind == 1 else ())
-            chunks[cid].append((src, idx, dtype, gshape, sizes, flags))
-    matched: Dict[int, Tuple[Tuple, Tuple]] = {}  # record digest -> (chunk id, the main's content)
-    if compact:
-        for cid, recs in chunks.items():
-            for r in recs:
-                if r[5] & MAIN:
-                    dig = record_digest(cid[0], cid[1], r[2], r[3], cid[2], r[4])
-                    matched.setdefault(dig, (cid, (r[2], r[3], r[4])))
-    unresolved: List[Tuple[int, int]] = []
-    for src, idx, dig, flags in compact:
-        hit = matched.get(dig)
-        if hit is None:
-            unresolved.append((src, idx))  # differs from every main here, or its chunk has no main
-        else:
-            chunks[hit[0]].append((src, idx) + hit[1] + (flags,))
+            idx, ks, kind, ds, flags, nd = ints[p : p + 6]
+            p += 6
+            gshape = tuple(ints[p : p + nd])
+            offsets = tuple(ints[p + nd : p + 2 * nd])
+            sizes = tuple(ints[p + 2 * nd : p + 3 * nd])
+            p += 3 * nd
+            chunks[(strings[ks], kind, offsets, gshape if kind == 1 else ())].append(
+                (src, idx, strings[ds], gshape, sizes, flags)
+            )
     forwards: Dict[int, MessageWriter] = {}
     answers: Dict[int, MessageWriter] = {}
-    for src, idx in unresolved:
-        a = answers.get(src)
+
+    def answer(dst: int, *values: int) -> None:
+        a = answers.get(dst)
         if a is None:
-            a = answers[src] = MessageWriter()
-        a.add(idx, DETAIL, 0, 0)
+            a = answers[dst] = MessageWriter()
+        a.add(*values)
+
     for (key, kind, offsets, _), recs in chunks.items():
         recs.sort()
+        # the copies identical to a main replica of this chunk, by content (dtype, shape, sizes)
+        copies: Dict[Tuple, List[Tuple[int, int, int]]] = {}
+        if compact:
+            for r in recs:
+                content = (r[2], r[3], r[4])
+                if r[5] & MAIN and content not in copies:
+                    copies[content] = compact.pop(record_digest(key, kind, r[2], r[3], offsets, r[4]), [])
         by_sig: Dict[Tuple, List[Tuple]] = defaultdict(list)
         for r in recs:
             by_sig[(r[2], r[3])].append(r)
@@ -224,7 +229,11 @@ def chunk_owner_step(
             w.add(w.sid(key), kind, w.sid(dtype), len(gshape), *gshape, *offsets, len(mains))
             for r in mains:
                 w.add(r[0], *r[4])
-            runs = encode_runs(sorted({r[0] for r in group}))
+            holders = {r[0] for r in group}
+            for content, cs in copies.items():
+                if content[0] == dtype and content[1] == gshape:
+                    holders.update(c[0] for c in cs)
+            runs = encode_runs(sorted(holders))
             w.add(len(runs), *runs)
         if not replies:
             continue
@@ -232,15 +241,14 @@ def chunk_owner_step(
         if main is None:
             continue  # nothing to write (validation reports it)
         if kind == 1 or not balance:
-            candidates = [main]
+            candidates = [(main[0], main[1])]
         else:
-            seen = set()
-            candidates = []
-            for r in recs:
-                if r[0] not in seen and r[2] == main[2] and r[3] == main[3] and r[4] == main[4] and r[5] & HAS_DATA:
-                    seen.add(r[0])
-                    candidates.append(r)
-            candidates = candidates or [main]
+            content = (main[2], main[3], main[4])
+            both = [(r[0], r[1]) for r in recs if (r[2], r[3], r[4]) == content and r[5] & HAS_DATA]
+            both += [(c[0], c[1]) for c in copies.get(content, ()) if c[2] & HAS_DATA]
+            both.sort()
+            candidates = [c for i, c in enumerate(both) if i == 0 or both[i - 1][0] != c[0]]  # one per rank
+            candidates = candidates or [(main[0], main[1])]
             if len(candidates) > DIRECT_ABOVE and math.prod(main[4]) < DIRECT_BELOW_ELEMENTS:
                 # a small chunk held by many ranks (a tensor-parallel-replicated norm or bias
                 # across a large data-parallel group): this owner picks the writer, spread by
@@ -248,11 +256,12 @@ def chunk_owner_step(
                 candidates = [candidates[digest64(chunk_token(key, offsets)) % len(candidates)]]
         n = len(candidates)
         hdig = digest64(array("q", [c[0] for c in candidates]).tobytes()) if n > 1 else 0
-        for pos, c in enumerate(candidates):
-            a = answers.get(c[0])
-            if a is None:
-                a = answers[c[0]] = MessageWriter()
-            a.add(c[1], hdig, n, pos)
+        for pos, (rank, idx) in enumerate(candidates):
+            answer(rank, idx, hdig, n, pos)
+    # copies matching no main replica here: differ from it, or their chunk has none
+    for cs in compact.values():
+        for src, idx, _flags in cs:
+            answer(src, idx, DETAIL, 0, 0)
     return (
         {d: w.tobytes() for d, w in sorted(forwards.items())},
         {d: w.tobytes() for d, w in sorted(answers.items())},

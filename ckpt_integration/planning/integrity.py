@@ -2,9 +2,12 @@
 
 Pure functions over :class:`ShardMeta` records. Work per key is near-linear in
 its number of shards: overlaps are found with a sweep along the axis that has
-the most distinct offsets (so a 1-D split of N shards costs O(N log N)), and
-coverage is checked by summing volumes. Each rank can validate only the keys
-assigned to it (:func:`keys_owned_by`), so no rank does work for the whole job.
+the most distinct offsets, recursing on the other axes for shards that share an
+interval (so a 1-D split of N shards costs O(N log N)), and coverage is checked by
+summing volumes. A key is validated by one rank (its owner, :func:`owner_of_key`)
+from the main-replica records and one :class:`Holding` per chunk and signature
+(:func:`validate_key_records`, as the save's exchange delivers them);
+:func:`validate_key` takes plain records of every copy and gives the same messages.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-from .boxes import Box, intersect
+from .boxes import Box, intersect, sweep_axis
 from .records import decode_runs, encode_runs
 from .shards import ShardMeta
 
@@ -89,10 +92,11 @@ def _check_consistency(key: str, holdings: Sequence[Holding]) -> List[str]:
 def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
     """Describe pairs of main-replica shards that share elements (at most ``limit``).
 
-    A sweep along the axis with the most distinct starts; shards with the same
-    interval along it (the tensor-parallel pieces of one layer of a stacked tensor)
-    are compared by recursing on the other axes, so the usual layouts cost
-    O(n log n) instead of comparing every shard of a layer with every other.
+    A sweep along the axis where shards overlap least (:func:`~.boxes.sweep_axis`);
+    shards with the same interval along it (the pieces of one layer of a stacked
+    tensor) are compared by recursing on the other axes, so the usual layouts -
+    ZeRO's flat pieces included - cost O(n log n) instead of comparing every shard
+    of a layer with every other.
     """
     if len(boxes) < 2:
         return []
@@ -108,14 +112,15 @@ def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List
 def _sweep(items: List[Tuple], axes: Tuple[int, ...], limit: int, found: List[str]) -> None:
     if len(items) < 2 or len(found) >= limit:
         return
-    if not axes:  # identical boxes: every pair overlaps
+    if len(items) <= 8 or not axes:  # few boxes (or identical ones): compare every pair
         for i, x in enumerate(items):
             for b in items[i + 1 :]:
-                _report(x, b, found, limit)
-                if len(found) >= limit:
-                    return
+                if all(x[0][a] < b[1][a] and b[0][a] < x[1][a] for a in axes):
+                    _report(x, b, found, limit)
+                    if len(found) >= limit:
+                        return
         return
-    axis = max(axes, key=lambda a: len({it[0][a] for it in items}))
+    axis = sweep_axis([it[0] for it in items], [tuple(h - l for l, h in zip(it[0], it[1])) for it in items], axes)
     rest = tuple(a for a in axes if a != axis)
     groups: Dict[Tuple[int, int], List[Tuple]] = defaultdict(list)
     for it in sorted(items, key=lambda it: (it[0][axis], it[2].rank)):

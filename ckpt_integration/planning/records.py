@@ -76,6 +76,12 @@ def decode(buf: bytes) -> Tuple[List[str], List[int]]:
     pos = _HEADER.size
     if len(buf) != pos + nblob + nints * width or nblob < 4 * nstr:
         raise ValueError("metadata message has an inconsistent length")
+    body = array("q" if width == 8 else "i")
+    if not nstr:  # the common small message (e.g. a replica's digest): integers only
+        if nblob:
+            raise ValueError("metadata message has an inconsistent string table")
+        body.frombytes(buf[pos:])
+        return [], body.tolist()
     lengths = array("I")
     lengths.frombytes(buf[pos : pos + 4 * nstr])
     p = pos + 4 * nstr
@@ -85,7 +91,6 @@ def decode(buf: bytes) -> Tuple[List[str], List[int]]:
         p += n
     if p != pos + nblob:
         raise ValueError("metadata message has an inconsistent string table")
-    body = array("q" if width == 8 else "i")
     body.frombytes(buf[pos + nblob :])
     return strings, body.tolist()
 

@@ -6,7 +6,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .boxes import Box, clip_to_shape, intersect
+from .boxes import Box, clip_to_shape, intersect, sweep_axis
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,9 @@ def plan_chunk_reads(request: Box, saved_chunks: Sequence[Box]) -> List[ChunkRea
 class ChunkIndex:
     """The saved chunks of one tensor, sorted once so each request costs O(log n + k).
 
-    Chunks are sorted by their start along the axis with the most distinct starts
-    (the layer axis of a stacked layer tensor, the split axis of a tensor-parallel
-    one). A request's candidates are the chunks starting in
+    Chunks are sorted by their start along the axis where they overlap least
+    (:func:`~.boxes.sweep_axis`: the layer axis of a stacked layer tensor, the split
+    axis of a tensor-parallel one). A request's candidates are the chunks starting in
     ``(request start - longest chunk, request end)`` along that axis: ``k`` is the
     chunks sharing the request's band, e.g. the tensor-parallel pieces of one layer.
 
@@ -62,8 +62,7 @@ class ChunkIndex:
         return self
 
     def _build(self, offsets: List[Tuple[int, ...]], sizes: List[Tuple[int, ...]], sources: List[Any]) -> None:
-        ndim = len(offsets[0]) if offsets else 0
-        self.axis = max(range(ndim), key=lambda a: len({o[a] for o in offsets})) if ndim else -1
+        self.axis = sweep_axis(offsets, sizes)
         order = range(len(offsets))
         if self.axis >= 0:
             a = self.axis
