@@ -134,3 +134,227 @@ def test_strict_flags_and_directions():
     missing, unexpected = mismatched_keys({"a", "new"}, {"a", "new", "b"}, {"a", "b", "old"})
     assert unexpected == {"new"}  # requested but not in the checkpoint
     assert missing == {"old"}  # in the checkpoint but requested by no rank
+
+
+# --------------------------------------------------------------------------- the scalable exchange
+import random  # noqa: E402
+
+from ckpt_integration.planning import exchange as ex  # noqa: E402
+from ckpt_integration.planning.records import MessageWriter, decode, decode_runs, encode, encode_runs  # noqa: E402
+from ckpt_integration.planning.reshard import ChunkIndex  # noqa: E402
+
+
+def simulate(per_rank, balance=True, validate=True):
+    """Run the exchange steps of every simulated rank through in-memory mailboxes (as the collectives would)."""
+    world = len(per_rank)
+    routed = [ex.route_shards(m, r, world) for r, m in enumerate(per_rank)]
+    mail = [[] for _ in range(world)]
+    for rt in routed:
+        for d, msg in rt.messages.items():
+            mail[d].append(msg)
+    fwd, rep = [[] for _ in range(world)], [[] for _ in range(world)]
+    for d in range(world):
+        f, a = ex.chunk_owner_step(mail[d], world, balance=balance)
+        for k, m in f.items():
+            fwd[k].append(m)
+        for k, m in a.items():
+            rep[k].append(m)
+    detail = [ex.detail_requests(rep[r]) for r in range(world)]
+    if any(detail):  # the detail round: those records in full, their holdings to the key owners
+        mail = [[] for _ in range(world)]
+        for r in range(world):
+            for d, msg in ex.route_shards(per_rank[r], r, world, only=detail[r]).messages.items():
+                mail[d].append(msg)
+        for d in range(world):
+            for k, m in ex.chunk_owner_step(mail[d], world, replies=False)[0].items():
+                fwd[k].append(m)
+    problems, summaries = [], []
+    for d in range(world):
+        p, s = ex.key_owner_step(fwd[d], validate=validate)
+        problems += p
+        summaries += s
+    writes = [[per_rank[r][i] for i in ex.assign_writes(per_rank[r], rep[r])] for r in range(world)]
+    return problems, summaries, writes
+
+
+def _per_rank(shards, world):
+    out = [[] for _ in range(world)]
+    for s in shards:
+        out[s.rank].append(s)
+    return out
+
+
+BAD_LAYOUTS = {
+    "overlap": [meta("w", 0, (0, 0), (3, 4), (5, 4)), meta("w", 1, (2, 0), (3, 4), (5, 4))],
+    "gap": [meta("w", 0, (0, 0), (2, 4), (5, 4)), meta("w", 2, (3, 0), (2, 4), (5, 4))],
+    "shape": [meta("w", 0, (0,), (2,), (4,)), meta("w", 1, (2,), (2,), (5,)), meta("w", 2, (2,), (2,), (5,), (1,))],
+    "dtype": [meta("w", 0, (0,), (2,), (4,)), meta("w", 1, (2,), (2,), (4,), dtype="bfloat16")],
+    "no_main": [meta("w", r, (0,), (4,), (4,), (1, r)) for r in range(3)],
+    "object_dup": [meta("o", r, (0,), (1,), (1,), (0,), dtype="object", kind="object") for r in range(2)],
+    "object_lost": [meta("o", r, (r,), (1,), (2,), (1,), dtype="object", kind="object") for r in range(2)],
+    "outside": [meta("w", 0, (0,), (3,), (4,)), meta("w", 1, (3,), (3,), (4,))],
+    # a data-parallel copy (sent as a digest) that differs from its main replica
+    "replica_dtype": [meta("w", 0, (0,), (4,), (4,)), meta("w", 1, (0,), (4,), (4,), (1,), dtype="bfloat16")],
+    "replica_shape": [meta("w", 0, (0,), (4,), (4,)), meta("w", 2, (0,), (4,), (6,), (1,))],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_LAYOUTS))
+@pytest.mark.parametrize("world", [3, 7])
+def test_exchange_reports_what_full_validation_reports(name, world):
+    """Key owners validating from holdings + main records give the messages of validate_key over all shards."""
+    shards = BAD_LAYOUTS[name] + row_split("fine", world, 2, replica=lambda r: (0,))
+    expected = validate_key(shards[0].key, [s for s in shards if s.key == shards[0].key])
+    assert expected
+    problems, _, _ = simulate(_per_rank(shards, world))
+    assert problems == expected
+
+
+def test_exchange_valid_layout_writes_every_chunk_once_balanced():
+    tp, dp = 2, 4
+    world = tp * dp
+    shards = []
+    for r in range(world):
+        t, d = r % tp, r // tp
+        for k in range(6):  # TP-split weights (DP replicas) of different sizes
+            rows = 8 * (k + 1)
+            shards.append(meta(f"w{k}", r, (0, t * 4), (rows, 4), (rows, 4 * tp), (0, d)))
+        shards.append(meta("norm", r, (0,), (8,), (8,), (t, d)))  # replicated everywhere
+        shards.append(meta("obj", r, (t,), (1,), (tp,), (d,), dtype="object", kind="object"))
+    problems, summaries, writes = simulate(_per_rank(shards, world))
+    assert problems == []
+    written = [m.chunk_id for ws in writes for m in ws]
+    expected = {s.chunk_id for s in shards}
+    assert sorted(written) == sorted(expected)  # each unique chunk exactly once
+    assert {m.rank for ws in writes for m in ws if m.kind == "object"} == {0, 1}  # objects by their main replica
+    loads = [sum(m.nbytes for m in ws) for ws in writes]
+    assert max(loads) <= 2 * (sum(loads) / world)  # spread over the DP replicas, not all on the main ones
+    assert len([l for l in loads if l]) == world
+    by_key = {s.key: s for s in summaries}
+    assert by_key["w0"].chunks == tp and by_key["norm"].chunks == 1 and by_key["obj"].chunks == tp
+    # without balancing the main replicas write
+    _, _, writes = simulate(_per_rank(shards, world), balance=False)
+    assert all(m.is_main for ws in writes for m in ws)
+    assert sorted(m.chunk_id for ws in writes for m in ws) == sorted(expected)
+
+
+def test_exchange_never_assigns_a_replica_without_data():
+    shards = [ShardMeta("k", "tensor", r, "float32", (100,), (0,), (100,), (r,), 400, has_data=r == 0) for r in range(4)]
+    shards += [ShardMeta(f"k{i}", "tensor", r, "float32", (10,), (0,), (10,), (r,), 40) for i in range(4) for r in range(4)]
+    _, _, writes = simulate(_per_rank(shards, 4))
+    assert [m.rank for ws in writes for m in ws if m.key == "k"] == [0]
+    assert sorted(len([m for m in ws if m.key != "k"]) for ws in writes) == [1, 1, 1, 1]
+
+
+def test_commit_layout_from_compact_records_and_its_checks():
+    shards = row_split("w", 4, 2) + [meta("o", 0, (0,), (1,), (1,), dtype="object", kind="object")]
+    _, summaries, writes = simulate(_per_rank(shards, 4))
+
+    def written(ws):
+        return [
+            ex.Written(m.storage_key, m.offsets if m.kind == "tensor" else None, m.sizes if m.kind == "tensor" else None,
+                       f"__{m.rank}_0.distcp", 0, 10, 1)
+            for m in ws
+        ]
+
+    msgs = [ex.encode_finalize(None, written(ws), [s for s in summaries if ex.key_owner(s.key, 4) == r]) for r, ws in enumerate(writes)]
+    decoded = [ex.decode_finalize(m) for m in msgs]
+    items = [w for _, ws, _ in decoded for w in ws]
+    summ = [s for _, _, ss in decoded for s in ss]
+    layout = ex.commit_layout(items, summ)
+    assert layout.tensors["w"] == ("float32", (8, 4), [((2 * r, 0), (2, 4)) for r in range(4)])
+    assert layout.objects == ["o/shard_0_1"]
+    missing_one = [w for w in items if w.offsets != (0, 0)]
+    with pytest.raises(Exception, match="internal error: 4 chunks of 'w' should have been written, 3 were"):
+        ex.commit_layout(missing_one, summ)
+    with pytest.raises(Exception, match="written twice"):
+        ex.commit_layout(items + items[:1], summ)
+    assert ex.decode_finalize(ex.encode_finalize("boom", [], []))[0] == "boom"
+    assert ex.encode_finalize(None, [], []) == b""  # ranks with nothing to report send nothing
+
+
+def test_record_encoding_roundtrip_and_rejects_garbage():
+    w = MessageWriter()
+    ints = [w.sid("é/key"), w.sid("x"), w.sid("é/key"), -5, 1 << 40]
+    w.extend(ints)
+    strings, got = decode(w.tobytes())
+    assert strings == ["é/key", "x"] and got == [0, 1, 0, -5, 1 << 40]
+    assert decode(encode([], [1, 2]))[1] == [1, 2]
+    for bad in (b"", b"XXXX" + bytes(20), encode(["a"], [1])[:-1]):
+        with pytest.raises(ValueError):
+            decode(bad)
+    for ranks in ([], [3], [0, 2, 4, 6], [1, 2, 5, 9, 10, 11]):
+        assert decode_runs(encode_runs(ranks)) == ranks
+    assert len(encode_runs(list(range(5, 5 + 8 * 1000, 8)))) == 3  # a DP group is one run
+
+
+def test_chunk_index_matches_a_scan():
+    rng = random.Random(0)
+    for _ in range(300):
+        nd = rng.randint(1, 3)
+        shape = [rng.randint(4, 12) for _ in range(nd)]
+        cuts = [sorted({0, s, *rng.sample(range(1, s), rng.randint(0, 3))}) for s in shape]
+        chunks = []
+
+        def grid(a, off, size):
+            if a == nd:
+                chunks.append(Box(tuple(off), tuple(size)))
+                return
+            for lo, hi in zip(cuts[a], cuts[a][1:]):
+                grid(a + 1, off + [lo], size + [hi - lo])
+
+        grid(0, [], [])
+        rng.shuffle(chunks)
+        index = ChunkIndex(chunks, list(range(len(chunks))))
+        for _ in range(5):
+            off = [rng.randint(0, s - 1) for s in shape]
+            req = Box(tuple(off), tuple(rng.randint(1, s - o) for o, s in zip(off, shape)))
+            expected = {(r.chunk, r.overlap) for r in plan_chunk_reads(req, chunks)}
+            got = index.reads(req)
+            assert {(r.chunk, r.overlap) for r in got} == expected
+            assert all(chunks[r.source] == r.chunk for r in got)
+
+
+def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
+    from ckpt_integration.execution import parallel_load as pl
+
+    def pairwise(regions):  # the definition: merge overlapping boxes until none overlap
+        groups = [(b, set(r)) for b, r in regions.items()]
+        changed = True
+        while changed:
+            changed = False
+            for i in range(len(groups)):
+                for j in range(i + 1, len(groups)):
+                    if intersect(groups[i][0], groups[j][0]) is not None:
+                        groups[i] = (pl._bounding([groups[i][0], groups[j][0]]), groups[i][1] | groups[j][1])
+                        del groups[j]
+                        changed = True
+                        break
+                if changed:
+                    break
+        return sorted(groups, key=lambda g: pl._box_order(g[0]))
+
+    rng = random.Random(0)
+    for _ in range(500):
+        nd = rng.randint(1, 3)
+        regions = {}
+        for r in range(rng.randint(1, 10)):
+            off = tuple(rng.randint(0, 10) for _ in range(nd))
+            regions.setdefault(Box(off, tuple(rng.randint(1, 4) for _ in range(nd))), set()).add(r)
+        assert pl._clusters(regions) == pairwise(regions)
+    calls = []
+    real = pl.intersect
+    monkeypatch.setattr(pl, "intersect", lambda a, b: calls.append(1) or real(a, b))
+    n = 2000
+    out = pl._clusters({Box((2 * i, 0), (2, 8)): {i} for i in range(n)})  # disjoint: nothing merges
+    assert len(out) == n and len(calls) <= 2 * n  # was n*(n-1)/2 comparisons
+
+
+def test_small_chunks_of_large_replica_groups_get_one_writer_chosen_by_their_owner():
+    world = 3 * (ex.DIRECT_ABOVE + 1)
+    shards = [meta(f"norm{k}", r, (0,), (8,), (8,), (r,)) for k in range(12) for r in range(world)]
+    shards += [ShardMeta("big", "tensor", r, "float32", (1 << 20,), (0,), (1 << 20,), (r,), 4 << 20) for r in range(world)]
+    _, _, writes = simulate(_per_rank(shards, world))
+    written = [m for ws in writes for m in ws]
+    assert sorted(m.key for m in written) == sorted(["big"] + [f"norm{k}" for k in range(12)])
+    assert len({m.rank for m in written if m.key != "big"}) > 6  # spread by hash, not all on rank 0

@@ -1,8 +1,9 @@
 """Warn when the common state differs between ranks (it is saved from rank 0 only).
 
 Megatron-Core broadcasts rank 0's common state at every save and diffs it on every
-other rank. Here each rank hashes its common state and one tiny ``all_gather`` of the
-digests decides; rank 0's common state travels (one broadcast) only when some digest
+other rank. Here each rank hashes its common state and one all-reduce of 5 integers
+(the maximum of the digest and of its negation: equal everywhere iff max == min)
+decides, at a cost that does not grow with the number of ranks; rank 0's common state travels (one broadcast) only when some digest
 differs, and then each differing rank logs, in Megatron-Core's words, which keys exist
 only on rank 0, only on that rank, or differ. Nothing is raised: rank 0's copy is
 what gets saved, as in Megatron-Core.
@@ -52,27 +53,30 @@ def check_common_consistency(
 
     ``preprocess`` (Megatron-Core's ``preprocess_common_before_consistancy_check``) maps
     the common state to what is compared, e.g. to drop keys expected to differ; it must
-    not modify its argument. Costs one hash per rank and one all_gather of 16 bytes when
+    not modify its argument. Costs one hash per rank and one all-reduce of 5 integers when
     the states agree.
     """
     if dist.get_world_size(group) == 1:
         return
     view = _comparable(preprocess(common) if preprocess is not None else common)
-    digests = dist.all_gather_object(_digest(view), group)
-    if all(d == digests[0] for d in digests) and digests[0] is not None:
-        return
+    mine = _digest(view)
+    parts = [0, 0] if mine is None else [int.from_bytes(mine[i : i + 7], "little") for i in (0, 7)]
+    top = dist.all_reduce_ints([1 if mine is None else 0, *parts, *(-x for x in parts)], "max", group)
+    if not top[0] and top[1] == -top[3] and top[2] == -top[4]:
+        return  # every rank has rank 0's digest
     rank = dist.get_rank(group)
     payload = None
     if rank == 0:
         try:
             buf = io.BytesIO()
             torch.save(view, buf)
-            payload = buf.getvalue()
+            payload = (mine, buf.getvalue())
         except Exception:  # noqa: BLE001 - the save reports an unpicklable common state
             payload = None
     payload = dist.broadcast_object(payload, src=dist.coordinator_rank(group), group=group)
-    if rank == 0 or payload is None or digests[rank] == digests[0]:
+    if rank == 0 or payload is None or payload[0] is None or mine == payload[0]:
         return
+    payload = payload[1]
     # rank 0's common state, from this job: trusted like the local one
     rank0 = torch.load(io.BytesIO(payload), weights_only=False)
     only_rank0, only_here, mismatch = diff(rank0, view)

@@ -1,10 +1,19 @@
 """Load with resharding from the torch_dist backend.
 
 Every rank reads only the parts of saved chunks that overlap its requested
-shards (see :mod:`ckpt_integration.planning.reshard`), with a thread pool.
-Collectives: one optional metadata exchange (integrity validation / strict
-``*_ALL`` modes) and one final agreement so that a failure on any rank raises
-on every rank.
+shards (see :mod:`ckpt_integration.planning.reshard`; a per-key
+:class:`~ckpt_integration.planning.reshard.ChunkIndex` makes each request
+O(log chunks)), with a thread pool.
+
+Collectives, none of which carries O(world) bytes to a rank when nothing fails:
+
+* one broadcast: the coordinator reads ``metadata.json``, ``.metadata`` and the
+  manifest and shares them compactly (:mod:`.shared_metadata`);
+* with ``validate_access_integrity``: the request check of a save's exchange
+  (:mod:`.exchange`: records to chunk owners, holdings to key owners);
+* with a strict ``*_ALL`` mode: an OR all-reduce of one bit per checkpoint key
+  ("requested by some rank");
+* a final agreement so that a failure on any rank raises on every rank.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -19,19 +29,21 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..dict_utils import dict_list_map_inplace, merge
-from ..errors import KeyNotInCheckpointError, MismatchError, ShardingIntegrityError
+from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..planning.boxes import Box, relative_slices
-from ..planning.integrity import validate_sharding_integrity
-from ..planning.reshard import plan_chunk_reads, uncovered_elements
+from ..planning.exchange import route_shards
+from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
 from ..storage.safe_pickle import safe_torch_load
-from ..storage.backends import open_reader, read_metadata
+from ..storage.backends import MANIFEST_FROM_DIRECTORY, open_reader, read_metadata
 from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
+from . import exchange
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .save import _describe
+from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
 
@@ -123,20 +135,48 @@ def _tensor_tasks(
         host = out.detach()
     view = host.view(sh.saved_shape())
     request = Box(sh.global_offset, sh.saved_shape())
-    reads = plan_chunk_reads(request, [c.box for c in reader.chunks[sh.key]])
+    reads = saved_chunk_reads(reader, sh.key, request)
     if sh.allow_shape_mismatch:
         host.zero_()
     elif uncovered_elements(request, saved_shape, reads) != 0:
         raise MismatchError(
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
         )
-    chunk_of = {c.box: c for c in reader.chunks[sh.key]}
     # read as stored, cast on copy into the requested dtype (like Megatron-Core: bf16 saved, fp32 requested)
     tasks = [
-        ReadTask(sh.key, chunk_of[r.chunk], r.overlap, view[relative_slices(r.overlap, request)], saved_dtype)
+        ReadTask(sh.key, r.source, r.overlap, view[relative_slices(r.overlap, request)], saved_dtype)
         for r in reads
     ]
     return host, tasks
+
+
+_indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()
+
+
+def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
+    """Reads filling ``request`` from the saved chunks of ``key`` (``source`` = the reader's chunk record).
+
+    When the metadata came from :mod:`.shared_metadata`, a binary search in the
+    broadcast's integers (sorted by the coordinator): O(log n) per request, chunk
+    records materialised only for the chunks read. Otherwise the key's
+    :class:`ChunkIndex` is built from the reader's chunk list on first use and kept as
+    long as the reader lives.
+    """
+    compact = compact_chunks_of(getattr(reader, "metadata", None))
+    if compact is not None and key in compact:
+        reads = compact.reads(key, request)
+        checksums, where = getattr(reader, "checksums", None), getattr(reader, "directory", "")
+        return [
+            ChunkRead(r.chunk, r.overlap, compact.chunk_info(key, r.source, r.chunk, checksums, where)) for r in reads
+        ]
+    per_reader = _indexes.get(reader)
+    if per_reader is None:
+        per_reader = _indexes[reader] = {}
+    index = per_reader.get(key)
+    if index is None:
+        chunks = reader.chunks[key]
+        index = per_reader[key] = ChunkIndex([c.box for c in chunks], chunks)
+    return index.reads(request)
 
 
 def load_torch_dist(
@@ -167,38 +207,41 @@ def load_torch_dist(
     metas = []
     requested: List[str] = []
     needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
+    md: Any = None
+    shared: Optional[SharedMetadata] = None
+    backend = "torch_dist"
     try:
-        backend = ckdir.read_config(checkpoint_dir).sharded_backend
+        shared = read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
+        backend = shared.backend
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
-        md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})
+        md = shared.metadata_for(requested)  # chunk records of the requested keys only
+        if md is None:  # zarr: the rank's reader reads the zarr index
+            md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         metas = [shard_meta(s, rank) for s in shards]
+        routed = route_shards(metas, rank, world, options="load") if validate_access_integrity else None
     except Exception as e:
         local_error, local_exc = _describe(e), e
+    requested_global: Set[str] = set(requested)
     if needs_exchange:
-        gathered = dist.all_gather_object((local_error, metas, requested), group)
-        errs = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
-        dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
+        dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
         if validate_access_integrity:
-            all_metas = [m for g in gathered for m in g[1]]
-            mine = validate_sharding_integrity(all_metas, rank, world)
-            problems = [p for ps in dist.all_gather_object(mine, group) for p in ps]
-            if problems:
-                raise ShardingIntegrityError(
-                    f"invalid sharding of the load request for {checkpoint_dir}:\n  " + "\n  ".join(problems)
-                )
-        requested_global = {k for g in gathered for k in g[2]}
-    else:
-        requested_global = set(requested)
+            exchange.run(
+                metas, routed, group, replies=False, purpose=None,
+                context=f"load of {checkpoint_dir} failed",
+                problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
+            )
+        if StrictHandling.requires_global_app_metadata(strict):
+            requested_global = _requested_by_any_rank(sorted(md.state_dict_metadata), requested, group)
     job: Optional[_LoadJob] = None
     if local_error is None:
         try:
             job = _prepare_reads(
                 checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
                 requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
-                strict_dtype=strict_dtype,
+                strict_dtype=strict_dtype, manifest=shared.manifest,
             )
         except Exception as e:
             local_error, local_exc = _describe(e), e
@@ -232,6 +275,18 @@ def load_torch_dist(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
+
+
+def _requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Any) -> Set[str]:
+    """Checkpoint keys some rank requests: an OR all-reduce of one bit per key (not the keys themselves)."""
+    position = {k: i for i, k in enumerate(ckpt_keys)}
+    bits = bytearray((len(ckpt_keys) + 7) // 8)
+    for k in requested:
+        i = position.get(k)
+        if i is not None:
+            bits[i >> 3] |= 1 << (i & 7)
+    merged = dist.any_of_bits(bytes(bits), group)
+    return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
 
 
 @dataclass
@@ -270,7 +325,7 @@ class _LoadJob:
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
     requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
-    strict_dtype=False,
+    strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
     ckpt_keys = [k for k in md.state_dict_metadata]
     missing: Set[str] = set()
@@ -282,8 +337,8 @@ def _prepare_reads(
             sharded = _drop_keys(sharded, unexpected)
         if not StrictHandling.requires_global_app_metadata(strict):
             missing = set()
-    # the reader reads the manifest itself (checksums, block checksums; a deleted one is damage)
-    reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums)
+    # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
+    reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
     tasks: List[ReadTask] = []
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -1,15 +1,20 @@
 """Synchronous save on the torch_dist backend, in three phases.
 
-1. **prepare** (collective): split the state dict, exchange shard metadata
-   (one ``all_gather`` of small records), validate sharding integrity (each rank
-   checks the keys it owns; one more ``all_gather`` of error strings), choose the
-   writer of every chunk (deterministic, no collective).
+1. **prepare** (collective): split the state dict, exchange shard metadata so
+   that each chunk's copies meet on one rank and each key's chunks on another
+   (compact records over ``all_to_all``; see :mod:`.exchange` for the protocol),
+   validate sharding integrity there, and learn which chunks this rank writes
+   (balanced within each chunk's replica set). When every rank's shards have the
+   same structure as at the last save, one small all-reduce agrees on that and the
+   plan is reused without exchanging metadata.
 2. **write** (local, no collectives; may run in the background): write this
    rank's chunks with several threads and fsync them.
-3. **finalize** (collective): gather write results on the coordinator, which
-   writes ``.metadata``, ``common.pt``, ``manifest.json`` and finally the
-   ``metadata.json`` commit marker; the outcome is broadcast so that a failure
-   on any rank raises on every rank with all causes.
+3. **finalize** (collective): gather compact write records (one per written
+   chunk) and the key owners' summaries on the coordinator, which checks that
+   every chunk was written once and writes ``.metadata``, ``common.pt``,
+   ``manifest.json`` and finally the ``metadata.json`` commit marker - work and
+   input O(unique chunks), not O(ranks x shards); the outcome is broadcast so that
+   a failure on any rank raises on every rank with all causes.
 
 The coordinator claims the target directory first (``storage/claim.py``): it writes
 the save's marker before anything else, refuses directories holding files this
@@ -34,12 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import __version__
-from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError, ShardingIntegrityError
+from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
-from ..planning.integrity import validate_sharding_integrity
-from ..planning.save_plan import items_for_rank, plan_writers
+from ..planning.exchange import CommitLayout, KeySummary, Routed, Written, commit_layout, decode_finalize, encode_finalize
+from ..planning.exchange import route_shards
 from ..planning.shards import ShardMeta
-from ..planning.storage_keys import storage_key_collisions
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.checksum import pack_crcs
@@ -50,15 +54,13 @@ from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
+from . import exchange
 from .common_check import check_common_consistency
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
-
-# Writer choice for the last seen structure: recomputed only when shards change.
-_plan_cache: Dict[Tuple[Any, ...], Any] = {}
 
 
 def _describe(e: BaseException) -> str:
@@ -81,7 +83,8 @@ class SavePlan:
     staging: bool
     common: Any
     requests: List[WriteRequest]
-    all_metas: List[ShardMeta]
+    write_metas: List[ShardMeta]  # the chunks this rank writes
+    summaries: List[KeySummary]  # of the keys this rank validated (rank 0's commit checks against them)
     thread_count: int
     durable: bool
     backend: str = "torch_dist"
@@ -211,6 +214,7 @@ def prepare_save(
     shards: List[ShardedBase] = []
     common: Any = None
     dir_info = None
+    routed: Optional[Routed] = None
     try:
         if content_metadata is not None:
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
@@ -218,65 +222,51 @@ def prepare_save(
         shards = local_shards(sharded)
         _check_savable(shards)
         metas = [shard_meta(sh, rank) for sh in shards]
+        routed = route_shards(metas, rank, world, options=f"{balance}/{validate_access_integrity}/{backend}")
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
     except Exception as e:
         local_error, local_exc = _describe(e), e
-    gathered = dist.all_gather_object((local_error, metas, dir_info), group)
-    errors = [f"rank {r}: {g[0]}" for r, g in enumerate(gathered) if g[0]]
-    if errors and coord and dir_info is not None:
-        _cleanup_failed(*dir_info)  # another rank failed: remove this save's marker, release the directory
-    dist.raise_if_any_failed(local_exc, errors, f"save to {checkpoint_dir} failed before writing")
-    if validate_access_integrity:
-        check_common_consistency(common, group, preprocess_common)
-    all_metas = [m for g in gathered for m in g[1]]
-    write_dir, staging = gathered[0][2]
-    # Storage-key collisions: one pure step over the gathered records (no collective; every
-    # rank computes the same). Kept apart from the exchange so it can move with it.
-    collisions = storage_key_collisions(all_metas)
-    if collisions:
-        if coord:
-            _cleanup_failed(write_dir, staging)
-        raise ShardingIntegrityError(
-            f"two items would be stored under the same key, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(collisions)
-        )
-    if validate_access_integrity:
-        mine = validate_sharding_integrity(all_metas, rank, world)
-        problems = dist.all_gather_object(mine, group)
-        flat = [p for ps in problems for p in ps]
-        if flat:
-            if coord:
-                _cleanup_failed(write_dir, staging)
-            raise ShardingIntegrityError(
-                f"invalid sharding, nothing was saved to {checkpoint_dir}:\n  " + "\n  ".join(flat)
+    context = f"save to {checkpoint_dir} failed before writing"
+    write_dir = staging = None
+    try:
+        planned = exchange.start(routed, local_error, local_exc, group, context)
+        write_dir, staging = dist.broadcast_object(dir_info, src=dist.coordinator_rank(group), group=group)
+        if validate_access_integrity:
+            check_common_consistency(common, group, preprocess_common)
+        if planned is None:
+            assert routed is not None  # start() raised on every rank otherwise
+            planned = exchange.run(
+                metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=backend == "zarr",
+                context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
             )
+    except BaseException:
+        if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
+            _cleanup_failed(*dir_info)
+        raise
+    write_metas = [metas[i] for i in planned.to_write]
     if backend == "zarr":
         # Arrays must exist before any rank writes chunks: the coordinator creates them,
-        # and the error exchange doubles as the barrier.
+        # and the broadcast of its outcome doubles as the barrier.
         err = None
         if coord:
             try:
-                _create_zarr_arrays(write_dir, all_metas, durable)
+                _create_zarr_arrays(write_dir, planned.layout, durable)
             except Exception as e:
                 err = f"rank 0 (creating zarr arrays): {_describe(e)}"
                 _cleanup_failed(write_dir, staging)
-        errs = [e for e in dist.all_gather_object(err, group) if e]
-        if errs:
-            raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + "\n  ".join(errs))
-    fingerprint = (balance, tuple(all_metas))
-    chosen = _plan_cache.get(fingerprint)
-    if chosen is None:
-        chosen = plan_writers(all_metas, balance=balance)
-        _plan_cache.clear()  # keep only the latest structure
-        _plan_cache[fingerprint] = chosen
+        err = dist.broadcast_object(err, src=dist.coordinator_rank(group), group=group)
+        if err:
+            raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
     requests: List[WriteRequest] = []
     try:
-        requests = _requests_for(shards, items_for_rank(chosen, rank))
+        requests = _requests_for(shards, write_metas)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     if backend == "zarr":
         # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
-        requests, local_error, local_exc = _zarr_chunk_requests(requests, all_metas, chosen, rank, group, local_error, local_exc)
+        chosen = {m.chunk_id: m for m in planned.layout}
+        requests, local_error, local_exc = _zarr_chunk_requests(requests, planned.layout, chosen, rank, group, local_error, local_exc)
     return SavePlan(
         rank=rank,
         world_size=world,
@@ -286,7 +276,8 @@ def prepare_save(
         staging=staging,
         common=common if coord else None,
         requests=requests,
-        all_metas=all_metas,
+        write_metas=write_metas,
+        summaries=planned.summaries,
         thread_count=thread_count,
         durable=durable,
         backend=backend,
@@ -329,27 +320,13 @@ def _cleanup_failed(write_dir: str, staging: bool) -> None:
         _release_claim(write_dir)
 
 
-def _commit(plan: SavePlan, written: List[WrittenItem]) -> None:
+def _commit(plan: SavePlan, layout: CommitLayout) -> None:
     """Coordinator: write metadata files, then the commit marker, then swap if staging."""
+    tensors, objects, written = _commit_inputs(layout)
     if plan.backend == "zarr":
         _commit_zarr(plan, written)
         return
-    tensors: Dict[str, Any] = {}
-    objects = set()
-    written_ids = {(w.storage_key, w.offsets) for w in written}
-    for m in plan.all_metas:
-        if m.kind == "object":
-            objects.add(m.storage_key)
-            continue
-        entry = tensors.setdefault(m.key, (dtype_from_name(m.dtype), m.global_shape, set()))
-        if m.is_main:
-            entry[2].add((m.offsets, m.sizes))
-    for key, (_, _, chunks) in tensors.items():
-        for offsets, _ in chunks:
-            if (key, offsets) not in written_ids:
-                raise CheckpointingException(f"internal error: chunk {offsets} of {key!r} was not written by any rank")
-    tensors = {k: (dt, shape, sorted(chunks)) for k, (dt, shape, chunks) in tensors.items()}
-    metadata = make_dcp_metadata(tensors, sorted(objects), written)
+    metadata = make_dcp_metadata(tensors, objects, written)
     d = plan.write_dir
     claim = _check_claim(plan)
     files: Dict[str, Dict[str, int]] = {
@@ -391,6 +368,26 @@ def _write_commit_marker(plan: SavePlan, backend: str) -> None:
             f"cannot commit the save to {plan.write_dir}: another save committed a checkpoint there meanwhile "
             "(two jobs saved to the same path at once); this save is abandoned"
         ) from None
+
+
+def _commit_inputs(layout: CommitLayout) -> Tuple[Dict[str, Any], List[str], List[WrittenItem]]:
+    """What ``_commit`` writes, from the compact records: tensor layouts (torch dtypes), object keys, items."""
+    tensors = {k: (dtype_from_name(dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
+    written = [
+        WrittenItem(w.storage_key, w.offsets, w.relative_path, w.offset, w.length, w.crc32, w.blocks)
+        for w in layout.written
+    ]
+    return tensors, layout.objects, written
+
+
+def _written_records(plan: SavePlan) -> List[Written]:
+    """This rank's written items with the chunk sizes (so rank 0 needs no other layout record)."""
+    sizes = {m.chunk_id: m.sizes for m in plan.write_metas if m.kind == "tensor"}
+    out = []
+    for w in plan.written:
+        s = sizes.get((w.storage_key, w.offsets)) if plan.backend == "torch_dist" and w.offsets is not None else None
+        out.append(Written(w.storage_key, w.offsets, s, w.relative_path, w.offset, w.length, w.crc32, w.blocks))
+    return out
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
@@ -517,19 +514,30 @@ def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
 
 def finalize_save(plan: SavePlan) -> None:
     """Phase 3 (collective). Raises DistributedCheckpointingError on every rank if any rank failed."""
-    results = dist.gather_object((plan.local_error, plan.written), dst=dist.coordinator_rank(plan.group), group=plan.group)
+    try:
+        message = encode_finalize(plan.local_error, _written_records(plan), plan.summaries)
+    except Exception as e:
+        if plan.local_error is None:
+            plan.local_error, plan.local_exc = _describe(e), e
+        message = encode_finalize(plan.local_error, [], [])
+    results = dist.gather_bytes(message, dst=dist.coordinator_rank(plan.group), group=plan.group)
     status: Optional[str] = None
     if plan.rank == 0:
-        errors = [f"rank {r}: {err}" for r, (err, _) in enumerate(results) if err]
-        if errors:
-            status = "\n  ".join(errors)
-        else:
-            try:
-                _commit(plan, [w for _, ws in results for w in ws])
-            except Exception as e:
-                e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
-                status = f"rank 0 (commit): {_describe(e)}"
-                plan.local_exc = e
+        try:
+            decoded = [decode_finalize(m) for m in results]
+            errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(decoded) if err]
+            if errors:
+                status = "\n  ".join(errors)
+            else:
+                layout = commit_layout(
+                    [w for _, ws, _ in decoded for w in ws], [s for _, _, ss in decoded for s in ss],
+                    check_layout=plan.backend == "torch_dist",
+                )
+                _commit(plan, layout)
+        except Exception as e:
+            e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
+            status = f"rank 0 (commit): {_describe(e)}"
+            plan.local_exc = e
         if status:
             _cleanup_failed(plan.write_dir, plan.staging)
         _release_claim(storage_for(plan.write_dir)[1])

@@ -48,3 +48,37 @@ def relative_slices(inner: Box, outer: Box) -> Tuple[slice, ...]:
 def clip_to_shape(box: Box, shape: Sequence[int]) -> Optional[Box]:
     """Part of ``box`` inside ``[0, shape)``; ``None`` if empty."""
     return intersect(box, Box(tuple(0 for _ in shape), tuple(shape)))
+
+
+def sweep_axis(offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], axes: Optional[Sequence[int]] = None) -> int:
+    """The axis along which the boxes overlap least (-1 for none): the one to sort or sweep along.
+
+    The cost of an axis is the number of pairs a sweep along it compares: for each
+    distinct interval along the axis, its boxes times the boxes of *other* intervals
+    still open at its start (boxes sharing an interval are told apart along the other
+    axes). The layer axis of a stacked tensor costs 0, however finely each layer is
+    split; ties go to the axis with more distinct starts. O(n log n) per axis.
+
+    Example: ``sweep_axis([(0, 0), (0, 4), (1, 0), (1, 4)], [(1, 4)] * 4) == 0``.
+    """
+    import heapq
+    from collections import Counter
+
+    if not offsets:
+        return -1
+    axes = range(len(offsets[0])) if axes is None else axes
+    best, best_key = -1, None
+    for a in axes:
+        intervals = Counter((o[a], o[a] + s[a]) for o, s in zip(offsets, sizes))
+        open_ends: list = []
+        active = cost = 0
+        for (start, end), count in sorted(intervals.items()):
+            while open_ends and open_ends[0][0] <= start:
+                active -= heapq.heappop(open_ends)[1]
+            cost += count * active
+            heapq.heappush(open_ends, (end, count))
+            active += count
+        key = (cost, -len({start for start, _ in intervals}))
+        if best_key is None or key < best_key:
+            best, best_key = a, key
+    return best

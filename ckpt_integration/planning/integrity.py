@@ -2,9 +2,12 @@
 
 Pure functions over :class:`ShardMeta` records. Work per key is near-linear in
 its number of shards: overlaps are found with a sweep along the axis that has
-the most distinct offsets (so a 1-D split of N shards costs O(N log N)), and
-coverage is checked by summing volumes. Each rank can validate only the keys
-assigned to it (:func:`keys_owned_by`), so no rank does work for the whole job.
+the most distinct offsets, recursing on the other axes for shards that share an
+interval (so a 1-D split of N shards costs O(N log N)), and coverage is checked by
+summing volumes. A key is validated by one rank (its owner, :func:`owner_of_key`)
+from the main-replica records and one :class:`Holding` per chunk and signature
+(:func:`validate_key_records`, as the save's exchange delivers them);
+:func:`validate_key` takes plain records of every copy and gives the same messages.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from __future__ import annotations
 import math
 import zlib
 from collections import defaultdict
-from typing import Dict, Iterable, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
-from .boxes import Box, intersect
+from .boxes import Box, intersect, sweep_axis
+from .records import decode_runs, encode_runs
 from .shards import ShardMeta
 
 MAX_REPORTED = 5  # problems listed per key before summarising
@@ -32,48 +37,118 @@ def group_by_key(shards: Iterable[ShardMeta]) -> Dict[str, List[ShardMeta]]:
     return grouped
 
 
-def _ranks(shards: Sequence[ShardMeta]) -> str:
-    ranks = sorted({s.rank for s in shards})
+def _ranks(ranks: Iterable[int]) -> str:
+    ranks = sorted(set(ranks))
     shown = ", ".join(map(str, ranks[:8]))
     return shown + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
 
 
-def _check_consistency(key: str, shards: Sequence[ShardMeta]) -> List[str]:
+@dataclass(frozen=True)
+class Holding:
+    """Shards of one chunk (same offsets) that agree on kind, dtype and global shape, and who holds them.
+
+    What a key's validator needs about the non-main copies: not one record per
+    replica, only the chunk, its signature and the holder ranks (as arithmetic runs,
+    see :func:`~ckpt_integration.planning.records.encode_runs`).
+    """
+
+    kind: str
+    dtype: str
+    global_shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    runs: Tuple[int, ...]
+
+    @property
+    def ranks(self) -> List[int]:
+        return decode_runs(self.runs)
+
+
+def holdings_of(shards: Iterable[ShardMeta]) -> List[Holding]:
+    """Group shard records into :class:`Holding` s (one per chunk and signature)."""
+    by: Dict[Tuple, set] = defaultdict(set)
+    for s in shards:
+        by[(s.kind, s.dtype, s.global_shape, s.offsets)].add(s.rank)
+    return [Holding(k[0], k[1], k[2], k[3], tuple(encode_runs(sorted(r)))) for k, r in by.items()]
+
+
+def _holder_ranks(holdings: Sequence[Holding]) -> List[int]:
+    return sorted({r for h in holdings for r in h.ranks})
+
+
+def _check_consistency(key: str, holdings: Sequence[Holding]) -> List[str]:
     errors = []
     for attr, label in (("kind", "kind"), ("global_shape", "global shape"), ("dtype", "dtype")):
-        values = defaultdict(list)
-        for s in shards:
-            values[getattr(s, attr)].append(s)
-        if len(values) > 1:
-            detail = "; ".join(f"{v} on ranks {_ranks(ss)}" for v, ss in values.items())
-            errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
+        if len({getattr(h, attr) for h in holdings}) < 2:
+            continue
+        values: Dict[Any, set] = defaultdict(set)
+        for h in holdings:
+            values[getattr(h, attr)].update(h.ranks)
+        ordered = sorted(values.items(), key=lambda kv: min(kv[1]))
+        detail = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in ordered)
+        errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
     return errors
 
 
 def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
-    """Describe pairs of main-replica shards that share elements (at most ``limit``)."""
+    """Describe pairs of main-replica shards that share elements (at most ``limit``).
+
+    A sweep along the axis where shards overlap least (:func:`~.boxes.sweep_axis`);
+    shards with the same interval along it (the pieces of one layer of a stacked
+    tensor) are compared by recursing on the other axes, so the usual layouts -
+    ZeRO's flat pieces included - cost O(n log n) instead of comparing every shard
+    of a layer with every other.
+    """
     if len(boxes) < 2:
         return []
     ndim = len(boxes[0].offsets)
     if ndim == 0:
         return [f"ranks {boxes[0].rank} and {b.rank} both save it as main replica" for b in boxes[1:limit + 1]]
-    axis = max(range(ndim), key=lambda a: len({b.offsets[a] for b in boxes}))
-    order = sorted(boxes, key=lambda b: (b.offsets[axis], b.rank))
-    active: List[ShardMeta] = []
     found: List[str] = []
-    for b in order:
-        start = b.offsets[axis]
-        active = [a for a in active if a.offsets[axis] + a.sizes[axis] > start]
-        for a in active:
-            common = intersect(a.box, b.box)
-            if common is not None:
-                found.append(
-                    f"rank {a.rank} {a.box} and rank {b.rank} {b.box} overlap on {common}"
-                )
-                if len(found) >= limit:
-                    return found
-        active.append(b)
+    items = [(s.offsets, tuple(o + n for o, n in zip(s.offsets, s.sizes)), s) for s in boxes]
+    _sweep(items, tuple(range(ndim)), limit, found)
     return found
+
+
+def _sweep(items: List[Tuple], axes: Tuple[int, ...], limit: int, found: List[str]) -> None:
+    if len(items) < 2 or len(found) >= limit:
+        return
+    if len(items) <= 8 or not axes:  # few boxes (or identical ones): compare every pair
+        for i, x in enumerate(items):
+            for b in items[i + 1 :]:
+                if all(x[0][a] < b[1][a] and b[0][a] < x[1][a] for a in axes):
+                    _report(x, b, found, limit)
+                    if len(found) >= limit:
+                        return
+        return
+    axis = sweep_axis([it[0] for it in items], [tuple(h - l for l, h in zip(it[0], it[1])) for it in items], axes)
+    rest = tuple(a for a in axes if a != axis)
+    groups: Dict[Tuple[int, int], List[Tuple]] = defaultdict(list)
+    for it in sorted(items, key=lambda it: (it[0][axis], it[2].rank)):
+        groups[(it[0][axis], it[1][axis])].append(it)
+    active: List[Tuple] = []
+    for (start, end), group in sorted(groups.items()):
+        if end <= start:
+            continue  # empty along this axis: overlaps nothing
+        active = [x for x in active if x[1][axis] > start]
+        for b in group:
+            for x in active:
+                if all(x[0][a] < b[1][a] and b[0][a] < x[1][a] for a in axes):
+                    _report(x, b, found, limit)
+                    if len(found) >= limit:
+                        return
+        _sweep(group, rest, limit, found)
+        if len(found) >= limit:
+            return
+        active.extend(group)
+
+
+def _report(x: Tuple, b: Tuple, found: List[str], limit: int) -> None:
+    if len(found) >= limit:
+        return
+    a, c = x[2], b[2]
+    common = intersect(a.box, c.box)
+    if common is not None:
+        found.append(f"rank {a.rank} {a.box} and rank {c.rank} {c.box} overlap on {common}")
 
 
 def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List[str]:
@@ -117,22 +192,30 @@ def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: in
 
 def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
     """All integrity problems of one key (empty list when it is valid)."""
-    errors = _check_consistency(key, shards)
+    return validate_key_records(key, [s for s in shards if s.is_main], holdings_of(shards))
+
+
+def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence[Holding]) -> List[str]:
+    """:func:`validate_key` from the main-replica records and the holdings of every chunk.
+
+    The form a key's owner receives in the scalable exchange
+    (:mod:`~ckpt_integration.planning.exchange`); the messages are the same.
+    """
+    errors = _check_consistency(key, holdings)
     if errors:
         return errors
-    main = [s for s in shards if s.is_main]
-    global_shape = shards[0].global_shape
-    if shards[0].kind == "object":
+    global_shape = holdings[0].global_shape
+    if holdings[0].kind == "object":
         by_cell = defaultdict(list)
         for s in main:
             by_cell[s.offsets].append(s)
         for cell, ss in by_cell.items():
             if len(ss) > 1:
                 errors.append(
-                    f"{key!r}: object cell {cell} has {len(ss)} main replicas (ranks {_ranks(ss)}); "
+                    f"{key!r}: object cell {cell} has {len(ss)} main replicas (ranks {_ranks(s.rank for s in ss)}); "
                     "exactly one rank must use replica_id 0"
                 )
-        holders = {s.offsets for s in shards}
+        holders = {h.offsets for h in holdings}
         lost = sorted(holders - set(by_cell))
         if lost:
             errors.append(
@@ -143,7 +226,7 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
     if not main:
         return [
             f"{key!r}: no rank holds a main replica (replica_id all zeros); held by ranks "
-            f"{_ranks(shards)} - nothing would be saved"
+            f"{_ranks(_holder_ranks(holdings))} - nothing would be saved"
         ]
     # a shard reaching past the global shape (possible with allow_shape_mismatch) would make
     # the volume count below accept a gap elsewhere
@@ -167,7 +250,7 @@ def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
         gaps = find_gaps(global_shape, main)
         errors.append(
             f"{key!r} (global shape {tuple(global_shape)}): main replicas cover {covered} of "
-            f"{total} elements (shards held by ranks {_ranks(shards)}); not covered: " + "; ".join(gaps)
+            f"{total} elements (shards held by ranks {_ranks(_holder_ranks(holdings))}); not covered: " + "; ".join(gaps)
         )
     return errors
 

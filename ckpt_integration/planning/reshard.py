@@ -2,28 +2,95 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
-from .boxes import Box, clip_to_shape, intersect
+from .boxes import Box, clip_to_shape, intersect, sweep_axis
 
 
 @dataclass(frozen=True)
 class ChunkRead:
-    """Copy ``overlap`` (global coordinates) from saved ``chunk`` into the request."""
+    """Copy ``overlap`` (global coordinates) from saved ``chunk`` into the request.
+
+    ``source`` is whatever the index was built with for that chunk (e.g. the
+    storage layer's chunk record), so the caller needs no second lookup.
+    """
 
     chunk: Box
     overlap: Box
+    source: Any = None
 
 
 def plan_chunk_reads(request: Box, saved_chunks: Sequence[Box]) -> List[ChunkRead]:
-    """Overlaps of ``request`` with every saved chunk (chunks never overlap each other)."""
+    """Overlaps of ``request`` with every saved chunk (chunks never overlap each other).
+
+    Scans all chunks: for many requests of one tensor build a :class:`ChunkIndex` once.
+    """
     reads = []
     for chunk in saved_chunks:
         common = intersect(request, chunk)
         if common is not None:
             reads.append(ChunkRead(chunk, common))
     return reads
+
+
+class ChunkIndex:
+    """The saved chunks of one tensor, sorted once so each request costs O(log n + k).
+
+    Chunks are sorted by their start along the axis where they overlap least
+    (:func:`~.boxes.sweep_axis`: the layer axis of a stacked layer tensor, the split
+    axis of a tensor-parallel one). A request's candidates are the chunks starting in
+    ``(request start - longest chunk, request end)`` along that axis: ``k`` is the
+    chunks sharing the request's band, e.g. the tensor-parallel pieces of one layer.
+
+    Example::
+
+        index = ChunkIndex([Box((0, 0), (4, 4)), Box((4, 0), (4, 4))], ["a", "b"])
+        [r.source for r in index.reads(Box((3, 0), (2, 4)))]   # ["a", "b"]
+    """
+
+    def __init__(self, boxes: Sequence[Box], sources: Optional[Sequence[Any]] = None):
+        sources = list(sources) if sources is not None else list(boxes)
+        self._build([b.offsets for b in boxes], [b.sizes for b in boxes], sources)
+
+    @classmethod
+    def from_tuples(cls, offsets: Sequence[Tuple[int, ...]], sizes: Sequence[Tuple[int, ...]], sources: Sequence[Any]) -> "ChunkIndex":
+        """Build from offset/size tuples (no Box objects until a chunk matches a request)."""
+        self = cls.__new__(cls)
+        self._build(list(offsets), list(sizes), list(sources))
+        return self
+
+    def _build(self, offsets: List[Tuple[int, ...]], sizes: List[Tuple[int, ...]], sources: List[Any]) -> None:
+        self.axis = sweep_axis(offsets, sizes)
+        order = range(len(offsets))
+        if self.axis >= 0:
+            a = self.axis
+            order = sorted(order, key=lambda i: offsets[i][a])
+        self._order = [(offsets[i], sizes[i], sources[i]) for i in order]
+        a = self.axis
+        self._starts: List[int] = [o[a] for o, _, _ in self._order] if a >= 0 else []
+        self._longest = max((s[a] for _, s, _ in self._order), default=0) if a >= 0 else 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def reads(self, request: Box) -> List[ChunkRead]:
+        """Same result as :func:`plan_chunk_reads` (in start order), with ``source`` filled in."""
+        if self.axis < 0:
+            cands = range(len(self._order))
+        else:
+            lo = request.offsets[self.axis]
+            first = bisect_left(self._starts, lo - self._longest + 1)
+            last = bisect_left(self._starts, lo + request.sizes[self.axis])
+            cands = range(first, last)
+        out = []
+        for i in cands:
+            offsets, sizes, source = self._order[i]
+            if all(o < ro + rs and ro < o + s for o, s, ro, rs in zip(offsets, sizes, request.offsets, request.sizes)):
+                chunk = Box(offsets, sizes)
+                out.append(ChunkRead(chunk, intersect(request, chunk), source))
+        return out
 
 
 def uncovered_elements(request: Box, saved_global_shape: Sequence[int], reads: Sequence[ChunkRead]) -> int:

@@ -1,7 +1,9 @@
-"""Who writes which chunk: deduplicate replicas and balance the write volume.
+"""Who writes which chunk, from every rank's records at once; and writer-thread buckets.
 
-Decided from metadata only and deterministically, so every rank computes the
-same answer without another collective.
+:func:`plan_writers` is the whole-job reference planner (deduplicate replicas,
+balance the write volume), used by tests and tools that hold all records. A save
+does not call it: :mod:`.exchange` decides the same things with each rank seeing
+only the chunks it owns and the copies it holds.
 """
 
 from __future__ import annotations

@@ -45,16 +45,18 @@ class ShardMeta:
     @property
     def storage_key(self) -> str:
         if self.kind == "object":
-            return (
-                f"{self.key}/shard_{'.'.join(map(str, self.offsets))}_"
-                f"{'.'.join(map(str, self.global_shape))}"
-            )
+            return object_storage_key(self.key, self.offsets, self.global_shape)
         return self.key
 
     @property
     def chunk_id(self) -> Tuple[str, Tuple[int, ...]]:
         """Identity of the stored chunk: replicas of the same data share it."""
         return (self.storage_key, self.offsets)
+
+
+def object_storage_key(key: str, offsets: Tuple[int, ...], global_shape: Tuple[int, ...]) -> str:
+    """Unique key of one cell of a ShardedObject (Megatron-Core's ``unique_key``)."""
+    return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, global_shape))}"
 
 
 def replica_tuple(replica_id) -> Tuple[int, ...]:

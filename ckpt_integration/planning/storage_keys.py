@@ -17,7 +17,7 @@ colliding items have the same storage key, hence the same owner).
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Mapping, Tuple
 
 from .shards import ShardMeta
 
@@ -27,14 +27,14 @@ def storage_key_collisions(metas: Iterable[ShardMeta]) -> List[str]:
     owners: Dict[str, Dict[Tuple[str, str], List[int]]] = {}
     for m in metas:
         owners.setdefault(m.storage_key, {}).setdefault((m.kind, m.key), []).append(m.rank)
-    problems = []
-    for skey, items in sorted(owners.items()):
-        if len(items) < 2:
-            continue
-        described = "; ".join(
-            f"{'ShardedTensor' if kind == 'tensor' else 'ShardedObject'} {key!r} (rank{'s' if len(set(ranks)) > 1 else ''} "
-            f"{', '.join(map(str, sorted(set(ranks))))})"
-            for (kind, key), ranks in sorted(items.items())
-        )
-        problems.append(f"storage key {skey!r} would be used by {len(items)} different items: {described}")
-    return problems
+    return [collision_message(skey, items) for skey, items in sorted(owners.items()) if len(items) > 1]
+
+
+def collision_message(storage_key: str, items: Mapping[Tuple[str, str], Iterable[int]]) -> str:
+    """The problem text for one storage key claimed by several ``(kind, key)`` items (with their ranks)."""
+    described = []
+    for (kind, key), ranks in sorted(items.items()):
+        rs = sorted(set(ranks))
+        what = "ShardedTensor" if kind == "tensor" else "ShardedObject"
+        described.append(f"{what} {key!r} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})")
+    return f"storage key {storage_key!r} would be used by {len(items)} different items: {'; '.join(described)}"

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import checkpoint_dir as ckdir
+from .torch_dist import _FROM_DIRECTORY as MANIFEST_FROM_DIRECTORY
 from .torch_dist import TorchDistReader, read_dcp_metadata
 
 
@@ -34,14 +35,17 @@ def open_reader(
     backend: Optional[str] = None,
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True,
+    manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> Any:
     """A reader of ``directory`` (``TorchDistReader`` or ``ZarrReader``) for ``read_region`` /
     ``read_bytes``. Each reader reads its integrity records itself (manifest / zarr index), so
-    every caller gets verified reads and the containment checks; ``checksums`` is accepted
-    for compatibility and ignored where the checkpoint has a manifest."""
+    every caller gets verified reads and the containment checks, unless ``manifest`` hands it
+    the checkpoint's manifest already read and checked (a load's coordinator reads it once and
+    broadcasts it; ``None``: the checkpoint has none). ``checksums`` is accepted for
+    compatibility and ignored where the checkpoint has a manifest."""
     backend = backend or backend_of(directory)
     if backend == "zarr":
         from .zarr_backend import ZarrReader
 
         return ZarrReader(directory, verify_checksums=verify_checksums)
-    return TorchDistReader(directory, metadata, checksums, verify_checksums)
+    return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)

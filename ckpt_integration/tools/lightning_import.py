@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointingException, UnsafeCheckpointError, UntrustedObjectError
+from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
 from .convert import ConvertResult, _check_not_source, _check_output, _commit_output, _discard_output, _disk_usage, _staging_path

@@ -1,0 +1,228 @@
+"""Collective side of the metadata exchange: moves the bytes of :mod:`..planning.exchange`.
+
+Protocol of a save's phase 1 (every message is compact records, never pickled
+dataclasses; "W" is the group size):
+
+1. ``all_reduce(max)`` of 4 integers: did any rank fail locally; is every rank's
+   input (its shard records, its rank, W, the options) the same as at the last
+   save whose plan it cached, under the same global token. If so the cached plan
+   is reused and steps 2-4 are skipped ("plan once, reuse").
+2. ``all_to_all``: each shard record to its chunk's owner - main replicas in full
+   (key, dtype, shapes, offsets), other copies as a 16-byte digest of the same.
+3. ``all_to_all``: chunk owners send each key owner the holdings (signature + holder
+   ranks as arithmetic runs) and main records of its chunks, and each holder its
+   position in the chunk's holder set (or a request for a copy's full record when
+   its digest matches no main replica there).
+4. ``all_reduce(sum)`` of 6 integers: problems found, local failures, full records
+   requested, and the parts of the global token (sum of the ranks' input digests).
+   Only if records were requested (copies that differ from their main, chunks
+   without one): two more ``all_to_all`` (those records in full to the chunk owners,
+   their holdings to the key owners) and a 2-integer ``all_reduce``. Only when
+   something is wrong: the messages are gathered on the coordinator and broadcast,
+   and every rank raises.
+
+zarr saves add one ``all_gather`` of each rank's write assignment (the coordinator
+creates the arrays, and border chunks need every chunk's writer).
+
+A failure inside a step is recorded and the rank keeps taking part with empty
+messages, so no rank waits forever; step 4 then raises on every rank.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..errors import ShardingIntegrityError
+from ..planning.exchange import (
+    KeySummary,
+    Routed,
+    assign_writes,
+    chunk_owner_step,
+    decode_shards,
+    detail_requests,
+    encode_shards,
+    key_owner_step,
+    route_shards,
+)
+from ..planning.records import digest64
+from ..planning.shards import ShardMeta
+from . import dist
+
+MAX_PROBLEMS_SHOWN = 50
+
+
+@dataclass
+class ExchangeResult:
+    """One rank's outcome of phase 1 (cached for reuse when the structure repeats)."""
+
+    to_write: List[int] = field(default_factory=list)  # indices into the rank's shard records
+    summaries: List[KeySummary] = field(default_factory=list)  # of the keys this rank owns
+    layout: Optional[List[ShardMeta]] = None  # zarr: every chunk with its writer as ``rank``
+    digest: int = 0
+    token: int = 0
+
+
+_last: Dict[str, ExchangeResult] = {}  # purpose ("save") -> the last plan (one structure kept)
+
+
+def _frame(a: bytes, b: bytes) -> bytes:
+    return struct.pack("<I", len(a)) + a + b
+
+
+def _unframe(m: bytes) -> Tuple[bytes, bytes]:
+    (n,) = struct.unpack_from("<I", m, 0)
+    return m[4 : 4 + n], m[4 + n :]
+
+
+def _describe(e: BaseException) -> str:
+    from .save import _describe as describe
+
+    return describe(e)
+
+
+def _raise_errors(local_error: Optional[str], local_exc: Optional[BaseException], group: Any, context: str) -> None:
+    """Every rank raises (a failure is known to have happened somewhere)."""
+    errors = [f"rank {r}: {e}" for r, e in enumerate(dist.all_gather_object(local_error, group)) if e]
+    dist.raise_if_any_failed(local_exc, errors, context)
+
+
+def start(
+    routed: Optional[Routed], local_error: Optional[str], local_exc: Optional[BaseException], group: Any, context: str,
+    purpose: str = "save",
+) -> Optional[ExchangeResult]:
+    """Step 1: raise on every rank if any failed; the cached plan when every rank's input is unchanged."""
+    cached = _last.get(purpose)
+    if routed is None or cached is None or cached.digest != routed.digest:
+        cached = None
+    tok = cached.token if cached else 0
+    failed, miss, tmax, tneg = dist.all_reduce_ints([1 if local_error else 0, 0 if cached else 1, tok, -tok], "max", group)
+    if failed:
+        _raise_errors(local_error, local_exc, group, context)
+    if not miss and tmax == -tneg:
+        return cached
+    return None
+
+
+def run(
+    metas: Sequence[ShardMeta],
+    routed: Routed,
+    group: Any,
+    *,
+    balance: bool = True,
+    validate: bool = True,
+    replies: bool = True,
+    want_layout: bool = False,
+    context: str,
+    problems_header: str,
+    on_problems: Optional[Callable[[], None]] = None,
+    purpose: Optional[str] = "save",
+) -> ExchangeResult:
+    """Steps 2-4 (collective). Raises ShardingIntegrityError on every rank for invalid sharding.
+
+    ``replies=False`` (a load's request check) skips the write assignment;
+    ``purpose=None`` does not cache the result.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error: Optional[str] = None
+    exc: Optional[BaseException] = None
+    inbox = dist.all_to_all_bytes(routed.messages, group)
+    outgoing: Dict[int, bytes] = {}
+    try:
+        forwards, answers = chunk_owner_step(inbox.values(), world, balance=balance, replies=replies)
+        for d in set(forwards) | set(answers):
+            outgoing[d] = _frame(forwards.get(d, b""), answers.get(d, b""))
+    except Exception as e:  # keep taking part: step 4 makes every rank raise
+        error, exc = _describe(e), e
+    del inbox
+    inbox = dist.all_to_all_bytes(outgoing, group)
+    result = ExchangeResult(digest=routed.digest)
+    problems: List[str] = []
+    forwards_in: List[bytes] = []
+    detail: List[int] = []
+    if error is None:
+        try:
+            parts = [_unframe(m) for m in inbox.values()]
+            forwards_in = [f for f, _ in parts if f]
+            answers_in = [a for _, a in parts if a]
+            problems, result.summaries = key_owner_step(forwards_in, validate=validate)
+            detail = detail_requests(answers_in)
+            if replies:
+                result.to_write = assign_writes(metas, answers_in)
+        except Exception as e:
+            error, exc = _describe(e), e
+    d = routed.digest
+    sums = dist.all_reduce_ints(
+        [len(problems), 1 if error else 0, len(detail), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF],
+        "sum", group,
+    )
+    if sums[1]:
+        _raise_errors(error, exc, group, context)
+    if sums[2]:
+        # detail round (only when some copy differs from its main replica, or a chunk has no
+        # main): those records in full to their chunk owners, holdings on to the key owners
+        problems = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
+        sums[0] = len(problems)
+    if sums[0]:
+        _raise_problems(problems, group, problems_header, on_problems)
+    result.token = digest64(f"{world}/{sums[3]}/{sums[4]}/{sums[5]}".encode()) or 1
+    if want_layout:
+        mine = encode_shards([metas[i] for i in result.to_write], rank)
+        result.layout = [m for msg in dist.all_gather_bytes(mine, group) for m in decode_shards(msg)]
+    if purpose is not None:  # keep only the latest structure
+        _last.clear()
+        _last[purpose] = result
+    return result
+
+
+def _detail_round(
+    metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Any,
+    validate: bool, result: ExchangeResult, context: str,
+) -> List[str]:
+    error: Optional[str] = None
+    exc: Optional[BaseException] = None
+    outgoing: Dict[int, bytes] = {}
+    try:
+        outgoing = route_shards(metas, rank, world, only=detail).messages
+    except Exception as e:
+        error, exc = _describe(e), e
+    inbox = dist.all_to_all_bytes(outgoing, group)
+    forwards: Dict[int, bytes] = {}
+    if error is None:
+        try:
+            forwards, _ = chunk_owner_step(inbox.values(), world, replies=False)
+        except Exception as e:
+            error, exc = _describe(e), e
+    inbox = dist.all_to_all_bytes(forwards, group)
+    problems: List[str] = []
+    if error is None:
+        try:
+            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate)
+        except Exception as e:
+            error, exc = _describe(e), e
+    count, failed = dist.all_reduce_ints([len(problems), 1 if error else 0], "sum", group)
+    if failed:
+        _raise_errors(error, exc, group, context)
+    return problems if count else []
+
+
+def _raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]]) -> None:
+    """Collect every owner's problems on the coordinator, which broadcasts one message; all raise it."""
+    coord = dist.coordinator_rank(group)
+    gathered = dist.gather_object(problems, dst=coord, group=group)
+    text = None
+    if gathered is not None:
+        flat = sorted(p for ps in gathered for p in ps)
+        more = len(flat) - MAX_PROBLEMS_SHOWN
+        shown = flat[:MAX_PROBLEMS_SHOWN] + ([f"... and {more} more problems"] if more > 0 else [])
+        text = header + ":\n  " + "\n  ".join(shown)
+        if on_problems is not None:
+            on_problems()
+    text = dist.broadcast_object(text, src=coord, group=group)
+    raise ShardingIntegrityError(text)
+
+
+def forget_plans() -> None:
+    """Drop the cached plan (the next save exchanges metadata again)."""
+    _last.clear()

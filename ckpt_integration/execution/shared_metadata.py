@@ -1,0 +1,281 @@
+"""A load reads the checkpoint's metadata once and shares it: one reader, one broadcast.
+
+The coordinator reads ``metadata.json``, ``.metadata`` and ``manifest.json`` (with
+their checks: commit marker, checksums, safe unpickling) and broadcasts them as one
+compact message (a string table and integers, see :mod:`..planning.records`): no
+pickle crosses ranks, and the filesystem sees one reader instead of one per rank.
+Every rank rebuilds the same :class:`SharedMetadata`. A failure on the coordinator
+arrives on every rank as the same exception type and message, as if each had read
+the files itself.
+
+For zarr checkpoints only ``metadata.json`` and the manifest travel this way; each
+rank's reader still opens the zarr index itself (storage layer).
+
+:class:`SharedMetadata` is what the load path passes down; a future checkpoint
+object opened once by the storage layer can carry the same three fields.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_left
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .. import errors as errors_mod
+from ..errors import CorruptCheckpointError
+from ..planning.boxes import Box, intersect, sweep_axis
+from ..planning.records import MessageWriter, decode
+from ..planning.reshard import ChunkRead
+from ..storage import checkpoint_dir as ckdir
+from ..storage.backends import read_metadata
+from . import dist
+from .preprocess import dtype_from_name, dtype_name
+
+
+@dataclass
+class SharedMetadata:
+    """A checkpoint's metadata as a load uses it.
+
+    ``metadata`` is the whole DCP ``Metadata`` (None for zarr: each rank's reader
+    reads the zarr index). After a broadcast it is decoded on demand by
+    :meth:`metadata_for`, which builds chunk records only for the keys a rank
+    requests (every key is listed, with its dtype and shape), so a rank's work is
+    O(keys + its chunks) rather than O(all chunks).
+    """
+
+    backend: str
+    metadata: Optional[Metadata]
+    manifest: Optional[ckdir.Manifest]
+    _encoded: Optional[Tuple[List[str], List[int], int]] = None
+
+    def metadata_for(self, keys: Optional[Iterable[str]] = None) -> Optional[Metadata]:
+        """The DCP ``Metadata`` to load ``keys`` (all keys when None).
+
+        After a broadcast: every key with its dtype and shape, storage records of the
+        requested objects, and **no tensor chunk lists**: those stay integers in a
+        :class:`CompactChunks` attached to the returned metadata (see
+        :func:`compact_chunks_of`), from which each requested region's chunks are
+        found through a per-key index and materialised only when read.
+        """
+        if self._encoded is None:
+            return self.metadata
+        strings, ints, p = self._encoded
+        md, _, positions = decode_metadata(strings, ints, p, None if keys is None else set(keys), lazy_chunks=True)
+        setattr(md, _ATTR, CompactChunks(strings, ints, positions))
+        return md
+
+
+class CompactChunks:
+    """The chunk records of a broadcast ``.metadata``, kept as the integers that arrived.
+
+    The coordinator sorted each key's chunks along its index axis (see
+    :func:`encode_metadata`), so a request is answered by a binary search in the
+    integer list: O(log n + k), with nothing built per key or per chunk beforehand;
+    the storage layer's chunk record is created only for a chunk that is read.
+    """
+
+    def __init__(self, strings: List[str], ints: List[int], positions: Dict[str, Tuple[int, ...]]):
+        self._strings, self._ints, self._positions = strings, ints, positions
+        self._infos: Dict[Tuple[str, int], Any] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._positions
+
+    def reads(self, key: str, request: Box) -> List[ChunkRead]:
+        """:meth:`ChunkIndex.reads` over the integers (``source`` = the chunk's position)."""
+        p, n, nd, axis, longest = self._positions[key]
+        ints, step = self._ints, 2 * nd + 3
+        if axis < 0:
+            cands: Iterable[int] = range(n)
+        else:
+            lo = request.offsets[axis]
+            start = lambda i: ints[p + i * step + axis]  # noqa: E731
+            first = bisect_left(range(n), lo - longest + 1, key=start)
+            cands = range(first, bisect_left(range(n), lo + request.sizes[axis], key=start))
+        out = []
+        for i in cands:
+            base = p + i * step
+            offsets, sizes = ints[base : base + nd], ints[base + nd : base + 2 * nd]
+            if all(o < ro + rs and ro < o + s for o, s, ro, rs in zip(offsets, sizes, request.offsets, request.sizes)):
+                chunk = Box(tuple(offsets), tuple(sizes))
+                out.append(ChunkRead(chunk, intersect(request, chunk), i))
+        return out
+
+    def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
+        """The storage layer's record of chunk ``i`` of ``key`` (built once)."""
+        from ..storage.torch_dist import ChunkInfo
+
+        info = self._infos.get((key, i))
+        if info is None:
+            p, _, nd = self._positions[key][:3]
+            base = p + i * (2 * nd + 3) + 2 * nd
+            f, off, length = self._ints[base : base + 3]
+            if f < 0:
+                raise CorruptCheckpointError(
+                    f"{directory}/.metadata lists chunk {box.offsets} of {key!r} but not where it is stored"
+                )
+            where = _StorageInfo(self._strings[f], off, length)
+            crc = checksums.get((where.relative_path, where.offset)) if checksums else None
+            info = self._infos[(key, i)] = ChunkInfo(box, where, crc)
+        return info
+
+
+_ATTR = "_ckpt_compact_chunks"  # set on the Metadata objects built by SharedMetadata.metadata_for
+
+
+def compact_chunks_of(md: Any) -> Optional[CompactChunks]:
+    """The :class:`CompactChunks` of a metadata built by :meth:`SharedMetadata.metadata_for`, if any."""
+    return getattr(md, _ATTR, None)
+
+
+def encode_metadata(md: Metadata, w: MessageWriter) -> None:
+    """Append the parts of a DCP ``Metadata`` that loading uses (keys, dtypes, shapes, chunks, locations)."""
+    storage = md.storage_data or {}
+
+    def where(index: MetadataIndex) -> Tuple[int, int, int]:
+        info = storage.get(index)
+        if info is None:
+            return (-1, 0, 0)
+        return (w.sid(str(info.relative_path)), int(info.offset), int(info.length))
+
+    w.add(len(md.state_dict_metadata))
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            size = tuple(meta.size)
+            # the per-key index, built once here: chunks sorted by their start along the axis
+            # where they overlap least, and the longest extent along it (see ChunkIndex)
+            chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+            axis = sweep_axis([o for o, _ in chunks], [s for _, s in chunks]) if size else -1
+            if axis >= 0:
+                chunks.sort(key=lambda c: c[0][axis])
+            longest = max((s[axis] for _, s in chunks), default=0) if axis >= 0 else 0
+            w.add(0, w.sid(key), w.sid(dtype_name(meta.properties.dtype)), len(size), *size, len(chunks), axis, longest)
+            for offsets, sizes in chunks:
+                w.add(*offsets, *sizes, *where(MetadataIndex(key, torch.Size(offsets))))
+        else:
+            w.add(1, w.sid(key), *where(MetadataIndex(key)))
+
+
+def decode_metadata(
+    strings: List[str], ints: List[int], p: int, keys: Optional[Set[str]] = None, lazy_chunks: bool = False
+) -> Tuple[Metadata, int, Dict[str, Tuple[int, ...]]]:
+    """Inverse of :func:`encode_metadata` from position ``p``.
+
+    Returns the metadata, the next position and, per tensor key, ``(position of its
+    first chunk, chunks, dims, index axis, longest extent along it)``. Tensors outside ``keys`` (or all with
+    ``lazy_chunks``) keep their dtype and shape but get no chunk records (skipped in
+    O(1) each); objects outside ``keys`` get no storage record.
+    """
+    positions: Dict[str, Tuple[int, ...]] = {}
+    sd_meta: dict = {}
+    storage: dict = {}
+    count = ints[p]
+    p += 1
+    for _ in range(count):
+        kind, key = ints[p], strings[ints[p + 1]]
+        if kind == 0:
+            ds, nd = ints[p + 2], ints[p + 3]
+            size = torch.Size(ints[p + 4 : p + 4 + nd])
+            nchunks, axis, longest = ints[p + 4 + nd : p + 7 + nd]
+            p += 7 + nd
+            chunks = []
+            positions[key] = (p, nchunks, nd, axis, longest)
+            if lazy_chunks or (keys is not None and key not in keys):
+                sd_meta[key] = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(strings[ds])), size, chunks)
+                p += nchunks * (2 * nd + 3)
+                continue
+            for _ in range(nchunks):
+                offsets = torch.Size(ints[p : p + nd])
+                chunks.append(ChunkStorageMetadata(offsets, torch.Size(ints[p + nd : p + 2 * nd])))
+                f, off, length = ints[p + 2 * nd : p + 2 * nd + 3]
+                if f >= 0:
+                    storage[MetadataIndex(key, offsets)] = _StorageInfo(strings[f], off, length)
+                p += 2 * nd + 3
+            sd_meta[key] = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(strings[ds])), size, chunks)
+        else:
+            f, off, length = ints[p + 2 : p + 5]
+            if f >= 0 and (keys is None or key in keys):
+                storage[MetadataIndex(key)] = _StorageInfo(strings[f], off, length)
+            sd_meta[key] = BytesStorageMetadata()
+            p += 5
+    md = Metadata(
+        state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
+        storage_meta=StorageMeta(), version="1.0.0",
+    )
+    return md, p, positions
+
+
+def encode_shared(shared: SharedMetadata) -> bytes:
+    w = MessageWriter()
+    w.sid("")  # index 0: no error
+    w.add(0, w.sid(shared.backend), w.sid(json.dumps(asdict(shared.manifest)) if shared.manifest else ""))
+    if shared.metadata is None:
+        w.add(0)
+    else:
+        w.add(1)
+        encode_metadata(shared.metadata, w)
+    return w.tobytes()
+
+
+def encode_failure(e: BaseException) -> bytes:
+    w = MessageWriter()
+    w.add(1, w.sid(type(e).__name__), w.sid(str(e)))
+    return w.tobytes()
+
+
+def decode_shared(buf: bytes) -> SharedMetadata:
+    strings, ints = decode(buf)
+    if ints[0]:
+        raise _rebuild_failure(strings[ints[1]], strings[ints[2]])
+    backend, manifest_json = strings[ints[1]], strings[ints[2]]
+    manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
+    return SharedMetadata(backend, None, manifest, (strings, ints, 4) if ints[3] else None)
+
+
+def _rebuild_failure(name: str, message: str) -> BaseException:
+    """The coordinator's exception as the same type here (checkpointing errors), or a wrapper naming it."""
+    cls = getattr(errors_mod, name, None)
+    if isinstance(cls, type) and issubclass(cls, errors_mod.CheckpointingException):
+        return cls(message)
+    return errors_mod.DistributedCheckpointingError(f"rank 0 could not read the checkpoint metadata: {name}: {message}")
+
+
+def read_local(checkpoint_dir: str, trusted: bool = False) -> SharedMetadata:
+    """What the coordinator reads (also the whole job's metadata in a single process)."""
+    backend = ckdir.read_config(checkpoint_dir).sharded_backend
+    if backend != "torch_dist":
+        return SharedMetadata(backend, None, ckdir.read_manifest(checkpoint_dir))
+    md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
+    # a missing manifest of a checkpoint saved with one is damage (refused here, on every rank)
+    return SharedMetadata(backend, md, ckdir.read_manifest_checked(checkpoint_dir))
+
+
+def read_shared(checkpoint_dir: str, group: Any = None, trusted: bool = False) -> SharedMetadata:
+    """Collective: the coordinator reads, every rank gets the result (or raises the coordinator's error)."""
+    if not dist.is_distributed() or dist.get_world_size(group) == 1:
+        return read_local(checkpoint_dir, trusted)
+    coord = dist.coordinator_rank(group)
+    payload: Optional[bytes] = None
+    local: Optional[BaseException] = None
+    if dist.get_rank(group) == 0:
+        try:
+            payload = encode_shared(read_local(checkpoint_dir, trusted))
+        except Exception as e:  # every rank raises it, below
+            payload, local = encode_failure(e), e
+    payload = dist.broadcast_bytes(payload, src=coord, group=group)
+    if local is not None:
+        raise local
+    return decode_shared(payload)
