@@ -162,8 +162,9 @@ def run(
     if sums[2]:
         # detail round (only when some copy differs from its main replica, or a chunk has no
         # main): those records in full to their chunk owners, holdings on to the key owners
-        problems = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
-        sums[0] = len(problems)
+        # every rank learns the global count (a rank with no problems of its own must still
+        # take part in collecting them, or the ranks would enter different collectives)
+        problems, sums[0] = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
     if sums[0]:
         _raise_problems(problems, group, problems_header, on_problems)
     result.token = digest64(f"{world}/{sums[3]}/{sums[4]}/{sums[5]}".encode()) or 1
@@ -179,7 +180,8 @@ def run(
 def _detail_round(
     metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Any,
     validate: bool, result: ExchangeResult, context: str,
-) -> List[str]:
+) -> Tuple[List[str], int]:
+    """The detail round: this rank's problems and the number of problems on all ranks."""
     error: Optional[str] = None
     exc: Optional[BaseException] = None
     outgoing: Dict[int, bytes] = {}
@@ -204,7 +206,7 @@ def _detail_round(
     count, failed = dist.all_reduce_ints([len(problems), 1 if error else 0], "sum", group)
     if failed:
         _raise_errors(error, exc, group, context)
-    return problems if count else []
+    return problems, count
 
 
 def _raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]]) -> None:
