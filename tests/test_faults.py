@@ -10,12 +10,10 @@ lowered to 16 KiB, so ranged reads cross many blocks quickly.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -39,6 +37,7 @@ from ckpt_integration import (
     UnsupportedCheckpointError,
 )
 from ckpt_integration.storage import torch_dist as td
+from tests.damage import deadline, flip_byte
 from tests.dist_utils import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,33 +81,10 @@ def _data_file(d) -> str:
     return os.path.join(str(d), "__0_0.distcp")
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def _w_item(d):
     with open(os.path.join(str(d), ".metadata"), "rb") as f:
         md = pickle.load(f)  # our own, freshly written checkpoint
     return next(v for k, v in md.storage_data.items() if k.fqn == "w")
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    """Fail instead of hanging (a FIFO opened for reading blocks until a writer appears)."""
-    def expired(*_):
-        raise TimeoutError(f"blocked for more than {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # =========================================================================== silent wrong data
@@ -124,11 +100,11 @@ def test_damaged_data_is_never_returned_by_partial_reads(tmp_path):
     item = _w_item(good)
     row = lambda r, c=0: item.offset + 1024 + (r * COLS + c) * 4  # noqa: E731 - a data byte (header < 1 KiB)
     damages = {  # damage -> the requests that must raise
-        "flip_header": (lambda d: _flip(_data_file(d), item.offset + 100), set(REQUESTS)),
-        "flip_first_rows": (lambda d: _flip(_data_file(d), row(2)), {"columns"}),
-        "flip_middle": (lambda d: _flip(_data_file(d), row(130, 15)), set(REQUESTS)),
-        "flip_last_rows": (lambda d: _flip(_data_file(d), row(ROWS - 2, 100)), {"columns"}),
-        "flip_trailer": (lambda d: _flip(_data_file(d), item.offset + item.length - 100), set(REQUESTS)),
+        "flip_header": (lambda d: flip_byte(_data_file(d), item.offset + 100), set(REQUESTS)),
+        "flip_first_rows": (lambda d: flip_byte(_data_file(d), row(2)), {"columns"}),
+        "flip_middle": (lambda d: flip_byte(_data_file(d), row(130, 15)), set(REQUESTS)),
+        "flip_last_rows": (lambda d: flip_byte(_data_file(d), row(ROWS - 2, 100)), {"columns"}),
+        "flip_trailer": (lambda d: flip_byte(_data_file(d), item.offset + item.length - 100), set(REQUESTS)),
         "truncate": (lambda d: os.truncate(_data_file(d), item.offset + item.length - 5000), set(REQUESTS)),
         "swap": (lambda d: shutil.copy(_data_file(other), _data_file(d)), set(REQUESTS)),
     }
@@ -183,7 +159,7 @@ def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path):
     (d / "manifest.json").write_text(json.dumps(man))
     for rows, cols in REQUESTS.values():
         assert torch.equal(_load_box(d, rows, cols), want[rows, cols])
-    _flip(_data_file(d), _w_item(d).offset + 1024 + 3 * COLS * 4)  # far from every request
+    flip_byte(_data_file(d), _w_item(d).offset + 1024 + 3 * COLS * 4)  # far from every request
     for rows, cols in REQUESTS.values():
         with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
             _load_box(d, rows, cols)
@@ -289,7 +265,7 @@ def test_special_files_give_an_error_not_a_hang(tmp_path, name, kind):
     _save(d)
     os.remove(d / name)
     os.mkfifo(d / name) if kind == "fifo" else os.mkdir(d / name)
-    with _deadline(20), pytest.raises(CheckpointingException, match="not a regular file|is a directory"):
+    with deadline(20), pytest.raises(CheckpointingException, match="not a regular file|is a directory"):
         ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(d))
 
 
@@ -305,7 +281,7 @@ def test_zarr_chunk_files_are_contained(tmp_path):
         ci.load_plain_tensors(str(d))
     os.remove(chunk)
     os.mkfifo(chunk)
-    with _deadline(20), pytest.raises(CorruptCheckpointError, match="not a regular file"):
+    with deadline(20), pytest.raises(CorruptCheckpointError, match="not a regular file"):
         ci.load_plain_tensors(str(d))
 
 
@@ -539,7 +515,7 @@ def _parallel_worker(rank, world, d):
     ci.save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))}, d)
     torch.distributed.barrier()
     if rank == 0:
-        _flip(os.path.join(d, "__1_0.distcp"), _w_item_of(d, (half, 0)).offset + 2048 + 5 * COLS * 4)
+        flip_byte(os.path.join(d, "__1_0.distcp"), _w_item_of(d, (half, 0)).offset + 2048 + 5 * COLS * 4)
     torch.distributed.barrier()
     cols = COLS // world  # column split: every rank reads from both saved chunks
     out = torch.zeros(ROWS, cols)

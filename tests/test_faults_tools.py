@@ -13,12 +13,10 @@ Checkpoints are one 48 KiB tensor with the checksum block size lowered to 16 KiB
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import pickle
 import shutil
-import signal
 import zlib
 
 import pytest
@@ -28,6 +26,7 @@ import ckpt_integration as ci
 from ckpt_integration import CheckpointingException, ShardedObject, ShardedTensor
 from ckpt_integration.cli import main
 from ckpt_integration.storage import torch_dist as td
+from tests.damage import deadline, flip_byte
 
 ROWS, COLS = 128, 96  # 48 KiB of float32: 3 checksum blocks of 16 KiB
 DATA = "__0_0.distcp"
@@ -70,29 +69,6 @@ def run_cli(*args, capsys):
     code = main([str(a) for a in args])
     out = capsys.readouterr()
     return code, out.out, out.err
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int = 20):
-    """Fail instead of hanging (opening a FIFO for reading blocks until a writer appears)."""
-    def expired(*_):
-        raise TimeoutError(f"blocked for more than {seconds}s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _append(path, data: bytes = b"garbage") -> None:
@@ -159,15 +135,15 @@ def _expect_damaged(d, capsys, *needles):
 DAMAGES = {
     # name: (damage(d, other), words the report must contain); loads refuse all but "data_appended"
     # (bytes after the last item are never read, but the file differs from the one saved)
-    "common_flipped": (lambda d, o: _flip(d / "common.pt", (d / "common.pt").stat().st_size // 2), ["common.pt"]),
+    "common_flipped": (lambda d, o: flip_byte(d / "common.pt", (d / "common.pt").stat().st_size // 2), ["common.pt"]),
     "common_swapped": (lambda d, o: shutil.copy(o / "common.pt", d / "common.pt"), ["common.pt"]),
     "common_appended": (lambda d, o: _append(d / "common.pt"), ["common.pt"]),
     "common_missing": (lambda d, o: os.remove(d / "common.pt"), ["common.pt is missing"]),
-    "metadata_flipped": (lambda d, o: _flip(d / ".metadata", 40), [".metadata"]),
+    "metadata_flipped": (lambda d, o: flip_byte(d / ".metadata", 40), [".metadata"]),
     "metadata_appended": (lambda d, o: _append(d / ".metadata"), [".metadata"]),
-    "data_flipped_header": (lambda d, o: _flip(d / DATA, _w_item(d).offset + 100), [DATA, "checksum mismatch"]),
-    "data_flipped_block": (lambda d, o: _flip(d / DATA, _w_item(d).offset + 20000), [DATA, "checksum mismatch", "w[0, 0]"]),
-    "data_flipped_trailer": (lambda d, o: _flip(d / DATA, _w_item(d).offset + _w_item(d).length - 50), [DATA, "checksum mismatch"]),
+    "data_flipped_header": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 100), [DATA, "checksum mismatch"]),
+    "data_flipped_block": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 20000), [DATA, "checksum mismatch", "w[0, 0]"]),
+    "data_flipped_trailer": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + _w_item(d).length - 50), [DATA, "checksum mismatch"]),
     "data_truncated": (lambda d, o: os.truncate(d / DATA, _w_item(d).offset + 1000), [DATA, "truncated"]),
     "data_appended": (lambda d, o: _append(d / DATA), [DATA, "manifest.json says"]),
     "data_swapped": (lambda d, o: shutil.copy(o / DATA, d / DATA), [DATA, "checksum mismatch"]),
@@ -192,7 +168,7 @@ def test_verify_names_the_damaged_blocks(ckpt, capsys):
     data_offset, _, block, _ = _manifest(ckpt)["blocks"][f"{DATA}@{item.offset}"]
     starts = [item.offset + data_offset + k * block for k in (0, 2)]
     for s in starts:
-        _flip(ckpt / DATA, s + 5)
+        flip_byte(ckpt / DATA, s + 5)
     _expect_damaged(ckpt, capsys, *(f"[{s}, {s + block})" for s in starts))
 
 
@@ -205,7 +181,7 @@ def test_verify_good_checkpoints(saved, tmp_path, capsys):
     shutil.copytree(saved / "good", old)
     _to_format_1(old)
     assert run_cli("verify", old, capsys=capsys)[0] == 0
-    _flip(old / DATA, _w_item(old).offset + 20000)
+    flip_byte(old / DATA, _w_item(old).offset + 20000)
     _expect_damaged(old, capsys, DATA, "checksum mismatch")
 
 
@@ -251,7 +227,7 @@ def test_tools_refuse_data_file_names_outside_the_checkpoint(saved, tmp_path, ca
             md.storage_data[k] = type(v)(target, v.offset, v.length)
 
     _rewrite_metadata(d, edit)
-    with _deadline():
+    with deadline():
         out = _expect_damaged(d, capsys, "refus", "only name files inside")
         code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
         assert code == 2 and "only name files inside" in err, err
@@ -266,7 +242,7 @@ def test_verify_refuses_manifest_names_outside_the_checkpoint(ckpt, tmp_path, ca
     man = _manifest(ckpt)
     man["files"]["../secret"] = {"size": 1, "crc32": 0}
     _write_manifest(ckpt, man)
-    with _deadline():
+    with deadline():
         _expect_damaged(ckpt, capsys, "refus", "../secret")
 
 
@@ -303,7 +279,7 @@ def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch,
 def test_tools_on_special_files_give_an_error_not_a_hang(ckpt, tmp_path, capsys, name, kind):
     os.remove(ckpt / name)
     os.mkfifo(ckpt / name) if kind == "fifo" else os.mkdir(ckpt / name)
-    with _deadline():
+    with deadline():
         _expect_damaged(ckpt, capsys, name, "not a regular file")
         if name in (DATA, ".metadata", "common.pt"):
             code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
@@ -329,7 +305,7 @@ def test_zarr_chunk_files_fifo_and_links(saved, tmp_path, capsys):
     obj = d / object_file_name("o/shard_0_1")  # the unique key of ShardedObject "o"
     os.remove(obj)
     os.mkfifo(obj)
-    with _deadline():
+    with deadline():
         out = _expect_damaged(d, capsys, "DAMAGED: 2 problem(s)", "symbolic link leading outside", "not a regular file")
         assert "affected: w" in out and "affected: o/shard_0_1" in out, out
         code, _, err = run_cli("convert", d, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
@@ -390,7 +366,7 @@ def test_safetensors_index_names_and_special_input_files(tmp_path, capsys):
     code, _, err = run_cli("inspect", folder, capsys=capsys)
     assert code == 2 and "refusing" in err and "../outside.safetensors" in err, err
     os.mkfifo(tmp_path / "model.pt")
-    with _deadline():
+    with deadline():
         for args in (("inspect", tmp_path / "model.pt"), ("diff", tmp_path / "model.pt", tmp_path / "outside.safetensors")):
             code, _, err = run_cli(*args, capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
