@@ -55,21 +55,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import _free_port, _status_kib  # noqa: E402  (this folder is on sys.path when run as a script)
+
 MiB = 1 << 20
 
 
 # --------------------------------------------------------------------------- memory (Linux /proc, stdlib only)
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def peak_rss() -> Optional[int]:
     v = _status_kib("VmHWM")
     return None if v is None else v * 1024
@@ -425,14 +416,6 @@ def format_table(out: Dict[str, Any]) -> str:
         "checkpoints) / state"
     )
     return "\n".join(lines)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
