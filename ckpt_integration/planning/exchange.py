@@ -185,22 +185,11 @@ def chunk_owner_step(
     chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)  # chunk id -> full records
     compact: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # record digest -> (src, idx, flags)
     for msg in inbox:
-        strings, ints = decode(msg)
-        src, p, n = ints[0], 1, len(ints)
-        while p < n:
-            if ints[p + 1] == COMPACT:
-                compact[ints[p + 2]].append((src, ints[p], ints[p + 3]))
-                p += 4
-                continue
-            idx, ks, kind, ds, flags, nd = ints[p : p + 6]
-            p += 6
-            gshape = tuple(ints[p : p + nd])
-            offsets = tuple(ints[p + nd : p + 2 * nd])
-            sizes = tuple(ints[p + 2 * nd : p + 3 * nd])
-            p += 3 * nd
-            chunks[(strings[ks], kind, offsets, gshape if kind == 1 else ())].append(
-                (src, idx, strings[ds], gshape, sizes, flags)
-            )
+        for src, idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
+            if key is None:  # a compact copy: ``kind`` holds its record digest
+                compact[kind].append((src, idx, flags))
+            else:
+                chunks[(key, kind, offsets, gshape if kind == 1 else ())].append((src, idx, dtype, gshape, sizes, flags))
     forwards: Dict[int, MessageWriter] = {}
     answers: Dict[int, MessageWriter] = {}
 
