@@ -228,7 +228,6 @@ def prepare_save(
     except Exception as e:
         local_error, local_exc = _describe(e), e
     context = f"save to {checkpoint_dir} failed before writing"
-    write_dir = staging = None
     try:
         planned = exchange.start(routed, local_error, local_exc, group, context)
         write_dir, staging = dist.broadcast_object(dir_info, src=dist.coordinator_rank(group), group=group)

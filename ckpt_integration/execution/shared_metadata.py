@@ -40,7 +40,7 @@ from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import read_metadata
+from ..storage.torch_dist import read_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 
@@ -258,9 +258,10 @@ def read_local(checkpoint_dir: str, trusted: bool = False) -> SharedMetadata:
     backend = ckdir.read_config(checkpoint_dir).sharded_backend
     if backend != "torch_dist":
         return SharedMetadata(backend, None, ckdir.read_manifest(checkpoint_dir))
-    md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
-    # a missing manifest of a checkpoint saved with one is damage (refused here, on every rank)
-    return SharedMetadata(backend, md, ckdir.read_manifest_checked(checkpoint_dir))
+    # a missing manifest of a checkpoint saved with one is damage (refused here, on every rank);
+    # read once, it checks .metadata too
+    manifest = ckdir.read_manifest_checked(checkpoint_dir)
+    return SharedMetadata(backend, read_dcp_metadata(checkpoint_dir, trusted=trusted, manifest=manifest), manifest)
 
 
 def read_shared(checkpoint_dir: str, group: Any = None, trusted: bool = False) -> SharedMetadata:

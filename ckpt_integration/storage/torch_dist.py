@@ -235,13 +235,16 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
     return {"size": len(data), "crc32": crc32(data)}
 
 
-def read_dcp_metadata(directory: str, trusted: bool = False) -> Metadata:
+def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = None) -> Metadata:
     """``.metadata``, checked against the manifest (read once: the bytes checked are the bytes
-    unpickled) and unpickled restrictedly unless ``trusted``."""
+    unpickled) and unpickled restrictedly unless ``trusted``. ``manifest``: the checkpoint's
+    manifest when the caller has read it already (else it is read here)."""
     storage, directory = storage_for(directory)
     path = join(directory, DCP_METADATA_FILE)
+    if manifest is None:
+        manifest = ckdir.read_manifest(directory)
     try:
-        data = ckdir.read_verified_file(directory, DCP_METADATA_FILE, ckdir.read_manifest(directory), "tensor metadata file")
+        data = ckdir.read_verified_file(directory, DCP_METADATA_FILE, manifest, "tensor metadata file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the torch_dist checkpoint has no tensor metadata") from None
     try:
