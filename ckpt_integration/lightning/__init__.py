@@ -1,7 +1,7 @@
 """Lightning integration: ``Trainer(plugins=[DistCkptIO()])`` with sharded, reshardable checkpoints.
 
 See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
-directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``strategy``, ``connect`` (the plugin on
+directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``fsdp`` (FSDP1 state), ``strategy``, ``connect`` (the plugin on
 stock strategies), ``stock`` (importing stock Lightning checkpoints), ``loading``
 (:func:`load_from_checkpoint`).
 """
@@ -13,6 +13,7 @@ from .loading import load_checkpoint_dict, load_from_checkpoint
 from .paths import is_complete_checkpoint, latest_complete_checkpoint, resolve_checkpoint_path
 from .strategy import (
     DistCkptDDPStrategy,
+    DistCkptFSDPStrategy,
     DistCkptModelParallelStrategy,
     DistCkptSingleDeviceStrategy,
     DistCkptStrategyMixin,
@@ -22,6 +23,7 @@ from .strategy import (
 __all__ = [
     "DistCkptIO",
     "DistCkptDDPStrategy",
+    "DistCkptFSDPStrategy",
     "DistCkptModelParallelStrategy",
     "DistCkptSingleDeviceStrategy",
     "DistCkptStrategyMixin",
