@@ -146,8 +146,33 @@ def _barrier():
     dist.barrier()
 
 
-def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callable[[], Any]] = None, repeats: int = 1):
-    """Run ``fn`` ``repeats`` times between barriers; keep the best wall time (slowest rank)."""
+STAT_SUMS = ("bytes_read", "bytes_sent", "bytes_received", "bytes_copied", "separate_bytes", "union_bytes")
+STAT_TIMES = ("plan_s", "read_s", "crc_s", "exchange_s", "copy_s")
+
+
+def _load_stats(allrec: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """One load's statistics over the ranks (``execution.load.last_load_stats``): bytes summed
+    (``separate_bytes``/``union_bytes`` are already totals: taken from rank 0), seconds max."""
+    stats = [r.get("load") for r in allrec]
+    if any(s is None for s in stats):
+        return None
+    out: Dict[str, Any] = {"strategy": stats[0].get("strategy", "local")}
+    for k in STAT_SUMS:
+        vals = [float(s.get(k, 0)) for s in stats]
+        out[k] = vals[0] if k in ("separate_bytes", "union_bytes") else sum(vals)
+    for k in STAT_TIMES:
+        out[k] = max(float(s.get(k, 0)) for s in stats)
+    return out
+
+
+def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callable[[], Any]] = None, repeats: int = 1,
+             load: bool = False, env: Optional[Dict[str, str]] = None):
+    """Run ``fn`` ``repeats`` times between barriers; keep the best wall time (slowest rank).
+
+    ``load``: also gather the load's statistics (bytes read/exchanged, seconds per phase);
+    ``env``: environment variables set around ``fn`` (e.g. ``LOCAL_WORLD_SIZE=1``: every rank
+    its own node).
+    """
     import torch.distributed as dist
 
     best = None
@@ -157,12 +182,25 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
         _barrier()
         have_peak = _reset_peak()
         rss0 = _rss_bytes()
+        saved_env = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
         t0 = time.perf_counter()
-        fn()
-        t_local = time.perf_counter() - t0
+        try:
+            fn()
+        finally:
+            t_local = time.perf_counter() - t0
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         _barrier()
         peak = _peak_bytes() if have_peak else None
         rec = {"t": t_local, "extra_rss": (peak - rss0) if peak is not None else None}
+        if load:
+            from ckpt_integration.execution import load as load_mod
+
+            rec["load"] = dict(load_mod.last_load_stats)
         allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
         dist.all_gather_object(allrec, rec)
         t = max(r["t"] for r in allrec)
@@ -173,6 +211,8 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
             "extra_rss_gib": max(extras) / GiB if extras else None,
             "mem_ratio": (ctx.state_bytes + max(extras)) / ctx.state_bytes if extras else None,
         }
+        if load:
+            out["load"] = _load_stats(allrec)
         if best is None or out["seconds"] < best["seconds"]:
             best = out
     ctx.results[name] = best

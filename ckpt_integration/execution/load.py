@@ -47,6 +47,13 @@ from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
 
+# load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
+# once would not read fewer bytes)
+READ_ONCE = ("auto", "read_once")
+# what this process's last load did (strategy used, bytes read/sent/received, seconds per
+# phase): read by benchmarks/bench.py
+last_load_stats: Dict[str, Any] = {}
+
 
 @dataclass
 class ReadTask:
@@ -190,7 +197,7 @@ def load_torch_dist(
     thread_count: int = 4,
     verify_checksums: bool = True,
     process_group: Any = None,
-    load_strategy: str = "local",
+    load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
 ) -> Any:
@@ -245,8 +252,26 @@ def load_torch_dist(
             )
         except Exception as e:
             local_error, local_exc = _describe(e), e
+    last_load_stats.clear()
+    last_load_stats["strategy"] = "local"
+    outcome = "local"
     try:
-        if load_strategy in ("fully_parallel", "two_stage") and world > 1:
+        if load_strategy in READ_ONCE and world > 1 and backend == "torch_dist":
+            from .read_once import load_read_once
+
+            try:
+                outcome, stats = load_read_once(
+                    job.reader if job else None, job.tasks if job else [], local_error, group,
+                    mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
+                )
+                last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
+            except Exception as e:
+                outcome = "failed"
+                if local_error is None:
+                    local_error, local_exc = _describe(e), e
+        if outcome != "local":
+            pass
+        elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
             from .parallel_load import exchange_reads
 
             try:
@@ -269,6 +294,9 @@ def load_torch_dist(
                 local_error, local_exc = _describe(e), e
     finally:
         if job is not None:
+            if hasattr(job.reader, "stats"):  # reads of the reader itself ("local", and chunks read-once left to it)
+                for k, v in job.reader.stats.as_dict().items():
+                    last_load_stats[k] = last_load_stats.get(k, 0) + v
             job.reader.close()
     errs = dist.agree_on_errors(local_error, group)
     dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")

@@ -31,7 +31,8 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -72,6 +73,31 @@ def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
     if bufs[which] is None:
         bufs[which] = torch.empty(PIECE + SLACK, dtype=torch.uint8)
     return bufs[which]
+
+
+@dataclass
+class ReadStats:
+    """What a reader did: bytes read from storage, seconds in reads, in checksums and in copies
+    out of scratch buffers (summed over threads). Shared by a reader's threads."""
+
+    bytes_read: int = 0
+    read_s: float = 0.0
+    crc_s: float = 0.0
+    copy_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int = 0, read_s: float = 0.0, crc_s: float = 0.0, copy_s: float = 0.0) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_s += read_s
+            self.crc_s += crc_s
+            self.copy_s += copy_s
+
+    def as_dict(self) -> dict:
+        return {"bytes_read": self.bytes_read, "read_s": self.read_s, "crc_s": self.crc_s, "copy_s": self.copy_s}
+
+
+_NO_STATS = ReadStats()
 
 
 @dataclass
@@ -150,6 +176,15 @@ class _Checker:
             raise AssertionError("internal error: the last checksummed block was not read whole")
 
 
+def verify_blocks(blocks: Blocks, path: str, base: int, what: str, pos: int, data: Any) -> None:
+    """Check the whole blocks held by ``data`` (item-relative bytes ``[pos, pos + len(data))``,
+    starting and ending at block boundaries); a mismatch raises :class:`CorruptCheckpointError`
+    naming the file, the block's byte range and ``what``."""
+    checker = _Checker(blocks, path, base, what)
+    checker.feed(pos, memoryview(data).cast("B") if not isinstance(data, memoryview) else data)
+    checker.finish()
+
+
 def _merge(lo: np.ndarray, hi: np.ndarray, gap: int) -> List[Tuple[int, int]]:
     """Sorted intervals ``[lo, hi)`` merged where they overlap or are less than ``gap`` apart
     (``gap=1``: also where they touch)."""
@@ -186,6 +221,7 @@ def read_region(
     dtype: torch.dtype,
     blocks: Optional[Blocks],
     what: str,
+    stats: Optional[ReadStats] = None,
 ) -> None:
     """Copy the box ``starts``/``lens`` of the chunk ``shape`` (stored as ``dtype`` at
     item-relative byte ``data_start``; the item starts at file offset ``base``) into ``out``.
@@ -207,13 +243,14 @@ def read_region(
     while k > 0 and (k == ndim or (starts[k] == 0 and lens[k] == shape[k])):
         k -= 1
     checker = _Checker(blocks, path, base, what) if blocks is not None else None
+    stats = stats if stats is not None else _NO_STATS
     direct = k == 0 and out.dtype == dtype and out.device.type == "cpu"
     if direct and out.is_contiguous():
-        _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker)
+        _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker, stats)
     elif direct and (layout := _scatter_layout(out, list(lens), esize)) is not None:
-        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, layout[1], layout[2])
+        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, stats, layout[1], layout[2])
     else:
-        _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker)
+        _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker, stats)
     if checker is not None:
         checker.finish()
 
@@ -241,7 +278,7 @@ def _scatter_layout(out: torch.Tensor, lens: List[int], esize: int) -> Optional[
     return tensor_buffer(span), offs * esize, seg * esize
 
 
-def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, seg_offsets=None, seg_bytes=0) -> None:
+def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, stats, seg_offsets=None, seg_bytes=0) -> None:
     """The request is bytes ``[lo, lo + nbytes)``: read them into ``dest`` (contiguous, or the
     segments at ``seg_offsets`` of ``seg_bytes`` each), the rest of the touched blocks into
     scratch (for the checksum only), piece by piece."""
@@ -266,9 +303,12 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, se
             if tail:
                 segs.append((end - tail, scratch[head : head + tail]))
             views = [v for _, v in segs]
+            t0 = time.perf_counter()
             reader.readv(views, base + pos)
+            t1 = time.perf_counter()
             if checker is not None:
                 checker.feed_views(pos, views)
+            stats.add(end - pos, t1 - t0, time.perf_counter() - t1)
             pos = end
 
 
@@ -290,7 +330,7 @@ def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: i
     return out
 
 
-def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker) -> None:
+def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker, stats) -> None:
     """Strided requests and indirect destinations: pieces through a scratch buffer, rows copied out.
 
     Rows are the indices of axis ``r``, the outermost axis one index of which spans at most a
@@ -345,12 +385,19 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
         pad = (w_lo - first) % esize
         buf = _scratch_buffer(w_hi - w_lo + pad)
         mv = tensor_buffer(buf)
+        t_read = t_crc = 0.0
         for a, b in ranges:
             seg = mv[pad + a - w_lo : pad + b - w_lo]
+            t0 = time.perf_counter()
             reader.readv([seg], base + a)
+            t1 = time.perf_counter()
             if checker is not None:
                 checker.feed(a, seg)
+            t_read += t1 - t0
+            t_crc += time.perf_counter() - t1
         done_hi = ranges[-1][1]
+        t0 = time.perf_counter()
         typed = buf[: (buf.numel() // esize) * esize].view(dtype)
         src = torch.as_strided(typed, [i1 - i0, *lens[r + 1 :]], src_strides, (pad + start - w_lo) // esize)
         dest[i0:i1].copy_(src)
+        stats.add(sum(b - a for a, b in ranges), t_read, t_crc, time.perf_counter() - t0)
