@@ -296,7 +296,7 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
         check(ctx.dst)
         blocking = []
         total = []
-        for i in range(args.async_saves):
+        for i in range(0 if args.skip_async else args.async_saves):
             di = os.path.join(root, f"dcp_async{i}")
             _fresh(di, rank)
             _barrier()
@@ -309,7 +309,8 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
             _barrier()
             if rank == 0:
                 shutil.rmtree(di, ignore_errors=True)
-        _async_result(ctx, "dcp_async_save", blocking, total)
+        if blocking:
+            _async_result(ctx, "dcp_async_save", blocking, total)
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         _barrier()
@@ -320,31 +321,21 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     _measure(ctx, "ours_save", lambda: ci.save(ctx.sharded(ctx.local), d, **kw), setup=lambda: _fresh(d, rank), repeats=rep)
     for t in ctx.dst:
         t.zero_()
-    _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
+    _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d),
+             repeats=rep, load=True)
     check(ctx.dst)
     # the same load without CRC32 verification of every chunk: the cost of the safety check
     _measure(ctx, "ours_load_noverify",
              lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads, verify_checksums=False),
-             setup=lambda: cache(d), repeats=rep)
+             setup=lambda: cache(d), repeats=rep, load=True)
     check(ctx.dst)
-    lo, hi = ctx.reshard_bounds()
-    G = ctx.world * ctx.rows
-    rdst = [torch.zeros(hi - lo, ctx.cols) for _ in range(ctx.n)]
-    rsd = lambda: {  # noqa: E731
-        f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, ctx.cols), (lo, 0)) for i, t in enumerate(rdst)
-    }
-    _measure(ctx, "ours_load_resharded", lambda: ci.load(rsd(), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
-    # rows [lo, hi) come from this rank's and the next rank's saved shards
-    own_hi = (rank + 1) * ctx.rows
-    n_own = own_hi - lo if lo >= rank * ctx.rows else None
-    if n_own is not None and n_own > 0:
-        assert torch.equal(rdst[0][:n_own], ctx.local[0][lo - rank * ctx.rows :]), "bad resharded read"
-    del rdst
-    _more_resharded_loads(ctx, root, d, cache)
+    _resharded_loads(ctx, root, d, cache)
     if rank == 0:
         shutil.rmtree(d, ignore_errors=True)
     _barrier()
 
+    if args.skip_async:
+        return ctx.results
     blocking, total, stage, prepare = [], [], [], []
     have_peak = _reset_peak()
     rss0 = _rss_bytes()
@@ -372,8 +363,16 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     return ctx.results
 
 
-def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) -> None:
-    """row->col, ws change (from the row-split checkpoint ``d``) and col->row (a column-split one)."""
+# variants of every resharded load: the default ("auto": read-once when it reads fewer bytes),
+# forced "local" (every rank reads and checks the blocks it touches) and read-once with every
+# rank its own node (LOCAL_WORLD_SIZE=1: slices travel over the process group, as across nodes)
+VARIANTS = (("", {}, None), ("_local", {"load_strategy": "local"}, None),
+            ("_nodes", {"load_strategy": "read_once"}, {"LOCAL_WORLD_SIZE": "1"}))
+
+
+def _resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) -> None:
+    """uneven, row->col, ws change (from the row-split checkpoint ``d``) and col->row (a column-split one),
+    each in every variant; all with the library's defaults otherwise (access validation on)."""
     import torch
 
     import ckpt_integration as ci
@@ -382,25 +381,43 @@ def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], No
     args, rank, W = ctx.args, ctx.rank, ctx.world
     R, C, G = ctx.rows, ctx.cols, ctx.world * ctx.rows
     threads = args.threads
+
+    def run(name, make_sd, directory, verify):
+        for suffix, kw, env in VARIANTS:
+            _measure(ctx, name + suffix, lambda: ci.load(make_sd(), directory, thread_count=threads, **kw),
+                     setup=lambda: (dst_zero(), cache(directory)), repeats=args.repeats, load=True, env=env)
+            verify()
+
+    # uneven: row boundaries shifted by half a shard; rows [lo, hi) come from two saved chunks
+    lo, hi = ctx.reshard_bounds()
+    dst = [torch.zeros(hi - lo, C) for _ in range(ctx.n)]
+    dst_zero = lambda: [t.zero_() for t in dst]  # noqa: E731
+
+    def check_uneven():
+        n_own = (rank + 1) * R - lo
+        if 0 < n_own <= hi - lo and lo >= rank * R:
+            assert torch.equal(dst[0][:n_own], ctx.local[0][lo - rank * R :]), "bad uneven read"
+
+    run("ours_load_resharded",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (lo, 0)) for i, t in enumerate(dst)},
+        d, check_uneven)
     # row -> column: every rank wants a column slice of every saved (row) chunk
     cw = C // W
     c0 = rank * cw
     cw = C - c0 if rank == W - 1 else cw
     dst = [torch.zeros(G, cw) for _ in range(ctx.n)]
-    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0)) for i, t in enumerate(dst)}  # noqa: E731
-    _measure(ctx, "ours_load_row_to_col", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(d), repeats=args.repeats)
+    run("ours_load_row_to_col",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0)) for i, t in enumerate(dst)},
+        d, lambda: None)
     assert torch.equal(dst[0][rank * R : (rank + 1) * R], ctx.local[0][:, c0 : c0 + cw]), "bad row->col read"
-    del dst
     # world-size change: each rank's rows as two shards (what twice the ranks would each load)
     h = R // 2
     halves = [(torch.zeros(h, C), torch.zeros(R - h, C)) for _ in range(ctx.n)]
-    sd = lambda: {  # noqa: E731
-        f"t{i}_{j}": ShardedTensor.from_global_offsets(f"t{i}", hv[j], (G, C), (rank * R + j * h, 0))
-        for i, hv in enumerate(halves) for j in (0, 1)
-    }
-    _measure(ctx, "ours_load_ws_change", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(d), repeats=args.repeats)
+    dst = [t for hv in halves for t in hv]
+    run("ours_load_ws_change",
+        lambda: {f"t{i}_{j}": ShardedTensor.from_global_offsets(f"t{i}", hv[j], (G, C), (rank * R + j * h, 0))
+                 for i, hv in enumerate(halves) for j in (0, 1)},
+        d, lambda: None)
     assert torch.equal(torch.cat(halves[0]), ctx.local[0]), "bad world-size-change read"
     del halves
     # column -> row: a checkpoint saved split by columns (rank r holds columns [r*C, (r+1)*C)), loaded by rows
@@ -412,9 +429,9 @@ def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], No
     r0 = rank * rr
     rr = R - r0 if rank == W - 1 else rr
     dst = [torch.zeros(rr, W * C) for _ in range(ctx.n)]
-    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0)) for i, t in enumerate(dst)}  # noqa: E731
-    _measure(ctx, "ours_load_col_to_row", lambda: ci.load(sd(), dc, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(dc), repeats=args.repeats)
+    run("ours_load_col_to_row",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0)) for i, t in enumerate(dst)},
+        dc, lambda: None)
     assert torch.equal(dst[0][:, rank * C : (rank + 1) * C], ctx.local[0][r0 : r0 + rr]), "bad col->row read"
     del dst
     _barrier()
@@ -509,11 +526,17 @@ def _fmt(v, spec="{:.2f}", none="-"):
     return none if v is None else spec.format(v)
 
 
+LOAD_ROWS = (("ours load", "ours_load"), ("ours load (no CRC check)", "ours_load_noverify"),
+             ("uneven", "ours_load_resharded"), ("row->col", "ours_load_row_to_col"),
+             ("col->row", "ours_load_col_to_row"), ("ws change", "ours_load_ws_change"))
+VARIANT_LABELS = {"": "", "_local": " [local]", "_nodes": " [nodes]"}
+
+
 def format_table(results: Dict[str, Any]) -> str:
     lines = []
     for target, res in results["targets"].items():
         lines.append(f"target: {target}")
-        hdr = f"{'method':<24}{'time s':>9}{'GiB/s':>9}{'x DCP':>8}{'% plain':>9}{'mem':>7}"
+        hdr = f"{'method':<28}{'time s':>9}{'GiB/s':>9}{'x DCP':>8}{'% plain':>9}{'mem':>7}"
         lines.append(hdr)
         lines.append("-" * len(hdr))
         rows = [
@@ -525,14 +548,12 @@ def format_table(results: Dict[str, Any]) -> str:
             ("DCP load", "dcp_load", "dcp_load", "plain_read"),
             ("DCP async_save (total)", "dcp_async_save", "dcp_save", "plain_write"),
             ("ours save", "ours_save", "dcp_save", "plain_write"),
-            ("ours load", "ours_load", "dcp_load", "plain_read"),
-            ("ours load (no CRC check)", "ours_load_noverify", "dcp_load", "plain_read"),
-            ("ours load resharded", "ours_load_resharded", "dcp_load", "plain_read"),
-            ("ours load row->col", "ours_load_row_to_col", "dcp_load", "plain_read"),
-            ("ours load col->row", "ours_load_col_to_row", "dcp_load", "plain_read"),
-            ("ours load ws change", "ours_load_ws_change", "dcp_load", "plain_read"),
-            ("ours async (total)", "ours_async_save", "dcp_save", "plain_write"),
         ]
+        for label, key in LOAD_ROWS:
+            for suffix, vlabel in VARIANT_LABELS.items():
+                name = ("ours load " + label if not label.startswith("ours") else label) + vlabel
+                rows.append((name, key + suffix, "dcp_load", "plain_read"))
+        rows.append(("ours async (total)", "ours_async_save", "dcp_save", "plain_write"))
         for label, key, dcp_key, plain_key in rows:
             r = res.get(key)
             if r is None:
@@ -542,7 +563,7 @@ def format_table(results: Dict[str, Any]) -> str:
             xd = r["gib_s"] / d["gib_s"] if d else None
             pp = 100 * r["gib_s"] / p["gib_s"] if p else None
             lines.append(
-                f"{label:<24}{r['seconds']:>9.3f}{r['gib_s']:>9.2f}{_fmt(xd, '{:.2f}x'):>8}"
+                f"{label:<28}{r['seconds']:>9.3f}{r['gib_s']:>9.2f}{_fmt(xd, '{:.2f}x'):>8}"
                 f"{_fmt(pp, '{:.0f}%'):>9}{_fmt(r.get('mem_ratio'), '{:.2f}'):>7}"
             )
         sync = res.get("ours_save", {}).get("seconds")
@@ -557,15 +578,39 @@ def format_table(results: Dict[str, Any]) -> str:
                          f" 1st save {r['blocking_first_s']:.3f}s; staging buffers allocated: {r['staging_allocations']})")
             lines.append(f"{label} blocking (2nd save on): {r['blocking_s']:.3f}s{frac}{extra}")
         lines.append("")
+        lines.append(format_load_details(res, results.get("state_bytes_per_rank", 0) * results["config"]["ranks"]
+                                         if "config" in results else None))
+        lines.append("")
     for target, res in results["targets"].items():
         same = res.get("ours_load", {}).get("gib_s")
-        parts = [f"{label} {res[key]['gib_s'] / same:.2f}x" for label, key in (
-            ("uneven", "ours_load_resharded"), ("row->col", "ours_load_row_to_col"),
-            ("col->row", "ours_load_col_to_row"), ("ws change", "ours_load_ws_change")) if key in res and same]
+        parts = [f"{label}{VARIANT_LABELS[suffix]} {res[key + suffix]['gib_s'] / same:.2f}x"
+                 for label, key in LOAD_ROWS[2:] for suffix in VARIANT_LABELS if key + suffix in res and same]
         if parts:
             lines.append(f"resharded / same-layout load ({os.path.basename(target.rstrip('/')) or target}): " + ", ".join(parts))
     lines.append("mem = (rank state + peak extra RSS during the phase) / rank state; "
-                 "x DCP vs DCP save/load; % plain vs plain write/read")
+                 "x DCP vs DCP save/load; % plain vs plain write/read; [local]: load_strategy='local' forced; "
+                 "[nodes]: read_once with LOCAL_WORLD_SIZE=1 (every rank its own node: slices over the process group)")
+    return "\n".join(lines)
+
+
+def format_load_details(res: Dict[str, Any], stored: Optional[int]) -> str:
+    """Per load: strategy used, bytes read from storage over all ranks (and / stored bytes),
+    bytes exchanged, seconds per phase (max over ranks; read and CRC summed over threads)."""
+    hdr = (f"{'load':<28}{'strategy':>10}{'read MiB':>10}{'/stored':>8}{'sent MiB':>10}{'copied MiB':>11}"
+           f"{'plan s':>8}{'read s':>8}{'crc s':>8}{'exch s':>8}{'copy s':>8}")
+    lines = [hdr, "-" * len(hdr)]
+    for label, key in LOAD_ROWS:
+        for suffix, vlabel in VARIANT_LABELS.items():
+            r = res.get(key + suffix)
+            st = r.get("load") if r else None
+            if not st:
+                continue
+            ratio = st["bytes_read"] / stored if stored else None
+            lines.append(
+                f"{(label + vlabel):<28}{st['strategy']:>10}{st['bytes_read'] / 2**20:>10.1f}{_fmt(ratio, '{:.2f}'):>8}"
+                f"{st['bytes_sent'] / 2**20:>10.1f}{st['bytes_copied'] / 2**20:>11.1f}"
+                + "".join(f"{st[k]:>8.3f}" for k in ("plan_s", "read_s", "crc_s", "exchange_s", "copy_s"))
+            )
     return "\n".join(lines)
 
 
@@ -590,6 +635,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="our writer/reader threads per rank (0: cores // ranks, at least 1)")
     p.add_argument("--skip-dcp", action="store_true", help="leave PyTorch DCP out")
+    p.add_argument("--skip-async", action="store_true", help="leave the async saves out")
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     a = p.parse_args(argv)

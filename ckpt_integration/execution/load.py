@@ -42,7 +42,7 @@ from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
 from . import exchange
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
-from .save import _describe
+from .dist import describe_error as _describe
 from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
