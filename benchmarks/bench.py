@@ -147,7 +147,7 @@ def _barrier():
 
 
 STAT_SUMS = ("bytes_read", "bytes_sent", "bytes_received", "bytes_copied", "separate_bytes", "union_bytes")
-STAT_TIMES = ("plan_s", "read_s", "crc_s", "exchange_s", "copy_s")
+STAT_TIMES = ("plan_s", "map_s", "read_s", "crc_s", "exchange_s", "copy_s")
 
 
 def _load_stats(allrec: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -264,23 +264,23 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     check(ctx.dst)
     _fresh(d, rank)
 
-    # ---- torch.save / torch.load per rank
-    d = os.path.join(root, "torch_save")
-    _fresh(d, rank)
-    path = os.path.join(d, f"rank{rank}.pt")
-    _measure(ctx, "torch_save", lambda: torch.save({f"t{i}": t for i, t in enumerate(ctx.local)}, path), repeats=rep)
-    loaded = {}
+    if not args.loads_only:  # ---- torch.save / torch.load per rank
+        d = os.path.join(root, "torch_save")
+        _fresh(d, rank)
+        path = os.path.join(d, f"rank{rank}.pt")
+        _measure(ctx, "torch_save", lambda: torch.save({f"t{i}": t for i, t in enumerate(ctx.local)}, path), repeats=rep)
+        loaded = {}
 
-    def tload():
-        loaded["sd"] = torch.load(path, weights_only=True)
+        def tload():
+            loaded["sd"] = torch.load(path, weights_only=True)
 
-    _measure(ctx, "torch_load", tload, setup=lambda: (loaded.clear(), cache(d)), repeats=rep)
-    check([loaded["sd"][f"t{i}"] for i in range(ctx.n)])
-    loaded.clear()
-    _fresh(d, rank)
+        _measure(ctx, "torch_load", tload, setup=lambda: (loaded.clear(), cache(d)), repeats=rep)
+        check([loaded["sd"][f"t{i}"] for i in range(ctx.n)])
+        loaded.clear()
+        _fresh(d, rank)
 
     # ---- PyTorch DCP (DTensor, row-sharded)
-    if not args.skip_dcp:
+    if not args.skip_dcp and not args.loads_only:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -334,7 +334,7 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
         shutil.rmtree(d, ignore_errors=True)
     _barrier()
 
-    if args.skip_async:
+    if args.skip_async or args.loads_only:
         return ctx.results
     blocking, total, stage, prepare = [], [], [], []
     have_peak = _reset_peak()
@@ -597,7 +597,7 @@ def format_load_details(res: Dict[str, Any], stored: Optional[int]) -> str:
     """Per load: strategy used, bytes read from storage over all ranks (and / stored bytes),
     bytes exchanged, seconds per phase (max over ranks; read and CRC summed over threads)."""
     hdr = (f"{'load':<28}{'strategy':>10}{'read MiB':>10}{'/stored':>8}{'sent MiB':>10}{'copied MiB':>11}"
-           f"{'plan s':>8}{'read s':>8}{'crc s':>8}{'exch s':>8}{'copy s':>8}")
+           f"{'plan s':>8}{'map s':>8}{'read s':>8}{'crc s':>8}{'exch s':>8}{'copy s':>8}")
     lines = [hdr, "-" * len(hdr)]
     for label, key in LOAD_ROWS:
         for suffix, vlabel in VARIANT_LABELS.items():
@@ -609,7 +609,7 @@ def format_load_details(res: Dict[str, Any], stored: Optional[int]) -> str:
             lines.append(
                 f"{(label + vlabel):<28}{st['strategy']:>10}{st['bytes_read'] / 2**20:>10.1f}{_fmt(ratio, '{:.2f}'):>8}"
                 f"{st['bytes_sent'] / 2**20:>10.1f}{st['bytes_copied'] / 2**20:>11.1f}"
-                + "".join(f"{st[k]:>8.3f}" for k in ("plan_s", "read_s", "crc_s", "exchange_s", "copy_s"))
+                + "".join(f"{st[k]:>8.3f}" for k in STAT_TIMES)
             )
     return "\n".join(lines)
 
@@ -636,6 +636,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our writer/reader threads per rank (0: cores // ranks, at least 1)")
     p.add_argument("--skip-dcp", action="store_true", help="leave PyTorch DCP out")
     p.add_argument("--skip-async", action="store_true", help="leave the async saves out")
+    p.add_argument("--loads-only", action="store_true",
+                   help="plain I/O, our save and our loads only (no torch.save, DCP or async): for iterating on loads")
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     a = p.parse_args(argv)

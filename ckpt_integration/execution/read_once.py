@@ -361,34 +361,46 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
         if not errors:
             errors.append(e)
 
+    def copy_parts(c: _Chunk, src: "_Source", lo: int, hi: int) -> None:
+        lay = c.layout
+        for t, region in zip(c.task_list, c.regions):
+            for part in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region):
+                _dest(t, region, part).copy_(src.part(*part))
+
     def local_work(c: _Chunk) -> None:
-        """Units this rank reads for its node only, and its copies of node-local parts."""
+        """Units this rank checks for its node only, and its copies of the node-local parts.
+
+        A unit this rank checks is taken a piece at a time: the piece's blocks are checked,
+        then this rank's parts of them are copied out while they are still in cache. The parts
+        in units checked by the node's other ranks are copied from the mapping as they are.
+        """
         if not mapped or not c.units:
             return  # unmapped: every part comes through _transfer (also from this rank's own reads)
         lay = c.layout
         try:
-            with ItemMap(lay.fd, lay.base, lay.length) as im:
+            t0 = time.perf_counter()
+            with ItemMap(lay.fd, lay.base, lay.length, populate=POPULATE) as im:
+                st.add("map_s", time.perf_counter() - t0)
+                src = _Source(lay, c.task_list[0].dtype, im)
+                t_copy = 0.0
                 for lo, hi, rd, rnode, first in c.units:
+                    if rnode != node:
+                        continue  # read on another node: arrives through _transfer
                     if rd == rank and (lo, hi) not in c.remote:
                         if first and lay.has_frame:
                             reader.check_frame(c.task_list[0].chunk, lay)
-                        _verify(c, im, lo, hi, st)
-                t0 = time.perf_counter()
-                src = _Source(lay, c.task_list[0].dtype, im)
-                regions = c.regions
-                if all(rnode == node for *_, rnode, _f in c.units):
-                    for t, (starts, lens) in zip(c.task_list, regions):
-                        t.out.copy_(src.part(starts, lens))
-                        st.add("bytes_copied", t.out.numel() * lay.esize)
-                else:
-                    for lo, hi, rd, rnode, _f in c.units:
-                        if rnode != node:
-                            continue
-                        for t, region in zip(c.task_list, regions):
-                            for part in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region):
-                                _dest(t, region, part).copy_(src.part(*part))
+                        for p_lo, p_hi in _pieces(lay.bounds, lo, hi, PIECE):
+                            _verify(c, im, p_lo, p_hi, st)
+                            t0 = time.perf_counter()
+                            copy_parts(c, src, p_lo, p_hi)
+                            t_copy += time.perf_counter() - t0
+                    else:
+                        t0 = time.perf_counter()
+                        copy_parts(c, src, lo, hi)
+                        t_copy += time.perf_counter() - t0
+                st.add("copy_s", t_copy)
+                st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
                 del src
-                st.add("copy_s", time.perf_counter() - t0)
         except Exception as e:
             note(e)
 
@@ -412,6 +424,23 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
                 note(e)
     finally:
         pool.shutdown(wait=True)
+
+
+POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
+# bytes checked, then copied out, at a time: a few blocks, so they are still in the core's cache
+PIECE = 2 << 20
+
+
+def _pieces(bounds: np.ndarray, lo: int, hi: int, size: int) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` cut at block boundaries into pieces of about ``size`` bytes (at least one block)."""
+    inner = bounds[(bounds > lo) & (bounds < hi)].tolist()
+    out, start = [], lo
+    for b in inner:
+        if b - start >= size:
+            out.append((start, b))
+            start = b
+    out.append((start, hi))
+    return out
 
 
 def _global(group: Any, r: int) -> int:
@@ -465,10 +494,15 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                             _dest(c.task_list[g], regions[g], p).copy_(src.part(*p))
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
-                if src is not None and parts:
-                    buf = torch.cat([src.part(*p).reshape(-1) for _, p in parts])
+                buf = torch.empty(n, dtype=dtype)
+                if src is not None:
+                    pos = 0
+                    for _, p in parts:
+                        k = int(np.prod(p[1]))
+                        buf[pos : pos + k].view(p[1]).copy_(src.part(*p))
+                        pos += k
                 else:
-                    buf = torch.zeros(n, dtype=dtype)  # keep the peer going: the load fails anyway
+                    buf.zero_()  # keep the peer going: the load fails anyway
                 st.add("copy_s", time.perf_counter() - tc)
                 settle(max(0, budget - buf.numel() * lay.esize))
                 work = tdist.isend(buf.view(torch.uint8), dst=_global(group, r), group=group, tag=_TAG)
