@@ -440,6 +440,52 @@ def _resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) 
     _barrier()
 
 
+def _run_small(ctx: Ctx, root: str) -> Dict[str, Any]:
+    """Many small tensors: ``--small`` float32 tensors of ``--small-bytes`` per rank, ours and DCP,
+    save and same-layout load; microseconds per tensor (slowest rank, best of ``--repeats``)."""
+    import torch
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+
+    args, rank, world = ctx.args, ctx.rank, ctx.world
+    n, numel = args.small, max(1, args.small_bytes // 4)
+    local = [torch.rand(numel) for _ in range(n)]
+    dst = [torch.zeros(numel) for _ in range(n)]
+    saved_results, ctx.results = ctx.results, {}
+    sd = lambda ts: {f"s{i}": ShardedTensor.from_rank_offsets(f"s{i}", t, (0, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
+    d = os.path.join(root, "small_ours")
+    _measure(ctx, "ours_save", lambda: ci.save(sd(local), d, thread_count=args.threads), setup=lambda: _fresh(d, rank),
+             repeats=args.repeats)
+    _measure(ctx, "ours_load", lambda: ci.load(sd(dst), d, thread_count=args.threads), repeats=args.repeats, load=True)
+    assert torch.equal(dst[-1], local[-1]), "bad small-tensor load"
+    if not args.skip_dcp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        dsd = lambda ts: {f"s{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(ts)}  # noqa: E731
+        dd = os.path.join(root, "small_dcp")
+        _measure(ctx, "dcp_save", lambda: dcp.save(dsd(local), checkpoint_id=dd), setup=lambda: _fresh(dd, rank),
+                 repeats=args.repeats)
+        _measure(ctx, "dcp_load", lambda: dcp.load(dsd(dst), checkpoint_id=dd), repeats=args.repeats)
+    out = {k: dict(v, us_per_tensor=1e6 * v["seconds"] / n) for k, v in ctx.results.items()}
+    ctx.results = saved_results
+    return {"tensors_per_rank": n, "bytes_per_tensor": numel * 4, "results": out}
+
+
+def format_small(small: Dict[str, Any]) -> str:
+    lines = [f"many small tensors: {small['tensors_per_rank']} x {small['bytes_per_tensor']} B per rank"]
+    for target, res in small["targets"].items():
+        r = res["results"]
+        lines.append(f"  {target}: " + ", ".join(
+            f"{name} {r[key]['us_per_tensor']:.0f} us/tensor ({r[key]['seconds']:.2f} s)"
+            for name, key in (("ours save", "ours_save"), ("DCP save", "dcp_save"), ("ours load", "ours_load"),
+                              ("DCP load", "dcp_load")) if key in r))
+    return "\n".join(lines)
+
+
 def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float], extra_rss=None, **more) -> None:
     import torch.distributed as dist
 
@@ -483,9 +529,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         ctx = Ctx(rank, world, args)
         results = {"state_bytes_per_rank": ctx.state_bytes, "tensors_per_rank": ctx.n,
                    "tensor_shape": [ctx.rows, ctx.cols], "targets": {}}
+        if args.small:
+            results["small"] = {"targets": {}}
         for target, is_tmpfs in _targets(args):
             root = os.path.join(target, f"ckpt_bench_{port}")
             try:
+                if args.small:
+                    sm = _run_small(ctx, root)
+                    results["small"]["targets"][target] = sm
+                    results["small"].update(tensors_per_rank=sm["tensors_per_rank"], bytes_per_tensor=sm["bytes_per_tensor"])
+                if args.small_only:
+                    continue
                 results["targets"][target] = _run_target(ctx, root, is_tmpfs)
             finally:
                 _barrier()
@@ -636,6 +690,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our writer/reader threads per rank (0: cores // ranks, at least 1)")
     p.add_argument("--skip-dcp", action="store_true", help="leave PyTorch DCP out")
     p.add_argument("--skip-async", action="store_true", help="leave the async saves out")
+    p.add_argument("--small", type=int, default=0, metavar="N",
+                   help="also the many-small-tensors case: N tensors per rank (e.g. 10000), ours and DCP")
+    p.add_argument("--small-bytes", type=int, default=4096, help="bytes per small tensor (default 4 KiB)")
+    p.add_argument("--small-only", action="store_true", help="only the many-small-tensors case")
     p.add_argument("--loads-only", action="store_true",
                    help="plain I/O, our save and our loads only (no torch.save, DCP or async): for iterating on loads")
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
@@ -726,7 +784,10 @@ def main(argv=None) -> Dict[str, Any]:
                 f"({results['tensors_per_rank']} tensors of {results['tensor_shape']} float32 per rank), "
                 f"best of {args.repeats}, our threads/rank {results['config']['threads']}, torch {torch.__version__}"
             )
-            print(format_table(results), flush=True)
+            if results.get("targets"):
+                print(format_table(results), flush=True)
+            if "small" in results:
+                print(format_small(results["small"]), flush=True)
             runs.append(results)
     if len(runs) > 1:
         print("summary (ratios; targets: save >= 3x DCP and >= 70% plain, load >= 3x DCP, "

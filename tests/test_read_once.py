@@ -200,3 +200,14 @@ def test_plan_reads_every_touched_block_once_and_balances():
     assert covered[0][0] == ds and covered[-1][1] == ds + nbytes
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
     assert load == {0: nbytes // 2, 1: nbytes // 2}
+
+
+def test_union_bytes_matches_per_chunk_merge():
+    from ckpt_integration.planning.read_once import merge_ranges, ranges_bytes, union_bytes
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 5, 200)
+    lo = rng.integers(0, 1000, 200)
+    hi = lo + rng.integers(1, 300, 200)
+    want = sum(ranges_bytes(merge_ranges(lo[ids == i], hi[ids == i])) for i in range(5))
+    assert union_bytes(ids, lo, hi) == want

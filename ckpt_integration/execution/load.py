@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
-from ..planning.boxes import Box, relative_slices
+from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.exchange import route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
@@ -176,12 +176,15 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
         return [
             ChunkRead(r.chunk, r.overlap, compact.chunk_info(key, r.source, r.chunk, checksums, where)) for r in reads
         ]
+    chunks = reader.chunks[key]
+    if len(chunks) == 1:  # the common case of many small tensors: no index to build
+        common = intersect(request, chunks[0].box)
+        return [] if common is None else [ChunkRead(chunks[0].box, common, chunks[0])]
     per_reader = _indexes.get(reader)
     if per_reader is None:
         per_reader = _indexes[reader] = {}
     index = per_reader.get(key)
     if index is None:
-        chunks = reader.chunks[key]
         index = per_reader[key] = ChunkIndex([c.box for c in chunks], chunks)
     return index.reads(request)
 

@@ -179,6 +179,21 @@ def chunk_totals(needs: ChunkNeeds) -> Tuple[int, int]:
     return separate, ranges_bytes(merge_ranges(lo, hi))
 
 
+def union_bytes(ids: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> int:
+    """Total length of the union of the ranges ``[lo, hi)`` taken per id (ranges of different
+    ids never overlap): vectorised, for the owners' decision over many chunks."""
+    if len(ids) == 0:
+        return 0
+    order = np.lexsort((lo, ids))
+    ids, lo, hi = ids[order], lo[order], hi[order]
+    group = np.concatenate([[0], np.cumsum(ids[1:] != ids[:-1])]).astype(np.int64)
+    span = int(max(hi.max(), 1)) + 1
+    glo, ghi = lo + group * span, hi + group * span  # groups apart: one running maximum serves all
+    reach = np.maximum.accumulate(ghi)
+    prev = np.concatenate([[np.iinfo(np.int64).min], reach[:-1]])
+    return int(np.maximum(0, ghi - np.maximum(glo, prev)).sum())
+
+
 def _overlaps(ranges: Ranges, lo: int, hi: int) -> bool:
     return any(a < hi and lo < b for a, b in ranges)
 

@@ -51,7 +51,7 @@ from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
 from .region_read import Blocks, ReadStats, read_region as _read_region
 from .safe_pickle import load_dcp_metadata
-from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record
+from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record, save_tensor
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -170,7 +170,7 @@ def write_data_files(
                     t = _standalone(req.data)
                     w = BlockCrcWriter(f, t, block_size)
                     try:
-                        torch.save(t, w)
+                        save_tensor(t, w)
                     except Exception as e:
                         raise (w.error or e) from e  # torch wraps the OSError of a full disk
                     crc, blocks = w.finish()
@@ -624,11 +624,36 @@ def pread_exact(reader: FileReader, buf: memoryview, offset: int, path: str = ""
 
 
 def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
-    """Run ``fn(task)`` for all tasks in a thread pool; re-raise the first error."""
+    """Run ``fn(task)`` for all tasks with up to ``thread_count`` threads; re-raise the first error.
+
+    Threads take tasks from one shared iterator in order (no future per task: with tens of
+    thousands of small tensors, a future and its lock per task cost more than the reads).
+    """
     if thread_count <= 1 or len(tasks) <= 1:
         for t in tasks:
             fn(t)
         return
+    it = iter(tasks)
+    lock = threading.Lock()
+    errors: List[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                t = next(it, _DONE)
+            if t is _DONE:
+                return
+            try:
+                fn(t)
+            except BaseException as e:  # stop the others, raise in the caller
+                errors.append(e)
+                return
+
     with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(fn, t) for t in tasks]:
+        for f in [pool.submit(worker) for _ in range(min(thread_count, len(tasks)))]:
             f.result()
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()
