@@ -343,21 +343,17 @@ def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chun
 
 
 class _Source:
-    """A chunk's stored elements as one flat tensor of its dtype: over the file's mapping (the
-    whole chunk), or over ``raw``, the bytes ``[lo, hi)`` of the item read by this rank."""
+    """The stored elements of a chunk whose first byte lies in the item-relative range ``[lo, hi)``,
+    as one flat tensor of its dtype over ``buf`` (a mapping of the unit, or the bytes this rank
+    read); ``at(x)`` is the index in ``buf`` of item-relative byte ``x``. No copy."""
 
-    def __init__(self, layout: Any, dtype: torch.dtype, im: Optional[ItemMap], lo: int = 0, hi: int = 0,
-                 raw: Optional[torch.Tensor] = None):
+    def __init__(self, layout: Any, dtype: torch.dtype, buf: Any, lo: int, hi: int, at):
         numel = layout.nbytes // layout.esize
         self.shape, self.strides = layout.shape, _strides(layout.shape)
-        if raw is None:
-            self.e0 = 0
-            self.flat = typed_view(im.mm, im.at(layout.data_start), numel, dtype, layout.esize)
-        else:
-            e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
-            e1 = min(numel, max(0, -(-(hi - layout.data_start) // layout.esize)))
-            self.raw, self.e0 = raw, e0
-            self.flat = typed_view(raw, layout.data_start + e0 * layout.esize - lo, e1 - e0, dtype, layout.esize)
+        e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
+        e1 = min(numel, max(0, -(-(hi - layout.data_start) // layout.esize)))
+        self.e0 = e0
+        self.flat = typed_view(buf, at(layout.data_start + e0 * layout.esize), e1 - e0, dtype, layout.esize)
 
     def part(self, starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
         if not self.shape:
@@ -365,11 +361,18 @@ class _Source:
         return torch.as_strided(self.flat, tuple(lens), tuple(self.strides), _flat_index(starts, self.shape) - self.e0)
 
 
+def _map_unit(lay: Any, lo: int, hi: int, populate: bool = True) -> Tuple[ItemMap, Any]:
+    """A mapping of the item bytes ``[lo, hi)`` (one unit: the pages a rank holds stay bounded by
+    the unit size) and its ``at``."""
+    im = ItemMap(lay.fd, lay.base + lo, hi - lo, populate=populate)
+    return im, (lambda x: im.at(x - lo))
+
+
 def _dest(task: Any, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
     return task.out[tuple(slice(s - r, s - r + n) for s, r, n in zip(part[0], region[0], part[1]))]
 
 
-def _verify(c: _Chunk, im: Optional[ItemMap], lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
+def _verify(c: _Chunk, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
     """Read (unless mapped) and check the blocks of ``[lo, hi)``; the bytes read for unmapped files."""
     lay = c.layout
     t0 = time.perf_counter()
@@ -381,7 +384,7 @@ def _verify(c: _Chunk, im: Optional[ItemMap], lo: int, hi: int, st: Stats) -> Op
     if lay.blocks is not None:
         if im is not None:
             with memoryview(im.mm) as whole:
-                verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, whole[im.at(lo) : im.at(hi)])
+                verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, whole[at(lo) : at(hi)])
         else:
             verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, memoryview(raw.numpy()))
     st.add("crc_s", time.perf_counter() - t0)
@@ -413,19 +416,21 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
             return  # unmapped: every part comes through _transfer (also from this rank's own reads)
         lay = c.layout
         try:
-            t0 = time.perf_counter()
-            with ItemMap(lay.fd, lay.base, lay.length, populate=POPULATE) as im:
+            t_copy = 0.0
+            dtype = c.task_list[0].dtype
+            for lo, hi, rd, rnode, first in c.units:
+                if rnode != node:
+                    continue  # read on another node: arrives through _transfer
+                t0 = time.perf_counter()
+                im, at = _map_unit(lay, lo, hi, POPULATE)
                 st.add("map_s", time.perf_counter() - t0)
-                src = _Source(lay, c.task_list[0].dtype, im)
-                t_copy = 0.0
-                for lo, hi, rd, rnode, first in c.units:
-                    if rnode != node:
-                        continue  # read on another node: arrives through _transfer
+                try:
+                    src = _Source(lay, dtype, im.mm, lo, hi, at)
                     if rd == rank and (lo, hi) not in c.remote:
                         if first and lay.has_frame:
                             reader.check_frame(c.task_list[0].chunk, lay)
                         for p_lo, p_hi in _pieces(lay.bounds, lo, hi, PIECE):
-                            _verify(c, im, p_lo, p_hi, st)
+                            _verify(c, im, at, p_lo, p_hi, st)
                             t0 = time.perf_counter()
                             copy_parts(c, src, p_lo, p_hi)
                             t_copy += time.perf_counter() - t0
@@ -433,9 +438,11 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
                         t0 = time.perf_counter()
                         copy_parts(c, src, lo, hi)
                         t_copy += time.perf_counter() - t0
-                st.add("copy_s", t_copy)
-                st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
-                del src
+                    del src
+                finally:
+                    im.close()
+            st.add("copy_s", t_copy)
+            st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
         except Exception as e:
             note(e)
 
@@ -509,9 +516,13 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             try:
                 if extra and lay.has_frame:
                     reader.check_frame(c.task_list[0].chunk, lay)
-                im = ItemMap(lay.fd, lay.base, lay.length, willneed=False) if mapped else None
-                raw = _verify(c, im, lo, hi, st)
-                src = _Source(lay, dtype, im, lo, hi, raw)
+                if mapped:
+                    im, at = _map_unit(lay, lo, hi)
+                    raw = _verify(c, im, at, lo, hi, st)
+                    src = _Source(lay, dtype, im.mm, lo, hi, at)
+                else:
+                    raw = _verify(c, None, None, lo, hi, st)
+                    src = _Source(lay, dtype, raw, lo, hi, lambda x: x - lo)
             except Exception as e:
                 note(e)
             receivers = list(c.remote.get((lo, hi), []))
