@@ -33,7 +33,8 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -401,3 +402,74 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
         src = torch.as_strided(typed, [i1 - i0, *lens[r + 1 :]], src_strides, (pad + start - w_lo) // esize)
         dest[i0:i1].copy_(src)
         stats.add(sum(b - a for a, b in ranges), t_read, t_crc, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- readers' helpers
+_ESIZE: Dict[torch.dtype, int] = {}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    e = _ESIZE.get(dtype)
+    if e is None:
+        e = _ESIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return e
+
+
+@dataclass
+class ChunkLayout:
+    """A stored chunk as a reader that fetches its bytes itself sees it (see ``chunk_layout``).
+
+    ``base``: file offset of the item; ``data_start``: item-relative start of the row-major
+    data (``shape``, ``esize`` bytes per element); ``blocks``: the checks to run (None:
+    unchecked); ``bounds``: item-relative block boundaries (also when unchecked: 1 MiB
+    blocks of the data, for planning).
+    """
+
+    path: str
+    fd: Any  # the file's FileReader
+    base: int
+    data_start: int
+    nbytes: int
+    shape: Tuple[int, ...]
+    esize: int
+    blocks: Optional[Blocks]
+    bounds: np.ndarray
+    what: str
+    has_frame: bool = False
+    length: int = 0  # bytes of the whole item
+
+
+def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
+    """Run ``fn(task)`` for all tasks with up to ``thread_count`` threads; re-raise the first error.
+
+    Threads take tasks from one shared iterator in order (no future per task: with tens of
+    thousands of small tensors, a future and its lock per task cost more than the reads).
+    """
+    if thread_count <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            fn(t)
+        return
+    it = iter(tasks)
+    lock = threading.Lock()
+    errors: List[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                t = next(it, _DONE)
+            if t is _DONE:
+                return
+            try:
+                fn(t)
+            except BaseException as e:  # stop the others, raise in the caller
+                errors.append(e)
+                return
+
+    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="ckpt-read") as pool:
+        for f in [pool.submit(worker) for _ in range(min(thread_count, len(tasks)))]:
+            f.result()
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()

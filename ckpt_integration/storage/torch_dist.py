@@ -49,7 +49,8 @@ from ..planning.save_plan import split_into_buckets
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
-from .region_read import Blocks, ReadStats, read_region as _read_region
+from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_parallel  # noqa: F401 (re-exported)
+from .region_read import read_region as _read_region
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record, save_tensor
 
@@ -265,40 +266,6 @@ def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = Non
 
 
 # --------------------------------------------------------------------------- reading
-_ESIZE: Dict[torch.dtype, int] = {}
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    e = _ESIZE.get(dtype)
-    if e is None:
-        e = _ESIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return e
-
-
-@dataclass
-class ChunkLayout:
-    """A stored chunk as a reader that fetches its bytes itself sees it (see ``chunk_layout``).
-
-    ``base``: file offset of the item; ``data_start``: item-relative start of the row-major
-    data (``shape``, ``esize`` bytes per element); ``blocks``: the checks to run (None:
-    unchecked); ``bounds``: item-relative block boundaries (also when unchecked: 1 MiB
-    blocks of the data, for planning).
-    """
-
-    path: str
-    fd: FileReader
-    base: int
-    data_start: int
-    nbytes: int
-    shape: Tuple[int, ...]
-    esize: int
-    blocks: Optional[Blocks]
-    bounds: np.ndarray
-    what: str
-    has_frame: bool = False
-    length: int = 0  # bytes of the whole item
-
-
 @dataclass
 class ChunkInfo:
     box: Box
@@ -621,39 +588,3 @@ class TorchDistReader:
 def pread_exact(reader: FileReader, buf: memoryview, offset: int, path: str = "") -> None:
     """Fill ``buf`` from ``reader`` at ``offset`` (a short read raises CorruptCheckpointError)."""
     reader.read_into(buf, offset)
-
-
-def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
-    """Run ``fn(task)`` for all tasks with up to ``thread_count`` threads; re-raise the first error.
-
-    Threads take tasks from one shared iterator in order (no future per task: with tens of
-    thousands of small tensors, a future and its lock per task cost more than the reads).
-    """
-    if thread_count <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            fn(t)
-        return
-    it = iter(tasks)
-    lock = threading.Lock()
-    errors: List[BaseException] = []
-
-    def worker() -> None:
-        while not errors:
-            with lock:
-                t = next(it, _DONE)
-            if t is _DONE:
-                return
-            try:
-                fn(t)
-            except BaseException as e:  # stop the others, raise in the caller
-                errors.append(e)
-                return
-
-    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(worker) for _ in range(min(thread_count, len(tasks)))]:
-            f.result()
-    if errors:
-        raise errors[0]
-
-
-_DONE = object()
