@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -285,6 +286,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
     scratch (for the checksum only), piece by piece."""
     hi = lo + nbytes
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
+    _read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
@@ -311,6 +313,17 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
                 checker.feed_views(pos, views)
             stats.add(end - pos, t1 - t0, time.perf_counter() - t1)
             pos = end
+
+
+def _read_ahead(reader: Any, start: int, length: int) -> None:
+    """Local files: ask the kernel to read the whole range ahead, so that on disk the reads of
+    later pieces proceed while earlier ones are checksummed (no effect on tmpfs)."""
+    fd = getattr(reader, "fd", None)
+    if isinstance(fd, int) and length > DIRECT_PIECE and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
 
 
 def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: int, lo: int) -> List[Tuple[int, memoryview]]:
