@@ -10,7 +10,8 @@ over. Here:
    ranges it touches, its requested boxes and its node;
 2. **decision** (one ``all_reduce``): the owners add up the bytes the ranks would read on
    their own and the bytes of the union. ``load_strategy="auto"`` goes on only when the
-   union is smaller (otherwise every rank reads its own blocks, as ``"local"``);
+   union is smaller by at least 1 MiB per rank (otherwise every rank reads its own blocks, as
+   ``"local"``: two more exchanges cost more than re-reading a few shared blocks);
    ``"read_once"`` always goes on;
 3. **plan** (``all_to_all``): each owner cuts the union into block-aligned units and gives
    each unit one reader among the ranks touching it (:func:`~..planning.read_once.plan_chunk`),
@@ -56,6 +57,9 @@ from ..storage.region_read import verify_blocks
 from . import dist
 
 STRATEGIES = ("auto", "read_once")
+# "auto" reads once only when that saves at least this many bytes per rank on average: below,
+# the two extra exchanges of the plan cost more than reading the shared blocks again
+MIN_SAVING_PER_RANK = 1 << 20
 _TAG = 0x52_4F  # one tag for every transfer: pairs match messages in the shared order
 
 
@@ -159,7 +163,7 @@ def load_read_once(
         error = f"{type(e).__name__}: {e}"
     failed, separate, union = dist.all_reduce_ints([1 if error else 0, separate, union], "sum", group)
     st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=union, read_once=0)
-    if failed or (mode == "auto" and union >= separate):
+    if failed or (mode == "auto" and separate - union < MIN_SAVING_PER_RANK * world):
         return ("failed" if failed else "local"), dict(st.values)
     # needs in full to the owners
     try:

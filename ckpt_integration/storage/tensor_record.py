@@ -340,6 +340,8 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     ``serialization_id``): one ``torch.save`` per shape, then each tensor is the template
     around its own bytes. tests/test_read_once.py checks the bytes equal ``torch.save``'s.
     """
+    if _member_crcs_on():
+        return None  # the archive's member CRC32s would depend on the data
     key = (tensor.dtype, tuple(tensor.shape))
     with _templates_lock:
         hit = _templates.get(key)
@@ -351,7 +353,7 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     w = BlockCrcWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
     torch.save(probe, w)
     _, rec = w.finish()
-    if rec is None:
+    if rec is None or _member_crcs_on():  # switched on meanwhile (another thread): not a template
         return None
     raw = buf.getvalue()
     d, n = rec[0], rec[1]
@@ -361,6 +363,14 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
         while len(_templates) > _TEMPLATE_SLOTS:
             _templates.popitem(last=False)
     return hit
+
+
+def _member_crcs_on() -> bool:
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # older torch: members always checksummed
+        return True
+    return bool(config.save.compute_crc32)
 
 
 def save_tensor(tensor: torch.Tensor, w: "BlockCrcWriter") -> None:
