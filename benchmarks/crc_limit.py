@@ -2,7 +2,7 @@
 """What checking every byte costs on this machine: one process, one core.
 
 Reads a file of ``--mib`` MiB (created in ``--dir``) into a preallocated buffer in 1 MiB
-``readinto`` calls: plain, and with the CRC32 of each block computed right after it is read
+``preadv`` calls: plain, and with the CRC32 of each block computed right after it is read
 (cache-hot), as a verified load does; also the CRC32 alone over a buffer in memory. Best of
 ``--repeats``. The ratio ``read+crc / read`` bounds what a verified load can reach against the
 plain read of the same bytes when every core is busy reading (as with one rank per core).
@@ -33,8 +33,10 @@ def main(argv=None) -> None:
         chunk = os.urandom(block)
         for _ in range(a.mib):
             f.write(chunk)
-    buf = bytearray(n)
-    mv = memoryview(buf)
+    import numpy as np
+
+    arr = np.ones(n, dtype=np.uint8)  # touched: the reads do not count page faults
+    mv = memoryview(arr).cast("B")
 
     def best(fn):
         times = []
@@ -45,11 +47,14 @@ def main(argv=None) -> None:
         return n / min(times) / 2**30
 
     def read(check: bool):
-        with open(path, "rb", buffering=0) as f:
+        fd = os.open(path, os.O_RDONLY)
+        try:
             for o in range(0, n, block):
-                f.readinto(mv[o : o + block])
+                os.preadv(fd, [mv[o : o + block]], o)
                 if check:
                     crc32(mv[o : o + block])
+        finally:
+            os.close(fd)
 
     try:
         r = best(lambda: read(False))
