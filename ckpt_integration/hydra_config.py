@@ -64,6 +64,8 @@ class Backend(_Choice):
 class LoadStrategy(_Choice):
     """``checkpoint.load_strategy``: how ranks read a checkpoint."""
 
+    auto = "auto"
+    read_once = "read_once"
     local = "local"
     fully_parallel = "fully_parallel"
     two_stage = "two_stage"
@@ -92,7 +94,7 @@ class CheckpointConfig:
     _target_: str = "ckpt_integration.lightning.DistCkptIO"
     backend: Backend = Backend.torch_dist
     async_save: bool = False
-    load_strategy: LoadStrategy = LoadStrategy.local
+    load_strategy: LoadStrategy = LoadStrategy.auto
     thread_count: int = 2  # >= 1 (validate_config)
     max_in_flight: int = 1
     durable: bool = True

@@ -49,7 +49,7 @@ def test_wrong_keys_and_values_fail_fast():
         _compose("parallel=tp3_dp9")  # no such option
     # Enum-typed choices fail at composition (so also under --cfg job), listing the valid values
     for override, choices in {"checkpoint.backend=foo": "torch_dist, zarr",
-                              "checkpoint.load_strategy=three_stage": "local, fully_parallel, two_stage",
+                              "checkpoint.load_strategy=three_stage": "auto, read_once, local, fully_parallel, two_stage",
                               "trainer.accelerator=tpu": "cpu, gpu, cuda"}.items():
         with pytest.raises(ConfigCompositionException) as e:
             _compose(override)

@@ -50,7 +50,7 @@ class DistCkptIO(CheckpointIO):
     Args:
         async_save: write in the background (training continues after staging);
             finalized by :class:`DistCkptAsyncFinalizer` (added automatically) and at teardown.
-        load_strategy: ``"local"``, ``"fully_parallel"`` or ``"two_stage"``.
+        load_strategy: ``"auto"`` (default), ``"read_once"``, ``"local"``, ``"fully_parallel"`` or ``"two_stage"`` (see docs/strategies.md).
         thread_count: I/O threads per rank for save and load.
         backend: sharded backend, ``"torch_dist"`` (default) or ``"zarr"``.
         max_in_flight: async saves in flight at once (older ones are waited for).
@@ -63,7 +63,7 @@ class DistCkptIO(CheckpointIO):
     def __init__(
         self,
         async_save: bool = False,
-        load_strategy: str = "local",
+        load_strategy: str = "auto",
         thread_count: int = 2,
         backend: str = "torch_dist",
         max_in_flight: int = 1,
