@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -323,55 +322,16 @@ def _request_resharded(rank: int, world: int):
 # the launcher (in the test process)
 # --------------------------------------------------------------------------------------------
 def _launch(tmp: str, name: str, cfg: dict, world: int, victim=None):
-    from tests.dist_utils import free_port, slowdown
+    from tests.proc_launch import launch
 
-    cfg = {**cfg, "out": os.path.join(tmp, name), "victim": victim}
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    procs, logs = [], []
-    try:
-        for r in range(world):
-            log = os.path.join(tmp, f"{name}-rank{r}.log")
-            logs.append(log)
-            with open(log, "w") as fh:
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(cfg)],
-                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r % cfg["rpn"])},
-                                              cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
-        factor = slowdown()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT * factor
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if victim is not None and procs[victim].poll() is not None:
-                deadline = min(deadline, time.monotonic() + SURVIVOR_GRACE * factor)
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                pass
-    outs = []
-    for r in range(world):
-        try:
-            with open(os.path.join(tmp, f"{name}-rank{r}.json")) as f:
-                outs.append(json.load(f))
-        except FileNotFoundError:
-            outs.append({})
-    return [p.returncode for p in procs], outs, logs
+    return launch(__file__, tmp, name, cfg, world, victim=victim, timeout=LAUNCH_TIMEOUT,
+                  survivor_grace=SURVIVOR_GRACE, ranks_per_node=cfg["rpn"])
 
 
 def _tails(logs, n=3000):
-    parts = []
-    for log in logs:
-        with open(log, errors="replace") as f:
-            parts.append(f"--- {os.path.basename(log)} ---\n{f.read()[-n:]}")
-    return "\n".join(parts)
+    from tests.proc_launch import tails
+
+    return tails(logs, n)
 
 
 def _flip_byte(path: str, offset: int) -> None:

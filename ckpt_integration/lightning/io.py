@@ -59,6 +59,22 @@ class DistCkptIO(CheckpointIO):
         allowed_globals: extra classes allowed in the common state on load.
         durable: fsync before commit.
         balance: spread writes of replicated tensors over DP replicas (fully-parallel save).
+        memory_every_n_train_steps: take a snapshot of the whole training state in host shared
+            memory every N optimizer steps (:class:`ckpt_integration.MemoryCheckpoints`; see
+            docs/memory.md). ``trainer.fit(ckpt_path="last")`` then resumes from the newest of the
+            memory tier and the durable checkpoints; a SIGTERM makes the newest snapshot durable;
+            the snapshots are removed when ``fit`` finishes.
+        memory_replicas: copies of each rank's snapshot on distinct nodes (its own included).
+        memory_dir: the node's shared-memory directory (default ``/dev/shm/ckpt_integration``).
+        memory_job_id: the job's name in ``memory_dir`` (default: derived from the trainer's
+            ``default_root_dir``, so a restarted job finds its snapshots).
+        memory_ranks_per_node: ranks per node (default ``LOCAL_WORLD_SIZE``, else Lightning's
+            devices per node).
+        memory_persist_every_n: also write every M-th snapshot as a durable checkpoint
+            (``memory-step=<step>.ckpt`` next to ``ModelCheckpoint``'s, the two newest kept),
+            in the background, from the snapshot.
+        memory_sigterm_grace_s: on SIGTERM, how long to wait for the newest snapshot to become
+            durable (``preempted-step=<step>.ckpt``) before the process exits anyway.
     """
 
     def __init__(
@@ -73,6 +89,13 @@ class DistCkptIO(CheckpointIO):
         durable: bool = True,
         balance: bool = True,
         validate_access_integrity: bool = True,
+        memory_every_n_train_steps: Optional[int] = None,
+        memory_replicas: int = 2,
+        memory_dir: Optional[str] = None,
+        memory_job_id: Optional[str] = None,
+        memory_ranks_per_node: Optional[int] = None,
+        memory_persist_every_n: Optional[int] = None,
+        memory_sigterm_grace_s: float = 60.0,
     ):
         load_strategy, backend = _plain(load_strategy), _plain(backend)
         if load_strategy not in LOAD_STRATEGIES:
@@ -96,6 +119,25 @@ class DistCkptIO(CheckpointIO):
         self._deferred_removals: List[str] = []
         self._check_group: Any = None
         self.save_fn: Callable[..., Any] = start_async_save
+        for name, v in (("memory_every_n_train_steps", memory_every_n_train_steps),
+                        ("memory_persist_every_n", memory_persist_every_n)):
+            if v is not None and int(v) < 1:
+                raise ValueError(f"DistCkptIO: {name} must be >= 1 (or None), got {v}")
+        if int(memory_replicas) < 1:
+            raise ValueError(f"DistCkptIO: memory_replicas must be >= 1, got {memory_replicas}")
+        self.memory_every_n_train_steps = None if memory_every_n_train_steps is None else int(memory_every_n_train_steps)
+        self.memory_replicas = int(memory_replicas)
+        self.memory_dir = memory_dir
+        self.memory_job_id = memory_job_id
+        self.memory_ranks_per_node = memory_ranks_per_node
+        self.memory_persist_every_n = None if memory_persist_every_n is None else int(memory_persist_every_n)
+        self.memory_sigterm_grace_s = float(memory_sigterm_grace_s)
+        self.memory_tier: Any = None  # the MemoryCheckpoints, made collectively when first needed
+
+    @property
+    def memory_enabled(self) -> bool:
+        """Whether memory snapshots are configured (``memory_every_n_train_steps``)."""
+        return self.memory_every_n_train_steps is not None
 
     # -- low-level API used by the strategies ----------------------------------------------------
     def _load_kwargs(self) -> Dict[str, Any]:
@@ -252,6 +294,9 @@ class DistCkptIO(CheckpointIO):
             if self._queue is not None:
                 q, self._queue = self._queue, None
                 q.close()
+            if self.memory_tier is not None:  # snapshots stay in memory for a restart
+                tier, self.memory_tier = self.memory_tier, None
+                tier.close()
 
 
 def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: Dict[str, Any]) -> Any:
