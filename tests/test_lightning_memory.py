@@ -10,7 +10,7 @@ and ``DistCkptModelCheckpoint(save_last=True)`` at every epoch end (2 steps per 
    than ``last.ckpt``, so it is restored from each rank's own memory (logged per rank) with the
    exact weights, optimizer and scheduler state, metric and extra state, loop counters; the run
    finishes and the job's snapshots are removed from both nodes;
-3. a fresh run gets a SIGTERM on rank 0 at step 3: Lightning stops both ranks, and the newest
+3. a fresh run gets a SIGTERM on every rank at step 3: Lightning stops both ranks, and the newest
    snapshot (step 3) is written as ``preempted-step=3.ckpt`` before they exit; that durable
    checkpoint holds the step-3 state and resumes like any other.
 """
@@ -72,8 +72,8 @@ def _rank_main(cfg: dict) -> None:
             dump()
             if cfg["how"] == "kill" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if cfg["how"] == "sigterm" and rank == 0:
-                os.kill(os.getpid(), signal.SIGTERM)  # Lightning stops every rank at the next batch
+            if cfg["how"] == "sigterm":  # a preemption signals every rank; Lightning stops them at the next batch
+                os.kill(os.getpid(), signal.SIGTERM)
 
     io = DistCkptIO(memory_every_n_train_steps=1, memory_replicas=2, memory_dir=os.path.join(cfg["shm"], f"node{rank}"),
                     memory_job_id="lt", memory_ranks_per_node=1, memory_sigterm_grace_s=120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from enum import Enum
@@ -34,6 +35,27 @@ def _plain(value: Any) -> Any:
     plain strings are kept from here on (messages, metadata, the async worker).
     """
     return value.value if isinstance(value, Enum) else value
+
+
+_MEMORY_KEYS = ("every_n_train_steps", "replicas", "dir", "job_id", "ranks_per_node", "persist_every_n", "sigterm_grace_s")
+
+
+def _memory_options(memory: Any) -> Dict[str, Any]:
+    """``DistCkptIO(memory=...)`` as a plain dict (a dict, a Hydra DictConfig or a dataclass)."""
+    if dataclasses.is_dataclass(memory) and not isinstance(memory, type):
+        memory = dataclasses.asdict(memory)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(memory, DictConfig):
+            memory = OmegaConf.to_container(memory, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    memory = dict(memory)
+    unknown = sorted(set(memory) - set(_MEMORY_KEYS))
+    if unknown:
+        raise ValueError(f"DistCkptIO: unknown memory option(s) {unknown}; known: {list(_MEMORY_KEYS)}")
+    return memory
 
 
 class DistCkptIO(CheckpointIO):
@@ -75,6 +97,8 @@ class DistCkptIO(CheckpointIO):
             in the background, from the snapshot.
         memory_sigterm_grace_s: on SIGTERM, how long to wait for the newest snapshot to become
             durable (``preempted-step=<step>.ckpt``) before the process exits anyway.
+        memory: the ``memory_*`` options as one mapping without the prefix (``{"every_n_train_steps":
+            10, "replicas": 2}``): what Hydra's ``checkpoint.memory.*`` group passes.
     """
 
     def __init__(
@@ -96,7 +120,17 @@ class DistCkptIO(CheckpointIO):
         memory_ranks_per_node: Optional[int] = None,
         memory_persist_every_n: Optional[int] = None,
         memory_sigterm_grace_s: float = 60.0,
+        memory: Optional[Any] = None,
     ):
+        if memory is not None:
+            given = _memory_options(memory)
+            memory_every_n_train_steps = given.get("every_n_train_steps", memory_every_n_train_steps)
+            memory_replicas = given.get("replicas", memory_replicas)
+            memory_dir = given.get("dir", memory_dir)
+            memory_job_id = given.get("job_id", memory_job_id)
+            memory_ranks_per_node = given.get("ranks_per_node", memory_ranks_per_node)
+            memory_persist_every_n = given.get("persist_every_n", memory_persist_every_n)
+            memory_sigterm_grace_s = given.get("sigterm_grace_s", memory_sigterm_grace_s)
         load_strategy, backend = _plain(load_strategy), _plain(backend)
         if load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"DistCkptIO: unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")

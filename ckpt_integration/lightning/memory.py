@@ -258,7 +258,7 @@ class DistCkptMemorySnapshots(Callback):
             logger.error("rank %d: SIGTERM: the newest memory snapshot could not be made durable within %.0fs",
                          trainer.global_rank, io.memory_sigterm_grace_s)
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)
         if io is None or io.memory_tier is None:
             return
