@@ -18,10 +18,11 @@ what it used, the machine has 24 GiB):
    needs root; otherwise ``posix_fadvise(DONTNEED)`` per file), and the plain limits of the same
    bytes: ``read()`` of the snapshot files into the tensors (tmpfs to process memory) and
    ``memcpy`` from host memory;
-3. **memory**: shared memory per node for the tier's files, extra process memory (VmHWM) of a
-   snapshot;
+3. **memory**: shared memory per node for the tier's files, anonymous process memory
+   (``RssAnon``) the snapshots added;
 4. **NVRx** (``nvidia-resiliency-ext``) ``LocalCheckpointManager`` with
-   ``CliqueReplicationStrategy(replication_jump=1, replication_factor=2)`` on ``/dev/shm``, with a
+   ``CliqueReplicationStrategy.from_replication_params(replication_jump=1, replication_factor=2)``
+   on ``/dev/shm``, with a
    CPU ``TensorAwareStateDict`` (its ``BasicTensorAwareStateDict`` accepts CUDA tensors only):
    synchronous save (its async save calls ``torch.cuda.synchronize()``; the error is recorded),
    ``find_latest`` + ``load``.
@@ -51,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from bench import _drop_cache, _free_port, _reset_peak, _status_kib  # noqa: E402
+from bench import _drop_cache, _free_port, _status_kib  # noqa: E402
 
 GiB = 1 << 30
 
@@ -160,9 +161,12 @@ def durable_saves(r: Rank, disk: str) -> str:
     r.results["ours_async_durable"] = {"blocking_s": min(blocking[1:]), "total_s": min(total[1:]),
                                        "first_blocking_s": blocking[0]}
     blocking, total = [], []
-    from torch.distributed.checkpoint.staging import DefaultStager
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager()
+    cuda = torch.cuda.is_available()  # buffers reused across saves, staged in the caller (DCP's default)
+    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=cuda))
     for k in range(r.args.repeats + 1):
         path = os.path.join(disk, f"dcp_{k}")
         sd = {f"t{i}": t for i, t in enumerate(r.tensors)}
@@ -218,19 +222,18 @@ def memory_tier(r: Rank, shm_base: str) -> None:
     blocking, total, rss = [], [], []
     for k in range(r.args.repeats + 1):
         r.barrier()
-        _reset_peak()
-        before = _status_kib("VmRSS") or 0
+        before = _status_kib("RssAnon") or 0
         t0 = time.perf_counter()
         tier.save(r.sharded(), k)
         b = time.perf_counter() - t0
         tier.wait()
         blocking.append(r.worst(b))
         total.append(r.worst(time.perf_counter() - t0))
-        rss.append(((_status_kib("VmHWM") or 0) - before) * 1024)
+        rss.append(((_status_kib("RssAnon") or 0) - before) * 1024)  # the shared-memory files are counted apart
     files = sum(os.path.getsize(os.path.join(dp, n)) for dp, _, ns in os.walk(os.path.join(node, "bench")) for n in ns)
     r.results["memory_snapshot"] = {"blocking_s": min(blocking[1:]), "total_s": min(total[1:]),
                                     "first_blocking_s": blocking[0], "shm_bytes_per_node": r.worst(files),
-                                    "extra_rss_bytes": r.worst(min(rss[1:]))}
+                                    "extra_anon_bytes": r.worst(max(rss))}
     step = tier.latest()
     t = r.timed(lambda: tier.load(r.sharded(), step), setup=r.zero)
     r.check("own-memory restore")
@@ -280,58 +283,68 @@ def memory_tier(r: Rank, shm_base: str) -> None:
     r.barrier()
     if r.rank == 1:
         os.rename(hidden, os.path.join(shm_base, "node1", "bench"))
-    r.results["restore_peer"] = {"seconds": min(t), "source_rank1": src if r.rank == 1 else None}
+    import torch.distributed as dist
+
+    sources: List[Any] = [None] * r.world
+    dist.all_gather_object(sources, src)
+    r.results["restore_peer"] = {"seconds": min(t), "source_rank1": sources[1]}
     tier.close(remove=True)
+
+
+try:  # NVRx's interface for a state dict with tensors (pickled by its manager: module level)
+    from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict as _NVRxBase
+except Exception:  # noqa: BLE001 - not installed: the NVRx part reports it
+    _NVRxBase = object
+
+
+class CPUStateDict(_NVRxBase):
+    """NVRx's interface for CPU tensors: a snapshot is a clone (its basic class moves CUDA tensors to host)."""
+
+    def __init__(self, tensors):
+        self.state = {"tensors": list(tensors)}
+        self._hollow = False
+
+    def pop_tensors(self):
+        out, self.state["tensors"] = self.state["tensors"], [(t.shape, t.dtype) for t in self.state["tensors"]]
+        self._hollow = True
+        return out
+
+    @property
+    def tensors(self):
+        return iter(self.state["tensors"])
+
+    @property
+    def is_hollow(self):
+        return self._hollow
+
+    def insert_tensors(self, tensor_data):
+        self.state["tensors"] = list(tensor_data)
+        self._hollow = False
+
+    def init_tensors(self):
+        import torch
+
+        self.state["tensors"] = [torch.empty(s, dtype=d) for s, d in self.state["tensors"]]
+        self._hollow = False
+
+    def copy_tensors_to_cpu(self, non_blocking=False):
+        self.state["tensors"] = [t.clone() for t in self.state["tensors"]]
+
+    def restore_tensor_device(self, non_blocking=True):
+        pass
 
 
 def nvrx(r: Rank, shm_base: str) -> None:
     try:
-        from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
         from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager
         from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
     except Exception as e:  # noqa: BLE001
         r.results["nvrx"] = {"error": f"not importable: {type(e).__name__}: {e}"}
         return
-    import torch
-
-    class CPUStateDict(TensorAwareStateDict):
-        """NVRx's interface for CPU tensors: a snapshot is a clone (its basic class moves CUDA tensors to host)."""
-
-        def __init__(self, tensors):
-            self.state = {"tensors": list(tensors)}
-            self._hollow = False
-
-        def pop_tensors(self):
-            out, self.state["tensors"] = self.state["tensors"], [(t.shape, t.dtype) for t in self.state["tensors"]]
-            self._hollow = True
-            return out
-
-        @property
-        def tensors(self):
-            return iter(self.state["tensors"])
-
-        @property
-        def is_hollow(self):
-            return self._hollow
-
-        def insert_tensors(self, tensor_data):
-            self.state["tensors"] = list(tensor_data)
-            self._hollow = False
-
-        def init_tensors(self):
-            self.state["tensors"] = [torch.empty(s, dtype=d) for s, d in self.state["tensors"]]
-            self._hollow = False
-
-        def copy_tensors_to_cpu(self, non_blocking=False):
-            self.state["tensors"] = [t.clone() for t in self.state["tensors"]]
-
-        def restore_tensor_device(self, non_blocking=True):
-            pass
-
     root = os.path.join(shm_base, "nvrx")
     out: Dict[str, Any] = {}
     try:
-        repl = CliqueReplicationStrategy(replication_jump=1, replication_factor=2)
+        repl = CliqueReplicationStrategy.from_replication_params(replication_jump=1, replication_factor=2)
         mgr = LocalCheckpointManager(root, session_id="bench", repl_strategy=repl)
         times = []
         for k in range(1, r.args.repeats + 2):
@@ -430,7 +443,7 @@ def format_table(res: Dict[str, Any]) -> str:
         f"blocking: memory snapshot / ours async durable: {ms['blocking_s'] / res['ours_async_durable']['blocking_s']:.2f}",
         f"shared memory per node: {ms['shm_bytes_per_node'] / GiB:.2f} GiB "
         f"({ms['shm_bytes_per_node'] / res['bytes_per_rank']:.2f}x the rank's state); "
-        f"extra process memory of a snapshot: {ms['extra_rss_bytes'] / GiB:.3f} GiB",
+        f"process memory (anonymous) added by the snapshots: {ms['extra_anon_bytes'] / GiB:.3f} GiB",
         f"peer restore source (rank 1): {res['restore_peer'].get('source_rank1')}",
     ]
     if nv:
