@@ -57,9 +57,12 @@ from bench import _drop_cache, _free_port, _status_kib  # noqa: E402
 GiB = 1 << 30
 
 
-def _drop_all_caches(dirs: List[str]) -> str:
-    """Evict the page cache: the kernel's drop_caches as root, else per-file fadvise."""
+def _drop_all_caches(dirs: List[str], system_wide: bool = True) -> str:
+    """Evict the page cache: the kernel's drop_caches as root, else (or when not ``system_wide``)
+    per-file fadvise."""
     try:
+        if not system_wide:
+            raise OSError("per-file eviction asked for")
         subprocess.run(["sync"], check=True)
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
@@ -194,7 +197,7 @@ def durable_restores(r: Rank, ckpt_disk: str, shm_base: str) -> None:
     def cold():
         r.barrier()
         if r.rank == 0:
-            how.append(_drop_all_caches([ckpt_disk]))
+            how.append(_drop_all_caches([ckpt_disk], not r.args.no_drop_caches))
         r.zero()
 
     t = r.timed(lambda: ci.load(r.sharded(), ckpt_disk), setup=cold)
@@ -459,6 +462,8 @@ def main(argv=None) -> Dict[str, Any]:
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--disk", default=None, help="a directory on disk (default: a temporary one under /var/tmp)")
     p.add_argument("--no-nvrx", action="store_true")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="evict only the checkpoint's files (fadvise) instead of the whole page cache")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch.multiprocessing as mp

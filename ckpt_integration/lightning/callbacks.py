@@ -161,6 +161,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         if io is not None and io.memory_enabled:  # the memory tier's newest snapshot competes too
             from .memory import memory_candidate
 
+            io._memory_last_requested = True  # "last": the strategy restores the newest of memory and durable
             snap = memory_candidate(io, trainer)
             if snap is not None:
                 out.add(snap)

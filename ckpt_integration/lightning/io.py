@@ -167,6 +167,7 @@ class DistCkptIO(CheckpointIO):
         self.memory_persist_every_n = None if memory_persist_every_n is None else int(memory_persist_every_n)
         self.memory_sigterm_grace_s = float(memory_sigterm_grace_s)
         self.memory_tier: Any = None  # the MemoryCheckpoints, made collectively when first needed
+        self._memory_last_requested = False  # set while resolving ckpt_path="last"
 
     @property
     def memory_enabled(self) -> bool:

@@ -8,9 +8,10 @@
   on a SIGTERM (Lightning stops every rank at the same batch) makes the newest complete
   snapshot durable within ``memory_sigterm_grace_s``; removes the job's snapshots when ``fit``
   finishes.
-* :func:`restore_newest` (called by the strategy's ``load_checkpoint``, collective) compares the
-  newest complete step in memory with the checkpoint Lightning chose (``ckpt_path="last"`` also
-  offers the memory tier as a candidate, see :func:`memory_candidate`) and restores the newer,
+* :func:`restore_newest` (called by the strategy's ``load_checkpoint``, collective) for
+  ``ckpt_path="last"`` (which also offers the memory tier as a candidate, see
+  :func:`memory_candidate`) compares the newest complete step in memory with the newest complete
+  checkpoint and restores the newer (an explicit checkpoint path is loaded as given),
   falling back to the durable checkpoint when memory has no usable copy or the layout changed.
   Every rank logs where its state came from.
 """
@@ -99,6 +100,9 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     from ..serialization import load_common_state_dict
 
     io = strategy.dist_checkpoint_io()
+    last, io._memory_last_requested = io._memory_last_requested, False
+    if not last and not _is_memory_path(io, path):
+        return None, path  # an explicit checkpoint path is loaded as given
     trainer = strategy.lightning_module.trainer
     rank = strategy.global_rank
     tier = tier_for(strategy)
