@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from .checkpoints import list_checkpoints  # noqa: E402
 from .errors import (  # noqa: E402
+    AsyncSaveAbandonedError,
     CheckpointingException,
     CheckpointNotFoundError,
     CheckpointReadError,
@@ -88,6 +89,7 @@ __all__ = [
     "CheckpointingConfig",
     "add_safe_globals",
     "CheckpointingException",
+    "AsyncSaveAbandonedError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
     "CheckpointWriteError",

@@ -164,8 +164,9 @@ class DTensorBlock(nn.Module):
     Same global weights as :class:`Block` (drawn in the same order), and the same weight keys:
     :meth:`sharded_state_dict` stores ``q``, ``k``, ``v`` under the names the fused, hand-written
     ``qkv`` uses (``qkv.weight.part0/1/2``), so the weights of either block load into the other
-    (``load_from_checkpoint`` builds :class:`Block`). Optimizer state does not carry over between the
-    two: the fused QKV is one optimizer parameter in :class:`Block`, three here.
+    (``load_from_checkpoint`` builds :class:`Block`). The optimizer state follows too: the fused QKV is
+    one optimizer parameter in :class:`Block` and three here, and its moments and ``step`` are stored
+    per part like the weights, so a run resumes under either block with the optimizer exactly.
     """
 
     def __init__(self, d: int, n_heads: int, gen: torch.Generator):

@@ -8,7 +8,6 @@ import os
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
 import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
@@ -220,8 +219,13 @@ class DistCkptIO(CheckpointIO):
 
     # -- async bookkeeping -----------------------------------------------------------------------
     def _ensure_check_group(self) -> None:
+        # A private gloo group of the library (not registered with torch: closed in teardown(),
+        # nothing left for the interpreter's teardown). Not the queue's own: the queue's worker
+        # runs the commit's collectives on that one concurrently with this check.
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-            self._check_group = tdist.new_group(backend="gloo")
+            from ..execution import dist
+
+            self._check_group = dist.new_private_group(None)
 
     @property
     def num_unfinalized(self) -> int:
@@ -244,9 +248,9 @@ class DistCkptIO(CheckpointIO):
         else:
             done = all(r.is_done() for r in self._requests)
             if collective and self._check_group is not None:
-                flag = torch.tensor([1 if done else 0], dtype=torch.int32)
-                tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, group=self._check_group)
-                done = bool(flag.item())
+                from ..execution import dist
+
+                done = dist.all_reduce_ints([0 if done else 1], "max", self._check_group)[0] == 0
         if not done:
             return 0
         reqs, self._requests = self._requests, []
@@ -326,12 +330,17 @@ class DistCkptIO(CheckpointIO):
         try:
             self.maybe_finalize(blocking=True, collective=False)
         finally:
-            if self._queue is not None:
-                q, self._queue = self._queue, None
-                q.close()
-            if self.memory_tier is not None:  # snapshots stay in memory for a restart
-                tier, self.memory_tier = self.memory_tier, None
-                tier.close()
+            try:
+                if self._queue is not None:
+                    q, self._queue = self._queue, None
+                    q.close()
+            finally:
+                group, self._check_group = self._check_group, None
+                if group is not None:
+                    group.close("DistCkptIO.teardown()")
+                if self.memory_tier is not None:  # snapshots stay in memory for a restart
+                    tier, self.memory_tier = self.memory_tier, None
+                    tier.close()
 
 
 def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: Dict[str, Any]) -> Any:

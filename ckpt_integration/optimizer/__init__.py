@@ -11,7 +11,8 @@ reshards exactly like the weights (TP/PP/DP changes, fused tensors).
 
 Scalar states (``step``, ...) are :class:`~ckpt_integration.ShardedObject` s under
 the same key scheme, in their place, so the dict ``load`` returns goes straight into
-``optimizer.load_state_dict``. A job whose optimizer has no state yet loads with
+``optimizer.load_state_dict``; a fused param (a factory storing parts) saves them once per
+part, so they follow the weights into separate params keyed like the parts and back. A job whose optimizer has no state yet loads with
 :func:`load_optimizer_state` (names and dtypes from the checkpoint's metadata).
 ``param_groups`` hyper-parameters are common state; their ``params`` lists stay
 local (``LocalNonpersistentObject``). One module per job: ``sharding`` (the

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-import torch.distributed as tdist
 
 from ..dict_utils import nested_values
-from ..foreign import sharded_kind
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from .sharding import (
     DEFAULT_PREFIX,
@@ -21,11 +20,13 @@ from .sharding import (
     ShardedParam,
     _is_dtensor,
     _names_from_module,
-    _param_object,
+    _built_tensors,
+    _grid_object,
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
+    merge_part_scalars,
 )
-from .state import _expected_tensor_states, _optimizer_params
+from .state import _expected_states, _optimizer_params
 
 logger = logging.getLogger(__name__)
 
@@ -41,17 +42,18 @@ def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: 
 
 
 def _gather_problems(problems: List[str], group: Any) -> List[str]:
-    if tdist.is_available() and tdist.is_initialized():
-        world = tdist.get_world_size(group)
-        gathered: List[Any] = [None] * world
-        tdist.all_gather_object(gathered, problems, group=group)
-        out: List[str] = []
-        for ps in gathered:
-            for p in ps:
-                if p not in out:
-                    out.append(p)
-        return out
-    return problems
+    """Every rank's problems on every rank (one small all-reduce when there are none), so that all
+    ranks raise together instead of some waiting in the next collective."""
+    from ..execution.dist import all_gather_object, all_reduce_ints
+
+    if not all_reduce_ints([1 if problems else 0], "max", group)[0]:
+        return []
+    out: List[str] = []
+    for ps in all_gather_object(problems, group):
+        for p in ps:
+            if p not in out:
+                out.append(p)
+    return out
 
 
 def _check_requests(requests: Iterable[Any], ckpt_meta: Dict[str, Any], labels: Dict[str, str]) -> List[str]:
@@ -78,11 +80,11 @@ def _check_requests(requests: Iterable[Any], ckpt_meta: Dict[str, Any], labels: 
     return problems
 
 
-def _raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str) -> None:
+def _raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str,
+                    why: str = "does not fit the current parameters (changed names or shapes?)") -> None:
     if problems:
         raise OptimizerStateMismatchError(
-            f"optimizer state {prefix!r} in {os.fspath(checkpoint_dir)} does not fit the current parameters "
-            f"(changed names or shapes?):\n  " + "\n  ".join(problems)
+            f"optimizer state {prefix!r} in {os.fspath(checkpoint_dir)} {why}:\n  " + "\n  ".join(problems)
         )
 
 
@@ -117,19 +119,56 @@ def _saved_layout(ckpt_meta: Dict[str, Any], prefix: str) -> Tuple[Dict[str, Dic
     return tensors, objects, legacy
 
 
-def _param_parts(sp: ShardedParam) -> List[str]:
-    """The keys a param's tensors are stored under: its key, or the keys its factory builds."""
-    if isinstance(sp, ShardedTensor):
-        return [sp.key]
-    built = sp.build_fn(sp.key, sp.data, sp.replica_id, None)
-    return sorted({v.key for v in nested_values(built) if sharded_kind(v) == "ShardedTensor"})
+def _param_parts(sp: ShardedParam) -> List[ShardedTensor]:
+    """The ShardedTensors a param's tensors are stored as: itself, or what its factory builds."""
+    return _built_tensors(sp)
+
+
+def _fused_owner(key: str, saved: Set[str], tensors: Dict[str, Any]) -> Optional[str]:
+    """The key of the fused param that ``key`` is a part of in the checkpoint (``a.qkv.weight`` for
+    ``a.qkv.weight.part0``): a saved key that is a dotted prefix of ``key`` and holds no tensor state
+    itself (a factory stores its tensors under its parts' keys only)."""
+    head = key
+    while "." in head:
+        head = head.rsplit(".", 1)[0]
+        if head in saved and head not in tensors:
+            return head
+    return None
+
+
+def _scalar_sources(sp: ShardedParam, parts: List[ShardedTensor], saved: Dict[str, Set[str]],
+                    tensors: Dict[str, Any], label: str) -> Tuple[List[Tuple[str, ShardedTensor]], Optional[str]]:
+    """Where a param's per-param objects (scalar states, or an earlier version's metadata object) are
+    in the checkpoint, as ``[(saved key, tensor to place the request like)]``, and a problem if any.
+
+    Scalars follow the weights between a fused param (one factory storing parts) and its unfused
+    counterpart (separate params keyed like the parts), in both directions: the param's own key
+    first; for a fused param its parts' keys (saved by the unfused params, or per part by this
+    version); for a part, the fused owner's key (checkpoints of earlier versions, which saved a
+    fused param's scalars once under its own key).
+    """
+    if sp.key in saved:
+        return [(sp.key, parts[0])], None
+    keys = [t.key for t in parts]
+    if keys != [sp.key]:
+        have = [t for t in parts if t.key in saved]
+        if have:
+            names = {t.key: saved.get(t.key, set()) for t in parts}
+            if len({frozenset(n) for n in names.values()}) > 1:
+                return [], (f"{label}: the parts it is fused from have different scalar states in the checkpoint: "
+                            + ", ".join(f"{k!r}: {sorted(n)}" for k, n in names.items()))
+            return [(t.key, t) for t in have], None
+    owner = _fused_owner(sp.key, set(saved), tensors)
+    if owner is not None:
+        return [(owner, parts[0])], None
+    return [], None
 
 
 def _load_state(
     checkpoint_dir: Any,
     prefix: str,
     id_map: Dict[int, ShardedParam],
-    object_request: Callable[[int, str], ShardedObject],
+    object_request: Callable[[int, str, ShardedTensor], ShardedObject],
     make_requests: Callable[[int, str, torch.dtype], Any],
     param_groups_template: List[Dict[str, Any]],
     labels: Dict[str, str],
@@ -140,42 +179,60 @@ def _load_state(
 
     State names and dtypes come from the checkpoint's metadata, so nothing has to exist in
     the optimizer first. Returns ``(tensor states, scalar states, param groups)``; the
-    scalars are those saved as objects in place, those of an earlier version's per-param
-    object, or Megatron-Core's ``common_step`` (as ``step``).
+    scalars are those saved as objects in place (also across a fused param and its unfused
+    counterpart: :func:`_scalar_sources`), those of an earlier version's per-param object,
+    or Megatron-Core's ``common_step`` (as ``step``).
     """
     from ..serialization import load, load_sharded_metadata
 
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
     tensors, objects, legacy = _saved_layout(ckpt_meta, prefix)
+    legacy_map = {k: set() for k in legacy}
     requests: Dict[int, Dict[str, Any]] = {}
     scalar_names: Dict[int, Set[str]] = {}
+    requested_objects: Set[str] = set()  # objects this rank requests as their main replica
+    multi: Dict[int, Set[str]] = {}  # names requested from several parts: {part key: object} to merge
     checked: List[Any] = []
     problems: List[str] = []
     for pid, sp in id_map.items():
         parts = _param_parts(sp)
+        label = labels.get(sp.key) or sp.key
         names: Dict[str, torch.dtype] = {}
         for part in parts:
-            names.update(tensors.get(part, {}))
-        scalar_names[pid] = objects.get(sp.key, set())
+            names.update(tensors.get(part.key, {}))
+        sources, problem = _scalar_sources(sp, parts, objects, tensors, label)
+        legacy_sources, legacy_problem = _scalar_sources(sp, parts, legacy_map, tensors, label)
+        problems += [p for p in (problem, legacy_problem) if p]
+        scalar_names[pid] = set().union(*(objects[k] for k, _ in sources)) if sources else set()
         requests[pid] = {}
-        if not names and not scalar_names[pid] and sp.key not in legacy:
+        multi[pid] = set()
+        if not names and not scalar_names[pid] and not legacy_sources:
             # a param without state at save time is in the checkpoint as a model tensor
-            if not any(part in ckpt_meta for part in parts):
-                problems.append(f"{labels.get(sp.key) or sp.key}: no optimizer state in the checkpoint, nor the "
-                                "parameter itself (renamed?)")
+            if not any(part.key in ckpt_meta for part in parts):
+                problems.append(f"{label}: no optimizer state in the checkpoint, nor the parameter itself (renamed?)")
             continue
         for name, dtype in sorted(names.items()):
             req = make_requests(pid, name, dtype)
             if req is not None:
                 requests[pid][name] = req
                 checked.extend(req if isinstance(req, list) else [req])
-        for name in sorted(scalar_names[pid]):
-            requests[pid][name] = object_request(pid, f"{prefix}.state.{name}.{sp.key}")
-            checked.append(requests[pid][name])
-        if sp.key in legacy:
-            requests[pid][PARAM_META_KEY] = object_request(pid, f"{prefix}.param_state.{sp.key}")
-            checked.append(requests[pid][PARAM_META_KEY])
+        for name, srcs in [(n, sources) for n in sorted(scalar_names[pid])] + (
+                [(PARAM_META_KEY, legacy_sources)] if legacy_sources else []):
+            base = f"{prefix}.state.{name}." if name != PARAM_META_KEY else f"{prefix}.param_state."
+            objs = {key: object_request(pid, base + key, st) for key, st in srcs}
+            for key, obj in objs.items():
+                # q, k and v all read their fused owner's object: one main request of it per rank
+                if obj.replica_id == 0 and obj.unique_key in requested_objects:
+                    objs[key] = replace(obj, replica_id=1)
+                elif obj.replica_id == 0:
+                    requested_objects.add(obj.unique_key)
+            checked.extend(objs.values())
+            if len(objs) == 1:
+                requests[pid][name] = next(iter(objs.values()))
+            else:
+                requests[pid][name] = objs
+                multi[pid].add(name)
     problems += _check_requests(checked, ckpt_meta, labels)
     _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
     # the result holds the saved common state too: param_groups (and Megatron's common_step)
@@ -194,14 +251,35 @@ def _load_state(
     common_step = loaded_state.get("common_step")
     state: Dict[int, Dict[str, Any]] = {}
     scalars: Dict[int, Dict[str, Any]] = {}
+    problems = []
     for pid in id_map:
         got = dict(loaded_state.get(pid, {}))
+        for name in multi.get(pid, ()):
+            try:
+                got[name] = _merge_parts(f"{prefix}.state.{name}.{id_map[pid].key}", name, got[name])
+            except OptimizerStateMismatchError as e:
+                problems.append(f"{labels.get(id_map[pid].key) or id_map[pid].key}: {e}")
         meta = got.pop(PARAM_META_KEY, None) or {}
         scalars[pid] = {**meta.get("scalars", {}), **{n: got.pop(n) for n in scalar_names[pid] if n in got}}
         if common_step is not None and got and "step" not in scalars[pid]:
             scalars[pid]["step"] = common_step.clone() if isinstance(common_step, torch.Tensor) else common_step
         state[pid] = got
+    _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
     return state, scalars, groups
+
+
+def _merge_parts(key: str, name: str, values: Dict[str, Any]) -> Any:
+    """One value from the parts' copies of a per-param object (they must agree)."""
+    if name != PARAM_META_KEY:
+        return merge_part_scalars(key, values)
+    # an earlier version's metadata objects: the scalars must agree, the tensor names are the union
+    scalars = [v.get("scalars", {}) for v in values.values()]
+    merged = {n: merge_part_scalars(f"{key}:{n}", {k: v.get("scalars", {}).get(n) for k, v in values.items()})
+              for n in set().union(*scalars)}
+    tensors: Dict[str, Any] = {}
+    for v in values.values():
+        tensors.update(v.get("tensors", {}))
+    return {"scalars": merged, "tensors": tensors}
 
 
 def _labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor], names: Dict[int, str], prefix: str) -> Dict[str, str]:
@@ -284,7 +362,7 @@ def load_optimizer_state(
 
     template_groups = optimizer.state_dict()["param_groups"]
     state, scalars, groups = _load_state(
-        checkpoint_dir, prefix, id_map, lambda pid, key: _param_object(key, id_map[pid], None), make_requests,
+        checkpoint_dir, prefix, id_map, lambda pid, key, st: _grid_object(key, st, None), make_requests,
         template_groups, _LabelDict(_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
     )
     extracted: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -299,31 +377,36 @@ def load_optimizer_state(
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st
-    _check_state_names(optimizer, torch_state, extract, names, id_map, checkpoint_dir)
+    problems = _check_state_names(optimizer, torch_state, extract, names, id_map)
+    _raise_mismatch(_gather_problems(problems, load_kwargs.get("process_group")), checkpoint_dir, prefix,
+                    f"does not fit {type(optimizer).__name__} (saved by another optimizer, with other options, or "
+                    "for other parameters?)")
     optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
     return extracted
 
 
 def _check_state_names(
     optimizer: torch.optim.Optimizer, torch_state: Dict[int, Dict[str, Any]], extract: Sequence[str],
-    names: Dict[int, str], id_map: Dict[int, ShardedParam], checkpoint_dir: Any,
-) -> None:
-    """A checkpoint of another optimizer kind (SGD into Adam) would load, then fail at the next step."""
+    names: Dict[int, str], id_map: Dict[int, ShardedParam],
+) -> List[str]:
+    """What would fail in ``optimizer.load_state_dict`` or at the next step (torch raises a bare
+    ``KeyError`` there): a param lacking a state the optimizer keeps (a checkpoint of another
+    optimizer kind, SGD into Adam), or lacking a state the other params of its group have."""
     problems = []
     pid = 0
     for group in optimizer.param_groups:
-        expected = _expected_tensor_states(optimizer, group)
-        for _ in group["params"]:
-            st = torch_state.get(pid)
-            if expected is not None and st is not None and pid in id_map:
-                lacking = [n for n in expected if n not in st and n not in extract]
-                if lacking:
-                    label = f"{id_map[pid].key!r}" + (f" ({names[pid]})" if pid in names else "")
-                    problems.append(f"parameter {label}: no {', '.join(lacking)} (saved: {sorted(st)})")
-            pid += 1
-    if problems:
-        raise OptimizerStateMismatchError(
-            f"{os.fspath(checkpoint_dir)}: the saved optimizer state does not fit {type(optimizer).__name__} "
-            f"(saved by another optimizer or with other options?):\n  " + "\n  ".join(problems[:20])
-            + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        )
+        expected = _expected_states(optimizer, group)
+        pids = list(range(pid, pid + len(group["params"])))
+        pid += len(group["params"])
+        have = [p for p in pids if torch_state.get(p) and p in id_map]
+        common = set().union(*(torch_state[p].keys() for p in have)) if have else set()
+        for p in have:
+            st = torch_state[p]
+            lacking = [n for n in (expected if expected is not None else ()) if n not in st and n not in extract]
+            lacking += sorted(n for n in common if n not in st and n not in lacking)
+            if lacking:
+                label = f"{id_map[p].key!r}" + (f" ({names[p]})" if p in names else "")
+                problems.append(f"parameter {label}: no {', '.join(lacking)} (saved: {sorted(st)})")
+    if len(problems) > 20:
+        problems = problems[:20] + [f"... and {len(problems) - 20} more"]
+    return problems

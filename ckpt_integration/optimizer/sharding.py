@@ -4,7 +4,8 @@ to, and ``optimizer.state_dict()`` <-> optimizer sharded state dict.
 Each per-param tensor state becomes a copy of the parameter's ShardedTensor (or factory) keyed
 ``f"{prefix}.state.{state_name}.{param_key}"`` (Megatron-Core's keys); each scalar state
 (``step``, ...) a ShardedObject under the same key scheme, in its place, so the dict ``load``
-returns is a plain ``optimizer.state_dict()``. Checkpoints of earlier versions kept the
+returns is a plain ``optimizer.state_dict()`` (a fused param's scalars once per part, keyed like
+the parts' tensor states, so that they follow the weights to separate params and back). Checkpoints of earlier versions kept the
 scalars in one ShardedObject ``f"{prefix}.param_state.{param_key}"`` per param; they still load
 with :func:`~ckpt_integration.optimizer.load_optimizer_state`.
 """
@@ -174,14 +175,19 @@ def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.
     return replace(model_param, key=key, data=data, dtype=data.dtype)
 
 
-def _first_built_tensor(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> ShardedTensor:
+def _built_tensors(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> List[ShardedTensor]:
+    """The ShardedTensors a param is stored as, sorted by key: itself, or what its factory builds."""
     if isinstance(sp, ShardedTensor):
-        return sp
+        return [sp]
     built = sp.build_fn(sp.key, sp.data if data is None else data, sp.replica_id, None)
     tensors = [to_native(v) for v in nested_values(built) if sharded_kind(v) == "ShardedTensor"]
     if not tensors:
         raise CheckpointingException(f"ShardedTensorFactory {sp.key!r} builds no ShardedTensor")
-    return min(tensors, key=lambda t: t.key)
+    return sorted(tensors, key=lambda t: t.key)
+
+
+def _first_built_tensor(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> ShardedTensor:
+    return _built_tensors(sp, data)[0]
 
 
 def _meta_grid(st: ShardedTensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -195,20 +201,59 @@ def _is_origin(st: ShardedTensor) -> bool:
     return all(o == 0 for o in st.global_offset[st.prepend_axis_num:])
 
 
-def _param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
-    """A ShardedObject ``key`` that belongs to one param: one grid position per stacked layer
-    (the param's prepended axes), saved by the main replica holding the origin shard."""
-    st = _first_built_tensor(sp)
+def _grid_object(key: str, st: ShardedTensor, data: Any, main: Optional[bool] = None) -> ShardedObject:
+    """A ShardedObject ``key`` placed like ``st``: one grid position per stacked layer (its
+    prepended axes), saved by the main replica holding the origin shard."""
     shape, offset = _meta_grid(st)
     if main is None:
         main = is_main_replica(st.replica_id) and _is_origin(st)
     return ShardedObject(key, data, shape, offset, 0 if main else 1)
 
 
-def _state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+def _param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+    """A ShardedObject ``key`` that belongs to one param, placed like its first stored tensor."""
+    return _grid_object(key, _first_built_tensor(sp), data, main)
+
+
+def _is_fused(sp: ShardedParam) -> bool:
+    """A param stored under keys other than its own (a factory building parts, e.g. fused QKV)."""
+    return isinstance(sp, ShardedTensorFactory) and [t.key for t in _built_tensors(sp)] != [sp.key]
+
+
+def merge_part_scalars(key: str, values: Dict[str, Any]) -> Any:
+    """The one value of a fused param's scalar state saved once per part (``{part key: value}``):
+    the parts must agree (they were built from one value, or are separate params stepped together)."""
+    items = sorted(values.items())
+    first = items[0][1]
+    for _, v in items[1:]:
+        same = (torch.equal(v, first) and v.dtype == first.dtype) if isinstance(v, torch.Tensor) and isinstance(first, torch.Tensor) else (
+            not isinstance(v, torch.Tensor) and not isinstance(first, torch.Tensor) and type(v) is type(first) and v == first)
+        if not same:
+            raise OptimizerStateMismatchError(
+                f"optimizer state {key!r} differs between the parts the parameter is fused from, so it cannot "
+                "become one value: " + ", ".join(f"{k!r} = {v!r}" for k, v in items)
+            )
+    return first.clone() if isinstance(first, torch.Tensor) else first
+
+
+def _state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> Any:
     """A scalar state (``step``, a number, a 0-dim tensor, ...) of one param, saved in its place
-    as ShardedObject ``f"{prefix}.state.{name}.{param_key}"``."""
-    return _param_object(f"{prefix}.state.{name}.{sp.key}", sp, data, main)
+    as ShardedObject ``f"{prefix}.state.{name}.{param_key}"``.
+
+    A fused param (a factory storing parts) saves it once per part instead, keyed like the parts'
+    tensor states (``f"{prefix}.state.{name}.{part_key}"``), so that it follows the weights into
+    the unfused counterpart (separate params keyed like the parts) and back: the result is a
+    factory building those objects, merged into one value on load (:func:`merge_part_scalars`).
+    """
+    if not _is_fused(sp):
+        return _param_object(f"{prefix}.state.{name}.{sp.key}", sp, data, main)
+    parts = _built_tensors(sp)
+    owner = f"{prefix}.state.{name}.{sp.key}"
+
+    def build(key: str, value: Any, replica_id: Any, flattened_range: Any) -> Dict[str, ShardedObject]:
+        return {t.key: _grid_object(f"{prefix}.state.{name}.{t.key}", t, value, main) for t in parts}
+
+    return ShardedTensorFactory(owner, data, build, lambda loaded: merge_part_scalars(owner, loaded))
 
 
 def _is_split(sp: ShardedParam) -> bool:

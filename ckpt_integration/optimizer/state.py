@@ -35,6 +35,16 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
     return None
 
 
+def _expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
+    """Per-param states (tensors and scalars such as ``step``) a known torch optimizer needs once a
+    param has state (``None``: unknown optimizer)."""
+    tensors = _expected_tensor_states(optimizer, group)
+    if tensors is None:
+        return None
+    has_step = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
+    return tensors + (("step",) if has_step else ())
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Explicitly create (zero) state for every param without state, without a training step.
 

@@ -234,7 +234,7 @@ class ZeroShardedOptimizer:
         groups_template = self.optimizer.state_dict()["param_groups"]
         labels = _LabelDict(_labels(id_map, self.params, {}, prefix))
         _, scalars, groups = _load_state(
-            checkpoint_dir, prefix, id_map, lambda pid, key: self._object(key, id_map[pid], pid, None),
+            checkpoint_dir, prefix, id_map, lambda pid, key, st: self._object(key, id_map[pid], pid, None),
             make_requests, groups_template, labels, state_dict_key, load_kwargs,
         )
         # scalars are identical for all params of a ZeRO optimizer; take the first one available
