@@ -109,3 +109,32 @@ class SaveConflictError(CheckpointingException):
 class CheckpointReadError(CheckpointingException, OSError):
     """Reading a checkpoint file failed in the operating system (permission denied, I/O error);
     also an ``OSError`` (``errno`` set). A missing or damaged file is a CorruptCheckpointError."""
+
+
+class AsyncSaveAbandonedError(CheckpointingException):
+    """An async save could not be committed because another rank left before it was finalized
+    (its process exited, was killed, or aborted the save's collectives), or because it was
+    cut off at interpreter exit after ``CKPT_INTEGRATION_EXIT_TIMEOUT`` seconds. Nothing was
+    committed at the named path; earlier checkpoints are untouched.
+
+    Every rank must let an async save finish: ``request.wait()``, ``queue.close()``, or a normal
+    interpreter exit (which waits for the saves in flight) on every rank. Destroying the
+    process groups first is fine: the commit runs on the library's own group.
+    """
+
+
+class MemoryCheckpointError(CheckpointingException):
+    """The in-memory tier (:class:`~ckpt_integration.MemoryCheckpoints`) cannot save or restore:
+    no complete step in memory, every copy of a rank's snapshot refused or lost, a failed
+    snapshot or peer transfer. The message names the ranks, steps and copies; callers fall
+    back to a durable checkpoint."""
+
+
+class MemoryLayoutError(MemoryCheckpointError, MismatchError):
+    """The state requested from the memory tier is laid out differently from the snapshot
+    (other keys, shapes or shards): load the durable checkpoint instead, which reshards."""
+
+
+class MemorySpaceError(MemoryCheckpointError):
+    """The shared-memory directory of a node has not enough free space for the snapshots it
+    must hold (the message gives what is needed and what is free, per node)."""

@@ -28,6 +28,17 @@ collectives always match and no rank can hang because another one skipped a
 "finalize" call. ``wait()``, ``is_done()``, ``wait_for_snapshot()`` and
 ``maybe_finalize_async_calls()`` are purely local.
 
+That group is the library's own (:class:`~.dist.PrivateGroup`), outside
+``torch.distributed``'s registry: a script may call ``destroy_process_group()`` right
+after starting an async save and exit, and the save still completes and commits
+(``close()`` of the queue, or the exit handler, waits for it on every rank, then closes the
+group before the interpreter tears down, so no thread is left in a collective). **The rule:**
+every rank must let its async saves finish - ``request.wait()``, ``queue.close()`` or a
+normal interpreter exit. A rank that is killed or leaves with ``os._exit`` abandons the
+save: the other ranks' commit fails with :class:`~ckpt_integration.errors.AsyncSaveAbandonedError`
+naming the path, nothing is committed there and earlier checkpoints stay as they were. At
+exit the wait is bounded by ``CKPT_INTEGRATION_EXIT_TIMEOUT`` seconds (default 600).
+
 Errors: a failure on any rank (snapshot, write, commit) makes ``finalize_save``
 fail on every rank and commit nothing (no ``metadata.json``); the exception is
 raised from ``wait()`` / ``finalize()``, from the next ``async_save_torch_dist``
@@ -60,9 +71,11 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
+import weakref
 
+from ..errors import AsyncSaveAbandonedError, CheckpointingException
 from . import dist
-from .save import SavePlan, _describe, finalize_save, prepare_save, write_local
+from .save import SavePlan, _cleanup_failed, _describe, finalize_save, prepare_save, write_local
 from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
 
@@ -79,6 +92,8 @@ __all__ = [
 SNAPSHOT_MODES = ("background", "caller")
 DEFAULT_COPY_NOW_BYTES = 1 << 18  # smaller storages are copied before the save returns
 DEFAULT_WRITER_NICE = 10  # CPU weight about 1/10 of the training thread's when they compete
+EXIT_TIMEOUT_ENV = "CKPT_INTEGRATION_EXIT_TIMEOUT"
+DEFAULT_EXIT_TIMEOUT_S = 600.0
 
 
 def _lower_thread_priority(increment: int) -> None:
@@ -262,6 +277,7 @@ class AsyncCallsQueue:
         self._next_idx = 0
         self._closed = False
         self._groups: Dict[Any, Any] = {}
+        _queues.add(self)
 
     # -- worker ------------------------------------------------------------------------
     def _ensure_worker(self) -> None:
@@ -373,8 +389,36 @@ class AsyncCallsQueue:
                     self._jobs.append(None)
                     self._cv.notify()
                 self._worker.join()
+            self._close_groups("the async queue was closed")
         if first is not None:
             raise first
+
+    def _close_groups(self, reason: str) -> None:
+        groups, self._groups = self._groups, {}
+        for g in groups.values():
+            if isinstance(g, dist.PrivateGroup):
+                g.close(reason)
+
+    def _idle(self, timeout: float) -> bool:
+        """Wait until every scheduled request's background work has ended; False on timeout."""
+        deadline = time.monotonic() + timeout
+        for req in list(self._unfinalized):
+            if not req._event.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        return True
+
+    def _close_at_exit(self, timeout: float) -> None:
+        """The exit handler's part: let the saves in flight finish (on every rank they do, since
+        every rank's handler waits), then close. After ``timeout`` the queue's groups are aborted,
+        so the worker's collective fails (the save is abandoned and reported) instead of leaving a
+        thread inside a collective while the interpreter tears down."""
+        if self._closed:
+            return
+        if not self._idle(timeout):
+            for g in self._groups.values():
+                if isinstance(g, dist.PrivateGroup):
+                    g.abort(f"interpreter exit: async saves still running after {timeout:.0f}s ({EXIT_TIMEOUT_ENV})")
+        self.close()
 
     def __enter__(self) -> "AsyncCallsQueue":
         return self
@@ -389,26 +433,23 @@ class AsyncCallsQueue:
                 logger.error("async save failed during teardown: %s", _describe(e))
 
     # -- groups ------------------------------------------------------------------------
-    def _finalize_group(self, process_group: Any) -> Any:
-        """A private gloo group with the members of ``process_group`` (made once, collectively)."""
+    def private_group(self, process_group: Any = None) -> Any:
+        """The queue's own gloo group with the members of ``process_group`` (made once, collectively
+        over them; ``process_group`` itself without ``torch.distributed``). Commits of this queue's
+        saves run on it; it stays usable after ``destroy_process_group()`` until :meth:`close`."""
         if not dist.is_distributed():
             return process_group
-        import torch.distributed as tdist
-
         key = id(process_group) if process_group is not None else None
         group = self._groups.get(key)
         if group is None:
-            if process_group is None:
-                ranks = list(range(tdist.get_world_size()))
-            else:
-                ranks = list(tdist.get_process_group_ranks(process_group))
-            group = tdist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            self._groups[key] = group
+            group = self._groups[key] = dist.new_private_group(process_group)
         return group
+
 
 
 _default_queue: Optional[AsyncCallsQueue] = None
 _default_lock = threading.Lock()
+_queues: "weakref.WeakSet[AsyncCallsQueue]" = weakref.WeakSet()
 
 
 def get_default_async_queue() -> AsyncCallsQueue:
@@ -420,14 +461,30 @@ def get_default_async_queue() -> AsyncCallsQueue:
         return _default_queue
 
 
+def _exit_timeout() -> float:
+    try:
+        return float(os.environ.get(EXIT_TIMEOUT_ENV, DEFAULT_EXIT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_EXIT_TIMEOUT_S
+
+
 @atexit.register
-def _close_default_queue() -> None:
-    q = _default_queue
-    if q is not None and not q._closed:
+def _close_queues_at_exit() -> None:
+    """Before the interpreter tears down: finish (or, past the deadline, abandon) every queue's saves
+    in flight, stop the workers and close the library's process groups.
+
+    Threads left inside a collective or a tensor copy at interpreter teardown abort the process
+    (``terminate called without an active exception``): nothing of ours may run past this point.
+    """
+    timeout = _exit_timeout()
+    for q in list(_queues):
+        if q._closed:
+            continue
         try:
-            q.close()
+            q._close_at_exit(timeout)
         except BaseException as e:  # noqa: BLE001
             logger.error("an async checkpoint save failed: %s", _describe(e))
+    dist.close_private_groups("interpreter exit")
 
 
 def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optional[int]) -> Optional[Snapshot]:
@@ -465,7 +522,21 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
         err = snap.seal_in_writer()  # unless the training thread has checked it already
         if err is not None:
             plan.local_error, plan.local_exc = _describe(err), err
-    finalize_save(plan)
+    try:
+        finalize_save(plan)
+    except Exception as e:
+        if isinstance(e, CheckpointingException) or e is plan.local_exc:
+            raise  # the save's own outcome (every rank's errors, or this rank's write error)
+        # a collective of the commit failed: another rank is gone, or the group was aborted
+        if plan.rank == 0:
+            _cleanup_failed(plan.write_dir, plan.staging)
+        why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
+        raise AsyncSaveAbandonedError(
+            f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist._global_rank(plan.group)}: {why} "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'collective failed'}). "
+            "Nothing was committed there; earlier checkpoints are untouched. Every rank must let its async saves "
+            "finish (request.wait(), queue.close() or a normal exit) - see docs/strategies.md, 'Exiting with a save in flight'"
+        ) from e
 
 
 def async_save_torch_dist(
@@ -502,7 +573,7 @@ def async_save_torch_dist(
         raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {mode!r}")
     q._make_room()  # may raise the previous save's error (on every rank)
     t1 = time.perf_counter()
-    group = q._finalize_group(save_kwargs.get("process_group"))
+    group = q.private_group(save_kwargs.get("process_group"))
     plan = prepare_save(sharded_state_dict, checkpoint_dir, **save_kwargs)
     t2 = time.perf_counter()
     stager = q._next_stager()

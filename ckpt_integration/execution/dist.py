@@ -13,18 +13,138 @@ to its destination; a broadcast the size and payload to every other rank; an
 all-reduce its vector once.
 
 ``src``/``dst`` arguments are global ranks, as in ``torch.distributed``.
+
+``group`` is ``None`` (the world), a ``torch.distributed`` group, or a
+:class:`PrivateGroup`: a gloo group of this library's own, built directly on the
+default store and kept out of ``torch.distributed``'s registry, so that
+``destroy_process_group()`` does not tear it down under a save still running in the
+background (async saves finalize on one; see :func:`new_private_group`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
+import logging
 import pickle
 import threading
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class GroupClosedError(RuntimeError):
+    """A collective was attempted on a :class:`PrivateGroup` that was closed or aborted."""
+
+
+class PrivateGroup:
+    """A gloo process group owned by this library, outside ``torch.distributed``'s registry.
+
+    ``destroy_process_group()`` shuts down every registered group, including those made
+    with ``new_group``; an async save whose commit still has to talk to the other ranks
+    would then be lost although every rank is alive and willing. This group lives until
+    :meth:`close` (its owner's ``close()``, or the library's exit handler, which runs
+    before the interpreter tears down), whatever the caller does with its own groups.
+
+    ``ranks`` are the members' global ranks in group order; ``rank`` is this process's
+    group rank and ``global_rank`` its global rank (kept, since ``torch.distributed``
+    cannot answer once the default group is destroyed).
+    """
+
+    def __init__(self, pg: Any, ranks: Sequence[int], global_rank: int):
+        self.pg: Any = pg
+        self.ranks = list(ranks)
+        self.global_rank = int(global_rank)
+        self.rank = self.ranks.index(self.global_rank)
+        self.reason = ""  # why it was closed (named by GroupClosedError)
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def group_rank(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+    @property
+    def closed(self) -> bool:
+        return self.pg is None
+
+    def backend(self) -> Any:
+        if self.pg is None:
+            raise GroupClosedError(f"the library's private process group was closed ({self.reason or 'close()'})")
+        return self.pg
+
+    def abort(self, reason: str) -> None:
+        """Make collectives that are waiting on this group fail now (used at exit after a deadline)."""
+        pg = self.pg
+        if pg is not None:
+            self.reason = reason
+            try:
+                pg.abort()
+            except Exception as e:  # noqa: BLE001 - best effort; close() follows
+                logger.debug("aborting the private process group failed: %s", e)
+
+    def close(self, reason: str = "closed") -> None:
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        self.reason = reason
+        _private_groups.discard(self)
+        try:
+            pg.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort: the group is dropped either way
+            logger.debug("shutting down the private process group failed: %s", e)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"PrivateGroup(ranks={self.ranks}, rank={self.rank}, {state})"
+
+
+_private_groups: "weakref.WeakSet[PrivateGroup]" = weakref.WeakSet()
+
+
+def _default_timeout() -> datetime.timedelta:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group
+
+        t = _get_default_group().options._timeout  # type: ignore[attr-defined]
+        if isinstance(t, datetime.timedelta):
+            return t
+    except Exception:  # noqa: BLE001 - older torch: the documented default
+        pass
+    return dist.default_pg_timeout
+
+
+def new_private_group(process_group: Optional[Any] = None, timeout: Optional[datetime.timedelta] = None) -> Optional[PrivateGroup]:
+    """A :class:`PrivateGroup` with the members of ``process_group`` (collective over its members).
+
+    Built on the default group's store under a name the group's first rank draws and
+    broadcasts, so two such groups never meet in the store. ``None`` without
+    ``torch.distributed`` (nothing to talk to).
+    """
+    if not is_distributed():
+        return None
+    ranks = list(range(dist.get_world_size())) if process_group is None else list(dist.get_process_group_ranks(process_group))
+    me = dist.get_rank()
+    name = broadcast_object(uuid.uuid4().hex if me == ranks[0] else None, src=ranks[0], group=process_group)
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = dist.PrefixStore(f"ckpt_integration/private/{name}", _get_default_store())
+    pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timeout or _default_timeout())
+    group = PrivateGroup(pg, ranks, me)
+    _private_groups.add(group)
+    return group
+
+
+def close_private_groups(reason: str = "exit") -> None:
+    """Close every open :class:`PrivateGroup` of this process (the exit handler's last step)."""
+    for g in list(_private_groups):
+        g.close(reason)
 
 
 def is_distributed() -> bool:
@@ -32,16 +152,90 @@ def is_distributed() -> bool:
 
 
 def get_rank(group: Optional[Any] = None) -> int:
+    if isinstance(group, PrivateGroup):
+        return group.rank
     return dist.get_rank(group) if is_distributed() else 0
 
 
 def get_world_size(group: Optional[Any] = None) -> int:
+    if isinstance(group, PrivateGroup):
+        return group.size()
     return dist.get_world_size(group) if is_distributed() else 1
+
+
+def _global_rank(group: Optional[Any]) -> int:
+    """This process's global rank (a private group remembers it: the world may be destroyed)."""
+    if isinstance(group, PrivateGroup):
+        return group.global_rank
+    return dist.get_rank() if is_distributed() else 0
+
+
+def _group_rank(group: Optional[Any], global_rank: int) -> int:
+    if isinstance(group, PrivateGroup):
+        return group.group_rank(global_rank)
+    return dist.get_group_rank(group, global_rank) if group is not None else global_rank
 
 
 def _local(group: Optional[Any]) -> bool:
     """No peers to talk to: not initialised, or a group of one (every helper then returns at once)."""
+    if isinstance(group, PrivateGroup):
+        group.backend()  # a closed group raises GroupClosedError instead of acting alone
+        return group.size() == 1
     return not is_distributed() or get_world_size(group) == 1
+
+
+# --------------------------------------------------------------------------- raw collectives
+# The helpers below call these, which take group ranks and run on either kind of group.
+def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Optional[Any]) -> None:
+    if isinstance(group, PrivateGroup):
+        group.backend().allgather([outs], [t]).wait()
+    else:
+        dist.all_gather(outs, t, group=group)
+
+
+def _c_all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]], in_splits: Optional[List[int]],
+                  group: Optional[Any]) -> None:
+    if isinstance(group, PrivateGroup):
+        from torch.distributed import AllToAllOptions
+
+        group.backend().alltoall_base(out, inp, out_splits or [], in_splits or [], AllToAllOptions()).wait()
+    else:
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+
+
+def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Optional[Any]) -> None:
+    if isinstance(group, PrivateGroup):
+        from torch.distributed import GatherOptions
+
+        opts = GatherOptions()
+        opts.rootRank = group.group_rank(dst)
+        group.backend().gather([outs] if outs is not None else [], [t], opts).wait()
+    else:
+        dist.gather(t, outs, dst=dst, group=group)
+
+
+def _c_broadcast(t: torch.Tensor, src: int, group: Optional[Any]) -> None:
+    if isinstance(group, PrivateGroup):
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = group.group_rank(src)
+        opts.rootTensor = 0
+        group.backend().broadcast([t], opts).wait()
+    else:
+        dist.broadcast(t, src=src, group=group)
+
+
+def _c_all_reduce(t: torch.Tensor, op: str, group: Optional[Any]) -> None:
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    if isinstance(group, PrivateGroup):
+        from torch.distributed import AllreduceOptions
+
+        opts = AllreduceOptions()
+        opts.reduceOp = reduce_op
+        group.backend().allreduce([t], opts).wait()
+    else:
+        dist.all_reduce(t, op=reduce_op, group=group)
 
 
 # --------------------------------------------------------------------------- traffic counters
@@ -76,6 +270,8 @@ traffic = Traffic()
 # --------------------------------------------------------------------------- byte collectives
 def _device(group: Optional[Any]) -> torch.device:
     """Where the buffers of a collective live: host memory unless the backend only takes CUDA tensors."""
+    if isinstance(group, PrivateGroup):
+        return torch.device("cpu")  # always gloo
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -106,11 +302,11 @@ def all_gather_bytes(payload: bytes, group: Optional[Any] = None) -> List[bytes]
         return [payload]
     world, me, dev = get_world_size(group), get_rank(group), _device(group)
     sizes_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(sizes_t, _ints([len(payload)], dev), group=group)
+    _c_all_gather(sizes_t, _ints([len(payload)], dev), group)
     sizes = [int(t.item()) for t in sizes_t]
     longest = max(sizes)
     outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
-    dist.all_gather(outs, _to_tensor(payload, longest, dev), group=group)
+    _c_all_gather(outs, _to_tensor(payload, longest, dev), group)
     traffic.add("all_gather", (world - 1) * (8 + longest), (world - 1) * (8 + longest))
     return [payload if r == me else _to_bytes(outs[r], sizes[r]) for r in range(world)]
 
@@ -131,11 +327,11 @@ def all_to_all_bytes(messages: Dict[int, bytes], group: Optional[Any] = None) ->
         raise ValueError("all_to_all_bytes: a message of 2 GiB or more")
     # int32 sizes: this vector is the only part of the exchange that grows with the group
     recv_t = torch.empty(world, dtype=torch.int32, device=dev)
-    dist.all_to_all_single(recv_t, torch.tensor(send_sizes, dtype=torch.int32, device=dev), group=group)
+    _c_all_to_all(recv_t, torch.tensor(send_sizes, dtype=torch.int32, device=dev), None, None, group)
     recv_sizes = recv_t.cpu().tolist()
     blob = b"".join(messages.get(d, b"") for d in range(world))
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(out, _to_tensor(blob, len(blob), dev), recv_sizes, send_sizes, group=group)
+    _c_all_to_all(out, _to_tensor(blob, len(blob), dev), recv_sizes, send_sizes, group)
     out = out.cpu()
     result: Dict[int, bytes] = {}
     pos = 0
@@ -156,16 +352,16 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Optional[Any] = None) -> O
     if _local(group):
         return [payload]
     world, dev = get_world_size(group), _device(group)
-    at_dst = dist.get_rank() == dst
-    dst_group_rank = dist.get_group_rank(group, dst) if group is not None else dst
+    at_dst = _global_rank(group) == dst
+    dst_group_rank = _group_rank(group, dst)
     size_t = _ints([len(payload)], dev)
     sizes_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)] if at_dst else None
-    dist.gather(size_t, sizes_t, dst=dst, group=group)
+    _c_gather(size_t, sizes_t, dst, group)
     recv_sizes = [int(t.item()) for t in sizes_t] if at_dst else [0] * world
     send_sizes = [0] * world
     send_sizes[dst_group_rank] = len(payload)
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(out, _to_tensor(payload, len(payload), dev), recv_sizes, send_sizes, group=group)
+    _c_all_to_all(out, _to_tensor(payload, len(payload), dev), recv_sizes, send_sizes, group)
     if not at_dst:
         traffic.add("gather", 8 + len(payload), 0)
         return None
@@ -183,12 +379,12 @@ def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Optional[Any]
     if _local(group):
         return payload or b""
     dev = _device(group)
-    at_src = dist.get_rank() == src
+    at_src = _global_rank(group) == src
     n_t = _ints([len(payload or b"") if at_src else 0], dev)
-    dist.broadcast(n_t, src=src, group=group)
+    _c_broadcast(n_t, src, group)
     n = int(n_t.item())
     buf = _to_tensor(payload if at_src else b"", n, dev)
-    dist.broadcast(buf, src=src, group=group)
+    _c_broadcast(buf, src, group)
     if at_src:
         traffic.add("broadcast", 8 + n, 0)
         return payload or b""
@@ -202,7 +398,7 @@ def all_reduce_ints(values: Sequence[int], op: str = "max", group: Optional[Any]
         return list(values)
     dev = _device(group)
     t = _ints(values, dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    _c_all_reduce(t, op, group)
     traffic.add("all_reduce", 8 * len(values), 8 * len(values))
     return t.cpu().tolist()
 
@@ -213,7 +409,7 @@ def any_of_bits(bits: bytes, group: Optional[Any] = None) -> bytes:
         return bits
     dev = _device(group)
     t = _to_tensor(bits, len(bits), dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _c_all_reduce(t, "max", group)
     traffic.add("all_reduce", len(bits), len(bits))
     return _to_bytes(t, len(bits))
 
@@ -236,22 +432,42 @@ def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Option
 def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
     if _local(group):
         return obj
-    data = broadcast_bytes(pickle.dumps(obj) if dist.get_rank() == src else None, src, group)
+    data = broadcast_bytes(pickle.dumps(obj) if _global_rank(group) == src else None, src, group)
     return pickle.loads(data)
 
 
 def barrier(group: Optional[Any] = None) -> None:
-    if is_distributed() and get_world_size(group) > 1:
+    if _local(group):
+        return
+    if isinstance(group, PrivateGroup):
+        group.backend().barrier().wait()
+    else:
         dist.barrier(group=group)
 
 
 def coordinator_rank(group: Optional[Any] = None) -> int:
     """Global rank of the group's first member (writes shared files)."""
+    if isinstance(group, PrivateGroup):
+        return group.ranks[0]
     if not is_distributed():
         return 0
     if group is None:
         return 0
     return dist.get_global_rank(group, 0)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a rank's failure as the other ranks see it: type and message, and for
+    errors that are not ours (bugs, OS errors) where it was raised."""
+    from ..errors import CheckpointingException
+
+    if isinstance(e, CheckpointingException):
+        return f"{type(e).__name__}: {e}"
+    import traceback
+
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
 
 
 def agree_on_errors(local_error: Optional[str], group: Optional[Any] = None) -> List[str]:
@@ -281,9 +497,7 @@ def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], c
 
     if local_exc is not None:
         if hasattr(local_exc, "add_note"):
-            from torch.distributed import get_rank
-
-            me = f"rank {get_rank()}: " if is_distributed() else ""
+            me = f"rank {_global_rank(None)}: " if is_distributed() else ""
             others = "; failing ranks:\n  " + "\n  ".join(errors) if len(errors) > 1 else ""
             local_exc.add_note(me + context + others)
         raise local_exc

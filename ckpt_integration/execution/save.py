@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 import uuid
 
 import torch
@@ -55,20 +54,13 @@ from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
 from . import exchange
+from .dist import describe_error as _describe
 from .common_check import check_common_consistency
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, CheckpointingException):
-        return f"{type(e).__name__}: {e}"
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
 directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``fsdp`` (FSDP1 state), ``strategy``, ``connect`` (the plugin on
-stock strategies), ``stock`` (importing stock Lightning checkpoints), ``loading``
+stock strategies), ``stock`` (importing stock Lightning checkpoints), ``memory`` (memory snapshots), ``loading``
 (:func:`load_from_checkpoint`).
 """
 
@@ -10,6 +10,7 @@ from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint
 from .connect import check_strategy
 from .io import DistCkptIO, UnsupportedStrategyError, start_async_save
 from .loading import load_checkpoint_dict, load_from_checkpoint
+from .memory import DistCkptMemorySnapshots
 from .paths import is_complete_checkpoint, latest_complete_checkpoint, resolve_checkpoint_path
 from .strategy import (
     DistCkptDDPStrategy,
@@ -29,6 +30,7 @@ __all__ = [
     "DistCkptStrategyMixin",
     "DistCkptAsyncFinalizer",
     "DistCkptModelCheckpoint",
+    "DistCkptMemorySnapshots",
     "UnsupportedStrategyError",
     "check_strategy",
     "start_async_save",

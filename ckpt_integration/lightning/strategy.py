@@ -207,6 +207,11 @@ class DistCkptStrategyMixin(Strategy):
         io = self.dist_checkpoint_io()
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+        if io.memory_enabled:
+            from .memory import DistCkptMemorySnapshots
+
+            if not any(isinstance(cb, DistCkptMemorySnapshots) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, DistCkptMemorySnapshots())
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Save on every rank (collective)."""
@@ -214,6 +219,12 @@ class DistCkptStrategyMixin(Strategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(filepath))  # type: ignore[attr-defined]
+        io.save_checkpoint(self.sharded_checkpoint(checkpoint), path)
+
+    def sharded_checkpoint(self, checkpoint: Dict[str, Any], main_replica_only: bool = True) -> Dict[str, Any]:
+        """Lightning's ``checkpoint`` as the sharded state dict this strategy saves (with the plugin's
+        marker). ``main_replica_only=False`` keeps every rank's own copy of replicated buffers (a memory
+        snapshot restores each rank's own state)."""
         state = dict(checkpoint)
         dumped = state.pop("state_dict", None)
         model_sd = dumped if _contains_sharded(dumped) else self._module_sharded_state_dict()
@@ -224,7 +235,8 @@ class DistCkptStrategyMixin(Strategy):
             for i, opt in enumerate(self.optimizers):  # type: ignore[attr-defined]
                 state[optimizer_key(i)] = self._optimizer_sharded_state_dict(opt, model_sd, optimizer_key(i))
                 num_opt += 1
-        state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
+        if main_replica_only:
+            state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
         from lightning.fabric.utilities.seed import _collect_rng_states
 
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
@@ -243,7 +255,7 @@ class DistCkptStrategyMixin(Strategy):
             "has_optimizer_states": opt_states is not None,
             "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
         }
-        io.save_checkpoint(state, path)
+        return state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Load into the current layout on every rank (collective); returns Lightning's checkpoint dict.
@@ -256,6 +268,12 @@ class DistCkptStrategyMixin(Strategy):
 
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(checkpoint_path))  # type: ignore[attr-defined]
+        if io.memory_enabled:  # the newer of the memory tier's newest step and this checkpoint
+            from .memory import restore_newest
+
+            loaded, path = restore_newest(self, path)
+            if loaded is not None:
+                return loaded
         model_sd = self._module_sharded_state_dict()
         self._loaded_sharded_keys = _sharded_keys(model_sd)
         if stock_layout(path) is not None:

@@ -1,0 +1,151 @@
+"""A job that saves (or loads) and exits: the last lines of most training scripts.
+
+Each case is a plain ``torchrun`` script on 2 gloo ranks, run several times, and the exit
+code of every run is checked: nothing of the library may be left running or half-finished
+when ``save``/``load``/an async save's commit return or when the interpreter exits (a
+thread inside a collective or a tensor copy at teardown aborts the process with SIGABRT,
+``terminate called without an active exception``).
+
+The async cases failed before the library's async commits ran on a group of its own:
+``destroy_process_group()`` right after ``save(..., async_sharded_save=True)`` tore the
+commit's group down, and the save was lost with a message about an "internal error".
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.dist_utils import free_port, scaled_timeout
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+HEADER = """
+import os, sys, torch, torch.distributed as dist
+import ckpt_integration as ci
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+path = sys.argv[1]
+def state(fill=True):
+    a = torch.arange(64 * 64, dtype=torch.float32).view(64, 64)[rank * 32:(rank + 1) * 32] if fill else torch.empty(32, 64)
+    b = torch.arange(16.0) if fill else torch.empty(16)
+    return {"a": ci.ShardedTensor.from_rank_offsets("a", a.clone(), (0, rank, world)),
+            "b": ci.ShardedTensor.from_rank_offsets("b", b, replica_id=rank), "step": 7}
+"""
+
+SCRIPTS = {
+    # the plain pattern: save, tear the process group down, exit (no barrier after the save)
+    "save": "ci.save(state(), path)\ndist.destroy_process_group()\n",
+    "load": (
+        "out = ci.load(state(False), path)\n"
+        "assert torch.equal(out['a'], state()['a'].data) and out['step'] == 7\n"
+        "dist.destroy_process_group()\n"
+    ),
+    # an async save, the process group destroyed before wait(), exit: the exit handler finishes it
+    "async_destroy": "req = ci.save(state(), path, async_sharded_save=True)\ndist.destroy_process_group()\n",
+    # an async save and exit without wait() nor destroy_process_group()
+    "async_exit": "req = ci.save(state(), path, async_sharded_save=True)\n",
+    # rank 1 leaves without letting the save finish: rank 0's commit must say so
+    "async_abandon": textwrap.dedent("""
+        req = ci.save(state(), path, async_sharded_save=True)
+        if rank == 1:
+            os._exit(0)
+        try:
+            req.wait()
+        except ci.AsyncSaveAbandonedError as e:
+            print("ABANDONED:", e, flush=True)
+            os._exit(0)
+        raise SystemExit("the abandoned save did not fail")
+    """),
+}
+
+
+def _run(tmp_path, case: str, ckpt: str, timeout_s: float = 120.0):
+    script = tmp_path / f"{case}.py"
+    script.write_text(HEADER + SCRIPTS[case])
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script), ckpt]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=scaled_timeout(timeout_s))
+
+
+def _assert_clean(proc, what: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{what}: exit code {proc.returncode}\n{out[-3000:]}"
+    assert "terminate called" not in out and "SIGABRT" not in out, f"{what}:\n{out[-3000:]}"
+    assert "internal error" not in out and "save failed" not in out, f"{what}:\n{out[-3000:]}"
+
+
+def _load_whole(path: str) -> dict:
+    import ckpt_integration as ci
+
+    req = {"a": ci.ShardedTensor.from_rank_offsets("a", torch.empty(64, 64)),
+           "b": ci.ShardedTensor.from_rank_offsets("b", torch.empty(16))}
+    return ci.load(req, path)
+
+
+def _check_checkpoint(path: str) -> None:
+    out = _load_whole(path)
+    assert torch.equal(out["a"], torch.arange(64 * 64, dtype=torch.float32).view(64, 64))
+    assert torch.equal(out["b"], torch.arange(16.0)) and out["step"] == 7
+
+
+RUNS = 3
+
+
+def test_save_and_load_then_exit_exit_cleanly_every_time(tmp_path):
+    for i in range(RUNS):
+        ck = str(tmp_path / f"ck{i}")
+        _assert_clean(_run(tmp_path, "save", ck), f"save-then-exit run {i}")
+        _check_checkpoint(ck)
+    for i in range(RUNS):
+        _assert_clean(_run(tmp_path, "load", str(tmp_path / "ck0")), f"load-then-exit run {i}")
+
+
+def test_async_save_survives_destroy_process_group_and_exit(tmp_path):
+    for i in range(2):
+        ck = str(tmp_path / f"a{i}")
+        _assert_clean(_run(tmp_path, "async_destroy", ck), f"async save + destroy_process_group run {i}")
+        _check_checkpoint(ck)  # committed by the exit handler: nothing lost
+    ck = str(tmp_path / "plain_exit")
+    _assert_clean(_run(tmp_path, "async_exit", ck), "async save + exit without wait()")
+    _check_checkpoint(ck)
+
+
+def test_async_save_abandoned_by_a_rank_says_so(tmp_path):
+    ck = tmp_path / "abandoned"
+    proc = _run(tmp_path, "async_abandon", str(ck))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "ABANDONED:" in out and str(ck) in out and "internal error" not in out, out[-3000:]
+    assert not (ck / "metadata.json").exists()  # nothing committed
+
+
+def _private_group_lifetime(rank, world, tmp):
+    import torch.distributed as dist
+
+    import ckpt_integration as ci
+    from ckpt_integration.execution import dist as cdist
+    from ckpt_integration.execution.async_save import AsyncCallsQueue
+
+    q = AsyncCallsQueue()
+    t = torch.full((4,), float(rank))
+    req = ci.save({"t": ci.ShardedTensor.from_rank_offsets("t", t, (0, rank, world))}, f"{tmp}/ck",
+                  async_sharded_save=True, async_queue=q)
+    group = q.private_group(None)
+    assert isinstance(group, cdist.PrivateGroup) and group.size() == world
+    assert group not in dist.distributed_c10d._world.pg_map  # not torch's: destroy_process_group leaves it
+    req.wait()
+    q.close()
+    assert group.closed
+    with pytest.raises(cdist.GroupClosedError):
+        cdist.all_reduce_ints([1], "max", group)
+
+
+def test_private_group_is_closed_with_its_queue(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_private_group_lifetime, 2, str(tmp_path))
