@@ -2,12 +2,21 @@
 
 See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
 directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``fsdp`` (FSDP1 state), ``strategy``, ``connect`` (the plugin on
-stock strategies), ``stock`` (importing stock Lightning checkpoints), ``memory`` (memory snapshots), ``loading``
+stock strategies), ``fabric`` (Lightning Fabric), ``stock`` (importing stock Lightning checkpoints), ``memory``
+(memory snapshots), ``loading``
 (:func:`load_from_checkpoint`).
 """
 
 from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint
 from .connect import check_strategy
+from .fabric import (
+    DistCkptFabricDDPStrategy,
+    DistCkptFabricFSDPStrategy,
+    DistCkptFabricMixin,
+    DistCkptFabricModelParallelStrategy,
+    DistCkptFabricSingleDeviceStrategy,
+    check_fabric_strategy,
+)
 from .io import DistCkptIO, UnsupportedStrategyError, start_async_save
 from .loading import load_checkpoint_dict, load_from_checkpoint
 from .memory import DistCkptMemorySnapshots
@@ -28,6 +37,12 @@ __all__ = [
     "DistCkptModelParallelStrategy",
     "DistCkptSingleDeviceStrategy",
     "DistCkptStrategyMixin",
+    "DistCkptFabricMixin",
+    "DistCkptFabricSingleDeviceStrategy",
+    "DistCkptFabricDDPStrategy",
+    "DistCkptFabricModelParallelStrategy",
+    "DistCkptFabricFSDPStrategy",
+    "check_fabric_strategy",
     "DistCkptAsyncFinalizer",
     "DistCkptModelCheckpoint",
     "DistCkptMemorySnapshots",

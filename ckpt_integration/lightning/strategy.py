@@ -305,6 +305,11 @@ class DistCkptStrategyMixin(Strategy):
             loaded["optimizer_states"] = [opt.state_dict() for opt in optimizers]
         for i in range(int(meta.get("num_optimizers", 0))):
             loaded.pop(optimizer_key(i), None)
+        if meta.get("fabric"):  # written by fabric.save: no Lightning version (nothing to migrate), no loops
+            import lightning
+
+            loaded.setdefault("pytorch-lightning_version", lightning.__version__)
+            loaded.pop("content_metadata", None)
         rng = loaded.pop("rng_states", None)
         if isinstance(rng, dict):
             from lightning.fabric.utilities.seed import _set_rng_states
