@@ -1,0 +1,100 @@
+"""Row-aligned ZeRO-1 saves (planning.flat_pieces), every DP rank simulated in one process."""
+
+import math
+import random
+
+import pytest
+
+from ckpt_integration.mapping import flat_range_to_boxes
+from ckpt_integration.planning.flat_pieces import boxes_per_rank, row_aligned_save, row_unit
+
+
+def _simulate(shapes, dp):
+    numels = [math.prod(s) for s in shapes]
+    units = [row_unit(s) for s in shapes]
+    total = sum(numels)
+    S = max(1, math.ceil(total / dp))
+    return numels, S, [row_aligned_save(numels, units, S, r) for r in range(dp)]
+
+
+def _check(shapes, dp):
+    numels, S, plans = _simulate(shapes, dp)
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    sends = sorted((t.pid, t.src, t.dst, t.lo, t.hi) for p in plans for t in p.sends)
+    receives = sorted((t.pid, t.src, t.dst, t.lo, t.hi) for p in plans for t in p.receives)
+    assert sends == receives  # every transfer has both ends, computed independently
+    for pid, shape in enumerate(shapes):
+        ranges = sorted(p.saved[pid] for p in plans if pid in p.saved)
+        # the saved ranges tile the param exactly, whole rows each
+        pos = 0
+        for lo, hi in ranges:
+            assert lo == pos and hi > lo
+            assert lo % row_unit(shape) == 0 and (hi % row_unit(shape) == 0 or hi == numels[pid])
+            pos = hi
+        assert pos == numels[pid]
+    for r, plan in enumerate(plans):
+        held = (min(starts[-1], r * S), min(starts[-1], (r + 1) * S))
+        for pid, (lo, hi) in plan.saved.items():
+            shape = shapes[pid]
+            # one box per rank and 2-D param (at most 2*ndim-3 for N-D), against up to 3 (2*ndim-1) unaligned
+            assert boxes_per_rank(shape, lo, hi) <= max(1, 2 * len(shape) - 3)
+            # what it saves = what it holds of [lo, hi) + exactly what it receives
+            own = max(0, min(hi, held[1] - starts[pid]) - max(lo, held[0] - starts[pid]))
+            got = sum(t.hi - t.lo for t in plan.receives if t.pid == pid)
+            assert own + got == hi - lo
+            assert all(t.src > r for t in plan.receives)
+        for t in plan.sends:
+            assert t.dst < r and t.hi - t.lo < row_unit(shapes[t.pid])  # less than one row moves
+            assert held[0] <= starts[t.pid] + t.lo < starts[t.pid] + t.hi <= held[1]
+    return plans
+
+
+def test_gpt_like_stage_rows_align_and_boxes_drop_to_one():
+    h = 64
+    layer = [(1, 3 * h // 2, h), (1, 3 * h // 2), (1, h), (1, h, h // 2), (1, h), (1, 2 * h, h), (1, h, 2 * h), (1, h)]
+    shapes = layer * 3
+    for dp in (1, 2, 3, 7, 16, 64, 300):
+        plans = _check(shapes, dp)
+        numels, S, _ = _simulate(shapes, dp)
+        # before: flat_range_to_boxes of every held range
+        starts = [0]
+        for n in numels:
+            starts.append(starts[-1] + n)
+        before = after = 0
+        for r in range(dp):
+            a, b = min(starts[-1], r * S), min(starts[-1], (r + 1) * S)
+            for pid, s in enumerate(shapes):
+                lo, hi = max(a, starts[pid]) - starts[pid], min(b, starts[pid + 1]) - starts[pid]
+                if hi > lo:
+                    before += len(flat_range_to_boxes(s[1:], lo, hi))
+            after += sum(boxes_per_rank(shapes[pid][1:], lo, hi) for pid, (lo, hi) in plans[r].saved.items())
+        assert after <= before
+        if dp >= 64:  # slices much smaller than the params: ~3 boxes each before, ~1 after
+            assert after * 2 < before, (dp, before, after)
+
+
+def test_slices_narrower_than_a_row_gather_onto_the_row_owner():
+    # 40 DP ranks over a 3 x 100 param: several ranks hold parts of one row and save nothing
+    plans = _check([(3, 100), (7,)], 40)
+    savers = [r for r, p in enumerate(plans) if 0 in p.saved]
+    assert len(savers) == 3  # one per row
+    assert any(len(p.receives) > 1 for p in plans)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_layouts(seed):
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(rng.randint(1, 12)):
+        nd = rng.randint(0, 4)
+        shapes.append(tuple(rng.randint(0 if rng.random() < 0.05 else 1, 9) for _ in range(nd)))
+    _check(shapes, rng.randint(1, 50))
+
+
+def test_empty_ranks_and_bad_shard_size():
+    plans = _check([(2, 2)], 9)  # 4 elements, 9 ranks: ranks 4..8 hold nothing
+    assert not any(p.saved or p.sends or p.receives for p in plans[4:])
+    with pytest.raises(ValueError, match="shard_size"):
+        row_aligned_save([4], [2], 0, 0)
