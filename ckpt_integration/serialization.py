@@ -108,7 +108,8 @@ def save(
     kwargs = dict(
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
-        thread_count=default_thread_count() if thread_count is None else thread_count,
+        thread_count=thread_count if thread_count is not None else (
+            getattr(sharded_strategy, "thread_count", None) or default_thread_count()),
         balance=balance,
         overwrite=overwrite,
         durable=durable,
@@ -116,6 +117,8 @@ def save(
         backend=backend,
         preprocess_common=preprocess_common_before_consistancy_check,
     )
+    if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
+        kwargs["separation_hint"] = sharded_strategy.separation_hint
     if async_sharded_save:
         from .execution.async_save import async_save_torch_dist
 

@@ -55,3 +55,21 @@ def test_bench_sweep_prints_summary(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"]["tensors"] for r in runs] == [2, 4]
     assert [r["tensors_per_rank"] for r in runs] == [2, 4]
+
+
+@pytest.mark.slow  # ~20-30 s (two spawned ranks: durable saves, memory tier, restores)
+def test_memory_tier_bench_runs_and_prints_table(tmp_path):
+    out = tmp_path / "memtier.json"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "memory_tier.py"), "--gib-per-rank", "0.004",
+        "--tensors", "4", "--repeats", "1", "--shm", str(tmp_path), "--disk", str(tmp_path), "--no-nvrx",
+        "--no-drop-caches", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("blocking per save: memory snapshot", "restore: own memory (verified)", "restore: peer copy",
+                  "restore: durable on disk, cold", "limit: memcpy from host memory"):
+        assert label in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert res["restore_peer"]["source_rank1"] == "peer rank 0"
+    assert res["memory_snapshot"]["shm_bytes_per_node"] >= 4 * res["bytes_per_rank"]  # 2 slots x 2 copies

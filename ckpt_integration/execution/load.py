@@ -81,7 +81,7 @@ def _drop_keys(sharded: Any, keys: Set[str]) -> Any:
                 sub = _drop_keys(v, keys)
                 if sub:
                     out[k] = sub
-            elif _request_key(v) not in keys:
+            elif _request_key(v) not in keys and v.key not in keys:  # (objects are reported by key)
                 out[k] = v
         return out
     return sharded
@@ -97,9 +97,9 @@ def _handle_strict(
         return
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
         error = KeyNotInCheckpointError if unexpected else MismatchError
-        raise error(f"rank {rank}: {checkpoint_dir}: " + mismatch_message(missing, unexpected))
+        raise error(mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-        logger.warning("rank %d: %s: %s (skipped)", rank, checkpoint_dir, mismatch_message(missing, unexpected))
+        logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
 def _tensor_tasks(

@@ -80,6 +80,7 @@ class SavePlan:
     thread_count: int
     durable: bool
     backend: str = "torch_dist"
+    separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     started: float = field(default_factory=time.time)
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
@@ -192,6 +193,7 @@ def prepare_save(
     process_group: Any = None,
     backend: str = "torch_dist",
     preprocess_common: Optional[Callable[[Any], Any]] = None,
+    separation_hint: Optional[str] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -272,6 +274,7 @@ def prepare_save(
         thread_count=thread_count,
         durable=durable,
         backend=backend,
+        separation_hint=separation_hint,
         local_error=local_error,
         local_exc=local_exc,
     )
@@ -285,7 +288,8 @@ def write_local(plan: SavePlan) -> None:
         if plan.backend == "zarr":
             plan.written = write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
         else:
-            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
+            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
+                                            separation_hint=plan.separation_hint)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
         plan.local_error, plan.local_exc = _describe(e), e

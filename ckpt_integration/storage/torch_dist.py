@@ -130,8 +130,29 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def data_file_name(rank: int, index: int) -> str:
-    return f"__{rank}_{index}{DATA_SUFFIX}"
+def data_file_name(rank: int, index: int, prefix: str = "") -> str:
+    """``__<rank>_<index>.distcp`` as PyTorch DCP and Megatron-Core name data files; with a separation
+    hint, ``<hint>__<rank>_<index>.distcp`` as Megatron-Core names the files of the hinted keys."""
+    return f"{prefix}__{rank}_{index}{DATA_SUFFIX}"
+
+
+def _separate(requests: Sequence[WriteRequest], hint: Optional[str], thread_count: int) -> List[Tuple[str, List[int]]]:
+    """``[(file name prefix, request indices)]`` buckets: the requests whose keys start with ``hint`` in
+    files of their own (about half the threads each, as Megatron-Core splits them), the rest in the
+    others; without a hint, ``thread_count`` buckets."""
+    if not hint:
+        return [("", b) for b in split_into_buckets([r.nbytes for r in requests], thread_count)]
+    problem = name_problem(data_file_name(0, 0, hint))
+    if problem or "/" in hint or "\\" in hint:
+        raise MismatchError(f"separation_hint {hint!r} cannot begin a data file name: {problem or 'a path separator'}")
+    out: List[Tuple[str, List[int]]] = []
+    threads = max(1, thread_count // 2)
+    for prefix, picked in (("", [i for i, r in enumerate(requests) if not r.storage_key.startswith(hint)]),
+                           (hint, [i for i, r in enumerate(requests) if r.storage_key.startswith(hint)])):
+        if picked:
+            for b in split_into_buckets([requests[i].nbytes for i in picked], threads):
+                out.append((prefix, [picked[j] for j in b]))
+    return out
 
 
 def write_data_files(
@@ -141,20 +162,25 @@ def write_data_files(
     thread_count: int = 2,
     durable: bool = True,
     block_size: Optional[int] = None,
+    separation_hint: Optional[str] = None,
 ) -> List[WrittenItem]:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
     Tensor items get block CRC32s (``block_size``) besides their whole-item CRC32. A failed
     write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
+    Items whose keys start with ``separation_hint`` go to files of their own,
+    ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
+    by deleting those files (Megatron-Core's ``separation_hint``).
     """
     if not requests:
         return []
     block_size = block_size or BLOCK_SIZE
     storage, directory = storage_for(directory)
-    buckets = split_into_buckets([r.nbytes for r in requests], thread_count)
+    groups = _separate(requests, separation_hint, thread_count)
+    buckets = [b for _, b in groups]
 
     def write_bucket(index: int, bucket: List[int]) -> List[WrittenItem]:
-        name = data_file_name(rank, index)
+        name = data_file_name(rank, index, groups[index][0])
         path = join(directory, name)
         out = []
         try:
