@@ -136,3 +136,40 @@ def test_compact_dcp_metadata_pickle_rebuilds_the_same_objects(tmp_path):
         chunk = back.state_dict_metadata["optimizer.state.exp_avg.layers.3.weight"].chunks[7]
         assert type(chunk.offsets) is torch.Size and type(chunk.sizes) is torch.Size
         assert all(type(i.offset) is torch.Size for i in back.storage_data if i.offset is not None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_overlap_fast_path_agrees_with_the_sweep(seed):
+    """find_overlaps' flat-range shortcut only ever answers "disjoint" when the sweep agrees."""
+    from ckpt_integration.planning import integrity
+    from ckpt_integration.planning.shards import ShardMeta
+
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+    boxes = []
+    # row-range pieces (optionally per column block), some of them overlapping or out of line
+    ncol = rng.choice([1, 2, 3]) if len(shape) >= 2 and shape[-1] % 3 == 0 else 1
+    width = shape[-1] // ncol
+    for c in range(ncol):
+        flat = math.prod(shape[:-1]) * width if len(shape) >= 2 else shape[0]
+        cuts = sorted(rng.sample(range(flat + 1), min(flat + 1, rng.randint(2, 5))))
+        for lo, hi in zip(cuts, cuts[1:]):
+            if len(shape) >= 2:
+                lo, hi = lo // width * width, hi // width * width  # whole rows of the column block
+                sub = shape[:-1] + (width,)
+            else:
+                sub = shape
+            for off, size in flat_range_to_boxes(sub, lo, hi):
+                if len(shape) >= 2:
+                    off, size = off[:-1] + (c * width,), size[:-1] + (width,)
+                boxes.append((off, size))
+    if rng.random() < 0.5 and boxes:  # a stray box somewhere
+        o = tuple(rng.randint(0, s - 1) for s in shape)
+        boxes.append((o, tuple(rng.randint(1, s - x) for s, x in zip(shape, o))))
+    metas = [ShardMeta("k", "tensor", i, "float32", shape, o, n, (0,), 0) for i, (o, n) in enumerate(boxes)]
+    found: list = []
+    items = [(m.offsets, tuple(a + b for a, b in zip(m.offsets, m.sizes)), m) for m in metas]
+    integrity._sweep(items, tuple(range(len(shape))), 1000, found)
+    fast = integrity._disjoint_flat_ranges(metas, shape)
+    assert not (fast and found), (shape, boxes, found)
+    assert bool(integrity.find_overlaps(metas)) == bool(found)
