@@ -131,19 +131,23 @@ def _disjoint_flat_ranges(boxes: Sequence[ShardMeta], shape: Sequence[int]) -> b
         for j in range(t - 2, -1, -1):
             strides[j] = strides[j + 1] * int(shape[j + 1])
         groups: Dict[Tuple[int, ...], List[Tuple[int, int]]] = defaultdict(list)
+        full, zeros = tuple(int(x) for x in shape[:t]), (0,) * t
         ok = True
         for b in boxes:
-            o, n = b.offsets, b.sizes
+            o, n = tuple(b.offsets), tuple(b.sizes)
             if 0 in n:
                 continue  # empty: overlaps nothing
             i = 0
             while i < t - 1 and n[i] == 1:
                 i += 1
-            if any(o[j] != 0 or n[j] != shape[j] for j in range(i + 1, t)):
+            # one flat range: size 1 before axis i, whole axes after it (tuple compares run in C)
+            if o[i + 1:t] != zeros[i + 1:t] or n[i + 1:t] != full[i + 1:t]:
                 ok = False
                 break
-            start = sum(o[j] * strides[j] for j in range(t))
-            groups[tuple(o[t:]) + tuple(n[t:])].append((start, start + math.prod(n[:t])))
+            start = 0
+            for j in range(i + 1):
+                start += o[j] * strides[j]
+            groups[o[t:] + n[t:]].append((start, start + n[i] * strides[i]))
         if not ok:
             continue
         if t < nd:  # the groups' last-axis intervals must not overlap one another
