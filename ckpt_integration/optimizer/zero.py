@@ -47,7 +47,11 @@ class ZeroShardedOptimizer:
     rectangular ShardedTensors (:func:`flat_range_to_boxes`) at the param's global
     coordinates, under the same keys as a non-ZeRO optimizer
     (``optimizer.state.exp_avg.<key>``, plus ``optimizer.state.fp32_param.<key>``), so it
-    resumes under any DP/TP size and with or without ZeRO.
+    resumes under any DP/TP size and with or without ZeRO. A save stores whole rows: each row of a
+    param by the DP rank holding its first element, after the less-than-a-row heads of the next
+    ranks' slices arrived point-to-point (:mod:`ckpt_integration.planning.flat_pieces`), so each
+    rank writes one chunk per 2-D param and the checkpoint's chunk count grows one, not three, per
+    DP rank (``sharded_state_dict`` is therefore collective over ``dp_group``).
 
     Args:
         params: the model parameters (all of them, identical on the DP ranks).
