@@ -12,7 +12,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 CHARS, BLOCK, GBS = 2000, 32, 8
 
 
-from tests.test_remote_storage import s3_endpoint  # noqa: E402,F401  (the moto server fixture)
+from tests.s3_faults import s3_fixture  # noqa: E402
+
+s3_endpoint = s3_fixture()  # the moto server, as in tests/test_remote_storage.py
 
 
 @pytest.fixture(params=["memory", "s3"])
