@@ -121,3 +121,10 @@ class AsyncSaveAbandonedError(CheckpointingException):
     interpreter exit (which waits for the saves in flight) on every rank. Destroying the
     process groups first is fine: the commit runs on the library's own group.
     """
+
+
+class CheckpointReplacedError(CheckpointingException):
+    """A checkpoint opened with :func:`~ckpt_integration.open_checkpoint` was replaced by another
+    commit (e.g. ``last.ckpt`` rewritten by a training job) or removed (top-k deletion) while it
+    was being read. The message names the path. Nothing read from it is returned: the files are
+    intact but belong to another commit, so open the path again to read the new one."""

@@ -353,6 +353,7 @@ def _commit(plan: SavePlan, layout: CommitLayout) -> None:
         save=claim.token if claim else "",
         step=plan.step,
         commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir),
+        commit_id=uuid.uuid4().hex,
     )
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, "torch_dist")
@@ -516,7 +517,7 @@ def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
-                              commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir))
+                              commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex)
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, "zarr")
     _swap_if_staging(plan)

@@ -89,6 +89,9 @@ class Manifest:
     # Kept near the start of the file: listings read only its first bytes (see commit_order).
     step: Optional[int] = None
     commit_seq: Optional[int] = None
+    # this commit's identity (a random hex string, unique per commit; "" in older checkpoints):
+    # an opened checkpoint checks it to notice that its directory now holds another commit
+    commit_id: str = ""
     world_size: int = 1
     # "file@offset" -> crc32 of the item's stored bytes
     items: Dict[str, int] = field(default_factory=dict)
@@ -414,6 +417,8 @@ def read_manifest(directory: str) -> Optional[Manifest]:
             v = getattr(manifest, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
+        if not isinstance(manifest.commit_id, str):
+            raise TypeError(f"'commit_id' must be a string, got {manifest.commit_id!r}")
         manifest.checksums()
         manifest.block_records()
         return manifest
@@ -522,3 +527,36 @@ def next_commit_seq(checkpoint_dir: str) -> int:
 def stale_save_files(directory: str) -> List[str]:
     """Files of an uncommitted earlier save that a new save into the same directory replaces."""
     return library_entries(directory)
+
+
+# --------------------------------------------------------------------------- commit identity
+_ID_RE = re.compile(rb'"commit_id": "([0-9a-f]*)"')
+
+
+def commit_identity(directory: str) -> Optional[str]:
+    """Which commit ``directory`` holds now: ``None`` when it holds no committed checkpoint (removed,
+    or being rewritten in place: no ``metadata.json``), else the manifest's ``commit_id``.
+
+    Checkpoints written before commit ids (or by other tools) are identified by what their
+    manifest has (creation time and save token), or by ``""`` without a manifest: for those an
+    opened checkpoint can notice a removal but not every replacement (see docs/reading.md).
+    Costs one existence check and one small read (the manifest's head) on any storage.
+    """
+    storage, directory = storage_for(directory)
+    if not storage.exists(join(directory, CONFIG_FILE)):
+        return None
+    try:
+        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
+    except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint
+        return None if storage.exists(join(directory, WRITER_FILE)) else ""
+    try:
+        head = reader.read(0, min(reader.size, _HEAD_BYTES))
+    finally:
+        reader.close()
+    m = _ID_RE.search(head)
+    if m is not None and m.group(1):
+        return m.group(1).decode()
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return ""
+    return manifest.commit_id or f"created={manifest.created!r} save={manifest.save}"

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..storage.opened import accepts_opened
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _dtype_name, _no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
 
@@ -82,6 +83,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d.max())
 
 
+@accepts_opened('a', 'b')
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
                      progress: ProgressFactory = _no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block."""
