@@ -556,7 +556,11 @@ def commit_identity(directory: str) -> Optional[str]:
     m = _ID_RE.search(head)
     if m is not None and m.group(1):
         return m.group(1).decode()
-    manifest = read_manifest(directory)
+    return identity_of(read_manifest(directory))
+
+
+def identity_of(manifest: Optional[Manifest]) -> str:
+    """The commit identity :func:`commit_identity` reports for a checkpoint with this manifest."""
     if manifest is None:
         return ""
     return manifest.commit_id or f"created={manifest.created!r} save={manifest.save}"

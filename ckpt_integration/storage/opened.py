@@ -38,14 +38,13 @@ class OpenedCheckpoint:
         self.storage: Storage
         self.storage, self.path = storage_for(path)
         self.trusted = trusted
-        self.commit_id = ckdir.commit_identity(self.path)
+        self.commit_id: Optional[str] = None
         self.config = ckdir.read_config(self.path)  # a specific error for every way it is not a checkpoint
-        if self.commit_id is None:  # metadata.json appeared only now: read the identity again
-            self.commit_id = ckdir.commit_identity(self.path)
         self.backend = self.config.sharded_backend
         self.closed = False
         try:
             self.manifest = ckdir.read_manifest_checked(self.path)
+            self.commit_id = ckdir.identity_of(self.manifest)  # the commit pinned: the manifest's
             self.metadata = None
             if self.backend == "torch_dist":
                 from .torch_dist import read_dcp_metadata
@@ -77,10 +76,14 @@ class OpenedCheckpoint:
     @contextmanager
     def reading(self) -> Iterator[str]:
         """A read of this commit: yields the path; fails with :class:`CheckpointReplacedError` if the
-        directory no longer holds the commit before, after or during (a failed read) the block."""
+        directory no longer holds the commit after the block (or when the block failed).
+
+        One check after the read suffices: every commit has its own id, so a directory that holds
+        the opened commit after the read held it during the read (a replacement in between would
+        have left another id or no commit marker: a save rewriting in place removes
+        ``metadata.json`` first)."""
         if self.closed:
             raise ValueError(f"{self.path}: the opened checkpoint is closed")
-        self.check()
         try:
             yield self.path
         except Exception as e:
