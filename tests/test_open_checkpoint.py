@@ -135,7 +135,10 @@ def test_evaluation_job_reads_while_training_saves(tmp_path):
             counts = {{"ok": 0, "replaced": 0, "gone": 0}}
             req = lambda: {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(64, 16)),
                             "b": ci.ShardedTensor.from_rank_offsets("b", torch.empty(8))}}
-            while not os.path.exists(os.path.join(root, "done")):
+            open(os.path.join(root, "reader-ready"), "w").close()
+            rounds = 0
+            while True:
+                finished = os.path.exists(os.path.join(root, "done"))  # then one last round, nothing written
                 names = [os.path.join(root, "last.ckpt")] + ci.list_checkpoints(root)[-1:]
                 for path in names:
                     try:
@@ -151,14 +154,29 @@ def test_evaluation_job_reads_while_training_saves(tmp_path):
                     assert torch.equal(out["w"], torch.full((64, 16), float(s))), (path, s)
                     assert torch.equal(out["b"], torch.arange(8.0) + s), (path, s)
                     counts["ok"] += 1
+                rounds += 1
+                if rounds == 3:
+                    open(os.path.join(root, "reader-busy"), "w").close()
+                if finished:
+                    break
             print(json.dumps(counts))
         """)],
         env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         import shutil
+        import time
 
+        def wait_for(name):  # a handshake with the reader (bounded), not a timing assertion
+            for _ in range(3000):
+                if os.path.exists(os.path.join(root, name)) or reader.poll() is not None:
+                    return
+                time.sleep(0.05)
+
+        wait_for("reader-ready")
         for step in range(1, 25):  # the training job: save, replace last, keep the newest 2
+            if step == 3:
+                wait_for("reader-busy")  # the reader is in its loop while the rest is written
             ci.save(_state(float(step), step), os.path.join(root, f"step={step:03d}.ckpt"))
             ci.save(_state(float(step), step), os.path.join(root, "last.ckpt"), overwrite=True)
             if step > 2:
@@ -172,4 +190,5 @@ def test_evaluation_job_reads_while_training_saves(tmp_path):
     import json
 
     counts = json.loads(out.strip().splitlines()[-1])
-    assert counts["ok"] >= 1, counts
+    print("evaluation reader:", counts)
+    assert counts["ok"] >= 2, counts  # at least the last round: last.ckpt and step=024 at step 24
