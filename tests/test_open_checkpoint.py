@@ -180,7 +180,9 @@ def test_evaluation_job_reads_while_training_saves(tmp_path):
             ci.save(_state(float(step), step), os.path.join(root, f"step={step:03d}.ckpt"))
             ci.save(_state(float(step), step), os.path.join(root, "last.ckpt"), overwrite=True)
             if step > 2:
-                shutil.rmtree(os.path.join(root, f"step={step - 2:03d}.ckpt"))
+                old = os.path.join(root, f"step={step - 2:03d}.ckpt")
+                os.remove(os.path.join(old, "metadata.json"))  # un-commit first, as the library deletes
+                shutil.rmtree(old)
         open(os.path.join(root, "done"), "w").close()
         out, err = reader.communicate(timeout=300)
     finally:

@@ -449,6 +449,15 @@ class Storage:
             self.remove(path)
 
     def rmtree(self, path: str) -> None:
+        # a checkpoint is un-committed first (its commit marker goes before its data), so a
+        # reader never finds a committed-looking directory with files missing: an opened
+        # checkpoint then reports it removed, not damaged (storage/opened.py)
+        marker = path.rstrip("/") + "/metadata.json"
+        try:
+            if self.exists(marker):
+                self.remove(marker)
+        except OSError:
+            pass
         if self.fs:
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
