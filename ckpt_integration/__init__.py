@@ -12,6 +12,7 @@ from .errors import (  # noqa: E402
     CheckpointingException,
     CheckpointNotFoundError,
     CheckpointReadError,
+    CheckpointReplacedError,
     CheckpointWriteError,
     CorruptCheckpointError,
     DistributedCheckpointingError,
@@ -43,6 +44,7 @@ from .mapping import (  # noqa: E402
 )
 from .core import check_is_distributed_checkpoint  # noqa: E402
 from .planning.strict import StrictHandling  # noqa: E402
+from .storage.opened import OpenedCheckpoint  # noqa: E402
 from .serialization import (  # noqa: E402
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
@@ -50,6 +52,7 @@ from .serialization import (  # noqa: E402
     load_common_state_dict,
     load_content_metadata,
     load_plain_tensors,
+    open_checkpoint,
     load_sharded_metadata,
     load_tensors_metadata,
     remove_sharded_tensors,
@@ -67,6 +70,8 @@ __all__ = [
     "load_tensors_metadata",
     "load_sharded_metadata",
     "load_plain_tensors",
+    "open_checkpoint",
+    "OpenedCheckpoint",
     "load_content_metadata",
     "remove_sharded_tensors",
     "list_checkpoints",
@@ -92,6 +97,7 @@ __all__ = [
     "AsyncSaveAbandonedError",
     "CheckpointNotFoundError",
     "CheckpointReadError",
+    "CheckpointReplacedError",
     "CheckpointWriteError",
     "CorruptCheckpointError",
     "DistributedCheckpointingError",

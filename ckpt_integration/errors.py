@@ -138,3 +138,10 @@ class MemoryLayoutError(MemoryCheckpointError, MismatchError):
 class MemorySpaceError(MemoryCheckpointError):
     """The shared-memory directory of a node has not enough free space for the snapshots it
     must hold (the message gives what is needed and what is free, per node)."""
+
+
+class CheckpointReplacedError(CheckpointingException):
+    """A checkpoint opened with :func:`~ckpt_integration.open_checkpoint` was replaced by another
+    commit (e.g. ``last.ckpt`` rewritten by a training job) or removed (top-k deletion) while it
+    was being read. The message names the path. Nothing read from it is returned: the files are
+    intact but belong to another commit, so open the path again to read the new one."""

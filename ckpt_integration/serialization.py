@@ -13,12 +13,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .errors import CheckpointingException
 from .execution.load import load_torch_dist
+from .execution.shared_metadata import SharedMetadata
 from .execution.save import CONTENT_METADATA_KEY, save_torch_dist
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir
 from .storage.filesystem import join, storage_for
 from .storage.backends import read_metadata
+from .storage.opened import OpenedCheckpoint, open_checkpoint, reading  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
 
@@ -55,6 +57,7 @@ def save(
     durable: bool = True,
     process_group: Any = None,
     async_queue: Any = None,
+    step: Optional[int] = None,
 ) -> Any:
     """Save a sharded state dict; every rank writes only what it owns.
 
@@ -93,6 +96,10 @@ def save(
             (fully-parallel save); ``False`` lets main replicas write.
         durable: fsync data before commit (disable only for throwaway checkpoints).
         process_group: group of the ranks taking part (default: the world).
+        step: the training step this checkpoint holds, recorded in its ``manifest.json``;
+            :func:`list_checkpoints` and Lightning's ``ckpt_path="last"`` order checkpoints
+            by it (then by the order of their commits). Default: the common state's
+            top-level integer ``global_step`` (Lightning) or ``iteration`` (Megatron-LM).
 
     Example::
 
@@ -102,6 +109,8 @@ def save(
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
     backend, version = backend_and_version(sharded_strategy)
     check_backend(backend, version)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointingException(f"save: step must be an integer, got {step!r}")
     if isinstance(content_metadata, dict) and "dp_cp_group" in content_metadata:
         # Megatron-Core drops the process group it may carry before saving (it cannot be pickled)
         content_metadata = {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
@@ -116,6 +125,7 @@ def save(
         process_group=process_group,
         backend=backend,
         preprocess_common=preprocess_common_before_consistancy_check,
+        step=step,
     )
     if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
         kwargs["separation_hint"] = sharded_strategy.separation_hint
@@ -185,8 +195,23 @@ def load(
     """
     if load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
-    backend = _backend_from_strategy(sharded_strategy)
+    if isinstance(checkpoint_dir, OpenedCheckpoint):
+        opened = checkpoint_dir
+        with opened.reading():
+            return _load(sharded_state_dict, opened.path, opened.config, sharded_strategy, strict, validate_access_integrity,
+                         trusted, allowed_globals, thread_count, verify_checksums, process_group, load_strategy,
+                         memory_budget, strict_dtype, SharedMetadata(opened.backend, opened.metadata, opened.manifest))
     config = ckdir.read_config(os.fspath(checkpoint_dir))
+    return _load(sharded_state_dict, os.fspath(checkpoint_dir), config, sharded_strategy, strict, validate_access_integrity,
+                 trusted, allowed_globals, thread_count, verify_checksums, process_group, load_strategy, memory_budget,
+                 strict_dtype, None)
+
+
+def _load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, config: Any, sharded_strategy: Any, strict: Any,
+          validate_access_integrity: bool, trusted: bool, allowed_globals: Any, thread_count: Optional[int],
+          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool,
+          opened_metadata: Any) -> Any:
+    backend = _backend_from_strategy(sharded_strategy)
     if sharded_strategy is not None and backend != config.sharded_backend:
         raise CheckpointingException(
             f"{checkpoint_dir} was saved with backend {config.sharded_backend!r}, not {backend!r}"
@@ -205,6 +230,7 @@ def load(
         load_strategy=load_strategy,
         memory_budget=memory_budget,
         strict_dtype=strict_dtype,
+        opened_metadata=opened_metadata,
     )
 
 
@@ -232,8 +258,9 @@ def load_common_state_dict(
 
     Example: ``load_common_state_dict("ckpt")["iteration"]``
     """
-    ckdir.read_config(os.fspath(checkpoint_dir))
-    return ckdir.load_common(os.fspath(checkpoint_dir), trusted=trusted, allowed_globals=allowed_globals)
+    with reading(checkpoint_dir) as checkpoint_dir:
+        ckdir.read_config(checkpoint_dir)
+        return ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
 
 
 def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
@@ -243,9 +270,15 @@ def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
 
         meta = load_tensors_metadata("ckpt"); meta["decoder.weight"].global_shape
     """
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    ckdir.read_config(checkpoint_dir)
-    md = read_metadata(checkpoint_dir, trusted=trusted)
+    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
+        with checkpoint_dir.reading():  # the .metadata read at open, pinned
+            return _tensors_metadata(checkpoint_dir.metadata)
+    with reading(checkpoint_dir) as checkpoint_dir:
+        ckdir.read_config(checkpoint_dir)
+        return _tensors_metadata(read_metadata(checkpoint_dir, trusted=trusted))
+
+
+def _tensors_metadata(md: Any) -> CkptShardedMetadata:
     out: Dict[str, Any] = {}
     for key, tmeta in md.state_dict_metadata.items():
         if isinstance(tmeta, TensorStorageMetadata):
@@ -258,9 +291,16 @@ def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
 
 def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, common_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
     """Like :func:`load_tensors_metadata` plus every ShardedObject (keyed by unique key)."""
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    out = load_tensors_metadata(checkpoint_dir, trusted=trusted)
-    md = read_metadata(checkpoint_dir, trusted=trusted)
+    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
+        with checkpoint_dir.reading():
+            return _sharded_metadata(checkpoint_dir.metadata)
+    with reading(checkpoint_dir) as checkpoint_dir:
+        ckdir.read_config(checkpoint_dir)
+        return _sharded_metadata(read_metadata(checkpoint_dir, trusted=trusted))
+
+
+def _sharded_metadata(md: Any) -> CkptShardedMetadata:
+    out = _tensors_metadata(md)
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             try:
@@ -281,9 +321,12 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> St
     """
     from .execution.load import read_whole_tensors
 
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    ckdir.read_config(checkpoint_dir)
-    return read_whole_tensors(checkpoint_dir, read_metadata(checkpoint_dir, trusted=trusted))
+    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
+        with checkpoint_dir.reading() as path:
+            return read_whole_tensors(path, checkpoint_dir.metadata)
+    with reading(checkpoint_dir) as checkpoint_dir:
+        ckdir.read_config(checkpoint_dir)
+        return read_whole_tensors(checkpoint_dir, read_metadata(checkpoint_dir, trusted=trusted))
 
 
 def load_content_metadata(

@@ -174,12 +174,18 @@ def run_page(page: str, cwd: str, workers: Dict[int, RankWorkers]) -> None:
             raise AssertionError(f"the block at {where} fails: {type(e).__name__}: {e}") from e
 
 
-@pytest.mark.parametrize("page", PAGES)
+def _runs_code(page: str) -> bool:
+    return any(not b.skip for b in parse(page))
+
+
+# a page that runs no code is not a test item (it would pass without checking anything)
+RUN_PAGES = [p for p in PAGES if _runs_code(p)]
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
 def test_doc_code_blocks_run(page, monkeypatch):
     if page in UNMARKED:
         pytest.skip(UNMARKED[page])
-    if not any(b for b in parse(page)):
-        return
     workers: Dict[int, RankWorkers] = {}
     with tempfile.TemporaryDirectory() as cwd:
         monkeypatch.chdir(cwd)
@@ -189,6 +195,12 @@ def test_doc_code_blocks_run(page, monkeypatch):
         finally:
             for w in workers.values():
                 w.close()
+
+
+def test_pages_that_run_code_check_their_results():
+    """A page whose blocks compute values shows they are right (``assert``), not only that nothing raised."""
+    silent = [p for p in RUN_PAGES if not any("assert" in b.code for b in parse(p) if not b.skip)]
+    assert not silent, f"pages running code without a single assert: {silent}"
 
 
 def test_directives_are_well_formed():

@@ -1,4 +1,5 @@
-"""Lightning checkpoints on an fsspec URL (``memory://``): top-k deletions, resume, incomplete saves."""
+"""Lightning checkpoints on fsspec URLs (``memory://`` and S3 on the local moto server): top-k
+deletions, resume, incomplete saves."""
 
 import os
 import sys
@@ -11,15 +12,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 CHARS, BLOCK, GBS = 2000, 32, 8
 
 
-@pytest.fixture
-def mem_url():
-    """A fresh ``memory://`` directory, removed afterwards (the memory filesystem is process-global)."""
+from tests.s3_faults import s3_fixture  # noqa: E402
+
+s3_endpoint = s3_fixture()  # the moto server, as in tests/test_remote_storage.py
+
+
+@pytest.fixture(params=["memory", "s3"])
+def mem_url(request):
+    """A fresh directory on ``memory://`` or on S3 (moto), removed afterwards."""
     fsspec = pytest.importorskip("fsspec")
-    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        url, fs = f"s3://ckpt-bucket/lt-{uuid.uuid4().hex[:8]}", fsspec.filesystem("s3", endpoint_url=endpoint)
+    else:
+        url, fs = f"memory://ckpt-{uuid.uuid4().hex[:8]}", fsspec.filesystem("memory")
     yield url
-    fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
+
+
+def _pipe(url, data):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.pipe_file(path, data)
 
 
 def _names(url):
@@ -59,14 +75,12 @@ def test_topk_deletes_and_resume_on_fsspec_url(mem_url):
     assert resolve_checkpoint_path(best) == best
 
     # an interrupted last.ckpt (data written, no metadata.json) resolves to the newest complete one
-    import fsspec
-
-    fsspec.filesystem("memory").pipe_file(f"{mem_url}/last.ckpt/__0_0.distcp", b"partial")
+    _pipe(f"{mem_url}/last.ckpt/__0_0.distcp", b"partial")
     assert not is_complete_checkpoint(f"{mem_url}/last.ckpt")
     assert resolve_checkpoint_path(f"{mem_url}/last.ckpt") == best
     import ckpt_integration as ci
 
-    fsspec.filesystem("memory").pipe_file(f"{mem_url}/partial.ckpt/__0_0.distcp", b"partial")
+    _pipe(f"{mem_url}/partial.ckpt/__0_0.distcp", b"partial")
     with pytest.raises(ci.IncompleteCheckpointError, match="not a complete checkpoint"):
         resolve_checkpoint_path(f"{mem_url}/partial.ckpt")
 

@@ -269,3 +269,17 @@ def test_strided_column_read_reads_only_needed_runs(tmp_path, monkeypatch):
     assert torch.equal(out["w"], w[:, 4096:])
     # the two 1 MiB data blocks the request touches, each read once (not per row)
     assert sum(reads) == 64 * 8192 * 4
+
+
+def test_reshard_demo_example_runs():
+    """``examples/reshard_demo.py`` (the README quickstart's runnable version) runs as a user runs it."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, os.path.join(repo, "examples", "reshard_demo.py")], env=env, cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("fc1 split along the other axis matches") == 2, res.stdout
+    assert "OK: saved with TP=2, loaded with TP=1 and with a transposed split" in res.stdout

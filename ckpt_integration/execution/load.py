@@ -203,7 +203,9 @@ def load_torch_dist(
     load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
+    opened_metadata: Optional[SharedMetadata] = None,
 ) -> Any:
+    """``opened_metadata``: what an opened checkpoint read already (every rank passes one, or none)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
     rank = dist.get_rank(group)
@@ -221,7 +223,7 @@ def load_torch_dist(
     shared: Optional[SharedMetadata] = None
     backend = "torch_dist"
     try:
-        shared = read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
+        shared = opened_metadata or read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
         backend = shared.backend
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)

@@ -12,6 +12,7 @@ import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import serialization
+from ..storage.opened import OpenedCheckpoint
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
@@ -298,9 +299,10 @@ class DistCkptIO(CheckpointIO):
         checkpoint dict with the common state and ``state_dict`` as whole tensors keyed by their saved
         keys (fused parts stay parts; :func:`ckpt_integration.lightning.load_from_checkpoint` rebuilds
         a module). The DistCkpt strategies load through :meth:`load_sharded` instead."""
-        path = os.fspath(path)
-        if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+        if not isinstance(path, OpenedCheckpoint):  # an opened one: both reads below are of its commit
+            path = os.fspath(path)
+            if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
+                return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
         common = dict(serialization.load_common_state_dict(path, trusted=self.trusted,
                                                            allowed_globals=self._load_kwargs()["allowed_globals"]))
         tensors = serialization.load_plain_tensors(path, trusted=self.trusted)

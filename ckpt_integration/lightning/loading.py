@@ -17,6 +17,7 @@ import torch
 from .. import serialization
 from ..execution.save import CONTENT_METADATA_KEY
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
+from ..storage.opened import accepts_opened
 from .io import MARKER, DistCkptIO
 from .paths import resolve_checkpoint_path
 from .strategy import RNG_KEY, _sharded_keys, model_key_report, optimizer_key
@@ -30,6 +31,7 @@ def _lightning_part(common: Dict[str, Any], num_optimizers: int) -> Dict[str, An
     return {k: v for k, v in common.items() if k not in drop}
 
 
+@accepts_opened('checkpoint_dir')
 def load_checkpoint_dict(
     checkpoint_dir: Any, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None
 ) -> Dict[str, Any]:
@@ -79,6 +81,7 @@ def _instantiate(cls: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -
     return cls(**init)
 
 
+@accepts_opened('checkpoint_dir')
 def load_from_checkpoint(
     cls: Any,
     checkpoint_dir: Any,

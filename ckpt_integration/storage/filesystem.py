@@ -51,6 +51,20 @@ def join(base: str, *names: str) -> str:
     return os.path.join(base, *names)
 
 
+def parent_of(path: Any) -> str:
+    """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
+    p = os.fspath(path)
+    if is_remote(p):
+        return p.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(p.rstrip(os.sep)))
+
+
+def base_name(path: Any) -> str:
+    """The last component of ``path`` (a local path or a URL)."""
+    p = os.fspath(path)
+    return p.rstrip("/").rsplit("/", 1)[-1] if is_remote(p) else os.path.basename(p.rstrip(os.sep))
+
+
 # --------------------------------------------------------------------------- containment
 def symlinks_allowed() -> bool:
     """Whether links leading outside a checkpoint may be followed (``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``)."""
@@ -435,6 +449,15 @@ class Storage:
             self.remove(path)
 
     def rmtree(self, path: str) -> None:
+        # a checkpoint is un-committed first (its commit marker goes before its data), so a
+        # reader never finds a committed-looking directory with files missing: an opened
+        # checkpoint then reports it removed, not damaged (storage/opened.py)
+        marker = path.rstrip("/") + "/metadata.json"
+        try:
+            if self.exists(marker):
+                self.remove(marker)
+        except OSError:
+            pass
         if self.fs:
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)

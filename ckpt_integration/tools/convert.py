@@ -15,6 +15,7 @@ import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
+from ..storage.opened import accepts_opened
 from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_INDEX, ProgressFactory, _no_progress,
                      parse_size)
 from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, _MappedFiles,
@@ -243,6 +244,7 @@ def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_f
     writer.close(nested=nested)
 
 
+@accepts_opened('src_path')
 def convert_checkpoint(
     src_path: str,
     to: str,

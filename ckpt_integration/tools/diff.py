@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..storage.opened import accepts_opened
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _dtype_name, _no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
 
@@ -149,6 +150,7 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
             report.objects_differ[key] = (_show(oa[key]), _show(ob[key]))
 
 
+@accepts_opened('a', 'b')
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
                      progress: ProgressFactory = _no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for

@@ -30,6 +30,7 @@ import torch
 from ..errors import CheckpointingException
 from ..optimizer import DEFAULT_PREFIX
 from ..planning.boxes import Box
+from ..storage.opened import accepts_opened
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
 from .convert import _check_not_source, _check_output, _commit_output, _discard_output, _staging_path, _write_safetensors
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
@@ -389,6 +390,7 @@ def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any
 
 
 # --------------------------------------------------------------------------- export
+@accepts_opened('src_path')
 def export_checkpoint(
     src_path: str,
     out: str,

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage.opened import accepts_opened
 from ..storage.backends import read_metadata
 from ..storage.filesystem import checked_path
 from ..storage.torch_dist import DCP_METADATA_FILE
@@ -139,6 +140,7 @@ def _unsafe_file_names(path: str, files: Dict[Any, int]) -> List[str]:
     return out
 
 
+@accepts_opened('path')
 def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """Describe a checkpoint directory as a JSON-serializable dict (nothing but metadata is read).
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage.opened import accepts_opened
 from ..storage.checksum import crc32, crc32_combine
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.tensor_record import parse_tensor_record
@@ -85,6 +86,7 @@ def _item_name(index: MetadataIndex) -> str:
 
 
 # --------------------------------------------------------------------------- entry point
+@accepts_opened('path')
 def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trusted: bool = False) -> VerifyReport:
     """Check that a checkpoint is complete and undamaged, reading every byte it records.
 

@@ -1,0 +1,196 @@
+"""``ci.open_checkpoint``: every entry point takes the opened object as well as a path, and a read
+through it never returns data of another commit: a checkpoint replaced or removed meanwhile (by
+another process) is a ``CheckpointReplacedError``, never mixed data and never ``CorruptCheckpointError``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration.errors import CheckpointReplacedError, CorruptCheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(value: float, step: int):
+    return {"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((64, 16), value)),
+            "b": ci.ShardedTensor.from_rank_offsets("b", torch.arange(8.0) + value),
+            "step": step}
+
+
+def _request():
+    return {"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(64, 16)),
+            "b": ci.ShardedTensor.from_rank_offsets("b", torch.empty(8))}
+
+
+def _run(code: str) -> None:
+    """Run ``code`` in another process (as another job would), with this checkout importable."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_every_entry_point_takes_a_path_or_the_opened_checkpoint(tmp_path, backend):
+    from ckpt_integration.tools import convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
+
+    if backend == "zarr":
+        pytest.importorskip("zarr")
+    path = str(tmp_path / "c")
+    ci.save(_state(3.0, 7), path, sharded_strategy=backend, content_metadata={"format": 2})
+    with ci.open_checkpoint(path) as ck:
+        assert ck.backend == backend and ck.commit_id and ck.manifest.commit_id == ck.commit_id
+        for source in (path, ck):
+            out = ci.load(_request(), source)
+            assert torch.equal(out["w"], torch.full((64, 16), 3.0)) and torch.equal(out["b"], torch.arange(8.0) + 3)
+            assert out["step"] == 7
+            assert ci.load_common_state_dict(source)["step"] == 7
+            assert ci.load_content_metadata(source) == {"format": 2}
+            meta = ci.load_tensors_metadata(source)
+            assert set(meta) == {"w", "b"} and meta["w"].global_shape == (64, 16)
+            assert set(ci.load_sharded_metadata(source)) == {"w", "b"}
+            plain = ci.load_plain_tensors(source)
+            assert torch.equal(plain["w"], out["w"]) and torch.equal(plain["b"], out["b"])
+            assert verify_checkpoint(source).ok
+            assert inspect_checkpoint(source)["backend"] == backend
+            assert diff_checkpoints(source, path).identical and diff_checkpoints(ck, source).identical
+            res = convert_checkpoint(source, "torch", str(tmp_path / f"out_{type(source).__name__}.pt"), overwrite=True)
+            assert torch.equal(torch.load(res.output, weights_only=True)["w"], out["w"])
+    with pytest.raises(ValueError, match="closed"):
+        ci.load_plain_tensors(ck)
+
+
+def test_lightning_loading_paths_take_the_opened_checkpoint(tmp_path):
+    from ckpt_integration.lightning import DistCkptIO, DistCkptSingleDeviceStrategy, load_checkpoint_dict, load_from_checkpoint
+    from tests.lightning_helpers import TinyModule, assert_same, loader, trainer
+
+    t = trainer(devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()], max_epochs=1,
+                default_root_dir=str(tmp_path))
+    t.fit(TinyModule(), loader())
+    path = t.checkpoint_callback.best_model_path
+    with ci.open_checkpoint(path) as ck:
+        by_path, by_ck = load_checkpoint_dict(path), load_checkpoint_dict(ck)
+        assert by_ck["global_step"] == by_path["global_step"] == 4
+        assert_same(by_ck["state_dict"], by_path["state_dict"], "state_dict")
+        assert_same(DistCkptIO().load_checkpoint(ck)["state_dict"], DistCkptIO().load_checkpoint(path)["state_dict"])
+        m_path, m_ck = load_from_checkpoint(TinyModule, path), load_from_checkpoint(TinyModule, ck)
+        assert_same(dict(m_ck.state_dict()), dict(m_path.state_dict()), "module")
+
+
+def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
+    """``last.ckpt`` rewritten by a save in another process (same keys and shapes, other values)."""
+    last = str(tmp_path / "last.ckpt")
+    ci.save(_state(1.0, 1), last)
+    ck = ci.open_checkpoint(last)
+    assert torch.equal(ci.load(_request(), ck)["w"], torch.full((64, 16), 1.0))
+    _run(f"""
+        import torch, ckpt_integration as ci
+        ci.save({{"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((64, 16), 2.0)),
+                  "b": ci.ShardedTensor.from_rank_offsets("b", torch.arange(8.0) + 2.0), "step": 2}},
+                {last!r}, overwrite=True)
+    """)
+    # every read through the opened object: the truthful error, naming the path
+    for read in (lambda: ci.load(_request(), ck), lambda: ci.load_plain_tensors(ck), lambda: ci.load_common_state_dict(ck),
+                 lambda: ci.load_tensors_metadata(ck)):
+        with pytest.raises(CheckpointReplacedError, match=r"last\.ckpt was replaced by another commit"):
+            read()
+    # a fresh open reads the new commit
+    with ci.open_checkpoint(last) as again:
+        assert again.commit_id != ck.commit_id
+        out = ci.load(_request(), again)
+        assert torch.equal(out["w"], torch.full((64, 16), 2.0)) and out["step"] == 2
+    # the data files swapped under the cached metadata of the old commit: still not "corrupt"
+    _run(f"""
+        import shutil, torch, ckpt_integration as ci
+        ci.save({{"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((64, 16), 5.0)),
+                  "b": ci.ShardedTensor.from_rank_offsets("b", torch.arange(8.0)), "step": 5}},
+                {str(tmp_path / "other")!r})
+        shutil.rmtree({last!r})  # top-k deletion ...
+    """)
+    with pytest.raises(CheckpointReplacedError, match=r"last\.ckpt was removed") as ei:
+        ci.load(_request(), ck)
+    assert not isinstance(ei.value, CorruptCheckpointError)
+
+
+def test_evaluation_job_reads_while_training_saves(tmp_path):
+    """Issue 23 item 1, short form: a reader process loads every new checkpoint while a training
+    process keeps saving (``last.ckpt`` replaced, step checkpoints rotated with top-2 deletion).
+    Every load returns exactly one commit (every value equals the step it records) or says the
+    checkpoint was replaced/removed; none is reported corrupt."""
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import json, os, time, torch, ckpt_integration as ci
+            from ckpt_integration.errors import CheckpointReplacedError, CheckpointNotFoundError, IncompleteCheckpointError
+            root = {root!r}
+            counts = {{"ok": 0, "replaced": 0, "gone": 0}}
+            req = lambda: {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(64, 16)),
+                            "b": ci.ShardedTensor.from_rank_offsets("b", torch.empty(8))}}
+            open(os.path.join(root, "reader-ready"), "w").close()
+            rounds = 0
+            while True:
+                finished = os.path.exists(os.path.join(root, "done"))  # then one last round, nothing written
+                names = [os.path.join(root, "last.ckpt")] + ci.list_checkpoints(root)[-1:]
+                for path in names:
+                    try:
+                        with ci.open_checkpoint(path) as ck:
+                            out = ci.load(req(), ck)
+                    except CheckpointReplacedError:
+                        counts["replaced"] += 1
+                        continue
+                    except (CheckpointNotFoundError, IncompleteCheckpointError):
+                        counts["gone"] += 1  # removed or not committed yet when it was opened
+                        continue
+                    s = out["step"]
+                    assert torch.equal(out["w"], torch.full((64, 16), float(s))), (path, s)
+                    assert torch.equal(out["b"], torch.arange(8.0) + s), (path, s)
+                    counts["ok"] += 1
+                rounds += 1
+                if rounds == 3:
+                    open(os.path.join(root, "reader-busy"), "w").close()
+                if finished:
+                    break
+            print(json.dumps(counts))
+        """)],
+        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        import shutil
+        import time
+
+        def wait_for(name):  # a handshake with the reader (bounded), not a timing assertion
+            for _ in range(3000):
+                if os.path.exists(os.path.join(root, name)) or reader.poll() is not None:
+                    return
+                time.sleep(0.05)
+
+        wait_for("reader-ready")
+        for step in range(1, 25):  # the training job: save, replace last, keep the newest 2
+            if step == 3:
+                wait_for("reader-busy")  # the reader is in its loop while the rest is written
+            ci.save(_state(float(step), step), os.path.join(root, f"step={step:03d}.ckpt"))
+            ci.save(_state(float(step), step), os.path.join(root, "last.ckpt"), overwrite=True)
+            if step > 2:
+                old = os.path.join(root, f"step={step - 2:03d}.ckpt")
+                os.remove(os.path.join(old, "metadata.json"))  # un-commit first, as the library deletes
+                shutil.rmtree(old)
+        open(os.path.join(root, "done"), "w").close()
+        out, err = reader.communicate(timeout=300)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0, err[-3000:]
+    import json
+
+    counts = json.loads(out.strip().splitlines()[-1])
+    print("evaluation reader:", counts)
+    assert counts["ok"] >= 2, counts  # at least the last round: last.ckpt and step=024 at step 24
