@@ -1,26 +1,127 @@
-"""The committed checkpoints of a directory (a local path or an fsspec URL such as ``s3://...``)."""
+"""The committed checkpoints of a directory (a local path or an fsspec URL such as ``s3://...``), in order.
+
+"Newest" is decided by what the jobs recorded, never by clocks alone: every commit writes into
+``manifest.json`` the training step it holds (``global_step`` of Lightning, ``iteration`` of
+Megatron-LM, or ``step=`` given to ``save``) and a commit sequence number, one more than
+any checkpoint beside it. Checkpoints are ordered by step, then commit sequence, then the
+time recorded at commit, then the modification time of ``metadata.json``, then the name.
+Timestamps alone misorder checkpoints: object stores keep ``LastModified`` to the second (two
+commits in one second tie), and the nodes of a shared filesystem have clocks that differ.
+"""
 
 from __future__ import annotations
 
-from typing import Any, List
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
 
-from .storage.checkpoint_dir import CONFIG_FILE
-from .storage.filesystem import join, storage_for
+from .storage.checkpoint_dir import CONFIG_FILE, commit_order
+from .storage.filesystem import base_name, join, storage_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommitOrder:
+    """What orders one committed checkpoint among others (``None``: not recorded)."""
+
+    path: str
+    step: Optional[int]
+    commit_seq: Optional[int]
+    created: Optional[float]
+    mtime: Optional[float]
+
+    def key(self) -> Tuple[Any, ...]:
+        # missing values sort first (older): checkpoints of other writers record none
+        is_last = base_name(self.path).startswith("last")
+        return (_k(self.step), _k(self.commit_seq), _k(self.created), _k(self.mtime), is_last, self.path)
+
+    def describe(self) -> str:
+        parts = [f"global step {self.step}" if self.step is not None else "no step recorded",
+                 f"commit {self.commit_seq}" if self.commit_seq is not None else "no commit number"]
+        return ", ".join(parts)
+
+
+def _k(v: Any) -> Tuple[int, Any]:
+    return (0, 0) if v is None else (1, v)
+
+
+def _mtime(storage: Any, path: str) -> Optional[float]:
+    """Modification time of ``path`` (seconds since the epoch), locally or through fsspec; None if unknown."""
+    try:
+        if not storage.remote:
+            return os.path.getmtime(path)
+        try:
+            return storage.fs.modified(path).timestamp()
+        except (NotImplementedError, AttributeError):
+            info = storage.fs.info(path)
+            for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+                v = info.get(key)
+                if v is not None:
+                    return v.timestamp() if hasattr(v, "timestamp") else float(v)
+    except (OSError, ValueError, TypeError):
+        pass
+    return None
+
+
+def commit_order_of(path: Any) -> CommitOrder:
+    """The recorded order of one committed checkpoint (reads the head of its ``manifest.json``)."""
+    storage, p = storage_for(path)
+    step, seq, created = commit_order(p)
+    mtime = None
+    if created is None:  # no manifest (another writer): the commit marker's time is all there is
+        mtime = _mtime(storage, join(p, CONFIG_FILE))
+    return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
+
+
+def _committed(directory: Any, suffix: Optional[str] = None) -> List[str]:
+    storage, d = storage_for(directory)
+    if not storage.isdir(d):
+        return []
+    names = [n for n in storage.listdir(d) if suffix is None or n.endswith(suffix)]
+    return [join(d, n) for n in names if storage.exists(join(d, n, CONFIG_FILE))]
+
+
+def ordered_checkpoints(directory: Any, suffix: Optional[str] = None) -> List[CommitOrder]:
+    """The committed checkpoints directly inside ``directory``, oldest first (see the module doc)."""
+    return sorted((commit_order_of(p) for p in _committed(directory, suffix)), key=CommitOrder.key)
 
 
 def list_checkpoints(directory: Any) -> List[str]:
-    """Paths of the committed checkpoints directly inside ``directory``, sorted by name.
+    """Paths of the committed checkpoints directly inside ``directory``, oldest first.
 
     A checkpoint is committed once its ``metadata.json`` exists: every save writes it last,
     so the directories of interrupted saves, and any other files, are left out. A directory
-    that does not exist holds none (``[]``).
+    that does not exist holds none (``[]``). Order: the training step each checkpoint
+    recorded (``global_step`` / ``iteration`` of its common state, or ``save(..., step=)``),
+    then the order of their commits (a number written at commit), then time; the last
+    entry is the newest.
 
     Example::
 
         ci.list_checkpoints("checkpoints/tiny_gpt")
         # ['checkpoints/tiny_gpt/epoch=2-step=45.ckpt', 'checkpoints/tiny_gpt/last.ckpt']
     """
-    storage, d = storage_for(directory)
-    if not storage.isdir(d):
-        return []
-    return [join(d, n) for n in storage.listdir(d) if storage.exists(join(d, n, CONFIG_FILE))]
+    return [c.path for c in ordered_checkpoints(directory)]
+
+
+def newest_checkpoint(directory: Any, suffix: Optional[str] = None, why: str = "") -> Optional[str]:
+    """The newest committed checkpoint in ``directory`` (names ending in ``suffix``), or None.
+
+    Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
+    """
+    found = ordered_checkpoints(directory, suffix)
+    if not found:
+        return None
+    best = found[-1]
+    reason = f"{best.describe()}"
+    if len(found) > 1:
+        runner = found[-2]
+        reason += f"; the next newest, {base_name(runner.path)}, has {runner.describe()}"
+    logger.info("%s%s is the newest of %d committed checkpoint(s) in %s (%s; ordered by global step, then commit "
+                "number, then time)", f"{why}: " if why else "", best.path, len(found), directory, reason)
+    return best.path
+
+
+__all__ = ["CommitOrder", "commit_order_of", "list_checkpoints", "newest_checkpoint", "ordered_checkpoints"]

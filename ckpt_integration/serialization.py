@@ -55,6 +55,7 @@ def save(
     durable: bool = True,
     process_group: Any = None,
     async_queue: Any = None,
+    step: Optional[int] = None,
 ) -> Any:
     """Save a sharded state dict; every rank writes only what it owns.
 
@@ -93,6 +94,10 @@ def save(
             (fully-parallel save); ``False`` lets main replicas write.
         durable: fsync data before commit (disable only for throwaway checkpoints).
         process_group: group of the ranks taking part (default: the world).
+        step: the training step this checkpoint holds, recorded in its ``manifest.json``;
+            :func:`list_checkpoints` and Lightning's ``ckpt_path="last"`` order checkpoints
+            by it (then by the order of their commits). Default: the common state's
+            top-level integer ``global_step`` (Lightning) or ``iteration`` (Megatron-LM).
 
     Example::
 
@@ -102,6 +107,8 @@ def save(
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
     backend, version = backend_and_version(sharded_strategy)
     check_backend(backend, version)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointingException(f"save: step must be an integer, got {step!r}")
     if isinstance(content_metadata, dict) and "dp_cp_group" in content_metadata:
         # Megatron-Core drops the process group it may carry before saving (it cannot be pickled)
         content_metadata = {k: v for k, v in content_metadata.items() if k != "dp_cp_group"}
@@ -115,6 +122,7 @@ def save(
         process_group=process_group,
         backend=backend,
         preprocess_common=preprocess_common_before_consistancy_check,
+        step=step,
     )
     if async_sharded_save:
         from .execution.async_save import async_save_torch_dist

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import ckpt_integration as ci
 from ckpt_integration import ShardedObject, ShardedTensor
-from tests.dist_utils import free_port, run_distributed
+from tests.dist_utils import run_distributed
 from tests.layouts import expected_grid, global_tensor, grid_shard
+from tests.s3_faults import s3_fixture
 
 
 def _state(rank, world):
@@ -57,33 +56,7 @@ def test_memory_url_uncommitted_save_is_invisible(monkeypatch):
 
 
 # --------------------------------------------------------------------------- S3 (moto server)
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": endpoint}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec
-    import s3fs
-
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = fsspec.filesystem("s3", endpoint_url=endpoint)
-    fs.mkdir("ckpt-bucket")
-    yield endpoint
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
-    server.stop()
+s3_endpoint = s3_fixture()
 
 
 def _s3_save(rank, world, url, fail_rank):

@@ -88,6 +88,7 @@ class SavePlan:
     thread_count: int
     durable: bool
     backend: str = "torch_dist"
+    step: Optional[int] = None  # the training step, recorded in the manifest (commit order)
     started: float = field(default_factory=time.time)
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
@@ -200,6 +201,7 @@ def prepare_save(
     process_group: Any = None,
     backend: str = "torch_dist",
     preprocess_common: Optional[Callable[[Any], Any]] = None,
+    step: Optional[int] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -280,9 +282,23 @@ def prepare_save(
         thread_count=thread_count,
         durable=durable,
         backend=backend,
+        step=_recorded_step(step, common) if coord else None,
         local_error=local_error,
         local_exc=local_exc,
     )
+
+
+def _recorded_step(step: Optional[int], common: Any) -> Optional[int]:
+    """The step a checkpoint holds: ``step`` if given, else the common state's top-level
+    ``global_step`` (Lightning) or ``iteration`` (Megatron-LM), if it is an integer."""
+    if step is not None:
+        return step  # checked by serialization.save
+    if isinstance(common, dict):
+        for key in ("global_step", "iteration"):
+            v = common.get(key)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
 
 
 def write_local(plan: SavePlan) -> None:
@@ -343,6 +359,8 @@ def _commit(plan: SavePlan, layout: CommitLayout) -> None:
         blocks={f"{w.relative_path}@{w.offset}": [w.blocks[0], w.blocks[1], w.blocks[2], pack_crcs(w.blocks[3])]
                 for w in written if w.blocks is not None},
         save=claim.token if claim else "",
+        step=plan.step,
+        commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir),
     )
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, "torch_dist")
@@ -505,7 +523,8 @@ def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
     commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
-                              save=claim.token if claim else "")
+                              save=claim.token if claim else "", step=plan.step,
+                              commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir))
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, "zarr")
     _swap_if_staging(plan)

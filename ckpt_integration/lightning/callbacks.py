@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from ..checkpoints import commit_order_of
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import is_remote, join
 from .io import DistCkptIO
@@ -140,18 +141,22 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
     def _find_last_checkpoints(self, trainer: Any) -> set:
-        """Candidates for ``ckpt_path="last"``; Lightning takes the most recently modified one.
+        """The one candidate for ``ckpt_path="last"``: the newest committed checkpoint of ``dirpath``.
 
-        Complete ``last*`` checkpoints, plus the newest complete checkpoint of ``dirpath``: when a
-        save of ``last.ckpt`` was interrupted after a top-k save of a later step had committed,
-        "last" resumes from that later step instead of the older ``last.ckpt`` (in normal runs
-        ``last.ckpt`` is committed after the top-k save of its step and stays the newest).
+        Newest by what the job recorded (global step, then the commit number written at
+        commit; see :mod:`ckpt_integration.checkpoints`), not by modification times as
+        Lightning compares its candidates: object stores keep those to the second and nodes'
+        clocks differ. Among complete ``last*`` checkpoints and every complete checkpoint of
+        ``dirpath``, so a ``last.ckpt`` whose save was interrupted after a later top-k save
+        committed gives way to that one. Which was chosen, and why, is logged.
         """
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
         if self.dirpath is not None:
-            newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION)
+            newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"')
             if newest is not None:
                 found.add(newest)
+        if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
+            found = {max(found, key=lambda p: commit_order_of(p).key())}
         return {_lightning_candidate(p) for p in found}
 
 

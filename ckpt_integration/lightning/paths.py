@@ -10,9 +10,10 @@ import os
 import re
 from typing import Any, Optional
 
+from ..checkpoints import newest_checkpoint
 from ..errors import IncompleteCheckpointError
 from ..storage.checkpoint_dir import CONFIG_FILE
-from ..storage.filesystem import is_remote, join, storage_for
+from ..storage.filesystem import base_name, join, parent_of, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -26,48 +27,14 @@ def is_complete_checkpoint(path: Any) -> bool:
     return storage.exists(meta) and not storage.isdir(meta)
 
 
-def _parent(path: str) -> str:
-    """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
-    if is_remote(path):
-        return path.rstrip("/").rsplit("/", 1)[0]
-    return os.path.dirname(os.path.abspath(path.rstrip(os.sep)))
+def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "") -> Optional[str]:
+    """The newest committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
 
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1] if is_remote(path) else os.path.basename(path.rstrip(os.sep))
-
-
-def _mtime(storage: Any, path: str) -> float:
-    """Modification time of ``path`` in seconds since the epoch, locally or through fsspec."""
-    if not storage.remote:
-        return os.path.getmtime(path)
-    try:
-        return storage.fs.modified(path).timestamp()
-    except (NotImplementedError, AttributeError):
-        # filesystems without ``modified()`` usually report a time in ``info()``, under varying keys
-        info = storage.fs.info(path)
-        for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-            v = info.get(key)
-            if v is not None:
-                return v.timestamp() if hasattr(v, "timestamp") else float(v)
-        raise NotImplementedError(
-            f"cannot tell when {path} was written: {type(storage.fs).__name__} reports no modification time"
-        ) from None
-
-
-def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt") -> Optional[str]:
-    """The most recently committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
-
-    "Most recent" is the modification time of ``metadata.json``, written last by every save.
+    "Newest" is what the jobs recorded at commit (global step, then commit number; see
+    :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
+    its reason are logged.
     """
-    storage, d = storage_for(dirpath)
-    if not storage.isdir(d):
-        return None
-    cands = [join(d, n) for n in storage.listdir(d) if n.endswith(suffix)]
-    cands = [c for c in cands if is_complete_checkpoint(c)]
-    if not cands:
-        return None
-    return max(cands, key=lambda c: _mtime(storage, join(c, CONFIG_FILE)))
+    return newest_checkpoint(dirpath, suffix, why=why)
 
 
 def resolve_checkpoint_path(path: str) -> str:
@@ -78,14 +45,14 @@ def resolve_checkpoint_path(path: str) -> str:
     if is_complete_checkpoint(path):
         return path
     storage, p = storage_for(path)
-    if _basename(p) == CONFIG_FILE and is_complete_checkpoint(_parent(p)):
-        return _parent(p)  # how DistCkptModelCheckpoint names remote "last" candidates for Lightning
+    if base_name(p) == CONFIG_FILE and is_complete_checkpoint(parent_of(p)):
+        return parent_of(p)  # how DistCkptModelCheckpoint names remote "last" candidates for Lightning
     if not storage.remote:  # ``last.ckpt`` may be a symlink (``save_last="link"``)
         real = os.path.realpath(p)
         if real != p and is_complete_checkpoint(real):
             return real
-    if _LAST_RE.match(_basename(p)) and storage.exists(p):
-        alt = latest_complete_checkpoint(_parent(p))
+    if _LAST_RE.match(base_name(p)) and storage.exists(p):
+        alt = latest_complete_checkpoint(parent_of(p), why=f"{path} is incomplete")
         if alt is not None:
             logger.warning("%s is incomplete (interrupted save); resuming from %s instead", path, alt)
             return alt

@@ -30,6 +30,8 @@ import io
 import json
 import logging
 import os
+import re
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import (
+    CheckpointingException,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -45,7 +48,7 @@ from ..errors import (
 )
 from .checksum import crc32, unpack_crcs
 from .claim import MARKER_FILE, library_entries
-from .filesystem import join, storage_for
+from .filesystem import join, parent_of, storage_for
 from .safe_pickle import safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -81,6 +84,11 @@ class Manifest:
     format: str = FORMAT_NAME
     version: int = MANIFEST_VERSION
     created: float = field(default_factory=time.time)
+    # Order of commits (what "newest" means, see ckpt_integration.checkpoints): the training step
+    # the job recorded, and a number that grows with every commit into the same parent directory.
+    # Kept near the start of the file: listings read only its first bytes (see commit_order).
+    step: Optional[int] = None
+    commit_seq: Optional[int] = None
     world_size: int = 1
     # "file@offset" -> crc32 of the item's stored bytes
     items: Dict[str, int] = field(default_factory=dict)
@@ -396,6 +404,10 @@ def read_manifest(directory: str) -> Optional[Manifest]:
             raise TypeError("'items', 'files' and 'blocks' must be objects")
         if not all(isinstance(v, dict) for v in manifest.files.values()):
             raise TypeError("every 'files' entry must be an object")
+        for name in ("step", "commit_seq"):
+            v = getattr(manifest, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
         manifest.checksums()
         manifest.block_records()
         return manifest
@@ -431,6 +443,74 @@ def _note_unchecked(directory: str, message: str) -> None:
     if key not in _noted:
         _noted.add(key)
         logger.warning("%s: %s", directory, message)
+
+
+# --------------------------------------------------------------------------- commit order
+# The head of a manifest as json.dumps(asdict(Manifest)) writes it: "step" and "commit_seq" come
+# right after the three leading fields, so the first bytes of the file hold them.
+_ORDER_RE = re.compile(rb'^\{"format": "[^"]*", "version": \d+, "created": [-+.eE0-9]+, '
+                       rb'"step": (null|-?\d+), "commit_seq": (null|-?\d+)[,}]')
+_HEAD_BYTES = 512
+
+
+def commit_order(directory: str) -> Tuple[Optional[int], Optional[int], Optional[float]]:
+    """``(step, commit_seq, created)`` recorded in a checkpoint's manifest; ``None`` for what it lacks.
+
+    Reads the first bytes of ``manifest.json`` (one small ranged read on object stores; the
+    whole file only if its head does not have the expected layout). A checkpoint without a
+    readable manifest (other writers, damage) gives ``(None, None, None)``: listing
+    checkpoints never fails because one of them is damaged; loading it does.
+    """
+    storage, directory = storage_for(directory)
+    try:
+        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
+        try:
+            head = reader.read(0, min(reader.size, _HEAD_BYTES))
+        finally:
+            reader.close()
+        m = _ORDER_RE.match(head)
+        if m is not None:
+            step, seq = (None if g == b"null" else int(g) for g in m.groups())
+            created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
+            return step, seq, created
+        manifest = read_manifest(directory)
+    except (OSError, CheckpointingException, ValueError):
+        return None, None, None
+    if manifest is None:
+        return None, None, None
+    created = manifest.created if isinstance(manifest.created, (int, float)) else None
+    return manifest.step, manifest.commit_seq, created
+
+
+_seq_lock = threading.Lock()
+_last_seq: Dict[str, int] = {}
+
+
+def next_commit_seq(checkpoint_dir: str) -> int:
+    """The commit sequence number for a checkpoint about to be committed at ``checkpoint_dir``.
+
+    One more than every number recorded by the committed checkpoints beside it (same parent
+    directory), so commits are ordered by what the jobs recorded, not by clocks: the siblings'
+    manifests are read once per parent directory and process, later commits count on.
+    """
+    parent = parent_of(checkpoint_dir)
+    with _seq_lock:
+        last = _last_seq.get(parent)
+        if last is None:
+            last = 0
+            storage, p = storage_for(parent)
+            try:
+                names = storage.listdir(p) if storage.isdir(p) else []
+            except OSError:
+                names = []
+            for n in names:
+                sibling = join(p, n)
+                if storage.exists(join(sibling, CONFIG_FILE)):
+                    seq = commit_order(sibling)[1]
+                    if seq is not None:
+                        last = max(last, seq)
+        _last_seq[parent] = last + 1
+        return last + 1
 
 
 def stale_save_files(directory: str) -> List[str]:

@@ -51,6 +51,20 @@ def join(base: str, *names: str) -> str:
     return os.path.join(base, *names)
 
 
+def parent_of(path: Any) -> str:
+    """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
+    p = os.fspath(path)
+    if is_remote(p):
+        return p.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(p.rstrip(os.sep)))
+
+
+def base_name(path: Any) -> str:
+    """The last component of ``path`` (a local path or a URL)."""
+    p = os.fspath(path)
+    return p.rstrip("/").rsplit("/", 1)[-1] if is_remote(p) else os.path.basename(p.rstrip(os.sep))
+
+
 # --------------------------------------------------------------------------- containment
 def symlinks_allowed() -> bool:
     """Whether links leading outside a checkpoint may be followed (``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``)."""

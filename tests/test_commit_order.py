@@ -1,0 +1,90 @@
+"""Which checkpoint is the newest: what the job recorded (global step, commit number), not clocks.
+
+Object stores keep ``LastModified`` to the second, so two commits in one second tie, and the
+nodes of a shared filesystem have clocks that differ. Both are reproduced here by giving an
+older checkpoint's ``metadata.json`` a later time: on S3 (moto) by uploading it again, on a
+local filesystem with ``os.utime``. ``list_checkpoints``, ``latest_complete_checkpoint`` and
+Lightning's ``ckpt_path="last"`` must still pick the checkpoint of the latest step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration.storage import checkpoint_dir as ckdir
+from tests.s3_faults import s3_fixture
+
+s3 = s3_fixture(bucket="bkt")
+
+
+def _save(path, **kw):
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(3)), **kw.pop("common", {})}, path,
+            durable=False, **kw)
+
+
+def test_order_by_recorded_step_then_commit_not_clock(tmp_path):
+    d = tmp_path / "run"
+    _save(str(d / "b"), common={"global_step": 4})
+    _save(str(d / "a"), common={"global_step": 8})  # newer step, name sorts first
+    _save(str(d / "c"), step=8)  # same step, committed later: newer
+    # clocks that differ between nodes: the oldest commit looks newest
+    later = time.time() + 3600
+    os.utime(d / "b" / "metadata.json", (later, later))
+    assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["b", "a", "c"]
+    m = ckdir.read_manifest(str(d / "c"))
+    assert m.step == 8 and m.commit_seq == ckdir.read_manifest(str(d / "a")).commit_seq + 1
+
+
+def test_commit_numbers_continue_across_processes(tmp_path):
+    """A new job (no cached counter) numbers its commits after every checkpoint already there."""
+    d = tmp_path / "run"
+    for name in ("iter_3", "iter_2", "iter_1"):  # no step recorded: commit order decides
+        _save(str(d / name))
+    ckdir._last_seq.clear()  # as in a restarted job
+    _save(str(d / "iter_0"))
+    assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["iter_3", "iter_2", "iter_1", "iter_0"]
+    assert ckdir.read_manifest(str(d / "iter_0")).commit_seq == 4
+
+
+def _fit(dirpath, epochs, ckpt_path=None):
+    import lightning as L
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+    from tests.lightning_helpers import TinyModule, loader
+
+    cb = DistCkptModelCheckpoint(dirpath=dirpath, save_last=False, save_top_k=-1)
+    m = TinyModule()
+    t = L.Trainer(accelerator="cpu", devices=1, plugins=[DistCkptIO()], max_epochs=epochs, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[cb], limit_val_batches=0,
+                  num_sanity_val_steps=0, enable_checkpointing=True)
+    t.fit(m, loader(), ckpt_path=ckpt_path)  # 16 samples, batch 4: 4 steps per epoch
+    return m, t
+
+
+def test_lightning_last_on_s3_resumes_from_latest_step(s3, caplog):
+    """docs/lightning.md on an object store: 2 epochs of 4 steps, then ``fit(ckpt_path="last")``."""
+    import fsspec
+
+    url = "s3://bkt/ck"
+    fs = fsspec.filesystem("s3")
+    _fit(url, 2)
+    assert sorted(n.rsplit("/", 1)[-1] for n in fs.ls(url)) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    # the same second, or a clock behind: the older commit marker has the later LastModified
+    meta0 = f"{url}/epoch=0-step=4.ckpt/metadata.json"
+    time.sleep(1.1)
+    fs.pipe_file(meta0, fs.cat_file(meta0))
+    assert fs.modified(meta0) > fs.modified(f"{url}/epoch=1-step=8.ckpt/metadata.json")
+    with caplog.at_level(logging.INFO, logger="ckpt_integration"):
+        m, t = _fit(url, 3, ckpt_path="last")
+    assert t.ckpt_path.rstrip("/").rsplit("/", 2)[-2:] == ["epoch=1-step=8.ckpt", "metadata.json"]
+    assert m.counter.history == list(range(12)) and t.global_step == 12  # resumed at step 8, no step redone
+    names = sorted(n.rsplit("/", 1)[-1] for n in fs.ls(url, refresh=True))
+    assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]  # no "-v1" copy
+    why = [r.getMessage() for r in caplog.records if "newest of" in r.getMessage()]
+    assert why and "epoch=1-step=8.ckpt" in why[0] and "global step 8" in why[0] and "step 4" in why[0], why
