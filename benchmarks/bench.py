@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,63 +48,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 GiB = 1 << 30
 
-
-# --------------------------------------------------------------------------- memory helpers
-def _status_kib(field: str) -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _rss_bytes() -> int:
-    v = _status_kib("VmRSS")
-    if v is not None:
-        return v * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _peak_bytes() -> int:
-    v = _status_kib("VmHWM")
-    if v is not None:
-        return v * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _drop_cache(directory: str) -> None:
-    """Evict the files' pages (for disk targets) so reads really read; no-op on tmpfs."""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for root, _, files in os.walk(directory):
-        for n in files:
-            try:
-                fd = os.open(os.path.join(root, n), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import _drop_cache, _free_port, _is_tmpfs, _peak_bytes, _reset_peak, _rss_bytes, _status_kib  # noqa: E402,F401
+from bench_report import STAT_TIMES, format_load_details, format_small, format_table, summary_rows  # noqa: E402,F401
 
 
 # --------------------------------------------------------------------------- per-rank work
@@ -146,8 +91,32 @@ def _barrier():
     dist.barrier()
 
 
-def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callable[[], Any]] = None, repeats: int = 1):
-    """Run ``fn`` ``repeats`` times between barriers; keep the best wall time (slowest rank)."""
+STAT_SUMS = ("bytes_read", "bytes_sent", "bytes_received", "bytes_copied", "separate_bytes", "union_bytes")
+
+
+def _load_stats(allrec: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """One load's statistics over the ranks (``execution.load.last_load_stats``): bytes summed
+    (``separate_bytes``/``union_bytes`` are already totals: taken from rank 0), seconds max."""
+    stats = [r.get("load") for r in allrec]
+    if any(s is None for s in stats):
+        return None
+    out: Dict[str, Any] = {"strategy": stats[0].get("strategy", "local")}
+    for k in STAT_SUMS:
+        vals = [float(s.get(k, 0)) for s in stats]
+        out[k] = vals[0] if k in ("separate_bytes", "union_bytes") else sum(vals)
+    for k in STAT_TIMES:
+        out[k] = max(float(s.get(k, 0)) for s in stats)
+    return out
+
+
+def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callable[[], Any]] = None, repeats: int = 1,
+             load: bool = False, env: Optional[Dict[str, str]] = None):
+    """Run ``fn`` ``repeats`` times between barriers; keep the best wall time (slowest rank).
+
+    ``load``: also gather the load's statistics (bytes read/exchanged, seconds per phase);
+    ``env``: environment variables set around ``fn`` (e.g. ``LOCAL_WORLD_SIZE=1``: every rank
+    its own node).
+    """
     import torch.distributed as dist
 
     best = None
@@ -157,12 +126,25 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
         _barrier()
         have_peak = _reset_peak()
         rss0 = _rss_bytes()
+        saved_env = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
         t0 = time.perf_counter()
-        fn()
-        t_local = time.perf_counter() - t0
+        try:
+            fn()
+        finally:
+            t_local = time.perf_counter() - t0
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         _barrier()
         peak = _peak_bytes() if have_peak else None
         rec = {"t": t_local, "extra_rss": (peak - rss0) if peak is not None else None}
+        if load:
+            from ckpt_integration.execution import load as load_mod
+
+            rec["load"] = dict(load_mod.last_load_stats)
         allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
         dist.all_gather_object(allrec, rec)
         t = max(r["t"] for r in allrec)
@@ -173,6 +155,8 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
             "extra_rss_gib": max(extras) / GiB if extras else None,
             "mem_ratio": (ctx.state_bytes + max(extras)) / ctx.state_bytes if extras else None,
         }
+        if load:
+            out["load"] = _load_stats(allrec)
         if best is None or out["seconds"] < best["seconds"]:
             best = out
     ctx.results[name] = best
@@ -224,23 +208,23 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     check(ctx.dst)
     _fresh(d, rank)
 
-    # ---- torch.save / torch.load per rank
-    d = os.path.join(root, "torch_save")
-    _fresh(d, rank)
-    path = os.path.join(d, f"rank{rank}.pt")
-    _measure(ctx, "torch_save", lambda: torch.save({f"t{i}": t for i, t in enumerate(ctx.local)}, path), repeats=rep)
-    loaded = {}
+    if not args.loads_only:  # ---- torch.save / torch.load per rank
+        d = os.path.join(root, "torch_save")
+        _fresh(d, rank)
+        path = os.path.join(d, f"rank{rank}.pt")
+        _measure(ctx, "torch_save", lambda: torch.save({f"t{i}": t for i, t in enumerate(ctx.local)}, path), repeats=rep)
+        loaded = {}
 
-    def tload():
-        loaded["sd"] = torch.load(path, weights_only=True)
+        def tload():
+            loaded["sd"] = torch.load(path, weights_only=True)
 
-    _measure(ctx, "torch_load", tload, setup=lambda: (loaded.clear(), cache(d)), repeats=rep)
-    check([loaded["sd"][f"t{i}"] for i in range(ctx.n)])
-    loaded.clear()
-    _fresh(d, rank)
+        _measure(ctx, "torch_load", tload, setup=lambda: (loaded.clear(), cache(d)), repeats=rep)
+        check([loaded["sd"][f"t{i}"] for i in range(ctx.n)])
+        loaded.clear()
+        _fresh(d, rank)
 
     # ---- PyTorch DCP (DTensor, row-sharded)
-    if not args.skip_dcp:
+    if not args.skip_dcp and not args.loads_only:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
@@ -256,7 +240,7 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
         check(ctx.dst)
         blocking = []
         total = []
-        for i in range(args.async_saves):
+        for i in range(0 if args.skip_async else args.async_saves):
             di = os.path.join(root, f"dcp_async{i}")
             _fresh(di, rank)
             _barrier()
@@ -269,7 +253,8 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
             _barrier()
             if rank == 0:
                 shutil.rmtree(di, ignore_errors=True)
-        _async_result(ctx, "dcp_async_save", blocking, total)
+        if blocking:
+            _async_result(ctx, "dcp_async_save", blocking, total)
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         _barrier()
@@ -280,31 +265,21 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     _measure(ctx, "ours_save", lambda: ci.save(ctx.sharded(ctx.local), d, **kw), setup=lambda: _fresh(d, rank), repeats=rep)
     for t in ctx.dst:
         t.zero_()
-    _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
+    _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d),
+             repeats=rep, load=True)
     check(ctx.dst)
     # the same load without CRC32 verification of every chunk: the cost of the safety check
     _measure(ctx, "ours_load_noverify",
              lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads, verify_checksums=False),
-             setup=lambda: cache(d), repeats=rep)
+             setup=lambda: cache(d), repeats=rep, load=True)
     check(ctx.dst)
-    lo, hi = ctx.reshard_bounds()
-    G = ctx.world * ctx.rows
-    rdst = [torch.zeros(hi - lo, ctx.cols) for _ in range(ctx.n)]
-    rsd = lambda: {  # noqa: E731
-        f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, ctx.cols), (lo, 0)) for i, t in enumerate(rdst)
-    }
-    _measure(ctx, "ours_load_resharded", lambda: ci.load(rsd(), d, thread_count=args.threads), setup=lambda: cache(d), repeats=rep)
-    # rows [lo, hi) come from this rank's and the next rank's saved shards
-    own_hi = (rank + 1) * ctx.rows
-    n_own = own_hi - lo if lo >= rank * ctx.rows else None
-    if n_own is not None and n_own > 0:
-        assert torch.equal(rdst[0][:n_own], ctx.local[0][lo - rank * ctx.rows :]), "bad resharded read"
-    del rdst
-    _more_resharded_loads(ctx, root, d, cache)
+    _resharded_loads(ctx, root, d, cache)
     if rank == 0:
         shutil.rmtree(d, ignore_errors=True)
     _barrier()
 
+    if args.skip_async or args.loads_only:
+        return ctx.results
     blocking, total, stage, prepare = [], [], [], []
     have_peak = _reset_peak()
     rss0 = _rss_bytes()
@@ -332,8 +307,16 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     return ctx.results
 
 
-def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) -> None:
-    """row->col, ws change (from the row-split checkpoint ``d``) and col->row (a column-split one)."""
+# variants of every resharded load: the default ("auto": read-once when it reads fewer bytes),
+# forced "local" (every rank reads and checks the blocks it touches) and read-once with every
+# rank its own node (LOCAL_WORLD_SIZE=1: slices travel over the process group, as across nodes)
+VARIANTS = (("", {}, None), ("_local", {"load_strategy": "local"}, None),
+            ("_nodes", {"load_strategy": "read_once"}, {"LOCAL_WORLD_SIZE": "1"}))
+
+
+def _resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], None]) -> None:
+    """uneven, row->col, ws change (from the row-split checkpoint ``d``) and col->row (a column-split one),
+    each in every variant; all with the library's defaults otherwise (access validation on)."""
     import torch
 
     import ckpt_integration as ci
@@ -342,25 +325,43 @@ def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], No
     args, rank, W = ctx.args, ctx.rank, ctx.world
     R, C, G = ctx.rows, ctx.cols, ctx.world * ctx.rows
     threads = args.threads
+
+    def run(name, make_sd, directory, verify):
+        for suffix, kw, env in VARIANTS:
+            _measure(ctx, name + suffix, lambda: ci.load(make_sd(), directory, thread_count=threads, **kw),
+                     setup=lambda: (dst_zero(), cache(directory)), repeats=args.repeats, load=True, env=env)
+            verify()
+
+    # uneven: row boundaries shifted by half a shard; rows [lo, hi) come from two saved chunks
+    lo, hi = ctx.reshard_bounds()
+    dst = [torch.zeros(hi - lo, C) for _ in range(ctx.n)]
+    dst_zero = lambda: [t.zero_() for t in dst]  # noqa: E731
+
+    def check_uneven():
+        n_own = (rank + 1) * R - lo
+        if 0 < n_own <= hi - lo and lo >= rank * R:
+            assert torch.equal(dst[0][:n_own], ctx.local[0][lo - rank * R :]), "bad uneven read"
+
+    run("ours_load_resharded",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (lo, 0)) for i, t in enumerate(dst)},
+        d, check_uneven)
     # row -> column: every rank wants a column slice of every saved (row) chunk
     cw = C // W
     c0 = rank * cw
     cw = C - c0 if rank == W - 1 else cw
     dst = [torch.zeros(G, cw) for _ in range(ctx.n)]
-    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0)) for i, t in enumerate(dst)}  # noqa: E731
-    _measure(ctx, "ours_load_row_to_col", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(d), repeats=args.repeats)
+    run("ours_load_row_to_col",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0)) for i, t in enumerate(dst)},
+        d, lambda: None)
     assert torch.equal(dst[0][rank * R : (rank + 1) * R], ctx.local[0][:, c0 : c0 + cw]), "bad row->col read"
-    del dst
     # world-size change: each rank's rows as two shards (what twice the ranks would each load)
     h = R // 2
     halves = [(torch.zeros(h, C), torch.zeros(R - h, C)) for _ in range(ctx.n)]
-    sd = lambda: {  # noqa: E731
-        f"t{i}_{j}": ShardedTensor.from_global_offsets(f"t{i}", hv[j], (G, C), (rank * R + j * h, 0))
-        for i, hv in enumerate(halves) for j in (0, 1)
-    }
-    _measure(ctx, "ours_load_ws_change", lambda: ci.load(sd(), d, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(d), repeats=args.repeats)
+    dst = [t for hv in halves for t in hv]
+    run("ours_load_ws_change",
+        lambda: {f"t{i}_{j}": ShardedTensor.from_global_offsets(f"t{i}", hv[j], (G, C), (rank * R + j * h, 0))
+                 for i, hv in enumerate(halves) for j in (0, 1)},
+        d, lambda: None)
     assert torch.equal(torch.cat(halves[0]), ctx.local[0]), "bad world-size-change read"
     del halves
     # column -> row: a checkpoint saved split by columns (rank r holds columns [r*C, (r+1)*C)), loaded by rows
@@ -372,15 +373,50 @@ def _more_resharded_loads(ctx: Ctx, root: str, d: str, cache: Callable[[str], No
     r0 = rank * rr
     rr = R - r0 if rank == W - 1 else rr
     dst = [torch.zeros(rr, W * C) for _ in range(ctx.n)]
-    sd = lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0)) for i, t in enumerate(dst)}  # noqa: E731
-    _measure(ctx, "ours_load_col_to_row", lambda: ci.load(sd(), dc, thread_count=threads, validate_access_integrity=False),
-             setup=lambda: cache(dc), repeats=args.repeats)
+    run("ours_load_col_to_row",
+        lambda: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0)) for i, t in enumerate(dst)},
+        dc, lambda: None)
     assert torch.equal(dst[0][:, rank * C : (rank + 1) * C], ctx.local[0][r0 : r0 + rr]), "bad col->row read"
     del dst
     _barrier()
     if rank == 0:
         shutil.rmtree(dc, ignore_errors=True)
     _barrier()
+
+
+def _run_small(ctx: Ctx, root: str) -> Dict[str, Any]:
+    """Many small tensors: ``--small`` float32 tensors of ``--small-bytes`` per rank, ours and DCP,
+    save and same-layout load; microseconds per tensor (slowest rank, best of ``--repeats``)."""
+    import torch
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+
+    args, rank, world = ctx.args, ctx.rank, ctx.world
+    n, numel = args.small, max(1, args.small_bytes // 4)
+    local = [torch.rand(numel) for _ in range(n)]
+    dst = [torch.zeros(numel) for _ in range(n)]
+    saved_results, ctx.results = ctx.results, {}
+    sd = lambda ts: {f"s{i}": ShardedTensor.from_rank_offsets(f"s{i}", t, (0, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
+    d = os.path.join(root, "small_ours")
+    _measure(ctx, "ours_save", lambda: ci.save(sd(local), d, thread_count=args.threads), setup=lambda: _fresh(d, rank),
+             repeats=args.repeats)
+    _measure(ctx, "ours_load", lambda: ci.load(sd(dst), d, thread_count=args.threads), repeats=args.repeats, load=True)
+    assert torch.equal(dst[-1], local[-1]), "bad small-tensor load"
+    if not args.skip_dcp:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        dsd = lambda ts: {f"s{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(ts)}  # noqa: E731
+        dd = os.path.join(root, "small_dcp")
+        _measure(ctx, "dcp_save", lambda: dcp.save(dsd(local), checkpoint_id=dd), setup=lambda: _fresh(dd, rank),
+                 repeats=args.repeats)
+        _measure(ctx, "dcp_load", lambda: dcp.load(dsd(dst), checkpoint_id=dd), repeats=args.repeats)
+    out = {k: dict(v, us_per_tensor=1e6 * v["seconds"] / n) for k, v in ctx.results.items()}
+    ctx.results = saved_results
+    return {"tensors_per_rank": n, "bytes_per_tensor": numel * 4, "results": out}
 
 
 def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float], extra_rss=None, **more) -> None:
@@ -426,9 +462,17 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         ctx = Ctx(rank, world, args)
         results = {"state_bytes_per_rank": ctx.state_bytes, "tensors_per_rank": ctx.n,
                    "tensor_shape": [ctx.rows, ctx.cols], "targets": {}}
+        if args.small:
+            results["small"] = {"targets": {}}
         for target, is_tmpfs in _targets(args):
             root = os.path.join(target, f"ckpt_bench_{port}")
             try:
+                if args.small:
+                    sm = _run_small(ctx, root)
+                    results["small"]["targets"][target] = sm
+                    results["small"].update(tensors_per_rank=sm["tensors_per_rank"], bytes_per_tensor=sm["bytes_per_tensor"])
+                if args.small_only:
+                    continue
                 results["targets"][target] = _run_target(ctx, root, is_tmpfs)
             finally:
                 _barrier()
@@ -442,21 +486,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         dist.destroy_process_group()
 
 
-def _is_tmpfs(path: str) -> bool:
-    try:
-        best, fstype = "", ""
-        rp = os.path.realpath(path)
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                mnt = parts[1]
-                if (rp == mnt or rp.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, fstype = mnt, parts[2]
-        return fstype in ("tmpfs", "ramfs")
-    except OSError:
-        return False
-
-
 def _targets(args):
     out = [(args.dir, _is_tmpfs(args.dir))]
     if args.disk_dir:
@@ -465,76 +494,6 @@ def _targets(args):
 
 
 # --------------------------------------------------------------------------- reporting
-def _fmt(v, spec="{:.2f}", none="-"):
-    return none if v is None else spec.format(v)
-
-
-def format_table(results: Dict[str, Any]) -> str:
-    lines = []
-    for target, res in results["targets"].items():
-        lines.append(f"target: {target}")
-        hdr = f"{'method':<24}{'time s':>9}{'GiB/s':>9}{'x DCP':>8}{'% plain':>9}{'mem':>7}"
-        lines.append(hdr)
-        lines.append("-" * len(hdr))
-        rows = [
-            ("plain write (limit)", "plain_write", None, "plain_write"),
-            ("plain read (limit)", "plain_read", None, "plain_read"),
-            ("torch.save", "torch_save", "dcp_save", "plain_write"),
-            ("torch.load", "torch_load", "dcp_load", "plain_read"),
-            ("DCP save", "dcp_save", "dcp_save", "plain_write"),
-            ("DCP load", "dcp_load", "dcp_load", "plain_read"),
-            ("DCP async_save (total)", "dcp_async_save", "dcp_save", "plain_write"),
-            ("ours save", "ours_save", "dcp_save", "plain_write"),
-            ("ours load", "ours_load", "dcp_load", "plain_read"),
-            ("ours load (no CRC check)", "ours_load_noverify", "dcp_load", "plain_read"),
-            ("ours load resharded", "ours_load_resharded", "dcp_load", "plain_read"),
-            ("ours load row->col", "ours_load_row_to_col", "dcp_load", "plain_read"),
-            ("ours load col->row", "ours_load_col_to_row", "dcp_load", "plain_read"),
-            ("ours load ws change", "ours_load_ws_change", "dcp_load", "plain_read"),
-            ("ours async (total)", "ours_async_save", "dcp_save", "plain_write"),
-        ]
-        for label, key, dcp_key, plain_key in rows:
-            r = res.get(key)
-            if r is None:
-                continue
-            d = res.get(dcp_key) if dcp_key else None
-            p = res.get(plain_key)
-            xd = r["gib_s"] / d["gib_s"] if d else None
-            pp = 100 * r["gib_s"] / p["gib_s"] if p else None
-            lines.append(
-                f"{label:<24}{r['seconds']:>9.3f}{r['gib_s']:>9.2f}{_fmt(xd, '{:.2f}x'):>8}"
-                f"{_fmt(pp, '{:.0f}%'):>9}{_fmt(r.get('mem_ratio'), '{:.2f}'):>7}"
-            )
-        sync = res.get("ours_save", {}).get("seconds")
-        for label, key in (("ours async", "ours_async_save"), ("DCP async", "dcp_async_save")):
-            r = res.get(key)
-            if r is None:
-                continue
-            frac = f" = {100 * r['blocking_s'] / sync:.1f}% of ours sync save" if sync else ""
-            extra = ""
-            if "stage_s" in r:
-                extra = (f" (prepare {r['prepare_s']:.3f}s + staging {r['stage_s']:.3f}s;"
-                         f" 1st save {r['blocking_first_s']:.3f}s; staging buffers allocated: {r['staging_allocations']})")
-            lines.append(f"{label} blocking (2nd save on): {r['blocking_s']:.3f}s{frac}{extra}")
-        lines.append("")
-    for target, res in results["targets"].items():
-        same = res.get("ours_load", {}).get("gib_s")
-        parts = [f"{label} {res[key]['gib_s'] / same:.2f}x" for label, key in (
-            ("uneven", "ours_load_resharded"), ("row->col", "ours_load_row_to_col"),
-            ("col->row", "ours_load_col_to_row"), ("ws change", "ours_load_ws_change")) if key in res and same]
-        if parts:
-            lines.append(f"resharded / same-layout load ({os.path.basename(target.rstrip('/')) or target}): " + ", ".join(parts))
-    lines.append("mem = (rank state + peak extra RSS during the phase) / rank state; "
-                 "x DCP vs DCP save/load; % plain vs plain write/read")
-    return "\n".join(lines)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--total-gib", type=float, default=2.0, help="state size over all ranks (GiB)")
@@ -550,6 +509,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="our writer/reader threads per rank (0: cores // ranks, at least 1)")
     p.add_argument("--skip-dcp", action="store_true", help="leave PyTorch DCP out")
+    p.add_argument("--skip-async", action="store_true", help="leave the async saves out")
+    p.add_argument("--small", type=int, default=0, metavar="N",
+                   help="also the many-small-tensors case: N tensors per rank (e.g. 10000), ours and DCP")
+    p.add_argument("--small-bytes", type=int, default=4096, help="bytes per small tensor (default 4 KiB)")
+    p.add_argument("--small-only", action="store_true", help="only the many-small-tensors case")
+    p.add_argument("--loads-only", action="store_true",
+                   help="plain I/O, our save and our loads only (no torch.save, DCP or async): for iterating on loads")
     p.add_argument("--quick", action="store_true", help="small smoke run (64 MiB, 1 repeat)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     a = p.parse_args(argv)
@@ -593,36 +559,6 @@ def run_one(args: argparse.Namespace, ranks: int, tensors: int) -> Dict[str, Any
     return results
 
 
-def summary_rows(runs: List[Dict[str, Any]]) -> str:
-    """One line per configuration and target: the ratios the performance targets are stated in."""
-    hdr = (f"{'ranks':>5}{'tensors':>8}  {'target':<22}{'save xDCP':>10}{'save %plain':>12}{'load xDCP':>10}"
-           f"{'reshard/same':>13}{'async block %':>14}{'save mem':>9}"
-           f"{'load %plain':>12}{'r->c/same':>10}{'c->r/same':>10}{'ws/same':>8}")
-    lines = [hdr, "-" * len(hdr)]
-    for run in runs:
-        c = run["config"]
-        for target, res in run["targets"].items():
-            def ratio(a, b):
-                return res[a]["gib_s"] / res[b]["gib_s"] if a in res and b in res else None
-
-            block = res.get("ours_async_save", {}).get("blocking_s")
-            sync = res.get("ours_save", {}).get("seconds")
-            lines.append(
-                f"{c['ranks']:>5}{c['tensors']:>8}  {os.path.basename(target.rstrip('/')) or target:<22}"
-                f"{_fmt(ratio('ours_save', 'dcp_save'), '{:.2f}x'):>10}"
-                f"{_fmt(ratio('ours_save', 'plain_write'), '{:.0%}'):>12}"
-                f"{_fmt(ratio('ours_load', 'dcp_load'), '{:.2f}x'):>10}"
-                f"{_fmt(ratio('ours_load_resharded', 'ours_load'), '{:.2f}x'):>13}"
-                f"{_fmt(100 * block / sync if block is not None and sync else None, '{:.1f}%'):>14}"
-                f"{_fmt(res.get('ours_save', {}).get('mem_ratio'), '{:.2f}'):>9}"
-                f"{_fmt(ratio('ours_load', 'plain_read'), '{:.0%}'):>12}"
-                f"{_fmt(ratio('ours_load_row_to_col', 'ours_load'), '{:.2f}x'):>10}"
-                f"{_fmt(ratio('ours_load_col_to_row', 'ours_load'), '{:.2f}x'):>10}"
-                f"{_fmt(ratio('ours_load_ws_change', 'ours_load'), '{:.2f}x'):>8}"
-            )
-    return "\n".join(lines)
-
-
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     import torch
@@ -638,7 +574,10 @@ def main(argv=None) -> Dict[str, Any]:
                 f"({results['tensors_per_rank']} tensors of {results['tensor_shape']} float32 per rank), "
                 f"best of {args.repeats}, our threads/rank {results['config']['threads']}, torch {torch.__version__}"
             )
-            print(format_table(results), flush=True)
+            if results.get("targets"):
+                print(format_table(results), flush=True)
+            if "small" in results:
+                print(format_small(results["small"]), flush=True)
             runs.append(results)
     if len(runs) > 1:
         print("summary (ratios; targets: save >= 3x DCP and >= 70% plain, load >= 3x DCP, "

@@ -18,6 +18,9 @@ from .errors import (  # noqa: E402
     IncompleteCheckpointError,
     KeyNotInCheckpointError,
     KeyPrefixError,
+    MemoryCheckpointError,
+    MemoryLayoutError,
+    MemorySpaceError,
     MismatchError,
     SaveConflictError,
     ShardingIntegrityError,
@@ -54,6 +57,7 @@ from .serialization import (  # noqa: E402
 )
 from .storage.checkpoint_dir import CheckpointingConfig  # noqa: E402
 from .storage.safe_pickle import add_safe_globals  # noqa: E402
+from .memory import MemoryCheckpoints  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -70,6 +74,7 @@ __all__ = [
     "get_default_save_sharded_strategy",
     "get_default_load_sharded_strategy",
     "wait_for_snapshot",
+    "MemoryCheckpoints",
     "StrictHandling",
     "ShardedBase",
     "ShardedTensor",
@@ -93,6 +98,9 @@ __all__ = [
     "IncompleteCheckpointError",
     "KeyNotInCheckpointError",
     "KeyPrefixError",
+    "MemoryCheckpointError",
+    "MemoryLayoutError",
+    "MemorySpaceError",
     "MismatchError",
     "SaveConflictError",
     "ShardingIntegrityError",

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     common(sp)
 
-    sp = sub.add_parser("diff", help="compare tensors of two checkpoints; exit 1 when different")
+    sp = sub.add_parser("diff", help="compare tensors (and, for two checkpoint directories, ShardedObjects and common state) "
+                                     "of two checkpoints; exit 1 when different")
     sp.add_argument("a", metavar="A", help="first: checkpoint directory, torch.save file, safetensors file or folder")
     sp.add_argument("b", metavar="B", help="second, any kind A may be (e.g. a conversion of A)")
     sp.add_argument("--memory-budget", default="256MiB", help="largest block compared at once (default 256MiB)")

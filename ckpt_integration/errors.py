@@ -121,3 +121,20 @@ class AsyncSaveAbandonedError(CheckpointingException):
     interpreter exit (which waits for the saves in flight) on every rank. Destroying the
     process groups first is fine: the commit runs on the library's own group.
     """
+
+
+class MemoryCheckpointError(CheckpointingException):
+    """The in-memory tier (:class:`~ckpt_integration.MemoryCheckpoints`) cannot save or restore:
+    no complete step in memory, every copy of a rank's snapshot refused or lost, a failed
+    snapshot or peer transfer. The message names the ranks, steps and copies; callers fall
+    back to a durable checkpoint."""
+
+
+class MemoryLayoutError(MemoryCheckpointError, MismatchError):
+    """The state requested from the memory tier is laid out differently from the snapshot
+    (other keys, shapes or shards): load the durable checkpoint instead, which reshards."""
+
+
+class MemorySpaceError(MemoryCheckpointError):
+    """The shared-memory directory of a node has not enough free space for the snapshots it
+    must hold (the message gives what is needed and what is free, per node)."""

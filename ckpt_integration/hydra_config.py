@@ -7,7 +7,9 @@ readable message; :func:`validate_config` checks the rest, e.g. sizes, before an
 process is spawned):
 
 * ``checkpoint``: :class:`CheckpointConfig` — builds :class:`~ckpt_integration.lightning.DistCkptIO`
-  with ``hydra.utils.instantiate(cfg.checkpoint)``;
+  with ``hydra.utils.instantiate(cfg.checkpoint)``; its ``checkpoint.memory.*`` keys
+  (:class:`MemoryConfig`) switch on the in-memory tier (``checkpoint.memory.every_n_train_steps=10``;
+  the ``checkpoint=memory`` preset does so with async durable saves);
 * ``parallel``: :class:`ParallelConfig` — tensor / pipeline / data parallel sizes;
 * ``strategy``: :class:`StrategyConfig` — which Lightning strategy runs the layout (``ddp``:
   ``DistCkptDDPStrategy`` with hand-written TP; ``model_parallel``: ``DistCkptModelParallelStrategy``
@@ -21,7 +23,7 @@ Call :func:`register_configs` once before ``@hydra.main`` (``examples/train.py``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
@@ -33,6 +35,7 @@ __all__ = [
     "Accelerator",
     "StrategyName",
     "CheckpointConfig",
+    "MemoryConfig",
     "ParallelConfig",
     "StrategyConfig",
     "TrainerConfig",
@@ -64,6 +67,8 @@ class Backend(_Choice):
 class LoadStrategy(_Choice):
     """``checkpoint.load_strategy``: how ranks read a checkpoint."""
 
+    auto = "auto"
+    read_once = "read_once"
     local = "local"
     fully_parallel = "fully_parallel"
     two_stage = "two_stage"
@@ -86,18 +91,33 @@ class Accelerator(_Choice):
 
 
 @dataclass
+class MemoryConfig:
+    """``checkpoint.memory.*``: the in-memory tier (``DistCkptIO(memory=...)``; off while
+    ``every_n_train_steps`` is null). See docs/memory.md."""
+
+    every_n_train_steps: Optional[int] = None  # >= 1 switches snapshots on
+    replicas: int = 2  # copies on distinct nodes, the rank's own included
+    dir: Optional[str] = None  # the node's shared memory (default /dev/shm/ckpt_integration)
+    job_id: Optional[str] = None
+    ranks_per_node: Optional[int] = None
+    persist_every_n: Optional[int] = None
+    sigterm_grace_s: float = 60.0
+
+
+@dataclass
 class CheckpointConfig:
     """Arguments of :class:`DistCkptIO` (``_target_`` makes it instantiable)."""
 
     _target_: str = "ckpt_integration.lightning.DistCkptIO"
     backend: Backend = Backend.torch_dist
     async_save: bool = False
-    load_strategy: LoadStrategy = LoadStrategy.local
+    load_strategy: LoadStrategy = LoadStrategy.auto
     thread_count: int = 2  # >= 1 (validate_config)
     max_in_flight: int = 1
     durable: bool = True
     balance: bool = True
     trusted: bool = False
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 @dataclass
@@ -172,7 +192,8 @@ _ALLOWED = {
     "strategy.name": tuple(m.value for m in StrategyName),
 }
 _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
-                 "trainer.global_batch_size", "model.n_heads")
+                 "trainer.global_batch_size", "model.n_heads", "checkpoint.memory.every_n_train_steps",
+                 "checkpoint.memory.replicas", "checkpoint.memory.persist_every_n", "checkpoint.memory.ranks_per_node")
 
 
 def _config_errors(cfg: Any) -> List[str]:

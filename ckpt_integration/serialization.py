@@ -23,7 +23,7 @@ from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_
 from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
 
 PathLike = Union[str, "os.PathLike[str]"]
-LOAD_STRATEGIES = ("local", "fully_parallel", "two_stage")
+LOAD_STRATEGIES = ("auto", "read_once", "local", "fully_parallel", "two_stage")
 
 
 def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
@@ -115,7 +115,8 @@ def save(
     kwargs = dict(
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
-        thread_count=default_thread_count() if thread_count is None else thread_count,
+        thread_count=thread_count if thread_count is not None else (
+            getattr(sharded_strategy, "thread_count", None) or default_thread_count()),
         balance=balance,
         overwrite=overwrite,
         durable=durable,
@@ -124,6 +125,8 @@ def save(
         preprocess_common=preprocess_common_before_consistancy_check,
         step=step,
     )
+    if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
+        kwargs["separation_hint"] = sharded_strategy.separation_hint
     if async_sharded_save:
         from .execution.async_save import async_save_torch_dist
 
@@ -145,7 +148,7 @@ def load(
     thread_count: Optional[int] = None,
     verify_checksums: bool = True,
     process_group: Any = None,
-    load_strategy: str = "local",
+    load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
@@ -172,10 +175,14 @@ def load(
             primitive types load; refusals name the class and how to allow it.
         allowed_globals: extra classes to allow without ``trusted``.
         verify_checksums: check the stored CRC32 of every chunk read whole.
-        load_strategy: ``"local"`` (each rank reads what it needs),
-            ``"fully_parallel"`` or ``"two_stage"`` (each needed byte is read once
-            per ``process_group`` and broadcast to the ranks that need it; see
-            docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
+        load_strategy: ``"auto"`` (default: ``"read_once"`` when it reads fewer bytes
+            over all ranks than ``"local"``, else ``"local"``), ``"read_once"`` (every
+            stored block the load touches is read and verified by one rank of the job;
+            ranks on its node copy their slices from the page cache, ranks on other nodes
+            receive them over the process group), ``"local"`` (each rank reads and verifies
+            the blocks it touches), ``"fully_parallel"`` or ``"two_stage"`` (each needed
+            region is read once per ``process_group`` and broadcast to the ranks that
+            need it; see docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
         process_group: the ranks taking part (default: the world).
         strict_dtype: refuse a dtype that differs from the saved one instead of casting.
 

@@ -11,7 +11,7 @@ strategy only names the backend: how the work is parallelised is chosen by ``sav
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from .errors import CheckpointingException, UnsupportedCheckpointError
 from .storage.checkpoint_dir import SUPPORTED_BACKENDS
@@ -61,6 +61,41 @@ class LoadShardedStrategy:
         check_backend(self.backend, loaded_version)
 
 
+class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+    """Megatron-Core's ``TorchDistSaveShardedStrategy(backend, version, keep_only_main_replica=True,
+    thread_count=2, cached_metadata=False, separation_hint=None)``: the ``torch_dist`` backend.
+
+    ``separation_hint``: tensors and objects whose keys start with it are written to data files of
+    their own (``<hint>__<rank>_<n>.distcp``, next to ``__<rank>_<n>.distcp``), so that
+    :func:`~ckpt_integration.remove_sharded_tensors` with that prefix deletes whole files, e.g. the
+    optimizer state of a checkpoint kept for its weights. ``thread_count`` is used when ``save`` gets
+    none; the other arguments are accepted for compatibility (this library always writes the main
+    replicas once and caches plans itself).
+
+    Example::
+
+        save(sd, path, sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="optimizer."))
+        remove_sharded_tensors(path, "optimizer.")   # deletes the optimizer files
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
+                 thread_count: int = 2, cached_metadata: bool = False, separation_hint: Optional[str] = None):
+        super().__init__(backend, version)
+        if backend != "torch_dist":
+            raise UnsupportedCheckpointError(f"TorchDistSaveShardedStrategy writes 'torch_dist', not {backend!r}")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Megatron-Core's ``TorchDistLoadShardedStrategy()``: loads ``torch_dist`` checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1)
+
+
 def check_backend(backend: Any, version: Any = 1) -> None:
     """Raise :class:`UnsupportedCheckpointError` for an unknown backend or format version."""
     versions = SUPPORTED_BACKENDS.get(backend) if isinstance(backend, str) else None
@@ -82,4 +117,5 @@ def backend_and_version(strategy: Any, default: str = "torch_dist") -> Tuple[str
     return getattr(strategy, "backend", default), getattr(strategy, "version", 1)
 
 
-__all__ = ["SaveShardedStrategy", "LoadShardedStrategy", "check_backend", "backend_and_version"]
+__all__ = ["SaveShardedStrategy", "LoadShardedStrategy", "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy",
+           "check_backend", "backend_and_version"]

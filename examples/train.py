@@ -13,7 +13,8 @@ rank: world size = parallel.tp * parallel.dp. ``strategy`` picks how the layout 
 DTensor TP + FSDP2) or ``single_device`` (``Trainer(plugins=[DistCkptIO()])`` alone, one process);
 their weights load under each other (docs/hydra.md says what resumes where). Checkpoints go to ``ckpt_dir``
 (``epoch=N-step=M.ckpt`` top-k directories plus ``last.ckpt``); ``resume=true`` continues
-from ``last`` in whatever layout ``parallel`` now says. A fresh run (``resume=false``) refuses
+from the newest complete one (it says which, and at which step) in whatever layout ``parallel`` and
+``strategy`` now say, and stops with an error when there is none. A fresh run (``resume=false``) refuses
 to start over complete checkpoints in ``ckpt_dir`` unless ``overwrite=true``; ``demo=true`` is
 a fresh run by definition and always starts from an empty ``ckpt_dir``. In a multirun (``-m``)
 every job uses ``ckpt_dir/<its overrides>`` (:func:`job_ckpt_dir`), so jobs never share a directory.
@@ -70,6 +71,31 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
     fs.makedirs(d, exist_ok=True)
 
 
+def resume_point(cfg: DictConfig) -> str:
+    """The checkpoint ``resume=true`` continues from: the newest complete one in ``ckpt_dir`` (as Lightning's
+    ``ckpt_path="last"`` with ``DistCkptModelCheckpoint``). With none there, stop: a run that silently
+    trained from step 0 (e.g. after a first run that failed) would look like a resumed one."""
+    from lightning.fabric.utilities.data import AttributeDict
+    from omegaconf import ListConfig
+
+    from ckpt_integration.lightning import latest_complete_checkpoint
+
+    path = latest_complete_checkpoint(cfg.ckpt_dir)
+    if path is None:
+        fs, d = fsspec.core.url_to_fs(cfg.ckpt_dir)
+        found = sorted(fs.ls(d, detail=False)) if fs.isdir(d) else []
+        raise SystemExit(
+            f"resume=true, but {cfg.ckpt_dir} holds no complete checkpoint to resume from"
+            + (f" (only {', '.join(p.rsplit('/', 1)[-1] for p in found)}: interrupted saves?)" if found else "")
+            + ". Run without resume=true to start training, or point ckpt_dir=... at the run to continue."
+        )
+    common = ci.load_common_state_dict(path, allowed_globals=[AttributeDict, DictConfig, ListConfig])
+    layout = (ci.load_content_metadata(path) or {}).get("layout", {})
+    print(f"== resuming from {path}: epoch {common.get('epoch')}, global step {common.get('global_step')} "
+          f"(saved with TP={layout.get('tp', '?')}, DP={layout.get('dp', '?')})")
+    return path
+
+
 def job_ckpt_dir(cfg: DictConfig) -> str:
     """``cfg.ckpt_dir``; in a Hydra multirun, ``<ckpt_dir>/<this job's overrides>`` (e.g.
     ``checkpoints/tiny_gpt/parallel=tp1_dp2``) so that the jobs of a sweep never write into one directory.
@@ -101,13 +127,23 @@ def _strategy(cfg: DictConfig, gpu: bool) -> object:
     return DistCkptDDPStrategy(tensor_parallel_size=cfg.parallel.tp, process_group_backend=backend)
 
 
-def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
+#: the warnings a run prints on every rank that say nothing about it (everything else is shown)
+NOISY_WARNINGS = (
+    r".*does not have many workers.*",  # the tiny in-memory corpus needs no loader workers
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning's use of torch's pytree API
+    r"The number of training batches .* is smaller than the logging interval.*",
+    r".*GPU available but not used.*",
+)
+
+
+def _worker(rank: int, cfg_dict: dict, port: int, result_path: str, resume: str = "") -> None:
     world = cfg_dict["parallel"]["tp"] * cfg_dict["parallel"]["dp"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
                       WORLD_SIZE=str(world), NODE_RANK="0", OMP_NUM_THREADS="1")
     import warnings
 
-    warnings.filterwarnings("ignore")
+    for pattern in NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
     import lightning as L
     import torch
     from hydra.utils import instantiate
@@ -131,7 +167,7 @@ def _worker(rank: int, cfg_dict: dict, port: int, result_path: str) -> None:
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=0, log_every_n_steps=cfg.trainer.log_every_n_steps)
     loader = gpt.make_dataloader(m.block_size, cfg.trainer.global_batch_size, cfg.parallel.dp, m.corpus_chars)
-    trainer.fit(module, loader, ckpt_path="last" if cfg.resume else None)
+    trainer.fit(module, loader, ckpt_path=resume or None)
     if rank == 0:
         with open(result_path, "w") as f:
             fs, d = fsspec.core.url_to_fs(cfg.ckpt_dir)
@@ -144,13 +180,14 @@ def run(cfg: DictConfig) -> dict:
     validate_config(cfg)
     world = cfg.parallel.tp * cfg.parallel.dp
     prepare_ckpt_dir(cfg)
+    resume = resume_point(cfg) if cfg.resume else ""
     result = os.path.join(tempfile.mkdtemp(), "result.json")
     t0 = time.time()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # plain values for the workers
     # forkserver: one clean server process imports torch and Lightning once, every rank of every run is
     # forked from it (no CUDA / threads in the server, so this is as safe as spawn, without re-importing)
     mp.get_context("forkserver").set_forkserver_preload(["torch", "lightning"])
-    mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result),
+    mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result, resume),
                        nprocs=world, start_method="forkserver")
     with open(result) as f:
         out = json.load(f)

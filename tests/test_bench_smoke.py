@@ -20,16 +20,25 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
     cmd = [
         sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--quick", "--ranks", "2",
         "--total-gib", "0.004", "--tensors", "4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
+        "--small", "50",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(120), cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for label in ("plain write (limit)", "DCP save", "ours save", "ours load resharded", "ours async blocking",
-                  "ours load row->col", "ours load col->row", "ours load ws change"):
+    for label in ("plain write (limit)", "DCP save", "ours save", "ours load uneven", "ours async blocking",
+                  "ours load row->col", "ours load col->row", "ours load ws change", "ours load row->col [local]",
+                  "ours load row->col [nodes]", "read MiB", "many small tensors: 50 x 4096 B"):
         assert label in proc.stdout, proc.stdout
     res = json.loads(out.read_text())
     target = res["targets"][str(tmp_path)]
     assert target["ours_async_save"]["staging_allocations"] == 4  # buffers reused on the 2nd save
     assert all(target[k]["gib_s"] > 0 for k in ("ours_save", "ours_load", "dcp_save", "plain_write"))
+    # row->col: read once over the job (the stored bytes), twice when every rank reads its own blocks
+    stored = res["state_bytes_per_rank"] * 2
+    assert target["ours_load_row_to_col"]["load"]["strategy"] == "read_once"
+    assert target["ours_load_row_to_col"]["load"]["bytes_read"] == stored
+    assert target["ours_load_row_to_col_local"]["load"]["bytes_read"] == 2 * stored
+    assert target["ours_load_row_to_col_nodes"]["load"]["bytes_sent"] > 0
+    assert res["small"]["targets"][str(tmp_path)]["results"]["ours_load"]["us_per_tensor"] > 0
 
 
 @pytest.mark.slow  # ~20-40 s (two configurations)
@@ -46,3 +55,21 @@ def test_bench_sweep_prints_summary(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"]["tensors"] for r in runs] == [2, 4]
     assert [r["tensors_per_rank"] for r in runs] == [2, 4]
+
+
+@pytest.mark.slow  # ~20-30 s (two spawned ranks: durable saves, memory tier, restores)
+def test_memory_tier_bench_runs_and_prints_table(tmp_path):
+    out = tmp_path / "memtier.json"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "memory_tier.py"), "--gib-per-rank", "0.004",
+        "--tensors", "4", "--repeats", "1", "--shm", str(tmp_path), "--disk", str(tmp_path), "--no-nvrx",
+        "--no-drop-caches", "--json", str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("blocking per save: memory snapshot", "restore: own memory (verified)", "restore: peer copy",
+                  "restore: durable on disk, cold", "limit: memcpy from host memory"):
+        assert label in proc.stdout, proc.stdout
+    res = json.loads(out.read_text())
+    assert res["restore_peer"]["source_rank1"] == "peer rank 0"
+    assert res["memory_snapshot"]["shm_bytes_per_node"] >= 4 * res["bytes_per_rank"]  # 2 slots x 2 copies

@@ -409,6 +409,32 @@ def test_diff_identical_and_different(tmp_path, capsys):
     assert rep["max_abs_diff"]["model.counter"] == 0  # same values, different dtype
 
 
+def test_diff_compares_common_state_and_objects(tmp_path, capsys):
+    """Same tensors; the common state differs in a value, a type, keys only on one side; an object's value."""
+    w = ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))
+
+    def save(path, common, step):
+        ci.save({"w": w, "rng": ci.ShardedObject("rng", {"step": step}, (1,), (0,)), **common}, path)
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    save(a, {"iteration": 3, "config": {"lr": 0.1, "name": "x", "old": 1}, "sched": [1, 2]}, 1)
+    save(b, {"iteration": 3.0, "config": {"lr": 0.2, "name": "x", "new": None}, "sched": [1, 2]}, 2)
+    code, out, _ = run_cli("diff", a, a, capsys=capsys)
+    assert code == 0 and out.strip().endswith("identical")
+    code, out, _ = run_cli("diff", a, b, capsys=capsys)
+    assert code == 1 and out.strip().endswith("different")
+    assert "common state only in A (1):\n  config/old" in out
+    assert "common state only in B (1):\n  config/new" in out
+    assert "common state differs (2):" in out
+    assert "  config/lr: float 0.1 vs float 0.2" in out and "  iteration: int 3 vs float 3.0" in out
+    assert "objects differ (1):\n  rng/shard_0_1: dict {'step': 1} vs dict {'step': 2}" in out
+    assert "values differ" not in out  # the tensors are the same
+    r = run_module("diff", a, b, "--json")
+    rep = json.loads(r.stdout)
+    assert r.returncode == 1 and rep["common_only_in_a"] == ["config/old"] and sorted(rep["common_differ"]) == [
+        "config/lr", "iteration"]
+
+
 def test_errors_and_usage(tmp_path, capsys):
     code, _, err = run_cli("inspect", tmp_path / "nope", capsys=capsys)
     assert code == 2 and "does not exist" in err

@@ -16,12 +16,11 @@ import ckpt_integration as ci
 from ckpt_integration import core, utils
 from ckpt_integration.dict_utils import diff
 from ckpt_integration.errors import CorruptCheckpointError, KeyPrefixError
+from tests.megatron_import import import_megatron
 
 
 def _megatron():
-    from tests.test_interop import _import_megatron
-
-    return _import_megatron().dist_checkpointing
+    return import_megatron("megatron.core.dist_checkpointing")
 
 
 def _classes(which):
@@ -104,7 +103,7 @@ DIFF_CASES = [
 @pytest.mark.parametrize("x1, x2", DIFF_CASES)
 def test_diff_matches_megatron(x1, x2):
     only_left, only_right, mismatch = diff(x1, x2)
-    mdict = pytest.importorskip("megatron.core.dist_checkpointing.dict_utils")
+    mdict = import_megatron("megatron.core.dist_checkpointing.dict_utils")
     ml, mr, mm = mdict.diff(x1, x2)
     assert sorted(only_left) == sorted(ml) and sorted(only_right) == sorted(mr)
     assert sorted((m[0], m[1], m[2]) for m in mismatch) == sorted((m[0], m[1], m[2]) for m in mm)
@@ -136,7 +135,7 @@ def test_check_is_distributed_checkpoint_and_config(tmp_path):
 
 
 def test_megatron_reads_our_config_the_same(tmp_path):
-    mcore = pytest.importorskip("megatron.core.dist_checkpointing.core")
+    mcore = import_megatron("megatron.core.dist_checkpointing.core")
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c")
     assert mcore.check_is_distributed_checkpoint(str(tmp_path / "c")) == ci.check_is_distributed_checkpoint(tmp_path / "c")
     assert mcore.maybe_load_config(str(tmp_path / "c")).__dict__ == core.maybe_load_config(tmp_path / "c").__dict__

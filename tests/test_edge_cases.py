@@ -91,10 +91,16 @@ def test_state_of_another_optimizer_kind_is_refused(tmp_path):
     o = torch.optim.Adam(m.parameters())
     with pytest.raises(OptimizerStateMismatchError, match=r"(?s)does not fit Adam.*'a.weight'.*no exp_avg, exp_avg_sq"):
         load_optimizer_state(o, m.sharded(), path)
-    # the same kind loads, and a step works afterwards
+    # the same kind loads exactly the state that was saved (_saved trains from seed 0: rebuild it)
     o2 = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     load_optimizer_state(o2, m.sharded(), path)
-    _train(m, o2, 1)
+    torch.manual_seed(0)
+    ref = _Net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _train(ref, ref_opt)
+    for p2, pr in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(o2.state[p2]["momentum_buffer"], ref_opt.state[pr]["momentum_buffer"])
+    assert o2.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]
 
 
 def test_zero_size_param_needs_no_sharded_tensor(tmp_path):

@@ -276,8 +276,8 @@ def test_damaged_archive_without_checksums_is_still_a_clean_error(ckpt, where):
         out = ci.load(_request(), ckpt)
     except (CorruptCheckpointError, UnsafeCheckpointError) as e:
         assert path in str(e)
-    else:  # a byte the decoder does not depend on (e.g. a timestamp or CRC field)
-        assert out["a"].shape == A.shape
+    else:  # a byte the decoder does not depend on (e.g. a timestamp or CRC field): the data is intact
+        assert torch.equal(out["a"], A) and torch.equal(out["b"], B)
 
 
 def test_damaged_common_pt(ckpt):
@@ -479,7 +479,7 @@ def _strict_request() -> dict:
     return {"a": ST.from_rank_offsets("a", torch.empty(64, 32)), "c": ST.from_rank_offsets("c.weight", torch.empty(2))}
 
 
-MISSING = {"b", "obj/shard_0_1"}
+MISSING = {"b", "obj"}  # a ShardedObject under its key, as Megatron-Core reports it
 UNEXPECTED = {"c.weight"}
 
 
@@ -497,8 +497,8 @@ def test_strict_raise_all(ckpt):
     with pytest.raises(MismatchError) as ei:
         ci.load(_strict_request(), ckpt, strict=StrictHandling.RAISE_ALL)
     msg = str(ei.value)
-    assert "c.weight" in msg and "'b'" in msg and "obj/shard_0_1" in msg
-    with pytest.raises(MismatchError, match="missing.*'b'"):
+    assert "c.weight" in msg and "'b'" in msg and "'obj'" in msg and "shard_" not in msg
+    with pytest.raises(MismatchError, match=r"(?s)missing.*'b'"):
         ci.load({"a": ST.from_rank_offsets("a", torch.empty(64, 32))}, ckpt, strict="raise_all")
     # nothing missing, nothing unexpected
     full = {**_request(), "o": ShardedObject("obj", None, (1,), (0,))}

@@ -16,6 +16,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import ShardedTensor as ST
 from ckpt_integration.errors import CheckpointingException
+from tests.megatron_import import import_megatron
 
 W = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 3  # global [4, 6], TP-split by columns into [4, 3]
 
@@ -143,7 +144,7 @@ def test_narrow_non_flat_like_swiglu_halves(tmp_path):
 
 
 def test_narrow_matches_megatron_for_non_flat():
-    mcore = pytest.importorskip("megatron.core.dist_checkpointing")
+    mcore = import_megatron("megatron.core.dist_checkpointing")
     t = torch.arange(24.0).reshape(4, 6)
     ours = ST.from_rank_offsets("w", t, (1, 1, 3), (0, 0, 2), replica_id=(0, 1)).narrow(1, 2, 3)[0]
     theirs = mcore.ShardedTensor.from_rank_offsets("w", t, (1, 1, 3), (0, 0, 2), replica_id=(0, 1)).narrow(1, 2, 3)[0]

@@ -49,7 +49,7 @@ def test_wrong_keys_and_values_fail_fast():
         _compose("parallel=tp3_dp9")  # no such option
     # Enum-typed choices fail at composition (so also under --cfg job), listing the valid values
     for override, choices in {"checkpoint.backend=foo": "torch_dist, zarr",
-                              "checkpoint.load_strategy=three_stage": "local, fully_parallel, two_stage",
+                              "checkpoint.load_strategy=three_stage": "auto, read_once, local, fully_parallel, two_stage",
                               "trainer.accelerator=tpu": "cpu, gpu, cuda"}.items():
         with pytest.raises(ConfigCompositionException) as e:
             _compose(override)
@@ -133,3 +133,17 @@ def test_multirun_jobs_get_their_own_checkpoint_directories(tmp_path):
         assert ci.load_content_metadata(ck / job / "last.ckpt")["layout"] == layout
     # the DTensor checkpoints hold the hand-written model's keys (fused QKV parts): any strategy resumes them
     assert "model.blocks.0.qkv.weight.part2" in ci.load_tensors_metadata(ck / jobs[1] / "last.ckpt")
+
+
+def test_memory_group_builds_the_plugin_with_the_memory_tier():
+    cfg = _compose("checkpoint=memory", "checkpoint.memory.every_n_train_steps=5", "checkpoint.memory.replicas=3",
+                   "checkpoint.memory.dir=/dev/shm/x", "checkpoint.memory.persist_every_n=4")
+    io = instantiate(cfg.checkpoint)
+    assert io.memory_enabled and io.async_save
+    assert (io.memory_every_n_train_steps, io.memory_replicas, io.memory_dir, io.memory_persist_every_n) == (5, 3, "/dev/shm/x", 4)
+    off = instantiate(_compose().checkpoint)  # the default: no memory snapshots
+    assert not off.memory_enabled and off.memory_tier is None
+    with pytest.raises(ConfigCompositionException, match="every_n_trian_steps"):
+        _compose("checkpoint.memory.every_n_trian_steps=5")
+    with pytest.raises(ValueError, match="checkpoint.memory.every_n_train_steps=0 must be >= 1"):
+        validate_config(_compose("checkpoint.memory.every_n_train_steps=0"))

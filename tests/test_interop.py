@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import ckpt_integration as ci
 from tests.dist_utils import run_distributed
+from tests.megatron_import import import_megatron
 
 WORLD = 2
 
@@ -207,21 +208,8 @@ def test_ours_loads_back_single_process(ours_ckpt):
 
 # --------------------------------------------------------------------------- Megatron-Core
 def _import_megatron():
-    """Import ``megatron.core`` without keeping its process-wide torch safe-globals.
-
-    ``import megatron.core`` calls ``torch.serialization.add_safe_globals`` for
-    ``argparse.Namespace``, ``PosixPath``, numpy arrays, ... . Our restricted loader
-    honours torch's process-wide list (the user's opt-in), so that import would
-    silently widen what loads everywhere in this process. Restore the list to keep
-    the tests (and the rest of the session) independent of the import.
-    """
-    before = list(torch.serialization.get_safe_globals())
-    try:
-        mcore = pytest.importorskip("megatron.core")
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(before)
-    return mcore
+    """``megatron.core`` through the suite's one import helper (tests/megatron_import.py)."""
+    return import_megatron()
 
 
 def _patch_cuda_for_megatron() -> None:

@@ -1,7 +1,10 @@
 """Lightning integration: real Trainer.fit in 1, 2 and 4 gloo processes (batched scenarios).
 
-Tolerances: same layout -> next-step losses equal an uninterrupted run to 1e-5;
-different TP/DP/world size -> within 2e-3 absolute (fp32 summation order only).
+Every resume is checked exactly: at ``on_train_start`` the resumed run saves what it loaded (in its
+own layout) and that checkpoint's tensors (weights, Adam states), scheduler, optimizer param groups
+and step equal the source checkpoint's. The next-step losses are compared with the uninterrupted
+run as a second, looser check (same layout: 1e-5; another TP/DP/world size: 2e-3, fp32 summation
+order only).
 """
 
 import json
@@ -29,7 +32,33 @@ def _trainer(rank, world, tp, ckdir, max_epochs, async_save=False, top_k=2, io=N
                      num_sanity_val_steps=0, limit_val_batches=0)
 
 
-def _fit(rank, world, tp, ckdir, max_epochs, resume, **kw):
+def _dump_loaded(path):
+    """A callback saving, right after the resume, what was loaded (a checkpoint in the new layout)."""
+    import lightning as L
+
+    class DumpLoaded(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.save_checkpoint(path)
+            trainer.strategy.checkpoint_io.maybe_finalize(blocking=True)  # an async save: done now
+
+    return DumpLoaded()
+
+
+def assert_resumed_exactly(loaded, source):
+    """``loaded`` (saved by :func:`_dump_loaded`) holds exactly the state of ``source``."""
+    import ckpt_integration as ci
+
+    a, b = ci.load_plain_tensors(loaded), ci.load_plain_tensors(source)
+    assert set(a) == set(b) and any(k.startswith("optimizer.state.exp_avg.") for k in a)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (k, loaded, source)
+    ca, cb = ci.load_common_state_dict(loaded), ci.load_common_state_dict(source)
+    for k in ("lr_schedulers", "optimizer", "global_step", "hyper_parameters"):  # not "epoch": +1 once resumed
+        assert ca.get(k) == cb.get(k), (k, ca.get(k), cb.get(k))
+    assert ca["lr_schedulers"] and ca["optimizer"]["param_groups"]
+
+
+def _fit(rank, world, tp, ckdir, max_epochs, resume, dump=None, **kw):
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
     import lightning as L
 
@@ -38,6 +67,8 @@ def _fit(rank, world, tp, ckdir, max_epochs, resume, **kw):
     L.seed_everything(0, verbose=False)
     m = gpt.GPTModule(vocab_size=gpt.vocab_size(CHARS), corpus_chars=CHARS)
     tr = _trainer(rank, world, tp, ckdir, max_epochs, **kw)
+    if dump:
+        tr.callbacks.append(_dump_loaded(dump))
     tr.fit(m, gpt.make_dataloader(BLOCK, GBS, world // tp, CHARS), ckpt_path=resume)
     return dict(m.step_losses)
 
@@ -53,16 +84,19 @@ def _phase_2proc(rank, world, tmp):
     out["ref"] = _fit(rank, world, 1, f"{tmp}/ref", 4, None)                     # uninterrupted, TP1 DP2
     out["tp2"] = _fit(rank, world, 2, f"{tmp}/tp2", 2, None, async_save=True)    # TP2 DP1, async
     assert _complete(f"{tmp}/tp2") == ["epoch=0-step=7.ckpt", "epoch=1-step=14.ckpt", "last.ckpt"]
-    out["same"] = _fit(rank, world, 2, f"{tmp}/tp2", 3, "last", async_save=True)  # TP2 -> TP2
+    out["same"] = _fit(rank, world, 2, f"{tmp}/tp2", 3, "last", async_save=True,  # TP2 -> TP2
+                       dump=f"{tmp}/loaded/same")
     # top-k keeps exactly k complete directories (+ last), with async save
     out["dirs"] = sorted(os.listdir(f"{tmp}/tp2"))
-    out["tp1dp2"] = _fit(rank, world, 1, f"{tmp}/tp1", 4, f"{tmp}/tp2/epoch=1-step=14.ckpt")  # TP2 -> TP1 DP2
+    out["tp1dp2"] = _fit(rank, world, 1, f"{tmp}/tp1", 4, f"{tmp}/tp2/epoch=1-step=14.ckpt",  # TP2 -> TP1 DP2
+                         dump=f"{tmp}/loaded/tp1dp2")
     if rank == 0:
         json.dump(out, open(f"{tmp}/out2.json", "w"))
 
 
 def _phase_4proc(rank, world, tmp):
-    losses = _fit(rank, world, 2, f"{tmp}/w4", 3, f"{tmp}/tp2/epoch=1-step=14.ckpt", async_save=True)  # 2 -> 4
+    losses = _fit(rank, world, 2, f"{tmp}/w4", 3, f"{tmp}/tp2/epoch=1-step=14.ckpt", async_save=True,  # 2 -> 4
+                  dump=f"{tmp}/loaded/w4")
     if rank == 0:
         json.dump(losses, open(f"{tmp}/out4.json", "w"))
 
@@ -83,6 +117,10 @@ def test_resume_across_layouts_and_topk(tmp_path):
         assert tp2[s] == pytest.approx(ref[s], abs=2e-3)
     tp1 = {int(k): v for k, v in out["tp1dp2"].items()}
     assert min(tp1) == 14
+    # what each resume loaded is exactly what the checkpoint holds (the epoch-1 checkpoint was
+    # "last" before the same-layout run; both are the state at step 14)
+    assert_resumed_exactly(f"{tmp}/loaded/same", f"{tmp}/tp2/epoch=1-step=14.ckpt")
+    assert_resumed_exactly(f"{tmp}/loaded/tp1dp2", f"{tmp}/tp2/epoch=1-step=14.ckpt")
     for s in range(14, 21):  # TP 2 -> 1, DP 1 -> 2
         assert tp1[s] == pytest.approx(ref[s], abs=2e-3), (s, tp1[s], ref[s])
     # top-k = 2 directories + last.ckpt, all complete, nothing left behind
@@ -93,17 +131,19 @@ def test_resume_across_layouts_and_topk(tmp_path):
     # world size 2 -> 4 (TP2 x DP2), then 4 -> 1, both vs the uninterrupted run
     run_distributed(_phase_4proc, 4, tmp, timeout=400)
     w4 = {int(k): v for k, v in json.load(open(f"{tmp}/out4.json")).items()}
+    assert_resumed_exactly(f"{tmp}/loaded/w4", f"{tmp}/tp2/epoch=1-step=14.ckpt")
     for s in range(14, 21):
         assert w4[s] == pytest.approx(ref[s], abs=2e-3), (s, w4[s], ref[s])
     run_distributed(_phase_1proc_last, 1, tmp, timeout=400)
     w1 = {int(k): v for k, v in json.load(open(f"{tmp}/out1.json")).items()}
     assert sorted(w1) == list(range(21, 28))
+    assert_resumed_exactly(f"{tmp}/loaded/w1", f"{tmp}/w4/epoch=2-step=21.ckpt")
     for s in range(21, 28):  # world size 4 -> 1
         assert w1[s] == pytest.approx(ref[s], abs=2e-3), (s, w1[s], ref[s])
 
 
 def _phase_1proc_last(rank, world, tmp):
-    losses = _fit(rank, world, 1, f"{tmp}/w4", 4, "last")  # 4 -> 1 via ckpt_path="last"
+    losses = _fit(rank, world, 1, f"{tmp}/w4", 4, "last", dump=f"{tmp}/loaded/w1")  # 4 -> 1 via ckpt_path="last"
     json.dump(losses, open(f"{tmp}/out1.json", "w"))
 
 
@@ -125,7 +165,10 @@ def _single_process_scenarios(rank, world, tmp):
     with pytest.raises(RuntimeError, match="simulated crash"):
         _fit(rank, world, 1, f"{tmp}/a", 3, "last", io=io)
     assert _complete(f"{tmp}/a") == before
-    ci.load_common_state_dict(f"{tmp}/a/last.ckpt")
+    # last.ckpt is still exactly the state of the end of epoch 1
+    kept, epoch1 = ci.load_plain_tensors(f"{tmp}/a/last.ckpt"), ci.load_plain_tensors(f"{tmp}/a/epoch=1-step=14.ckpt")
+    assert set(kept) == set(epoch1) and all(torch.equal(kept[k], epoch1[k]) for k in kept)
+    assert ci.load_common_state_dict(f"{tmp}/a/last.ckpt")["lr_schedulers"][0]["last_epoch"] == 14
     # 2) an incomplete last.ckpt (no metadata.json) is never chosen by ckpt_path="last"
     os.remove(f"{tmp}/a/last.ckpt/metadata.json")
     newest = latest_complete_checkpoint(f"{tmp}/a")
@@ -188,4 +231,11 @@ def test_single_device_plugin_only_roundtrip(tmp_path):
     m2, t2 = run(2, path)
     assert min(dict(m2.step_losses)) == 3
     assert t2.global_step == 6
-    torch.testing.assert_close(dict(m2.named_parameters())["model.tok.weight"].shape, (gpt.vocab_size(CHARS), 32))
+    # the module's final weights are exactly those of the checkpoint saved at the end of the run
+    final = ci.load_plain_tensors(t2.checkpoint_callback.best_model_path)
+    params = dict(m2.named_parameters())
+    assert params["model.tok.weight"].shape == (gpt.vocab_size(CHARS), 32)
+    compared = [n for n in params if n in final]
+    assert len(compared) >= len(params) - 2  # the fused qkv is saved as parts
+    for n in compared:
+        assert torch.equal(params[n].detach(), final[n]), n

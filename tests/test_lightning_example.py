@@ -33,8 +33,20 @@ def _cfg(*overrides):
         return compose(config_name="config", overrides=[*SMALL, *overrides])
 
 
+def test_resume_with_nothing_to_resume_refuses(tmp_path):
+    """``resume=true`` over an empty ``ckpt_dir``, or one holding only an interrupted save, stops before
+    any process starts instead of silently training from step 0."""
+    from train import run
+
+    with pytest.raises(SystemExit, match=r"resume=true, but .*/ck holds no complete checkpoint to resume from\. Run"):
+        run(_cfg(f"ckpt_dir={tmp_path / 'ck'}", "resume=true"))
+    (tmp_path / "ck" / "epoch=0-step=2.ckpt").mkdir(parents=True)  # a save that never committed
+    with pytest.raises(SystemExit, match=r"only epoch=0-step=2\.ckpt: interrupted saves\?"):
+        run(_cfg(f"ckpt_dir={tmp_path / 'ck'}", "resume=true"))
+
+
 @pytest.mark.slow
-def test_documented_resume_sequence_keeps_last_newest(tmp_path):
+def test_documented_resume_sequence_keeps_last_newest(tmp_path, capsys):
     import ckpt_integration as ci
     import gpt
     from train import run
@@ -47,6 +59,10 @@ def test_documented_resume_sequence_keeps_last_newest(tmp_path):
                               (["parallel=tp1_dp2", "resume=true"], 4),
                               (["parallel=tp2_dp2", "resume=true", "trainer.max_epochs=6"], 6)):
         out = run(_cfg(f"ckpt_dir={ck}", *overrides))
+        printed = capsys.readouterr().out
+        if "resume=true" in overrides:  # it says what it resumed: the previous phase's last step
+            prev = epochs - 2
+            assert f"== resuming from {ck}/" in printed and f": epoch {prev - 1}, global step {prev * STEPS} " in printed, printed
         steps = [s for s, _ in out["losses"]]
         assert steps[-1] == epochs * STEPS - 1, steps  # trained up to the end of the phase
         assert ci.load_common_state_dict(last)["global_step"] == epochs * STEPS, overrides

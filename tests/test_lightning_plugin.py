@@ -130,16 +130,23 @@ def test_plugin_alone_on_every_stock_strategy_and_stock_import(tmp_path):
 
 
 def test_strategies_without_cpu_support_or_own_format(tmp_path):
-    """FSDP1 and DeepSpeed write their own checkpoints: refused, naming what to use. Lightning itself refuses
+    """DeepSpeed writes its own checkpoints: refused, naming what to use; a stock FSDPStrategy becomes
+    DistCkptFSDPStrategy, a subclass of it is refused naming the mixin. Lightning itself refuses
     ``strategy="fsdp"`` on CPU and ``"deepspeed"`` without the package, so the check is called directly."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-    from ckpt_integration.lightning import DistCkptIO, UnsupportedStrategyError, check_strategy
+    from ckpt_integration.lightning import DistCkptFSDPStrategy, DistCkptIO, UnsupportedStrategyError, check_strategy
 
-    with pytest.raises(UnsupportedStrategyError, match="FSDPStrategy.*never calls CheckpointIO.*DistCkptModelParallelStrategy"):
-        check_strategy(FSDPStrategy())
-    with pytest.raises(UnsupportedStrategyError, match="DeepSpeedStrategy.*DeepSpeed writes its own"):
+    assert check_strategy(FSDPStrategy()) is DistCkptFSDPStrategy
+    with pytest.raises(UnsupportedStrategyError,
+                       match="DeepSpeedStrategy.*DeepSpeed writes its own.*DistCkptFSDPStrategy.*DistCkptStrategyMixin"):
         check_strategy(object.__new__(DeepSpeedStrategy))
+
+    class MyFSDP(FSDPStrategy):
+        pass
+
+    with pytest.raises(UnsupportedStrategyError, match="MyFSDP: it is a subclass of FSDPStrategy.*DistCkptStrategyMixin"):
+        check_strategy(MyFSDP())
 
     class MyDDP(DDPStrategy):  # may override save_checkpoint: not silently replaced
         pass

@@ -174,9 +174,9 @@ def test_raise_all_in_megatrons_words(tmp_path):
         ci.load({"w": ST.from_rank_offsets("w", torch.ones(2)), "v": ST.from_rank_offsets("v", torch.ones(2))},
                 tmp_path / "c", strict=ci.StrictHandling.RAISE_ALL)
     msg = str(e.value)
-    assert "Missing keys (for all ranks): ['u']" in msg and "Unexpected keys (for this rank): ['v']" in msg
+    assert "Missing keys (for all ranks): {'u'}. Unexpected keys (for this rank): {'v'}. " in msg
     assert "Some keys found in the checkpoint are missing in the provided sharded state dict" in msg
-    with pytest.raises(MismatchError, match=r"Missing keys \(for all ranks\): \['u'\]"):
+    with pytest.raises(MismatchError, match=r"Missing keys \(for all ranks\): \{'u'\}"):
         ci.load({"w": ST.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", strict="raise_all")
 
 
@@ -379,6 +379,23 @@ def _worker(rank: int, world: int, base: str, out: str) -> None:
             assert "(('b', 'only'), <class 'int'>, <class 'int'>)" in msg and "('t',)" in msg, msg
         # what is saved is rank 0's
         assert ci.load_common_state_dict(os.path.join(base, "differs"))["b"] == {"only": 0}
+        # Megatron-Core's own check on the same (non-tensor) differences: its sentence is our first line
+        from megatron.core.dist_checkpointing.validation import _validate_common_state_dict
+
+        common = {"a": 1, "b": {"only": rank}, f"r{rank}": 1}
+        theirs = _Records()
+        logging.getLogger("megatron.core.dist_checkpointing.validation").addHandler(theirs)
+        logging.getLogger("ckpt_integration").addHandler(handler)
+        handler.messages.clear()
+        try:
+            _validate_common_state_dict(common)
+            ci.save({"w": ST.from_rank_offsets("w", torch.ones(2), replica_id=rank), **common}, os.path.join(base, "differs2"))
+        finally:
+            logging.getLogger("megatron.core.dist_checkpointing.validation").removeHandler(theirs)
+            logging.getLogger("ckpt_integration").removeHandler(handler)
+        if rank == 1:
+            (mine,), (megatron,) = handler.messages, theirs.messages
+            assert mine.split("\n")[0] == megatron and mine.split("\n")[1] == "(only rank 0's common state is saved)", (mine, megatron)
 
     _record(results, "common_state_differences_logged", common_state_differences_logged)
 

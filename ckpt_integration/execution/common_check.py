@@ -4,8 +4,8 @@ Megatron-Core broadcasts rank 0's common state at every save and diffs it on eve
 other rank. Here each rank hashes its common state and one all-reduce of 5 integers
 (the maximum of the digest and of its negation: equal everywhere iff max == min)
 decides, at a cost that does not grow with the number of ranks; rank 0's common state travels (one broadcast) only when some digest
-differs, and then each differing rank logs, in Megatron-Core's words, which keys exist
-only on rank 0, only on that rank, or differ. Nothing is raised: rank 0's copy is
+differs, and then each differing rank logs, in Megatron-Core's sentence, which keys exist
+only on rank 0, only on that rank, or differ (with both types). Nothing is raised: rank 0's copy is
 what gets saved, as in Megatron-Core.
 """
 
@@ -81,8 +81,9 @@ def check_common_consistency(
     rank0 = torch.load(io.BytesIO(payload), weights_only=False)
     only_rank0, only_here, mismatch = diff(rank0, view)
     if only_rank0 or only_here or mismatch:
+        # Megatron-Core's sentence as it words it; what it means for the save on a line of its own
         logger.warning(
             "Rank %d common state dict differs from rank 0 common state dict. Keys only on rank 0: %s, "
-            "Keys only on %d: %s, Mismatched keys: %s (only rank 0's common state is saved)",
+            "Keys only on %d: %s, Mismatched keys: %s\n(only rank 0's common state is saved)",
             rank, only_rank0, rank, only_here, mismatch,
         )

@@ -456,6 +456,20 @@ def coordinator_rank(group: Optional[Any] = None) -> int:
     return dist.get_global_rank(group, 0)
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for a rank's failure as the other ranks see it: type and message, and for
+    errors that are not ours (bugs, OS errors) where it was raised."""
+    from ..errors import CheckpointingException
+
+    if isinstance(e, CheckpointingException):
+        return f"{type(e).__name__}: {e}"
+    import traceback
+
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
 def agree_on_errors(local_error: Optional[str], group: Optional[Any] = None) -> List[str]:
     """Every rank learns every rank's error message (``rank N: ...``).
 

@@ -76,10 +76,7 @@ def _unframe(m: bytes) -> Tuple[bytes, bytes]:
     return m[4 : 4 + n], m[4 + n :]
 
 
-def _describe(e: BaseException) -> str:
-    from .save import _describe as describe
-
-    return describe(e)
+_describe = dist.describe_error
 
 
 def _raise_errors(local_error: Optional[str], local_exc: Optional[BaseException], group: Any, context: str) -> None:

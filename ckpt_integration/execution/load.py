@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
-from ..planning.boxes import Box, relative_slices
+from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.exchange import route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
@@ -42,10 +42,17 @@ from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
 from . import exchange
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
-from .save import _describe
+from .dist import describe_error as _describe
 from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
+
+# load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
+# once would not read fewer bytes)
+READ_ONCE = ("auto", "read_once")
+# what this process's last load did (strategy used, bytes read/sent/received, seconds per
+# phase): read by benchmarks/bench.py
+last_load_stats: Dict[str, Any] = {}
 
 
 @dataclass
@@ -74,7 +81,7 @@ def _drop_keys(sharded: Any, keys: Set[str]) -> Any:
                 sub = _drop_keys(v, keys)
                 if sub:
                     out[k] = sub
-            elif _request_key(v) not in keys:
+            elif _request_key(v) not in keys and v.key not in keys:  # (objects are reported by key)
                 out[k] = v
         return out
     return sharded
@@ -90,9 +97,9 @@ def _handle_strict(
         return
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
         error = KeyNotInCheckpointError if unexpected else MismatchError
-        raise error(f"rank {rank}: {checkpoint_dir}: " + mismatch_message(missing, unexpected))
+        raise error(mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-        logger.warning("rank %d: %s: %s (skipped)", rank, checkpoint_dir, mismatch_message(missing, unexpected))
+        logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
 def _tensor_tasks(
@@ -169,12 +176,15 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
         return [
             ChunkRead(r.chunk, r.overlap, compact.chunk_info(key, r.source, r.chunk, checksums, where)) for r in reads
         ]
+    chunks = reader.chunks[key]
+    if len(chunks) == 1:  # the common case of many small tensors: no index to build
+        common = intersect(request, chunks[0].box)
+        return [] if common is None else [ChunkRead(chunks[0].box, common, chunks[0])]
     per_reader = _indexes.get(reader)
     if per_reader is None:
         per_reader = _indexes[reader] = {}
     index = per_reader.get(key)
     if index is None:
-        chunks = reader.chunks[key]
         index = per_reader[key] = ChunkIndex([c.box for c in chunks], chunks)
     return index.reads(request)
 
@@ -190,7 +200,7 @@ def load_torch_dist(
     thread_count: int = 4,
     verify_checksums: bool = True,
     process_group: Any = None,
-    load_strategy: str = "local",
+    load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
 ) -> Any:
@@ -245,8 +255,26 @@ def load_torch_dist(
             )
         except Exception as e:
             local_error, local_exc = _describe(e), e
+    last_load_stats.clear()
+    last_load_stats["strategy"] = "local"
+    outcome = "local"
     try:
-        if load_strategy in ("fully_parallel", "two_stage") and world > 1:
+        if load_strategy in READ_ONCE and world > 1 and backend == "torch_dist":
+            from .read_once import load_read_once
+
+            try:
+                outcome, stats = load_read_once(
+                    job.reader if job else None, job.tasks if job else [], local_error, group,
+                    mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
+                )
+                last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
+            except Exception as e:
+                outcome = "failed"
+                if local_error is None:
+                    local_error, local_exc = _describe(e), e
+        if outcome != "local":
+            pass
+        elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
             from .parallel_load import exchange_reads
 
             try:
@@ -269,6 +297,9 @@ def load_torch_dist(
                 local_error, local_exc = _describe(e), e
     finally:
         if job is not None:
+            if hasattr(job.reader, "stats"):  # reads of the reader itself ("local", and chunks read-once left to it)
+                for k, v in job.reader.stats.as_dict().items():
+                    last_load_stats[k] = last_load_stats.get(k, 0) + v
             job.reader.close()
     errs = dist.agree_on_errors(local_error, group)
     dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")

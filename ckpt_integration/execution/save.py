@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 import uuid
 
 import torch
@@ -55,20 +54,13 @@ from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
 from . import dist
 from . import exchange
+from .dist import describe_error as _describe
 from .common_check import check_common_consistency
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
 logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, CheckpointingException):
-        return f"{type(e).__name__}: {e}"
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return f"{type(e).__name__}: {e}{where}"
 
 
 @dataclass
@@ -89,6 +81,7 @@ class SavePlan:
     durable: bool
     backend: str = "torch_dist"
     step: Optional[int] = None  # the training step, recorded in the manifest (commit order)
+    separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     started: float = field(default_factory=time.time)
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
@@ -202,6 +195,7 @@ def prepare_save(
     backend: str = "torch_dist",
     preprocess_common: Optional[Callable[[Any], Any]] = None,
     step: Optional[int] = None,
+    separation_hint: Optional[str] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -283,6 +277,7 @@ def prepare_save(
         durable=durable,
         backend=backend,
         step=_recorded_step(step, common) if coord else None,
+        separation_hint=separation_hint,
         local_error=local_error,
         local_exc=local_exc,
     )
@@ -309,7 +304,8 @@ def write_local(plan: SavePlan) -> None:
         if plan.backend == "zarr":
             plan.written = write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
         else:
-            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable)
+            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
+                                            separation_hint=plan.separation_hint)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
         plan.local_error, plan.local_exc = _describe(e), e

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_left
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -221,7 +221,7 @@ def decode_metadata(
 def encode_shared(shared: SharedMetadata) -> bytes:
     w = MessageWriter()
     w.sid("")  # index 0: no error
-    w.add(0, w.sid(shared.backend), w.sid(json.dumps(asdict(shared.manifest)) if shared.manifest else ""))
+    w.add(0, w.sid(shared.backend), w.sid(json.dumps(ckdir.manifest_fields(shared.manifest)) if shared.manifest else ""))
     if shared.metadata is None:
         w.add(0)
     else:

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -138,6 +138,9 @@ class StateDictStager:
         share_memory: put buffers in shared memory (for a worker process).
         copy_threads: copy large CPU storages with this many threads (torch's
             ``copy_`` already parallelises; >1 splits storages across a pool).
+        allocator: ``allocator(sizes) -> [UntypedStorage, ...]`` makes the new buffers of one
+            call at once (e.g. slices of one file in shared memory, see
+            :mod:`ckpt_integration.memory`); default: one host tensor per buffer.
 
     Example::
 
@@ -147,10 +150,12 @@ class StateDictStager:
         assert stager.stats.last_allocations == 0
     """
 
-    def __init__(self, pin_memory: Optional[bool] = None, share_memory: bool = False, copy_threads: int = 1):
+    def __init__(self, pin_memory: Optional[bool] = None, share_memory: bool = False, copy_threads: int = 1,
+                 allocator: Optional[Callable[[List[int]], List[torch.UntypedStorage]]] = None):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.share_memory = share_memory
         self.copy_threads = max(1, int(copy_threads))
+        self.allocator = allocator
         self.stats = StagingStats()
         self._by_key: Dict[_StorageKey, torch.UntypedStorage] = {}
         self._lock = threading.Lock()
@@ -159,6 +164,11 @@ class StateDictStager:
         self._streams: Dict[Any, Any] = {}  # CUDA side streams for deferred copies
 
     # -- buffers ---------------------------------------------------------------------------
+    @property
+    def buffers(self) -> List[torch.UntypedStorage]:
+        """The cached host buffers (those backing the copies returned last)."""
+        return list(self._by_key.values())
+
     @property
     def cached_bytes(self) -> int:
         """Bytes held in cached host buffers."""
@@ -196,12 +206,23 @@ class StateDictStager:
         free_by_size: Dict[int, List[torch.UntypedStorage]] = defaultdict(list)
         for buf in old.values():
             free_by_size[buf.nbytes()].append(buf)
+        fresh: List[_Group] = []
         for g in need:
             pool = free_by_size.get(g.hi - g.lo)
             if pool:
                 g.buffer = pool.pop()
                 self.stats.reused += 1
             else:
+                fresh.append(g)
+        if fresh and self.allocator is not None:
+            sizes = [g.hi - g.lo for g in fresh]
+            for g, buf in zip(fresh, self.allocator(sizes)):
+                g.buffer = buf
+            self.stats.allocations += len(fresh)
+            self.stats.last_allocations += len(fresh)
+            self.stats.allocated_bytes += sum(sizes)
+        else:
+            for g in fresh:
                 g.buffer = self._allocate(g.hi - g.lo)
         self.stats.freed += sum(len(v) for v in free_by_size.values())
         for i, g in enumerate(groups):

@@ -77,6 +77,10 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
     ``save_last="link"`` it links to the checkpoint saved at this step, or is written itself when
     there is none.
 
+    With memory snapshots (``DistCkptIO(memory_every_n_train_steps=N)``) the newest snapshot in
+    the node's memory is a candidate too; the strategy then restores the newer of it and the
+    newest complete checkpoint.
+
     ``dirpath`` may be an fsspec URL (``s3://bucket/run``); top-k deletions go through fsspec.
     ``save_last`` is refused there: ``last.ckpt`` is rewritten in place every epoch, and object
     stores cannot replace a checkpoint directory atomically. With ``save_last=False``,
@@ -157,7 +161,16 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 found.add(newest)
         if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
             found = {max(found, key=lambda p: commit_order_of(p).key())}
-        return {_lightning_candidate(p) for p in found}
+        out = {_lightning_candidate(p) for p in found}
+        io = _io(trainer)
+        if io is not None and io.memory_enabled:  # the memory tier's newest snapshot competes too
+            from .memory import memory_candidate
+
+            io._memory_last_requested = True  # "last": the strategy restores the newest of memory and durable
+            snap = memory_candidate(io, trainer)
+            if snap is not None:
+                out.add(snap)
+        return out
 
 
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]

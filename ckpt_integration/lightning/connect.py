@@ -8,12 +8,13 @@ wraps its setter (once, at import of :mod:`ckpt_integration.lightning`): when a 
 assigned to a stock strategy, :func:`connect` turns that strategy object into its DistCkpt variant,
 a subclass that only adds the checkpoint methods (``SingleDeviceStrategy`` ->
 ``DistCkptSingleDeviceStrategy``, ``DDPStrategy`` -> ``DistCkptDDPStrategy`` with TP = 1,
-``ModelParallelStrategy`` -> ``DistCkptModelParallelStrategy``). Everything else the user or
+``ModelParallelStrategy`` -> ``DistCkptModelParallelStrategy``, ``FSDPStrategy`` (FSDP1) ->
+``DistCkptFSDPStrategy``). Everything else the user or
 Lightning configured on it (devices, process group backend, start method, DDP kwargs, cluster
 environment) stays as it is. Assigning anything else behaves exactly as before.
 
-Strategies with their own checkpoint format (FSDP1, DeepSpeed) and subclasses of the stock
-strategies (which may override ``save_checkpoint``) are refused with
+Strategies with their own checkpoint format (DeepSpeed) and subclasses of the stock strategies
+(which may override ``save_checkpoint``; mixing in ``DistCkptStrategyMixin`` is the way for them) are refused with
 :class:`~ckpt_integration.lightning.UnsupportedStrategyError` at ``Trainer(...)``.
 """
 
@@ -21,17 +22,18 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Type
 
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 
 from .io import DistCkptIO, UnsupportedStrategyError
-from .strategy import (DistCkptDDPStrategy, DistCkptModelParallelStrategy, DistCkptSingleDeviceStrategy,
-                       DistCkptStrategyMixin)
+from .strategy import (DistCkptDDPStrategy, DistCkptFSDPStrategy, DistCkptModelParallelStrategy,
+                       DistCkptSingleDeviceStrategy, DistCkptStrategyMixin)
 
 #: stock strategy class -> the DistCkpt class it becomes when given a DistCkptIO (exact types only)
 DIST_CKPT_VARIANTS: Dict[type, type] = {
     SingleDeviceStrategy: DistCkptSingleDeviceStrategy,
     DDPStrategy: DistCkptDDPStrategy,
     ModelParallelStrategy: DistCkptModelParallelStrategy,
+    FSDPStrategy: DistCkptFSDPStrategy,
 }
 
 _HOOK_FLAG = "_ckpt_integration_connects_dist_ckpt_io"
@@ -40,8 +42,8 @@ _HOOK_FLAG = "_ckpt_integration_connects_dist_ckpt_io"
 def _unsupported_message(strategy: Any) -> str:
     name = type(strategy).__name__
     why = {
-        "FSDPStrategy": "it saves sharded checkpoints with torch.distributed.checkpoint and never calls CheckpointIO",
-        "DeepSpeedStrategy": "DeepSpeed writes its own checkpoints and never calls CheckpointIO",
+        "DeepSpeedStrategy": "DeepSpeed writes its own checkpoints (ZeRO partitions in its own format) and never "
+                             "calls CheckpointIO",
     }.get(name)
     if why is None:
         why = "it calls CheckpointIO on rank 0 only (or not at all), so a sharded save would never happen"
@@ -54,7 +56,8 @@ def _unsupported_message(strategy: Any) -> str:
         f"DistCkptIO cannot be used with {name}: {why}. Use "
         "strategy=ckpt_integration.lightning.DistCkptDDPStrategy(...) (DDP, optionally with hand-written "
         "tensor parallelism via ckpt_integration.modules), DistCkptModelParallelStrategy(...) (FSDP2 fully_shard / "
-        "DTensor tensor parallelism in configure_model) or DistCkptSingleDeviceStrategy() for one device "
+        "DTensor tensor parallelism in configure_model), DistCkptFSDPStrategy(...) (FSDP1; in place of DeepSpeed "
+        "ZeRO sharding too) or DistCkptSingleDeviceStrategy() for one device "
         "(or mix DistCkptStrategyMixin into your strategy class): they save sharded state on every rank. "
         "To keep Lightning's own checkpoints, drop the DistCkptIO plugin."
     )

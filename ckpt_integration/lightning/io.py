@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from enum import Enum
@@ -35,6 +36,27 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
+_MEMORY_KEYS = ("every_n_train_steps", "replicas", "dir", "job_id", "ranks_per_node", "persist_every_n", "sigterm_grace_s")
+
+
+def _memory_options(memory: Any) -> Dict[str, Any]:
+    """``DistCkptIO(memory=...)`` as a plain dict (a dict, a Hydra DictConfig or a dataclass)."""
+    if dataclasses.is_dataclass(memory) and not isinstance(memory, type):
+        memory = dataclasses.asdict(memory)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(memory, DictConfig):
+            memory = OmegaConf.to_container(memory, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    memory = dict(memory)
+    unknown = sorted(set(memory) - set(_MEMORY_KEYS))
+    if unknown:
+        raise ValueError(f"DistCkptIO: unknown memory option(s) {unknown}; known: {list(_MEMORY_KEYS)}")
+    return memory
+
+
 class DistCkptIO(CheckpointIO):
     """Lightning ``CheckpointIO`` plugin saving sharded, reshardable directory checkpoints.
 
@@ -50,7 +72,7 @@ class DistCkptIO(CheckpointIO):
     Args:
         async_save: write in the background (training continues after staging);
             finalized by :class:`DistCkptAsyncFinalizer` (added automatically) and at teardown.
-        load_strategy: ``"local"``, ``"fully_parallel"`` or ``"two_stage"``.
+        load_strategy: ``"auto"`` (default), ``"read_once"``, ``"local"``, ``"fully_parallel"`` or ``"two_stage"`` (see docs/strategies.md).
         thread_count: I/O threads per rank for save and load.
         backend: sharded backend, ``"torch_dist"`` (default) or ``"zarr"``.
         max_in_flight: async saves in flight at once (older ones are waited for).
@@ -58,12 +80,30 @@ class DistCkptIO(CheckpointIO):
         allowed_globals: extra classes allowed in the common state on load.
         durable: fsync before commit.
         balance: spread writes of replicated tensors over DP replicas (fully-parallel save).
+        memory_every_n_train_steps: take a snapshot of the whole training state in host shared
+            memory every N optimizer steps (:class:`ckpt_integration.MemoryCheckpoints`; see
+            docs/memory.md). ``trainer.fit(ckpt_path="last")`` then resumes from the newest of the
+            memory tier and the durable checkpoints; a SIGTERM makes the newest snapshot durable;
+            the snapshots are removed when ``fit`` finishes.
+        memory_replicas: copies of each rank's snapshot on distinct nodes (its own included).
+        memory_dir: the node's shared-memory directory (default ``/dev/shm/ckpt_integration``).
+        memory_job_id: the job's name in ``memory_dir`` (default: derived from the trainer's
+            ``default_root_dir``, so a restarted job finds its snapshots).
+        memory_ranks_per_node: ranks per node (default ``LOCAL_WORLD_SIZE``, else Lightning's
+            devices per node).
+        memory_persist_every_n: also write every M-th snapshot as a durable checkpoint
+            (``memory-step=<step>.ckpt`` next to ``ModelCheckpoint``'s, the two newest kept),
+            in the background, from the snapshot.
+        memory_sigterm_grace_s: on SIGTERM, how long to wait for the newest snapshot to become
+            durable (``preempted-step=<step>.ckpt``) before the process exits anyway.
+        memory: the ``memory_*`` options as one mapping without the prefix (``{"every_n_train_steps":
+            10, "replicas": 2}``): what Hydra's ``checkpoint.memory.*`` group passes.
     """
 
     def __init__(
         self,
         async_save: bool = False,
-        load_strategy: str = "local",
+        load_strategy: str = "auto",
         thread_count: int = 2,
         backend: str = "torch_dist",
         max_in_flight: int = 1,
@@ -72,7 +112,24 @@ class DistCkptIO(CheckpointIO):
         durable: bool = True,
         balance: bool = True,
         validate_access_integrity: bool = True,
+        memory_every_n_train_steps: Optional[int] = None,
+        memory_replicas: int = 2,
+        memory_dir: Optional[str] = None,
+        memory_job_id: Optional[str] = None,
+        memory_ranks_per_node: Optional[int] = None,
+        memory_persist_every_n: Optional[int] = None,
+        memory_sigterm_grace_s: float = 60.0,
+        memory: Optional[Any] = None,
     ):
+        if memory is not None:
+            given = _memory_options(memory)
+            memory_every_n_train_steps = given.get("every_n_train_steps", memory_every_n_train_steps)
+            memory_replicas = given.get("replicas", memory_replicas)
+            memory_dir = given.get("dir", memory_dir)
+            memory_job_id = given.get("job_id", memory_job_id)
+            memory_ranks_per_node = given.get("ranks_per_node", memory_ranks_per_node)
+            memory_persist_every_n = given.get("persist_every_n", memory_persist_every_n)
+            memory_sigterm_grace_s = given.get("sigterm_grace_s", memory_sigterm_grace_s)
         load_strategy, backend = _plain(load_strategy), _plain(backend)
         if load_strategy not in LOAD_STRATEGIES:
             raise ValueError(f"DistCkptIO: unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
@@ -95,6 +152,26 @@ class DistCkptIO(CheckpointIO):
         self._deferred_removals: List[str] = []
         self._check_group: Any = None
         self.save_fn: Callable[..., Any] = start_async_save
+        for name, v in (("memory_every_n_train_steps", memory_every_n_train_steps),
+                        ("memory_persist_every_n", memory_persist_every_n)):
+            if v is not None and int(v) < 1:
+                raise ValueError(f"DistCkptIO: {name} must be >= 1 (or None), got {v}")
+        if int(memory_replicas) < 1:
+            raise ValueError(f"DistCkptIO: memory_replicas must be >= 1, got {memory_replicas}")
+        self.memory_every_n_train_steps = None if memory_every_n_train_steps is None else int(memory_every_n_train_steps)
+        self.memory_replicas = int(memory_replicas)
+        self.memory_dir = memory_dir
+        self.memory_job_id = memory_job_id
+        self.memory_ranks_per_node = memory_ranks_per_node
+        self.memory_persist_every_n = None if memory_persist_every_n is None else int(memory_persist_every_n)
+        self.memory_sigterm_grace_s = float(memory_sigterm_grace_s)
+        self.memory_tier: Any = None  # the MemoryCheckpoints, made collectively when first needed
+        self._memory_last_requested = False  # set while resolving ckpt_path="last"
+
+    @property
+    def memory_enabled(self) -> bool:
+        """Whether memory snapshots are configured (``memory_every_n_train_steps``)."""
+        return self.memory_every_n_train_steps is not None
 
     # -- low-level API used by the strategies ----------------------------------------------------
     def _load_kwargs(self) -> Dict[str, Any]:
@@ -261,6 +338,9 @@ class DistCkptIO(CheckpointIO):
                 group, self._check_group = self._check_group, None
                 if group is not None:
                     group.close("DistCkptIO.teardown()")
+                if self.memory_tier is not None:  # snapshots stay in memory for a restart
+                    tier, self.memory_tier = self.memory_tier, None
+                    tier.close()
 
 
 def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: Dict[str, Any]) -> Any:

@@ -8,7 +8,7 @@ import re
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -17,6 +17,7 @@ from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_mai
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_sharded_state_dict
 from ..tools.recipe import EXPORT_RECIPE_KEY, export_recipe_object
+from . import fsdp
 from .callbacks import DistCkptAsyncFinalizer
 from .io import MARKER, DistCkptIO
 from .paths import resolve_checkpoint_path
@@ -120,6 +121,10 @@ class DistCkptStrategyMixin(Strategy):
     ``set_extra_state``, ``strict_loading``); optimizer states are loaded resharded; RNG states
     restored (same world size). Checkpoints written by stock Lightning (a ``.ckpt`` file, or a
     ``ModelParallelStrategy`` DCP directory) are imported (:mod:`ckpt_integration.lightning.stock`).
+
+    Mixed into a subclass of Lightning's ``FSDPStrategy`` (FSDP1), model and optimizer state go
+    through ``torch.distributed.checkpoint.state_dict`` (:mod:`ckpt_integration.lightning.fsdp`):
+    the same keys as under DDP / FSDP2 / one device, so checkpoints move between them.
     """
 
     # A ``Strategy`` subclass adding no instance layout (no ``__slots__`` entries, no ``__init__`` state):
@@ -134,7 +139,13 @@ class DistCkptStrategyMixin(Strategy):
     def parallel_layout(self) -> ParallelLayout:
         """TP/DP layout of this run (trivial unless a tensor-parallel size was given)."""
         lay = getattr(self, "_parallel_layout", None)
+        if lay is None and self._is_fsdp1() and getattr(self, "world_size", 1) > 1:
+            # FSDP1: every rank is a data-parallel rank (parameters sharded over all of them)
+            return ParallelLayout(dp_size=self.world_size, dp_rank=self.global_rank)  # type: ignore[attr-defined]
         return lay if lay is not None else ParallelLayout()
+
+    def _is_fsdp1(self) -> bool:
+        return fsdp.is_fsdp1(self)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -161,7 +172,29 @@ class DistCkptStrategyMixin(Strategy):
         return io
 
     def _module_sharded_state_dict(self) -> Dict[str, Any]:
+        if self._is_fsdp1():
+            sd, self._fsdp_raw_state = fsdp.model_state(self.model)  # type: ignore[attr-defined]
+            return sd
         return module_sharded_state_dict(self.lightning_module, "", {"layout": self.parallel_layout})
+
+    def _optimizer_sharded_state_dict(self, optimizer: Any, model_sd: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+        if self._is_fsdp1():
+            return fsdp.optimizer_state(self.model, _unwrap_optimizer(optimizer), model_sd, prefix)  # type: ignore[attr-defined]
+        return optimizer_sharded_state_dict(optimizer, model_sd, prefix=prefix, module=self.lightning_module)
+
+    def _load_optimizer(self, io: DistCkptIO, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str) -> None:
+        if self._is_fsdp1():
+            kw = {k: v for k, v in io._load_kwargs().items() if k not in ("allowed_globals", "trusted")}
+            fsdp.load_optimizer(self.model, _unwrap_optimizer(optimizer), model_sd, path, prefix, **kw)  # type: ignore[attr-defined]
+            return
+        io.load_optimizer(optimizer, model_sd, path, prefix, module=self.lightning_module)
+
+    def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        """The optimizer's own ``state_dict()`` under FSDP1 (its consolidating ``optim_state_dict`` is not
+        needed: the sharded optimizer state is built in :meth:`save_checkpoint`)."""
+        if self._is_fsdp1():
+            return _unwrap_optimizer(optimizer).state_dict()
+        return super().optimizer_state(optimizer)
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
         """The module's sharded state dict: what ``checkpoint["state_dict"]`` holds in
@@ -174,6 +207,11 @@ class DistCkptStrategyMixin(Strategy):
         io = self.dist_checkpoint_io()
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+        if io.memory_enabled:
+            from .memory import DistCkptMemorySnapshots
+
+            if not any(isinstance(cb, DistCkptMemorySnapshots) for cb in trainer.callbacks):
+                trainer.callbacks.insert(0, DistCkptMemorySnapshots())
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Save on every rank (collective)."""
@@ -181,6 +219,12 @@ class DistCkptStrategyMixin(Strategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(filepath))  # type: ignore[attr-defined]
+        io.save_checkpoint(self.sharded_checkpoint(checkpoint), path)
+
+    def sharded_checkpoint(self, checkpoint: Dict[str, Any], main_replica_only: bool = True) -> Dict[str, Any]:
+        """Lightning's ``checkpoint`` as the sharded state dict this strategy saves (with the plugin's
+        marker). ``main_replica_only=False`` keeps every rank's own copy of replicated buffers (a memory
+        snapshot restores each rank's own state)."""
         state = dict(checkpoint)
         dumped = state.pop("state_dict", None)
         model_sd = dumped if _contains_sharded(dumped) else self._module_sharded_state_dict()
@@ -189,11 +233,10 @@ class DistCkptStrategyMixin(Strategy):
         num_opt = 0
         if opt_states is not None:
             for i, opt in enumerate(self.optimizers):  # type: ignore[attr-defined]
-                state[optimizer_key(i)] = optimizer_sharded_state_dict(
-                    opt, model_sd, prefix=optimizer_key(i), module=self.lightning_module
-                )
+                state[optimizer_key(i)] = self._optimizer_sharded_state_dict(opt, model_sd, optimizer_key(i))
                 num_opt += 1
-        state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
+        if main_replica_only:
+            state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
         from lightning.fabric.utilities.seed import _collect_rng_states
 
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
@@ -212,7 +255,7 @@ class DistCkptStrategyMixin(Strategy):
             "has_optimizer_states": opt_states is not None,
             "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
         }
-        io.save_checkpoint(state, path)
+        return state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """Load into the current layout on every rank (collective); returns Lightning's checkpoint dict.
@@ -225,6 +268,12 @@ class DistCkptStrategyMixin(Strategy):
 
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(checkpoint_path))  # type: ignore[attr-defined]
+        if io.memory_enabled:  # the newer of the memory tier's newest step and this checkpoint
+            from .memory import restore_newest
+
+            loaded, path = restore_newest(self, path)
+            if loaded is not None:
+                return loaded
         model_sd = self._module_sharded_state_dict()
         self._loaded_sharded_keys = _sharded_keys(model_sd)
         if stock_layout(path) is not None:
@@ -252,10 +301,15 @@ class DistCkptStrategyMixin(Strategy):
                     f"{path} holds {meta.get('num_optimizers')} optimizer(s), the module configures {len(optimizers)}"
                 )
             for i, opt in enumerate(optimizers):
-                io.load_optimizer(opt, model_sd, path, optimizer_key(i), module=self.lightning_module)
+                self._load_optimizer(io, opt, model_sd, path, optimizer_key(i))
             loaded["optimizer_states"] = [opt.state_dict() for opt in optimizers]
         for i in range(int(meta.get("num_optimizers", 0))):
             loaded.pop(optimizer_key(i), None)
+        if meta.get("fabric"):  # written by fabric.save: no Lightning version (nothing to migrate), no loops
+            import lightning
+
+            loaded.setdefault("pytorch-lightning_version", lightning.__version__)
+            loaded.pop("content_metadata", None)
         rng = loaded.pop("rng_states", None)
         if isinstance(rng, dict):
             from lightning.fabric.utilities.seed import _set_rng_states
@@ -274,10 +328,15 @@ class DistCkptStrategyMixin(Strategy):
         does not have are skipped (both logged)."""
         missing, unexpected = self._load_report or ([], [])
         self._load_report = None
-        missing, unexpected = load_module_state_dict(
-            self.lightning_module, dict(checkpoint["state_dict"]), strict=strict, missing_keys=missing,
-            unexpected_keys=unexpected, requested_keys=getattr(self, "_loaded_sharded_keys", None),
-        )
+        if self._is_fsdp1():
+            raw, self._fsdp_raw_state = self._fsdp_raw_state, None
+            missing, unexpected = fsdp.load_model_state(self.model, raw, dict(checkpoint["state_dict"]), strict,  # type: ignore[attr-defined]
+                                                        missing, unexpected)
+        else:
+            missing, unexpected = load_module_state_dict(
+                self.lightning_module, dict(checkpoint["state_dict"]), strict=strict, missing_keys=missing,
+                unexpected_keys=unexpected, requested_keys=getattr(self, "_loaded_sharded_keys", None),
+            )
         if missing:
             rank_zero_warn(f"Found keys that are in the model state dict but not in the checkpoint: {missing}")
         if unexpected:
@@ -356,6 +415,29 @@ class DistCkptDDPStrategy(DistCkptStrategyMixin, DDPStrategy):
         return super()._setup_model(model)
 
 
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class DistCkptFSDPStrategy(DistCkptStrategyMixin, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1: full / grad-op / hybrid shard, ``use_orig_params`` either
+    way, auto-wrap policies) saving sharded checkpoints through :class:`DistCkptIO` on every rank.
+
+    Model and optimizer state come from ``torch.distributed.checkpoint.state_dict`` as this rank's
+    shards and are stored under the parameters' names, as DDP / FSDP2 / one-device checkpoints
+    are: a checkpoint of any of them resumes under any other, with another world size too.
+    Lightning's ``state_dict_type`` does not apply (checkpoints are always sharded directories).
+    On a CPU device the model is wrapped with ``device_id=torch.device("cpu")``, which torch's
+    FSDP1 needs there (Lightning passes none).
+    """
+
+    def _setup_model(self, model: Any) -> Any:
+        wrapped = fsdp.setup_cpu_model(self, model)
+        return super()._setup_model(model) if wrapped is None else wrapped
+
+
 def _reshard_fsdp2(module: Any) -> None:
     """Register FSDP2's sharded parameters everywhere (after e.g. an eval forward of the root)."""
     try:
@@ -424,11 +506,7 @@ class DistCkptModelParallelStrategy(DistCkptStrategyMixin, ModelParallelStrategy
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         """The optimizer's own ``state_dict()`` (references, no copy): the sharded optimizer state
         is built from the optimizer itself in :meth:`save_checkpoint`."""
-        from lightning.pytorch.core.optimizer import LightningOptimizer
-
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return optimizer.state_dict()
+        return _unwrap_optimizer(optimizer).state_dict()
 
 
 __all__ = [
@@ -436,6 +514,7 @@ __all__ = [
     "DistCkptSingleDeviceStrategy",
     "DistCkptDDPStrategy",
     "DistCkptModelParallelStrategy",
+    "DistCkptFSDPStrategy",
     "optimizer_key",
     "RNG_KEY",
 ]

@@ -377,7 +377,12 @@ def load_optimizer_state(
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st
-    problems = _check_state_names(optimizer, torch_state, extract, names, id_map)
+    pids, groups_pids = iter(range(len(params))), []
+    for g in optimizer.param_groups:
+        groups_pids.append([next(pids) for _ in g["params"]])
+    label = lambda p: f"{id_map[p].key!r}" + (f" ({names[p]})" if p in names else "")  # noqa: E731
+    problems = _check_state_names(optimizer, optimizer.param_groups, groups_pids,
+                                  {p: s for p, s in torch_state.items() if p in id_map}, extract, label)
     _raise_mismatch(_gather_problems(problems, load_kwargs.get("process_group")), checkpoint_dir, prefix,
                     f"does not fit {type(optimizer).__name__} (saved by another optimizer, with other options, or "
                     "for other parameters?)")
@@ -386,27 +391,24 @@ def load_optimizer_state(
 
 
 def _check_state_names(
-    optimizer: torch.optim.Optimizer, torch_state: Dict[int, Dict[str, Any]], extract: Sequence[str],
-    names: Dict[int, str], id_map: Dict[int, ShardedParam],
+    optimizer: torch.optim.Optimizer, groups: Sequence[Dict[str, Any]], groups_pids: Sequence[Sequence[Any]],
+    torch_state: Dict[Any, Dict[str, Any]], extract: Sequence[str], label: Callable[[Any], str],
 ) -> List[str]:
     """What would fail in ``optimizer.load_state_dict`` or at the next step (torch raises a bare
     ``KeyError`` there): a param lacking a state the optimizer keeps (a checkpoint of another
-    optimizer kind, SGD into Adam), or lacking a state the other params of its group have."""
+    optimizer kind, SGD into Adam), or lacking a state the other params of its group have.
+    ``groups[i]`` holds group ``i``'s options, ``groups_pids[i]`` the ids of its params."""
     problems = []
-    pid = 0
-    for group in optimizer.param_groups:
+    for group, pids in zip(groups, groups_pids):
         expected = _expected_states(optimizer, group)
-        pids = list(range(pid, pid + len(group["params"])))
-        pid += len(group["params"])
-        have = [p for p in pids if torch_state.get(p) and p in id_map]
+        have = [p for p in pids if torch_state.get(p)]
         common = set().union(*(torch_state[p].keys() for p in have)) if have else set()
         for p in have:
             st = torch_state[p]
             lacking = [n for n in (expected if expected is not None else ()) if n not in st and n not in extract]
             lacking += sorted(n for n in common if n not in st and n not in lacking)
             if lacking:
-                label = f"{id_map[p].key!r}" + (f" ({names[p]})" if p in names else "")
-                problems.append(f"parameter {label}: no {', '.join(lacking)} (saved: {sorted(st)})")
+                problems.append(f"parameter {label(p)}: no {', '.join(lacking)} (saved: {sorted(st)})")
     if len(problems) > 20:
         problems = problems[:20] + [f"... and {len(problems) - 20} more"]
     return problems

@@ -9,6 +9,7 @@ Direction of the words, as in Megatron-Core:
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Iterable, Set, Tuple, Union
 
@@ -73,33 +74,56 @@ def parse_strict_flag(strict: Union[str, bool, StrictHandling, None]) -> StrictH
         raise ValueError(f"unknown strict mode {strict!r}; choose one of: {choices}") from None
 
 
+#: the ``/shard_<offset>_<shape>`` suffix of a ShardedObject's storage (unique) key
+_OBJECT_SHARD = re.compile(r"/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*$")
+
+
+def report_key(storage_key: str) -> str:
+    """The key a mismatch is reported under: a ShardedObject's key (``'ObjB'``) for the storage key of
+    one of its shards (``'ObjB/shard_0.1_1.8'``), as Megatron-Core reports it; any other key as is."""
+    return _OBJECT_SHARD.sub("", storage_key)
+
+
 def mismatched_keys(
     requested_local: Iterable[str], requested_global: Iterable[str], in_checkpoint: Iterable[str]
 ) -> Tuple[Set[str], Set[str]]:
-    """Return ``(missing, unexpected)``: missing from all ranks' requests, unexpected locally."""
-    ckpt = set(in_checkpoint)
-    unexpected = set(requested_local) - ckpt
-    missing = ckpt - set(requested_global)
+    """Return ``(missing, unexpected)``: in the checkpoint but requested by no rank, and requested here
+    but not in the checkpoint. Keys are storage keys; ShardedObjects are compared, and reported,
+    by their key (:func:`report_key`), as Megatron-Core does: a shard of an object whose key is in
+    the checkpoint is not unexpected (reading it fails naming the shard if that shard is absent)."""
+    ckpt = {report_key(k) for k in in_checkpoint}
+    unexpected = {report_key(k) for k in requested_local} - ckpt
+    missing = ckpt - {report_key(k) for k in requested_global}
     return missing, unexpected
 
 
-def mismatch_message(missing: Iterable[str], unexpected: Iterable[str]) -> str:
-    """Megatron-Core's words for a key mismatch ("Missing keys" / "Unexpected keys"), then ours.
+def _key_set(keys: Iterable[str]) -> str:
+    """A key set as Megatron-Core prints it (a Python set), in sorted order: ``{'a', 'b'}``."""
+    return "{" + ", ".join(repr(k) for k in sorted(keys)) + "}"
 
-    Example: ``"Unexpected keys (not found in the checkpoint) encountered in the provided
-    sharded state dict. Unexpected keys (for this rank): ['b']. ..."``
+
+def mismatch_message(missing: Iterable[str], unexpected: Iterable[str], context: str = "") -> str:
+    """Megatron-Core's message for a key mismatch, sentence for sentence (its
+    ``maybe_report_missing_and_unexpected_keys``), then ``context`` and what the words mean on a line
+    of their own.
+
+    Example: ``"Unexpected keys (not found in the checkpoint) encountered in the provided sharded
+    state dict. \nUnexpected keys (for this rank): {'b'}. \n(...)"``
     """
-    missing, unexpected = sorted(missing), sorted(unexpected)
-    titles, bodies = [], []
+    missing, unexpected = set(missing), set(unexpected)
+    msg = ""
     if missing:
-        titles.append("Some keys found in the checkpoint are missing in the provided sharded state dict.")
-        bodies.append(f"Missing keys (for all ranks): {missing}.")
+        msg += "Some keys found in the checkpoint are missing in the provided sharded state dict. "
     if unexpected:
-        titles.append("Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict.")
-        bodies.append(f"Unexpected keys (for this rank): {unexpected}.")
+        msg += "Unexpected keys (not found in the checkpoint) encountered in the provided sharded state dict. "
+    msg += "\n"
+    if missing:
+        msg += f"Missing keys (for all ranks): {_key_set(missing)}. "
+    if unexpected:
+        msg += f"Unexpected keys (for this rank): {_key_set(unexpected)}. "
     ours = []
     if unexpected:
         ours.append("unexpected = requested but not in the checkpoint")
     if missing:
         ours.append("missing = in the checkpoint but requested by no rank")
-    return " ".join(titles + bodies) + f" ({'; '.join(ours)})"
+    return msg + "\n" + (f"{context}: " if context else "") + "; ".join(ours)

@@ -33,7 +33,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -119,6 +119,12 @@ class Manifest:
             out[(name, int(off))] = BlockRecord.parse(v)
         self.__dict__["_block_records"] = (self.blocks, out)
         return out
+
+
+def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
+    """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
+    (its tables have an entry per stored item: tens of thousands with many small tensors)."""
+    return {f.name: getattr(manifest, f.name) for f in fields(manifest)}
 
 
 @dataclass(frozen=True)
@@ -388,7 +394,7 @@ def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> 
     """Write ``manifest.json`` (before the commit marker). The marker :data:`WRITER_FILE`
     that says the checkpoint has one was written when the save began (see :mod:`.claim`)."""
     storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(asdict(manifest)).encode(), durable)
+    storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(manifest_fields(manifest)).encode(), durable)
 
 
 def manifest_deleted(directory: str) -> bool:

@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+import time
+from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -72,6 +75,31 @@ def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
     if bufs[which] is None:
         bufs[which] = torch.empty(PIECE + SLACK, dtype=torch.uint8)
     return bufs[which]
+
+
+@dataclass
+class ReadStats:
+    """What a reader did: bytes read from storage, seconds in reads, in checksums and in copies
+    out of scratch buffers (summed over threads). Shared by a reader's threads."""
+
+    bytes_read: int = 0
+    read_s: float = 0.0
+    crc_s: float = 0.0
+    copy_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, nbytes: int = 0, read_s: float = 0.0, crc_s: float = 0.0, copy_s: float = 0.0) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_s += read_s
+            self.crc_s += crc_s
+            self.copy_s += copy_s
+
+    def as_dict(self) -> dict:
+        return {"bytes_read": self.bytes_read, "read_s": self.read_s, "crc_s": self.crc_s, "copy_s": self.copy_s}
+
+
+_NO_STATS = ReadStats()
 
 
 @dataclass
@@ -150,6 +178,15 @@ class _Checker:
             raise AssertionError("internal error: the last checksummed block was not read whole")
 
 
+def verify_blocks(blocks: Blocks, path: str, base: int, what: str, pos: int, data: Any) -> None:
+    """Check the whole blocks held by ``data`` (item-relative bytes ``[pos, pos + len(data))``,
+    starting and ending at block boundaries); a mismatch raises :class:`CorruptCheckpointError`
+    naming the file, the block's byte range and ``what``."""
+    checker = _Checker(blocks, path, base, what)
+    checker.feed(pos, memoryview(data).cast("B") if not isinstance(data, memoryview) else data)
+    checker.finish()
+
+
 def _merge(lo: np.ndarray, hi: np.ndarray, gap: int) -> List[Tuple[int, int]]:
     """Sorted intervals ``[lo, hi)`` merged where they overlap or are less than ``gap`` apart
     (``gap=1``: also where they touch)."""
@@ -186,6 +223,7 @@ def read_region(
     dtype: torch.dtype,
     blocks: Optional[Blocks],
     what: str,
+    stats: Optional[ReadStats] = None,
 ) -> None:
     """Copy the box ``starts``/``lens`` of the chunk ``shape`` (stored as ``dtype`` at
     item-relative byte ``data_start``; the item starts at file offset ``base``) into ``out``.
@@ -207,13 +245,14 @@ def read_region(
     while k > 0 and (k == ndim or (starts[k] == 0 and lens[k] == shape[k])):
         k -= 1
     checker = _Checker(blocks, path, base, what) if blocks is not None else None
+    stats = stats if stats is not None else _NO_STATS
     direct = k == 0 and out.dtype == dtype and out.device.type == "cpu"
     if direct and out.is_contiguous():
-        _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker)
+        _read_direct(reader, base, first, numel * esize, tensor_buffer(out), blocks, checker, stats)
     elif direct and (layout := _scatter_layout(out, list(lens), esize)) is not None:
-        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, layout[1], layout[2])
+        _read_direct(reader, base, first, numel * esize, layout[0], blocks, checker, stats, layout[1], layout[2])
     else:
-        _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker)
+        _read_window(reader, base, first, list(lens), bstrides, esize, k, out, dtype, blocks, checker, stats)
     if checker is not None:
         checker.finish()
 
@@ -241,12 +280,13 @@ def _scatter_layout(out: torch.Tensor, lens: List[int], esize: int) -> Optional[
     return tensor_buffer(span), offs * esize, seg * esize
 
 
-def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, seg_offsets=None, seg_bytes=0) -> None:
+def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, stats, seg_offsets=None, seg_bytes=0) -> None:
     """The request is bytes ``[lo, lo + nbytes)``: read them into ``dest`` (contiguous, or the
     segments at ``seg_offsets`` of ``seg_bytes`` each), the rest of the touched blocks into
     scratch (for the checksum only), piece by piece."""
     hi = lo + nbytes
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
+    _read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
@@ -266,10 +306,24 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, se
             if tail:
                 segs.append((end - tail, scratch[head : head + tail]))
             views = [v for _, v in segs]
+            t0 = time.perf_counter()
             reader.readv(views, base + pos)
+            t1 = time.perf_counter()
             if checker is not None:
                 checker.feed_views(pos, views)
+            stats.add(end - pos, t1 - t0, time.perf_counter() - t1)
             pos = end
+
+
+def _read_ahead(reader: Any, start: int, length: int) -> None:
+    """Local files: ask the kernel to read the whole range ahead, so that on disk the reads of
+    later pieces proceed while earlier ones are checksummed (no effect on tmpfs)."""
+    fd = getattr(reader, "fd", None)
+    if isinstance(fd, int) and length > DIRECT_PIECE and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
 
 
 def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: int, lo: int) -> List[Tuple[int, memoryview]]:
@@ -290,7 +344,7 @@ def _dest_segments(dest: memoryview, offsets: np.ndarray, seg: int, a: int, b: i
     return out
 
 
-def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker) -> None:
+def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, blocks, checker, stats) -> None:
     """Strided requests and indirect destinations: pieces through a scratch buffer, rows copied out.
 
     Rows are the indices of axis ``r``, the outermost axis one index of which spans at most a
@@ -345,12 +399,90 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
         pad = (w_lo - first) % esize
         buf = _scratch_buffer(w_hi - w_lo + pad)
         mv = tensor_buffer(buf)
+        t_read = t_crc = 0.0
         for a, b in ranges:
             seg = mv[pad + a - w_lo : pad + b - w_lo]
+            t0 = time.perf_counter()
             reader.readv([seg], base + a)
+            t1 = time.perf_counter()
             if checker is not None:
                 checker.feed(a, seg)
+            t_read += t1 - t0
+            t_crc += time.perf_counter() - t1
         done_hi = ranges[-1][1]
+        t0 = time.perf_counter()
         typed = buf[: (buf.numel() // esize) * esize].view(dtype)
         src = torch.as_strided(typed, [i1 - i0, *lens[r + 1 :]], src_strides, (pad + start - w_lo) // esize)
         dest[i0:i1].copy_(src)
+        stats.add(sum(b - a for a, b in ranges), t_read, t_crc, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- readers' helpers
+_ESIZE: Dict[torch.dtype, int] = {}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    e = _ESIZE.get(dtype)
+    if e is None:
+        e = _ESIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return e
+
+
+@dataclass
+class ChunkLayout:
+    """A stored chunk as a reader that fetches its bytes itself sees it (see ``chunk_layout``).
+
+    ``base``: file offset of the item; ``data_start``: item-relative start of the row-major
+    data (``shape``, ``esize`` bytes per element); ``blocks``: the checks to run (None:
+    unchecked); ``bounds``: item-relative block boundaries (also when unchecked: 1 MiB
+    blocks of the data, for planning).
+    """
+
+    path: str
+    fd: Any  # the file's FileReader
+    base: int
+    data_start: int
+    nbytes: int
+    shape: Tuple[int, ...]
+    esize: int
+    blocks: Optional[Blocks]
+    bounds: np.ndarray
+    what: str
+    has_frame: bool = False
+    length: int = 0  # bytes of the whole item
+
+
+def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
+    """Run ``fn(task)`` for all tasks with up to ``thread_count`` threads; re-raise the first error.
+
+    Threads take tasks from one shared iterator in order (no future per task: with tens of
+    thousands of small tensors, a future and its lock per task cost more than the reads).
+    """
+    if thread_count <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            fn(t)
+        return
+    it = iter(tasks)
+    lock = threading.Lock()
+    errors: List[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            with lock:
+                t = next(it, _DONE)
+            if t is _DONE:
+                return
+            try:
+                fn(t)
+            except BaseException as e:  # stop the others, raise in the caller
+                errors.append(e)
+                return
+
+    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="ckpt-read") as pool:
+        for f in [pool.submit(worker) for _ in range(min(thread_count, len(tasks)))]:
+            f.result()
+    if errors:
+        raise errors[0]
+
+
+_DONE = object()

@@ -15,7 +15,9 @@ import collections
 import io
 import pickle
 import struct
+import threading
 import zipfile
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, BinaryIO, List, Optional, Tuple
 
@@ -319,6 +321,80 @@ class BlockCrcWriter(io.RawIOBase):
 
     def flush(self) -> None:
         self.f.flush()
+
+
+# Archives of tensors up to this size are written from a cached template (see save_tensor)
+TEMPLATE_MAX_BYTES = 1 << 20
+_TEMPLATE_SLOTS = 1024
+_templates: "OrderedDict[Tuple[Any, ...], Tuple[bytes, bytes]]" = OrderedDict()
+_templates_lock = threading.Lock()
+
+
+def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
+    """``(archive bytes before the data, archive bytes after it)`` of ``torch.save`` for tensors of
+    ``tensor``'s dtype and shape, or None when it cannot be templated.
+
+    With the archive members' CRC32s switched off (as ``write_data_files`` does), ``torch.save``
+    of a contiguous, plain CPU tensor writes the same bytes for every tensor of one dtype and
+    shape except the data itself (pickled size, stride and dtype, member names and offsets,
+    ``serialization_id``): one ``torch.save`` per shape, then each tensor is the template
+    around its own bytes. tests/test_read_once.py checks the bytes equal ``torch.save``'s.
+    """
+    if _member_crcs_on():
+        return None  # the archive's member CRC32s would depend on the data
+    key = (tensor.dtype, tuple(tensor.shape))
+    with _templates_lock:
+        hit = _templates.get(key)
+        if hit is not None:
+            _templates.move_to_end(key)
+            return hit
+    probe = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    buf = io.BytesIO()
+    w = BlockCrcWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
+    torch.save(probe, w)
+    _, rec = w.finish()
+    if rec is None or _member_crcs_on():  # switched on meanwhile (another thread): not a template
+        return None
+    raw = buf.getvalue()
+    d, n = rec[0], rec[1]
+    hit = (raw[:d], raw[d + n :])
+    with _templates_lock:
+        _templates[key] = hit
+        while len(_templates) > _TEMPLATE_SLOTS:
+            _templates.popitem(last=False)
+    return hit
+
+
+def _member_crcs_on() -> bool:
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # older torch: members always checksummed
+        return True
+    return bool(config.save.compute_crc32)
+
+
+def save_tensor(tensor: torch.Tensor, w: "BlockCrcWriter") -> None:
+    """``torch.save(tensor, w)``; small tensors from a template (``torch.save`` costs ~250 us a call,
+    which decides the checkpoint time of states with tens of thousands of small tensors).
+
+    ``tensor`` is contiguous, owns exactly its bytes (see ``write_data_files``), and the
+    archive members' CRC32s are off.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    plain = (
+        0 < nbytes <= TEMPLATE_MAX_BYTES and tensor.layout == torch.strided and type(tensor) is torch.Tensor
+        and not tensor.is_quantized and not tensor.requires_grad and tensor.device.type == "cpu"
+        and tensor.is_contiguous() and tensor.storage_offset() == 0
+    )
+    parts = _template(tensor) if plain else None
+    if parts is None:
+        torch.save(tensor, w)
+        return
+    from .fs import tensor_buffer
+
+    w.write(parts[0])
+    w.write(tensor_buffer(tensor))
+    w.write(parts[1])
 
 
 def save_tensor_record(tensor: torch.Tensor, stream: BinaryIO) -> None:

@@ -49,9 +49,10 @@ from ..planning.save_plan import split_into_buckets
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
-from .region_read import Blocks, read_region as _read_region
+from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_parallel  # noqa: F401 (re-exported)
+from .region_read import read_region as _read_region
 from .safe_pickle import load_dcp_metadata
-from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record
+from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record, save_tensor
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -128,8 +129,29 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def data_file_name(rank: int, index: int) -> str:
-    return f"__{rank}_{index}{DATA_SUFFIX}"
+def data_file_name(rank: int, index: int, prefix: str = "") -> str:
+    """``__<rank>_<index>.distcp`` as PyTorch DCP and Megatron-Core name data files; with a separation
+    hint, ``<hint>__<rank>_<index>.distcp`` as Megatron-Core names the files of the hinted keys."""
+    return f"{prefix}__{rank}_{index}{DATA_SUFFIX}"
+
+
+def _separate(requests: Sequence[WriteRequest], hint: Optional[str], thread_count: int) -> List[Tuple[str, List[int]]]:
+    """``[(file name prefix, request indices)]`` buckets: the requests whose keys start with ``hint`` in
+    files of their own (about half the threads each, as Megatron-Core splits them), the rest in the
+    others; without a hint, ``thread_count`` buckets."""
+    if not hint:
+        return [("", b) for b in split_into_buckets([r.nbytes for r in requests], thread_count)]
+    problem = name_problem(data_file_name(0, 0, hint))
+    if problem or "/" in hint or "\\" in hint:
+        raise MismatchError(f"separation_hint {hint!r} cannot begin a data file name: {problem or 'a path separator'}")
+    out: List[Tuple[str, List[int]]] = []
+    threads = max(1, thread_count // 2)
+    for prefix, picked in (("", [i for i, r in enumerate(requests) if not r.storage_key.startswith(hint)]),
+                           (hint, [i for i, r in enumerate(requests) if r.storage_key.startswith(hint)])):
+        if picked:
+            for b in split_into_buckets([requests[i].nbytes for i in picked], threads):
+                out.append((prefix, [picked[j] for j in b]))
+    return out
 
 
 def write_data_files(
@@ -139,20 +161,25 @@ def write_data_files(
     thread_count: int = 2,
     durable: bool = True,
     block_size: Optional[int] = None,
+    separation_hint: Optional[str] = None,
 ) -> List[WrittenItem]:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
     Tensor items get block CRC32s (``block_size``) besides their whole-item CRC32. A failed
     write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
+    Items whose keys start with ``separation_hint`` go to files of their own,
+    ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
+    by deleting those files (Megatron-Core's ``separation_hint``).
     """
     if not requests:
         return []
     block_size = block_size or BLOCK_SIZE
     storage, directory = storage_for(directory)
-    buckets = split_into_buckets([r.nbytes for r in requests], thread_count)
+    groups = _separate(requests, separation_hint, thread_count)
+    buckets = [b for _, b in groups]
 
     def write_bucket(index: int, bucket: List[int]) -> List[WrittenItem]:
-        name = data_file_name(rank, index)
+        name = data_file_name(rank, index, groups[index][0])
         path = join(directory, name)
         out = []
         try:
@@ -170,7 +197,7 @@ def write_data_files(
                     t = _standalone(req.data)
                     w = BlockCrcWriter(f, t, block_size)
                     try:
-                        torch.save(t, w)
+                        save_tensor(t, w)
                     except Exception as e:
                         raise (w.error or e) from e  # torch wraps the OSError of a full disk
                     crc, blocks = w.finish()
@@ -311,6 +338,8 @@ class TorchDistReader:
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
         self._frames_checked: set = set()
         self._block_cache: Dict[Tuple[str, int], Blocks] = {}
+        self._layouts: Dict[Tuple[str, int], ChunkLayout] = {}
+        self.stats = ReadStats()
         self._lock = threading.Lock()
         where = join(self.directory, DCP_METADATA_FILE)
         for index, info in (metadata.storage_data or {}).items():
@@ -451,19 +480,21 @@ class TorchDistReader:
                 f"(bytes [{info.offset}, {info.offset + info.length})): the file is damaged"
             )
 
-    def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
-        """Copy ``overlap`` (global coords, inside ``chunk``) of ``key``, stored as ``dtype``, into ``out``.
-
-        ``out`` may be non-contiguous and of another dtype (the copy casts). Every byte read is
-        verified when checksums exist (see the class docstring).
-        """
+    def chunk_layout(self, key: str, chunk: ChunkInfo, dtype: torch.dtype) -> Optional["ChunkLayout"]:
+        """Where ``chunk``'s raw data lies in its file and how it is checked (after the extent and
+        record checks), or None when it is not stored as one plain contiguous array (read such a
+        chunk with :meth:`read_region`). Cached per chunk."""
         info = chunk.storage
+        rid = (info.relative_path, info.offset)
+        cached = self._layouts.get(rid)
+        if cached is not None:
+            return cached
         path = join(self.directory, info.relative_path)
         what = f"chunk {chunk.box} of {key!r}"
         fd = self._check_extent(info, what)
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = _element_size(dtype)
         nbytes = chunk.box.numel * esize
-        brec = self.block_records.get((info.relative_path, info.offset))
+        brec = self.block_records.get(rid)
         blocks = None
         if brec is not None:
             # block checksums: the data's place is recorded, the archive needs no parsing
@@ -475,12 +506,14 @@ class TorchDistReader:
             data_start = brec.data_offset
             if self.verify_checksums:
                 blocks = self._blocks(info, brec, what)
-                self._check_archive_frame(fd, info, brec, blocks, path, what)
+            try:
+                bounds = blocks.bounds if blocks is not None else brec.bounds(info.length)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
         else:
             rec = self._record(key, chunk)
             if rec is None or not rec.is_contiguous:
-                self._read_region_fallback(key, chunk, overlap, out)
-                return
+                return None
             if rec.dtype != dtype:
                 raise CorruptCheckpointError(f"{path}: {what} is stored as {rec.dtype} but .metadata says {dtype}")
             if math.prod(rec.shape) != chunk.box.numel:
@@ -493,8 +526,34 @@ class TorchDistReader:
             expected = self._expected_crc(info, what)
             if expected is not None:  # checkpoints before block checksums: the item is one block
                 blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected])
+                bounds = blocks.bounds
+            else:  # unchecked: 1 MiB blocks of the data, only to plan who reads what
+                bounds = np.unique(np.concatenate([[0], np.arange(data_start, data_start + nbytes, BLOCK_SIZE), [data_start + nbytes, info.length]])).astype(np.int64)
+        layout = ChunkLayout(path, fd, info.offset, data_start, nbytes, tuple(chunk.box.sizes), esize, blocks, bounds, what,
+                             brec is not None, info.length)
+        self._layouts[rid] = layout
+        return layout
+
+    def check_frame(self, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
+        """The archive bytes around the data of a chunk with block checksums (once per item)."""
+        brec = self.block_records.get((chunk.storage.relative_path, chunk.storage.offset))
+        if brec is not None and layout.blocks is not None:
+            self._check_archive_frame(layout.fd, chunk.storage, brec, layout.blocks, layout.path, layout.what)
+
+    def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy ``overlap`` (global coords, inside ``chunk``) of ``key``, stored as ``dtype``, into ``out``.
+
+        ``out`` may be non-contiguous and of another dtype (the copy casts). Every byte read is
+        verified when checksums exist (see the class docstring).
+        """
+        layout = self.chunk_layout(key, chunk, dtype)
+        if layout is None:
+            self._read_region_fallback(key, chunk, overlap, out)
+            return
+        self.check_frame(chunk, layout)
         starts = [s.start for s in relative_slices(overlap, chunk.box)]
-        _read_region(fd, path, info.offset, data_start, chunk.box.sizes, starts, overlap.sizes, out, dtype, blocks, what)
+        _read_region(layout.fd, layout.path, layout.base, layout.data_start, chunk.box.sizes, starts, overlap.sizes,
+                     out, dtype, layout.blocks, layout.what, self.stats)
 
     def _blocks(self, info: _StorageInfo, brec: Any, what: str) -> Blocks:
         rid = (info.relative_path, info.offset)
@@ -555,14 +614,3 @@ class TorchDistReader:
 def pread_exact(reader: FileReader, buf: memoryview, offset: int, path: str = "") -> None:
     """Fill ``buf`` from ``reader`` at ``offset`` (a short read raises CorruptCheckpointError)."""
     reader.read_into(buf, offset)
-
-
-def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:
-    """Run ``fn(task)`` for all tasks in a thread pool; re-raise the first error."""
-    if thread_count <= 1 or len(tasks) <= 1:
-        for t in tasks:
-            fn(t)
-        return
-    with ThreadPoolExecutor(min(thread_count, len(tasks)), thread_name_prefix="ckpt-read") as pool:
-        for f in [pool.submit(fn, t) for t in tasks]:
-            f.result()

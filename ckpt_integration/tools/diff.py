@@ -1,4 +1,6 @@
-"""``diff``: keys, shapes, dtypes and max abs difference of the tensors of two sources."""
+"""``diff``: keys, shapes, dtypes and max abs difference of the tensors of two sources; for two checkpoint
+directories also their common state (keys only on one side, values and types that differ, as
+Megatron-Core's ``dict_utils.diff`` finds them) and the values of their ShardedObjects."""
 
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ class DiffReport:
     max_abs_diff: Dict[str, float] = field(default_factory=dict)
     objects_only_in_a: List[str] = field(default_factory=list)
     objects_only_in_b: List[str] = field(default_factory=list)
+    #: ShardedObjects in both whose values differ: ``{storage key: (repr in A, repr in B)}``
+    objects_differ: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    #: common-state paths (``"a/b/0"``) only in A / only in B
+    common_only_in_a: List[str] = field(default_factory=list)
+    common_only_in_b: List[str] = field(default_factory=list)
+    #: common-state values in both that differ: ``{path: (type and repr in A, type and repr in B)}``
+    common_differ: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    #: why the common state was not compared (it could not be read without ``trusted``), if so
+    common_error: str = ""
 
     @property
     def differing(self) -> Dict[str, float]:
@@ -34,7 +45,8 @@ class DiffReport:
     @property
     def identical(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.shape_mismatch or self.dtype_mismatch
-                    or self.differing or self.objects_only_in_a or self.objects_only_in_b)
+                    or self.differing or self.objects_only_in_a or self.objects_only_in_b or self.objects_differ
+                    or self.common_only_in_a or self.common_only_in_b or self.common_differ or self.common_error)
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -43,12 +55,17 @@ class DiffReport:
             "shape_mismatch": self.shape_mismatch, "dtype_mismatch": self.dtype_mismatch,
             "max_abs_diff": {k: (v if math.isfinite(v) else str(v)) for k, v in self.max_abs_diff.items()},
             "objects_only_in_a": self.objects_only_in_a, "objects_only_in_b": self.objects_only_in_b,
+            "objects_differ": self.objects_differ, "common_only_in_a": self.common_only_in_a,
+            "common_only_in_b": self.common_only_in_b, "common_differ": self.common_differ,
+            "common_error": self.common_error,
         }
 
     def format(self) -> str:
         lines = [f"A: {self.a}", f"B: {self.b}"]
         for title, items in (("only in A", self.only_in_a), ("only in B", self.only_in_b),
-                             ("objects only in A", self.objects_only_in_a), ("objects only in B", self.objects_only_in_b)):
+                             ("objects only in A", self.objects_only_in_a), ("objects only in B", self.objects_only_in_b),
+                             ("common state only in A", self.common_only_in_a),
+                             ("common state only in B", self.common_only_in_b)):
             if items:
                 lines.append(f"{title} ({len(items)}):")
                 lines += [f"  {k}" for k in items]
@@ -58,6 +75,12 @@ class DiffReport:
         if self.dtype_mismatch:
             lines.append(f"dtype differs ({len(self.dtype_mismatch)}):")
             lines += [f"  {k}: {a} vs {b}" for k, (a, b) in self.dtype_mismatch.items()]
+        for title, items in (("objects differ", self.objects_differ), ("common state differs", self.common_differ)):
+            if items:
+                lines.append(f"{title} ({len(items)}):")
+                lines += [f"  {k}: {a} vs {b}" for k, (a, b) in items.items()]
+        if self.common_error:
+            lines.append(f"common state not compared: {self.common_error}")
         diff = self.differing
         if diff:
             lines.append(f"values differ ({len(diff)} of {len(self.max_abs_diff)} common tensors):")
@@ -82,9 +105,54 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(d.max())
 
 
+def _show(value: Any, limit: int = 80) -> str:
+    """``<type> repr`` of a differing value, the repr cut to ``limit`` characters."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= limit else text[:limit - 3] + '...'}"
+
+
+def _at(tree: Any, path: Tuple[Any, ...]) -> Any:
+    for k in path:
+        if isinstance(k, type):  # a sharded value's data (dict_utils.diff's step into it)
+            tree = tree.data
+        else:
+            tree = tree[k]
+    return tree
+
+
+def _path(path: Any) -> str:
+    path = path if isinstance(path, tuple) else (path,)
+    return "/".join(str(k) for k in path if not isinstance(k, type)) or "<root>"
+
+
+def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted: bool, report: DiffReport) -> None:
+    """The common state and the ShardedObjects' values of two checkpoint directories."""
+    from ..dict_utils import diff
+    from ..errors import CheckpointingException
+    from ..serialization import load_common_state_dict
+
+    try:
+        ca, cb = load_common_state_dict(sa.path, trusted=trusted), load_common_state_dict(sb.path, trusted=trusted)
+        oa = {k: sa.read_object(k) for k in sa.objects if k in set(sb.objects)}
+        ob = {k: sb.read_object(k) for k in oa}
+    except CheckpointingException as e:  # e.g. a class the restricted unpickler refuses without --trusted
+        report.common_error = str(e).splitlines()[0]
+        return
+    only_a, only_b, mismatch = diff(ca, cb)
+    report.common_only_in_a = sorted(_path(p) for p in only_a)
+    report.common_only_in_b = sorted(_path(p) for p in only_b)
+    for entry in mismatch:
+        p = entry[0]
+        report.common_differ[_path(p)] = (_show(_at(ca, p)), _show(_at(cb, p)))
+    for key in sorted(oa):
+        if any(diff(oa[key], ob[key])):
+            report.objects_differ[key] = (_show(oa[key]), _show(ob[key]))
+
+
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
                      progress: ProgressFactory = _no_progress) -> DiffReport:
-    """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block."""
+    """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for
+    two checkpoint directories also the common state and the ShardedObjects' values."""
     budget = parse_size(memory_budget)
     report = DiffReport(os.fspath(a), os.fspath(b))
     with open_source(a, trusted=trusted) as sa, open_source(b, trusted=trusted) as sb:
@@ -95,6 +163,7 @@ def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDG
             # ShardedObjects exist only in checkpoint directories; compare their keys there
             oa, ob = set(sa.objects), set(sb.objects)
             report.objects_only_in_a, report.objects_only_in_b = sorted(oa - ob), sorted(ob - oa)
+            _compare_common(sa, sb, trusted, report)
         common = sorted(ka & kb)
         bar = progress(total=sum(sa.tensors[k].nbytes for k in common), unit="B", unit_scale=True, desc="diff")
         try:

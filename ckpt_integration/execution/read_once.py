@@ -1,0 +1,588 @@
+"""Read-once loads: every stored block a load touches is read and verified by one rank of the job.
+
+When the ranks' requests interleave inside stored chunks (rows saved, columns requested),
+overlap (data-parallel replicas) or share the blocks at their borders (uneven splits),
+each rank reading and checking the blocks it touches reads the checkpoint several times
+over. Here:
+
+1. **needs to owners** (``all_to_all``): for every stored chunk it needs, a rank sends the
+   chunk's owner (a hash of its file and offset picks one rank) the block-aligned byte
+   ranges it touches, its requested boxes and its node;
+2. **decision** (one ``all_reduce``): the owners add up the bytes the ranks would read on
+   their own and the bytes of the union. ``load_strategy="auto"`` goes on only when the
+   union is smaller by at least 1 MiB per rank (otherwise every rank reads its own blocks, as
+   ``"local"``: two more exchanges cost more than re-reading a few shared blocks);
+   ``"read_once"`` always goes on;
+3. **plan** (``all_to_all``): each owner cuts the union into block-aligned units and gives
+   each unit one reader among the ranks touching it (:func:`~..planning.read_once.plan_chunk`),
+   and tells every rank the units it touches;
+4. **read, verify, copy**: the reader of a unit checks its blocks. Ranks on the reader's
+   node (same host and ``GROUP_RANK`` / ``RANK // LOCAL_WORLD_SIZE``) copy their boxes
+   straight from the file's shared mapping, i.e. the node's page cache: a block is read
+   from storage and verified once, then copied by every rank that needs a slice of it.
+   Ranks on other nodes get exactly their slices from the reader over the process group,
+   in one order shared by all ranks, with at most ``memory_budget`` bytes of send and
+   receive buffers in flight per rank. Files that cannot be mapped (fsspec URLs) are read
+   into buffers by the reader and every other rank counts as another node.
+
+A damaged block fails the load on every rank, naming the file and the block: the reader
+records the error and still sends (so no rank waits forever), and the caller's final
+agreement raises everywhere; nothing is returned from an unverified block.
+
+Simulate several nodes on one host with ``LOCAL_WORLD_SIZE=1`` (every rank its own node).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from ..errors import CorruptCheckpointError
+from ..planning.boxes import relative_slices
+from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, range_boxes, touched_ranges, union_bytes
+from ..planning.records import digest64
+from ..planning.records import MessageWriter, decode
+from ..storage.mapped import ItemMap, can_map, read_bytes, typed_view
+from ..storage.region_read import verify_blocks
+from . import dist
+
+STRATEGIES = ("auto", "read_once")
+# "auto" reads once only when that saves at least this many bytes per rank on average: below,
+# the two extra exchanges of the plan cost more than reading the shared blocks again
+MIN_SAVING_PER_RANK = 1 << 20
+_TAG = 0x52_4F  # one tag for every transfer: pairs match messages in the shared order
+
+
+def node_of(rank: int) -> int:
+    """This process's node: its host and torchrun's node index (``GROUP_RANK``, or
+    ``RANK // LOCAL_WORLD_SIZE``). Ranks with the same value share a page cache."""
+    index = os.environ.get("GROUP_RANK")
+    if index is None:
+        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        global_rank = tdist.get_rank() if dist.is_distributed() else rank
+        index = str(global_rank // max(1, int(lws))) if lws and lws.isdigit() else "0"
+    return zlib.crc32(f"{socket.gethostname()}/{index}".encode()) & 0x3FFFFFFF
+
+
+@dataclass
+class _Chunk:
+    """A stored chunk this rank needs, with its tasks and the units it takes part in."""
+
+    file: str
+    offset: int
+    task_list: List[Any]
+    layout: Any
+    ranges: List[Tuple[int, int]]
+    units: List[Tuple[int, int, int, int, bool]] = field(default_factory=list)  # lo, hi, reader, reader node, first
+    remote: Dict[Tuple[int, int], List[Tuple[int, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]]] = field(default_factory=dict)
+
+    @property
+    def regions(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+        c = self.task_list[0].chunk.box
+        return [(tuple(o - co for o, co in zip(t.overlap.offsets, c.offsets)), tuple(t.overlap.sizes)) for t in self.task_list]
+
+
+@dataclass
+class Stats:
+    values: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, key: str, v: float) -> None:
+        self.values[key] += v
+
+
+def _owner(file: str, offset: int, world: int) -> int:
+    return zlib.crc32(f"{file}@{offset}".encode()) % world
+
+
+def _flat_index(starts: Sequence[int], shape: Sequence[int]) -> int:
+    i = 0
+    for s, n in zip(starts, shape):
+        i = i * n + s
+    return i
+
+
+def _strides(shape: Sequence[int]) -> List[int]:
+    st = [1] * len(shape)
+    for a in range(len(shape) - 2, -1, -1):
+        st[a] = st[a + 1] * shape[a + 1]
+    return st
+
+
+def load_read_once(
+    reader: Any, tasks: List[Any], local_error: Optional[str], group: Any, *, mode: str = "auto",
+    thread_count: int = 2, memory_budget: int = 1 << 30,
+) -> Tuple[str, Dict[str, float]]:
+    """Collective: fill every task's ``out`` reading each touched block once per job.
+
+    Returns ``(outcome, stats)``: ``"done"``; ``"local"`` when ``mode="auto"`` found
+    nothing to save (the caller reads as ``"local"``); ``"failed"`` when some rank failed
+    before reading (the caller's final agreement raises). Raises after the last transfer
+    when a read, a check or a copy failed on this rank.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    st = Stats()
+    t0 = time.perf_counter()
+    chunks: Dict[Tuple[str, int], _Chunk] = {}
+    leftover: List[Any] = []
+    outgoing: Dict[int, bytes] = {}
+    owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
+    error = local_error
+    node = -1 - rank
+    mapped = False
+    try:
+        if error is None:
+            chunks, leftover = _collect(reader, tasks)
+            # ranks share a page cache only through mapped local files; otherwise each is its own node
+            files = {c.layout.path: c.layout.fd for c in chunks.values()}
+            mapped = all(can_map(fd) for fd in files.values())
+            if mapped:
+                node = node_of(rank)
+            outgoing = _encode_ranges(chunks, world)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    # decision: bytes the ranks would read each on its own vs the union (flat integer arrays,
+    # vectorised at the owners: cheap also for tens of thousands of small chunks)
+    inbox = dist.all_to_all_bytes(outgoing, group)
+    separate = union = 0
+    try:
+        if error is None:
+            separate = sum(b - a for c in chunks.values() for a, b in c.ranges)
+            arr = np.frombuffer(b"".join(inbox.values()), dtype=np.int64).reshape(-1, 3)
+            union = union_bytes(arr[:, 0], arr[:, 1], arr[:, 2])
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    failed, separate, union = dist.all_reduce_ints([1 if error else 0, separate, union], "sum", group)
+    st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=union, read_once=0)
+    if failed or (mode == "auto" and separate - union < MIN_SAVING_PER_RANK * world):
+        return ("failed" if failed else "local"), dict(st.values)
+    # needs in full to the owners
+    try:
+        outgoing = _encode_needs(chunks, node, world)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    inbox = dist.all_to_all_bytes(outgoing, group)
+    try:
+        if error is None:
+            owned = _decode_needs(inbox)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    # plan and tell every rank its units
+    replies: Dict[int, bytes] = {}
+    try:
+        replies = _plan_replies(owned)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    inbox = dist.all_to_all_bytes(replies, group)
+    try:
+        if error is None:
+            _decode_replies(inbox, chunks)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    if dist.all_reduce_ints([1 if error else 0], "max", group)[0]:
+        if error and local_error is None:
+            raise RuntimeError(f"read-once planning failed: {error}")
+        return "failed", dict(st.values)
+    st.values["plan_s"] = time.perf_counter() - t0
+    st.values["read_once"] = 1
+    errors: List[BaseException] = []
+    _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, memory_budget, st, errors)
+    st.values["total_s"] = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return "done", dict(st.values)
+
+
+def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any]]:
+    """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part."""
+    chunks: Dict[Tuple[str, int], _Chunk] = {}
+    leftover: List[Any] = []
+    for t in tasks:
+        info = t.chunk.storage
+        cid = (info.relative_path, info.offset)
+        c = chunks.get(cid)
+        if c is None:
+            layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
+            if layout is None:
+                leftover.append(t)
+                continue
+            c = chunks[cid] = _Chunk(cid[0], cid[1], [], layout, [])
+        c.task_list.append(t)
+    for c in chunks.values():
+        lay = c.layout
+        t = c.task_list[0]
+        if len(c.task_list) == 1 and t.overlap == t.chunk.box:  # the whole chunk: its data's blocks
+            b = lay.bounds
+            lo = int(b[np.searchsorted(b, lay.data_start, side="right") - 1])
+            hi = int(b[min(len(b) - 1, np.searchsorted(b, lay.data_start + lay.nbytes - 1, side="right"))])
+            c.ranges = [(lo, hi)] if lay.nbytes else []
+            continue
+        spans = []
+        for starts, lens in c.regions:
+            spans += touched_ranges(lay.bounds, lay.data_start, lay.shape, lay.esize, starts, lens)
+        c.ranges = merge_ranges(np.array([a for a, _ in spans], dtype=np.int64), np.array([b for _, b in spans], dtype=np.int64))
+    return chunks, leftover
+
+
+def _chunk_id(file: str, offset: int) -> int:
+    return digest64(f"{file}@{offset}".encode()) & 0x7FFFFFFFFFFFFFFF
+
+
+def _encode_ranges(chunks: Dict[Tuple[str, int], _Chunk], world: int) -> Dict[int, bytes]:
+    """Per owner: (chunk id, lo, hi) of every touched range, as int64 triples."""
+    rows: Dict[int, List[int]] = defaultdict(list)
+    for c in chunks.values():
+        cid = _chunk_id(c.file, c.offset)
+        out = rows[_owner(c.file, c.offset, world)]
+        for a, b in c.ranges:
+            out += (cid, a, b)
+    return {d: np.array(v, dtype=np.int64).tobytes() for d, v in rows.items()}
+
+
+def _encode_needs(chunks: Dict[Tuple[str, int], _Chunk], node: int, world: int) -> Dict[int, bytes]:
+    writers: Dict[int, MessageWriter] = {}
+    for c in chunks.values():
+        if not c.ranges:
+            continue
+        w = writers.setdefault(_owner(c.file, c.offset, world), MessageWriter())
+        lay = c.layout
+        regions = c.regions
+        w.add(w.sid(c.file), c.offset, node, lay.esize, lay.data_start, len(lay.shape), *lay.shape)
+        w.add(len(lay.bounds), *lay.bounds.tolist())
+        w.add(len(c.ranges), *[v for r in c.ranges for v in r])
+        w.add(len(regions), *[v for s, n in regions for v in (*s, *n)])
+    return {d: w.tobytes() for d, w in writers.items()}
+
+
+def _decode_needs(inbox: Dict[int, bytes]) -> Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]]:
+    owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
+    for src in sorted(inbox):
+        strings, ints = decode(inbox[src])
+        p = 0
+        while p < len(ints):
+            f, off, node, esize, ds, nd = ints[p : p + 6]
+            p += 6
+            shape = tuple(ints[p : p + nd])
+            p += nd
+            nb = ints[p]
+            bounds = np.array(ints[p + 1 : p + 1 + nb], dtype=np.int64)
+            p += 1 + nb
+            nr = ints[p]
+            ranges = [(ints[p + 1 + 2 * i], ints[p + 2 + 2 * i]) for i in range(nr)]
+            p += 1 + 2 * nr
+            ng = ints[p]
+            p += 1
+            regions = []
+            for _ in range(ng):
+                regions.append((tuple(ints[p : p + nd]), tuple(ints[p + nd : p + 2 * nd])))
+                p += 2 * nd
+            cid = (strings[f], off)
+            if cid not in owned:
+                owned[cid] = (ChunkNeeds(bounds), {"shape": shape, "esize": esize, "data_start": ds, "regions": {}, "nodes": {}})
+            needs, info = owned[cid]
+            needs.ranks.append(src)
+            needs.nodes.append(node)
+            needs.ranges.append(ranges)
+            info["regions"][src] = regions
+            info["nodes"][src] = node
+    return owned
+
+
+def _plan_replies(owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]]) -> Dict[int, bytes]:
+    writers: Dict[int, MessageWriter] = {}
+    load: Dict[int, int] = {}
+    for cid in sorted(owned):
+        needs, info = owned[cid]
+        units = plan_chunk(needs, load, salt=f"{cid[0]}@{cid[1]}")
+        first_lo = units[0].lo if units else -1
+        nd = len(info["shape"])
+        for rank in needs.ranks:
+            mine = [u for u in units if rank in u.needers]
+            w = writers.setdefault(rank, MessageWriter())
+            w.add(w.sid(cid[0]), cid[1], len(mine))
+            for u in mine:
+                rnode = info["nodes"][u.reader]
+                w.add(u.lo, u.hi, u.reader, rnode, 1 if u.lo == first_lo else 0)
+                remote = [r for r in u.needers if info["nodes"][r] != rnode] if u.reader == rank else []
+                w.add(len(remote))
+                for r in remote:
+                    regions = info["regions"][r]
+                    w.add(r, len(regions), *[v for s, n in regions for v in (*s, *n)])
+    return {d: w.tobytes() for d, w in writers.items()}
+
+
+def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chunk]) -> None:
+    for src in sorted(inbox):
+        strings, ints = decode(inbox[src])
+        p = 0
+        while p < len(ints):
+            c = chunks[(strings[ints[p]], ints[p + 1])]
+            n = ints[p + 2]
+            p += 3
+            nd = len(c.layout.shape)
+            for _ in range(n):
+                lo, hi, rd, rnode, first, nremote = ints[p : p + 6]
+                p += 6
+                c.units.append((lo, hi, rd, rnode, bool(first)))
+                remote = []
+                for _ in range(nremote):
+                    r, ng = ints[p], ints[p + 1]
+                    p += 2
+                    regions = []
+                    for _ in range(ng):
+                        regions.append((tuple(ints[p : p + nd]), tuple(ints[p + nd : p + 2 * nd])))
+                        p += 2 * nd
+                    remote.append((r, regions))
+                if remote:
+                    c.remote[(lo, hi)] = remote
+
+
+class _Source:
+    """The stored elements of a chunk whose first byte lies in the item-relative range ``[lo, hi)``,
+    as one flat tensor of its dtype over ``buf`` (a mapping of the unit, or the bytes this rank
+    read); ``at(x)`` is the index in ``buf`` of item-relative byte ``x``. No copy."""
+
+    def __init__(self, layout: Any, dtype: torch.dtype, buf: Any, lo: int, hi: int, at):
+        numel = layout.nbytes // layout.esize
+        self.shape, self.strides = layout.shape, _strides(layout.shape)
+        e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
+        e1 = min(numel, max(0, -(-(hi - layout.data_start) // layout.esize)))
+        self.e0 = e0
+        self.flat = typed_view(buf, at(layout.data_start + e0 * layout.esize), e1 - e0, dtype, layout.esize)
+
+    def part(self, starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
+        if not self.shape:
+            return self.flat.reshape(())
+        return torch.as_strided(self.flat, tuple(lens), tuple(self.strides), _flat_index(starts, self.shape) - self.e0)
+
+
+def _map_unit(lay: Any, lo: int, hi: int, populate: bool = True) -> Tuple[ItemMap, Any]:
+    """A mapping of the item bytes ``[lo, hi)`` (one unit: the pages a rank holds stay bounded by
+    the unit size) and its ``at``."""
+    im = ItemMap(lay.fd, lay.base + lo, hi - lo, populate=populate)
+    return im, (lambda x: im.at(x - lo))
+
+
+def _dest(task: Any, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
+    return task.out[tuple(slice(s - r, s - r + n) for s, r, n in zip(part[0], region[0], part[1]))]
+
+
+def _verify(c: _Chunk, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
+    """Read (unless mapped) and check the blocks of ``[lo, hi)``; the bytes read for unmapped files."""
+    lay = c.layout
+    t0 = time.perf_counter()
+    raw = None
+    if im is None:
+        raw = read_bytes(lay.fd, lay.base + lo, hi - lo)
+        st.add("read_s", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    if lay.blocks is not None:
+        if im is not None:
+            with memoryview(im.mm) as whole:
+                verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, whole[at(lo) : at(hi)])
+        else:
+            verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, memoryview(raw.numpy()))
+    st.add("crc_s", time.perf_counter() - t0)
+    st.add("bytes_read", hi - lo)
+    return raw
+
+
+def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, budget, st, errors) -> None:
+    """Verify this rank's units, copy node-local slices from the mapping, exchange the rest."""
+
+    def note(e: BaseException) -> None:
+        if not errors:
+            errors.append(e)
+
+    def copy_parts(c: _Chunk, src: "_Source", lo: int, hi: int) -> None:
+        lay = c.layout
+        for t, region in zip(c.task_list, c.regions):
+            for part in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region):
+                _dest(t, region, part).copy_(src.part(*part))
+
+    def local_work(c: _Chunk) -> None:
+        """Units this rank checks for its node only, and its copies of the node-local parts.
+
+        A unit this rank checks is taken a piece at a time: the piece's blocks are checked,
+        then this rank's parts of them are copied out while they are still in cache. The parts
+        in units checked by the node's other ranks are copied from the mapping as they are.
+        """
+        if not mapped or not c.units:
+            return  # unmapped: every part comes through _transfer (also from this rank's own reads)
+        lay = c.layout
+        try:
+            t_copy = 0.0
+            dtype = c.task_list[0].dtype
+            for lo, hi, rd, rnode, first in c.units:
+                if rnode != node:
+                    continue  # read on another node: arrives through _transfer
+                t0 = time.perf_counter()
+                im, at = _map_unit(lay, lo, hi, POPULATE)
+                st.add("map_s", time.perf_counter() - t0)
+                try:
+                    src = _Source(lay, dtype, im.mm, lo, hi, at)
+                    if rd == rank and (lo, hi) not in c.remote:
+                        if first and lay.has_frame:
+                            reader.check_frame(c.task_list[0].chunk, lay)
+                        for p_lo, p_hi in _pieces(lay.bounds, lo, hi, PIECE):
+                            _verify(c, im, at, p_lo, p_hi, st)
+                            t0 = time.perf_counter()
+                            copy_parts(c, src, p_lo, p_hi)
+                            t_copy += time.perf_counter() - t0
+                    else:
+                        t0 = time.perf_counter()
+                        copy_parts(c, src, lo, hi)
+                        t_copy += time.perf_counter() - t0
+                    del src
+                finally:
+                    im.close()
+            st.add("copy_s", t_copy)
+            st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
+        except Exception as e:
+            note(e)
+
+    ordered = []  # (file, offset, lo, hi, chunk, role, extra): transfers in the order shared by the group
+    for c in chunks.values():
+        for lo, hi, rd, rnode, first in c.units:
+            if rd == rank and ((lo, hi) in c.remote or not mapped):
+                ordered.append((c.file, c.offset, lo, hi, c, "send", first))
+            elif rd != rank and (rnode != node or not mapped):
+                ordered.append((c.file, c.offset, lo, hi, c, "recv", rd))
+    ordered.sort(key=lambda x: x[:4])
+    pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-read-once")
+    try:
+        futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
+        for t in leftover:  # chunks not stored as plain arrays: read as "local" does
+            futures.append(pool.submit(lambda t=t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)))
+        _transfer(reader, ordered, mapped, rank, group, budget, st, note)
+        for f in futures:
+            e = f.exception()
+            if e is not None:
+                note(e)
+    finally:
+        pool.shutdown(wait=True)
+
+
+POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
+# bytes checked, then copied out, at a time: a few blocks, so they are still in the core's cache
+PIECE = 2 << 20
+
+
+def _pieces(bounds: np.ndarray, lo: int, hi: int, size: int) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` cut at block boundaries into pieces of about ``size`` bytes (at least one block)."""
+    inner = bounds[(bounds > lo) & (bounds < hi)].tolist()
+    out, start = [], lo
+    for b in inner:
+        if b - start >= size:
+            out.append((start, b))
+            start = b
+    out.append((start, hi))
+    return out
+
+
+def _global(group: Any, r: int) -> int:
+    return r if group is None else tdist.get_global_rank(group, r)
+
+
+def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
+    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight."""
+    pending: List[Tuple[Any, int, Any]] = []  # (work, bytes, on completion)
+    in_flight = 0
+
+    def settle(n_keep_bytes: int) -> None:
+        nonlocal in_flight
+        while pending and in_flight > n_keep_bytes:
+            work, nbytes, done = pending.pop(0)
+            tw = time.perf_counter()
+            work.wait()
+            st.add("exchange_s", time.perf_counter() - tw)
+            in_flight -= nbytes
+            if done is not None:
+                try:
+                    done()
+                except Exception as e:
+                    note(e)
+
+    for file, offset, lo, hi, c, role, extra in ordered:
+        lay = c.layout
+        dtype = c.task_list[0].dtype
+        if role == "send":
+            src = im = None
+            try:
+                if extra and lay.has_frame:
+                    reader.check_frame(c.task_list[0].chunk, lay)
+                if mapped:
+                    im, at = _map_unit(lay, lo, hi)
+                    raw = _verify(c, im, at, lo, hi, st)
+                    src = _Source(lay, dtype, im.mm, lo, hi, at)
+                else:
+                    raw = _verify(c, None, None, lo, hi, st)
+                    src = _Source(lay, dtype, raw, lo, hi, lambda x: x - lo)
+            except Exception as e:
+                note(e)
+            receivers = list(c.remote.get((lo, hi), []))
+            if not mapped:  # unmapped: this rank's own parts come from the buffer too
+                receivers.append((rank, c.regions))
+            for r, regions in receivers:
+                tc = time.perf_counter()
+                parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]
+                n = sum(int(np.prod(p[1])) for _, p in parts)
+                if n == 0:
+                    continue  # the receiver skips it too
+                if r == rank:
+                    if src is not None:
+                        for g, p in parts:
+                            _dest(c.task_list[g], regions[g], p).copy_(src.part(*p))
+                    st.add("copy_s", time.perf_counter() - tc)
+                    continue
+                buf = torch.empty(n, dtype=dtype)
+                if src is not None:
+                    pos = 0
+                    for _, p in parts:
+                        k = int(np.prod(p[1]))
+                        buf[pos : pos + k].view(p[1]).copy_(src.part(*p))
+                        pos += k
+                else:
+                    buf.zero_()  # keep the peer going: the load fails anyway
+                st.add("copy_s", time.perf_counter() - tc)
+                settle(max(0, budget - buf.numel() * lay.esize))
+                work = tdist.isend(buf.view(torch.uint8), dst=_global(group, r), group=group, tag=_TAG)
+                pending.append((work, buf.numel() * lay.esize, None))
+                in_flight += buf.numel() * lay.esize
+                st.add("bytes_sent", buf.numel() * lay.esize)
+                del buf
+            del src
+            if im is not None:
+                im.close()
+        else:
+            regions = c.regions
+            parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]
+            n = sum(int(np.prod(p[1])) for _, p in parts)
+            if n == 0:
+                continue
+            settle(max(0, budget - n * lay.esize))
+            buf = torch.empty(n, dtype=dtype)
+
+            def unpack(buf=buf, parts=parts, c=c, regions=regions) -> None:
+                tc = time.perf_counter()
+                pos = 0
+                for g, p in parts:
+                    k = int(np.prod(p[1]))
+                    _dest(c.task_list[g], regions[g], p).copy_(buf[pos : pos + k].view(p[1]))
+                    pos += k
+                st.add("copy_s", time.perf_counter() - tc)
+
+            work = tdist.irecv(buf.view(torch.uint8), src=_global(group, extra), group=group, tag=_TAG)
+            pending.append((work, n * lay.esize, unpack))
+            in_flight += n * lay.esize
+            st.add("bytes_received", n * lay.esize)
+    settle(-1)

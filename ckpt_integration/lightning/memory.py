@@ -1,0 +1,282 @@
+"""The memory tier in Lightning: ``DistCkptIO(memory_every_n_train_steps=N, ...)``.
+
+* :class:`DistCkptMemorySnapshots` (added by the DistCkpt strategies when the plugin enables
+  memory snapshots) takes a snapshot of Lightning's whole checkpoint (what ``ModelCheckpoint``
+  would save: model, optimizers, schedulers, loops, callbacks, RNG states) every N optimizer
+  steps, at ``on_train_batch_end`` like ``ModelCheckpoint(every_n_train_steps=N)``; optionally
+  makes every M-th snapshot durable (:meth:`MemoryCheckpoints.persist`, in the background);
+  on a SIGTERM (Lightning stops every rank at the same batch) makes the newest complete
+  snapshot durable within ``memory_sigterm_grace_s``; removes the job's snapshots when ``fit``
+  finishes.
+* :func:`restore_newest` (called by the strategy's ``load_checkpoint``, collective) for
+  ``ckpt_path="last"`` (which also offers the memory tier as a candidate, see
+  :func:`memory_candidate`) compares the newest complete step in memory with the newest complete
+  checkpoint and restores the newer (an explicit checkpoint path is loaded as given),
+  falling back to the durable checkpoint when memory has no usable copy or the layout changed.
+  Every rank logs where its state came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from lightning.pytorch.callbacks import Callback
+
+from ..errors import MemoryCheckpointError
+from ..execution.save import CONTENT_METADATA_KEY
+from ..mapping import ShardedObject
+from .io import MARKER, DistCkptIO
+from .paths import is_complete_checkpoint, latest_complete_checkpoint
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_DIR = "/dev/shm/ckpt_integration"
+
+
+def _dir(io: DistCkptIO) -> str:
+    return os.path.abspath(io.memory_dir or DEFAULT_MEMORY_DIR)
+
+
+def memory_job_id(io: DistCkptIO, trainer: Any) -> str:
+    """The job's name in the memory directory: ``memory_job_id``, or one derived from the trainer's
+    ``default_root_dir`` (the same for a restart of the same run)."""
+    if io.memory_job_id:
+        return io.memory_job_id
+    digest = hashlib.sha1(os.path.abspath(os.fspath(trainer.default_root_dir)).encode()).hexdigest()[:12]
+    return f"lightning-{digest}"
+
+
+def tier_for(strategy: Any) -> Any:
+    """The plugin's :class:`MemoryCheckpoints`, made on first use (collective)."""
+    from ..memory import MemoryCheckpoints
+
+    io = strategy.dist_checkpoint_io()
+    if io.memory_tier is None:
+        trainer = strategy.lightning_module.trainer
+        rpn = io.memory_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or trainer.num_devices
+        kw = io._load_kwargs()
+        io.memory_tier = MemoryCheckpoints(_dir(io), memory_job_id(io, trainer), replicas=io.memory_replicas,
+                                           ranks_per_node=rpn, trusted=kw["trusted"],
+                                           allowed_globals=kw["allowed_globals"])
+    return io.memory_tier
+
+
+def memory_candidate(io: DistCkptIO, trainer: Any) -> Optional[str]:
+    """For ``ckpt_path="last"``: the newest snapshot record of this job on this node (its
+    modification time is when it was committed), or ``None``."""
+    root = os.path.join(_dir(io), memory_job_id(io, trainer))
+    newest: Tuple[float, Optional[str]] = (-1.0, None)
+    try:
+        owners = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    for d in owners:
+        for n in ("s0.rec", "s1.rec"):
+            p = os.path.join(root, d, n)
+            try:
+                newest = max(newest, (os.path.getmtime(p), p))
+            except OSError:
+                continue
+    return newest[1]
+
+
+def _is_memory_path(io: DistCkptIO, path: str) -> bool:
+    return os.path.abspath(path).startswith(_dir(io) + os.sep)
+
+
+def _checkpoint_dir(trainer: Any) -> str:
+    cb = trainer.checkpoint_callback
+    d = getattr(cb, "dirpath", None)
+    return os.fspath(d) if d else os.path.join(trainer.default_root_dir, "checkpoints")
+
+
+def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
+    """Collective: ``(loaded checkpoint, None)`` when the memory tier had the newest state, else
+    ``(None, durable path)`` for the strategy to load."""
+    from ..serialization import load_common_state_dict
+
+    io = strategy.dist_checkpoint_io()
+    last, io._memory_last_requested = io._memory_last_requested, False
+    if not last and not _is_memory_path(io, path):
+        return None, path  # an explicit checkpoint path is loaded as given
+    trainer = strategy.lightning_module.trainer
+    rank = strategy.global_rank
+    tier = tier_for(strategy)
+    mem_step = tier.latest()
+    durable: Optional[str] = None if _is_memory_path(io, path) else path
+    if durable is None and strategy.is_global_zero:
+        durable = latest_complete_checkpoint(_checkpoint_dir(trainer))
+    durable = strategy.broadcast(durable)
+    step = -1
+    if durable is not None and strategy.is_global_zero and is_complete_checkpoint(durable):
+        try:
+            step = int(load_common_state_dict(durable, **_common_kw(io)).get("global_step", -1))
+        except Exception as e:  # noqa: BLE001 - the strategy's load reports a bad checkpoint properly
+            logger.warning("cannot read the step of %s: %s", durable, e)
+    durable_step = strategy.broadcast(step)
+    if mem_step is not None and (durable is None or mem_step >= durable_step):
+        try:
+            loaded = _load_memory(strategy, tier, mem_step)
+            logger.info("rank %d: resumed from the memory tier, step %d (%s)", rank, mem_step, tier.last_restore.source)
+            return loaded, None
+        except MemoryCheckpointError as e:
+            if durable is None:
+                raise
+            logger.warning("rank %d: cannot resume from memory step %d (%s); falling back to the durable "
+                           "checkpoint %s", rank, mem_step, e, durable)
+    if durable is None:
+        raise MemoryCheckpointError(f"no checkpoint to resume from: {path} is a memory snapshot that is not "
+                                    "complete and there is no durable checkpoint")
+    logger.info("rank %d: resuming from the durable checkpoint %s (step %d; newest in memory: %s)", rank, durable,
+                durable_step, mem_step)
+    return None, durable
+
+
+def _common_kw(io: DistCkptIO) -> Dict[str, Any]:
+    kw = io._load_kwargs()
+    return {"trusted": kw["trusted"], "allowed_globals": kw["allowed_globals"]}
+
+
+def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:
+    """Restore Lightning's checkpoint dict from memory: model and optimizers in place, RNG states set."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    from ..optimizer import optimizer_sharded_state_dict
+    from ..optimizer.sharding import sharding_state_to_optim_state
+    from .strategy import RNG_KEY, _rng_from_safe, _sharded_keys, optimizer_key
+
+    model_sd = strategy._module_sharded_state_dict()
+    strategy._loaded_sharded_keys = _sharded_keys(model_sd)
+    rank, world = strategy.global_rank, strategy.world_size
+    request: Dict[str, Any] = {"state_dict": model_sd, "rng_states": ShardedObject(RNG_KEY, None, (world,), (rank,))}
+    optimizers = list(strategy.optimizers) if strategy._fitting() else []
+    for i, opt in enumerate(optimizers):
+        request[optimizer_key(i)] = optimizer_sharded_state_dict(opt, model_sd, prefix=optimizer_key(i), init_state=True,
+                                                                 module=strategy.lightning_module)
+    loaded = dict(tier.load(request, step))
+    meta = loaded.pop(CONTENT_METADATA_KEY, None) or {}
+    num_opt = int(meta.get("num_optimizers", 0))
+    if optimizers and meta.get("has_optimizer_states"):
+        if len(optimizers) != num_opt:
+            raise ValueError(f"the memory snapshot holds {num_opt} optimizer(s), the module configures {len(optimizers)}")
+        for i, opt in enumerate(optimizers):
+            osd = sharding_state_to_optim_state(loaded.pop(optimizer_key(i)))
+            osd.pop("extracted", None)
+            opt.load_state_dict(osd)
+        loaded["optimizer_states"] = [opt.state_dict() for opt in optimizers]
+    for i in range(num_opt):
+        loaded.pop(optimizer_key(i), None)
+    rng = loaded.pop("rng_states", None)
+    if isinstance(rng, dict):
+        _set_rng_states(_rng_from_safe(rng))
+    loaded["state_dict"] = dict(loaded.get("state_dict", {}))
+    strategy._load_report = ([], [])
+    return loaded
+
+
+class DistCkptMemorySnapshots(Callback):
+    """Memory snapshots for ``DistCkptIO(memory_every_n_train_steps=N)`` (added automatically)."""
+
+    def __init__(self) -> None:
+        self._last_step = -1
+        self._count = 0
+        self._persist_next: Optional[int] = None
+        self._persists: List[Tuple[str, Any]] = []
+
+    @staticmethod
+    def _io(trainer: Any) -> Optional[DistCkptIO]:
+        io = getattr(trainer.strategy, "_checkpoint_io", None)
+        return io if isinstance(io, DistCkptIO) and io.memory_enabled else None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        io = self._io(trainer)
+        if io is None:
+            return
+        step = int(trainer.global_step)
+        if self._persist_next is not None:  # the snapshot of the last batch end is complete by now
+            self._persist(trainer, io, self._persist_next, "memory")
+            self._persist_next = None
+        if step == self._last_step or step % io.memory_every_n_train_steps:
+            return
+        tier = tier_for(trainer.strategy)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        state = trainer.strategy.sharded_checkpoint(checkpoint, main_replica_only=False)
+        state[CONTENT_METADATA_KEY] = state.pop(MARKER)  # what a durable save stores as content metadata
+        tier.save(state, step)
+        self._last_step = step
+        self._count += 1
+        if io.memory_persist_every_n and self._count % io.memory_persist_every_n == 0:
+            self._persist_next = step
+
+    def _persist(self, trainer: Any, io: DistCkptIO, step: int, kind: str) -> Any:
+        path = os.path.join(_checkpoint_dir(trainer), f"{kind}-step={step}.ckpt")
+        req = tier_for(trainer.strategy).persist(step, path, thread_count=io.thread_count, overwrite=True,
+                                                 durable=io.durable)
+        if kind == "memory":
+            self._persists.append((path, req))
+            self._prune(trainer)
+        return req
+
+    def _prune(self, trainer: Any) -> None:
+        """Keep the two newest ``memory-step=*`` checkpoints; failures are logged here and raised at fit end."""
+        done = [(p, r) for p, r in self._persists if r.is_done()]
+        for p, r in done[:-2]:
+            if r.exception() is None and trainer.is_global_zero and is_complete_checkpoint(p):
+                DistCkptIO._remove_now(p)
+            self._persists.remove((p, r))
+        for p, r in done[-2:]:
+            if r.exception() is not None:
+                logger.error("making memory snapshot %s durable failed: %s", p, r.exception())
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        io = self._io(trainer)
+        if io is None or io.memory_tier is None or not isinstance(exception, SIGTERMException):
+            return
+        tier = io.memory_tier
+        outcome: Dict[str, Any] = {}
+
+        def work() -> None:  # every rank is here (Lightning stops all ranks at the same batch)
+            try:
+                tier.wait()
+            except Exception as e:  # noqa: BLE001 - the snapshot in flight failed: the previous one is complete
+                logger.warning("the memory snapshot in flight failed: %s", e)
+            step = tier.last_complete_step
+            if step is None:
+                return
+            self._persist(trainer, io, step, "preempted").wait()
+            outcome["step"] = step
+
+        th = threading.Thread(target=work, name="ckpt-memory-preempt", daemon=True)
+        th.start()
+        th.join(io.memory_sigterm_grace_s)
+        if "step" in outcome:
+            logger.info("rank %d: SIGTERM: memory snapshot of step %d is durable in %s", trainer.global_rank,
+                        outcome["step"], _checkpoint_dir(trainer))
+        else:
+            logger.error("rank %d: SIGTERM: the newest memory snapshot could not be made durable within %.0fs",
+                         trainer.global_rank, io.memory_sigterm_grace_s)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        io = self._io(trainer)
+        if io is None or io.memory_tier is None:
+            return
+        failed = None
+        for p, r in self._persists:
+            try:
+                r.wait()
+            except Exception as e:  # noqa: BLE001
+                failed = failed or e
+        self._persists = []
+        tier, io.memory_tier = io.memory_tier, None
+        tier.close(remove=True)  # the job is finished: free the nodes' memory
+        if failed is not None:
+            raise failed
+
+
+__all__ = ["DistCkptMemorySnapshots", "memory_candidate", "memory_job_id", "restore_newest", "tier_for"]

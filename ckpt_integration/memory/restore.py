@@ -1,0 +1,362 @@
+"""Restoring from the memory tier: what every node holds, which step is complete, verified reads.
+
+* :func:`gather_inventory` (collective): every rank scans its node directory
+  (:func:`.slots.scan`) and all ranks learn all valid slots and on which node they are.
+* :func:`complete_steps`: the steps for which *every* owner of the current world has at least
+  one valid copy (its own or a peer's) written by one incarnation of the job.
+* :func:`fetch` (collective): every rank obtains its own snapshot of a step, from its own
+  node's memory (mapped files, no transfer) or from the rank that serves a peer copy (one
+  exchange, :mod:`.transfer`).
+* :func:`fill_request`: verify every block of the snapshot while copying it into the
+  requested tensors, and build what ``ci.load`` returns.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..dict_utils import dict_list_map_inplace, merge
+from ..errors import CorruptCheckpointError, MemoryLayoutError
+from ..execution import dist
+from ..execution.preprocess import dtype_from_name, restore_list_types, split_state_dict
+from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..storage.checksum import DEFAULT_BLOCK_SIZE, crc32
+from ..storage.safe_pickle import safe_torch_load
+from . import slots
+from .plan import CopyLocation, choose_sources
+from .transfer import Outgoing, exchange
+
+logger = logging.getLogger(__name__)
+
+Key = Tuple[int, Tuple[int, str]]  # (step, incarnation)
+
+
+# --------------------------------------------------------------------------- inventory
+@dataclass
+class Inventory:
+    """Every valid slot of the job on every node: ``entries[rank]`` as scanned by ``rank``."""
+
+    nodes: List[str]  # node memory id of every rank
+    entries: List[List[slots.Entry]]
+
+    def copies(self, world: int) -> Dict[Key, Dict[int, List[CopyLocation]]]:
+        """``{(step, incarnation): {owner: [copy, ...]}}`` for snapshots of a job of ``world`` ranks."""
+        seen: Dict[Tuple[Key, int, str], List[int]] = {}
+        for rank, es in enumerate(self.entries):
+            for e in es:
+                if e.world_size != world or not 0 <= e.owner < world:
+                    continue
+                seen.setdefault(((e.step, e.incarnation), e.owner, self.nodes[rank]), []).append(rank)
+        out: Dict[Key, Dict[int, List[CopyLocation]]] = {}
+        for (key, owner, node), ranks in sorted(seen.items()):
+            out.setdefault(key, {}).setdefault(owner, []).append(CopyLocation(owner, node, tuple(sorted(set(ranks)))))
+        return out
+
+    def slot_of(self, rank: int, owner: int, key: Key) -> Optional[int]:
+        for e in self.entries[rank]:
+            if e.owner == owner and (e.step, e.incarnation) == key:
+                return e.slot
+        return None
+
+
+def gather_inventory(root: str, job_id: str, node: str, group: Any) -> Inventory:
+    mine = slots.scan(root, job_id)
+    gathered = dist.all_gather_object((node, mine), group)
+    return Inventory([g[0] for g in gathered], [g[1] for g in gathered])
+
+
+def complete_steps(inv: Inventory, world: int) -> List[Key]:
+    """Keys complete for all ``world`` owners, newest first (ties: the later incarnation)."""
+    done = [k for k, per_owner in inv.copies(world).items() if len(per_owner) == world]
+    return sorted(done, key=lambda k: (k[0], k[1][0]), reverse=True)
+
+
+def key_for_step(inv: Inventory, world: int, step: int) -> Optional[Key]:
+    for k in complete_steps(inv, world):
+        if k[0] == step:
+            return k
+    return None
+
+
+# --------------------------------------------------------------------------- fetching
+@dataclass
+class Obtained:
+    """This rank's snapshot of a step: the record and where its file bytes are."""
+
+    record: slots.Record
+    files: Dict[str, torch.Tensor]  # name -> uint8 (mapped own files, or received buffers)
+    source: str  # "own memory" or "peer rank N"
+    node: str
+    fds: Dict[str, str] = field(default_factory=dict)  # own memory: name -> path (read with preadv)
+
+
+def fetch(
+    inv: Inventory, key: Key, root: str, group: Any, refused: Iterable[Tuple[int, str]] = (),
+    owners: Optional[Sequence[int]] = None,
+) -> Tuple[Optional[Obtained], Optional[str], List[int], Dict[int, Tuple[str, int]]]:
+    """Collective: every rank in ``owners`` (default all) obtains its own snapshot of ``key``.
+
+    Returns ``(obtained or None, local error or None, owners without a usable copy, the
+    chosen {owner: (node, serving rank)})``. All ranks take part in the exchange whatever
+    happens locally.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    copies = inv.copies(world).get(key, {})
+    owners = list(range(world)) if owners is None else list(owners)
+    chosen, missing = choose_sources(owners, copies, set(refused))
+    local_err: Optional[str] = None
+    obtained: Optional[Obtained] = None
+    sends: Dict[int, Outgoing] = {}
+    for owner, (node, server) in sorted(chosen.items()):
+        if server == rank and owner != rank:
+            try:
+                sends[owner] = _outgoing(inv, rank, owner, key, root)
+            except Exception as e:  # the requester gets "nothing" and reports it
+                logger.warning("memory tier: rank %d cannot serve rank %d's copy: %s", rank, owner, e)
+                sends[owner] = Outgoing(None, {})
+    sources = [chosen[rank][1]] if rank in chosen and chosen[rank][1] != rank else []
+    if rank in chosen and chosen[rank][1] == rank:
+        try:
+            obtained = _own(inv, rank, key, root, chosen[rank][0])
+        except Exception as e:
+            local_err = f"own memory (node {chosen[rank][0][:8]}): {type(e).__name__}: {e}"
+    recv_buffers: Dict[str, torch.Tensor] = {}
+
+    def buffers_for(src: int, rec: slots.Record) -> Dict[str, torch.Tensor]:
+        recv_buffers.update({n: torch.empty(s, dtype=torch.uint8) for n, s in rec.files().items()})
+        return recv_buffers
+
+    try:
+        got, errors = exchange(sends, sources, buffers_for, group, lambda s: f"copy served by rank {s}")
+        if errors:
+            local_err = local_err or "; ".join(f"copy from peer rank {s}: {e}" for s, e in errors.items())
+    except Exception as e:
+        got = {}
+        local_err = local_err or f"transfer failed: {type(e).__name__}: {e}"
+    if sources and local_err is None:
+        src = sources[0]
+        rec = got.get(src)
+        if rec is None:
+            local_err = local_err or f"peer rank {src} had no readable copy"
+        else:
+            try:
+                _check_header(rec, rank, key)
+                obtained = Obtained(rec, dict(recv_buffers), f"peer rank {src}", chosen[rank][0])
+            except Exception as e:
+                local_err = f"copy from peer rank {src}: {e}"
+    return obtained, local_err, missing, chosen
+
+
+def _check_header(rec: slots.Record, owner: int, key: Key) -> None:
+    if rec.owner != owner or (rec.step, rec.incarnation) != key:
+        raise CorruptCheckpointError(f"record is of rank {rec.owner} step {rec.step}, not rank {owner} step {key[0]}")
+
+
+def _read_own(root: str, owner: int, slot: int, key: Key) -> slots.Record:
+    rec = slots.read_record(root, owner, slot)
+    if rec is None:
+        raise CorruptCheckpointError(f"slot {slot} of rank {owner} disappeared")
+    _check_header(rec, owner, key)
+    return rec
+
+
+def _own(inv: Inventory, rank: int, key: Key, root: str, node: str) -> Obtained:
+    slot = inv.slot_of(rank, rank, key)
+    assert slot is not None
+    rec = _read_own(root, rank, slot, key)
+    files = slots.open_files(root, rank, rec.files())
+    paths = {n: os.path.join(slots.owner_dir(root, rank), n) for n in files}
+    return Obtained(rec, files, "own memory", node, paths)
+
+
+def _outgoing(inv: Inventory, rank: int, owner: int, key: Key, root: str) -> Outgoing:
+    slot = inv.slot_of(rank, owner, key)
+    if slot is None:
+        raise CorruptCheckpointError(f"rank {rank} has no copy of rank {owner} step {key[0]}")
+    rec = _read_own(root, owner, slot, key)
+    return Outgoing(rec.raw, slots.open_files(root, owner, rec.files()))
+
+
+# --------------------------------------------------------------------------- filling a request
+def _reader(got: Obtained) -> Any:
+    """``read(file, offset, out)``: bytes of a snapshot file into ``out`` (a uint8 array)."""
+    fds: Dict[str, int] = {}
+
+    def read(name: str, offset: int, out: np.ndarray) -> None:
+        if name in got.fds:  # own memory: the kernel copies from tmpfs (no page faults on a fresh mapping)
+            fd = fds.get(name)
+            if fd is None:
+                fd = fds[name] = os.open(got.fds[name], os.O_RDONLY)
+            view, done = memoryview(out), 0
+            while done < len(out):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise CorruptCheckpointError(f"memory snapshot file {got.fds[name]} is shorter than recorded")
+                done += n
+        else:
+            np.copyto(out, got.files[name][offset:offset + len(out)].numpy())
+
+    def close() -> None:
+        for fd in fds.values():
+            os.close(fd)
+
+    return read, close
+
+
+def verified_copy(read: Any, name: str, offset: int, out: np.ndarray, crcs: np.ndarray, where: str) -> None:
+    """Read a region into ``out`` block by block, checking each block's CRC32 while it is in cache."""
+    n, block = len(out), DEFAULT_BLOCK_SIZE
+    if len(crcs) != (n + block - 1) // block:
+        raise CorruptCheckpointError(f"{where}: {len(crcs)} block checksums for {n} bytes")
+    for i, o in enumerate(range(0, n, block)):
+        part = out[o:o + block]
+        read(name, offset + o, part)
+        if crc32(part) != int(crcs[i]):
+            raise CorruptCheckpointError(f"{where}: CRC32 mismatch in block {i} (bytes {o}..{o + len(part)})")
+
+
+def _bytes_of(t: torch.Tensor) -> Optional[np.ndarray]:
+    """A uint8 view of a contiguous CPU tensor's bytes, else ``None``."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    flat = t.detach().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
+
+
+def shard_id(sh: Any) -> Tuple[Any, ...]:
+    """What identifies a saved value independent of where it sits in the dict."""
+    if isinstance(sh, ShardedObject):
+        return ("object", sh.unique_key)
+    fr = sh.flattened_range
+    return ("tensor", sh.key, tuple(sh.global_offset), tuple(sh.local_shape), None if fr is None else (fr.start, fr.stop))
+
+
+def entry_id(s: Dict[str, Any]) -> Tuple[Any, ...]:
+    if s["kind"] == "object":
+        return ("object", s["unique_key"])
+    fr = s["flattened_range"]
+    return ("tensor", s["key"], tuple(s["global_offset"]), tuple(s["local_shape"]), None if fr is None else tuple(fr))
+
+
+def fill_request(
+    sharded_state_dict: Dict[str, Any], got: Obtained, where: str, trusted: bool, allowed_globals: Any,
+) -> Any:
+    """Verify ``got`` block by block while copying it into the request; return what ``ci.load`` would."""
+    rec = got.record
+    sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
+    saved = {entry_id(s): s for s in rec.header["shards"]}
+    blob = safe_torch_load(io.BytesIO(rec.blob), trusted=trusted, allowed_globals=allowed_globals,
+                           what=f"common state of {where}")
+    by_region: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
+    device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def prepare(sh: Any) -> Any:
+        if not isinstance(sh, (ShardedTensor, ShardedObject)):
+            return sh
+        entry = saved.get(shard_id(sh))
+        if entry is None or (isinstance(sh, ShardedTensor) and tuple(entry["global_shape"]) != sh.global_shape):
+            what = f"object {sh.unique_key!r}" if isinstance(sh, ShardedObject) else (
+                f"{sh.key!r} at offset {sh.global_offset} with local shape {sh.local_shape}")
+            raise MemoryLayoutError(f"{where}: {what} is not in the snapshot (the layout changed): "
+                                    "load the durable checkpoint, which reshards")
+        if isinstance(sh, ShardedObject):
+            return blob["objects"][entry["index"]]
+        shape = (sh.flat_numel(),) if sh.flattened_range is not None else sh.local_shape
+        out = sh.data if sh.data is not None else torch.empty(shape, dtype=sh.dtype)
+        host = out.detach() if out.device.type == "cpu" else torch.empty(shape, dtype=sh.dtype)
+        if out.device.type != "cpu":
+            device_copies.append((host, out))
+        by_region.setdefault(entry["region"], []).append((entry, host))
+        return out
+
+    loaded = dict_list_map_inplace(prepare, sharded)
+    copy_regions(got, by_region, where)
+    with torch.no_grad():
+        for host, dev in device_copies:
+            dev.copy_(host)
+    common = blob["common"]
+    result = common if isinstance(common, dict) else {"__common__": common}
+    merge(result, nonpersistent)
+    merge(result, loaded)
+    result = restore_list_types(result, template)
+    if factories:
+        result = apply_factory_merges(result, factories)
+    return result
+
+
+def copy_regions(got: Obtained, by_region: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]], where: str) -> None:
+    """Fill each destination from its region, every byte checked against the block CRC32s."""
+    regions = got.record.regions
+    read, close = _reader(got)
+    try:
+        with torch.no_grad():
+            for idx, wants in sorted(by_region.items()):
+                name, offset, nbytes, crcs = regions[idx]
+                entry, host = wants[0]
+                what = f"{where}, region {idx} ({entry.get('key')!r})"
+                dest = _bytes_of(host) if len(wants) == 1 else None
+                if (dest is not None and len(dest) == nbytes and entry["elem_offset"] == 0
+                        and dtype_from_name(entry["dtype"]) == host.dtype and _contiguous(entry["size"], entry["stride"])):
+                    verified_copy(read, name, offset, dest, crcs, what)  # straight into the tensor
+                    continue
+                scratch = torch.empty(nbytes, dtype=torch.uint8)
+                verified_copy(read, name, offset, scratch.numpy(), crcs, what)
+                for entry, host in wants:
+                    host.copy_(_view(scratch.untyped_storage(), 0, entry).reshape(host.shape))
+    finally:
+        close()
+
+
+def _view(storage: Any, byte_offset: int, entry: Dict[str, Any]) -> torch.Tensor:
+    """The saved tensor ``entry`` inside ``storage`` whose region starts at ``byte_offset``."""
+    dt = dtype_from_name(entry["dtype"])
+    es = torch.empty((), dtype=dt).element_size()
+    return torch.empty(0, dtype=dt).set_(storage, byte_offset // es + entry["elem_offset"], entry["size"], entry["stride"])
+
+
+def as_sharded(got: Obtained, trusted: bool, allowed_globals: Any) -> Tuple[List[Any], Any]:
+    """The snapshot as (ShardedTensors / ShardedObjects viewing its bytes, common state): what
+    ``persist`` hands to the durable save (no copy)."""
+    rec = got.record
+    blob = safe_torch_load(io.BytesIO(rec.blob), trusted=trusted, allowed_globals=allowed_globals,
+                           what=f"common state of the memory snapshot of step {rec.step}")
+    regions = rec.regions
+    out: List[Any] = []
+    for s in rec.header["shards"]:
+        rid = s["replica_id"]
+        rid = tuple(rid) if isinstance(rid, list) else rid
+        if s["kind"] == "object":
+            out.append(ShardedObject(s["key"], blob["objects"][s["index"]], tuple(s["global_shape"]),
+                                     tuple(s["global_offset"]), rid))
+            continue
+        name, offset, _, _ = regions[s["region"]]
+        data = _view(got.files[name].untyped_storage(), offset, s)
+        fr = s["flattened_range"]
+        out.append(ShardedTensor(
+            s["key"], data, dtype_from_name(s["dtype"]), tuple(s["local_shape"]), tuple(s["global_shape"]),
+            tuple(s["global_offset"]), None if s["axis_fragmentations"] is None else tuple(s["axis_fragmentations"]),
+            rid, s["prepend_axis_num"], s["allow_shape_mismatch"], None if fr is None else slice(fr[0], fr[1]),
+        ))
+    return out, blob["common"]
+
+
+def _contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:
+    expect = 1
+    for s, st in zip(reversed(list(size)), reversed(list(stride))):
+        if s != 1 and st != expect:
+            return False
+        expect *= s
+    return True
+
+
+def verify_all(got: Obtained, where: str) -> None:
+    """Check every block of every region (before a snapshot is persisted)."""
+    for idx, (name, offset, nbytes, crcs) in enumerate(got.record.regions):
+        slots.verify_region(got.files[name][offset:offset + nbytes].numpy(), crcs, f"{where}, region {idx}")

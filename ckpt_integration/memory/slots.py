@@ -1,0 +1,394 @@
+"""Snapshot files of the memory tier in a node's shared-memory directory.
+
+Layout, all under ``<directory>/<job_id>/`` (nothing outside it is ever read or removed)::
+
+    node-id                    random id of this node's memory (new once the directory is lost)
+    r00003/s0.rec              commit record of rank 3's snapshot in slot 0
+    r00003/s0-<gen>.bin        the slot's tensor bytes ("arena": staging buffers are slices of it)
+
+A node holds the directories of its own ranks and of the ranks whose copies it keeps (see
+:mod:`.plan`); a copy is byte-for-byte the owner's files, its record included.
+
+**Commit protocol.** A slot is valid only while its record exists and verifies: before a
+slot's bytes are overwritten its record is removed, and the new record is written last (to a
+temporary name, then renamed). A process killed at any point leaves the slot without a record
+(invalid) and the other slot untouched. Records are the whole metadata of a snapshot:
+
+    b"CIMEMREC" | crc32 (u32) | header length (u64) | blob length (u64) | header (JSON) | blob
+
+The CRC32 covers both lengths, the header and the blob. The header names job, owner, step,
+world size, the incarnation that wrote it, the shards and the regions of the arena files with
+the CRC32 of every 1 MiB block (the durable format's block checksums); the blob (a
+``torch.save`` archive, read with the safe unpickler) holds the common state and the
+ShardedObjects. Files are preallocated (``posix_fallocate``), so a full tmpfs is an error at
+allocation instead of a ``SIGBUS`` in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
+from ..storage.checksum import DEFAULT_BLOCK_SIZE, crc32, pack_crcs, unpack_crcs
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"CIMEMREC"
+FORMAT = 1
+_PREFIX = struct.Struct("<8sIQQ")
+_ALIGN = 4096  # regions of an arena start on page boundaries
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_OWNER_RE = re.compile(r"^r(\d{5,})$")
+_REC_RE = re.compile(r"^s([01])\.rec$")
+_BIN_RE = re.compile(r"^s([01])-[0-9a-f]+\.bin$")
+SLOTS = (0, 1)
+
+
+def check_job_id(job_id: str) -> str:
+    """``job_id`` as a directory name: letters, digits, ``._-`` (no separators, not ``.``/``..``)."""
+    if not isinstance(job_id, str) or not _JOB_RE.match(job_id) or job_id in (".", ".."):
+        raise ValueError(f"job_id must be 1-128 characters of letters, digits, '.', '_', '-' (not starting with "
+                         f"'.' or '-'), got {job_id!r}")
+    return job_id
+
+
+def owner_dir(root: str, owner: int) -> str:
+    return os.path.join(root, f"r{owner:05d}")
+
+
+def record_path(root: str, owner: int, slot: int) -> str:
+    return os.path.join(owner_dir(root, owner), f"s{slot}.rec")
+
+
+def node_id(root: str) -> str:
+    """This node's memory id, created once (the first rank of the node to ask wins)."""
+    os.makedirs(root, exist_ok=True)
+    path = os.path.join(root, "node-id")
+    try:
+        fd = os.open(path + f".tmp-{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(uuid.uuid4().hex)
+        try:
+            os.link(path + f".tmp-{os.getpid()}", path)  # fails if another rank was first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(path + f".tmp-{os.getpid()}")
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        raise MemoryCheckpointError(f"cannot create the memory tier's directory {root}: {e}") from None
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class Record:
+    """A decoded commit record (see the module docstring)."""
+
+    header: Dict[str, Any]
+    blob: bytes
+    raw: bytes = field(repr=False, default=b"")
+
+    @property
+    def owner(self) -> int:
+        return int(self.header["owner"])
+
+    @property
+    def step(self) -> int:
+        return int(self.header["step"])
+
+    @property
+    def incarnation(self) -> Tuple[int, str]:
+        t, u = self.header["incarnation"]
+        return int(t), str(u)
+
+    @property
+    def regions(self) -> List[Tuple[str, int, int, np.ndarray]]:
+        """``[(file, offset, nbytes, block CRC32s)]``."""
+        return [(f, int(o), int(n), unpack_crcs(c)) for f, o, n, c in self.header["regions"]]
+
+    def files(self) -> Dict[str, int]:
+        """Arena file name -> size in bytes."""
+        return {str(k): int(v) for k, v in self.header["files"].items()}
+
+
+def encode_record(header: Dict[str, Any], blob: bytes) -> bytes:
+    head = json.dumps({**header, "format": FORMAT}, sort_keys=True).encode()
+    lengths = struct.pack("<QQ", len(head), len(blob))
+    c = crc32(blob, crc32(head, crc32(lengths)))
+    return _PREFIX.pack(MAGIC, c, len(head), len(blob)) + head + blob
+
+
+def decode_record(raw: bytes, where: str) -> Record:
+    """Parse and verify a record; :class:`CorruptCheckpointError` naming ``where`` otherwise."""
+    if len(raw) < _PREFIX.size:
+        raise CorruptCheckpointError(f"memory snapshot record {where} is truncated ({len(raw)} bytes)")
+    magic, c, hl, bl = _PREFIX.unpack_from(raw)
+    if magic != MAGIC or _PREFIX.size + hl + bl != len(raw):
+        raise CorruptCheckpointError(f"memory snapshot record {where} is damaged (bad magic or length)")
+    head, blob = raw[_PREFIX.size:_PREFIX.size + hl], raw[_PREFIX.size + hl:]
+    if crc32(blob, crc32(head, crc32(struct.pack("<QQ", hl, bl)))) != c:
+        raise CorruptCheckpointError(f"memory snapshot record {where} fails its CRC32 check")
+    header = json.loads(head)
+    if header.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"memory snapshot record {where} has unknown format {header.get('format')!r}")
+    return Record(header, bytes(blob), raw)
+
+
+def write_record(root: str, owner: int, slot: int, raw: bytes) -> None:
+    """Commit a slot: write the record under a temporary name and rename it into place."""
+    path = record_path(root, owner, slot)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(raw)
+    os.replace(tmp, path)
+
+
+def invalidate(root: str, owner: int, slot: int) -> None:
+    """Remove a slot's record before its bytes change (the slot is invalid from here on)."""
+    try:
+        os.unlink(record_path(root, owner, slot))
+    except FileNotFoundError:
+        pass
+
+
+def read_record(root: str, owner: int, slot: int) -> Optional[Record]:
+    """The slot's verified record, ``None`` if there is none; raises if it is damaged."""
+    path = record_path(root, owner, slot)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    return decode_record(raw, path)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One valid slot found in a node directory (what :func:`scan` reports)."""
+
+    owner: int
+    slot: int
+    step: int
+    incarnation: Tuple[int, str]
+    world_size: int
+
+
+def scan(root: str, job_id: str) -> List[Entry]:
+    """Every slot of ``job_id`` in this node's directory whose record verifies.
+
+    A damaged record is skipped with a warning (the slot does not count). Records of another
+    job cannot be in ``root`` (it is the job's own directory); a record naming another job is
+    refused all the same.
+    """
+    out: List[Entry] = []
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = _OWNER_RE.match(name)
+        if not m:
+            continue
+        owner = int(m.group(1))
+        for slot in SLOTS:
+            try:
+                rec = read_record(root, owner, slot)
+            except (CorruptCheckpointError, ValueError, KeyError, OSError) as e:
+                logger.warning("memory tier: ignoring slot %d of rank %d in %s: %s", slot, owner, root, e)
+                continue
+            if rec is None:
+                continue
+            h = rec.header
+            if h.get("job_id") != job_id or h.get("owner") != owner or h.get("slot") != slot:
+                logger.warning("memory tier: ignoring %s: it names job %r, rank %r, slot %r", record_path(root, owner, slot),
+                               h.get("job_id"), h.get("owner"), h.get("slot"))
+                continue
+            out.append(Entry(owner, slot, rec.step, rec.incarnation, int(h["world_size"])))
+    return out
+
+
+# --------------------------------------------------------------------------- arenas
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    """A shared (``MAP_SHARED``) read-write mapping of a whole file, as a uint8 tensor."""
+    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+
+def _preallocate(path: str, size: int, what: str) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        fd = -1
+        os.unlink(path)
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        raise MemorySpaceError(
+            f"{what}: cannot allocate {size / 2**30:.2f} GiB in {os.path.dirname(path)} ({e.strerror}; "
+            f"{free / 2**30:.2f} GiB free): give the node's shared memory more room or use fewer replicas"
+        ) from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+class Arena:
+    """The arena files of one owner's slot in this node's directory, mapped.
+
+    ``allocate(sizes)`` (the :class:`~ckpt_integration.execution.staging.StateDictStager`
+    allocator) makes one new file for a batch of buffers and returns slices of its mapping;
+    ``locate(tensor)`` says where a staged tensor's bytes are; ``ensure(files)`` makes the
+    files of a peer's copy exist with the given sizes (reusing mappings of the same size).
+    """
+
+    def __init__(self, root: str, owner: int, slot: int, tag: str):
+        self.dir = owner_dir(root, owner)
+        self.slot = slot
+        self.tag = tag  # makes file names unique per incarnation
+        self.maps: Dict[str, torch.Tensor] = {}
+        self._gen = 0
+
+    def allocate(self, sizes: Sequence[int]) -> List[torch.UntypedStorage]:
+        os.makedirs(self.dir, exist_ok=True)
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += _aligned(max(1, n))
+        name = f"s{self.slot}-{self.tag}{self._gen:04x}.bin"
+        self._gen += 1
+        path = os.path.join(self.dir, name)
+        _preallocate(path, total, f"memory snapshot slot {self.slot}")
+        t = _map(path, total)
+        self.maps[name] = t
+        storage = t.untyped_storage()
+        return [storage[o:o + n] for o, n in zip(offsets, sizes)]
+
+    def locate(self, t: torch.Tensor) -> Tuple[str, int]:
+        """(file, byte offset of ``t``'s storage) for a tensor viewing one of the arena's buffers."""
+        ptr = t.untyped_storage().data_ptr()
+        name = self.locate_ptr(ptr)
+        return name, ptr - self.maps[name].data_ptr()
+
+    def locate_ptr(self, ptr: int) -> str:
+        """The file whose mapping holds address ``ptr``."""
+        for name, m in self.maps.items():
+            base = m.data_ptr()
+            if base <= ptr < base + m.numel():
+                return name
+        raise MemoryCheckpointError("a staged buffer is not in the memory arena (internal error)")
+
+    def ensure(self, files: Dict[str, int]) -> Dict[str, torch.Tensor]:
+        """Mapped files named and sized as ``files`` (a peer's copy), created as needed."""
+        os.makedirs(self.dir, exist_ok=True)
+        for name in files:
+            if not _BIN_RE.match(name) or not name.startswith(f"s{self.slot}-"):
+                raise CorruptCheckpointError(f"memory snapshot copy names an invalid file {name!r}")
+        for name in list(self.maps):
+            if name not in files or self.maps[name].numel() != files[name]:
+                del self.maps[name]
+        for name, size in files.items():
+            if name not in self.maps:
+                path = os.path.join(self.dir, name)
+                if not os.path.exists(path) or os.path.getsize(path) != size:
+                    if os.path.exists(path):
+                        os.unlink(path)
+                    _preallocate(path, size, f"copy of a peer's memory snapshot (slot {self.slot})")
+                self.maps[name] = _map(path, size)
+        return {name: self.maps[name] for name in files}
+
+    def retain(self, keep: Sequence[str]) -> None:
+        """Delete this slot's files not in ``keep`` (after the stager let go of them)."""
+        keep = set(keep)
+        for name in list(self.maps):
+            if name not in keep:
+                del self.maps[name]
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            m = _BIN_RE.match(name)
+            if m and int(m.group(1)) == self.slot and name not in keep:
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except FileNotFoundError:
+                    pass
+
+    def close(self) -> None:
+        self.maps.clear()
+
+
+def open_files(root: str, owner: int, files: Dict[str, int]) -> Dict[str, torch.Tensor]:
+    """Read-only views of a committed slot's files (``MAP_PRIVATE``: nothing is written back)."""
+    out = {}
+    d = owner_dir(root, owner)
+    for name, size in files.items():
+        if not _BIN_RE.match(name):
+            raise CorruptCheckpointError(f"memory snapshot record names an invalid file {name!r}")
+        path = os.path.join(d, name)
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != size:
+            raise CorruptCheckpointError(f"memory snapshot file {path} is missing or has the wrong size")
+        out[name] = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    return out
+
+
+# --------------------------------------------------------------------------- checksums
+def block_crcs(buf: torch.Tensor, block: int = DEFAULT_BLOCK_SIZE) -> str:
+    """Packed CRC32s of ``buf`` (uint8, contiguous) in blocks of ``block`` bytes."""
+    a = buf.numpy()
+    return pack_crcs([crc32(a[o:o + block]) for o in range(0, len(a), block)])
+
+
+def verify_region(buf: np.ndarray, crcs: np.ndarray, where: str, block: int = DEFAULT_BLOCK_SIZE) -> None:
+    """Check every block of a region; :class:`CorruptCheckpointError` names the first bad one."""
+    n = len(buf)
+    if len(crcs) != (n + block - 1) // block:
+        raise CorruptCheckpointError(f"{where}: {len(crcs)} block checksums for {n} bytes")
+    for i, o in enumerate(range(0, n, block)):
+        if crc32(buf[o:o + block]) != int(crcs[i]):
+            raise CorruptCheckpointError(f"{where}: CRC32 mismatch in block {i} (bytes {o}..{min(n, o + block)})")
+
+
+def node_usage(root: str) -> int:
+    """Bytes this job's files take in the node directory (space a new snapshot may reuse)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, n))
+            except OSError:
+                pass
+    return total
+
+
+def remove_owner(root: str, owner: int) -> None:
+    """Delete an owner's directory (both slots, records first so nothing half-valid remains)."""
+    for slot in SLOTS:
+        invalidate(root, owner, slot)
+    shutil.rmtree(owner_dir(root, owner), ignore_errors=True)
+
+
+def remove_job(root: str) -> None:
+    """Delete the job's directory on this node when nothing of it is left but ``node-id``."""
+    try:
+        rest = [n for n in os.listdir(root) if n != "node-id"]
+    except FileNotFoundError:
+        return
+    if not rest:
+        shutil.rmtree(root, ignore_errors=True)

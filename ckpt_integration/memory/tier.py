@@ -1,0 +1,516 @@
+"""``MemoryCheckpoints``: frequent snapshots in host shared memory, copied to peer nodes.
+
+A snapshot is taken like an async save (:mod:`ckpt_integration.execution.async_save`): the
+caller is blocked only while the structure is staged (:class:`StateDictStager`, whose buffers
+here are slices of files in the node's shared memory, :mod:`.slots`); large tensors are copied
+by a background thread while training goes on (:class:`Snapshot`: the next ``torch.optim``
+step waits for it, an early in-place change fails the snapshot). A worker thread
+(:class:`AsyncCallsQueue`) then computes the block CRC32s, commits the rank's record, sends the
+slot to the ranks that keep its copies and receives the copies it keeps (:mod:`.transfer`), and
+agrees with every rank on the outcome, all on a private gloo group. The caller never enters a
+collective for that; a failure is raised on every rank by ``wait()`` or the next ``save()``.
+
+Restores (:mod:`.restore`) read the rank's own files when its node still has them and
+otherwise fetch a peer's copy; every byte is checked against the block CRC32s first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+
+import torch
+
+from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayoutError, MemorySpaceError
+from ..execution import dist
+from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
+from ..execution.preprocess import dtype_name, split_state_dict
+from ..execution.save import _describe, finalize_save, prepare_save, write_local
+from ..execution.snapshot import Snapshot
+from ..execution.staging import StateDictStager
+from ..dict_utils import nested_values
+from ..mapping import ShardedObject, ShardedTensor
+from ..storage.safe_pickle import torch_dumps
+from . import restore as rs
+from . import slots
+from .plan import replication_plan
+from .transfer import Outgoing, exchange
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MemoryCheckpoints", "RestoreReport"]
+
+
+@dataclass
+class RestoreReport:
+    """Where this rank's state came from in the last :meth:`MemoryCheckpoints.load`."""
+
+    step: int
+    source: str  # "own memory" or "peer rank N"
+    refused: List[str] = field(default_factory=list)  # copies that failed verification, and why
+
+
+@dataclass
+class _Job:
+    step: int
+    slot: int
+    values: List[Any]  # ShardedTensors (with data) / ShardedObjects, in save order
+    staged: Any = None
+    error: Optional[str] = None
+    exc: Optional[BaseException] = None
+
+
+def _shard_header(sh: Any) -> Dict[str, Any]:
+    rid = sh.replica_id
+    rid = list(rid) if isinstance(rid, tuple) else rid
+    if isinstance(sh, ShardedObject):
+        return {"kind": "object", "key": sh.key, "unique_key": sh.unique_key, "global_shape": list(sh.global_shape),
+                "global_offset": list(sh.global_offset), "replica_id": rid}
+    fr = sh.flattened_range
+    return {
+        "kind": "tensor", "key": sh.key, "dtype": dtype_name(sh.dtype), "local_shape": list(sh.local_shape),
+        "global_shape": list(sh.global_shape), "global_offset": list(sh.global_offset), "replica_id": rid,
+        "axis_fragmentations": None if sh.axis_fragmentations is None else list(sh.axis_fragmentations),
+        "prepend_axis_num": sh.prepend_axis_num, "allow_shape_mismatch": sh.allow_shape_mismatch,
+        "flattened_range": None if fr is None else [fr.start, fr.stop],
+    }
+
+
+class MemoryCheckpoints:
+    """Snapshots of a sharded state dict in the node's shared memory and on peer nodes.
+
+    Construct on every rank (collective). ``directory`` is this node's shared memory (a tmpfs
+    such as ``/dev/shm/ckpt``); every node passes its own, and a node's snapshots outlive the
+    processes that wrote them, so a restarted process finds them. Everything lives under
+    ``directory/job_id``: another job's snapshots are never read or removed.
+
+    Args:
+        directory: this node's shared-memory directory.
+        job_id: name of the training job (stable across restarts of the job).
+        replicas: copies of each rank's snapshot on distinct nodes, its own included
+            (``1``: no peer copies). Nodes form replica groups as in NVRx's clique replication
+            (:mod:`ckpt_integration.memory.plan`).
+        ranks_per_node: ranks per node (default: ``LOCAL_WORLD_SIZE``; rank ``r`` runs on node
+            ``r // ranks_per_node``).
+        process_group: the ranks taking part (default: the world); a private gloo group with
+            the same ranks carries the tier's traffic.
+        trusted, allowed_globals: as for :func:`ckpt_integration.load`, for the common state
+            and ShardedObjects of a snapshot.
+        timeout_s: how long the tier's background collectives wait for a peer.
+
+    Example (every rank)::
+
+        tier = ci.MemoryCheckpoints("/dev/shm/ckpt", "run-42", replicas=2)
+        step = tier.latest()                       # newest step every rank can restore, or None
+        if step is not None:
+            state = tier.load(sharded_sd, step)    # verified, from own memory or a peer
+        for step in range(step or 0, steps):
+            train_step()
+            if step % 10 == 0:
+                tier.save(sharded_sd, step)        # returns while the copy runs in the background
+            if step % 500 == 0:
+                tier.persist(step, f"ckpt/iter_{step}")   # an ordinary durable checkpoint
+        tier.close(remove=True)                    # the job finished: free the memory
+    """
+
+    def __init__(self, directory: Any, job_id: str, replicas: int = 2, ranks_per_node: Optional[int] = None,
+                 process_group: Any = None, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
+                 timeout_s: float = 600.0, copy_now_bytes: int = DEFAULT_COPY_NOW_BYTES):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.job_id = slots.check_job_id(job_id)
+        self.root = os.path.join(self.directory, self.job_id)
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        if ranks_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None and self.world_size > 1:
+                raise MemoryCheckpointError("MemoryCheckpoints needs ranks_per_node (LOCAL_WORLD_SIZE is not set)")
+            ranks_per_node = int(env) if env else 1
+        self.plan = replication_plan(self.world_size, int(ranks_per_node), int(replicas))
+        self.trusted = trusted
+        self.allowed_globals = list(allowed_globals or [])
+        self.copy_now_bytes = int(copy_now_bytes)
+        self.last_restore: Optional[RestoreReport] = None
+        self.last_complete_step: Optional[int] = None
+        self.last_save_blocking_s: Optional[float] = None
+        self._group = self._new_group(process_group, timeout_s)
+        self._persist_group = self._new_group(process_group, timeout_s)
+        self.node = slots.node_id(self.root)
+        inc = dist.broadcast_object((time.time_ns(), uuid.uuid4().hex) if self.rank == 0 else None,
+                                    src=dist.coordinator_rank(self._group), group=self._group)
+        self.incarnation: Tuple[int, str] = (int(inc[0]), str(inc[1]))
+        tag = uuid.uuid4().hex[:8]
+        self._arenas = [slots.Arena(self.root, self.rank, s, tag) for s in slots.SLOTS]
+        self._held: Dict[Tuple[int, int], slots.Arena] = {}
+        self._tag = tag
+        self._stagers = [StateDictStager(pin_memory=False, allocator=a.allocate) for a in self._arenas]
+        self._queue = AsyncCallsQueue(max_in_flight=1, copy_now_bytes=self.copy_now_bytes)
+        self._persist_queue = AsyncCallsQueue(max_in_flight=1)
+        self._pinned: Dict[int, int] = {}
+        self._pin_cv = threading.Condition()
+        self._space_checked = False
+        self._closed = False
+        # the newest complete step already in memory (a restarted job) must survive the next save
+        inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
+        done = rs.complete_steps(inv, self.world_size)
+        self._protected: Optional[rs.Key] = done[0] if done else None
+        self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0]) if done else None
+        self.last_complete_step = done[0][0] if done else None
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _new_group(process_group: Any, timeout_s: float) -> Any:
+        if not dist.is_distributed():
+            return None
+        import torch.distributed as tdist
+
+        ranks = (list(range(tdist.get_world_size())) if process_group is None
+                 else list(tdist.get_process_group_ranks(process_group)))
+        return tdist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                               use_local_synchronization=True)
+
+    def _slot_of_key(self, inv: rs.Inventory, key: rs.Key) -> int:
+        found = sorted({e.slot for es in inv.entries for e in es if (e.step, e.incarnation) == key})
+        return found[0]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise MemoryCheckpointError("MemoryCheckpoints is closed")
+
+    def _held_arena(self, owner: int, slot: int) -> slots.Arena:
+        a = self._held.get((owner, slot))
+        if a is None:
+            a = self._held[(owner, slot)] = slots.Arena(self.root, owner, slot, self._tag)
+        return a
+
+    def _drain(self) -> None:
+        """Wait for the snapshot in flight (its collectives use the tier's group)."""
+        self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def _wait_unpinned(self, slot: int) -> None:
+        with self._pin_cv:
+            while self._pinned.get(slot):
+                self._pin_cv.wait()
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
+        """Start a snapshot of ``sharded_state_dict`` as step ``step`` (every rank, same step).
+
+        Returns once the snapshot is under way: small tensors and the rest of the state are
+        copied, large tensors are being copied by a background thread (the next ``torch.optim``
+        step waits for that; other in-place changes must call
+        :func:`ckpt_integration.wait_for_snapshot` first). Waits for the previous snapshot and
+        raises its failure. The first call checks that every node has room for its snapshots
+        and raises :class:`MemorySpaceError` on every rank otherwise.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self._queue._make_room()  # the previous snapshot is complete everywhere (or raises)
+        slot = 0 if self._protected_slot is None else 1 - self._protected_slot
+        self._wait_unpinned(slot)
+        job = _Job(int(step), slot, [])
+        try:
+            sharded, common, _np, _f, _t = split_state_dict(sharded_state_dict)
+            job.values = [v for v in nested_values(sharded) if isinstance(v, ShardedObject)
+                          or (isinstance(v, ShardedTensor) and v.data is not None)]
+            for v in job.values:
+                if isinstance(v, ShardedTensor) and v.data.device.type == "meta":
+                    raise CheckpointingException(f"ShardedTensor {v.key!r} is on the meta device: nothing to snapshot")
+        except Exception as e:
+            job.error, job.exc, common = _describe(e), e, None
+        if not self._space_checked:
+            self._check_space(job)
+        snap: Optional[Snapshot] = None
+        if job.error is None:
+            try:
+                slots.invalidate(self.root, self.rank, slot)  # the slot is invalid from here on
+                tensors = [v.data for v in job.values if isinstance(v, ShardedTensor)]
+                objects = [v.data for v in job.values if isinstance(v, ShardedObject)]
+                pending = self._stagers[slot].prepare({"tensors": tensors, "common": common, "objects": objects},
+                                                      defer_from_bytes=self.copy_now_bytes)
+                job.staged, pending.state = pending.state, None
+                if not pending.done.is_set():
+                    names = {id(v.data): v.key for v in job.values if isinstance(v, ShardedTensor)}
+                    snap = Snapshot(pending, names, f"memory snapshot of step {step}")
+            except Exception as e:  # reported on every rank by the background agreement
+                job.error, job.exc = _describe(e), e
+        req = AsyncRequest(self._run_save, (job, snap), description=f"memory snapshot of step {step}")
+        req.snapshot = snap
+        if snap is not None:
+            snap.start()
+        self._queue._submit(req)
+        self.last_save_blocking_s = time.perf_counter() - t0
+
+    def _check_space(self, job: _Job) -> None:
+        """First save (collective): does every node have room for 2 slots of what it holds?"""
+        est = sum(v.data.numel() * v.data.element_size() for v in job.values if isinstance(v, ShardedTensor))
+        sizes = dist.all_gather_object(est + (1 << 20), self._group)
+        mine = [r for r in range(self.world_size) if self.plan.node_of(r) == self.plan.node_of(self.rank)]
+        held = set(mine) | {o for r in mine for o in self.plan.held_by(r)}
+        need = 2 * sum(sizes[o] for o in held)
+        free = shutil.disk_usage(self.directory).free + slots.node_usage(self.root)
+        err = None
+        if need > free:
+            err = (f"node {self.plan.node_of(self.rank)} ({self.directory}, ranks {mine[0]}-{mine[-1]}): needs "
+                   f"{need / 2**30:.2f} GiB for 2 slots of {len(mine)} own and {len(held) - len(mine)} peer snapshots, "
+                   f"{free / 2**30:.2f} GiB free")
+        errors = dist.agree_on_errors(err, self._group)
+        if errors:
+            raise MemorySpaceError("not enough shared memory for the memory tier:\n  " + "\n  ".join(errors))
+        self._space_checked = True
+
+    def _build_record(self, job: _Job) -> Tuple[bytes, List[str]]:
+        arena = self._arenas[job.slot]
+        regions: List[List[Any]] = []
+        where: Dict[Tuple[str, int], int] = {}
+        shards = []
+        tensors = iter(job.staged["tensors"])
+        objects = 0
+        for v in job.values:
+            head = _shard_header(v)
+            if isinstance(v, ShardedObject):
+                head["index"] = objects
+                objects += 1
+            else:
+                t = next(tensors)
+                name, off = arena.locate(t)
+                if (name, off) not in where:
+                    n = t.untyped_storage().nbytes()
+                    where[(name, off)] = len(regions)
+                    regions.append([name, off, n, slots.block_crcs(arena.maps[name][off:off + n])])
+                head.update(region=where[(name, off)], elem_offset=t.storage_offset(), size=list(t.shape),
+                            stride=list(t.stride()), dtype=dtype_name(t.dtype))
+            shards.append(head)
+        blob = torch_dumps({"common": job.staged["common"], "objects": job.staged["objects"]})
+        keep = sorted({arena.locate_ptr(b.data_ptr()) for b in self._stagers[job.slot].buffers if b.nbytes()})
+        files = {n: int(arena.maps[n].numel()) for n in keep}
+        header = {"job_id": self.job_id, "owner": self.rank, "world_size": self.world_size, "step": job.step,
+                  "slot": job.slot, "incarnation": list(self.incarnation), "files": files, "regions": regions,
+                  "shards": shards}
+        return slots.encode_record(header, blob), keep
+
+    def _run_save(self, job: _Job, snap: Optional[Snapshot]) -> None:
+        """Background: checksums, commit, peer copies, agreement (the tier's group, all ranks)."""
+        err, exc, raw = job.error, job.exc, None
+        files: Dict[str, torch.Tensor] = {}
+        if err is None:
+            try:
+                if snap is not None:
+                    e = snap.wait_copied() or snap.seal_in_writer()
+                    if e is not None:
+                        snap.seal_in_writer()
+                        raise e
+                raw, keep = self._build_record(job)
+                slots.write_record(self.root, self.rank, job.slot, raw)
+                self._arenas[job.slot].retain(keep)
+                files = {n: self._arenas[job.slot].maps[n] for n in keep}
+            except Exception as e:  # noqa: BLE001
+                err, exc, raw = _describe(e), e, None
+        job.staged = None
+        recv_err = self._exchange_copies(job, raw, files)
+        errors = dist.agree_on_errors(err or recv_err, self._group)
+        if errors:
+            msg = f"memory snapshot of step {job.step} failed; the previous complete step stays restorable"
+            dist.raise_if_any_failed(exc, errors, msg)
+        self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
+        self.last_complete_step = job.step
+
+    def _exchange_copies(self, job: _Job, raw: Optional[bytes], files: Dict[str, torch.Tensor]) -> Optional[str]:
+        sends = {h: Outgoing(raw, files) for h in self.plan.holders[self.rank]}
+        sources = list(self.plan.held_by(self.rank))
+        for owner in sources:
+            slots.invalidate(self.root, owner, job.slot)
+        try:
+            records, errors = exchange(sends, sources, lambda src, rec: self._held_arena(src, job.slot).ensure(rec.files()),
+                                       self._group, lambda s: f"copy of rank {s}'s snapshot")
+        except Exception as e:  # noqa: BLE001 - a peer died or timed out
+            return f"peer transfer failed: {_describe(e)}"
+        problems = [f"copy of rank {s}: {e}" for s, e in errors.items()]
+        for owner, rec in records.items():
+            if rec is None or owner in errors:
+                continue
+            try:
+                h = rec.header
+                if (h["owner"], h["step"], h["slot"], tuple(h["incarnation"])) != (owner, job.step, job.slot,
+                                                                                  self.incarnation):
+                    raise MemoryCheckpointError(f"received a record of rank {h['owner']} step {h['step']}")
+                arena = self._held_arena(owner, job.slot)
+                for i, (name, off, n, crcs) in enumerate(rec.regions):
+                    slots.verify_region(arena.maps[name][off:off + n].numpy(), crcs,
+                                        f"copy of rank {owner}'s step {job.step}, region {i}")
+                slots.write_record(self.root, owner, job.slot, rec.raw)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"copy of rank {owner}: {_describe(e)}")
+        return "; ".join(problems) or None
+
+    def wait(self) -> None:
+        """Block until the last snapshot is committed on every rank with all its copies; raise its failure."""
+        self._drain()
+
+    # -- restore ------------------------------------------------------------------------------
+    def latest(self) -> Optional[int]:
+        """Collective: the newest step every rank can restore (own memory or a peer's copy), or ``None``.
+
+        ``None`` also when the snapshots in memory were taken with another world size (use the
+        durable tier, which reshards).
+        """
+        self._check_open()
+        self._drain()
+        inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
+        done = rs.complete_steps(inv, self.world_size)
+        return done[0][0] if done else None
+
+    def load(self, sharded_state_dict: Dict[str, Any], step: int) -> Dict[str, Any]:
+        """Collective: restore step ``step`` into ``sharded_state_dict``; returns what ``ci.load`` would.
+
+        Each rank reads its own snapshot from its node's memory, or (node replaced, copy
+        damaged) fetches a peer's copy; every byte is verified against the block CRC32s, a copy
+        that fails is refused and the next one tried. Raises :class:`MemoryLayoutError` when
+        the request is laid out differently and :class:`MemoryCheckpointError` when no intact
+        copy of some rank's snapshot is left: load the durable checkpoint then. Logs (and
+        keeps in :attr:`last_restore`) where this rank's state came from.
+        """
+        self._check_open()
+        self._drain()
+        inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
+        key = rs.key_for_step(inv, self.world_size, int(step))
+        if key is None:
+            raise MemoryCheckpointError(f"step {step} is not complete in memory for job {self.job_id!r} "
+                                        f"(newest complete: {self.latest_known(inv)})")
+        refused: Set[Tuple[int, str]] = set()
+        reasons: List[str] = []
+        owners = list(range(self.world_size))
+        result: Any = None
+        source = ""
+        while True:
+            got, err, missing, chosen = rs.fetch(inv, key, self.root, self._group, refused, owners)
+            if missing:
+                raise MemoryCheckpointError(
+                    f"no intact copy in memory of step {step} for rank(s) {missing}; refused: "
+                    + ("; ".join(sorted(set(reasons))) or "none") + ". Load the durable checkpoint instead")
+            layout = False
+            if self.rank in owners and err is None:
+                try:
+                    result = rs.fill_request(sharded_state_dict, got, f"memory snapshot of rank {self.rank} step {step} "
+                                             f"({got.source})", self.trusted, self.allowed_globals)
+                    source = got.source
+                except MemoryLayoutError as e:
+                    err, layout = str(e), True
+                except Exception as e:  # noqa: BLE001 - this copy is refused, another one is tried
+                    err = _describe(e)
+            mine = (err, chosen.get(self.rank, ("", -1)), layout) if self.rank in owners else (None, ("", -1), False)
+            outcomes = dist.all_gather_object(mine, self._group)
+            if any(o[2] for o in outcomes):
+                raise MemoryLayoutError("the memory snapshot does not fit the requested layout: " + "; ".join(
+                    f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[2]))
+            failed = [r for r, o in enumerate(outcomes) if o[0]]
+            for r in failed:
+                node, server = outcomes[r][1]
+                where = "own memory" if server == r else f"peer rank {server}"
+                reasons.append(f"rank {r}'s copy in {where} (node {node[:8]}): {outcomes[r][0]}")
+                refused.add((r, node))
+                if r == self.rank:
+                    logger.warning("memory tier: rank %d refused its copy of step %d in %s: %s", r, step, where,
+                                   outcomes[r][0])
+            if not failed:
+                break
+            owners = failed
+        mine_refused = [x for x in reasons if x.startswith(f"rank {self.rank}'s ")]
+        self.last_restore = RestoreReport(int(step), source, mine_refused)
+        logger.info("memory tier: rank %d restored step %d of job %r from %s", self.rank, step, self.job_id, source)
+        return result
+
+    def latest_known(self, inv: rs.Inventory) -> Optional[int]:
+        done = rs.complete_steps(inv, self.world_size)
+        return done[0][0] if done else None
+
+    # -- durable tier -------------------------------------------------------------------------
+    def persist(self, step: int, checkpoint_dir: Any, **save_kwargs: Any) -> AsyncRequest:
+        """Collective: write step ``step`` from memory as an ordinary durable checkpoint, in the background.
+
+        The snapshot's bytes are written as they are (no copy from the device, no second
+        staging); each block is verified first. Same format as :func:`ckpt_integration.save`,
+        so the checkpoint loads and reshards like any other. ``save_kwargs`` go to the save
+        (``thread_count``, ``durable``, ``overwrite``; ``balance`` defaults to ``False`` so that
+        main replicas write, as their values are the ones a checkpoint keeps). Returns a
+        request: ``.wait()`` blocks and raises a failure (on every rank). The slot stays pinned
+        until then: a snapshot that would overwrite it waits.
+        """
+        self._check_open()
+        self._drain()
+        inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
+        key = rs.key_for_step(inv, self.world_size, int(step))
+        if key is None:
+            raise MemoryCheckpointError(f"cannot persist step {step}: it is not complete in memory")
+        slot = self._slot_of_key(inv, key)
+        with self._pin_cv:
+            self._pinned[slot] = self._pinned.get(slot, 0) + 1
+        req = AsyncRequest(self._run_persist, (inv, key, os.fspath(checkpoint_dir), slot, save_kwargs),
+                           description=f"persist step {step} to {checkpoint_dir}")
+        self._persist_queue.schedule_async_request(req)
+        return req
+
+    def _run_persist(self, inv: rs.Inventory, key: rs.Key, checkpoint_dir: str, slot: int, kw: Dict[str, Any]) -> None:
+        try:
+            got, err, missing, _ = rs.fetch(inv, key, self.root, self._persist_group)
+            values: List[Any] = []
+            common: Any = None
+            if err is None and not missing:
+                try:
+                    rs.verify_all(got, f"memory snapshot of rank {self.rank} step {key[0]} ({got.source})")
+                    values, common = rs.as_sharded(got, self.trusted, self.allowed_globals)
+                except Exception as e:  # noqa: BLE001
+                    err = _describe(e)
+            errors = dist.agree_on_errors(err or (f"no copy of rank(s) {missing}" if missing else None),
+                                          self._persist_group)
+            dist.raise_if_any_failed(None, errors, f"persisting memory step {key[0]} to {checkpoint_dir} failed")
+            kw = {"balance": False, **kw}
+            plan = prepare_save({"shards": values}, checkpoint_dir, process_group=self._persist_group, **kw)
+            if plan.rank == 0:
+                plan.common = common  # the snapshot's common state, exactly as a save of the original writes it
+            write_local(plan)
+            finalize_save(plan)
+        finally:
+            with self._pin_cv:
+                self._pinned[slot] -= 1
+                self._pin_cv.notify_all()
+
+    # -- teardown -----------------------------------------------------------------------------
+    def close(self, remove: bool = False) -> None:
+        """Wait for snapshots and persists in flight (raising a failure), stop the workers.
+
+        ``remove=True`` (collective: the job is over) deletes this job's snapshots on every node.
+        """
+        if self._closed:
+            return
+        first: Optional[BaseException] = None
+        for q in (self._queue, self._persist_queue):
+            try:
+                q.close()
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        self._closed = True
+        for a in list(self._arenas) + list(self._held.values()):
+            a.close()
+        self._stagers = []
+        if remove:
+            dist.barrier(self._group)  # nobody reads a copy any more
+            for owner in (self.rank, *self.plan.held_by(self.rank)):
+                slots.remove_owner(self.root, owner)
+            dist.barrier(self._group)
+            slots.remove_job(self.root)
+        if first is not None:
+            raise first
+
+    def __enter__(self) -> "MemoryCheckpoints":
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        self.close()

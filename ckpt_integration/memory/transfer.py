@@ -1,0 +1,138 @@
+"""Moving snapshot copies between ranks: point-to-point over a gloo group, tensors sent in place.
+
+One exchange moves any number of snapshots at once; every rank knows (from the replication
+plan or the restore plan, which all ranks compute alike) whom it sends to and receives from.
+Three rounds, each posted with ``isend``/``irecv`` for all peers and then waited for (no
+ordering between pairs, so no deadlock):
+
+1. a fixed header per snapshot: ``[status, record length]`` (status 0: a record follows;
+   otherwise the sender has nothing to send, e.g. its snapshot failed, and nothing follows);
+2. the commit record (see :mod:`.slots`), from which the receiver learns the files and sizes;
+3. the files, in chunks, straight from the sender's mapping into the receiver's buffers (the
+   holder's mapped files in its own shared memory, or host buffers for a restore).
+
+Errors (a dead peer, a timeout) raise here; callers turn them into a failed save or restore
+on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as tdist
+
+from .slots import Record, decode_record
+
+CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
+_HEADER, _RECORD, _DATA = 11, 12, 13
+
+
+@dataclass
+class Outgoing:
+    """What a rank sends to one peer: a record and the files it names (``None``: nothing)."""
+
+    raw: Optional[bytes]
+    files: Dict[str, torch.Tensor]
+
+
+def _global(group: Any, rank: int) -> int:
+    return tdist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _wait(works: List[Any]) -> None:
+    first: Optional[BaseException] = None
+    for w in works:
+        try:
+            w.wait()
+        except BaseException as e:  # noqa: BLE001 - wait for the others first, then raise
+            first = first or e
+    if first is not None:
+        raise first
+
+
+def _chunks(t: torch.Tensor) -> List[torch.Tensor]:
+    return [t[o:o + CHUNK] for o in range(0, t.numel(), CHUNK)]
+
+
+def exchange(
+    sends: Dict[int, Outgoing],
+    sources: List[int],
+    buffers_for: Callable[[int, Record], Dict[str, torch.Tensor]],
+    group: Any,
+    describe: Callable[[int], str],
+) -> Tuple[Dict[int, Optional[Record]], Dict[int, str]]:
+    """Send ``sends[dst]`` to each ``dst`` and receive one snapshot from each of ``sources``.
+
+    ``buffers_for(src, record)`` returns the receive buffers (file name -> uint8 tensor of the
+    file's size) once the record arrived. Returns ``({src: record or None}, {src: error})``
+    (``None``: the source had nothing to send). A record that does not decode or buffers that
+    cannot be made are errors of that source; its data is still received (into a scratch
+    buffer, then dropped) so that the sender is not left waiting. ``describe(src)`` names a
+    source in errors.
+    """
+    works: List[Any] = []
+    headers: Dict[int, torch.Tensor] = {}
+    for dst, out in sorted(sends.items()):
+        h = torch.tensor([0 if out.raw is not None else 1, len(out.raw or b"")], dtype=torch.int64)
+        works.append(tdist.isend(h, _global(group, dst), group=group, tag=_HEADER))
+    for src in sources:
+        headers[src] = torch.zeros(2, dtype=torch.int64)
+        works.append(tdist.irecv(headers[src], _global(group, src), group=group, tag=_HEADER))
+    _wait(works)
+
+    works, raws = [], {}
+    for dst, out in sorted(sends.items()):
+        if out.raw is not None:
+            t = torch.frombuffer(bytearray(out.raw), dtype=torch.uint8)
+            works.append(tdist.isend(t, _global(group, dst), group=group, tag=_RECORD))
+    for src in sources:
+        status, n = (int(x) for x in headers[src])
+        if status == 0:
+            raws[src] = torch.empty(n, dtype=torch.uint8)
+            works.append(tdist.irecv(raws[src], _global(group, src), group=group, tag=_RECORD))
+    _wait(works)
+
+    records: Dict[int, Optional[Record]] = {src: None for src in sources}
+    errors: Dict[int, str] = {}
+    works = []
+    for dst, out in sorted(sends.items()):
+        if out.raw is None:
+            continue
+        for name in sorted(out.files):
+            for c in _chunks(out.files[name]):
+                works.append(tdist.isend(c, _global(group, dst), group=group, tag=_DATA))
+    for src, raw in raws.items():
+        data = raw.numpy().tobytes()
+        try:
+            rec = decode_record(data, describe(src))
+            bufs = buffers_for(src, rec)
+            records[src] = rec
+            targets = [bufs[name] for name in sorted(rec.files())]
+        except Exception as e:  # noqa: BLE001 - reported, the data is drained below
+            errors[src] = f"{type(e).__name__}: {e}"
+            sizes = _sizes_from_raw(data)
+            sink = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
+            for n in sizes:  # the sender sends every file in chunks: receive them into the sink
+                for o in range(0, n, CHUNK):
+                    works.append(tdist.irecv(sink[:min(CHUNK, n - o)], _global(group, src), group=group, tag=_DATA))
+            continue
+        for t in targets:
+            for c in _chunks(t):
+                works.append(tdist.irecv(c, _global(group, src), group=group, tag=_DATA))
+    _wait(works)
+    return records, errors
+
+
+def _sizes_from_raw(raw: bytes) -> List[int]:
+    """File sizes named by a record that failed to decode fully (best effort, to drain the data)."""
+    import json
+    import struct
+
+    try:
+        _, _, hl, _ = struct.unpack_from("<8sIQQ", raw)
+        files = json.loads(raw[28:28 + hl])["files"]
+        return [int(files[k]) for k in sorted(files)]
+    except Exception:  # noqa: BLE001 - nothing usable: the sender's sends fail on its side
+        return []

@@ -1,0 +1,156 @@
+"""Lightning with the memory tier: ``DistCkptIO(memory_every_n_train_steps=1, memory_replicas=2, ...)``.
+
+2 gloo processes, each its own simulated node (its own ``memory_dir``), ``DistCkptDDPStrategy`` with
+``TinyModule`` (AdamW, an HF-style LambdaLR stepping per step, a torchmetrics metric, extra state)
+and ``DistCkptModelCheckpoint(save_last=True)`` at every epoch end (2 steps per epoch):
+
+1. train; at step 3 (one step after the durable ``last.ckpt`` of step 2) wait for the memory
+   snapshot, record the exact state, and SIGKILL rank 1;
+2. ``trainer.fit(ckpt_path="last")`` in 2 new processes: the memory snapshot of step 3 is newer
+   than ``last.ckpt``, so it is restored from each rank's own memory (logged per rank) with the
+   exact weights, optimizer and scheduler state, metric and extra state, loop counters; the run
+   finishes and the job's snapshots are removed from both nodes;
+3. a fresh run gets a SIGTERM on every rank at step 3: Lightning stops both ranks, and the newest
+   snapshot (step 3) is written as ``preempted-step=3.ckpt`` before they exit; that durable
+   checkpoint holds the step-3 state and resumes like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank_main(cfg: dict) -> None:
+    import datetime
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.lightning import DistCkptDDPStrategy, DistCkptIO, DistCkptModelCheckpoint
+    from tests.lightning_helpers import TinyModule, loader, snapshot, trainer
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(name)s: %(message)s")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    out: dict = {}
+    path = f"{cfg['out']}-rank{rank}.json"
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+    class Recorder(Callback):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            torch.save({k: checkpoint[k] for k in ("loops", "global_step", "epoch", "lr_schedulers")},
+                       f"{cfg['out']}-rank{rank}.loaded.pt")
+
+        def on_train_start(self, trainer, pl_module):
+            out["start_step"] = int(trainer.global_step)
+            torch.save(snapshot(pl_module), f"{cfg['out']}-rank{rank}.start.pt")
+            dump()
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step != cfg.get("stop_at"):
+                return
+            io = trainer.strategy.checkpoint_io
+            io.memory_tier.wait()  # the snapshot of this step is complete on every rank
+            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            torch.save({"snap": snapshot(pl_module), "loops": ckpt["loops"], "global_step": ckpt["global_step"],
+                        "epoch": ckpt["epoch"], "lr_schedulers": ckpt["lr_schedulers"]},
+                       f"{cfg['out']}-rank{rank}.killed.pt")
+            out["stopped_at"] = int(trainer.global_step)
+            dump()
+            if cfg["how"] == "kill" and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if cfg["how"] == "sigterm":  # a preemption signals every rank; Lightning stops them at the next batch
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    io = DistCkptIO(memory_every_n_train_steps=1, memory_replicas=2, memory_dir=os.path.join(cfg["shm"], f"node{rank}"),
+                    memory_job_id="lt", memory_ranks_per_node=1, memory_sigterm_grace_s=120)
+    ckpt_cb = DistCkptModelCheckpoint(dirpath=cfg["dir"], save_last=True, every_n_epochs=1, save_top_k=-1)
+    t = trainer(devices=world, strategy=DistCkptDDPStrategy(), plugins=[io], max_epochs=cfg["epochs"],
+                callbacks=[Recorder(), ckpt_cb])
+    t.fit(TinyModule(), loader(), ckpt_path=cfg.get("resume"))
+    out["end_step"] = int(t.global_step)
+    out["finished"] = True
+    dump()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _launch(tmp, name, cfg, victim=None):
+    from tests.proc_launch import launch
+
+    return launch(__file__, tmp, name, cfg, 2, victim=victim, timeout=240.0, survivor_grace=60.0)
+
+
+@pytest.mark.slow
+def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
+    import torch
+
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import is_complete_checkpoint
+    from tests.lightning_helpers import assert_same
+    from tests.proc_launch import tails
+
+    tmp = str(tmp_path)
+    shm, ckdir = os.path.join(tmp, "shm"), os.path.join(tmp, "ckpt")
+    base = dict(shm=shm, dir=ckdir, epochs=3)
+
+    # 1) train, rank 1 killed at step 3 (memory snapshot of step 3 complete; last.ckpt is step 2)
+    rcs, outs, logs = _launch(tmp, "killed", {**base, "stop_at": 3, "how": "kill"}, victim=1)
+    assert rcs[1] == -signal.SIGKILL and outs[1].get("stopped_at") == 3, f"{rcs}\n{tails(logs)}"
+    assert ci.load_common_state_dict(os.path.join(ckdir, "last.ckpt"))["global_step"] == 2
+
+    # 2) ckpt_path="last" resumes from memory, exactly
+    rcs, outs, logs = _launch(tmp, "resumed", {**base, "resume": "last"})
+    assert rcs == [0, 0] and all(o.get("finished") for o in outs), f"{rcs}\n{tails(logs)}"
+    text = tails(logs, 200000)
+    for r in range(2):
+        assert outs[r]["start_step"] == 3 and outs[r]["end_step"] == 6, outs[r]
+        assert f"rank {r}: ckpt_integration.lightning.memory: rank {r}: resumed from the memory tier, step 3 (own memory)" in text
+        killed = torch.load(os.path.join(tmp, f"killed-rank{r}.killed.pt"), weights_only=False)
+        start = torch.load(os.path.join(tmp, f"resumed-rank{r}.start.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(tmp, f"resumed-rank{r}.loaded.pt"), weights_only=False)
+        assert_same(start, killed["snap"], f"rank {r} state")
+        for k in ("loops", "global_step", "epoch", "lr_schedulers"):
+            assert_same(loaded[k], killed[k], f"rank {r} {k}")
+    for node in ("node0", "node1"):  # the job finished: its snapshots are gone
+        assert not os.path.exists(os.path.join(shm, node, "lt")), os.listdir(os.path.join(shm, node))
+
+    # 3) SIGTERM at step 3 of a fresh run: the newest snapshot becomes durable before the exit
+    ckdir2 = os.path.join(tmp, "ckpt2")
+    rcs, outs, logs = _launch(tmp, "sigterm", {**base, "dir": ckdir2, "stop_at": 3, "how": "sigterm"})
+    pre = os.path.join(ckdir2, "preempted-step=3.ckpt")
+    assert is_complete_checkpoint(pre), f"{rcs} {os.listdir(ckdir2) if os.path.isdir(ckdir2) else None}\n{tails(logs)}"
+    assert all(not o.get("finished") for o in outs), outs
+    assert "SIGTERM: memory snapshot of step 3 is durable" in tails(logs, 200000)
+    common = ci.load_common_state_dict(pre, allowed_globals=_allowed())
+    killed = torch.load(os.path.join(tmp, "sigterm-rank0.killed.pt"), weights_only=False)
+    assert common["global_step"] == 3
+    assert_same(common["loops"], killed["loops"], "loops")
+    assert_same(common["lr_schedulers"], killed["lr_schedulers"], "lr_schedulers")
+    weights = ci.load_plain_tensors(pre)
+    for name, value in killed["snap"]["state_dict"].items():
+        assert torch.equal(weights[f"state_dict.{name}"] if f"state_dict.{name}" in weights else weights[name], value), name
+
+
+def _allowed():
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict]
+
+
+if __name__ == "__main__":  # one rank of a launch: python test_lightning_memory.py '<json cfg>'
+    sys.path.insert(0, ROOT)
+    _rank_main(json.loads(sys.argv[1]))

@@ -1,0 +1,403 @@
+"""The in-memory checkpoint tier (issue 20): ``ci.MemoryCheckpoints``.
+
+Pure planning and record tests, one-process round trips, and a multi-process scenario: 4 gloo
+processes as 2 simulated nodes (ranks 0-1 on node 0, 2-3 on node 1; each node passes its own
+directory), restarted between phases as a real job would be:
+
+A. train steps 1..4 (snapshot every step, step 3 persisted to a durable checkpoint); a second
+   job on the same nodes saves its own step 100; rank 1 is SIGKILLed in the middle of copying
+   snapshot 5 into its slot;
+B. restart: step 4 (never the torn 5) is restored exactly from every rank's own memory; the
+   other job restores its own step 100 and removes its snapshots, leaving ours; train 5 and 6,
+   then rank 2 is SIGKILLed between snapshots;
+C. a byte of rank 0's own copy of step 6 is flipped first: rank 0's copy is refused (logged)
+   and its peer copy on node 1 used; the others restore step 6 from their own memory; save 7;
+D. node 1's directory is deleted first (node replaced): ranks 2 and 3 restore step 7 from their
+   peer copies on node 0; persist step 7;
+E. 2 processes (another world size): no complete step in memory, the durable checkpoint of
+   step 7 loads resharded.
+
+Each rank is a subprocess launched here (a dead rank is part of the test); every wait has a
+deadline and everything left over is SIGKILLed. Running this file as a script is a rank's
+entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N, M = 128, 512  # rows per rank, columns: 256 KiB per rank (deferred to the background copy)
+LAUNCH_TIMEOUT = 120.0  # seconds for one launch on an idle machine (scaled by the measured load)
+SURVIVOR_GRACE = 30.0
+
+
+# --------------------------------------------------------------------------------------------
+# pure parts
+# --------------------------------------------------------------------------------------------
+def test_replication_plan_distinct_nodes_and_groups():
+    from ckpt_integration.memory.plan import replication_plan
+
+    p = replication_plan(4, 2, 2)
+    assert p.holders == ((2,), (3,), (0,), (1,))
+    assert p.held_by(0) == (2,) and p.group_of(3) == (0, 1)
+    p = replication_plan(6, 1, 3)  # NVRx cliques: every member keeps every other member's copy
+    assert p.holders == ((1, 2), (2, 0), (0, 1), (4, 5), (5, 3), (3, 4))
+    p = replication_plan(6, 2, 2)  # 3 nodes, groups of 2: the last group takes the odd node (a ring)
+    assert p.holders == ((2,), (3,), (4,), (5,), (0,), (1,))
+    for world, rpn, reps in [(8, 2, 2), (12, 3, 2), (10, 1, 3), (9, 3, 3)]:
+        p = replication_plan(world, rpn, reps)
+        for r, hs in enumerate(p.holders):
+            nodes = {p.node_of(r)} | {p.node_of(h) for h in hs}
+            assert len(hs) == reps - 1 and len(nodes) == reps, (world, rpn, reps, r, hs)
+            assert all(h % rpn == r % rpn for h in hs)  # same local index (NVRx's replication jump)
+        counts = [len(p.held_by(r)) for r in range(world)]
+        assert counts == [reps - 1] * world  # every rank keeps as many copies as it has holders
+
+
+def test_replication_plan_refuses_impossible_layouts():
+    import ckpt_integration as ci
+    from ckpt_integration.memory.plan import replication_plan
+
+    with pytest.raises(ci.MemoryCheckpointError, match="replicas=3 needs 3 nodes.*has 2"):
+        replication_plan(4, 2, 3)
+    with pytest.raises(ci.MemoryCheckpointError, match="not a multiple of ranks_per_node=3"):
+        replication_plan(4, 3, 1)
+    with pytest.raises(ValueError, match="replicas must be >= 1"):
+        replication_plan(4, 2, 0)
+
+
+def test_choose_sources_prefers_own_node_then_spreads_and_skips_refused():
+    from ckpt_integration.memory.plan import CopyLocation as C
+    from ckpt_integration.memory.plan import choose_sources
+
+    copies = {0: [C(0, "A", (0, 1)), C(0, "B", (2, 3))], 1: [C(1, "A", (0, 1)), C(1, "B", (2, 3))],
+              2: [C(2, "A", (0, 1))], 3: [C(3, "A", (0, 1))]}
+    chosen, missing = choose_sources(range(4), copies)
+    assert chosen[0] == ("A", 0) and chosen[1] == ("A", 1) and not missing
+    assert {chosen[2][1], chosen[3][1]} == {0, 1}  # node B lost: served by both ranks of node A
+    chosen, missing = choose_sources(range(4), copies, {(0, "A"), (3, "A")})
+    assert chosen[0][0] == "B" and chosen[0][1] in (2, 3) and missing == [3]
+
+
+def test_record_roundtrip_and_damage(tmp_path):
+    import ckpt_integration as ci
+    from ckpt_integration.memory import slots
+
+    raw = slots.encode_record({"job_id": "j", "owner": 0, "step": 3, "incarnation": [1, "x"], "files": {},
+                               "regions": [], "shards": [], "slot": 0, "world_size": 1}, b"blob")
+    rec = slots.decode_record(raw, "r")
+    assert (rec.step, rec.owner, rec.blob, rec.incarnation) == (3, 0, b"blob", (1, "x"))
+    for i in (0, 9, 30, len(raw) - 1):
+        bad = bytearray(raw)
+        bad[i] ^= 1
+        with pytest.raises(ci.CorruptCheckpointError, match="record r"):
+            slots.decode_record(bytes(bad), "r")
+    with pytest.raises(ci.CorruptCheckpointError, match="truncated"):
+        slots.decode_record(raw[:10], "r")
+    for bad_id in ("", "..", "a/b", "-x", "x" * 200, ".hidden"):
+        with pytest.raises(ValueError, match="job_id"):
+            ci.MemoryCheckpoints(str(tmp_path), bad_id, replicas=1)
+
+
+def _state(rank: int, world: int, step: int, sign: int = 1):
+    import ckpt_integration as ci
+
+    w = (torch.arange(N * M, dtype=torch.float32).view(N, M) * (rank + 1) + step) * sign
+    return {
+        "w": ci.ShardedTensor.from_rank_offsets("w", w, (0, rank, world)),
+        "b": ci.ShardedTensor.from_rank_offsets("b", torch.full((7,), float(step)), replica_id=rank),
+        "rng": ci.ShardedObject("rng", {"rank": rank, "step": step, "t": torch.tensor([step, rank])}, (world,), (rank,)),
+        "iteration": step * sign, "nested": {"empty": {}, "pair": (step, None), "list": []},
+    }
+
+
+def _request(rank: int, world: int):
+    import ckpt_integration as ci
+
+    return {
+        "w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N, M), (0, rank, world)),
+        "b": ci.ShardedTensor.from_rank_offsets("b", torch.zeros(7), replica_id=rank),
+        "rng": ci.ShardedObject("rng", None, (world,), (rank,)),
+    }
+
+
+def _check(got, rank: int, world: int, step: int, sign: int = 1) -> None:
+    want = _state(rank, world, step, sign)
+    assert torch.equal(got["w"], want["w"].data), f"rank {rank}: w differs"
+    assert torch.equal(got["b"], want["b"].data)
+    assert got["rng"]["rank"] == rank and got["rng"]["step"] == step and torch.equal(got["rng"]["t"], torch.tensor([step, rank]))
+    assert got["iteration"] == step * sign and got["nested"] == {"empty": {}, "pair": (step, None), "list": []}
+
+
+def test_single_process_roundtrip_slots_and_persist(tmp_path):
+    import ckpt_integration as ci
+
+    d = str(tmp_path / "shm")
+    tier = ci.MemoryCheckpoints(d, "solo", replicas=1)
+    assert tier.latest() is None
+    for step in (1, 2, 3):
+        tier.save(_state(0, 1, step), step)
+    tier.wait()
+    names = sorted(os.listdir(os.path.join(d, "solo", "r00000")))
+    assert [n for n in names if n.endswith(".rec")] == ["s0.rec", "s1.rec"]  # two slots: steps 3 and 2
+    assert tier.latest() == 3
+    _check(tier.load(_request(0, 1), 3), 0, 1, 3)
+    _check(tier.load(_request(0, 1), 2), 0, 1, 2)
+    with pytest.raises(ci.MemoryCheckpointError, match="step 1 is not complete"):
+        tier.load(_request(0, 1), 1)
+    with pytest.raises(ci.MemoryLayoutError, match="'w' at offset"):
+        tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N // 2, M), (0, 0, 2))}, 3)
+    tier.persist(3, str(tmp_path / "durable")).wait()
+    got = ci.load(_request(0, 1), str(tmp_path / "durable"))
+    _check(got, 0, 1, 3)
+    tier.close()
+    again = ci.MemoryCheckpoints(d, "solo", replicas=1)  # a restarted process finds the snapshots
+    assert again.latest() == 3 and again.last_complete_step == 3
+    again.save(_state(0, 1, 4), 4)  # goes to the slot of step 2; step 3 stays
+    again.wait()
+    assert again.latest() == 4
+    _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    again.close(remove=True)
+    assert not os.path.exists(os.path.join(d, "solo"))
+
+
+def test_snapshot_is_a_copy_and_a_failed_snapshot_keeps_the_previous_step(tmp_path):
+    import ckpt_integration as ci
+
+    tier = ci.MemoryCheckpoints(str(tmp_path), "copy", replicas=1)
+    state = _state(0, 1, 1)
+    tier.save(state, 1)
+    ci.wait_for_snapshot()
+    state["w"].data.add_(1000)  # after the snapshot: the snapshot keeps step 1's values
+    state["iteration"] = -1
+    tier.wait()
+    _check(tier.load(_request(0, 1), 1), 0, 1, 1)
+    bad = _state(0, 1, 2)
+    bad["w"] = ci.ShardedTensor.from_rank_offsets("w", torch.empty(N, M, device="meta"), (0, 0, 1))
+    tier.save(bad, 2)
+    with pytest.raises(ci.CheckpointingException, match="meta device"):
+        tier.wait()
+    assert tier.latest() == 1
+    tier.save(_state(0, 1, 3), 3)  # the failed slot is reused; step 1 stays until 3 is complete
+    tier.wait()
+    assert tier.latest() == 3
+    _check(tier.load(_request(0, 1), 1), 0, 1, 1)
+    tier.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_not_enough_shared_memory_is_refused_before_the_first_snapshot(tmp_path):
+    import ckpt_integration as ci
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        tier = ci.MemoryCheckpoints(str(mnt), "big", replicas=1)
+        with pytest.raises(ci.MemorySpaceError, match=r"needs \d+\.\d+ GiB .*GiB free"):
+            tier.save(_state(0, 1, 1), 1)
+        assert not os.listdir(os.path.join(str(mnt), "big", "r00000")) if os.path.exists(
+            os.path.join(str(mnt), "big", "r00000")) else True
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# --------------------------------------------------------------------------------------------
+# the rank program (runs in a subprocess)
+# --------------------------------------------------------------------------------------------
+def _install_kill_mid_copy(at_step: int, marker: str) -> None:
+    """SIGKILL this process halfway through the background copy of snapshot ``at_step``."""
+    from ckpt_integration.execution import staging
+
+    real = staging.PendingCopy.run
+    state = {"calls": 0}
+
+    def run(self):
+        state["calls"] += 1
+        if state["calls"] < at_step:
+            return real(self)
+        g = self._groups[0]
+        n = (g.hi - g.lo) // 2
+        src = staging._byte_view(g.storage, g.device, g.lo, n)
+        staging._byte_view(g.buffer, torch.device("cpu"), 0, n).copy_(src)  # half of the bytes land
+        with open(marker, "w") as f:
+            f.write("killed")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    staging.PendingCopy.run = run
+
+
+def _rank_main(cfg: dict) -> None:
+    import datetime
+    import logging
+
+    import torch.distributed as dist
+
+    import ckpt_integration as ci
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(message)s")
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    rpn = cfg["rpn"]
+    node_dir = os.path.join(cfg["base"], f"node{rank // rpn}")
+    out: dict = {}
+    path = f"{cfg['out']}-rank{rank}.json"
+
+    def dump():
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+    phase = cfg["phase"]
+    if phase == "E":  # another world size: memory has no complete step; the durable tier reshards
+        tier = ci.MemoryCheckpoints(node_dir, "J", replicas=2, ranks_per_node=rpn)
+        out["latest"] = tier.latest()
+        got = ci.load(_request_resharded(rank, world), cfg["durable"])
+        full = torch.cat([_state(r, 4, 7)["w"].data for r in range(4)])
+        rows = full.shape[0] // world
+        out["w_ok"] = torch.equal(got["w"], full[rank * rows:(rank + 1) * rows])
+        out["iteration"] = got["iteration"]
+        tier.close()
+        dump()
+        dist.destroy_process_group()
+        return
+    tier = ci.MemoryCheckpoints(node_dir, "J", replicas=2, ranks_per_node=rpn)
+    if phase == "A":
+        other = ci.MemoryCheckpoints(node_dir, "K", replicas=2, ranks_per_node=rpn)
+        other.save(_state(rank, world, 100, sign=-1), 100)
+        other.close()
+        if rank == cfg.get("victim"):
+            _install_kill_mid_copy(5, cfg["marker"])
+        for step in range(1, 6):
+            state = _state(rank, world, step)
+            tier.save(state, step)
+            tier.wait()
+            if step == 3:
+                tier.persist(3, cfg["durable3"]).wait()
+            out["saved"] = step
+            dump()
+        return  # not reached: rank 1 dies in step 5, the others fail or are killed
+    start = tier.latest()
+    out["latest"] = start
+    got = tier.load(_request(rank, world), start)
+    _check(got, rank, world, start)
+    out["source"], out["refused"] = tier.last_restore.source, tier.last_restore.refused
+    if phase == "B":
+        other = ci.MemoryCheckpoints(node_dir, "K", replicas=2, ranks_per_node=rpn)
+        out["other_latest"] = other.latest()
+        _check(other.load(_request(rank, world), 100), rank, world, 100, sign=-1)
+        other.close(remove=True)
+    for step in cfg["steps"]:
+        tier.save(_state(rank, world, step), step)
+        tier.wait()
+    if cfg.get("persist"):
+        tier.persist(cfg["steps"][-1] if cfg["steps"] else start, cfg["persist"]).wait()
+    out["done"] = True
+    dump()
+    if rank == cfg.get("victim"):
+        os.kill(os.getpid(), signal.SIGKILL)  # between snapshots, "mid-training"
+    tier.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _request_resharded(rank: int, world: int):
+    import ckpt_integration as ci
+
+    rows = 4 * N // world
+    return {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(rows, M), (0, rank, world))}
+
+
+# --------------------------------------------------------------------------------------------
+# the launcher (in the test process)
+# --------------------------------------------------------------------------------------------
+def _launch(tmp: str, name: str, cfg: dict, world: int, victim=None):
+    from tests.proc_launch import launch
+
+    return launch(__file__, tmp, name, cfg, world, victim=victim, timeout=LAUNCH_TIMEOUT,
+                  survivor_grace=SURVIVOR_GRACE, ranks_per_node=cfg["rpn"])
+
+
+def _tails(logs, n=3000):
+    from tests.proc_launch import tails
+
+    return tails(logs, n)
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.slow
+def test_four_ranks_two_nodes_kill_restart_node_loss_corruption_and_reshard(tmp_path):
+    import shutil
+
+    import ckpt_integration as ci
+    from ckpt_integration.memory import slots
+
+    tmp = str(tmp_path)
+    base = os.path.join(tmp, "shm")  # node0/ and node1/: the simulated nodes' shared memory
+    common = dict(base=base, rpn=2, durable3=os.path.join(tmp, "iter3"))
+
+    # A: train 1..4, rank 1 dies while copying snapshot 5
+    marker = os.path.join(tmp, "killed")
+    rcs, outs, logs = _launch(tmp, "A", {**common, "phase": "A", "marker": marker}, 4, victim=1)
+    assert rcs[1] == -signal.SIGKILL and os.path.exists(marker), f"{rcs}\n{_tails(logs)}"
+    assert all(o.get("saved") == 4 for o in outs), outs
+    assert ci.load_common_state_dict(common["durable3"])["iteration"] == 3  # persisted from memory
+    k_files = {r: sorted(os.listdir(os.path.join(base, f"node{r // 2}", "K", f"r{r:05d}"))) for r in range(4)}
+
+    # B: restart; step 4 from own memory (5 is torn on rank 1); job K restores its own step and removes it
+    rcs, outs, logs = _launch(tmp, "B", {**common, "phase": "B", "steps": [5, 6]}, 4, victim=2)
+    assert rcs[2] == -signal.SIGKILL and all(o.get("done") for o in outs), f"{rcs}\n{_tails(logs)}"
+    for o in outs:
+        assert (o["latest"], o["source"], o["refused"], o["other_latest"]) == (4, "own memory", [], 100), o
+    assert all(k_files[r] for r in range(4))
+    for node in ("node0", "node1"):
+        assert not os.path.exists(os.path.join(base, node, "K")), "job K's snapshots were not removed"
+        assert os.path.exists(os.path.join(base, node, "J"))
+
+    # C: flip a byte of rank 0's own copy of step 6: refused, its peer copy on node 1 used
+    root0 = os.path.join(base, "node0", "J")
+    rec = next(slots.read_record(root0, 0, s) for s in (0, 1) if slots.read_record(root0, 0, s).step == 6)
+    name, offset, nbytes, _ = rec.regions[0]
+    _flip_byte(os.path.join(slots.owner_dir(root0, 0), name), offset + nbytes // 2)
+    rcs, outs, logs = _launch(tmp, "C", {**common, "phase": "C", "steps": [7]}, 4)
+    assert rcs == [0] * 4, f"{rcs}\n{_tails(logs)}"
+    assert outs[0]["latest"] == 6 and outs[0]["source"] == "peer rank 2", outs[0]
+    assert len(outs[0]["refused"]) == 1 and "CRC32 mismatch in block" in outs[0]["refused"][0], outs[0]
+    assert "refused its copy of step 6 in own memory" in _tails(logs[:1], 100000)
+    assert [o["source"] for o in outs[1:]] == ["own memory"] * 3
+
+    # D: node 1 replaced (its shared memory is gone): ranks 2 and 3 restore step 7 from node 0
+    shutil.rmtree(os.path.join(base, "node1"))
+    durable7 = os.path.join(tmp, "iter7")
+    rcs, outs, logs = _launch(tmp, "D", {**common, "phase": "D", "steps": [], "persist": durable7}, 4)
+    assert rcs == [0] * 4, f"{rcs}\n{_tails(logs)}"
+    assert [o["latest"] for o in outs] == [7] * 4
+    assert [o["source"] for o in outs] == ["own memory", "own memory", "peer rank 0", "peer rank 1"], outs
+    assert ci.load_common_state_dict(durable7)["iteration"] == 7
+
+    # E: 2 ranks (one per node): nothing complete in memory for this world size; durable step 7 resharded
+    rcs, outs, logs = _launch(tmp, "E", {**common, "phase": "E", "rpn": 1, "durable": durable7}, 2)
+    assert rcs == [0, 0], f"{rcs}\n{_tails(logs)}"
+    assert [(o["latest"], o["w_ok"], o["iteration"]) for o in outs] == [(None, True, 7)] * 2, outs
+
+
+if __name__ == "__main__":  # one rank of a launch: python test_memory_tier.py '<json cfg>'
+    sys.path.insert(0, ROOT)
+    _rank_main(json.loads(sys.argv[1]))

@@ -1,0 +1,213 @@
+"""Read-once loads (load_strategy "auto" / "read_once"): exact results, each block read once, errors everywhere."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedTensor
+from ckpt_integration.planning.read_once import (
+    ChunkNeeds,
+    chunk_totals,
+    flat_range_boxes,
+    plan_chunk,
+    range_boxes,
+    touched_ranges,
+)
+from tests.dist_utils import run_distributed
+from tests.layouts import expected_fused, fused_qkv_factory, global_tensor
+
+C = 4096  # float32 columns: a row is 16 KiB, so chunks span several 1 MiB checksum blocks
+
+
+def _row_sizes(world):
+    return [96 + 37 * r for r in range(world)]  # uneven saved chunks (1.5 .. 3.2 MiB)
+
+
+def _split(n, parts, i):
+    base = n // parts
+    lo = i * base
+    return lo, (n - lo if i == parts - 1 else base)
+
+
+def _save(rank, world, d):
+    sizes = _row_sizes(world)
+    rows = sum(sizes)
+    full = global_tensor("rows", (rows, C))
+    lo = sum(sizes[:rank])
+    cols = global_tensor("cols", (40, world * 1024))
+    half = global_tensor("half", (world * 64, 2048), torch.bfloat16)
+    sd = {
+        "rows": ShardedTensor.from_global_offsets("rows", full[lo : lo + sizes[rank]].clone(), (rows, C), (lo, 0)),
+        "cols": ShardedTensor.from_rank_offsets("cols", cols[:, rank * 1024 : (rank + 1) * 1024].clone(), (1, rank, world)),
+        "half": ShardedTensor.from_rank_offsets("half", half[rank * 64 : (rank + 1) * 64].clone(), (0, rank, world)),
+        "fused": fused_qkv_factory("fused", 64, rank, world),
+    }
+    ci.save(sd, d)
+
+
+def _requests(rank, world):
+    """(name, request, {key: expected}) for every resharding scenario."""
+    rows = sum(_row_sizes(world))
+    full = global_tensor("rows", (rows, C))
+    cols = global_tensor("cols", (40, world * 1024))
+    half = global_tensor("half", (world * 64, 2048), torch.bfloat16)
+    out = []
+    c0, cw = _split(C, world, rank)  # rows saved, columns requested (uneven: the last takes the rest)
+    t = torch.zeros(rows, cw)
+    out.append(("row->col", {"rows": ShardedTensor.from_global_offsets("rows", t, (rows, C), (0, c0))},
+                {"rows": full[:, c0 : c0 + cw]}))
+    r0, rn = _split(40, world, rank)  # columns saved, rows requested
+    t = torch.zeros(rn, world * 1024)
+    out.append(("col->row", {"cols": ShardedTensor.from_global_offsets("cols", t, cols.shape, (r0, 0))},
+                {"cols": cols[r0 : r0 + rn]}))
+    bounds = [0] + [k * rows // world + 5 * k for k in range(1, world)] + [rows]  # other uneven row bounds
+    lo, hi = bounds[rank], bounds[rank + 1]
+    t = torch.zeros(hi - lo, C)
+    out.append(("uneven", {"rows": ShardedTensor.from_global_offsets("rows", t, (rows, C), (lo, 0))}, {"rows": full[lo:hi]}))
+    # world-size change: as if world-1 ranks; the last rank requests nothing, rank 0 two shards
+    req, exp = {}, {}
+    if rank < world - 1:
+        w2 = world - 1
+        lo, n = _split(rows, w2, rank)
+        parts = [(lo, n)] if rank else [(lo, n // 2), (lo + n // 2, n - n // 2)]
+        for j, (a, m) in enumerate(parts):
+            t = torch.zeros(m, C)
+            req[f"rows{j}"] = ShardedTensor.from_global_offsets("rows", t, (rows, C), (a, 0))
+            exp[f"rows{j}"] = full[a : a + m]
+    out.append(("world size", req, exp))
+    # data-parallel replicas of a bf16 tensor, requested as fp32 (cast), plus a factory with another TP
+    t = torch.zeros(world * 64, 2048)
+    tp = max(1, world // 2)
+    out.append(("replicas+factory", {
+        "half": ShardedTensor.from_global_offsets("half", t, (world * 64, 2048), (0, 0), replica_id=rank),
+        "fused": fused_qkv_factory("fused", 64, rank % tp, tp, replica_id=rank // tp),
+    }, {"half": half.float(), "fused": expected_fused("fused", 64, rank % tp, tp)}))
+    return out
+
+
+def _check_all(rank, world, d):
+    from ckpt_integration.execution import dist as cdist
+    from ckpt_integration.execution import load as load_mod
+
+    modes = [("local", None), ("auto", None), ("read_once", None), ("read_once", "1")]
+    if world >= 4:
+        modes.append(("read_once", "2"))  # two nodes of two ranks: page cache within, transfers across
+    for strategy, lws in modes:
+        if lws is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = lws
+        for name, req, exp in _requests(rank, world):
+            loaded = ci.load(req, d, load_strategy=strategy)
+            for k, v in exp.items():
+                assert torch.equal(loaded[k], v), (strategy, lws, name, k, rank)
+            st = dict(load_mod.last_load_stats)
+            read = cdist.all_reduce_ints([int(st.get("bytes_read", 0))], "sum")[0]
+            if st["strategy"] == "read_once":
+                # every touched block read (and checked) by exactly one rank of the job
+                assert read == st["union_bytes"], (strategy, lws, name, read, st)
+            if strategy == "auto" and name == "row->col":
+                assert st["strategy"] == "read_once" and st["union_bytes"] < st["separate_bytes"]
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def _resharded(rank, world, d):
+    _save(rank, world, d)
+    _check_all(rank, world, d)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_read_once_resharded_loads_are_exact(tmp_path, world):
+    run_distributed(_resharded, world, str(tmp_path / "ckpt"), timeout=240)
+
+
+def _damaged(rank, world, d):
+    import torch.distributed as tdist
+
+    from tests.damage import flip_byte
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    _save(rank, world, d)
+    tdist.barrier()
+    if rank == 0:  # one bit of the second block of rank 1's "rows" chunk
+        man = ckdir.read_manifest(d)
+        for k, v in man.blocks.items():
+            name, _, off = k.rpartition("@")
+            if name.startswith("__1_"):
+                rec = man.block_records()[(name, int(off))]
+                if rec.data_length > 2 * rec.block_size:
+                    flip_byte(os.path.join(d, name), int(off) + rec.data_offset + rec.block_size + 7)
+                    break
+    tdist.barrier()
+    for lws in (None, "1"):
+        if lws:
+            os.environ["LOCAL_WORLD_SIZE"] = lws
+        req, _ = _requests(rank, world)[0][1:]
+        with pytest.raises(ci.CheckpointingException) as info:
+            ci.load(req, d, load_strategy="read_once")
+        text = str(info.value) + " ".join(getattr(info.value, "__notes__", []))
+        assert "__1_" in text and "checksum mismatch" in text and "bytes [" in text, text
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def test_read_once_damaged_block_fails_every_rank(tmp_path):
+    run_distributed(_damaged, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
+# ------------------------------------------------------------------ planning (pure)
+def test_flat_range_boxes_cover_the_range_exactly():
+    shape = (3, 4, 5)
+    for e0, e1 in [(0, 60), (7, 8), (7, 43), (20, 40), (19, 41), (0, 1), (59, 60)]:
+        seen = np.zeros(60, dtype=int)
+        for starts, lens in flat_range_boxes(shape, e0, e1):
+            idx = np.arange(60).reshape(shape)[tuple(slice(s, s + n) for s, n in zip(starts, lens))]
+            seen[idx.reshape(-1)] += 1
+        assert (seen[e0:e1] == 1).all() and seen[:e0].sum() == 0 and seen[e1:].sum() == 0
+
+
+def test_range_boxes_of_a_region():
+    shape, esize, ds = (8, 6), 4, 100
+    region = ((1, 2), (6, 3))
+    got = np.zeros(shape, dtype=int)
+    for lo in range(ds, ds + 8 * 6 * 4, 24):  # one row per range
+        for starts, lens in range_boxes(shape, esize, ds, lo, lo + 24, region):
+            got[tuple(slice(s, s + n) for s, n in zip(starts, lens))] += 1
+    want = np.zeros(shape, dtype=int)
+    want[1:7, 2:5] = 1
+    assert (got == want).all()
+
+
+def test_plan_reads_every_touched_block_once_and_balances():
+    shape, esize, ds = (1024, 1024), 4, 64
+    nbytes = 1024 * 1024 * 4
+    bounds = np.concatenate([[0], np.arange(ds, ds + nbytes, 1 << 20), [ds + nbytes, ds + nbytes + 100]]).astype(np.int64)
+    needs = ChunkNeeds(bounds)
+    for r in range(2):  # column halves: both ranks touch every block
+        needs.ranks.append(r)
+        needs.nodes.append(0)
+        needs.ranges.append(touched_ranges(bounds, ds, shape, esize, (0, 512 * r), (1024, 512)))
+    separate, union = chunk_totals(needs)
+    assert separate == 2 * nbytes and union == nbytes
+    load = {}
+    units = plan_chunk(needs, load)
+    covered = sorted((u.lo, u.hi) for u in units)
+    assert covered[0][0] == ds and covered[-1][1] == ds + nbytes
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap
+    assert load == {0: nbytes // 2, 1: nbytes // 2}
+
+
+def test_union_bytes_matches_per_chunk_merge():
+    from ckpt_integration.planning.read_once import merge_ranges, ranges_bytes, union_bytes
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 5, 200)
+    lo = rng.integers(0, 1000, 200)
+    hi = lo + rng.integers(1, 300, 200)
+    want = sum(ranges_bytes(merge_ranges(lo[ids == i], hi[ids == i])) for i in range(5))
+    assert union_bytes(ids, lo, hi) == want
