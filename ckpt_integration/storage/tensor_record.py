@@ -12,6 +12,7 @@ are handled the same way; anything unusual falls back to a safe ``torch.load``.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import struct
@@ -171,6 +172,7 @@ def parse_tensor_record(fd: Any, offset: int, length: int, path: str = "") -> Te
         ) from None
 
 
+@functools.lru_cache(maxsize=4096)  # items of one shape and dtype have byte-identical headers
 def describe_archive_head(head: bytes) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
     """The dtype and shape that ``data.pkl`` records, from the first bytes of a single-tensor
     archive (everything before the tensor data; ``data.pkl`` is its first member).
