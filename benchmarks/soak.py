@@ -46,7 +46,11 @@ def _rss_kib() -> int:
 def _staging_bytes() -> int:
     from ckpt_integration.execution.staging import StateDictStager
 
-    return sum(o.cached_bytes for o in gc.get_objects() if isinstance(o, StateDictStager))
+    import warnings
+
+    with warnings.catch_warnings():  # isinstance() on every object touches deprecated torch names
+        warnings.simplefilter("ignore")
+        return sum(o.cached_bytes for o in gc.get_objects() if isinstance(o, StateDictStager))
 
 
 def sample() -> Dict[str, int]:
