@@ -114,11 +114,12 @@ class GPTLayout:
     """Megatron-Core GPT sharding: rank = tp + TP * (dp + DP * pp); layers stacked along axis 0."""
 
     def __init__(self, world: int, *, tp: int = 8, pp: int = 8, layers: int = 48, hidden: int = 8192,
-                 vocab: int = 51200, zero: bool = False):
+                 vocab: int = 51200, zero: bool = False, row_aligned: bool = True):
         if world % (tp * pp):
             raise ValueError(f"world {world} is not a multiple of TP*PP = {tp * pp}")
         self.world, self.tp, self.pp, self.dp = world, tp, pp, world // (tp * pp)
         self.layers, self.hidden, self.vocab, self.zero = layers, hidden, vocab, zero
+        self.row_aligned = row_aligned
         self._params: Dict[Tuple[int, int], List[Param]] = {}
         self._cache: Dict[Tuple[int, int, int], List[ShardMeta]] = {}
 
@@ -202,12 +203,21 @@ class GPTLayout:
         return a <= starts[i] < b
 
     def _zero_pieces(self, rank: int, tp: int, dp: int, params: Sequence[Param]) -> List[ShardMeta]:
+        """The saved pieces: whole rows per param (planning.flat_pieces, as the optimizer saves
+        them since issue 19), or the held flat ranges as they are with ``row_aligned=False``."""
         from ckpt_integration.optimizer import flat_range_to_boxes
+        from ckpt_integration.planning.flat_pieces import row_aligned_save, row_unit
 
         starts, a, b = self._slice(dp, params)
+        if self.row_aligned:
+            size = max(1, math.ceil(starts[-1] / self.dp))
+            plan = row_aligned_save([p.numel for p in params], [row_unit(p.local_shape) for p in params], size, dp)
+            ranges = {i: (starts[i] + lo, starts[i] + hi) for i, (lo, hi) in plan.saved.items()}
+        else:
+            ranges = {i: (max(a, starts[i]), min(b, starts[i + 1])) for i in range(len(params))}
         out = []
         for i, p in enumerate(params):
-            lo, hi = max(a, starts[i]), min(b, starts[i + 1])
+            lo, hi = ranges.get(i, (0, 0))
             if lo >= hi:
                 continue
             for off, size in flat_range_to_boxes(p.local_shape, lo - starts[i], hi - starts[i]):

@@ -161,7 +161,7 @@ def test_trainer_and_fabric_checkpoints_interchange(tmp_path):
     trainer.save_checkpoint(tmp_path / "trainer")
     fabric = _fabric()
     model, opt, _ = _setup(fabric)
-    rest = fabric.load(tmp_path / "trainer", {"model": model, "optimizer": opt}, strict=False)
+    rest = fabric.load(tmp_path / "trainer", {"model": model, "optimizer": opt})  # strict: nothing lacking
     _same(_copy(module.state_dict()), model.state_dict(), "trainer -> fabric model")
     _same(trainer.optimizers[0].state_dict(), opt.state_dict(), "trainer -> fabric optimizer")
     assert rest["global_step"] == 2

@@ -105,7 +105,9 @@ def _sd(step=3):
 
 def test_separation_hint_files_are_removed_with_the_prefix(tmp_path):
     path = tmp_path / "c"
-    ci.save(_sd(), path, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2, separation_hint="optimizer."))
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2, separation_hint="optimizer.")
+    ci.save(_sd(step=1), path, strategy)
+    ci.save(_sd(), path, strategy, overwrite=True)  # the hinted files count as the checkpoint's own, not foreign
     files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
     hinted = [f for f in files if f.startswith("optimizer.")]
     assert hinted and all(DATA_FILE.match(f)["hint"] == "optimizer." for f in hinted), files

@@ -332,11 +332,57 @@ def test_zero1_dp4_to_dp2_and_to_plain(dist_run):
     md = ci.load_tensors_metadata(f"{d}/mid")
     assert md["optimizer.state.fp32_param.mlp.fc1.weight"].global_shape == (HID, D_IN)
     assert md["optimizer.state.exp_avg.mlp.fc2.bias"].global_shape == (D_OUT,)
+    # saved row-aligned (planning.flat_pieces): whole rows only, one chunk per rank and 2-D param
+    # (the DP=4 slices of 26 elements cut fc1.weight's rows of 6), read by DCP's own reader
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp_md = FileSystemReader(f"{d}/mid").read_metadata()
+    for key in ("optimizer.state.exp_avg.mlp.fc1.weight", "optimizer.state.fp32_param.mlp.fc2.weight"):
+        tmd = dcp_md.state_dict_metadata[key]
+        assert all(c.sizes[-1] == tmd.size[-1] for c in tmd.chunks), (key, tmd.chunks)
+        assert len(tmd.chunks) <= 4
     assert_same_tensors(f"{d}/mid", f"{d}/tp2dp2_reloaded")  # ZeRO DP=4 -> ZeRO DP=2 (TP=2): exact
     assert_same_tensors(f"{d}/mid", f"{d}/tp4dp1_reloaded", only_common=True)  # -> plain AdamW, no masters
     for lname in ("tp2dp2", "tp4dp1"):
         assert losses[("zero", lname)] == pytest.approx(losses[("zero", "ref")], rel=0, abs=TOL)
         assert_same_tensors(f"{d}/ref", f"{d}/{lname}_final", tol=TOL, only_common=True)
+
+
+def _zero_peers_worker(rank, world, ckpt, out):
+    """PyTorch DCP and Megatron-Core read the row-aligned ZeRO checkpoint with their own loaders."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_interop import _import_megatron, _patch_cuda_for_megatron
+
+    _import_megatron()
+    _patch_cuda_for_megatron()
+    from megatron.core import dist_checkpointing as mdc
+
+    md = ci.load_tensors_metadata(ckpt)
+    keys = sorted(k for k in md if k.startswith("optimizer.state."))
+    sd = {k: torch.full(md[k].global_shape, -1.0) for k in keys}
+    dcp.load(sd, checkpoint_id=ckpt)
+    # Megatron-Core's torch_dist loader, whole tensors
+    req = {}
+    for k in keys:
+        shape = md[k].global_shape
+        req[k] = mdc.ShardedTensor.from_rank_offsets(k, torch.full(shape, -2.0))
+    got = mdc.load(req, ckpt)
+    torch.save({"dcp": sd, "mcore": {k: got[k] for k in keys}}, out)
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_read_by_dcp_and_megatron(dist_run, tmp_path):
+    pytest.importorskip("megatron.core")
+    root, _ = dist_run
+    ckpt = os.path.join(root, "zero", "mid")
+    run_distributed(_zero_peers_worker, 1, ckpt, str(tmp_path / "out.pt"), timeout=180)
+    got = torch.load(tmp_path / "out.pt")
+    plain = {k: v for k, v in ci.load_plain_tensors(ckpt).items() if k.startswith("optimizer.state.")}
+    assert set(got["dcp"]) == set(plain) == set(got["mcore"]) and plain
+    for k, v in plain.items():
+        assert torch.equal(got["dcp"][k], v), k
+        assert torch.equal(got["mcore"][k], v), k
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from ..mapping import (
     flat_range_to_boxes,
     is_main_replica,
 )
+from ..planning.flat_pieces import row_aligned_save, row_unit
 from .load import _LabelDict, _labels, _load_state, _missing, has_optimizer_state
 from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, _is_origin, _param_object, get_param_id_to_sharded_param_map
 
@@ -46,7 +47,11 @@ class ZeroShardedOptimizer:
     rectangular ShardedTensors (:func:`flat_range_to_boxes`) at the param's global
     coordinates, under the same keys as a non-ZeRO optimizer
     (``optimizer.state.exp_avg.<key>``, plus ``optimizer.state.fp32_param.<key>``), so it
-    resumes under any DP/TP size and with or without ZeRO.
+    resumes under any DP/TP size and with or without ZeRO. A save stores whole rows: each row of a
+    param by the DP rank holding its first element, after the less-than-a-row heads of the next
+    ranks' slices arrived point-to-point (:mod:`ckpt_integration.planning.flat_pieces`), so each
+    rank writes one chunk per 2-D param and the checkpoint's chunk count grows one, not three, per
+    DP rank (``sharded_state_dict`` is therefore collective over ``dp_group``).
 
     Args:
         params: the model parameters (all of them, identical on the DP ranks).
@@ -155,6 +160,75 @@ class ZeroShardedOptimizer:
             ))
         return out
 
+    @torch.no_grad()
+    def _row_aligned(self, id_map: Dict[int, ShardedTensor], tensors: Dict[str, torch.Tensor]) -> Dict[Any, Any]:
+        """``(pid, state name) -> (lo, data)``: the whole rows of each param this rank saves
+        (:mod:`ckpt_integration.planning.flat_pieces`), after the heads of the next ranks' slices
+        that complete its last row arrived and its own head went to the rank that began that row.
+
+        Collective over the DP group (point-to-point with the neighbours that share a row). Only
+        the param at the end of the slice needs a new buffer (its own part plus less than a row);
+        every other saved range is a view into the flat state.
+        """
+        units = [1] * len(self.params)
+        for pid, sp in id_map.items():
+            units[pid] = row_unit(sp.local_shape)
+        plan = row_aligned_save(self.numels, units, self.shard_size, self.dp_rank) if self.end > self.start else None
+        out: Dict[Any, Any] = {}
+        if plan is None:
+            return out
+        names = sorted(tensors)  # the same order on every rank: messages pair up by position
+        ops, inbox = [], []
+        group_rank = (lambda r: tdist.get_global_rank(self.dp_group, r)) if self.dp_group is not None else (lambda r: r)
+        for t in plan.sends:
+            for name in names:
+                buf = tensors[name][self.offsets[t.pid] + t.lo - self.start: self.offsets[t.pid] + t.hi - self.start]
+                ops.append(tdist.P2POp(tdist.isend, buf.contiguous(), group_rank(t.dst), self.dp_group))
+        for t in plan.receives:
+            for name in names:
+                buf = torch.empty(t.hi - t.lo, dtype=tensors[name].dtype, device=tensors[name].device)
+                inbox.append((t, name, buf))
+                ops.append(tdist.P2POp(tdist.irecv, buf, group_rank(t.src), self.dp_group))
+        if ops:
+            for req in tdist.batch_isend_irecv(ops):
+                req.wait()
+        for pid, (lo, hi) in plan.saved.items():
+            ps = self.offsets[pid]
+            own_hi = min(hi, self.end - ps)
+            for name in names:
+                own = tensors[name][ps + lo - self.start: ps + own_hi - self.start]
+                if own_hi >= hi:
+                    out[(pid, name)] = (lo, own)
+                    continue
+                full = torch.empty(hi - lo, dtype=own.dtype, device=own.device)
+                full[: own_hi - lo].copy_(own)
+                out[(pid, name)] = (lo, full)
+        for t, name, buf in inbox:
+            ps = self.offsets[t.pid]
+            lo, full = out[(t.pid, name)]
+            full[t.lo - lo: t.hi - lo].copy_(buf)
+        return out
+
+    def _saved_pieces(self, sp: ShardedTensor, prefix: str, name: str, saved: Any) -> List[ShardedTensor]:
+        """The boxes of a saved row-aligned range (one for a 2-D shard; none if the rank saves
+        nothing of this param)."""
+        if saved is None:
+            return []
+        lo, data = saved
+        out: List[ShardedTensor] = []
+        pos = 0
+        p = sp.prepend_axis_num
+        rid = self.replica_id_fn(sp.replica_id)
+        for off, size in flat_range_to_boxes(sp.local_shape, lo, lo + data.numel()):
+            n = math.prod(size)
+            piece = data[pos:pos + n].view(size)
+            pos += n
+            goff = tuple(sp.global_offset[:p]) + tuple(g + o for g, o in zip(sp.global_offset[p:], off))
+            out.append(ShardedTensor.from_global_offsets(
+                f"{prefix}.state.{name}.{sp.key}", piece, sp.global_shape, goff, replica_id=rid, prepend_axis_num=p,
+            ))
+        return out
+
     def _id_map(self, model_sharded_state_dict: ShardedStateDict) -> Dict[int, ShardedTensor]:
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
         for pid, sp in id_map.items():
@@ -184,10 +258,11 @@ class ZeroShardedOptimizer:
             else:
                 scalars[name] = v.detach().clone() if isinstance(v, torch.Tensor) else v
         state: Dict[int, Dict[str, Any]] = {}
+        saved = self._row_aligned(id_map, tensors)
         for pid, sp in id_map.items():
             entry: Dict[str, Any] = {}
-            for name, flat in tensors.items():
-                pieces = self._pieces(sp, pid, prefix, name, flat)
+            for name in tensors:
+                pieces = self._saved_pieces(sp, prefix, name, saved.get((pid, name)))
                 if pieces:
                     entry[name] = pieces
             for name, value in scalars.items():  # the inner optimizer's scalars are every param's

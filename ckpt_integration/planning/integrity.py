@@ -103,10 +103,65 @@ def find_overlaps(boxes: Sequence[ShardMeta], limit: int = MAX_REPORTED) -> List
     ndim = len(boxes[0].offsets)
     if ndim == 0:
         return [f"ranks {boxes[0].rank} and {b.rank} both save it as main replica" for b in boxes[1:limit + 1]]
+    if _disjoint_flat_ranges(boxes, boxes[0].global_shape):
+        return []
     found: List[str] = []
     items = [(s.offsets, tuple(o + n for o, n in zip(s.offsets, s.sizes)), s) for s in boxes]
     _sweep(items, tuple(range(ndim)), limit, found)
     return found
+
+
+def _disjoint_flat_ranges(boxes: Sequence[ShardMeta], shape: Sequence[int]) -> bool:
+    """True if the boxes provably share no element; False if this quick test cannot tell.
+
+    The usual layouts are contiguous row ranges: a row-split tensor's shards and ZeRO-1's
+    whole-row pieces (:mod:`.flat_pieces`) are each one flat range of the tensor, a
+    column-split tensor's pieces one flat range of their column block. Boxes are grouped by
+    their interval on the last axis (tried with one group first); if those intervals are
+    pairwise disjoint and every box is one flat range of the tensor restricted to its group's
+    columns, sorting the ranges decides in O(n log n) with a small constant (the sweep below
+    costs tens of microseconds per box in Python: 60 ms for the 5,760 pieces of one key at
+    16,384 simulated ranks). Anything else goes to the sweep.
+    """
+    nd = len(shape)
+    for t in (nd, nd - 1):
+        if t < 1:
+            continue
+        strides = [1] * t
+        for j in range(t - 2, -1, -1):
+            strides[j] = strides[j + 1] * int(shape[j + 1])
+        groups: Dict[Tuple[int, ...], List[Tuple[int, int]]] = defaultdict(list)
+        full, zeros = tuple(int(x) for x in shape[:t]), (0,) * t
+        ok = True
+        for b in boxes:
+            o, n = tuple(b.offsets), tuple(b.sizes)
+            if 0 in n:
+                continue  # empty: overlaps nothing
+            i = 0
+            while i < t - 1 and n[i] == 1:
+                i += 1
+            # one flat range: size 1 before axis i, whole axes after it (tuple compares run in C)
+            if o[i + 1:t] != zeros[i + 1:t] or n[i + 1:t] != full[i + 1:t]:
+                ok = False
+                break
+            start = 0
+            for j in range(i + 1):
+                start += o[j] * strides[j]
+            groups[o[t:] + n[t:]].append((start, start + n[i] * strides[i]))
+        if not ok:
+            continue
+        if t < nd:  # the groups' last-axis intervals must not overlap one another
+            cols = sorted((g[0], g[0] + g[1]) for g in groups)
+            if any(a1 < b0 for (_, b0), (a1, _) in zip(cols, cols[1:])):
+                continue
+        if all(_sorted_disjoint(r) for r in groups.values()):
+            return True
+    return False
+
+
+def _sorted_disjoint(ranges: List[Tuple[int, int]]) -> bool:
+    ranges.sort()
+    return all(a1 >= b0 for (_, b0), (a1, _) in zip(ranges, ranges[1:]))
 
 
 def _sweep(items: List[Tuple], axes: Tuple[int, ...], limit: int, found: List[str]) -> None:

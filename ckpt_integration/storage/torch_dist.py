@@ -51,6 +51,7 @@ from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
 from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_parallel  # noqa: F401 (re-exported)
 from .region_read import read_region as _read_region
+from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
 
@@ -254,9 +255,7 @@ def make_dcp_metadata(
 
 def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
     """Write ``.metadata``; returns ``{"size", "crc32"}`` for the manifest."""
-    import pickle
-
-    data = pickle.dumps(metadata)
+    data = dumps_dcp_metadata(metadata)
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, DCP_METADATA_FILE), data, durable)
     return {"size": len(data), "crc32": crc32(data)}
