@@ -114,6 +114,7 @@ class _State:
     counts: "collections.Counter[str]" = field(default_factory=collections.Counter)
     bytes_in: int = 0
     bytes_out: int = 0
+    log: List[Tuple[str, str]] = field(default_factory=list)  # (operation, key) of every request
     written_at: Dict[str, float] = field(default_factory=dict)
     lag_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -178,6 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
         rule = None
         with state.lock:
             state.counts[op] += 1
+            state.log.append((op, key))
             state.bytes_in += len(body)
             for r in state.rules:
                 if r.matches(op, key) and r.take():
@@ -306,6 +308,7 @@ class S3FaultProxy:
             self.state.rules.clear()
             self.state.lag_s = 0.0
             self.state.counts.clear()
+            self.state.log.clear()
             self.state.bytes_in = self.state.bytes_out = 0
 
     def lag_listings(self, seconds: float) -> None:
@@ -315,6 +318,7 @@ class S3FaultProxy:
         with self.state.lock:
             out = collections.Counter(self.state.counts)
             self.state.counts.clear()
+            self.state.log.clear()
             self.state.bytes_in = self.state.bytes_out = 0
         return out
 
@@ -338,19 +342,39 @@ def start_moto() -> Tuple[Any, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-def use_endpoint(endpoint: str, **s3_options: Any) -> Dict[str, Optional[str]]:
+# s3fs's own retry count is a class attribute, not a setting: carried to spawned ranks in this
+# variable and applied by :func:`apply_client_retries` (called by :func:`use_endpoint`).
+CLIENT_RETRIES_ENV = "CKPT_TEST_S3FS_RETRIES"
+
+
+def apply_client_retries() -> None:
+    """Give s3fs the retry count chosen by :func:`use_endpoint` (in a spawned rank: call it first)."""
+    import s3fs
+
+    raw = os.environ.get(CLIENT_RETRIES_ENV)
+    if raw:
+        s3fs.S3FileSystem.retries = int(raw)
+    elif "_ckpt_default_retries" in vars(s3fs.S3FileSystem):
+        s3fs.S3FileSystem.retries = s3fs.S3FileSystem._ckpt_default_retries
+
+
+def use_endpoint(endpoint: str, retries: Optional[int] = None, **s3_options: Any) -> Dict[str, Optional[str]]:
     """Point s3fs at ``endpoint`` in this process (and spawned ranks, through the environment).
 
-    Returns the previous environment values for :func:`restore`. ``s3_options``: more
-    s3fs settings (fsspec config), e.g. ``default_block_size`` or ``config_kwargs``.
+    Returns the previous environment values for :func:`restore`. ``retries``: s3fs's own
+    attempts per request (default: s3fs's); ``s3_options``: more s3fs settings (fsspec
+    config), e.g. ``default_block_size`` or ``config_kwargs``.
     """
     import fsspec
     import s3fs
 
     options = {"endpoint_url": endpoint, **s3_options}
-    env = {**S3_ENV, "FSSPEC_S3": json.dumps(options)}
+    env = {**S3_ENV, "FSSPEC_S3": json.dumps(options), CLIENT_RETRIES_ENV: str(retries or "")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    if "_ckpt_default_retries" not in vars(s3fs.S3FileSystem):
+        s3fs.S3FileSystem._ckpt_default_retries = s3fs.S3FileSystem.retries
+    apply_client_retries()
     conf = fsspec.config.conf.setdefault("s3", {})
     conf.clear()
     conf.update(options)
@@ -367,6 +391,7 @@ def restore(old: Dict[str, Optional[str]]) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    apply_client_retries()
     fsspec.config.conf.pop("s3", None)
     s3fs.S3FileSystem.clear_instance_cache()
 

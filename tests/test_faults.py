@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -312,6 +313,45 @@ def test_deeply_nested_zarr_index_is_corruption(tmp_path):
     (d / "zarr_index.json").write_text('{"tensors": ' + "[" * 200000 + "]" * 200000 + "}")
     with pytest.raises(CorruptCheckpointError):
         ci.load_plain_tensors(str(d))
+
+
+def _forge_dtype(md):
+    md.state_dict_metadata["w"].properties.dtype = torch.int32  # same width as float32: sizes all agree
+
+
+def _forge_shape(md):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    meta = md.state_dict_metadata["w"]
+    meta.size = torch.Size([COLS, ROWS])  # the same elements, transposed
+    meta.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([COLS, ROWS]))]
+    md.storage_data = {type(k)(k.fqn, torch.Size([0, 0]) if k.offset is not None else None): v
+                       for k, v in md.storage_data.items()}
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("forge", ["dtype", "shape"])
+def test_forged_dtype_or_shape_is_refused_on_load(tmp_path, forge, verify):
+    """A .metadata forged to another dtype of the same width (or the same elements in another
+    shape), with the manifest updated to match, is refused by load - which compares it with the
+    dtype and shape that each data archive's own data.pkl records - not reinterpreted; also
+    with checksums off."""
+    d = tmp_path / "c"
+    _save(d)
+    _rewrite_metadata(d, _forge_dtype if forge == "dtype" else _forge_shape)
+    rows, cols = (ROWS, COLS) if forge == "dtype" else (COLS, ROWS)
+    dtype = torch.int32 if forge == "dtype" else torch.float32
+    said = "torch.float32 (the archive's data.pkl) but" if forge == "dtype" else f"shape {(ROWS, COLS)}"
+    loads = [lambda: ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(rows, cols, dtype=dtype))}, str(d),
+                             verify_checksums=verify),
+             lambda: ci.load({"w": ShardedTensor.from_global_offsets("w", torch.zeros(rows // 2, cols, dtype=dtype),
+                                                                     (rows, cols), (rows // 2, 0))}, str(d),
+                             verify_checksums=verify, validate_access_integrity=False)]
+    if verify:
+        loads.append(lambda: ci.load_plain_tensors(str(d)))
+    for load in loads:
+        with pytest.raises(CorruptCheckpointError, match=rf"__0_0\.distcp: chunk .* of 'w' is stored .*{re.escape(said)}"):
+            load()
 
 
 def test_declared_shape_larger_than_the_chunks_is_refused_before_allocating(tmp_path):

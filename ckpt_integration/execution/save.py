@@ -80,8 +80,8 @@ class SavePlan:
     thread_count: int
     durable: bool
     backend: str = "torch_dist"
-    separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     step: Optional[int] = None  # the training step, recorded in the manifest (commit order)
+    separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     started: float = field(default_factory=time.time)
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
@@ -194,8 +194,8 @@ def prepare_save(
     process_group: Any = None,
     backend: str = "torch_dist",
     preprocess_common: Optional[Callable[[Any], Any]] = None,
-    separation_hint: Optional[str] = None,
     step: Optional[int] = None,
+    separation_hint: Optional[str] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     if backend not in ckdir.SUPPORTED_BACKENDS:
@@ -276,8 +276,8 @@ def prepare_save(
         thread_count=thread_count,
         durable=durable,
         backend=backend,
-        separation_hint=separation_hint,
         step=_recorded_step(step, common) if coord else None,
+        separation_hint=separation_hint,
         local_error=local_error,
         local_exc=local_exc,
     )

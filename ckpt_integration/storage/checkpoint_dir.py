@@ -237,6 +237,26 @@ def interrupted_overwrite_hint(directory: str) -> str:
 def read_config(directory: str) -> CheckpointingConfig:
     """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint."""
     storage, directory = storage_for(directory)
+    path = join(directory, CONFIG_FILE)
+    raw_bytes: Optional[bytes] = None
+    if storage.remote:
+        # Object stores: the commit marker first (one request, and strongly consistent where a
+        # listing may lag behind a fresh commit); the checks below only explain a missing one.
+        try:
+            raw_bytes = storage.read_in(directory, CONFIG_FILE, "commit marker")
+        except (FileNotFoundError, CorruptCheckpointError):
+            raw_bytes = None
+    if raw_bytes is None:
+        found = _config_or_explain(storage, directory, path)
+        if isinstance(found, CheckpointingConfig):
+            return found
+        raw_bytes = found
+    return _parse_config(load_json(raw_bytes, path), directory, path)
+
+
+def _config_or_explain(storage: Any, directory: str, path: str) -> Any:
+    """The commit marker's bytes (a plain PyTorch DCP checkpoint: its config), or the specific
+    error for why ``directory`` has none."""
     if not storage.exists(directory):
         raise CheckpointNotFoundError(
             f"{directory} is not a distributed checkpoint: checkpoint directory {directory} does not exist"
@@ -246,7 +266,6 @@ def read_config(directory: str) -> CheckpointingConfig:
         raise CheckpointNotFoundError(
             f"{directory} is a file, not a checkpoint directory (for a torch.save file use torch.load)"
         )
-    path = join(directory, CONFIG_FILE)
     if not storage.exists(path):
         if is_plain_dcp(directory):
             _note_unchecked(directory, "a PyTorch DCP checkpoint (no metadata.json): loaded as a foreign checkpoint, "
@@ -260,7 +279,10 @@ def read_config(directory: str) -> CheckpointingConfig:
                 f"{', '.join(_OURS_ONLY)})"
             )
         raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
-    raw = load_json(storage.read_in(directory, CONFIG_FILE, "commit marker"), path)
+    return storage.read_in(directory, CONFIG_FILE, "commit marker")
+
+
+def _parse_config(raw: Any, directory: str, path: str) -> CheckpointingConfig:
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         raise CorruptCheckpointError(f"{path} does not describe a checkpoint (no 'sharded_backend')")
     known = {"sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"}
@@ -358,11 +380,13 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
     """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint."""
     storage, directory = storage_for(directory)
     path = join(directory, COMMON_FILE)
-    if not storage.exists(path):
+    manifest = read_manifest_checked(directory)
+    try:
+        data = read_verified_file(directory, COMMON_FILE, manifest, "common state file")
+    except FileNotFoundError:
         if is_plain_dcp(directory):
             return {}
-        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state")
-    data = read_verified_file(directory, COMMON_FILE, read_manifest_checked(directory), "common state file")
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state") from None
     try:
         return safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:
@@ -396,9 +420,11 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     """Our manifest, or ``None`` for checkpoints written by other tools."""
     storage, directory = storage_for(directory)
     path = join(directory, MANIFEST_FILE)
-    if not storage.exists(path):
+    try:
+        data = storage.read_in(directory, MANIFEST_FILE, "manifest")
+    except FileNotFoundError:
         return None
-    raw = load_json(storage.read_in(directory, MANIFEST_FILE, "manifest"), path)
+    raw = load_json(data, path)
     if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] not in SUPPORTED_MANIFEST_VERSIONS:
         raise UnsupportedCheckpointError(
             f"{path} has format version {raw['version']} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "

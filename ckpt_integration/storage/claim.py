@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Set
 
 from ..errors import SaveConflictError
-from .filesystem import Storage, join, name_problem, storage_for
+from .filesystem import Storage, join, name_problem, storage_for, writing
 from .fs import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,13 @@ def _marker_bytes(token: str) -> bytes:
 
 
 def _write_marker(storage: Storage, directory: str, token: str, replace: bool, durable: bool) -> Optional[int]:
+    """:func:`_write_marker_file`; an OS error (a full disk, no permission) is a
+    :class:`CheckpointWriteError` naming the file, as for every other file of a save."""
+    with writing(join(directory, MARKER_FILE)):
+        return _write_marker_file(storage, directory, token, replace, durable)
+
+
+def _write_marker_file(storage: Storage, directory: str, token: str, replace: bool, durable: bool) -> Optional[int]:
     """Write this save's marker; locally return an fd holding its lock (taken before it is visible).
 
     ``replace=False``: the marker must not exist (``FileExistsError`` otherwise), so of two
@@ -247,7 +254,8 @@ def claim_new(directory: str, token: str, durable: bool = True) -> SaveClaim:
     another save is running there (locally: its marker is locked).
     """
     storage, directory = storage_for(directory)
-    storage.makedirs(directory)
+    with writing(directory):
+        storage.makedirs(directory)
     ours, foreign = classify_entries(directory)
     if not ours and not foreign:
         try:
@@ -315,7 +323,8 @@ def claim_staging(checkpoint_dir: str, staging: str, token: str, durable: bool =
     if isinstance(current, int):
         fds.append(current)
     try:
-        os.makedirs(staging)
+        with writing(staging):
+            os.makedirs(staging)
         fd = _write_marker(storage, staging, token, replace=False, durable=durable)
     except BaseException:
         for f in fds:

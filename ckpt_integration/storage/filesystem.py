@@ -28,12 +28,16 @@ import contextlib
 import errno as _errno
 import os
 import shutil
+import logging
 import stat
 import threading
 from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
+from . import retry
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
+
+logger = logging.getLogger(__name__)
 
 # Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
 ALLOW_SYMLINKS_ENV = "CKPT_INTEGRATION_ALLOW_SYMLINKS"
@@ -292,18 +296,35 @@ class _LocalReader(FileReader):
 
 
 class _FsspecReader(FileReader):
+    """Ranged reads of one object (each a request, retried, see :mod:`.retry`)."""
+
     def __init__(self, fs: Any, path: str, what: str = "file"):
-        self.fs, self.path = fs, path
-        info = fs.info(path)
+        self.fs, self.path, self.what = fs, path, what
+        self._whole: Optional[memoryview] = None
+        self._lock = threading.Lock()
+        info = retry.call(fs, "info", path, what=what)
         if info.get("type", "file") != "file":
             raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
-        self.size = int(info.get("size") if info.get("size") is not None else fs.size(path))
+        self.size = int(info.get("size") if info.get("size") is not None else retry.call(fs, "size", path, what=what))
+
+    # Objects up to this size are fetched whole by the first read, and later reads are served
+    # from memory: one request instead of one per range (archive header, data, trailer, ...).
+    WHOLE_OBJECT_BYTES = 4 * 2**20
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(offset + length, self.size)
         if end <= offset:
             return b""
-        return self.fs.cat_file(self.path, start=offset, end=end)
+        if self.size <= self.WHOLE_OBJECT_BYTES:
+            with self._lock:
+                if self._whole is None:
+                    data = retry.call(self.fs, "cat_file", self.path, start=0, end=self.size, what=self.what)
+                    self._whole = memoryview(data)
+            return bytes(self._whole[offset:end])
+        return retry.call(self.fs, "cat_file", self.path, start=offset, end=end, what=self.what)
+
+    def close(self) -> None:
+        self._whole = None
 
     def read_into(self, buf: memoryview, offset: int) -> None:
         data = self.read(offset, len(buf))
@@ -341,37 +362,55 @@ class Storage:
         return self.fs is not None
 
     # -- queries -------------------------------------------------------------------
+    # Remote answers never come from fsspec's listing cache: a listing cached while a save was
+    # in progress (by this process, or a lagging one) would hide its commit marker for good.
+    def _fresh(self, path: str) -> None:
+        self.fs.invalidate_cache(path)
+
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path) if self.fs else os.path.exists(path)
+        if not self.fs:
+            return os.path.exists(path)
+        self._fresh(path)
+        return retry.call(self.fs, "exists", path)
 
     def isdir(self, path: str) -> bool:
-        return self.fs.isdir(path) if self.fs else os.path.isdir(path)
+        if not self.fs:
+            return os.path.isdir(path)
+        self._fresh(path)
+        return retry.call(self.fs, "isdir", path)
 
     def listdir(self, path: str) -> List[str]:
         if self.fs:
+            self._fresh(path)
             try:
-                entries = self.fs.ls(path, detail=False)
+                entries = retry.call(self.fs, "ls", path, detail=False)
             except FileNotFoundError:
                 return []  # object stores have no empty directories: an unused prefix is empty
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries)
         return sorted(os.listdir(path))
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path)) if self.fs else os.path.getsize(path)
+        return int(retry.call(self.fs, "size", path)) if self.fs else os.path.getsize(path)
 
     # -- writing -------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         if self.fs:
-            self.fs.makedirs(path, exist_ok=True)
+            retry.call(self.fs, "makedirs", path, exist_ok=True, write=True)
         else:
             os.makedirs(path, exist_ok=True)
 
     def open_write(self, path: str, exclusive: bool = False) -> BinaryIO:
         """A new file for writing; ``exclusive`` (local): ``FileExistsError`` if it exists, so a
-        save never overwrites a file another save created (object stores: overwritten)."""
+        save never overwrites a file another save created (object stores: overwritten).
+
+        Remote: an object of up to one block (the filesystem's block size, 50 MiB for S3) is
+        uploaded whole at ``close`` with a single, retried request; a larger one is streamed
+        (multipart on S3, with the client's own retries per part). Leaving the ``with`` block
+        with an exception uploads nothing (an unfinished multipart upload is aborted).
+        """
         with writing(path):
             if self.fs:
-                return self.fs.open(path, "wb")
+                return _RemoteWriter(self.fs, path)  # type: ignore[return-value]
             return open(path, "xb" if exclusive else "wb")
 
     def sync(self, f: BinaryIO, durable: bool) -> None:
@@ -392,33 +431,39 @@ class Storage:
                 if exclusive:
                     self._pipe_exclusive(path, data)
                 else:
-                    self.fs.pipe_file(path, data)
+                    retry.call(self.fs, "pipe_file", path, data, write=True)
             else:
                 atomic_write_bytes(path, data, durable, exclusive=exclusive)
 
     def _pipe_exclusive(self, path: str, data: bytes) -> None:
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            retry.call(self.fs, "pipe_file", path, data, mode="create", write=True)
             return
         except FileExistsError:
             raise
         except (TypeError, NotImplementedError, ValueError):
             pass  # no conditional writes here: check, then write (a small window remains)
+        except CheckpointingException:
+            raise
         except OSError as e:
             if e.errno in (_errno.EEXIST,) or "PreconditionFailed" in str(e) or "412" in str(e):
                 raise FileExistsError(_errno.EEXIST, "already exists", path) from None
             raise
-        if self.fs.exists(path):
+        if self.exists(path):
             raise FileExistsError(_errno.EEXIST, "already exists", path)
-        self.fs.pipe_file(path, data)
+        retry.call(self.fs, "pipe_file", path, data, write=True)
 
     def read_bytes(self, path: str, what: str = "file") -> bytes:
         """All bytes of a regular file (a FIFO, device or directory raises instead of blocking)."""
         if self.fs:
-            info = self.fs.info(path)  # FileNotFoundError passes through
-            if info.get("type", "file") != "file":
-                raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
-            return self.fs.cat_file(path)
+            try:
+                # one request: objects are regular files (a "directory" is a missing key); start=0
+                # asks for a ranged read, which s3fs makes without a size query first
+                return retry.call(self.fs, "cat_file", path, start=0, what=what)
+            except (FileNotFoundError, IsADirectoryError):
+                if self.isdir(path):
+                    raise CorruptCheckpointError(f"{what} {path} is a directory, not a regular file: refusing to read it") from None
+                raise
         with reading(path):
             fd = open_regular(path, what)
             with os.fdopen(fd, "rb") as f:
@@ -437,7 +482,8 @@ class Storage:
 
     def remove(self, path: str) -> None:
         if self.fs:
-            self.fs.rm(path)
+            with writing(path):
+                retry.call(self.fs, "rm", path, write=True)
         else:
             os.remove(path)
 
@@ -459,8 +505,9 @@ class Storage:
         except OSError:
             pass
         if self.fs:
-            if self.fs.exists(path):
-                self.fs.rm(path, recursive=True)
+            if self.exists(path):
+                with writing(path):
+                    retry.call(self.fs, "rm", path, recursive=True, write=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -478,6 +525,102 @@ class Storage:
     def sync_dir(self, path: str) -> None:
         if not self.fs:
             fsync_dir(path)
+
+
+class _RemoteWriter:
+    """A file being written to an object store (see :meth:`Storage.open_write`).
+
+    Bytes are collected up to one block and uploaded whole at ``close`` (one idempotent
+    request, retried with a deadline per attempt); past one block the object is streamed
+    through the filesystem's own file object. Leaving a ``with`` block on an exception
+    discards the object: nothing is uploaded, a multipart upload is aborted (closing would
+    complete it with the parts sent so far).
+    """
+
+    def __init__(self, fs: Any, path: str):
+        self.fs, self.path = fs, path
+        self.block = int(getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", None) or 50 * 2**20)
+        self._buf = bytearray()
+        self._stream: Any = None
+        self._pos = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if self._stream is not None:
+            self._streamed(self._stream.write, data)
+        else:
+            self._buf += data
+            if len(self._buf) > self.block:
+                self._stream = self._streamed(self.fs.open, self.path, "wb")
+                self._streamed(self._stream.write, bytes(self._buf))
+                self._buf = bytearray()
+        self._pos += n
+        return n
+
+    def _streamed(self, fn: Any, *args: Any) -> Any:
+        """A step of a streamed (multipart) upload: parts are retried by the client itself (s3fs,
+        botocore) and cannot be repeated from here; what still fails is an error naming the object."""
+        try:
+            return fn(*args)
+        except CheckpointingException:
+            raise
+        except Exception as e:  # noqa: BLE001 - any client error: the upload of this object failed
+            if isinstance(e, (PermissionError, FileNotFoundError)):
+                raise
+            raise retry.stream_failed(e, self.path) from e
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        if self._stream is not None:
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            try:
+                self._streamed(stream.close)
+            except BaseException:
+                self._abort(stream)  # a completion that failed leaves the upload open: abort it
+                raise
+        else:
+            data, self._buf = bytes(self._buf), bytearray()
+            retry.call(self.fs, "pipe_file", self.path, data, write=True)
+
+    def discard(self) -> None:
+        """Upload nothing (abort a multipart upload in progress)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._buf = bytearray()
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self._abort(stream)
+
+    def _abort(self, stream: Any) -> None:
+        try:
+            if hasattr(stream, "discard"):
+                stream.discard()  # s3fs: aborts the multipart upload
+                stream.closed = True  # or its finaliser would try to complete the upload
+            else:
+                stream.close()
+        except Exception as e:  # noqa: BLE001 - the original error is the one to report
+            logger.warning("could not abort the upload of %s: %s (the store may keep its parts "
+                           "until a lifecycle rule removes them)", self.path, e)
+
+    def __enter__(self) -> "_RemoteWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, *args: Any) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
 
 
 _LOCAL = Storage()

@@ -450,6 +450,7 @@ class ChunkLayout:
     what: str
     has_frame: bool = False
     length: int = 0  # bytes of the whole item
+    dtype: Optional[torch.dtype] = None  # as .metadata records it (checked against the archive's data.pkl)
 
 
 def run_parallel(tasks: Sequence[Any], fn, thread_count: int) -> None:

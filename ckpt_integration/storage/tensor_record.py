@@ -12,6 +12,7 @@ are handled the same way; anything unusual falls back to a safe ``torch.load``.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 import struct
@@ -169,6 +170,35 @@ def parse_tensor_record(fd: Any, offset: int, length: int, path: str = "") -> Te
         raise CorruptCheckpointError(
             f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {e}"
         ) from None
+
+
+@functools.lru_cache(maxsize=4096)  # items of one shape and dtype have byte-identical headers
+def describe_archive_head(head: bytes) -> Optional[Tuple[torch.dtype, Tuple[int, ...]]]:
+    """The dtype and shape that ``data.pkl`` records, from the first bytes of a single-tensor
+    archive (everything before the tensor data; ``data.pkl`` is its first member).
+
+    ``None`` for a valid but unusual archive (another first member, another pickle layout):
+    then there is nothing to compare. No code runs: the unpickler knows only tensor rebuilds.
+    The pickle ends at its STOP opcode, so the member's size (kept in a data descriptor
+    after it, where ``torch.save`` writes it) is not needed.
+    """
+    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        return None
+    fields = _LOCAL_HEADER.unpack_from(head, 0)
+    name_len, extra_len, method = fields[-2], fields[-1], fields[3]
+    start = _LOCAL_HEADER.size + name_len + extra_len
+    if method != zipfile.ZIP_STORED or not head[_LOCAL_HEADER.size:_LOCAL_HEADER.size + name_len].endswith(b"data.pkl"):
+        return None
+    try:
+        desc = _DescribingUnpickler(io.BytesIO(head[start:])).load()
+    except _Unusual:
+        return None
+    except Exception as e:  # noqa: BLE001 - damaged pickle bytes raise many types
+        raise CorruptCheckpointError(f"data.pkl of the archive is not readable: {e}") from None
+    if not (isinstance(desc, tuple) and len(desc) == 5 and desc[0] == "tensor"):
+        return None
+    _, (_, dtype, _key), _offset, shape, _stride = desc
+    return dtype, tuple(int(n) for n in shape)
 
 
 def _member_data_start(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> int:

@@ -53,7 +53,7 @@ from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_para
 from .region_read import read_region as _read_region
 from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata
-from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, parse_tensor_record, save_tensor
+from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -529,15 +529,48 @@ class TorchDistReader:
             else:  # unchecked: 1 MiB blocks of the data, only to plan who reads what
                 bounds = np.unique(np.concatenate([[0], np.arange(data_start, data_start + nbytes, BLOCK_SIZE), [data_start + nbytes, info.length]])).astype(np.int64)
         layout = ChunkLayout(path, fd, info.offset, data_start, nbytes, tuple(chunk.box.sizes), esize, blocks, bounds, what,
-                             brec is not None, info.length)
+                             brec is not None, info.length, dtype)
         self._layouts[rid] = layout
         return layout
 
     def check_frame(self, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
-        """The archive bytes around the data of a chunk with block checksums (once per item)."""
-        brec = self.block_records.get((chunk.storage.relative_path, chunk.storage.offset))
-        if brec is not None and layout.blocks is not None:
-            self._check_archive_frame(layout.fd, chunk.storage, brec, layout.blocks, layout.path, layout.what)
+        """Once per item of a chunk with block checksums: the archive bytes around the data
+        match their CRC32s (when verifying), and the dtype and shape that the archive's own
+        ``data.pkl`` records are those of ``.metadata`` (always: a ``.metadata`` forged to
+        another dtype of the same width, with the manifest updated to match, would otherwise
+        load reinterpreted bytes)."""
+        info = chunk.storage
+        rid = (info.relative_path, info.offset)
+        brec = self.block_records.get(rid)
+        if brec is None or rid in self._frames_checked:
+            return
+        if layout.blocks is not None:
+            head = self._check_archive_frame(layout.fd, info, brec, layout.blocks, layout.path, layout.what)
+        else:  # unverified: only the header (a few hundred bytes, read once per item)
+            head = bytearray(min(brec.data_offset, info.length))
+            layout.fd.read_into(memoryview(head), info.offset)
+        self._check_recorded_tensor(bytes(head), chunk, layout)
+        self._frames_checked.add(rid)
+
+    def _check_recorded_tensor(self, head: bytes, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
+        try:
+            found = describe_archive_head(head)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{layout.path}: {layout.what}: {e}") from None
+        if found is None or layout.dtype is None:
+            return  # an archive of another layout: its data's place and size were checked already
+        dtype, shape = found
+        where = join(self.directory, DCP_METADATA_FILE)
+        if dtype != layout.dtype:
+            raise CorruptCheckpointError(
+                f"{layout.path}: {layout.what} is stored as {dtype} (the archive's data.pkl) but {where} says "
+                f"{layout.dtype}: the metadata does not belong to this data or was altered; refusing to reinterpret it"
+            )
+        if tuple(shape) != tuple(chunk.box.sizes):  # the writer stores every chunk in its own shape
+            raise CorruptCheckpointError(
+                f"{layout.path}: {layout.what} is stored with shape {tuple(shape)} (the archive's data.pkl) but "
+                f"{where} says {tuple(chunk.box.sizes)}: the metadata does not belong to this data or was altered"
+            )
 
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
         """Copy ``overlap`` (global coords, inside ``chunk``) of ``key``, stored as ``dtype``, into ``out``.
@@ -565,16 +598,15 @@ class TorchDistReader:
             self._block_cache[rid] = blocks
         return blocks
 
-    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> None:
+    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> bytearray:
         """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
         directory; a few hundred bytes each) match their CRC32s, so a damaged archive - which
-        PyTorch DCP could no longer read - is reported by any load that reads from it."""
-        rid = (info.relative_path, info.offset)
-        if rid in self._frames_checked:
-            return
+        PyTorch DCP could no longer read - is reported by any load that reads from it. Returns
+        the header (the bytes before the data)."""
         d, end, length = brec.data_offset, brec.data_offset + brec.data_length, info.length
         parts = [(0, d)] if d > 0 else []
         parts += [(end, length)] if end < length else []
+        head = bytearray()
         for lo, hi in parts:
             buf = bytearray(hi - lo)
             fd.read_into(memoryview(buf), info.offset + lo)
@@ -584,7 +616,9 @@ class TorchDistReader:
                     f"{path}: checksum mismatch for the archive {'header' if lo == 0 else 'trailer'} of {what} "
                     f"(bytes [{info.offset + lo}, {info.offset + hi})): the file is damaged"
                 )
-        self._frames_checked.add(rid)
+            if lo == 0:
+                head = buf
+        return head
 
     def _read_region_fallback(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor) -> None:
         info = chunk.storage

@@ -1,0 +1,195 @@
+"""Object stores that fail: saves and loads through s3fs against moto behind a fault-injecting proxy.
+
+The client's own retries are switched off here (s3fs ``retries=1``, botocore ``max_attempts=1``),
+so what is tested is the library's layer (``ckpt_integration/storage/retry.py``): bounded,
+backed-off retries of transient failures with a deadline per attempt, then an error naming the
+object; a failed save commits nothing and leaves the previous checkpoint loadable; a multipart
+upload cut short is aborted; a listing that lags behind writes hides no commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration.storage import retry
+from tests.dist_utils import run_distributed
+from tests.s3_faults import Rule, apply_client_retries, s3_fixture
+
+BUCKET = "faults"
+MiB = 2**20
+# the client does not retry by itself: every retry seen is the library's
+proxy = s3_fixture(bucket=BUCKET, with_proxy=True, retries=1, default_block_size=5 * MiB,
+                   config_kwargs={"retries": {"total_max_attempts": 1}})
+
+
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    monkeypatch.setenv(retry.BACKOFF_ENV, "0.05")
+    monkeypatch.setenv(retry.TIMEOUT_ENV, "4")
+    monkeypatch.setenv(retry.ATTEMPTS_ENV, "4")
+
+
+@pytest.fixture
+def url(proxy):
+    proxy.clear()
+    yield f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}"
+    proxy.clear()
+
+
+def _state(value: float, n: int = 1000):
+    return {"a": ci.ShardedTensor.from_rank_offsets("a", torch.full((n,), value)),
+            "b": ci.ShardedTensor.from_rank_offsets("b", torch.arange(10.0) + value), "step": int(value)}
+
+
+def _load(path, n: int = 1000):
+    out = ci.load({"a": ci.ShardedTensor.from_rank_offsets("a", torch.zeros(n)),
+                   "b": ci.ShardedTensor.from_rank_offsets("b", torch.zeros(10))}, path)
+    return out["a"], out["b"], out["step"]
+
+
+def _check(path, value: float, n: int = 1000):
+    a, b, step = _load(path, n)
+    assert torch.equal(a, torch.full((n,), value)) and torch.equal(b, torch.arange(10.0) + value) and step == int(value)
+
+
+def _keys(path):
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.find(path))
+
+
+def test_transient_faults_are_retried(proxy, url, caplog):
+    """500, 503 SlowDown, reset connections on writes, reads, stats and listings: the save and
+    the load succeed with exact data; each fault was met once and retried."""
+    rules = [
+        Rule(op="PutObject", key=r"__0_0\.distcp$", status=503, times=2),  # SlowDown
+        Rule(op="PutObject", key=r"manifest\.json$", status=500),  # InternalError
+        Rule(op="PutObject", key=r"/metadata\.json$", action="reset"),
+        Rule(op="PutObject", key=r"\.metadata$", status=503, code="ServiceUnavailable"),
+        Rule(op="ListObjects", status=503),
+        Rule(op="GetObject", key=r"__0_1\.distcp$", action="reset"),
+        Rule(op="GetObject", key=r"common\.pt$", status=500),
+        Rule(op="HeadObject", key=r"distcp$", status=503),
+    ]
+    proxy.add(*rules)
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(_state(3.0), url)
+        _check(url, 3.0)
+    assert [r.fired for r in rules] == [2, 1, 1, 1, 1, 1, 1, 1]
+    retried = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    # every error answer was retried by the library (a reset connection may instead be retried
+    # by the HTTP client itself, which repeats an idempotent request on a reused connection once)
+    assert len(retried) >= 7 and any("__0_0.distcp" in m and "reduce your request rate" in m for m in retried)
+    for name in ("__0_0.distcp", "manifest.json", ".metadata", "common.pt"):
+        assert any(f"/{name} failed (attempt 1 of 4)" in m for m in retried), name
+
+
+def _two_rank_failed_save(rank, world, url):
+    """Rank 1's data object fails on every attempt, sync and async: both ranks raise, nothing is committed."""
+    apply_client_retries()
+    def state(v):
+        t = torch.full((4, 6), v)
+        return {"w": ci.ShardedTensor.from_rank_offsets("w", t[rank * 2:(rank + 1) * 2], (0, rank, world)), "step": int(v)}
+
+    def check(path, v):
+        req = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(2, 6), (0, rank, world))}
+        out = ci.load(req, path)
+        assert torch.equal(out["w"], torch.full((2, 6), v)) and out["step"] == int(v)
+
+    with pytest.raises(ci.CheckpointingException) as info:
+        ci.save(state(2.0), url + "/ck2")
+    text = str(info.value)
+    assert f"{url}/ck2/__1_0.distcp" in text and "after 3 attempt(s)" in text, text
+    assert "internal error" in text.lower()
+    req = ci.save(state(3.0), url + "/ck3", async_sharded_save=True)
+    with pytest.raises(ci.CheckpointingException, match=r"__1_0\.distcp failed after 3 attempt"):
+        req.wait()
+    check(url + "/ck1", 1.0)  # the previous checkpoint is untouched and loads
+    assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(url)] == ["ck1"]
+
+
+def _two_rank_first_save(rank, world, url):
+    apply_client_retries()
+    t = torch.full((4, 6), 1.0)
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", t[rank * 2:(rank + 1) * 2], (0, rank, world)), "step": 1},
+            url + "/ck1")
+
+
+def test_failing_object_gives_named_error_and_commits_nothing(proxy, url, monkeypatch):
+    monkeypatch.setenv(retry.ATTEMPTS_ENV, "3")
+    run_distributed(_two_rank_first_save, 2, url)
+    proxy.add(Rule(op="PutObject", key=r"/ck[23]/__1_0\.distcp$", status=500, times=None))
+    run_distributed(_two_rank_failed_save, 2, url)
+    assert proxy.state.rules[0].fired == 6  # 3 attempts each for the sync and the async save
+    # nothing of the failed saves is left: no commit marker, no data objects
+    assert _keys(url + "/ck2") == [] and _keys(url + "/ck3") == []
+
+
+def test_hanging_requests_are_bounded(proxy, url, monkeypatch):
+    """A request that never answers is abandoned after the per-attempt deadline and retried;
+    one that never answers at all ends in an error naming the object."""
+    monkeypatch.setenv(retry.TIMEOUT_ENV, "2")
+    proxy.add(Rule(op="PutObject", key=r"/metadata\.json$", action="hang", seconds=600),
+              Rule(op="GetObject", key=r"__0_0\.distcp$", action="hang", seconds=600))
+    ci.save(_state(4.0), url)
+    _check(url, 4.0)
+    assert [r.fired for r in proxy.state.rules] == [1, 1]
+    monkeypatch.setenv(retry.ATTEMPTS_ENV, "2")
+    proxy.add(Rule(op="GetObject", key=r"manifest\.json$", action="hang", seconds=600, times=None))
+    with pytest.raises(ci.CheckpointReadError, match=rf"{url}/manifest\.json failed after 2 attempt\(s\).*timed out"):
+        _load(url)
+
+
+def test_interrupted_multipart_upload_is_aborted(proxy, url):
+    """A data object larger than the block size (5 MiB here) is a multipart upload; when a part
+    or the completion fails for good, the upload is aborted: no object, no open upload, no
+    commit, and the previous checkpoint loads."""
+    import fsspec
+
+    n = 3 * MiB  # 12 MiB of float32: three parts
+    ci.save(_state(1.0, n), url + "/ck1", thread_count=1)
+    for rule in (Rule(op="UploadPart", skip=1, action="reset", times=None),
+                 Rule(op="CompleteMultipartUpload", status=500, times=None)):
+        proxy.clear()
+        proxy.add(rule)
+        with pytest.raises(ci.CheckpointWriteError, match=rf"{url}/ck2/__0_0\.distcp"):
+            ci.save(_state(2.0, n), url + "/ck2", thread_count=1)
+        assert rule.fired >= 1 and proxy.counts["CreateMultipartUpload"] == 1
+        assert proxy.counts["AbortMultipartUpload"] == 1, repr(proxy.state.log)[-1500:]
+        assert _keys(url + "/ck2") == []
+        uploads = fsspec.filesystem("s3").call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+        assert [u["Key"] for u in uploads if u["Key"].startswith(url.split("/", 3)[3])] == []
+    proxy.clear()
+    _check(url + "/ck1", 1.0, n)
+
+
+def test_lagging_listing_hides_no_commit(proxy, url):
+    """Listings that lag behind writes (on the store, or cached by the client while a save was
+    still running) never make a committed checkpoint look absent or incomplete."""
+    import fsspec
+
+    from ckpt_integration.lightning import is_complete_checkpoint
+
+    proxy.lag_listings(600)  # nothing written from now on shows up in listings
+    ci.save(_state(5.0), url + "/ck")
+    _check(url + "/ck", 5.0)  # found by its commit marker, not by a listing
+    assert is_complete_checkpoint(url + "/ck")
+    proxy.lag_listings(0)
+    # a listing taken while a save was in progress (data, no commit marker yet) ...
+    fs = fsspec.filesystem("s3")
+    fs.pipe_file(f"{url}/ck2/__0_0.distcp", b"x")
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{url}/ck2")) == ["__0_0.distcp"]
+    assert not is_complete_checkpoint(url + "/ck2")
+    # ... then another client (another process) commits it: this process's cached listing of
+    # the directory must not hide the commit marker
+    other = fsspec.filesystem("s3", skip_instance_cache=True)
+    other.pipe_file(f"{url}/ck2/metadata.json", b'{"sharded_backend": "torch_dist"}')
+    assert is_complete_checkpoint(url + "/ck2")
