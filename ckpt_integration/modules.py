@@ -596,14 +596,22 @@ def load_module_state_dict(
     missing_out = sorted(missing | set(result.missing_keys))
     unexpected_out = sorted({k[len(prefix):] if k.startswith(prefix) else k for k in unexpected_keys}
                             | set(result.unexpected_keys))
-    if strict and (missing_out or unexpected_out):
-        parts = []
-        if missing_out:
-            parts.append(f"missing key(s) (in the module, not in the checkpoint): {missing_out}")
-        if unexpected_out:
-            parts.append(f"unexpected key(s) (in the checkpoint, not in the module): {unexpected_out}")
-        raise StateDictMismatchError(
-            f"error(s) loading the state dict of {type(module).__name__}: " + "; ".join(parts)
-            + ". Pass strict=False (Lightning: LightningModule.strict_loading = False) to load the matching keys only."
-        )
+    if strict:
+        raise_on_key_mismatch(module, missing_out, unexpected_out)
     return missing_out, unexpected_out
+
+
+def raise_on_key_mismatch(module: Any, missing: Any, unexpected: Any) -> None:
+    """Raise :class:`StateDictMismatchError` naming ``module``'s missing and unexpected keys, if any
+    (the strict check of every module-loading path)."""
+    if not (missing or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing key(s) (in the module, not in the checkpoint): {sorted(missing)}")
+    if unexpected:
+        parts.append(f"unexpected key(s) (in the checkpoint, not in the module): {sorted(unexpected)}")
+    raise StateDictMismatchError(
+        f"error(s) loading the state dict of {type(module).__name__}: " + "; ".join(parts)
+        + ". Pass strict=False (Lightning: LightningModule.strict_loading = False) to load the matching keys only."
+    )

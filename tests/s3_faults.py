@@ -339,7 +339,13 @@ def start_moto() -> Tuple[Any, str]:
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
-    return server, f"http://127.0.0.1:{port}"
+    endpoint = f"http://127.0.0.1:{port}"
+    # moto keeps its buckets in process-wide state shared by every server started in this process:
+    # start each one empty, so that a test module never sees another module's buckets or objects
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(endpoint + "/moto-api/reset", method="POST"), timeout=30).close()
+    return server, endpoint
 
 
 # s3fs's own retry count is a class attribute, not a setting: carried to spawned ranks in this

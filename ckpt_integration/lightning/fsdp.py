@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from ..mapping import ShardedTensor
-from ..modules import StateDictMismatchError, dtensor_to_sharded_tensor
+from ..modules import dtensor_to_sharded_tensor, raise_on_key_mismatch
 from ..optimizer.by_name import load_named_optimizer_state, local_shard, named_optimizer_sharded_state_dict
 from ..optimizer.sharding import _is_dtensor
 
@@ -85,16 +85,8 @@ def load_model_state(model: torch.nn.Module, raw: Dict[str, Any], loaded: Dict[s
     for key, value in raw.items():
         if not isinstance(value, torch.Tensor) and key in loaded:
             sd[key] = loaded[key]
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing key(s) (in the module, not in the checkpoint): {sorted(missing)}")
-        if unexpected:
-            parts.append(f"unexpected key(s) (in the checkpoint, not in the module): {sorted(unexpected)}")
-        raise StateDictMismatchError(
-            f"error(s) loading the state dict of {type(model).__name__}: " + "; ".join(parts)
-            + ". Pass strict=False (Lightning: LightningModule.strict_loading = False) to load the matching keys only."
-        )
+    if strict:
+        raise_on_key_mismatch(model, missing, unexpected)
     set_model_state_dict(model, sd, options=StateDictOptions(strict=False))
     return sorted(missing), sorted(unexpected)
 

@@ -146,17 +146,23 @@ class ZeroShardedOptimizer:
     def _pieces(self, sp: ShardedTensor, pid: int, prefix: str, name: str, flat: torch.Tensor) -> List[ShardedTensor]:
         ps, pe = self.offsets[pid], self.offsets[pid + 1]
         a, b = max(ps, self.start), min(pe, self.end)
+        return self._boxes(sp, prefix, name, flat[a - self.start:], a - ps, b - ps)
+
+    def _boxes(self, sp: ShardedTensor, prefix: str, name: str, data: torch.Tensor, lo: int, hi: int,
+               ) -> List[ShardedTensor]:
+        """ShardedTensors of the boxes covering elements ``[lo, hi)`` of ``sp``'s local shard, viewed
+        from ``data`` (which starts at element ``lo``)."""
         out: List[ShardedTensor] = []
-        pos = a - self.start
+        pos = 0
         p = sp.prepend_axis_num
         rid = self.replica_id_fn(sp.replica_id)
-        for off, size in flat_range_to_boxes(sp.local_shape, a - ps, b - ps):
+        for off, size in flat_range_to_boxes(sp.local_shape, lo, hi):
             n = math.prod(size)
-            data = flat[pos:pos + n].view(size)
+            piece = data[pos:pos + n].view(size)
             pos += n
             goff = tuple(sp.global_offset[:p]) + tuple(g + o for g, o in zip(sp.global_offset[p:], off))
             out.append(ShardedTensor.from_global_offsets(
-                f"{prefix}.state.{name}.{sp.key}", data, sp.global_shape, goff, replica_id=rid, prepend_axis_num=p,
+                f"{prefix}.state.{name}.{sp.key}", piece, sp.global_shape, goff, replica_id=rid, prepend_axis_num=p,
             ))
         return out
 
@@ -215,19 +221,7 @@ class ZeroShardedOptimizer:
         if saved is None:
             return []
         lo, data = saved
-        out: List[ShardedTensor] = []
-        pos = 0
-        p = sp.prepend_axis_num
-        rid = self.replica_id_fn(sp.replica_id)
-        for off, size in flat_range_to_boxes(sp.local_shape, lo, lo + data.numel()):
-            n = math.prod(size)
-            piece = data[pos:pos + n].view(size)
-            pos += n
-            goff = tuple(sp.global_offset[:p]) + tuple(g + o for g, o in zip(sp.global_offset[p:], off))
-            out.append(ShardedTensor.from_global_offsets(
-                f"{prefix}.state.{name}.{sp.key}", piece, sp.global_shape, goff, replica_id=rid, prepend_axis_num=p,
-            ))
-        return out
+        return self._boxes(sp, prefix, name, data, lo, lo + data.numel())
 
     def _id_map(self, model_sharded_state_dict: ShardedStateDict) -> Dict[int, ShardedTensor]:
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
