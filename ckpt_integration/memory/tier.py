@@ -101,8 +101,10 @@ class MemoryCheckpoints:
             ``r // ranks_per_node``).
         process_group: the ranks taking part (default: the world); a private gloo group with
             the same ranks carries the tier's traffic.
-        trusted, allowed_globals: as for :func:`ckpt_integration.load`, for the common state
-            and ShardedObjects of a snapshot.
+        trusted: as for :func:`ckpt_integration.load`, for the common state and
+            ShardedObjects of a snapshot.
+        allowed_globals: as for :func:`ckpt_integration.load` (classes the restricted
+            unpickler may build from a snapshot's common state).
         timeout_s: how long the tier's background collectives wait for a peer.
 
     Example (every rank)::
