@@ -197,3 +197,14 @@ def trainer(**kw: Any) -> L.Trainer:
 def set_rank_env(rank: int, world: int) -> None:
     """Lightning attaches to an existing process group (``run_distributed``) through these."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
+
+
+def assert_losses_continue(losses, ref, steps):
+    """``losses`` (step -> loss, keys as JSON strings) are exactly ``steps`` and equal the
+    uninterrupted run's ``ref`` at each step (a resumed run continues where the saved one stopped)."""
+    import pytest
+
+    losses = {int(k): v for k, v in losses.items()}
+    assert sorted(losses) == list(steps), sorted(losses)
+    for s in steps:
+        assert losses[s] == pytest.approx(ref[str(s)], abs=1e-5), (s, losses[s], ref[str(s)])

@@ -29,6 +29,7 @@ from torch import nn
 
 from ckpt_integration.lightning import DistCkptStrategyMixin
 from tests.dist_utils import run_distributed
+from tests.lightning_helpers import assert_losses_continue
 
 D_IN, HID, N, GBS = 8, 16, 64, 16  # 4 steps per epoch
 
@@ -195,10 +196,7 @@ def _assert_loaded_equals_saved(dump, ckpt):
 
 
 def _assert_continues(losses, ref, epoch):
-    steps = range(4 * epoch, 4 * epoch + 4)
-    assert sorted(int(k) for k in losses) == list(steps), sorted(losses)
-    for s in steps:
-        assert losses[str(s)] == pytest.approx(ref[str(s)], abs=1e-5), (epoch, s, losses[str(s)], ref[str(s)])
+    assert_losses_continue(losses, ref, range(4 * epoch, 4 * epoch + 4))
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
+from tests.lightning_helpers import assert_losses_continue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HP = dict(d_model=16, n_heads=2, n_layers=1, block_size=16, lr=1e-2, corpus_chars=1200)
@@ -106,13 +107,6 @@ def _assert_loaded_equals_saved(dump, ckpt):
     assert cs["lr_schedulers"] == cl["lr_schedulers"]
 
 
-def _assert_continues(losses, ref, steps):
-    losses = {int(k): v for k, v in losses.items()}
-    assert sorted(losses) == list(steps), sorted(losses)
-    for s in steps:
-        assert losses[s] == pytest.approx(ref[str(s)], abs=1e-5), (s, losses[s], ref[str(s)])
-
-
 @pytest.mark.slow
 def test_ddp_to_model_parallel_and_back_carries_optimizer(tmp_path):
     tmp = str(tmp_path)
@@ -120,8 +114,8 @@ def test_ddp_to_model_parallel_and_back_carries_optimizer(tmp_path):
     out = json.load(open(f"{tmp}/out.json"))
     ref = out["ref"]
     assert sorted(int(k) for k in ref) == list(range(12)) and ref["11"] < ref["0"] - 0.3  # it trains
-    _assert_continues(out["ddp"], ref, range(4))
-    _assert_continues(out["mp"], ref, range(4, 8))    # DDP (fused QKV) -> FSDP2/TP (separate q/k/v)
-    _assert_continues(out["back"], ref, range(8, 12))  # and back
+    assert_losses_continue(out["ddp"], ref, range(4))
+    assert_losses_continue(out["mp"], ref, range(4, 8))    # DDP (fused QKV) -> FSDP2/TP (separate q/k/v)
+    assert_losses_continue(out["back"], ref, range(8, 12))  # and back
     _assert_loaded_equals_saved(f"{tmp}/b_loaded", f"{tmp}/a/last.ckpt")
     _assert_loaded_equals_saved(f"{tmp}/c_loaded", f"{tmp}/b/last.ckpt")
