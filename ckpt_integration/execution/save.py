@@ -43,6 +43,7 @@ from ..mapping import ShardedBase, ShardedTensor
 from ..planning.exchange import CommitLayout, KeySummary, Routed, Written, commit_layout, decode_finalize, encode_finalize
 from ..planning.exchange import route_shards
 from ..planning.shards import ShardMeta
+from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.checksum import pack_crcs
@@ -405,26 +406,17 @@ def _written_records(plan: SavePlan) -> List[Written]:
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
-    """Put the committed staging directory in place of the old checkpoint (``overwrite=True``).
+    """Put the committed staging directory in place of the old checkpoint (``overwrite=True``),
+    by the library's one atomic-replace rule (:mod:`..storage.atomic`; the data is fsync'ed already).
 
-    An atomic exchange where the filesystem has one: at every instant the path holds a
-    complete checkpoint. Otherwise two renames; a crash between them leaves the old
-    checkpoint at ``<dir>.old-*`` and the new, committed one at ``<dir>.tmp-*``, which
-    ``load`` names in its error (see ``checkpoint_dir.interrupted_overwrite_hint``).
+    A crash in the two-rename fallback leaves the old checkpoint at ``<dir>.old-*`` and the new,
+    committed one at ``<dir>.tmp-*``, which ``load`` names in its error
+    (see ``checkpoint_dir.interrupted_overwrite_hint``).
     """
     if not plan.staging:
         return
     storage, _ = storage_for(plan.checkpoint_dir)
-    parent = os.path.dirname(os.path.abspath(plan.checkpoint_dir))
-    if storage.exchange(plan.write_dir, plan.checkpoint_dir):
-        storage.sync_dir(parent)
-        storage.rmtree(plan.write_dir)  # now holds the old checkpoint
-        return
-    old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
-    storage.rename(plan.checkpoint_dir, old)
-    storage.rename(plan.write_dir, plan.checkpoint_dir)
-    storage.sync_dir(parent)
-    storage.rmtree(old)
+    atomic.replace(storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
 
 
 def _tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
