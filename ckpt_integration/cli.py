@@ -30,11 +30,11 @@ def _progress_factory(quiet: bool):
     from . import tools
 
     if quiet or not sys.stderr.isatty():
-        return tools._no_progress
+        return tools.no_progress
     try:
         import tqdm  # noqa: F401
     except ImportError:  # pragma: no cover - tqdm is a dependency of the CLI but optional for the library
-        return tools._no_progress
+        return tools.no_progress
     return _bar_factory(sys.stderr)
 
 

@@ -10,8 +10,9 @@ directory, either over the other, nothing there yet), with and without an atomic
 * an exception raised *by* the step leaves the target holding the old or the new content complete,
   and the staged path holding the other one (for the caller to discard).
 
-``tests/test_crash.py`` kills real saves at the same steps; the end of this file runs a save whose
-second rename fails.
+``tests/test_crash.py`` kills real saves at the same steps; the end of this file runs the tools'
+commit through ``convert`` (durability order, a second rename that fails) and a save whose second
+rename fails.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import ckpt_integration as ci
+from ckpt_integration.cli import main
 from ckpt_integration.storage import atomic, filesystem
 from ckpt_integration.storage.filesystem import storage_for
 
@@ -199,6 +201,48 @@ def _fsync_log(monkeypatch, log):
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_tools_output_is_durable_before_it_is_renamed_into_place(tmp_path, monkeypatch, to):
+    src, out = tmp_path / "ckpt", tmp_path / ("out" if to == "safetensors" else "out.pt")
+    _checkpoint(src)
+    log = []
+    _fsync_log(monkeypatch, log)
+    assert main(["convert", str(src), str(out), "--to", to, "--quiet"]) == 0
+    monkeypatch.undo()
+    renames = [i for i, e in enumerate(log) if e[0] == "rename" and e[2] == str(out)]
+    assert len(renames) == 1, log
+    synced = {e[1] for e in log[: renames[0]] if e[0] == "fsync"}
+    staged = log[renames[0]][1]
+    files = [os.path.join(r, n) for r, _, ns in os.walk(out) for n in ns] if out.is_dir() else [str(out)]
+    for f in files:  # every file, fsync'ed under its staged name before the rename
+        assert os.path.join(staged, os.path.relpath(f, out)) in synced if out.is_dir() else staged in synced, (f, log)
+    assert ("fsync", str(tmp_path)) in log[renames[0] + 1:], "parent directory not fsync'ed after the rename"
+
+
+def test_tools_failed_second_rename_keeps_the_old_output(tmp_path, monkeypatch, capsys):
+    """Before the shared module, the tools' two renames had no way back: OUT was left missing and
+    the new output was discarded with it."""
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    _checkpoint(src)
+    assert main(["convert", str(src), str(out), "--to", "safetensors", "--quiet"]) == 0
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:  # old OUT moved aside; the new one cannot be moved in
+            raise OSError(errno.EIO, "Input/output error (injected)", b)
+        real_rename(a, b)
+
+    monkeypatch.setattr(filesystem, "exchange_paths", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    assert main(["convert", str(src), str(out), "--to", "safetensors", "--overwrite", "--quiet"]) == 2
+    monkeypatch.undo()
+    assert "injected" in capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"], "debris left behind"
 
 
 def test_save_overwrite_whose_second_rename_fails_keeps_the_old_checkpoint(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from .. import serialization
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
-from ..optimizer import optimizer_sharded_state_dict
+from ..optimizer import optimizer_key, optimizer_sharded_state_dict
 from ..tools.recipe import EXPORT_RECIPE_KEY, export_recipe_object
 from . import fsdp
 from .callbacks import DistCkptAsyncFinalizer
@@ -26,11 +26,6 @@ logger = logging.getLogger(__name__)
 
 RNG_KEY = "lightning.rng_states"
 _OPTIMIZER_KEY_RE = re.compile(r"^optimizer(_\d+)?\.")
-
-
-def optimizer_key(idx: int) -> str:
-    """Prefix and top-level key of optimizer ``idx`` in the checkpoint (``optimizer``, ``optimizer_1``, ...)."""
-    return "optimizer" if idx == 0 else f"optimizer_{idx}"
 
 
 def _rng_to_safe(states: Dict[str, Any]) -> Dict[str, Any]:

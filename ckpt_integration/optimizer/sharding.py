@@ -33,6 +33,13 @@ from ..mapping import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "optimizer"
+
+
+def optimizer_key(idx: int) -> str:
+    """Prefix and top-level key of optimizer ``idx`` of several (``optimizer``, ``optimizer_1``, ...), as the
+    Lightning integration and the tools store them."""
+    return DEFAULT_PREFIX if idx == 0 else f"{DEFAULT_PREFIX}_{idx}"
+
 #: key of the per-parameter metadata object inside ``state[param_id]`` of earlier versions
 PARAM_META_KEY = "_ckpt_param_state"
 #: state names that are not torch-optimizer state (returned to the caller, never put into torch state)

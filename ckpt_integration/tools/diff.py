@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..storage.opened import accepts_opened
-from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _dtype_name, _no_progress, parse_size
+from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
 
 
@@ -152,7 +152,7 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
 
 @accepts_opened('a', 'b')
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
-                     progress: ProgressFactory = _no_progress) -> DiffReport:
+                     progress: ProgressFactory = no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for
     two checkpoint directories also the common state and the ShardedObjects' values."""
     budget = parse_size(memory_budget)
@@ -176,7 +176,7 @@ def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDG
                     bar.update(ia.nbytes)
                     continue
                 if ia.dtype != ib.dtype:
-                    report.dtype_mismatch[key] = (_dtype_name(ia.dtype), _dtype_name(ib.dtype))
+                    report.dtype_mismatch[key] = (dtype_name(ia.dtype), dtype_name(ib.dtype))
                 worst = 0.0
                 big = ia if ia.nbytes >= ib.nbytes else ib
                 for box in plan_blocks(ia.shape, big.dtype, max(budget // 2, 1)):

@@ -28,7 +28,7 @@ from ..storage.checksum import crc32, crc32_combine
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
-from .common import _READ_PIECE, ProgressFactory, _esize, _no_progress, format_size
+from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size
 
 
 @dataclass
@@ -87,7 +87,7 @@ def _item_name(index: MetadataIndex) -> str:
 
 # --------------------------------------------------------------------------- entry point
 @accepts_opened('path')
-def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trusted: bool = False) -> VerifyReport:
+def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, trusted: bool = False) -> VerifyReport:
     """Check that a checkpoint is complete and undamaged, reading every byte it records.
 
     * every file ``manifest.json`` records has its recorded size, and ``.metadata`` and
@@ -248,7 +248,7 @@ def _verify_zarr_unrecorded(reader: Any, report: VerifyReport) -> None:
         try:
             reader.read_region(key, chunks[0], box, torch.empty(box.sizes, dtype=dtype), dtype)
             report.items_checked += 1
-            report.bytes_checked += box.numel * _esize(dtype)
+            report.bytes_checked += box.numel * dtype_size(dtype)
         except CheckpointingException as e:
             report.add(str(e), key, [key])
     for key in reader.index.get("objects", []):
@@ -270,7 +270,7 @@ class _Chunk:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _esize(self.dtype)
+        return self.numel * dtype_size(self.dtype)
 
 
 def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool) -> VerifyReport:
@@ -530,7 +530,7 @@ class _DataPass:
         if rec is None:
             self.unparsed += 1
             return
-        start = rec.data_offset + rec.storage_offset * _esize(rec.dtype)
+        start = rec.data_offset + rec.storage_offset * dtype_size(rec.dtype)
         numel = math.prod(rec.shape)
         if rec.dtype != chunk.dtype or numel != chunk.numel:
             self.problem(f"{file}: {what} is stored as {numel} elements of {rec.dtype}, but {declared}",
@@ -563,7 +563,7 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
     b, bcrc = 0, 0  # block being accumulated and its running CRC32
     pos = 0
     while pos < length:
-        n = min(_READ_PIECE, length - pos)
+        n = min(READ_PIECE, length - pos)
         piece = memoryview(reader.read(offset + pos, n))
         if len(piece) != n:
             raise CorruptCheckpointError(f"{reader.path} is truncated: needed bytes [{offset + pos}, {offset + pos + n}) "
@@ -584,4 +584,4 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
                     b, bcrc = b + 1, 0
         pos += n
         bar.update(n)
-    return crc, bad, (piece if length and length <= _READ_PIECE else None)
+    return crc, bad, (piece if length and length <= READ_PIECE else None)
