@@ -33,7 +33,7 @@ import uuid
 
 from ..errors import CheckpointingException, CheckpointWriteError
 from .filesystem import Storage
-from .fs import fsync_dir
+from .fs import fsync_dir, fsync_file
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +54,12 @@ def sync_tree(path: str) -> None:
     """fsync every regular file below ``path`` (or ``path`` itself, a file), then every directory
     bottom-up, so that the whole tree is durable before a rename makes it visible."""
     if not os.path.isdir(path) or os.path.islink(path):
-        _fsync_file(path)
+        fsync_file(path)
         return
     for root, dirs, files in os.walk(path, topdown=False):
         for name in files:
-            _fsync_file(os.path.join(root, name))
+            fsync_file(os.path.join(root, name))
         fsync_dir(root)
-
-
-def _fsync_file(path: str) -> None:
-    if os.path.islink(path):
-        return  # a link's target is not ours to sync; the link itself is made durable by its directory
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def replace(storage: Storage, staged: str, target: str, *, durable: bool = True, data_synced: bool = False) -> None:

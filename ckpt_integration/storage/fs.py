@@ -32,6 +32,17 @@ def fsync_dir(path: PathLike) -> None:
         os.close(fd)
 
 
+def fsync_file(path: PathLike) -> None:
+    """Make a file's data durable (a symbolic link is left alone: its directory holds it)."""
+    if os.path.islink(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: PathLike, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
     """Write ``data`` to ``path`` so that readers see either nothing or all of it.
 

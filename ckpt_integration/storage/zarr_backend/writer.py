@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -21,6 +22,7 @@ from ...errors import CheckpointingException
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
 from ..filesystem import join, storage_for
+from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
 from .index import (ARRAY_METADATA_FILE, INDEX_FORMAT, FileRecord, array_chunks, array_path, array_store, base_store,
@@ -268,12 +270,36 @@ def write_zarr_requests(directory: str, requests: Sequence[WriteRequest], thread
         results[i] = write(requests[i])
 
     run_parallel(list(range(len(requests))), task, thread_count)
+    if durable and not storage.remote:
+        _sync_chunk_files(directory, {key: list(store.records) for key, store in stores.items()}, thread_count)
     items = [r for r in results if r is not None]
     for key, store in stores.items():
         chunks = arrays[key].chunks
         for name, (size, crc) in sorted(store.records.items()):
             items.append(WrittenItem(key, chunk_offsets(name, chunks), f"{key}/{name}", 0, size, crc))
     return items
+
+
+def _sync_chunk_files(directory: str, names: Dict[str, List[str]], thread_count: int) -> None:
+    """fsync the chunk files this rank wrote (``names``: per array key), then every directory holding
+    them, deepest first: zarr's local store writes without fsync, and the commit marker may only
+    follow durable data (docs/format.md)."""
+    files = [join(array_path(directory, key), name) for key, chunk_names in names.items() for name in chunk_names]
+    run_parallel(files, fsync_file, thread_count)
+    _sync_dirs(directory, files)
+
+
+def _sync_dirs(directory: str, files: Iterable[str]) -> None:
+    """fsync the directories between ``directory`` and each of ``files``, deepest first."""
+    dirs = set()
+    root = directory.rstrip(os.sep)
+    for f in files:
+        d = os.path.dirname(f)
+        while len(d) > len(root) and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=lambda p: p.count(os.sep), reverse=True):
+        fsync_dir(d)
 
 
 def commit_file_records(directory: str, written: Iterable[WrittenItem], durable: bool = True) -> None:
@@ -292,9 +318,14 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
             f"internal error: {len(missing)} file(s) were not written by any rank, e.g. {path} of {key!r}"
         )
     storage, directory = storage_for(directory)
-    for key in sorted(index["tensors"]):
-        data = storage.read_bytes(join(array_path(directory, key), ARRAY_METADATA_FILE))
+    metadata_files = [join(array_path(directory, key), ARRAY_METADATA_FILE) for key in sorted(index["tensors"])]
+    for key, path in zip(sorted(index["tensors"]), metadata_files):
+        data = storage.read_bytes(path)
         files[metadata_file_name(key)] = FileRecord(key, len(data), crc32(data))
+    if durable and not storage.remote:  # zarr wrote them (create_arrays) without fsync
+        for path in metadata_files:
+            fsync_file(path)
+        _sync_dirs(directory, metadata_files)
     index["format"] = INDEX_FORMAT
     index["files"] = {path: asdict(r) for path, r in sorted(files.items())}
     write_index(directory, index, durable)
