@@ -37,7 +37,7 @@ import torch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import __version__
+from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
 from ..planning.exchange import CommitLayout, KeySummary, Routed, Written, commit_layout, decode_finalize, encode_finalize
