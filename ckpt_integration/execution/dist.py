@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointingException, DistributedCheckpointingError
+
 logger = logging.getLogger(__name__)
 
 
@@ -459,8 +461,6 @@ def coordinator_rank(group: Optional[Any] = None) -> int:
 def describe_error(e: BaseException) -> str:
     """One line for a rank's failure as the other ranks see it: type and message, and for
     errors that are not ours (bugs, OS errors) where it was raised."""
-    from ..errors import CheckpointingException
-
     if isinstance(e, CheckpointingException):
         return f"{type(e).__name__}: {e}"
     import traceback
@@ -493,7 +493,6 @@ def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], c
     """
     if not errors and local_exc is None:
         return
-    from ..errors import DistributedCheckpointingError
 
     if local_exc is not None:
         if hasattr(local_exc, "add_note"):

@@ -18,9 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..dict_utils import nested_values
 from ..mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor
 from .load import _LabelDict, _check_state_names, _gather_problems, _load_state, _missing, _raise_mismatch, has_optimizer_state
-from .sharding import DEFAULT_PREFIX, _grid_object, _state_object, make_sharded_optimizer_tensor
+from .sharding import DEFAULT_PREFIX, _grid_object, _is_dtensor, _state_object, make_sharded_optimizer_tensor
 
 #: ``local(value) -> (this rank's shard or None for a scalar, global shape or None)``
 LocalFn = Callable[[Any], Tuple[Optional[torch.Tensor], Optional[Tuple[int, ...]]]]
@@ -33,8 +34,6 @@ def local_shard(value: Any) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int,
     if not isinstance(value, torch.Tensor):
         return None, None
     from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
-
-    from .sharding import _is_dtensor
 
     if isinstance(value, TorchShardedTensor):
         shards = value.local_shards()
@@ -54,8 +53,6 @@ def _order(named_osd: Dict[str, Any]) -> List[str]:
 
 
 def _by_key(model_sharded_state_dict: ShardedStateDict) -> Dict[str, ShardedTensor]:
-    from ..dict_utils import nested_values
-
     return {v.key: v for v in nested_values(model_sharded_state_dict) if isinstance(v, ShardedTensor)}
 
 

@@ -10,7 +10,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 
 from ..dict_utils import nested_values
+from ..execution.dist import all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
+from ..serialization import load, load_sharded_metadata
 from .sharding import (
     DEFAULT_PREFIX,
     EXTRA_STATE_NAMES,
@@ -36,16 +38,12 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: str = DEFAULT_PREFIX) -> bool:
     """True if the checkpoint holds any tensor or object under ``f"{prefix}."``."""
-    from ..serialization import load_sharded_metadata
-
     return any(k.startswith(prefix + ".") for k in load_sharded_metadata(checkpoint_dir))
 
 
 def _gather_problems(problems: List[str], group: Any) -> List[str]:
     """Every rank's problems on every rank (one small all-reduce when there are none), so that all
     ranks raise together instead of some waiting in the next collective."""
-    from ..execution.dist import all_gather_object, all_reduce_ints
-
     if not all_reduce_ints([1 if problems else 0], "max", group)[0]:
         return []
     out: List[str] = []
@@ -183,8 +181,6 @@ def _load_state(
     counterpart: :func:`_scalar_sources`), those of an earlier version's per-param object,
     or Megatron-Core's ``common_step`` (as ``step``).
     """
-    from ..serialization import load, load_sharded_metadata
-
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
     tensors, objects, legacy = _saved_layout(ckpt_meta, prefix)

@@ -15,6 +15,8 @@ from typing import Union
 
 import torch
 
+from ..errors import CorruptCheckpointError
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -118,8 +120,6 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
     while done < total:
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
-            from ..errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 f"{path or 'file'} is truncated: needed bytes [{offset}, {offset + total}) "
                 f"but the file ends at {offset + done}"

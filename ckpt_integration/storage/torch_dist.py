@@ -52,7 +52,7 @@ from .filesystem import FileReader, join, name_problem, storage_for, writing
 from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_parallel  # noqa: F401 (re-exported)
 from .region_read import read_region as _read_region
 from .metadata_pickle import dumps_dcp_metadata
-from .safe_pickle import load_dcp_metadata
+from .safe_pickle import load_dcp_metadata, safe_torch_load
 from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
 
 DCP_METADATA_FILE = ".metadata"
@@ -280,7 +280,6 @@ def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = Non
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e!r}") from None
     except Exception as e:  # pickle.UnpicklingError and friends
-        from ..errors import UnsafeCheckpointError
 
         if isinstance(e, UnsafeCheckpointError):
             raise
@@ -627,7 +626,6 @@ class TorchDistReader:
         path = join(self.directory, info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
         self._verify(info, [buf], f"chunk {chunk.box} of {key!r}")
-        from .safe_pickle import safe_torch_load
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
         try:

@@ -11,6 +11,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..dict_utils import diff
+from ..errors import CheckpointingException
+from ..serialization import load_common_state_dict
 from ..storage.opened import accepts_opened
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
@@ -128,10 +131,6 @@ def _path(path: Any) -> str:
 
 def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted: bool, report: DiffReport) -> None:
     """The common state and the ShardedObjects' values of two checkpoint directories."""
-    from ..dict_utils import diff
-    from ..errors import CheckpointingException
-    from ..serialization import load_common_state_dict
-
     try:
         ca, cb = load_common_state_dict(sa.path, trusted=trusted), load_common_state_dict(sb.path, trusted=trusted)
         oa = {k: sa.read_object(k) for k in sa.objects if k in set(sb.objects)}

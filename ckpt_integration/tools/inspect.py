@@ -10,11 +10,13 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointingException, UnsafeCheckpointError
+from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import accepts_opened
 from ..storage.backends import read_metadata
 from ..storage.filesystem import checked_path
+from ..storage.opened import accepts_opened
 from ..storage.torch_dist import DCP_METADATA_FILE
+from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 from .common import dtype_name, dtype_size, format_size
 from .sources import detect_kind, open_source
 
@@ -88,8 +90,6 @@ def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, 
     and object records the save committed. Indexes written before records existed give
     ``length`` None and no files.
     """
-    from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
-
     with ZarrReader(path) as reader:
         records = reader.files or {}
         shards: Dict[str, List[Dict[str, Any]]] = {}
@@ -198,8 +198,6 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             info = storage.get(MetadataIndex(key))
             objects.append({"key": key, "file": getattr(info, "relative_path", None), "length": getattr(info, "length", None)})
     try:
-        from ..serialization import load_common_state_dict
-
         state = load_common_state_dict(path, trusted=trusted)
         common: Dict[str, Any] = {"keys": _common_keys(state), "groups": _common_groups(state)}
     except UnsafeCheckpointError as e:

@@ -28,6 +28,7 @@ from ..storage.backends import open_reader, read_metadata
 from ..storage.filesystem import name_problem, open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
 from .common import SAFETENSORS_INDEX, dtype_size
+from ..storage.safe_pickle import safe_torch_load
 
 
 def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[Box]:
@@ -143,8 +144,6 @@ class DistCheckpointSource(TensorSource):
 
     def read_object(self, unique_key: str) -> Any:
         """Unpickle a ShardedObject payload (restricted unless the source is trusted)."""
-        from ..storage.safe_pickle import safe_torch_load
-
         data = self.reader.read_bytes(unique_key)
         value = safe_torch_load(io.BytesIO(data), trusted=self.trusted, what=f"object {unique_key!r} in {self.path}")
         return value[0] if isinstance(value, list) and len(value) == 1 else value

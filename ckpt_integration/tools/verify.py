@@ -21,13 +21,15 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import accepts_opened
 from ..storage.checksum import crc32, crc32_combine
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
+from ..storage.opened import accepts_opened
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
+from ..storage.zarr_backend import ZarrReader
 from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size
 
 
@@ -125,8 +127,6 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
 
 def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
     """The error for a path that is no checkpoint, naming the checkpoints directly inside it."""
-    from ..checkpoints import list_checkpoints
-
     storage, root = storage_for(path)
     if not storage.exists(root):
         return CheckpointNotFoundError(f"{path} is not a checkpoint: it does not exist"
@@ -201,8 +201,6 @@ def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> 
     """zarr checkpoints: every array opens and matches the index, every chunk and object file
     matches its recorded size and CRC32 (each bad file reported with its key), ``common.pt``.
     Checkpoints written before chunk records existed: every array is read in full instead."""
-    from ..storage.zarr_backend import ZarrReader
-
     manifest, _ = _read_manifest(path, report)
     _verify_common(path, manifest, report)
     if manifest is not None:
