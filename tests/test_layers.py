@@ -8,7 +8,8 @@ functions alike) fails when
 * a module has no place in :data:`LAYERS` (a new module must be placed, and documented);
 * two or more modules import each other, directly or around a circle;
 * a package-internal import sits inside a function without an entry in :data:`LAZY` saying why
-  (a lazy import hides a dependency from the reader, and is how circles stay invisible).
+  (a lazy import hides a dependency from the reader, and is how circles stay invisible);
+* a module uses another module's underscore (private) name.
 
 Edges are the modules named by the import statements: ``from .x import y`` is an edge to ``x``
 (or to ``x.y`` when that is a module); the implicit import of parent packages is not counted.
@@ -139,6 +140,31 @@ def test_imports_inside_functions_are_listed_with_a_reason():
                           "LAZY with the reason they must stay lazy:\n" + "\n".join(unlisted))
     stale = sorted(set(LAZY) - found)
     assert not stale, f"LAZY entries without such an import any more: {stale}"
+
+
+def _private_uses(module: str, path: pathlib.Path) -> Iterator[str]:
+    """``from .x import _name`` and ``x._name`` (``x`` a module of the package) in ``module``."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    aliases: Dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = ".".join(package[: len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+            for alias in node.names:
+                if f"{target}.{alias.name}" in MODULES:
+                    aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield f"{module}:{node.lineno} imports {target}.{alias.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            yield f"{module}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}"
+
+
+def test_no_private_names_across_modules():
+    """A name another module uses is part of its module's interface: public (no underscore)."""
+    found = sorted(use for m, path in MODULES.items() for use in _private_uses(m, path))
+    assert not found, "underscore names used across modules (make them public, or move them):\n" + "\n".join(found)
 
 
 def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:

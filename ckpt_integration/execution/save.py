@@ -238,7 +238,7 @@ def prepare_save(
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
-            _cleanup_failed(*dir_info)
+            cleanup_failed(*dir_info)
         raise
     write_metas = [metas[i] for i in planned.to_write]
     if backend == "zarr":
@@ -250,7 +250,7 @@ def prepare_save(
                 _create_zarr_arrays(write_dir, planned.layout, durable)
             except Exception as e:
                 err = f"rank 0 (creating zarr arrays): {_describe(e)}"
-                _cleanup_failed(write_dir, staging)
+                cleanup_failed(write_dir, staging)
         err = dist.broadcast_object(err, src=dist.coordinator_rank(group), group=group)
         if err:
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
@@ -314,7 +314,7 @@ def write_local(plan: SavePlan) -> None:
         plan.requests = []  # drop references to the state (and staged copies) early
 
 
-def _cleanup_failed(write_dir: str, staging: bool) -> None:
+def cleanup_failed(write_dir: str, staging: bool) -> None:
     """Coordinator: remove what the failed save wrote, if the directory is still its own; release it."""
     storage, write_dir = storage_for(write_dir)
     claim = _claims.get(write_dir)
@@ -546,7 +546,7 @@ def finalize_save(plan: SavePlan) -> None:
             status = f"rank 0 (commit): {_describe(e)}"
             plan.local_exc = e
         if status:
-            _cleanup_failed(plan.write_dir, plan.staging)
+            cleanup_failed(plan.write_dir, plan.staging)
         _release_claim(storage_for(plan.write_dir)[1])
     status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
     if status:

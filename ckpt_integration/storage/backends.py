@@ -12,8 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import checkpoint_dir as ckdir
-from .torch_dist import _FROM_DIRECTORY as MANIFEST_FROM_DIRECTORY
-from .torch_dist import TorchDistReader, read_dcp_metadata
+from .torch_dist import MANIFEST_FROM_DIRECTORY, TorchDistReader, read_dcp_metadata
 from .zarr_backend import ZarrReader
 
 

@@ -421,7 +421,8 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
 _ESIZE: Dict[torch.dtype, int] = {}
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (cached: called per read)."""
     e = _ESIZE.get(dtype)
     if e is None:
         e = _ESIZE[dtype] = torch.empty((), dtype=dtype).element_size()
