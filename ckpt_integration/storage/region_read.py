@@ -72,7 +72,7 @@ def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = [None, None]
-    if bufs[which] is None:
+    if bufs[which] is None or bufs[which].numel() < nbytes:  # PIECE or SLACK grew since it was made
         bufs[which] = torch.empty(PIECE + SLACK, dtype=torch.uint8)
     return bufs[which]
 
