@@ -56,6 +56,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -304,6 +305,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             info["gpu"] = torch.cuda.get_device_name()
         if not args.no_warmup:
             _warmup(rank, world, args, os.path.join(_targets(args)[0][0], f"gpu_bench_{port}_warmup"))
+        if rank == 0:  # the results so far after every phase: a run cut short still prints its table
+            ctx.on_result = lambda: _dump(out_path, {**results, "partial": True,
+                                                     "targets": {**results["targets"], ctx.target: ctx.results}})
         for target, is_tmpfs in _targets(args):
             ctx.target = target
             root = os.path.join(target, f"gpu_bench_{port}")
@@ -322,11 +326,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 if rank == 0:
                     shutil.rmtree(root, ignore_errors=True)
         if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(results, f)
+            _dump(out_path, results)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _dump(path: str, results: Dict[str, Any]) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f)
+    os.replace(path + ".tmp", path)
 
 
 def _warmup(rank: int, world: int, args: argparse.Namespace, root: str) -> None:
@@ -466,11 +475,21 @@ def main(argv=None) -> Dict[str, Any]:
     t0 = time.perf_counter()
     print(f"gpu_bench: {args.ranks} ranks x {args.gib_per_rank} GiB on {args.device} ({','.join(args.dtypes)}), "
           f"targets {[t for t, _ in _targets(args)]}, best of {args.repeats}, torch {torch.__version__}", flush=True)
+    cut_short = None
+    # a `timeout` (SIGTERM) ends the ranks and this process: print what was measured before that
+    signal.signal(signal.SIGTERM, _raise_terminated)
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(args.ranks, port, args, out_path), nprocs=args.ranks, join=True)
+        try:
+            mp.spawn(_worker, args=(args.ranks, port, args, out_path), nprocs=args.ranks, join=True)
+        except (Exception, _Terminated) as e:
+            cut_short = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if not os.path.exists(out_path):
+                raise
         with open(out_path) as f:
             results = json.load(f)
+    if cut_short:
+        results["cut_short"] = cut_short
     results["config"] = {**{k: v for k, v in vars(args).items() if k != "json"}, "torch": torch.__version__,
                          "wall_s": time.perf_counter() - t0}
     info = results["info"]
@@ -480,13 +499,25 @@ def main(argv=None) -> Dict[str, Any]:
           f"best of {args.repeats}, our threads/rank {info['threads']}, torch {torch.__version__}, "
           f"Megatron-Core {info.get('megatron', '-')}; wall {results['config']['wall_s']:.0f}s")
     print(f"DCP async stager: {info.get('dcp_stager', '-')}; ours: {info.get('ours_stager', '-')}")
+    if cut_short:
+        print(f"CUT SHORT ({cut_short}): the table holds the phases measured before")
     for label, why in info.get("failed", {}).items():
         print(f"FAILED {label}: {why}")
     print(format_gpu_table(results), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if cut_short:
+        sys.exit(1)
     return results
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class GpuCtx:
         self.bounce = _bounce_buffers() if self.cuda else []
         self.target = ""
         self.quiet = False  # warm-up: no progress lines
+        self.on_result: Optional[Callable[[], None]] = None  # after every phase (partial results)
         self.t_start = time.perf_counter()
 
     def sync(self) -> None:
@@ -126,6 +127,8 @@ def _add_peaks(ctx: GpuCtx, rec: Dict[str, Any], host: int, dev: int) -> None:
 
 
 def _progress(ctx: GpuCtx, name: str, r: Dict[str, Any]) -> None:
+    if ctx.on_result is not None:
+        ctx.on_result()
     if ctx.rank == 0 and not ctx.quiet:
         extra = f" blocking {r['blocking_s']:.3f}s staged {r.get('staged_s', 0):.3f}s" if "blocking_s" in r else ""
         print(f"  [{os.path.basename(ctx.target.rstrip('/')) or ctx.target} +{time.perf_counter() - ctx.t_start:6.1f}s] "
