@@ -73,17 +73,23 @@ env_step() {
         echo "no .whl/*.whl here: using what the machine has"
     fi
     nvidia-smi
-    python3 - <<'EOF'
-import importlib, os, sys
+    python3 -W ignore - <<'EOF'
+import importlib, importlib.metadata as md, os, sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
       "| GPU", torch.cuda.get_device_name() if torch.cuda.is_available() else "none", "| cores", os.cpu_count())
-for name in ("ckpt_integration", "lightning", "numpy", "omegaconf", "hydra", "zlib_ng", "xxhash", "megatron.core", "safetensors"):
+for dist, name in (("ckpt_integration", "ckpt_integration"), ("lightning", "lightning"), ("numpy", "numpy"),
+                   ("omegaconf", "omegaconf"), ("hydra-core", "hydra"), ("zlib-ng", "zlib_ng"), ("xxhash", "xxhash"),
+                   ("megatron-core", "megatron.core"), ("safetensors", "safetensors")):
     try:
         m = importlib.import_module(name)
-        print(f"  {name} {getattr(m, '__version__', '?')} ({os.path.dirname(m.__file__)})")
+        try:
+            v = md.version(dist)
+        except md.PackageNotFoundError:
+            v = getattr(m, "__version__", "?")
+        print(f"  {dist} {v} ({os.path.dirname(m.__file__)})")
     except Exception as e:
-        print(f"  {name}: NOT importable ({type(e).__name__}: {e})")
+        print(f"  {dist}: NOT importable ({type(e).__name__}: {e})")
 EOF
     free -g
     df -hT /dev/shm /tmp /var/tmp "$PWD" 2>/dev/null
@@ -122,6 +128,7 @@ rm -rf "$DISK"
     echo
     echo "=================== summary (total $((SECONDS - T0))s of a ${BUDGET}s budget)"
     cat "$SUMMARY"
+    grep -E "^python |NVIDIA|NOT importable" "$OUT/env.log" 2>/dev/null | head -5
     grep -E "^(FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed|skipped|error)" "$OUT/tests.log" 2>/dev/null | tail -15
     tail -5 "$OUT/exit_stress.log" 2>/dev/null
     for f in bench_shm bench_disk; do
