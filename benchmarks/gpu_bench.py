@@ -74,10 +74,12 @@ from gpu_peers import run_dcp, run_megatron, run_torch_save  # noqa: E402
 
 # --------------------------------------------------------------------------- phases
 def _plain(ctx: GpuCtx, root: str, cache: Callable[[str], None]) -> None:
+    import torch
+
     d = os.path.join(root, "plain")
     _fresh(d, ctx.rank)
     path = os.path.join(d, f"rank{ctx.rank}.bin")
-    flat = lambda t: t.reshape(-1).view(__import__("torch").uint8)  # noqa: E731
+    flat = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731  (the bytes of any dtype)
 
     def write():
         with open(path, "wb", buffering=0) as f:
