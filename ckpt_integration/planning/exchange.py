@@ -39,10 +39,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..errors import CheckpointingException
 from .integrity import Holding, validate_key_records
-from .storage_keys import collision_message
 from .records import MessageWriter, decode, decode_runs, digest64, encode_runs
 from .shards import ShardMeta, object_storage_key
+from .storage_keys import collision_message
 
 KIND_CODES = {"tensor": 0, "object": 1}
 KIND_NAMES = ("tensor", "object")
@@ -502,8 +503,6 @@ def commit_layout(written: Sequence[Written], summaries: Sequence[KeySummary], c
     With ``check_layout`` every summarised key must have exactly its main chunks
     written, once each; anything else is an internal error naming the key.
     """
-    from ..errors import CheckpointingException
-
     out = CommitLayout(written=list(written))
     seen: Dict[Tuple[str, Optional[Tuple[int, ...]]], Written] = {}
     for it in written:

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from .checksum import crc32, crc32_combine
+from .fs import tensor_buffer
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
 
@@ -420,7 +421,6 @@ def save_tensor(tensor: torch.Tensor, w: "BlockCrcWriter") -> None:
     if parts is None:
         torch.save(tensor, w)
         return
-    from .fs import tensor_buffer
 
     w.write(parts[0])
     w.write(tensor_buffer(tensor))
