@@ -202,6 +202,7 @@ def test_finalize_messages_carry_64_bit_digests():
 
     big = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) + 5, (1 << 64) - 1]
     written = [ex.Written("w", (0, 0), (4, 4), "__0_0.distcp", 0, 1000, (1 << 64) - 2, (64, 512, 256, big)),
+               ex.Written("v", (0, 0), (4, 4), "__0_0.distcp", 2000, 9000, 7, (64, 8000, 256, big * 5)),
                ex.Written("o/shard_0_1", None, None, "__0_0.distcp", 1000, 10, 1 << 63, None)]
     _, got, _ = ex.decode_finalize(ex.encode_finalize(None, written, []))
     assert got == written

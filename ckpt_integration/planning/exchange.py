@@ -428,13 +428,21 @@ class Written:
 
 def _halves(digests: Sequence[int]) -> List[int]:
     """Unsigned 64-bit digests as pairs of signed 32-bit integers (low, high), so that messages
-    of digests keep 4-byte integers."""
-    return np.asarray(digests, dtype="<u8").view("<i4").tolist()
+    of digests keep 4-byte integers (numpy for long lists; a loop is faster for a few)."""
+    if len(digests) > 8:
+        return np.asarray(digests, dtype="<u8").view("<i4").tolist()
+    out: List[int] = []
+    for d in digests:
+        lo, hi = d & 0xFFFFFFFF, d >> 32
+        out += (lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi)
+    return out
 
 
 def _joined(ints: Sequence[int]) -> List[int]:
     """Inverse of :func:`_halves`."""
-    return np.asarray(ints, dtype="<i4").view("<u8").tolist()
+    if len(ints) > 16:
+        return np.asarray(ints, dtype="<i4").view("<u8").tolist()
+    return [(ints[i] & 0xFFFFFFFF) | ((ints[i + 1] & 0xFFFFFFFF) << 32) for i in range(0, len(ints), 2)]
 
 
 def encode_finalize(error: Optional[str], written: Sequence[Written], summaries: Sequence[KeySummary]) -> bytes:

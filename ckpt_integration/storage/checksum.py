@@ -10,7 +10,7 @@ arrives in pieces) compute, ``item_digest`` derives the whole-item digest from t
 digests, ``pack``/``unpack`` are the manifest's encoding.
 
 * ``"xxh3_64"`` (manifest format 3, new checkpoints): XXH3-64 (seed 0) from the ``xxhash``
-  package, two to four times the speed of zlib-ng's CRC32 here (benchmarks/crc_limit.py); it
+  package, 1.3 to 4 times the speed of zlib-ng's CRC32 here (benchmarks/crc_limit.py); it
   releases the GIL for inputs over 64 KiB, so reader threads verify in parallel. The item
   digest is XXH3-64 of the block digests as little-endian uint64, concatenated (no second
   pass over the data).

@@ -208,12 +208,12 @@ def write_data_files(
                         save_tensor(t, w)
                     except Exception as e:
                         raise (w.error or e) from e  # torch wraps the OSError of a full disk
-                    crc, blocks = w.finish()
+                    item_digest, blocks = w.finish()
                 else:
                     w = DigestWriter(f, digest)
                     w.write(req.data)
-                    crc, blocks = w.digest, None
-                out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, crc, blocks))
+                    item_digest, blocks = w.digest, None
+                out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, item_digest, blocks))
             storage.sync(f, durable)
         return out
 
