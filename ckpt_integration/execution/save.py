@@ -46,7 +46,7 @@ from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
-from ..storage.checksum import pack_crcs
+from ..storage.checksum import save_block_hash
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
@@ -348,12 +348,14 @@ def _commit(plan: SavePlan, layout: CommitLayout) -> None:
     for w in written:
         f = files.setdefault(w.relative_path, {"size": 0})
         f["size"] = max(f["size"], w.offset + w.length)
+    digest = save_block_hash()  # what write_data_files recorded
     manifest = ckdir.Manifest(
+        **ckdir.manifest_format(digest),
         world_size=plan.world_size,
-        items={f"{w.relative_path}@{w.offset}": w.crc32 for w in written},
+        items={f"{w.relative_path}@{w.offset}": w.checksum for w in written},
         files=files,
         library_version=__version__,
-        blocks={f"{w.relative_path}@{w.offset}": [w.blocks[0], w.blocks[1], w.blocks[2], pack_crcs(w.blocks[3])]
+        blocks={f"{w.relative_path}@{w.offset}": [w.blocks[0], w.blocks[1], w.blocks[2], digest.pack(w.blocks[3])]
                 for w in written if w.blocks is not None},
         save=claim.token if claim else "",
         step=plan.step,
@@ -389,7 +391,7 @@ def _commit_inputs(layout: CommitLayout) -> Tuple[Dict[str, Any], List[str], Lis
     """What ``_commit`` writes, from the compact records: tensor layouts (torch dtypes), object keys, items."""
     tensors = {k: (dtype_from_name(dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
     written = [
-        WrittenItem(w.storage_key, w.offsets, w.relative_path, w.offset, w.length, w.crc32, w.blocks)
+        WrittenItem(w.storage_key, w.offsets, w.relative_path, w.offset, w.length, w.checksum, w.blocks)
         for w in layout.written
     ]
     return tensors, layout.objects, written
@@ -401,7 +403,7 @@ def _written_records(plan: SavePlan) -> List[Written]:
     out = []
     for w in plan.written:
         s = sizes.get((w.storage_key, w.offsets)) if plan.backend == "torch_dist" and w.offsets is not None else None
-        out.append(Written(w.storage_key, w.offsets, s, w.relative_path, w.offset, w.length, w.crc32, w.blocks))
+        out.append(Written(w.storage_key, w.offsets, s, w.relative_path, w.offset, w.length, w.checksum, w.blocks))
     return out
 
 
