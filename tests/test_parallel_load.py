@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import ckpt_integration as ci
 import ckpt_integration.execution.parallel_load as pl
+import ckpt_integration.planning.load_units as lu
 import ckpt_integration.storage.torch_dist as td
 from ckpt_integration.planning.boxes import Box
 from tests.dist_utils import run_distributed, scaled_timeout
@@ -312,27 +313,27 @@ def test_parallel_strategies_two_ranks(tmp_path):
 
 
 def _need(key, chunk, region, dtype="float32"):
-    return pl.Need(key, Box(*chunk), Box(*region), dtype)
+    return lu.Need(key, Box(*chunk), Box(*region), dtype, 4)
 
 
 def test_plan_balanced_deterministic_and_split_by_region():
     # 8 equal tensors replicated on 4 ranks: 2 reads each, not all on rank 0
     needs = [[_need(f"t{i}", ((0,), (16,)), ((0,), (16,))) for i in range(8)] for _ in range(4)]
-    units = pl.plan_units(needs)
+    units = lu.plan_units(needs)
     per_reader = {r: sum(1 for u in units if u.reader == r) for r in range(4)}
     assert per_reader == {0: 2, 1: 2, 2: 2, 3: 2}
     # deterministic, and independent of the order of each rank's records
-    again = pl.plan_units([list(reversed(n)) for n in needs])
+    again = lu.plan_units([list(reversed(n)) for n in needs])
     assert [(u.ident, u.reader) for u in again] == [(u.ident, u.reader) for u in units]
     # single units on an idle group: the tie-break rotates, it is not always the lowest rank
-    firsts = {pl.plan_units([[_need(f"k{i}", ((0,), (4,)), ((0,), (4,)))]] * 4)[0].reader for i in range(32)}
+    firsts = {lu.plan_units([[_need(f"k{i}", ((0,), (4,)), ((0,), (4,)))]] * 4)[0].reader for i in range(32)}
     assert len(firsts) >= 3
     # one chunk, disjoint regions -> separate units (no rank reads or receives the other's part);
     # overlapping regions -> one unit (their bounding box), read once
     chunk = ((0, 0), (8, 8))
-    split = pl.plan_units([[_need("c", chunk, ((0, 0), (8, 4)))], [_need("c", chunk, ((0, 4), (8, 4)))]])
+    split = lu.plan_units([[_need("c", chunk, ((0, 0), (8, 4)))], [_need("c", chunk, ((0, 4), (8, 4)))]])
     assert [(u.region, u.needers) for u in split] == [(Box((0, 0), (8, 4)), (0,)), (Box((0, 4), (8, 4)), (1,))]
-    merged = pl.plan_units([[_need("c", chunk, ((0, 0), (5, 8)))], [_need("c", chunk, ((3, 0), (5, 8)))]])
+    merged = lu.plan_units([[_need("c", chunk, ((0, 0), (5, 8)))], [_need("c", chunk, ((3, 0), (5, 8)))]])
     assert [(u.region, u.needers) for u in merged] == [(Box((0, 0), (8, 8)), (0, 1))]
 
 

@@ -334,7 +334,7 @@ def test_chunk_index_matches_a_scan():
 
 
 def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
-    from ckpt_integration.execution import parallel_load as pl
+    from ckpt_integration.planning import load_units as lu
 
     def pairwise(regions):  # the definition: merge overlapping boxes until none overlap
         groups = [(b, set(r)) for b, r in regions.items()]
@@ -344,13 +344,13 @@ def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
             for i in range(len(groups)):
                 for j in range(i + 1, len(groups)):
                     if intersect(groups[i][0], groups[j][0]) is not None:
-                        groups[i] = (pl._bounding([groups[i][0], groups[j][0]]), groups[i][1] | groups[j][1])
+                        groups[i] = (lu.bounding([groups[i][0], groups[j][0]]), groups[i][1] | groups[j][1])
                         del groups[j]
                         changed = True
                         break
                 if changed:
                     break
-        return sorted(groups, key=lambda g: pl._box_order(g[0]))
+        return sorted(groups, key=lambda g: lu.box_order(g[0]))
 
     rng = random.Random(0)
     for _ in range(500):
@@ -359,12 +359,12 @@ def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
         for r in range(rng.randint(1, 10)):
             off = tuple(rng.randint(0, 10) for _ in range(nd))
             regions.setdefault(Box(off, tuple(rng.randint(1, 4) for _ in range(nd))), set()).add(r)
-        assert pl._clusters(regions) == pairwise(regions)
+        assert lu.clusters(regions) == pairwise(regions)
     calls = []
-    real = pl.intersect
-    monkeypatch.setattr(pl, "intersect", lambda a, b: calls.append(1) or real(a, b))
+    real = lu.intersect
+    monkeypatch.setattr(lu, "intersect", lambda a, b: calls.append(1) or real(a, b))
     n = 2000
-    out = pl._clusters({Box((2 * i, 0), (2, 8)): {i} for i in range(n)})  # disjoint: nothing merges
+    out = lu.clusters({Box((2 * i, 0), (2, 8)): {i} for i in range(n)})  # disjoint: nothing merges
     assert len(out) == n and len(calls) <= 2 * n  # was n*(n-1)/2 comparisons
 
 

@@ -107,3 +107,74 @@ def _s3_load_columns(rank, world, url):
     req["w"].data.zero_()
     out = ci.load(req, url)
     assert torch.equal(out["w"], expected_grid("w", (8, 6), rank, (1, world)))
+
+
+def test_remote_reads_coalesced_exact_under_threads_and_bounded(monkeypatch):
+    """The read-ahead windows of remote readers (storage/filesystem.py): many threads reading
+    random and sequential ranges of two objects get exactly the stored bytes, the windows of all
+    objects stay within their bound, and a failed fetch is not kept (the next read asks again)."""
+    import random
+    import threading
+
+    import fsspec
+
+    from ckpt_integration.storage import filesystem as fsm, readers
+
+    fs = fsspec.filesystem("memory")
+    rng = random.Random(0)
+    blobs = {f"/coalesce/{n}.bin": rng.randbytes(size) for n, size in (("a", 23 << 20), ("b", 9 << 20 | 17))}
+    for path, data in blobs.items():
+        fs.pipe_file(path, data)
+    storage = fsm.Storage(fs)
+    fetches = []
+    real = readers.FsspecReader._fetch
+    monkeypatch.setattr(readers.FsspecReader, "_fetch", lambda self, s, e: fetches.append((self.path, s, e)) or real(self, s, e))
+    opened = {p: storage.open_reader(p) for p in blobs}
+    errors = []
+
+    def work(seed):
+        r = random.Random(seed)
+        try:
+            for _ in range(60):
+                path = r.choice(sorted(blobs))
+                size = len(blobs[path])
+                off = r.randrange(size)
+                n = r.choice([1, 700, 64 << 10, 1 << 20, 9 << 20])
+                assert opened[path].read(off, n) == blobs[path][off : off + n]
+                windows = readers.FsspecReader._windows
+                assert windows.nbytes <= windows.limit + readers.FsspecReader.READ_AHEAD * 2
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    # sequential small reads (headers, data, trailers of consecutive items) cost one request per window
+    fetches.clear()
+    seq = storage.open_reader("/coalesce/a.bin")
+    data, pos = blobs["/coalesce/a.bin"], 0
+    while pos < len(data):
+        n = min(300_000, len(data) - pos)
+        assert seq.read(pos, n) == data[pos : pos + n]
+        pos += n
+    assert 0 < len(fetches) <= len(data) // readers.FsspecReader.READ_AHEAD + 1, len(fetches)
+    # a failed fetch leaves no window behind
+    fails = {"n": 1}
+
+    def flaky(self, s, e):
+        if fails["n"]:
+            fails["n"] -= 1
+            raise OSError("injected")
+        return real(self, s, e)
+
+    monkeypatch.setattr(readers.FsspecReader, "_fetch", flaky)
+    fresh = storage.open_reader("/coalesce/b.bin")
+    with pytest.raises(OSError):
+        fresh.read(5, 10)
+    assert fresh.read(5, 10) == blobs["/coalesce/b.bin"][5:15]
+    for r in [*opened.values(), seq, fresh]:
+        r.close()
+    assert not [w for w in readers.FsspecReader._windows.windows if w.reader in (fresh, seq)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import zlib
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -37,9 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import errors as errors_mod
 from ..errors import CorruptCheckpointError
-from ..planning.boxes import Box, intersect, sweep_axis
+from ..planning.boxes import Box, sweep_axis
 from ..planning.records import MessageWriter, decode
-from ..planning.reshard import ChunkRead
+from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
 from ..storage.torch_dist import ChunkInfo, read_dcp_metadata
 from . import dist
@@ -99,21 +98,12 @@ class CompactChunks:
         """:meth:`ChunkIndex.reads` over the integers (``source`` = the chunk's position)."""
         p, n, nd, axis, longest = self._positions[key]
         ints, step = self._ints, 2 * nd + 3
-        if axis < 0:
-            cands: Iterable[int] = range(n)
-        else:
-            lo = request.offsets[axis]
-            start = lambda i: ints[p + i * step + axis]  # noqa: E731
-            first = bisect_left(range(n), lo - longest + 1, key=start)
-            cands = range(first, bisect_left(range(n), lo + request.sizes[axis], key=start))
-        out = []
-        for i in cands:
+
+        def chunk(i: int) -> Tuple[List[int], List[int], int]:
             base = p + i * step
-            offsets, sizes = ints[base : base + nd], ints[base + nd : base + 2 * nd]
-            if all(o < ro + rs and ro < o + s for o, s, ro, rs in zip(offsets, sizes, request.offsets, request.sizes)):
-                chunk = Box(tuple(offsets), tuple(sizes))
-                out.append(ChunkRead(chunk, intersect(request, chunk), i))
-        return out
+            return ints[base : base + nd], ints[base + nd : base + 2 * nd], i
+
+        return overlapping_reads(request, band(lambda i: ints[p + i * step + axis], n, axis, longest, request), chunk)
 
     def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""

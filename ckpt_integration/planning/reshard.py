@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from .boxes import Box, clip_to_shape, intersect, sweep_axis
 
@@ -77,20 +77,38 @@ class ChunkIndex:
 
     def reads(self, request: Box) -> List[ChunkRead]:
         """Same result as :func:`plan_chunk_reads` (in start order), with ``source`` filled in."""
-        if self.axis < 0:
-            cands = range(len(self._order))
-        else:
-            lo = request.offsets[self.axis]
-            first = bisect_left(self._starts, lo - self._longest + 1)
-            last = bisect_left(self._starts, lo + request.sizes[self.axis])
-            cands = range(first, last)
-        out = []
-        for i in cands:
-            offsets, sizes, source = self._order[i]
-            if all(o < ro + rs and ro < o + s for o, s, ro, rs in zip(offsets, sizes, request.offsets, request.sizes)):
-                chunk = Box(offsets, sizes)
-                out.append(ChunkRead(chunk, intersect(request, chunk), source))
-        return out
+        order = self._order
+        return overlapping_reads(
+            request, band(self._starts.__getitem__, len(order), self.axis, self._longest, request),
+            lambda i: order[i],
+        )
+
+
+def band(start: Callable[[int], int], n: int, axis: int, longest: int, request: Box) -> range:
+    """Positions of the chunks that may overlap ``request``, among ``n`` chunks sorted by their
+    start along ``axis`` (``start(i)``; ``longest``: the longest chunk along it). All of them when
+    ``axis`` is -1. Shared by :class:`ChunkIndex` and the integer-encoded chunk lists of a
+    broadcast ``.metadata``, so both answer a request with the same binary search."""
+    if axis < 0:
+        return range(n)
+    lo = request.offsets[axis]
+    first = bisect_left(range(n), lo - longest + 1, key=start)
+    return range(first, bisect_left(range(n), lo + request.sizes[axis], key=start))
+
+
+def overlapping_reads(
+    request: Box, candidates: Iterable[int], chunk: Callable[[int], Tuple[Sequence[int], Sequence[int], Any]]
+) -> List[ChunkRead]:
+    """The :class:`ChunkRead` of every candidate whose chunk (``chunk(i)`` = offsets, sizes,
+    source) overlaps ``request``; a :class:`Box` is built only for those."""
+    out = []
+    ro, rsz = request.offsets, request.sizes
+    for i in candidates:
+        offsets, sizes, source = chunk(i)
+        if all(o < a + b and a < o + s for o, s, a, b in zip(offsets, sizes, ro, rsz)):
+            box = Box(tuple(offsets), tuple(sizes))
+            out.append(ChunkRead(box, intersect(request, box), source))
+    return out
 
 
 def uncovered_elements(request: Box, saved_global_shape: Sequence[int], reads: Sequence[ChunkRead]) -> int:

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple
 from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from . import retry
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
+from .readers import FileReader, FsspecReader
 
 logger = logging.getLogger(__name__)
 
@@ -224,28 +225,6 @@ def writing(path: str) -> Iterator[None]:
         raise converted from e
 
 
-class FileReader:
-    """Random-access reads of one file, safe to share between threads."""
-
-    size: int
-    path: str
-
-    def read(self, offset: int, length: int) -> bytes:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def read_into(self, buf: memoryview, offset: int) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
-        """Fill ``buffers`` in order from consecutive bytes starting at ``offset``."""
-        for b in buffers:
-            self.read_into(b, offset)
-            offset += len(b)
-
-    def close(self) -> None:
-        pass
-
-
 # iovecs per preadv call (Linux IOV_MAX is 1024)
 _IOV_MAX = 1024
 
@@ -293,59 +272,6 @@ class _LocalReader(FileReader):
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-class _FsspecReader(FileReader):
-    """Ranged reads of one object (each a request, retried, see :mod:`.retry`)."""
-
-    def __init__(self, fs: Any, path: str, what: str = "file"):
-        self.fs, self.path, self.what = fs, path, what
-        self._whole: Optional[memoryview] = None
-        self._lock = threading.Lock()
-        info = retry.call(fs, "info", path, what=what)
-        if info.get("type", "file") != "file":
-            raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
-        self.size = int(info.get("size") if info.get("size") is not None else retry.call(fs, "size", path, what=what))
-
-    # Objects up to this size are fetched whole by the first read, and later reads are served
-    # from memory: one request instead of one per range (archive header, data, trailer, ...).
-    WHOLE_OBJECT_BYTES = 4 * 2**20
-
-    def read(self, offset: int, length: int) -> bytes:
-        end = min(offset + length, self.size)
-        if end <= offset:
-            return b""
-        if self.size <= self.WHOLE_OBJECT_BYTES:
-            with self._lock:
-                if self._whole is None:
-                    data = retry.call(self.fs, "cat_file", self.path, start=0, end=self.size, what=self.what)
-                    self._whole = memoryview(data)
-            return bytes(self._whole[offset:end])
-        return retry.call(self.fs, "cat_file", self.path, start=offset, end=end, what=self.what)
-
-    def close(self) -> None:
-        self._whole = None
-
-    def read_into(self, buf: memoryview, offset: int) -> None:
-        data = self.read(offset, len(buf))
-        if len(data) != len(buf):
-            raise CorruptCheckpointError(
-                f"{self.path} is truncated: needed bytes [{offset}, {offset + len(buf)}) but the file ends at "
-                f"{offset + len(data)}"
-            )
-        buf[:] = data
-
-    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
-        total = sum(len(b) for b in buffers)
-        data = memoryview(self.read(offset, total))
-        if len(data) != total:
-            raise CorruptCheckpointError(
-                f"{self.path} is truncated: needed bytes [{offset}, {offset + total}) but the file ends at {offset + len(data)}"
-            )
-        pos = 0
-        for b in buffers:
-            b[:] = data[pos : pos + len(b)]
-            pos += len(b)
 
 
 class Storage:
@@ -468,7 +394,7 @@ class Storage:
                 return f.read()
 
     def open_reader(self, path: str, what: str = "file") -> FileReader:
-        return _FsspecReader(self.fs, path, what) if self.fs else _LocalReader(path, what)
+        return FsspecReader(self.fs, path, what) if self.fs else _LocalReader(path, what)
 
     def read_in(self, directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> bytes:
         """:meth:`read_bytes` of ``directory/name`` after the containment checks of :func:`checked_path`."""

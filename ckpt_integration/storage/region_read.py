@@ -294,12 +294,13 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
     segments at ``seg_offsets`` of ``seg_bytes`` each), the rest of the touched blocks into
     scratch (for the checksum only), piece by piece."""
     hi = lo + nbytes
+    piece = getattr(reader, "piece_bytes", DIRECT_PIECE)  # remote readers: one request per piece
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
     _read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
-            end = min(r_hi, pos + DIRECT_PIECE)
+            end = min(r_hi, pos + piece)
             segs: List[Tuple[int, memoryview]] = []
             head = max(0, min(end, lo) - pos)  # bytes of the first block before the request
             tail = max(0, end - max(pos, hi))  # bytes of the last block after it
