@@ -53,13 +53,14 @@ def scaled_timeout(budget_s: float) -> float:
     return budget_s * slowdown()
 
 
-def _entry(rank, world_size, port, fn, args, errq, readyq=None, env=None):
+def _entry(rank, world_size, port, fn, args, errq, readyq=None, env=None, parent=None):
     # Own process group per rank: a timeout kills the rank and anything it started.
     os.setpgrp()
-    if env is not None:  # the test process's environment now (the fork server's is older)
-        from tests.forked import adopt_environment
+    if env is not None:  # the test process's environment and output now (the fork server's are older)
+        from tests.forked import adopt_environment, adopt_output
 
         adopt_environment(env)
+        adopt_output(parent)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -98,7 +99,8 @@ def run_distributed(fn, world_size, *args, timeout: float = 180.0):
     readyq = ctx.SimpleQueue()
     port = free_port()
     pc = mp.start_processes(
-        _entry, args=(world_size, port, fn, args, errq, readyq, dict(os.environ)), nprocs=world_size, join=False,
+        _entry, args=(world_size, port, fn, args, errq, readyq, dict(os.environ), os.getpid()), nprocs=world_size,
+        join=False,
         start_method="forkserver"
     )
     deadline = time.monotonic() + STARTUP_LIMIT_S

@@ -9,10 +9,14 @@ session for the kill tests, SIGKILL-able), started with the test process's curre
 working directory and ``sys.path``.
 
 * :func:`context` is the multiprocessing context ``run_distributed`` starts ranks with.
-* :func:`start_script` runs ``python script args...`` that way (``tests.proc_launch.launch``): the
-  script runs as ``__main__`` with ``sys.argv``, ``sys.path[0]``, the environment and stdout/stderr
-  redirected to a log as a new interpreter would have them, and ends like one: non-daemon
-  threads are joined, then ``atexit`` handlers run (multiprocessing children skip those).
+* :func:`start_script` runs ``python script args...`` that way (``tests.proc_launch.launch``), and
+  :func:`run` is ``subprocess.run(capture_output=True, text=True)`` for ``python script | -m module
+  | -c code``: the code runs as ``__main__`` with ``sys.argv``, ``sys.path[0]``, the environment, the
+  working directory and stdout/stderr as a new interpreter would have them, in a session of its
+  own, and ends like one: non-daemon threads are joined, then ``atexit`` handlers run
+  (multiprocessing children skip those), and the return code is the exit status (``-9`` when it
+  SIGKILLed itself). Where the process itself is under test (resource limits, a closed stdout,
+  interpreter start-up), tests keep ``subprocess``.
 """
 
 from __future__ import annotations
@@ -59,6 +63,18 @@ def adopt_environment(env: dict) -> None:
         cfg.set_conf_env(cfg.conf)
 
 
+def adopt_output(parent_pid: int) -> None:
+    """Write stdout/stderr where the test process's go now (pytest's capture of the running test),
+    as a child started by the test would; the fork server's are those of the test it started in."""
+    for fd in (1, 2):
+        try:
+            f = os.open(f"/proc/{parent_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # not Linux, or gone: keep the fork server's
+            continue
+        os.dup2(f, fd)
+        os.close(f)
+
+
 class ScriptProcess:
     """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``returncode``) of a forked script."""
 
@@ -84,33 +100,103 @@ class ScriptProcess:
 def start_script(script: str, args, env: dict, log: str, cwd: str) -> ScriptProcess:
     """``python script *args`` with ``env``, in ``cwd``, in a session of its own, output to ``log``."""
     script = os.path.abspath(script)
-    proc = context().Process(target=_run_script, args=(script, list(args), dict(env), log, cwd),
-                             name=f"{os.path.basename(script)} {' '.join(map(str, args))[:80]}")
+    return _start(("path", script), list(args), env, log, log, cwd,
+                  f"{os.path.basename(script)} {' '.join(map(str, args))[:80]}")
+
+
+def run(argv, env=None, cwd=None, timeout=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, ...)`` for ``argv`` = ``[sys.executable,
+    script | -m module | -c code, *args]``, forked instead of a new interpreter (same return code, output
+    and ``subprocess.TimeoutExpired``; the process and what it started are killed at the timeout)."""
+    import tempfile
+
+    argv = [str(a) for a in argv]
+    if argv[0] != sys.executable:
+        raise ValueError(f"not a Python command line: {argv[:3]}")
+    rest = [a for a in argv[1:] if a != "-u"]  # output is line-buffered anyway
+    if rest[0] == "-m":
+        target, args = ("module", rest[1]), rest[2:]
+    elif rest[0] == "-c":
+        target, args = ("code", rest[1]), rest[2:]
+    elif rest[0].startswith("-"):
+        raise ValueError(f"interpreter option {rest[0]!r} is not supported")
+    else:
+        target, args = ("path", os.path.abspath(os.path.join(cwd or os.getcwd(), rest[0]))), rest[1:]
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        p = _start(target, args, dict(os.environ if env is None else env), out, err, cwd or os.getcwd(),
+                   " ".join(argv[1:3])[:80])
+        try:
+            p.wait(timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            if p.poll() is None:
+                kill(p)
+                p.wait()
+
+        def read(path):
+            with open(path, errors="replace") as f:
+                return f.read()
+
+        if timed_out:
+            raise subprocess.TimeoutExpired(argv, timeout, read(out), read(err))
+        return subprocess.CompletedProcess(argv, p.returncode, read(out), read(err))
+
+
+def kill(p) -> None:
+    """SIGKILL ``p``'s session (the process and anything it started), or ``p`` itself if it has none yet."""
+    import signal
+
+    for f in (os.killpg, os.kill):
+        try:
+            f(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _start(target, args, env, out, err, cwd, name) -> ScriptProcess:
+    for path in {out, err}:
+        open(path, "a").close()
+    proc = context().Process(target=_main, args=(target, args, dict(env), out, err, cwd), name=name)
     proc.start()
     return ScriptProcess(proc)
 
 
-def _run_script(script, args, env, log, cwd) -> None:  # in the forked process
+def _main(target, args, env, out, err, cwd) -> None:  # in the forked process
     import atexit
     import runpy
     import threading
+    import types
 
     os.setsid()  # its own session: the launcher kills it and whatever it started as one group
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(f, fd)
+        os.close(f)
     # line-buffered like PYTHONUNBUFFERED=1 for what matters: a rank that SIGKILLs itself keeps its log
     sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
     adopt_environment(env)
     os.chdir(cwd)
+    kind, what = target
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(script), *extra, *[p for p in sys.path if p not in extra]]
-    sys.argv = [script, *map(str, args)]
+    # what ``python`` puts first: the script's folder; the working directory for -m; "" for -c
+    first = os.path.dirname(what) if kind == "path" else cwd if kind == "module" else ""
+    sys.path[:] = [first, *extra, *[p for p in sys.path if p not in extra and p != first]]
+    sys.argv = [what if kind == "path" else "-c" if kind == "code" else what, *map(str, args)]
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if kind == "path":
+            runpy.run_path(what, run_name="__main__")
+        elif kind == "module":
+            sys.modules.pop(what, None)  # preloaded; ``python -m`` finds the package imported, not the module
+            runpy.run_module(what, run_name="__main__", alter_sys=True)
+        else:
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(what, "<string>", "exec"), main.__dict__)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -23,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_grace=30.0, ranks_per_node=None,
            extra_path=()):
     from tests.dist_utils import free_port, slowdown
-    from tests.forked import start_script
+    from tests.forked import kill, start_script
 
     cfg = {**cfg, "out": os.path.join(tmp, name), "victim": victim}
     rpn = ranks_per_node or world
@@ -47,14 +46,7 @@ def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_g
     finally:
         for p in procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # the rank and anything it started
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
-                    os.kill(p.pid, signal.SIGKILL)  # killed before it made its own session
-                except (ProcessLookupError, PermissionError):
-                    pass
+                kill(p)  # the rank and anything it started
             try:
                 p.wait(15)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
