@@ -1,13 +1,15 @@
-"""Run a test function on N gloo ranks in spawned processes, with a hard deadline.
+"""Run a test function on N gloo ranks in separate processes, with a hard deadline.
 
 ``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on
 every rank after ``init_process_group("gloo")``; an exception on any rank fails
 the test with that rank's traceback; a hang fails at the deadline and kills the
-processes, so a broken collective cannot hang CI.
+processes, so a broken collective cannot hang CI. The ranks are forked from a server that
+has imported torch, ckpt_integration, Lightning and Megatron-Core once (tests/forked.py), and
+run with the test process's environment at the call.
 
 Deadlines are measured, not fixed: ``timeout`` is the work budget on an unloaded
-machine, stretched by the slowdown measured now (:func:`slowdown`; for ranks, the
-wall-clock / CPU time of their own start-up), so a busy machine (2 cores shared by
+machine, stretched by the slowdown measured now (:func:`slowdown`, by the ranks once
+started), so a busy machine (2 cores shared by
 several test runs) does not turn a slow run into a failure, and a hang is still caught.
 """
 
@@ -30,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# The start of the ranks (spawn, imports, connecting) gets this long before it counts as a hang.
+# The start of the ranks (fork, connecting) gets this long before it counts as a hang.
 STARTUP_LIMIT_S = 600.0
 
 
@@ -51,9 +53,14 @@ def scaled_timeout(budget_s: float) -> float:
     return budget_s * slowdown()
 
 
-def _entry(rank, world_size, port, fn, args, errq, readyq=None, spawned_at=None):
+def _entry(rank, world_size, port, fn, args, errq, readyq=None, env=None, parent=None):
     # Own process group per rank: a timeout kills the rank and anything it started.
     os.setpgrp()
+    if env is not None:  # the test process's environment and output now (the fork server's are older)
+        from tests.forked import adopt_environment, adopt_output
+
+        adopt_environment(env)
+        adopt_output(parent)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -61,8 +68,8 @@ def _entry(rank, world_size, port, fn, args, errq, readyq=None, spawned_at=None)
 
     torch.set_num_threads(1)
     if readyq is not None:
-        # start-up so far (interpreter, imports of torch and the test module): wall-clock / CPU time
-        readyq.put((rank, (time.time() - spawned_at) / max(time.process_time(), 1e-3)))
+        # forked with its modules imported, a rank starts in no time: the load now is the measure
+        readyq.put((rank, slowdown()))
     try:
         # generous: only a hang; run_distributed's measured deadline stops slow runs
         dist.init_process_group(
@@ -85,13 +92,16 @@ def run_distributed(fn, world_size, *args, timeout: float = 180.0):
     that budget times the slowdown the ranks measured during their own start-up (the start-up
     itself may take :data:`STARTUP_LIMIT_S`).
     """
-    ctx = mp.get_context("spawn")
+    from tests.forked import context
+
+    ctx = context()  # ranks forked from a server that has imported torch, Lightning, ... once
     errq = ctx.SimpleQueue()
     readyq = ctx.SimpleQueue()
     port = free_port()
     pc = mp.start_processes(
-        _entry, args=(world_size, port, fn, args, errq, readyq, time.time()), nprocs=world_size, join=False,
-        start_method="spawn"
+        _entry, args=(world_size, port, fn, args, errq, readyq, dict(os.environ), os.getpid()), nprocs=world_size,
+        join=False,
+        start_method="forkserver"
     )
     deadline = time.monotonic() + STARTUP_LIMIT_S
     ready: dict = {}

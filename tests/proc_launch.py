@@ -1,6 +1,7 @@
-"""Launch the ranks of a test job as plain subprocesses, where a dead rank is part of the test.
+"""Launch the ranks of a test job as processes of their own, where a dead rank is part of the test.
 
-``launch(script, tmp, name, cfg, world)`` runs ``python script '<cfg json>'`` once per rank (``RANK``,
+``launch(script, tmp, name, cfg, world)`` runs ``python script '<cfg json>'`` once per rank (forked
+with its heavy imports done: ``tests.forked.start_script``; ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*`` set; the rank's own session, output in
 ``<tmp>/<name>-rank<r>.log``) and returns ``(return codes, outputs, logs)``, where ``outputs[r]`` is
 the JSON the rank wrote to ``<cfg['out']>-rank<r>.json`` (``{}`` if none). With ``victim`` set, the
@@ -12,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_grace=30.0, ranks_per_node=None,
            extra_path=()):
     from tests.dist_utils import free_port, slowdown
+    from tests.forked import kill, start_script
 
     cfg = {**cfg, "out": os.path.join(tmp, name), "victim": victim}
     rpn = ranks_per_node or world
@@ -34,11 +34,9 @@ def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_g
         for r in range(world):
             log = os.path.join(tmp, f"{name}-rank{r}.log")
             logs.append(log)
-            with open(log, "w") as fh:
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), json.dumps(cfg)],
-                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r % rpn)}, cwd=ROOT,
-                                              stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
+            open(log, "w").close()
+            procs.append(start_script(script, [json.dumps(cfg)], {**env, "RANK": str(r), "LOCAL_RANK": str(r % rpn)},
+                                      log, ROOT))
         factor = slowdown()
         deadline = time.monotonic() + timeout * factor
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -48,10 +46,7 @@ def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_g
     finally:
         for p in procs:
             if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                kill(p)  # the rank and anything it started
             try:
                 p.wait(15)
             except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored

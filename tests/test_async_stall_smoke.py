@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked  # the script's own process forked with torch imported
 from tests.dist_utils import scaled_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +20,7 @@ def test_async_stall_quick_runs(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "async_stall.py"), "--quick", "--dir", str(tmp_path),
            "--json", str(out), "--skip-memory"]
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT, env=env)
+    proc = forked.run(cmd, timeout=scaled_timeout(180), cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     names = ["none", "ours sync", "ours async (caller snapshot)", "ours async", "DCP async", "DCP async (async staging)"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import forked  # the script's own process forked with torch imported; its ranks spawn as before
 from tests.dist_utils import scaled_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +22,7 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
         "--total-gib", "0.004", "--tensors", "4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
         "--small", "50",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
+    proc = forked.run(cmd, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for label in ("plain write (limit)", "DCP save", "ours save", "ours load uneven", "ours async blocking",
                   "ours load row->col", "ours load col->row", "ours load ws change", "ours load row->col [local]",
@@ -49,7 +49,7 @@ def test_bench_sweep_prints_summary(tmp_path):
         "--total-gib", "0.004", "--tensors", "2,4", "--cols", "256", "--dir", str(tmp_path), "--json", str(out),
         "--skip-dcp",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
+    proc = forked.run(cmd, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "summary (ratios" in proc.stdout, proc.stdout
     runs = json.loads(out.read_text())["runs"]
@@ -65,7 +65,7 @@ def test_memory_tier_bench_runs_and_prints_table(tmp_path):
         "--tensors", "4", "--repeats", "1", "--shm", str(tmp_path), "--disk", str(tmp_path), "--no-nvrx",
         "--no-drop-caches", "--json", str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(180), cwd=ROOT)
+    proc = forked.run(cmd, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for label in ("blocking per save: memory snapshot", "restore: own memory (verified)", "restore: peer copy",
                   "restore: durable on disk, cold", "limit: memcpy from host memory"):
@@ -85,7 +85,7 @@ def test_gpu_bench_runs_on_cpu_and_prints_table(tmp_path):
         "--tensors", "4", "--cols", "256", "--repeats", "1", "--async-saves", "2", "--no-warmup",
         "--dir", str(tmp_path / "t"), "--json", str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=scaled_timeout(240), cwd=ROOT)
+    proc = forked.run(cmd, timeout=scaled_timeout(240), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for label in ("plain write (limit)", "torch.load", "DCP load row->col", "DCP async_save (total)", "MCore save (fully par.)",
                   "MCore load row->col", "ours load row->col", "ours load ws change", "ours async: call blocks",

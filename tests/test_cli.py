@@ -24,6 +24,7 @@ import ckpt_integration as ci
 from ckpt_integration import tools
 from ckpt_integration.cli import main
 
+from . import forked
 from .dist_utils import run_distributed, scaled_timeout
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,11 +105,18 @@ def run_cli(*args, capsys):
 
 
 def run_module(*args, env=None, preexec_fn=None, timeout=120):
-    """``python -m ckpt_integration.cli ARGS``; ``timeout``: seconds on an idle machine (scaled to the load)."""
+    """``python -m ckpt_integration.cli ARGS``; ``timeout``: seconds on an idle machine (scaled to the load).
+
+    Forked with the package imported (tests/forked.py), or a new interpreter where ``preexec_fn``
+    shapes the process itself (a memory limit must not count the test's imports).
+    """
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ckpt_integration.cli", *map(str, args)], capture_output=True,
-                          text=True, env=e, preexec_fn=preexec_fn, timeout=scaled_timeout(timeout), cwd=REPO)
+    cmd = [sys.executable, "-m", "ckpt_integration.cli", *map(str, args)]
+    if preexec_fn is None:
+        return forked.run(cmd, env=e, timeout=scaled_timeout(timeout), cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, preexec_fn=preexec_fn,
+                          timeout=scaled_timeout(timeout), cwd=REPO)
 
 
 def _assert_same(loaded, expected):

@@ -8,7 +8,6 @@ swap. The parent then checks what a user would find at the path.
 
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -17,6 +16,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from tests import forked
 from tests.dist_utils import scaled_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,8 +89,9 @@ CHILD = textwrap.dedent(
 def _save_and_kill(tmp_path, path, point, overwrite):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=ROOT))
-    proc = subprocess.run([sys.executable, str(script), path, point, "1" if overwrite else "0"],
-                          capture_output=True, text=True, timeout=scaled_timeout(120), cwd=ROOT)
+    # forked with ckpt_integration imported (tests/forked.py): a process of its own, killed as before
+    proc = forked.run([sys.executable, str(script), path, point, "1" if overwrite else "0"],
+                      timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -23,6 +23,7 @@ from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
 from ckpt_integration.lightning import DistCkptFabricSingleDeviceStrategy, DistCkptIO, UnsupportedStrategyError
+from tests import forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "fabric_pretrain.py")
@@ -184,11 +185,17 @@ def test_fabric_refuses_a_strategy_it_cannot_connect():
         L.Fabric(accelerator="cpu", devices=1, strategy=MyDDP(), plugins=[DistCkptIO()])
 
 
-def _example(tmp_path, name: str, *args: str):
+def _example(tmp_path, name: str, *args: str, fresh: bool = False):
+    """Run the example; ``fresh``: in a new interpreter, as a user does, else forked with Lightning
+    imported (tests/forked.py). The second process of a 2-process run is always a new interpreter
+    (Lightning's launcher starts it)."""
     log = tmp_path / f"{name}.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, EXAMPLE, "--log", str(log), *args], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=str(tmp_path))
+    cmd = [sys.executable, EXAMPLE, "--log", str(log), *args]
+    if fresh:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    else:
+        r = forked.run(cmd, env=env, timeout=300, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return {int(k): v for k, v in json.loads(log.read_text()).items()}, r.stdout
 
@@ -197,7 +204,7 @@ def test_fabric_example_resumes_across_strategies_and_world_sizes(tmp_path):
     """LitGPT-style loop: one device uninterrupted; one device resumed (exactly the same losses); 2-process
     ModelParallelStrategy (DTensor TP) resumed from the one-device checkpoint; 2-process DDP with async saves
     resumed from the TP checkpoint; the losses match the uninterrupted run's."""
-    ref, _ = _example(tmp_path, "ref", "--out-dir", str(tmp_path / "ref"), "--max-steps", "12")
+    ref, _ = _example(tmp_path, "ref", "--out-dir", str(tmp_path / "ref"), "--max-steps", "12", fresh=True)
     assert sorted(ref) == list(range(12))
     (tmp_path / "a").mkdir()
     shutil.copytree(tmp_path / "ref" / "step-00000004", tmp_path / "a" / "step-00000004")

@@ -113,10 +113,10 @@ def test_fresh_run_refuses_to_delete_complete_checkpoints(tmp_path):
 @pytest.mark.slow
 def test_multirun_jobs_get_their_own_checkpoint_directories(tmp_path):
     """``-m`` over two layouts (DTensor TP=2, then FSDP2 DP=2 with strategy=model_parallel): one directory each."""
-    import subprocess
     import sys
 
     import ckpt_integration as ci
+    from tests import forked
 
     root = os.path.join(os.path.dirname(__file__), "..")
     ck = tmp_path / "ck"
@@ -124,7 +124,8 @@ def test_multirun_jobs_get_their_own_checkpoint_directories(tmp_path):
     cmd = [sys.executable, os.path.join(root, "examples", "train.py"), "-m", "parallel=tp2_dp1,tp1_dp2",
            "strategy=model_parallel", f"ckpt_dir={ck}", f"hydra.sweep.dir={tmp_path / 'sweep'}", *small]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # train.py's own process forked with Hydra and Lightning imported; it starts its job processes itself
+    out = forked.run(cmd, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     jobs = sorted(os.listdir(ck))  # named by each job's overrides (sorted by key; trainer.max_epochs left out)
     prefix = "model.corpus_chars=600,model.d_model=16,model.n_heads=2,model.n_layers=1,"

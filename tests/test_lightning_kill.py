@@ -16,7 +16,7 @@ Real ``Trainer.fit`` in 2 gloo processes (tiny GPT of ``examples/gpt.py``, ``Dis
    killed run's losses and committing step 14 under the same name), step 14 when only the
    following ``last.ckpt`` replacement was killed; no incomplete directory is left behind.
 
-Each rank is a plain subprocess in its own session, launched here (not ``run_distributed``, which
+Each rank is a process in its own session, launched by ``tests.proc_launch`` (not ``run_distributed``, which
 treats a dead rank as a failure); every wait has a deadline and everything left is SIGKILLed.
 Running this file as a script is the rank's entry point (``python test_lightning_kill.py CFG``).
 """
@@ -28,8 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -131,56 +129,17 @@ def _rank_main(cfg: dict) -> None:
 # --------------------------------------------------------------------------------------------
 # the launcher (in the test process)
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)  # the rank and anything it started
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _launch(tmp: str, name: str, cfg: dict, victim=None):
     """Run 2 ranks of ``_rank_main(cfg)``; returns (return codes, logs). Never hangs.
 
     With ``victim`` set, once that rank has exited the others get ``SURVIVOR_GRACE`` seconds
     before they are killed (a rank that notices the dead peer may raise or block in a collective).
     """
-    cfg = {**cfg, "out": os.path.join(tmp, name), "victim": victim}
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD),
-           "NODE_RANK": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([ROOT, EXAMPLES, os.environ.get("PYTHONPATH", "")])}
-    procs, logs = [], []
-    try:
-        for r in range(WORLD):
-            log = os.path.join(tmp, f"{name}-rank{r}.log")
-            logs.append(log)
-            with open(log, "w") as fh:
-                procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), json.dumps(cfg)],
-                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT,
-                                              stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
-        from tests.dist_utils import slowdown
+    from tests.proc_launch import launch
 
-        factor = slowdown()
-        deadline = time.monotonic() + LAUNCH_TIMEOUT * factor
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if victim is not None and procs[victim].poll() is not None:
-                deadline = min(deadline, time.monotonic() + SURVIVOR_GRACE * factor)
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                _kill_group(p)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-                pass
-    return [p.returncode for p in procs], logs
+    rcs, _, logs = launch(__file__, tmp, name, cfg, WORLD, victim=victim, timeout=LAUNCH_TIMEOUT,
+                          survivor_grace=SURVIVOR_GRACE, extra_path=(EXAMPLES,))
+    return rcs, logs
 
 
 def _tails(logs, n=4000):

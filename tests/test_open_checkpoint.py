@@ -31,10 +31,12 @@ def _request():
 
 
 def _run(code: str) -> None:
-    """Run ``code`` in another process (as another job would), with this checkout importable."""
+    """Run ``code`` in another process (as another job would; forked with the package imported:
+    tests/forked.py), with this checkout importable."""
+    from tests import forked
+
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = forked.run([sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

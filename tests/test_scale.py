@@ -114,8 +114,9 @@ def test_a_rank_failing_during_the_exchange_fails_every_rank(tmp_path):
 
 @pytest.mark.slow  # ~20-40 s: a tiny layout at 8 and 16 simulated ranks, with both anchors
 def test_scale_benchmark_smoke(tmp_path):
-    import subprocess
     import sys
+
+    from tests import forked  # the benchmark's process forked with torch and ckpt_integration imported
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "scale.json"
@@ -123,7 +124,7 @@ def test_scale_benchmark_smoke(tmp_path):
         sys.executable, os.path.join(root, "benchmarks", "scale.py"), "--worlds", "8,16", "--tp", "2", "--pp", "2",
         "--layers", "4", "--hidden", "64", "--anchor-max-records", "5000", "--json", str(out), "--dir", str(tmp_path),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    proc = forked.run(cmd, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(out.read_text())
     runs = {(r["world"], r["zero"]): r for r in res["runs"]}
