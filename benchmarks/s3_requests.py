@@ -32,8 +32,10 @@ def _state(n: int, mib: float):
 def _count(proxy, fn):
     proxy.reset_counts()
     fn()
+    with proxy.state.lock:  # bytes the server sent (GET bodies, listings): what a load fetched
+        sent = proxy.state.bytes_out
     counts = proxy.reset_counts()
-    return {"total": sum(counts.values()), **dict(sorted(counts.items()))}
+    return {"total": sum(counts.values()), **dict(sorted(counts.items())), "MiB sent": round(sent / 2**20, 1)}
 
 
 def main() -> None:
