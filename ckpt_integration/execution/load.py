@@ -36,7 +36,7 @@ from ..planning.exchange import route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import MANIFEST_FROM_DIRECTORY, open_reader, read_metadata
+from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
@@ -263,7 +263,7 @@ def load_torch_dist(
     last_load_stats["strategy"] = "local"
     outcome = "local"
     try:
-        if load_strategy in READ_ONCE and world > 1 and backend == "torch_dist":
+        if load_strategy in READ_ONCE and world > 1 and backend_named(backend).mapped_chunks:
             try:
                 outcome, stats = load_read_once(
                     job.reader if job else None, job.tasks if job else [], local_error, group,

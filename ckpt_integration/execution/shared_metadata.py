@@ -40,6 +40,7 @@ from ..planning.boxes import Box, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
+from ..storage.backends import backend_named
 from ..storage.torch_dist import ChunkInfo, read_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
@@ -257,7 +258,7 @@ def _rebuild_failure(name: str, message: str) -> BaseException:
 def read_local(checkpoint_dir: str, trusted: bool = False) -> SharedMetadata:
     """What the coordinator reads (also the whole job's metadata in a single process)."""
     backend = ckdir.read_config(checkpoint_dir).sharded_backend
-    if backend != "torch_dist":
+    if not backend_named(backend).dcp_metadata:  # each rank's reader reads the backend's own index
         return SharedMetadata(backend, None, ckdir.read_manifest(checkpoint_dir))
     # a missing manifest of a checkpoint saved with one is damage (refused here, on every rank);
     # read once, it checks .metadata too

@@ -1,30 +1,124 @@
-"""Backend dispatch: metadata and readers for whichever backend wrote a checkpoint.
+"""The storage backends as typed objects: what each can do, how to read its metadata, its reader.
 
-Both backends describe their content as a DCP ``Metadata`` (tensor keys with
-dtype, global shape and chunks; object keys) and provide a reader with the
-same interface, so everything above the storage layer is backend-agnostic.
+Both backends describe their content as a DCP ``Metadata`` (tensor keys with dtype, global shape
+and chunks; object keys) and provide a :class:`CheckpointReader`, so the load path and the tools
+are backend-agnostic: they ask the :class:`Backend` of a checkpoint (``backend_named`` /
+``backend_of``) for a capability instead of comparing backend names.
+
+Example::
+
+    be = backend_of("ckpt")            # TORCH_DIST or ZARR, from the checkpoint's metadata.json
+    md = be.read_metadata("ckpt", False)
+    with be.open_reader("ckpt", md) as reader:
+        reader.read_region(key, reader.chunks[key][0], box, out, dtype)
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..errors import CheckpointingException
+from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
-from .torch_dist import MANIFEST_FROM_DIRECTORY, TorchDistReader, read_dcp_metadata
+from .torch_dist import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader, read_dcp_metadata
 from .zarr_backend import ZarrReader
 
 
-def backend_of(directory: str) -> str:
-    return ckdir.read_config(directory).sharded_backend
+class CheckpointReader(Protocol):
+    """What every backend's reader gives the load path and the tools (``TorchDistReader``,
+    ``ZarrReader``). Every byte it returns was verified against the checkpoint's records
+    (unless opened with ``verify_checksums=False``), and it reads only files inside the
+    checkpoint."""
+
+    metadata: Metadata
+    chunks: Dict[str, List[ChunkInfo]]  # per tensor key: the stored chunks and where they are
+
+    def validate_tensor(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` unless ``key``'s chunks tile its global shape."""
+
+    def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
+        """Copy ``overlap`` (global coordinates, inside ``chunk``) of ``key`` into ``out``."""
+
+    def read_bytes(self, storage_key: str) -> bytes:
+        """The verified bytes of a stored object."""
+
+    def close(self) -> None:
+        """Release open files (the reader is unusable afterwards)."""
+
+    def __enter__(self) -> "CheckpointReader": ...
+
+    def __exit__(self, *exc: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One storage format (``metadata.json``'s ``sharded_backend``) and what it supports.
+
+    * ``dcp_metadata``: a PyTorch DCP ``.metadata`` describes the checkpoint (read once by a
+      load's coordinator and broadcast; pinned by an opened checkpoint); otherwise each reader
+      reads the backend's own index;
+    * ``mapped_chunks``: chunks are plain row-major arrays at recorded offsets of local files,
+      so the read-once and parallel planners can map and split them;
+    * ``block_hash``: the digest algorithm of the backend's own records, or None when the
+      manifest names it (``manifest.json``'s ``block_hash``).
+    """
+
+    name: str
+    dcp_metadata: bool
+    mapped_chunks: bool
+    block_hash: Optional[str]
+    read_metadata: Callable[[str, bool], Metadata]
+    open_reader: Callable[..., CheckpointReader]
+
+
+def _open_torch_dist(
+    directory: str, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
+    verify_checksums: bool = True, manifest: Any = MANIFEST_FROM_DIRECTORY,
+) -> CheckpointReader:
+    return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)
+
+
+def _open_zarr(
+    directory: str, metadata: Metadata, checksums: Any = None, verify_checksums: bool = True, manifest: Any = None,
+) -> CheckpointReader:
+    # the zarr index carries the chunk records and CRC32s; the DCP-shaped metadata is the reader's own
+    return ZarrReader(directory, verify_checksums=verify_checksums)
+
+
+TORCH_DIST = Backend(
+    "torch_dist", dcp_metadata=True, mapped_chunks=True, block_hash=None,
+    read_metadata=lambda directory, trusted: read_dcp_metadata(directory, trusted=trusted),
+    open_reader=_open_torch_dist,
+)
+ZARR = Backend(
+    "zarr", dcp_metadata=False, mapped_chunks=False, block_hash="crc32",
+    read_metadata=lambda directory, trusted: ZarrReader(directory).metadata,
+    open_reader=_open_zarr,
+)
+BACKENDS: Dict[str, Backend] = {b.name: b for b in (TORCH_DIST, ZARR)}
+
+
+def backend_named(name: str) -> Backend:
+    """The :class:`Backend` called ``name`` (``"torch_dist"``, ``"zarr"``)."""
+    be = BACKENDS.get(name)
+    if be is None:
+        raise CheckpointingException(f"unknown checkpoint backend {name!r}; this library reads {sorted(BACKENDS)}")
+    return be
+
+
+def backend_of(directory: str) -> Backend:
+    """The backend that wrote ``directory`` (from its ``metadata.json``)."""
+    return backend_named(ckdir.read_config(directory).sharded_backend)
 
 
 def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] = None) -> Metadata:
-    backend = backend or backend_of(directory)
-    if backend == "zarr":
-        return ZarrReader(directory).metadata
-    return read_dcp_metadata(directory, trusted=trusted)
+    """The DCP-shaped ``Metadata`` of ``directory`` through its backend."""
+    be = backend_named(backend) if backend else backend_of(directory)
+    return be.read_metadata(directory, trusted)
 
 
 def open_reader(
@@ -34,14 +128,11 @@ def open_reader(
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True,
     manifest: Any = MANIFEST_FROM_DIRECTORY,
-) -> Any:
-    """A reader of ``directory`` (``TorchDistReader`` or ``ZarrReader``) for ``read_region`` /
-    ``read_bytes``. Each reader reads its integrity records itself (manifest / zarr index), so
-    every caller gets verified reads and the containment checks, unless ``manifest`` hands it
-    the checkpoint's manifest already read and checked (a load's coordinator reads it once and
-    broadcasts it; ``None``: the checkpoint has none). ``checksums`` is accepted for
-    compatibility and ignored where the checkpoint has a manifest."""
-    backend = backend or backend_of(directory)
-    if backend == "zarr":
-        return ZarrReader(directory, verify_checksums=verify_checksums)
-    return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)
+) -> CheckpointReader:
+    """A :class:`CheckpointReader` of ``directory``. Each reader reads its integrity records
+    itself (manifest / zarr index), so every caller gets verified reads and the containment
+    checks, unless ``manifest`` hands it the checkpoint's manifest already read and checked (a
+    load's coordinator reads it once and broadcasts it; ``None``: the checkpoint has none).
+    ``checksums`` is accepted for compatibility and ignored where the checkpoint has a manifest."""
+    be = backend_named(backend) if backend else backend_of(directory)
+    return be.open_reader(directory, metadata, checksums, verify_checksums, manifest)

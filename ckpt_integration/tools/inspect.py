@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import read_metadata
+from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
 from ..storage.filesystem import checked_path
 from ..storage.opened import accepts_opened
@@ -167,11 +167,12 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
                     "total_bytes": sum(t["nbytes"] for t in tensors.values())}
     config = ckdir.read_config(path)
     backend = config.sharded_backend
+    be = backend_named(backend)
     md = read_metadata(path, trusted=trusted, backend=backend)
     manifest = ckdir.read_manifest(path)
     storage = md.storage_data or {}
     warnings: List[str] = []
-    if backend == "zarr":
+    if not be.dcp_metadata:  # zarr: chunk files and records from its own index
         zarr_shards, zarr_objects, files = _zarr_layout(path)
         checksummed = len(files)  # every chunk/object record carries a CRC32
     else:
@@ -185,9 +186,9 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     for key, meta in sorted(md.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
             shape = tuple(int(s) for s in meta.size)
-            shards = zarr_shards.get(key, []) if backend == "zarr" else _dcp_shards(md, key, meta)
+            shards = _dcp_shards(md, key, meta) if be.dcp_metadata else zarr_shards.get(key, [])
             shards.sort(key=lambda s: s["offsets"])
-            unit = "chunk" if backend == "zarr" else "shard"
+            unit = "shard" if be.dcp_metadata else "chunk"
             tensors[key] = {
                 "shape": list(shape),
                 "dtype": dtype_name(meta.properties.dtype),
@@ -196,7 +197,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
                 "layout": _layout_summary(shape, [(tuple(s["offsets"]), tuple(s["sizes"])) for s in shards], unit),
             }
         elif isinstance(meta, BytesStorageMetadata):
-            if backend == "zarr":
+            if not be.dcp_metadata:
                 objects.append(zarr_objects.get(key, {"key": key, "file": None, "length": None}))
                 continue
             info = storage.get(MetadataIndex(key))
@@ -220,7 +221,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             "library_version": manifest.library_version, "created": manifest.created,
             "checksummed_items": checksummed,
             # zarr chunk files are recorded with CRC32s in zarr_index.json; torch_dist blocks per the manifest
-            "block_hash": "crc32" if backend == "zarr" else manifest.block_hash,
+            "block_hash": be.block_hash or manifest.block_hash,
         },
         "manifest_expected": ckdir.manifest_expected(path),
         "files": dict(sorted(files.items())),
