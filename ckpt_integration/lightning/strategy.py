@@ -207,6 +207,10 @@ class DistCkptStrategyMixin(Strategy):
         io = self.dist_checkpoint_io()
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+        from .preemption import DistCkptPreemption
+
+        if not any(isinstance(cb, DistCkptPreemption) for cb in trainer.callbacks):
+            trainer.callbacks.append(DistCkptPreemption())  # after ModelCheckpoint: a save of this step starts first
         if io.memory_enabled:
             from .memory import DistCkptMemorySnapshots
 
@@ -354,6 +358,10 @@ class DistCkptStrategyMixin(Strategy):
         super().on_exception(exception)  # type: ignore[misc]
         io = getattr(self, "_checkpoint_io", None)
         if isinstance(io, DistCkptIO):
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            if isinstance(exception, SIGTERMException):
+                io.note_preemption()  # the grace period bounds the wait below (noted at the signal already)
             try:
                 io.teardown()
             except BaseException as e:  # noqa: BLE001 - do not hide the original error
