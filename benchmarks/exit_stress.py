@@ -19,6 +19,7 @@ one replicated, as a new user would write it):
 * ``dcp_save``          PyTorch DCP ``dcp.save`` then ``destroy_process_group()`` (the anchor the reporter compared with)
 * ``lightning_fsdp2``   ``Trainer.fit`` under ``ModelParallelStrategy`` (FSDP2, ``precision="bf16-true"``) resumed
                         from a checkpoint a DDP run saved with ``DistCkptIO`` (the DDP run is made once, first)
+* ``lightning_fsdp2_plain``  the same FSDP2 bf16-true fit from scratch without the plugin (Lightning and torch alone)
 
 Counted per case: runs, exit code 0 on every rank, SIGABRT on some rank (``terminate called`` /
 exit code -6), other failures, hangs (``--timeout``), checkpoints committed (save cases), mean
@@ -97,7 +98,7 @@ LIGHTNING = textwrap.dedent("""
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
         def configure_model(self):
-            if stage == "fsdp2":
+            if stage in ("fsdp2", "plain"):
                 from torch.distributed.fsdp import fully_shard
                 mesh = self.device_mesh["data_parallel"]
                 fully_shard(self.net[1], mesh=mesh)
@@ -119,12 +120,17 @@ LIGHTNING = textwrap.dedent("""
         kw = dict(strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
                   precision="bf16-true", max_epochs=2)
     cb = DistCkptModelCheckpoint(dirpath=ckdir if stage == "ddp" else os.path.join(ckdir, "fsdp2"), save_last=True)
-    trainer = L.Trainer(accelerator="cpu", devices=world, plugins=[DistCkptIO()], logger=False, callbacks=[cb],
-                        enable_progress_bar=False, enable_model_summary=False, **kw)
-    trainer.fit(Module(), loader, ckpt_path=None if stage == "ddp" else os.path.join(ckdir, "last.ckpt"))
+    if stage == "plain":  # the same FSDP2 bf16-true fit from scratch, without the plugin (the anchor)
+        trainer = L.Trainer(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, **kw)
+        trainer.fit(Module(), loader)
+    else:
+        trainer = L.Trainer(accelerator="cpu", devices=world, plugins=[DistCkptIO()], logger=False, callbacks=[cb],
+                            enable_progress_bar=False, enable_model_summary=False, **kw)
+        trainer.fit(Module(), loader, ckpt_path=None if stage == "ddp" else os.path.join(ckdir, "last.ckpt"))
 """)
 
-CASES = list(SCRIPTS) + ["lightning_fsdp2"]
+CASES = list(SCRIPTS) + ["lightning_fsdp2", "lightning_fsdp2_plain"]
 ABORT_RE = re.compile(r"terminate called|SIGABRT|exitcode\s*:\s*-6\b|Signals?\.SIGABRT|signal 6", re.I)
 
 
@@ -174,14 +180,15 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
     os.makedirs(d, exist_ok=True)
     script = os.path.join(d, "job.py")
     prepared = os.path.join(d, "prepared")
-    if case == "lightning_fsdp2":
+    if case.startswith("lightning"):
         with open(script, "w") as f:
             f.write(LIGHTNING)
+    if case == "lightning_fsdp2":
         first = _torchrun(script, ["ddp", prepared], ranks, timeout)
         if first["rc"] != 0:
             return {"case": case, "ranks": ranks, "error": "the DDP run that makes the checkpoint failed",
                     "output": str(first["out"])[-4000:]}
-    else:
+    elif case in SCRIPTS:
         with open(script, "w") as f:
             f.write(HEADER + SCRIPTS[case])
         if case == "load":  # the checkpoint every run loads
@@ -195,7 +202,10 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
     committed, seconds, failures = 0, [], []
     for i in range(runs):
         target = os.path.join(d, f"ck{i}")
-        args = ["fsdp2", prepared] if case == "lightning_fsdp2" else [prepared if case == "load" else target, str(mib)]
+        if case.startswith("lightning"):
+            args = ["fsdp2" if case == "lightning_fsdp2" else "plain", prepared]
+        else:
+            args = [prepared if case == "load" else target, str(mib)]
         run = _torchrun(script, args, ranks, timeout)
         kind = _outcome(run)
         counts[kind] += 1
@@ -218,7 +228,7 @@ def _table(results: List[Dict[str, object]]) -> str:
         if "error" in r:
             lines.append(f"{r['case']:<18}{r['ranks']:>6}  {r['error']}")
             continue
-        saves = r["case"] not in ("load", "lightning_fsdp2")
+        saves = r["case"] in SCRIPTS and r["case"] != "load"
         lines.append(f"{r['case']:<18}{r['ranks']:>6}{r['runs']:>6}{r['clean']:>8}{r['abort']:>9}{r['failed']:>7}"
                      f"{r['hung']:>6}{(str(r['committed']) if saves else '-'):>11}{r['mean_s']:>8.1f}")
     return "\n".join(lines)
