@@ -17,6 +17,9 @@ one replicated, as a new user would write it):
 * ``async_destroy``     ``ci.save(..., async_sharded_save=True)``, ``destroy_process_group()``, exit without ``wait()``
 * ``async_exit``        ``ci.save(..., async_sharded_save=True)``, exit without ``wait()`` or ``destroy_process_group()``
 * ``dcp_save``          PyTorch DCP ``dcp.save`` then ``destroy_process_group()`` (the anchor the reporter compared with)
+* ``dcp_save_no_destroy``  PyTorch DCP ``dcp.save``, exit without ``destroy_process_group()``
+* ``torch_no_destroy``  no checkpoint at all: an all-reduce and a ``broadcast_object_list``, exit without
+                        ``destroy_process_group()`` (what torch and gloo do on their own)
 * ``lightning_fsdp2``   ``Trainer.fit`` under ``ModelParallelStrategy`` (FSDP2, ``precision="bf16-true"``) resumed
                         from a checkpoint a DDP run saved with ``DistCkptIO`` (the DDP run is made once, first)
 * ``lightning_fsdp2_plain``  the same FSDP2 bf16-true fit from scratch without the plugin (Lightning and torch alone)
@@ -67,6 +70,13 @@ HEADER = textwrap.dedent("""
                 "b": ci.ShardedTensor.from_rank_offsets("b", b, replica_id=rank), "step": 7}
 """)
 
+DCP_SAVE = ("import torch.distributed.checkpoint as dcp\n"
+            "from torch.distributed.tensor import DTensor, Shard, init_device_mesh\n"
+            "mesh = init_device_mesh('cpu', (world,))\n"
+            "s = state()\n"
+            "dcp.save({'a': DTensor.from_local(s['a'].data, mesh, [Shard(0)]), 'b': s['b'].data, 'step': 7},\n"
+            "         checkpoint_id=path)\n")
+
 SCRIPTS: Dict[str, str] = {
     "save": "ci.save(state(), path)\ndist.destroy_process_group()\n",
     "save_no_destroy": "ci.save(state(), path)\n",
@@ -75,13 +85,11 @@ SCRIPTS: Dict[str, str] = {
              "dist.destroy_process_group()\n"),
     "async_destroy": "req = ci.save(state(), path, async_sharded_save=True)\ndist.destroy_process_group()\n",
     "async_exit": "req = ci.save(state(), path, async_sharded_save=True)\n",
-    "dcp_save": ("import torch.distributed.checkpoint as dcp\n"
-                 "from torch.distributed.tensor import DTensor, Shard, init_device_mesh\n"
-                 "mesh = init_device_mesh('cpu', (world,))\n"
-                 "s = state()\n"
-                 "dcp.save({'a': DTensor.from_local(s['a'].data, mesh, [Shard(0)]), 'b': s['b'].data, 'step': 7},\n"
-                 "         checkpoint_id=path)\n"
-                 "dist.destroy_process_group()\n"),
+    "dcp_save": DCP_SAVE + "dist.destroy_process_group()\n",
+    "dcp_save_no_destroy": DCP_SAVE,
+    # torch alone: the collectives of a save's metadata exchange, then exit without destroy_process_group()
+    "torch_no_destroy": ("t = torch.ones(4)\ndist.all_reduce(t)\nout = [None]\n"
+                         "dist.broadcast_object_list(out if rank else ['ok'], src=0)\n"),
 }
 
 LIGHTNING = textwrap.dedent("""
@@ -210,7 +218,7 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
         kind = _outcome(run)
         counts[kind] += 1
         seconds.append(float(run["s"]))
-        if case in ("save", "save_no_destroy", "async_destroy", "async_exit", "dcp_save") and _committed(target):
+        if case in SCRIPTS and case not in ("load", "torch_no_destroy") and _committed(target):
             committed += 1
         if kind != "clean":
             failures.append({"run": i, "kind": kind, "rc": run["rc"], "output": str(run["out"])[-4000:]})
@@ -228,7 +236,7 @@ def _table(results: List[Dict[str, object]]) -> str:
         if "error" in r:
             lines.append(f"{r['case']:<18}{r['ranks']:>6}  {r['error']}")
             continue
-        saves = r["case"] in SCRIPTS and r["case"] != "load"
+        saves = r["case"] in SCRIPTS and r["case"] not in ("load", "torch_no_destroy")
         lines.append(f"{r['case']:<18}{r['ranks']:>6}{r['runs']:>6}{r['clean']:>8}{r['abort']:>9}{r['failed']:>7}"
                      f"{r['hung']:>6}{(str(r['committed']) if saves else '-'):>11}{r['mean_s']:>8.1f}")
     return "\n".join(lines)
