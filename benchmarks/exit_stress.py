@@ -230,14 +230,14 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
 
 
 def _table(results: List[Dict[str, object]]) -> str:
-    head = f"{'case':<18}{'ranks':>6}{'runs':>6}{'exit 0':>8}{'SIGABRT':>9}{'other':>7}{'hung':>6}{'committed':>11}{'s/run':>8}"
+    head = f"{'case':<22}{'ranks':>6}{'runs':>6}{'exit 0':>8}{'SIGABRT':>9}{'other':>7}{'hung':>6}{'committed':>11}{'s/run':>8}"
     lines = [head, "-" * len(head)]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['case']:<18}{r['ranks']:>6}  {r['error']}")
+            lines.append(f"{r['case']:<22}{r['ranks']:>6}  {r['error']}")
             continue
         saves = r["case"] in SCRIPTS and r["case"] not in ("load", "torch_no_destroy")
-        lines.append(f"{r['case']:<18}{r['ranks']:>6}{r['runs']:>6}{r['clean']:>8}{r['abort']:>9}{r['failed']:>7}"
+        lines.append(f"{r['case']:<22}{r['ranks']:>6}{r['runs']:>6}{r['clean']:>8}{r['abort']:>9}{r['failed']:>7}"
                      f"{r['hung']:>6}{(str(r['committed']) if saves else '-'):>11}{r['mean_s']:>8.1f}")
     return "\n".join(lines)
 

@@ -485,7 +485,10 @@ class AsyncCallsQueue:
             return
         if not self._idle(timeout):
             self.abandon(f"interpreter exit: still running after {timeout:.0f}s ({EXIT_TIMEOUT_ENV})")
-        self.close(timeout=0.0 if any(not r.is_done() for r in self._unfinalized) else None)
+        if any(not r.is_done() for r in self._unfinalized):
+            self.close(timeout=0.0, abandon_wait_s=0.0)  # what did not end is left to its daemon thread
+        else:
+            self.close()
 
     def __enter__(self) -> "AsyncCallsQueue":
         return self

@@ -3,7 +3,7 @@
 See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
 directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``fsdp`` (FSDP1 state), ``strategy``, ``connect`` (the plugin on
 stock strategies), ``fabric`` (Lightning Fabric), ``stock`` (importing stock Lightning checkpoints), ``memory``
-(memory snapshots), ``loading``
+(memory snapshots), ``preemption`` (SIGTERM and SLURM requeue on every rank at once), ``loading``
 (:func:`load_from_checkpoint`).
 """
 
@@ -21,6 +21,7 @@ from .io import DistCkptIO, UnsupportedStrategyError, start_async_save
 from .loading import load_checkpoint_dict, load_from_checkpoint
 from .memory import DistCkptMemorySnapshots
 from .paths import is_complete_checkpoint, latest_complete_checkpoint, resolve_checkpoint_path
+from .preemption import DistCkptPreemption
 from .strategy import (
     DistCkptDDPStrategy,
     DistCkptFSDPStrategy,
@@ -46,6 +47,7 @@ __all__ = [
     "DistCkptAsyncFinalizer",
     "DistCkptModelCheckpoint",
     "DistCkptMemorySnapshots",
+    "DistCkptPreemption",
     "UnsupportedStrategyError",
     "check_strategy",
     "start_async_save",

@@ -434,7 +434,6 @@ class DistCkptIO(CheckpointIO):
                     tier, self.memory_tier = self.memory_tier, None
                     tier.close()
 
-
     def _finish_within(self, left: float) -> None:
         """Preempted: commit the saves in flight that finish within ``left`` seconds, abandon the rest."""
         reqs, self._requests = self._requests, []

@@ -349,6 +349,27 @@ class DistCkptStrategyMixin(Strategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states resharded."""
 
+    # -- object collectives ---------------------------------------------------------------------------
+    # Lightning's (and ModelCheckpoint's) small collectives go through these. Lightning's own build
+    # tensors in Python and drop them as soon as ``wait()`` returns, while the gloo worker thread may
+    # still hold them; when the process ends right after (a save at the end of ``fit``), that thread
+    # frees the Python tensors during interpreter teardown and aborts the process (see
+    # ``execution.dist.settle``). The library's helpers return only once the worker let go.
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of global rank ``src`` on every rank (as Lightning's, on the world group)."""
+        from ..execution import dist as cdist
+
+        return cdist.broadcast_object(obj, src=src) if cdist.is_distributed() else obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Whether every rank (``all=True``) or any rank decided ``True`` (as Lightning's)."""
+        from ..execution import dist as cdist
+
+        if not cdist.is_distributed():
+            return bool(decision)
+        total = cdist.all_reduce_ints([int(bool(decision))], "sum")[0]
+        return total == cdist.get_world_size() if all else total > 0
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes (deferred by the plugin while an async save is in flight)."""
         if self.is_global_zero:  # type: ignore[attr-defined]
