@@ -9,7 +9,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
-from ckpt_integration.storage.tensor_record import BlockCrcWriter, save_tensor
+from ckpt_integration.storage.tensor_record import BlockDigestWriter, save_tensor
 from ckpt_integration.storage.torch_dist import _archive_member_crc_disabled, run_parallel
 
 
@@ -21,7 +21,7 @@ def test_template_archive_is_byte_identical_to_torch_save(dtype):
             for seed in (0, 1):  # the second tensor of a shape comes from the cached template
                 t = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 9).to(dtype)
                 a, b = io.BytesIO(), io.BytesIO()
-                wa, wb = BlockCrcWriter(a, t, 1 << 20), BlockCrcWriter(b, t, 1 << 20)
+                wa, wb = BlockDigestWriter(a, t, 1 << 20), BlockDigestWriter(b, t, 1 << 20)
                 torch.save(t, wa)
                 save_tensor(t, wb)
                 assert a.getvalue() == b.getvalue(), (dtype, shape)

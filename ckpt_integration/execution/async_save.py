@@ -75,7 +75,8 @@ import weakref
 
 from ..errors import AsyncSaveAbandonedError, CheckpointingException
 from . import dist
-from .save import SavePlan, _cleanup_failed, _describe, finalize_save, prepare_save, write_local
+from .dist import describe_error as _describe
+from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_local
 from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
 
@@ -605,12 +606,12 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
                            plan.checkpoint_dir, why, cause)
             return
         if plan.rank == 0:
-            _cleanup_failed(plan.write_dir, plan.staging)
+            cleanup_failed(plan.write_dir, plan.staging)
         outcome = ("Nothing was committed there; earlier checkpoints are untouched" if plan.rank == 0 or not plan.commit_started
                    else f"rank 0 was committing it when the group failed: it is committed if and only if "
                         f"{plan.checkpoint_dir}/metadata.json exists; earlier checkpoints are untouched")
         raise AsyncSaveAbandonedError(
-            f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist._global_rank(plan.group)}: {why} "
+            f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist.own_global_rank(plan.group)}: {why} "
             f"({cause}). {outcome}. Every rank must let its async saves "
             "finish (request.wait(), queue.close() or a normal exit) - see docs/strategies.md, 'Exiting with a save in flight'"
         ) from e
@@ -666,7 +667,7 @@ def async_save_torch_dist(
     req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
     req.snapshot = snap
     req._cancellable = True
-    rank = dist._global_rank(group)
+    rank = dist.own_global_rank(group)
     plan.stop = lambda: req._check_cancelled(str(checkpoint_dir), rank)
     if snap is not None:
         snap.start()

@@ -41,7 +41,7 @@ from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead
 from ..storage import checkpoint_dir as ckdir
-from ..storage.torch_dist import read_dcp_metadata
+from ..storage.torch_dist import ChunkInfo, read_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 
@@ -117,8 +117,6 @@ class CompactChunks:
 
     def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""
-        from ..storage.torch_dist import ChunkInfo
-
         info = self._infos.get((key, i))
         if info is None:
             p, _, nd = self._positions[key][:3]
@@ -220,8 +218,9 @@ def decode_metadata(
 
 
 # The broadcast is compressed (zlib level 1): the manifest travels as its JSON text, mostly the
-# block CRC32s as decimal numbers, and the chunk records repeat their structure; at 16,384
-# simulated ZeRO-1 ranks this takes the message from 11.6 to 2.75 MiB for ~0.1 s on the
+# item digests as decimal numbers and the block digests in base64, and the chunk records repeat
+# their structure; at 16,384 simulated ZeRO-1 ranks (CRC32 digests, manifest format 2) this took
+# the message from 11.6 to 2.75 MiB for ~0.1 s on the
 # coordinator and a few tens of ms per rank (docs/benchmarks.md#scale).
 _LEVEL = 1
 

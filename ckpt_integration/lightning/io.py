@@ -14,10 +14,13 @@ import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import serialization
-from ..storage.opened import OpenedCheckpoint
+from ..errors import CheckpointingException
+from ..execution import dist
+from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
+from ..storage.opened import OpenedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +256,6 @@ class DistCkptIO(CheckpointIO):
             serialization.save(state, path, sharded_strategy=self.backend, **kwargs)
             return
         if self._queue is None:
-            from ..execution.async_save import AsyncCallsQueue
-
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
         self._ensure_check_group()
         if not self._make_room(path):
@@ -267,8 +268,6 @@ class DistCkptIO(CheckpointIO):
         raised, except after a SIGTERM (which may arrive during this wait): then the grace period may have
         abandoned it; that is logged and this save is not started. Every rank decides alike, since a
         save's outcome is agreed by its commit."""
-        from ..errors import CheckpointingException
-
         try:
             self._queue._make_room()
         except CheckpointingException as e:
@@ -298,8 +297,6 @@ class DistCkptIO(CheckpointIO):
         # runs the commit's collectives on that one concurrently with this check. Collective the
         # first time (every rank calls it at the same point: a save, a batch end).
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-            from ..execution import dist
-
             self._check_group = dist.new_private_group(None)
         return self._check_group
 
@@ -324,8 +321,6 @@ class DistCkptIO(CheckpointIO):
         else:
             done = all(r.is_done() for r in self._requests)
             if collective and self._check_group is not None:
-                from ..execution import dist
-
                 done = dist.all_reduce_ints([0 if done else 1], "max", self._check_group)[0] == 0
         if not done:
             return 0
@@ -466,6 +461,4 @@ def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: 
 
     Returns a request with ``is_done()`` and ``wait()`` (raises the failure).
     """
-    from ..execution.async_save import async_save_torch_dist
-
     return async_save_torch_dist(state, path, queue=queue, **save_kwargs)

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from lightning.pytorch.callbacks import Callback
 
+from ..execution import dist
 from .io import DistCkptIO
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,6 @@ class DistCkptPreemption(Callback):
         if io is not None and trainer.world_size > 1:
             group = io._ensure_check_group()
             if group is not None:
-                from ..execution import dist
-
                 flags = dist.all_reduce_ints(flags, "max", group)
         return [s for s, f in zip(order, flags) if f]
 

@@ -39,10 +39,13 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+import numpy as np
+
+from ..errors import CheckpointingException
 from .integrity import Holding, validate_key_records
-from .storage_keys import collision_message
 from .records import MessageWriter, decode, decode_runs, digest64, encode_runs
 from .shards import ShardMeta, object_storage_key
+from .storage_keys import collision_message
 
 KIND_CODES = {"tensor": 0, "object": 1}
 KIND_NAMES = ("tensor", "object")
@@ -419,17 +422,28 @@ class Written:
     relative_path: str
     offset: int
     length: int
-    crc32: int
-    # tensor items of torch_dist: (data offset, data length, block size, block CRC32s)
+    checksum: int  # the item digest (CRC32 or XXH3-64: up to 64 bits)
+    # tensor items of torch_dist: (data offset, data length, block size, block digests)
     blocks: Optional[Tuple[int, int, int, Sequence[int]]] = None
 
 
-_U32 = 0xFFFFFFFF
+def _halves(digests: Sequence[int]) -> List[int]:
+    """Unsigned 64-bit digests as pairs of signed 32-bit integers (low, high), so that messages
+    of digests keep 4-byte integers (numpy for long lists; a loop is faster for a few)."""
+    if len(digests) > 8:
+        return np.asarray(digests, dtype="<u8").view("<i4").tolist()
+    out: List[int] = []
+    for d in digests:
+        lo, hi = d & 0xFFFFFFFF, d >> 32
+        out += (lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi)
+    return out
 
 
-def _signed32(crc: int) -> int:
-    """A CRC32 as a signed 32-bit integer, so messages of CRCs keep 4-byte integers."""
-    return crc - (1 << 32) if crc >= 1 << 31 else crc
+def _joined(ints: Sequence[int]) -> List[int]:
+    """Inverse of :func:`_halves`."""
+    if len(ints) > 16:
+        return np.asarray(ints, dtype="<i4").view("<u8").tolist()
+    return [(ints[i] & 0xFFFFFFFF) | ((ints[i + 1] & 0xFFFFFFFF) << 32) for i in range(0, len(ints), 2)]
 
 
 def encode_finalize(error: Optional[str], written: Sequence[Written], summaries: Sequence[KeySummary]) -> bytes:
@@ -446,13 +460,13 @@ def encode_finalize(error: Optional[str], written: Sequence[Written], summaries:
     for it in written:
         nd = -1 if it.offsets is None else len(it.offsets)
         w.add(w.sid(it.storage_key), nd, *(it.offsets or ()), 1 if it.sizes is not None else 0, *(it.sizes or ()),
-              w.sid(it.relative_path), it.offset, it.length, _signed32(it.crc32))
+              w.sid(it.relative_path), it.offset, it.length, *_halves([it.checksum]))
         if it.blocks is None:
             w.add(-1)
         else:
-            data_offset, data_length, block_size, crcs = it.blocks
-            w.add(len(crcs), data_offset, data_length, block_size)
-            w.extend(map(_signed32, crcs))
+            data_offset, data_length, block_size, digests = it.blocks
+            w.add(len(digests), data_offset, data_length, block_size)
+            w.extend(_halves(digests))
     encode_summaries(w, summaries)
     return w.tobytes()
 
@@ -474,15 +488,15 @@ def decode_finalize(msg: bytes) -> Tuple[Optional[str], List[Written], List[KeyS
             sizes = tuple(ints[p + 1 : p + 1 + nd])
             p += nd
         p += 1
-        path, offset, length, crc = strings[ints[p]], ints[p + 1], ints[p + 2], ints[p + 3] & _U32
-        p += 4
+        path, offset, length, (digest,) = strings[ints[p]], ints[p + 1], ints[p + 2], _joined(ints[p + 3 : p + 5])
+        p += 5
         nb = ints[p]
         blocks = None
         if nb >= 0:
-            blocks = (ints[p + 1], ints[p + 2], ints[p + 3], [c & _U32 for c in ints[p + 4 : p + 4 + nb]])
-            p += 3 + nb
+            blocks = (ints[p + 1], ints[p + 2], ints[p + 3], _joined(ints[p + 4 : p + 4 + 2 * nb]))
+            p += 3 + 2 * nb
         p += 1
-        items.append(Written(strings[sk], offsets, sizes, path, offset, length, crc, blocks))
+        items.append(Written(strings[sk], offsets, sizes, path, offset, length, digest, blocks))
     summaries, p = _read_summaries(strings, ints, p)
     return error, items, summaries
 
@@ -502,8 +516,6 @@ def commit_layout(written: Sequence[Written], summaries: Sequence[KeySummary], c
     With ``check_layout`` every summarised key must have exactly its main chunks
     written, once each; anything else is an internal error naming the key.
     """
-    from ..errors import CheckpointingException
-
     out = CommitLayout(written=list(written))
     seen: Dict[Tuple[str, Optional[Tuple[int, ...]]], Written] = {}
     for it in written:
