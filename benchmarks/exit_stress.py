@@ -18,6 +18,8 @@ one replicated, as a new user would write it):
 * ``async_exit``        ``ci.save(..., async_sharded_save=True)``, exit without ``wait()`` or ``destroy_process_group()``
 * ``dcp_save``          PyTorch DCP ``dcp.save`` then ``destroy_process_group()`` (the anchor the reporter compared with)
 * ``dcp_save_no_destroy``  PyTorch DCP ``dcp.save``, exit without ``destroy_process_group()``
+* ``dcp_load``          PyTorch DCP ``dcp.load`` (of a ``dcp.save`` checkpoint) then ``destroy_process_group()``
+* ``dcp_async_destroy`` PyTorch DCP ``dcp.async_save``, ``destroy_process_group()``, exit without ``result()``
 * ``torch_no_destroy``  no checkpoint at all: an all-reduce and a ``broadcast_object_list``, exit without
                         ``destroy_process_group()`` (what torch and gloo do on their own)
 * ``lightning_fsdp2``   ``Trainer.fit`` under ``ModelParallelStrategy`` (FSDP2, ``precision="bf16-true"``) resumed
@@ -44,6 +46,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -70,12 +73,15 @@ HEADER = textwrap.dedent("""
                 "b": ci.ShardedTensor.from_rank_offsets("b", b, replica_id=rank), "step": 7}
 """)
 
-DCP_SAVE = ("import torch.distributed.checkpoint as dcp\n"
-            "from torch.distributed.tensor import DTensor, Shard, init_device_mesh\n"
-            "mesh = init_device_mesh('cpu', (world,))\n"
-            "s = state()\n"
-            "dcp.save({'a': DTensor.from_local(s['a'].data, mesh, [Shard(0)]), 'b': s['b'].data, 'step': 7},\n"
-            "         checkpoint_id=path)\n")
+DCP_STATE = ("import torch.distributed.checkpoint as dcp\n"
+             "from torch.distributed.tensor import DTensor, Shard, init_device_mesh\n"
+             "mesh = init_device_mesh('cpu', (world,))\n"
+             "def dcp_state(fill=True):\n"
+             "    s = state(fill)\n"
+             "    return {'a': DTensor.from_local(s['a'].data, mesh, [Shard(0)]), 'b': s['b'].data, 'step': 7}\n")
+DCP_SAVE = DCP_STATE + "dcp.save(dcp_state(), checkpoint_id=path)\n"
+DCP_LOAD = (DCP_STATE + "sd = dcp_state(False)\ndcp.load(sd, checkpoint_id=path)\n"
+            "assert torch.equal(sd['a'].to_local(), state()['a'].data)\n")
 
 SCRIPTS: Dict[str, str] = {
     "save": "ci.save(state(), path)\ndist.destroy_process_group()\n",
@@ -87,6 +93,9 @@ SCRIPTS: Dict[str, str] = {
     "async_exit": "req = ci.save(state(), path, async_sharded_save=True)\n",
     "dcp_save": DCP_SAVE + "dist.destroy_process_group()\n",
     "dcp_save_no_destroy": DCP_SAVE,
+    "dcp_load": DCP_LOAD + "dist.destroy_process_group()\n",
+    # DCP's async save, the process group destroyed before the future's result(), exit
+    "dcp_async_destroy": DCP_STATE + "fut = dcp.async_save(dcp_state(), checkpoint_id=path)\ndist.destroy_process_group()\n",
     # torch alone: the collectives of a save's metadata exchange, then exit without destroy_process_group()
     "torch_no_destroy": ("t = torch.ones(4)\ndist.all_reduce(t)\nout = [None]\n"
                          "dist.broadcast_object_list(out if rank else ['ok'], src=0)\n"),
@@ -139,6 +148,7 @@ LIGHTNING = textwrap.dedent("""
 """)
 
 CASES = list(SCRIPTS) + ["lightning_fsdp2", "lightning_fsdp2_plain"]
+LOADS = ("load", "dcp_load")
 ABORT_RE = re.compile(r"terminate called|SIGABRT|exitcode\s*:\s*-6\b|Signals?\.SIGABRT|signal 6", re.I)
 
 
@@ -160,13 +170,19 @@ def _torchrun(script: str, args: List[str], ranks: int, timeout: float) -> Dict[
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), script, *args]
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              start_new_session=True)
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        # a hung job: end torchrun and its workers (their own session), then collect what they printed
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, _ = proc.communicate()
         rc = None
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
     return {"rc": rc, "out": out, "s": time.perf_counter() - t0}
 
 
@@ -199,9 +215,10 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
     elif case in SCRIPTS:
         with open(script, "w") as f:
             f.write(HEADER + SCRIPTS[case])
-        if case == "load":  # the checkpoint every run loads
+        if case in ("load", "dcp_load"):  # the checkpoint every run loads
             with open(os.path.join(d, "make.py"), "w") as f:
-                f.write(HEADER + "ci.save(state(), path)\ndist.barrier()\ndist.destroy_process_group()\n")
+                f.write(HEADER + ("ci.save(state(), path)\n" if case == "load" else DCP_SAVE)
+                        + "dist.barrier()\ndist.destroy_process_group()\n")
             made = _torchrun(os.path.join(d, "make.py"), [prepared, str(mib)], ranks, timeout)
             if made["rc"] != 0:
                 return {"case": case, "ranks": ranks, "error": "making the checkpoint failed",
@@ -213,12 +230,12 @@ def run_case(case: str, ranks: int, runs: int, work: str, mib: float, timeout: f
         if case.startswith("lightning"):
             args = ["fsdp2" if case == "lightning_fsdp2" else "plain", prepared]
         else:
-            args = [prepared if case == "load" else target, str(mib)]
+            args = [prepared if case in LOADS else target, str(mib)]
         run = _torchrun(script, args, ranks, timeout)
         kind = _outcome(run)
         counts[kind] += 1
         seconds.append(float(run["s"]))
-        if case in SCRIPTS and case not in ("load", "torch_no_destroy") and _committed(target):
+        if case in SCRIPTS and case not in LOADS + ("torch_no_destroy",) and _committed(target):
             committed += 1
         if kind != "clean":
             failures.append({"run": i, "kind": kind, "rc": run["rc"], "output": str(run["out"])[-4000:]})
@@ -236,7 +253,7 @@ def _table(results: List[Dict[str, object]]) -> str:
         if "error" in r:
             lines.append(f"{r['case']:<22}{r['ranks']:>6}  {r['error']}")
             continue
-        saves = r["case"] in SCRIPTS and r["case"] not in ("load", "torch_no_destroy")
+        saves = r["case"] in SCRIPTS and r["case"] not in LOADS + ("torch_no_destroy",)
         lines.append(f"{r['case']:<22}{r['ranks']:>6}{r['runs']:>6}{r['clean']:>8}{r['abort']:>9}{r['failed']:>7}"
                      f"{r['hung']:>6}{(str(r['committed']) if saves else '-'):>11}{r['mean_s']:>8.1f}")
     return "\n".join(lines)

@@ -48,6 +48,8 @@ def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_g
             if on_poll is not None:
                 on_poll(procs)
             time.sleep(0.1 if on_poll is not None else 0.2)
+        if on_poll is not None:  # once more: ranks that ended since the last call (all may end in one interval)
+            on_poll(procs)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -69,6 +69,14 @@ SCRIPTS = {
             os._exit(0)
         raise SystemExit("the abandoned save did not fail")
     """),
+    # the same without wait(), after destroy_process_group() on the rank that stays: its exit handler
+    # must log what happened (abandoned, why, that nothing was committed), not an "internal error"
+    "async_destroy_abandon": textwrap.dedent("""
+        req = ci.save(state(), path, async_sharded_save=True)
+        if rank == 1:
+            os._exit(0)
+        dist.destroy_process_group()
+    """),
 }
 
 
@@ -132,6 +140,16 @@ def test_async_save_abandoned_by_a_rank_says_so(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "ABANDONED:" in out and str(ck) in out and "internal error" not in out, out[-3000:]
     assert not (ck / "metadata.json").exists()  # nothing committed
+    # no wait(), the default group destroyed first: logged at exit, truthfully (issue 23 item 0: the
+    # log called it "internal error: chunks of ['a'] were written but no rank planned them")
+    ck = tmp_path / "abandoned_after_destroy"
+    proc = _run(tmp_path, "async_destroy_abandon", str(ck))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"the async save to {ck} was abandoned on rank 0" in out, out[-3000:]
+    assert "called destroy_process_group() before wait()/close()" in out and "Nothing was committed there" in out, out[-3000:]
+    assert "internal error" not in out and "terminate called" not in out, out[-3000:]
+    assert not (ck / "metadata.json").exists() and not any(ck.glob("*.distcp"))  # nothing committed, partial files removed
 
 
 def _private_group_lifetime(rank, world, tmp):

@@ -306,6 +306,7 @@ class AsyncCallsQueue:
         self._next_idx = 0
         self._closed = False
         self._groups: Dict[Any, Any] = {}
+        self._abandoned_at: Optional[float] = None  # time.monotonic() of the first abandon()
         _queues.add(self)
 
     # -- worker ------------------------------------------------------------------------
@@ -416,9 +417,10 @@ class AsyncCallsQueue:
                 self._unfinalized.remove(r)
         first: Optional[BaseException] = None
         if stuck:
+            since = time.monotonic() - (self._abandoned_at or time.monotonic())
             first = AsyncSaveAbandonedError(
-                f"the async save(s) to {', '.join(r.description for r in stuck)} did not end within "
-                f"{abandon_wait_s:.0f}s of being abandoned (a write blocked in the filesystem); nothing is committed "
+                f"the async save(s) to {', '.join(r.description for r in stuck)} had not ended "
+                f"{since:.0f}s after being abandoned (a write blocked in the filesystem); nothing is committed "
                 "there, a directory may be left behind without metadata.json (never loaded as a checkpoint)"
             )
         while self._unfinalized:
@@ -452,6 +454,8 @@ class AsyncCallsQueue:
         aborted so no commit can wait on them any longer. Returns ``True`` if every save ended
         within ``wait_s``. Local; call it on every rank (e.g. all ranks' grace periods end).
         """
+        if self._abandoned_at is None:
+            self._abandoned_at = time.monotonic()
         for req in list(self._unfinalized):
             first = not req.cancelled
             if req.cancel(reason) and first:
@@ -600,6 +604,9 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
             raise  # the save's own outcome (every rank's errors, or this rank's write error)
         # a collective of the commit failed: another rank is gone, or the group was aborted
         why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
+        if not dist.is_distributed():  # say so: a user reading "abandoned" after destroy_process_group() blames it
+            why += (" (this rank had called destroy_process_group() before wait()/close(); that alone does not "
+                    "abandon a save, whose commit runs on the library's own group, but every rank must let it finish)")
         cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'collective failed'}"
         if plan.committed:  # rank 0 committed it; only telling the other ranks failed
             logger.warning("the async save to %s is committed, but the other ranks could not be told (%s; %s)",
