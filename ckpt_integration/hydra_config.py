@@ -101,7 +101,7 @@ class MemoryConfig:
     job_id: Optional[str] = None
     ranks_per_node: Optional[int] = None
     persist_every_n: Optional[int] = None
-    sigterm_grace_s: float = 60.0
+    sigterm_grace_s: Optional[float] = None  # null: what is left of checkpoint.sigterm_grace_s
 
 
 @dataclass
@@ -117,6 +117,9 @@ class CheckpointConfig:
     durable: bool = True
     balance: bool = True
     trusted: bool = False
+    # after a SIGTERM: the async save in flight commits within this many seconds or is abandoned
+    # (null: wait however long it takes); keep it below the scheduler's grace before SIGKILL
+    sigterm_grace_s: Optional[float] = 25.0
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
@@ -209,6 +212,10 @@ def _config_errors(cfg: Any) -> List[str]:
         v = OmegaConf.select(cfg, path)
         if v is not None and v < 1:
             errors.append(f"{path}={v} must be >= 1")
+    for path in ("checkpoint.sigterm_grace_s", "checkpoint.memory.sigterm_grace_s"):
+        v = OmegaConf.select(cfg, path)
+        if v is not None and v < 0:
+            errors.append(f"{path}={v} must be >= 0 (or null)")
     if errors:  # the checks below divide by these values
         return errors
     tp, pp, dp = (OmegaConf.select(cfg, f"parallel.{k}") for k in ("tp", "pp", "dp"))

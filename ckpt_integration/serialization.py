@@ -89,7 +89,12 @@ def save(
             collective planning and a host snapshot of the tensors; the write and
             the commit run in the background (``request.wait()`` to block; errors
             surface there, at the next save or at ``close()`` of ``async_queue``,
-            default: a process-wide queue with one save in flight).
+            default: a process-wide queue with one save in flight). **Every rank must
+            let the save finish**: ``wait()``, ``close()`` of the queue, or a normal
+            interpreter exit (which waits for it, also after ``destroy_process_group()``,
+            since the commit runs on the library's own group). A rank killed or leaving
+            with ``os._exit`` first abandons it: the other ranks raise (or, at exit, log)
+            ``AsyncSaveAbandonedError`` naming the path, and nothing is committed there.
         thread_count: writer threads (and files) per rank; default: the cores
             per local rank (at most 4).
         balance: spread the writing of replicated shards over all replicas

@@ -5,7 +5,8 @@ with its heavy imports done: ``tests.forked.start_script``; ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_*`` set; the rank's own session, output in
 ``<tmp>/<name>-rank<r>.log``) and returns ``(return codes, outputs, logs)``, where ``outputs[r]`` is
 the JSON the rank wrote to ``<cfg['out']>-rank<r>.json`` (``{}`` if none). With ``victim`` set, the
-others get ``survivor_grace`` seconds once it has exited. Deadlines scale with the load measured
+others get ``survivor_grace`` seconds once it has exited. ``on_poll(procs)``, if given, is called
+every 0.1 s while ranks run (to signal them from outside, as a scheduler does). Deadlines scale with the load measured
 at launch (:func:`tests.dist_utils.slowdown`); everything left is SIGKILLed.
 """
 
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_grace=30.0, ranks_per_node=None,
-           extra_path=()):
+           extra_path=(), on_poll=None):
     from tests.dist_utils import free_port, slowdown
     from tests.forked import kill, start_script
 
@@ -42,7 +43,11 @@ def launch(script, tmp, name, cfg, world, victim=None, timeout=120.0, survivor_g
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if victim is not None and procs[victim].poll() is not None:
                 deadline = min(deadline, time.monotonic() + survivor_grace * factor)
-            time.sleep(0.2)
+            if on_poll is not None:
+                on_poll(procs)
+            time.sleep(0.1 if on_poll is not None else 0.2)
+        if on_poll is not None:  # once more: ranks that ended since the last call (all may end in one interval)
+            on_poll(procs)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -368,12 +368,76 @@ def _dist_failures(rank, world, root):
     assert out["meta"] == {"iteration": 5}
 
 
+def _dist_abandon(rank, world, root):
+    """A save that cannot finish within ``close(timeout=...)`` is abandoned on every rank (preemption,
+    issue 23.5); a checkpoint committed by rank 0 is never removed because telling the others failed."""
+    import ckpt_integration.storage.torch_dist as torch_dist
+    from ckpt_integration.errors import AsyncSaveAbandonedError, DistributedCheckpointingError
+    from ckpt_integration.execution import dist as cdist
+
+    w, emb, rep = torch.randn(ROWS, COLS), torch.randn(ROWS, COLS), torch.arange(6, dtype=torch.float32)
+    kept = os.path.join(root, "kept")
+    with AsyncCallsQueue() as q:
+        async_save_torch_dist(_dist_state(rank, world, w, emb, rep), kept, queue=q).wait()
+    before = _load_dist(kept, rank, world)
+    # 1) an overwrite of ``kept`` whose writes take 0.5 s an item, closed with a 0.2 s limit
+    real_item = torch_dist.save_tensor
+
+    def slow_item(t, writer):
+        time.sleep(0.5)
+        return real_item(t, writer)
+
+    torch_dist.save_tensor = slow_item
+    try:
+        q = AsyncCallsQueue()
+        async_save_torch_dist(_dist_state(rank, world, w + 1, emb + 1, rep + 1), kept, queue=q, overwrite=True)
+        t0 = time.monotonic()
+        with pytest.raises((AsyncSaveAbandonedError, DistributedCheckpointingError), match="abandoned") as e:
+            q.close(timeout=0.2)
+        took = time.monotonic() - t0
+    finally:
+        torch_dist.save_tensor = real_item
+    assert "still running 0s after the queue was closed" in str(e.value) or "abandoned on rank" in str(e.value), e.value
+    assert took < scaled_timeout(3.0), took  # one item (0.5 s) at most after the limit, not the whole write
+    dist.barrier()
+    assert not [n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n], os.listdir(root)  # staging removed
+    after = _load_dist(kept, rank, world)
+    for k in before:
+        assert torch.equal(before[k], after[k]) if isinstance(before[k], torch.Tensor) else before[k] == after[k], k
+    # 2) rank 0 commits, then the group fails before the others hear of it: the checkpoint stays
+    real_bcast = cdist.broadcast_object
+
+    def fail_after_commit(obj, src=0, group=None):
+        if threading.current_thread().name == "ckpt-async-save" and isinstance(group, cdist.PrivateGroup):
+            group.abort("test: the group failed right after the commit")
+            raise RuntimeError("injected: the status broadcast failed")
+        return real_bcast(obj, src, group)
+
+    if rank == 0:
+        cdist.broadcast_object = fail_after_commit
+    try:
+        q = AsyncCallsQueue()
+        req = async_save_torch_dist(_dist_state(rank, world, w, emb, rep), os.path.join(root, "committed"), queue=q)
+        if rank == 0:
+            req.wait()  # committed: not an error on the rank that committed
+        else:
+            with pytest.raises(AsyncSaveAbandonedError, match="committed if and only if"):
+                req.wait()
+        q.close()
+    finally:
+        cdist.broadcast_object = real_bcast
+    dist.barrier()
+    assert torch.equal(_load_dist(os.path.join(root, "committed"), rank, world)["w"], w)
+
+
 def _dist_all(rank, world, root):
     from tests.test_async_snapshot import dist_snapshot_scenarios
 
     _dist_snapshot_and_reuse(rank, world, os.path.join(root, "a"))
     dist.barrier()
     _dist_failures(rank, world, os.path.join(root, "b"))
+    dist.barrier()
+    _dist_abandon(rank, world, os.path.join(root, "d"))
     dist.barrier()
     dist_snapshot_scenarios(rank, world, os.path.join(root, "c"))  # last: it gates the background copies
 

@@ -6,6 +6,13 @@ when ``save``/``load``/an async save's commit return or when the interpreter exi
 thread inside a collective or a tensor copy at teardown aborts the process with SIGABRT,
 ``terminate called without an active exception``).
 
+``save`` then exit without ``destroy_process_group()`` aborted one rank in 2 of 8 runs here (issue 23.0):
+the gloo worker thread that ran the save's last broadcast still held its tensors when the helper
+returned; their Python objects were dropped, so the worker freed them itself, needed the GIL while
+the interpreter was finalizing, and was torn down inside a destructor (core dump: ``~AsyncBroadcastWork``
+-> ``THPVariable_dealloc`` -> ``take_gil`` -> ``pthread_exit`` -> ``std::terminate``). The helpers now
+return only once the worker let go (``dist.settle``), checked directly by the last test here.
+
 The async cases failed before the library's async commits ran on a group of its own:
 ``destroy_process_group()`` right after ``save(..., async_sharded_save=True)`` tore the
 commit's group down, and the save was lost with a message about an "internal error".
@@ -39,6 +46,8 @@ def state(fill=True):
 SCRIPTS = {
     # the plain pattern: save, tear the process group down, exit (no barrier after the save)
     "save": "ci.save(state(), path)\ndist.destroy_process_group()\n",
+    # ... or without destroy_process_group(): the process groups are torn down with the interpreter
+    "save_no_destroy": "ci.save(state(), path)\n",
     "load": (
         "out = ci.load(state(False), path)\n"
         "assert torch.equal(out['a'], state()['a'].data) and out['step'] == 7\n"
@@ -59,6 +68,14 @@ SCRIPTS = {
             print("ABANDONED:", e, flush=True)
             os._exit(0)
         raise SystemExit("the abandoned save did not fail")
+    """),
+    # the same without wait(), after destroy_process_group() on the rank that stays: its exit handler
+    # must log what happened (abandoned, why, that nothing was committed), not an "internal error"
+    "async_destroy_abandon": textwrap.dedent("""
+        req = ci.save(state(), path, async_sharded_save=True)
+        if rank == 1:
+            os._exit(0)
+        dist.destroy_process_group()
     """),
 }
 
@@ -99,7 +116,8 @@ RUNS = 3
 def test_save_and_load_then_exit_exit_cleanly_every_time(tmp_path):
     for i in range(RUNS):
         ck = str(tmp_path / f"ck{i}")
-        _assert_clean(_run(tmp_path, "save", ck), f"save-then-exit run {i}")
+        case = "save_no_destroy" if i % 2 else "save"
+        _assert_clean(_run(tmp_path, case, ck), f"{case} run {i}")
         _check_checkpoint(ck)
     for i in range(RUNS):
         _assert_clean(_run(tmp_path, "load", str(tmp_path / "ck0")), f"load-then-exit run {i}")
@@ -122,6 +140,16 @@ def test_async_save_abandoned_by_a_rank_says_so(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "ABANDONED:" in out and str(ck) in out and "internal error" not in out, out[-3000:]
     assert not (ck / "metadata.json").exists()  # nothing committed
+    # no wait(), the default group destroyed first: logged at exit, truthfully (issue 23 item 0: the
+    # log called it "internal error: chunks of ['a'] were written but no rank planned them")
+    ck = tmp_path / "abandoned_after_destroy"
+    proc = _run(tmp_path, "async_destroy_abandon", str(ck))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"the async save to {ck} was abandoned on rank 0" in out, out[-3000:]
+    assert "called destroy_process_group() before wait()/close()" in out and "Nothing was committed there" in out, out[-3000:]
+    assert "internal error" not in out and "terminate called" not in out, out[-3000:]
+    assert not (ck / "metadata.json").exists() and not any(ck.glob("*.distcp"))  # nothing committed, partial files removed
 
 
 def _private_group_lifetime(rank, world, tmp):
@@ -149,3 +177,64 @@ def test_private_group_is_closed_with_its_queue(tmp_path):
     from tests.dist_utils import run_distributed
 
     run_distributed(_private_group_lifetime, 2, str(tmp_path))
+
+
+def _backend_lets_go_of_every_tensor(rank, world, tmp):
+    """After each collective helper returns, no worker thread of the process group still holds a tensor
+    it was given (it would free the Python object itself, which aborts the process when that happens
+    during interpreter teardown: ``terminate called without an active exception``). Measured before
+    the fix: the gloo worker still held the tensor after 20-28 % of small broadcasts had returned."""
+    import torch.distributed as dist
+
+    from ckpt_integration.execution import dist as cdist
+
+    given = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    given.append(a)
+                elif isinstance(a, (list, tuple)):
+                    given.extend(x for x in a if isinstance(x, torch.Tensor))
+            return fn(*args, **kwargs)
+        return call
+
+    class Recorder:  # the private group's backend, recording what it is handed
+        def __init__(self, pg):
+            self.pg = pg
+
+        def __getattr__(self, name):
+            return recording(getattr(self.pg, name)) if name != "barrier" else getattr(self.pg, name)
+
+    names = ("broadcast", "all_gather", "all_to_all_single", "all_reduce", "gather")
+    saved = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, recording(saved[n]))
+    private = cdist.new_private_group(None)
+    real_backend = cdist.PrivateGroup.backend
+    cdist.PrivateGroup.backend = lambda self: Recorder(real_backend(self))
+    try:
+        held = 0
+        for i in range(60):
+            for group in (None, private):
+                given.clear()
+                cdist.broadcast_object({"i": i}, src=0, group=group)
+                cdist.all_gather_object(i, group=group)
+                cdist.all_reduce_ints([i, rank], "max", group=group)
+                cdist.gather_object(i, dst=0, group=group)
+                cdist.all_to_all_bytes({r: b"x" * (i + r) for r in range(world)}, group=group)
+                assert given, "nothing recorded"
+                held += sum(1 for t in given if t._use_count() > 1)
+        assert held == 0, f"rank {rank}: the process group still held {held} tensors after the helpers returned"
+    finally:
+        for n in names:
+            setattr(dist, n, saved[n])
+        cdist.PrivateGroup.backend = real_backend
+        private.close()
+
+
+def test_collective_helpers_return_after_the_backend_let_go_of_their_tensors(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_backend_lets_go_of_every_tensor, 2, str(tmp_path))

@@ -148,6 +148,8 @@ class AsyncRequest:
         self._finalized = False
         self._reported = False  # the failure was raised to the caller once
         self._finalize_lock = threading.Lock()
+        self._cancel_reason: Optional[str] = None
+        self._cancellable = False  # whether async_fn honours cancel() (the library's own saves do)
 
     # -- worker side -------------------------------------------------------------------
     def _run(self) -> None:
@@ -189,6 +191,32 @@ class AsyncRequest:
         if ok:
             maybe_remove_hook()
         return ok
+
+    def cancel(self, reason: str) -> bool:
+        """Abandon the save if it is still running: its write stops before the next item and its
+        commit fails on every rank (one rank's abandoned write fails the commit everywhere), so
+        nothing is committed, the coordinator removes what was written and earlier checkpoints
+        stay as they were. ``wait()`` then raises :class:`AsyncSaveAbandonedError` with ``reason``.
+        Local; returns ``False`` when there is nothing to cancel (already done, or a request that
+        cannot be cancelled). A save already past its write may still commit."""
+        if self.is_done() or not self._cancellable:
+            return False
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
+        return True
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called while the save was running."""
+        return self._cancel_reason is not None
+
+    def _check_cancelled(self, checkpoint_dir: str, rank: int) -> None:
+        """The writer's stop check (called before each item it writes)."""
+        if self._cancel_reason is not None:
+            raise AsyncSaveAbandonedError(
+                f"the async save to {checkpoint_dir} was abandoned on rank {rank}: {self._cancel_reason}. "
+                "Nothing was committed there and what it wrote is removed; earlier checkpoints are untouched"
+            )
 
     def exception(self) -> Optional[BaseException]:
         """The background failure, once done (``None`` if it succeeded or is still running)."""
@@ -278,6 +306,7 @@ class AsyncCallsQueue:
         self._next_idx = 0
         self._closed = False
         self._groups: Dict[Any, Any] = {}
+        self._abandoned_at: Optional[float] = None  # time.monotonic() of the first abandon()
         _queues.add(self)
 
     # -- worker ------------------------------------------------------------------------
@@ -370,9 +399,30 @@ class AsyncCallsQueue:
         """Requests scheduled and not yet finalized."""
         return len(self._unfinalized)
 
-    def close(self) -> None:
-        """Wait for and finalize every request, stop the worker; raise the first failure."""
+    def close(self, timeout: Optional[float] = None, abandon_wait_s: float = 5.0) -> None:
+        """Wait for and finalize every request, stop the worker; raise the first failure.
+
+        ``timeout`` bounds the wait (a preemption's grace period): saves still running after
+        ``timeout`` seconds are abandoned (:meth:`abandon`, which may take ``abandon_wait_s`` more)
+        and raise :class:`AsyncSaveAbandonedError`; nothing is committed for them and earlier
+        checkpoints are untouched. Every rank should close with the same bound, as every rank
+        takes part in each commit. ``None`` waits as long as the saves take.
+        """
+        stuck: List[AsyncRequest] = []
+        if timeout is not None and not self._idle(timeout):
+            self.abandon(f"still running {timeout:.0f}s after the queue was closed with a time limit",
+                         wait_s=abandon_wait_s)
+            stuck = [r for r in self._unfinalized if not r.is_done()]
+            for r in stuck:  # a write blocked in the filesystem: leave it to the (daemon) worker
+                self._unfinalized.remove(r)
         first: Optional[BaseException] = None
+        if stuck:
+            since = time.monotonic() - (self._abandoned_at or time.monotonic())
+            first = AsyncSaveAbandonedError(
+                f"the async save(s) to {', '.join(r.description for r in stuck)} had not ended "
+                f"{since:.0f}s after being abandoned (a write blocked in the filesystem); nothing is committed "
+                "there, a directory may be left behind without metadata.json (never loaded as a checkpoint)"
+            )
         while self._unfinalized:
             req = self._unfinalized[0]
             try:
@@ -389,10 +439,33 @@ class AsyncCallsQueue:
                 with self._cv:
                     self._jobs.append(None)
                     self._cv.notify()
-                self._worker.join()
+                self._worker.join(None if not stuck else 1.0)
             self._close_groups("the async queue was closed")
         if first is not None:
             raise first
+
+    def abandon(self, reason: str, wait_s: float = 5.0) -> bool:
+        """Abandon every save of this queue that is still running (see :meth:`AsyncRequest.cancel`).
+
+        Each one's write stops before its next item and its commit fails on every rank, so
+        nothing is committed, rank 0 removes what was written and earlier checkpoints stay as
+        they were. When some save has not ended ``wait_s`` seconds later (a write blocked in the
+        filesystem, or another rank that does not take part), the queue's process groups are
+        aborted so no commit can wait on them any longer. Returns ``True`` if every save ended
+        within ``wait_s``. Local; call it on every rank (e.g. all ranks' grace periods end).
+        """
+        if self._abandoned_at is None:
+            self._abandoned_at = time.monotonic()
+        for req in list(self._unfinalized):
+            first = not req.cancelled
+            if req.cancel(reason) and first:
+                logger.warning("abandoning the async save to %s: %s", req.description, reason)
+        if self._idle(wait_s):
+            return True
+        for g in self._groups.values():
+            if isinstance(g, dist.PrivateGroup):
+                g.abort(f"async saves abandoned ({reason})")
+        return self._idle(1.0)
 
     def _close_groups(self, reason: str) -> None:
         groups, self._groups = self._groups, {}
@@ -416,10 +489,11 @@ class AsyncCallsQueue:
         if self._closed:
             return
         if not self._idle(timeout):
-            for g in self._groups.values():
-                if isinstance(g, dist.PrivateGroup):
-                    g.abort(f"interpreter exit: async saves still running after {timeout:.0f}s ({EXIT_TIMEOUT_ENV})")
-        self.close()
+            self.abandon(f"interpreter exit: still running after {timeout:.0f}s ({EXIT_TIMEOUT_ENV})")
+        if any(not r.is_done() for r in self._unfinalized):
+            self.close(timeout=0.0, abandon_wait_s=0.0)  # what did not end is left to its daemon thread
+        else:
+            self.close()
 
     def __enter__(self) -> "AsyncCallsQueue":
         return self
@@ -529,13 +603,23 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
         if isinstance(e, CheckpointingException) or e is plan.local_exc:
             raise  # the save's own outcome (every rank's errors, or this rank's write error)
         # a collective of the commit failed: another rank is gone, or the group was aborted
+        why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
+        if not dist.is_distributed():  # say so: a user reading "abandoned" after destroy_process_group() blames it
+            why += (" (this rank had called destroy_process_group() before wait()/close(); that alone does not "
+                    "abandon a save, whose commit runs on the library's own group, but every rank must let it finish)")
+        cause = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'collective failed'}"
+        if plan.committed:  # rank 0 committed it; only telling the other ranks failed
+            logger.warning("the async save to %s is committed, but the other ranks could not be told (%s; %s)",
+                           plan.checkpoint_dir, why, cause)
+            return
         if plan.rank == 0:
             cleanup_failed(plan.write_dir, plan.staging)
-        why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
+        outcome = ("Nothing was committed there; earlier checkpoints are untouched" if plan.rank == 0 or not plan.commit_started
+                   else f"rank 0 was committing it when the group failed: it is committed if and only if "
+                        f"{plan.checkpoint_dir}/metadata.json exists; earlier checkpoints are untouched")
         raise AsyncSaveAbandonedError(
             f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist.own_global_rank(plan.group)}: {why} "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'collective failed'}). "
-            "Nothing was committed there; earlier checkpoints are untouched. Every rank must let its async saves "
+            f"({cause}). {outcome}. Every rank must let its async saves "
             "finish (request.wait(), queue.close() or a normal exit) - see docs/strategies.md, 'Exiting with a save in flight'"
         ) from e
 
@@ -589,6 +673,9 @@ def async_save_torch_dist(
     t3 = time.perf_counter()
     req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
     req.snapshot = snap
+    req._cancellable = True
+    rank = dist.own_global_rank(group)
+    plan.stop = lambda: req._check_cancelled(str(checkpoint_dir), rank)
     if snap is not None:
         snap.start()
     q._submit(req)

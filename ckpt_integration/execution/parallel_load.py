@@ -381,6 +381,7 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Any)
     flat = buf.reshape(-1).view(torch.uint8)
     if u.needers == tuple(range(size)):
         tdist.broadcast(flat, src=_global(group, u.reader), group=group)
+        dist.settle([flat])  # the worker thread must not be the one to free ``flat`` (see dist.settle)
     elif rank == u.reader:
         works = [
             tdist.isend(flat, dst=_global(group, r), group=group, tag=u.index % (1 << 30))

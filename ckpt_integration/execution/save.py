@@ -87,6 +87,9 @@ class SavePlan:
     written: List[WrittenItem] = field(default_factory=list)
     local_error: Optional[str] = None
     local_exc: Optional[BaseException] = None
+    stop: Optional[Callable[[], None]] = None  # raises to abandon the write (async saves, preemption)
+    committed: bool = False  # the coordinator committed it (metadata.json is in place)
+    commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
 
 
 # Coordinator: the claim (marker lock) of each save in progress, by write directory.
@@ -302,11 +305,13 @@ def write_local(plan: SavePlan) -> None:
     if plan.local_error:
         return
     try:
+        if plan.stop is not None:
+            plan.stop()
         if plan.backend == "zarr":
             plan.written = write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
         else:
             plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
-                                            separation_hint=plan.separation_hint)
+                                            separation_hint=plan.separation_hint, stop=plan.stop)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
         plan.local_error, plan.local_exc = _describe(e), e
@@ -530,6 +535,7 @@ def finalize_save(plan: SavePlan) -> None:
             plan.local_error, plan.local_exc = _describe(e), e
         message = encode_finalize(plan.local_error, [], [])
     results = dist.gather_bytes(message, dst=dist.coordinator_rank(plan.group), group=plan.group)
+    plan.commit_started = True
     status: Optional[str] = None
     if plan.rank == 0:
         try:
@@ -543,6 +549,7 @@ def finalize_save(plan: SavePlan) -> None:
                     check_layout=plan.backend == "torch_dist",
                 )
                 _commit(plan, layout)
+                plan.committed = True
         except Exception as e:
             e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
             status = f"rank 0 (commit): {_describe(e)}"

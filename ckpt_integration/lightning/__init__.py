@@ -3,8 +3,9 @@
 See ``docs/lightning.md``. Modules, each importing only those before it (``tests/test_layers.py``):
 ``paths`` (checkpoint directories), ``io`` (:class:`DistCkptIO`), ``entries`` (RNG states and other
 non-model entries), ``memory`` (memory snapshots), ``callbacks``, ``fsdp`` (FSDP1 state), ``stock``
-(importing stock Lightning checkpoints), ``strategy``, ``connect`` (the plugin on stock strategies),
-``fabric`` (Lightning Fabric), ``loading`` (:func:`load_from_checkpoint`).
+(importing stock Lightning checkpoints), ``preemption`` (SIGTERM and SLURM requeue on every rank at
+once), ``strategy``, ``connect`` (the plugin on stock strategies), ``fabric`` (Lightning Fabric),
+``loading`` (:func:`load_from_checkpoint`).
 """
 
 from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint
@@ -21,6 +22,7 @@ from .io import DistCkptIO, UnsupportedStrategyError, start_async_save
 from .loading import load_checkpoint_dict, load_from_checkpoint
 from .memory import DistCkptMemorySnapshots
 from .paths import is_complete_checkpoint, latest_complete_checkpoint, resolve_checkpoint_path
+from .preemption import DistCkptPreemption
 from .strategy import (
     DistCkptDDPStrategy,
     DistCkptFSDPStrategy,
@@ -46,6 +48,7 @@ __all__ = [
     "DistCkptAsyncFinalizer",
     "DistCkptModelCheckpoint",
     "DistCkptMemorySnapshots",
+    "DistCkptPreemption",
     "UnsupportedStrategyError",
     "check_strategy",
     "start_async_save",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 from enum import Enum
 from typing import Any, Callable, Dict, List, Optional
 
@@ -12,6 +14,7 @@ import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import serialization
+from ..errors import CheckpointingException
 from ..execution import dist
 from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from ..optimizer import load_optimizer_state
@@ -98,7 +101,16 @@ class DistCkptIO(CheckpointIO):
             (``memory-step=<step>.ckpt`` next to ``ModelCheckpoint``'s, the two newest kept),
             in the background, from the snapshot.
         memory_sigterm_grace_s: on SIGTERM, how long to wait for the newest snapshot to become
-            durable (``preempted-step=<step>.ckpt``) before the process exits anyway.
+            durable (``preempted-step=<step>.ckpt``) before the process exits anyway (default: what is
+            left of ``sigterm_grace_s``).
+        sigterm_grace_s: after a SIGTERM (a scheduler's preemption notice), the longest the plugin
+            takes before the process may exit: the async save in flight is committed if it completes
+            within it, otherwise it is abandoned (its writes stop, nothing is committed there, what it
+            wrote is removed, earlier checkpoints and top-k bookkeeping stay as they were). Counted
+            from the signal; choose it below the scheduler's own grace before SIGKILL (SLURM's
+            ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``, torchrun's 30 s), which is
+            why the default is 25 s. ``None`` waits for the save however long it takes. See
+            docs/lightning.md, "Preemption".
         memory: the ``memory_*`` options as one mapping without the prefix (``{"every_n_train_steps":
             10, "replicas": 2}``): what Hydra's ``checkpoint.memory.*`` group passes.
     """
@@ -121,8 +133,9 @@ class DistCkptIO(CheckpointIO):
         memory_job_id: Optional[str] = None,
         memory_ranks_per_node: Optional[int] = None,
         memory_persist_every_n: Optional[int] = None,
-        memory_sigterm_grace_s: float = 60.0,
+        memory_sigterm_grace_s: Optional[float] = None,
         memory: Optional[Any] = None,
+        sigterm_grace_s: Optional[float] = 25.0,
     ):
         if memory is not None:
             given = _memory_options(memory)
@@ -167,9 +180,51 @@ class DistCkptIO(CheckpointIO):
         self.memory_job_id = memory_job_id
         self.memory_ranks_per_node = memory_ranks_per_node
         self.memory_persist_every_n = None if memory_persist_every_n is None else int(memory_persist_every_n)
-        self.memory_sigterm_grace_s = float(memory_sigterm_grace_s)
+        self.memory_sigterm_grace_s = None if memory_sigterm_grace_s is None else float(memory_sigterm_grace_s)
+        if sigterm_grace_s is not None and float(sigterm_grace_s) < 0:
+            raise ValueError(f"DistCkptIO: sigterm_grace_s must be >= 0 (or None), got {sigterm_grace_s}")
+        self.sigterm_grace_s = None if sigterm_grace_s is None else float(sigterm_grace_s)
+        self.preempted_at: Optional[float] = None  # time.monotonic() of the first SIGTERM (DistCkptPreemption)
+        self._grace_timer: Optional[threading.Timer] = None
         self.memory_tier: Any = None  # the MemoryCheckpoints, made collectively when first needed
         self._memory_last_requested = False  # set while resolving ckpt_path="last"
+
+    def note_preemption(self, at: Optional[float] = None) -> None:
+        """Start the grace period (the first SIGTERM's time; later ones do not extend it).
+
+        Safe in a signal handler. When the grace period is bounded, a timer abandons the async
+        saves still running shortly before it ends (:meth:`_abandon_in_flight`), wherever the
+        training thread is then (it may itself be waiting for such a save to make room).
+        """
+        if self.preempted_at is not None:
+            return
+        self.preempted_at = time.monotonic() if at is None else at
+        if self.sigterm_grace_s is not None:
+            delay = max(0.0, self.preempted_at + self.sigterm_grace_s - self._grace_reserve() - time.monotonic())
+            self._grace_timer = threading.Timer(delay, self._abandon_in_flight)
+            self._grace_timer.name = "ckpt-sigterm-grace"
+            self._grace_timer.daemon = True
+            self._grace_timer.start()
+
+    def _grace_reserve(self) -> float:
+        """The end of the grace period kept for stopping, agreeing and cleaning up an abandoned save."""
+        return min(5.0, 0.2 * (self.sigterm_grace_s or 0.0))
+
+    def _abandon_in_flight(self) -> None:
+        queue = self._queue
+        if queue is not None and not queue._closed:
+            queue.abandon(f"preempted: not finished within sigterm_grace_s={self.sigterm_grace_s:g}s of the SIGTERM",
+                          wait_s=max(0.5, self._grace_reserve()))
+
+    def grace_left(self, cap: Optional[float] = None) -> Optional[float]:
+        """Seconds left of ``sigterm_grace_s`` since the SIGTERM (``cap`` if smaller); ``None``: no
+        bound (no SIGTERM, or ``sigterm_grace_s=None``, and no ``cap``)."""
+        left = None
+        if self.preempted_at is not None and self.sigterm_grace_s is not None:
+            left = max(0.0, self.preempted_at + self.sigterm_grace_s - time.monotonic())
+        if cap is not None:
+            left = cap if left is None else min(left, cap)
+        return left
 
     @property
     def memory_enabled(self) -> bool:
@@ -203,8 +258,25 @@ class DistCkptIO(CheckpointIO):
         if self._queue is None:
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
         self._ensure_check_group()
+        if not self._make_room(path):
+            return
         req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend})
         self._requests.append(req)
+
+    def _make_room(self, path: str) -> bool:
+        """Wait for room in the queue (``max_in_flight``) as the save would. The earlier save's failure is
+        raised, except after a SIGTERM (which may arrive during this wait): then the grace period may have
+        abandoned it; that is logged and this save is not started. Every rank decides alike, since a
+        save's outcome is agreed by its commit."""
+        try:
+            self._queue._make_room()
+        except CheckpointingException as e:
+            if self.preempted_at is None:
+                raise
+            self._deferred_removals.clear()
+            logger.error("SIGTERM: not starting the save to %s: the save before it was not committed (%s)", path, e)
+            return False
+        return True
 
     def load_sharded(self, request: Dict[str, Any], path: str, **overrides: Any) -> Dict[str, Any]:
         """Load ``request`` (collective) with this plugin's load strategy and safety settings."""
@@ -219,12 +291,14 @@ class DistCkptIO(CheckpointIO):
         load_optimizer_state(optimizer, model_sd, os.fspath(path), prefix=prefix, module=module, **kw)
 
     # -- async bookkeeping -----------------------------------------------------------------------
-    def _ensure_check_group(self) -> None:
+    def _ensure_check_group(self) -> Any:
         # A private gloo group of the library (not registered with torch: closed in teardown(),
         # nothing left for the interpreter's teardown). Not the queue's own: the queue's worker
-        # runs the commit's collectives on that one concurrently with this check.
+        # runs the commit's collectives on that one concurrently with this check. Collective the
+        # first time (every rank calls it at the same point: a save, a batch end).
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
             self._check_group = dist.new_private_group(None)
+        return self._check_group
 
     @property
     def num_unfinalized(self) -> int:
@@ -264,6 +338,9 @@ class DistCkptIO(CheckpointIO):
                 first = first or e
         if first is not None:
             self._deferred_removals.clear()  # keep older checkpoints when the newer one failed
+            if self.preempted_at is not None:  # going down for the preemption: say it, do not crash the exit
+                logger.error("SIGTERM: an async save was not committed: %s", first)
+                return len(reqs)
             raise first
         self._run_deferred_removals()
         return len(reqs)
@@ -324,9 +401,21 @@ class DistCkptIO(CheckpointIO):
             storage.remove_any(p)
 
     def teardown(self) -> None:
-        """Wait for and finalize every async save (raises a failed one), then stop the worker."""
+        """Wait for and finalize every async save (raises a failed one), then stop the worker.
+
+        After a SIGTERM the wait is bounded by what is left of ``sigterm_grace_s``: a save that
+        cannot commit in time is abandoned, and its outcome is logged, not raised (the process
+        is exiting for the preemption; the earlier checkpoints are what a restart resumes from).
+        """
+        left = self.grace_left()
+        timer, self._grace_timer = self._grace_timer, None
+        if timer is not None:
+            timer.cancel()
         try:
-            self.maybe_finalize(blocking=True, collective=False)
+            if left is None:
+                self.maybe_finalize(blocking=True, collective=False)
+            else:
+                self._finish_within(left)
         finally:
             try:
                 if self._queue is not None:
@@ -339,6 +428,32 @@ class DistCkptIO(CheckpointIO):
                 if self.memory_tier is not None:  # snapshots stay in memory for a restart
                     tier, self.memory_tier = self.memory_tier, None
                     tier.close()
+
+    def _finish_within(self, left: float) -> None:
+        """Preempted: commit the saves in flight that finish within ``left`` seconds, abandon the rest."""
+        reqs, self._requests = self._requests, []
+        queue, self._queue = self._queue, None
+        if queue is None:
+            self._run_deferred_removals()
+            return
+        reserve = self._grace_reserve()
+        t0 = time.monotonic()
+        failed: Optional[BaseException] = None
+        try:
+            queue.close(timeout=max(0.0, left - reserve), abandon_wait_s=max(0.5, reserve))
+        except BaseException as e:  # noqa: BLE001 - logged below; the process is exiting
+            failed = e
+        for r in reqs:
+            exc = r.exception() if r.is_done() else failed
+            if exc is None:
+                logger.info("SIGTERM: the async save to %s is committed (%.1fs after the notice)", r.description,
+                            time.monotonic() - (self.preempted_at or t0))
+            else:
+                logger.error("SIGTERM: the async save to %s was not committed: %s", r.description, exc)
+        if failed is not None or any(r.exception() is not None or not r.is_done() for r in reqs):
+            self._deferred_removals.clear()  # keep the checkpoints it would have replaced
+            return
+        self._run_deferred_removals()
 
 
 def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: Dict[str, Any]) -> Any:

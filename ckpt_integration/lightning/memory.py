@@ -6,7 +6,8 @@
   steps, at ``on_train_batch_end`` like ``ModelCheckpoint(every_n_train_steps=N)``; optionally
   makes every M-th snapshot durable (:meth:`MemoryCheckpoints.persist`, in the background);
   on a SIGTERM (Lightning stops every rank at the same batch) makes the newest complete
-  snapshot durable within ``memory_sigterm_grace_s``; removes the job's snapshots when ``fit``
+  snapshot durable within ``memory_sigterm_grace_s`` (default: what is left of the plugin's
+  ``sigterm_grace_s``); removes the job's snapshots when ``fit``
   finishes.
 * :func:`restore_newest` (called by the strategy's ``load_checkpoint``, collective) for
   ``ckpt_path="last"`` (which also offers the memory tier as a candidate, see
@@ -236,6 +237,8 @@ class DistCkptMemorySnapshots(Callback):
             return
         tier = io.memory_tier
         outcome: Dict[str, Any] = {}
+        io.note_preemption()  # (already noted when the plugin saw the signal)
+        grace = io.memory_sigterm_grace_s if io.memory_sigterm_grace_s is not None else io.grace_left()
 
         def work() -> None:  # every rank is here (Lightning stops all ranks at the same batch)
             try:
@@ -250,13 +253,13 @@ class DistCkptMemorySnapshots(Callback):
 
         th = threading.Thread(target=work, name="ckpt-memory-preempt", daemon=True)
         th.start()
-        th.join(io.memory_sigterm_grace_s)
+        th.join(grace)
         if "step" in outcome:
             logger.info("rank %d: SIGTERM: memory snapshot of step %d is durable in %s", trainer.global_rank,
                         outcome["step"], _checkpoint_dir(trainer))
         else:
-            logger.error("rank %d: SIGTERM: the newest memory snapshot could not be made durable within %.0fs",
-                         trainer.global_rank, io.memory_sigterm_grace_s)
+            logger.error("rank %d: SIGTERM: the newest memory snapshot could not be made durable within %s",
+                         trainer.global_rank, "the grace period" if grace is None else f"{grace:.0f}s")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         io = self._io(trainer)

@@ -17,7 +17,9 @@ from ..storage.filesystem import base_name, join, parent_of, storage_for
 
 logger = logging.getLogger(__name__)
 
-_LAST_RE = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
+# names whose incomplete directory falls back to the newest complete sibling: ``last`` (ModelCheckpoint)
+# and ``hpc_ckpt_<n>`` (Lightning's SLURM requeue save, which a restart on SLURM picks by its number)
+_LAST_RE = re.compile(r"^(last(-v\d+)?|hpc_ckpt_\d+)(\.ckpt)?$")
 
 
 def is_complete_checkpoint(path: Any) -> bool:
@@ -38,7 +40,8 @@ def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "
 
 
 def resolve_checkpoint_path(path: str) -> str:
-    """``path`` if complete; for an incomplete ``last*.ckpt`` the newest complete sibling; else raise.
+    """``path`` if complete; for an incomplete ``last*.ckpt`` or ``hpc_ckpt_<n>.ckpt`` the newest complete
+    sibling; else raise.
 
     Works for local paths and fsspec URLs (``s3://...``, ``memory://...``).
     """

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .. import serialization
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
+from ..execution import dist as cdist
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict
 from ..tools.recipe import export_recipe_object
@@ -22,6 +23,7 @@ from .entries import RNG_KEY, model_key_report, rng_from_safe, rng_to_safe, shar
 from .io import MARKER, DistCkptIO
 from .memory import DistCkptMemorySnapshots, restore_newest
 from .paths import resolve_checkpoint_path
+from .preemption import DistCkptPreemption
 from .stock import load_stock_checkpoint, stock_layout
 
 logger = logging.getLogger(__name__)
@@ -164,6 +166,8 @@ class DistCkptStrategyMixin(Strategy):
         io = self.dist_checkpoint_io()
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
+        if not any(isinstance(cb, DistCkptPreemption) for cb in trainer.callbacks):
+            trainer.callbacks.append(DistCkptPreemption())  # after ModelCheckpoint: a save of this step starts first
         if io.memory_enabled:
             if not any(isinstance(cb, DistCkptMemorySnapshots) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, DistCkptMemorySnapshots())
@@ -296,6 +300,23 @@ class DistCkptStrategyMixin(Strategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing to do: :meth:`load_checkpoint` already loaded the optimizer states resharded."""
 
+    # -- object collectives ---------------------------------------------------------------------------
+    # Lightning's (and ModelCheckpoint's) small collectives go through these. Lightning's own build
+    # tensors in Python and drop them as soon as ``wait()`` returns, while the gloo worker thread may
+    # still hold them; when the process ends right after (a save at the end of ``fit``), that thread
+    # frees the Python tensors during interpreter teardown and aborts the process (see
+    # ``execution.dist.settle``). The library's helpers return only once the worker let go.
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` of global rank ``src`` on every rank (as Lightning's, on the world group)."""
+        return cdist.broadcast_object(obj, src=src) if cdist.is_distributed() else obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Whether every rank (``all=True``) or any rank decided ``True`` (as Lightning's)."""
+        if not cdist.is_distributed():
+            return bool(decision)
+        total = cdist.all_reduce_ints([int(bool(decision))], "sum")[0]
+        return total == cdist.get_world_size() if all else total > 0
+
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes (deferred by the plugin while an async save is in flight)."""
         if self.is_global_zero:  # type: ignore[attr-defined]
@@ -305,6 +326,10 @@ class DistCkptStrategyMixin(Strategy):
         super().on_exception(exception)  # type: ignore[misc]
         io = getattr(self, "_checkpoint_io", None)
         if isinstance(io, DistCkptIO):
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            if isinstance(exception, SIGTERMException):
+                io.note_preemption()  # the grace period bounds the wait below (noted at the signal already)
             try:
                 io.teardown()
             except BaseException as e:  # noqa: BLE001 - do not hide the original error

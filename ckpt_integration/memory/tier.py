@@ -511,8 +511,23 @@ class MemoryCheckpoints:
                 slots.remove_owner(self.root, owner)
             dist.barrier(self._group)
             slots.remove_job(self.root)
+        self._destroy_groups()
         if first is not None:
             raise first
+
+    def _destroy_groups(self) -> None:
+        """Shut this tier's own gloo groups down now (their queues are closed): left to interpreter
+        teardown, a group whose worker thread still holds a finished operation's tensors aborts the
+        process (``terminate called without an active exception``) when it needs the GIL."""
+        import torch.distributed as tdist
+
+        for g in (self._group, self._persist_group):  # (a use after close() then fails loudly)
+            if g is None:
+                continue
+            try:
+                tdist.destroy_process_group(g)
+            except (ValueError, RuntimeError, AssertionError):  # already gone with destroy_process_group()
+                pass
 
     def __enter__(self) -> "MemoryCheckpoints":
         return self

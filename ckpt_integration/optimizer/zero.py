@@ -9,6 +9,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import CheckpointingException
+from ..execution.dist import settle
 from ..mapping import (
     LocalNonpersistentObject,
     ReplicaId,
@@ -117,6 +118,7 @@ class ZeroShardedOptimizer:
         if self.dp_size > 1:
             parts = [torch.empty(self.shard_size) for _ in range(self.dp_size)]
             tdist.all_gather(parts, local, group=self.dp_group)
+            settle([local, *parts])  # the worker thread must not be the one to free them (see settle)
             flat = torch.cat(parts)
         else:
             flat = local

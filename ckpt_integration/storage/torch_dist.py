@@ -28,7 +28,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -168,6 +168,7 @@ def write_data_files(
     durable: bool = True,
     block_size: Optional[int] = None,
     separation_hint: Optional[str] = None,
+    stop: Optional[Callable[[], None]] = None,
 ) -> List[WrittenItem]:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
@@ -176,7 +177,8 @@ def write_data_files(
     write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
     Items whose keys start with ``separation_hint`` go to files of their own,
     ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
-    by deleting those files (Megatron-Core's ``separation_hint``).
+    by deleting those files (Megatron-Core's ``separation_hint``). ``stop``, called before each
+    item, raises to abandon the write (an async save cut off by a preemption's grace period).
     """
     if not requests:
         return []
@@ -199,6 +201,8 @@ def write_data_files(
             ) from None
         with writing(path), f:
             for i in bucket:
+                if stop is not None:
+                    stop()
                 req = requests[i]
                 start = f.tell()
                 if isinstance(req.data, torch.Tensor):
