@@ -76,7 +76,8 @@ def adopt_output(parent_pid: int) -> None:
 
 
 class ScriptProcess:
-    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``returncode``) of a forked script."""
+    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``returncode``, ``send_signal``,
+    ``terminate``, ``kill``) of a forked script."""
 
     def __init__(self, proc) -> None:
         self._proc = proc
@@ -95,6 +96,19 @@ class ScriptProcess:
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._proc.exitcode
+
+    def send_signal(self, sig) -> None:
+        if self._proc.exitcode is None:  # as Popen: no signal to a process already reaped
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def start_script(script: str, args, env: dict, log: str, cwd: str) -> ScriptProcess:

@@ -143,7 +143,7 @@ class DistCkptFabricMixin(Strategy):
         return module_sharded_state_dict(module, _prefix(key), meta), None
 
     def _load_kwargs(self, io: DistCkptIO) -> Dict[str, Any]:
-        return {k: v for k, v in io._load_kwargs().items() if k not in ("allowed_globals", "trusted")}
+        return {k: v for k, v in io.load_kwargs().items() if k not in ("allowed_globals", "trusted")}
 
     # -- save ------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
@@ -241,7 +241,7 @@ class DistCkptFabricMixin(Strategy):
         """Everything but optimizer tensors: the common state, and each module's tensors whole."""
         meta = serialization.load_content_metadata(path) or {}
         out = dict(serialization.load_common_state_dict(path, trusted=io.trusted,
-                                                        allowed_globals=io._load_kwargs()["allowed_globals"]))
+                                                        allowed_globals=io.load_kwargs()["allowed_globals"]))
         out.pop(CONTENT_METADATA_KEY, None)
         modules = meta.get("modules", {MODEL_KEY: ""} if meta.get("fabric") else {"state_dict": ""})
         optimizers = meta.get("optimizers", [k for k in out if k == "optimizer" or k.startswith("optimizer_")])
@@ -259,7 +259,7 @@ class DistCkptFabricMixin(Strategy):
         return out
 
     def _load_into(self, io: DistCkptIO, path: str, state: Dict[str, Any], strict: bool) -> Dict[str, Any]:
-        meta = serialization.load_content_metadata(path, allowed_globals=io._load_kwargs()["allowed_globals"],
+        meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
                                                    trusted=io.trusted) or {}
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         request: Dict[str, Any] = {}

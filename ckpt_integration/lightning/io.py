@@ -232,7 +232,9 @@ class DistCkptIO(CheckpointIO):
         return self.memory_every_n_train_steps is not None
 
     # -- low-level API used by the strategies ----------------------------------------------------
-    def _load_kwargs(self) -> Dict[str, Any]:
+    def load_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of this plugin's loads (``allowed_globals`` with Lightning's and
+        OmegaConf's containers, ``trusted``, strategy options), for the strategies and Fabric."""
         from lightning.fabric.utilities.data import AttributeDict
 
         allowed = [AttributeDict, *self.allowed_globals]
@@ -257,7 +259,7 @@ class DistCkptIO(CheckpointIO):
             return
         if self._queue is None:
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
-        self._ensure_check_group()
+        self.ensure_check_group()
         if not self._make_room(path):
             return
         req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend})
@@ -280,18 +282,18 @@ class DistCkptIO(CheckpointIO):
 
     def load_sharded(self, request: Dict[str, Any], path: str, **overrides: Any) -> Dict[str, Any]:
         """Load ``request`` (collective) with this plugin's load strategy and safety settings."""
-        kwargs = {**self._load_kwargs(), **overrides}
+        kwargs = {**self.load_kwargs(), **overrides}
         return serialization.load(request, os.fspath(path), **kwargs)
 
     def load_optimizer(self, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str, module: Any = None) -> None:
         """Load one optimizer's state resharded for the current layout (collective)."""
-        kw = self._load_kwargs()
+        kw = self.load_kwargs()
         kw.pop("allowed_globals")
         kw.pop("trusted")
         load_optimizer_state(optimizer, model_sd, os.fspath(path), prefix=prefix, module=module, **kw)
 
     # -- async bookkeeping -----------------------------------------------------------------------
-    def _ensure_check_group(self) -> Any:
+    def ensure_check_group(self) -> Any:
         # A private gloo group of the library (not registered with torch: closed in teardown(),
         # nothing left for the interpreter's teardown). Not the queue's own: the queue's worker
         # runs the commit's collectives on that one concurrently with this check. Collective the
@@ -377,7 +379,7 @@ class DistCkptIO(CheckpointIO):
             if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
                 return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
         common = dict(serialization.load_common_state_dict(path, trusted=self.trusted,
-                                                           allowed_globals=self._load_kwargs()["allowed_globals"]))
+                                                           allowed_globals=self.load_kwargs()["allowed_globals"]))
         tensors = serialization.load_plain_tensors(path, trusted=self.trusted)
         common["state_dict"] = {k: v for k, v in tensors.items() if not k.startswith("optimizer")}
         return common

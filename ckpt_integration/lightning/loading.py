@@ -52,7 +52,7 @@ def load_checkpoint_dict(
     path = resolve_checkpoint_path(os.fspath(checkpoint_dir))
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
     common = dict(serialization.load_common_state_dict(path, trusted=trusted,
-                                                       allowed_globals=io._load_kwargs()["allowed_globals"]))
+                                                       allowed_globals=io.load_kwargs()["allowed_globals"]))
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     out = _lightning_part(common, int(meta.get("num_optimizers", 0)))
     tensors = serialization.load_plain_tensors(path, trusted=trusted)
@@ -114,7 +114,7 @@ def load_from_checkpoint(
         return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, **kwargs)
     path = resolve_checkpoint_path(path)
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
-    allowed = io._load_kwargs()["allowed_globals"]
+    allowed = io.load_kwargs()["allowed_globals"]
     common = dict(serialization.load_common_state_dict(path, trusted=trusted, allowed_globals=allowed))
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     checkpoint = _lightning_part(common, int(meta.get("num_optimizers", 0)))

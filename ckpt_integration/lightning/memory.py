@@ -61,7 +61,7 @@ def tier_for(strategy: Any) -> Any:
     if io.memory_tier is None:
         trainer = strategy.lightning_module.trainer
         rpn = io.memory_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or trainer.num_devices
-        kw = io._load_kwargs()
+        kw = io.load_kwargs()
         io.memory_tier = MemoryCheckpoints(_dir(io), memory_job_id(io, trainer), replicas=io.memory_replicas,
                                            ranks_per_node=rpn, trusted=kw["trusted"],
                                            allowed_globals=kw["allowed_globals"])
@@ -138,7 +138,7 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
 
 
 def _common_kw(io: DistCkptIO) -> Dict[str, Any]:
-    kw = io._load_kwargs()
+    kw = io.load_kwargs()
     return {"trusted": kw["trusted"], "allowed_globals": kw["allowed_globals"]}
 
 

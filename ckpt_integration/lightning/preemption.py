@@ -118,7 +118,7 @@ class DistCkptPreemption(Callback):
         flags = [1 if self._deferred[s].pending is not None else 0 for s in order]
         io = _io(trainer)
         if io is not None and trainer.world_size > 1:
-            group = io._ensure_check_group()
+            group = io.ensure_check_group()
             if group is not None:
                 flags = dist.all_reduce_ints(flags, "max", group)
         return [s for s, f in zip(order, flags) if f]

@@ -143,7 +143,7 @@ class DistCkptStrategyMixin(Strategy):
 
     def _load_optimizer(self, io: DistCkptIO, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str) -> None:
         if self._is_fsdp1():
-            kw = {k: v for k, v in io._load_kwargs().items() if k not in ("allowed_globals", "trusted")}
+            kw = {k: v for k, v in io.load_kwargs().items() if k not in ("allowed_globals", "trusted")}
             fsdp.load_optimizer(self.model, _unwrap_optimizer(optimizer), model_sd, path, prefix, **kw)  # type: ignore[attr-defined]
             return
         io.load_optimizer(optimizer, model_sd, path, prefix, module=self.lightning_module)
@@ -235,7 +235,7 @@ class DistCkptStrategyMixin(Strategy):
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
         path = resolve_checkpoint_path(path)
-        meta = serialization.load_content_metadata(path, allowed_globals=io._load_kwargs()["allowed_globals"],
+        meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
                                                    trusted=io.trusted) or {}
         request: Dict[str, Any] = {"state_dict": model_sd}
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
