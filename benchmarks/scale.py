@@ -52,16 +52,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ckpt_integration.planning.exchange import (  # noqa: E402
-    Written,
     assign_writes,
     detail_requests,
     chunk_owner_step,
-    commit_layout,
-    decode_finalize,
-    encode_finalize,
     key_owner_step,
     route_shards,
 )
+from ckpt_integration.planning.written import WrittenTable, commit_layout, encode_finalize, gather_finalize  # noqa: E402
 from ckpt_integration.planning.boxes import Box  # noqa: E402
 from ckpt_integration.planning.shards import ShardMeta, object_storage_key  # noqa: E402
 
@@ -389,10 +386,10 @@ def simulate_save(layout: GPTLayout, commit_dir: str, samples: int = 3) -> Dict[
     }
 
 
-def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> List[Written]:
+def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> WrittenTable:
     """The items ``write_data_files`` would report: ``threads`` files, archives of nbytes + ~1 KiB."""
     pos = [0] * threads
-    out = []
+    out = WrittenTable()
     for i, m in enumerate(metas):
         f = i % threads
         length = m.nbytes + 1088 if m.kind == "tensor" else 900
@@ -400,11 +397,11 @@ def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> Li
             # one CRC32 per 1 MiB block of the data, as write_data_files records them for the manifest
             nblocks = -(-m.nbytes // (1 << 20))
             blocks = (64, m.nbytes, 1 << 20, [(rank * 7919 + i * 31 + b) & 0xFFFFFFFF for b in range(nblocks)])
-            out.append(Written(m.key, m.offsets, m.sizes, f"__{rank}_{f}.distcp", pos[f], length,
-                               (rank * 7919 + i) & 0xFFFFFFFF, blocks))
+            out.append(m.key, m.offsets, m.sizes, f"__{rank}_{f}.distcp", pos[f], length,
+                       (rank * 7919 + i) & 0xFFFFFFFF, blocks)
         else:
-            out.append(Written(object_storage_key(m.key, m.offsets, m.global_shape), None, None, f"__{rank}_{f}.distcp",
-                               pos[f], length, i))
+            out.append(object_storage_key(m.key, m.offsets, m.global_shape), None, None, f"__{rank}_{f}.distcp",
+                       pos[f], length, i)
         pos[f] += length
     return out
 
@@ -416,8 +413,8 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
     os.makedirs(commit_dir, exist_ok=True)
 
     def run():
-        decoded = [decode_finalize(m) for m in fin_msgs]
-        lay = commit_layout([w for _, ws, _ in decoded for w in ws], [s for _, _, ss in decoded for s in ss])
+        _errors, written, summaries = gather_finalize(fin_msgs)
+        lay = commit_layout(written, summaries)
         plan = SavePlan(rank=0, world_size=layout.world, group=None, checkpoint_dir=commit_dir, write_dir=commit_dir,
                         staging=False, common={"iteration": 1000, "args": {"hidden": layout.hidden}}, requests=[],
                         write_metas=[], summaries=[], thread_count=2, durable=False)
@@ -428,8 +425,8 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
     lay, cpu = _timed(run, retry_above=float("inf"))  # writes files: once
     dt = time.perf_counter() - t0
     sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt")}
-    chunks = sum(len(c) for _, _, c in lay.tensors.values()) + len(lay.objects)
-    files = len({w.relative_path for w in lay.written})
+    chunks = len(lay.chunk_items) + len(lay.object_items)
+    files = len(set(lay.written.file.tolist()))
     return {"time": dt, "cpu": cpu, "chunks": chunks, "files": files, "sizes": sizes, "input_bytes": sum(map(len, fin_msgs))}
 
 

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError, MismatchError, SaveConflictError, UnsafeCheckpointError
 from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
+from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
@@ -163,7 +164,7 @@ def write_data_files(
     durable: bool = True,
     block_size: Optional[int] = None,
     separation_hint: Optional[str] = None,
-) -> List[WrittenItem]:
+) -> WrittenTable:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
     Tensor items get block CRC32s (``block_size``) besides their whole-item CRC32. A failed
@@ -173,16 +174,16 @@ def write_data_files(
     by deleting those files (Megatron-Core's ``separation_hint``).
     """
     if not requests:
-        return []
+        return WrittenTable()
     block_size = block_size or BLOCK_SIZE
     storage, directory = storage_for(directory)
     groups = _separate(requests, separation_hint, thread_count)
     buckets = [b for _, b in groups]
 
-    def write_bucket(index: int, bucket: List[int]) -> List[WrittenItem]:
+    def write_bucket(index: int, bucket: List[int]) -> WrittenTable:
         name = data_file_name(rank, index, groups[index][0])
         path = join(directory, name)
-        out = []
+        out = WrittenTable()
         try:
             f = storage.open_write(path, exclusive=True)
         except FileExistsError:
@@ -194,6 +195,7 @@ def write_data_files(
             for i in bucket:
                 req = requests[i]
                 start = f.tell()
+                sizes = None
                 if isinstance(req.data, torch.Tensor):
                     t = _standalone(req.data)
                     w = BlockCrcWriter(f, t, block_size)
@@ -202,11 +204,12 @@ def write_data_files(
                     except Exception as e:
                         raise (w.error or e) from e  # torch wraps the OSError of a full disk
                     crc, blocks = w.finish()
+                    sizes = tuple(t.shape) if req.offsets is not None else None
                 else:
                     w = CrcWriter(f)
                     w.write(req.data)
                     crc, blocks = w.crc, None
-                out.append(WrittenItem(req.storage_key, req.offsets, name, start, f.tell() - start, crc, blocks))
+                out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, crc, blocks)
             storage.sync(f, durable)
         return out
 
@@ -216,7 +219,10 @@ def write_data_files(
         with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckpt-write") as pool:
             futures = [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]
             results = [f.result() for f in futures]
-    return [item for r in results for item in r]
+    out = WrittenTable()
+    for r in results:
+        out.extend(r)
+    return out
 
 
 def make_dcp_metadata(
