@@ -202,3 +202,13 @@ def test_table_batch_reads_many_messages_like_one_by_one():
     assert list(zip(names, rows[1].tolist())) == one_by_one
     with pytest.raises(ValueError):
         TableBatch([msgs[0][:-4]], {3: lambda nd: 2})
+
+
+def test_finalize_digests_of_32_and_64_bits_survive_the_trip():
+    """Block digests go as one 32-bit word each when they fit (CRC32), as two words otherwise
+    (64-bit digests); messages of both kinds gathered together keep every value."""
+    a, b = WrittenTable(), WrittenTable()
+    a.append("k", (0,), (4,), "f", 0, 10, (1 << 32) - 1, (1, 2, 3, [(1 << 32) - 1, 5, 1 << 31]))
+    b.append("k2", (0,), (4,), "g", 1 << 40, 10, (1 << 64) - 1, (1, 2, 3, [1 << 40, (1 << 64) - 1]))
+    _, cols, _ = gather_finalize([encode_finalize(None, a, []), encode_finalize(None, b, []), encode_finalize(None, a, [])])
+    assert cols.items() == a.items() + b.items() + a.items()

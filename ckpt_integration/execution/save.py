@@ -164,20 +164,17 @@ def _check_savable(shards: List[ShardedBase]) -> None:
             )
 
 
-def _requests_for(shards: List[ShardedBase], metas_to_write: List[ShardMeta]) -> List[WriteRequest]:
-    by_id = {}
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            by_id.setdefault((sh.key, sh.global_offset), sh)
-        else:
-            by_id.setdefault((sh.unique_key, sh.global_offset), sh)
+def _requests_for(shards: List[ShardedBase], metas: List[ShardMeta], to_write: List[int]) -> List[WriteRequest]:
+    """The write requests of the chunks ``to_write`` (indices into ``metas``, which describe ``shards``
+    one for one)."""
     out = []
-    for m in metas_to_write:
-        sh = by_id[m.chunk_id]
+    for i in to_write:
+        sh, m = shards[i], metas[i]
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-            out.append(WriteRequest(m.storage_key, m.offsets, sh.data.reshape(m.sizes)))
+            data = sh.data
+            out.append(WriteRequest(m.key, m.offsets, data if data.shape == m.sizes else data.reshape(m.sizes)))
         else:
             out.append(WriteRequest(m.storage_key, None, torch_dumps([sh.data])))
     return out
@@ -257,7 +254,7 @@ def prepare_save(
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
     requests: List[WriteRequest] = []
     try:
-        requests = _requests_for(shards, write_metas)
+        requests = _requests_for(shards, metas, planned.to_write)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     if backend == "zarr":

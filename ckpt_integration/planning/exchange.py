@@ -46,7 +46,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .digests import halves, joined, mix, string_digests
-from .records import MessageWriter, decode, decode_array, digest64, encode_runs, put_table, read_tables
+from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables
 from .shards import ShardMeta, object_storage_key
 
 KIND_CODES = {"tensor": 0, "object": 1}
@@ -199,47 +199,35 @@ def decode_shards(msg: bytes) -> List[ShardMeta]:
 class _Inbox:
     """The full and compact records a chunk owner received, as arrays (strings interned)."""
 
-    def __init__(self) -> None:
-        self.strings: List[str] = []
-        self.ids: Dict[str, int] = {}
-        self.full: Dict[int, List[np.ndarray]] = defaultdict(list)  # nd -> rows (src, idx, key, kind, dtype, flags, geo)
-        self.compact: List[np.ndarray] = []  # rows (src, idx, digest low, digest high, flags)
+    def __init__(self, inbox: Iterable[bytes]) -> None:
+        src_of: List[int] = []
 
-    def lut(self, strings: List[str]) -> np.ndarray:
-        ids = self.ids
-        out = []
-        for s in strings:
-            i = ids.get(s)
-            if i is None:
-                i = ids[s] = len(self.strings)
-                self.strings.append(s)
-            out.append(i)
-        return np.asarray(out, dtype=np.int64)
+        def prefix(i: int, ints: List[int], p: int) -> int:
+            src_of.append(ints[p])
+            return p + 1
 
-    def add(self, msg: bytes) -> None:
-        strings, ints = decode_array(msg)
-        if len(ints) == 0:
-            return
-        src = ints[0]
-        lut = self.lut(strings) if strings else np.zeros(0, dtype=np.int64)
-        for tag, nd, block in read_tables(ints, 1, WIDTHS):
-            n = block.shape[1]
+        batch = TableBatch(inbox, WIDTHS, prefix)
+        src = np.asarray(src_of, dtype=np.int64)
+        self.strings: List[str] = batch.strings
+        self.full: Dict[int, np.ndarray] = {}  # nd -> rows (src, idx, key, kind, dtype, flags, geo)
+        compact = [np.zeros((0, 5), dtype=np.int64)]  # rows (src, idx, digest low, digest high, flags)
+        for tag, nd in batch.tables:
             if tag == FULL:
-                rows = np.empty((n, 6 + 3 * nd), dtype=np.int64)
-                rows[:, 0] = src
+                msg, block = batch.rows(tag, nd, WIDTHS[FULL](nd))
+                rows = np.empty((block.shape[1], 6 + 3 * nd), dtype=np.int64)
+                rows[:, 0] = src[msg]
                 rows[:, 1] = block[0]
-                rows[:, 2] = lut[block[1]]
+                rows[:, 2] = batch.global_ids(msg, block[1])
                 rows[:, 3] = block[2]
-                rows[:, 4] = lut[block[3]]
+                rows[:, 4] = batch.global_ids(msg, block[3])
                 rows[:, 5:] = block[4:].T
-                self.full[nd].append(rows)
+                self.full[nd] = rows
             elif tag == COMPACT:
-                rows = np.empty((n, 5), dtype=np.int64)
-                rows[:, 0] = src
-                rows[:, 1:] = block.T
-                self.compact.append(rows)
+                msg, block = batch.rows(tag, nd, WIDTHS[COMPACT](nd))
+                compact.append(np.concatenate([src[msg][:, None], block.T], axis=1))
             else:
                 raise ValueError(f"unexpected table {tag} in a holder's message")
+        self.compact = np.concatenate(compact)
 
 
 class _Out:
@@ -307,20 +295,17 @@ def chunk_owner_step(
     stay O(1) per chunk however large the replica group.
     """
     world = max(world, 1)
-    box = _Inbox()
-    for msg in inbox:
-        box.add(msg)
+    box = _Inbox(inbox)
     strings = box.strings
     sdig = string_digests(strings)
     kowner = np.fromiter((key_owner(s, world) for s in strings), dtype=np.int64, count=len(strings))
-    compact = np.concatenate(box.compact) if box.compact else np.zeros((0, 5), dtype=np.int64)
+    compact = box.compact
     cdig = joined(compact[:, 2], compact[:, 3]) if len(compact) else np.zeros(0, dtype=np.uint64)
     claimed = np.zeros(len(compact), dtype=bool)  # compact copies matched to a chunk
     fwd, ans = _Out(), _Answers()
     general: List[Tuple[int, np.ndarray, np.ndarray]] = []  # (nd, rows of one chunk, compact rows matched)
     unmatched_by_digest: Dict[int, List[int]] = defaultdict(list)
-    for nd, parts in sorted(box.full.items()):
-        rows = np.concatenate(parts)
+    for nd, rows in sorted(box.full.items()):
         key, kind, flags = rows[:, 2], rows[:, 3], rows[:, 5]
         geo = rows[:, 6:]
         # chunk identity: key, kind, offsets, (object) global shape; records of a chunk by (rank, idx)
@@ -492,16 +477,10 @@ def _general_chunk(
 # --------------------------------------------------------------------------- holder: write assignment
 def _answers(replies: Iterable[bytes]) -> np.ndarray:
     """Every reply row as one array ``(m, 4)``: idx, holder-set digest, set size, position."""
-    parts = []
-    for msg in replies:
-        _, ints = decode_array(msg)
-        for tag, _nd, block in read_tables(ints, 0, WIDTHS):
-            if tag != ANSWER:
-                raise ValueError(f"unexpected table {tag} in a chunk owner's reply")
-            parts.append(block)
-    if not parts:
-        return np.zeros((0, 4), dtype=np.int64)
-    b = np.concatenate(parts, axis=1)
+    batch = TableBatch(replies, WIDTHS)
+    if any(tag != ANSWER for tag, _ in batch.tables):
+        raise ValueError("unexpected table in a chunk owner's reply")
+    _, b = batch.rows(ANSWER, 0, WIDTHS[ANSWER](0))
     out = np.empty((b.shape[1], 4), dtype=np.int64)
     out[:, 0] = b[0]
     out[:, 1] = joined(b[1], b[2]).view(np.int64)

@@ -87,7 +87,8 @@ class WrittenTable:
 
 # finalize message tables
 ITEMS, COORDS, BLOCK_DIGESTS = 11, 12, 13
-_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: 2}
+# BLOCK_DIGESTS: ``nd`` 32-bit words per digest (1: all fit 32 bits, as CRC32s do; 2: low, high)
+_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd}
 
 
 def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[Written]],
@@ -124,7 +125,11 @@ def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[
     if coords:
         put_table(w, COORDS, 0, [np.asarray(coords, dtype=np.int64)])
     if block_digests:
-        put_table(w, BLOCK_DIGESTS, 0, [halves(np.asarray(block_digests, dtype=np.uint64))])
+        bd = np.asarray(block_digests, dtype=np.uint64)
+        if int(bd.max()) < 1 << 32:  # one (signed) 32-bit word each
+            put_table(w, BLOCK_DIGESTS, 1, [bd.astype(np.uint32).view(np.int32).astype(np.int64)])
+        else:
+            put_table(w, BLOCK_DIGESTS, 2, [halves(bd)])
     return w.tobytes()
 
 
@@ -227,13 +232,18 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     ncoords = np.where(nd < 0, 0, nd * (1 + has_sizes))
     nblocks = it[11]
     _, coords = batch.rows(COORDS, 0, 1)
-    _, bdig = batch.rows(BLOCK_DIGESTS, 0, 2)
+    # block digests, in message order: one word each, or two (low, high)
+    parts = sorted([(i, start, cnt, nd) for (tag, nd) in batch.tables if tag == BLOCK_DIGESTS
+                    for i, start, cnt in batch.tables[(tag, nd)]])
+    ints = batch.ints
+    bdig = np.concatenate([(ints[s : s + c] & 0xFFFFFFFF).astype(np.uint64) if nd == 1 else joined(ints[s : s + c], ints[s + c : s + 2 * c])
+                           for _, s, c, nd in parts]) if parts else np.zeros(0, dtype=np.uint64)
     cols = WrittenColumns(
         strings=strings, key=it[0], nd=nd, has_sizes=has_sizes,
         coord_pos=np.cumsum(ncoords) - ncoords, coords=coords[0],
         file=it[3], start=it[4], length=it[5], digest=joined(it[6], it[7]),
         data_offset=it[8], data_length=it[9], block_size=it[10], nblocks=nblocks,
-        block_pos=np.cumsum(np.maximum(nblocks, 0)) - np.maximum(nblocks, 0), block_digests=joined(bdig[0], bdig[1]),
+        block_pos=np.cumsum(np.maximum(nblocks, 0)) - np.maximum(nblocks, 0), block_digests=bdig,
     )
     if len(cols.coords) != int(ncoords.sum()) or len(cols.block_digests) != int(np.maximum(nblocks, 0).sum()):
         raise ValueError("finalize messages have inconsistent item tables")

@@ -23,6 +23,7 @@ objects as before.
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import functools
 import inspect
@@ -55,12 +56,13 @@ BININT1, BININT2, BININT, LONG1 = b"K", b"M", b"J", b"\x8a"
 
 # memo slots of the globals and field names (BINGET: 2 bytes each)
 _GLOBALS = [
-    (Metadata, None), (TensorStorageMetadata, None), (ChunkStorageMetadata, None), (MetadataIndex, None),
-    (_StorageInfo, None), (torch.Size, None), (BytesStorageMetadata, None),
+    Metadata, TensorStorageMetadata, ChunkStorageMetadata, MetadataIndex, _StorageInfo, torch.Size,
+    BytesStorageMetadata, TensorProperties,
 ]
-G_TSM, G_CSM, G_MI, G_SI, G_SIZE, G_BSM = 1, 2, 3, 4, 5, 6
-F_PROPERTIES, F_SIZE, F_CHUNKS = 7, 8, 9
-_RELOC_BASE = 16  # relocated fragments (envelope, TensorProperties) use memo slots from here
+G_TSM, G_CSM, G_MI, G_SI, G_SIZE, G_BSM, G_TP = 1, 2, 3, 4, 5, 6, 7
+F_PROPERTIES, F_SIZE, F_CHUNKS = 8, 9, 10
+_RELOC_BASE = 16  # relocated fragments (envelope, TensorProperties states) use memo slots from here
+_STATE_BASE = 512  # the TensorProperties state of each dtype (one shared tuple per dtype)
 _STRINGS_BASE = 1024  # then the key and file name strings
 
 
@@ -79,7 +81,7 @@ def supported() -> bool:
             and all(getattr(c, "__reduce__") is object.__reduce__ and "__getstate__" not in c.__dict__
                     and "__slots__" not in c.__dict__ for c in (TensorStorageMetadata, BytesStorageMetadata))
         )
-        return ok and _envelope() is not None
+        return ok and _envelope() is not None and bool(_properties_state("float32"))
     except Exception:  # noqa: BLE001 - any surprise: use the object path
         return False
 
@@ -180,17 +182,23 @@ def _envelope() -> Optional[Tuple[bytes, bytes, bytes, bytes]]:
     return body[:a], body[a:b], body[b:c], body[c:]
 
 
-_PROPERTIES_BASE = _RELOC_BASE + 128  # TensorProperties fragments (each relocated to the same slots)
+_PROPERTIES_BASE = _RELOC_BASE + 128  # scratch slots of a TensorProperties state's own pickle
 
 
 @functools.lru_cache(maxsize=64)
-def _properties(dtype_name: str) -> bytes:
+def _properties_state(dtype_name: str) -> bytes:
+    """The pickle opcodes of the state of ``TensorProperties(dtype)`` (what its ``__setstate__``
+    takes): every key of that dtype shares this (immutable) tuple, built once on load."""
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype_name!r}")
-    frag = _relocate(pickletools.optimize(pickle.dumps(TensorProperties(dtype=dtype), protocol=4)), _PROPERTIES_BASE)
-    if frag is None or _PROPERTIES_BASE + _memo_slots(frag) > _STRINGS_BASE:
-        raise ValueError(f"cannot relocate the pickle of TensorProperties({dtype_name})")
+    rv = TensorProperties(dtype=dtype).__reduce_ex__(4)
+    if not (rv[0] is copyreg.__newobj__ and rv[1] == (TensorProperties,) and isinstance(rv[2], tuple)
+            and all(x is None for x in rv[3:])):
+        raise ValueError("TensorProperties does not pickle as NEWOBJ + a state tuple")
+    frag = _relocate(pickletools.optimize(pickle.dumps(rv[2], protocol=4)), _PROPERTIES_BASE)
+    if frag is None or _PROPERTIES_BASE + _memo_slots(frag) > _STATE_BASE:
+        raise ValueError(f"cannot relocate the pickle of TensorProperties({dtype_name})'s state")
     return frag
 
 
@@ -268,6 +276,11 @@ def _get_record(rec: _Record, slots: np.ndarray) -> None:
     rec.values[name] = slots
 
 
+def _rows(rec: _Record) -> np.ndarray:
+    """The records as a ``(n, width)`` uint8 array."""
+    return np.frombuffer(rec.tobytes(), dtype=np.uint8).reshape(rec.n, rec.width)
+
+
 def dumps_layout(
     keys: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Tuple[int, ...]], chunk_offsets: Dict[int, np.ndarray],
     chunk_sizes: Dict[int, np.ndarray], chunk_key: Dict[int, np.ndarray], chunk_file: Dict[int, np.ndarray],
@@ -278,52 +291,76 @@ def dumps_layout(
     objects ``object_keys``. The chunks come per number of dimensions ``nd``: ``chunk_offsets[nd]``
     and ``chunk_sizes[nd]`` (shape ``(m, nd)``), the index of each chunk's key in ``keys``
     (``chunk_key[nd]``, grouped by key in key order, offsets sorted within a key) and where it is
-    stored (index into ``files``, start, length). Objects: one per key, its storage record."""
+    stored (index into ``files``, start, length). Objects: one per key, its storage record.
+
+    Every key's entry of ``state_dict_metadata`` is a fixed-width record for the keys of one
+    (shape rank, chunk rank, chunk count): built by numpy for all of them, then put in key order.
+    """
     head, after_sd, after_pd, tail = _envelope()
     nkeys = len(keys) + len(object_keys)
     key_slot = _STRINGS_BASE
     file_slot = _STRINGS_BASE + nkeys
     parts: List[bytes] = [b"\x80\x04"]
-    for i, (cls, _) in enumerate(_GLOBALS):
+    for i, cls in enumerate(_GLOBALS):
         parts += [_str(cls.__module__), _str(cls.__qualname__), STACK_GLOBAL, _put(i), POP]
     for i, name in ((F_PROPERTIES, "properties"), (F_SIZE, "size"), (F_CHUNKS, "chunks")):
         parts += [_str(name), _put(i), POP]
+    names = sorted(set(dtypes))
+    state_slot = {d: _STATE_BASE + i for i, d in enumerate(names)}
+    for d in names:
+        parts += [_properties_state(d), _put(state_slot[d]), POP]
     for i, k in enumerate(list(keys) + list(object_keys)):
         parts += [_str(k), _put(key_slot + i), POP]
     for i, f in enumerate(files):
         parts += [_str(f), _put(file_slot + i), POP]
     parts.append(head)
-    # state_dict_metadata: per tensor key its TensorStorageMetadata, chunk records from the tables
-    chunk_bytes: Dict[int, Tuple[bytes, int, np.ndarray]] = {}
+    # the chunk records of each chunk rank, as rows of bytes: ChunkStorageMetadata(Size(offsets), Size(sizes))
+    chunk_rows: Dict[int, np.ndarray] = {}
+    nchunks = np.zeros(len(keys), dtype=np.int64)
+    first_row = np.zeros(len(keys), dtype=np.int64)
+    chunk_nd = np.full(len(keys), -1, dtype=np.int64)
     for nd, off in chunk_offsets.items():
         rec = _Record(len(off))
         rec.const(_get(G_CSM))
         _size_record(rec, off)
         _size_record(rec, chunk_sizes[nd])
         rec.const(TUPLE2 + REDUCE)
-        ck = chunk_key[nd]
-        first = np.searchsorted(ck, np.arange(len(keys) + 1))  # chunk rows of key k: [first[k], first[k + 1])
-        chunk_bytes[nd] = (rec.tobytes(), rec.width, first)
-    nd_of = {}
-    for nd, ck in chunk_key.items():
-        for k in np.unique(ck).tolist():
-            nd_of[k] = nd
-    body: List[bytes] = []
+        chunk_rows[nd] = _rows(rec)
+        ks, first, counts = np.unique(chunk_key[nd], return_index=True, return_counts=True)
+        nchunks[ks], first_row[ks], chunk_nd[ks] = counts, first, nd
+    # state_dict_metadata entries: TensorStorageMetadata(properties, size, chunks) per key
+    entries: List[bytes] = [b""] * nkeys
+    gnd = np.asarray([len(sh) for sh in shapes], dtype=np.int64)
+    group_of = np.stack([gnd, chunk_nd, nchunks], axis=1) if len(keys) else np.zeros((0, 3), dtype=np.int64)
+    for g in (np.unique(group_of, axis=0).tolist() if len(keys) else []):
+        sel = np.flatnonzero(np.all(group_of == np.asarray(g), axis=1))
+        n_g, cnd, c = g
+        rec = _Record(len(sel))
+        _get_record(rec, (key_slot + sel).astype(np.uint32))
+        rec.const(_get(G_TSM) + EMPTY_TUPLE + NEWOBJ + EMPTY_DICT + MARK + _get(F_PROPERTIES) + _get(G_TP) + EMPTY_TUPLE + NEWOBJ)
+        _get_record(rec, np.asarray([state_slot[dtypes[k]] for k in sel.tolist()], dtype=np.uint32))
+        rec.const(BUILD + _get(F_SIZE))
+        _size_record(rec, np.asarray([shapes[k] for k in sel.tolist()], dtype=np.int64).reshape(len(sel), n_g))
+        rec.const(_get(F_CHUNKS) + EMPTY_LIST + MARK)
+        blocks = [_rows(rec)]
+        if c > 0:
+            idx = first_row[sel][:, None] + np.arange(c)[None, :]
+            blocks.append(chunk_rows[cnd][idx.reshape(-1)].reshape(len(sel), -1))
+        blocks.append(np.frombuffer(APPENDS + SETITEMS + BUILD, dtype=np.uint8)[None, :].repeat(len(sel), axis=0))
+        data = np.concatenate(blocks, axis=1)
+        width = data.shape[1]
+        flat = data.tobytes()
+        for j, k in enumerate(sel.tolist()):
+            entries[k] = flat[j * width : (j + 1) * width]
+    if object_keys:  # BytesStorageMetadata() per object key
+        rec = _Record(len(object_keys))
+        _get_record(rec, np.arange(key_slot + len(keys), key_slot + nkeys, dtype=np.uint32))
+        rec.const(_get(G_BSM) + EMPTY_TUPLE + NEWOBJ)
+        flat, width = rec.tobytes(), rec.width
+        for j in range(len(object_keys)):
+            entries[len(keys) + j] = flat[j * width : (j + 1) * width]
     if nkeys:
-        body.append(MARK)
-    for k, key in enumerate(keys):
-        body += [_get(key_slot + k), _get(G_TSM), EMPTY_TUPLE, NEWOBJ, EMPTY_DICT, MARK,
-                 _get(F_PROPERTIES), _properties(dtypes[k]), _get(F_SIZE), _size(shapes[k]), _get(F_CHUNKS), EMPTY_LIST]
-        nd = nd_of.get(k)
-        if nd is not None:
-            data, width, first = chunk_bytes[nd]
-            body += [MARK, data[first[k] * width : first[k + 1] * width], APPENDS]
-        body += [SETITEMS, BUILD]
-    for i in range(len(object_keys)):
-        body += [_get(key_slot + len(keys) + i), _get(G_BSM), EMPTY_TUPLE, NEWOBJ]
-    if nkeys:
-        body.append(SETITEMS)
-    parts += body
+        parts += [MARK, *entries, SETITEMS]
     parts.append(after_sd)
     # planner_data: every key to (key,)
     if nkeys:
@@ -335,7 +372,7 @@ def dumps_layout(
         parts += [MARK, rec.tobytes(), SETITEMS]
     parts.append(after_pd)
     # storage_data: MetadataIndex(key, offsets) -> _StorageInfo(file, start, length)
-    entries: List[bytes] = []
+    stored: List[bytes] = []
     for nd, off in chunk_offsets.items():
         rec = _Record(len(off))
         rec.const(_get(G_MI))
@@ -346,7 +383,7 @@ def dumps_layout(
         rec.ints(chunk_start[nd])
         rec.ints(chunk_length[nd])
         rec.const(TUPLE3 + REDUCE)
-        entries.append(rec.tobytes())
+        stored.append(rec.tobytes())
     if len(object_keys):
         rec = _Record(len(object_keys))
         rec.const(_get(G_MI))
@@ -356,9 +393,9 @@ def dumps_layout(
         rec.ints(object_start)
         rec.ints(object_length)
         rec.const(TUPLE3 + REDUCE)
-        entries.append(rec.tobytes())
-    if any(entries):
-        parts += [MARK, *entries, SETITEMS]
+        stored.append(rec.tobytes())
+    if any(stored):
+        parts += [MARK, *stored, SETITEMS]
     parts += [tail, STOP]
     return b"".join(parts)
 

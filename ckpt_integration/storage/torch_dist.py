@@ -55,6 +55,7 @@ from .region_read import read_region as _read_region
 from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
+from .small_items import SmallItemWriter
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -92,16 +93,57 @@ class WrittenItem:
 
 _crc_lock = threading.Lock()
 _crc_users = 0
+_crc_local = threading.local()
+
+
+def _setting_is_per_thread() -> bool:
+    """Whether torch keeps ``serialization.config`` overrides per thread (a ``ContextVar``, as
+    torch 2.13 does): then each writer thread must switch the archive members' CRC32s off itself."""
+    cached = getattr(_setting_is_per_thread, "value", None)
+    if cached is None:
+        from torch.utils.serialization import config
+
+        before = config.save.compute_crc32
+        seen = []
+
+        def flip() -> None:
+            config.save.compute_crc32 = not before
+            seen.append(config.save.compute_crc32)
+            config.save.compute_crc32 = before
+
+        t = threading.Thread(target=flip)
+        t.start()
+        t.join()
+        cached = _setting_is_per_thread.value = config.save.compute_crc32 == before and seen == [not before]
+    return cached
 
 
 @contextlib.contextmanager
 def _archive_member_crc_disabled():
-    """torch.save CRCs every archive member single-threaded; we checksum ourselves."""
+    """torch.save CRCs every archive member single-threaded; we checksum ourselves.
+
+    Entered by every thread that writes archives: where torch keeps the setting per thread, it
+    is switched off and restored in that thread (nesting allowed); where it is process-wide, a
+    count of the writers switches it off for the first and back on after the last.
+    """
     global _crc_users
     try:
         from torch.utils.serialization import config
     except ImportError:  # older torch: nothing to switch off
         yield
+        return
+    if _setting_is_per_thread():
+        depth = getattr(_crc_local, "depth", 0)
+        if depth == 0:
+            _crc_local.saved = config.save.compute_crc32
+            config.save.compute_crc32 = False
+        _crc_local.depth = depth + 1
+        try:
+            yield
+        finally:
+            _crc_local.depth -= 1
+            if _crc_local.depth == 0:
+                config.save.compute_crc32 = _crc_local.saved
         return
     with _crc_lock:
         if _crc_users == 0:
@@ -191,9 +233,16 @@ def write_data_files(
                 f"cannot write {path}: the file exists, created by another save into the same directory "
                 "(two jobs saving to one path at once); this save is abandoned"
             ) from None
-        with writing(path), f:
+        with writing(path), f, _archive_member_crc_disabled():  # (per thread: see there)
+            small = SmallItemWriter(f, block_size)
             for i in bucket:
                 req = requests[i]
+                if isinstance(req.data, torch.Tensor) and req.offsets is not None:
+                    done = small.add(req.data)
+                    if done is not None:
+                        out.append(req.storage_key, req.offsets, tuple(req.data.shape), name, *done)
+                        continue
+                small.flush()
                 start = f.tell()
                 sizes = None
                 if isinstance(req.data, torch.Tensor):
@@ -210,6 +259,8 @@ def write_data_files(
                     w.write(req.data)
                     crc, blocks = w.crc, None
                 out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, crc, blocks)
+                small.pos = f.tell()
+            small.flush()
             storage.sync(f, durable)
         return out
 
