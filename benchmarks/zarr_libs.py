@@ -3,7 +3,7 @@
 
 Both libraries write and read the same zarr v3 arrays: no compression (one
 little-endian ``bytes`` codec), ``default`` chunk key encoding with ``/``, fill
-value 0 -- what ``ckpt_integration/storage/zarr_backend.py`` creates. Two arrays
+value 0 -- what ``ckpt_integration/storage/zarr_backend/`` creates. Two arrays
 of ``--mib`` MiB each: float32, and bfloat16 stored as int16 (as the backend does;
 zarr v3 has no bfloat16 in its core data types).
 

@@ -4,10 +4,9 @@ Every rank saves only what it owns; any checkpoint loads into any other
 parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
 """
 
-__version__ = "0.1.0"
-
-from .checkpoints import list_checkpoints  # noqa: E402
-from .errors import (  # noqa: E402
+from .version import __version__
+from .checkpoints import list_checkpoints
+from .errors import (
     AsyncSaveAbandonedError,
     CheckpointingException,
     CheckpointNotFoundError,
@@ -29,8 +28,8 @@ from .errors import (  # noqa: E402
     UntrustedObjectError,
     UnsupportedCheckpointError,
 )
-from .execution.snapshot import SnapshotModifiedError, wait_for_snapshot  # noqa: E402
-from .mapping import (  # noqa: E402
+from .execution.snapshot import SnapshotModifiedError, wait_for_snapshot
+from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
@@ -42,10 +41,10 @@ from .mapping import (  # noqa: E402
     apply_factory_merges,
     is_main_replica,
 )
-from .core import check_is_distributed_checkpoint  # noqa: E402
-from .planning.strict import StrictHandling  # noqa: E402
-from .storage.opened import OpenedCheckpoint  # noqa: E402
-from .serialization import (  # noqa: E402
+from .core import check_is_distributed_checkpoint
+from .planning.strict import StrictHandling
+from .storage.opened import OpenedCheckpoint
+from .serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
     load,
@@ -58,9 +57,9 @@ from .serialization import (  # noqa: E402
     remove_sharded_tensors,
     save,
 )
-from .storage.checkpoint_dir import CheckpointingConfig  # noqa: E402
-from .storage.safe_pickle import add_safe_globals  # noqa: E402
-from .memory import MemoryCheckpoints  # noqa: E402
+from .storage.checkpoint_dir import CheckpointingConfig
+from .storage.safe_pickle import add_safe_globals
+from .memory import MemoryCheckpoints
 
 __all__ = [
     "__version__",

@@ -19,7 +19,10 @@ import re
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import __version__
+from . import tools
+from .errors import CheckpointingException
+from .tools import format_size
+from .version import __version__
 
 EXIT_OK, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE (signal.SIGPIPE does not exist on Windows)
@@ -27,14 +30,12 @@ EXIT_BROKEN_PIPE = 128 + 13  # 128 + SIGPIPE (signal.SIGPIPE does not exist on W
 
 def _progress_factory(quiet: bool):
     """A tqdm factory writing to stderr, disabled with --quiet or when stderr is not a TTY."""
-    from . import tools
-
     if quiet or not sys.stderr.isatty():
-        return tools._no_progress
+        return tools.no_progress
     try:
         import tqdm  # noqa: F401
     except ImportError:  # pragma: no cover - tqdm is a dependency of the CLI but optional for the library
-        return tools._no_progress
+        return tools.no_progress
     return _bar_factory(sys.stderr)
 
 
@@ -46,8 +47,6 @@ _BYTES_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {
 def _bar_factory(file: Any):
     """A progress-bar factory (``tools.ProgressFactory``) drawing tqdm bars on ``file``."""
     from tqdm import tqdm
-
-    from .tools import format_size
 
     class BinaryBytesBar(tqdm):
         @property
@@ -233,9 +232,6 @@ def _run(argv: Optional[List[str]]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help / --version (0) and usage errors (2)
         return int(e.code or 0)
-    from . import tools
-    from .errors import CheckpointingException
-
     progress = _progress_factory(args.quiet)
     try:
         if args.command == "inspect":

@@ -203,7 +203,8 @@ def stack_layers(
 # ---------------------------------------------------------------------------------------------
 # DTensor
 # ---------------------------------------------------------------------------------------------
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch has none)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
@@ -352,7 +353,7 @@ def _default_entry(key: str, value: Any, rid: ReplicaId, metadata: Optional[dict
     """One ``state_dict()`` entry as saved: a tensor as a ShardedTensor (a DTensor as its shard, ``None``
     when this rank's shard is empty), anything else (``get_extra_state()`` objects, list states) as is:
     common state, taken from the first rank."""
-    if _is_dtensor(value):
+    if is_dtensor(value):
         root = metadata.get("dtensor_mesh") if metadata else None
         return dtensor_to_sharded_tensor(key, value, None if root is None else mesh_replica_index(value, root))
     if isinstance(value, torch.Tensor):
@@ -493,13 +494,13 @@ def load_into_module(module: nn.Module, loaded: Dict[str, Any], prefix: str = ""
                 storages = set()
                 for t in [*targets.values(), *module.parameters(), *module.buffers()]:
                     if isinstance(t, torch.Tensor):
-                        t = t.to_local() if _is_dtensor(t) else t
+                        t = t.to_local() if is_dtensor(t) else t
                         storages.add(t.untyped_storage().data_ptr())
             # a view of a parameter / buffer (any key) was filled in place by the load
             if value.untyped_storage().data_ptr() not in storages:
                 unplaced.append(name)
             continue
-        local = target.to_local() if _is_dtensor(target) else target
+        local = target.to_local() if is_dtensor(target) else target
         local = local.detach()
         if local.data_ptr() == value.data_ptr() and local.numel() == value.numel():
             continue
@@ -532,7 +533,7 @@ def _as_target(value: Any, target: Any) -> Any:
     its memory in place, a DTensor with the target's mesh and placements for a loaded local shard."""
     if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
         return value
-    if _is_dtensor(target) and not _is_dtensor(value):
+    if is_dtensor(target) and not is_dtensor(value):
         local = target.to_local()
         if _shares_memory(value, local) and value.data_ptr() == local.data_ptr():
             return target

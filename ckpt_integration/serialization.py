@@ -12,14 +12,16 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple, Union
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .errors import CheckpointingException
-from .execution.load import load_torch_dist
-from .execution.shared_metadata import SharedMetadata
+from .execution import dist
+from .execution.async_save import async_save_torch_dist
+from .execution.load import load_torch_dist, read_whole_tensors
 from .execution.save import CONTENT_METADATA_KEY, save_torch_dist
+from .execution.shared_metadata import SharedMetadata
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
-from .storage import checkpoint_dir as ckdir
-from .storage.filesystem import join, storage_for
+from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import read_metadata
+from .storage.filesystem import join, storage_for
 from .storage.opened import OpenedCheckpoint, open_checkpoint, reading  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
@@ -34,8 +36,6 @@ def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
 
 def default_thread_count() -> int:
     """I/O threads per rank: the machine's cores shared by the ranks on it (1..4)."""
-    from .execution import dist
-
     local = os.environ.get("LOCAL_WORLD_SIZE")
     ranks = int(local) if local else dist.get_world_size()
     return max(1, min(4, (os.cpu_count() or 1) // max(1, ranks)))
@@ -130,8 +130,6 @@ def save(
     if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
         kwargs["separation_hint"] = sharded_strategy.separation_hint
     if async_sharded_save:
-        from .execution.async_save import async_save_torch_dist
-
         return async_save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), queue=async_queue, **kwargs)
     save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), **kwargs)
     return None
@@ -319,8 +317,6 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> St
 
     Example: ``load_plain_tensors("ckpt")["embedding.weight"].shape``
     """
-    from .execution.load import read_whole_tensors
-
     if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
         with checkpoint_dir.reading() as path:
             return read_whole_tensors(path, checkpoint_dir.metadata)
@@ -395,8 +391,6 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
 
 
 def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
-    from .storage import zarr_backend
-
     index = zarr_backend.read_index(checkpoint_dir)
     zarr_backend.check_index_paths(checkpoint_dir, index)  # never delete outside the checkpoint
     tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]

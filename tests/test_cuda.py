@@ -93,6 +93,6 @@ def _two_rank_gpu_load(rank, world, root, strategy):
     assert torch.equal(rep.cpu(), torch.ones(5) * 3)
 
 
-@pytest.mark.parametrize("strategy", ["local", "fully_parallel", "two_stage"])
+@pytest.mark.parametrize("strategy", ["auto", "read_once", "local", "fully_parallel", "two_stage"])
 def test_two_ranks_load_strategies_into_gpu_tensors(tmp_path, strategy):
     run_distributed(_two_rank_gpu_load, 2, str(tmp_path), strategy, timeout=240)

@@ -523,7 +523,7 @@ def test_adam_step_scalar_restored_lazily(tmp_path):
 def _earlier_version_state(model, opt):
     """The optimizer sharded state dict as versions before in-place scalars wrote it: tensors
     under the same keys, scalars and tensor names in one ``param_state`` object per param."""
-    from ckpt_integration.optimizer.sharding import PARAM_META_KEY, _param_object, make_sharded_optimizer_tensor
+    from ckpt_integration.optimizer.sharding import PARAM_META_KEY, param_object, make_sharded_optimizer_tensor
 
     msd = model.sharded_state_dict()
     id_map = get_param_id_to_sharded_param_map(msd, list(model.parameters()))
@@ -532,7 +532,7 @@ def _earlier_version_state(model, opt):
     for pid, st in sd["state"].items():
         tensors = {n: v for n, v in st.items() if v.dim() > 0}
         entry = {n: make_sharded_optimizer_tensor(id_map[pid], v, f"optimizer.state.{n}") for n, v in tensors.items()}
-        entry[PARAM_META_KEY] = _param_object(f"optimizer.param_state.{id_map[pid].key}", id_map[pid], {
+        entry[PARAM_META_KEY] = param_object(f"optimizer.param_state.{id_map[pid].key}", id_map[pid], {
             "tensors": {n: str(v.dtype).replace("torch.", "") for n, v in tensors.items()},
             "scalars": {n: v.clone() for n, v in st.items() if v.dim() == 0}})
         state[pid] = entry

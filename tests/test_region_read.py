@@ -48,3 +48,19 @@ def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_
                     out = big[tuple(slice(1, 1 + n) for n in lens)] if rng.random() < 0.5 else torch.zeros(lens, dtype=out_dtype)
                     reader.read_region("w", chunk, Box(starts, lens), out, dtype)
                     assert torch.equal(out, want.to(out_dtype)), (shape, starts, lens, dtype, out_dtype, verify)
+
+
+def test_reads_after_the_piece_size_grows_again(tmp_path, monkeypatch):
+    """A thread's scratch buffer is sized by ``PIECE + SLACK`` when first used; reads after those
+    grow (here: the tiny pieces above undone, which made ``test_faults.py`` fail after this file)
+    must not use the smaller buffer kept from before."""
+    full = torch.arange(256 * 192, dtype=torch.float32).reshape(256, 192)
+    d = str(tmp_path / "c")
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, d, durable=False)
+    request = lambda: {"w": ShardedTensor.from_rank_offsets("w", torch.empty(256, 64), (1, 1, 3))}  # noqa: E731 - columns
+    monkeypatch.setattr(region_read, "PIECE", 512)
+    monkeypatch.setattr(region_read, "SLACK", 1024)
+    load = lambda: ci.load(request(), d, thread_count=1, validate_access_integrity=False)["w"]  # noqa: E731 - a part
+    assert torch.equal(load(), full[:, 64:128])
+    monkeypatch.undo()
+    assert torch.equal(load(), full[:, 64:128])

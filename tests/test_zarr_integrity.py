@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -326,3 +327,30 @@ def test_verify_reports_an_edited_zarr_json(ckpt, capsys, records):
     assert f"{os.path.join(ckpt, 'w', 'zarr.json')} of 'w'" in out
     assert ("is damaged: changed after the save" if records else "data type int32, expected float32") in out
 
+
+
+def test_durable_save_fsyncs_every_file_and_directory_before_the_commit_marker(tmp_path, monkeypatch):
+    """zarr's local store writes chunk files (and ``zarr.json``) without fsync: with ``durable=True``
+    every one of them, and every directory holding them, must be fsync'ed before ``metadata.json``."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):  # a file written atomically is fsync'ed under its temporary name (<name>.tmp-<pid>-<thread>)
+        synced.append(re.sub(r"\.tmp-\d+-\d+$", "", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = str(tmp_path / "ckpt")
+    state = _state()
+    state["nested"] = ShardedTensor.from_rank_offsets("model/layer/w", torch.arange(8.0 * 6).reshape(8, 6))
+    ci.save(state, path, sharded_strategy="zarr")
+    monkeypatch.undo()
+    commit = next(i for i, p in enumerate(synced) if os.path.basename(p).startswith("metadata.json"))
+    before = set(synced[:commit])
+    every = set()
+    for root, dirs, files in os.walk(path):
+        every.update(os.path.join(root, d) for d in dirs)
+        every.update(os.path.join(root, f) for f in files if f != "metadata.json")
+    missing = sorted(os.path.relpath(p, path) for p in every - before)
+    assert not missing, f"not fsync'ed before the commit marker: {missing}"
+    assert any(p.endswith(os.path.join("model", "layer", "w", "c", "0")) for p in before)

@@ -165,7 +165,7 @@ def test_vocabulary_over_tp3_round_trips_in_bf16(tmp_path):
 def test_checkpoint_with_the_old_row_chunks_still_loads(tmp_path, monkeypatch):
     """Written as before (shard-aligned gcd chunks, format-2 index without zarr.json records)."""
     path = str(tmp_path / "old")
-    monkeypatch.setattr(zb, "MIN_CHUNK_BYTES", 0)  # min(0, ...): always the aligned grid, as the old rule
+    monkeypatch.setattr(zb.index, "MIN_CHUNK_BYTES", 0)  # min(0, ...): always the aligned grid, as the old rule
     small = FULL[:301]
     ci.save({f"w{i}": _rows((0, 151, 301), i, small) for i in range(2)}, path, sharded_strategy="zarr")
     monkeypatch.undo()

@@ -75,7 +75,8 @@ import weakref
 
 from ..errors import AsyncSaveAbandonedError, CheckpointingException
 from . import dist
-from .save import SavePlan, _cleanup_failed, _describe, finalize_save, prepare_save, write_local
+from .dist import describe_error as _describe
+from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_local
 from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
 
@@ -529,10 +530,10 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
             raise  # the save's own outcome (every rank's errors, or this rank's write error)
         # a collective of the commit failed: another rank is gone, or the group was aborted
         if plan.rank == 0:
-            _cleanup_failed(plan.write_dir, plan.staging)
+            cleanup_failed(plan.write_dir, plan.staging)
         why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
         raise AsyncSaveAbandonedError(
-            f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist._global_rank(plan.group)}: {why} "
+            f"the async save to {plan.checkpoint_dir} was abandoned on rank {dist.own_global_rank(plan.group)}: {why} "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'collective failed'}). "
             "Nothing was committed there; earlier checkpoints are untouched. Every rank must let its async saves "
             "finish (request.wait(), queue.close() or a normal exit) - see docs/strategies.md, 'Exiting with a save in flight'"

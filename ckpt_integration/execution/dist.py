@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointingException, DistributedCheckpointingError
+
 logger = logging.getLogger(__name__)
 
 
@@ -163,7 +165,7 @@ def get_world_size(group: Optional[Any] = None) -> int:
     return dist.get_world_size(group) if is_distributed() else 1
 
 
-def _global_rank(group: Optional[Any]) -> int:
+def own_global_rank(group: Optional[Any]) -> int:
     """This process's global rank (a private group remembers it: the world may be destroyed)."""
     if isinstance(group, PrivateGroup):
         return group.global_rank
@@ -352,7 +354,7 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Optional[Any] = None) -> O
     if _local(group):
         return [payload]
     world, dev = get_world_size(group), _device(group)
-    at_dst = _global_rank(group) == dst
+    at_dst = own_global_rank(group) == dst
     dst_group_rank = _group_rank(group, dst)
     size_t = _ints([len(payload)], dev)
     sizes_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)] if at_dst else None
@@ -379,7 +381,7 @@ def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Optional[Any]
     if _local(group):
         return payload or b""
     dev = _device(group)
-    at_src = _global_rank(group) == src
+    at_src = own_global_rank(group) == src
     n_t = _ints([len(payload or b"") if at_src else 0], dev)
     _c_broadcast(n_t, src, group)
     n = int(n_t.item())
@@ -432,7 +434,7 @@ def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Option
 def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
     if _local(group):
         return obj
-    data = broadcast_bytes(pickle.dumps(obj) if _global_rank(group) == src else None, src, group)
+    data = broadcast_bytes(pickle.dumps(obj) if own_global_rank(group) == src else None, src, group)
     return pickle.loads(data)
 
 
@@ -459,8 +461,6 @@ def coordinator_rank(group: Optional[Any] = None) -> int:
 def describe_error(e: BaseException) -> str:
     """One line for a rank's failure as the other ranks see it: type and message, and for
     errors that are not ours (bugs, OS errors) where it was raised."""
-    from ..errors import CheckpointingException
-
     if isinstance(e, CheckpointingException):
         return f"{type(e).__name__}: {e}"
     import traceback
@@ -493,11 +493,10 @@ def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], c
     """
     if not errors and local_exc is None:
         return
-    from ..errors import DistributedCheckpointingError
 
     if local_exc is not None:
         if hasattr(local_exc, "add_note"):
-            me = f"rank {_global_rank(None)}: " if is_distributed() else ""
+            me = f"rank {own_global_rank(None)}: " if is_distributed() else ""
             others = "; failing ranks:\n  " + "\n  ".join(errors) if len(errors) > 1 else ""
             local_exc.add_note(me + context + others)
         raise local_exc

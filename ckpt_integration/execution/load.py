@@ -36,13 +36,15 @@ from ..planning.exchange import route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.safe_pickle import safe_torch_load
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, open_reader, read_metadata
+from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import TorchDistReader, run_parallel
 from . import dist
 from . import exchange
-from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .dist import describe_error as _describe
+from .parallel_load import exchange_reads
+from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
+from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
 
 logger = logging.getLogger(__name__)
@@ -262,8 +264,6 @@ def load_torch_dist(
     outcome = "local"
     try:
         if load_strategy in READ_ONCE and world > 1 and backend == "torch_dist":
-            from .read_once import load_read_once
-
             try:
                 outcome, stats = load_read_once(
                     job.reader if job else None, job.tasks if job else [], local_error, group,
@@ -277,8 +277,6 @@ def load_torch_dist(
         if outcome != "local":
             pass
         elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
-            from .parallel_load import exchange_reads
-
             try:
                 exchange_reads(
                     job.reader if job else None, job.tasks if job else [], local_error, group,

@@ -64,6 +64,7 @@ import torch.distributed as tdist
 from ..planning.boxes import Box, intersect, relative_slices, sweep_axis
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
+from ..errors import CheckpointingException, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -452,8 +453,6 @@ def exchange_reads(
     stats = dict(st.values)
     _log_summary(stats, mode, len(units), group)
     if errors:
-        from ..errors import CheckpointingException, CorruptCheckpointError
-
         kind = CorruptCheckpointError if "CorruptCheckpointError" in errors[0] else CheckpointingException
         raise kind(f"parallel load ({mode}) failed on rank {rank} of its group: {errors[0]}")
     return stats

@@ -37,12 +37,13 @@ import torch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import __version__
+from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
 from ..planning.exchange import KeySummary, Routed, route_shards
 from ..planning.written import CommitLayout, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
+from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.dcp_pickle import dumps_commit_layout
@@ -236,7 +237,7 @@ def prepare_save(
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
-            _cleanup_failed(*dir_info)
+            cleanup_failed(*dir_info)
         raise
     write_metas = [metas[i] for i in planned.to_write]
     if backend == "zarr":
@@ -248,7 +249,7 @@ def prepare_save(
                 _create_zarr_arrays(write_dir, planned.layout, durable)
             except Exception as e:
                 err = f"rank 0 (creating zarr arrays): {_describe(e)}"
-                _cleanup_failed(write_dir, staging)
+                cleanup_failed(write_dir, staging)
         err = dist.broadcast_object(err, src=dist.coordinator_rank(group), group=group)
         if err:
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
@@ -312,7 +313,7 @@ def write_local(plan: SavePlan) -> None:
         plan.requests = []  # drop references to the state (and staged copies) early
 
 
-def _cleanup_failed(write_dir: str, staging: bool) -> None:
+def cleanup_failed(write_dir: str, staging: bool) -> None:
     """Coordinator: remove what the failed save wrote, if the directory is still its own; release it."""
     storage, write_dir = storage_for(write_dir)
     claim = _claims.get(write_dir)
@@ -388,26 +389,17 @@ def _written_records(plan: SavePlan) -> WrittenTable:
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
-    """Put the committed staging directory in place of the old checkpoint (``overwrite=True``).
+    """Put the committed staging directory in place of the old checkpoint (``overwrite=True``),
+    by the library's one atomic-replace rule (:mod:`..storage.atomic`; the data is fsync'ed already).
 
-    An atomic exchange where the filesystem has one: at every instant the path holds a
-    complete checkpoint. Otherwise two renames; a crash between them leaves the old
-    checkpoint at ``<dir>.old-*`` and the new, committed one at ``<dir>.tmp-*``, which
-    ``load`` names in its error (see ``checkpoint_dir.interrupted_overwrite_hint``).
+    A crash in the two-rename fallback leaves the old checkpoint at ``<dir>.old-*`` and the new,
+    committed one at ``<dir>.tmp-*``, which ``load`` names in its error
+    (see ``checkpoint_dir.interrupted_overwrite_hint``).
     """
     if not plan.staging:
         return
     storage, _ = storage_for(plan.checkpoint_dir)
-    parent = os.path.dirname(os.path.abspath(plan.checkpoint_dir))
-    if storage.exchange(plan.write_dir, plan.checkpoint_dir):
-        storage.sync_dir(parent)
-        storage.rmtree(plan.write_dir)  # now holds the old checkpoint
-        return
-    old = f"{plan.checkpoint_dir.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
-    storage.rename(plan.checkpoint_dir, old)
-    storage.rename(plan.write_dir, plan.checkpoint_dir)
-    storage.sync_dir(parent)
-    storage.rmtree(old)
+    atomic.replace(storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
 
 
 def _tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
@@ -534,7 +526,7 @@ def finalize_save(plan: SavePlan) -> None:
             status = f"rank 0 (commit): {_describe(e)}"
             plan.local_exc = e
         if status:
-            _cleanup_failed(plan.write_dir, plan.staging)
+            cleanup_failed(plan.write_dir, plan.staging)
         _release_claim(storage_for(plan.write_dir)[1])
     status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
     if status:

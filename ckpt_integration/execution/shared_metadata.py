@@ -41,7 +41,7 @@ from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead
 from ..storage import checkpoint_dir as ckdir
-from ..storage.torch_dist import read_dcp_metadata
+from ..storage.torch_dist import ChunkInfo, read_dcp_metadata
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 
@@ -117,8 +117,6 @@ class CompactChunks:
 
     def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""
-        from ..storage.torch_dist import ChunkInfo
-
         info = self._infos.get((key, i))
         if info is None:
             p, _, nd = self._positions[key][:3]

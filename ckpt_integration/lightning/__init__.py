@@ -1,10 +1,10 @@
 """Lightning integration: ``Trainer(plugins=[DistCkptIO()])`` with sharded, reshardable checkpoints.
 
-See ``docs/lightning.md``. Modules, each importing only those before it: ``paths`` (checkpoint
-directories), ``io`` (:class:`DistCkptIO`), ``callbacks``, ``fsdp`` (FSDP1 state), ``strategy``, ``connect`` (the plugin on
-stock strategies), ``fabric`` (Lightning Fabric), ``stock`` (importing stock Lightning checkpoints), ``memory``
-(memory snapshots), ``loading``
-(:func:`load_from_checkpoint`).
+See ``docs/lightning.md``. Modules, each importing only those before it (``tests/test_layers.py``):
+``paths`` (checkpoint directories), ``io`` (:class:`DistCkptIO`), ``entries`` (RNG states and other
+non-model entries), ``memory`` (memory snapshots), ``callbacks``, ``fsdp`` (FSDP1 state), ``stock``
+(importing stock Lightning checkpoints), ``strategy``, ``connect`` (the plugin on stock strategies),
+``fabric`` (Lightning Fabric), ``loading`` (:func:`load_from_checkpoint`).
 """
 
 from .callbacks import DistCkptAsyncFinalizer, DistCkptModelCheckpoint

@@ -11,6 +11,7 @@ from ..checkpoints import commit_order_of
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import is_remote, join
 from .io import DistCkptIO
+from .memory import memory_candidate
 from .paths import is_complete_checkpoint, latest_complete_checkpoint
 
 
@@ -164,8 +165,6 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         out = {_lightning_candidate(p) for p in found}
         io = _io(trainer)
         if io is not None and io.memory_enabled:  # the memory tier's newest snapshot competes too
-            from .memory import memory_candidate
-
             io._memory_last_requested = True  # "last": the strategy restores the newest of memory and durable
             snap = memory_candidate(io, trainer)
             if snap is not None:

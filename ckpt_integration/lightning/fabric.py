@@ -39,10 +39,11 @@ from ..mapping import ShardedTensor, ShardedTensorFactory
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import has_optimizer_state, load_optimizer_state, optimizer_sharded_state_dict
 from . import fsdp
+from .entries import model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO, UnsupportedStrategyError
 from .paths import resolve_checkpoint_path
 from .stock import stock_layout
-from .strategy import _main_replica_copies, _reshard_fsdp2, _sharded_keys, model_key_report
+from .strategy import main_replica_copies, reshard_fsdp2
 
 MODEL_KEY = "model"  #: the state key whose module is stored unprefixed (as the Trainer stores its module)
 
@@ -135,7 +136,7 @@ class DistCkptFabricMixin(Strategy):
             sd, raw = fsdp.model_state(module)
             return _with_prefix(sd, _prefix(key)), raw
         module = self._module(module)
-        _reshard_fsdp2(module)
+        reshard_fsdp2(module)
         meta: Dict[str, Any] = {"layout": self.parallel_layout}
         if getattr(self, "_device_mesh", None) is not None:
             meta["dtensor_mesh"] = self._device_mesh
@@ -167,7 +168,7 @@ class DistCkptFabricMixin(Strategy):
         optimizers: List[str] = []
         for key, obj in state.items():
             if isinstance(obj, nn.Module):
-                value: Any = _main_replica_copies(models[key], self._module(obj))
+                value: Any = main_replica_copies(models[key], self._module(obj))
                 if key in filter:
                     value = {k: v for k, v in value.items()
                              if filter[key](k[len(_prefix(key)):], v.data if isinstance(v, ShardedTensor) else v)}
@@ -301,7 +302,7 @@ class DistCkptFabricMixin(Strategy):
                                       [k[len(prefix):] for k in unexp])
             else:
                 load_module_state_dict(self._module(module), got, prefix, strict=strict, missing_keys=miss,
-                                       unexpected_keys=unexp, requested_keys=_sharded_keys(request[key]))
+                                       unexpected_keys=unexp, requested_keys=sharded_keys(request[key]))
         merged = {k: v for sd in request.values() for k, v in sd.items()}
         kw = self._load_kwargs(io)
         for key in opt_keys:

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as tdist
 
 from ..mapping import ShardedTensor
-from ..modules import dtensor_to_sharded_tensor, raise_on_key_mismatch
+from ..modules import dtensor_to_sharded_tensor, is_dtensor, raise_on_key_mismatch
 from ..optimizer.by_name import load_named_optimizer_state, local_shard, named_optimizer_sharded_state_dict
-from ..optimizer.sharding import _is_dtensor
 
 
 def is_fsdp1(strategy: Any) -> bool:
@@ -52,7 +51,7 @@ def _entry(key: str, value: Any, rank: int) -> Any:
         offsets = tuple(value.local_shards()[0].metadata.shard_offsets)
         return ShardedTensor.from_global_offsets(key, shard.detach(), shape, offsets,
                                                  replica_id=_replica_of_shard_group(value))
-    if _is_dtensor(value):
+    if is_dtensor(value):
         return dtensor_to_sharded_tensor(key, value)
     if isinstance(value, torch.Tensor):  # buffers, NO_SHARD parameters: the same on every rank
         return ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=rank)

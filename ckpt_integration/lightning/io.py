@@ -12,10 +12,12 @@ import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import serialization
-from ..storage.opened import OpenedCheckpoint
+from ..execution import dist
+from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
+from ..storage.opened import OpenedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +201,6 @@ class DistCkptIO(CheckpointIO):
             serialization.save(state, path, sharded_strategy=self.backend, **kwargs)
             return
         if self._queue is None:
-            from ..execution.async_save import AsyncCallsQueue
-
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
         self._ensure_check_group()
         req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend})
@@ -224,8 +224,6 @@ class DistCkptIO(CheckpointIO):
         # nothing left for the interpreter's teardown). Not the queue's own: the queue's worker
         # runs the commit's collectives on that one concurrently with this check.
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
-            from ..execution import dist
-
             self._check_group = dist.new_private_group(None)
 
     @property
@@ -249,8 +247,6 @@ class DistCkptIO(CheckpointIO):
         else:
             done = all(r.is_done() for r in self._requests)
             if collective and self._check_group is not None:
-                from ..execution import dist
-
                 done = dist.all_reduce_ints([0 if done else 1], "max", self._check_group)[0] == 0
         if not done:
             return 0
@@ -350,6 +346,4 @@ def start_async_save(state: Dict[str, Any], path: str, queue: Any, save_kwargs: 
 
     Returns a request with ``is_done()`` and ``wait()`` (raises the failure).
     """
-    from ..execution.async_save import async_save_torch_dist
-
     return async_save_torch_dist(state, path, queue=queue, **save_kwargs)

@@ -17,10 +17,11 @@ import torch
 from .. import serialization
 from ..execution.save import CONTENT_METADATA_KEY
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
+from ..optimizer import optimizer_key
 from ..storage.opened import accepts_opened
+from .entries import RNG_KEY, model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO
 from .paths import resolve_checkpoint_path
-from .strategy import RNG_KEY, _sharded_keys, model_key_report, optimizer_key
 
 _NOT_LIGHTNING = ("rng_states", MARKER, CONTENT_METADATA_KEY)
 
@@ -132,7 +133,7 @@ def load_from_checkpoint(
     checkpoint["state_dict"] = dict(loaded.get("state_dict") or {})
     model.on_load_checkpoint(checkpoint)
     missing, unexpected = load_module_state_dict(model, checkpoint["state_dict"], strict=strict, missing_keys=missing,
-                                                 unexpected_keys=unexpected, requested_keys=_sharded_keys(request))
+                                                 unexpected_keys=unexpected, requested_keys=sharded_keys(request))
     if missing or unexpected:
         from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 

@@ -29,6 +29,10 @@ from lightning.pytorch.callbacks import Callback
 from ..errors import MemoryCheckpointError
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
+from ..memory import MemoryCheckpoints
+from ..optimizer import optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
+from ..serialization import load_common_state_dict
+from .entries import RNG_KEY, rng_from_safe, sharded_keys
 from .io import MARKER, DistCkptIO
 from .paths import is_complete_checkpoint, latest_complete_checkpoint
 
@@ -52,8 +56,6 @@ def memory_job_id(io: DistCkptIO, trainer: Any) -> str:
 
 def tier_for(strategy: Any) -> Any:
     """The plugin's :class:`MemoryCheckpoints`, made on first use (collective)."""
-    from ..memory import MemoryCheckpoints
-
     io = strategy.dist_checkpoint_io()
     if io.memory_tier is None:
         trainer = strategy.lightning_module.trainer
@@ -97,8 +99,6 @@ def _checkpoint_dir(trainer: Any) -> str:
 def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     """Collective: ``(loaded checkpoint, None)`` when the memory tier had the newest state, else
     ``(None, durable path)`` for the strategy to load."""
-    from ..serialization import load_common_state_dict
-
     io = strategy.dist_checkpoint_io()
     last, io._memory_last_requested = io._memory_last_requested, False
     if not last and not _is_memory_path(io, path):
@@ -145,12 +145,8 @@ def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:
     """Restore Lightning's checkpoint dict from memory: model and optimizers in place, RNG states set."""
     from lightning.fabric.utilities.seed import _set_rng_states
 
-    from ..optimizer import optimizer_sharded_state_dict
-    from ..optimizer.sharding import sharding_state_to_optim_state
-    from .strategy import RNG_KEY, _rng_from_safe, _sharded_keys, optimizer_key
-
     model_sd = strategy._module_sharded_state_dict()
-    strategy._loaded_sharded_keys = _sharded_keys(model_sd)
+    strategy._loaded_sharded_keys = sharded_keys(model_sd)
     rank, world = strategy.global_rank, strategy.world_size
     request: Dict[str, Any] = {"state_dict": model_sd, "rng_states": ShardedObject(RNG_KEY, None, (world,), (rank,))}
     optimizers = list(strategy.optimizers) if strategy._fitting() else []
@@ -172,7 +168,7 @@ def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:
         loaded.pop(optimizer_key(i), None)
     rng = loaded.pop("rng_states", None)
     if isinstance(rng, dict):
-        _set_rng_states(_rng_from_safe(rng))
+        _set_rng_states(rng_from_safe(rng))
     loaded["state_dict"] = dict(loaded.get("state_dict", {}))
     strategy._load_report = ([], [])
     return loaded

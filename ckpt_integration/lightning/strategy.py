@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -15,44 +14,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from .. import serialization
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
-from ..optimizer import optimizer_sharded_state_dict
-from ..tools.recipe import EXPORT_RECIPE_KEY, export_recipe_object
+from ..optimizer import optimizer_key, optimizer_sharded_state_dict
+from ..tools.recipe import export_recipe_object
 from . import fsdp
 from .callbacks import DistCkptAsyncFinalizer
+from .entries import RNG_KEY, model_key_report, rng_from_safe, rng_to_safe, sharded_keys
 from .io import MARKER, DistCkptIO
+from .memory import DistCkptMemorySnapshots, restore_newest
 from .paths import resolve_checkpoint_path
+from .stock import load_stock_checkpoint, stock_layout
 
 logger = logging.getLogger(__name__)
-
-RNG_KEY = "lightning.rng_states"
-_OPTIMIZER_KEY_RE = re.compile(r"^optimizer(_\d+)?\.")
-
-
-def optimizer_key(idx: int) -> str:
-    """Prefix and top-level key of optimizer ``idx`` in the checkpoint (``optimizer``, ``optimizer_1``, ...)."""
-    return "optimizer" if idx == 0 else f"optimizer_{idx}"
-
-
-def _rng_to_safe(states: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:  # numpy arrays are not on the safe-unpickle allow-list: store lists
-        name, keys, pos, has_gauss, cached = out["numpy"]
-        out["numpy"] = (name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached))
-    return out
-
-
-def _rng_from_safe(states: Dict[str, Any]) -> Dict[str, Any]:
-    out = dict(states)
-    if "numpy" in out:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = out["numpy"]
-        out["numpy"] = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
-    if "python" in out and isinstance(out["python"], list):  # checkpoints written before tuples were kept
-        v = out["python"]
-        out["python"] = (v[0], tuple(v[1]), v[2])
-    return out
-
 
 def _contains_sharded(x: Any) -> bool:
     if isinstance(x, (ShardedTensor, ShardedTensorFactory, ShardedObject)):
@@ -64,7 +36,7 @@ def _contains_sharded(x: Any) -> bool:
     return False
 
 
-def _main_replica_copies(model_sd: Any, module: Any) -> Any:
+def main_replica_copies(model_sd: Any, module: Any) -> Any:
     """``model_sd`` with non-parameter tensors of non-main replicas described without data.
 
     Data parallelism keeps parameters identical on every rank, so a balanced save may write any
@@ -90,21 +62,6 @@ def _main_replica_copies(model_sd: Any, module: Any) -> Any:
         return x
 
     return visit(model_sd)
-
-
-def _sharded_keys(request: Mapping[str, Any]) -> Set[str]:
-    """Dict paths of ``request`` holding tensors (ShardedTensors, factories): filled by the load itself."""
-    return {k for k, v in request.items() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
-
-
-def model_key_report(ckpt_not_requested: Set[str], requested_not_in_ckpt: Set[str]) -> Tuple[List[str], List[str]]:
-    """``(missing, unexpected)`` model keys in ``torch.nn.Module.load_state_dict``'s terms from the sets
-    ``ckpt_integration.load(strict="return_all")`` returns (checkpoint keys nobody requested; requested
-    keys the checkpoint lacks). Optimizer, RNG and export-recipe entries of a Lightning checkpoint are no
-    model keys."""
-    not_model = (RNG_KEY, EXPORT_RECIPE_KEY)
-    unexpected = sorted(k for k in ckpt_not_requested if not _OPTIMIZER_KEY_RE.match(k) and not k.startswith(not_model))
-    return sorted(k for k in requested_not_in_ckpt if not k.startswith(RNG_KEY)), unexpected
 
 
 class DistCkptStrategyMixin(Strategy):
@@ -208,8 +165,6 @@ class DistCkptStrategyMixin(Strategy):
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, DistCkptAsyncFinalizer())
         if io.memory_enabled:
-            from .memory import DistCkptMemorySnapshots
-
             if not any(isinstance(cb, DistCkptMemorySnapshots) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, DistCkptMemorySnapshots())
 
@@ -236,11 +191,11 @@ class DistCkptStrategyMixin(Strategy):
                 state[optimizer_key(i)] = self._optimizer_sharded_state_dict(opt, model_sd, optimizer_key(i))
                 num_opt += 1
         if main_replica_only:
-            state["state_dict"] = _main_replica_copies(model_sd, self.lightning_module)
+            state["state_dict"] = main_replica_copies(model_sd, self.lightning_module)
         from lightning.fabric.utilities.seed import _collect_rng_states
 
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
-        state["rng_states"] = ShardedObject(RNG_KEY, _rng_to_safe(_collect_rng_states()), (world,), (rank,))
+        state["rng_states"] = ShardedObject(RNG_KEY, rng_to_safe(_collect_rng_states()), (world,), (rank,))
         lay = self.parallel_layout
         # how fused parts / renamed / stacked tensors map back to state-dict names, so that
         # ``ckpt-integration export`` works from the checkpoint alone (one object per TP x PP position)
@@ -264,18 +219,14 @@ class DistCkptStrategyMixin(Strategy):
         ``load_state_dict``. A stock Lightning checkpoint (``.ckpt`` file, ``ModelParallelStrategy``
         directory) is imported: see :mod:`ckpt_integration.lightning.stock`.
         """
-        from .stock import load_stock_checkpoint, stock_layout
-
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(checkpoint_path))  # type: ignore[attr-defined]
         if io.memory_enabled:  # the newer of the memory tier's newest step and this checkpoint
-            from .memory import restore_newest
-
             loaded, path = restore_newest(self, path)
             if loaded is not None:
                 return loaded
         model_sd = self._module_sharded_state_dict()
-        self._loaded_sharded_keys = _sharded_keys(model_sd)
+        self._loaded_sharded_keys = sharded_keys(model_sd)
         if stock_layout(path) is not None:
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
@@ -314,7 +265,7 @@ class DistCkptStrategyMixin(Strategy):
         if isinstance(rng, dict):
             from lightning.fabric.utilities.seed import _set_rng_states
 
-            _set_rng_states(_rng_from_safe(rng))
+            _set_rng_states(rng_from_safe(rng))
         return loaded
 
     def _fitting(self) -> bool:
@@ -438,7 +389,7 @@ class DistCkptFSDPStrategy(DistCkptStrategyMixin, FSDPStrategy):
         return super()._setup_model(model) if wrapped is None else wrapped
 
 
-def _reshard_fsdp2(module: Any) -> None:
+def reshard_fsdp2(module: Any) -> None:
     """Register FSDP2's sharded parameters everywhere (after e.g. an eval forward of the root)."""
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -497,7 +448,7 @@ class DistCkptModelParallelStrategy(DistCkptStrategyMixin, ModelParallelStrategy
         )
 
     def _module_sharded_state_dict(self) -> Dict[str, Any]:
-        _reshard_fsdp2(self.lightning_module)
+        reshard_fsdp2(self.lightning_module)
         # DTensors on a sub-mesh (FSDP2 on "data_parallel" only, TP on "tensor_parallel" only) are
         # replicated along the other mesh dim: one main replica
         meta = {"layout": self.parallel_layout, "dtensor_mesh": self.device_mesh}

@@ -21,7 +21,7 @@ Megatron-compatible helpers), ``state``, ``load``, ``mixed_precision``, ``zero``
 Public names: :func:`get_param_id_to_sharded_param_map`,
 :func:`make_sharded_optimizer_tensor`, :func:`optim_state_to_sharding_state`,
 :func:`sharding_state_to_optim_state`, :func:`optimizer_sharded_state_dict`,
-:func:`init_optimizer_state`, :func:`load_optimizer_state`,
+:func:`init_optimizer_state`, :func:`load_optimizer_state`, :func:`optimizer_key`,
 :func:`has_optimizer_state`, :func:`flat_range_to_boxes`,
 :class:`MixedPrecisionOptimizer`, :class:`ZeroShardedOptimizer` and the errors
 :class:`OptimizerStateNotFoundError`, :class:`OptimizerStateMismatchError`,
@@ -41,6 +41,7 @@ from .sharding import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
     optim_state_to_sharding_state,
+    optimizer_key,
     sharding_state_to_optim_state,
 )
 from .state import init_optimizer_state, optimizer_sharded_state_dict
@@ -49,6 +50,7 @@ from .zero import ZeroShardedOptimizer
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "optimizer_key",
     "PARAM_META_KEY",
     "OptimizerStateNotFoundError",
     "OptimizerStateMismatchError",

@@ -18,9 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..dict_utils import nested_values
 from ..mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor
-from .load import _LabelDict, _check_state_names, _gather_problems, _load_state, _missing, _raise_mismatch, has_optimizer_state
-from .sharding import DEFAULT_PREFIX, _grid_object, _state_object, make_sharded_optimizer_tensor
+from ..modules import is_dtensor
+from .load import (LabelDict, check_state_names, gather_problems, has_optimizer_state, raise_mismatch, read_optimizer_state,
+                   report_missing_state)
+from .sharding import DEFAULT_PREFIX, grid_object, make_sharded_optimizer_tensor, state_object
 
 #: ``local(value) -> (this rank's shard or None for a scalar, global shape or None)``
 LocalFn = Callable[[Any], Tuple[Optional[torch.Tensor], Optional[Tuple[int, ...]]]]
@@ -34,15 +37,13 @@ def local_shard(value: Any) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int,
         return None, None
     from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 
-    from .sharding import _is_dtensor
-
     if isinstance(value, TorchShardedTensor):
         shards = value.local_shards()
         if len(shards) > 1:
             raise ValueError(f"a ShardedTensor with {len(shards)} local shards (one expected)")
         size = tuple(value.size())
         return (shards[0].tensor if shards else torch.empty((0,) + size[1:])), size
-    if _is_dtensor(value):
+    if is_dtensor(value):
         return value.to_local(), tuple(value.shape)
     if value.dim() == 0:
         return None, None
@@ -54,8 +55,6 @@ def _order(named_osd: Dict[str, Any]) -> List[str]:
 
 
 def _by_key(model_sharded_state_dict: ShardedStateDict) -> Dict[str, ShardedTensor]:
-    from ..dict_utils import nested_values
-
     return {v.key: v for v in nested_values(model_sharded_state_dict) if isinstance(v, ShardedTensor)}
 
 
@@ -85,7 +84,7 @@ def named_optimizer_sharded_state_dict(
             if shard is not None:
                 entry[sname] = make_sharded_optimizer_tensor(sp, shard.detach(), f"{prefix}.state.{sname}")
             else:
-                entry[sname] = _state_object(prefix, sname, sp, value.detach().clone() if isinstance(value, torch.Tensor) else value)
+                entry[sname] = state_object(prefix, sname, sp, value.detach().clone() if isinstance(value, torch.Tensor) else value)
         state[pid] = entry
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": LocalNonpersistentObject(list(g["params"]))}
               for g in named_osd["param_groups"]]
@@ -114,7 +113,7 @@ def load_named_optimizer_state(
     """
     state_dict_key = state_dict_key or prefix
     if not has_optimizer_state(checkpoint_dir, prefix):
-        _missing(checkpoint_dir, prefix, missing_ok)
+        report_missing_state(checkpoint_dir, prefix, missing_ok)
         return False
     params = _by_key(model_sharded_state_dict)
     order = _order(named_osd)
@@ -138,10 +137,10 @@ def load_named_optimizer_state(
             return None
         return make_sharded_optimizer_tensor(sp, torch.empty(sp.local_shape, dtype=dtype), f"{prefix}.state.{name}")
 
-    labels = _LabelDict({sp.key: f"parameter {sp.key!r}" for sp in id_map.values()})
+    labels = LabelDict({sp.key: f"parameter {sp.key!r}" for sp in id_map.values()})
     template_groups = [dict(g) for g in named_osd["param_groups"]]
-    state, scalars, groups = _load_state(
-        checkpoint_dir, prefix, id_map, lambda pid, key, st: _grid_object(key, st, None), make_requests,
+    state, scalars, groups = read_optimizer_state(
+        checkpoint_dir, prefix, id_map, lambda pid, key, st: grid_object(key, st, None), make_requests,
         template_groups, labels, state_dict_key, load_kwargs,
     )
     problems: List[str] = []
@@ -164,9 +163,9 @@ def load_named_optimizer_state(
     # (a param whose shard here is empty got its scalars only: the ranks holding it check its tensors)
     saved_names = {pid: {n: True for n in {**state.get(pid, {}), **scalars.get(pid, {})}} for pid in targets
                    if pid in id_map and id_map[pid].data.numel()}
-    problems += _check_state_names(optimizer, named_osd["param_groups"], groups_pids, saved_names, (),
+    problems += check_state_names(optimizer, named_osd["param_groups"], groups_pids, saved_names, (),
                                    lambda p: repr(order[p]))
-    _raise_mismatch(_gather_problems(problems, load_kwargs.get("process_group")), os.fspath(checkpoint_dir), prefix,
+    raise_mismatch(gather_problems(problems, load_kwargs.get("process_group")), os.fspath(checkpoint_dir), prefix,
                     f"does not fit {type(optimizer).__name__} (saved by another optimizer, with other options, or "
                     "for other parameters?)")
     for g, loaded in zip(named_osd["param_groups"], groups):

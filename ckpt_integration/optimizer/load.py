@@ -10,7 +10,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 
 from ..dict_utils import nested_values
+from ..execution.dist import all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
+from ..modules import is_dtensor
+from ..serialization import load, load_sharded_metadata
 from .sharding import (
     DEFAULT_PREFIX,
     EXTRA_STATE_NAMES,
@@ -18,15 +21,14 @@ from .sharding import (
     OptimizerStateMismatchError,
     OptimizerStateNotFoundError,
     ShardedParam,
-    _is_dtensor,
-    _names_from_module,
-    _built_tensors,
-    _grid_object,
+    built_tensors,
     get_param_id_to_sharded_param_map,
+    grid_object,
     make_sharded_optimizer_tensor,
     merge_part_scalars,
+    names_from_module,
 )
-from .state import _expected_states, _optimizer_params
+from .state import expected_states, optimizer_params
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +38,12 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: str = DEFAULT_PREFIX) -> bool:
     """True if the checkpoint holds any tensor or object under ``f"{prefix}."``."""
-    from ..serialization import load_sharded_metadata
-
     return any(k.startswith(prefix + ".") for k in load_sharded_metadata(checkpoint_dir))
 
 
-def _gather_problems(problems: List[str], group: Any) -> List[str]:
+def gather_problems(problems: List[str], group: Any) -> List[str]:
     """Every rank's problems on every rank (one small all-reduce when there are none), so that all
     ranks raise together instead of some waiting in the next collective."""
-    from ..execution.dist import all_gather_object, all_reduce_ints
-
     if not all_reduce_ints([1 if problems else 0], "max", group)[0]:
         return []
     out: List[str] = []
@@ -80,15 +78,18 @@ def _check_requests(requests: Iterable[Any], ckpt_meta: Dict[str, Any], labels: 
     return problems
 
 
-def _raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str,
+def raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str,
                     why: str = "does not fit the current parameters (changed names or shapes?)") -> None:
+    """Raise :class:`OptimizerStateMismatchError` listing ``problems`` (every rank's), if there are any."""
     if problems:
         raise OptimizerStateMismatchError(
             f"optimizer state {prefix!r} in {os.fspath(checkpoint_dir)} {why}:\n  " + "\n  ".join(problems)
         )
 
 
-def _missing(checkpoint_dir: Any, prefix: str, missing_ok: bool) -> None:
+def report_missing_state(checkpoint_dir: Any, prefix: str, missing_ok: bool) -> None:
+    """A checkpoint without optimizer state under ``prefix``: :class:`OptimizerStateNotFoundError`, or a
+    warning with ``missing_ok``."""
     msg = (
         f"{os.fspath(checkpoint_dir)} was saved without optimizer state (nothing under {prefix + '.'!r}); "
         "pass missing_ok=True to continue with fresh optimizer state"
@@ -121,7 +122,7 @@ def _saved_layout(ckpt_meta: Dict[str, Any], prefix: str) -> Tuple[Dict[str, Dic
 
 def _param_parts(sp: ShardedParam) -> List[ShardedTensor]:
     """The ShardedTensors a param's tensors are stored as: itself, or what its factory builds."""
-    return _built_tensors(sp)
+    return built_tensors(sp)
 
 
 def _fused_owner(key: str, saved: Set[str], tensors: Dict[str, Any]) -> Optional[str]:
@@ -164,7 +165,7 @@ def _scalar_sources(sp: ShardedParam, parts: List[ShardedTensor], saved: Dict[st
     return [], None
 
 
-def _load_state(
+def read_optimizer_state(
     checkpoint_dir: Any,
     prefix: str,
     id_map: Dict[int, ShardedParam],
@@ -183,8 +184,6 @@ def _load_state(
     counterpart: :func:`_scalar_sources`), those of an earlier version's per-param object,
     or Megatron-Core's ``common_step`` (as ``step``).
     """
-    from ..serialization import load, load_sharded_metadata
-
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
     tensors, objects, legacy = _saved_layout(ckpt_meta, prefix)
@@ -234,7 +233,7 @@ def _load_state(
                 requests[pid][name] = objs
                 multi[pid].add(name)
     problems += _check_requests(checked, ckpt_meta, labels)
-    _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
+    raise_mismatch(gather_problems(problems, group), checkpoint_dir, prefix)
     # the result holds the saved common state too: param_groups (and Megatron's common_step)
     loaded = load({state_dict_key: {"state": requests}}, checkpoint_dir, **load_kwargs)[state_dict_key]
     saved_groups = loaded.get("param_groups")
@@ -264,7 +263,7 @@ def _load_state(
         if common_step is not None and got and "step" not in scalars[pid]:
             scalars[pid]["step"] = common_step.clone() if isinstance(common_step, torch.Tensor) else common_step
         state[pid] = got
-    _raise_mismatch(_gather_problems(problems, group), checkpoint_dir, prefix)
+    raise_mismatch(gather_problems(problems, group), checkpoint_dir, prefix)
     return state, scalars, groups
 
 
@@ -282,7 +281,8 @@ def _merge_parts(key: str, name: str, values: Dict[str, Any]) -> Any:
     return {"scalars": merged, "tensors": tensors}
 
 
-def _labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor], names: Dict[int, str], prefix: str) -> Dict[str, str]:
+def param_labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor], names: Dict[int, str], prefix: str) -> Dict[str, str]:
+    """How errors name each param: by its key (and module name), for the optimizer keys of its state."""
     out = {}
     for pid, sp in id_map.items():
         label = f"parameter {sp.key!r}" + (f" ({names[pid]})" if pid in names else "")
@@ -291,7 +291,7 @@ def _labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor], nam
     return out
 
 
-class _LabelDict(dict):
+class LabelDict(dict):
     """Looks up a label by the param key at the end of an optimizer key."""
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
@@ -302,7 +302,7 @@ class _LabelDict(dict):
 def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A loaded state tensor (this rank's shard) shaped like ``param``: a DTensor with the
     param's mesh and placements if the param is one (FSDP2 / TP), else a view of its shape."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return local.view(param.shape)
     from torch.distributed.tensor import DTensor
 
@@ -347,11 +347,11 @@ def load_optimizer_state(
     """
     state_dict_key = state_dict_key or prefix
     if not has_optimizer_state(checkpoint_dir, prefix):
-        _missing(checkpoint_dir, prefix, missing_ok)
+        report_missing_state(checkpoint_dir, prefix, missing_ok)
         return None
-    params = _optimizer_params(optimizer)
+    params = optimizer_params(optimizer)
     identity = list(model_params) if model_params is not None else params
-    names = _names_from_module(module, identity)
+    names = names_from_module(module, identity)
     # (a DTensor param with an empty shard on this rank is not in the map: nothing to load here)
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
 
@@ -361,9 +361,9 @@ def load_optimizer_state(
         return make_sharded_optimizer_tensor(sp, torch.empty(shape, dtype=dtype), f"{prefix}.state.{name}")
 
     template_groups = optimizer.state_dict()["param_groups"]
-    state, scalars, groups = _load_state(
-        checkpoint_dir, prefix, id_map, lambda pid, key, st: _grid_object(key, st, None), make_requests,
-        template_groups, _LabelDict(_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
+    state, scalars, groups = read_optimizer_state(
+        checkpoint_dir, prefix, id_map, lambda pid, key, st: grid_object(key, st, None), make_requests,
+        template_groups, LabelDict(param_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
     )
     extracted: Dict[int, Dict[str, torch.Tensor]] = {}
     torch_state: Dict[int, Dict[str, Any]] = {}
@@ -381,16 +381,16 @@ def load_optimizer_state(
     for g in optimizer.param_groups:
         groups_pids.append([next(pids) for _ in g["params"]])
     label = lambda p: f"{id_map[p].key!r}" + (f" ({names[p]})" if p in names else "")  # noqa: E731
-    problems = _check_state_names(optimizer, optimizer.param_groups, groups_pids,
+    problems = check_state_names(optimizer, optimizer.param_groups, groups_pids,
                                   {p: s for p, s in torch_state.items() if p in id_map}, extract, label)
-    _raise_mismatch(_gather_problems(problems, load_kwargs.get("process_group")), checkpoint_dir, prefix,
+    raise_mismatch(gather_problems(problems, load_kwargs.get("process_group")), checkpoint_dir, prefix,
                     f"does not fit {type(optimizer).__name__} (saved by another optimizer, with other options, or "
                     "for other parameters?)")
     optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
     return extracted
 
 
-def _check_state_names(
+def check_state_names(
     optimizer: torch.optim.Optimizer, groups: Sequence[Dict[str, Any]], groups_pids: Sequence[Sequence[Any]],
     torch_state: Dict[Any, Dict[str, Any]], extract: Sequence[str], label: Callable[[Any], str],
 ) -> List[str]:
@@ -400,7 +400,7 @@ def _check_state_names(
     ``groups[i]`` holds group ``i``'s options, ``groups_pids[i]`` the ids of its params."""
     problems = []
     for group, pids in zip(groups, groups_pids):
-        expected = _expected_states(optimizer, group)
+        expected = expected_states(optimizer, group)
         have = [p for p in pids if torch_state.get(p)]
         common = set().union(*(torch_state[p].keys() for p in have)) if have else set()
         for p in have:

@@ -29,10 +29,18 @@ from ..mapping import (
     ShardedTensorFactory,
     is_main_replica,
 )
+from ..modules import is_dtensor
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "optimizer"
+
+
+def optimizer_key(idx: int) -> str:
+    """Prefix and top-level key of optimizer ``idx`` of several (``optimizer``, ``optimizer_1``, ...), as the
+    Lightning integration and the tools store them."""
+    return DEFAULT_PREFIX if idx == 0 else f"{DEFAULT_PREFIX}_{idx}"
+
 #: key of the per-parameter metadata object inside ``state[param_id]`` of earlier versions
 PARAM_META_KEY = "_ckpt_param_state"
 #: state names that are not torch-optimizer state (returned to the caller, never put into torch state)
@@ -56,21 +64,13 @@ class UnmatchedParameterError(CheckpointingException):
 # ---------------------------------------------------------------------------------------------
 # identity mapping
 # ---------------------------------------------------------------------------------------------
-def _is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
-
-
 def _local(t: Any) -> Any:
     """This rank's shard of a DTensor (``torch.distributed.tensor``: FSDP2 / TP params and their
     optimizer states); any other value unchanged."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
-def _empty_local_shard(p: Any) -> bool:
+def empty_local_shard(p: Any) -> bool:
     """A param with no elements on this rank (a zero-size param, or a DTensor whose shard here is
     empty after an uneven FSDP2 / TP split): nothing to save or load here."""
     return isinstance(p, torch.Tensor) and _local(p).numel() == 0
@@ -103,7 +103,8 @@ def _param_label(i: int, p: torch.Tensor, names: Optional[Dict[int, str]]) -> st
     return f"{name!r} (optimizer param id {i}, {desc})" if name else f"optimizer param id {i} ({desc})"
 
 
-def _names_from_module(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Dict[int, str]:
+def names_from_module(module: Optional[torch.nn.Module], params: Sequence[torch.Tensor]) -> Dict[int, str]:
+    """Position in ``params`` -> the parameter's name in ``module`` (empty without a module)."""
     if module is None:
         return {}
     by_ident = {_identity(p): n for n, p in module.named_parameters()}
@@ -138,9 +139,9 @@ def get_param_id_to_sharded_param_map(
         if pid is not None and pid not in out:
             out[pid] = to_native(v)  # Megatron-Core's classes (a Megatron model's state dict) become ours
     # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
-    unmatched = [i for i in range(len(params)) if i not in out and not _empty_local_shard(params[i])]
+    unmatched = [i for i in range(len(params)) if i not in out and not empty_local_shard(params[i])]
     if unmatched:
-        names = _names_from_module(module, params)
+        names = names_from_module(module, params)
         labels = ", ".join(_param_label(i, params[i], names) for i in unmatched)
         msg = (
             f"{len(unmatched)} optimizer parameter(s) have no ShardedTensor/ShardedTensorFactory in the "
@@ -175,7 +176,7 @@ def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.
     return replace(model_param, key=key, data=data, dtype=data.dtype)
 
 
-def _built_tensors(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> List[ShardedTensor]:
+def built_tensors(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> List[ShardedTensor]:
     """The ShardedTensors a param is stored as, sorted by key: itself, or what its factory builds."""
     if isinstance(sp, ShardedTensor):
         return [sp]
@@ -187,7 +188,7 @@ def _built_tensors(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> Lis
 
 
 def _first_built_tensor(sp: ShardedParam, data: Optional[torch.Tensor] = None) -> ShardedTensor:
-    return _built_tensors(sp, data)[0]
+    return built_tensors(sp, data)[0]
 
 
 def _meta_grid(st: ShardedTensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
@@ -197,27 +198,28 @@ def _meta_grid(st: ShardedTensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     return (1,), (0,)
 
 
-def _is_origin(st: ShardedTensor) -> bool:
+def is_origin(st: ShardedTensor) -> bool:
+    """Whether ``st`` is the shard at offset 0 of every (non-prepended) axis."""
     return all(o == 0 for o in st.global_offset[st.prepend_axis_num:])
 
 
-def _grid_object(key: str, st: ShardedTensor, data: Any, main: Optional[bool] = None) -> ShardedObject:
+def grid_object(key: str, st: ShardedTensor, data: Any, main: Optional[bool] = None) -> ShardedObject:
     """A ShardedObject ``key`` placed like ``st``: one grid position per stacked layer (its
     prepended axes), saved by the main replica holding the origin shard."""
     shape, offset = _meta_grid(st)
     if main is None:
-        main = is_main_replica(st.replica_id) and _is_origin(st)
+        main = is_main_replica(st.replica_id) and is_origin(st)
     return ShardedObject(key, data, shape, offset, 0 if main else 1)
 
 
-def _param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+def param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
     """A ShardedObject ``key`` that belongs to one param, placed like its first stored tensor."""
-    return _grid_object(key, _first_built_tensor(sp), data, main)
+    return grid_object(key, _first_built_tensor(sp), data, main)
 
 
 def _is_fused(sp: ShardedParam) -> bool:
     """A param stored under keys other than its own (a factory building parts, e.g. fused QKV)."""
-    return isinstance(sp, ShardedTensorFactory) and [t.key for t in _built_tensors(sp)] != [sp.key]
+    return isinstance(sp, ShardedTensorFactory) and [t.key for t in built_tensors(sp)] != [sp.key]
 
 
 def merge_part_scalars(key: str, values: Dict[str, Any]) -> Any:
@@ -236,7 +238,7 @@ def merge_part_scalars(key: str, values: Dict[str, Any]) -> Any:
     return first.clone() if isinstance(first, torch.Tensor) else first
 
 
-def _state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> Any:
+def state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> Any:
     """A scalar state (``step``, a number, a 0-dim tensor, ...) of one param, saved in its place
     as ShardedObject ``f"{prefix}.state.{name}.{param_key}"``.
 
@@ -246,12 +248,12 @@ def _state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Opt
     factory building those objects, merged into one value on load (:func:`merge_part_scalars`).
     """
     if not _is_fused(sp):
-        return _param_object(f"{prefix}.state.{name}.{sp.key}", sp, data, main)
-    parts = _built_tensors(sp)
+        return param_object(f"{prefix}.state.{name}.{sp.key}", sp, data, main)
+    parts = built_tensors(sp)
     owner = f"{prefix}.state.{name}.{sp.key}"
 
     def build(key: str, value: Any, replica_id: Any, flattened_range: Any) -> Dict[str, ShardedObject]:
-        return {t.key: _grid_object(f"{prefix}.state.{name}.{t.key}", t, value, main) for t in parts}
+        return {t.key: grid_object(f"{prefix}.state.{name}.{t.key}", t, value, main) for t in parts}
 
     return ShardedTensorFactory(owner, data, build, lambda loaded: merge_part_scalars(owner, loaded))
 
@@ -322,7 +324,7 @@ def optim_state_to_sharding_state(
                 )
             else:
                 data = value.detach().clone() if isinstance(value, torch.Tensor) else value
-                entry[name] = _state_object(prefix, name, sp, data)
+                entry[name] = state_object(prefix, name, sp, data)
         sharded_state[param_id] = entry
     optim_state_dict["state"] = sharded_state
     for group in optim_state_dict["param_groups"]:

@@ -11,7 +11,7 @@ from ..errors import CheckpointingException
 from ..mapping import ShardedStateDict
 from .sharding import (
     DEFAULT_PREFIX,
-    _empty_local_shard,
+    empty_local_shard,
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
@@ -19,7 +19,8 @@ from .sharding import (
 logger = logging.getLogger(__name__)
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer's params in ``state_dict()`` order (group by group)."""
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
@@ -35,7 +36,7 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
     return None
 
 
-def _expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
+def expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
     """Per-param states (tensors and scalars such as ``step``) a known torch optimizer needs once a
     param has state (``None``: unknown optimizer)."""
     tensors = _expected_tensor_states(optimizer, group)
@@ -106,7 +107,7 @@ def optimizer_sharded_state_dict(
     """
     if init_state:
         init_optimizer_state(optimizer)
-    params = _optimizer_params(optimizer)
+    params = optimizer_params(optimizer)
     identity = list(model_params) if model_params is not None else params
     if len(identity) != len(params):
         raise CheckpointingException(f"model_params has {len(identity)} tensors, the optimizer has {len(params)} params")
@@ -122,7 +123,7 @@ def optimizer_sharded_state_dict(
     for pid, extra in (extra_states or {}).items():
         sd["state"].setdefault(pid, {}).update(extra)
     for pid in range(len(params)):
-        if pid not in id_map and _empty_local_shard(identity[pid]):
+        if pid not in id_map and empty_local_shard(identity[pid]):
             sd["state"].pop(pid, None)  # empty DTensor shard on this rank: the other ranks save this param
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
     return sd

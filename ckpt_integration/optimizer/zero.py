@@ -20,8 +20,8 @@ from ..mapping import (
     is_main_replica,
 )
 from ..planning.flat_pieces import row_aligned_save, row_unit
-from .load import _LabelDict, _labels, _load_state, _missing, has_optimizer_state
-from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, _is_origin, _param_object, get_param_id_to_sharded_param_map
+from .load import LabelDict, has_optimizer_state, param_labels, read_optimizer_state, report_missing_state
+from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, get_param_id_to_sharded_param_map, is_origin, param_object
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,8 +236,8 @@ class ZeroShardedOptimizer:
     def _object(self, key: str, sp: ShardedTensor, pid: int, data: Any) -> ShardedObject:
         """A per-param object (a scalar state), saved by the DP rank owning the param's first element."""
         owner = self.start <= self.offsets[pid] < self.end or (self.numels[pid] == 0 and self.dp_rank == 0)
-        main = owner and is_main_replica(self.replica_id_fn(sp.replica_id)) and _is_origin(sp)
-        return _param_object(key, sp, data, main=main)
+        main = owner and is_main_replica(self.replica_id_fn(sp.replica_id)) and is_origin(sp)
+        return param_object(key, sp, data, main=main)
 
     def sharded_state_dict(self, model_sharded_state_dict: ShardedStateDict, *, prefix: str = DEFAULT_PREFIX) -> ShardedStateDict:
         """Optimizer state and fp32 masters in model space (see the class docstring)."""
@@ -288,7 +288,7 @@ class ZeroShardedOptimizer:
         """
         state_dict_key = state_dict_key or prefix
         if not has_optimizer_state(checkpoint_dir, prefix):
-            _missing(checkpoint_dir, prefix, missing_ok)
+            report_missing_state(checkpoint_dir, prefix, missing_ok)
             return False
         id_map = self._id_map(model_sharded_state_dict)
         n_local = self.end - self.start
@@ -301,8 +301,8 @@ class ZeroShardedOptimizer:
             return pieces or None
 
         groups_template = self.optimizer.state_dict()["param_groups"]
-        labels = _LabelDict(_labels(id_map, self.params, {}, prefix))
-        _, scalars, groups = _load_state(
+        labels = LabelDict(param_labels(id_map, self.params, {}, prefix))
+        _, scalars, groups = read_optimizer_state(
             checkpoint_dir, prefix, id_map, lambda pid, key, st: self._object(key, id_map[pid], pid, None),
             make_requests, groups_template, labels, state_dict_key, load_kwargs,
         )

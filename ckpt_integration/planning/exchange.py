@@ -49,20 +49,9 @@ from .digests import halves, joined, mix, string_digests
 from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables
 from .shards import ShardMeta, object_storage_key
 
-KIND_CODES = {"tensor": 0, "object": 1}
-KIND_NAMES = ("tensor", "object")
-CLAIM = 2  # in a general forward's kind position: an object's storage key, sent to that key's owner
-MAIN, HAS_DATA = 1, 2
-
-# table tags (see records.put_table) and their widths as a function of nd
-FULL, COMPACT, SIMPLE, GENERAL, ANSWER = 1, 2, 3, 4, 5
-WIDTHS = {
-    FULL: lambda nd: 5 + 3 * nd,  # idx, key, kind, dtype, flags, global shape, offsets, sizes
-    COMPACT: lambda nd: 4,  # idx, record digest (low, high), flags
-    SIMPLE: lambda nd: 7 + 3 * nd,  # key, kind, dtype, global shape, offsets, main rank, sizes, one run
-    GENERAL: lambda nd: 1,  # a stream of variable-length records (count = its length)
-    ANSWER: lambda nd: 5,  # idx, holder-set digest (low, high), set size (0: send in full), position
-}
+from .key_owner import KeySummary, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401 (re-exported)
+from .wire import ANSWER, CLAIM, COMPACT, FULL, GENERAL, HAS_DATA, KIND_CODES, KIND_NAMES, MAIN, SIMPLE, WIDTHS  # noqa: F401
+from .written import CommitLayout, Written, WrittenTable, commit_layout, decode_finalize, encode_finalize  # noqa: F401
 
 
 def key_owner(key: str, world: int) -> int:
@@ -520,7 +509,3 @@ def detail_requests(replies: Iterable[bytes]) -> List[int]:
     rows = _answers(replies)
     return sorted(rows[rows[:, 2] == 0, 0].tolist())
 
-
-# re-exported: the key owner's step and the commit records live in their own modules
-from .key_owner import KeySummary, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401
-from .written import CommitLayout, Written, WrittenTable, commit_layout, decode_finalize, encode_finalize  # noqa: E402,F401

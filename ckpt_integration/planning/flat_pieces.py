@@ -25,6 +25,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+from ..mapping import flat_range_to_boxes
+
 
 def row_unit(shape: Sequence[int]) -> int:
     """Elements of one row of a local shard: its last axis for 2-D and up; 1 for 0-/1-D shards
@@ -110,6 +112,4 @@ def row_aligned_save(numels: Sequence[int], units: Sequence[int], shard_size: in
 def boxes_per_rank(shape: Sequence[int], lo: int, hi: int) -> int:
     """Number of stored chunks a saved flat range of ``shape`` becomes (for tests and the
     scale benchmark)."""
-    from ..mapping import flat_range_to_boxes
-
     return len(flat_range_to_boxes(tuple(shape), lo, hi)) if hi > lo and math.prod(shape) else 0

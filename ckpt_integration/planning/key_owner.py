@@ -28,6 +28,7 @@ from .integrity import Holding, validate_key_records
 from .records import MessageWriter, TableBatch, decode_runs
 from .shards import ShardMeta, object_storage_key
 from .storage_keys import collision_message
+from .wire import CLAIM, GENERAL, KIND_CODES, KIND_NAMES, SIMPLE, WIDTHS
 
 _MOD = 1 << 64
 
@@ -55,8 +56,6 @@ class _Received:
     """A key owner's inbox: SIMPLE rows by nd (global string ids) and the general records."""
 
     def __init__(self, inbox: Iterable[bytes]) -> None:
-        from .exchange import CLAIM, GENERAL, KIND_NAMES, SIMPLE, WIDTHS
-
         batch = TableBatch(inbox, WIDTHS)
         self.strings: List[str] = batch.strings
         self.ids: Dict[str, int] = batch.ids
@@ -213,8 +212,6 @@ def _disjoint(rows: np.ndarray, nd: int, starts: np.ndarray, lengths: np.ndarray
 
 def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[List[str], List[KeySummary]]:
     """Step 3 (key owner): integrity problems of the owned keys (sorted by key) and their summaries."""
-    from .exchange import KIND_NAMES
-
     rcv = _Received(inbox)
     strings = rcv.strings
     general_keys: Set[str] = {k for k, _ in rcv.holdings}
@@ -332,8 +329,6 @@ def _tensor_holders(skey: str, rcv: _Received, groups: Dict[int, np.ndarray]) ->
 
 
 def encode_summaries(w: MessageWriter, summaries: Sequence[KeySummary]) -> None:
-    from .exchange import KIND_CODES
-
     w.add(len(summaries))
     for s in summaries:
         lo, hi = s.token_sum & 0xFFFFFFFF, s.token_sum >> 32
@@ -342,8 +337,6 @@ def encode_summaries(w: MessageWriter, summaries: Sequence[KeySummary]) -> None:
 
 
 def read_summaries(strings: List[str], ints: Sequence[int], p: int) -> Tuple[List[KeySummary], int]:
-    from .exchange import KIND_NAMES
-
     out = []
     for _ in range(int(ints[p])):
         ks, kind, ds, nd = (int(x) for x in ints[p + 1 : p + 5])

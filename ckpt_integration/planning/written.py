@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..errors import CheckpointingException
 from .digests import chunk_digests, halves, joined, string_digests
 from .key_owner import KeySummary, encode_summaries, read_summaries
 from .records import MessageWriter, TableBatch, put_table
@@ -305,8 +306,6 @@ def commit_layout(written: WrittenColumns, summaries: Sequence[KeySummary], chec
     With ``check_layout`` every summarised key must have exactly its main chunks
     written, once each; anything else is an internal error naming the key.
     """
-    from ..errors import CheckpointingException
-
     w = written
     out = CommitLayout(written=w)
     dig = written_digests(w)

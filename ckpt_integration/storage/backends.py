@@ -12,8 +12,8 @@ from typing import Any, Dict, Optional, Tuple
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import checkpoint_dir as ckdir
-from .torch_dist import _FROM_DIRECTORY as MANIFEST_FROM_DIRECTORY
-from .torch_dist import TorchDistReader, read_dcp_metadata
+from .torch_dist import MANIFEST_FROM_DIRECTORY, TorchDistReader, read_dcp_metadata
+from .zarr_backend import ZarrReader
 
 
 def backend_of(directory: str) -> str:
@@ -23,8 +23,6 @@ def backend_of(directory: str) -> str:
 def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] = None) -> Metadata:
     backend = backend or backend_of(directory)
     if backend == "zarr":
-        from .zarr_backend import ZarrReader
-
         return ZarrReader(directory).metadata
     return read_dcp_metadata(directory, trusted=trusted)
 
@@ -45,7 +43,5 @@ def open_reader(
     compatibility and ignored where the checkpoint has a manifest."""
     backend = backend or backend_of(directory)
     if backend == "zarr":
-        from .zarr_backend import ZarrReader
-
         return ZarrReader(directory, verify_checksums=verify_checksums)
     return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)

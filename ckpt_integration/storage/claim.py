@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Set
 
 from ..errors import SaveConflictError
+from ..version import __version__
 from .filesystem import Storage, join, name_problem, storage_for, writing
 from .fs import fsync_dir
 
@@ -155,8 +156,6 @@ def marker_is_live(directory: str) -> bool:
 
 
 def _marker_bytes(token: str) -> bytes:
-    from .. import __version__
-
     return json.dumps({"format": FORMAT_NAME, "library_version": __version__, "manifest": "manifest.json",
                        "save": token, "started": time.time()}).encode()
 

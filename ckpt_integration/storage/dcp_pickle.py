@@ -45,6 +45,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .metadata_pickle import dumps_dcp_metadata
+from .torch_dist import WrittenItem, make_dcp_metadata
+
 # opcodes (pickle protocol 4)
 MARK, STOP, POP, TUPLE = b"(", b".", b"0", b"t"
 EMPTY_TUPLE, EMPTY_DICT, EMPTY_LIST, NONE = b")", b"}", b"]", b"N"
@@ -431,9 +434,6 @@ def dumps_commit_layout(layout: "CommitLayout") -> bytes:  # noqa: F821 - planni
 
 
 def _dumps_objects(layout: "CommitLayout") -> bytes:  # noqa: F821
-    from .metadata_pickle import dumps_dcp_metadata
-    from .torch_dist import WrittenItem, make_dcp_metadata
-
     w = layout.written
     tensors = {k: (getattr(torch, dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
     written = [WrittenItem(it.storage_key, it.offsets, it.relative_path, it.offset, it.length, it.crc32)

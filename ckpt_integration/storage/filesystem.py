@@ -329,8 +329,6 @@ class _FsspecReader(FileReader):
     def read_into(self, buf: memoryview, offset: int) -> None:
         data = self.read(offset, len(buf))
         if len(data) != len(buf):
-            from ..errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 f"{self.path} is truncated: needed bytes [{offset}, {offset + len(buf)}) but the file ends at "
                 f"{offset + len(data)}"

@@ -15,6 +15,8 @@ from typing import Union
 
 import torch
 
+from ..errors import CorruptCheckpointError
+
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -28,6 +30,17 @@ def fsync_dir(path: PathLike) -> None:
         os.fsync(fd)
     except OSError:
         pass  # some filesystems (tmpfs on some kernels, network FS) refuse; nothing to do
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: PathLike) -> None:
+    """Make a file's data durable (a symbolic link is left alone: its directory holds it)."""
+    if os.path.islink(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -107,8 +120,6 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
     while done < total:
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
-            from ..errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 f"{path or 'file'} is truncated: needed bytes [{offset}, {offset + total}) "
                 f"but the file ends at {offset + done}"

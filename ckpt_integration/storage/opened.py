@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 from ..errors import CheckpointReplacedError
 from . import checkpoint_dir as ckdir
 from .filesystem import Storage, storage_for
+from .torch_dist import read_dcp_metadata
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,8 +48,6 @@ class OpenedCheckpoint:
             self.commit_id = ckdir.identity_of(self.manifest)  # the commit pinned: the manifest's
             self.metadata = None
             if self.backend == "torch_dist":
-                from .torch_dist import read_dcp_metadata
-
                 self.metadata = read_dcp_metadata(self.path, trusted=trusted, manifest=self.manifest)
         except Exception as e:
             self._raise_if_replaced(e)

@@ -72,7 +72,7 @@ def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = [None, None]
-    if bufs[which] is None:
+    if bufs[which] is None or bufs[which].numel() < nbytes:  # PIECE or SLACK grew since it was made
         bufs[which] = torch.empty(PIECE + SLACK, dtype=torch.uint8)
     return bufs[which]
 
@@ -421,7 +421,8 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
 _ESIZE: Dict[torch.dtype, int] = {}
 
 
-def _element_size(dtype: torch.dtype) -> int:
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (cached: called per read)."""
     e = _ESIZE.get(dtype)
     if e is None:
         e = _ESIZE[dtype] = torch.empty((), dtype=dtype).element_size()

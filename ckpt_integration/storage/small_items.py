@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 import torch
 
 from .checksum import crc32, crc32_combine
-from .tensor_record import TEMPLATE_MAX_BYTES, _member_crcs_on, _template
+from .tensor_record import TEMPLATE_MAX_BYTES, archive_template, member_crcs_on
 
 # pending bytes written at once
 FLUSH_BYTES = 4 << 20
@@ -37,7 +37,7 @@ class SmallItemWriter:
         self.pending = 0
         self.pos = f.tell()
         self.templates: Dict[Tuple[Any, ...], Optional[Tuple[bytes, bytes, int, int]]] = {}
-        self.enabled = not _member_crcs_on()  # templates only without the archive members' CRC32s
+        self.enabled = not member_crcs_on()  # templates only without the archive members' CRC32s
 
     def add(self, t: torch.Tensor) -> Optional[Tuple[int, int, int, Tuple[int, int, int, List[int]]]]:
         """Append ``t`` as one item if it is a small plain tensor: ``(start, length, item digest,
@@ -50,7 +50,7 @@ class SmallItemWriter:
         key = (t.dtype, t.shape)
         tpl = self.templates.get(key, False)
         if tpl is False:
-            tpl = self.templates[key] = self._template(t)
+            tpl = self.templates[key] = self._make_template(t)
         if tpl is None:
             return None
         head, tail, head_crc, tail_crc = tpl
@@ -65,8 +65,8 @@ class SmallItemWriter:
             self.flush()
         return start, d + n + m, whole, (d, n, self.block_size, [head_crc, dcrc, tail_crc])
 
-    def _template(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes, int, int]]:
-        parts = _template(t.detach())
+    def _make_template(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes, int, int]]:
+        parts = archive_template(t.detach())
         if parts is None or not parts[0] or not parts[1]:
             return None  # (an archive always has a header and a trailer around the data)
         return parts[0], parts[1], crc32(parts[0]), crc32(parts[1])

@@ -50,10 +50,10 @@ from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32
 from .filesystem import FileReader, join, name_problem, storage_for, writing
-from .region_read import Blocks, ChunkLayout, ReadStats, _element_size, run_parallel  # noqa: F401 (re-exported)
+from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, run_parallel  # noqa: F401 (re-exported)
 from .region_read import read_region as _read_region
 from .metadata_pickle import dumps_dcp_metadata
-from .safe_pickle import load_dcp_metadata
+from .safe_pickle import load_dcp_metadata, safe_torch_load
 from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
 from .small_items import SmallItemWriter
 
@@ -337,7 +337,6 @@ def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = Non
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e!r}") from None
     except Exception as e:  # pickle.UnpicklingError and friends
-        from ..errors import UnsafeCheckpointError
 
         if isinstance(e, UnsafeCheckpointError):
             raise
@@ -355,7 +354,8 @@ class ChunkInfo:
     crc32: Optional[int] = None
 
 
-_FROM_DIRECTORY = object()
+#: ``TorchDistReader(manifest=...)`` default: read the manifest from the checkpoint directory
+MANIFEST_FROM_DIRECTORY = object()
 
 
 def _is_index(v: Any) -> bool:
@@ -380,11 +380,11 @@ class TorchDistReader:
         metadata: Metadata,
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
-        manifest: Any = _FROM_DIRECTORY,
+        manifest: Any = MANIFEST_FROM_DIRECTORY,
     ):
         self.storage, self.directory = storage_for(directory)
         self.metadata = metadata
-        if manifest is _FROM_DIRECTORY:
+        if manifest is MANIFEST_FROM_DIRECTORY:
             manifest = ckdir.read_manifest_checked(self.directory)
         self.manifest = manifest
         self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})
@@ -548,7 +548,7 @@ class TorchDistReader:
         path = join(self.directory, info.relative_path)
         what = f"chunk {chunk.box} of {key!r}"
         fd = self._check_extent(info, what)
-        esize = _element_size(dtype)
+        esize = dtype_size(dtype)
         nbytes = chunk.box.numel * esize
         brec = self.block_records.get(rid)
         blocks = None
@@ -684,7 +684,6 @@ class TorchDistReader:
         path = join(self.directory, info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
         self._verify(info, [buf], f"chunk {chunk.box} of {key!r}")
-        from .safe_pickle import safe_torch_load
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
         try:

@@ -19,15 +19,15 @@ most one *block* of ``memory_budget`` bytes (rows of one tensor, read with
 than RAM can be converted, verified and diffed. Inputs given as ``torch.save``
 or safetensors files are memory-mapped (their pages stay in the page cache).
 
-Modules: one per command (:mod:`.inspect`, :mod:`.verify`, :mod:`.convert`,
-:mod:`.diff`) over the shared :mod:`.sources` (readers), :mod:`.writers` and
-:mod:`.common` (sizes, progress). The names below are re-exported here so that
-``from ckpt_integration.tools import X`` keeps working.
+Modules: one per command (:mod:`.inspect`, :mod:`.verify`, :mod:`.convert`, :mod:`.diff`,
+:mod:`.export`, :mod:`.lightning_import`) over the shared :mod:`.sources` (readers),
+:mod:`.writers`, :mod:`.output` (checks on OUT, staging, the atomic commit) and :mod:`.common`
+(sizes, progress); they form a DAG: ``convert -> lightning_import -> export -> output/writers``.
+The names below are re-exported here so that ``from ckpt_integration.tools import X`` keeps working.
 """
 
 from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_INDEX, ProgressFactory, format_size,
-                     parse_size)
-from .common import _no_progress  # noqa: F401 (the CLI's progress factory when bars are off)
+                     no_progress, parse_size)
 from .convert import ConvertResult, convert_checkpoint
 from .diff import DiffReport, diff_checkpoints
 from .export import ExportError, ExportResult, export_checkpoint
@@ -49,6 +49,6 @@ __all__ = [
     "detect_kind", "open_source", "plan_blocks", "read_safetensors_header",
     "TensorInfo", "TensorSource", "DistCheckpointSource", "SafetensorsSource", "TorchFileSource",
     "SafetensorsWriter", "TorchSaveWriter",
-    "parse_size", "format_size", "ProgressFactory",
+    "parse_size", "format_size", "ProgressFactory", "no_progress",
     "DEFAULT_MEMORY_BUDGET", "DEFAULT_MAX_SHARD_SIZE", "SAFETENSORS_INDEX",
 ]

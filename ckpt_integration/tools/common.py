@@ -11,7 +11,7 @@ import torch
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-_READ_PIECE = 8 * 2**20
+READ_PIECE = 8 * 2**20  # bytes read (and checksummed) at a time where a whole record need not be held
 
 ProgressFactory = Callable[..., Any]
 
@@ -41,7 +41,8 @@ def format_size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _no_progress(iterable: Any = None, **_: Any) -> Any:
+def no_progress(iterable: Any = None, **_: Any) -> Any:
+    """The :data:`ProgressFactory` that draws nothing (the default of every tool; the CLI's with ``--quiet``)."""
     return _NullBar(iterable)
 
 
@@ -68,10 +69,12 @@ class _NullBar:
         pass
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
     return str(dtype).replace("torch.", "")
 
 
 @functools.lru_cache(maxsize=None)
-def _esize(dtype: torch.dtype) -> int:
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()

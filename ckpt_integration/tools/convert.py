@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import io
-import json
 import os
-import shutil
 import tempfile
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -16,131 +12,14 @@ import torch
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
 from ..storage.opened import accepts_opened
-from .common import (DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, SAFETENSORS_INDEX, ProgressFactory, _no_progress,
-                     parse_size)
-from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, _MappedFiles,
-                      _restore_structure, _tensor_from_map, open_source)
-from .writers import SafetensorsWriter, TorchSaveWriter
-
-
-@dataclass
-class ConvertResult:
-    """What :func:`convert_checkpoint` wrote.
-
-    ``files``: the names in the output directory (the file name for a torch output);
-    ``file_count`` / ``file_bytes``: every file written, counted recursively (zarr writes one
-    file per chunk), and their total size;
-    ``skipped``: ShardedObject keys not written (torch / safetensors outputs hold tensors);
-    ``skipped_common``: common-state entries not written, each with the reason.
-    """
-
-    output: str
-    to: str
-    tensors: int = 0
-    bytes: int = 0
-    files: List[str] = field(default_factory=list)
-    file_count: int = 0
-    file_bytes: int = 0
-    skipped: List[str] = field(default_factory=list)
-    skipped_common: List[str] = field(default_factory=list)
-
-
-def _shard_plan(entries: List[Tuple[str, TensorInfo]], max_size: int) -> List[List[Tuple[str, TensorInfo]]]:
-    shards: List[List[Tuple[str, TensorInfo]]] = []
-    current: List[Tuple[str, TensorInfo]] = []
-    size = 0
-    for key, info in entries:
-        if current and size + info.nbytes > max_size:
-            shards.append(current)
-            current, size = [], 0
-        current.append((key, info))
-        size += info.nbytes
-    if current or not shards:
-        shards.append(current)
-    return shards
-
-
-# --------------------------------------------------------------------------- convert: output handling
-def _contains(parent: str, child: str) -> bool:
-    """Whether resolved path ``child`` is ``parent`` or lies below it."""
-    return os.path.commonpath([parent, child]) == parent
-
-
-def _check_not_source(src: str, out: str) -> None:
-    """Refuse an OUT that is SRC, holds SRC or lies inside SRC (resolved, symlinks followed).
-
-    Replacing such an OUT would delete or change the source before (or while) it is read.
-    """
-    s, o = os.path.realpath(src), os.path.realpath(out)
-    if s == o:
-        raise CheckpointingException(
-            f"output {out} is the source {src} itself: converting in place would destroy the source; choose another OUT")
-    if _contains(o, s):
-        raise CheckpointingException(
-            f"output {out} contains the source {src}: replacing it would delete the source; choose another OUT")
-    if _contains(s, o):
-        raise CheckpointingException(
-            f"output {out} lies inside the source {src}: writing there would change the source; choose another OUT")
-
-
-def _check_output(out: str, overwrite: bool, is_dir: bool) -> None:
-    """OUT must not exist (or be an empty directory, for directory outputs) unless ``overwrite``."""
-    if os.path.lexists(out) and not overwrite and (not is_dir or not os.path.isdir(out) or os.listdir(out)):
-        raise CheckpointingException(f"{out} already exists; pass --overwrite to replace it")
-
-
-def _staging_path(out: str, is_dir: bool) -> str:
-    """A fresh hidden sibling of OUT to write into; :func:`_commit_output` moves it to OUT.
-
-    A sibling (same filesystem) so that the final move is a rename, and so that the old
-    OUT stays intact until the new output is complete.
-    """
-    parent, base = os.path.split(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{base}.convert-tmp-{uuid.uuid4().hex[:8]}")
-    if is_dir:
-        os.mkdir(tmp)
-    return tmp
-
-
-def _remove_path(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _commit_output(tmp: str, out: str) -> None:
-    """Put the finished output ``tmp`` in place of OUT; only now is an old OUT removed."""
-    if not os.path.lexists(out) or (not os.path.isdir(tmp) and not os.path.isdir(out)) or os.path.islink(out):
-        os.replace(tmp, out)  # atomic: OUT is the old or the new output at every instant
-        return
-    # a directory on either side cannot be replaced atomically: move the old one aside first
-    old = f"{tmp}.old"
-    os.rename(out, old)
-    os.rename(tmp, out)
-    _remove_path(old)
-
-
-def _disk_usage(path: str) -> Tuple[int, int]:
-    """``(number of files, total bytes)`` of a file or of a directory tree."""
-    if not os.path.isdir(path):
-        return 1, os.path.getsize(path)
-    count = size = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            count += 1
-            size += os.path.getsize(os.path.join(root, name))
-    return count, size
-
-
-def _discard_output(tmp: str) -> None:
-    """Remove a failed conversion's partial output (and a writer's ``.partial`` file)."""
-    for path in (tmp, tmp + ".partial"):
-        try:
-            _remove_path(path)
-        except OSError:
-            pass  # best effort: the original error is the one to report
+from ..mapping import ShardedObject, ShardedTensor
+from ..serialization import load_common_state_dict, save
+from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
+from .lightning_import import import_lightning_checkpoint, stock_lightning_kind
+from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
+from .sources import (DistCheckpointSource, MappedFiles, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource,
+                      open_source, restore_structure, tensor_from_map)
+from .writers import TorchSaveWriter, write_safetensors_folder
 
 
 # --------------------------------------------------------------------------- convert: common state
@@ -154,8 +33,6 @@ def _load_common_for_output(src: TensorSource, result: ConvertResult) -> Dict[An
     """
     if not isinstance(src, DistCheckpointSource):
         return {}
-    from ..serialization import load_common_state_dict
-
     try:
         common = load_common_state_dict(src.path, trusted=src.trusted)
     except UntrustedObjectError as e:
@@ -195,33 +72,6 @@ def _common_values_for_torch(src: TensorSource, tensor_names: set, result: Conve
 
 
 # --------------------------------------------------------------------------- convert
-def _write_safetensors(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_dir: str, max_shard_size: int,
-                       budget: int, bar: Any, result: ConvertResult) -> None:
-    """HF-style folder: size-bounded ``.safetensors`` files and ``model.safetensors.index.json``."""
-    plan = _shard_plan(entries, max_shard_size)
-    n = len(plan)
-    weight_map: Dict[str, str] = {}
-    for i, shard in enumerate(plan):
-        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        writer = SafetensorsWriter(os.path.join(out_dir, name), shard)
-        try:
-            for key, _ in shard:
-                for _, block in src.iter_blocks(key, budget):
-                    writer.write(block)
-                    bar.update(block.numel() * block.element_size())
-                    del block
-                weight_map[key] = name
-        except BaseException:
-            writer.f.close()
-            raise
-        writer.close()
-        result.files.append(name)
-    index = {"metadata": {"total_size": sum(i.nbytes for _, i in entries)}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
-        json.dump(index, f, indent=2)
-    result.files.append(SAFETENSORS_INDEX)
-
-
 def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_file: str, nested: bool,
                  budget: int, bar: Any, result: ConvertResult) -> None:
     """One ``torch.load``-able file: the tensors, and the common state of a checkpoint source."""
@@ -255,7 +105,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     trusted: bool = False,
     nested: bool = False,
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
     module: Any = None,
 ) -> ConvertResult:
     """Convert a checkpoint dir / torch.save file / safetensors file or folder into ``to`` at ``out``.
@@ -284,8 +134,6 @@ def convert_checkpoint(
     if to not in ("safetensors", "torch", "torch_dist", "zarr"):
         raise ValueError(f"unknown output format {to!r}: choose torch, safetensors, torch_dist or zarr")
     if to in ("torch_dist", "zarr"):
-        from .lightning_import import import_lightning_checkpoint, stock_lightning_kind
-
         if stock_lightning_kind(src_path, trusted=trusted):
             return import_lightning_checkpoint(src_path, out, to=to, module=module, overwrite=overwrite,
                                                trusted=trusted, memory_budget=memory_budget, progress=progress)
@@ -294,22 +142,22 @@ def convert_checkpoint(
     max_shard_size = parse_size(max_shard_size)
     budget = parse_size(memory_budget)
     out = os.fspath(out)
-    _check_not_source(os.fspath(src_path), out)
+    check_not_source(os.fspath(src_path), out)
     is_dir = to != "torch"
-    _check_output(out, overwrite, is_dir)
+    check_output(out, overwrite, is_dir)
     src = open_source(src_path, trusted=trusted)
     result = ConvertResult(out, to)
     try:
-        tmp = _staging_path(out, is_dir)
+        tmp = staging_path(out, is_dir)
         try:
             _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
-            _commit_output(tmp, out)
+            commit_output(tmp, out)
         except BaseException:
-            _discard_output(tmp)
+            discard_output(tmp)
             raise
         if to == "torch":
             result.files = [os.path.basename(os.path.abspath(out))]
-        result.file_count, result.file_bytes = _disk_usage(out)
+        result.file_count, result.file_bytes = disk_usage(out)
         return result
     finally:
         src.close()
@@ -330,7 +178,7 @@ def _convert_into(src: TensorSource, to: str, target: str, max_shard_size: int, 
         if to == "safetensors":
             common = _load_common_for_output(src, result)
             result.skipped_common += [f"{k!r} (safetensors holds tensors only)" for k in common]
-            _write_safetensors(src, entries, target, max_shard_size, budget, bar, result)
+            result.files += write_safetensors_folder(src, entries, target, max_shard_size, budget, bar)
         else:
             _write_torch(src, entries, target, nested, budget, bar, result)
     finally:
@@ -341,9 +189,6 @@ def _convert_into(src: TensorSource, to: str, target: str, max_shard_size: int, 
 def _convert_to_torch_dist(
     src: TensorSource, out: str, budget: int, progress: ProgressFactory, result: ConvertResult, backend: str = "torch_dist"
 ) -> None:
-    from ..mapping import ShardedObject, ShardedTensor
-    from ..serialization import load_common_state_dict, save
-
     spill_map = None
     if isinstance(src, DistCheckpointSource):
         # Stream every tensor into one spill file, then hand save() memory-mapped views of it.
@@ -365,10 +210,10 @@ def _convert_to_torch_dist(
                         bar.update(block.numel() * block.element_size())
                 bar.close()
                 f.truncate(max(pos, 1))
-            spill_map = _MappedFiles().get(spill)
+            spill_map = MappedFiles().get(spill)
         finally:
             os.remove(spill)  # the mapping keeps the data reachable until it is dropped
-        tensors = {k: _tensor_from_map(spill_map, i.dtype, i.shape, offsets[k]) for k, i in entries}
+        tensors = {k: tensor_from_map(spill_map, i.dtype, i.shape, offsets[k]) for k, i in entries}
         sd: Dict[str, Any] = {}
         try:
             common = load_common_state_dict(src.path, trusted=src.trusted)
@@ -386,7 +231,7 @@ def _convert_to_torch_dist(
             sd[unique_key] = obj
     elif isinstance(src, TorchFileSource):
         sharded = {k: ShardedTensor.from_rank_offsets(k, src.tensor(k)) for k in src.tensors}
-        sd = _restore_structure(src.structure, sharded)
+        sd = restore_structure(src.structure, sharded)
         if not isinstance(sd, dict):
             raise CheckpointingException(f"{src.path} does not hold a dict")
     else:

@@ -11,8 +11,11 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from ..dict_utils import diff
+from ..errors import CheckpointingException
+from ..serialization import load_common_state_dict
 from ..storage.opened import accepts_opened
-from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _dtype_name, _no_progress, parse_size
+from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
 
 
@@ -128,10 +131,6 @@ def _path(path: Any) -> str:
 
 def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted: bool, report: DiffReport) -> None:
     """The common state and the ShardedObjects' values of two checkpoint directories."""
-    from ..dict_utils import diff
-    from ..errors import CheckpointingException
-    from ..serialization import load_common_state_dict
-
     try:
         ca, cb = load_common_state_dict(sa.path, trusted=trusted), load_common_state_dict(sb.path, trusted=trusted)
         oa = {k: sa.read_object(k) for k in sa.objects if k in set(sb.objects)}
@@ -152,7 +151,7 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
 
 @accepts_opened('a', 'b')
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
-                     progress: ProgressFactory = _no_progress) -> DiffReport:
+                     progress: ProgressFactory = no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for
     two checkpoint directories also the common state and the ShardedObjects' values."""
     budget = parse_size(memory_budget)
@@ -176,7 +175,7 @@ def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDG
                     bar.update(ia.nbytes)
                     continue
                 if ia.dtype != ib.dtype:
-                    report.dtype_mismatch[key] = (_dtype_name(ia.dtype), _dtype_name(ib.dtype))
+                    report.dtype_mismatch[key] = (dtype_name(ia.dtype), dtype_name(ib.dtype))
                 worst = 0.0
                 big = ia if ia.nbytes >= ib.nbytes else ib
                 for box in plan_blocks(ia.shape, big.dtype, max(budget // 2, 1)):

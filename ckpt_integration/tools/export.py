@@ -28,14 +28,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointingException
-from ..optimizer import DEFAULT_PREFIX
+from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
+from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
+from ..serialization import load, load_common_state_dict
 from ..storage.opened import accepts_opened
-from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
-from .convert import _check_not_source, _check_output, _commit_output, _discard_output, _staging_path, _write_safetensors
+from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
+from .output import check_not_source, check_output, commit_output, discard_output, staging_path
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
-from .sources import DistCheckpointSource, TensorInfo, TensorSource, _box_slices
-from .writers import TorchSaveWriter
+from .sources import DistCheckpointSource, TensorInfo, TensorSource, box_slices
+from .writers import TorchSaveWriter, write_safetensors_folder
 
 #: top-level entries of a Lightning checkpoint that hold training (not model) state
 _TRAINING_KEYS = ("optimizer_states", "lr_schedulers", "callbacks")
@@ -133,7 +135,7 @@ class _DictSource(TensorSource):
             self.tensors[k] = TensorInfo(t.dtype, tuple(t.shape))
 
     def read_block(self, key: str, box: Box) -> torch.Tensor:
-        return self._values[key][_box_slices(box)]
+        return self._values[key][box_slices(box)]
 
 
 # --------------------------------------------------------------------------- what a checkpoint holds
@@ -142,7 +144,7 @@ def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> Li
     (``optimizer.state.*`` tensors and scalar objects, as :mod:`ckpt_integration.optimizer` and
     Megatron-Core write them) and the per-param ``{prefix}.param_state.{key}`` objects of
     checkpoints written before scalars were stored in place."""
-    prefixes = {"optimizer" if i == 0 else f"optimizer_{i}" for i in range(int(marker.get("num_optimizers") or 0))}
+    prefixes = {optimizer_key(i) for i in range(int(marker.get("num_optimizers") or 0))}
     keys = [u.rpartition("/shard_")[0] or u for u in src.objects] + list(src.tensors)
     if any(k.startswith(DEFAULT_PREFIX + ".state.") for k in keys):
         prefixes.add(DEFAULT_PREFIX)
@@ -154,8 +156,6 @@ def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> Li
 
 def _read_common(src: DistCheckpointSource, allowed: Sequence[Any], result: ExportResult) -> Optional[Dict[str, Any]]:
     """The common state, or ``None`` (noted in ``result.skipped``) when it cannot be loaded safely."""
-    from ..serialization import load_common_state_dict
-
     try:
         common = load_common_state_dict(src.path, trusted=src.trusted, allowed_globals=list(allowed))
     except CheckpointingException as e:
@@ -279,9 +279,6 @@ def _model_objects(src: DistCheckpointSource, prefixes: Sequence[str]) -> List[s
 # --------------------------------------------------------------------------- the module route
 def _load_through_module(module: torch.nn.Module, path: str, trusted: bool) -> Dict[str, Any]:
     """Load the checkpoint into ``module`` through its own sharded state dict; returns that request."""
-    from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
-    from ..serialization import load
-
     request = module_sharded_state_dict(module, "", {"layout": ParallelLayout()})
     loaded = load(request, path, trusted=trusted, allowed_globals=_allowed_globals())
     load_into_module(module, {k: loaded[k] for k in request if k in loaded})
@@ -291,9 +288,6 @@ def _load_through_module(module: torch.nn.Module, path: str, trusted: bool) -> D
 def _module_optimizer_states(module: Any, optimizers: Optional[Sequence[Any]], path: str,
                              marker: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The optimizers' ``state_dict()`` s (stock Lightning's ``optimizer_states``), loaded from the checkpoint."""
-    from ..modules import ParallelLayout, module_sharded_state_dict
-    from ..optimizer import load_optimizer_state
-
     if optimizers is None:
         optimizers = build_optimizers(module)
     saved = int(marker.get("num_optimizers") or 0)
@@ -304,7 +298,7 @@ def _module_optimizer_states(module: Any, optimizers: Optional[Sequence[Any]], p
     model_sd = module_sharded_state_dict(module, "", {"layout": ParallelLayout()})
     states = []
     for i, opt in enumerate(optimizers):
-        load_optimizer_state(opt, model_sd, path, prefix="optimizer" if i == 0 else f"optimizer_{i}", module=module)
+        load_optimizer_state(opt, model_sd, path, prefix=optimizer_key(i), module=module)
         states.append(opt.state_dict())
     return states
 
@@ -375,7 +369,7 @@ def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any
             result.skipped.append(f"common state {sorted(map(str, common))} (not a Lightning checkpoint)")
         return {"pytorch-lightning_version": lightning.__version__}
     n_opt = int(marker.get("num_optimizers") or 0)
-    drop = {_CONTENT_METADATA_KEY, "state_dict", "rng_states"} | {"optimizer" if i == 0 else f"optimizer_{i}" for i in range(n_opt)}
+    drop = {_CONTENT_METADATA_KEY, "state_dict", "rng_states"} | {optimizer_key(i) for i in range(n_opt)}
     if not include_training:
         drop |= set(_TRAINING_KEYS)
         left = sorted(k for k in _TRAINING_KEYS if k in common or k in marker.get("empty_keys", {}))
@@ -406,7 +400,7 @@ def export_checkpoint(
     memory_budget: Any = DEFAULT_MEMORY_BUDGET,
     overwrite: bool = False,
     trusted: bool = False,
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
 ) -> ExportResult:
     """Export the model weights of checkpoint directory ``src_path`` for stock tools.
 
@@ -440,8 +434,8 @@ def export_checkpoint(
         raise ValueError("include_optimizer=True needs to='lightning' and module= (the optimizers are rebuilt from it)")
     src_path, out = os.fspath(src_path), os.fspath(out)
     budget, max_shard_size = parse_size(memory_budget), parse_size(max_shard_size)
-    _check_not_source(src_path, out)
-    _check_output(out, overwrite, is_dir=to == "hf")
+    check_not_source(src_path, out)
+    check_output(out, overwrite, is_dir=to == "hf")
     result = ExportResult(out, to)
     src = DistCheckpointSource(src_path, trusted=trusted)
     try:
@@ -478,13 +472,14 @@ def export_checkpoint(
             extra_state = {k[len(strip_prefix):]: v for k, v in extra_state.items() if k.startswith(strip_prefix)}
             view = _Renamed(view, plan)
         total = sum(view.tensors[n].nbytes for n in names)
-        tmp = _staging_path(out, to == "hf")
+        tmp = staging_path(out, to == "hf")
         bar = progress(total=total, unit="B", unit_scale=True, desc=f"export to {to}")
         try:
             if to == "hf":
                 if extra_state:
                     result.skipped.append(f"non-tensor state {sorted(extra_state)} (safetensors holds tensors only)")
-                _write_safetensors(view, [(n, view.tensors[n]) for n in names], tmp, max_shard_size, budget, bar, result)
+                result.files += write_safetensors_folder(view, [(n, view.tensors[n]) for n in names], tmp, max_shard_size,
+                                                         budget, bar)
                 _write_hf_config(config, tmp, result)
             else:
                 top = _lightning_top_level(common, marker, include_optimizer, result)
@@ -493,9 +488,9 @@ def export_checkpoint(
                     top.setdefault("lr_schedulers", [])
                 _write_lightning(view, names, extra_state, top, tmp, budget, bar)
                 result.files = [os.path.basename(os.path.abspath(out))]
-            _commit_output(tmp, out)
+            commit_output(tmp, out)
         except BaseException:
-            _discard_output(tmp)
+            discard_output(tmp)
             raise
         finally:
             bar.close()

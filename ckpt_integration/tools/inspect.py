@@ -10,12 +10,14 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointingException, UnsafeCheckpointError
+from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import accepts_opened
 from ..storage.backends import read_metadata
 from ..storage.filesystem import checked_path
+from ..storage.opened import accepts_opened
 from ..storage.torch_dist import DCP_METADATA_FILE
-from .common import _dtype_name, _esize, format_size
+from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
+from .common import dtype_name, dtype_size, format_size
 from .sources import detect_kind, open_source
 
 
@@ -41,7 +43,7 @@ def _layout_summary(global_shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int,
 
 def _describe_value(v: Any) -> str:
     if isinstance(v, torch.Tensor):
-        return f"tensor {list(v.shape)} {_dtype_name(v.dtype)}"
+        return f"tensor {list(v.shape)} {dtype_name(v.dtype)}"
     if isinstance(v, (int, float, bool)) or v is None:
         return f"{type(v).__name__} = {v!r}"
     if isinstance(v, str):
@@ -88,8 +90,6 @@ def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, 
     and object records the save committed. Indexes written before records existed give
     ``length`` None and no files.
     """
-    from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
-
     with ZarrReader(path) as reader:
         records = reader.files or {}
         shards: Dict[str, List[Dict[str, Any]]] = {}
@@ -156,7 +156,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     if kind != "torch_dist":
         with open_source(path, trusted=trusted) as src:
             tensors = {
-                k: {"shape": list(i.shape), "dtype": _dtype_name(i.dtype), "nbytes": i.nbytes, "shards": [], "layout": kind}
+                k: {"shape": list(i.shape), "dtype": dtype_name(i.dtype), "nbytes": i.nbytes, "shards": [], "layout": kind}
                 for k, i in src.tensors.items()
             }
             return {"path": path, "kind": kind, "tensors": tensors, "objects": [], "common_state": None,
@@ -186,8 +186,8 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             unit = "chunk" if backend == "zarr" else "shard"
             tensors[key] = {
                 "shape": list(shape),
-                "dtype": _dtype_name(meta.properties.dtype),
-                "nbytes": math.prod(shape) * _esize(meta.properties.dtype),
+                "dtype": dtype_name(meta.properties.dtype),
+                "nbytes": math.prod(shape) * dtype_size(meta.properties.dtype),
                 "shards": shards,
                 "layout": _layout_summary(shape, [(tuple(s["offsets"]), tuple(s["sizes"])) for s in shards], unit),
             }
@@ -198,8 +198,6 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             info = storage.get(MetadataIndex(key))
             objects.append({"key": key, "file": getattr(info, "relative_path", None), "length": getattr(info, "length", None)})
     try:
-        from ..serialization import load_common_state_dict
-
         state = load_common_state_dict(path, trusted=trusted)
         common: Dict[str, Any] = {"keys": _common_keys(state), "groups": _common_groups(state)}
     except UnsafeCheckpointError as e:

@@ -32,12 +32,23 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..errors import CheckpointingException, UntrustedObjectError
+from ..mapping import ShardedTensor
+from ..modules import ParallelLayout, module_sharded_state_dict
+from ..optimizer import optimizer_key, optimizer_sharded_state_dict
+from ..optimizer.sharding import optim_state_to_sharding_state
+from ..serialization import save
+from ..storage.backends import open_reader
 from ..storage.fs import tensor_buffer
-from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, _no_progress, parse_size
-from .convert import ConvertResult, _check_not_source, _check_output, _commit_output, _discard_output, _disk_usage, _staging_path
-from .sources import DistCheckpointSource, TensorInfo, TensorSource, _MappedFiles, _tensor_from_map
+from ..storage.safe_pickle import safe_torch_load
+from ..storage.torch_dist import read_dcp_metadata
+from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
+from .export import build_optimizers
+from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
+from .recipe import export_recipe_object
+from .sources import DistCheckpointSource, MappedFiles, TensorInfo, TensorSource, tensor_from_map
 
 #: Lightning's file of non-tensor state inside a distributed checkpoint directory
 LIGHTNING_META_FILE = "meta.pt"
@@ -88,11 +99,6 @@ class _DCPSource(DistCheckpointSource):
     through our restricted ``.metadata`` reader; no checksums exist to verify."""
 
     def __init__(self, path: str, trusted: bool = False):
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
-        from ..storage.backends import open_reader
-        from ..storage.torch_dist import read_dcp_metadata
-
         TensorSource.__init__(self, path)
         self.trusted, self.kind, self.config, self.manifest = trusted, "torch_dist", None, None
         self.metadata = read_dcp_metadata(path, trusted=trusted)
@@ -106,8 +112,6 @@ class _DCPSource(DistCheckpointSource):
 
     def read_value(self, key: str) -> Any:
         """A non-tensor DCP item (``torch.save`` bytes), unpickled restricted unless trusted."""
-        from ..storage.safe_pickle import safe_torch_load
-
         return safe_torch_load(io.BytesIO(self.reader.read_bytes(key)), trusted=self.trusted,
                                what=f"item {key!r} in {self.path}")
 
@@ -131,10 +135,10 @@ def _spill(src: TensorSource, keys: Sequence[str], where: str, budget: int, prog
                     bar.update(block.numel() * block.element_size())
             bar.close()
             f.truncate(max(pos, 1))
-        mapped = _MappedFiles().get(spill)
+        mapped = MappedFiles().get(spill)
     finally:
         os.remove(spill)
-    return {k: _tensor_from_map(mapped, src.tensors[k].dtype, src.tensors[k].shape, offsets[k]) for k in keys}
+    return {k: tensor_from_map(mapped, src.tensors[k].dtype, src.tensors[k].shape, offsets[k]) for k in keys}
 
 
 def _set_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: Any) -> None:
@@ -198,8 +202,6 @@ def _module_from(module: Any, ckpt: Dict[str, Any]) -> Any:
 
 def _fqn_keyed_to_sharded(state: Dict[str, Any], model_sd: Dict[str, Any], prefix: str, where: str) -> Dict[str, Any]:
     """A name-keyed optimizer state (``get_optimizer_state_dict``) as our sharded optimizer state."""
-    from ..optimizer.sharding import optim_state_to_sharding_state
-
     order = [fqn for g in state.get("param_groups", []) for fqn in g["params"]]
     unknown = [f for f in order if f not in model_sd]
     if unknown:
@@ -223,13 +225,6 @@ def _by_position(state: Dict[str, Any], optimizer: torch.optim.Optimizer, module
 
 def _build_state(ckpt: Dict[str, Any], kind: str, module: Any, optimizers: Optional[Sequence[Any]], where: str,
                  result: ImportResult) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    from ..lightning.strategy import optimizer_key
-    from ..mapping import ShardedTensor
-    from ..modules import ParallelLayout, module_sharded_state_dict
-    from ..optimizer import optimizer_sharded_state_dict
-    from .export import build_optimizers
-    from .recipe import export_recipe_object
-
     rest = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
     opt_states = ckpt.get("optimizer_states")
     state: Dict[str, Any] = dict(rest)
@@ -283,7 +278,7 @@ def import_lightning_checkpoint(
     overwrite: bool = False,
     trusted: bool = False,
     memory_budget: Any = DEFAULT_MEMORY_BUDGET,
-    progress: ProgressFactory = _no_progress,
+    progress: ProgressFactory = no_progress,
 ) -> ImportResult:
     """Convert a stock Lightning ``.ckpt`` file or distributed checkpoint directory into checkpoint
     directory ``out`` (backend ``to``: ``torch_dist`` or ``zarr``) that the DistCkpt strategies resume
@@ -300,18 +295,16 @@ def import_lightning_checkpoint(
         import_lightning_checkpoint("stock/last.ckpt", "ckpt/imported", module=MyModule)
         Trainer(strategy=DistCkptDDPStrategy(), plugins=[DistCkptIO()]).fit(MyModule(), ckpt_path="ckpt/imported")
     """
-    from ..serialization import save
-
     src_path, out = os.fspath(src_path), os.fspath(out)
     kind = stock_lightning_kind(src_path, trusted)
     if kind is None:
         raise CheckpointingException(
             f"{src_path} is not a stock Lightning checkpoint (a .ckpt file with 'state_dict' and '{_VERSION_KEY}', "
             f"or a directory with .metadata and {LIGHTNING_META_FILE})")
-    _check_not_source(src_path, out)
-    _check_output(out, overwrite, is_dir=True)
+    check_not_source(src_path, out)
+    check_output(out, overwrite, is_dir=True)
     result = ImportResult(out, to, source_kind=kind)
-    tmp = _staging_path(out, True)
+    tmp = staging_path(out, True)
     try:
         if kind == "ckpt":
             ckpt = _load_file(src_path, trusted)
@@ -323,14 +316,14 @@ def import_lightning_checkpoint(
         save(state, tmp, sharded_strategy=to, validate_access_integrity=True, overwrite=True, content_metadata=marker)
         bar.update(1)
         bar.close()
-        _commit_output(tmp, out)
+        commit_output(tmp, out)
     except BaseException:
-        _discard_output(tmp)
+        discard_output(tmp)
         raise
     result.tensors = len(tensors)
     result.bytes = sum(t.numel() * t.element_size() for t in tensors)
     result.files = sorted(os.listdir(out))
-    result.file_count, result.file_bytes = _disk_usage(out)
+    result.file_count, result.file_bytes = disk_usage(out)
     return result
 
 

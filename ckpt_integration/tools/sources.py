@@ -27,7 +27,8 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import open_reader, read_metadata
 from ..storage.filesystem import name_problem, open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
-from .common import SAFETENSORS_INDEX, _esize
+from .common import SAFETENSORS_INDEX, dtype_size
+from ..storage.safe_pickle import safe_torch_load
 
 
 def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[Box]:
@@ -40,7 +41,7 @@ def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[B
     ndim = len(shape)
     if ndim == 0 or math.prod(shape) == 0:
         return [Box((0,) * ndim, shape)]
-    esize = _esize(dtype)
+    esize = dtype_size(dtype)
     budget = max(budget, esize)
     axis = 0
     while axis < ndim - 1 and math.prod(shape[axis + 1 :]) * esize > budget:
@@ -56,7 +57,8 @@ def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[B
     return boxes
 
 
-def _box_slices(box: Box) -> Tuple[slice, ...]:
+def box_slices(box: Box) -> Tuple[slice, ...]:
+    """The index of ``box`` into a whole tensor: ``tensor[box_slices(box)]``."""
     return tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
 
 
@@ -68,7 +70,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _esize(self.dtype)
+        return math.prod(self.shape) * dtype_size(self.dtype)
 
 
 class TensorSource:
@@ -142,8 +144,6 @@ class DistCheckpointSource(TensorSource):
 
     def read_object(self, unique_key: str) -> Any:
         """Unpickle a ShardedObject payload (restricted unless the source is trusted)."""
-        from ..storage.safe_pickle import safe_torch_load
-
         data = self.reader.read_bytes(unique_key)
         value = safe_torch_load(io.BytesIO(data), trusted=self.trusted, what=f"object {unique_key!r} in {self.path}")
         return value[0] if isinstance(value, list) and len(value) == 1 else value
@@ -152,8 +152,8 @@ class DistCheckpointSource(TensorSource):
         self.reader.close()
 
 
-class _MappedFiles:
-    """Private read-only memory maps of files (pages come from the page cache, not the heap)."""
+class MappedFiles:
+    """Private (copy-on-write) memory maps of files (pages come from the page cache, not the heap)."""
 
     def __init__(self) -> None:
         self.maps: Dict[str, Any] = {}
@@ -174,7 +174,8 @@ def _open_file(path: str) -> Any:
     return os.fdopen(open_regular(path, "input file"), "rb")
 
 
-def _tensor_from_map(mm: Any, dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
+def tensor_from_map(mm: Any, dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
+    """A tensor viewing ``shape`` elements of ``dtype`` at byte ``offset`` of a :class:`MappedFiles` map (no copy)."""
     count = math.prod(shape)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
@@ -194,7 +195,8 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), (
                      ("U32", "uint32"), ("U64", "uint64")):
     if hasattr(torch, _attr):
         _ST_DTYPES[_name] = getattr(torch, _attr)
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+#: torch dtype -> safetensors dtype name (``torch.float32`` -> ``"F32"``)
+SAFETENSORS_DTYPE_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
@@ -242,7 +244,7 @@ class SafetensorsSource(TensorSource):
             files = [os.path.join(path, n) for n in files]
         else:
             files = [path]
-        self._maps = _MappedFiles()
+        self._maps = MappedFiles()
         self._where: Dict[str, Tuple[str, int]] = {}
         self.metadata: Dict[str, str] = {}
         for file in files:
@@ -264,21 +266,21 @@ class SafetensorsSource(TensorSource):
         """The whole tensor as a view of the memory-mapped file."""
         file, offset = self._where[key]
         info = self.tensors[key]
-        return _tensor_from_map(self._maps.get(file), info.dtype, info.shape, offset)
+        return tensor_from_map(self._maps.get(file), info.dtype, info.shape, offset)
 
     def read_block(self, key: str, box: Box) -> torch.Tensor:
-        return self.tensor(key)[_box_slices(box)]
+        return self.tensor(key)[box_slices(box)]
 
 
-def _flatten_tensors(obj: Any, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
+def flatten_tensors(obj: Any, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
     """Collect tensors of nested dicts/lists under dotted keys; return the structure with tensors replaced by keys."""
     if isinstance(obj, torch.Tensor):
         out[prefix] = obj
         return _TensorSlot(prefix)
     if isinstance(obj, dict):
-        return {k: _flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k), out) for k, v in obj.items()}
+        return {k: flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k), out) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [_flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i), out) for i, v in enumerate(obj)]
+        items = [flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i), out) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -288,15 +290,16 @@ class _TensorSlot:
     key: str
 
 
-def _restore_structure(obj: Any, tensors: Dict[str, Any]) -> Any:
+def restore_structure(obj: Any, tensors: Dict[str, Any]) -> Any:
+    """The inverse of :func:`flatten_tensors`: the structure with each key slot replaced by ``tensors[key]``."""
     if isinstance(obj, _TensorSlot):
         return tensors[obj.key]
     if isinstance(obj, dict):
-        return {k: _restore_structure(v, tensors) for k, v in obj.items()}
+        return {k: restore_structure(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_restore_structure(v, tensors) for v in obj]
+        return [restore_structure(v, tensors) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_restore_structure(v, tensors) for v in obj)
+        return tuple(restore_structure(v, tensors) for v in obj)
     return obj
 
 
@@ -324,7 +327,7 @@ class TorchFileSource(TensorSource):
         if isinstance(obj, torch.Tensor):
             raise CheckpointingException(f"{path} holds a single tensor, not a dict of tensors")
         self._values: Dict[str, torch.Tensor] = {}
-        self.structure = _flatten_tensors(obj, "", self._values)
+        self.structure = flatten_tensors(obj, "", self._values)
         for k, t in sorted(self._values.items()):
             self.tensors[k] = TensorInfo(t.dtype, tuple(t.shape))
 
@@ -332,7 +335,7 @@ class TorchFileSource(TensorSource):
         return self._values[key]
 
     def read_block(self, key: str, box: Box) -> torch.Tensor:
-        return self._values[key][_box_slices(box)]
+        return self._values[key][box_slices(box)]
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

@@ -21,14 +21,16 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import accepts_opened
 from ..storage.checksum import crc32, crc32_combine
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
+from ..storage.opened import accepts_opened
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
-from .common import _READ_PIECE, ProgressFactory, _esize, _no_progress, format_size
+from ..storage.zarr_backend import ZarrReader
+from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size
 
 
 @dataclass
@@ -87,7 +89,7 @@ def _item_name(index: MetadataIndex) -> str:
 
 # --------------------------------------------------------------------------- entry point
 @accepts_opened('path')
-def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trusted: bool = False) -> VerifyReport:
+def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, trusted: bool = False) -> VerifyReport:
     """Check that a checkpoint is complete and undamaged, reading every byte it records.
 
     * every file ``manifest.json`` records has its recorded size, and ``.metadata`` and
@@ -125,8 +127,6 @@ def verify_checkpoint(path: str, progress: ProgressFactory = _no_progress, trust
 
 def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
     """The error for a path that is no checkpoint, naming the checkpoints directly inside it."""
-    from ..checkpoints import list_checkpoints
-
     storage, root = storage_for(path)
     if not storage.exists(root):
         return CheckpointNotFoundError(f"{path} is not a checkpoint: it does not exist"
@@ -201,8 +201,6 @@ def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> 
     """zarr checkpoints: every array opens and matches the index, every chunk and object file
     matches its recorded size and CRC32 (each bad file reported with its key), ``common.pt``.
     Checkpoints written before chunk records existed: every array is read in full instead."""
-    from ..storage.zarr_backend import ZarrReader
-
     manifest, _ = _read_manifest(path, report)
     _verify_common(path, manifest, report)
     if manifest is not None:
@@ -248,7 +246,7 @@ def _verify_zarr_unrecorded(reader: Any, report: VerifyReport) -> None:
         try:
             reader.read_region(key, chunks[0], box, torch.empty(box.sizes, dtype=dtype), dtype)
             report.items_checked += 1
-            report.bytes_checked += box.numel * _esize(dtype)
+            report.bytes_checked += box.numel * dtype_size(dtype)
         except CheckpointingException as e:
             report.add(str(e), key, [key])
     for key in reader.index.get("objects", []):
@@ -270,7 +268,7 @@ class _Chunk:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _esize(self.dtype)
+        return self.numel * dtype_size(self.dtype)
 
 
 def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool) -> VerifyReport:
@@ -530,7 +528,7 @@ class _DataPass:
         if rec is None:
             self.unparsed += 1
             return
-        start = rec.data_offset + rec.storage_offset * _esize(rec.dtype)
+        start = rec.data_offset + rec.storage_offset * dtype_size(rec.dtype)
         numel = math.prod(rec.shape)
         if rec.dtype != chunk.dtype or numel != chunk.numel:
             self.problem(f"{file}: {what} is stored as {numel} elements of {rec.dtype}, but {declared}",
@@ -563,7 +561,7 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
     b, bcrc = 0, 0  # block being accumulated and its running CRC32
     pos = 0
     while pos < length:
-        n = min(_READ_PIECE, length - pos)
+        n = min(READ_PIECE, length - pos)
         piece = memoryview(reader.read(offset + pos, n))
         if len(piece) != n:
             raise CorruptCheckpointError(f"{reader.path} is truncated: needed bytes [{offset + pos}, {offset + pos + n}) "
@@ -584,4 +582,4 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
                     b, bcrc = b + 1, 0
         pos += n
         bar.update(n)
-    return crc, bad, (piece if length and length <= _READ_PIECE else None)
+    return crc, bad, (piece if length and length <= READ_PIECE else None)

@@ -1,4 +1,5 @@
-"""Streaming writers for the convert outputs: safetensors files and ``torch.load``-able archives."""
+"""Streaming writers for the tools' outputs: safetensors files (and HF-style folders of them) and
+``torch.load``-able archives."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import torch
 
 from ..errors import CheckpointingException
 from ..storage.fs import tensor_buffer
-from .common import _esize
-from .sources import _ST_NAMES, TensorInfo, _flatten_tensors, _restore_structure
+from .common import SAFETENSORS_INDEX, dtype_size
+from .sources import SAFETENSORS_DTYPE_NAMES, TensorInfo, TensorSource, flatten_tensors, restore_structure
 
 
 class SafetensorsWriter:
@@ -28,7 +29,7 @@ class SafetensorsWriter:
         pos = 0
         self.offsets: Dict[str, Tuple[int, int]] = {}
         for key, info in entries:
-            name = _ST_NAMES.get(info.dtype)
+            name = SAFETENSORS_DTYPE_NAMES.get(info.dtype)
             if name is None:
                 raise CheckpointingException(f"tensor {key!r}: dtype {info.dtype} cannot be stored in safetensors")
             header[key] = {"dtype": name, "shape": list(info.shape), "data_offsets": [pos, pos + info.nbytes]}
@@ -55,6 +56,52 @@ class SafetensorsWriter:
         if written != self.size:
             raise CheckpointingException(f"internal error: wrote {written} of {self.size} bytes to {self.path}")
         os.replace(self.tmp, self.path)
+
+
+def shard_plan(entries: List[Tuple[str, TensorInfo]], max_size: int) -> List[List[Tuple[str, TensorInfo]]]:
+    """``entries`` cut, in order, into shards of at most ``max_size`` bytes (a larger tensor is a shard alone)."""
+    shards: List[List[Tuple[str, TensorInfo]]] = []
+    current: List[Tuple[str, TensorInfo]] = []
+    size = 0
+    for key, info in entries:
+        if current and size + info.nbytes > max_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append((key, info))
+        size += info.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def write_safetensors_folder(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_dir: str,
+                             max_shard_size: int, budget: int, bar: Any) -> List[str]:
+    """HF-style folder ``out_dir``: size-bounded ``.safetensors`` files and ``model.safetensors.index.json``,
+    tensors streamed from ``src`` in blocks of at most ``budget`` bytes. Returns the names written."""
+    plan = shard_plan(entries, max_shard_size)
+    n = len(plan)
+    names: List[str] = []
+    weight_map: Dict[str, str] = {}
+    for i, shard in enumerate(plan):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        writer = SafetensorsWriter(os.path.join(out_dir, name), shard)
+        try:
+            for key, _ in shard:
+                for _, block in src.iter_blocks(key, budget):
+                    writer.write(block)
+                    bar.update(block.numel() * block.element_size())
+                    del block
+                weight_map[key] = name
+        except BaseException:
+            writer.f.close()
+            raise
+        writer.close()
+        names.append(name)
+    index = {"metadata": {"total_size": sum(i.nbytes for _, i in entries)}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+    names.append(SAFETENSORS_INDEX)
+    return names
 
 
 class TorchSaveWriter:
@@ -107,7 +154,7 @@ class TorchSaveWriter:
         ``torch.load(weights_only=False)``.
         """
         found: Dict[str, torch.Tensor] = {}
-        structure = _flatten_tensors(value, "", found)
+        structure = flatten_tensors(value, "", found)
         refs = {}
         for name, t in found.items():
             slot = f"\0value\0{self._records}"  # never a tensor key; removed from refs below
@@ -115,7 +162,7 @@ class TorchSaveWriter:
             self.write(t.detach().cpu())
             self.end_tensor()
             refs[name] = self.refs.pop(slot)
-        self.values[key] = _restore_structure(structure, refs)
+        self.values[key] = restore_structure(structure, refs)
 
     def abort(self) -> None:
         """Close the partial archive after a failure (the caller removes the ``.partial`` file)."""
@@ -183,7 +230,7 @@ class _RefPickler(pickle.Pickler):
             legacy = _legacy_storage_types().get(obj.dtype)
             if legacy is not None:
                 return ("storage", legacy, obj.key, "cpu", obj.numel)
-            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * _esize(obj.dtype))
+            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * dtype_size(obj.dtype))
         return None
 
     def reducer_override(self, obj: Any) -> Any:

@@ -1,0 +1,270 @@
+"""The one atomic-replace rule (``storage/atomic.py``), used by ``save(overwrite=True)`` and the tools.
+
+A failure injected at every step of :func:`replace` (each fsync, the exchange, each rename, the
+removal of the old content), for every kind of replacement (file over file, directory over
+directory, either over the other, nothing there yet), with and without an atomic exchange:
+
+* a crash *at* the step (the state on disk just before it runs, what a ``SIGKILL`` there leaves)
+  holds the old or the new content complete: at the target, or - only between the two renames of
+  the fallback - at ``<target>.old-*`` and the staged name;
+* an exception raised *by* the step leaves the target holding the old or the new content complete,
+  and the staged path holding the other one (for the caller to discard).
+
+``tests/test_crash.py`` kills real saves at the same steps; the end of this file runs the tools'
+commit through ``convert`` (durability order, a second rename that fails) and a save whose second
+rename fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration.cli import main
+from ckpt_integration.storage import atomic, filesystem
+from ckpt_integration.storage.filesystem import storage_for
+
+KINDS = ["file>file", "dir>dir", "dir>file", "file>dir", "dir>none", "file>none"]
+
+
+def _make(path: str, kind: str, version: str) -> None:
+    if kind == "dir":
+        os.mkdir(path)
+        for name in ("a", "b"):
+            with open(os.path.join(path, name), "w") as f:
+                f.write(version)
+    elif kind == "file":
+        with open(path, "w") as f:
+            f.write(version)
+
+
+def _version(path: str):
+    """``"old"`` / ``"new"`` when ``path`` holds that content complete, None if nothing, else ``"damaged"``."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.isdir(path):
+        names = sorted(os.listdir(path))
+        if names != ["a", "b"]:
+            return "damaged"
+        versions = {open(os.path.join(path, n)).read() for n in names}
+        return versions.pop() if len(versions) == 1 else "damaged"
+    return open(path).read()
+
+
+def _check_crash_state(parent: str, target: str, staged: str, had_old: bool) -> None:
+    """What a crash right now would leave: the old or the new content complete, nothing damaged."""
+    at_target = _version(target)
+    others = {n: _version(os.path.join(parent, n)) for n in os.listdir(parent) if n != os.path.basename(target)}
+    assert "damaged" not in others.values() and at_target != "damaged", (at_target, others)
+    if at_target in ("old", "new"):
+        return
+    if not had_old:  # a first write: nothing lost while the new content is still at its staged name
+        assert _version(staged) == "new"
+        return
+    # only between the fallback's renames: the old one aside, the new one still staged
+    olds = [n for n in others if n.startswith(os.path.basename(target) + ".old-")]
+    assert len(olds) == 1 and others[olds[0]] == "old" and _version(staged) == "new", (at_target, others)
+
+
+class _Fault(OSError):
+    pass
+
+
+def _steps(monkeypatch, exchange: bool, on_step):
+    """Route every step of ``replace`` through ``on_step(name)`` before it runs."""
+    real = {n: getattr(filesystem.Storage, n) for n in ("rename", "exchange", "sync_dir", "rmtree", "remove")}
+    real_sync_tree = atomic.sync_tree
+
+    def wrap(name):
+        def step(self, *args):
+            on_step(name)
+            if name == "exchange" and not exchange:
+                return False
+            return real[name](self, *args)
+        return step
+
+    for name in real:
+        monkeypatch.setattr(filesystem.Storage, name, wrap(name))
+
+    def sync_tree(path):
+        on_step("sync_tree")
+        real_sync_tree(path)
+
+    monkeypatch.setattr(atomic, "sync_tree", sync_tree)
+
+
+def _setup(tmp_path, kind):
+    new_kind, old_kind = kind.split(">")
+    parent = str(tmp_path / "p")
+    os.mkdir(parent)
+    target, staged = os.path.join(parent, "out"), os.path.join(parent, ".out.staged")
+    _make(target, old_kind, "old")
+    _make(staged, new_kind, "new")
+    return parent, target, staged, old_kind != "none"
+
+
+def _clean_run_steps(tmp_path, monkeypatch, kind, exchange):
+    seen = []
+    _steps(monkeypatch, exchange, seen.append)
+    (tmp_path / "clean").mkdir()
+    parent, target, staged, _ = _setup(tmp_path / "clean", kind)
+    atomic.replace(storage_for(target)[0], staged, target)
+    assert _version(target) == "new" and not os.path.lexists(staged)
+    assert sorted(os.listdir(parent)) == ["out"], "old content left behind"
+    monkeypatch.undo()
+    return seen
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_crash_or_a_failure_at_every_step_keeps_old_or_new_complete(tmp_path, monkeypatch, kind, exchange):
+    steps = _clean_run_steps(tmp_path, monkeypatch, kind, exchange)
+    assert steps[0] == "sync_tree" and "sync_dir" in steps  # data durable first, the rename made durable after
+    for i in range(len(steps)):
+        case = tmp_path / f"fault{i}"
+        case.mkdir()
+        parent, target, staged, had_old = _setup(case, kind)
+        count = [0]
+
+        def on_step(name, i=i):
+            _check_crash_state(parent, target, staged, had_old)  # a SIGKILL right here
+            count[0] += 1
+            if count[0] == i + 1:
+                raise _Fault(errno.EIO, f"injected at step {i} ({name})")
+
+        _steps(monkeypatch, exchange, on_step)
+        storage = storage_for(target)[0]
+        try:
+            atomic.replace(storage, staged, target)
+            raised = False
+        except _Fault:
+            raised = True
+        monkeypatch.undo()
+        at_target = _version(target)
+        if steps[i] in ("rmtree", "remove"):
+            assert not raised and at_target == "new"  # the new one is in place: debris is logged, not raised
+            continue
+        assert raised, steps[i]
+        if at_target == "new":
+            assert _version(staged) in ("old", None)  # after an exchange: the old one, for the caller to discard
+        else:
+            assert at_target == ("old" if had_old else None), (steps[i], at_target)
+            assert _version(staged) == "new", steps[i]  # untouched: the caller may retry or discard it
+            assert sorted(os.listdir(parent)) == sorted(n for n in ("out", ".out.staged") if os.path.lexists(
+                os.path.join(parent, n))), "an old copy left aside after the failure"
+
+
+def test_failed_move_back_names_where_the_old_content_is(tmp_path, monkeypatch):
+    parent, target, staged, _ = _setup(tmp_path, "dir>dir")
+    calls = []
+
+    def rename(self, a, b):
+        calls.append((a, b))
+        if len(calls) >= 2:  # the new one in, and then the old one back: both fail
+            raise _Fault(errno.EIO, "injected")
+        os.rename(a, b)
+
+    monkeypatch.setattr(filesystem.Storage, "exchange", lambda self, a, b: False)
+    monkeypatch.setattr(filesystem.Storage, "rename", rename)
+    with pytest.raises(ci.CheckpointWriteError, match=r"old content could not be moved back .* complete at .*out\.old-"):
+        atomic.replace(storage_for(target)[0], staged, target)
+    old = calls[0][1]
+    assert _version(old) == "old" and _version(staged) == "new" and not os.path.lexists(target)
+
+
+def test_object_stores_refuse_a_replace():
+    storage, url = storage_for("memory://bucket/out")
+    with pytest.raises(ci.CheckpointingException, match="object stores have no rename"):
+        atomic.replace(storage, url + ".tmp", url)
+
+
+# --------------------------------------------------------------------------- through the tools
+def _checkpoint(path) -> None:
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(3, 4)), "epoch": 1}
+    ci.save(sd, str(path), durable=False)
+
+
+def _fsync_log(monkeypatch, log):
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a, b):
+        log.append(("rename", os.fspath(a), os.fspath(b)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_tools_output_is_durable_before_it_is_renamed_into_place(tmp_path, monkeypatch, to):
+    src, out = tmp_path / "ckpt", tmp_path / ("out" if to == "safetensors" else "out.pt")
+    _checkpoint(src)
+    log = []
+    _fsync_log(monkeypatch, log)
+    assert main(["convert", str(src), str(out), "--to", to, "--quiet"]) == 0
+    monkeypatch.undo()
+    renames = [i for i, e in enumerate(log) if e[0] == "rename" and e[2] == str(out)]
+    assert len(renames) == 1, log
+    synced = {e[1] for e in log[: renames[0]] if e[0] == "fsync"}
+    staged = log[renames[0]][1]
+    files = [os.path.join(r, n) for r, _, ns in os.walk(out) for n in ns] if out.is_dir() else [str(out)]
+    for f in files:  # every file, fsync'ed under its staged name before the rename
+        assert os.path.join(staged, os.path.relpath(f, out)) in synced if out.is_dir() else staged in synced, (f, log)
+    assert ("fsync", str(tmp_path)) in log[renames[0] + 1:], "parent directory not fsync'ed after the rename"
+
+
+def test_tools_failed_second_rename_keeps_the_old_output(tmp_path, monkeypatch, capsys):
+    """Before the shared module, the tools' two renames had no way back: OUT was left missing and
+    the new output was discarded with it."""
+    src, out = tmp_path / "ckpt", tmp_path / "out"
+    _checkpoint(src)
+    assert main(["convert", str(src), str(out), "--to", "safetensors", "--quiet"]) == 0
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    real_rename, calls = os.rename, []
+
+    def rename(a, b):
+        calls.append(b)
+        if len(calls) == 2:  # old OUT moved aside; the new one cannot be moved in
+            raise OSError(errno.EIO, "Input/output error (injected)", b)
+        real_rename(a, b)
+
+    monkeypatch.setattr(filesystem, "exchange_paths", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    assert main(["convert", str(src), str(out), "--to", "safetensors", "--overwrite", "--quiet"]) == 2
+    monkeypatch.undo()
+    assert "injected" in capsys.readouterr().err
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"], "debris left behind"
+
+
+def test_save_overwrite_whose_second_rename_fails_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """Before the shared module, ``save(overwrite=True)``'s fallback left the path empty (the old
+    checkpoint aside at ``.old-*``) and the failed save's cleanup deleted the new one."""
+    path = str(tmp_path / "ckpt")
+    _checkpoint(path)
+    calls = []
+    real_rename = filesystem.Storage.rename
+
+    def rename(self, a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error (injected)", b)
+        real_rename(self, a, b)
+
+    monkeypatch.setattr(filesystem.Storage, "exchange", lambda self, a, b: False)
+    monkeypatch.setattr(filesystem.Storage, "rename", rename)
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4)), "epoch": 2}
+    with pytest.raises(OSError, match="injected"):
+        ci.save(sd, path, overwrite=True, durable=False)
+    monkeypatch.undo()
+    out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, path)
+    assert out["epoch"] == 1 and torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
