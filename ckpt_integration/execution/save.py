@@ -35,12 +35,12 @@ import uuid
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
-from ..planning.exchange import KeySummary, Routed, route_shards
+from ..planning.exchange import KeySummary, Routed, SummaryTable, route_shards
 from ..planning.written import CommitLayout, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
 from ..storage import atomic
@@ -79,7 +79,7 @@ class SavePlan:
     common: Any
     requests: List[WriteRequest]
     write_metas: List[ShardMeta]  # the chunks this rank writes
-    summaries: List[KeySummary]  # of the keys this rank validated (rank 0's commit checks against them)
+    summaries: Union[SummaryTable, List[KeySummary]]  # of the keys this rank validated (rank 0's commit checks against them)
     thread_count: int
     durable: bool
     backend: str = "torch_dist"

@@ -49,7 +49,7 @@ from .digests import halves, joined, mix, string_digests
 from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables
 from .shards import ShardMeta, object_storage_key
 
-from .key_owner import KeySummary, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401 (re-exported)
+from .key_owner import KeySummary, SummaryTable, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401 (re-exported)
 from .wire import ANSWER, CLAIM, COMPACT, FULL, GENERAL, HAS_DATA, KIND_CODES, KIND_NAMES, MAIN, SIMPLE, WIDTHS  # noqa: F401
 from .written import CommitLayout, Written, WrittenTable, commit_layout, decode_finalize, encode_finalize  # noqa: F401
 

@@ -19,16 +19,16 @@ compares with what was written.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
-from .digests import chunk_digests, string_digest, string_digests
+from .digests import chunk_digests, halves, joined, string_digest, string_digests
 from .integrity import Holding, validate_key_records
-from .records import MessageWriter, TableBatch, decode_runs
+from .records import MessageWriter, TableBatch, decode_runs, put_table
 from .shards import ShardMeta, object_storage_key
 from .storage_keys import collision_message
-from .wire import CLAIM, GENERAL, KIND_CODES, KIND_NAMES, SIMPLE, WIDTHS
+from .wire import CLAIM, GENERAL, KIND_CODES, KIND_NAMES, SIMPLE, SUMMARY, WIDTHS
 
 _MOD = 1 << 64
 
@@ -50,6 +50,58 @@ def chunk_digest(storage_key: str, offsets: Optional[Sequence[int]]) -> int:
     kd = np.asarray([string_digest(storage_key)], dtype=np.uint64)
     off = None if offsets is None else np.asarray([tuple(offsets)], dtype=np.int64).reshape(1, len(offsets))
     return int(chunk_digests(kd, off)[0])
+
+
+class SummaryTable:
+    """Key summaries as columns (a key owner has thousands with many small tensors; rank 0 all of
+    them): per number of dimensions of the global shape, the key and dtype as ids into
+    ``strings``, the kind code, the shape, the number of main chunks and the digest sum.
+    Iterating yields :class:`KeySummary` records."""
+
+    def __init__(self, strings: Optional[List[str]] = None) -> None:
+        self.strings: List[str] = [] if strings is None else strings
+        self._ids: Optional[Dict[str, int]] = None
+        self.blocks: Dict[int, List[Tuple[np.ndarray, ...]]] = defaultdict(list)
+
+    def sid(self, s: str) -> int:
+        if self._ids is None:
+            self._ids = {x: i for i, x in enumerate(self.strings)}
+        i = self._ids.get(s)
+        if i is None:
+            i = self._ids[s] = len(self.strings)
+            self.strings.append(s)
+        return i
+
+    def add_block(self, nd: int, key: np.ndarray, kind: np.ndarray, dtype: np.ndarray, shape: np.ndarray,
+                  chunks: np.ndarray, token: np.ndarray) -> None:
+        if len(key):
+            self.blocks[nd].append((np.asarray(key, dtype=np.int64), np.asarray(kind, dtype=np.int64),
+                                    np.asarray(dtype, dtype=np.int64), np.asarray(shape, dtype=np.int64).reshape(len(key), nd),
+                                    np.asarray(chunks, dtype=np.int64), np.asarray(token, dtype=np.uint64)))
+
+    def extend(self, summaries: Iterable[KeySummary]) -> None:
+        by_nd: Dict[int, List[KeySummary]] = defaultdict(list)
+        for x in summaries:
+            by_nd[len(x.global_shape)].append(x)
+        for nd, xs in by_nd.items():
+            self.add_block(nd, [self.sid(x.key) for x in xs], [KIND_CODES[x.kind] for x in xs], [self.sid(x.dtype) for x in xs],
+                           np.asarray([x.global_shape for x in xs], dtype=np.int64).reshape(len(xs), nd),
+                           [x.chunks for x in xs], np.asarray([x.token_sum for x in xs], dtype=np.uint64))
+
+    def columns(self) -> Dict[int, Tuple[np.ndarray, ...]]:
+        """nd -> (key, kind, dtype, shape, chunks, token), each block concatenated."""
+        out = {}
+        for nd, bs in self.blocks.items():
+            out[nd] = tuple(np.concatenate([b[j] for b in bs]) for j in range(6)) if len(bs) > 1 else bs[0]
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(b[0]) for bs in self.blocks.values() for b in bs)
+
+    def __iter__(self):
+        for nd, (key, kind, dtype, shape, chunks, token) in sorted(self.columns().items()):
+            for k, c, d, sh, n, t in zip(key.tolist(), kind.tolist(), dtype.tolist(), shape.tolist(), chunks.tolist(), token.tolist()):
+                yield KeySummary(self.strings[k], KIND_NAMES[c], self.strings[d], tuple(sh), n, t)
 
 
 class _Received:
@@ -221,7 +273,8 @@ def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[Li
     if len(groups) > 1:
         u, c = np.unique(np.concatenate([np.unique(rows[:, 0]) for rows in groups.values()]), return_counts=True)
         slow_ids |= set(u[c > 1].tolist())
-    summaries: List[KeySummary] = []
+    summaries = SummaryTable(strings)
+    slow: List[KeySummary] = []
     slow_rows: Dict[str, List[Tuple[int, np.ndarray]]] = defaultdict(list)
     for nd, rows in groups.items():
         rows = rows[np.argsort(rows[:, 0], kind="stable")]
@@ -230,7 +283,7 @@ def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[Li
             bad |= np.isin(rows[:, 0], np.fromiter(slow_ids, dtype=np.int64))
         for k, r in _split_by_key(rows[bad]):
             slow_rows[strings[k]].append((nd, r))
-        summaries += _fast_summaries(rows[~bad], nd, strings)
+        _fast_summaries(summaries, rows[~bad], nd, strings)
     problems: List[str] = []
     # storage-key collisions (always refused, validation or not): a name claimed by an object
     # and also a tensor key, or by objects of different keys
@@ -260,8 +313,8 @@ def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[Li
             hs = [h for kind in sorted(by_kind) for h in by_kind[kind][1]]
             problems.extend(validate_key_records(key, sorted(ms, key=lambda m: (m.rank, m.offsets)), hs))
         for kind in sorted(by_kind):
-            summaries.append(_slow_summary(key, kind, *by_kind[kind]))
-    summaries.sort(key=lambda s: (s.key, s.kind))
+            slow.append(_slow_summary(key, kind, *by_kind[kind]))
+    summaries.extend(slow)
     return problems, summaries
 
 
@@ -271,19 +324,16 @@ def _split_by_key(rows: np.ndarray) -> Iterable[Tuple[int, np.ndarray]]:
         yield int(rows[a, 0]), rows[a : a + n]
 
 
-def _fast_summaries(rows: np.ndarray, nd: int, strings: List[str]) -> List[KeySummary]:
+def _fast_summaries(out: SummaryTable, rows: np.ndarray, nd: int, strings: List[str]) -> None:
     if not len(rows):
-        return []
+        return
     g, o, _, _, _ = _cols(nd)
     starts, lengths = _segments(rows[:, 0])
     kd = string_digests(strings)[rows[:, 0]]
     dig = chunk_digests(kd, rows[:, o])
     sums = np.add.reduceat(dig, starts)  # uint64: modulo 2**64
     firsts = rows[starts]
-    names = [strings[k] for k in firsts[:, 0].tolist()]
-    dtypes = [strings[k] for k in firsts[:, 2].tolist()]
-    shapes = list(map(tuple, firsts[:, g].tolist()))
-    return list(map(KeySummary._make, zip(names, ["tensor"] * len(names), dtypes, shapes, lengths.tolist(), sums.tolist())))
+    out.add_block(nd, firsts[:, 0], np.zeros(len(starts), dtype=np.int64), firsts[:, 2], firsts[:, g], lengths, sums)
 
 
 def _objects_of(rows: np.ndarray, nd: int, strings: List[str], kind_names: Sequence[str]):
@@ -328,23 +378,28 @@ def _tensor_holders(skey: str, rcv: _Received, groups: Dict[int, np.ndarray]) ->
     return ranks if found else None
 
 
-def encode_summaries(w: MessageWriter, summaries: Sequence[KeySummary]) -> None:
-    w.add(len(summaries))
-    for s in summaries:
-        lo, hi = s.token_sum & 0xFFFFFFFF, s.token_sum >> 32
-        w.add(w.sid(s.key), KIND_CODES[s.kind], w.sid(s.dtype), len(s.global_shape), *s.global_shape, s.chunks,
-              lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi)
+def encode_summaries(w: MessageWriter, summaries: Union[SummaryTable, Sequence[KeySummary]]) -> None:
+    """Append the summaries as SUMMARY tables (one per number of dimensions)."""
+    if not isinstance(summaries, SummaryTable):
+        t = SummaryTable()
+        t.extend(summaries)
+        summaries = t
+    for nd, (key, kind, dtype, shape, chunks, token) in sorted(summaries.columns().items()):
+        u = np.unique(np.concatenate([key, dtype]))
+        lut = w.sids([summaries.strings[i] for i in u.tolist()])
+        put_table(w, SUMMARY, nd, [lut[np.searchsorted(u, key)], kind, lut[np.searchsorted(u, dtype)], shape.T, chunks,
+                                   halves(token)])
 
 
-def read_summaries(strings: List[str], ints: Sequence[int], p: int) -> Tuple[List[KeySummary], int]:
-    out = []
-    for _ in range(int(ints[p])):
-        ks, kind, ds, nd = (int(x) for x in ints[p + 1 : p + 5])
-        gshape = tuple(int(x) for x in ints[p + 5 : p + 5 + nd])
-        chunks, lo, hi = (int(x) for x in ints[p + 5 + nd : p + 8 + nd])
-        out.append(KeySummary(strings[ks], KIND_NAMES[kind], strings[ds], gshape, chunks, (lo & 0xFFFFFFFF) | ((hi & 0xFFFFFFFF) << 32)))
-        p += 7 + nd
-    return out, p + 1
+def read_summaries(batch: TableBatch) -> SummaryTable:
+    """The SUMMARY tables of a batch of messages (strings: the batch's)."""
+    out = SummaryTable(batch.strings)
+    for tag, nd in list(batch.tables):
+        if tag == SUMMARY:
+            msg, cols = batch.rows(tag, nd, WIDTHS[SUMMARY](nd))
+            out.add_block(nd, batch.global_ids(msg, cols[0]), cols[1], batch.global_ids(msg, cols[2]), cols[3 : 3 + nd].T,
+                          cols[3 + nd], joined(cols[4 + nd], cols[5 + nd]))
+    return out
 
 
-__all__ = ["KeySummary", "chunk_digest", "key_owner_step", "encode_summaries", "read_summaries"]
+__all__ = ["KeySummary", "SummaryTable", "chunk_digest", "key_owner_step", "encode_summaries", "read_summaries"]

@@ -10,11 +10,12 @@ KIND_NAMES = ("tensor", "object")
 CLAIM = 2  # in a general forward's kind position: an object's storage key, sent to that key's owner
 MAIN, HAS_DATA = 1, 2
 
-FULL, COMPACT, SIMPLE, GENERAL, ANSWER = 1, 2, 3, 4, 5
+FULL, COMPACT, SIMPLE, GENERAL, ANSWER, SUMMARY = 1, 2, 3, 4, 5, 6
 WIDTHS = {
     FULL: lambda nd: 5 + 3 * nd,  # idx, key, kind, dtype, flags, global shape, offsets, sizes
     COMPACT: lambda nd: 4,  # idx, record digest (low, high), flags
     SIMPLE: lambda nd: 7 + 3 * nd,  # key, kind, dtype, global shape, offsets, main rank, sizes, one run
     GENERAL: lambda nd: 1,  # a stream of variable-length records (count = its length)
     ANSWER: lambda nd: 5,  # idx, holder-set digest (low, high), set size (0: send in full), position
+    SUMMARY: lambda nd: 6 + nd,  # key, kind, dtype, global shape, chunks, digest sum (low, high)
 }

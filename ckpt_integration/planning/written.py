@@ -18,8 +18,9 @@ import numpy as np
 
 from ..errors import CheckpointingException
 from .digests import chunk_digests, halves, joined, string_digests
-from .key_owner import KeySummary, encode_summaries, read_summaries
+from .key_owner import KeySummary, SummaryTable, encode_summaries, read_summaries
 from .records import MessageWriter, TableBatch, put_table
+from .wire import SUMMARY, WIDTHS
 
 Blocks = Tuple[int, int, int, Sequence[int]]  # (data offset, data length, block size, block digests)
 
@@ -89,18 +90,18 @@ class WrittenTable:
 # finalize message tables
 ITEMS, COORDS, BLOCK_DIGESTS = 11, 12, 13
 # BLOCK_DIGESTS: ``nd`` 32-bit words per digest (1: all fit 32 bits, as CRC32s do; 2: low, high)
-_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd}
+_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd, SUMMARY: WIDTHS[SUMMARY]}
 
 
 def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[Written]],
-                    summaries: Sequence[KeySummary]) -> bytes:
+                    summaries: Union[SummaryTable, Sequence[KeySummary]]) -> bytes:
     """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys.
 
     Empty (zero bytes) for a rank with nothing to report, so rank 0 receives O(unique
     chunks + keys) bytes plus one size per rank.
     """
     t = written if isinstance(written, WrittenTable) else WrittenTable.from_items(written)
-    if not error and not len(t) and not summaries:
+    if not error and not len(t) and not len(summaries):
         return b""
     w = MessageWriter()
     w.sid(error or "")
@@ -194,35 +195,25 @@ class WrittenColumns:
         return out
 
 
-def decode_finalize(msg: bytes) -> Tuple[Optional[str], WrittenColumns, List[KeySummary]]:
+def decode_finalize(msg: bytes) -> Tuple[Optional[str], WrittenColumns, SummaryTable]:
     errors, cols, summaries = gather_finalize([msg])
     return (errors[0][1] if errors else None), cols, summaries
 
 
-def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], WrittenColumns, List[KeySummary]]:
-    """Rank 0: every rank's finalize message into ``([(rank, error)], items of all ranks, summaries)``."""
+def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], WrittenColumns, SummaryTable]:
+    """Rank 0: every rank's finalize message into ``([(rank, error)], items of all ranks, summaries)``
+    (items and summaries share one string table)."""
     ranks = [r for r, m in enumerate(messages) if m]
-    heads: List[Tuple[int, int, int]] = []  # (message, has error, position of its summaries)
+    heads: List[Tuple[int, int]] = []  # (message, has error)
 
     def prefix(i: int, ints: List[int], p: int) -> int:
-        heads.append((i, ints[p], p + 2))
-        q = p + 3
-        for _ in range(ints[p + 2]):  # summaries: key, kind, dtype, nd, shape, chunks, digest (2)
-            q += 7 + ints[q + 3]
-        return q
+        heads.append((i, ints[p]))
+        return p + 2
 
     batch = TableBatch((messages[r] for r in ranks), _WIDTHS, prefix)
     strings = batch.strings
-    errors: List[Tuple[int, str]] = []
-    summaries: List[KeySummary] = []
-    values = batch.values
-    for i, has_error, p in heads:
-        base = int(batch.lut_base[i])
-        if has_error:
-            errors.append((ranks[i], strings[int(batch.lut[base])]))
-        if values[p] > 0:
-            local = _MessageStrings(strings, batch.lut, base)
-            summaries += read_summaries(local, values, p)[0]
+    errors = [(ranks[i], strings[int(batch.lut[batch.lut_base[i]])]) for i, has_error in heads if has_error]
+    summaries = read_summaries(batch)
     msg, it = batch.rows(ITEMS, 0, 12)
     if not len(msg):
         return errors, WrittenColumns(strings=strings), summaries
@@ -249,16 +240,6 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     if len(cols.coords) != int(ncoords.sum()) or len(cols.block_digests) != int(np.maximum(nblocks, 0).sum()):
         raise ValueError("finalize messages have inconsistent item tables")
     return errors, cols, summaries
-
-
-class _MessageStrings:
-    """The string table of one message of a :class:`TableBatch` (indexable like a list)."""
-
-    def __init__(self, strings: List[str], lut: np.ndarray, base: int) -> None:
-        self.strings, self.lut, self.base = strings, lut, base
-
-    def __getitem__(self, i: int) -> str:
-        return self.strings[int(self.lut[self.base + i])]
 
 
 @dataclass
@@ -300,7 +281,8 @@ def written_digests(w: WrittenColumns) -> np.ndarray:
     return out
 
 
-def commit_layout(written: WrittenColumns, summaries: Sequence[KeySummary], check_layout: bool = True) -> CommitLayout:
+def commit_layout(written: WrittenColumns, summaries: Union[SummaryTable, Sequence[KeySummary]],
+                  check_layout: bool = True) -> CommitLayout:
     """Tensor layouts and object keys for the commit.
 
     With ``check_layout`` every summarised key must have exactly its main chunks
@@ -320,68 +302,77 @@ def commit_layout(written: WrittenColumns, summaries: Sequence[KeySummary], chec
             )
     if not check_layout:
         return out
+    if not isinstance(summaries, SummaryTable) or summaries.strings is not w.strings:
+        table = SummaryTable(w.strings)  # the summaries' strings interned into the items' table
+        table.extend(summaries)
+        summaries = table
+    names = w.strings
     # the summarised key of each item: a tensor's storage key, an object's key (its unique key
     # without the "/shard_..." suffix)
-    is_tensor = w.has_sizes
+    is_object = ~w.has_sizes
     sum_key = w.key.copy()
-    names = w.strings
-    if (~is_tensor).any():
-        names = list(w.strings)
-        nid = {x: i for i, x in enumerate(names)}
-        for i in np.flatnonzero(~is_tensor).tolist():
-            k = names[w.key[i]].rsplit("/shard_", 1)[0]
-            j = nid.get(k)
-            if j is None:
-                j = nid[k] = len(names)
-                names.append(k)
-            sum_key[i] = j
-
-    # items per (summarised key, kind), with their digests summed
-    gkey = sum_key * 2 + (~is_tensor)
-    order = np.argsort(gkey, kind="stable")
-    gs = gkey[order]
+    for i in np.flatnonzero(is_object).tolist():
+        sum_key[i] = summaries.sid(names[w.key[i]].rsplit("/shard_", 1)[0])
+    # items per (summarised key, kind): count and digest sum
+    gk = sum_key * 2 + is_object
+    order = np.argsort(gk, kind="stable")
+    gs = gk[order]
     starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]]) if len(gs) else np.zeros(0, dtype=np.int64)
     counts = np.diff(np.r_[starts, len(gs)])
     sums = np.add.reduceat(dig[order], starts) if len(starts) else np.zeros(0, dtype=np.uint64)
-    groups = {(names[int(g) >> 1], "object" if int(g) & 1 else "tensor"): (int(a), int(c), int(t))
-              for g, a, c, t in zip(gs[starts].tolist(), starts.tolist(), counts.tolist(), sums.tolist())}
-    seen = set()
-    tensor_parts = []
-    objects = []
-    for s in sorted(summaries, key=lambda s: (s.key, s.kind)):
-        a, c, t = groups.get((s.key, s.kind), (0, 0, 0))
-        seen.add((s.key, s.kind))
-        if c != s.chunks or t != s.token_sum:
-            raise CheckpointingException(
-                f"internal error: {s.chunks} chunks of {s.key!r} should have been written, "
-                f"{c} were (not written by any rank, or by the wrong ranks)"
-            )
-        if s.kind == "tensor":
-            out.tensor_keys.append(s.key)
-            out.tensor_dtypes.append(s.dtype)
-            out.tensor_shapes.append(tuple(s.global_shape))
-            tensor_parts.append(order[a : a + c])
-        else:
-            objects.append(order[a : a + c])
-    unknown = sorted({k for k, _ in groups} - {s.key for s in summaries})
+    groups = gs[starts]
+    # each summary against its group
+    cols = summaries.columns()
+    nds = sorted(cols)
+    skey = np.concatenate([cols[nd][0] for nd in nds]) if nds else np.zeros(0, dtype=np.int64)
+    skind = np.concatenate([cols[nd][1] for nd in nds]) if nds else np.zeros(0, dtype=np.int64)
+    sdtype = np.concatenate([cols[nd][2] for nd in nds]) if nds else np.zeros(0, dtype=np.int64)
+    schunks = np.concatenate([cols[nd][4] for nd in nds]) if nds else np.zeros(0, dtype=np.int64)
+    stoken = np.concatenate([cols[nd][5] for nd in nds]) if nds else np.zeros(0, dtype=np.uint64)
+    sshape = [tuple(x) for nd in nds for x in cols[nd][3].tolist()]
+    sgk = skey * 2 + skind
+    pos = np.minimum(np.searchsorted(groups, sgk), max(len(groups) - 1, 0))
+    found = (groups[pos] == sgk) if len(groups) else np.zeros(len(sgk), dtype=bool)
+    got = np.where(found, counts[pos] if len(groups) else 0, 0)
+    tok = np.where(found, sums[pos] if len(groups) else np.uint64(0), np.uint64(0))
+    bad = np.flatnonzero((got != schunks) | (tok != stoken))
+    if len(bad):
+        i = min(bad.tolist(), key=lambda j: (names[skey[j]], int(skind[j])))
+        raise CheckpointingException(
+            f"internal error: {int(schunks[i])} chunks of {names[skey[i]]!r} should have been written, "
+            f"{int(got[i])} were (not written by any rank, or by the wrong ranks)"
+        )
+    known = np.zeros(len(names), dtype=bool)
+    known[skey] = True
+    unknown = sorted({names[k] for k in (groups >> 1).tolist() if not known[k]})
     if unknown:
         raise CheckpointingException(f"internal error: chunks of {unknown[:5]} were written but no rank planned them")
-    # chunks of each key sorted by offsets
-    sorted_parts = []
-    for part in tensor_parts:
-        if len(part) > 1:
-            nds = np.unique(w.nd[part])
-            if len(nds) == 1 and nds[0] > 0:
-                g = w.grid(part, int(nds[0]))
-                part = part[np.lexsort([g[:, j] for j in reversed(range(g.shape[1]))])]
-            else:
-                part = np.asarray(sorted(part.tolist(), key=w.offsets_of), dtype=np.int64)
-        sorted_parts.append(part)
-    out.chunk_items = np.concatenate(sorted_parts) if sorted_parts else np.zeros(0, dtype=np.int64)
-    out.key_starts = np.cumsum([0] + [len(p) for p in sorted_parts])
-    if objects:
-        obj = np.concatenate(objects)
-        out.object_items = obj[np.argsort([w.strings[k] for k in w.key[obj].tolist()], kind="stable")]
+    # tensors in key order, each key's chunks by offsets
+    tsel = np.flatnonzero(skind == 0)
+    tsel = np.asarray(sorted(tsel.tolist(), key=lambda j: names[skey[j]]), dtype=np.int64)
+    out.tensor_keys = [names[k] for k in skey[tsel].tolist()]
+    out.tensor_dtypes = [names[k] for k in sdtype[tsel].tolist()]
+    out.tensor_shapes = [sshape[j] for j in tsel.tolist()]
+    keypos_of_group = np.full(len(groups), -1, dtype=np.int64)
+    keypos_of_group[pos[tsel]] = np.arange(len(tsel))
+    item_group = np.empty(len(gk), dtype=np.int64)
+    item_group[order] = np.repeat(np.arange(len(groups)), counts)
+    keypos = keypos_of_group[item_group] if len(gk) else np.zeros(0, dtype=np.int64)
+    rank = np.zeros(len(gk), dtype=np.int64)  # position of each tensor item among its key's, by offsets
+    tensor_items = np.flatnonzero(keypos >= 0)
+    for nd in np.unique(w.nd[tensor_items]).tolist():
+        sel = tensor_items[w.nd[tensor_items] == nd]
+        g = w.grid(sel, nd)
+        o = np.lexsort([g[:, j] for j in reversed(range(nd))] + [keypos[sel]])
+        rank[sel[o]] = np.arange(len(sel))
+    o = np.lexsort([rank[tensor_items], keypos[tensor_items]])
+    out.chunk_items = tensor_items[o]
+    out.key_starts = np.r_[0, np.cumsum(np.bincount(keypos[tensor_items], minlength=len(tsel)))].astype(np.int64)
+    osel = np.flatnonzero(skind == 1)
+    if len(osel):
+        in_objects = np.isin(item_group, pos[osel]) if len(gk) else np.zeros(0, dtype=bool)
+        obj = np.flatnonzero(in_objects)
+        out.object_items = obj[np.argsort([names[k] for k in w.key[obj].tolist()], kind="stable")]
     return out
 
 
