@@ -12,8 +12,8 @@ what it used, the machine has 24 GiB):
    snapshot (``MemoryCheckpoints.save``); and how long the whole save takes until committed
    (background included);
 2. **restores into the live tensors** (zeroed first, checked afterwards), best of
-   ``--repeats``: from own memory (``tier.load``, every byte CRC-verified), from a peer (rank 1's
-   node directory moved away: its snapshot comes from rank 0's node), from the durable
+   ``--repeats``: from own memory (``tier.load``, every byte checked against its block digest),
+   from a peer (rank 1's node directory moved away: its snapshot comes from rank 0's node), from the durable
    checkpoint on tmpfs and on disk read cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` first,
    needs root; otherwise ``posix_fadvise(DONTNEED)`` per file), and the plain limits of the same
    bytes: ``read()`` of the snapshot files into the tensors (tmpfs to process memory) and

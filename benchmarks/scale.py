@@ -386,6 +386,9 @@ def simulate_save(layout: GPTLayout, commit_dir: str, samples: int = 3) -> Dict[
     }
 
 
+_SPREAD, _U64 = 0x9E3779B97F4A7C15, (1 << 64) - 1  # simulated digests: an odd multiplier mod 2^64
+
+
 def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> WrittenTable:
     """The items ``write_data_files`` would report: ``threads`` files, archives of nbytes + ~1 KiB."""
     pos = [0] * threads
@@ -394,11 +397,12 @@ def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> Wr
         f = i % threads
         length = m.nbytes + 1088 if m.kind == "tensor" else 900
         if m.kind == "tensor":
-            # one CRC32 per 1 MiB block of the data, as write_data_files records them for the manifest
+            # one XXH3-64 digest per 1 MiB block of the data, as write_data_files records them for the
+            # manifest (64-bit values spread over the whole range, as real digests are)
             nblocks = -(-m.nbytes // (1 << 20))
-            blocks = (64, m.nbytes, 1 << 20, [(rank * 7919 + i * 31 + b) & 0xFFFFFFFF for b in range(nblocks)])
+            blocks = (64, m.nbytes, 1 << 20, [((rank * 7919 + i * 31 + b) * _SPREAD) & _U64 for b in range(nblocks)])
             out.append(m.key, m.offsets, m.sizes, f"__{rank}_{f}.distcp", pos[f], length,
-                       (rank * 7919 + i) & 0xFFFFFFFF, blocks)
+                       ((rank * 7919 + i) * _SPREAD) & _U64, blocks)
         else:
             out.append(object_storage_key(m.key, m.offsets, m.global_shape), None, None, f"__{rank}_{f}.distcp",
                        pos[f], length, i)

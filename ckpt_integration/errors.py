@@ -54,6 +54,11 @@ class UnsupportedCheckpointError(CheckpointingException):
     """Unknown backend or format version."""
 
 
+class UnknownBlockHashError(UnsupportedCheckpointError):
+    """The manifest records block checksums of an algorithm this version does not know (its
+    data cannot be verified, so it is refused; the message names the file and the algorithm)."""
+
+
 class UnsafeCheckpointError(CheckpointingException):
     """The checkpoint would execute code or reach outside its directory (a pickled global
     outside the allow-list, a file name or link leading outside the checkpoint)."""

@@ -20,6 +20,7 @@ from ckpt_integration.planning.records import MessageWriter, TableBatch, decode,
 from ckpt_integration.planning.shards import ShardMeta
 from ckpt_integration.planning.written import WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage.checksum import block_hash
 from ckpt_integration.storage.dcp_pickle import dumps_commit_layout, supported
 from ckpt_integration.storage.manifest_tables import file_sizes, render_tables
 from ckpt_integration.storage.safe_pickle import load_dcp_metadata
@@ -128,7 +129,7 @@ def test_commit_records_python_work_per_item_is_constant():
 
 
 # --------------------------------------------------------------------------- .metadata and manifest
-def _layout_case():
+def _layout_case(bits=32):
     rng = random.Random(7)
     t = WrittenTable()
     summaries = []
@@ -137,8 +138,8 @@ def _layout_case():
     def add(key, dtype, shape, boxes, big=False):
         for j, (o, s) in enumerate(boxes):
             start = (1 << 33) + j if big else rng.randrange(1 << 20)
-            t.append(key, o, s, f"__{j % 3}_{j % 2}.distcp", start, 64 + rng.randrange(1 << 12), rng.getrandbits(32),
-                     (16, 48, 1 << 20, [rng.getrandbits(32) for _ in range(rng.randint(1, 4))]))
+            t.append(key, o, s, f"__{j % 3}_{j % 2}.distcp", start, 64 + rng.randrange(1 << 12), rng.getrandbits(bits),
+                     (16, 48, 1 << 20, [rng.getrandbits(bits) for _ in range(rng.randint(1, 4))]))
         summaries.append(KeySummary(key, "tensor", dtype, shape, len(boxes), sum(chunk_digest(key, o) for o, _ in boxes) % (1 << 64)))
 
     add("w", "float32", (4, 6), [((2, 0), (2, 6)), ((0, 0), (2, 6))])
@@ -167,15 +168,16 @@ def test_metadata_from_arrays_unpickles_to_the_objects_dcp_builds():
     assert list(pickle.loads(data).state_dict_metadata) == list(expected.state_dict_metadata)
 
 
-def test_manifest_tables_are_the_json_of_the_dict_tables():
-    t, layout = _layout_case()
-    items, blocks = render_tables(layout.written)
-    from ckpt_integration.storage.checksum import pack_crcs
+@pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
+def test_manifest_tables_are_the_json_of_the_dict_tables(hash_name):
+    h = block_hash(hash_name)
+    t, layout = _layout_case(bits=8 * h.width)
+    items, blocks = render_tables(layout.written, h)
 
     expect_items = {f"{f}@{s}": d for f, s, d in zip(t.files, t.starts, t.digests)}
-    expect_blocks = {f"{f}@{s}": [b[0], b[1], b[2], pack_crcs(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
+    expect_blocks = {f"{f}@{s}": [b[0], b[1], b[2], h.pack(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
     assert json.loads(items) == expect_items and json.loads(blocks) == expect_blocks
-    m = ckdir.Manifest(world_size=3, files=file_sizes(layout.written), step=5)
+    m = ckdir.Manifest(**ckdir.manifest_format(h), world_size=3, files=file_sizes(layout.written), step=5)
     text = ckdir.manifest_json(m, {"items": items, "blocks": blocks})
     assert json.loads(text) == {**ckdir.manifest_fields(m), "items": expect_items, "blocks": expect_blocks}
     assert text.startswith(json.dumps(ckdir.manifest_fields(m))[:60])  # the head that listings read

@@ -89,13 +89,20 @@ def _w_item(d):
 
 
 # =========================================================================== silent wrong data
-def test_damaged_data_is_never_returned_by_partial_reads(tmp_path):
+@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])  # manifest format 3 (new saves), format 2
+def test_damaged_data_is_never_returned_by_partial_reads(tmp_path, monkeypatch, block_hash):
     """Flips (archive header, first/middle/last data rows, archive trailer), truncation and a swap
     with the same file of another checkpoint of the same layout: a partial request either raises
     CorruptCheckpointError naming the file or returns exactly the saved values (it read no
-    damaged byte); requests that read the damaged block always raise."""
+    damaged byte); requests that read the damaged block always raise. Both block digests: XXH3-64
+    (format 3) and CRC32 (format 2, written through the writer's switch)."""
+    from ckpt_integration.storage import checksum
+
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", block_hash)
     good = tmp_path / "good"
     want = _save(good, seed=1)
+    man = json.loads((good / "manifest.json").read_text())
+    assert (man["version"], man.get("block_hash")) == ((3, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
     other = tmp_path / "other"
     _save(other, seed=2)  # same layout, other values
     item = _w_item(good)
@@ -149,9 +156,12 @@ def _w_item_remote(url):
     return next(v for k, v in md.storage_data.items() if k.fqn == "w")
 
 
-def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path):
+def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path, monkeypatch):
     """Manifest format 1 (whole-item CRC32s only, as written before block checksums): partial
     reads read and check the whole item, and still load what an undamaged one holds."""
+    from ckpt_integration.storage import checksum
+
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", "crc32")  # format 2, then made format 1
     d = tmp_path / "old"
     want = _save(d, seed=4)
     man = json.loads((d / "manifest.json").read_text())

@@ -25,6 +25,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import CheckpointingException, ShardedObject, ShardedTensor
 from ckpt_integration.cli import main
+from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
 from tests.damage import deadline, flip_byte
 
@@ -46,22 +47,25 @@ def _save(d, seed: int, **kw) -> None:
 def saved(tmp_path_factory):
     """Two checkpoints of the same layout (``good``, ``other``) and a zarr one, written once."""
     base = tmp_path_factory.mktemp("tools_faults")
-    old = td.BLOCK_SIZE
+    old, old_hash = td.BLOCK_SIZE, checksum.SAVE_BLOCK_HASH
     td.BLOCK_SIZE = 16 << 10
     try:
         _save(base / "good", seed=1)
         _save(base / "other", seed=2)
         _save(base / "zarr", seed=3, sharded_strategy="zarr")
+        checksum.SAVE_BLOCK_HASH = "crc32"  # manifest format 2, as written before format 3
+        _save(base / "good_crc32", seed=1)
     finally:
-        td.BLOCK_SIZE = old
+        td.BLOCK_SIZE, checksum.SAVE_BLOCK_HASH = old, old_hash
     return base
 
 
-@pytest.fixture
-def ckpt(saved, tmp_path):
-    """A fresh copy of the good checkpoint, to damage."""
+@pytest.fixture(params=["good", "good_crc32"])
+def ckpt(saved, tmp_path, request):
+    """A fresh copy of the good checkpoint, to damage: manifest format 3 (XXH3-64 block digests)
+    and format 2 (CRC32)."""
     d = tmp_path / "c"
-    shutil.copytree(saved / "good", d)
+    shutil.copytree(saved / request.param, d)
     return d
 
 
@@ -105,20 +109,21 @@ def _rewrite_metadata(d, edit) -> None:
 
 
 def _to_format_1(d) -> None:
-    """The manifest as written before block checksums (whole-item CRC32s only)."""
+    """The manifest as written before block checksums (whole-item CRC32s only), from format 2."""
     man = _manifest(d)
+    assert man["version"] == 2, "format 1 is made from a format-2 (CRC32) checkpoint"
     man.pop("blocks"), man.pop("save")
     man["version"] = 1
     _write_manifest(d, man)
 
 
 def _tamper_block_crc(d) -> None:
-    """One block CRC32 of ``w`` wrong, its whole-item CRC32 right: loads of that block fail."""
+    """One block digest of ``w`` wrong, its item digest right: loads of that block fail."""
     man = _manifest(d)
     key = next(iter(man["blocks"]))
     rec = man["blocks"][key]
     crcs = bytearray(base64.b64decode(rec[3]))
-    crcs[8] ^= 1  # the CRC of the second data block (after the archive header's)
+    crcs[16] ^= 1  # in the digest of a data block (CRC32: the fifth, XXH3-64: the third)
     rec[3] = base64.b64encode(bytes(crcs)).decode()
     _write_manifest(d, man)
 
@@ -173,12 +178,14 @@ def test_verify_names_the_damaged_blocks(ckpt, capsys):
 
 
 def test_verify_good_checkpoints(saved, tmp_path, capsys):
-    code, out, _ = run_cli("verify", saved / "good", capsys=capsys)
-    assert code == 0 and "OK: checksums of" in out, out
-    rep = json.loads(run_cli("verify", saved / "good", "--json", capsys=capsys)[1])
-    assert rep["ok"] and rep["checksums_available"] and rep["blocks_checked"] >= 3
+    for name, block_hash in (("good", "xxh3_64"), ("good_crc32", "crc32")):
+        code, out, _ = run_cli("verify", saved / name, capsys=capsys)
+        assert code == 0 and "OK: checksums of" in out, out
+        rep = json.loads(run_cli("verify", saved / name, "--json", capsys=capsys)[1])
+        assert rep["ok"] and rep["checksums_available"] and rep["blocks_checked"] >= 3
+        assert rep["block_hash"] == block_hash
     old = tmp_path / "old"
-    shutil.copytree(saved / "good", old)
+    shutil.copytree(saved / "good_crc32", old)
     _to_format_1(old)
     assert run_cli("verify", old, capsys=capsys)[0] == 0
     flip_byte(old / DATA, _w_item(old).offset + 20000)
@@ -203,9 +210,11 @@ def _halve_rows(md):
 EDITS = {"dtype_same_size": _set_dtype(torch.int32), "dtype_larger": _set_dtype(torch.float64), "fewer_elements": _halve_rows}
 
 
-@pytest.mark.parametrize("fmt", [2, 1])
+@pytest.mark.parametrize("fmt", [3, 2, 1])
 @pytest.mark.parametrize("edit", sorted(EDITS))
-def test_verify_finds_metadata_that_disagrees_with_the_archive(ckpt, capsys, edit, fmt):
+def test_verify_finds_metadata_that_disagrees_with_the_archive(saved, tmp_path, capsys, edit, fmt):
+    ckpt = tmp_path / "c"
+    shutil.copytree(saved / ("good" if fmt == 3 else "good_crc32"), ckpt)
     if fmt == 1:
         _to_format_1(ckpt)
     _rewrite_metadata(ckpt, EDITS[edit])

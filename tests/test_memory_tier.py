@@ -379,7 +379,7 @@ def test_four_ranks_two_nodes_kill_restart_node_loss_corruption_and_reshard(tmp_
     rcs, outs, logs = _launch(tmp, "C", {**common, "phase": "C", "steps": [7]}, 4)
     assert rcs == [0] * 4, f"{rcs}\n{_tails(logs)}"
     assert outs[0]["latest"] == 6 and outs[0]["source"] == "peer rank 2", outs[0]
-    assert len(outs[0]["refused"]) == 1 and "CRC32 mismatch in block" in outs[0]["refused"][0], outs[0]
+    assert len(outs[0]["refused"]) == 1 and "XXH3-64 mismatch in block" in outs[0]["refused"][0], outs[0]
     assert "refused its copy of step 6 in own memory" in _tails(logs[:1], 100000)
     assert [o["source"] for o in outs[1:]] == ["own memory"] * 3
 

@@ -9,7 +9,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
-from ckpt_integration.storage.tensor_record import BlockCrcWriter, save_tensor
+from ckpt_integration.storage.tensor_record import BlockDigestWriter, save_tensor
 from ckpt_integration.storage.torch_dist import _archive_member_crc_disabled, run_parallel
 
 
@@ -21,7 +21,7 @@ def test_template_archive_is_byte_identical_to_torch_save(dtype):
             for seed in (0, 1):  # the second tensor of a shape comes from the cached template
                 t = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 9).to(dtype)
                 a, b = io.BytesIO(), io.BytesIO()
-                wa, wb = BlockCrcWriter(a, t, 1 << 20), BlockCrcWriter(b, t, 1 << 20)
+                wa, wb = BlockDigestWriter(a, t, 1 << 20), BlockDigestWriter(b, t, 1 << 20)
                 torch.save(t, wa)
                 save_tensor(t, wb)
                 assert a.getvalue() == b.getvalue(), (dtype, shape)
@@ -53,11 +53,15 @@ def test_run_parallel_runs_every_task_and_raises_the_first_error():
         run_parallel(list(range(1000)), boom, 3)
 
 
-def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hash_name", ["xxh3_64", "crc32"])
+def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, monkeypatch, hash_name):
     """Small plain tensors go through SmallItemWriter (template parts, cached checksums, one large
     write): the data files and every item record (offsets, lengths, digests, block records) are
-    exactly those of the generic per-item writer, for every kind of item in between."""
-    from ckpt_integration.storage import small_items
+    exactly those of the generic per-item writer, for every kind of item in between, with either
+    block digest (XXH3-64 of new saves, CRC32 of format 2)."""
+    from ckpt_integration.storage import checksum, small_items
+
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", hash_name)
     from ckpt_integration.storage.torch_dist import WriteRequest, write_data_files
 
     g = torch.Generator().manual_seed(0)

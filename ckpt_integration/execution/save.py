@@ -35,7 +35,7 @@ import uuid
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
@@ -48,13 +48,13 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.manifest_tables import file_sizes, render_tables
-from ..storage.checksum import crc32
+from ..storage.checksum import crc32, save_block_hash
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
 from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
-from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, write_data_files
+from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
 from . import dist
 from . import exchange
 from .dist import describe_error as _describe
@@ -346,8 +346,10 @@ def _commit(plan: SavePlan, layout: CommitLayout) -> None:
         ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
     }
     files.update(file_sizes(layout.written))
-    items, blocks = render_tables(layout.written)
+    digest = save_block_hash()  # what write_data_files recorded
+    items, blocks = render_tables(layout.written, digest)
     manifest = ckdir.Manifest(
+        **ckdir.manifest_format(digest),
         world_size=plan.world_size,
         files=files,
         library_version=__version__,
@@ -489,7 +491,7 @@ def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank:
     return received
 
 
-def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
+def _commit_zarr(plan: SavePlan, written: Sequence[Any]) -> None:  # Written or WrittenItem records
     d = plan.write_dir
     claim = _check_claim(plan)
     commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json

@@ -27,7 +27,7 @@ from ..errors import CorruptCheckpointError, MemoryLayoutError
 from ..execution import dist
 from ..execution.preprocess import dtype_from_name, restore_list_types, split_state_dict
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
-from ..storage.checksum import DEFAULT_BLOCK_SIZE, crc32
+from ..storage.checksum import DEFAULT_BLOCK_SIZE, BlockHash
 from ..storage.safe_pickle import safe_torch_load
 from . import slots
 from .plan import CopyLocation, choose_sources
@@ -210,16 +210,18 @@ def _reader(got: Obtained) -> Any:
     return read, close
 
 
-def verified_copy(read: Any, name: str, offset: int, out: np.ndarray, crcs: np.ndarray, where: str) -> None:
-    """Read a region into ``out`` block by block, checking each block's CRC32 while it is in cache."""
+def verified_copy(read: Any, name: str, offset: int, out: np.ndarray, digests: np.ndarray, where: str,
+                  h: BlockHash) -> None:
+    """Read a region into ``out`` block by block, checking each block's digest (of ``h``) while it is in cache."""
     n, block = len(out), DEFAULT_BLOCK_SIZE
-    if len(crcs) != (n + block - 1) // block:
-        raise CorruptCheckpointError(f"{where}: {len(crcs)} block checksums for {n} bytes")
+    if len(digests) != (n + block - 1) // block:
+        raise CorruptCheckpointError(f"{where}: {len(digests)} block checksums for {n} bytes")
+    digest = h.digest
     for i, o in enumerate(range(0, n, block)):
         part = out[o:o + block]
         read(name, offset + o, part)
-        if crc32(part) != int(crcs[i]):
-            raise CorruptCheckpointError(f"{where}: CRC32 mismatch in block {i} (bytes {o}..{o + len(part)})")
+        if digest(part) != int(digests[i]):
+            raise CorruptCheckpointError(f"{where}: {h.label} mismatch in block {i} (bytes {o}..{o + len(part)})")
 
 
 def _bytes_of(t: torch.Tensor) -> Optional[np.ndarray]:
@@ -292,22 +294,22 @@ def fill_request(
 
 
 def copy_regions(got: Obtained, by_region: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]], where: str) -> None:
-    """Fill each destination from its region, every byte checked against the block CRC32s."""
-    regions = got.record.regions
+    """Fill each destination from its region, every byte checked against the block digests."""
+    regions, h = got.record.regions, got.record.block_hash
     read, close = _reader(got)
     try:
         with torch.no_grad():
             for idx, wants in sorted(by_region.items()):
-                name, offset, nbytes, crcs = regions[idx]
+                name, offset, nbytes, digests = regions[idx]
                 entry, host = wants[0]
                 what = f"{where}, region {idx} ({entry.get('key')!r})"
                 dest = _bytes_of(host) if len(wants) == 1 else None
                 if (dest is not None and len(dest) == nbytes and entry["elem_offset"] == 0
                         and dtype_from_name(entry["dtype"]) == host.dtype and _contiguous(entry["size"], entry["stride"])):
-                    verified_copy(read, name, offset, dest, crcs, what)  # straight into the tensor
+                    verified_copy(read, name, offset, dest, digests, what, h)  # straight into the tensor
                     continue
                 scratch = torch.empty(nbytes, dtype=torch.uint8)
-                verified_copy(read, name, offset, scratch.numpy(), crcs, what)
+                verified_copy(read, name, offset, scratch.numpy(), digests, what, h)
                 for entry, host in wants:
                     host.copy_(_view(scratch.untyped_storage(), 0, entry).reshape(host.shape))
     finally:
@@ -358,5 +360,6 @@ def _contiguous(size: Sequence[int], stride: Sequence[int]) -> bool:
 
 def verify_all(got: Obtained, where: str) -> None:
     """Check every block of every region (before a snapshot is persisted)."""
-    for idx, (name, offset, nbytes, crcs) in enumerate(got.record.regions):
-        slots.verify_region(got.files[name][offset:offset + nbytes].numpy(), crcs, f"{where}, region {idx}")
+    for idx, (name, offset, nbytes, digests) in enumerate(got.record.regions):
+        slots.verify_region(got.files[name][offset:offset + nbytes].numpy(), digests, f"{where}, region {idx}",
+                            got.record.block_hash)

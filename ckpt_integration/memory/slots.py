@@ -18,7 +18,8 @@ temporary name, then renamed). A process killed at any point leaves the slot wit
 
 The CRC32 covers both lengths, the header and the blob. The header names job, owner, step,
 world size, the incarnation that wrote it, the shards and the regions of the arena files with
-the CRC32 of every 1 MiB block (the durable format's block checksums); the blob (a
+the digest of every 1 MiB block (the durable format's block checksums: ``block_hash``, XXH3-64
+since record format 2; format-1 records have CRC32s); the blob (a
 ``torch.save`` archive, read with the safe unpickler) holds the common state and the
 ShardedObjects. Files are preallocated (``posix_fallocate``), so a full tmpfs is an error at
 allocation instead of a ``SIGBUS`` in the middle of a copy.
@@ -40,12 +41,13 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
-from ..storage.checksum import DEFAULT_BLOCK_SIZE, crc32, pack_crcs, unpack_crcs
+from ..storage.checksum import CRC32, DEFAULT_BLOCK_SIZE, BlockHash, block_hash, crc32, save_block_hash
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"CIMEMREC"
-FORMAT = 1
+FORMAT = 2  # 2: "block_hash" names the regions' block digests; 1: CRC32s
+_FORMATS = (1, 2)
 _PREFIX = struct.Struct("<8sIQQ")
 _ALIGN = 4096  # regions of an arena start on page boundaries
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -114,9 +116,15 @@ class Record:
         return int(t), str(u)
 
     @property
+    def block_hash(self) -> BlockHash:
+        """The algorithm of the regions' block digests."""
+        return block_hash(self.header.get("block_hash", CRC32), "memory snapshot record")
+
+    @property
     def regions(self) -> List[Tuple[str, int, int, np.ndarray]]:
-        """``[(file, offset, nbytes, block CRC32s)]``."""
-        return [(f, int(o), int(n), unpack_crcs(c)) for f, o, n, c in self.header["regions"]]
+        """``[(file, offset, nbytes, block digests)]`` (of :attr:`block_hash`)."""
+        h = self.block_hash
+        return [(f, int(o), int(n), h.unpack(c)) for f, o, n, c in self.header["regions"]]
 
     def files(self) -> Dict[str, int]:
         """Arena file name -> size in bytes."""
@@ -124,7 +132,7 @@ class Record:
 
 
 def encode_record(header: Dict[str, Any], blob: bytes) -> bytes:
-    head = json.dumps({**header, "format": FORMAT}, sort_keys=True).encode()
+    head = json.dumps({**record_hash(), **header, "format": FORMAT}, sort_keys=True).encode()
     lengths = struct.pack("<QQ", len(head), len(blob))
     c = crc32(blob, crc32(head, crc32(lengths)))
     return _PREFIX.pack(MAGIC, c, len(head), len(blob)) + head + blob
@@ -141,8 +149,14 @@ def decode_record(raw: bytes, where: str) -> Record:
     if crc32(blob, crc32(head, crc32(struct.pack("<QQ", hl, bl)))) != c:
         raise CorruptCheckpointError(f"memory snapshot record {where} fails its CRC32 check")
     header = json.loads(head)
-    if header.get("format") != FORMAT:
+    if header.get("format") not in _FORMATS:
         raise CorruptCheckpointError(f"memory snapshot record {where} has unknown format {header.get('format')!r}")
+    if header["format"] == 1 and "block_hash" in header:
+        raise CorruptCheckpointError(f"memory snapshot record {where} is damaged: format 1 has CRC32 block checksums")
+    if header["format"] >= 2:
+        if "block_hash" not in header:
+            raise CorruptCheckpointError(f"memory snapshot record {where} is damaged: it does not name its block checksums")
+        block_hash(header["block_hash"], f"memory snapshot record {where}")
     return Record(header, bytes(blob), raw)
 
 
@@ -349,20 +363,27 @@ def open_files(root: str, owner: int, files: Dict[str, int]) -> Dict[str, torch.
 
 
 # --------------------------------------------------------------------------- checksums
-def block_crcs(buf: torch.Tensor, block: int = DEFAULT_BLOCK_SIZE) -> str:
-    """Packed CRC32s of ``buf`` (uint8, contiguous) in blocks of ``block`` bytes."""
+def record_hash() -> Dict[str, str]:
+    """The header entry naming the block digests of new records (the durable saves' algorithm)."""
+    return {"block_hash": save_block_hash().name}
+
+
+def block_digests(buf: torch.Tensor, block: int = DEFAULT_BLOCK_SIZE, h: Optional[BlockHash] = None) -> str:
+    """Packed block digests (of ``h``, default: :func:`record_hash`'s) of ``buf`` (uint8,
+    contiguous) in blocks of ``block`` bytes."""
+    h = h or save_block_hash()
     a = buf.numpy()
-    return pack_crcs([crc32(a[o:o + block]) for o in range(0, len(a), block)])
+    return h.pack([h.digest(a[o:o + block]) for o in range(0, len(a), block)])
 
 
-def verify_region(buf: np.ndarray, crcs: np.ndarray, where: str, block: int = DEFAULT_BLOCK_SIZE) -> None:
+def verify_region(buf: np.ndarray, digests: np.ndarray, where: str, h: BlockHash, block: int = DEFAULT_BLOCK_SIZE) -> None:
     """Check every block of a region; :class:`CorruptCheckpointError` names the first bad one."""
     n = len(buf)
-    if len(crcs) != (n + block - 1) // block:
-        raise CorruptCheckpointError(f"{where}: {len(crcs)} block checksums for {n} bytes")
+    if len(digests) != (n + block - 1) // block:
+        raise CorruptCheckpointError(f"{where}: {len(digests)} block checksums for {n} bytes")
     for i, o in enumerate(range(0, n, block)):
-        if crc32(buf[o:o + block]) != int(crcs[i]):
-            raise CorruptCheckpointError(f"{where}: CRC32 mismatch in block {i} (bytes {o}..{min(n, o + block)})")
+        if h.digest(buf[o:o + block]) != int(digests[i]):
+            raise CorruptCheckpointError(f"{where}: {h.label} mismatch in block {i} (bytes {o}..{min(n, o + block)})")
 
 
 def node_usage(root: str) -> int:

@@ -5,13 +5,13 @@ caller is blocked only while the structure is staged (:class:`StateDictStager`, 
 here are slices of files in the node's shared memory, :mod:`.slots`); large tensors are copied
 by a background thread while training goes on (:class:`Snapshot`: the next ``torch.optim``
 step waits for it, an early in-place change fails the snapshot). A worker thread
-(:class:`AsyncCallsQueue`) then computes the block CRC32s, commits the rank's record, sends the
+(:class:`AsyncCallsQueue`) then computes the block digests, commits the rank's record, sends the
 slot to the ranks that keep its copies and receives the copies it keeps (:mod:`.transfer`), and
 agrees with every rank on the outcome, all on a private gloo group. The caller never enters a
 collective for that; a failure is raised on every rank by ``wait()`` or the next ``save()``.
 
 Restores (:mod:`.restore`) read the rank's own files when its node still has them and
-otherwise fetch a peer's copy; every byte is checked against the block CRC32s first.
+otherwise fetch a peer's copy; every byte is checked against the block digests first.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from ..execution.snapshot import Snapshot
 from ..execution.staging import StateDictStager
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedTensor
+from ..storage.checksum import save_block_hash
 from ..storage.safe_pickle import torch_dumps
 from . import restore as rs
 from . import slots
@@ -271,6 +272,7 @@ class MemoryCheckpoints:
 
     def _build_record(self, job: _Job) -> Tuple[bytes, List[str]]:
         arena = self._arenas[job.slot]
+        digest = save_block_hash()
         regions: List[List[Any]] = []
         where: Dict[Tuple[str, int], int] = {}
         shards = []
@@ -287,7 +289,7 @@ class MemoryCheckpoints:
                 if (name, off) not in where:
                     n = t.untyped_storage().nbytes()
                     where[(name, off)] = len(regions)
-                    regions.append([name, off, n, slots.block_crcs(arena.maps[name][off:off + n])])
+                    regions.append([name, off, n, slots.block_digests(arena.maps[name][off:off + n], h=digest)])
                 head.update(region=where[(name, off)], elem_offset=t.storage_offset(), size=list(t.shape),
                             stride=list(t.stride()), dtype=dtype_name(t.dtype))
             shards.append(head)
@@ -296,7 +298,7 @@ class MemoryCheckpoints:
         files = {n: int(arena.maps[n].numel()) for n in keep}
         header = {"job_id": self.job_id, "owner": self.rank, "world_size": self.world_size, "step": job.step,
                   "slot": job.slot, "incarnation": list(self.incarnation), "files": files, "regions": regions,
-                  "shards": shards}
+                  "shards": shards, "block_hash": digest.name}
         return slots.encode_record(header, blob), keep
 
     def _run_save(self, job: _Job, snap: Optional[Snapshot]) -> None:
@@ -345,9 +347,9 @@ class MemoryCheckpoints:
                                                                                   self.incarnation):
                     raise MemoryCheckpointError(f"received a record of rank {h['owner']} step {h['step']}")
                 arena = self._held_arena(owner, job.slot)
-                for i, (name, off, n, crcs) in enumerate(rec.regions):
-                    slots.verify_region(arena.maps[name][off:off + n].numpy(), crcs,
-                                        f"copy of rank {owner}'s step {job.step}, region {i}")
+                for i, (name, off, n, digests) in enumerate(rec.regions):
+                    slots.verify_region(arena.maps[name][off:off + n].numpy(), digests,
+                                        f"copy of rank {owner}'s step {job.step}, region {i}", rec.block_hash)
                 slots.write_record(self.root, owner, job.slot, rec.raw)
             except Exception as e:  # noqa: BLE001
                 problems.append(f"copy of rank {owner}: {_describe(e)}")
@@ -374,7 +376,7 @@ class MemoryCheckpoints:
         """Collective: restore step ``step`` into ``sharded_state_dict``; returns what ``ci.load`` would.
 
         Each rank reads its own snapshot from its node's memory, or (node replaced, copy
-        damaged) fetches a peer's copy; every byte is verified against the block CRC32s, a copy
+        damaged) fetches a peer's copy; every byte is verified against the block digests, a copy
         that fails is refused and the next one tried. Raises :class:`MemoryLayoutError` when
         the request is laid out differently and :class:`MemoryCheckpointError` when no intact
         copy of some rank's snapshot is left: load the durable checkpoint then. Logs (and

@@ -35,7 +35,7 @@ class Written:
     relative_path: str
     offset: int
     length: int
-    crc32: int  # the whole item's digest
+    checksum: int  # the item digest (CRC32 or XXH3-64: up to 64 bits)
     # tensor items of torch_dist: (data offset, data length, block size, block digests)
     blocks: Optional[Blocks] = None
 
@@ -79,7 +79,7 @@ class WrittenTable:
         t = cls()
         for it in items:
             t.append(it.storage_key, it.offsets, getattr(it, "sizes", None), it.relative_path, it.offset, it.length,
-                     it.crc32, it.blocks)
+                     it.checksum, it.blocks)
         return t
 
     def items(self) -> List[Written]:

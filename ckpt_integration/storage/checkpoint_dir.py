@@ -7,7 +7,8 @@
   directory without it is an incomplete save and is never loaded.
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
 * ``manifest.json`` - our own record: format version, world size, per-item and
-  per-file checksums, per-block checksums of tensor data (format 2). Optional on load
+  per-file checksums, per-block digests of tensor data (format 2: CRC32, format 3: XXH3-64;
+  see ``checksum.py``). Optional on load
   (Megatron/DCP checkpoints lack it; they load unchecked, with a note in the log).
 * ``ckpt_integration.json`` - the save marker, written *first* by every save (see
   :mod:`.claim`): says that the directory is ours and that the checkpoint has a
@@ -46,7 +47,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .checksum import crc32, unpack_crcs
+from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
 from .claim import MARKER_FILE, library_entries
 from .filesystem import join, parent_of, storage_for
 from .safe_pickle import safe_torch_load
@@ -58,9 +59,10 @@ COMMON_FILE = "common.pt"
 MANIFEST_FILE = "manifest.json"
 WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
-# 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token
-MANIFEST_VERSION = 2
-SUPPORTED_MANIFEST_VERSIONS = (1, 2)
+# 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token;
+# 3: the block digest is named by "block_hash" (XXH3-64 for new saves), item digests follow it
+MANIFEST_VERSION = 3
+SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3)
 
 # backend -> supported versions of its on-disk layout
 SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,), "zarr": (1,)}
@@ -93,15 +95,27 @@ class Manifest:
     # an opened checkpoint checks it to notice that its directory now holds another commit
     commit_id: str = ""
     world_size: int = 1
-    # "file@offset" -> crc32 of the item's stored bytes
+    # format 3: the block digest algorithm (checksum.block_hash); formats 1 and 2: always "crc32",
+    # and the key is not written (their readers take no unknown keys)
+    block_hash: Optional[str] = None
+    # "file@offset" -> digest of the item's stored bytes (``block_hash``'s item_digest)
     items: Dict[str, int] = field(default_factory=dict)
     # file name -> {"size": bytes, "crc32": ...}
     files: Dict[str, Dict[str, int]] = field(default_factory=dict)
     library_version: str = ""
-    # format 2: "file@offset" -> [data_offset, data_length, block_size, base64 of uint32 CRC32s]
-    # (CRCs of: bytes before the data, each data block, bytes after the data; empty ones left out)
+    # format 2+: "file@offset" -> [data_offset, data_length, block_size, base64 of the block digests]
+    # (digests of: bytes before the data, each data block, bytes after the data; empty ones left out)
     blocks: Dict[str, List[Any]] = field(default_factory=dict)
     save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
+
+    def __post_init__(self) -> None:
+        if self.block_hash is None:
+            self.block_hash = CRC32 if isinstance(self.version, int) and self.version < 3 else save_block_hash().name
+
+    @property
+    def hash(self) -> BlockHash:
+        """The block digest algorithm of this checkpoint (raises UnknownBlockHashError if unknown)."""
+        return block_hash(self.block_hash, MANIFEST_FILE)
 
     def checksums(self) -> Dict[Tuple[str, int], int]:
         out = {}
@@ -117,44 +131,57 @@ class Manifest:
         if cached is not None and cached[0] is self.blocks:
             return cached[1]
         out = {}
+        h = self.hash
         for k, v in self.blocks.items():
             name, _, off = k.rpartition("@")
-            out[(name, int(off))] = BlockRecord.parse(v)
+            out[(name, int(off))] = BlockRecord.parse(v, h)
         self.__dict__["_block_records"] = (self.blocks, out)
         return out
 
 
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
-    (its tables have an entry per stored item: tens of thousands with many small tensors)."""
-    return {f.name: getattr(manifest, f.name) for f in fields(manifest)}
+    (its tables have an entry per stored item: tens of thousands with many small tensors).
+    Formats 1 and 2 are written without ``block_hash``, exactly as their writers wrote them."""
+    out = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
+    if isinstance(manifest.version, int) and manifest.version < 3:
+        del out["block_hash"]
+    return out
+
+
+def manifest_format(h: BlockHash) -> Dict[str, Any]:
+    """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``: format 3, or
+    format 2 for CRC32 (which older versions of the library read)."""
+    return {"version": 2, "block_hash": CRC32} if h.name == CRC32 else {"version": MANIFEST_VERSION, "block_hash": h.name}
 
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """Block checksums of one tensor item: where its raw data lies in the item and the CRC32s.
+    """Block digests of one tensor item: where its raw data lies in the item and the digests
+    (of the algorithm ``hash``).
 
     Blocks, in item-relative bytes: ``[0, data_offset)`` (archive header), then the data in
     blocks of ``block_size`` (the last one shorter), then ``[data_offset + data_length,
-    item_length)`` (archive trailer); empty blocks have no CRC.
+    item_length)`` (archive trailer); empty blocks have no digest.
     """
 
     data_offset: int
     data_length: int
     block_size: int
-    crcs: Any  # numpy uint32 array
+    digests: Any  # numpy uint32 (CRC32) or uint64 (XXH3-64) array
+    hash: BlockHash
 
     @staticmethod
-    def parse(v: Any) -> "BlockRecord":
+    def parse(v: Any, h: BlockHash) -> "BlockRecord":
         if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:3])):
-            raise ValueError(f"a block record must be [data_offset, data_length, block_size, crcs], got {str(v)[:80]}")
+            raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
         d, n, b, text = v
         if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
             raise ValueError(f"invalid block record {str(v)[:80]}")
-        return BlockRecord(d, n, b, unpack_crcs(text))
+        return BlockRecord(d, n, b, h.unpack(text), h)
 
     def bounds(self, item_length: int) -> np.ndarray:
-        """Item-relative block boundaries (``len(crcs) + 1`` of them); ValueError if inconsistent."""
+        """Item-relative block boundaries (``len(digests) + 1`` of them); ValueError if inconsistent."""
         d, n, b = self.data_offset, self.data_length, self.block_size
         if d + n > item_length:
             raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
@@ -162,8 +189,8 @@ class BlockRecord:
         tail = [d + n] if d + n < item_length else []
         out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
                               np.array(tail + [item_length], dtype=np.int64)])
-        if len(out) != len(self.crcs) + 1:
-            raise ValueError(f"{len(self.crcs)} block checksums recorded for {len(out) - 1} blocks")
+        if len(out) != len(self.digests) + 1:
+            raise ValueError(f"{len(self.digests)} block checksums recorded for {len(out) - 1} blocks")
         return out
 
 
@@ -458,6 +485,11 @@ def read_manifest(directory: str) -> Optional[Manifest]:
                 raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
         if not isinstance(manifest.commit_id, str):
             raise TypeError(f"'commit_id' must be a string, got {manifest.commit_id!r}")
+        if manifest.version >= 3 and "block_hash" not in raw:
+            raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash'), this one does not")
+        if manifest.version < 3 and manifest.block_hash != CRC32:
+            raise TypeError(f"format {manifest.version} has CRC32 block checksums, not {manifest.block_hash!r}")
+        block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
         manifest.checksums()
         manifest.block_records()
         return manifest

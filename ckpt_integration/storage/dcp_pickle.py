@@ -436,6 +436,6 @@ def dumps_commit_layout(layout: "CommitLayout") -> bytes:  # noqa: F821 - planni
 def _dumps_objects(layout: "CommitLayout") -> bytes:  # noqa: F821
     w = layout.written
     tensors = {k: (getattr(torch, dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
-    written = [WrittenItem(it.storage_key, it.offsets, it.relative_path, it.offset, it.length, it.crc32)
+    written = [WrittenItem(it.storage_key, it.offsets, it.relative_path, it.offset, it.length, it.checksum)
                for it in (w.items()[i] for i in np.concatenate([layout.chunk_items, layout.object_items]).tolist())]
     return dumps_dcp_metadata(make_dcp_metadata(tensors, layout.objects, written))

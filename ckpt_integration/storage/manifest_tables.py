@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from ..planning.written import WrittenColumns
+from .checksum import BlockHash
 
 
 def file_sizes(w: WrittenColumns) -> Dict[str, Dict[str, int]]:
@@ -39,15 +40,15 @@ def _item_names(w: WrittenColumns) -> List[str]:
     return [quoted[f] + str(s) for f, s in zip(w.file.tolist(), w.start.tolist())]
 
 
-def render_tables(w: WrittenColumns, digest_dtype: str = "<u4") -> Tuple[str, str]:
-    """JSON text of the manifest's ``items`` and ``blocks`` objects for the items of ``w``
-    (``digest_dtype``: how one block checksum is stored, as :func:`~.checksum.pack_crcs` does)."""
+def render_tables(w: WrittenColumns, block_hash: BlockHash) -> Tuple[str, str]:
+    """JSON text of the manifest's ``items`` and ``blocks`` objects for the items of ``w``, whose
+    block digests are ``block_hash``'s (stored as :meth:`~.checksum.BlockHash.pack` stores them)."""
     if not len(w):
         return "{}", "{}"
     names = _item_names(w)
     items = "{" + ", ".join(f'{n}": {d}' for n, d in zip(names, w.digest.tolist())) + "}"
     has = np.flatnonzero(w.nblocks >= 0)
-    packed = _pack_rows(w, has, digest_dtype)
+    packed = _pack_rows(w, has, f"<u{block_hash.width}")
     heads = zip(w.data_offset[has].tolist(), w.data_length[has].tolist(), w.block_size[has].tolist())
     blocks = "{" + ", ".join(
         f'{names[i]}": [{d}, {n}, {b}, "{p}"]' for i, (d, n, b), p in zip(has.tolist(), heads, packed)

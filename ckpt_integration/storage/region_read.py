@@ -2,7 +2,7 @@
 
 A stored chunk is a row-major array of ``shape`` at byte ``data_start`` of its item; a request
 is the box ``starts``/``lens`` of it. The bytes that must be read are those of the *blocks*
-the request touches (block CRC32s recorded at save, see ``checksum.py``): a ranged read
+the request touches (block digests recorded at save, see ``checksum.py``): a ranged read
 reads and checks only those, a strided read that touches every block reads the covering
 span once. Without block records (checkpoints saved before them) the item is one block,
 checked whole, and without checksums (foreign checkpoints, ``verify_checksums=False``) only
@@ -21,8 +21,9 @@ How the bytes get into ``out``:
   strided ``copy_`` per piece, while the piece is still in cache.
 
 Either way the bytes are read in pieces in file order, each piece is checksummed right
-after it was read (cache-hot; zlib-ng releases the GIL, so threads reading other chunks
-proceed meanwhile), a block's CRC32 runs across pieces, and a mismatch raises
+after it was read (cache-hot; XXH3 and zlib-ng's CRC32 release the GIL for large inputs, so
+threads reading other chunks proceed meanwhile), a block split across pieces is hashed with a
+running digest, and a mismatch raises
 :class:`CorruptCheckpointError` naming the file, the byte range and the tensor.
 """
 
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
-from .checksum import crc32
+from .checksum import BlockHash
 from .fs import tensor_buffer
 
 # Bytes read (and checksummed) per step: small enough to stay in cache between the read,
@@ -104,23 +105,27 @@ _NO_STATS = ReadStats()
 
 @dataclass
 class Blocks:
-    """Checksummed blocks of one item: ``bounds`` (item-relative, len m+1) and ``crcs`` (len m)."""
+    """Checksummed blocks of one item: ``bounds`` (item-relative, len m+1) and ``digests`` (len m)
+    of the algorithm ``hash``."""
 
     bounds: np.ndarray
-    crcs: Any
+    digests: Any
+    hash: BlockHash
 
     def index(self, pos: int) -> int:
         return int(np.searchsorted(self.bounds, pos, side="right")) - 1
 
 
 class _Checker:
-    """Running CRC32 of the blocks, fed with consecutive byte segments in file order."""
+    """Digests of the blocks, fed with consecutive byte segments in file order: a block that a
+    segment holds whole is hashed in one call, one split across segments with a running digest."""
 
     def __init__(self, blocks: Blocks, path: str, base: int, what: str):
         self.blocks, self.path, self.base, self.what = blocks, path, base, what
-        self.block = -1  # block being accumulated
+        self.digest, self.hasher = blocks.hash.digest, blocks.hash.hasher
+        self.block = -1  # block being accumulated (-1: none, the next segment starts a block)
         self.pos = 0  # next expected item-relative byte
-        self.crc = 0
+        self.running: Any = None  # running digest of the block being accumulated
 
     def feed(self, pos: int, data: memoryview) -> None:
         bounds = self.blocks.bounds
@@ -134,43 +139,47 @@ class _Checker:
                     raise AssertionError("internal error: a checksummed block was not read whole")
                 if p != bounds[b]:
                     raise AssertionError("internal error: a checksummed block was read from its middle")
-                self.block, self.crc = b, 0
+                self.block, self.running = b, None
             end = int(bounds[self.block + 1])
             take = min(n - i, end - p)
-            self.crc = crc32(data[i : i + take], self.crc)
+            if self.running is None and p + take == end:  # the whole block is in this segment
+                self._check(self.block, self.digest(data[i : i + take]))
+                self.block = -1
+            else:
+                if self.running is None:
+                    self.running = self.hasher()
+                self.running.update(data[i : i + take])
+                if p + take == end:
+                    self._check(self.block, self.running.intdigest())
+                    self.block, self.running = -1, None
             i += take
             self.pos = p + take
-            if self.pos == end:
-                self._check(self.block, self.crc)
-                self.block, self.crc = -1, 0
 
     def feed_views(self, pos: int, views: Sequence[memoryview]) -> None:
         """:meth:`feed` for views of consecutive bytes starting at ``pos``: a tight loop for
         the common case (a view inside the block being accumulated), the general path else."""
         bounds = self.blocks.bounds
         q = pos  # file position of the current view
-        block, crc, end = self.block, self.crc, (int(bounds[self.block + 1]) if self.block >= 0 else -1)
+        end = int(bounds[self.block + 1]) if self.block >= 0 else -1
         for v in views:
             n = len(v)
-            if block >= 0 and q == self.pos and q + n < end:
-                crc = crc32(v, crc)
+            if self.running is not None and q == self.pos and q + n < end:
+                self.running.update(v)
                 q += n
                 self.pos = q
                 continue
-            self.block, self.crc = block, crc
             self.feed(q, v)  # starts or ends a block
             q += n
-            block, crc = self.block, self.crc
-            end = int(bounds[block + 1]) if block >= 0 else -1
-        self.block, self.crc = block, crc
+            end = int(bounds[self.block + 1]) if self.block >= 0 else -1
 
-    def _check(self, b: int, crc: int) -> None:
-        expected = int(self.blocks.crcs[b])
-        if crc != expected:
+    def _check(self, b: int, got: int) -> None:
+        expected = int(self.blocks.digests[b])
+        if got != expected:
             lo, hi = int(self.blocks.bounds[b]), int(self.blocks.bounds[b + 1])
+            show = self.blocks.hash.show
             raise CorruptCheckpointError(
                 f"{self.path}: checksum mismatch for {self.what} (bytes [{self.base + lo}, {self.base + hi}) "
-                f"of the file: CRC32 {crc:#010x}, recorded at save time {expected:#010x}): the file is damaged"
+                f"of the file: {show(got)}, recorded at save time {show(expected)}): the file is damaged"
             )
 
     def finish(self) -> None:
@@ -349,7 +358,7 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
 
     Rows are the indices of axis ``r``, the outermost axis one index of which spans at most a
     piece; each piece is a group of consecutive rows. A block that holds the end of one
-    piece and the start of the next is read in two parts, each in its piece, its CRC32
+    piece and the start of the next is read in two parts, each in its piece, its digest
     running across both: every byte is read and checked once.
     """
     ndim = len(lens)

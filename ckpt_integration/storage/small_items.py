@@ -5,7 +5,8 @@ A tensor item of a ``.distcp`` file is a ``torch.save`` archive. For a plain con
 tensor of at most one checksum block, the archive is a per-(dtype, shape) template around the
 tensor's bytes (see :func:`~.tensor_record.save_tensor`), so its block checksums are the
 template header's (computed once per template), the data's, and the template trailer's (once
-per template), and the whole item's checksum is combined from those three. Writing such items
+per template), and the item digest is derived from those three (``BlockHash.item_digest``, as
+:class:`~.tensor_record.BlockDigestWriter` derives it). Writing such items
 through the generic stream (``torch.save``-style writes, a checksum per write, a file write per
 part) cost ~25 us each; here it is one copy of the tensor's bytes, one checksum of them, and a
 share of one large write: a few microseconds per item, which is what decides the checkpoint
@@ -19,7 +20,7 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 import torch
 
-from .checksum import crc32, crc32_combine
+from .checksum import BlockHash, save_block_hash
 from .tensor_record import TEMPLATE_MAX_BYTES, archive_template, member_crcs_on
 
 # pending bytes written at once
@@ -29,9 +30,10 @@ FLUSH_BYTES = 4 << 20
 class SmallItemWriter:
     """Appends small tensor items to an open data file (call :meth:`flush` before other writes)."""
 
-    def __init__(self, f: BinaryIO, block_size: int):
+    def __init__(self, f: BinaryIO, block_size: int, block_hash: Optional[BlockHash] = None):
         self.f = f
         self.block_size = block_size
+        self.hash = block_hash or save_block_hash()
         self.limit = min(block_size, TEMPLATE_MAX_BYTES)
         self.parts: List[bytes] = []
         self.pending = 0
@@ -53,23 +55,23 @@ class SmallItemWriter:
             tpl = self.templates[key] = self._make_template(t)
         if tpl is None:
             return None
-        head, tail, head_crc, tail_crc = tpl
+        head, tail, head_digest, tail_digest = tpl
         data = ctypes.string_at(t.data_ptr(), nbytes)
-        dcrc = crc32(data)
+        digests = [head_digest, self.hash.digest(data), tail_digest]
         d, n, m = len(head), nbytes, len(tail)
-        whole = crc32_combine(crc32_combine(head_crc, dcrc, n), tail_crc, m)
+        whole = self.hash.item_digest(digests, (d, n, m))
         start = self.pos + self.pending
         self.parts += (head, data, tail)
         self.pending += d + n + m
         if self.pending >= FLUSH_BYTES:
             self.flush()
-        return start, d + n + m, whole, (d, n, self.block_size, [head_crc, dcrc, tail_crc])
+        return start, d + n + m, whole, (d, n, self.block_size, digests)
 
     def _make_template(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes, int, int]]:
         parts = archive_template(t.detach())
         if parts is None or not parts[0] or not parts[1]:
             return None  # (an archive always has a header and a trailer around the data)
-        return parts[0], parts[1], crc32(parts[0]), crc32(parts[1])
+        return parts[0], parts[1], self.hash.digest(parts[0]), self.hash.digest(parts[1])
 
     def flush(self) -> None:
         if self.parts:

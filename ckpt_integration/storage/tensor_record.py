@@ -25,8 +25,8 @@ from typing import Any, BinaryIO, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError
-from .checksum import crc32, crc32_combine
+from ..errors import CheckpointWriteError, CorruptCheckpointError
+from .checksum import BlockHash, save_block_hash
 from .fs import tensor_buffer
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
@@ -222,18 +222,24 @@ def _read_member(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> by
     return data
 
 
-class CrcWriter(io.RawIOBase):
-    """Write-through stream that keeps a running CRC32 of everything written."""
+class DigestWriter(io.RawIOBase):
+    """Write-through stream that keeps a running digest (of ``block_hash``) of everything written:
+    the item digest of an item saved without block digests (an object's bytes)."""
 
-    def __init__(self, f: BinaryIO, crc: int = 0):
-        self.f, self.crc, self.pos = f, crc, 0
+    def __init__(self, f: BinaryIO, block_hash: Optional[BlockHash] = None):
+        self.f, self.pos = f, 0
+        self._h = (block_hash or save_block_hash()).hasher()
+
+    @property
+    def digest(self) -> int:
+        return self._h.intdigest()
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        self.crc = crc32(mv, self.crc)
+        self._h.update(mv)
         n = self.f.write(mv)
         self.pos += len(mv)
         return len(mv) if n is None else n
@@ -249,32 +255,41 @@ def _address(mv: memoryview) -> int:
     return np.frombuffer(mv, dtype=np.uint8).__array_interface__["data"][0] if len(mv) else 0
 
 
-class BlockCrcWriter(io.RawIOBase):
-    """Write-through stream for one ``torch.save`` archive of ``tensor``: block CRC32s of its data.
+class BlockDigestWriter(io.RawIOBase):
+    """Write-through stream for one ``torch.save`` archive of ``tensor``: block digests of its data.
 
     The raw tensor bytes are recognised as the write(s) whose buffer is the tensor's own
-    memory (torch hands the storage to the writer without copying). Before them: one CRC
-    of the archive header; during them: one CRC per ``block_size`` bytes, each computed
+    memory (torch hands the storage to the writer without copying). Before them: one digest
+    of the archive header; during them: one digest per ``block_size`` bytes, each computed
     on a slice right before that slice is written (one pass over memory, cache-hot for the
-    write); after them: one CRC of the trailer. The whole-archive CRC32 is combined from
-    these (:func:`crc32_combine`), so the data is checksummed once.
+    write); after them: one digest of the trailer. The item digest is derived from these
+    (``BlockHash.item_digest``), so the data is checksummed once. ``block_hash``: the
+    algorithm (default: what new saves record, ``checksum.SAVE_BLOCK_HASH``).
 
     If the data write is not recognised (some other torch version), ``record`` is None and
-    only the whole-archive CRC is known; the item is then verified whole on load.
+    the item digest is the plain digest of the archive's bytes (computed alongside, at the
+    cost of a second hash pass); the item is then verified whole on load.
     OS errors of the underlying file are kept in ``error`` (torch wraps them).
     """
 
-    def __init__(self, f: BinaryIO, tensor: torch.Tensor, block_size: int):
+    def __init__(self, f: BinaryIO, tensor: torch.Tensor, block_size: int, block_hash: Optional[BlockHash] = None):
         self.f, self.block_size = f, block_size
+        self.hash = block_hash or save_block_hash()
+        self.tensor = tensor
         self.data_ptr = tensor.data_ptr() if tensor.numel() else -1
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pos = 0
         self.data_offset: Optional[int] = None  # where the data starts (archive-relative)
         self.data_done = 0
-        self.head_crc, self.tail_crc, self.tail_len = 0, 0, 0
+        self.head, self.tail, self.tail_len = self.hash.hasher(), self.hash.hasher(), 0
         self.blocks: List[int] = []
-        self.block_fill, self.block_crc = 0, 0
+        self.block_fill, self.block = 0, None  # bytes of the current data block so far, its running digest
         self.unrecognised = False
+        # Only for archives of an unexpected layout, whose item digest is the digest of all their
+        # bytes: the header bytes (kept while short) and, once the data was interrupted, a running
+        # digest of everything (see _plain_digest).
+        self.head_bytes: Optional[bytearray] = bytearray()
+        self.whole: Any = None
         self.error: Optional[BaseException] = None
 
     def writable(self) -> bool:
@@ -301,12 +316,19 @@ class BlockCrcWriter(io.RawIOBase):
                 self.data_offset = self.pos
             self._write_data(mv)
         elif self.data_offset is None:
-            self.head_crc = crc32(mv, self.head_crc)
+            self.head.update(mv)
+            if self.head_bytes is not None:
+                self.head_bytes += mv
+                if len(self.head_bytes) > _HEAD_KEEP:
+                    self.head_bytes = None  # not a tensor archive's header: the data was not recognised
             self._write(mv)
         else:
-            if self.data_done < self.nbytes:
+            if self.data_done < self.nbytes and not self.unrecognised:
                 self.unrecognised = True  # data interrupted: not the layout we understand
-            self.tail_crc = crc32(mv, self.tail_crc)
+                self.whole = self._digest_so_far()
+            if self.whole is not None:
+                self.whole.update(mv)
+            self.tail.update(mv)
             self.tail_len += n
             self._write(mv)
         self.pos += n
@@ -314,38 +336,63 @@ class BlockCrcWriter(io.RawIOBase):
 
     def _write_data(self, mv: memoryview) -> None:
         bs, i, n = self.block_size, 0, len(mv)
+        digest = self.hash.digest
         while i < n:
             take = min(bs - self.block_fill, n - i)
             piece = mv[i : i + take]
-            self.block_crc = crc32(piece, self.block_crc)
+            if take == bs:  # a whole block in this write (the usual case): one call
+                self.blocks.append(digest(piece))
+            else:
+                if self.block is None:
+                    self.block = self.hash.hasher()
+                self.block.update(piece)
+                self.block_fill += take
+                if self.block_fill == bs:
+                    self.blocks.append(self.block.intdigest())
+                    self.block_fill, self.block = 0, None
             self._write(piece)
-            self.block_fill += take
             i += take
-            if self.block_fill == bs:
-                self.blocks.append(self.block_crc)
-                self.block_fill, self.block_crc = 0, 0
         self.data_done += n
 
     def finish(self) -> Tuple[int, Optional[Tuple[int, int, int, List[int]]]]:
-        """``(whole-archive crc32, block record or None)``; call after ``torch.save`` returned.
+        """``(item digest, block record or None)``; call after ``torch.save`` returned.
 
-        The block record is ``(data_offset, data_length, block_size, crcs)`` with the CRCs of
-        the non-empty blocks in order: header, data blocks, trailer.
+        The block record is ``(data_offset, data_length, block_size, digests)`` with the digests
+        of the non-empty blocks in order: header, data blocks, trailer.
         """
-        if self.block_fill:
-            self.blocks.append(self.block_crc)
-            self.block_fill, self.block_crc = 0, 0
+        if self.block is not None:
+            self.blocks.append(self.block.intdigest())
+            self.block_fill, self.block = 0, None
         d = self.pos if self.data_offset is None else self.data_offset  # no data: all header
         n = self.data_done
-        crcs = ([self.head_crc] if d > 0 else []) + self.blocks + ([self.tail_crc] if self.tail_len else [])
+        digests = ([self.head.intdigest()] if d > 0 else []) + self.blocks + ([self.tail.intdigest()] if self.tail_len else [])
         lengths = ([d] if d > 0 else []) + [min(self.block_size, n - k) for k in range(0, n, self.block_size)]
         lengths += [self.tail_len] if self.tail_len else []
-        whole = 0
-        for c, length in zip(crcs, lengths):
-            whole = crc32_combine(whole, c, length)
         if self.unrecognised or n != self.nbytes or d + n + self.tail_len != self.pos:
-            return whole, None
-        return whole, (d, n, self.block_size, crcs)
+            return self._plain_digest(), None
+        return self.hash.item_digest(digests, lengths), (d, n, self.block_size, digests)
+
+    def _digest_so_far(self) -> Any:
+        """A running digest of the bytes written so far (header, then the data written from the
+        tensor's memory), at the point where the data was interrupted."""
+        if self.head_bytes is None:
+            raise CheckpointWriteError(
+                "internal error: torch.save wrote an archive of a layout the checkpoint writer does not "
+                f"understand (a header over {_HEAD_KEEP} bytes before the tensor data); it cannot be checksummed"
+            )
+
+        h = self.hash.hasher()
+        h.update(self.head_bytes)
+        h.update(tensor_buffer(self.tensor)[: self.data_done])
+        return h
+
+    def _plain_digest(self) -> int:
+        """The digest of all the archive's bytes: the item digest of an item without a block record."""
+        if self.data_offset is None:  # no data recognised: every byte went to the header's digest
+            return self.head.intdigest()
+        if self.whole is None:  # the data ended early, nothing after it
+            self.whole = self._digest_so_far()
+        return self.whole.intdigest()
 
     def tell(self) -> int:
         return self.pos
@@ -353,6 +400,9 @@ class BlockCrcWriter(io.RawIOBase):
     def flush(self) -> None:
         self.f.flush()
 
+
+# Header bytes kept for _plain_digest: a torch.save header is a few hundred bytes
+_HEAD_KEEP = 64 << 10
 
 # Archives of tensors up to this size are written from a cached template (see save_tensor)
 TEMPLATE_MAX_BYTES = 1 << 20
@@ -381,7 +431,7 @@ def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
             return hit
     probe = torch.zeros(tensor.shape, dtype=tensor.dtype)
     buf = io.BytesIO()
-    w = BlockCrcWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
+    w = BlockDigestWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
     torch.save(probe, w)
     _, rec = w.finish()
     if rec is None or member_crcs_on():  # switched on meanwhile (another thread): not a template
@@ -404,7 +454,7 @@ def member_crcs_on() -> bool:
     return bool(config.save.compute_crc32)
 
 
-def save_tensor(tensor: torch.Tensor, w: "BlockCrcWriter") -> None:
+def save_tensor(tensor: torch.Tensor, w: "BlockDigestWriter") -> None:
     """``torch.save(tensor, w)``; small tensors from a template (``torch.save`` costs ~250 us a call,
     which decides the checkpoint time of states with tens of thousands of small tensors).
 
@@ -431,6 +481,6 @@ def save_tensor_record(tensor: torch.Tensor, stream: BinaryIO) -> None:
     """Serialize one CPU tensor as a ``torch.save`` archive (what DCP readers expect).
 
     ``torch.save`` would also CRC the archive members itself (single-threaded and
-    slower than the write); we checksum the bytes ourselves in :class:`CrcWriter`.
+    slower than the write); we checksum the bytes ourselves in :class:`DigestWriter`.
     """
     torch.save(tensor, stream)

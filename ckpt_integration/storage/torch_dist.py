@@ -10,7 +10,7 @@ Layout of a checkpoint directory (shared with PyTorch DCP and Megatron-Core)::
     metadata.json         commit marker + backend/version  - see checkpoint_dir.py
 
 Writes use one file per writer thread; every tensor item's data is checksummed in
-blocks while it is written (:class:`~.tensor_record.BlockCrcWriter`), recorded in the
+blocks while it is written (:class:`~.tensor_record.BlockDigestWriter`), recorded in the
 manifest. Reads check every byte they read against those blocks (or, for checkpoints
 saved before block checksums, against the whole-item CRC32) and read only the blocks a
 request touches (see :mod:`.region_read`). Every name in ``.metadata`` is checked to be a
@@ -48,13 +48,13 @@ from ..planning.boxes import Box, relative_slices
 from ..planning.save_plan import split_into_buckets
 from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
-from .checksum import DEFAULT_BLOCK_SIZE, crc32
+from .checksum import CRC32, DEFAULT_BLOCK_SIZE, block_hash, crc32, save_block_hash
 from .filesystem import FileReader, join, name_problem, storage_for, writing
-from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, run_parallel  # noqa: F401 (re-exported)
+from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, run_parallel, verify_blocks  # noqa: F401 (re-exported)
 from .region_read import read_region as _read_region
 from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata, safe_torch_load
-from .tensor_record import BlockCrcWriter, CrcWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
+from .tensor_record import BlockDigestWriter, DigestWriter, TensorRecord, describe_archive_head, parse_tensor_record, save_tensor
 from .small_items import SmallItemWriter
 
 DCP_METADATA_FILE = ".metadata"
@@ -86,9 +86,14 @@ class WrittenItem:
     relative_path: str
     offset: int
     length: int
-    crc32: int
-    # tensor items: (data_offset, data_length, block_size, block CRC32s), see BlockCrcWriter
+    checksum: int  # the item digest (torch_dist: of the manifest's block_hash; zarr: CRC32)
+    # tensor items: (data_offset, data_length, block_size, block digests), see BlockDigestWriter
     blocks: Optional[Tuple[int, int, int, List[int]]] = None
+
+    @property
+    def crc32(self) -> int:
+        """``checksum`` under the name the zarr backend reads (its items record CRC32s)."""
+        return self.checksum
 
 
 _crc_lock = threading.Lock()
@@ -209,7 +214,8 @@ def write_data_files(
 ) -> WrittenTable:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
-    Tensor items get block CRC32s (``block_size``) besides their whole-item CRC32. A failed
+    Tensor items get block digests (``block_size``, of ``checksum.SAVE_BLOCK_HASH``) besides
+    their item digest. A failed
     write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
     Items whose keys start with ``separation_hint`` go to files of their own,
     ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
@@ -218,6 +224,7 @@ def write_data_files(
     if not requests:
         return WrittenTable()
     block_size = block_size or BLOCK_SIZE
+    digest = save_block_hash()
     storage, directory = storage_for(directory)
     groups = _separate(requests, separation_hint, thread_count)
     buckets = [b for _, b in groups]
@@ -234,7 +241,7 @@ def write_data_files(
                 "(two jobs saving to one path at once); this save is abandoned"
             ) from None
         with writing(path), f, _archive_member_crc_disabled():  # (per thread: see there)
-            small = SmallItemWriter(f, block_size)
+            small = SmallItemWriter(f, block_size, digest)
             for i in bucket:
                 req = requests[i]
                 if isinstance(req.data, torch.Tensor) and req.offsets is not None:
@@ -247,18 +254,18 @@ def write_data_files(
                 sizes = None
                 if isinstance(req.data, torch.Tensor):
                     t = _standalone(req.data)
-                    w = BlockCrcWriter(f, t, block_size)
+                    w = BlockDigestWriter(f, t, block_size, digest)
                     try:
                         save_tensor(t, w)
                     except Exception as e:
                         raise (w.error or e) from e  # torch wraps the OSError of a full disk
-                    crc, blocks = w.finish()
+                    item_digest, blocks = w.finish()
                     sizes = tuple(t.shape) if req.offsets is not None else None
                 else:
-                    w = CrcWriter(f)
+                    w = DigestWriter(f, digest)
                     w.write(req.data)
-                    crc, blocks = w.crc, None
-                out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, crc, blocks)
+                    item_digest, blocks = w.digest, None
+                out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, item_digest, blocks)
                 small.pos = f.tell()
             small.flush()
             storage.sync(f, durable)
@@ -351,7 +358,7 @@ def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = Non
 class ChunkInfo:
     box: Box
     storage: _StorageInfo
-    crc32: Optional[int] = None
+    checksum: Optional[int] = None  # the item digest recorded in the manifest
 
 
 #: ``TorchDistReader(manifest=...)`` default: read the manifest from the checkpoint directory
@@ -367,7 +374,8 @@ class TorchDistReader:
 
     Integrity: the manifest is read here (``read_manifest_checked``: a missing manifest of a
     checkpoint saved with one is damage); with ``verify_checksums`` every byte read is
-    checked - against block CRC32s (format 2), against the whole item's CRC32 (format 1:
+    checked - against block digests (XXH3-64 in format 3, CRC32 in format 2; the algorithm
+    is the manifest's ``block_hash``), against the whole item's CRC32 (format 1:
     the item is read whole, also for a partial request), or not at all for checkpoints of
     other writers (logged once). Containment: every data file named in ``.metadata`` must
     be a plain file name inside the directory (checked here, before anything is opened).
@@ -387,6 +395,7 @@ class TorchDistReader:
         if manifest is MANIFEST_FROM_DIRECTORY:
             manifest = ckdir.read_manifest_checked(self.directory)
         self.manifest = manifest
+        self.hash = manifest.hash if manifest is not None else block_hash(CRC32)  # (checksums given: CRC32s)
         self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})
         self.block_records = manifest.block_records() if manifest is not None else {}
         self.verify_checksums = verify_checksums and bool(self.checksums or self.block_records)
@@ -498,7 +507,7 @@ class TorchDistReader:
         fd = self._check_extent(info, f"object {storage_key!r}")
         buf = bytearray(info.length)
         pread_exact(fd, memoryview(buf), info.offset, join(self.directory, info.relative_path))
-        self._verify(info, [buf], storage_key)
+        self._verify(info, buf, storage_key)
         return bytes(buf)
 
     # -- tensors -----------------------------------------------------------------------
@@ -512,7 +521,7 @@ class TorchDistReader:
         return self._records[rid]
 
     def _expected_crc(self, info: _StorageInfo, what: str) -> Optional[int]:
-        """The whole-item CRC32 to check (None: unchecked); a manifest without it is damaged."""
+        """The item digest to check (None: unchecked); a manifest without it is damaged."""
         if not self.verify_checksums:
             return None
         expected = self.checksums.get((info.relative_path, info.offset))
@@ -523,14 +532,16 @@ class TorchDistReader:
             )
         return expected
 
-    def _verify(self, info: _StorageInfo, parts: Sequence[Any], what: str) -> None:
+    def _verify(self, info: _StorageInfo, buf: Any, what: str) -> None:
+        """Check a whole item's bytes: against its block digests if it has them, else its item digest."""
+        brec = self.block_records.get((info.relative_path, info.offset)) if self.verify_checksums else None
+        if brec is not None:
+            verify_blocks(self._blocks(info, brec, what), join(self.directory, info.relative_path), info.offset, what, 0, buf)
+            return
         expected = self._expected_crc(info, what)
         if expected is None:
             return
-        crc = 0
-        for p in parts:
-            crc = crc32(p, crc)
-        if crc != expected:
+        if self.hash.digest(buf) != expected:
             raise CorruptCheckpointError(
                 f"{join(self.directory, info.relative_path)}: checksum mismatch for {what} "
                 f"(bytes [{info.offset}, {info.offset + info.length})): the file is damaged"
@@ -581,7 +592,7 @@ class TorchDistReader:
                 raise CorruptCheckpointError(f"{path}: {what}: the tensor data exceeds its stored item")
             expected = self._expected_crc(info, what)
             if expected is not None:  # checkpoints before block checksums: the item is one block
-                blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected])
+                blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected], self.hash)
                 bounds = blocks.bounds
             else:  # unchecked: 1 MiB blocks of the data, only to plan who reads what
                 bounds = np.unique(np.concatenate([[0], np.arange(data_start, data_start + nbytes, BLOCK_SIZE), [data_start + nbytes, info.length]])).astype(np.int64)
@@ -592,7 +603,7 @@ class TorchDistReader:
 
     def check_frame(self, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
         """Once per item of a chunk with block checksums: the archive bytes around the data
-        match their CRC32s (when verifying), and the dtype and shape that the archive's own
+        match their digests (when verifying), and the dtype and shape that the archive's own
         ``data.pkl`` records are those of ``.metadata`` (always: a ``.metadata`` forged to
         another dtype of the same width, with the manifest updated to match, would otherwise
         load reinterpreted bytes)."""
@@ -649,7 +660,7 @@ class TorchDistReader:
         blocks = self._block_cache.get(rid)
         if blocks is None:
             try:
-                blocks = Blocks(brec.bounds(info.length), brec.crcs)
+                blocks = Blocks(brec.bounds(info.length), brec.digests, brec.hash)
             except ValueError as e:
                 raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
             self._block_cache[rid] = blocks
@@ -657,7 +668,7 @@ class TorchDistReader:
 
     def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> bytearray:
         """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
-        directory; a few hundred bytes each) match their CRC32s, so a damaged archive - which
+        directory; a few hundred bytes each) match their digests, so a damaged archive - which
         PyTorch DCP could no longer read - is reported by any load that reads from it. Returns
         the header (the bytes before the data)."""
         d, end, length = brec.data_offset, brec.data_offset + brec.data_length, info.length
@@ -668,7 +679,7 @@ class TorchDistReader:
             buf = bytearray(hi - lo)
             fd.read_into(memoryview(buf), info.offset + lo)
             b = blocks.index(lo)
-            if int(blocks.bounds[b]) != lo or int(blocks.bounds[b + 1]) != hi or crc32(buf) != int(blocks.crcs[b]):
+            if int(blocks.bounds[b]) != lo or int(blocks.bounds[b + 1]) != hi or blocks.hash.digest(buf) != int(blocks.digests[b]):
                 raise CorruptCheckpointError(
                     f"{path}: checksum mismatch for the archive {'header' if lo == 0 else 'trailer'} of {what} "
                     f"(bytes [{info.offset + lo}, {info.offset + hi})): the file is damaged"
@@ -683,7 +694,7 @@ class TorchDistReader:
         buf = bytearray(info.length)
         path = join(self.directory, info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
-        self._verify(info, [buf], f"chunk {chunk.box} of {key!r}")
+        self._verify(info, buf, f"chunk {chunk.box} of {key!r}")
 
         # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
         try:

@@ -13,12 +13,16 @@ from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import read_metadata
+from ..storage.checksum import BLOCK_HASHES, block_hash
 from ..storage.filesystem import checked_path
 from ..storage.opened import accepts_opened
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 from .common import dtype_name, dtype_size, format_size
 from .sources import detect_kind, open_source
+
+# how the checksum algorithms are named in the text output
+_HASH_LABELS = {n: block_hash(n).label for n in BLOCK_HASHES}
 
 
 def _layout_summary(global_shape: Tuple[int, ...], chunks: List[Tuple[Tuple[int, ...], Tuple[int, ...]]],
@@ -215,6 +219,8 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             "format": manifest.format, "version": manifest.version, "world_size": manifest.world_size,
             "library_version": manifest.library_version, "created": manifest.created,
             "checksummed_items": checksummed,
+            # zarr chunk files are recorded with CRC32s in zarr_index.json; torch_dist blocks per the manifest
+            "block_hash": "crc32" if backend == "zarr" else manifest.block_hash,
         },
         "manifest_expected": ckdir.manifest_expected(path),
         "files": dict(sorted(files.items())),
@@ -285,7 +291,7 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False, show_all: bo
         m = info["manifest"]
         if m:
             lines.append(f"  written by: {m['format']} {m['library_version']} on {m['world_size']} rank(s); "
-                         f"{m['checksummed_items']} checksummed items")
+                         f"{m['checksummed_items']} checksummed items ({_HASH_LABELS.get(m.get('block_hash'), m.get('block_hash'))})")
         elif info.get("manifest_expected"):
             lines.append("  manifest.json is missing although it was saved with one: run verify")
         else:

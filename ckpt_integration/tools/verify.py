@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.checksum import crc32, crc32_combine
+from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.opened import accepts_opened
 from ..storage.tensor_record import parse_tensor_record
@@ -38,14 +38,16 @@ class VerifyReport:
     """Result of :func:`verify_checkpoint`; ``ok`` is False when anything is damaged, missing or refused.
 
     ``items_checked`` / ``bytes_checked``: stored items (tensor chunks, objects, zarr chunk
-    files) and their bytes; ``blocks_checked``: block checksums compared (manifest format 2);
-    ``files_checked``: whole files compared with their recorded size and CRC32
-    (``.metadata``, ``common.pt``).
+    files) and their bytes; ``blocks_checked``: block checksums compared (manifest format 2
+    and later); ``block_hash``: their algorithm (``"xxh3_64"`` in format 3, ``"crc32"`` before;
+    None without a manifest or for zarr); ``files_checked``: whole files compared with their
+    recorded size and CRC32 (``.metadata``, ``common.pt``).
     """
 
     path: str
     ok: bool = True
     checksums_available: bool = False
+    block_hash: Optional[str] = None
     items_checked: int = 0
     bytes_checked: int = 0
     blocks_checked: int = 0
@@ -62,8 +64,8 @@ class VerifyReport:
         self.problems.append({"file": file, "message": message, "keys": sorted(set(keys))})
 
     def to_dict(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "items_checked", "bytes_checked",
-                                               "blocks_checked", "files_checked", "problems", "notes")}
+        return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "block_hash", "items_checked",
+                                               "bytes_checked", "blocks_checked", "files_checked", "problems", "notes")}
 
     def format(self) -> str:
         lines = [f"checkpoint: {self.path}"]
@@ -96,8 +98,9 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
       ``common.pt`` their recorded CRC32 (without a manifest: ``common.pt`` is a zip archive;
       a plain PyTorch DCP checkpoint has none);
     * every data file named in ``.metadata`` is a regular file inside the checkpoint, long
-      enough for its items; every item matches its CRC32 and, for manifest format 2, every
-      1 MiB block of tensor data its block CRC32;
+      enough for its items; every item matches its recorded digest and, for manifest format 2
+      and later, every 1 MiB block of tensor data its block digest (XXH3-64 in format 3,
+      CRC32 in format 2);
     * ``.metadata`` agrees with the data: each chunk's size and dtype with the stored tensor
       archive, and the chunks of every tensor cover its declared shape;
     * zarr: every chunk and object file against its record in ``zarr_index.json``, every
@@ -275,6 +278,7 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
     storage, root = storage_for(path)
     manifest, manifest_reported = _read_manifest(path, report)
     report.checksums_available = manifest is not None
+    report.block_hash = manifest.block_hash if manifest is not None else None
     plain = ckdir.is_plain_dcp(path)
     if manifest is None and not manifest_reported:
         report.notes.append(
@@ -369,7 +373,7 @@ def _validate_tensors(root: str, md: Metadata, manifest: Optional[ckdir.Manifest
 
 
 class _DataPass:
-    """Streams every data file once: sizes, item CRC32s, block CRC32s, and each tensor archive
+    """Streams every data file once: sizes, item digests, block digests, and each tensor archive
     against what ``.metadata`` says it holds. Returns the keys of the tensors found damaged."""
 
     def __init__(self, storage: Storage, root: str, md: Metadata, manifest: Optional[ckdir.Manifest],
@@ -378,6 +382,7 @@ class _DataPass:
         self.progress = progress
         self.checksums = manifest.checksums() if manifest is not None else {}
         self.blocks = manifest.block_records() if manifest is not None else {}
+        self.hash = manifest.hash if manifest is not None else None
         self.chunks: Dict[MetadataIndex, _Chunk] = {}
         for key, meta in md.state_dict_metadata.items():
             if isinstance(meta, TensorStorageMetadata):
@@ -489,15 +494,15 @@ class _DataPass:
                 self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)}: the block record of {_item_name(index)} in {file} "
                              f"is damaged: {e}", ckdir.MANIFEST_FILE, [index])
                 brec = None
-        crc, bad, whole = _stream_item(reader, info.offset, info.length, bounds, brec.crcs if brec is not None else None,
-                                       self.bar)
+        crc, bad, whole = _stream_item(reader, info.offset, info.length, self.hash, bounds,
+                                       brec.digests if brec is not None else None, self.bar)
         self.report.items_checked += 1
         self.report.bytes_checked += info.length
         if bounds is not None:
             self.report.blocks_checked += len(bounds) - 1
         if bad and (expected is None or crc != expected):
             return [(info.offset + int(bounds[b]), info.offset + int(bounds[b + 1])) for b in bad[:5]]
-        if bad:  # the data matches the item's CRC32 but not the block CRC32s: the manifest's block table is wrong
+        if bad:  # the data matches the item digest but not the block digests: the manifest's block table is wrong
             self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: {len(bad)} block checksum(s) of "
                          f"{_item_name(index)} in {file} do not match the data, whose whole-item checksum does "
                          "(loads of those blocks fail)", ckdir.MANIFEST_FILE, [index])
@@ -551,15 +556,16 @@ class _InMemory:
         return bytes(self.data[start:start + max(0, length)])
 
 
-def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[np.ndarray], crcs: Any,
-                 bar: Any) -> Tuple[int, List[int], Optional[memoryview]]:
-    """``(CRC32 of the item, indexes of the blocks whose CRC32 differs from crcs, the item's bytes
+def _stream_item(reader: FileReader, offset: int, length: int, h: BlockHash, bounds: Optional[np.ndarray],
+                 digests: Any, bar: Any) -> Tuple[int, List[int], Optional[memoryview]]:
+    """``(item digest, indexes of the blocks whose digest differs from digests, the item's bytes
     if it was read in one piece)``, reading the item once in pieces of 8 MiB. With blocks the
-    item's CRC32 is combined from the block CRC32s (as the writer does), so every byte is
-    checksummed once."""
-    crc, bad = 0, []
-    b, bcrc = 0, 0  # block being accumulated and its running CRC32
-    pos = 0
+    item digest is derived from the block digests (as the writer does), so every byte is
+    checksummed once; without, it is the digest of the item's bytes."""
+    bad: List[int] = []
+    got: List[int] = []  # digests of the blocks so far
+    running = h.hasher()  # the whole item's (without blocks) or the current block's
+    pos = b = 0
     while pos < length:
         n = min(READ_PIECE, length - pos)
         piece = memoryview(reader.read(offset + pos, n))
@@ -567,19 +573,23 @@ def _stream_item(reader: FileReader, offset: int, length: int, bounds: Optional[
             raise CorruptCheckpointError(f"{reader.path} is truncated: needed bytes [{offset + pos}, {offset + pos + n}) "
                                          f"but the file ends at {offset + pos + len(piece)}")
         if bounds is None:
-            crc = crc32(piece, crc)
+            running.update(piece)
         else:
             i = 0
             while i < n:
                 left = int(bounds[b + 1]) - (pos + i)  # bytes of block b not fed yet
                 take = min(n - i, left)
-                bcrc = crc32(piece[i:i + take], bcrc)
+                running.update(piece[i:i + take])
                 i += take
                 if take == left:
-                    if bcrc != int(crcs[b]):
+                    got.append(running.intdigest())
+                    if got[-1] != int(digests[b]):
                         bad.append(b)
-                    crc = crc32_combine(crc, bcrc, int(bounds[b + 1] - bounds[b]))
-                    b, bcrc = b + 1, 0
+                    b, running = b + 1, h.hasher()
         pos += n
         bar.update(n)
-    return crc, bad, (piece if length and length <= READ_PIECE else None)
+    if bounds is None:
+        digest = running.intdigest()
+    else:
+        digest = h.item_digest(got, np.diff(bounds).tolist())
+    return digest, bad, (piece if length and length <= READ_PIECE else None)

@@ -1,0 +1,259 @@
+"""Block digests: manifest format 3 (XXH3-64) as docs/format.md defines it, format 2 (CRC32) as
+before, unknown algorithms refused, and the hashes running without the GIL.
+
+The format tests recompute every recorded digest independently (``zlib``, ``xxhash`` and the
+file's bytes), so they pin the on-disk definition, not just a round trip through our code.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedObject, ShardedTensor
+from ckpt_integration.cli import main
+from ckpt_integration.storage import checksum
+from ckpt_integration.storage import torch_dist as td
+from tests.damage import flip_byte
+
+ROWS, COLS = 64, 96  # 24 KiB of float32: 3 data blocks of 8 KiB
+
+# the keys a format-2 manifest has (versions before format 3 refuse any other key)
+FORMAT_2_KEYS = {"format", "version", "created", "step", "commit_seq", "commit_id", "world_size", "items", "files",
+                 "library_version", "blocks", "save"}
+
+
+def _save(d, block_hash: str, monkeypatch, seed: int = 0) -> torch.Tensor:
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", block_hash)
+    monkeypatch.setattr(td, "BLOCK_SIZE", 8 << 10)
+    w = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", w.clone()), "o": ShardedObject("o", {"s": seed}, (1,), (0,))},
+            str(d), thread_count=1, durable=False)
+    return w
+
+
+def _load(d) -> dict:
+    return ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS)),
+                    "o": ShardedObject("o", None, (1,), (0,))}, str(d))
+
+
+def _items(d):
+    """``{(file, offset): (length, key)}`` from ``.metadata``."""
+    import pickle
+
+    md = pickle.loads((d / ".metadata").read_bytes())
+    return {(v.relative_path, v.offset): (v.length, k.fqn) for k, v in md.storage_data.items()}
+
+
+# =========================================================================== the algorithms
+@pytest.mark.parametrize("name", checksum.BLOCK_HASHES)
+def test_running_digest_equals_one_call_and_the_reference(name):
+    h = checksum.block_hash(name)
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    ref = zlib.crc32 if name == "crc32" else xxhash.xxh3_64_intdigest
+    assert h.digest(data) == h.digest(memoryview(data)) == ref(data)
+    run = h.hasher()
+    for a, b in ((0, 1), (1, 70000), (70000, 70000), (70000, 2 << 20), (2 << 20, len(data))):
+        run.update(memoryview(data)[a:b])
+    assert run.intdigest() == ref(data)
+    assert list(h.unpack(h.pack([0, 1, (1 << 8 * h.width) - 1]))) == [0, 1, (1 << 8 * h.width) - 1]
+
+
+def test_item_digest_definitions():
+    """CRC32: the CRC32 of the item's bytes (combined from the blocks); XXH3-64: XXH3-64 of the
+    block digests as little-endian uint64, concatenated (docs/format.md)."""
+    data = np.random.default_rng(1).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    parts = [data[:700], data[700:3000], data[3000:]]
+    crc = checksum.block_hash("crc32")
+    assert crc.item_digest([zlib.crc32(p) for p in parts], [len(p) for p in parts]) == zlib.crc32(data)
+    xx = checksum.block_hash("xxh3_64")
+    ds = [xxhash.xxh3_64_intdigest(p) for p in parts]
+    assert xx.item_digest(ds, [len(p) for p in parts]) == xxhash.xxh3_64_intdigest(struct.pack("<3Q", *ds))
+
+
+@pytest.mark.parametrize("name", checksum.BLOCK_HASHES)
+@pytest.mark.parametrize("running", [False, True])
+def test_hashing_a_large_buffer_releases_the_gil(name, running):
+    """Loads checksum from several threads: while one thread hashes a large buffer, another runs."""
+    h = checksum.block_hash(name)
+    buf = np.ones(256 << 20, dtype=np.uint8)
+    stamps, stop = [], threading.Event()
+
+    def other() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    t = threading.Thread(target=other)
+    t.start()
+    time.sleep(0.01)
+    try:
+        t0 = time.perf_counter()
+        if running:
+            r = h.hasher()
+            r.update(buf)
+            r.intdigest()
+        else:
+            h.digest(buf)
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    # with the GIL held for the whole call the other thread could not run in its middle part
+    assert any(t0 + 0.3 * (t1 - t0) < s < t0 + 0.7 * (t1 - t0) for s in stamps), (t1 - t0, len(stamps))
+
+
+# =========================================================================== manifest formats
+@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])
+def test_recorded_digests_are_those_of_the_stored_bytes(tmp_path, monkeypatch, block_hash):
+    """Every block and item digest, recomputed from the data file: format 3 (XXH3-64, 8 bytes per
+    block) for new saves, format 2 (CRC32, 4 bytes, exactly the keys of format 2) through the switch."""
+    d = tmp_path / "c"
+    want = _save(d, block_hash, monkeypatch)
+    man = json.loads((d / "manifest.json").read_text())
+    if block_hash == "xxh3_64":
+        assert (man["version"], man["block_hash"]) == (3, "xxh3_64")
+        ref, width = xxhash.xxh3_64_intdigest, 8
+    else:
+        assert man["version"] == 2 and set(man) == FORMAT_2_KEYS
+        ref, width = zlib.crc32, 4
+    items = _items(d)
+    assert len(man["blocks"]) == 1 and len(man["items"]) == 2
+    for key, recorded in man["items"].items():
+        name, _, off = key.rpartition("@")
+        length, fqn = items[(name, int(off))]
+        item = (d / name).read_bytes()[int(off): int(off) + length]
+        if key not in man["blocks"]:  # the object: the digest of its bytes
+            assert recorded == ref(item), fqn
+            continue
+        data_offset, data_length, block_size, packed = man["blocks"][key]
+        assert (data_length, block_size) == (ROWS * COLS * 4, 8 << 10)
+        assert item[data_offset:data_offset + data_length] == want.numpy().tobytes()
+        bounds = [0, *range(data_offset, data_offset + data_length, block_size), data_offset + data_length, length]
+        parts = [item[a:b] for a, b in zip(bounds, bounds[1:])]
+        raw = base64.b64decode(packed)
+        assert len(raw) == width * len(parts) == width * 5
+        digests = list(struct.unpack(f"<{len(parts)}{'Q' if width == 8 else 'I'}", raw))
+        assert digests == [ref(p) for p in parts]
+        whole = ref(struct.pack(f"<{len(parts)}Q", *digests)) if width == 8 else zlib.crc32(item)
+        assert recorded == whole
+    assert torch.equal(_load(d)["w"], want)
+
+
+@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])
+def test_a_flipped_byte_is_found_by_loads_and_verify(tmp_path, monkeypatch, capsys, block_hash):
+    d = tmp_path / "c"
+    _save(d, block_hash, monkeypatch)
+    assert main(["verify", str(d)]) == 0
+    (length, _), where = next(((v, k) for k, v in _items(d).items() if v[1] == "w"))
+    flip_byte(d / where[0], where[1] + length // 2)
+    with pytest.raises(ci.CorruptCheckpointError, match="checksum mismatch") as ei:
+        _load(d)
+    label = "XXH3-64" if block_hash == "xxh3_64" else "CRC32"
+    assert where[0] in str(ei.value) and label in str(ei.value), str(ei.value)
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 1
+    assert "checksum mismatch" in capsys.readouterr().out
+
+
+def test_unknown_block_hash_is_refused_naming_the_file_and_algorithm(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "c"
+    _save(d, "xxh3_64", monkeypatch)
+    man = json.loads((d / "manifest.json").read_text())
+    man["block_hash"] = "blake9"
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ci.UnknownBlockHashError, match=r"manifest\.json.*'blake9'") as ei:
+        _load(d)
+    assert isinstance(ei.value, ci.UnsupportedCheckpointError) and str(d) in str(ei.value)
+    with pytest.raises(ci.UnknownBlockHashError):
+        ci.load_common_state_dict(str(d))
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 1
+    assert "'blake9'" in capsys.readouterr().out
+    assert ci.list_checkpoints(str(tmp_path)) == [str(d)]  # listing still works
+
+
+@pytest.mark.parametrize("change", ["v3_without_name", "v2_with_xxh3"])
+def test_manifest_whose_version_and_algorithm_disagree_is_damaged(tmp_path, monkeypatch, change):
+    d = tmp_path / "c"
+    _save(d, "xxh3_64" if change == "v3_without_name" else "crc32", monkeypatch)
+    man = json.loads((d / "manifest.json").read_text())
+    if change == "v3_without_name":
+        del man["block_hash"]
+    else:
+        man["block_hash"] = "xxh3_64"
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged"):
+        _load(d)
+
+
+# =========================================================================== digests between ranks
+def test_finalize_messages_carry_64_bit_digests():
+    from ckpt_integration.planning import exchange as ex
+
+    big = [0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, (1 << 63) + 5, (1 << 64) - 1]
+    written = [ex.Written("w", (0, 0), (4, 4), "__0_0.distcp", 0, 1000, (1 << 64) - 2, (64, 512, 256, big)),
+               ex.Written("v", (0, 0), (4, 4), "__0_0.distcp", 2000, 9000, 7, (64, 8000, 256, big * 5)),
+               ex.Written("o/shard_0_1", None, None, "__0_0.distcp", 1000, 10, 1 << 63, None)]
+    _, got, _ = ex.decode_finalize(ex.encode_finalize(None, written, []))
+    assert got == written
+
+
+# =========================================================================== memory tier records
+@pytest.mark.parametrize("name", checksum.BLOCK_HASHES)
+def test_memory_snapshot_regions_verify_with_the_recorded_algorithm(name):
+    from ckpt_integration.memory import slots
+
+    h = checksum.block_hash(name)
+    buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    header = {"job_id": "j", "owner": 0, "step": 1, "incarnation": [1, "x"], "files": {}, "shards": [], "slot": 0,
+              "world_size": 1, "regions": [["s0-1.bin", 0, buf.numel(), slots.block_digests(buf, h=h)]],
+              "block_hash": name}
+    rec = slots.decode_record(slots.encode_record(header, b""), "r")
+    assert rec.block_hash is h
+    _, _, _, digests = rec.regions[0]
+    slots.verify_region(buf.numpy(), digests, "region 0", rec.block_hash)
+    buf[(1 << 20) + 7] ^= 1
+    with pytest.raises(ci.CorruptCheckpointError, match=f"{h.label} mismatch in block 1"):
+        slots.verify_region(buf.numpy(), digests, "region 0", rec.block_hash)
+
+
+# =========================================================================== archives of other layouts
+@pytest.mark.parametrize("name", checksum.BLOCK_HASHES)
+@pytest.mark.parametrize("layout", ["copied", "interrupted", "short"])
+def test_archive_of_an_unexpected_layout_gets_the_digest_of_its_bytes(name, layout):
+    """If torch.save ever writes the tensor data other than as one run from the tensor's memory,
+    the item has no block record and its digest is the plain digest of all its bytes (what the
+    loader then checks the whole item against)."""
+    import io
+
+    from ckpt_integration.storage.fs import tensor_buffer
+    from ckpt_integration.storage.tensor_record import BlockDigestWriter
+
+    h = checksum.block_hash(name)
+    t = torch.randn(50000)
+    data = tensor_buffer(t)
+    out = io.BytesIO()
+    w = BlockDigestWriter(out, t, 64 << 10, h)
+    w.write(b"header" * 50)
+    if layout == "copied":  # the data from another buffer: not recognised as the tensor's
+        w.write(bytes(data))
+    elif layout == "interrupted":  # part of the data, something else, the rest
+        w.write(data[:100000])
+        w.write(b"xyz")
+        w.write(data[100000:])
+    else:  # fewer bytes than the tensor holds
+        w.write(data[:100000])
+    if layout != "short":
+        w.write(b"trailer" * 30)
+    digest, record = w.finish()
+    assert record is None and digest == h.digest(out.getvalue())
