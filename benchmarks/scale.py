@@ -52,16 +52,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from ckpt_integration.planning.exchange import (  # noqa: E402
-    Written,
     assign_writes,
     detail_requests,
     chunk_owner_step,
-    commit_layout,
-    decode_finalize,
-    encode_finalize,
     key_owner_step,
     route_shards,
 )
+from ckpt_integration.planning.written import WrittenTable, commit_layout, encode_finalize, gather_finalize  # noqa: E402
 from ckpt_integration.planning.boxes import Box  # noqa: E402
 from ckpt_integration.planning.shards import ShardMeta, object_storage_key  # noqa: E402
 
@@ -392,10 +389,10 @@ def simulate_save(layout: GPTLayout, commit_dir: str, samples: int = 3) -> Dict[
 _SPREAD, _U64 = 0x9E3779B97F4A7C15, (1 << 64) - 1  # simulated digests: an odd multiplier mod 2^64
 
 
-def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> List[Written]:
+def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> WrittenTable:
     """The items ``write_data_files`` would report: ``threads`` files, archives of nbytes + ~1 KiB."""
     pos = [0] * threads
-    out = []
+    out = WrittenTable()
     for i, m in enumerate(metas):
         f = i % threads
         length = m.nbytes + 1088 if m.kind == "tensor" else 900
@@ -404,11 +401,11 @@ def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> Li
             # manifest (64-bit values spread over the whole range, as real digests are)
             nblocks = -(-m.nbytes // (1 << 20))
             blocks = (64, m.nbytes, 1 << 20, [((rank * 7919 + i * 31 + b) * _SPREAD) & _U64 for b in range(nblocks)])
-            out.append(Written(m.key, m.offsets, m.sizes, f"__{rank}_{f}.distcp", pos[f], length,
-                               ((rank * 7919 + i) * _SPREAD) & _U64, blocks))
+            out.append(m.key, m.offsets, m.sizes, f"__{rank}_{f}.distcp", pos[f], length,
+                       ((rank * 7919 + i) * _SPREAD) & _U64, blocks)
         else:
-            out.append(Written(object_storage_key(m.key, m.offsets, m.global_shape), None, None, f"__{rank}_{f}.distcp",
-                               pos[f], length, i))
+            out.append(object_storage_key(m.key, m.offsets, m.global_shape), None, None, f"__{rank}_{f}.distcp",
+                       pos[f], length, i)
         pos[f] += length
     return out
 
@@ -420,8 +417,8 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
     os.makedirs(commit_dir, exist_ok=True)
 
     def run():
-        decoded = [decode_finalize(m) for m in fin_msgs]
-        lay = commit_layout([w for _, ws, _ in decoded for w in ws], [s for _, _, ss in decoded for s in ss])
+        _errors, written, summaries = gather_finalize(fin_msgs)
+        lay = commit_layout(written, summaries)
         plan = SavePlan(rank=0, world_size=layout.world, group=None, checkpoint_dir=commit_dir, write_dir=commit_dir,
                         staging=False, common={"iteration": 1000, "args": {"hidden": layout.hidden}}, requests=[],
                         write_metas=[], summaries=[], thread_count=2, durable=False)
@@ -432,8 +429,8 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
     lay, cpu = _timed(run, retry_above=float("inf"))  # writes files: once
     dt = time.perf_counter() - t0
     sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt")}
-    chunks = sum(len(c) for _, _, c in lay.tensors.values()) + len(lay.objects)
-    files = len({w.relative_path for w in lay.written})
+    chunks = len(lay.chunk_items) + len(lay.object_items)
+    files = len(set(lay.written.file.tolist()))
     return {"time": dt, "cpu": cpu, "chunks": chunks, "files": files, "sizes": sizes, "input_bytes": sum(map(len, fin_msgs))}
 
 
@@ -442,7 +439,7 @@ def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) ->
     """Coordinator reads and encodes; sampled ranks decode and plan the reads of their own shards."""
     from ckpt_integration.execution.load import saved_chunk_reads
     from ckpt_integration.execution.shared_metadata import decode_shared, encode_shared, read_local
-    from ckpt_integration.storage.torch_dist import TorchDistReader
+    from ckpt_integration.storage.torch_dist_reader import TorchDistReader
 
     shared, t_read = _timed(lambda: read_local(commit_dir))
     payload, t_enc = _timed(lambda: encode_shared(shared))

@@ -131,11 +131,12 @@ class ShardedTensor(ShardedBase):
     flattened_range: Optional[slice] = None
 
     def __post_init__(self) -> None:
-        self.local_shape = tuple(int(s) for s in self.local_shape)
-        self.global_shape = tuple(int(s) for s in self.global_shape)
-        self.global_offset = tuple(int(s) for s in self.global_offset)
+        # (map: a shard is built per tensor, tens of thousands per rank for some models)
+        self.local_shape = tuple(map(int, self.local_shape))
+        self.global_shape = tuple(map(int, self.global_shape))
+        self.global_offset = tuple(map(int, self.global_offset))
         if self.axis_fragmentations is not None:
-            self.axis_fragmentations = tuple(int(s) for s in self.axis_fragmentations)
+            self.axis_fragmentations = tuple(map(int, self.axis_fragmentations))
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
@@ -153,7 +154,7 @@ class ShardedTensor(ShardedBase):
             self._validate_flattened_range()
         if self.data is not None:
             expected = (self.flat_numel(),) if self.flattened_range is not None else self.local_shape
-            if tuple(self.data.shape) != expected:
+            if self.data.shape != expected:
                 what = "flattened_range length" if self.flattened_range is not None else "local_shape"
                 raise CheckpointingException(
                     f"ShardedTensor {self.key!r}: data shape {tuple(self.data.shape)} != {what} {expected}"
@@ -208,9 +209,10 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"{key!r}: from_rank_offsets builds non-flat shards; use from_rank_offsets_flat for a flattened one"
             )
-        ndim = data.ndim + prepend_axis_num
+        shape = tuple(data.shape)
+        ndim = len(shape) + prepend_axis_num
         global_offset = [0] * ndim
-        global_shape = [1] * prepend_axis_num + list(data.shape)
+        global_shape = [1] * prepend_axis_num + list(shape)
         fragments = [1] * ndim
         seen = set()
         for entry in rank_offsets:
@@ -218,13 +220,13 @@ class ShardedTensor(ShardedBase):
                 raise CheckpointingException(
                     f"{key!r}: rank offsets must be (axis, rank_offset, num_fragments), got {entry}"
                 )
-            axis, rank_offset, num_fragments = (int(v) for v in entry)
+            axis, rank_offset, num_fragments = map(int, entry)
             if not 0 <= axis < ndim or num_fragments < 1 or not 0 <= rank_offset < num_fragments:
                 raise CheckpointingException(f"Invalid rank offsets {rank_offsets} for key {key!r}")
             if axis in seen:
                 raise CheckpointingException(f"{key!r}: axis {axis} given twice in {rank_offsets}")
             seen.add(axis)
-            local = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
+            local = 1 if axis < prepend_axis_num else shape[axis - prepend_axis_num]
             global_shape[axis] = local * num_fragments
             global_offset[axis] = local * rank_offset
             fragments[axis] = num_fragments
@@ -232,7 +234,7 @@ class ShardedTensor(ShardedBase):
             key,
             data,
             data.dtype,
-            tuple(data.shape),
+            shape,
             tuple(global_shape),
             tuple(global_offset),
             tuple(fragments),

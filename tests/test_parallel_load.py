@@ -22,7 +22,7 @@ import torch.distributed as dist
 import ckpt_integration as ci
 import ckpt_integration.execution.parallel_load as pl
 import ckpt_integration.planning.load_units as lu
-import ckpt_integration.storage.torch_dist as td
+from ckpt_integration.storage.torch_dist_reader import TorchDistReader
 from ckpt_integration.planning.boxes import Box
 from tests.dist_utils import run_distributed, scaled_timeout
 from tests.layouts import global_tensor, grid_shard
@@ -96,7 +96,7 @@ class _Reads:
         self.log = []
         self.lock = threading.Lock()
         self.fail = None  # a callable(key) -> bool making the read raise
-        for cls in (td.TorchDistReader, ZarrReader):
+        for cls in (TorchDistReader, ZarrReader):
             real = cls.read_region
 
             def counting(reader, key, chunk, overlap, out, dtype, _real=real):

@@ -158,6 +158,7 @@ def test_strict_flags_and_directions():
 import random  # noqa: E402
 
 from ckpt_integration.planning import exchange as ex  # noqa: E402
+from ckpt_integration.planning.written import gather_finalize  # noqa: E402
 from ckpt_integration.planning.records import MessageWriter, decode, decode_runs, encode, encode_runs  # noqa: E402
 from ckpt_integration.planning.reshard import ChunkIndex  # noqa: E402
 
@@ -275,19 +276,27 @@ def test_commit_layout_from_compact_records_and_its_checks():
             for m in ws
         ]
 
-    msgs = [ex.encode_finalize(None, written(ws), [s for s in summaries if ex.key_owner(s.key, 4) == r]) for r, ws in enumerate(writes)]
-    decoded = [ex.decode_finalize(m) for m in msgs]
-    items = [w for _, ws, _ in decoded for w in ws]
-    summ = [s for _, _, ss in decoded for s in ss]
-    layout = ex.commit_layout(items, summ)
+    msgs = [ex.encode_finalize(None, written(ws), [s for s in summaries if ex.owner_of_key(s.key, 4) == r]) for r, ws in enumerate(writes)]
+    errors, cols, summ = gather_finalize(msgs)
+    assert errors == []
+    items = cols.items()
+    assert sorted(items, key=repr) == sorted((w for ws in writes for w in written(ws)), key=repr)  # records survive the trip
+    layout = ex.commit_layout(cols, summ)
     assert layout.tensors["w"] == ("float32", (8, 4), [((2 * r, 0), (2, 4)) for r in range(4)])
     assert layout.objects == ["o/shard_0_1"]
+
+    def layout_of(its):
+        return ex.commit_layout(gather_finalize([ex.encode_finalize(None, its, [])])[1], summ)
+
     missing_one = [w for w in items if w.offsets != (0, 0)]
     with pytest.raises(Exception, match="internal error: 4 chunks of 'w' should have been written, 3 were"):
-        ex.commit_layout(missing_one, summ)
+        layout_of(missing_one)
     with pytest.raises(Exception, match="written twice"):
-        ex.commit_layout(items + items[:1], summ)
+        layout_of(items + items[:1])
+    with pytest.raises(Exception, match="written but no rank planned them"):
+        layout_of(items + [ex.Written("stray", (0,), (1,), "__0_0.distcp", 99, 1, 1)])
     assert ex.decode_finalize(ex.encode_finalize("boom", [], []))[0] == "boom"
+    assert gather_finalize([b"", ex.encode_finalize("boom", [], [])])[0] == [(1, "boom")]
     assert ex.encode_finalize(None, [], []) == b""  # ranks with nothing to report send nothing
 
 

@@ -51,3 +51,35 @@ def test_run_parallel_runs_every_task_and_raises_the_first_error():
 
     with pytest.raises(ValueError, match="task 500"):
         run_parallel(list(range(1000)), boom, 3)
+
+
+@pytest.mark.parametrize("hash_name", ["xxh3_64", "crc32"])
+def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, monkeypatch, hash_name):
+    """Small plain tensors go through SmallItemWriter (template parts, cached checksums, one large
+    write): the data files and every item record (offsets, lengths, digests, block records) are
+    exactly those of the generic per-item writer, for every kind of item in between, with either
+    block digest (XXH3-64 of new saves, CRC32 of format 2)."""
+    from ckpt_integration.storage import checksum, small_items
+
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", hash_name)
+    from ckpt_integration.storage.torch_dist import WriteRequest, write_data_files
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 64, generator=g)
+    tensors = [torch.randn(n, generator=g).to(dt) for n in (1, 7, 1024) for dt in (torch.float32, torch.bfloat16, torch.int8)]
+    tensors += [base[3:5], base[:, 1:3], base.t()[:2], torch.randn(300_000, generator=g),  # views, non-contiguous, > 1 MiB
+                torch.randn(4, requires_grad=True), torch.zeros(0)]
+    requests = [WriteRequest(f"k{i}", (0,) * t.dim(), t) for i, t in enumerate(tensors)]
+    requests.insert(3, WriteRequest("obj/shard_0_1", None, b"object bytes"))
+    (tmp_path / "bulk").mkdir()
+    (tmp_path / "generic").mkdir()
+    real, taken = small_items.SmallItemWriter.add, []
+    monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: taken.append(real(self, t)) or taken[-1])
+    bulk = write_data_files(str(tmp_path / "bulk"), 0, requests, thread_count=2, durable=False)
+    assert sum(x is not None for x in taken) == 9 + 1 + 1  # the small ones, a contiguous view, requires_grad
+    monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: None)
+    generic = write_data_files(str(tmp_path / "generic"), 0, requests, thread_count=2, durable=False)
+    for name in ("__0_0.distcp", "__0_1.distcp"):
+        assert (tmp_path / "bulk" / name).read_bytes() == (tmp_path / "generic" / name).read_bytes()
+    assert [tuple(x) for x in zip(*(getattr(bulk, f) for f in bulk.__slots__))] == \
+           [tuple(x) for x in zip(*(getattr(generic, f) for f in generic.__slots__))]

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import ShardingIntegrityError
 from ..planning.exchange import (
     KeySummary,
     Routed,
+    SummaryTable,
     assign_writes,
     chunk_owner_step,
     decode_shards,
@@ -58,7 +59,7 @@ class ExchangeResult:
     """One rank's outcome of phase 1 (cached for reuse when the structure repeats)."""
 
     to_write: List[int] = field(default_factory=list)  # indices into the rank's shard records
-    summaries: List[KeySummary] = field(default_factory=list)  # of the keys this rank owns
+    summaries: Union[SummaryTable, List[KeySummary]] = field(default_factory=list)  # of the keys this rank owns
     layout: Optional[List[ShardMeta]] = None  # zarr: every chunk with its writer as ``rank``
     digest: int = 0
     token: int = 0

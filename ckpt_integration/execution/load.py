@@ -38,7 +38,8 @@ from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys,
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
-from ..storage.torch_dist import TorchDistReader, run_parallel
+from ..storage.torch_dist import run_parallel
+from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from . import exchange
 from .dist import describe_error as _describe

@@ -6,6 +6,7 @@ copied before factories are applied.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -25,8 +26,22 @@ from ..mapping import (
 from ..planning.shards import ShardMeta, replica_tuple
 
 
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def element_size(dtype: torch.dtype) -> int:
+    size = _ELEMENT_SIZES.get(dtype)
+    if size is None:
+        size = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -36,21 +51,24 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+_MAIN = (0,)
+
+
 def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
     if isinstance(sh, ShardedTensor):
-        sizes = sh.saved_shape()
+        rid = sh.replica_id
         return ShardMeta(
-            key=sh.key,
-            kind="tensor",
-            rank=rank,
-            dtype=dtype_name(sh.dtype),
-            global_shape=sh.global_shape,
-            offsets=sh.global_offset,
-            sizes=sizes,
-            replica_id=replica_tuple(sh.replica_id),
-            nbytes=sh.local_numel() * torch.empty((), dtype=sh.dtype).element_size(),
-            allow_shape_mismatch=sh.allow_shape_mismatch,
-            has_data=sh.data is not None,
+            sh.key,
+            "tensor",
+            rank,
+            dtype_name(sh.dtype),
+            sh.global_shape,
+            sh.global_offset,
+            (1,) * sh.prepend_axis_num + sh.local_shape if sh.prepend_axis_num else sh.local_shape,
+            _MAIN if rid == 0 and type(rid) is int else replica_tuple(rid),
+            math.prod(sh.local_shape) * element_size(sh.dtype),
+            sh.allow_shape_mismatch,
+            sh.data is not None,
         )
     if isinstance(sh, ShardedObject):
         return ShardMeta(

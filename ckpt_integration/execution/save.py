@@ -35,24 +35,26 @@ import uuid
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
-from ..planning.exchange import CommitLayout, KeySummary, Routed, Written, commit_layout, decode_finalize, encode_finalize
-from ..planning.exchange import route_shards
+from ..planning.exchange import KeySummary, Routed, SummaryTable, route_shards
+from ..planning.written import CommitLayout, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
-from ..storage.checksum import save_block_hash
+from ..storage.dcp_pickle import dumps_commit_layout
+from ..storage.manifest_tables import file_sizes, render_tables
+from ..storage.checksum import crc32, save_block_hash
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
 from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
 from ..storage.zarr_backend import write_index as write_zarr_index
-from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, WrittenItem, make_dcp_metadata, write_data_files, write_dcp_metadata
+from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
 from . import dist
 from . import exchange
 from .dist import describe_error as _describe
@@ -77,14 +79,14 @@ class SavePlan:
     common: Any
     requests: List[WriteRequest]
     write_metas: List[ShardMeta]  # the chunks this rank writes
-    summaries: List[KeySummary]  # of the keys this rank validated (rank 0's commit checks against them)
+    summaries: Union[SummaryTable, List[KeySummary]]  # of the keys this rank validated (rank 0's commit checks against them)
     thread_count: int
     durable: bool
     backend: str = "torch_dist"
     step: Optional[int] = None  # the training step, recorded in the manifest (commit order)
     separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     started: float = field(default_factory=time.time)
-    written: List[WrittenItem] = field(default_factory=list)
+    written: Any = field(default_factory=WrittenTable)  # WrittenTable (torch_dist) or [WrittenItem] (zarr)
     local_error: Optional[str] = None
     local_exc: Optional[BaseException] = None
     stop: Optional[Callable[[], None]] = None  # raises to abandon the write (async saves, preemption)
@@ -166,20 +168,17 @@ def _check_savable(shards: List[ShardedBase]) -> None:
             )
 
 
-def _requests_for(shards: List[ShardedBase], metas_to_write: List[ShardMeta]) -> List[WriteRequest]:
-    by_id = {}
-    for sh in shards:
-        if isinstance(sh, ShardedTensor):
-            by_id.setdefault((sh.key, sh.global_offset), sh)
-        else:
-            by_id.setdefault((sh.unique_key, sh.global_offset), sh)
+def _requests_for(shards: List[ShardedBase], metas: List[ShardMeta], to_write: List[int]) -> List[WriteRequest]:
+    """The write requests of the chunks ``to_write`` (indices into ``metas``, which describe ``shards``
+    one for one)."""
     out = []
-    for m in metas_to_write:
-        sh = by_id[m.chunk_id]
+    for i in to_write:
+        sh, m = shards[i], metas[i]
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-            out.append(WriteRequest(m.storage_key, m.offsets, sh.data.reshape(m.sizes)))
+            data = sh.data
+            out.append(WriteRequest(m.key, m.offsets, data if data.shape == m.sizes else data.reshape(m.sizes)))
         else:
             out.append(WriteRequest(m.storage_key, None, torch_dumps([sh.data])))
     return out
@@ -259,7 +258,7 @@ def prepare_save(
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
     requests: List[WriteRequest] = []
     try:
-        requests = _requests_for(shards, write_metas)
+        requests = _requests_for(shards, metas, planned.to_write)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     if backend == "zarr":
@@ -339,35 +338,32 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
 
 def _commit(plan: SavePlan, layout: CommitLayout) -> None:
     """Coordinator: write metadata files, then the commit marker, then swap if staging."""
-    tensors, objects, written = _commit_inputs(layout)
     if plan.backend == "zarr":
-        _commit_zarr(plan, written)
+        _commit_zarr(plan, layout.written.items())
         return
-    metadata = make_dcp_metadata(tensors, objects, written)
     d = plan.write_dir
     claim = _check_claim(plan)
+    storage, _ = storage_for(d)
+    metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
+    storage.write_atomic(join(d, DCP_METADATA_FILE), metadata, plan.durable)
     files: Dict[str, Dict[str, int]] = {
-        DCP_METADATA_FILE: write_dcp_metadata(d, metadata, plan.durable),
+        DCP_METADATA_FILE: {"size": len(metadata), "crc32": crc32(metadata)},
         ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
     }
-    for w in written:
-        f = files.setdefault(w.relative_path, {"size": 0})
-        f["size"] = max(f["size"], w.offset + w.length)
+    files.update(file_sizes(layout.written))
     digest = save_block_hash()  # what write_data_files recorded
+    items, blocks = render_tables(layout.written, digest)
     manifest = ckdir.Manifest(
         **ckdir.manifest_format(digest),
         world_size=plan.world_size,
-        items={f"{w.relative_path}@{w.offset}": w.checksum for w in written},
         files=files,
         library_version=__version__,
-        blocks={f"{w.relative_path}@{w.offset}": [w.blocks[0], w.blocks[1], w.blocks[2], digest.pack(w.blocks[3])]
-                for w in written if w.blocks is not None},
         save=claim.token if claim else "",
         step=plan.step,
         commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir),
         commit_id=uuid.uuid4().hex,
     )
-    ckdir.write_manifest(d, manifest, plan.durable)
+    ckdir.write_manifest(d, manifest, plan.durable, rendered={"items": items, "blocks": blocks})
     _write_commit_marker(plan, "torch_dist")
     _swap_if_staging(plan)
 
@@ -392,24 +388,11 @@ def _write_commit_marker(plan: SavePlan, backend: str) -> None:
         ) from None
 
 
-def _commit_inputs(layout: CommitLayout) -> Tuple[Dict[str, Any], List[str], List[WrittenItem]]:
-    """What ``_commit`` writes, from the compact records: tensor layouts (torch dtypes), object keys, items."""
-    tensors = {k: (dtype_from_name(dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
-    written = [
-        WrittenItem(w.storage_key, w.offsets, w.relative_path, w.offset, w.length, w.checksum, w.blocks)
-        for w in layout.written
-    ]
-    return tensors, layout.objects, written
-
-
-def _written_records(plan: SavePlan) -> List[Written]:
-    """This rank's written items with the chunk sizes (so rank 0 needs no other layout record)."""
-    sizes = {m.chunk_id: m.sizes for m in plan.write_metas if m.kind == "tensor"}
-    out = []
-    for w in plan.written:
-        s = sizes.get((w.storage_key, w.offsets)) if plan.backend == "torch_dist" and w.offsets is not None else None
-        out.append(Written(w.storage_key, w.offsets, s, w.relative_path, w.offset, w.length, w.checksum, w.blocks))
-    return out
+def _written_records(plan: SavePlan) -> WrittenTable:
+    """This rank's written items (torch_dist: with the chunk sizes, so rank 0 needs no other layout record)."""
+    if isinstance(plan.written, WrittenTable):
+        return plan.written
+    return WrittenTable.from_items(plan.written)
 
 
 def _swap_if_staging(plan: SavePlan) -> None:
@@ -513,7 +496,7 @@ def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank:
     return received
 
 
-def _commit_zarr(plan: SavePlan, written: List[WrittenItem]) -> None:
+def _commit_zarr(plan: SavePlan, written: Sequence[Any]) -> None:  # Written or WrittenItem records
     d = plan.write_dir
     claim = _check_claim(plan)
     commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
@@ -539,15 +522,12 @@ def finalize_save(plan: SavePlan) -> None:
     status: Optional[str] = None
     if plan.rank == 0:
         try:
-            decoded = [decode_finalize(m) for m in results]
-            errors = [f"rank {r}: {err}" for r, (err, _, _) in enumerate(decoded) if err]
+            failures, written, summaries = gather_finalize(results)
+            errors = [f"rank {r}: {err}" for r, err in failures]
             if errors:
                 status = "\n  ".join(errors)
             else:
-                layout = commit_layout(
-                    [w for _, ws, _ in decoded for w in ws], [s for _, _, ss in decoded for s in ss],
-                    check_layout=plan.backend == "torch_dist",
-                )
+                layout = commit_layout(written, summaries, check_layout=plan.backend == "torch_dist")
                 _commit(plan, layout)
                 plan.committed = True
         except Exception as e:

@@ -41,7 +41,8 @@ from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named
-from ..storage.torch_dist import ChunkInfo, read_dcp_metadata
+from ..storage.torch_dist import read_dcp_metadata
+from ..storage.torch_dist_reader import ChunkInfo
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
 

@@ -8,19 +8,23 @@ ever holds the records of the whole job.
 Every rank plays three roles, for different chunks and keys:
 
 * **holder** - :func:`route_shards`: each local shard record goes to its *chunk
-  owner* (``crc32(storage key, offsets) % world``), so a chunk's copies (its
-  data-parallel replicas) meet on one rank. Later :func:`assign_writes` turns the
-  owners' replies into the chunks this rank writes.
+  owner* (a digest of the chunk's storage key and offsets, modulo the world size), so a
+  chunk's copies (its data-parallel replicas) meet on one rank. Later
+  :func:`assign_writes` turns the owners' replies into the chunks this rank writes.
 * **chunk owner** - :func:`chunk_owner_step`: groups the copies of each chunk,
   picks the main replica, and the *holder set* of ranks that may write it (the
   copies with the main's sizes, dtype and data). Replies to each member with
   ``(holder-set digest, size, its position)``; forwards to the *key owner*
-  (``crc32(key) % world``) one :class:`~.integrity.Holding` per chunk and
-  signature plus the main records - not the replicas.
-* **key owner** - :func:`key_owner_step`: validates its keys with the same checks
-  and messages as before (:func:`~.integrity.validate_key_records`) and keeps a
-  per-key summary (signature, number and digest of main chunks) that rank 0's
-  commit checks the written chunks against.
+  (``crc32(key) % world``) the chunk, its signature, its main record and its holders
+  (as arithmetic runs) - not the replicas.
+* **key owner** - :func:`~.key_owner.key_owner_step`: validates its keys and keeps a
+  per-key summary that rank 0's commit checks the written chunks against.
+
+Records travel as tables (:func:`~.records.put_table`): one column per field, one table per
+number of dimensions, so that a rank with tens of thousands of records (many small tensors,
+ZeRO-1 pieces) handles them with numpy instead of a Python loop per record; a chunk that is
+not the common case (several copies that differ, overlapping main replicas, no main) takes
+the general path, one Python step per chunk, with the same outcome as before.
 
 Write balancing happens inside each holder set without another message: its
 members hold the same chunks, so each computes the same largest-first assignment
@@ -33,63 +37,46 @@ from __future__ import annotations
 
 import heapq
 import math
-import zlib
 from array import array
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..errors import CheckpointingException
-from .integrity import Holding, validate_key_records
-from .records import MessageWriter, decode, decode_runs, digest64, encode_runs
+from .digests import halves, joined, mix, string_digests
+from .integrity import owner_of_key
+from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables
 from .shards import ShardMeta, object_storage_key
-from .storage_keys import collision_message
 
-KIND_CODES = {"tensor": 0, "object": 1}
-KIND_NAMES = ("tensor", "object")
-CLAIM = 2  # in a forward's kind position: an object's storage key, sent to that key's owner
-MAIN, HAS_DATA = 1, 2
+from .key_owner import KeySummary, SummaryTable, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401 (re-exported)
+from .wire import ANSWER, CLAIM, COMPACT, FULL, GENERAL, HAS_DATA, KIND_CODES, KIND_NAMES, MAIN, SIMPLE, WIDTHS  # noqa: F401
+from .written import CommitLayout, Written, WrittenTable, commit_layout, decode_finalize, encode_finalize  # noqa: F401
 
 
 def chunk_token(storage_key: str, offsets: Optional[Sequence[int]]) -> bytes:
-    """Identity of one stored chunk as bytes (hashed for ownership and digests)."""
+    """Identity of one stored chunk as bytes (for error messages and tests)."""
     return (storage_key + "@" + ("" if offsets is None else ",".join(map(str, offsets)))).encode()
 
 
-def owner_of(token: bytes, world: int) -> int:
-    return zlib.crc32(token) % max(world, 1)
-
-
-def key_owner(key: str, world: int) -> int:
-    """Rank that validates ``key`` (same formula as :func:`~.integrity.owner_of_key`)."""
-    return zlib.crc32(key.encode()) % max(world, 1)
-
-
-# --------------------------------------------------------------------------- holder -> chunk owner
+# --------------------------------------------------------------------------- record columns
 DIRECT_ABOVE = 64  # more writer candidates than this and ...
 DIRECT_BELOW_ELEMENTS = 1 << 20  # ... fewer elements: the chunk owner picks the writer itself
-COMPACT = -1  # in a record's key position: a non-main copy sent as (digest, flags)
-DETAIL = -1  # in a reply's digest position: "send this record in full"
 
 
-def record_digest(key: str, kind: int, dtype: str, global_shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> int:
-    """Digest of everything in a record but its rank, main flag and data flag.
+def record_digests(key_d: np.ndarray, kind: np.ndarray, dtype_d: np.ndarray, geo: np.ndarray) -> np.ndarray:
+    """Digest of everything in a record but its rank, main flag and data flag (``geo``: global
+    shape, offsets and sizes side by side). A non-main copy identical to its main replica (the
+    data-parallel case) is sent as this digest and matched by the chunk owner."""
+    cols = np.concatenate([kind.reshape(-1, 1), dtype_d.view(np.int64).reshape(-1, 1), geo], axis=1)
+    return mix(key_d, cols)
 
-    A non-main copy identical to its main replica (the data-parallel case) is sent
-    as this digest: the chunk owner matches it against the main's full record.
-    """
-    return digest64(f"{key}\0{kind}\0{dtype}\0{tuple(global_shape)}\0{tuple(offsets)}\0{tuple(sizes)}".encode())
 
-
-def _put_shard(w: MessageWriter, idx: int, m: ShardMeta, full: bool = True) -> None:
-    flags = (MAIN if m.is_main else 0) | (HAS_DATA if m.has_data else 0)
-    if not full:
-        w.add(idx, COMPACT, record_digest(m.key, KIND_CODES[m.kind], m.dtype, m.global_shape, m.offsets, m.sizes), flags)
-        return
-    w.add(idx, w.sid(m.key), KIND_CODES[m.kind], w.sid(m.dtype), flags,
-          len(m.global_shape), *m.global_shape, *m.offsets, *m.sizes)
+def ownership_digests(key_d: np.ndarray, kind: np.ndarray, geo: np.ndarray, nd: int) -> np.ndarray:
+    """Digest of a chunk's identity (key, kind, offsets; and the global shape of an object, whose
+    storage key includes it), which picks its owner."""
+    gshape = np.where(kind.reshape(-1, 1) == 1, geo[:, :nd], 0)
+    return mix(key_d, np.concatenate([kind.reshape(-1, 1), geo[:, nd : 2 * nd], gshape], axis=1))
 
 
 @dataclass
@@ -100,74 +87,180 @@ class Routed:
     digest: int
 
 
+def _geometry(metas: Sequence[ShardMeta], idx: Sequence[int], nd: int) -> np.ndarray:
+    try:
+        geo = np.array([metas[i].global_shape + metas[i].offsets + metas[i].sizes for i in idx], dtype=np.int64)
+    except (ValueError, TypeError):
+        geo = None
+    if geo is None or geo.shape != (len(idx), 3 * nd):
+        for i in idx:
+            m = metas[i]
+            if len(m.offsets) != nd or len(m.sizes) != nd:
+                raise ValueError(f"shard record of {m.key!r} has offsets/sizes of another rank than its global shape")
+        raise ValueError("shard records with non-integer shapes")
+    return geo.reshape(len(idx), 3 * nd)
+
+
 def route_shards(
     metas: Sequence[ShardMeta], rank: int, world: int, options: str = "", only: Optional[Sequence[int]] = None
 ) -> Routed:
     """Step 1 (holder): each shard record to its chunk's owner.
 
-    Main replicas go in full; other copies as a 16-byte digest (see
-    :func:`record_digest`), completed only if the owner asks (:func:`detail_requests`).
-    ``only`` (indices into ``metas``) sends just those records, in full.
-    ``digest`` covers the records, ``rank``, ``world`` and ``options``: equal digests on
-    every rank mean the same global input, hence the same plan (see "plan once, reuse").
+    Main replicas go in full; other copies as a 16-byte digest (see :func:`record_digests`),
+    completed only if the owner asks (:func:`detail_requests`). ``only`` (indices into
+    ``metas``) sends just those records, in full. ``digest`` covers the records, ``rank``,
+    ``world`` and ``options``: equal digests on every rank mean the same global input, hence
+    the same plan (see "plan once, reuse").
     """
-    writers: Dict[int, MessageWriter] = {}
+    world = max(world, 1)
+    by_nd: Dict[int, List[int]] = defaultdict(list)
     for i in range(len(metas)) if only is None else only:
-        m = metas[i]
-        if len(m.offsets) != len(m.global_shape) or len(m.sizes) != len(m.global_shape):
-            raise ValueError(f"shard record of {m.key!r} has offsets/sizes of another rank than its global shape")
-        d = owner_of(chunk_token(m.storage_key, m.offsets), world)
-        w = writers.get(d)
-        if w is None:
-            w = writers[d] = MessageWriter()
-            w.add(rank)
-        _put_shard(w, i, m, full=only is not None or m.is_main)
-    messages = {d: w.tobytes() for d, w in sorted(writers.items())}
+        by_nd[len(metas[i].global_shape)].append(i)
+    parts: Dict[int, List[Tuple[int, int, np.ndarray, np.ndarray, List[str], bool]]] = defaultdict(list)
+    for nd, idx in sorted(by_nd.items()):
+        geo = _geometry(metas, idx, nd)
+        ms = [metas[i] for i in idx]
+        keys = [m.key for m in ms]
+        dtypes = [m.dtype for m in ms]
+        kind = np.fromiter((KIND_CODES[m.kind] for m in ms), dtype=np.int64, count=len(ms))
+        flags = np.fromiter(((MAIN if m.is_main else 0) | (HAS_DATA if m.has_data else 0) for m in ms), dtype=np.int64, count=len(ms))
+        key_d = string_digests(keys)
+        owner = (ownership_digests(key_d, kind, geo, nd) % np.uint64(world)).astype(np.int64)
+        full = np.ones(len(ms), dtype=bool) if only is not None else (flags & MAIN) != 0
+        rd = None if full.all() else record_digests(key_d, kind, string_digests(dtypes), geo)
+        ids = np.asarray(idx, dtype=np.int64)
+        order = np.argsort(owner, kind="stable")
+        bounds = np.flatnonzero(np.diff(owner[order])) + 1
+        for sel in np.split(order, bounds):
+            d = int(owner[sel[0]])
+            f, c = sel[full[sel]], sel[~full[sel]]
+            if len(f):
+                parts[d].append((FULL, nd, ids[f], np.concatenate([kind[f][None], flags[f][None], geo[f].T]),
+                                 [keys[j] for j in f.tolist()] + [dtypes[j] for j in f.tolist()], True))
+            if len(c):
+                parts[d].append((COMPACT, nd, ids[c], np.concatenate([halves(rd[c]), flags[c][None]]), [], False))
+    messages: Dict[int, bytes] = {}
+    for d in sorted(parts):
+        w = MessageWriter()
+        w.add(rank)
+        for tag, nd, ids, cols, strings, has_strings in parts[d]:
+            if has_strings:
+                sid = w.sids(strings)
+                n = len(ids)
+                put_table(w, tag, nd, [ids, sid[:n], cols[0], sid[n:], cols[1:]])
+            else:
+                put_table(w, tag, nd, [ids, cols])
+        messages[d] = w.tobytes()
     head = f"{rank}/{world}/{options}/{len(metas)}".encode()
     return Routed(messages, digest64(head, *(d.to_bytes(8, "little") + b for d, b in messages.items())))
 
 
-def _read_shards(msg: bytes):
-    """Yield ``(src, idx, key, kind, dtype, flags, global_shape, offsets, sizes)`` of a holder's message.
-
-    A compact copy yields ``(src, idx, None, digest, None, flags, None, None, None)``.
-    """
-    strings, ints = decode(msg)
-    src, p, n = ints[0], 1, len(ints)
-    while p < n:
-        if ints[p + 1] == COMPACT:
-            yield src, ints[p], None, ints[p + 2], None, ints[p + 3], None, None, None
-            p += 4
-            continue
-        idx, ks, kind, ds, flags, nd = ints[p : p + 6]
-        p += 6
-        gshape = tuple(ints[p : p + nd])
-        offsets = tuple(ints[p + nd : p + 2 * nd])
-        sizes = tuple(ints[p + 2 * nd : p + 3 * nd])
-        p += 3 * nd
-        yield src, idx, strings[ks], kind, strings[ds], flags, gshape, offsets, sizes
+def encode_shards(metas: Sequence[ShardMeta], rank: int) -> bytes:
+    """Records of ``metas`` in one message, in full (e.g. a rank's write assignment, for the zarr layout)."""
+    routed = route_shards(metas, rank, 1, only=range(len(metas)))
+    return routed.messages.get(0) or MessageWriter().tobytes()
 
 
 def decode_shards(msg: bytes) -> List[ShardMeta]:
-    """The records of a :func:`route_shards`-style message as main-replica ShardMetas of its sender."""
-    out = []
-    for src, _idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
-        if key is None:
+    """The records of an :func:`encode_shards` message as main-replica ShardMetas of its sender."""
+    strings, ints = decode_array(msg)
+    if len(ints) == 0:
+        return []
+    src = int(ints[0])
+    out: List[Tuple[int, ShardMeta]] = []
+    for tag, nd, block in read_tables(ints, 1, WIDTHS):
+        if tag != FULL:
             raise ValueError("decode_shards: a compact record has no content")
-        out.append(ShardMeta(key, KIND_NAMES[kind], src, dtype, gshape, offsets, sizes, (0,), 0, has_data=bool(flags & HAS_DATA)))
-    return out
-
-
-def encode_shards(metas: Sequence[ShardMeta], rank: int) -> bytes:
-    """Records of ``metas`` in one message (e.g. a rank's write assignment, for the zarr layout)."""
-    w = MessageWriter()
-    w.add(rank)
-    for i, m in enumerate(metas):
-        _put_shard(w, i, m)
-    return w.tobytes()
+        for row in block.T.tolist():
+            idx, ks, kind, ds, flags = row[:5]
+            g, o, s = tuple(row[5 : 5 + nd]), tuple(row[5 + nd : 5 + 2 * nd]), tuple(row[5 + 2 * nd :])
+            out.append((idx, ShardMeta(strings[ks], KIND_NAMES[kind], src, strings[ds], g, o, s, (0,), 0,
+                                       has_data=bool(flags & HAS_DATA))))
+    return [m for _, m in sorted(out, key=lambda im: im[0])]
 
 
 # --------------------------------------------------------------------------- chunk owner
+class _Inbox:
+    """The full and compact records a chunk owner received, as arrays (strings interned)."""
+
+    def __init__(self, inbox: Iterable[bytes]) -> None:
+        src_of: List[int] = []
+
+        def prefix(i: int, ints: List[int], p: int) -> int:
+            src_of.append(ints[p])
+            return p + 1
+
+        batch = TableBatch(inbox, WIDTHS, prefix)
+        src = np.asarray(src_of, dtype=np.int64)
+        self.strings: List[str] = batch.strings
+        self.full: Dict[int, np.ndarray] = {}  # nd -> rows (src, idx, key, kind, dtype, flags, geo)
+        compact = [np.zeros((0, 5), dtype=np.int64)]  # rows (src, idx, digest low, digest high, flags)
+        for tag, nd in batch.tables:
+            if tag == FULL:
+                msg, block = batch.rows(tag, nd, WIDTHS[FULL](nd))
+                rows = np.empty((block.shape[1], 6 + 3 * nd), dtype=np.int64)
+                rows[:, 0] = src[msg]
+                rows[:, 1] = block[0]
+                rows[:, 2] = batch.global_ids(msg, block[1])
+                rows[:, 3] = block[2]
+                rows[:, 4] = batch.global_ids(msg, block[3])
+                rows[:, 5:] = block[4:].T
+                self.full[nd] = rows
+            elif tag == COMPACT:
+                msg, block = batch.rows(tag, nd, WIDTHS[COMPACT](nd))
+                compact.append(np.concatenate([src[msg][:, None], block.T], axis=1))
+            else:
+                raise ValueError(f"unexpected table {tag} in a holder's message")
+        self.compact = np.concatenate(compact)
+
+
+class _Out:
+    """Messages a chunk owner sends, by destination: tables of rows, and general records
+    (variable length, one GENERAL table per destination, appended by :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self.writers: Dict[int, MessageWriter] = {}
+        self.general: Dict[int, List[int]] = defaultdict(list)
+
+    def writer(self, dst: int) -> MessageWriter:
+        w = self.writers.get(dst)
+        if w is None:
+            w = self.writers[dst] = MessageWriter()
+        return w
+
+    def tobytes(self) -> Dict[int, bytes]:
+        for d, g in self.general.items():
+            if g:
+                put_table(self.writer(d), GENERAL, 0, [np.asarray(g, dtype=np.int64)])
+        return {d: w.tobytes() for d, w in sorted(self.writers.items())}
+
+
+class _Answers:
+    """Replies to holders: ANSWER rows ``(idx, holder-set digest low, high, set size, position)``
+    by destination, from whole arrays (the plain chunks) or one row at a time."""
+
+    def __init__(self) -> None:
+        self.tables: Dict[int, List[np.ndarray]] = defaultdict(list)
+        self.rows: Dict[int, List[Tuple[int, ...]]] = defaultdict(list)
+
+    def table(self, dst: int, cols: Sequence[np.ndarray]) -> None:
+        self.tables[dst].append(np.stack(cols))
+
+    def row(self, dst: int, idx: int, hdig: int, n: int, pos: int) -> None:
+        """``n = 0``: send the record in full (a detail request)."""
+        lo, hi = hdig & 0xFFFFFFFF, (hdig >> 32) & 0xFFFFFFFF
+        self.rows[dst].append((idx, lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi, n, pos))
+
+    def tobytes(self) -> Dict[int, bytes]:
+        out = {}
+        for d in sorted(set(self.tables) | set(self.rows)):
+            blocks = self.tables.get(d, []) + ([np.asarray(self.rows[d], dtype=np.int64).T] if self.rows.get(d) else [])
+            w = MessageWriter()
+            put_table(w, ANSWER, 0, [np.concatenate(blocks, axis=1)])
+            out[d] = w.tobytes()
+        return out
+
+
 def chunk_owner_step(
     inbox: Iterable[bytes], world: int, *, balance: bool = True, replies: bool = True
 ) -> Tuple[Dict[int, bytes], Dict[int, bytes]]:
@@ -185,190 +278,201 @@ def chunk_owner_step(
     more than :data:`DIRECT_ABOVE` candidates gets one, chosen by hash, so replies
     stay O(1) per chunk however large the replica group.
     """
-    chunks: Dict[Tuple, List[Tuple]] = defaultdict(list)  # chunk id -> full records
-    compact: Dict[int, List[Tuple[int, int, int]]] = defaultdict(list)  # record digest -> (src, idx, flags)
-    for msg in inbox:
-        for src, idx, key, kind, dtype, flags, gshape, offsets, sizes in _read_shards(msg):
-            if key is None:  # a compact copy: ``kind`` holds its record digest
-                compact[kind].append((src, idx, flags))
-            else:
-                chunks[(key, kind, offsets, gshape if kind == 1 else ())].append((src, idx, dtype, gshape, sizes, flags))
-    forwards: Dict[int, MessageWriter] = {}
-    answers: Dict[int, MessageWriter] = {}
-
-    def answer(dst: int, *values: int) -> None:
-        a = answers.get(dst)
-        if a is None:
-            a = answers[dst] = MessageWriter()
-        a.add(*values)
-
-    for (key, kind, offsets, _), recs in chunks.items():
-        recs.sort()
-        # the copies identical to a main replica of this chunk, by content (dtype, shape, sizes)
-        copies: Dict[Tuple, List[Tuple[int, int, int]]] = {}
-        if compact:
-            for r in recs:
-                content = (r[2], r[3], r[4])
-                if r[5] & MAIN and content not in copies:
-                    copies[content] = compact.pop(record_digest(key, kind, r[2], r[3], offsets, r[4]), [])
-        by_sig: Dict[Tuple, List[Tuple]] = defaultdict(list)
-        for r in recs:
-            by_sig[(r[2], r[3])].append(r)
-        ko = key_owner(key, world)
-        w = forwards.get(ko)
-        if w is None:
-            w = forwards[ko] = MessageWriter()
-        for (dtype, gshape), group in by_sig.items():
-            mains = [r for r in group if r[5] & MAIN]
-            w.add(w.sid(key), kind, w.sid(dtype), len(gshape), *gshape, *offsets, len(mains))
-            for r in mains:
-                w.add(r[0], *r[4])
-            holders = {r[0] for r in group}
-            for content, cs in copies.items():
-                if content[0] == dtype and content[1] == gshape:
-                    holders.update(c[0] for c in cs)
-            runs = encode_runs(sorted(holders))
-            w.add(len(runs), *runs)
-        if kind == 1:
-            # A ShardedObject is stored under its unique key; the owner of that name (where a
-            # ShardedTensor of the same name would be validated) checks that nothing else uses it.
-            skey = object_storage_key(key, offsets, recs[0][3])
-            cw = forwards.get(key_owner(skey, world))
-            if cw is None:
-                cw = forwards[key_owner(skey, world)] = MessageWriter()
-            runs = encode_runs(sorted({r[0] for r in recs}))
-            cw.add(cw.sid(skey), CLAIM, cw.sid(key), len(runs), *runs)
-        if not replies:
-            continue
-        main = next((r for r in recs if r[5] & MAIN), None)
-        if main is None:
-            continue  # nothing to write (validation reports it)
-        if kind == 1 or not balance:
-            candidates = [(main[0], main[1])]
-        else:
-            content = (main[2], main[3], main[4])
-            both = [(r[0], r[1]) for r in recs if (r[2], r[3], r[4]) == content and r[5] & HAS_DATA]
-            both += [(c[0], c[1]) for c in copies.get(content, ()) if c[2] & HAS_DATA]
-            both.sort()
-            candidates = [c for i, c in enumerate(both) if i == 0 or both[i - 1][0] != c[0]]  # one per rank
-            candidates = candidates or [(main[0], main[1])]
-            if len(candidates) > DIRECT_ABOVE and math.prod(main[4]) < DIRECT_BELOW_ELEMENTS:
-                # a small chunk held by many ranks (a tensor-parallel-replicated norm or bias
-                # across a large data-parallel group): this owner picks the writer, spread by
-                # hash, and tells only it - O(1) replies instead of one per copy
-                candidates = [candidates[digest64(chunk_token(key, offsets)) % len(candidates)]]
-        n = len(candidates)
-        hdig = digest64(array("q", [c[0] for c in candidates]).tobytes()) if n > 1 else 0
-        for pos, (rank, idx) in enumerate(candidates):
-            answer(rank, idx, hdig, n, pos)
+    world = max(world, 1)
+    box = _Inbox(inbox)
+    strings = box.strings
+    sdig = string_digests(strings)
+    kowner = np.fromiter((owner_of_key(s, world) for s in strings), dtype=np.int64, count=len(strings))
+    compact = box.compact
+    cdig = joined(compact[:, 2], compact[:, 3]) if len(compact) else np.zeros(0, dtype=np.uint64)
+    claimed = np.zeros(len(compact), dtype=bool)  # compact copies matched to a chunk
+    fwd, ans = _Out(), _Answers()
+    general: List[Tuple[int, np.ndarray, np.ndarray]] = []  # (nd, rows of one chunk, compact rows matched)
+    unmatched_by_digest: Dict[int, List[int]] = defaultdict(list)
+    for nd, rows in sorted(box.full.items()):
+        key, kind, flags = rows[:, 2], rows[:, 3], rows[:, 5]
+        geo = rows[:, 6:]
+        # chunk identity: key, kind, offsets, (object) global shape; records of a chunk by (rank, idx)
+        gobj = np.where(kind[:, None] == 1, geo[:, :nd], 0)
+        sort_cols = [rows[:, 1], rows[:, 0]] + [gobj[:, j] for j in reversed(range(nd))]
+        sort_cols += [geo[:, nd + j] for j in reversed(range(nd))] + [kind, key]
+        order = np.lexsort(sort_cols)
+        rows, key, kind, flags, geo, gobj = rows[order], key[order], kind[order], flags[order], geo[order], gobj[order]
+        ident = np.concatenate([key[:, None], kind[:, None], geo[:, nd : 2 * nd], gobj], axis=1)
+        starts = np.flatnonzero(np.r_[True, np.any(ident[1:] != ident[:-1], axis=1)])
+        counts = np.diff(np.r_[starts, len(rows)])
+        # compact copies: matched to the main record with the same content digest
+        rdig = record_digests(sdig[key], kind, sdig[rows[:, 4]], geo)
+        is_main = (flags & MAIN) != 0
+        chunk_of_row = np.repeat(np.arange(len(starts)), counts)
+        match = np.full(len(compact), -1, dtype=np.int64)  # row matched by each compact copy
+        mains = np.flatnonzero(is_main)
+        if len(compact) and len(mains):
+            md = rdig[mains]
+            srt = np.argsort(md, kind="stable")
+            pos = np.searchsorted(md[srt], cdig)
+            pos_c = np.minimum(pos, len(srt) - 1)
+            hit = (md[srt][pos_c] == cdig) & ~claimed
+            match[hit] = mains[srt[pos_c[hit]]]
+        simple = (counts == 1) & is_main[starts]
+        matched_chunk = np.where(match >= 0, chunk_of_row[np.maximum(match, 0)], -1)
+        with_copies = np.zeros(len(starts), dtype=bool)
+        if len(compact):
+            claimed |= match >= 0
+            with_copies[matched_chunk[matched_chunk >= 0]] = True
+            for j in np.flatnonzero((match >= 0) & ~simple[np.maximum(matched_chunk, 0)]).tolist():
+                unmatched_by_digest[int(cdig[j])].append(j)  # the general path matches these itself
+        plain = simple & ~with_copies
+        _forward_plain(fwd, ans, rows[starts[plain]], nd, strings, kowner, replies)
+        by_chunk = np.argsort(matched_chunk, kind="stable")
+        mc = matched_chunk[by_chunk]
+        for c in np.flatnonzero(~plain).tolist():
+            s = starts[c]
+            crow = compact[:0]
+            if simple[c]:
+                crow = compact[by_chunk[np.searchsorted(mc, c, "left") : np.searchsorted(mc, c, "right")]]
+            general.append((nd, rows[s : s + counts[c]], crow))
+        for r in np.flatnonzero(plain & (kind[starts] == 1)).tolist():
+            _claim(fwd, rows[starts[r] : starts[r] + 1], nd, strings, world)
+    for j in np.flatnonzero(~claimed).tolist():
+        unmatched_by_digest[int(cdig[j])].append(j)
+    for nd, recs, crow in general:
+        _general_chunk(fwd, ans, nd, recs, crow, compact, cdig, unmatched_by_digest, strings, sdig, kowner, world,
+                       balance, replies)
     # copies matching no main replica here: differ from it, or their chunk has none
-    for cs in compact.values():
-        for src, idx, _flags in cs:
-            answer(src, idx, DETAIL, 0, 0)
-    return (
-        {d: w.tobytes() for d, w in sorted(forwards.items())},
-        {d: w.tobytes() for d, w in sorted(answers.items())},
-    )
+    left = sorted(j for js in unmatched_by_digest.values() for j in js)
+    for src, idx in compact[left, :2].tolist():
+        ans.row(src, idx, 0, 0, 0)
+    return fwd.tobytes(), ans.tobytes()
 
 
-# --------------------------------------------------------------------------- key owner
-@dataclass(frozen=True)
-class KeySummary:
-    """What rank 0's commit checks the written chunks of one key against."""
-
-    key: str
-    kind: str
-    dtype: str
-    global_shape: Tuple[int, ...]
-    chunks: int  # distinct chunks with a main replica (each is written exactly once)
-    token_sum: int  # sum of the chunks' digests modulo 2**62
-
-
-_MOD = 1 << 62
-
-
-def chunk_digest(storage_key: str, offsets: Optional[Sequence[int]]) -> int:
-    return digest64(chunk_token(storage_key, offsets)) % _MOD
-
-
-def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[List[str], List[KeySummary]]:
-    """Step 3 (key owner): integrity problems of the owned keys (sorted by key) and their summaries."""
-    mains: Dict[Tuple[str, int], List[ShardMeta]] = defaultdict(list)
-    holdings: Dict[Tuple[str, int], List[Holding]] = defaultdict(list)
-    claims: Dict[str, Dict[Tuple[str, str], set]] = defaultdict(dict)  # storage key -> (kind, key) -> ranks
-    for msg in inbox:
-        strings, ints = decode(msg)
-        p, n = 0, len(ints)
-        while p < n:
-            ks, kind, ds, nd = ints[p : p + 4]
-            p += 4
-            if kind == CLAIM:  # (storage key, CLAIM, object key, #runs, runs...)
-                claims[strings[ks]].setdefault(("object", strings[ds]), set()).update(decode_runs(ints[p : p + nd]))
-                p += nd
-                continue
-            gshape = tuple(ints[p : p + nd])
-            offsets = tuple(ints[p + nd : p + 2 * nd])
-            nmain = ints[p + 2 * nd]
-            p += 2 * nd + 1
-            key, dtype, kname = strings[ks], strings[ds], KIND_NAMES[kind]
-            for _ in range(nmain):
-                mains[(key, kind)].append(
-                    ShardMeta(key, kname, ints[p], dtype, gshape, offsets, tuple(ints[p + 1 : p + 1 + nd]), (0,), 0)
-                )
-                p += 1 + nd
-            nr = ints[p]
-            holdings[(key, kind)].append(Holding(kname, dtype, gshape, offsets, tuple(ints[p + 1 : p + 1 + nr])))
-            p += 1 + nr
-    problems: List[str] = []
-    summaries: List[KeySummary] = []
-    # storage-key collisions (always refused, validation or not): a name claimed by an object
-    # and also a tensor key, or by objects of different keys
-    for skey in sorted(claims):
-        items = dict(claims[skey])
-        if (skey, 0) in holdings:
-            items[("tensor", skey)] = {r for h in holdings[(skey, 0)] for r in decode_runs(h.runs)}
-        if len(items) > 1:
-            problems.append(collision_message(skey, items))
-    by_key: Dict[str, List[Tuple[str, int]]] = defaultdict(list)
-    for k in holdings:
-        by_key[k[0]].append(k)
-    for key in sorted(by_key):
-        if validate:
-            ms = [m for k in by_key[key] for m in mains.get(k, [])]
-            hs = [h for k in by_key[key] for h in holdings[k]]
-            problems.extend(validate_key_records(key, sorted(ms, key=lambda m: (m.rank, m.offsets)), hs))
-        for k in sorted(by_key[key], key=lambda k: k[1]):
-            hs = sorted(holdings[k], key=lambda h: h.runs[0])
-            first = hs[0]
-            ids = {}
-            for m in mains.get(k, []):
-                if m.kind == "tensor":
-                    ids[(m.key, m.offsets)] = True
-                else:  # stored by unique key, without offsets (as the writer reports it)
-                    ids[(object_storage_key(m.key, m.offsets, m.global_shape), None)] = True
-            total = sum(chunk_digest(sk, off) for sk, off in ids) % _MOD
-            summaries.append(KeySummary(key, first.kind, first.dtype, first.global_shape, len(ids), total))
-    return problems, summaries
+def _forward_plain(fwd: _Out, ans: _Answers, rows: np.ndarray, nd: int, strings: List[str], kowner: np.ndarray,
+                   replies: bool) -> None:
+    """Chunks with one record, their main replica: forwarded as SIMPLE rows, answered ``n = 1``."""
+    if not len(rows):
+        return
+    dest = kowner[rows[:, 2]]
+    order = np.argsort(dest, kind="stable")
+    for sel in np.split(order, np.flatnonzero(np.diff(dest[order])) + 1):
+        r = rows[sel]
+        w = fwd.writer(int(dest[sel[0]]))
+        key, dtype = _localize(w, strings, r[:, 2], r[:, 4])
+        geo = r[:, 6:]
+        one = np.ones(len(r), dtype=np.int64)
+        put_table(w, SIMPLE, nd, [key, r[:, 3], dtype, geo[:, : 2 * nd].T, r[:, 0], geo[:, 2 * nd :].T, r[:, 0], one, one])
+    if replies:
+        src = rows[:, 0]
+        order = np.argsort(src, kind="stable")
+        for sel in np.split(order, np.flatnonzero(np.diff(src[order])) + 1):
+            n = len(sel)
+            zero, one = np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+            ans.table(int(src[sel[0]]), [rows[sel, 1], zero, zero, one, zero])
 
 
-def encode_summaries(w: MessageWriter, summaries: Sequence[KeySummary]) -> None:
-    w.add(len(summaries))
-    for s in summaries:
-        w.add(w.sid(s.key), KIND_CODES[s.kind], w.sid(s.dtype), len(s.global_shape), *s.global_shape, s.chunks, s.token_sum)
+def _localize(w: MessageWriter, strings: List[str], *cols: np.ndarray) -> List[np.ndarray]:
+    """Columns of global string ids as ids into ``w``'s string table."""
+    u = np.unique(np.concatenate(cols))
+    lut = np.asarray([w.sid(strings[g]) for g in u.tolist()], dtype=np.int64)
+    return [lut[np.searchsorted(u, c)] for c in cols]
 
 
-def _read_summaries(strings: List[str], ints: List[int], p: int) -> Tuple[List[KeySummary], int]:
-    out = []
-    for _ in range(ints[p]):
-        ks, kind, ds, nd = ints[p + 1 : p + 5]
-        gshape = tuple(ints[p + 5 : p + 5 + nd])
-        chunks, token_sum = ints[p + 5 + nd], ints[p + 6 + nd]
-        out.append(KeySummary(strings[ks], KIND_NAMES[kind], strings[ds], gshape, chunks, token_sum))
-        p += 6 + nd
-    return out, p + 1
+def _claim(fwd: _Out, recs: np.ndarray, nd: int, strings: List[str], world: int) -> None:
+    """A ShardedObject is stored under its unique key; the owner of that name (where a
+    ShardedTensor of the same name would be validated) checks that nothing else uses it."""
+    r0 = recs[0].tolist()
+    key = strings[r0[2]]
+    skey = object_storage_key(key, tuple(r0[6 + nd : 6 + 2 * nd]), tuple(r0[6 : 6 + nd]))
+    cw = fwd.writer(owner_of_key(skey, world))
+    runs = encode_runs(sorted({int(s) for s in recs[:, 0].tolist()}))
+    fwd.general[owner_of_key(skey, world)].extend([cw.sid(skey), CLAIM, cw.sid(key), len(runs), *runs])
+
+
+def _general_chunk(
+    fwd: _Out, ans: _Answers, nd: int, recs_arr: np.ndarray, crow: np.ndarray, compact: np.ndarray, cdig: np.ndarray,
+    unmatched: Dict[int, List[int]], strings: List[str], sdig: np.ndarray, kowner: np.ndarray, world: int,
+    balance: bool, replies: bool,
+) -> None:
+    """One chunk that is not the plain case, record by record (the reference algorithm)."""
+    recs = []  # (src, idx, dtype, gshape, sizes, flags)
+    for row in recs_arr.tolist():
+        recs.append((row[0], row[1], row[4], tuple(row[6 : 6 + nd]), tuple(row[6 + 2 * nd :]), row[5]))
+    recs.sort()
+    r0 = recs_arr[0].tolist()
+    key_g, kind = r0[2], r0[3]
+    key = strings[key_g]
+    offsets = tuple(r0[6 + nd : 6 + 2 * nd])
+    # the copies identical to a main replica of this chunk, by content (dtype, shape, sizes)
+    copies: Dict[Tuple, List[Tuple[int, int, int]]] = {}
+    if len(crow):  # matched already (a simple chunk with copies)
+        main = next(r for r in recs if r[5] & MAIN)
+        copies[(main[2], main[3], main[4])] = [tuple(c) for c in crow[:, [0, 1, 4]].tolist()]
+    elif unmatched:
+        for r in recs:
+            content = (r[2], r[3], r[4])
+            if r[5] & MAIN and content not in copies:
+                geo = np.asarray([r[3] + offsets + r[4]], dtype=np.int64).reshape(1, 3 * nd)
+                d = int(record_digests(sdig[[key_g]], np.asarray([kind]), sdig[[r[2]]], geo)[0])
+                js = unmatched.pop(d, [])
+                copies[content] = [tuple(compact[j, [0, 1, 4]].tolist()) for j in js]
+    by_sig: Dict[Tuple, List[Tuple]] = defaultdict(list)
+    for r in recs:
+        by_sig[(r[2], r[3])].append(r)
+    ko = int(kowner[key_g])
+    w = fwd.writer(ko)
+    for (dtype_g, gshape), group in by_sig.items():
+        mains = [r for r in group if r[5] & MAIN]
+        vals = [w.sid(key), kind, w.sid(strings[dtype_g]), nd, *gshape, *offsets, len(mains)]
+        for r in mains:
+            vals += [r[0], *r[4]]
+        holders = {r[0] for r in group}
+        for content, cs in copies.items():
+            if content[0] == dtype_g and content[1] == gshape:
+                holders.update(c[0] for c in cs)
+        runs = encode_runs(sorted(holders))
+        vals += [len(runs), *runs]
+        fwd.general[ko].extend(vals)
+    if kind == 1:
+        _claim(fwd, recs_arr, nd, strings, world)
+    if not replies:
+        return
+    main = next((r for r in recs if r[5] & MAIN), None)
+    if main is None:
+        return  # nothing to write (validation reports it)
+    if kind == 1 or not balance:
+        candidates = [(main[0], main[1])]
+    else:
+        content = (main[2], main[3], main[4])
+        both = [(r[0], r[1]) for r in recs if (r[2], r[3], r[4]) == content and r[5] & HAS_DATA]
+        both += [(c[0], c[1]) for c in copies.get(content, ()) if c[2] & HAS_DATA]
+        both.sort()
+        candidates = [c for i, c in enumerate(both) if i == 0 or both[i - 1][0] != c[0]]  # one per rank
+        candidates = candidates or [(main[0], main[1])]
+        if len(candidates) > DIRECT_ABOVE and math.prod(main[4]) < DIRECT_BELOW_ELEMENTS:
+            # a small chunk held by many ranks (a tensor-parallel-replicated norm or bias
+            # across a large data-parallel group): this owner picks the writer, spread by
+            # hash, and tells only it - O(1) replies instead of one per copy
+            candidates = [candidates[digest64(chunk_token(key, offsets)) % len(candidates)]]
+    n = len(candidates)
+    hdig = digest64(array("q", [c[0] for c in candidates]).tobytes()) if n > 1 else 0
+    for pos, (rank, idx) in enumerate(candidates):
+        ans.row(rank, idx, hdig, n, pos)
 
 
 # --------------------------------------------------------------------------- holder: write assignment
+def _answers(replies: Iterable[bytes]) -> np.ndarray:
+    """Every reply row as one array ``(m, 4)``: idx, holder-set digest, set size, position."""
+    batch = TableBatch(replies, WIDTHS)
+    if any(tag != ANSWER for tag, _ in batch.tables):
+        raise ValueError("unexpected table in a chunk owner's reply")
+    _, b = batch.rows(ANSWER, 0, WIDTHS[ANSWER](0))
+    out = np.empty((b.shape[1], 4), dtype=np.int64)
+    out[:, 0] = b[0]
+    out[:, 1] = joined(b[1], b[2]).view(np.int64)
+    out[:, 2] = b[3]
+    out[:, 3] = b[4]
+    return out
+
+
 def assign_writes(metas: Sequence[ShardMeta], replies: Iterable[bytes]) -> List[int]:
     """Step 4 (holder): indices into ``metas`` of the chunks this rank writes, in chunk order.
 
@@ -376,20 +480,13 @@ def assign_writes(metas: Sequence[ShardMeta], replies: Iterable[bytes]) -> List[
     chunk first to the least-loaded position, ties rotated by the set's digest so
     small sets do not all pick their first member) and keep their own chunks.
     """
+    rows = _answers(replies)
+    mine: List[int] = rows[rows[:, 2] == 1, 0].tolist()
     groups: Dict[Tuple[int, int], List[Tuple]] = defaultdict(list)
-    for msg in replies:
-        _, ints = decode(msg)
-        for p in range(0, len(ints), 4):
-            idx, hdig, n, pos = ints[p : p + 4]
-            if hdig == DETAIL:
-                continue
-            m = metas[idx]
-            groups[(hdig, n)].append((-m.nbytes, m.storage_key, m.offsets, idx, pos))
-    mine: List[int] = []
+    for idx, hdig, n, pos in rows[rows[:, 2] > 1].tolist():
+        m = metas[idx]
+        groups[(hdig, n)].append((-m.nbytes, m.storage_key, m.offsets, idx, pos))
     for (hdig, n), items in groups.items():
-        if n == 1:
-            mine.extend(it[3] for it in items)
-            continue
         items.sort()
         rot = hdig % n
         heap = [(0, (p - rot) % n, p) for p in range(n)]
@@ -404,149 +501,6 @@ def assign_writes(metas: Sequence[ShardMeta], replies: Iterable[bytes]) -> List[
 
 def detail_requests(replies: Iterable[bytes]) -> List[int]:
     """Indices of the records whose owner asked for them in full (copies that differ from their main)."""
-    out = []
-    for msg in replies:
-        _, ints = decode(msg)
-        out.extend(ints[p] for p in range(0, len(ints), 4) if ints[p + 1] == DETAIL)
-    return sorted(out)
-
-
-# --------------------------------------------------------------------------- writers -> rank 0
-@dataclass(frozen=True)
-class Written:
-    """One stored item as rank 0 records it (``sizes`` None for objects and zarr items)."""
-
-    storage_key: str
-    offsets: Optional[Tuple[int, ...]]
-    sizes: Optional[Tuple[int, ...]]
-    relative_path: str
-    offset: int
-    length: int
-    checksum: int  # the item digest (CRC32 or XXH3-64: up to 64 bits)
-    # tensor items of torch_dist: (data offset, data length, block size, block digests)
-    blocks: Optional[Tuple[int, int, int, Sequence[int]]] = None
-
-
-def _halves(digests: Sequence[int]) -> List[int]:
-    """Unsigned 64-bit digests as pairs of signed 32-bit integers (low, high), so that messages
-    of digests keep 4-byte integers (numpy for long lists; a loop is faster for a few)."""
-    if len(digests) > 8:
-        return np.asarray(digests, dtype="<u8").view("<i4").tolist()
-    out: List[int] = []
-    for d in digests:
-        lo, hi = d & 0xFFFFFFFF, d >> 32
-        out += (lo - (1 << 32) if lo >> 31 else lo, hi - (1 << 32) if hi >> 31 else hi)
-    return out
-
-
-def _joined(ints: Sequence[int]) -> List[int]:
-    """Inverse of :func:`_halves`."""
-    if len(ints) > 16:
-        return np.asarray(ints, dtype="<i4").view("<u8").tolist()
-    return [(ints[i] & 0xFFFFFFFF) | ((ints[i + 1] & 0xFFFFFFFF) << 32) for i in range(0, len(ints), 2)]
-
-
-def encode_finalize(error: Optional[str], written: Sequence[Written], summaries: Sequence[KeySummary]) -> bytes:
-    """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys.
-
-    Empty (zero bytes) for a rank with nothing to report, so rank 0 receives O(unique
-    chunks + keys) bytes plus one size per rank.
-    """
-    if not error and not written and not summaries:
-        return b""
-    w = MessageWriter()
-    w.sid(error or "")
-    w.add(1 if error else 0, len(written))
-    for it in written:
-        nd = -1 if it.offsets is None else len(it.offsets)
-        w.add(w.sid(it.storage_key), nd, *(it.offsets or ()), 1 if it.sizes is not None else 0, *(it.sizes or ()),
-              w.sid(it.relative_path), it.offset, it.length, *_halves([it.checksum]))
-        if it.blocks is None:
-            w.add(-1)
-        else:
-            data_offset, data_length, block_size, digests = it.blocks
-            w.add(len(digests), data_offset, data_length, block_size)
-            w.extend(_halves(digests))
-    encode_summaries(w, summaries)
-    return w.tobytes()
-
-
-def decode_finalize(msg: bytes) -> Tuple[Optional[str], List[Written], List[KeySummary]]:
-    if not msg:
-        return None, [], []
-    strings, ints = decode(msg)
-    error = strings[0] if ints[0] else None
-    items = []
-    p = 2
-    for _ in range(ints[1]):
-        sk, nd = ints[p : p + 2]
-        p += 2
-        offsets = None if nd < 0 else tuple(ints[p : p + nd])
-        p += max(nd, 0)
-        sizes = None
-        if ints[p]:
-            sizes = tuple(ints[p + 1 : p + 1 + nd])
-            p += nd
-        p += 1
-        path, offset, length, (digest,) = strings[ints[p]], ints[p + 1], ints[p + 2], _joined(ints[p + 3 : p + 5])
-        p += 5
-        nb = ints[p]
-        blocks = None
-        if nb >= 0:
-            blocks = (ints[p + 1], ints[p + 2], ints[p + 3], _joined(ints[p + 4 : p + 4 + 2 * nb]))
-            p += 3 + 2 * nb
-        p += 1
-        items.append(Written(strings[sk], offsets, sizes, path, offset, length, digest, blocks))
-    summaries, p = _read_summaries(strings, ints, p)
-    return error, items, summaries
-
-
-@dataclass
-class CommitLayout:
-    """What rank 0's commit writes into ``.metadata``: O(unique chunks), built from compact records."""
-
-    tensors: Dict[str, Tuple[str, Tuple[int, ...], List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]] = field(default_factory=dict)
-    objects: List[str] = field(default_factory=list)
-    written: List[Written] = field(default_factory=list)
-
-
-def commit_layout(written: Sequence[Written], summaries: Sequence[KeySummary], check_layout: bool = True) -> CommitLayout:
-    """Tensor layouts (dtype name, global shape, chunk boxes) and object keys for the commit.
-
-    With ``check_layout`` every summarised key must have exactly its main chunks
-    written, once each; anything else is an internal error naming the key.
-    """
-    out = CommitLayout(written=list(written))
-    seen: Dict[Tuple[str, Optional[Tuple[int, ...]]], Written] = {}
-    for it in written:
-        cid = (it.storage_key, it.offsets)
-        if cid in seen:
-            raise CheckpointingException(
-                f"internal error: chunk {it.offsets} of {it.storage_key!r} was written twice "
-                f"({seen[cid].relative_path} and {it.relative_path})"
-            )
-        seen[cid] = it
-    if not check_layout:
-        return out
-    by_key: Dict[str, List[Written]] = defaultdict(list)
-    for it in written:
-        key = it.storage_key if it.sizes is not None else it.storage_key.rsplit("/shard_", 1)[0]
-        by_key[key].append(it)
-    for s in sorted(summaries, key=lambda s: (s.key, s.kind)):
-        items = [it for it in by_key.get(s.key, []) if (it.sizes is not None) == (s.kind == "tensor")]
-        total = sum(chunk_digest(it.storage_key, it.offsets) for it in items) % _MOD
-        if len(items) != s.chunks or total != s.token_sum:
-            raise CheckpointingException(
-                f"internal error: {s.chunks} chunks of {s.key!r} should have been written, "
-                f"{len(items)} were (not written by any rank, or by the wrong ranks)"
-            )
-        if s.kind == "tensor":
-            out.tensors[s.key] = (s.dtype, s.global_shape, sorted((it.offsets, it.sizes) for it in items))
-        else:
-            out.objects.extend(it.storage_key for it in items)
-    unknown = sorted(set(by_key) - {s.key for s in summaries})
-    if unknown:
-        raise CheckpointingException(f"internal error: chunks of {unknown[:5]} were written but no rank planned them")
-    out.objects.sort()
-    return out
+    rows = _answers(replies)
+    return sorted(rows[rows[:, 2] == 0, 0].tolist())
 

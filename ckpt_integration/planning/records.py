@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from typing import Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+import numpy as np
 
 MAGIC = b"CKR1"
 _HEADER = struct.Struct("<4sBIII")  # magic, bytes per int, #strings, string bytes, #ints
@@ -27,14 +29,16 @@ _INT32 = (-(1 << 31), (1 << 31) - 1)
 
 
 class MessageWriter:
-    """Builds one message: intern strings with :meth:`sid`, append integers with :meth:`add`."""
+    """Builds one message: intern strings with :meth:`sid`, append integers with :meth:`add`
+    (or whole integer arrays with :meth:`add_array`, e.g. a :func:`put_table` section)."""
 
-    __slots__ = ("strings", "_ids", "ints")
+    __slots__ = ("strings", "_ids", "ints", "_parts")
 
     def __init__(self) -> None:
         self.strings: List[str] = []
         self._ids: dict = {}
         self.ints: List[int] = []
+        self._parts: List[np.ndarray] = []  # integers added so far as arrays, in order
 
     def sid(self, s: str) -> int:
         """Index of ``s`` in this message's string table (added on first use)."""
@@ -50,24 +54,59 @@ class MessageWriter:
     def extend(self, values: Iterable[int]) -> None:
         self.ints.extend(values)
 
+    def add_array(self, values: np.ndarray) -> None:
+        """Append the integers of ``values`` (any shape, in C order) without a Python loop."""
+        if self.ints:
+            self._parts.append(np.asarray(self.ints, dtype=np.int64))
+            self.ints = []
+        self._parts.append(np.asarray(values, dtype=np.int64).reshape(-1))
+
+    def sids(self, strings: Sequence[str]) -> np.ndarray:
+        """:meth:`sid` of each of ``strings``, as an array."""
+        return np.fromiter((self.sid(s) for s in strings), dtype=np.int64, count=len(strings))
+
     def __bool__(self) -> bool:
-        return bool(self.ints) or bool(self.strings)
+        return bool(self.ints) or bool(self.strings) or bool(self._parts)
 
     def tobytes(self) -> bytes:
-        return encode(self.strings, self.ints)
+        if not self._parts:
+            return encode(self.strings, self.ints)
+        parts = self._parts + ([np.asarray(self.ints, dtype=np.int64)] if self.ints else [])
+        return encode_array(self.strings, np.concatenate(parts))
 
 
 def encode(strings: Sequence[str], ints: Sequence[int]) -> bytes:
-    raw = [s.encode("utf-8", "surrogatepass") for s in strings]
-    lengths = array("I", map(len, raw))
-    blob = lengths.tobytes() + b"".join(raw)
+    blob, nstr = _string_blob(strings)
     wide = bool(ints) and (min(ints) < _INT32[0] or max(ints) > _INT32[1])
     body = array("q" if wide else "i", ints)
-    return _HEADER.pack(MAGIC, 8 if wide else 4, len(raw), len(blob), len(body)) + blob + body.tobytes()
+    return _HEADER.pack(MAGIC, 8 if wide else 4, nstr, len(blob), len(body)) + blob + body.tobytes()
+
+
+def _string_blob(strings: Sequence[str]) -> Tuple[bytes, int]:
+    raw = [s.encode("utf-8", "surrogatepass") for s in strings]
+    return array("I", map(len, raw)).tobytes() + b"".join(raw), len(raw)
+
+
+def encode_array(strings: Sequence[str], ints: np.ndarray) -> bytes:
+    """:func:`encode` of an integer array (same bytes as ``encode(strings, ints.tolist())``)."""
+    blob, nstr = _string_blob(strings)
+    wide = ints.size > 0 and (int(ints.min()) < _INT32[0] or int(ints.max()) > _INT32[1])
+    body = ints.astype(np.int64 if wide else np.int32, copy=False)
+    return _HEADER.pack(MAGIC, 8 if wide else 4, nstr, len(blob), ints.size) + blob + body.tobytes()
+
+
+def decode_array(buf: bytes) -> Tuple[List[str], np.ndarray]:
+    """:func:`decode` with the integers as one int64 array (for messages read with :func:`read_tables`)."""
+    strings, body = _decode(buf, as_array=True)
+    return strings, body
 
 
 def decode(buf: bytes) -> Tuple[List[str], List[int]]:
     """Inverse of :func:`encode`; raises ``ValueError`` on anything that is not such a message."""
+    return _decode(buf, as_array=False)
+
+
+def _decode(buf: bytes, as_array: bool) -> Tuple[List[str], Any]:
     if len(buf) < _HEADER.size:
         raise ValueError(f"metadata message of {len(buf)} bytes is too short")
     magic, width, nstr, nblob, nints = _HEADER.unpack_from(buf, 0)
@@ -76,23 +115,83 @@ def decode(buf: bytes) -> Tuple[List[str], List[int]]:
     pos = _HEADER.size
     if len(buf) != pos + nblob + nints * width or nblob < 4 * nstr:
         raise ValueError("metadata message has an inconsistent length")
+    if as_array:
+        if not nstr and nblob:
+            raise ValueError("metadata message has an inconsistent string table")
+        ints = np.frombuffer(buf, dtype=np.int64 if width == 8 else np.int32, count=nints, offset=pos + nblob)
+        return (_strings(buf, pos, nstr, nblob) if nstr else []), ints.astype(np.int64)
     body = array("q" if width == 8 else "i")
     if not nstr:  # the common small message (e.g. a replica's digest): integers only
         if nblob:
             raise ValueError("metadata message has an inconsistent string table")
         body.frombytes(buf[pos:])
         return [], body.tolist()
-    lengths = array("I")
-    lengths.frombytes(buf[pos : pos + 4 * nstr])
-    p = pos + 4 * nstr
-    strings = []
-    for n in lengths:
-        strings.append(bytes(buf[p : p + n]).decode("utf-8", "surrogatepass"))
-        p += n
-    if p != pos + nblob:
-        raise ValueError("metadata message has an inconsistent string table")
+    strings = _strings(buf, pos, nstr, nblob)
     body.frombytes(buf[pos + nblob :])
     return strings, body.tolist()
+
+
+_LENGTHS: Dict[int, struct.Struct] = {}
+
+
+def _strings(buf: bytes, pos: int, nstr: int, nblob: int) -> List[str]:
+    lengths_of = _LENGTHS.get(nstr)
+    if lengths_of is None:
+        lengths_of = _LENGTHS[nstr] = struct.Struct(f"<{nstr}I") if nstr < 4096 else None
+    lengths = lengths_of.unpack_from(buf, pos) if lengths_of is not None else array("I", bytes(buf[pos : pos + 4 * nstr]))
+    p = pos + 4 * nstr
+    end = pos + nblob
+    if p + sum(lengths) != end:
+        raise ValueError("metadata message has an inconsistent string table")
+    raw = bytes(buf[p:end])
+    if raw.isascii():  # one decode, then slices (byte and character offsets agree)
+        text = raw.decode("ascii")
+        out, q = [], 0
+        for n in lengths:
+            out.append(text[q : q + n])
+            q += n
+        return out
+    out, q = [], 0
+    for n in lengths:
+        out.append(raw[q : q + n].decode("utf-8", "surrogatepass"))
+        q += n
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+# A *table* section inside a message's integers: ``[tag, nd, count]`` followed by ``width``
+# columns of ``count`` integers each (column after column), so that a message of thousands of
+# records of one layout is written and read by numpy instead of a loop per record. ``width``
+# is a function of the tag and ``nd`` (the number of dimensions of the records' shapes), known
+# to both sides (see :func:`read_tables`).
+
+
+def put_table(w: MessageWriter, tag: int, nd: int, columns: Sequence[np.ndarray]) -> None:
+    """Append a table of equally long integer ``columns`` (each an array or a 2-D block of columns,
+    shape ``(k, count)``)."""
+    cols = [np.asarray(c, dtype=np.int64).reshape(-1, np.shape(c)[-1]) for c in columns]
+    count = cols[0].shape[1] if cols else 0
+    w.add(tag, nd, count)
+    w.add_array(np.concatenate(cols, axis=0) if len(cols) > 1 else cols[0])
+
+
+def read_tables(ints: np.ndarray, p: int, widths: Dict[int, Any]) -> Iterable[Tuple[int, int, np.ndarray]]:
+    """Yield ``(tag, nd, block)`` for every table from position ``p`` to the end, ``block`` of shape
+    ``(width, count)`` with ``width = widths[tag](nd)``; ValueError for anything malformed."""
+    n = len(ints)
+    while p < n:
+        if p + 3 > n:
+            raise ValueError("metadata message ends inside a table header")
+        tag, nd, count = (int(x) for x in ints[p : p + 3])
+        width_of = widths.get(tag)
+        if width_of is None or nd < 0 or count < 0:
+            raise ValueError(f"metadata message has an unknown table (tag {tag}, nd {nd}, count {count})")
+        width = width_of(nd)
+        end = p + 3 + width * count
+        if end > n or width < 0:
+            raise ValueError("metadata message ends inside a table")
+        yield tag, nd, ints[p + 3 : end].reshape(width, count)
+        p = end
 
 
 def digest64(*parts: bytes) -> int:
@@ -130,3 +229,97 @@ def decode_runs(runs: Sequence[int]) -> List[int]:
         start, step, count = runs[k], runs[k + 1], runs[k + 2]
         out.extend(range(start, start + step * count, step) if count > 1 else (start,))
     return out
+
+
+class TableBatch:
+    """Many messages read together: their strings (interned into one table), all their integers
+    in one int64 array, and their tables gathered by ``(tag, nd)`` across messages.
+
+    For an inbox of thousands of small messages (a key owner's forwards, rank 0's finalize
+    messages) this costs a few Python steps per message and numpy passes for the rest, where
+    decoding each message on its own costs tens of numpy calls per message.
+
+    ``prefix(i, ints, p)``, if given, reads message ``i``'s integers before its tables (``ints``
+    a Python list of all integers, ``p`` where the message's start) and returns where its tables
+    start.
+    """
+
+    def __init__(self, messages: Iterable[bytes], widths: Dict[int, Any], prefix: Any = None) -> None:
+        self.strings: List[str] = []
+        self.ids: Dict[str, int] = {}
+        luts: List[List[int]] = []
+        bodies = {4: [], 8: []}  # width -> [(message index, memoryview of its integers)]
+        n = 0
+        for i, buf in enumerate(messages):
+            n = i + 1
+            if len(buf) < _HEADER.size:
+                raise ValueError(f"metadata message of {len(buf)} bytes is too short")
+            magic, width, nstr, nblob, nints = _HEADER.unpack_from(buf, 0)
+            pos = _HEADER.size
+            if magic != MAGIC or width not in (4, 8):
+                raise ValueError("not a metadata message (bad magic)")
+            if len(buf) != pos + nblob + nints * width or nblob < 4 * nstr or (not nstr and nblob):
+                raise ValueError("metadata message has an inconsistent length")
+            lut = []
+            if nstr:
+                ids, strings = self.ids, self.strings
+                for s in _strings(buf, pos, nstr, nblob):
+                    j = ids.get(s)
+                    if j is None:
+                        j = ids[s] = len(strings)
+                        strings.append(s)
+                    lut.append(j)
+            luts.append(lut)
+            bodies[width].append((i, memoryview(buf)[pos + nblob :]))
+        self.count = n
+        self.lut = np.asarray([j for lut in luts for j in lut], dtype=np.int64)
+        self.lut_base = np.cumsum([0] + [len(lut) for lut in luts[:-1]]) if luts else np.zeros(0, dtype=np.int64)
+        arrays, order, lengths = [], [], []
+        for width, items in bodies.items():
+            if items:
+                raw = b"".join(v for _, v in items)
+                arrays.append(np.frombuffer(raw, dtype=np.int64 if width == 8 else np.int32).astype(np.int64))
+                order += [i for i, _ in items]
+                lengths += [len(v) // width for _, v in items]
+        self.ints = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        starts = np.cumsum([0] + lengths[:-1]).tolist() if lengths else []
+        self.start = [0] * n
+        self.end = [0] * n
+        for i, s, ln in zip(order, starts, lengths):
+            self.start[i], self.end[i] = s, s + ln
+        self.tables: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
+        self.values = values = self.ints.tolist()  # the integers as a list (for Python-side parsing)
+        for i in range(n):
+            p, end = self.start[i], self.end[i]
+            if prefix is not None and end > p:
+                p = prefix(i, values, p)
+            while p < end:
+                if p + 3 > end:
+                    raise ValueError("metadata message ends inside a table header")
+                tag, nd, cnt = values[p], values[p + 1], values[p + 2]
+                width_of = widths.get(tag)
+                if width_of is None or nd < 0 or cnt < 0:
+                    raise ValueError(f"metadata message has an unknown table (tag {tag}, nd {nd}, count {cnt})")
+                q = p + 3 + width_of(nd) * cnt
+                if q > end:
+                    raise ValueError("metadata message ends inside a table")
+                self.tables.setdefault((tag, nd), []).append((i, p + 3, cnt))
+                p = q
+
+    def rows(self, tag: int, nd: int, width: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(message index of each row, rows as an array of shape (width, rows))`` of every
+        ``(tag, nd)`` table, in message order."""
+        tabs = self.tables.get((tag, nd), [])
+        if not tabs:
+            return np.zeros(0, dtype=np.int64), np.zeros((width, 0), dtype=np.int64)
+        t = np.asarray(tabs, dtype=np.int64)
+        msg, start, cnt = t[:, 0], t[:, 1], t[:, 2]
+        tid = np.repeat(np.arange(len(t)), cnt)
+        j = np.arange(len(tid)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        base = start[tid] + j
+        idx = base[None, :] + np.arange(width)[:, None] * cnt[tid][None, :]
+        return msg[tid], self.ints[idx]
+
+    def global_ids(self, msg: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """String ids local to each row's message as ids into :attr:`strings`."""
+        return self.lut[self.lut_base[msg] + local]

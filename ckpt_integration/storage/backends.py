@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..errors import CheckpointingException
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
-from .torch_dist import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader, read_dcp_metadata
+from .torch_dist import read_dcp_metadata
+from .torch_dist_reader import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader
 from .zarr_backend import ZarrReader
 
 

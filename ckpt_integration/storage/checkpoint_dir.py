@@ -420,11 +420,24 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
         raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
 
 
-def write_manifest(directory: str, manifest: Manifest, durable: bool = True) -> None:
+def write_manifest(directory: str, manifest: Manifest, durable: bool = True, rendered: Optional[Dict[str, str]] = None) -> None:
     """Write ``manifest.json`` (before the commit marker). The marker :data:`WRITER_FILE`
-    that says the checkpoint has one was written when the save began (see :mod:`.claim`)."""
+    that says the checkpoint has one was written when the save began (see :mod:`.claim`).
+
+    ``rendered``: fields given as JSON text already (the per-item tables of a large commit,
+    see :mod:`.manifest_tables`), written in place of the manifest's own value of that field.
+    """
     storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, MANIFEST_FILE), json.dumps(manifest_fields(manifest)).encode(), durable)
+    storage.write_atomic(join(directory, MANIFEST_FILE), manifest_json(manifest, rendered).encode(), durable)
+
+
+def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None) -> str:
+    """The text of ``manifest.json``: ``json.dumps`` of its fields, in order, with ``rendered``
+    fields spliced in as given."""
+    fields_ = manifest_fields(manifest)
+    if not rendered:
+        return json.dumps(fields_)
+    return "{" + ", ".join(f"{json.dumps(k)}: {rendered[k] if k in rendered else json.dumps(v)}" for k, v in fields_.items()) + "}"
 
 
 def manifest_deleted(directory: str) -> bool:

@@ -411,7 +411,7 @@ _templates: "OrderedDict[Tuple[Any, ...], Tuple[bytes, bytes]]" = OrderedDict()
 _templates_lock = threading.Lock()
 
 
-def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
+def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     """``(archive bytes before the data, archive bytes after it)`` of ``torch.save`` for tensors of
     ``tensor``'s dtype and shape, or None when it cannot be templated.
 
@@ -421,7 +421,7 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     ``serialization_id``): one ``torch.save`` per shape, then each tensor is the template
     around its own bytes. tests/test_read_once.py checks the bytes equal ``torch.save``'s.
     """
-    if _member_crcs_on():
+    if member_crcs_on():
         return None  # the archive's member CRC32s would depend on the data
     key = (tensor.dtype, tuple(tensor.shape))
     with _templates_lock:
@@ -434,7 +434,7 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     w = BlockDigestWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
     torch.save(probe, w)
     _, rec = w.finish()
-    if rec is None or _member_crcs_on():  # switched on meanwhile (another thread): not a template
+    if rec is None or member_crcs_on():  # switched on meanwhile (another thread): not a template
         return None
     raw = buf.getvalue()
     d, n = rec[0], rec[1]
@@ -446,7 +446,7 @@ def _template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     return hit
 
 
-def _member_crcs_on() -> bool:
+def member_crcs_on() -> bool:
     try:
         from torch.utils.serialization import config
     except ImportError:  # older torch: members always checksummed
@@ -467,7 +467,7 @@ def save_tensor(tensor: torch.Tensor, w: "BlockDigestWriter") -> None:
         and not tensor.is_quantized and not tensor.requires_grad and tensor.device.type == "cpu"
         and tensor.is_contiguous() and tensor.storage_offset() == 0
     )
-    parts = _template(tensor) if plain else None
+    parts = archive_template(tensor) if plain else None
     if parts is None:
         torch.save(tensor, w)
         return

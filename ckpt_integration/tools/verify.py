@@ -28,7 +28,8 @@ from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.opened import accepts_opened
 from ..storage.tensor_record import parse_tensor_record
-from ..storage.torch_dist import DCP_METADATA_FILE, TorchDistReader, read_dcp_metadata
+from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
+from ..storage.torch_dist_reader import TorchDistReader
 from ..storage.zarr_backend import ZarrReader
 from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size
 

@@ -25,7 +25,7 @@ from ...errors import CheckpointingException, CorruptCheckpointError, MismatchEr
 from ...planning.boxes import Box
 from ..checksum import crc32
 from ..filesystem import join, storage_for
-from ..torch_dist import ChunkInfo
+from ..torch_dist_reader import ChunkInfo
 from .checks import array_mismatch, file_problem, store_wrappers
 from .index import (ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, array_path, base_store, check_index_entries,
                     check_index_paths, expected_files, is_chunk_name, object_file_name, object_path, read_file_records,

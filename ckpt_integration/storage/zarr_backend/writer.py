@@ -310,7 +310,7 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
     chunk no rank wrote would otherwise read as zeros.
     """
     index = read_index(directory)
-    files = {w.relative_path: FileRecord(w.storage_key, w.length, w.crc32) for w in written}
+    files = {w.relative_path: FileRecord(w.storage_key, w.length, w.checksum) for w in written}  # (zarr items: CRC32s)
     missing = [(key, path) for key, path in expected_files(index) if path not in files]
     if missing:
         key, path = missing[0]

@@ -1,0 +1,216 @@
+"""Records as arrays: the save's exchange, rank 0's commit records and ``.metadata`` written from
+arrays give what the per-record reference code gives, with Python work that does not grow with
+the number of records (counted in function calls, not timed)."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt_integration.planning import exchange as ex
+from ckpt_integration.planning.integrity import validate_key
+from ckpt_integration.planning.records import MessageWriter, TableBatch, decode, put_table
+from ckpt_integration.planning.shards import ShardMeta
+from ckpt_integration.planning.written import WrittenTable, commit_layout, encode_finalize, gather_finalize
+from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage.checksum import block_hash
+from ckpt_integration.storage.dcp_pickle import dumps_commit_layout, supported
+from ckpt_integration.storage.manifest_tables import file_sizes, render_tables
+from ckpt_integration.storage.safe_pickle import load_dcp_metadata
+from ckpt_integration.storage.torch_dist import WrittenItem, make_dcp_metadata
+from tests.test_planning import _calls, _per_rank, meta, simulate
+
+
+# --------------------------------------------------------------------------- exchange vs reference
+def _random_layout(rng: random.Random, key: str, world: int):
+    """Shards of one key in one of several layouts, some valid and some broken."""
+    kind = rng.choice(["rows", "cols", "grid", "flat", "scalar", "replicated"])
+    rows, cols = rng.randint(2, 12), rng.randint(1, 6)
+    out = []
+    if kind == "rows":  # row split, maybe uneven, DP replicas
+        cuts = sorted({0, rows, *rng.sample(range(1, rows), min(rows - 1, rng.randint(0, 3)))})
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            for rep in range(rng.randint(1, 2)):
+                out.append(meta(key, (i + rep * 3) % world, (a, 0), (b - a, cols), (rows, cols), (rep,)))
+    elif kind == "cols":  # column blocks, each cut in row ranges (ZeRO pieces of a column-parallel weight)
+        for c in range(2):
+            cuts = sorted({0, rows, rng.randint(1, rows - 1)})
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                out.append(meta(key, (c * 2 + i) % world, (a, c * cols), (b - a, cols), (rows, 2 * cols)))
+    elif kind == "grid":  # 2-D grid: valid, but no flat ranges (the reference path)
+        for r in range(2):
+            for c in range(2):
+                out.append(meta(key, (2 * r + c) % world, (r * rows, c * cols), (rows, cols), (2 * rows, 2 * cols)))
+    elif kind == "flat":  # 3-D, whole-row pieces of the flattened tensor
+        n = rng.randint(2, 5)
+        for i in range(n):
+            out.append(meta(key, i % world, (i, 0, 0), (1, rows, cols), (n, rows, cols)))
+    elif kind == "scalar":
+        out.append(meta(key, rng.randrange(world), (), (), ()))
+        out += [meta(key, r, (), (), (), (1,)) for r in range(world) if rng.random() < 0.3]
+    else:  # replicated everywhere, one main
+        out = [meta(key, r, (0,), (rows,), (rows,), (r,)) for r in range(world)]
+    damage = rng.random()
+    if damage < 0.15 and len(out) > 1:  # a gap
+        out.pop(rng.randrange(len(out)))
+    elif damage < 0.3 and out:  # an overlap: a main copy shifted by one row
+        m = out[0]
+        if m.offsets:
+            o = (m.offsets[0] + 1,) + m.offsets[1:]
+            out.append(ShardMeta(m.key, m.kind, (m.rank + 1) % world, m.dtype, m.global_shape, o, m.sizes, (0,), m.nbytes))
+    elif damage < 0.4 and out:  # another dtype on one rank
+        m = out[-1]
+        out[-1] = ShardMeta(m.key, m.kind, m.rank, "bfloat16", m.global_shape, m.offsets, m.sizes, m.replica_id, m.nbytes)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exchange_on_random_layouts_matches_the_reference_validation(seed):
+    rng = random.Random(seed)
+    world = rng.choice([3, 5, 8])
+    shards = []
+    for k in range(40):
+        shards += _random_layout(rng, f"k{k}", world)
+    # the reference over every record of a key, in the order the key owner sees them (by rank)
+    by_rank = sorted(shards, key=lambda s: (s.rank, s.offsets))
+    expected = sorted(p for k in sorted({s.key for s in shards}) for p in validate_key(k, [s for s in by_rank if s.key == k]))
+    problems, summaries, writes = simulate(_per_rank(shards, world))
+    assert sorted(problems) == expected
+    if not expected:  # valid: every chunk written exactly once, summaries agree with the commit check
+        written = [m.chunk_id for ws in writes for m in ws]
+        assert sorted(written) == sorted({s.chunk_id for s in shards})
+        tables = []
+        for r, ws in enumerate(writes):
+            t = WrittenTable()
+            for m in ws:
+                t.append(m.storage_key, m.offsets, m.sizes, f"__{r}_0.distcp", len(t) * 10, 10, 1)
+            tables.append(encode_finalize(None, t, [s for s in summaries if ex.owner_of_key(s.key, world) == r]))
+        _, cols, summ = gather_finalize(tables)
+        layout = commit_layout(cols, summ)
+        assert set(layout.tensors) == {s.key for s in shards}
+
+
+def test_key_owner_python_work_does_not_grow_with_its_chunks():
+    """A key owner checking 8x the chunks of its keys (row splits over 8 and 64 ranks, ZeRO-1
+    style flat pieces) makes about as many Python calls: the records are checked as arrays."""
+
+    def inbox(ranks):
+        shards = [meta(f"k{k}", r, (2 * r, 0), (2, 4), (2 * ranks, 4)) for k in range(50) for r in range(ranks)]
+        mail = [msg for rt in [ex.route_shards(m, r, 1) for r, m in enumerate(_per_rank(shards, ranks))]
+                for msg in rt.messages.values()]
+        return list(ex.chunk_owner_step(mail, 1)[0].values())
+
+    small, big = inbox(8), inbox(64)
+    n_small, (p1, s1) = _calls(lambda: ex.key_owner_step(small))
+    n_big, (p2, s2) = _calls(lambda: ex.key_owner_step(big))
+    assert p1 == p2 == [] and [s.chunks for s in s1] == [8] * 50 and [s.chunks for s in s2] == [64] * 50
+    assert n_big <= n_small + 100, (n_small, n_big)
+
+
+def test_commit_records_python_work_per_item_is_constant():
+    def messages(n):
+        t = WrittenTable()
+        for i in range(n):
+            t.append(f"k{i % 50}", (i // 50, 0), (1, 4), "__0_0.distcp", 100 * i, 100, i, (64, 16, 1 << 20, [i, i + 1, i + 2]))
+        return [encode_finalize(None, t, [])]
+
+    small, big = messages(500), messages(4000)
+    n_small, (_, cols, _) = _calls(lambda: gather_finalize(small))
+    n_big, (_, cols_big, _) = _calls(lambda: gather_finalize(big))
+    assert len(cols_big) == 4000 and n_big <= n_small + 200, (n_small, n_big)
+    assert cols_big.items()[123].blocks == (64, 16, 1 << 20, [123, 124, 125])
+
+
+# --------------------------------------------------------------------------- .metadata and manifest
+def _layout_case(bits=32):
+    rng = random.Random(7)
+    t = WrittenTable()
+    summaries = []
+    from ckpt_integration.planning.key_owner import KeySummary, chunk_digest
+
+    def add(key, dtype, shape, boxes, big=False):
+        for j, (o, s) in enumerate(boxes):
+            start = (1 << 33) + j if big else rng.randrange(1 << 20)
+            t.append(key, o, s, f"__{j % 3}_{j % 2}.distcp", start, 64 + rng.randrange(1 << 12), rng.getrandbits(bits),
+                     (16, 48, 1 << 20, [rng.getrandbits(bits) for _ in range(rng.randint(1, 4))]))
+        summaries.append(KeySummary(key, "tensor", dtype, shape, len(boxes), sum(chunk_digest(key, o) for o, _ in boxes) % (1 << 64)))
+
+    add("w", "float32", (4, 6), [((2, 0), (2, 6)), ((0, 0), (2, 6))])
+    add("scalar", "int64", (), [((), ())])
+    add("é/ünicode key", "bfloat16", (300,), [((i * 3,), (3,)) for i in range(100)])
+    add("x" * 300, "float16", (2, 2, 2, 2, 2), [((0, 0, 0, 0, 0), (2, 2, 2, 2, 2))], big=True)
+    add("huge", "uint8", (1 << 40,), [((0,), (1 << 39,)), ((1 << 39,), (1 << 39,))])
+    for k in range(300):  # memo slots past 255
+        add(f"many.{k}", "float32", (4,), [((0,), (4,))])
+    for name in ("obj/shard_0_1", "obj/shard_1_2"):
+        t.append(name, None, None, "__1_0.distcp", rng.randrange(1000), 17, rng.getrandbits(32))
+    summaries.append(KeySummary("obj", "object", "object", (2,), 2, (chunk_digest("obj/shard_0_1", None) + chunk_digest("obj/shard_1_2", None)) % (1 << 64)))
+    _, cols, summ = gather_finalize([encode_finalize(None, t, summaries)])
+    return t, commit_layout(cols, summ)
+
+
+def test_metadata_from_arrays_unpickles_to_the_objects_dcp_builds():
+    assert supported()
+    t, layout = _layout_case()
+    data = dumps_commit_layout(layout)
+    tensors = {k: (getattr(torch, dt), shape, chunks) for k, (dt, shape, chunks) in layout.tensors.items()}
+    written = [WrittenItem(k, o, f, s, n, d) for k, o, f, s, n, d in zip(t.keys, t.offsets, t.files, t.starts, t.lengths, t.digests)]
+    expected = make_dcp_metadata(tensors, layout.objects, written)
+    assert pickle.loads(data) == expected  # what DCP's and Megatron-Core's readers get
+    assert load_dcp_metadata(io.BytesIO(data)) == expected  # our restricted unpickler takes it too
+    assert list(pickle.loads(data).state_dict_metadata) == list(expected.state_dict_metadata)
+
+
+@pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
+def test_manifest_tables_are_the_json_of_the_dict_tables(hash_name):
+    h = block_hash(hash_name)
+    t, layout = _layout_case(bits=8 * h.width)
+    items, blocks = render_tables(layout.written, h)
+
+    expect_items = {f"{f}@{s}": d for f, s, d in zip(t.files, t.starts, t.digests)}
+    expect_blocks = {f"{f}@{s}": [b[0], b[1], b[2], h.pack(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
+    assert json.loads(items) == expect_items and json.loads(blocks) == expect_blocks
+    m = ckdir.Manifest(**ckdir.manifest_format(h), world_size=3, files=file_sizes(layout.written), step=5)
+    text = ckdir.manifest_json(m, {"items": items, "blocks": blocks})
+    assert json.loads(text) == {**ckdir.manifest_fields(m), "items": expect_items, "blocks": expect_blocks}
+    assert text.startswith(json.dumps(ckdir.manifest_fields(m))[:60])  # the head that listings read
+    ends = {}
+    for f, s, n in zip(t.files, t.starts, t.lengths):
+        ends[f] = max(ends.get(f, 0), s + n)
+    assert file_sizes(layout.written) == {f: {"size": e} for f, e in ends.items()}
+
+
+def test_table_batch_reads_many_messages_like_one_by_one():
+    msgs = []
+    for k in range(20):
+        w = MessageWriter()
+        w.add(k)
+        put_table(w, 3, 1, [w.sids([f"s{k % 3}", "é"]), np.asarray([k, (1 << 40) if k == 7 else -k])])
+        msgs.append(w.tobytes())
+    batch = TableBatch(msgs, {3: lambda nd: 2}, prefix=lambda i, ints, p: p + 1)
+    msg, rows = batch.rows(3, 1, 2)
+    names = [batch.strings[j] for j in batch.global_ids(msg, rows[0]).tolist()]
+    one_by_one = []
+    for m in msgs:
+        strings, ints = decode(m)
+        one_by_one += [(strings[ints[4]], ints[6]), (strings[ints[5]], ints[7])]
+    assert list(zip(names, rows[1].tolist())) == one_by_one
+    with pytest.raises(ValueError):
+        TableBatch([msgs[0][:-4]], {3: lambda nd: 2})
+
+
+def test_finalize_digests_of_32_and_64_bits_survive_the_trip():
+    """Block digests go as one 32-bit word each when they fit (CRC32), as two words otherwise
+    (64-bit digests); messages of both kinds gathered together keep every value."""
+    a, b = WrittenTable(), WrittenTable()
+    a.append("k", (0,), (4,), "f", 0, 10, (1 << 32) - 1, (1, 2, 3, [(1 << 32) - 1, 5, 1 << 31]))
+    b.append("k2", (0,), (4,), "g", 1 << 40, 10, (1 << 64) - 1, (1, 2, 3, [1 << 40, (1 << 64) - 1]))
+    _, cols, _ = gather_finalize([encode_finalize(None, a, []), encode_finalize(None, b, []), encode_finalize(None, a, [])])
+    assert cols.items() == a.items() + b.items() + a.items()
