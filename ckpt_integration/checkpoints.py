@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -75,11 +76,17 @@ def commit_order_of(path: Any) -> CommitOrder:
     return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
 
 
+# the siblings an overwrite save works with (storage/atomic.py, execution/save.py): the new checkpoint
+# staged at ``<dir>.tmp-<id>`` until it is put in place, the old one at ``<dir>.old-<id>`` until it
+# is deleted. Both can hold a commit marker for a moment, and both vanish without notice.
+_TRANSIENT = re.compile(r"\.(tmp|old)-[0-9a-f]{8}$")
+
+
 def _committed(directory: Any, suffix: Optional[str] = None) -> List[str]:
     storage, d = storage_for(directory)
     if not storage.isdir(d):
         return []
-    names = [n for n in storage.listdir(d) if suffix is None or n.endswith(suffix)]
+    names = [n for n in storage.listdir(d) if (suffix is None or n.endswith(suffix)) and not _TRANSIENT.search(n)]
     return [join(d, n) for n in names if storage.exists(join(d, n, CONFIG_FILE))]
 
 
@@ -92,7 +99,9 @@ def list_checkpoints(directory: Any) -> List[str]:
     """Paths of the committed checkpoints directly inside ``directory``, oldest first.
 
     A checkpoint is committed once its ``metadata.json`` exists: every save writes it last,
-    so the directories of interrupted saves, and any other files, are left out. A directory
+    so the directories of interrupted saves, and any other files, are left out; so are the
+    ``<name>.tmp-<id>`` / ``<name>.old-<id>`` siblings of an overwrite in progress (committed for a
+    moment, then renamed or deleted: a reader must not pick them). A directory
     that does not exist holds none (``[]``). Order: the training step each checkpoint
     recorded (``global_step`` / ``iteration`` of its common state, or ``save(..., step=)``),
     then the order of their commits (a number written at commit), then time; the last

@@ -41,6 +41,22 @@ def test_order_by_recorded_step_then_commit_not_clock(tmp_path):
     assert m.step == 8 and m.commit_seq == ckdir.read_manifest(str(d / "a")).commit_seq + 1
 
 
+def test_overwrite_siblings_are_not_listed(tmp_path):
+    """An overwrite save stages the new checkpoint at ``last.ckpt.tmp-<id>`` and (without an atomic
+    exchange) moves the old one to ``last.ckpt.old-<id>``: both carry a commit marker for a moment
+    and then vanish, so a reader looking for the newest checkpoint must not pick them (before: the
+    staged copy, the newest commit, was listed last and chosen as "newest")."""
+    import shutil
+
+    d = tmp_path / "run"
+    _save(str(d / "epoch=0.ckpt"), step=4)
+    _save(str(d / "last.ckpt"), step=4)
+    _save(str(d / "last.ckpt.tmp-0123abcd"), step=8)  # as a swap in progress leaves it
+    shutil.copytree(d / "last.ckpt", d / "last.ckpt.old-89abcdef")
+    assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["epoch=0.ckpt", "last.ckpt"]
+    assert os.path.basename(ci.checkpoints.newest_checkpoint(str(d))) == "last.ckpt"
+
+
 def test_commit_numbers_continue_across_processes(tmp_path):
     """A new job (no cached counter) numbers its commits after every checkpoint already there."""
     d = tmp_path / "run"

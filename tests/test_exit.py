@@ -167,8 +167,16 @@ def _private_group_lifetime(rank, world, tmp):
     assert isinstance(group, cdist.PrivateGroup) and group.size() == world
     assert group not in dist.distributed_c10d._world.pg_map  # not torch's: destroy_process_group leaves it
     req.wait()
+    # a new default group after destroy_process_group() gets a private group of its own (before:
+    # the queue handed out the old world's group, keyed by "the default group")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.FileStore(f"{tmp}/store2", world), rank=rank, world_size=world)
+    again = q.private_group(None)
+    assert again is not group and isinstance(again, cdist.PrivateGroup) and again.size() == world
+    assert list(cdist.all_reduce_ints([rank], "sum", again)) == [sum(range(world))]
+    assert q.private_group(None) is again
     q.close()
-    assert group.closed
+    assert group.closed and again.closed
     with pytest.raises(cdist.GroupClosedError):
         cdist.all_reduce_ints([1], "max", group)
 
