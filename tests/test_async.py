@@ -371,7 +371,7 @@ def _dist_failures(rank, world, root):
 def _dist_abandon(rank, world, root):
     """A save that cannot finish within ``close(timeout=...)`` is abandoned on every rank (preemption,
     issue 23.5); a checkpoint committed by rank 0 is never removed because telling the others failed."""
-    import ckpt_integration.storage.torch_dist as torch_dist
+    import ckpt_integration.storage.small_items as small_items
     from ckpt_integration.errors import AsyncSaveAbandonedError, DistributedCheckpointingError
     from ckpt_integration.execution import dist as cdist
 
@@ -381,13 +381,14 @@ def _dist_abandon(rank, world, root):
         async_save_torch_dist(_dist_state(rank, world, w, emb, rep), kept, queue=q).wait()
     before = _load_dist(kept, rank, world)
     # 1) an overwrite of ``kept`` whose writes take 0.5 s an item, closed with a 0.2 s limit
-    real_item = torch_dist.save_tensor
+    # every tensor item passes through the small-item writer first (written there when small)
+    real_item = small_items.SmallItemWriter.add
 
-    def slow_item(t, writer):
+    def slow_item(self, t):
         time.sleep(0.5)
-        return real_item(t, writer)
+        return real_item(self, t)
 
-    torch_dist.save_tensor = slow_item
+    small_items.SmallItemWriter.add = slow_item
     try:
         q = AsyncCallsQueue()
         async_save_torch_dist(_dist_state(rank, world, w + 1, emb + 1, rep + 1), kept, queue=q, overwrite=True)
@@ -396,7 +397,7 @@ def _dist_abandon(rank, world, root):
             q.close(timeout=0.2)
         took = time.monotonic() - t0
     finally:
-        torch_dist.save_tensor = real_item
+        small_items.SmallItemWriter.add = real_item
     assert "still running 0s after the queue was closed" in str(e.value) or "abandoned on rank" in str(e.value), e.value
     assert took < scaled_timeout(3.0), took  # one item (0.5 s) at most after the limit, not the whole write
     dist.barrier()

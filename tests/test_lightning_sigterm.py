@@ -70,7 +70,7 @@ def _rank_main(cfg: dict) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    import ckpt_integration.storage.torch_dist as torch_dist
+    import ckpt_integration.storage.small_items as small_items
     from ckpt_integration.execution import save as save_mod
     from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
 
@@ -83,7 +83,8 @@ def _rank_main(cfg: dict) -> None:
             json.dump(record, f)
 
     # the save under test writes slowly, item by item; rank 0 may get the signal from its writer
-    real_write, real_item = save_mod.write_data_files, torch_dist.save_tensor
+    # every tensor item passes through the small-item writer first (written there when small)
+    real_write, real_item = save_mod.write_data_files, small_items.SmallItemWriter.add
     slow = {"on": False, "first": True, "lock": threading.Lock()}  # one save writes at a time (its write threads share it)
 
     def write_data_files(directory, *args, **kwargs):
@@ -93,7 +94,7 @@ def _rank_main(cfg: dict) -> None:
         finally:
             slow["on"] = False
 
-    def save_tensor(t, w):
+    def add_item(writer, t):
         if slow["on"]:
             with slow["lock"]:
                 first, slow["first"] = slow["first"], False
@@ -102,9 +103,9 @@ def _rank_main(cfg: dict) -> None:
                 if cfg.get("self_signal") and rank == 0:
                     os.kill(os.getpid(), sig)  # rank 0's notice arrives while it writes
             time.sleep(cfg["item_s"])
-        return real_item(t, w)
+        return real_item(writer, t)
 
-    save_mod.write_data_files, torch_dist.save_tensor = write_data_files, save_tensor
+    save_mod.write_data_files, small_items.SmallItemWriter.add = write_data_files, add_item
 
     def state_of(module, trainer):
         return {"model": {k: v.detach().clone() for k, v in module.state_dict().items()},

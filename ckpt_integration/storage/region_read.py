@@ -296,7 +296,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
     hi = lo + nbytes
     piece = getattr(reader, "piece_bytes", DIRECT_PIECE)  # remote readers: one request per piece
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
-    _read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
+    read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
@@ -325,7 +325,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
             pos = end
 
 
-def _read_ahead(reader: Any, start: int, length: int) -> None:
+def read_ahead(reader: Any, start: int, length: int) -> None:
     """Local files: ask the kernel to read the whole range ahead, so that on disk the reads of
     later pieces proceed while earlier ones are checksummed (no effect on tmpfs)."""
     fd = getattr(reader, "fd", None)
@@ -374,6 +374,12 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
         span[a] = inner
         inner += (lens[a] - 1) * bstrides[a]
     r = next(a for a in range(ndim) if span[a] <= PIECE)
+    # the pieces are read one after the other: on disk, ask the kernel for the whole request
+    # ahead (as direct reads do) when it reads most of that span anyway - with block checks it
+    # reads every touched block; without, only if the runs cover at least half of it
+    if blocks is not None or math.prod(lens) * esize * 2 >= inner:
+        touched = _touched(np.array([first]), np.array([first + inner]), blocks)
+        read_ahead(reader, base + touched[0][0], touched[-1][1] - touched[0][0])
     # byte offsets of a row's contiguous runs, relative to the row start
     if k <= r:  # the axes below r are whole: the row is one run
         row_runs, run_len = np.zeros(1, dtype=np.int64), span[r]
