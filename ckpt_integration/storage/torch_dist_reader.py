@@ -279,24 +279,30 @@ class TorchDistReader:
         self._layouts[rid] = layout
         return layout
 
-    def check_frame(self, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
+    def check_frame(self, chunk: ChunkInfo, layout: "ChunkLayout", part: str = "both") -> None:
         """Once per item of a chunk with block checksums: the archive bytes around the data
         match their digests (when verifying), and the dtype and shape that the archive's own
         ``data.pkl`` records are those of ``.metadata`` (always: a ``.metadata`` forged to
         another dtype of the same width, with the manifest updated to match, would otherwise
-        load reinterpreted bytes)."""
+        load reinterpreted bytes). ``part``: ``"head"`` (the header, before the data is read),
+        ``"tail"`` (the trailer, after it: read in file order, it is in the page cache by then
+        instead of costing a seek before the data on a cold disk), or ``"both"``."""
         info = chunk.storage
         rid = (info.relative_path, info.offset)
         brec = self.block_records.get(rid)
         if brec is None or rid in self._frames_checked:
             return
-        if layout.blocks is not None:
-            head = self._check_archive_frame(layout.fd, info, brec, layout.blocks, layout.path, layout.what)
-        else:  # unverified: only the header (a few hundred bytes, read once per item)
-            head = bytearray(min(brec.data_offset, info.length))
-            layout.fd.read_into(memoryview(head), info.offset)
-        self._check_recorded_tensor(bytes(head), chunk, layout)
-        self._frames_checked.add(rid)
+        if part != "tail":
+            if layout.blocks is not None:
+                head = self._check_archive_frame(layout.fd, info, brec, layout.blocks, layout.path, layout.what, "head")
+            else:  # unverified: only the header (a few hundred bytes, read once per item)
+                head = bytearray(min(brec.data_offset, info.length))
+                layout.fd.read_into(memoryview(head), info.offset)
+            self._check_recorded_tensor(bytes(head), chunk, layout)
+        if part != "head":
+            if layout.blocks is not None:
+                self._check_archive_frame(layout.fd, info, brec, layout.blocks, layout.path, layout.what, "tail")
+            self._frames_checked.add(rid)
 
     def _check_recorded_tensor(self, head: bytes, chunk: ChunkInfo, layout: "ChunkLayout") -> None:
         try:
@@ -328,10 +334,11 @@ class TorchDistReader:
         if layout is None:
             self._read_region_fallback(key, chunk, overlap, out)
             return
-        self.check_frame(chunk, layout)
+        self.check_frame(chunk, layout, "head")
         starts = [s.start for s in relative_slices(overlap, chunk.box)]
         _read_region(layout.fd, layout.path, layout.base, layout.data_start, chunk.box.sizes, starts, overlap.sizes,
                      out, dtype, layout.blocks, layout.what, self.stats)
+        self.check_frame(chunk, layout, "tail")
 
     def _blocks(self, info: _StorageInfo, brec: Any, what: str) -> Blocks:
         rid = (info.relative_path, info.offset)
@@ -344,14 +351,15 @@ class TorchDistReader:
             self._block_cache[rid] = blocks
         return blocks
 
-    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str) -> bytearray:
+    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str,
+                             which: str = "both") -> bytearray:
         """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
         directory; a few hundred bytes each) match their digests, so a damaged archive - which
         PyTorch DCP could no longer read - is reported by any load that reads from it. Returns
         the header (the bytes before the data)."""
         d, end, length = brec.data_offset, brec.data_offset + brec.data_length, info.length
-        parts = [(0, d)] if d > 0 else []
-        parts += [(end, length)] if end < length else []
+        parts = [(0, d)] if d > 0 and which != "tail" else []
+        parts += [(end, length)] if end < length and which != "head" else []
         head = bytearray()
         for lo, hi in parts:
             buf = bytearray(hi - lo)
