@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import async_save_torch_dist
-from .execution.load import load_torch_dist, read_whole_tensors
-from .execution.save import CONTENT_METADATA_KEY, save_torch_dist
+from .execution.load import load_sharded, read_whole_tensors
+from .execution.save import CONTENT_METADATA_KEY, save_sharded
 from .execution.shared_metadata import SharedMetadata
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
@@ -136,7 +136,7 @@ def save(
         kwargs["separation_hint"] = sharded_strategy.separation_hint
     if async_sharded_save:
         return async_save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), queue=async_queue, **kwargs)
-    save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), **kwargs)
+    save_sharded(sharded_state_dict, os.fspath(checkpoint_dir), **kwargs)
     return None
 
 
@@ -220,7 +220,7 @@ def _load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, config: Any
             f"{checkpoint_dir} was saved with backend {config.sharded_backend!r}, not {backend!r}"
         )
     ckdir.check_strategy_version(os.fspath(checkpoint_dir), config, sharded_strategy)
-    return load_torch_dist(
+    return load_sharded(
         sharded_state_dict,
         os.fspath(checkpoint_dir),
         strict=strict,

@@ -137,7 +137,7 @@ def _tensor_tasks(
     if tuple(out.shape) != sh.local_shape:
         raise MismatchError(f"{sh.key!r}: data shape {tuple(out.shape)} != local_shape {sh.local_shape}")
     if out.device.type != "cpu":
-        # Read into host memory, copy to the device afterwards (see load_torch_dist).
+        # Read into host memory, copy to the device afterwards (see load_sharded).
         host = torch.empty(sh.local_shape, dtype=sh.dtype)
     else:
         # a Parameter (requires_grad) as destination: write through a detached alias of its
@@ -192,7 +192,7 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
     return index.reads(request)
 
 
-def load_torch_dist(
+def load_sharded(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,
     *,
@@ -208,7 +208,9 @@ def load_torch_dist(
     strict_dtype: bool = False,
     opened_metadata: Optional[SharedMetadata] = None,
 ) -> Any:
-    """``opened_metadata``: what an opened checkpoint read already (every rank passes one, or none)."""
+    """A load of a checkpoint of any backend (the one its ``metadata.json`` names). Collective.
+
+    ``opened_metadata``: what an opened checkpoint read already (every rank passes one, or none)."""
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
     rank = dist.get_rank(group)

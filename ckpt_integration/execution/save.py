@@ -548,7 +548,9 @@ def finalize_save(plan: SavePlan) -> None:
     logger.debug("saved %s in %.3fs", plan.checkpoint_dir, time.time() - plan.started)
 
 
-def save_torch_dist(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: Any) -> None:
+def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: Any) -> None:
+    """A synchronous save with any backend (``backend="torch_dist"`` or ``"zarr"``): prepare,
+    write this rank's items, finalize and commit. Collective."""
     plan = prepare_save(sharded_state_dict, checkpoint_dir, **kwargs)
     write_local(plan)
     finalize_save(plan)
