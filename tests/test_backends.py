@@ -43,3 +43,15 @@ def test_every_backend_gives_the_same_reader_interface(tmp_path, name):
 def test_unknown_backend_is_refused_by_name():
     with pytest.raises(CheckpointingException, match="unknown checkpoint backend 'tensorstore'"):
         backends.backend_named("tensorstore")
+
+
+def test_every_backend_reads_what_it_writes():
+    """The read side (storage.backends) and the save side (execution.save) name the same backends,
+    and what the save plans for each agrees with what the reader can do."""
+    from ckpt_integration.execution.save import SAVE_BACKENDS
+
+    assert sorted(SAVE_BACKENDS) == sorted(backends.BACKENDS)
+    for name, be in SAVE_BACKENDS.items():
+        assert be.name == name
+        # chunks the planner tiles (torch_dist) are the ones the reader maps for read-once loads
+        assert be.check_layout == backends.BACKENDS[name].mapped_chunks

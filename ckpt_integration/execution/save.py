@@ -35,7 +35,7 @@ import uuid
 
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
@@ -201,8 +201,9 @@ def prepare_save(
     separation_hint: Optional[str] = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
-    if backend not in ckdir.SUPPORTED_BACKENDS:
-        raise CheckpointingException(f"unknown backend {backend!r}; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}")
+    be = SAVE_BACKENDS.get(backend)
+    if be is None:
+        raise CheckpointingException(f"unknown backend {backend!r}; supported: {sorted(SAVE_BACKENDS)}")
     checkpoint_dir = os.fspath(checkpoint_dir)
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -235,7 +236,7 @@ def prepare_save(
         if planned is None:
             assert routed is not None  # start() raised on every rank otherwise
             planned = exchange.run(
-                metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=backend == "zarr",
+                metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=be.wants_layout,
                 context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
             )
     except BaseException:
@@ -243,15 +244,15 @@ def prepare_save(
             cleanup_failed(*dir_info)
         raise
     write_metas = [metas[i] for i in planned.to_write]
-    if backend == "zarr":
-        # Arrays must exist before any rank writes chunks: the coordinator creates them,
-        # and the broadcast of its outcome doubles as the barrier.
+    if be.prepare_storage is not None:
+        # e.g. zarr's arrays must exist before any rank writes chunks: the coordinator creates
+        # them, and the broadcast of its outcome doubles as the barrier
         err = None
         if coord:
             try:
-                _create_zarr_arrays(write_dir, planned.layout, durable)
+                be.prepare_storage(write_dir, planned.layout, durable)
             except Exception as e:
-                err = f"rank 0 (creating zarr arrays): {_describe(e)}"
+                err = f"rank 0 (preparing the {backend} storage): {_describe(e)}"
                 cleanup_failed(write_dir, staging)
         err = dist.broadcast_object(err, src=dist.coordinator_rank(group), group=group)
         if err:
@@ -261,10 +262,10 @@ def prepare_save(
         requests = _requests_for(shards, metas, planned.to_write)
     except Exception as e:
         local_error, local_exc = _describe(e), e
-    if backend == "zarr":
+    if be.shape_requests is not None:
         # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
         chosen = {m.chunk_id: m for m in planned.layout}
-        requests, local_error, local_exc = _zarr_chunk_requests(requests, planned.layout, chosen, rank, group, local_error, local_exc)
+        requests, local_error, local_exc = be.shape_requests(requests, planned.layout, chosen, rank, group, local_error, local_exc)
     return SavePlan(
         rank=rank,
         world_size=world,
@@ -306,11 +307,7 @@ def write_local(plan: SavePlan) -> None:
     try:
         if plan.stop is not None:
             plan.stop()
-        if plan.backend == "zarr":
-            plan.written = write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
-        else:
-            plan.written = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
-                                            separation_hint=plan.separation_hint, stop=plan.stop)
+        plan.written = SAVE_BACKENDS[plan.backend].write(plan)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
         plan.local_error, plan.local_exc = _describe(e), e
@@ -336,11 +333,17 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
         _release_claim(write_dir)
 
 
-def _commit(plan: SavePlan, layout: CommitLayout) -> None:
+def _write_torch_dist(plan: SavePlan) -> Any:
+    return write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
+                            separation_hint=plan.separation_hint, stop=plan.stop)
+
+
+def _write_zarr(plan: SavePlan) -> Any:
+    return write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
+
+
+def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     """Coordinator: write metadata files, then the commit marker, then swap if staging."""
-    if plan.backend == "zarr":
-        _commit_zarr(plan, layout.written.items())
-        return
     d = plan.write_dir
     claim = _check_claim(plan)
     storage, _ = storage_for(d)
@@ -364,7 +367,7 @@ def _commit(plan: SavePlan, layout: CommitLayout) -> None:
         commit_id=uuid.uuid4().hex,
     )
     ckdir.write_manifest(d, manifest, plan.durable, rendered={"items": items, "blocks": blocks})
-    _write_commit_marker(plan, "torch_dist")
+    _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
 
 
@@ -496,16 +499,16 @@ def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank:
     return received
 
 
-def _commit_zarr(plan: SavePlan, written: Sequence[Any]) -> None:  # Written or WrittenItem records
+def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     d = plan.write_dir
     claim = _check_claim(plan)
-    commit_file_records(d, written, plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
+    commit_file_records(d, layout.written.items(), plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
                               commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex)
     ckdir.write_manifest(d, manifest, plan.durable)
-    _write_commit_marker(plan, "zarr")
+    _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
 
 
@@ -527,8 +530,9 @@ def finalize_save(plan: SavePlan) -> None:
             if errors:
                 status = "\n  ".join(errors)
             else:
-                layout = commit_layout(written, summaries, check_layout=plan.backend == "torch_dist")
-                _commit(plan, layout)
+                be = SAVE_BACKENDS[plan.backend]
+                layout = commit_layout(written, summaries, check_layout=be.check_layout)
+                be.commit(plan, layout)
                 plan.committed = True
         except Exception as e:
             e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
@@ -554,3 +558,34 @@ def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwar
     plan = prepare_save(sharded_state_dict, checkpoint_dir, **kwargs)
     write_local(plan)
     finalize_save(plan)
+
+
+@dataclass(frozen=True)
+class SaveBackend:
+    """What a save does differently per storage backend (the read side: ``storage.backends``).
+
+    * ``wants_layout``: the metadata exchange also returns every chunk's layout (zarr creates its
+      arrays from it and writes whole chunks);
+    * ``prepare_storage(write_dir, layout, durable)``: run by the coordinator before any rank
+      writes (zarr: create the arrays), or None;
+    * ``shape_requests(...)``: turn this rank's write requests into the backend's units,
+      collective (zarr: whole chunks, border pieces sent to their owners), or None;
+    * ``write(plan)``: phase 2, this rank's files; ``commit(plan, layout)``: the coordinator's
+      commit; ``check_layout``: the commit checks that the written chunks tile each tensor.
+    """
+
+    name: str
+    wants_layout: bool
+    check_layout: bool
+    prepare_storage: Optional[Callable[[str, List[ShardMeta], bool], None]]
+    shape_requests: Optional[Callable[..., Tuple[List[WriteRequest], Optional[str], Optional[BaseException]]]]
+    write: Callable[[SavePlan], Any]
+    commit: Callable[[SavePlan, CommitLayout], None]
+
+
+SAVE_BACKENDS: Dict[str, SaveBackend] = {
+    "torch_dist": SaveBackend("torch_dist", wants_layout=False, check_layout=True, prepare_storage=None,
+                              shape_requests=None, write=_write_torch_dist, commit=_commit_torch_dist),
+    "zarr": SaveBackend("zarr", wants_layout=True, check_layout=False, prepare_storage=_create_zarr_arrays,
+                        shape_requests=_zarr_chunk_requests, write=_write_zarr, commit=_commit_zarr),
+}
