@@ -34,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ckpt_integration as ci  # noqa: E402
-from ckpt_integration.storage import filesystem as fsmod  # noqa: E402
+from ckpt_integration.storage import filesystem as fsmod
+from ckpt_integration.storage import readers as readers_mod  # noqa: E402
 
 _STORAGE_OPS = ("exists", "isdir", "listdir", "size", "makedirs", "open_write", "write_atomic", "read_bytes",
                 "open_reader", "remove", "rmtree", "rename", "exchange", "sync_dir")
@@ -65,8 +66,10 @@ def counting():
 
     for name in _STORAGE_OPS:
         wrap(fsmod.Storage, name, name)
-    for cls in (fsmod._LocalReader, fsmod._FsspecReader):
-        for name in _READER_OPS:
+    # local reads: each call is a system call; remote reads: each fetch is a request (reads are
+    # served from shared read-ahead windows, storage/readers.py)
+    for cls, names in ((fsmod._LocalReader, _READER_OPS), (readers_mod.FsspecReader, ("_fetch",))):
+        for name in names:
             if name in cls.__dict__:
                 wrap(cls, name, "read request")
     try:

@@ -100,3 +100,14 @@ def test_gpu_bench_runs_on_cpu_and_prints_table(tmp_path):
                 "ours_load_noverify", "ours_load_row_to_col", "ours_load_ws_change", "ours_async_save"):
         assert rows[key]["gib_s"] > 0 and rows[key]["host_overhead"] is not None, key
     assert rows["ours_load_row_to_col"]["load"]["strategy"] == "read_once"
+
+
+def test_request_counts_bench_runs_and_counts_remote_fetches():
+    """benchmarks/request_counts.py (issue 22's table): runs, and on memory:// counts the reader's
+    actual fetches, which the coalescing keeps to one per data file here."""
+    cmd = [sys.executable, "benchmarks/request_counts.py", "--tensors", "8"]
+    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    load = rows[("memory://", "8", "load (path)")]
+    assert int(load.split("|")[5]) <= 4, load  # data read requests: one fetch per data file (was one per range)
