@@ -56,7 +56,7 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     """Read the tasks that are whole small items in runs (see the module docstring); return the
     others, in their order, for ``read_region``. ``tasks`` are ``ReadTask``-like (``key``,
     ``chunk``, ``overlap``, ``out``, ``dtype``)."""
-    if not getattr(reader, "block_records", None):
+    if not getattr(reader, "block_records", None) or not reader.block_records:
         return list(tasks)
     rest: List[Any] = []
     small: List[Tuple[str, int, Any, Any]] = []
@@ -69,7 +69,7 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
             small.append((info.relative_path, info.offset, t, brec))
     if not small:
         return rest
-    small.sort(key=lambda s: (s[0], s[1]))
+    # no sort: the load's tasks come sorted by file and offset, and a run only joins adjacent items
     spans: List[List[Tuple[str, int, Any, Any]]] = []
     cur: List[Tuple[str, int, Any, Any]] = []
     end = -1
