@@ -96,7 +96,7 @@ def _read_span(reader: Any, span: List[Tuple[str, int, Any, Any]]) -> None:
     name, lo = span[0][0], span[0][1]
     last = span[-1][2].chunk.storage
     hi = last.offset + last.length
-    fd = reader._fd(name)
+    fd = reader.file_reader(name)
     path = join(reader.directory, name)
     size = fd.size
     if hi > size:  # name the first item that does not fit, as a one-item read would
