@@ -229,7 +229,9 @@ def load_torch_dist(
     try:
         shared = opened_metadata or read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
         backend = shared.backend
-        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
+        # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
+        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
+                                   manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})

@@ -360,11 +360,16 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
     read_verified_file(directory, name, manifest)
 
 
-def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
-    """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint."""
+def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
+                manifest: Optional[Manifest] = None) -> Any:
+    """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint.
+
+    ``manifest``: the checkpoint's manifest when the caller has read (and checked) it already,
+    e.g. broadcast by a load's coordinator; ``None``: read here."""
     storage, directory = storage_for(directory)
     path = join(directory, COMMON_FILE)
-    manifest = read_manifest_checked(directory)
+    if manifest is None:
+        manifest = read_manifest_checked(directory)
     try:
         data = read_verified_file(directory, COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
