@@ -218,10 +218,7 @@ def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chun
     for cid, c in list(chunks.items()):
         t = c.task_list[0]
         brec = records.get(cid) if len(c.task_list) == 1 and t.overlap == t.chunk.box else None
-        if brec is not None:
-            # a whole chunk with a block record (e.g. one of many small tensors): its data's
-            # blocks are [data_offset, data_offset + data_length); its layout (checks, a few
-            # tens of microseconds) is made only if the load reads once (_layouts)
+        if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
             c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
             continue
         c.layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
@@ -247,11 +244,10 @@ def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chun
 
 
 def _layouts(reader: Any, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
-    """The layouts _collect left for later (whole chunks with block records), now that they are read once."""
-    for c in chunks.values():
-        if c.layout is None:
-            t = c.task_list[0]
-            c.layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
+    """The layouts _collect left for later (checks of tens of microseconds per chunk: with many
+    small tensors, more than the decision that the load reads as ``local``)."""
+    for c in (c for c in chunks.values() if c.layout is None):
+        c.layout = reader.chunk_layout(c.task_list[0].key, c.task_list[0].chunk, c.task_list[0].dtype)
 
 
 def _chunk_id(file: str, offset: int) -> int:

@@ -29,7 +29,7 @@ from typing import Any, List, Sequence, Tuple
 from ..errors import CorruptCheckpointError
 from .checkpoint_dir import MANIFEST_FILE
 from .filesystem import join
-from .region_read import _scratch_buffer, dtype_size, run_parallel
+from .region_read import scratch_buffer, dtype_size, run_parallel
 from .fs import tensor_buffer
 from .tensor_record import describe_archive_head
 from .torch_dist import DCP_METADATA_FILE
@@ -107,7 +107,7 @@ def _read_span(reader: Any, span: List[Tuple[str, int, Any, Any]]) -> None:
             f"but the file has {size} bytes"
         )
     nbytes = hi - lo
-    buf = _scratch_buffer(nbytes)
+    buf = scratch_buffer(nbytes)
     mv = tensor_buffer(buf)[:nbytes]
     t0 = time.perf_counter()
     fd.readv([mv], lo)
