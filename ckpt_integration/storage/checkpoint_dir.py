@@ -135,6 +135,18 @@ class Manifest:
         return out
 
 
+def manifest_text(manifest: "Manifest") -> str:
+    """The manifest as JSON text (e.g. for a load's broadcast): the text it was read from, while
+    its tables are those read (re-encoding tens of thousands of entries costs ~20 us each)."""
+    cached = manifest.__dict__.get("_text")
+    if cached is not None and cached[0] is manifest.blocks and cached[1] is manifest.items:
+        try:
+            return bytes(cached[2]).decode("utf-8")
+        except UnicodeDecodeError:  # valid JSON in another encoding: re-encode below
+            pass
+    return json.dumps(manifest_fields(manifest))
+
+
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
     (its tables have an entry per stored item: tens of thousands with many small tensors).
@@ -454,6 +466,7 @@ def read_manifest(directory: str) -> Optional[Manifest]:
         block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
         manifest.checksums()
         manifest.block_records()
+        manifest.__dict__["_text"] = (manifest.blocks, manifest.items, data)  # see manifest_text
         return manifest
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
