@@ -37,7 +37,6 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..errors import (
