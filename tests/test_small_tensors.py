@@ -180,3 +180,26 @@ def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(
     # the undamaged ones still load one by one
     ok = ci.load({"s216": ShardedTensor.from_rank_offsets("s216", torch.zeros_like(ts["s216"]))}, d)
     assert torch.equal(ok["s216"], ts["s216"])
+
+
+def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path):
+    """Block records are decoded on first use: one record whose digests are not base64 fails the
+    load that reads its item with CorruptCheckpointError naming the manifest (not a ValueError),
+    while a load of other items does not need it."""
+    import json
+
+    from ckpt_integration.errors import CorruptCheckpointError
+
+    ts = {f"s{i}": torch.randn(4, 4) for i in range(20)}
+    d = str(tmp_path / "c")
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, d)
+    path, off, _, _, _ = _small_item(d, "s7")
+    with open(os.path.join(d, "manifest.json")) as f:
+        man = json.load(f)
+    man["blocks"][f"{os.path.basename(path)}@{off}"][3] = "not base64!"
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(man, f)
+    with pytest.raises(CorruptCheckpointError, match=rf"manifest.json is damaged: block record of .*@{off}"):
+        ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d)
+    ok = ci.load({"s6": ShardedTensor.from_rank_offsets("s6", torch.zeros(4, 4))}, d)
+    assert torch.equal(ok["s6"], ts["s6"])
