@@ -88,7 +88,8 @@ def _expected(req):
 
 
 class _Reads:
-    """Counts reads: a hook on ``read_region`` of both readers records (key, region) per call."""
+    """Counts reads: a hook on ``read_region`` of both readers (and on the runs of small items)
+    records (key, region) per call."""
 
     def __init__(self):
         from ckpt_integration.storage.zarr_backend import ZarrReader
@@ -107,6 +108,20 @@ class _Reads:
                 return _real(reader, key, chunk, overlap, out, dtype)
 
             cls.read_region = counting
+        # whole small items are read in runs of adjacent items (storage/small_reads.py): the same log per item
+        from ckpt_integration.storage import small_reads
+
+        real_span = small_reads._read_span
+
+        def counting_span(reader, span, _real=real_span):
+            for _name, _off, t, _brec in span:
+                if self.fail is not None and self.fail(t.key):
+                    raise OSError(f"injected read failure for {t.key!r}")
+                with self.lock:
+                    self.log.append((t.key, t.overlap.offsets, t.overlap.sizes))
+            return _real(reader, span)
+
+        small_reads._read_span = counting_span
 
 
 class _LiveBytes:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import re
 
 import pytest
 import torch
@@ -83,3 +85,121 @@ def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, 
         assert (tmp_path / "bulk" / name).read_bytes() == (tmp_path / "generic" / name).read_bytes()
     assert [tuple(x) for x in zip(*(getattr(bulk, f) for f in bulk.__slots__))] == \
            [tuple(x) for x in zip(*(getattr(generic, f) for f in generic.__slots__))]
+
+
+# ------------------------------------------------------------------ loading many small items
+def _mixed_state(rank: int, world: int):
+    """Small tensors of several dtypes and shapes (split by rank along dim 0 when they have
+    enough rows), two large ones among them, and a scalar."""
+    g = torch.Generator().manual_seed(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.bool, torch.int8]
+    out = {}
+    for i in range(240):
+        shape = [(2 * world, 3), (4 * world,), (world, 2, 5), (world * 16, 64)][i % 4]
+        full = (torch.randn(shape, generator=g) * 50).to(dtypes[i % len(dtypes)])
+        out[f"layer{i}.w"] = full
+    out["big.a"] = torch.randn(world * 512, 1024, generator=g)  # 2 MiB per rank: one item by itself
+    out["big.b"] = torch.randn(world * 300, 700, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _sharded(state, rank, world, make):
+    return {k: ShardedTensor.from_rank_offsets(k, make(v.chunk(world)[rank].contiguous()), (0, rank, world))
+            for k, v in state.items()}
+
+
+def _round_trip(rank, world, root):
+    state = _mixed_state(rank, world)
+    ci.save(_sharded(state, rank, world, lambda t: t), root)
+    got = ci.load(_sharded(state, rank, world, torch.zeros_like), root)
+    for k, v in state.items():
+        assert torch.equal(got[k], v.chunk(world)[rank]), k
+    # into the caller's tensors (in place), with a cast and a non-contiguous destination among them
+    dst = {k: torch.zeros_like(v.chunk(world)[rank]) for k, v in state.items()}
+    dst["layer0.w"] = torch.zeros(dst["layer0.w"].shape, dtype=torch.float64)
+    dst["layer3.w"] = torch.zeros(dst["layer3.w"].shape[::-1], dtype=dst["layer3.w"].dtype).t()
+    ci.load({k: ShardedTensor.from_rank_offsets(k, t, (0, rank, world)) for k, t in dst.items()}, root)
+    for k, v in state.items():
+        assert torch.equal(dst[k].to(v.dtype), v.chunk(world)[rank]), k
+    # the whole tensors on every rank (other ranks' items, and a different layout)
+    whole = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in state.items()}, root,
+                    validate_access_integrity=False)
+    for k, v in state.items():
+        assert torch.equal(whole[k], v), k
+
+
+def test_many_small_tensors_of_several_dtypes_with_large_ones_round_trip_on_one_rank(tmp_path):
+    _round_trip(0, 1, str(tmp_path / "c"))
+
+
+def test_many_small_tensors_round_trip_on_two_ranks(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_round_trip, 2, str(tmp_path / "c"))
+
+
+def _small_item(d, key):
+    """(data file, item offset, item length, data offset, data length) of ``key``'s only chunk."""
+    import json
+    import pickle
+
+    with open(os.path.join(d, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # our own, freshly written checkpoint
+    info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+    with open(os.path.join(d, "manifest.json")) as f:
+        blocks = json.load(f)["blocks"][f"{info.relative_path}@{info.offset}"]
+    return os.path.join(d, info.relative_path), info.offset, info.length, blocks[0], blocks[1]
+
+
+@pytest.mark.parametrize("where", ["data", "header", "trailer"])
+def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(tmp_path, where):
+    """A flipped byte in the data, the archive header or the archive trailer of one small item
+    among many fails the load (read in runs of adjacent items) with the file, the item's block
+    byte range and the tensor named; the other items' reads do not hide it."""
+    from ckpt_integration.errors import CorruptCheckpointError
+    from tests.damage import flip_byte
+
+    ts = {f"s{i}": torch.randn(i % 5 + 1, 8) for i in range(400)}
+    d = str(tmp_path / "c")
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, d)
+    path, off, length, data_off, data_len = _small_item(d, "s217")
+    if where == "data":
+        flip_byte(path, off + data_off + 13)
+        lo, hi, what = off + data_off, off + data_off + data_len, r"chunk \[0:3, 0:8\] of 's217'"
+    elif where == "header":
+        flip_byte(path, off + 40)
+        lo, hi, what = off, off + data_off, r"the archive header of chunk \[0:3, 0:8\] of 's217'"
+    else:
+        flip_byte(path, off + length - 30)
+        lo, hi, what = off + data_off + data_len, off + length, r"the archive trailer of chunk \[0:3, 0:8\] of 's217'"
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}
+    with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(path)}: checksum mismatch for {what} \(bytes \[{lo}, {hi}\)"):
+        ci.load(request, d)
+    with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch for {what} \(bytes \[{lo}, {hi}\)"):
+        ci.load_plain_tensors(d)
+    # the undamaged ones still load one by one
+    ok = ci.load({"s216": ShardedTensor.from_rank_offsets("s216", torch.zeros_like(ts["s216"]))}, d)
+    assert torch.equal(ok["s216"], ts["s216"])
+
+
+def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path):
+    """Block records are decoded on first use: one record whose digests are not base64 fails the
+    load that reads its item with CorruptCheckpointError naming the manifest (not a ValueError),
+    while a load of other items does not need it."""
+    import json
+
+    from ckpt_integration.errors import CorruptCheckpointError
+
+    ts = {f"s{i}": torch.randn(4, 4) for i in range(20)}
+    d = str(tmp_path / "c")
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, d)
+    path, off, _, _, _ = _small_item(d, "s7")
+    with open(os.path.join(d, "manifest.json")) as f:
+        man = json.load(f)
+    man["blocks"][f"{os.path.basename(path)}@{off}"][3] = "not base64!"
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(man, f)
+    with pytest.raises(CorruptCheckpointError, match=rf"manifest.json is damaged: block record of .*@{off}"):
+        ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d)
+    ok = ci.load({"s6": ShardedTensor.from_rank_offsets("s6", torch.zeros(4, 4))}, d)
+    assert torch.equal(ok["s6"], ts["s6"])

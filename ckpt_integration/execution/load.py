@@ -38,6 +38,7 @@ from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys,
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
+from ..storage.small_reads import read_small_items
 from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
@@ -230,7 +231,9 @@ def load_sharded(
     try:
         shared = opened_metadata or read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
         backend = shared.backend
-        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
+        # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
+        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
+                                   manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
         requested = sorted({_request_key(s) for s in shards})
@@ -339,9 +342,9 @@ class _LoadJob:
     unexpected: Set[str]
 
     def read_all(self, thread_count: int) -> None:
-        run_parallel(
-            self.tasks, lambda t: self.reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count
-        )
+        # whole small items in runs of adjacent items (one read each), the rest one region at a time
+        rest = read_small_items(self.reader, self.tasks, thread_count)
+        run_parallel(rest, lambda t: self.reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
 
     def finish(self) -> Tuple[Any, Set[str], Set[str]]:
         with torch.no_grad():  # destinations may be Parameters
@@ -433,5 +436,6 @@ def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2)
             chunk_of = {c.box: c for c in reader.chunks[key]}
             tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype) for r in reads]
         tasks.sort(key=lambda t: t.order)
+        tasks = read_small_items(reader, tasks, thread_count)
         run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
     return out

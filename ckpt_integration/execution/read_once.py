@@ -143,7 +143,7 @@ def load_read_once(
         if error is None:
             chunks, leftover = _collect(reader, tasks)
             # ranks share a page cache only through mapped local files; otherwise each is its own node
-            files = {c.layout.path: c.layout.fd for c in chunks.values()}
+            files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
             mapped = all(can_map(fd) for fd in files.values())
             if mapped:
                 node = node_of(rank)
@@ -167,6 +167,7 @@ def load_read_once(
         return ("failed" if failed else "local"), dict(st.values)
     # needs in full to the owners
     try:
+        _layouts(reader, chunks)
         outgoing = _encode_needs(chunks, node, world)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
@@ -206,20 +207,29 @@ def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chun
     """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part."""
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
+    records = getattr(reader, "block_records", None) or {}
     for t in tasks:
         info = t.chunk.storage
         cid = (info.relative_path, info.offset)
         c = chunks.get(cid)
         if c is None:
-            layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
-            if layout is None:
-                leftover.append(t)
-                continue
-            c = chunks[cid] = _Chunk(cid[0], cid[1], [], layout, [])
+            c = chunks[cid] = _Chunk(cid[0], cid[1], [], None, [])
         c.task_list.append(t)
+    for cid, c in list(chunks.items()):
+        t = c.task_list[0]
+        brec = records.get(cid) if len(c.task_list) == 1 and t.overlap == t.chunk.box else None
+        if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
+            c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
+            continue
+        c.layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
+        if c.layout is None:
+            leftover += c.task_list
+            del chunks[cid]
     for c in chunks.values():
         lay = c.layout
         t = c.task_list[0]
+        if lay is None:
+            continue
         if len(c.task_list) == 1 and t.overlap == t.chunk.box:  # the whole chunk: its data's blocks
             b = lay.bounds
             lo = int(b[np.searchsorted(b, lay.data_start, side="right") - 1])
@@ -231,6 +241,13 @@ def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chun
             spans += touched_ranges(lay.bounds, lay.data_start, lay.shape, lay.esize, starts, lens)
         c.ranges = merge_ranges(np.array([a for a, _ in spans], dtype=np.int64), np.array([b for _, b in spans], dtype=np.int64))
     return chunks, leftover
+
+
+def _layouts(reader: Any, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
+    """The layouts _collect left for later (checks of tens of microseconds per chunk: with many
+    small tensors, more than the decision that the load reads as ``local``)."""
+    for c in (c for c in chunks.values() if c.layout is None):
+        c.layout = reader.chunk_layout(c.task_list[0].key, c.task_list[0].chunk, c.task_list[0].dtype)
 
 
 def _chunk_id(file: str, offset: int) -> int:

@@ -224,7 +224,7 @@ def encode_shared(shared: SharedMetadata) -> bytes:
 def _encode_shared(shared: SharedMetadata) -> bytes:
     w = MessageWriter()
     w.sid("")  # index 0: no error
-    w.add(0, w.sid(shared.backend), w.sid(json.dumps(ckdir.manifest_fields(shared.manifest)) if shared.manifest else ""))
+    w.add(0, w.sid(shared.backend), w.sid(ckdir.manifest_text(shared.manifest) if shared.manifest else ""))
     if shared.metadata is None:
         w.add(0)
     else:

@@ -37,7 +37,6 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from ..errors import (
@@ -47,6 +46,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
+from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable  # noqa: F401 (re-exported)
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
 from .claim import MARKER_FILE, library_entries
 from .filesystem import join, parent_of, storage_for
@@ -56,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
-MANIFEST_FILE = "manifest.json"
 WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
 # 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token;
@@ -126,17 +125,25 @@ class Manifest:
 
     def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
         """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
-        (decoded once per manifest object)."""
+        (one table per manifest object; each record decoded on first use)."""
         cached = self.__dict__.get("_block_records")
         if cached is not None and cached[0] is self.blocks:
             return cached[1]
-        out = {}
-        h = self.hash
-        for k, v in self.blocks.items():
-            name, _, off = k.rpartition("@")
-            out[(name, int(off))] = BlockRecord.parse(v, h)
+        out = BlockRecordTable(self.blocks, self.hash)
         self.__dict__["_block_records"] = (self.blocks, out)
         return out
+
+
+def manifest_text(manifest: "Manifest") -> str:
+    """The manifest as JSON text (e.g. for a load's broadcast): the text it was read from, while
+    its tables are those read (re-encoding tens of thousands of entries costs ~20 us each)."""
+    cached = manifest.__dict__.get("_text")
+    if cached is not None and cached[0] is manifest.blocks and cached[1] is manifest.items:
+        try:
+            return bytes(cached[2]).decode("utf-8")
+        except UnicodeDecodeError:  # valid JSON in another encoding: re-encode below
+            pass
+    return json.dumps(manifest_fields(manifest))
 
 
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
@@ -153,45 +160,6 @@ def manifest_format(h: BlockHash) -> Dict[str, Any]:
     """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``: format 3, or
     format 2 for CRC32 (which older versions of the library read)."""
     return {"version": 2, "block_hash": CRC32} if h.name == CRC32 else {"version": MANIFEST_VERSION, "block_hash": h.name}
-
-
-@dataclass(frozen=True)
-class BlockRecord:
-    """Block digests of one tensor item: where its raw data lies in the item and the digests
-    (of the algorithm ``hash``).
-
-    Blocks, in item-relative bytes: ``[0, data_offset)`` (archive header), then the data in
-    blocks of ``block_size`` (the last one shorter), then ``[data_offset + data_length,
-    item_length)`` (archive trailer); empty blocks have no digest.
-    """
-
-    data_offset: int
-    data_length: int
-    block_size: int
-    digests: Any  # numpy uint32 (CRC32) or uint64 (XXH3-64) array
-    hash: BlockHash
-
-    @staticmethod
-    def parse(v: Any, h: BlockHash) -> "BlockRecord":
-        if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:3])):
-            raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
-        d, n, b, text = v
-        if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
-            raise ValueError(f"invalid block record {str(v)[:80]}")
-        return BlockRecord(d, n, b, h.unpack(text), h)
-
-    def bounds(self, item_length: int) -> np.ndarray:
-        """Item-relative block boundaries (``len(digests) + 1`` of them); ValueError if inconsistent."""
-        d, n, b = self.data_offset, self.data_length, self.block_size
-        if d + n > item_length:
-            raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
-        head = [0] if d > 0 else []
-        tail = [d + n] if d + n < item_length else []
-        out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
-                              np.array(tail + [item_length], dtype=np.int64)])
-        if len(out) != len(self.digests) + 1:
-            raise ValueError(f"{len(self.digests)} block checksums recorded for {len(out) - 1} blocks")
-        return out
 
 
 ZARR_INDEX_FILE = "zarr_index.json"
@@ -403,11 +371,16 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
     read_verified_file(directory, name, manifest)
 
 
-def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> Any:
-    """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint."""
+def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
+                manifest: Optional[Manifest] = None) -> Any:
+    """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint.
+
+    ``manifest``: the checkpoint's manifest when the caller has read (and checked) it already,
+    e.g. broadcast by a load's coordinator; ``None``: read here."""
     storage, directory = storage_for(directory)
     path = join(directory, COMMON_FILE)
-    manifest = read_manifest_checked(directory)
+    if manifest is None:
+        manifest = read_manifest_checked(directory)
     try:
         data = read_verified_file(directory, COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
@@ -492,6 +465,7 @@ def read_manifest(directory: str) -> Optional[Manifest]:
         block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
         manifest.checksums()
         manifest.block_records()
+        manifest.__dict__["_text"] = (manifest.blocks, manifest.items, data)  # see manifest_text
         return manifest
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None

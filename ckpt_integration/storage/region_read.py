@@ -60,7 +60,7 @@ SLACK = 4 << 20
 _scratch = threading.local()
 
 
-def _scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
+def scratch_buffer(nbytes: int, which: int = 0) -> torch.Tensor:
     """A uint8 buffer of at least ``nbytes``: reused per thread (``which``: 0 for windows,
     1 for the head/tail bytes of direct reads) up to ``PIECE + SLACK`` bytes (a piece plus
     the parts of blocks around it).
@@ -304,7 +304,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
             segs: List[Tuple[int, memoryview]] = []
             head = max(0, min(end, lo) - pos)  # bytes of the first block before the request
             tail = max(0, end - max(pos, hi))  # bytes of the last block after it
-            scratch = tensor_buffer(_scratch_buffer(head + tail, 1)) if head + tail else None
+            scratch = tensor_buffer(scratch_buffer(head + tail, 1)) if head + tail else None
             if head:
                 segs.append((pos, scratch[:head]))
             if end > lo and pos < hi:
@@ -413,7 +413,7 @@ def _read_window(reader, base, first, lens, bstrides, esize, k, out, dtype, bloc
         w_lo = min(start, ranges[0][0])
         w_hi = max(ranges[-1][1], int(row_lo[-1]) + span[r])
         pad = (w_lo - first) % esize
-        buf = _scratch_buffer(w_hi - w_lo + pad)
+        buf = scratch_buffer(w_hi - w_lo + pad)
         mv = tensor_buffer(buf)
         t_read = t_crc = 0.0
         for a, b in ranges:

@@ -129,6 +129,10 @@ class TorchDistReader:
                 self._files[relative_path] = fd
             return fd
 
+    def file_reader(self, relative_path: str) -> FileReader:
+        """The open reader of a data file named in ``.metadata`` (opened on first use, kept until close)."""
+        return self._fd(relative_path)
+
     def _check_extent(self, info: _StorageInfo, what: str) -> FileReader:
         fd = self._fd(info.relative_path)
         size = fd.size

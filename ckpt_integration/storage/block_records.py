@@ -1,0 +1,95 @@
+"""A manifest's block records: where each tensor item's data lies and the digests of its blocks.
+
+Decoded on first use (:class:`BlockRecordTable`): a manifest has one record per stored item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Tuple
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .checksum import BlockHash
+
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """Block digests of one tensor item: where its raw data lies in the item and the digests
+    (of the algorithm ``hash``).
+
+    Blocks, in item-relative bytes: ``[0, data_offset)`` (archive header), then the data in
+    blocks of ``block_size`` (the last one shorter), then ``[data_offset + data_length,
+    item_length)`` (archive trailer); empty blocks have no digest.
+    """
+
+    data_offset: int
+    data_length: int
+    block_size: int
+    digests: Any  # numpy uint32 (CRC32) or uint64 (XXH3-64) array
+    hash: BlockHash
+
+    @staticmethod
+    def parse(v: Any, h: BlockHash) -> "BlockRecord":
+        if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:3])):
+            raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
+        d, n, b, text = v
+        if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
+            raise ValueError(f"invalid block record {str(v)[:80]}")
+        return BlockRecord(d, n, b, h.unpack(text), h)
+
+    def bounds(self, item_length: int) -> np.ndarray:
+        """Item-relative block boundaries (``len(digests) + 1`` of them); ValueError if inconsistent."""
+        d, n, b = self.data_offset, self.data_length, self.block_size
+        if d + n > item_length:
+            raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
+        head = [0] if d > 0 else []
+        tail = [d + n] if d + n < item_length else []
+        out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
+                              np.array(tail + [item_length], dtype=np.int64)])
+        if len(out) != len(self.digests) + 1:
+            raise ValueError(f"{len(self.digests)} block checksums recorded for {len(out) - 1} blocks")
+        return out
+
+
+class BlockRecordTable(Mapping):
+    """``(file, offset) -> BlockRecord`` over a manifest's ``blocks`` table: the entries' form is
+    checked when the table is made (cheap), each record decoded on first use (its base64 digests
+    and arrays: with tens of thousands of small tensors, decoding every record costs more than
+    a load that reads a few of them). A record found malformed then raises
+    :class:`CorruptCheckpointError` naming the manifest."""
+
+    def __init__(self, blocks: Dict[str, Any], h: BlockHash):
+        self._raw, self._hash = blocks, h
+        self._parsed: Dict[Tuple[str, int], BlockRecord] = {}
+        self._keys: Dict[Tuple[str, int], str] = {}
+        for k, v in blocks.items():
+            name, _, off = k.rpartition("@")
+            if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
+                    and type(v[2]) is int and isinstance(v[3], str)):
+                raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
+            self._keys[(name, int(off))] = k
+
+    def __getitem__(self, rid: Tuple[str, int]) -> "BlockRecord":
+        rec = self._parsed.get(rid)
+        if rec is None:
+            v = self._raw[self._keys[rid]]
+            try:
+                rec = BlockRecord.parse(v, self._hash)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: block record of {rid[0]}@{rid[1]}: {e}") from None
+            self._parsed[rid] = rec
+        return rec
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._keys
+
+    def __iter__(self) -> Iterator[Tuple[str, int]]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
