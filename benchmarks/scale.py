@@ -15,7 +15,7 @@ in-memory mailboxes; bytes are counted with the rule of
 including the per-rank sizes of an all-to-all).
 
 Save: route (holder) -> chunk owner -> key owner (validation) -> write assignment
--> finalize message; rank 0's commit runs the library's ``_commit`` into a
+-> finalize message; rank 0's commit runs the library's torch_dist commit into a
 temporary directory (tmpfs when available) and reports the metadata file sizes.
 A repeated save with the same structure costs each rank one digest of its records
 and a 4-integer all-reduce. Load: every rank decodes the same broadcast and plans
@@ -412,7 +412,7 @@ def _fake_written(rank: int, metas: Sequence[ShardMeta], threads: int = 2) -> Wr
 
 def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: str) -> Dict[str, Any]:
     """Rank 0: decode the finalize messages, build the layout, write the metadata files (real code)."""
-    from ckpt_integration.execution.save import SavePlan, _commit
+    from ckpt_integration.execution.save import SAVE_BACKENDS, SavePlan
 
     os.makedirs(commit_dir, exist_ok=True)
 
@@ -422,7 +422,7 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
         plan = SavePlan(rank=0, world_size=layout.world, group=None, checkpoint_dir=commit_dir, write_dir=commit_dir,
                         staging=False, common={"iteration": 1000, "args": {"hidden": layout.hidden}}, requests=[],
                         write_metas=[], summaries=[], thread_count=2, durable=False)
-        _commit(plan, lay)
+        SAVE_BACKENDS["torch_dist"].commit(plan, lay)
         return lay
 
     t0 = time.perf_counter()
