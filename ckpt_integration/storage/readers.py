@@ -60,12 +60,16 @@ class ReadAheadWindows:
         self.windows: List[Window] = []  # oldest first
         self.nbytes = 0
 
-    def find(self, reader: "FsspecReader", offset: int, end: int) -> Optional[Window]:
-        with self.lock:
-            for w in reversed(self.windows):
-                if w.reader is reader and w.start <= offset and end <= w.end:
-                    return w
+    def _holding(self, reader: "FsspecReader", pos: int) -> Optional[Window]:
+        for w in reversed(self.windows):  # under self.lock
+            if w.reader is reader and w.start <= pos < w.end:
+                return w
         return None
+
+    def holding(self, reader: "FsspecReader", pos: int) -> Optional[Window]:
+        """The window of ``reader``'s object holding byte ``pos`` (fetched or in flight), if any."""
+        with self.lock:
+            return self._holding(reader, pos)
 
     def claim(self, reader: "FsspecReader", start: int, end: int) -> Tuple[Window, bool]:
         """The window holding byte ``start`` (fetched or in flight), or a new one up to ``end``
@@ -73,9 +77,9 @@ class ReadAheadWindows:
         caller must fill; second value: whether it is new. Atomic, so two threads starting at
         once do not both fetch the same range."""
         with self.lock:
-            for w in reversed(self.windows):
-                if w.reader is reader and w.start <= start < w.end:
-                    return w, False
+            w = self._holding(reader, start)
+            if w is not None:
+                return w, False
             end = min([end] + [w.start for w in self.windows if w.reader is reader and w.start > start])
             w = Window(reader, start, end)
             self.windows.append(w)
@@ -140,40 +144,39 @@ class FsspecReader(FileReader):
                 if self._whole is None:
                     self._whole = memoryview(self._fetch(0, self.size))
             return bytes(self._whole[offset:end])
-        head = b""
-        w = self._windows.find(self, offset, offset + 1)  # a window holding the first byte
-        if w is not None:
-            w.ready.wait()
-            if w.data is not None:
-                have = min(end, w.end)
-                head = bytes(w.data[offset - w.start : have - w.start])
-                if have == end:
-                    return head
-                offset = have  # the rest of the read starts where the window ends
-        if end - offset >= self.READ_AHEAD:
-            rest = self._fetch(offset, end)
-            return head + rest if head else rest
-        stop = offset + self.READ_AHEAD
-        if self.size - stop < self.READ_AHEAD // 2:  # a short rest of the object comes along
-            stop = self.size
-        w, new = self._windows.claim(self, offset, stop)
-        if not new:  # another thread opened it meanwhile: take what it has, then the rest
-            w.ready.wait()
-            if w.data is None:
-                return head + self._fetch(offset, end)
-            have = min(end, w.end)
-            part = bytes(w.data[offset - w.start : have - w.start])
-            return head + part + (self.read(have, end - have) if have < end else b"")
+        parts: List[bytes] = []
+        while offset < end:
+            w = self._windows.holding(self, offset)
+            if w is None:
+                if end - offset >= self.READ_AHEAD:  # long: one request of its own, no window
+                    parts.append(self._fetch(offset, end))
+                    break
+                stop = offset + self.READ_AHEAD
+                if self.size - stop < self.READ_AHEAD // 2:  # a short rest of the object comes along
+                    stop = self.size
+                w, new = self._windows.claim(self, offset, stop)  # cut where a later window begins
+                if new:
+                    self._fill(w)
+            w.ready.wait()  # another thread may be fetching it
+            if w.data is None:  # that fetch failed (and raised there): ask for these bytes directly
+                parts.append(self._fetch(offset, end))
+                break
+            have = min(end, w.start + len(w.data))
+            if have <= offset:  # the object ended early: the callers' length checks report it
+                break
+            parts.append(bytes(w.data[offset - w.start : have - w.start]))
+            offset = have  # the rest, if any, from the next window or request
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _fill(self, w: Window) -> None:
+        """Fetch a window this thread claimed; a failed fetch leaves no window behind."""
         try:
-            w.data = memoryview(self._fetch(w.start, w.end))  # if short, the callers' length checks report it
+            w.data = memoryview(self._fetch(w.start, w.end))
         except BaseException:
             self._windows.drop(self, w)
             raise
         finally:
             w.ready.set()
-        if end > w.end:  # cut short by a later window: the rest from there
-            return head + bytes(w.data[offset - w.start :]) + self.read(w.end, end - w.end)
-        return head + bytes(w.data[offset - w.start : end - w.start])
 
     def close(self) -> None:
         self._whole = None
