@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
+from .storage.atomic import is_replace_sibling
 from .storage.checkpoint_dir import CONFIG_FILE, commit_order
 from .storage.filesystem import base_name, join, storage_for
 
@@ -76,17 +76,11 @@ def commit_order_of(path: Any) -> CommitOrder:
     return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
 
 
-# the siblings an overwrite save works with (storage/atomic.py, execution/save.py): the new checkpoint
-# staged at ``<dir>.tmp-<id>`` until it is put in place, the old one at ``<dir>.old-<id>`` until it
-# is deleted. Both can hold a commit marker for a moment, and both vanish without notice.
-_TRANSIENT = re.compile(r"\.(tmp|old)-[0-9a-f]{8}$")
-
-
 def _committed(directory: Any, suffix: Optional[str] = None) -> List[str]:
     storage, d = storage_for(directory)
     if not storage.isdir(d):
         return []
-    names = [n for n in storage.listdir(d) if (suffix is None or n.endswith(suffix)) and not _TRANSIENT.search(n)]
+    names = [n for n in storage.listdir(d) if (suffix is None or n.endswith(suffix)) and not is_replace_sibling(n)]
     return [join(d, n) for n in names if storage.exists(join(d, n, CONFIG_FILE))]
 
 

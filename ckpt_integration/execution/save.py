@@ -125,7 +125,7 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool, durable: bool = Tru
                 "would delete; move them elsewhere first"
             )
         _remove_dead_staging(storage, checkpoint_dir)
-        staging = f"{checkpoint_dir.rstrip(os.sep)}.tmp-{token[:8]}"
+        staging = atomic.staging_name(checkpoint_dir, token)
         claim = claims.claim_staging(checkpoint_dir, staging, token, durable)
     else:
         claim = claims.claim_new(checkpoint_dir, token, durable)

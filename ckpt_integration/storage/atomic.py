@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 
 from ..errors import CheckpointingException, CheckpointWriteError
@@ -48,6 +49,20 @@ def supports_replace(storage: Storage) -> bool:
 def old_name(target: str) -> str:
     """Where the two-rename fallback moves the old ``target`` aside (``<target>.old-<id>``)."""
     return f"{target.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+
+
+def staging_name(target: str, token: str) -> str:
+    """Where an overwrite save writes the new ``target`` before it is put in place (``<target>.tmp-<id>``)."""
+    return f"{target.rstrip(os.sep)}.tmp-{token[:8]}"
+
+
+# the two names above: both can hold a committed checkpoint for a moment, then vanish
+_SIBLING = re.compile(r"\.(tmp|old)-[0-9a-f]{8}$")
+
+
+def is_replace_sibling(name: str) -> bool:
+    """Whether ``name`` is a :func:`staging_name` or :func:`old_name` (a reader must not pick it)."""
+    return _SIBLING.search(name) is not None
 
 
 def sync_tree(path: str) -> None:
