@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 import weakref
@@ -156,8 +156,7 @@ class AsyncCallsQueue:
         self._worker: Optional[threading.Thread] = None
         self._next_idx = 0
         self._closed = False
-        self._groups: Dict[Any, Any] = {}
-        self._owners: Dict[int, Any] = {}  # key of _groups -> the process group it was made for
+        self._groups: Dict[int, Tuple[Any, Any]] = {}  # id(process group) -> (that group, its private group)
         self._abandoned_at: Optional[float] = None  # time.monotonic() of the first abandon()
         _queues.add(self)
 
@@ -314,14 +313,14 @@ class AsyncCallsQueue:
                 logger.warning("abandoning the async save to %s: %s", req.description, reason)
         if self._idle(wait_s):
             return True
-        for g in self._groups.values():
+        for _, g in self._groups.values():
             if isinstance(g, dist.PrivateGroup):
                 g.abort(f"async saves abandoned ({reason})")
         return self._idle(1.0)
 
     def _close_groups(self, reason: str) -> None:
-        groups, self._groups, self._owners = self._groups, {}, {}
-        for g in groups.values():
+        groups, self._groups = self._groups, {}
+        for _, g in groups.values():
             if isinstance(g, dist.PrivateGroup):
                 g.close(reason)
 
@@ -371,10 +370,10 @@ class AsyncCallsQueue:
         # object, maybe of another world, and gets a private group of its own
         owner = process_group if process_group is not None else torch.distributed.group.WORLD
         key = id(owner)
-        group = self._groups.get(key)
-        if group is None or self._owners.get(key) is not owner:
-            group = self._groups[key] = dist.new_private_group(process_group)
-            self._owners[key] = owner
+        held, group = self._groups.get(key, (None, None))
+        if held is not owner:
+            group = dist.new_private_group(process_group)
+            self._groups[key] = (owner, group)
         return group
 
 
