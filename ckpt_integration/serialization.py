@@ -16,13 +16,13 @@ from .execution import dist
 from .execution.async_save import async_save_torch_dist
 from .execution.load import load_sharded, read_whole_tensors
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
-from .execution.shared_metadata import SharedMetadata
+from .execution.shared_metadata import open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import read_metadata
 from .storage.filesystem import join, storage_for
-from .storage.opened import OpenedCheckpoint, open_checkpoint, reading  # noqa: F401  (open_checkpoint: public)
+from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
 
@@ -199,30 +199,31 @@ def load(
     if load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
     if isinstance(checkpoint_dir, OpenedCheckpoint):
-        opened = checkpoint_dir
-        with opened.reading():
-            return _load(sharded_state_dict, opened.path, opened.config, sharded_strategy, strict, validate_access_integrity,
+        ck, shared = checkpoint_dir, None  # every rank opened it: each has what it read
+    else:  # collective: the coordinator opens it, every rank gets the same opened commit
+        ck, shared = open_shared(checkpoint_dir, process_group, trusted)
+    try:
+        with ck.reading(verified=verify_checksums):
+            return _load(sharded_state_dict, ck, shared, sharded_strategy, strict, validate_access_integrity,
                          trusted, allowed_globals, thread_count, verify_checksums, process_group, load_strategy,
-                         memory_budget, strict_dtype, SharedMetadata(opened.backend, opened.metadata, opened.manifest))
-    config = ckdir.read_config(os.fspath(checkpoint_dir))
-    return _load(sharded_state_dict, os.fspath(checkpoint_dir), config, sharded_strategy, strict, validate_access_integrity,
-                 trusted, allowed_globals, thread_count, verify_checksums, process_group, load_strategy, memory_budget,
-                 strict_dtype, None)
+                         memory_budget, strict_dtype)
+    finally:
+        if ck is not checkpoint_dir:
+            ck.close()
 
 
-def _load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, config: Any, sharded_strategy: Any, strict: Any,
+def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: Any, sharded_strategy: Any, strict: Any,
           validate_access_integrity: bool, trusted: bool, allowed_globals: Any, thread_count: Optional[int],
-          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool,
-          opened_metadata: Any) -> Any:
+          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool) -> Any:
     backend = _backend_from_strategy(sharded_strategy)
-    if sharded_strategy is not None and backend != config.sharded_backend:
+    if sharded_strategy is not None and backend != ck.config.sharded_backend:
         raise CheckpointingException(
-            f"{checkpoint_dir} was saved with backend {config.sharded_backend!r}, not {backend!r}"
+            f"{ck.path} was saved with backend {ck.config.sharded_backend!r}, not {backend!r}"
         )
-    ckdir.check_strategy_version(os.fspath(checkpoint_dir), config, sharded_strategy)
+    ckdir.check_strategy_version(ck.path, ck.config, sharded_strategy)
     return load_sharded(
         sharded_state_dict,
-        os.fspath(checkpoint_dir),
+        ck,
         strict=strict,
         validate_access_integrity=validate_access_integrity,
         trusted=trusted,
@@ -233,7 +234,7 @@ def _load(sharded_state_dict: ShardedStateDict, checkpoint_dir: str, config: Any
         load_strategy=load_strategy,
         memory_budget=memory_budget,
         strict_dtype=strict_dtype,
-        opened_metadata=opened_metadata,
+        shared=shared if shared is not None else shared_of(ck),
     )
 
 
@@ -261,9 +262,8 @@ def load_common_state_dict(
 
     Example: ``load_common_state_dict("ckpt")["iteration"]``
     """
-    with reading(checkpoint_dir) as checkpoint_dir:
-        ckdir.read_config(checkpoint_dir)
-        return ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals)
+    with opened(checkpoint_dir, trusted, verified=True) as ck:  # common.pt is checked against the manifest
+        return ckdir.load_common(ck, trusted=trusted, allowed_globals=allowed_globals, manifest=ck.manifest)
 
 
 def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
@@ -273,12 +273,8 @@ def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
 
         meta = load_tensors_metadata("ckpt"); meta["decoder.weight"].global_shape
     """
-    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
-        with checkpoint_dir.reading():  # the .metadata read at open, pinned
-            return _tensors_metadata(checkpoint_dir.metadata)
-    with reading(checkpoint_dir) as checkpoint_dir:
-        ckdir.read_config(checkpoint_dir)
-        return _tensors_metadata(read_metadata(checkpoint_dir, trusted=trusted))
+    with opened(checkpoint_dir, trusted, verified=True) as ck:  # .metadata is checked against the manifest
+        return _tensors_metadata(read_metadata(ck, trusted=trusted))
 
 
 def _tensors_metadata(md: Any) -> CkptShardedMetadata:
@@ -294,12 +290,8 @@ def _tensors_metadata(md: Any) -> CkptShardedMetadata:
 
 def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, common_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
     """Like :func:`load_tensors_metadata` plus every ShardedObject (keyed by unique key)."""
-    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
-        with checkpoint_dir.reading():
-            return _sharded_metadata(checkpoint_dir.metadata)
-    with reading(checkpoint_dir) as checkpoint_dir:
-        ckdir.read_config(checkpoint_dir)
-        return _sharded_metadata(read_metadata(checkpoint_dir, trusted=trusted))
+    with opened(checkpoint_dir, trusted, verified=True) as ck:
+        return _sharded_metadata(read_metadata(ck, trusted=trusted))
 
 
 def _sharded_metadata(md: Any) -> CkptShardedMetadata:
@@ -322,12 +314,8 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> St
 
     Example: ``load_plain_tensors("ckpt")["embedding.weight"].shape``
     """
-    if isinstance(checkpoint_dir, OpenedCheckpoint) and checkpoint_dir.metadata is not None:
-        with checkpoint_dir.reading() as path:
-            return read_whole_tensors(path, checkpoint_dir.metadata)
-    with reading(checkpoint_dir) as checkpoint_dir:
-        ckdir.read_config(checkpoint_dir)
-        return read_whole_tensors(checkpoint_dir, read_metadata(checkpoint_dir, trusted=trusted))
+    with opened(checkpoint_dir, trusted, verified=True) as ck:  # every chunk read is checked
+        return read_whole_tensors(ck, read_metadata(ck, trusted=trusted))
 
 
 def load_content_metadata(

@@ -87,6 +87,50 @@ def test_lightning_loading_paths_take_the_opened_checkpoint(tmp_path):
         assert_same(dict(m_ck.state_dict()), dict(m_path.state_dict()), "module")
 
 
+def _storage_ops(monkeypatch):
+    """Every storage operation as ``(operation, file name)``, in order."""
+    from ckpt_integration.storage import filesystem as fsmod
+
+    ops = []
+    for name in ("exists", "isdir", "listdir", "size", "read_bytes", "open_reader"):
+        real = getattr(fsmod.Storage, name)
+
+        def inner(self, path, *a, _real=real, _name=name, **k):
+            ops.append((_name, str(path).rstrip("/").rsplit("/", 1)[-1]))
+            return _real(self, path, *a, **k)
+
+        monkeypatch.setattr(fsmod.Storage, name, inner)
+    return ops
+
+
+def test_opened_once_reads_each_small_file_once(monkeypatch):
+    """Issue 22: a load by path reads ``metadata.json``, the manifest, ``.metadata`` and the common
+    state once each (no helper goes back to storage for them), and through one opened checkpoint
+    the requests of several entry points grow only with the data they read."""
+    import uuid
+
+    path = f"memory://opened-{uuid.uuid4().hex[:8]}/c"
+    ci.save(_state(3.0, 7), path)
+    ops = _storage_ops(monkeypatch)
+    out = ci.load(_request(), path)
+    assert torch.equal(out["w"], torch.full((64, 16), 3.0)) and out["step"] == 7
+    small = ["metadata.json", "manifest.json", ".metadata", "common.pt"]
+    assert [o for o in ops if o[1] in small] == [("read_bytes", n) for n in small], ops
+    data_files = [o for o in ops if o[1] not in small]
+    assert data_files and all(op == "open_reader" for op, _ in data_files) and len(set(data_files)) == len(data_files), ops
+    ops.clear()
+    with ci.open_checkpoint(path) as ck:
+        assert ops == [("read_bytes", "metadata.json"), ("read_bytes", "manifest.json")]  # .metadata: on first use
+        ops.clear()
+        for _ in range(3):
+            assert ci.load_common_state_dict(ck)["step"] == 7
+            assert set(ci.load_tensors_metadata(ck)) == {"w", "b"}
+            assert torch.equal(ci.load(_request(), ck)["b"], torch.arange(8.0) + 3)
+        # .metadata and common.pt once; then only what holds tensor data, once per load
+        assert sorted(o for o in ops if o[1] in small) == [("read_bytes", ".metadata"), ("read_bytes", "common.pt")], ops
+        assert sorted(o for o in ops if o[1] not in small) == sorted(data_files * 3), ops
+
+
 def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
     """``last.ckpt`` rewritten by a save in another process (same keys and shapes, other values)."""
     last = str(tmp_path / "last.ckpt")
@@ -99,11 +143,15 @@ def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
                   "b": ci.ShardedTensor.from_rank_offsets("b", torch.arange(8.0) + 2.0), "step": 2}},
                 {last!r}, overwrite=True)
     """)
-    # every read through the opened object: the truthful error, naming the path
-    for read in (lambda: ci.load(_request(), ck), lambda: ci.load_plain_tensors(ck), lambda: ci.load_common_state_dict(ck),
-                 lambda: ci.load_tensors_metadata(ck)):
+    # every read through the opened object: the truthful error, naming the path (never the new
+    # commit's values, which pass the new manifest's checks)
+    for read in (lambda: ci.load(_request(), ck), lambda: ci.load_plain_tensors(ck),
+                 lambda: ci.load(_request(), ck, verify_checksums=False)):
         with pytest.raises(CheckpointReplacedError, match=r"last\.ckpt was replaced by another commit"):
             read()
+    # what was read already (the metadata, the common state) stays the opened commit's
+    assert ci.load_tensors_metadata(ck)["w"].global_shape == (64, 16)
+    assert ci.load_common_state_dict(ck)["step"] == 1
     # a fresh open reads the new commit
     with ci.open_checkpoint(last) as again:
         assert again.commit_id != ck.commit_id

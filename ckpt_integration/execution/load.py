@@ -207,12 +207,14 @@ def load_sharded(
     load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
-    opened_metadata: Optional[SharedMetadata] = None,
+    shared: Optional[SharedMetadata] = None,
 ) -> Any:
     """A load of a checkpoint of any backend (the one its ``metadata.json`` names). Collective.
 
-    ``opened_metadata``: what an opened checkpoint read already (every rank passes one, or none)."""
-    checkpoint_dir = os.fspath(checkpoint_dir)
+    ``checkpoint_dir``: a path, or the :class:`~..storage.opened.OpenedCheckpoint` every helper
+    below is given (its storage and small files are not read again). ``shared``: what it read, as
+    a load uses it (every rank passes one, or none: then the coordinator opens the path and
+    broadcasts it)."""
     group = process_group
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
@@ -226,10 +228,10 @@ def load_sharded(
     requested: List[str] = []
     needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     md: Any = None
-    shared: Optional[SharedMetadata] = None
     backend = "torch_dist"
     try:
-        shared = opened_metadata or read_shared(checkpoint_dir, group, trusted)  # collective: one reader, one broadcast
+        if shared is None:  # collective: one reader, one broadcast
+            checkpoint_dir, shared = open_shared(checkpoint_dir, group, trusted)
         backend = shared.backend
         # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
         common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,

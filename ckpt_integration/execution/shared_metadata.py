@@ -11,15 +11,15 @@ the files itself.
 For zarr checkpoints only ``metadata.json`` and the manifest travel this way; each
 rank's reader still opens the zarr index itself (storage layer).
 
-:class:`SharedMetadata` is what the load path passes down; a future checkpoint
-object opened once by the storage layer can carry the same three fields.
+:func:`open_shared` gives every rank an :class:`~..storage.opened.OpenedCheckpoint` of the
+commit the coordinator read, which the load passes down with the :class:`SharedMetadata`.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -40,8 +40,7 @@ from ..planning.boxes import Box, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import backend_named
-from ..storage.torch_dist import read_dcp_metadata
+from ..storage.opened import OpenedCheckpoint
 from ..storage.torch_dist_reader import ChunkInfo
 from . import dist
 from .preprocess import dtype_from_name, dtype_name
@@ -62,6 +61,7 @@ class SharedMetadata:
     metadata: Optional[Metadata]
     manifest: Optional[ckdir.Manifest]
     _encoded: Optional[Tuple[List[str], List[int], int]] = None
+    config: Optional[ckdir.CheckpointingConfig] = None  # metadata.json
 
     def metadata_for(self, keys: Optional[Iterable[str]] = None) -> Optional[Metadata]:
         """The DCP ``Metadata`` to load ``keys`` (all keys when None).
@@ -224,7 +224,8 @@ def encode_shared(shared: SharedMetadata) -> bytes:
 def _encode_shared(shared: SharedMetadata) -> bytes:
     w = MessageWriter()
     w.sid("")  # index 0: no error
-    w.add(0, w.sid(shared.backend), w.sid(ckdir.manifest_text(shared.manifest) if shared.manifest else ""))
+    config = json.dumps(asdict(shared.config)) if shared.config is not None else ""
+    w.add(0, w.sid(shared.backend), w.sid(ckdir.manifest_text(shared.manifest) if shared.manifest else ""), w.sid(config))
     if shared.metadata is None:
         w.add(0)
     else:
@@ -243,9 +244,10 @@ def decode_shared(buf: bytes) -> SharedMetadata:
     strings, ints = decode(zlib.decompress(buf))
     if ints[0]:
         raise _rebuild_failure(strings[ints[1]], strings[ints[2]])
-    backend, manifest_json = strings[ints[1]], strings[ints[2]]
+    backend, manifest_json, config_json = strings[ints[1]], strings[ints[2]], strings[ints[3]]
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
-    return SharedMetadata(backend, None, manifest, (strings, ints, 4) if ints[3] else None)
+    config = ckdir.CheckpointingConfig(**json.loads(config_json)) if config_json else None
+    return SharedMetadata(backend, None, manifest, (strings, ints, 5) if ints[4] else None, config=config)
 
 
 def _rebuild_failure(name: str, message: str) -> BaseException:
@@ -256,30 +258,44 @@ def _rebuild_failure(name: str, message: str) -> BaseException:
     return errors_mod.DistributedCheckpointingError(f"rank 0 could not read the checkpoint metadata: {name}: {message}")
 
 
-def read_local(checkpoint_dir: str, trusted: bool = False) -> SharedMetadata:
+def read_local(checkpoint_dir: Any, trusted: bool = False) -> SharedMetadata:
     """What the coordinator reads (also the whole job's metadata in a single process)."""
-    backend = ckdir.read_config(checkpoint_dir).sharded_backend
-    if not backend_named(backend).dcp_metadata:  # each rank's reader reads the backend's own index
-        return SharedMetadata(backend, None, ckdir.read_manifest(checkpoint_dir))
-    # a missing manifest of a checkpoint saved with one is damage (refused here, on every rank);
-    # read once, it checks .metadata too
-    manifest = ckdir.read_manifest_checked(checkpoint_dir)
-    return SharedMetadata(backend, read_dcp_metadata(checkpoint_dir, trusted=trusted, manifest=manifest), manifest)
+    ck = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else OpenedCheckpoint(checkpoint_dir, trusted)
+    return shared_of(ck)
 
 
-def read_shared(checkpoint_dir: str, group: Any = None, trusted: bool = False) -> SharedMetadata:
+def shared_of(ck: OpenedCheckpoint) -> SharedMetadata:
+    """What an opened checkpoint read, as a load uses it."""
+    return SharedMetadata(ck.backend, ck.metadata, ck.manifest, config=ck.config)
+
+
+def read_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -> SharedMetadata:
     """Collective: the coordinator reads, every rank gets the result (or raises the coordinator's error)."""
+    return open_shared(checkpoint_dir, group, trusted)[1]
+
+
+def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
+    """Collective: open ``checkpoint_dir`` on the coordinator (``metadata.json``, manifest,
+    ``.metadata``: read and checked once for the job) and give every rank an opened checkpoint of
+    the same commit, built from one broadcast without touching storage. A failure on the
+    coordinator is raised on every rank."""
     if not dist.is_distributed() or dist.get_world_size(group) == 1:
-        return read_local(checkpoint_dir, trusted)
+        ck = OpenedCheckpoint(checkpoint_dir, trusted)
+        return ck, shared_of(ck)
     coord = dist.coordinator_rank(group)
     payload: Optional[bytes] = None
     local: Optional[BaseException] = None
+    ck: Optional[OpenedCheckpoint] = None
     if dist.get_rank(group) == 0:
         try:
-            payload = encode_shared(read_local(checkpoint_dir, trusted))
+            ck = OpenedCheckpoint(checkpoint_dir, trusted)
+            payload = encode_shared(shared_of(ck))
         except Exception as e:  # every rank raises it, below
             payload, local = encode_failure(e), e
     payload = dist.broadcast_bytes(payload, src=coord, group=group)
     if local is not None:
         raise local
-    return decode_shared(payload)
+    if ck is not None:
+        return ck, shared_of(ck)
+    shared = decode_shared(payload)
+    return OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest), shared

@@ -20,7 +20,7 @@ from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
-from ..storage.opened import OpenedCheckpoint
+from ..storage.opened import OpenedCheckpoint, opened
 
 logger = logging.getLogger(__name__)
 
@@ -374,13 +374,14 @@ class DistCkptIO(CheckpointIO):
         checkpoint dict with the common state and ``state_dict`` as whole tensors keyed by their saved
         keys (fused parts stay parts; :func:`ckpt_integration.lightning.load_from_checkpoint` rebuilds
         a module). The DistCkpt strategies load through :meth:`load_sharded` instead."""
-        if not isinstance(path, OpenedCheckpoint):  # an opened one: both reads below are of its commit
+        if not isinstance(path, OpenedCheckpoint):
             path = os.fspath(path)
             if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
                 return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
-        common = dict(serialization.load_common_state_dict(path, trusted=self.trusted,
-                                                           allowed_globals=self.load_kwargs()["allowed_globals"]))
-        tensors = serialization.load_plain_tensors(path, trusted=self.trusted)
+        with opened(path, self.trusted, verified=True) as ck:  # both reads below are of one commit
+            common = dict(serialization.load_common_state_dict(ck, trusted=self.trusted,
+                                                               allowed_globals=self.load_kwargs()["allowed_globals"]))
+            tensors = serialization.load_plain_tensors(ck, trusted=self.trusted)
         common["state_dict"] = {k: v for k, v in tensors.items() if not k.startswith("optimizer")}
         return common
 

@@ -32,7 +32,7 @@ def _lightning_part(common: Dict[str, Any], num_optimizers: int) -> Dict[str, An
     return {k: v for k, v in common.items() if k not in drop}
 
 
-@accepts_opened('checkpoint_dir')
+@accepts_opened('checkpoint_dir', open_paths=True)
 def load_checkpoint_dict(
     checkpoint_dir: Any, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None
 ) -> Dict[str, Any]:
@@ -82,7 +82,7 @@ def _instantiate(cls: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -
     return cls(**init)
 
 
-@accepts_opened('checkpoint_dir')
+@accepts_opened('checkpoint_dir', open_paths=True)
 def load_from_checkpoint(
     cls: Any,
     checkpoint_dir: Any,

@@ -50,6 +50,7 @@ from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable  # noqa:
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
 from .claim import MARKER_FILE, library_entries
 from .filesystem import join, parent_of, storage_for
+from .located import CheckpointLocation, cached_config, cached_manifest
 from .safe_pickle import safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -230,7 +231,11 @@ def interrupted_overwrite_hint(directory: str) -> str:
 
 
 def read_config(directory: str) -> CheckpointingConfig:
-    """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint."""
+    """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint
+    (an opened checkpoint: what it read at open)."""
+    config = cached_config(directory)
+    if config is not None:
+        return config
     storage, directory = storage_for(directory)
     path = join(directory, CONFIG_FILE)
     raw_bytes: Optional[bytes] = None
@@ -354,6 +359,9 @@ def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"]
     """The bytes of a small whole file (``common.pt``, ``.metadata``), checked against its
     manifest entry (size and CRC32) when there is one. Read once: the bytes checked are
     the bytes returned. Containment and regular-file checks as every reader's open."""
+    cache = directory.file_cache if isinstance(directory, CheckpointLocation) else None
+    if cache is not None and name in cache:  # an opened checkpoint: read and checked once
+        return cache[name]
     storage, directory = storage_for(directory)
     data = storage.read_in(directory, name, what)
     entry = (manifest.files.get(name) if manifest else None) or {}
@@ -363,6 +371,8 @@ def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"]
             f"({len(data)} bytes, CRC32 {crc32(data):#010x}; recorded {entry.get('size')} bytes, "
             f"CRC32 {int(entry['crc32']):#010x})"
         )
+    if cache is not None:
+        cache[name] = data
     return data
 
 
@@ -377,8 +387,8 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
 
     ``manifest``: the checkpoint's manifest when the caller has read (and checked) it already,
     e.g. broadcast by a load's coordinator; ``None``: read here."""
-    storage, directory = storage_for(directory)
-    path = join(directory, COMMON_FILE)
+    storage, root = storage_for(directory)  # ``directory`` itself goes down: an opened one keeps its reads
+    path = join(root, COMMON_FILE)
     if manifest is None:
         manifest = read_manifest_checked(directory)
     try:
@@ -430,7 +440,11 @@ def manifest_expected(directory: str) -> bool:
 
 
 def read_manifest(directory: str) -> Optional[Manifest]:
-    """Our manifest, or ``None`` for checkpoints written by other tools."""
+    """Our manifest, or ``None`` for checkpoints written by other tools (an opened checkpoint: the
+    manifest it pinned)."""
+    known, manifest = cached_manifest(directory)
+    if known:
+        return manifest
     storage, directory = storage_for(directory)
     path = join(directory, MANIFEST_FILE)
     try:
@@ -477,6 +491,9 @@ def read_manifest_checked(directory: str) -> Optional[Manifest]:
     ``None`` (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch
     DCP) and ours saved before the marker existed; such loads log a note once per directory.
     """
+    known, manifest = cached_manifest(directory)
+    if known:  # checked when it was opened
+        return manifest
     manifest = read_manifest(directory)
     if manifest is not None:
         return manifest

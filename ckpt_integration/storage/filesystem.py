@@ -37,6 +37,7 @@ from ..errors import CheckpointingException, CheckpointReadError, CheckpointWrit
 from . import retry
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
 from .readers import FileReader, FsspecReader
+from .located import CheckpointLocation
 
 logger = logging.getLogger(__name__)
 
@@ -553,8 +554,11 @@ _LOCAL = Storage()
 def storage_for(path: Any) -> Tuple[Storage, str]:
     """The storage and the path to use with it, for a local path or an fsspec URL.
 
-    fsspec filesystems accept full URLs, so remote paths are kept as given.
+    fsspec filesystems accept full URLs, so remote paths are kept as given. An opened checkpoint
+    (a :class:`~.located.CheckpointLocation`) gives the storage it resolved when it was opened.
     """
+    if isinstance(path, CheckpointLocation):
+        return path.storage, path.path
     p = os.fspath(path)
     if p.startswith("file://"):
         p = p[len("file://") :]

@@ -21,39 +21,76 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 from ..errors import CheckpointReplacedError
 from . import checkpoint_dir as ckdir
 from .filesystem import Storage, storage_for
+from .located import CheckpointLocation
 from .backends import backend_named
 from .torch_dist import read_dcp_metadata
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class OpenedCheckpoint:
+class OpenedCheckpoint(CheckpointLocation):
     """One committed checkpoint, read once and pinned (use :func:`open_checkpoint`).
 
     Attributes: ``path`` (as given, fsspec URLs kept), ``storage``, ``config`` (``metadata.json``),
     ``backend``, ``manifest`` (``None`` for checkpoints of other writers), ``commit_id`` and
-    ``metadata`` (the DCP ``.metadata``, verified against the manifest; ``None`` for zarr).
-    Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this object too.
+    ``metadata`` (the DCP ``.metadata``, verified against the manifest, read on first use; ``None``
+    for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
+    object too, and passes it down: nothing below reads those files again.
     """
 
-    def __init__(self, path: Any, trusted: bool = False):
+    def __init__(self, path: Any, trusted: bool = False, *, config: Any = None, manifest: Any = None,
+                 metadata: Any = None):
         self.storage: Storage
         self.storage, self.path = storage_for(path)
         self.trusted = trusted
         self.commit_id: Optional[str] = None
+        self.closed = False
+        self._dcp_metadata: Any = None
+        self.file_cache = {}  # common.pt once, however many entry points ask for the common state
+        if config is not None:  # adopted: read by another rank (execution.shared_metadata.open_shared)
+            self.config, self.manifest, self.manifest_read = config, manifest, True
+            self.backend = config.sharded_backend
+            self.commit_id, self.dcp_metadata = ckdir.identity_of(manifest), metadata
+            return
         self.config = ckdir.read_config(self.path)  # a specific error for every way it is not a checkpoint
         self.backend = self.config.sharded_backend
-        self.closed = False
         try:
             self.manifest = ckdir.read_manifest_checked(self.path)
+            self.manifest_read = True
             self.commit_id = ckdir.identity_of(self.manifest)  # the commit pinned: the manifest's
-            self.metadata = None
-            if backend_named(self.backend).dcp_metadata:
-                self.metadata = read_dcp_metadata(self.path, trusted=trusted, manifest=self.manifest)
         except Exception as e:
             self._raise_if_replaced(e)
             raise
-        self.check()  # what was read belongs to the commit that was pinned
+        if self.manifest is None:  # nothing read later can be checked against it: pin by identity now
+            self.check()
+
+    @property
+    def metadata(self) -> Any:
+        """The DCP ``.metadata`` of the opened commit (read and checked against its manifest on
+        first use; ``None`` for zarr)."""
+        return self.dcp_metadata
+
+    @property  # type: ignore[override]
+    def dcp_metadata(self) -> Any:
+        if self._dcp_metadata is None and not self.closed and backend_named(self.backend).dcp_metadata:
+            try:
+                self._dcp_metadata = read_dcp_metadata(self.path, trusted=self.trusted, manifest=self.manifest)
+            except Exception as e:
+                self._raise_if_replaced(e)
+                raise
+            if self.manifest is None:
+                self.check()
+        return self._dcp_metadata
+
+    @dcp_metadata.setter
+    def dcp_metadata(self, value: Any) -> None:
+        self._dcp_metadata = value
+
+    def verifies(self, verify_checksums: bool = True) -> bool:
+        """Whether reads of this checkpoint are checked against the pinned manifest (every byte
+        returned then belongs to the opened commit, so no identity check is needed after them)."""
+        return bool(verify_checksums and self.manifest is not None and self.commit_id
+                    and backend_named(self.backend).dcp_metadata)  # zarr: its index, read per reader
 
     # ------------------------------------------------------------------ pinning
     def check(self) -> None:
@@ -61,8 +98,10 @@ class OpenedCheckpoint:
         self._raise_if_replaced(None)
 
     def _raise_if_replaced(self, cause: Optional[BaseException]) -> None:
+        if self.commit_id is None:  # nothing pinned yet (the manifest itself failed): its own error stands
+            return
         now = ckdir.commit_identity(self.path)
-        if now == self.commit_id and self.commit_id is not None:
+        if now == self.commit_id:
             return
         what = "removed" if now is None else "replaced by another commit"
         err = CheckpointReplacedError(
@@ -74,37 +113,38 @@ class OpenedCheckpoint:
         raise err
 
     @contextmanager
-    def reading(self) -> Iterator[str]:
-        """A read of this commit: yields the path; fails with :class:`CheckpointReplacedError` if the
-        directory no longer holds the commit after the block (or when the block failed).
+    def reading(self, verified: bool = False) -> Iterator["OpenedCheckpoint"]:
+        """A read of this commit: yields this object; fails with :class:`CheckpointReplacedError`
+        if the block failed and the directory no longer holds the commit, or if it no longer holds
+        it after the block.
 
-        One check after the read suffices: every commit has its own id, so a directory that holds
-        the opened commit after the read held it during the read (a replacement in between would
-        have left another id or no commit marker: a save rewriting in place removes
+        ``verified``: every byte the block returns was checked against the pinned manifest's
+        digests (the default of every load); then a replacement shows as a digest mismatch or a
+        missing file inside the block, and the check after it is skipped (no storage request).
+        Otherwise one check after the read suffices: every commit has its own id, so a directory
+        that holds the opened commit after the read held it during the read (a replacement in
+        between would have left another id or no commit marker: a save rewriting in place removes
         ``metadata.json`` first)."""
         if self.closed:
             raise ValueError(f"{self.path}: the opened checkpoint is closed")
         try:
-            yield self.path
+            yield self
         except Exception as e:
             self._raise_if_replaced(e)
             raise
-        self.check()
+        if not (verified and self.verifies()):
+            self.check()
 
     # ------------------------------------------------------------------ context manager
     def close(self) -> None:
         """Drop the cached metadata; later reads through this object are refused."""
-        self.closed, self.metadata = True, None
+        self.closed, self.dcp_metadata, self.file_cache = True, None, None
 
     def __enter__(self) -> "OpenedCheckpoint":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __fspath__(self) -> str:
-        # the location, for code that only needs where it is (reads there are not pinned)
-        return self.path
 
     def __repr__(self) -> str:
         return f"OpenedCheckpoint({self.path!r}, backend={self.backend!r}, commit_id={self.commit_id!r})"
@@ -126,6 +166,20 @@ def open_checkpoint(path: Any, trusted: bool = False) -> OpenedCheckpoint:
 
 
 @contextmanager
+def opened(checkpoint: Any, trusted: bool = False, verified: bool = False) -> Iterator[OpenedCheckpoint]:
+    """A pinned read of ``checkpoint``: the opened checkpoint given, or one opened here from a path
+    (and closed after the block). Entry points pass what it yields down instead of the path.
+    ``verified`` as for :meth:`OpenedCheckpoint.reading`."""
+    ck = checkpoint if isinstance(checkpoint, OpenedCheckpoint) else OpenedCheckpoint(checkpoint, trusted=trusted)
+    try:
+        with ck.reading(verified=verified):
+            yield ck
+    finally:
+        if ck is not checkpoint:
+            ck.close()
+
+
+@contextmanager
 def reading(checkpoint: Any) -> Iterator[str]:
     """The path to read: pinned reads (see :meth:`OpenedCheckpoint.reading`) for an opened
     checkpoint, the plain path otherwise."""
@@ -136,9 +190,13 @@ def reading(checkpoint: Any) -> Iterator[str]:
         yield checkpoint if checkpoint is None else os.fspath(checkpoint)
 
 
-def accepts_opened(*names: str) -> Callable[[F], F]:
+def accepts_opened(*names: str, open_paths: bool = False) -> Callable[[F], F]:
     """Decorator: the arguments ``names`` (checkpoint paths) may be :class:`OpenedCheckpoint`\\ s;
-    the call then runs as a pinned read of each (the function sees the path)."""
+    the call then runs as a pinned read of each and the function is given the opened object
+    (which every storage helper takes where it takes a directory, without reading its small
+    files again). ``open_paths``: open a path given there too (once, for the whole call); tools
+    that diagnose damage (verify, inspect) leave paths as they are, so that a checkpoint that
+    cannot be opened is still reported on."""
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
@@ -146,20 +204,21 @@ def accepts_opened(*names: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind_partial(*args, **kwargs)
-            opened = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)]
-            if not opened:
+            todo = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)
+                    or (open_paths and bound.arguments.get(n) is not None)]
+            if not todo:
                 return fn(*args, **kwargs)
-            return _pinned_call(fn, bound, opened)
+            return _pinned_call(fn, bound, todo)
 
         return inner  # type: ignore[return-value]
 
     return wrap
 
 
-def _pinned_call(fn: Callable[..., Any], bound: inspect.BoundArguments, opened: list) -> Any:
-    name, rest = opened[0], opened[1:]
-    with bound.arguments[name].reading() as path:
-        bound.arguments[name] = path
+def _pinned_call(fn: Callable[..., Any], bound: inspect.BoundArguments, todo: list) -> Any:
+    name, rest = todo[0], todo[1:]
+    with opened(bound.arguments[name]) as ck:
+        bound.arguments[name] = ck
         if rest:
             return _pinned_call(fn, bound, rest)
         return fn(*bound.args, **bound.kwargs)

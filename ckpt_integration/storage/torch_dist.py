@@ -46,6 +46,7 @@ from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32, save_block_hash
 from .filesystem import join, name_problem, storage_for, writing
+from .located import cached_dcp_metadata
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata
@@ -327,9 +328,13 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
 def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = None) -> Metadata:
     """``.metadata``, checked against the manifest (read once: the bytes checked are the bytes
     unpickled) and unpickled restrictedly unless ``trusted``. ``manifest``: the checkpoint's
-    manifest when the caller has read it already (else it is read here)."""
-    storage, directory = storage_for(directory)
-    path = join(directory, DCP_METADATA_FILE)
+    manifest when the caller has read it already (else it is read here). An opened checkpoint:
+    the ``.metadata`` it read."""
+    cached = cached_dcp_metadata(directory)
+    if cached is not None:
+        return cached
+    storage, root = storage_for(directory)  # ``directory`` itself goes down: an opened one keeps its reads
+    path = join(root, DCP_METADATA_FILE)
     if manifest is None:
         manifest = ckdir.read_manifest(directory)
     try:

@@ -70,8 +70,8 @@ class TorchDistReader:
     ):
         self.storage, self.directory = storage_for(directory)
         self.metadata = metadata
-        if manifest is MANIFEST_FROM_DIRECTORY:
-            manifest = ckdir.read_manifest_checked(self.directory)
+        if manifest is MANIFEST_FROM_DIRECTORY:  # an opened checkpoint: the manifest it pinned
+            manifest = ckdir.read_manifest_checked(directory)
         self.manifest = manifest
         self.hash = manifest.hash if manifest is not None else block_hash(CRC32)  # (checksums given: CRC32s)
         self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})

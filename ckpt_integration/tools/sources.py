@@ -27,6 +27,7 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import open_reader, read_metadata
 from ..storage.filesystem import name_problem, open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
+from ..storage.opened import OpenedCheckpoint
 from .common import SAFETENSORS_INDEX, dtype_size
 from ..storage.safe_pickle import safe_torch_load
 
@@ -105,16 +106,25 @@ class DistCheckpointSource(TensorSource):
     """A committed checkpoint directory: ``torch_dist`` (ours, Megatron-Core's, PyTorch DCP's) or ``zarr``."""
 
     kind = "torch_dist"
+    checkpoint: Optional[OpenedCheckpoint] = None  # what it opened (closed with it) or was given
+    given: Any = None
 
-    def __init__(self, path: str, trusted: bool = False):
-        super().__init__(path)
+    def __init__(self, path: Any, trusted: bool = False):
+        # opened once (or the opened checkpoint given): every read below is of the commit it pinned
+        self.given = path
+        self.checkpoint = path if isinstance(path, OpenedCheckpoint) else OpenedCheckpoint(path, trusted)
+        super().__init__(self.checkpoint.path)
         self.trusted = trusted
-        self.config = ckdir.read_config(path)
+        self.config = self.checkpoint.config
         self.kind = self.config.sharded_backend
-        self.metadata = read_metadata(path, trusted=trusted, backend=self.kind)
-        # the reader reads the manifest (a deleted one is damage) and checks every byte it reads,
-        # and every file name in the metadata before opening it
-        self.reader = open_reader(path, self.metadata, self.kind, verify_checksums=True)
+        try:
+            self.metadata = read_metadata(self.checkpoint, trusted=trusted, backend=self.kind)
+            # the reader checks every byte it reads against the pinned manifest (a deleted one is
+            # damage), and every file name in the metadata before opening it
+            self.reader = open_reader(self.checkpoint, self.metadata, self.kind, verify_checksums=True)
+        except BaseException:
+            self._close_checkpoint()
+            raise
         self.manifest = getattr(self.reader, "manifest", None)
         self.objects: List[str] = []
         for key, md in sorted(self.metadata.state_dict_metadata.items()):
@@ -150,6 +160,11 @@ class DistCheckpointSource(TensorSource):
 
     def close(self) -> None:
         self.reader.close()
+        self._close_checkpoint()
+
+    def _close_checkpoint(self) -> None:
+        if self.checkpoint is not None and self.checkpoint is not self.given:
+            self.checkpoint.close()
 
 
 class MappedFiles:
@@ -394,7 +409,10 @@ def detect_kind(path: str) -> str:
 
 
 def open_source(path: str, trusted: bool = False) -> TensorSource:
-    """Open a checkpoint directory, a torch.save file or safetensors file/folder for reading."""
+    """Open a checkpoint directory (or an opened checkpoint), a torch.save file or safetensors
+    file/folder for reading."""
+    if isinstance(path, OpenedCheckpoint):
+        return DistCheckpointSource(path, trusted=trusted)
     path = os.fspath(path)
     kind = detect_kind(path)
     if kind == "torch_dist":

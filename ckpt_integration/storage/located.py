@@ -1,0 +1,67 @@
+"""A checkpoint whose storage was resolved, and whose small files were read, once.
+
+:class:`CheckpointLocation` is what every storage helper accepts wherever it takes a checkpoint
+directory: ``storage_for`` returns its storage without resolving the path again, and the readers
+of ``metadata.json``, ``manifest.json`` and ``.metadata`` (``checkpoint_dir.read_config``,
+``read_manifest``, ``read_manifest_checked``, ``torch_dist.read_dcp_metadata``) return what it
+holds instead of reading the file again. So an entry point that opened a checkpoint passes one
+object down, and no helper below it turns back to storage for facts already read.
+
+:class:`~.opened.OpenedCheckpoint` (the public object) is one; this base holds only the fields,
+so that the modules below ``opened`` can honour them without importing it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .filesystem import Storage
+
+
+class CheckpointLocation:
+    """Storage and path of one checkpoint, plus what was read of it (``None``: not read).
+
+    ``manifest_read`` tells a read manifest of ``None`` (a checkpoint of another writer) from one
+    not read yet. ``str()`` and ``os.fspath()`` give the path, so messages and path helpers that
+    only need where it is keep working.
+    """
+
+    storage: "Storage"
+    path: str
+    config: Any = None
+    manifest: Any = None
+    manifest_read: bool = False
+    dcp_metadata: Any = None
+    # small whole files read and checked against the manifest (common.pt): name -> bytes; None:
+    # not kept (set by the opened checkpoint, dropped when it is closed)
+    file_cache: Optional[dict] = None
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def cached_config(where: Any) -> Any:
+    """``metadata.json`` as read at open, or ``None`` (not a location, or not read)."""
+    return where.config if isinstance(where, CheckpointLocation) else None
+
+
+def cached_manifest(where: Any) -> "tuple[bool, Any]":
+    """``(True, manifest)`` when ``where`` read its manifest already (``None`` for a checkpoint of
+    another writer), else ``(False, None)``."""
+    if isinstance(where, CheckpointLocation) and where.manifest_read:
+        return True, where.manifest
+    return False, None
+
+
+def cached_dcp_metadata(where: Any) -> Optional[Any]:
+    return where.dcp_metadata if isinstance(where, CheckpointLocation) else None
+
+
+def path_of(where: Any) -> str:
+    """The path of a location or of anything ``os.fspath`` takes."""
+    return where.path if isinstance(where, CheckpointLocation) else os.fspath(where)
