@@ -8,9 +8,10 @@ deterministic, so one run is enough.
 Compared: an evaluation-style reader that asks for the common state, the tensor metadata and the
 tensors of one checkpoint
 
-* by path (each call resolves the path and re-reads ``metadata.json``, the manifest and
-  ``.metadata``: the behaviour before ``open_checkpoint``), and
-* through one ``ci.open_checkpoint`` (read once; each read checks the commit identity).
+* by path (each call opens the checkpoint for itself: ``metadata.json`` and the manifest, and
+  ``.metadata`` / ``common.pt`` when it needs them), and
+* through one ``ci.open_checkpoint`` (each of those files read once for all calls; checked reads
+  need no commit lookup, see docs/reading.md).
 
 "metadata ops" are every operation but the read requests made through opened files; those ("data
 read requests") include the small reads of manifest heads and depend on the load plan (whole

@@ -131,6 +131,20 @@ def test_opened_once_reads_each_small_file_once(monkeypatch):
         assert sorted(o for o in ops if o[1] not in small) == sorted(data_files * 3), ops
 
 
+def test_open_a_plain_dcp_checkpoint(tmp_path):
+    """A checkpoint of plain PyTorch DCP (``.metadata`` is its commit marker, no manifest) opens and
+    loads through the opened object (opening one used to fail with "was removed")."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4)}, checkpoint_id=path, no_dist=True)
+    with ci.open_checkpoint(path) as ck:
+        assert ck.manifest is None and ck.commit_id == ""
+        out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, ck)
+        assert torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
+        assert torch.equal(ci.load_plain_tensors(ck)["w"], out["w"])
+
+
 def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
     """``last.ckpt`` rewritten by a save in another process (same keys and shapes, other values)."""
     last = str(tmp_path / "last.ckpt")

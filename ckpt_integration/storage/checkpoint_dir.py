@@ -606,7 +606,7 @@ def commit_identity(directory: str) -> Optional[str]:
     """
     storage, directory = storage_for(directory)
     if not storage.exists(join(directory, CONFIG_FILE)):
-        return None
+        return "" if is_plain_dcp(directory) else None  # plain DCP: ``.metadata`` is its commit marker
     try:
         reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
     except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint

@@ -14,10 +14,7 @@ so that the modules below ``opened`` can honour them without importing it.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Optional
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .filesystem import Storage
+from typing import Any, Optional
 
 
 class CheckpointLocation:
@@ -28,7 +25,7 @@ class CheckpointLocation:
     only need where it is keep working.
     """
 
-    storage: "Storage"
+    storage: Any  # filesystem.Storage (which imports this module)
     path: str
     config: Any = None
     manifest: Any = None

@@ -23,6 +23,7 @@ import torch
 from ...errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from ...planning.boxes import Box
 from ..checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, load_json
+from ..located import CheckpointLocation
 from ..filesystem import is_remote, join, storage_for, symlinks_allowed
 
 INDEX_FILE = "zarr_index.json"
@@ -314,11 +315,19 @@ def write_index(directory: str, index: Dict[str, Any], durable: bool = True) -> 
 
 
 def read_index(directory: str) -> Dict[str, Any]:
-    """``zarr_index.json`` of a checkpoint (missing or not a JSON object: ``CorruptCheckpointError``)."""
-    storage, directory = storage_for(directory)
-    path = join(directory, INDEX_FILE)
+    """``zarr_index.json`` of a checkpoint (missing or not a JSON object: ``CorruptCheckpointError``);
+    an opened checkpoint reads it once (each caller gets its own copy of the parsed index)."""
+    cache = directory.file_cache if isinstance(directory, CheckpointLocation) else None
+    storage, root = storage_for(directory)
+    path = join(root, INDEX_FILE)
     try:
-        index = load_json(storage.read_in(directory, INDEX_FILE, "zarr index"), path)
+        if cache is not None and INDEX_FILE in cache:
+            data = cache[INDEX_FILE]
+        else:
+            data = storage.read_in(root, INDEX_FILE, "zarr index")
+            if cache is not None:
+                cache[INDEX_FILE] = data
+        index = load_json(data, path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the zarr checkpoint has no index") from None
     if not isinstance(index, dict):

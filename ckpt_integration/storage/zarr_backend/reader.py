@@ -44,7 +44,7 @@ class ZarrReader:
 
     def __init__(self, directory: str, checksums: Any = None, verify_checksums: bool = True):
         self.storage, self.directory = storage_for(directory)
-        self.index = read_index(self.directory)
+        self.index = read_index(directory)  # an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
         check_index_paths(self.directory, self.index)
         # None: an index written before records existed; such files are read unchecked
