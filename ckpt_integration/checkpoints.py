@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from .storage.atomic import is_replace_sibling
-from .storage.checkpoint_dir import CONFIG_FILE, commit_order
+from .storage.checkpoint_dir import CONFIG_FILE
+from .storage.commits import commit_order
 from .storage.filesystem import base_name, join, storage_for
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckpt_integration as ci
-from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage import checkpoint_dir as ckdir, commits
 from tests.s3_faults import s3_fixture
 
 s3 = s3_fixture(bucket="bkt")
@@ -62,7 +62,7 @@ def test_commit_numbers_continue_across_processes(tmp_path):
     d = tmp_path / "run"
     for name in ("iter_3", "iter_2", "iter_1"):  # no step recorded: commit order decides
         _save(str(d / name))
-    ckdir._last_seq.clear()  # as in a restarted job
+    commits._last_seq.clear()  # as in a restarted job
     _save(str(d / "iter_0"))
     assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["iter_3", "iter_2", "iter_1", "iter_0"]
     assert ckdir.read_manifest(str(d / "iter_0")).commit_seq == 4

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -47,7 +46,7 @@ from .dist import describe_error as _describe
 from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .read_once import load_read_once
-from .shared_metadata import SharedMetadata, compact_chunks_of, read_shared
+from .shared_metadata import SharedMetadata, compact_chunks_of, open_shared
 
 logger = logging.getLogger(__name__)
 

@@ -49,6 +49,7 @@ from ..storage import claim as claims
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.manifest_tables import file_sizes, render_tables
 from ..storage.checksum import crc32, save_block_hash
+from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
@@ -363,7 +364,7 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
         library_version=__version__,
         save=claim.token if claim else "",
         step=plan.step,
-        commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir),
+        commit_seq=next_commit_seq(plan.checkpoint_dir),
         commit_id=uuid.uuid4().hex,
     )
     ckdir.write_manifest(d, manifest, plan.durable, rendered={"items": items, "blocks": blocks})
@@ -506,7 +507,7 @@ def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
-                              commit_seq=ckdir.next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex)
+                              commit_seq=next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex)
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)

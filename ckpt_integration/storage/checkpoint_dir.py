@@ -31,8 +31,6 @@ import io
 import json
 import logging
 import os
-import re
-import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -40,7 +38,6 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ..errors import (
-    CheckpointingException,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -48,8 +45,8 @@ from ..errors import (
 )
 from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable  # noqa: F401 (re-exported)
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
-from .claim import MARKER_FILE, library_entries
-from .filesystem import join, parent_of, storage_for
+from .claim import MARKER_FILE
+from .filesystem import join, storage_for
 from .located import CheckpointLocation, cached_config, cached_manifest
 from .safe_pickle import safe_torch_load
 
@@ -516,113 +513,3 @@ def _note_unchecked(directory: str, message: str) -> None:
     if key not in _noted:
         _noted.add(key)
         logger.warning("%s: %s", directory, message)
-
-
-# --------------------------------------------------------------------------- commit order
-# The head of a manifest as json.dumps(asdict(Manifest)) writes it: "step" and "commit_seq" come
-# right after the three leading fields, so the first bytes of the file hold them.
-_ORDER_RE = re.compile(rb'^\{"format": "[^"]*", "version": \d+, "created": [-+.eE0-9]+, '
-                       rb'"step": (null|-?\d+), "commit_seq": (null|-?\d+)[,}]')
-_HEAD_BYTES = 512
-
-
-def commit_order(directory: str) -> Tuple[Optional[int], Optional[int], Optional[float]]:
-    """``(step, commit_seq, created)`` recorded in a checkpoint's manifest; ``None`` for what it lacks.
-
-    Reads the first bytes of ``manifest.json`` (one small ranged read on object stores; the
-    whole file only if its head does not have the expected layout). A checkpoint without a
-    readable manifest (other writers, damage) gives ``(None, None, None)``: listing
-    checkpoints never fails because one of them is damaged; loading it does.
-    """
-    storage, directory = storage_for(directory)
-    try:
-        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
-        try:
-            head = reader.read(0, min(reader.size, _HEAD_BYTES))
-        finally:
-            reader.close()
-        m = _ORDER_RE.match(head)
-        if m is not None:
-            step, seq = (None if g == b"null" else int(g) for g in m.groups())
-            created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
-            return step, seq, created
-        manifest = read_manifest(directory)
-    except (OSError, CheckpointingException, ValueError):
-        return None, None, None
-    if manifest is None:
-        return None, None, None
-    created = manifest.created if isinstance(manifest.created, (int, float)) else None
-    return manifest.step, manifest.commit_seq, created
-
-
-_seq_lock = threading.Lock()
-_last_seq: Dict[str, int] = {}
-
-
-def next_commit_seq(checkpoint_dir: str) -> int:
-    """The commit sequence number for a checkpoint about to be committed at ``checkpoint_dir``.
-
-    One more than every number recorded by the committed checkpoints beside it (same parent
-    directory), so commits are ordered by what the jobs recorded, not by clocks: the siblings'
-    manifests are read once per parent directory and process, later commits count on.
-    """
-    parent = parent_of(checkpoint_dir)
-    with _seq_lock:
-        last = _last_seq.get(parent)
-        if last is None:
-            last = 0
-            storage, p = storage_for(parent)
-            try:
-                names = storage.listdir(p) if storage.isdir(p) else []
-            except OSError:
-                names = []
-            for n in names:
-                sibling = join(p, n)
-                if storage.exists(join(sibling, CONFIG_FILE)):
-                    seq = commit_order(sibling)[1]
-                    if seq is not None:
-                        last = max(last, seq)
-        _last_seq[parent] = last + 1
-        return last + 1
-
-
-def stale_save_files(directory: str) -> List[str]:
-    """Files of an uncommitted earlier save that a new save into the same directory replaces."""
-    return library_entries(directory)
-
-
-# --------------------------------------------------------------------------- commit identity
-_ID_RE = re.compile(rb'"commit_id": "([0-9a-f]*)"')
-
-
-def commit_identity(directory: str) -> Optional[str]:
-    """Which commit ``directory`` holds now: ``None`` when it holds no committed checkpoint (removed,
-    or being rewritten in place: no ``metadata.json``), else the manifest's ``commit_id``.
-
-    Checkpoints written before commit ids (or by other tools) are identified by what their
-    manifest has (creation time and save token), or by ``""`` without a manifest: for those an
-    opened checkpoint can notice a removal but not every replacement (see docs/reading.md).
-    Costs one existence check and one small read (the manifest's head) on any storage.
-    """
-    storage, directory = storage_for(directory)
-    if not storage.exists(join(directory, CONFIG_FILE)):
-        return "" if is_plain_dcp(directory) else None  # plain DCP: ``.metadata`` is its commit marker
-    try:
-        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
-    except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint
-        return None if storage.exists(join(directory, WRITER_FILE)) else ""
-    try:
-        head = reader.read(0, min(reader.size, _HEAD_BYTES))
-    finally:
-        reader.close()
-    m = _ID_RE.search(head)
-    if m is not None and m.group(1):
-        return m.group(1).decode()
-    return identity_of(read_manifest(directory))
-
-
-def identity_of(manifest: Optional[Manifest]) -> str:
-    """The commit identity :func:`commit_identity` reports for a checkpoint with this manifest."""
-    if manifest is None:
-        return ""
-    return manifest.commit_id or f"created={manifest.created!r} save={manifest.save}"

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from ..errors import CheckpointReplacedError
 from . import checkpoint_dir as ckdir
+from .commits import commit_identity, identity_of
 from .filesystem import Storage, storage_for
 from .located import CheckpointLocation
 from .backends import backend_named
@@ -50,14 +51,14 @@ class OpenedCheckpoint(CheckpointLocation):
         if config is not None:  # adopted: read by another rank (execution.shared_metadata.open_shared)
             self.config, self.manifest, self.manifest_read = config, manifest, True
             self.backend = config.sharded_backend
-            self.commit_id, self.dcp_metadata = ckdir.identity_of(manifest), metadata
+            self.commit_id, self.dcp_metadata = identity_of(manifest), metadata
             return
         self.config = ckdir.read_config(self.path)  # a specific error for every way it is not a checkpoint
         self.backend = self.config.sharded_backend
         try:
             self.manifest = ckdir.read_manifest_checked(self.path)
             self.manifest_read = True
-            self.commit_id = ckdir.identity_of(self.manifest)  # the commit pinned: the manifest's
+            self.commit_id = identity_of(self.manifest)  # the commit pinned: the manifest's
         except Exception as e:
             self._raise_if_replaced(e)
             raise
@@ -100,7 +101,7 @@ class OpenedCheckpoint(CheckpointLocation):
     def _raise_if_replaced(self, cause: Optional[BaseException]) -> None:
         if self.commit_id is None:  # nothing pinned yet (the manifest itself failed): its own error stands
             return
-        now = ckdir.commit_identity(self.path)
+        now = commit_identity(self.path)
         if now == self.commit_id:
             return
         what = "removed" if now is None else "replaced by another commit"
