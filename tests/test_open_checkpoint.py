@@ -131,6 +131,24 @@ def test_opened_once_reads_each_small_file_once(monkeypatch):
         assert sorted(o for o in ops if o[1] not in small) == sorted(data_files * 3), ops
 
 
+def test_inspect_and_verify_an_object_store_checkpoint(monkeypatch):
+    """``inspect_checkpoint`` of an fsspec URL (it looked for the path on the local disk: "does not
+    exist"), reading each small file once; ``verify_checkpoint`` of the same URL."""
+    import uuid
+
+    from ckpt_integration.tools import inspect_checkpoint, verify_checkpoint
+
+    path = f"memory://inspect-{uuid.uuid4().hex[:8]}/c"
+    ci.save(_state(3.0, 7), path)
+    ops = _storage_ops(monkeypatch)
+    info = inspect_checkpoint(path)
+    assert info["backend"] == "torch_dist" and info["tensors"]["w"]["shape"] == [64, 16]
+    assert info["common_state"] == {"keys": {"step": "int = 7"}, "groups": {}}
+    small = [n for _, n in ops if n in ("metadata.json", "manifest.json", ".metadata", "common.pt")]
+    assert sorted(small) == sorted(["metadata.json", "manifest.json", ".metadata", "common.pt"]), ops
+    assert verify_checkpoint(path).ok
+
+
 def test_open_a_plain_dcp_checkpoint(tmp_path):
     """A checkpoint of plain PyTorch DCP (``.metadata`` is its commit marker, no manifest) opens and
     loads through the opened object (opening one used to fail with "was removed")."""

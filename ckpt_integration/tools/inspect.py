@@ -14,8 +14,8 @@ from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
-from ..storage.filesystem import checked_path
-from ..storage.opened import accepts_opened
+from ..storage.filesystem import checked_path, is_remote
+from ..storage.opened import OpenedCheckpoint, accepts_opened
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 from .common import dtype_name, dtype_size, format_size
@@ -155,8 +155,16 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     shards are the chunk files, sized from the records in ``zarr_index.json``.
     Safetensors and torch.save inputs are described too (without shard details).
     """
+    where = path  # an opened checkpoint goes down as it is (its files are not read again)
     path = os.fspath(path)
-    kind = detect_kind(path)
+    # a checkpoint directory on an object store (fsspec URL); locally: whatever is there
+    kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
+    if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):
+        try:  # opened once for the reads below; one that cannot be opened is described as it is
+            with OpenedCheckpoint(path, trusted=trusted) as ck:
+                return _inspect_dcp(ck, path, trusted)
+        except CheckpointingException:
+            pass
     if kind != "torch_dist":
         with open_source(path, trusted=trusted) as src:
             tensors = {
@@ -165,15 +173,20 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             }
             return {"path": path, "kind": kind, "tensors": tensors, "objects": [], "common_state": None,
                     "total_bytes": sum(t["nbytes"] for t in tensors.values())}
-    config = ckdir.read_config(path)
+    return _inspect_dcp(where, path, trusted)
+
+
+def _inspect_dcp(where: Any, path: str, trusted: bool) -> Dict[str, Any]:
+    """:func:`inspect_checkpoint` of a checkpoint directory (``where``: it, or its opened checkpoint)."""
+    config = ckdir.read_config(where)
     backend = config.sharded_backend
     be = backend_named(backend)
-    md = read_metadata(path, trusted=trusted, backend=backend)
-    manifest = ckdir.read_manifest(path)
+    md = read_metadata(where, trusted=trusted, backend=backend)
+    manifest = ckdir.read_manifest(where)
     storage = md.storage_data or {}
     warnings: List[str] = []
     if not be.dcp_metadata:  # zarr: chunk files and records from its own index
-        zarr_shards, zarr_objects, files = _zarr_layout(path)
+        zarr_shards, zarr_objects, files = _zarr_layout(where)
         checksummed = len(files)  # every chunk/object record carries a CRC32
     else:
         files = {}
@@ -203,7 +216,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             info = storage.get(MetadataIndex(key))
             objects.append({"key": key, "file": getattr(info, "relative_path", None), "length": getattr(info, "length", None)})
     try:
-        state = load_common_state_dict(path, trusted=trusted)
+        state = load_common_state_dict(where, trusted=trusted)
         common: Dict[str, Any] = {"keys": _common_keys(state), "groups": _common_groups(state)}
     except UnsafeCheckpointError as e:
         common = {"error": str(e), "unsafe": True}
@@ -223,7 +236,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
             # zarr chunk files are recorded with CRC32s in zarr_index.json; torch_dist blocks per the manifest
             "block_hash": be.block_hash or manifest.block_hash,
         },
-        "manifest_expected": ckdir.manifest_expected(path),
+        "manifest_expected": ckdir.manifest_expected(where),
         "files": dict(sorted(files.items())),
         "tensors": tensors,
         "objects": objects,
