@@ -199,7 +199,8 @@ def load(
     if load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
     if isinstance(checkpoint_dir, OpenedCheckpoint):
-        ck, shared = checkpoint_dir, None  # every rank opened it: each has what it read
+        # opened on every rank, or once for the job (open_shared: what the coordinator read)
+        ck, shared = checkpoint_dir, checkpoint_dir.shared
     else:  # collective: the coordinator opens it, every rank gets the same opened commit
         ck, shared = open_shared(checkpoint_dir, process_group, trusted)
     try:

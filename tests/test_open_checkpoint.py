@@ -276,3 +276,43 @@ def test_evaluation_job_reads_while_training_saves(tmp_path):
     counts = json.loads(out.strip().splitlines()[-1])
     print("evaluation reader:", counts)
     assert counts["ok"] >= 2, counts  # at least the last round: last.ckpt and step=024 at step 24
+
+
+def _resume_reads(rank, world, path):
+    from ckpt_integration.lightning import DistCkptIO
+    from ckpt_integration.optimizer import has_optimizer_state
+    from ckpt_integration.storage import filesystem as fsmod
+
+    def state(fill):
+        return {"w": ci.ShardedTensor.from_rank_offsets("w", fill(4, 8), (0, rank, world)), "step": 3}
+
+    ci.save(state(lambda *s: torch.full(s, float(rank))), path, content_metadata={"layout": "dp2"})
+    ops = []
+    real = fsmod.Storage.read_bytes
+
+    def read_bytes(self, p, *a, **k):
+        ops.append(str(p).rsplit("/", 1)[-1])
+        return real(self, p, *a, **k)
+
+    fsmod.Storage.read_bytes = read_bytes
+    try:
+        with DistCkptIO().opened_for_load(path) as ck:  # what the DistCkpt strategies and Fabric do
+            assert ci.load_content_metadata(ck) == {"layout": "dp2"}
+            out = ci.load(state(torch.empty), ck)
+            assert not has_optimizer_state(ck, "optimizer")
+            assert ci.load_sharded_metadata(ck)["w"].global_shape == (8, 8)
+    finally:
+        fsmod.Storage.read_bytes = real
+    assert torch.equal(out["w"], torch.full((4, 8), float(rank))) and out["step"] == 3
+    # the coordinator reads the small files once for the job; the other rank only the common state
+    expected = ["metadata.json", "manifest.json", ".metadata", "common.pt"] if rank == 0 else ["common.pt"]
+    assert sorted(ops) == sorted(expected), (rank, ops)
+
+
+def test_a_resume_opens_the_checkpoint_once_for_the_job(tmp_path):
+    """Issue 22: a Lightning/Fabric resume reads the content metadata, the state and the optimizer
+    metadata through one collectively opened checkpoint (before: every rank read metadata.json,
+    the manifest and .metadata again for each of those calls)."""
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_resume_reads, 2, str(tmp_path / "c"))

@@ -80,6 +80,14 @@ class SharedMetadata:
         return md
 
 
+    def full_metadata(self) -> Optional[Metadata]:
+        """The whole DCP ``Metadata``, chunk lists included (decoded once from the broadcast)."""
+        if self.metadata is None and self._encoded is not None:
+            strings, ints, p = self._encoded
+            self.metadata = decode_metadata(strings, ints, p, None, lazy_chunks=False)[0]
+        return self.metadata
+
+
 class CompactChunks:
     """The chunk records of a broadcast ``.metadata``, kept as the integers that arrived.
 
@@ -281,7 +289,8 @@ def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -
     coordinator is raised on every rank."""
     if not dist.is_distributed() or dist.get_world_size(group) == 1:
         ck = OpenedCheckpoint(checkpoint_dir, trusted)
-        return ck, shared_of(ck)
+        ck.shared = shared_of(ck)
+        return ck, ck.shared
     coord = dist.coordinator_rank(group)
     payload: Optional[bytes] = None
     local: Optional[BaseException] = None
@@ -296,6 +305,8 @@ def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -
     if local is not None:
         raise local
     if ck is not None:
-        return ck, shared_of(ck)
+        ck.shared = shared_of(ck)
+        return ck, ck.shared
     shared = decode_shared(payload)
-    return OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest), shared
+    ck = OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest, shared=shared)
+    return ck, shared

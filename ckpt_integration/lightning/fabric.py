@@ -232,10 +232,11 @@ class DistCkptFabricMixin(Strategy):
                 f"{path} is a sharded checkpoint: an optimizer's state can only be placed with its model's "
                 "parameters. Use fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
-        if isinstance(state, nn.Module):  # fabric.load_raw(path, module)
-            self._load_into(io, path, {MODEL_KEY: state}, strict)
-            return {}
-        return self._load_into(io, path, state, strict)
+        with io.opened_for_load(path) as ck:  # the metadata, the state and the optimizers of one commit
+            if isinstance(state, nn.Module):  # fabric.load_raw(path, module)
+                self._load_into(io, ck, {MODEL_KEY: state}, strict)
+                return {}
+            return self._load_into(io, ck, state, strict)
 
     def _load_full(self, io: DistCkptIO, path: str) -> Dict[str, Any]:
         """Everything but optimizer tensors: the common state, and each module's tensors whole."""
@@ -258,7 +259,7 @@ class DistCkptFabricMixin(Strategy):
                 out.setdefault(plain, {})[name] = t
         return out
 
-    def _load_into(self, io: DistCkptIO, path: str, state: Dict[str, Any], strict: bool) -> Dict[str, Any]:
+    def _load_into(self, io: DistCkptIO, path: Any, state: Dict[str, Any], strict: bool) -> Dict[str, Any]:
         meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
                                                    trusted=io.trusted) or {}
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
 from enum import Enum
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -17,6 +18,7 @@ from .. import serialization
 from ..errors import CheckpointingException
 from ..execution import dist
 from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
+from ..execution.shared_metadata import open_shared
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
@@ -280,17 +282,33 @@ class DistCkptIO(CheckpointIO):
             return False
         return True
 
-    def load_sharded(self, request: Dict[str, Any], path: str, **overrides: Any) -> Dict[str, Any]:
+    @contextlib.contextmanager
+    def opened_for_load(self, path: Any) -> Iterator[OpenedCheckpoint]:
+        """``path`` opened once for a resume (collective: the coordinator reads ``metadata.json``, the
+        manifest and ``.metadata``, every rank gets them in one broadcast); the content metadata,
+        the state and every optimizer are then read from that one commit. An opened checkpoint
+        given is used as it is."""
+        if isinstance(path, OpenedCheckpoint):
+            yield path
+            return
+        ck, _ = open_shared(os.fspath(path), None, self.trusted)
+        try:
+            yield ck
+        finally:
+            ck.close()
+
+    def load_sharded(self, request: Dict[str, Any], path: Any, **overrides: Any) -> Dict[str, Any]:
         """Load ``request`` (collective) with this plugin's load strategy and safety settings."""
         kwargs = {**self.load_kwargs(), **overrides}
-        return serialization.load(request, os.fspath(path), **kwargs)
+        return serialization.load(request, path if isinstance(path, OpenedCheckpoint) else os.fspath(path), **kwargs)
 
     def load_optimizer(self, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str, module: Any = None) -> None:
         """Load one optimizer's state resharded for the current layout (collective)."""
         kw = self.load_kwargs()
         kw.pop("allowed_globals")
         kw.pop("trusted")
-        load_optimizer_state(optimizer, model_sd, os.fspath(path), prefix=prefix, module=module, **kw)
+        load_optimizer_state(optimizer, model_sd, path if isinstance(path, OpenedCheckpoint) else os.fspath(path),
+                             prefix=prefix, module=module, **kw)
 
     # -- async bookkeeping -----------------------------------------------------------------------
     def ensure_check_group(self) -> Any:

@@ -234,7 +234,10 @@ class DistCkptStrategyMixin(Strategy):
         if stock_layout(path) is not None:
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
-        path = resolve_checkpoint_path(path)
+        with io.opened_for_load(resolve_checkpoint_path(path)) as ck:  # one commit for every read below
+            return self._load_opened(io, ck, model_sd)
+
+    def _load_opened(self, io: DistCkptIO, path: Any, model_sd: Dict[str, Any]) -> Dict[str, Any]:
         meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
                                                    trusted=io.trusted) or {}
         request: Dict[str, Any] = {"state_dict": model_sd}

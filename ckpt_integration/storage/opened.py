@@ -40,13 +40,16 @@ class OpenedCheckpoint(CheckpointLocation):
     """
 
     def __init__(self, path: Any, trusted: bool = False, *, config: Any = None, manifest: Any = None,
-                 metadata: Any = None):
+                 metadata: Any = None, shared: Any = None):
         self.storage: Storage
         self.storage, self.path = storage_for(path)
         self.trusted = trusted
         self.commit_id: Optional[str] = None
         self.closed = False
         self._dcp_metadata: Any = None
+        # a collective open (execution.shared_metadata.open_shared): what the coordinator read, as
+        # the job's loads use it; on the other ranks ``.metadata`` comes from it, not from storage
+        self.shared = shared
         self.file_cache = {}  # common.pt once, however many entry points ask for the common state
         if config is not None:  # adopted: read by another rank (execution.shared_metadata.open_shared)
             self.config, self.manifest, self.manifest_read = config, manifest, True
@@ -73,6 +76,8 @@ class OpenedCheckpoint(CheckpointLocation):
 
     @property  # type: ignore[override]
     def dcp_metadata(self) -> Any:
+        if self._dcp_metadata is None and self.shared is not None and not self.closed:
+            self._dcp_metadata = self.shared.full_metadata()
         if self._dcp_metadata is None and not self.closed and backend_named(self.backend).dcp_metadata:
             try:
                 self._dcp_metadata = read_dcp_metadata(self.path, trusted=self.trusted, manifest=self.manifest)
@@ -139,7 +144,7 @@ class OpenedCheckpoint(CheckpointLocation):
     # ------------------------------------------------------------------ context manager
     def close(self) -> None:
         """Drop the cached metadata; later reads through this object are refused."""
-        self.closed, self.dcp_metadata, self.file_cache = True, None, None
+        self.closed, self.dcp_metadata, self.file_cache, self.shared = True, None, None, None
 
     def __enter__(self) -> "OpenedCheckpoint":
         return self
