@@ -39,6 +39,7 @@ LAYERS: Dict[str, int] = {
     "ckpt_integration.foreign": 1,
     "ckpt_integration.utils": 1,
     "ckpt_integration.modules": 1,
+    "ckpt_integration.dtensors": 1,
     # 2 planning: pure functions over metadata
     "ckpt_integration.planning": 2,
     "ckpt_integration.memory.plan": 2,

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as tdist
 
 from ..mapping import ShardedTensor
-from ..modules import dtensor_to_sharded_tensor, is_dtensor, raise_on_key_mismatch
+from ..dtensors import dtensor_to_sharded_tensor, is_dtensor
+from ..modules import raise_on_key_mismatch
 from ..optimizer.by_name import load_named_optimizer_state, local_shard, named_optimizer_sharded_state_dict
 
 

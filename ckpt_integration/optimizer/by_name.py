@@ -20,7 +20,7 @@ import torch
 
 from ..dict_utils import nested_values
 from ..mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor
-from ..modules import is_dtensor
+from ..dtensors import is_dtensor
 from .load import (LabelDict, check_state_names, gather_problems, has_optimizer_state, raise_mismatch, read_optimizer_state,
                    report_missing_state)
 from .sharding import DEFAULT_PREFIX, grid_object, make_sharded_optimizer_tensor, state_object

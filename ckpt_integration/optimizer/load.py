@@ -12,7 +12,7 @@ import torch
 from ..dict_utils import nested_values
 from ..execution.dist import all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
-from ..modules import is_dtensor
+from ..dtensors import is_dtensor
 from ..serialization import load, load_sharded_metadata
 from .sharding import (
     DEFAULT_PREFIX,

@@ -29,7 +29,7 @@ from ..mapping import (
     ShardedTensorFactory,
     is_main_replica,
 )
-from ..modules import is_dtensor
+from ..dtensors import is_dtensor
 
 logger = logging.getLogger(__name__)
 
