@@ -120,7 +120,7 @@ def _strides(shape: Sequence[int]) -> List[int]:
 
 def load_read_once(
     reader: Any, tasks: List[Any], local_error: Optional[str], group: Any, *, mode: str = "auto",
-    thread_count: int = 2, memory_budget: int = 1 << 30,
+    thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
 
@@ -128,10 +128,26 @@ def load_read_once(
     nothing to save (the caller reads as ``"local"``); ``"failed"`` when some rank failed
     before reading (the caller's final agreement raises). Raises after the last transfer
     when a read, a check or a copy failed on this rank.
+
+    ``disjoint``: this rank's tasks read whole stored chunks for main-replica requests that the
+    load's request check found disjoint from every other rank's. When that holds on every rank
+    (``mode="auto"``), no stored block is touched twice and one ``all_reduce`` decides "local"
+    (the same-layout load) without computing touched ranges or exchanging them.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     st = Stats()
     t0 = time.perf_counter()
+    if mode == "auto":
+        mine = 0
+        if local_error is None and disjoint:
+            mine = sum(t.overlap.numel * t.dtype.itemsize for t in tasks)  # each byte read once anyway
+        failed, not_disjoint, separate = dist.all_reduce_ints(
+            [1 if local_error else 0, 0 if (disjoint or local_error) else 1, mine], "sum", group
+        )
+        if failed or not not_disjoint:
+            st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=separate,
+                             read_once=0)
+            return ("failed" if failed else "local"), dict(st.values)
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
     outgoing: Dict[int, bytes] = {}
