@@ -144,16 +144,14 @@ def _tensor_tasks(
     else:
         # a Parameter (requires_grad) as destination: write through a detached alias of its
         # memory, since in-place copies into a leaf that requires grad are refused by autograd
-        host = out.detach()
+        host = out.detach() if out.requires_grad else out
     shape = sh.saved_shape()
     view = host if shape == tuple(host.shape) else host.view(shape)
     request = Box(sh.global_offset, shape)
     reads = saved_chunk_reads(reader, sh.key, request)
     if sh.allow_shape_mismatch:
         host.zero_()
-    elif len(reads) == 1 and reads[0].overlap == request and all(
-        0 <= o and o + n <= g for o, n, g in zip(request.offsets, request.sizes, saved_shape)
-    ):
+    elif len(reads) == 1 and reads[0].overlap == request and _inside(request, saved_shape):
         # the request is one saved chunk (or inside it): covered, and the destination is the
         # whole view (the common case of a same-layout load: no slicing per tensor)
         return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
@@ -167,6 +165,13 @@ def _tensor_tasks(
         for r in reads
     ]
     return host, tasks
+
+
+def _inside(box: Box, shape: Tuple[int, ...]) -> bool:
+    for o, n, g in zip(box.offsets, box.sizes, shape):  # (a loop, not all(...): once per small tensor)
+        if o < 0 or o + n > g:
+            return False
+    return True
 
 
 _indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()

@@ -41,6 +41,7 @@ from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named
+from ..storage.block_records import BlockRecordTable
 from ..storage.torch_dist import read_dcp_metadata
 from ..storage.torch_dist_reader import ChunkInfo
 from . import dist
@@ -267,6 +268,11 @@ def decode_shared(buf: bytes) -> SharedMetadata:
         raise _rebuild_failure(strings[ints[1]], strings[ints[2]])
     backend, manifest_json = strings[ints[1]], strings[ints[2]]
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
+    if manifest is not None and manifest.blocks:
+        # the coordinator read this text and checked every block record's form (read_manifest):
+        # the table here decodes and indexes entries only as they are used (Manifest.block_records
+        # returns the table cached for its current ``blocks``)
+        manifest.__dict__["_block_records"] = (manifest.blocks, BlockRecordTable(manifest.blocks, manifest.hash, checked=True))
     return SharedMetadata(backend, None, manifest, (strings, ints, 4) if ints[3] else None)
 
 
