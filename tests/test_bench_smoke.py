@@ -111,3 +111,14 @@ def test_request_counts_bench_runs_and_counts_remote_fetches():
     rows = {tuple(c.strip() for c in line.split("|")[1:4]): line for line in proc.stdout.splitlines() if line.startswith("| ")}
     load = rows[("memory://", "8", "load (path)")]
     assert int(load.split("|")[5]) <= 4, load  # data read requests: one fetch per data file (was one per range)
+
+
+@pytest.mark.slow  # ~5-10 s (two spawned ranks)
+def test_load_phases_runs_and_prints_every_phase(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "load_phases.py"), "--small", "20", "--repeats", "1",
+           "--dir", str(tmp_path)]
+    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("`open_shared`", "`exchange.run`", "`_prepare_reads`", "`load_read_once`", "`read_all`",
+                  "total `load()`", "plain read"):
+        assert label in proc.stdout, proc.stdout

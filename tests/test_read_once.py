@@ -160,6 +160,35 @@ def test_read_once_damaged_block_fails_every_rank(tmp_path):
     run_distributed(_damaged, 2, str(tmp_path / "ckpt"), timeout=120)
 
 
+def _decisions(rank, world, d):
+    from ckpt_integration.execution import dist as cdist
+    from ckpt_integration.execution import load as load_mod
+
+    big = global_tensor("big", (2 * 512, 1024))  # 2 MiB per row half, 4 MiB in all
+    ci.save({"big": ShardedTensor.from_rank_offsets("big", big[rank * 512 : (rank + 1) * 512].clone(), (0, rank, world))}, d)
+    # same layout, request check on: every rank reads whole stored chunks of disjoint main
+    # replicas, so "auto" settles on "local" with one all-reduce and no exchange of its own
+    cdist.traffic.reset()
+    out = ci.load({"big": ShardedTensor.from_rank_offsets("big", torch.zeros(512, 1024), (0, rank, world))}, d)
+    calls = cdist.traffic.snapshot()["calls"]
+    assert torch.equal(out["big"], big[rank * 512 : (rank + 1) * 512])
+    assert load_mod.last_load_stats["strategy"] == "local"
+    assert calls.get("all_to_all", 0) == 2, calls  # the request check's two rounds only
+    assert load_mod.last_load_stats["separate_bytes"] == load_mod.last_load_stats["union_bytes"] == big.numel() * 4
+    # both ranks request the whole tensor as main replicas without the request check: the
+    # whole-chunk shortcut does not apply (nothing proves the requests disjoint); reading once
+    # halves the bytes read, and "auto" finds that out
+    out = ci.load({"big": ShardedTensor.from_rank_offsets("big", torch.zeros(1024, 1024))}, d,
+                  validate_access_integrity=False)
+    assert torch.equal(out["big"], big)
+    st = load_mod.last_load_stats
+    assert st["strategy"] == "read_once" and st["union_bytes"] * 2 == st["separate_bytes"], st
+
+
+def test_read_once_decision_of_whole_chunk_loads(tmp_path):
+    run_distributed(_decisions, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
 # ------------------------------------------------------------------ planning (pure)
 def test_flat_range_boxes_cover_the_range_exactly():
     shape = (3, 4, 5)

@@ -203,3 +203,38 @@ def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path):
         ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d)
     ok = ci.load({"s6": ShardedTensor.from_rank_offsets("s6", torch.zeros(4, 4))}, d)
     assert torch.equal(ok["s6"], ts["s6"])
+
+
+def test_load_pauses_the_cycle_collector_and_restores_it(tmp_path):
+    """The collector is off during a load (its per-item objects) and back as it was after, also
+    after a failed load; a caller that had turned it off keeps it off."""
+    import gc
+
+    from ckpt_integration.execution import load as load_mod
+
+    ts = {f"t{i}": torch.randn(3) for i in range(20)}
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, tmp_path / "c")
+    seen = []
+    real = load_mod._prepare_reads
+
+    def spy(*a, **k):
+        seen.append(gc.isenabled())
+        return real(*a, **k)
+
+    req = lambda: {k: ShardedTensor.from_rank_offsets(k, torch.zeros(3)) for k in ts}  # noqa: E731
+    load_mod._prepare_reads = spy
+    try:
+        assert gc.isenabled()
+        ci.load(req(), tmp_path / "c")
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(ci.CheckpointingException):
+            ci.load({"nope": ShardedTensor.from_rank_offsets("nope", torch.zeros(3))}, tmp_path / "c")
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            ci.load(req(), tmp_path / "c")
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        load_mod._prepare_reads = real

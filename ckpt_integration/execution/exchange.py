@@ -116,26 +116,34 @@ def run(
     problems_header: str,
     on_problems: Optional[Callable[[], None]] = None,
     purpose: Optional[str] = "save",
+    local_error: Optional[str] = None,
+    local_exc: Optional[BaseException] = None,
 ) -> ExchangeResult:
     """Steps 2-4 (collective). Raises ShardingIntegrityError on every rank for invalid sharding.
 
     ``replies=False`` (a load's request check) skips the write assignment;
-    ``purpose=None`` does not cache the result.
+    ``purpose=None`` does not cache the result. ``local_error`` / ``local_exc``: this rank
+    failed before the exchange (``routed`` may then be None); it takes part with empty
+    messages and step 4 raises on every rank, as an agreement on errors beforehand would
+    (one collective round fewer when nothing failed).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error: Optional[str] = None
-    exc: Optional[BaseException] = None
-    inbox = dist.all_to_all_bytes(routed.messages, group)
+    error: Optional[str] = local_error
+    exc: Optional[BaseException] = local_exc
+    if error is None and routed is None:
+        raise ValueError("exchange.run: no routed records and no local error")
+    inbox = dist.all_to_all_bytes(routed.messages if error is None else {}, group)
     outgoing: Dict[int, bytes] = {}
-    try:
-        forwards, answers = chunk_owner_step(inbox.values(), world, balance=balance, replies=replies)
-        for d in set(forwards) | set(answers):
-            outgoing[d] = _frame(forwards.get(d, b""), answers.get(d, b""))
-    except Exception as e:  # keep taking part: step 4 makes every rank raise
-        error, exc = _describe(e), e
+    if error is None:
+        try:
+            forwards, answers = chunk_owner_step(inbox.values(), world, balance=balance, replies=replies)
+            for d in set(forwards) | set(answers):
+                outgoing[d] = _frame(forwards.get(d, b""), answers.get(d, b""))
+        except Exception as e:  # keep taking part: step 4 makes every rank raise
+            error, exc = _describe(e), e
     del inbox
     inbox = dist.all_to_all_bytes(outgoing, group)
-    result = ExchangeResult(digest=routed.digest)
+    result = ExchangeResult(digest=routed.digest if routed is not None else 0)
     problems: List[str] = []
     forwards_in: List[bytes] = []
     detail: List[int] = []
@@ -150,7 +158,7 @@ def run(
                 result.to_write = assign_writes(metas, answers_in)
         except Exception as e:
             error, exc = _describe(e), e
-    d = routed.digest
+    d = result.digest
     sums = dist.all_reduce_ints(
         [len(problems), 1 if error else 0, len(detail), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF],
         "sum", group,

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
-from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
 from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.exchange import route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
@@ -43,6 +43,7 @@ from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from . import exchange
 from .dist import describe_error as _describe
+from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .read_once import load_read_once
@@ -142,12 +143,17 @@ def _tensor_tasks(
     else:
         # a Parameter (requires_grad) as destination: write through a detached alias of its
         # memory, since in-place copies into a leaf that requires grad are refused by autograd
-        host = out.detach()
-    view = host.view(sh.saved_shape())
-    request = Box(sh.global_offset, sh.saved_shape())
+        host = out.detach() if out.requires_grad else out
+    shape = sh.saved_shape()
+    view = host if shape == tuple(host.shape) else host.view(shape)
+    request = Box(sh.global_offset, shape)
     reads = saved_chunk_reads(reader, sh.key, request)
     if sh.allow_shape_mismatch:
         host.zero_()
+    elif len(reads) == 1 and reads[0].overlap == request and _inside(request, saved_shape):
+        # the request is one saved chunk (or inside it): covered, and the destination is the
+        # whole view (the common case of a same-layout load: no slicing per tensor)
+        return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
     elif uncovered_elements(request, saved_shape, reads) != 0:
         raise MismatchError(
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
@@ -158,6 +164,13 @@ def _tensor_tasks(
         for r in reads
     ]
     return host, tasks
+
+
+def _inside(box: Box, shape: Tuple[int, ...]) -> bool:
+    for o, n, g in zip(box.offsets, box.sizes, shape):  # (a loop, not all(...): once per small tensor)
+        if o < 0 or o + n > g:
+            return False
+    return True
 
 
 _indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()
@@ -192,6 +205,7 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
     return index.reads(request)
 
 
+@with_gc_paused  # (issue 19: the per-item objects of a load, see gc_pause)
 def load_sharded(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,
@@ -224,6 +238,7 @@ def load_sharded(
     unexpected: Set[str] = set()
     result: Any = None
     metas = []
+    routed: Any = None
     requested: List[str] = []
     needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
     md: Any = None
@@ -247,13 +262,15 @@ def load_sharded(
         local_error, local_exc = _describe(e), e
     requested_global: Set[str] = set(requested)
     if needs_exchange:
-        dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
-        if validate_access_integrity:
+        if validate_access_integrity:  # raises on every rank when some rank failed above (no separate agreement)
             exchange.run(
                 metas, routed, group, replies=False, purpose=None,
                 context=f"load of {checkpoint_dir} failed",
                 problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
+                local_error=local_error, local_exc=local_exc,
             )
+        else:
+            dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
         if StrictHandling.requires_global_app_metadata(strict):
             requested_global = _requested_by_any_rank(sorted(md.state_dict_metadata), requested, group)
     job: Optional[_LoadJob] = None
@@ -275,6 +292,7 @@ def load_sharded(
                 outcome, stats = load_read_once(
                     job.reader if job else None, job.tasks if job else [], local_error, group,
                     mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
+                    disjoint=validate_access_integrity and job is not None and job.whole_chunks,
                 )
                 last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
             except Exception as e:
@@ -341,6 +359,10 @@ class _LoadJob:
     template: Any
     missing: Set[str]
     unexpected: Set[str]
+    # every request a plain main replica (no flattened range) and every task a whole stored
+    # chunk: once the request check has proven the main replicas of all ranks disjoint, no
+    # stored block is touched by two ranks, so reading once cannot save anything
+    whole_chunks: bool = False
 
     def read_all(self, thread_count: int) -> None:
         # whole small items in runs of adjacent items (one read each), the rest one region at a time
@@ -379,9 +401,12 @@ def _prepare_reads(
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
     tasks: List[ReadTask] = []
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    whole = True
 
     def prepare(sh: Any) -> Any:
+        nonlocal whole
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
+            whole = False
             # read into the boxes it covers: views into the flat tensor, which is the result
             flat = sh.data
             if flat is None:
@@ -391,6 +416,8 @@ def _prepare_reads(
             return flat
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
+            if whole and not (is_main_replica(sh.replica_id) and all(t.overlap == t.chunk.box for t in ts)):
+                whole = False
             tasks.extend(ts)
             if sh.data is not None:
                 if sh.data.device.type != "cpu":
@@ -416,7 +443,8 @@ def _prepare_reads(
         reader.close()
         raise
     tasks.sort(key=lambda t: t.order)
-    return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected)
+    return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected,
+                    whole_chunks=whole)
 
 
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:

@@ -5,6 +5,9 @@ overlap (data-parallel replicas) or share the blocks at their borders (uneven sp
 each rank reading and checking the blocks it touches reads the checkpoint several times
 over. Here:
 
+0. **shortcut** (``"auto"``, one ``all_reduce``): when every rank's tasks read whole stored chunks of
+   main-replica requests that the load's request check proved disjoint, no block is shared and
+   the load reads as ``"local"`` without the steps below (the same-layout load);
 1. **needs to owners** (``all_to_all``): for every stored chunk it needs, a rank sends the
    chunk's owner (a hash of its file and offset picks one rank) the block-aligned byte
    ranges it touches, its requested boxes and its node;
@@ -47,9 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from ..errors import CorruptCheckpointError
-from ..planning.boxes import relative_slices
 from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, range_boxes, touched_ranges, union_bytes
+from ..planning.read_once import flat_index as _flat_index, pieces as _pieces, strides as _strides
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.mapped import ItemMap, can_map, read_bytes, typed_view
@@ -104,23 +106,9 @@ def _owner(file: str, offset: int, world: int) -> int:
     return zlib.crc32(f"{file}@{offset}".encode()) % world
 
 
-def _flat_index(starts: Sequence[int], shape: Sequence[int]) -> int:
-    i = 0
-    for s, n in zip(starts, shape):
-        i = i * n + s
-    return i
-
-
-def _strides(shape: Sequence[int]) -> List[int]:
-    st = [1] * len(shape)
-    for a in range(len(shape) - 2, -1, -1):
-        st[a] = st[a + 1] * shape[a + 1]
-    return st
-
-
 def load_read_once(
     reader: Any, tasks: List[Any], local_error: Optional[str], group: Any, *, mode: str = "auto",
-    thread_count: int = 2, memory_budget: int = 1 << 30,
+    thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
 
@@ -128,10 +116,26 @@ def load_read_once(
     nothing to save (the caller reads as ``"local"``); ``"failed"`` when some rank failed
     before reading (the caller's final agreement raises). Raises after the last transfer
     when a read, a check or a copy failed on this rank.
+
+    ``disjoint``: this rank's tasks read whole stored chunks for main-replica requests that the
+    load's request check found disjoint from every other rank's. When that holds on every rank
+    (``mode="auto"``), no stored block is touched twice and one ``all_reduce`` decides "local"
+    (the same-layout load) without computing touched ranges or exchanging them.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     st = Stats()
     t0 = time.perf_counter()
+    if mode == "auto":
+        mine = 0
+        if local_error is None and disjoint:
+            mine = sum(t.overlap.numel * t.dtype.itemsize for t in tasks)  # each byte read once anyway
+        failed, not_disjoint, separate = dist.all_reduce_ints(
+            [1 if local_error else 0, 0 if (disjoint or local_error) else 1, mine], "sum", group
+        )
+        if failed or not not_disjoint:
+            st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=separate,
+                             read_once=0)
+            return ("failed" if failed else "local"), dict(st.values)
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
     outgoing: Dict[int, bytes] = {}
@@ -492,18 +496,6 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
 POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 # bytes checked, then copied out, at a time: a few blocks, so they are still in the core's cache
 PIECE = 2 << 20
-
-
-def _pieces(bounds: np.ndarray, lo: int, hi: int, size: int) -> List[Tuple[int, int]]:
-    """``[lo, hi)`` cut at block boundaries into pieces of about ``size`` bytes (at least one block)."""
-    inner = bounds[(bounds > lo) & (bounds < hi)].tolist()
-    out, start = [], lo
-    for b in inner:
-        if b - start >= size:
-            out.append((start, b))
-            start = b
-    out.append((start, hi))
-    return out
 
 
 def _global(group: Any, r: int) -> int:

@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import errors as errors_mod
 from ..errors import CorruptCheckpointError
-from ..planning.boxes import Box, sweep_axis
+from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
 from ..storage import checkpoint_dir as ckdir
+from ..storage.block_records import BlockRecordTable
 from ..storage.opened import OpenedCheckpoint
 from ..storage.torch_dist_reader import ChunkInfo
 from . import dist
@@ -108,6 +109,13 @@ class CompactChunks:
         """:meth:`ChunkIndex.reads` over the integers (``source`` = the chunk's position)."""
         p, n, nd, axis, longest = self._positions[key]
         ints, step = self._ints, 2 * nd + 3
+        if n == 1:  # one chunk (many small tensors): no search
+            offsets, sizes = ints[p : p + nd], ints[p + nd : p + 2 * nd]
+            ro, rsz = request.offsets, request.sizes
+            if not all(o < a + b and a < o + s for o, s, a, b in zip(offsets, sizes, ro, rsz)):
+                return []
+            box = Box(tuple(offsets), tuple(sizes))
+            return [ChunkRead(box, request if box == request else intersect(request, box), 0)]
 
         def chunk(i: int) -> Tuple[List[int], List[int], int]:
             base = p + i * step
@@ -143,17 +151,30 @@ def compact_chunks_of(md: Any) -> Optional[CompactChunks]:
 def encode_metadata(md: Metadata, w: MessageWriter) -> None:
     """Append the parts of a DCP ``Metadata`` that loading uses (keys, dtypes, shapes, chunks, locations)."""
     storage = md.storage_data or {}
-
-    def where(index: MetadataIndex) -> Tuple[int, int, int]:
-        info = storage.get(index)
-        if info is None:
-            return (-1, 0, 0)
-        return (w.sid(str(info.relative_path)), int(info.offset), int(info.length))
-
-    w.add(len(md.state_dict_metadata))
+    # locations by (key, offsets): one pass over the storage records instead of building and
+    # hashing a MetadataIndex per chunk (a dataclass: tens of microseconds per small tensor)
+    located: Dict[Tuple[str, Any], Tuple[int, int, int]] = {}
+    for index, info in storage.items():
+        located[(index.fqn, None if index.offset is None else tuple(index.offset))] = (
+            w.sid(str(info.relative_path)), int(info.offset), int(info.length))
+    missing = (-1, 0, 0)
+    ints = w.ints
+    ints.append(len(md.state_dict_metadata))
+    dtype_ids: Dict[Any, int] = {}
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             size = tuple(meta.size)
+            dt = meta.properties.dtype
+            did = dtype_ids.get(dt)
+            if did is None:
+                did = dtype_ids[dt] = w.sid(dtype_name(dt))
+            kid = w.sid(key)
+            if len(meta.chunks) == 1:  # many small tensors: nothing to sort or sweep (axis -1: no search)
+                c = meta.chunks[0]
+                offsets = tuple(c.offsets)
+                ints += (0, kid, did, len(size), *size, 1, -1, 0, *offsets, *c.sizes)
+                ints += located.get((key, offsets), missing)
+                continue
             # the per-key index, built once here: chunks sorted by their start along the axis
             # where they overlap least, and the longest extent along it (see ChunkIndex)
             chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
@@ -161,11 +182,13 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
             if axis >= 0:
                 chunks.sort(key=lambda c: c[0][axis])
             longest = max((s[axis] for _, s in chunks), default=0) if axis >= 0 else 0
-            w.add(0, w.sid(key), w.sid(dtype_name(meta.properties.dtype)), len(size), *size, len(chunks), axis, longest)
+            ints += (0, kid, did, len(size), *size, len(chunks), axis, longest)
             for offsets, sizes in chunks:
-                w.add(*offsets, *sizes, *where(MetadataIndex(key, torch.Size(offsets))))
+                ints += (*offsets, *sizes)
+                ints += located.get((key, offsets), missing)
         else:
-            w.add(1, w.sid(key), *where(MetadataIndex(key)))
+            ints += (1, w.sid(key))
+            ints += located.get((key, None), missing)
 
 
 def decode_metadata(
@@ -255,6 +278,11 @@ def decode_shared(buf: bytes) -> SharedMetadata:
     backend, manifest_json, config_json = strings[ints[1]], strings[ints[2]], strings[ints[3]]
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
     config = ckdir.CheckpointingConfig(**json.loads(config_json)) if config_json else None
+    if manifest is not None and manifest.blocks:
+        # the coordinator read this text and checked every block record's form (read_manifest):
+        # the table here decodes and indexes entries only as they are used (Manifest.block_records
+        # returns the table cached for its current ``blocks``)
+        manifest.__dict__["_block_records"] = (manifest.blocks, BlockRecordTable(manifest.blocks, manifest.hash, checked=True))
     return SharedMetadata(backend, None, manifest, (strings, ints, 5) if ints[4] else None, config=config)
 
 

@@ -67,6 +67,8 @@ def sweep_axis(offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
     if not offsets:
         return -1
     axes = range(len(offsets[0])) if axes is None else axes
+    if len(axes) == 1:  # one candidate (1-D tensors: most small ones): nothing to compare
+        return axes[0]
     best, best_key = -1, None
     for a in axes:
         intervals = Counter((o[a], o[a] + s[a]) for o, s in zip(offsets, sizes))

@@ -222,3 +222,31 @@ def plan_chunk(needs: ChunkNeeds, load: Dict[int, int], salt: str = "", unit_byt
             load[ranks[reader]] = load.get(ranks[reader], 0) + (u_hi - u_lo)
             units.append(PlannedUnit(u_lo, u_hi, ranks[reader], tuple(ranks)))
     return units
+
+
+def flat_index(starts: Sequence[int], shape: Sequence[int]) -> int:
+    """Row-major index of element ``starts`` in an array of ``shape``."""
+    i = 0
+    for s, n in zip(starts, shape):
+        i = i * n + s
+    return i
+
+
+def strides(shape: Sequence[int]) -> List[int]:
+    """Row-major element strides of ``shape``."""
+    st = [1] * len(shape)
+    for a in range(len(shape) - 2, -1, -1):
+        st[a] = st[a + 1] * shape[a + 1]
+    return st
+
+
+def pieces(bounds: np.ndarray, lo: int, hi: int, size: int) -> List[Tuple[int, int]]:
+    """``[lo, hi)`` cut at block boundaries into pieces of about ``size`` bytes (at least one block)."""
+    inner = bounds[(bounds > lo) & (bounds < hi)].tolist()
+    out, start = [], lo
+    for b in inner:
+        if b - start >= size:
+            out.append((start, b))
+            start = b
+    out.append((start, hi))
+    return out

@@ -105,9 +105,12 @@ def overlapping_reads(
     ro, rsz = request.offsets, request.sizes
     for i in candidates:
         offsets, sizes, source = chunk(i)
-        if all(o < a + b and a < o + s for o, s, a, b in zip(offsets, sizes, ro, rsz)):
+        for o, s, a, b in zip(offsets, sizes, ro, rsz):  # (a loop, not all(...): called per small tensor)
+            if not (o < a + b and a < o + s):
+                break
+        else:
             box = Box(tuple(offsets), tuple(sizes))
-            out.append(ChunkRead(box, intersect(request, box), source))
+            out.append(ChunkRead(box, request if box == request else intersect(request, box), source))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import numpy as np
 
@@ -61,35 +61,59 @@ class BlockRecordTable(Mapping):
     checked when the table is made (cheap), each record decoded on first use (its base64 digests
     and arrays: with tens of thousands of small tensors, decoding every record costs more than
     a load that reads a few of them). A record found malformed then raises
-    :class:`CorruptCheckpointError` naming the manifest."""
+    :class:`CorruptCheckpointError` naming the manifest.
 
-    def __init__(self, blocks: Dict[str, Any], h: BlockHash):
+    ``checked=True``: the same table was checked already (the load's coordinator read and checked
+    the manifest whose text it broadcast): nothing is done per entry until used; a record is
+    found by its key as the writer spells it (``file@offset``), and the index of every entry is
+    built only when that finds nothing (an item without block record, or a key spelled otherwise).
+    """
+
+    def __init__(self, blocks: Dict[str, Any], h: BlockHash, checked: bool = False):
         self._raw, self._hash = blocks, h
         self._parsed: Dict[Tuple[str, int], BlockRecord] = {}
-        self._keys: Dict[Tuple[str, int], str] = {}
-        for k, v in blocks.items():
-            name, _, off = k.rpartition("@")
-            if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
-                    and type(v[2]) is int and isinstance(v[3], str)):
-                raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
-            self._keys[(name, int(off))] = k
+        self._keys: Optional[Dict[Tuple[str, int], str]] = None
+        if not checked:
+            self._index()
+
+    def _index(self) -> Dict[Tuple[str, int], str]:
+        keys = self._keys
+        if keys is None:
+            keys = {}
+            for k, v in self._raw.items():
+                name, _, off = k.rpartition("@")
+                if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
+                        and type(v[2]) is int and isinstance(v[3], str)):
+                    raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
+                keys[(name, int(off))] = k
+            self._keys = keys
+        return keys
+
+    def _key(self, rid: Tuple[str, int]) -> Optional[str]:
+        if self._keys is None:
+            k = f"{rid[0]}@{rid[1]}"
+            if k in self._raw:
+                return k
+        return self._index().get(rid)
 
     def __getitem__(self, rid: Tuple[str, int]) -> "BlockRecord":
         rec = self._parsed.get(rid)
         if rec is None:
-            v = self._raw[self._keys[rid]]
+            k = self._key(rid)
+            if k is None:
+                raise KeyError(rid)
             try:
-                rec = BlockRecord.parse(v, self._hash)
+                rec = BlockRecord.parse(self._raw[k], self._hash)
             except ValueError as e:
                 raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: block record of {rid[0]}@{rid[1]}: {e}") from None
             self._parsed[rid] = rec
         return rec
 
     def __contains__(self, rid: object) -> bool:
-        return rid in self._keys
+        return isinstance(rid, tuple) and len(rid) == 2 and self._key(rid) is not None  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Tuple[str, int]]:
-        return iter(self._keys)
+        return iter(self._index())
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._raw) if self._keys is None else len(self._keys)

