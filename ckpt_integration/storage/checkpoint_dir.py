@@ -115,10 +115,16 @@ class Manifest:
         return block_hash(self.block_hash, MANIFEST_FILE)
 
     def checksums(self) -> Dict[Tuple[str, int], int]:
+        """``(file, offset) -> item digest``, built once per ``items`` table (read-only: every
+        reader of this manifest shares it; tens of thousands of entries with small tensors)."""
+        cached = self.__dict__.get("_checksums")
+        if cached is not None and cached[0] is self.items:
+            return cached[1]
         out = {}
         for k, v in self.items.items():
             name, _, off = k.rpartition("@")
             out[(name, int(off))] = int(v)
+        self.__dict__["_checksums"] = (self.items, out)
         return out
 
     def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
