@@ -323,17 +323,24 @@ def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -
     payload: Optional[bytes] = None
     local: Optional[BaseException] = None
     ck: Optional[OpenedCheckpoint] = None
+    raw = b""
     if dist.get_rank(group) == 0:
         try:
             ck = OpenedCheckpoint(checkpoint_dir, trusted)
-            payload = encode_shared(shared_of(ck))
+            raw = _encode_shared(shared_of(ck))
+            payload = zlib.compress(raw, _LEVEL)
         except Exception as e:  # every rank raises it, below
             payload, local = encode_failure(e), e
     payload = dist.broadcast_bytes(payload, src=coord, group=group)
     if local is not None:
         raise local
     if ck is not None:
-        ck.shared = shared_of(ck)
+        # the coordinator too plans from the broadcast form: chunk records of the keys it requests
+        # only (from the full .metadata its reader would build a record of every chunk of the
+        # job); the manifest and .metadata objects it read stay as they are
+        strings, ints = decode(raw)
+        ck.shared = SharedMetadata(ck.backend, ck.metadata, ck.manifest, (strings, ints, 5) if ints[4] else None,
+                                   config=ck.config)
         return ck, ck.shared
     shared = decode_shared(payload)
     ck = OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest, shared=shared)

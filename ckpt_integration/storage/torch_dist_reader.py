@@ -85,8 +85,15 @@ class TorchDistReader:
         self.stats = ReadStats()
         self._lock = threading.Lock()
         where = join(self.directory, DCP_METADATA_FILE)
+        names_ok: set = set()  # a few data files named by many items: each name checked once
         for index, info in (metadata.storage_data or {}).items():
-            problem = name_problem(getattr(info, "relative_path", None))
+            name = getattr(info, "relative_path", None)
+            if name in names_ok:
+                problem = None
+            else:
+                problem = name_problem(name)
+                if problem is None:
+                    names_ok.add(name)
             if problem:
                 raise UnsafeCheckpointError(
                     f"refusing {where}: item {getattr(index, 'fqn', index)!r} is stored in "
