@@ -6,7 +6,6 @@ another process) is a ``CheckpointReplacedError``, never mixed data and never ``
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -202,80 +201,24 @@ def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
     assert not isinstance(ei.value, CorruptCheckpointError)
 
 
-def test_evaluation_job_reads_while_training_saves(tmp_path):
-    """Issue 23 item 1, short form: a reader process loads every new checkpoint while a training
+@pytest.mark.parametrize("mode", ["opened", "path"])
+def test_evaluation_job_reads_while_training_saves(tmp_path, mode):
+    """Issue 23 item 1 / issue 22, short form of ``benchmarks/readers_beside_writer.py``: a reader
+    process loads every new checkpoint (through ``open_checkpoint``, or by path) while a training
     process keeps saving (``last.ckpt`` replaced, step checkpoints rotated with top-2 deletion).
     Every load returns exactly one commit (every value equals the step it records) or says the
-    checkpoint was replaced/removed; none is reported corrupt."""
-    root = str(tmp_path / "run")
-    os.makedirs(root)
-    reader = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import json, os, time, torch, ckpt_integration as ci
-            from ckpt_integration.errors import CheckpointReplacedError, CheckpointNotFoundError, IncompleteCheckpointError
-            root = {root!r}
-            counts = {{"ok": 0, "replaced": 0, "gone": 0}}
-            req = lambda: {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(64, 16)),
-                            "b": ci.ShardedTensor.from_rank_offsets("b", torch.empty(8))}}
-            open(os.path.join(root, "reader-ready"), "w").close()
-            rounds = 0
-            while True:
-                finished = os.path.exists(os.path.join(root, "done"))  # then one last round, nothing written
-                names = [os.path.join(root, "last.ckpt")] + ci.list_checkpoints(root)[-1:]
-                for path in names:
-                    try:
-                        with ci.open_checkpoint(path) as ck:
-                            out = ci.load(req(), ck)
-                    except CheckpointReplacedError:
-                        counts["replaced"] += 1
-                        continue
-                    except (CheckpointNotFoundError, IncompleteCheckpointError):
-                        counts["gone"] += 1  # removed or not committed yet when it was opened
-                        continue
-                    s = out["step"]
-                    assert torch.equal(out["w"], torch.full((64, 16), float(s))), (path, s)
-                    assert torch.equal(out["b"], torch.arange(8.0) + s), (path, s)
-                    counts["ok"] += 1
-                rounds += 1
-                if rounds == 3:
-                    open(os.path.join(root, "reader-busy"), "w").close()
-                if finished:
-                    break
-            print(json.dumps(counts))
-        """)],
-        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoint was replaced/removed; none is reported corrupt. By path, loads of a replaced
+    ``last.ckpt`` were reported as ``CorruptCheckpointError`` (177 of 1,297 loads in 300 saves)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
-        import shutil
-        import time
-
-        def wait_for(name):  # a handshake with the reader (bounded), not a timing assertion
-            for _ in range(3000):
-                if os.path.exists(os.path.join(root, name)) or reader.poll() is not None:
-                    return
-                time.sleep(0.05)
-
-        wait_for("reader-ready")
-        for step in range(1, 25):  # the training job: save, replace last, keep the newest 2
-            if step == 3:
-                wait_for("reader-busy")  # the reader is in its loop while the rest is written
-            ci.save(_state(float(step), step), os.path.join(root, f"step={step:03d}.ckpt"))
-            ci.save(_state(float(step), step), os.path.join(root, "last.ckpt"), overwrite=True)
-            if step > 2:
-                old = os.path.join(root, f"step={step - 2:03d}.ckpt")
-                os.remove(os.path.join(old, "metadata.json"))  # un-commit first, as the library deletes
-                shutil.rmtree(old)
-        open(os.path.join(root, "done"), "w").close()
-        out, err = reader.communicate(timeout=300)
+        import readers_beside_writer as bench
     finally:
-        if reader.poll() is None:
-            reader.kill()
-    assert reader.returncode == 0, err[-3000:]
-    import json
-
-    counts = json.loads(out.strip().splitlines()[-1])
-    print("evaluation reader:", counts)
-    assert counts["ok"] >= 2, counts  # at least the last round: last.ckpt and step=024 at step 24
+        sys.path.pop(0)
+    res = bench.run(str(tmp_path / "run"), saves=24, mode=mode, timeout=300)
+    print("evaluation reader:", res)
+    c = res["counts"]
+    assert c["corrupt"] == c["mixed"] == c["other"] == 0, res
+    assert c["ok"] >= 2, res  # at least the last round: last.ckpt and step=00024 at step 24
 
 
 def _resume_reads(rank, world, path):
