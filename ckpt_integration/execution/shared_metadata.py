@@ -305,11 +305,6 @@ def shared_of(ck: OpenedCheckpoint) -> SharedMetadata:
     return SharedMetadata(ck.backend, ck.metadata, ck.manifest, config=ck.config)
 
 
-def read_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -> SharedMetadata:
-    """Collective: the coordinator reads, every rank gets the result (or raises the coordinator's error)."""
-    return open_shared(checkpoint_dir, group, trusted)[1]
-
-
 def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
     """Collective: open ``checkpoint_dir`` on the coordinator (``metadata.json``, manifest,
     ``.metadata``: read and checked once for the job) and give every rank an opened checkpoint of

@@ -13,7 +13,6 @@ so that the modules below ``opened`` can honour them without importing it.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 
@@ -58,7 +57,3 @@ def cached_manifest(where: Any) -> "tuple[bool, Any]":
 def cached_dcp_metadata(where: Any) -> Optional[Any]:
     return where.dcp_metadata if isinstance(where, CheckpointLocation) else None
 
-
-def path_of(where: Any) -> str:
-    """The path of a location or of anything ``os.fspath`` takes."""
-    return where.path if isinstance(where, CheckpointLocation) else os.fspath(where)
