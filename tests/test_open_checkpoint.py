@@ -84,6 +84,13 @@ def test_lightning_loading_paths_take_the_opened_checkpoint(tmp_path):
         assert_same(DistCkptIO().load_checkpoint(ck)["state_dict"], DistCkptIO().load_checkpoint(path)["state_dict"])
         m_path, m_ck = load_from_checkpoint(TinyModule, path), load_from_checkpoint(TinyModule, ck)
         assert_same(dict(m_ck.state_dict()), dict(m_path.state_dict()), "module")
+    # a stock Lightning .ckpt file goes to the module's own load_from_checkpoint, not opened as a directory
+    stock = trainer(devices=1, max_epochs=1, default_root_dir=str(tmp_path / "stock"))
+    stock.fit(TinyModule(), loader())
+    stock_file = stock.checkpoint_callback.best_model_path
+    assert os.path.isfile(stock_file)
+    assert_same(dict(load_from_checkpoint(TinyModule, stock_file).state_dict()),
+                dict(TinyModule.load_from_checkpoint(stock_file).state_dict()), "stock module")
 
 
 def _storage_ops(monkeypatch):
@@ -259,3 +266,34 @@ def test_a_resume_opens_the_checkpoint_once_for_the_job(tmp_path):
     from tests.dist_utils import run_distributed
 
     run_distributed(_resume_reads, 2, str(tmp_path / "c"))
+
+
+def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path):
+    """``load_checkpoint_dict`` / ``load_from_checkpoint`` read the common state and the tensors
+    through one opened checkpoint, opened after the path is resolved: an interrupted ``last.ckpt``
+    still falls back to its newest complete sibling (opening the path first refused it as
+    incomplete), and ``.metadata`` is read as trusted when the call says so (a global outside the
+    metadata allow-list is refused without ``trusted`` and loads with it)."""
+    import argparse
+    import shutil
+
+    from ckpt_integration.lightning import load_checkpoint_dict
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+    from ckpt_integration.storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
+
+    good = str(tmp_path / "epoch=0.ckpt")
+    ci.save(_state(3.0, 7), good)
+    last = str(tmp_path / "last.ckpt")
+    shutil.copytree(good, last)
+    os.remove(os.path.join(last, "metadata.json"))  # an overwrite interrupted before its commit
+    out = load_checkpoint_dict(last)
+    assert out["step"] == 7 and torch.equal(out["state_dict"]["w"], torch.full((64, 16), 3.0))
+
+    md = read_dcp_metadata(good)
+    md.planner_data = {"w": argparse.Namespace(note="not a metadata class")}
+    manifest = ckdir.read_manifest(good)
+    manifest.files[DCP_METADATA_FILE] = write_dcp_metadata(good, md)
+    ckdir.write_manifest(good, manifest)
+    with pytest.raises(ci.CheckpointingException, match="argparse"):
+        load_checkpoint_dict(good)
+    assert torch.equal(load_checkpoint_dict(good, trusted=True)["state_dict"]["b"], torch.arange(8.0) + 3)

@@ -18,7 +18,7 @@ from .. import serialization
 from ..execution.save import CONTENT_METADATA_KEY
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import optimizer_key
-from ..storage.opened import accepts_opened
+from ..storage.opened import OpenedCheckpoint, opened
 from .entries import RNG_KEY, model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO
 from .paths import resolve_checkpoint_path
@@ -32,7 +32,6 @@ def _lightning_part(common: Dict[str, Any], num_optimizers: int) -> Dict[str, An
     return {k: v for k, v in common.items() if k not in drop}
 
 
-@accepts_opened('checkpoint_dir', open_paths=True)
 def load_checkpoint_dict(
     checkpoint_dir: Any, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None
 ) -> Dict[str, Any]:
@@ -49,13 +48,13 @@ def load_checkpoint_dict(
         ckpt = load_checkpoint_dict("ckpt/epoch=3-step=40.ckpt")
         ckpt["global_step"], ckpt["state_dict"]["net.fc1.weight"].shape
     """
-    path = resolve_checkpoint_path(os.fspath(checkpoint_dir))
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
-    common = dict(serialization.load_common_state_dict(path, trusted=trusted,
-                                                       allowed_globals=io.load_kwargs()["allowed_globals"]))
+    with opened(_resolved(checkpoint_dir), trusted) as ck:  # the common state and the tensors of one commit
+        common = dict(serialization.load_common_state_dict(ck, trusted=trusted,
+                                                           allowed_globals=io.load_kwargs()["allowed_globals"]))
+        tensors = serialization.load_plain_tensors(ck, trusted=trusted)
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     out = _lightning_part(common, int(meta.get("num_optimizers", 0)))
-    tensors = serialization.load_plain_tensors(path, trusted=trusted)
     model = dict(common.get("state_dict") or {})
     model.update({k: v for k, v in tensors.items() if not k.startswith("optimizer") and not k.startswith(RNG_KEY)})
     out["state_dict"] = model
@@ -82,7 +81,6 @@ def _instantiate(cls: Any, checkpoint: Dict[str, Any], kwargs: Dict[str, Any]) -
     return cls(**init)
 
 
-@accepts_opened('checkpoint_dir', open_paths=True)
 def load_from_checkpoint(
     cls: Any,
     checkpoint_dir: Any,
@@ -107,12 +105,23 @@ def load_from_checkpoint(
 
         model = load_from_checkpoint(MyModule, "ckpt/last.ckpt", lr=1e-4)
     """
+    if not isinstance(checkpoint_dir, OpenedCheckpoint) and os.path.isfile(os.fspath(checkpoint_dir)):
+        return cls.load_from_checkpoint(os.fspath(checkpoint_dir), map_location=map_location, strict=strict, **kwargs)
+    with opened(_resolved(checkpoint_dir), trusted) as ck:  # the common state and the tensors of one commit
+        return _load_module(cls, ck, map_location, strict, trusted, allowed_globals, kwargs)
+
+
+def _resolved(checkpoint_dir: Any) -> Any:
+    """An opened checkpoint as it is; a path with an incomplete ``last.ckpt`` resolved first."""
+    if isinstance(checkpoint_dir, OpenedCheckpoint):
+        return checkpoint_dir
+    return resolve_checkpoint_path(os.fspath(checkpoint_dir))
+
+
+def _load_module(cls: Any, path: Any, map_location: Any, strict: Optional[bool], trusted: bool,
+                 allowed_globals: Optional[Iterable[Any]], kwargs: Dict[str, Any]) -> Any:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    path = os.fspath(checkpoint_dir)
-    if os.path.isfile(path):
-        return cls.load_from_checkpoint(path, map_location=map_location, strict=strict, **kwargs)
-    path = resolve_checkpoint_path(path)
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
     allowed = io.load_kwargs()["allowed_globals"]
     common = dict(serialization.load_common_state_dict(path, trusted=trusted, allowed_globals=allowed))

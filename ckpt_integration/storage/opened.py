@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
@@ -185,24 +184,12 @@ def opened(checkpoint: Any, trusted: bool = False, verified: bool = False) -> It
             ck.close()
 
 
-@contextmanager
-def reading(checkpoint: Any) -> Iterator[str]:
-    """The path to read: pinned reads (see :meth:`OpenedCheckpoint.reading`) for an opened
-    checkpoint, the plain path otherwise."""
-    if isinstance(checkpoint, OpenedCheckpoint):
-        with checkpoint.reading() as path:
-            yield path
-    else:
-        yield checkpoint if checkpoint is None else os.fspath(checkpoint)
-
-
-def accepts_opened(*names: str, open_paths: bool = False) -> Callable[[F], F]:
+def accepts_opened(*names: str) -> Callable[[F], F]:
     """Decorator: the arguments ``names`` (checkpoint paths) may be :class:`OpenedCheckpoint`\\ s;
     the call then runs as a pinned read of each and the function is given the opened object
     (which every storage helper takes where it takes a directory, without reading its small
-    files again). ``open_paths``: open a path given there too (once, for the whole call); tools
-    that diagnose damage (verify, inspect) leave paths as they are, so that a checkpoint that
-    cannot be opened is still reported on."""
+    files again). Paths are passed as they are: the function opens them itself where it can
+    (after resolving them, or after telling a file from a checkpoint directory)."""
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
@@ -210,8 +197,7 @@ def accepts_opened(*names: str, open_paths: bool = False) -> Callable[[F], F]:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind_partial(*args, **kwargs)
-            todo = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)
-                    or (open_paths and bound.arguments.get(n) is not None)]
+            todo = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)]
             if not todo:
                 return fn(*args, **kwargs)
             return _pinned_call(fn, bound, todo)
