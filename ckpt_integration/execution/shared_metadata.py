@@ -283,7 +283,12 @@ def decode_shared(buf: bytes) -> SharedMetadata:
         # the table here decodes and indexes entries only as they are used (Manifest.block_records
         # returns the table cached for its current ``blocks``)
         manifest.__dict__["_block_records"] = (manifest.blocks, BlockRecordTable(manifest.blocks, manifest.hash, checked=True))
-    return SharedMetadata(backend, None, manifest, (strings, ints, 5) if ints[4] else None, config=config)
+    return SharedMetadata(backend, None, manifest, _encoded_metadata(strings, ints), config=config)
+
+
+def _encoded_metadata(strings: List[str], ints: List[int]) -> Optional[Tuple[List[str], List[int], int]]:
+    """Where the message's ``.metadata`` starts (see :func:`_encode_shared`), or None without one."""
+    return (strings, ints, 5) if ints[4] else None
 
 
 def _rebuild_failure(name: str, message: str) -> BaseException:
@@ -333,9 +338,7 @@ def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -
         # the coordinator too plans from the broadcast form: chunk records of the keys it requests
         # only (from the full .metadata its reader would build a record of every chunk of the
         # job); the manifest and .metadata objects it read stay as they are
-        strings, ints = decode(raw)
-        ck.shared = SharedMetadata(ck.backend, ck.metadata, ck.manifest, (strings, ints, 5) if ints[4] else None,
-                                   config=ck.config)
+        ck.shared = SharedMetadata(ck.backend, ck.metadata, ck.manifest, _encoded_metadata(*decode(raw)), config=ck.config)
         return ck, ck.shared
     shared = decode_shared(payload)
     ck = OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest, shared=shared)
