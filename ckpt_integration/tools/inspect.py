@@ -161,10 +161,12 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
     if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):
         try:  # opened once for the reads below; one that cannot be opened is described as it is
-            with OpenedCheckpoint(path, trusted=trusted) as ck:
-                return _inspect_dcp(ck, path, trusted)
+            ck = OpenedCheckpoint(path, trusted=trusted)
         except CheckpointingException:
-            pass
+            ck = None
+        if ck is not None:
+            with ck:
+                return _inspect_dcp(ck, path, trusted)
     if kind != "torch_dist":
         with open_source(path, trusted=trusted) as src:
             tensors = {
