@@ -372,12 +372,13 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     md_entry = write_dcp_metadata(checkpoint_dir, md)
     if manifest is not None:
         manifest.files[DCP_METADATA_FILE] = md_entry
-        gone = files_all - files_kept
+        # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
+        gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
         manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(checkpoint_dir, manifest)
     storage, checkpoint_dir = storage_for(checkpoint_dir)
-    for name in files_all - files_kept:
+    for name in (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}:
         try:
             storage.remove(join(checkpoint_dir, name))
         except FileNotFoundError:

@@ -138,14 +138,18 @@ def _expect_damaged(d, capsys, *needles):
 
 # =========================================================================== verify: every recorded file and block
 DAMAGES = {
-    # name: (damage(d, other), words the report must contain); loads refuse all but "data_appended"
-    # (bytes after the last item are never read, but the file differs from the one saved)
+    # name: (damage(d, other), words the report must contain); loads refuse all but LOADS_READ_AROUND:
+    # "data_appended" (bytes after the last item are never read, but the file differs from the one
+    # saved), damage to .metadata (loads plan from chunk_index.bin, which describes the same) and
+    # to chunk_index.bin (loads then read .metadata, with a warning)
     "common_flipped": (lambda d, o: flip_byte(d / "common.pt", (d / "common.pt").stat().st_size // 2), ["common.pt"]),
     "common_swapped": (lambda d, o: shutil.copy(o / "common.pt", d / "common.pt"), ["common.pt"]),
     "common_appended": (lambda d, o: _append(d / "common.pt"), ["common.pt"]),
     "common_missing": (lambda d, o: os.remove(d / "common.pt"), ["common.pt is missing"]),
     "metadata_flipped": (lambda d, o: flip_byte(d / ".metadata", 40), [".metadata"]),
     "metadata_appended": (lambda d, o: _append(d / ".metadata"), [".metadata"]),
+    "index_flipped": (lambda d, o: flip_byte(d / "chunk_index.bin", 20), ["chunk_index.bin"]),
+    "index_missing": (lambda d, o: os.remove(d / "chunk_index.bin"), ["chunk_index.bin is missing"]),
     "data_flipped_header": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 100), [DATA, "checksum mismatch"]),
     "data_flipped_block": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 20000), [DATA, "checksum mismatch", "w[0, 0]"]),
     "data_flipped_trailer": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + _w_item(d).length - 50), [DATA, "checksum mismatch"]),
@@ -156,15 +160,21 @@ DAMAGES = {
 }
 
 
+LOADS_READ_AROUND = {"data_appended", "metadata_flipped", "metadata_appended", "index_flipped", "index_missing"}
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
 def test_verify_reports_what_loads_refuse(saved, ckpt, capsys, damage):
     fn, needles = DAMAGES[damage]
     fn(ckpt, saved / "other")
     _expect_damaged(ckpt, capsys, *needles)
-    if damage == "data_appended":
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}
+    if damage in LOADS_READ_AROUND:
+        good = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(saved / "good"))
+        assert torch.equal(ci.load(request, str(ckpt))["w"], good["w"])
         return
     with pytest.raises(CheckpointingException):  # verify agrees with the loaders
-        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}, str(ckpt))
+        ci.load(request, str(ckpt))
 
 
 def test_verify_names_the_damaged_blocks(ckpt, capsys):

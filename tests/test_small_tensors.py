@@ -111,6 +111,10 @@ def _sharded(state, rank, world, make):
 def _round_trip(rank, world, root):
     state = _mixed_state(rank, world)
     ci.save(_sharded(state, rank, world, lambda t: t), root)
+    if rank == 0:  # the chunk index the load plans from says what .metadata says (chunks of every rank)
+        from tests.test_chunk_index import assert_index_matches_metadata
+
+        assert_index_matches_metadata(root)
     got = ci.load(_sharded(state, rank, world, torch.zeros_like), root)
     for k, v in state.items():
         assert torch.equal(got[k], v.chunk(world)[rank]), k

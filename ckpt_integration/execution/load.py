@@ -37,6 +37,7 @@ from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys,
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
+from ..storage.chunk_index import compact_chunks_of
 from ..storage.small_reads import read_small_items
 from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
@@ -47,7 +48,7 @@ from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
 from .read_once import load_read_once
-from .shared_metadata import SharedMetadata, compact_chunks_of, open_shared
+from .shared_metadata import SharedMetadata, open_shared
 
 logger = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
+from ..storage.chunk_index import CHUNK_INDEX_FILE, index_of_layout
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.manifest_tables import file_sizes, render_tables
 from ..storage.checksum import crc32, save_block_hash
@@ -350,8 +351,12 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     storage, _ = storage_for(d)
     metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
     storage.write_atomic(join(d, DCP_METADATA_FILE), metadata, plan.durable)
+    md_entry = {"size": len(metadata), "crc32": crc32(metadata)}
+    index = index_of_layout(layout, md_entry)  # what loads read instead of unpickling .metadata
+    storage.write_atomic(join(d, CHUNK_INDEX_FILE), index, plan.durable)
     files: Dict[str, Dict[str, int]] = {
-        DCP_METADATA_FILE: {"size": len(metadata), "crc32": crc32(metadata)},
+        DCP_METADATA_FILE: md_entry,
+        CHUNK_INDEX_FILE: {"size": len(index), "crc32": crc32(index)},
         ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
     }
     files.update(file_sizes(layout.written))

@@ -167,10 +167,11 @@ def manifest_format(h: BlockHash) -> Dict[str, Any]:
 
 
 ZARR_INDEX_FILE = "zarr_index.json"
-_DATA_MARKERS = (".metadata", COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+CHUNK_INDEX_FILE = "chunk_index.bin"  # see chunk_index.py
+_DATA_MARKERS = (".metadata", CHUNK_INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
 # files only our saves (and Megatron-Core's) write: with them and no commit marker a
 # directory is an interrupted save, not a plain PyTorch DCP checkpoint
-_OURS_ONLY = (COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+_OURS_ONLY = (CHUNK_INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
 DCP_METADATA_FILE = ".metadata"
 
 

@@ -17,7 +17,7 @@ a token unique to that save. The marker says three things:
   running, fails at its commit).
 
 What counts as ours (:func:`checkpoint_entry`): ``metadata.json``, ``.metadata``,
-``common.pt``, ``manifest.json``, ``ckpt_integration.json``, ``zarr_index.json``,
+``chunk_index.bin``, ``common.pt``, ``manifest.json``, ``ckpt_integration.json``, ``zarr_index.json``,
 ``__<rank>_<i>.distcp`` (``<hint>__<rank>_<i>.distcp`` with a separation hint), the temporary names of atomic writes (``<one of those>.tmp-<n>``)
 and the top-level arrays/objects listed in ``zarr_index.json``. Anything else in a target
 directory (a user's ``notes.txt``, a nested checkpoint) makes a save refuse, naming it.
@@ -45,7 +45,8 @@ MARKER_FILE = "ckpt_integration.json"  # also checkpoint_dir.WRITER_FILE
 FORMAT_NAME = "ckpt_integration"
 CONFIG_FILE = "metadata.json"
 ZARR_INDEX_FILE = "zarr_index.json"
-KNOWN_FILES = frozenset({CONFIG_FILE, ".metadata", "common.pt", "manifest.json", MARKER_FILE, ZARR_INDEX_FILE})
+KNOWN_FILES = frozenset({CONFIG_FILE, ".metadata", "chunk_index.bin", "common.pt", "manifest.json", MARKER_FILE,
+                         ZARR_INDEX_FILE})
 _DATA_FILE = re.compile(r"[^/\\]*__\d+_\d+\.distcp")  # with any separation-hint prefix
 _TEMP_FILE = re.compile(r"(.+)\.tmp-[0-9-]+")
 

@@ -23,6 +23,7 @@ from .commits import commit_identity, identity_of
 from .filesystem import Storage, storage_for
 from .located import CheckpointLocation
 from .backends import backend_named
+from .chunk_index import read_chunk_index
 from .torch_dist import read_dcp_metadata
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -46,6 +47,7 @@ class OpenedCheckpoint(CheckpointLocation):
         self.commit_id: Optional[str] = None
         self.closed = False
         self._dcp_metadata: Any = None
+        self._chunk_index: Any = None
         # a collective open (execution.shared_metadata.open_shared): what the coordinator read, as
         # the job's loads use it; on the other ranks ``.metadata`` comes from it, not from storage
         self.shared = shared
@@ -90,6 +92,24 @@ class OpenedCheckpoint(CheckpointLocation):
     @dcp_metadata.setter
     def dcp_metadata(self, value: Any) -> None:
         self._dcp_metadata = value
+
+    def loaded_metadata(self) -> Any:
+        """The DCP ``.metadata`` if it has been read already (None otherwise: nothing is read here)."""
+        return self._dcp_metadata
+
+    def chunk_index(self) -> Any:
+        """The opened commit's chunk index (:class:`~.chunk_index.CompactMetadata`; None for zarr):
+        ``chunk_index.bin`` when the manifest records it for this ``.metadata``, else encoded from
+        ``.metadata`` (read on first use). What every load plans from."""
+        if self.shared is not None and self.shared.compact is not None:
+            return self.shared.compact
+        if self._chunk_index is None and not self.closed and backend_named(self.backend).dcp_metadata:
+            try:
+                self._chunk_index = read_chunk_index(self, self.manifest, lambda: self.dcp_metadata)
+            except Exception as e:
+                self._raise_if_replaced(e)
+                raise
+        return self._chunk_index
 
     def verifies(self, verify_checksums: bool = True) -> bool:
         """Whether reads of this checkpoint are checked against the pinned manifest (every byte
@@ -144,6 +164,7 @@ class OpenedCheckpoint(CheckpointLocation):
     def close(self) -> None:
         """Drop the cached metadata; later reads through this object are refused."""
         self.closed, self.dcp_metadata, self.file_cache, self.shared = True, None, None, None
+        self._chunk_index = None
 
     def __enter__(self) -> "OpenedCheckpoint":
         return self

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.opened import accepts_opened
@@ -302,6 +303,8 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
         _verify_other_recorded_files(storage, root, manifest, data_files, report)
     if md is None:
         return report
+    for problem in chunk_index.index_problems(path, manifest, md):  # what loads plan from vs .metadata
+        report.add(problem, chunk_index.CHUNK_INDEX_FILE)
     affected = _check_coverage(md, report)
     affected |= _DataPass(storage, root, md, manifest, report, progress).run()
     _validate_tensors(root, md, manifest, affected, report)

@@ -1,0 +1,182 @@
+"""``chunk_index.bin``: what a load reads instead of unpickling ``.metadata`` (issue 19, per-tensor cost)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedObject, ShardedTensor
+from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage import chunk_index as cx
+from ckpt_integration.storage import torch_dist
+from ckpt_integration.storage.checksum import crc32
+from ckpt_integration.storage.torch_dist import read_dcp_metadata
+
+
+def assert_index_matches_metadata(path: str) -> None:
+    """The index the save wrote decodes to exactly what ``.metadata`` holds (keys, dtypes, shapes,
+    chunks and where each is stored)."""
+    manifest = ckdir.read_manifest(path)
+    index = cx.read_chunk_index(path, manifest, lambda: pytest.fail("the index was not used"))
+    md = read_dcp_metadata(path)
+    assert (index.metadata_size, index.metadata_crc32) == (manifest.files[".metadata"]["size"],
+                                                          manifest.files[".metadata"]["crc32"])
+    got = index.full()
+    assert got.state_dict_metadata.keys() == md.state_dict_metadata.keys()
+    for key, meta in md.state_dict_metadata.items():
+        mine = got.state_dict_metadata[key]
+        assert type(mine) is type(meta), key
+        if hasattr(meta, "chunks"):
+            assert (mine.properties.dtype, mine.size) == (meta.properties.dtype, meta.size), key
+            assert sorted(map(str, mine.chunks)) == sorted(map(str, meta.chunks)), key
+    assert got.storage_data == md.storage_data
+
+
+def _state(scale: float = 1.0) -> dict:
+    stacked = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5) * scale
+    out = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.arange(48.0).reshape(8, 6) * scale),
+        "scalar": ShardedTensor.from_rank_offsets("scalar", torch.tensor(3.5 * scale)),
+        "half": ShardedTensor.from_rank_offsets("half", torch.ones(7, dtype=torch.bfloat16) * scale),
+        "obj": ShardedObject("obj", {"k": scale}, (1,), (0,)),
+        "step": 3,
+    }
+    # one rank holding several chunks of one key (layers of a stacked tensor): a multi-chunk key
+    out["stack"] = [ShardedTensor.from_rank_offsets("stack", stacked[i : i + 1].clone(), (0, i, 4)) for i in range(4)]
+    return out
+
+
+def _request() -> dict:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+        "scalar": ShardedTensor.from_rank_offsets("scalar", torch.tensor(0.0)),
+        "half": ShardedTensor.from_rank_offsets("half", torch.zeros(7, dtype=torch.bfloat16)),
+        "obj": ShardedObject("obj", None, (1,), (0,)),
+        # the stacked tensor in another layout: split along its second axis, across its chunks
+        "stack": ShardedTensor.from_rank_offsets("stack", torch.zeros(4, 3, 5), (1, 1, 2)),
+    }
+
+
+def _load(path) -> dict:  # (the request reads half of the stacked tensor: not a whole-tensor layout)
+    return ci.load(_request(), path, validate_access_integrity=False)
+
+
+def _check(out: dict, scale: float = 1.0) -> None:
+    stacked = torch.arange(4 * 6 * 5, dtype=torch.float32).reshape(4, 6, 5) * scale
+    assert torch.equal(out["w"], torch.arange(48.0).reshape(8, 6) * scale)
+    assert torch.equal(out["scalar"], torch.tensor(3.5 * scale))
+    assert torch.equal(out["half"], torch.ones(7, dtype=torch.bfloat16) * scale)
+    assert out["obj"] == {"k": scale}
+    assert torch.equal(out["stack"], stacked[:, 3:6])
+
+
+def test_index_describes_the_metadata_and_loads_never_unpickle_it(tmp_path, monkeypatch):
+    path = str(tmp_path / "c")
+    ci.save(_state(), path)
+    assert "chunk_index.bin" in ckdir.read_manifest(path).files
+    assert_index_matches_metadata(path)
+
+    def refuse(*a, **k):
+        raise AssertionError("a load unpickled .metadata")
+
+    monkeypatch.setattr(torch_dist, "load_dcp_metadata", refuse)
+    _check(_load(path))
+    with ci.open_checkpoint(path) as ck:
+        _check(_load(ck))
+
+
+def _rewrite(path: str, name: str, data: bytes) -> None:
+    """Replace a recorded file and its manifest entry (size, CRC32): its checksum still passes."""
+    with open(os.path.join(path, name), "wb") as f:
+        f.write(data)
+    man = json.load(open(os.path.join(path, "manifest.json")))
+    man["files"][name] = {"size": len(data), "crc32": crc32(data)}
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(man, f)
+
+
+def test_an_index_of_another_metadata_is_not_used(tmp_path, caplog):
+    """An index whose recorded ``.metadata`` is not the checkpoint's (its checksum passing) is
+    ignored with a warning; the load plans from ``.metadata`` and returns exactly the saved state."""
+    path, other = str(tmp_path / "c"), str(tmp_path / "other")
+    ci.save(_state(), path)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6))}, other)  # w in one other file
+    _rewrite(path, "chunk_index.bin", open(os.path.join(other, "chunk_index.bin"), "rb").read())
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration.storage.chunk_index"):
+        _check(_load(path))
+    assert "describes another .metadata" in caplog.text
+
+
+def test_remove_sharded_tensors_drops_the_index(tmp_path):
+    path = str(tmp_path / "c")
+    ci.save(_state(), path)
+    ci.remove_sharded_tensors(path, "half")
+    assert not os.path.exists(os.path.join(path, "chunk_index.bin"))
+    assert "chunk_index.bin" not in ckdir.read_manifest(path).files
+    request = _request()
+    del request["half"]
+    out = ci.load(request, path, validate_access_integrity=False)
+    assert "half" not in ci.load_tensors_metadata(path)
+    out["half"] = torch.ones(7, dtype=torch.bfloat16)
+    _check(out)
+
+
+def test_a_damaged_index_falls_back_to_metadata(tmp_path, caplog):
+    path = str(tmp_path / "c")
+    ci.save(_state(2.0), path)
+    with open(os.path.join(path, "chunk_index.bin"), "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration.storage.chunk_index"):
+        _check(_load(path), 2.0)
+    assert "chunk_index.bin is not used" in caplog.text and "damaged" in caplog.text
+    # a copy without the index (as an older version wrote): the same load from .metadata
+    old = str(tmp_path / "old")
+    shutil.copytree(path, old)
+    os.remove(os.path.join(old, "chunk_index.bin"))
+    man = json.load(open(os.path.join(old, "manifest.json")))
+    del man["files"]["chunk_index.bin"]
+    json.dump(man, open(os.path.join(old, "manifest.json"), "w"))
+    _check(_load(old), 2.0)
+
+
+def test_a_malformed_index_with_a_valid_checksum_is_damage_not_a_crash():
+    import zlib
+
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.planning.records import encode
+
+    for raw in (b"not zlib", zlib.compress(b"not a message"), zlib.compress(encode(["x"], [1, 5, 5, 3, 0, 0])),
+                zlib.compress(encode([], [2, 0, 0]))):
+        with pytest.raises(CorruptCheckpointError, match="idx is damaged"):
+            cx.parse_index(raw, "idx").metadata_for(["x"])
+
+
+def test_verify_checks_the_index_against_metadata(tmp_path):
+    """``verify`` compares the index loads plan from with ``.metadata`` (what DCP and Megatron-Core
+    read): an index that, its checksum passing, places a chunk elsewhere or describes another
+    ``.metadata`` is reported, naming the file and the key."""
+    from ckpt_integration.tools import verify_checkpoint
+
+    path = str(tmp_path / "c")
+    ci.save(_state(), path)
+    assert verify_checkpoint(path).ok
+    md = read_dcp_metadata(path)
+    entry = ckdir.read_manifest(path).files[".metadata"]
+    for index_key, info in md.storage_data.items():
+        if index_key.fqn == "w":
+            md.storage_data[index_key] = type(info)(info.relative_path, info.offset + 8, info.length)
+    _rewrite(path, "chunk_index.bin", cx.compact_of_metadata(md, entry).raw)
+    report = verify_checkpoint(path)
+    assert not report.ok and "chunk_index.bin does not describe .metadata as saved: 'w'" in str(report.problems), report.problems
+    _rewrite(path, "chunk_index.bin", cx.compact_of_metadata(md, {"size": 1, "crc32": 2}).raw)
+    report = verify_checkpoint(path)
+    assert not report.ok and "describes another .metadata" in str(report.problems), report.problems
