@@ -180,3 +180,27 @@ def test_verify_checks_the_index_against_metadata(tmp_path):
     _rewrite(path, "chunk_index.bin", cx.compact_of_metadata(md, {"size": 1, "crc32": 2}).raw)
     report = verify_checkpoint(path)
     assert not report.ok and "describes another .metadata" in str(report.problems), report.problems
+
+
+def _box(key: str, data: torch.Tensor, row: int, col: int) -> ShardedTensor:
+    """An uneven block of a 24 x 36 tensor at (row, col)."""
+    return ShardedTensor(key, data, data.dtype, tuple(data.shape), (24, 36), (row, col), None)
+
+
+def test_keys_of_many_chunks_are_found_by_search(tmp_path):
+    """Keys of more than 8 chunks (searched, not scanned): saved as 12 column blocks and as a 3 x 4
+    grid of uneven blocks, loaded by rows, by an unaligned window and whole."""
+    full = torch.arange(24 * 36, dtype=torch.float32).reshape(24, 36)
+    cols = [ShardedTensor.from_rank_offsets("cols", full[:, 3 * j : 3 * j + 3].clone(), (1, j, 12)) for j in range(12)]
+    rows_at, cols_at = [0, 5, 16, 24], [0, 7, 8, 20, 36]
+    grid = [_box("grid", full[r0:r1, c0:c1].clone(), r0, c0) for r0, r1 in zip(rows_at, rows_at[1:])
+            for c0, c1 in zip(cols_at, cols_at[1:])]
+    path = str(tmp_path / "c")
+    ci.save({"cols": cols, "grid": grid}, path)
+    assert_index_matches_metadata(path)
+    for box in ((slice(0, 24), slice(0, 36)), (slice(6, 12), slice(0, 36)), (slice(3, 20), slice(5, 31))):
+        rows, cs = box
+        req = {k: _box(k, torch.zeros(rows.stop - rows.start, cs.stop - cs.start), rows.start, cs.start)
+               for k in ("cols", "grid")}
+        out = ci.load(req, path, validate_access_integrity=False)
+        assert torch.equal(out["cols"], full[box]) and torch.equal(out["grid"], full[box]), box

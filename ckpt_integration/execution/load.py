@@ -151,7 +151,7 @@ def _tensor_tasks(
     reads = saved_chunk_reads(reader, sh.key, request)
     if sh.allow_shape_mismatch:
         host.zero_()
-    elif len(reads) == 1 and reads[0].overlap == request and _inside(request, saved_shape):
+    elif len(reads) == 1 and (reads[0].overlap is request or reads[0].overlap == request) and _inside(request, saved_shape):
         # the request is one saved chunk (or inside it): covered, and the destination is the
         # whole view (the common case of a same-layout load: no slicing per tensor)
         return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
@@ -165,6 +165,13 @@ def _tensor_tasks(
         for r in reads
     ]
     return host, tasks
+
+
+def _whole_chunks(tasks: List[ReadTask]) -> bool:
+    for t in tasks:  # (a loop with an identity test first: once per small tensor)
+        if t.overlap is not t.chunk.box and t.overlap != t.chunk.box:
+            return False
+    return True
 
 
 def _inside(box: Box, shape: Tuple[int, ...]) -> bool:
@@ -188,11 +195,7 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
     """
     compact = compact_chunks_of(getattr(reader, "metadata", None))
     if compact is not None and key in compact:
-        reads = compact.reads(key, request)
-        checksums, where = getattr(reader, "checksums", None), getattr(reader, "directory", "")
-        return [
-            ChunkRead(r.chunk, r.overlap, compact.chunk_info(key, r.source, r.chunk, checksums, where)) for r in reads
-        ]
+        return compact.chunk_reads(key, request, getattr(reader, "checksums", None), getattr(reader, "directory", ""))
     chunks = reader.chunks[key]
     if len(chunks) == 1:  # the common case of many small tensors: no index to build
         common = intersect(request, chunks[0].box)
@@ -417,7 +420,7 @@ def _prepare_reads(
             return flat
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
-            if whole and not (is_main_replica(sh.replica_id) and all(t.overlap == t.chunk.box for t in ts)):
+            if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
                 whole = False
             tasks.extend(ts)
             if sh.data is not None:

@@ -61,6 +61,7 @@ from . import dist
 from . import exchange
 from .dist import describe_error as _describe
 from .common_check import check_common_consistency
+from .gc_pause import with_gc_paused
 from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
 
 logger = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ def _requests_for(shards: List[ShardedBase], metas: List[ShardMeta], to_write: L
     return out
 
 
+@with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
 def prepare_save(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,
@@ -558,6 +560,7 @@ def finalize_save(plan: SavePlan) -> None:
     logger.debug("saved %s in %.3fs", plan.checkpoint_dir, time.time() - plan.started)
 
 
+@with_gc_paused  # 20,000 small tensors: 1.2-1.34 s with the cycle collector running, 0.88-0.99 s without
 def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: Any) -> None:
     """A synchronous save with any backend (``backend="torch_dist"`` or ``"zarr"``): prepare,
     write this rank's items, finalize and commit. Collective."""

@@ -35,7 +35,7 @@ class BlockRecord:
 
     @staticmethod
     def parse(v: Any, h: BlockHash) -> "BlockRecord":
-        if not (isinstance(v, list) and len(v) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:3])):
+        if not (type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int):
             raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
         d, n, b, text = v
         if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):

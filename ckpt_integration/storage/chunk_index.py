@@ -119,9 +119,12 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
 
 
 def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
-    """The index of a commit (``planning.written.CommitLayout``), built from its arrays: the same
-    records :func:`encode_metadata` makes of the ``.metadata`` written from that layout (single-chunk
-    tensors, e.g. many small ones, as whole arrays per dimension count; objects likewise)."""
+    """The index of a commit (``planning.written.CommitLayout``), built from its arrays: the
+    records :func:`encode_metadata` makes of the ``.metadata`` written from that layout, as whole
+    arrays per (dimensions, chunks per key) group. Chunks of a multi-chunk key are sorted along
+    the axis with the most distinct chunk starts (the lowest on ties): for the tilings a save
+    writes (rows, columns, layers, grids) the axis ``sweep_axis`` picks, found without a Python
+    loop per key (any axis gives the same answers; this one keeps the search short)."""
     w = _writer(metadata_entry)
     ws = layout.written
     keys = layout.tensor_keys
@@ -132,30 +135,14 @@ def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
     used = np.unique(ws.file[np.concatenate([layout.chunk_items, layout.object_items])]) if len(ws) else []
     for f in np.asarray(used).tolist():
         file_sid[f] = w.sid(ws.strings[f])
-    single = np.flatnonzero(counts == 1)
-    items = layout.chunk_items[layout.key_starts[single]] if len(single) else np.zeros(0, dtype=np.int64)
-    nds = ws.nd[items] if len(items) else np.zeros(0, dtype=np.int64)
-    for nd in np.unique(nds).tolist():
-        pos = np.flatnonzero(nds == nd)
-        ks, sel = single[pos], items[pos]
-        n = len(sel)
-        shapes = np.asarray([layout.tensor_shapes[k] for k in ks.tolist()], dtype=np.int64).reshape(n, nd)
-        rows = np.concatenate([
-            np.zeros((n, 1), dtype=np.int64),
-            w.sids([keys[k] for k in ks.tolist()]).reshape(n, 1),
-            np.asarray([dtype_ids[layout.tensor_dtypes[k]] for k in ks.tolist()], dtype=np.int64).reshape(n, 1),
-            np.full((n, 1), nd, dtype=np.int64),
-            shapes,
-            np.tile(np.asarray([1, -1, 0], dtype=np.int64), (n, 1)),
-            ws.grid(sel, nd).reshape(n, nd), ws.grid(sel, nd, sizes=True).reshape(n, nd),
-            file_sid[ws.file[sel]].reshape(n, 1), ws.start[sel].reshape(n, 1), ws.length[sel].reshape(n, 1),
-        ], axis=1)
-        w.add_array(rows)
-    for k in np.flatnonzero(counts != 1).tolist():
-        its = layout.chunk_items[layout.key_starts[k] : layout.key_starts[k + 1]].tolist()
-        chunks = [(ws.offsets_of(i), ws.sizes_of(i), (int(file_sid[ws.file[i]]), int(ws.start[i]), int(ws.length[i])))
-                  for i in its]
-        _tensor(w.ints, w.sid(keys[k]), dtype_ids[layout.tensor_dtypes[k]], layout.tensor_shapes[k], chunks)
+    with_chunks = np.flatnonzero(counts > 0)
+    nds = ws.nd[layout.chunk_items[layout.key_starts[with_chunks]]] if len(with_chunks) else np.zeros(0, dtype=np.int64)
+    groups = np.stack([nds, counts[with_chunks]], axis=1) if len(with_chunks) else np.zeros((0, 2), dtype=np.int64)
+    for nd, c in np.unique(groups, axis=0).tolist():
+        ks = with_chunks[np.flatnonzero((groups[:, 0] == nd) & (groups[:, 1] == c))]
+        w.add_array(_tensor_rows(w, layout, ks, nd, c, dtype_ids, file_sid))
+    for k in np.flatnonzero(counts == 0).tolist():  # (a tensor with no chunk: nothing to search)
+        _tensor(w.ints, w.sid(keys[k]), dtype_ids[layout.tensor_dtypes[k]], layout.tensor_shapes[k], [])
     obj = layout.object_items
     if len(obj):
         n = len(obj)
@@ -164,6 +151,37 @@ def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
             file_sid[ws.file[obj]].reshape(n, 1), ws.start[obj].reshape(n, 1), ws.length[obj].reshape(n, 1),
         ], axis=1))
     return zlib.compress(w.tobytes(), _LEVEL)
+
+
+def _tensor_rows(w: MessageWriter, layout: Any, ks: np.ndarray, nd: int, c: int, dtype_ids: Dict[str, int],
+                 file_sid: np.ndarray) -> np.ndarray:
+    """The records of the tensors ``ks`` (each of ``nd`` dimensions and ``c`` chunks), one row each."""
+    ws, m = layout.written, len(ks)
+    items = layout.chunk_items[layout.key_starts[ks][:, None] + np.arange(c)[None, :]]  # (m, c)
+    offs = ws.grid(items.reshape(-1), nd).reshape(m, c, nd)
+    sizes = ws.grid(items.reshape(-1), nd, sizes=True).reshape(m, c, nd)
+    if c == 1 or nd == 0:  # nothing to search (many small tensors): axis -1
+        axis, longest = np.full(m, -1, dtype=np.int64), np.zeros(m, dtype=np.int64)
+    else:
+        distinct = 1 + (np.diff(np.sort(offs, axis=1), axis=1) != 0).sum(axis=1)  # (m, nd)
+        axis = distinct.argmax(axis=1)
+        order = np.argsort(np.take_along_axis(offs, axis[:, None, None], axis=2)[:, :, 0], axis=1, kind="stable")
+        items = np.take_along_axis(items, order, axis=1)
+        offs = np.take_along_axis(offs, order[:, :, None], axis=1)
+        sizes = np.take_along_axis(sizes, order[:, :, None], axis=1)
+        longest = np.take_along_axis(sizes, axis[:, None, None], axis=2)[:, :, 0].max(axis=1)
+    chunks = np.concatenate([offs, sizes, file_sid[ws.file[items]][:, :, None], ws.start[items][:, :, None],
+                             ws.length[items][:, :, None]], axis=2).reshape(m, c * (2 * nd + 3))
+    kl = ks.tolist()
+    return np.concatenate([
+        np.zeros((m, 1), dtype=np.int64),
+        w.sids([layout.tensor_keys[k] for k in kl]).reshape(m, 1),
+        np.asarray([dtype_ids[layout.tensor_dtypes[k]] for k in kl], dtype=np.int64).reshape(m, 1),
+        np.full((m, 1), nd, dtype=np.int64),
+        np.asarray([layout.tensor_shapes[k] for k in kl], dtype=np.int64).reshape(m, nd),
+        np.full((m, 1), c, dtype=np.int64), axis.reshape(m, 1), longest.reshape(m, 1),
+        chunks,
+    ], axis=1)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -356,6 +374,29 @@ class CompactChunks:
             return ints[base : base + nd], ints[base + nd : base + 2 * nd], i
 
         return overlapping_reads(request, band(lambda i: ints[p + i * step + axis], n, axis, longest, request), chunk)
+
+    def chunk_reads(self, key: str, request: Box, checksums: Any, directory: str) -> List[ChunkRead]:
+        """:meth:`reads` with ``source`` = the storage layer's chunk record. A request that is one
+        whole saved chunk (a same-layout load) gets ``request`` itself as chunk and overlap,
+        found by comparing integers: no box is built for it. Keys of a few chunks are scanned
+        rather than searched."""
+        p, n, nd, axis, longest = self._positions[key]
+        ints, step = self._ints, 2 * nd + 3
+        ro, rsz = request.offsets, request.sizes
+        cands = range(n) if n <= 8 else band(lambda i: ints[p + i * step + axis], n, axis, longest, request)
+        out = []
+        for i in cands:
+            base = p + i * step
+            offsets, sizes = tuple(ints[base : base + nd]), tuple(ints[base + nd : base + 2 * nd])
+            if offsets == ro and sizes == rsz:  # saved chunks are disjoint: this one is the whole answer
+                return [ChunkRead(request, request, self.chunk_info(key, i, request, checksums, directory))]
+            for o, s, a, b in zip(offsets, sizes, ro, rsz):
+                if not (o < a + b and a < o + s):
+                    break
+            else:
+                box = Box(offsets, sizes)
+                out.append(ChunkRead(box, intersect(request, box), self.chunk_info(key, i, box, checksums, directory)))
+        return out
 
     def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""

@@ -45,7 +45,7 @@ def _eligible(reader: Any, t: Any) -> Any:
     """The item's block record when task ``t`` can be read in a run, else None."""
     chunk, out = t.chunk, t.out
     info = chunk.storage
-    if info.length > SMALL_ITEM or t.overlap != chunk.box or out.dtype != t.dtype:
+    if info.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
         return None
     if out.device.type != "cpu" or not out.is_contiguous() or out.numel() != chunk.box.numel:
         return None
