@@ -207,6 +207,14 @@ def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path):
         ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d)
     ok = ci.load({"s6": ShardedTensor.from_rank_offsets("s6", torch.zeros(4, 4))}, d)
     assert torch.equal(ok["s6"], ts["s6"])
+    # a record under a key that is not file@offset: found when a lookup needs the whole index
+    # (the manifest's records are no longer all checked when it is read), named, not a ValueError
+    man["blocks"][f"{os.path.basename(path)}@{off}"][3] = man["blocks"][f"{os.path.basename(path)}@0"][3]
+    man["blocks"]["__0_0.distcp@not-an-offset"] = man["blocks"].pop(f"{os.path.basename(path)}@{off}")
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump(man, f)
+    with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: invalid literal"):
+        ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d)
 
 
 def test_load_pauses_the_cycle_collector_and_restores_it(tmp_path):

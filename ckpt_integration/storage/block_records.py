@@ -63,10 +63,11 @@ class BlockRecordTable(Mapping):
     a load that reads a few of them). A record found malformed then raises
     :class:`CorruptCheckpointError` naming the manifest.
 
-    ``checked=True``: the same table was checked already (the load's coordinator read and checked
-    the manifest whose text it broadcast): nothing is done per entry until used; a record is
-    found by its key as the writer spells it (``file@offset``), and the index of every entry is
-    built only when that finds nothing (an item without block record, or a key spelled otherwise).
+    ``checked=True`` (what a manifest's table is): nothing is done per entry until it is used; a
+    record is found by its key as the writer spells it (``file@offset``), its form checked when it
+    is decoded, and the index of every entry (checking every key and record) is built only when
+    that finds nothing (an item without block record, or a key spelled otherwise) or the table is
+    iterated.
     """
 
     def __init__(self, blocks: Dict[str, Any], h: BlockHash, checked: bool = False):
@@ -80,12 +81,16 @@ class BlockRecordTable(Mapping):
         keys = self._keys
         if keys is None:
             keys = {}
-            for k, v in self._raw.items():
-                name, _, off = k.rpartition("@")
-                if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
-                        and type(v[2]) is int and isinstance(v[3], str)):
-                    raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
-                keys[(name, int(off))] = k
+            try:
+                for k, v in self._raw.items():
+                    name, _, off = k.rpartition("@")
+                    if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
+                            and type(v[2]) is int and isinstance(v[3], str)):
+                        raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], "
+                                         f"got {str(v)[:80]}")
+                    keys[(name, int(off))] = k
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: {e}") from None
             self._keys = keys
         return keys
 
@@ -108,6 +113,29 @@ class BlockRecordTable(Mapping):
                 raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: block record of {rid[0]}@{rid[1]}: {e}") from None
             self._parsed[rid] = rec
         return rec
+
+    def digests_of(self, rid: Tuple[str, int]) -> Optional[Tuple[int, int, int, Tuple[int, ...]]]:
+        """``(data_offset, data_length, block_size, digests as ints)`` of one item, or None without a
+        record: what a read of many small items needs, decoded straight to Python integers (no
+        :class:`BlockRecord` and no numpy array per item). Malformed: :class:`CorruptCheckpointError`."""
+        k = self._key(rid)
+        if k is None:
+            return None
+        v = self._raw[k]
+        try:
+            if not (type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
+                    and type(v[2]) is int and isinstance(v[3], str)):
+                raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
+            d, n, b, text = v
+            if d < 0 or n < 0 or b <= 0:
+                raise ValueError(f"invalid block record {str(v)[:80]}")
+            return d, n, b, self._hash.unpack_ints(text)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: block record of {rid[0]}@{rid[1]}: {e}") from None
+
+    @property
+    def hash(self) -> BlockHash:
+        return self._hash
 
     def __contains__(self, rid: object) -> bool:
         return isinstance(rid, tuple) and len(rid) == 2 and self._key(rid) is not None  # type: ignore[arg-type]

@@ -129,11 +129,12 @@ class Manifest:
 
     def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
         """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
-        (one table per manifest object; each record decoded on first use)."""
+        (one table per manifest object; each record checked and decoded on first use: a load of
+        10,000 small tensors per rank spent 3-5 us per tensor checking every record up front)."""
         cached = self.__dict__.get("_block_records")
         if cached is not None and cached[0] is self.blocks:
             return cached[1]
-        out = BlockRecordTable(self.blocks, self.hash)
+        out = BlockRecordTable(self.blocks, self.hash, checked=True)
         self.__dict__["_block_records"] = (self.blocks, out)
         return out
 

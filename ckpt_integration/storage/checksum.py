@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import base64
 import functools
+import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import xxhash
@@ -172,6 +173,13 @@ class BlockHash:
         if len(raw) % self.width:
             raise ValueError(f"block checksum table length is not a multiple of {self.width} bytes")
         return np.frombuffer(raw, dtype=f"<u{self.width}")
+
+    def unpack_ints(self, text: str) -> Tuple[int, ...]:
+        """:meth:`unpack` as a tuple of Python integers (for a few digests: no array)."""
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+        if len(raw) % self.width:
+            raise ValueError(f"block checksum table length is not a multiple of {self.width} bytes")
+        return struct.unpack(f"<{len(raw) // self.width}{'Q' if self.width == 8 else 'I'}", raw)
 
     def show(self, value: int) -> str:
         """``value`` for a message, e.g. ``XXH3-64 0x0123456789abcdef``."""

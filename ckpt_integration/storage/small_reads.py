@@ -42,14 +42,15 @@ SPAN = 8 << 20
 
 
 def _eligible(reader: Any, t: Any) -> Any:
-    """The item's block record when task ``t`` can be read in a run, else None."""
+    """The item's block record ``(data_offset, data_length, block_size, digests)`` when task ``t``
+    can be read in a run, else None."""
     chunk, out = t.chunk, t.out
     info = chunk.storage
     if info.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
         return None
     if out.device.type != "cpu" or not out.is_contiguous() or out.numel() != chunk.box.numel:
         return None
-    return reader.block_records.get((info.relative_path, info.offset))
+    return reader.block_records.digests_of((info.relative_path, info.offset))
 
 
 def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> List[Any]:
@@ -117,36 +118,37 @@ def _read_span(reader: Any, span: List[Tuple[str, int, Any, Any]]) -> None:
     memmove = ctypes.memmove
     heads = {}
     crc_s = 0.0
+    h = reader.block_records.hash
     for _name, off, t, brec in span:
         length = t.chunk.storage.length
         s = off - lo  # the item's place in the buffer
-        d, n, b = brec.data_offset, brec.data_length, brec.block_size
+        d, n, b, digests = brec
         esize = dtype_size(t.dtype)
         if n != t.chunk.box.numel * esize:
             raise CorruptCheckpointError(
                 f"{path}: {_what(t)} holds {n} bytes of data, but .metadata says "
                 f"{t.chunk.box.numel} elements of {t.dtype} ({t.chunk.box.numel * esize} bytes)"
             )
-        if d + n > length or len(brec.digests) != (d > 0) + -(-n // b) + (d + n < length):
+        if d + n > length or len(digests) != (d > 0) + -(-n // b) + (d + n < length):
             where = join(reader.directory, MANIFEST_FILE)
             raise CorruptCheckpointError(
                 f"{where}: block record of {_what(t)} is damaged: data [{d}, {d + n}) in an item of {length} "
-                f"bytes with {len(brec.digests)} block checksums"
+                f"bytes with {len(digests)} block checksums"
             )
         if verify:
             c0 = time.perf_counter()
-            digest, digests, i = brec.hash.digest, brec.digests, 0
+            digest, i = h.digest, 0
             if d > 0:
-                if digest(mv[s : s + d]) != int(digests[0]):
+                if digest(mv[s : s + d]) != digests[0]:
                     _frame_mismatch(path, off, 0, d, t)
                 i = 1
             for p in range(d, d + n, b):
                 q = min(p + b, d + n)
                 got = digest(mv[s + p : s + q])
-                if got != int(digests[i]):
-                    _data_mismatch(path, off, p, q, t, brec.hash, got, int(digests[i]))
+                if got != digests[i]:
+                    _data_mismatch(path, off, p, q, t, h, got, digests[i])
                 i += 1
-            if d + n < length and digest(mv[s + d + n : s + length]) != int(digests[i]):
+            if d + n < length and digest(mv[s + d + n : s + length]) != digests[i]:
                 _frame_mismatch(path, off, d + n, length, t)
             crc_s += time.perf_counter() - c0
         head = bytes(mv[s : s + d])
