@@ -318,19 +318,21 @@ def test_deleted_data_file(ckpt):
 
 
 def test_missing_dcp_metadata(ckpt):
-    """Loads plan from the chunk index (``chunk_index.bin``) and never read ``.metadata``; what
-    reads it (the tensor metadata, DCP, Megatron-Core) says it is missing, as ``verify`` does."""
+    """Our readers (loads and the metadata helpers) read the chunk index (``chunk_index.bin``) and
+    never ``.metadata``, which DCP and Megatron-Core read and ``verify`` checks; without either the
+    load says what is missing."""
     os.remove(os.path.join(ckpt, ".metadata"))
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata is missing"):
-        ci.load_tensors_metadata(ckpt)
     out = ci.load(_request(), ckpt)
     assert torch.equal(out["a"], A) and torch.equal(out["b"], B)
+    assert ci.load_tensors_metadata(ckpt)["a"].global_shape == tuple(A.shape)
     os.remove(os.path.join(ckpt, "chunk_index.bin"))  # neither: the load says what is missing
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata is missing"):
-        ci.load(_request(), ckpt)
+    for call in (lambda: ci.load(_request(), ckpt), lambda: ci.load_tensors_metadata(ckpt)):
+        with pytest.raises(CorruptCheckpointError, match=r"\.metadata is missing"):
+            call()
 
 
 def test_damaged_dcp_metadata(ckpt):
+    os.remove(os.path.join(ckpt, "chunk_index.bin"))  # (as written before the index: .metadata is read)
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         f.write(b"\x80\x04not a pickle at all")
     with pytest.raises(CorruptCheckpointError, match=r"\.metadata"):
@@ -359,11 +361,14 @@ def test_dcp_metadata_that_would_run_code_is_refused(ckpt, tmp_path, payload):
     md.planner_data = {"a": payload(str(marker))}  # hidden deep inside a valid Metadata
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         pickle.dump(md, f)
-    # with our manifest the tampering is caught by the checksum, before any unpickling (a load
-    # reads the chunk index, never .metadata: nothing of it is unpickled)
-    with pytest.raises(CorruptCheckpointError, match=r"\.metadata is damaged"):
-        ci.load_tensors_metadata(ckpt)
+    # our readers read the chunk index, never .metadata: nothing of it is unpickled
     ci.load(_request(), ckpt)
+    ci.load_tensors_metadata(ckpt)
+    assert not marker.exists()
+    # without the index: the tampering is caught by the checksum, before any unpickling
+    os.remove(os.path.join(ckpt, "chunk_index.bin"))
+    with pytest.raises(CorruptCheckpointError, match=r"\.metadata is damaged"):
+        ci.load(_request(), ckpt)
     assert not marker.exists()
     _make_foreign(ckpt)  # a foreign checkpoint (no manifest, no marker): the unpickler must refuse
     for call in (

@@ -282,11 +282,10 @@ def test_special_files_give_an_error_not_a_hang(tmp_path, name, kind):
         with deadline(20):
             assert torch.equal(ci.load(request, str(d))["w"], w)
         return
+    if name == ".metadata":  # read only where the chunk index is not: as a checkpoint written without one
+        os.remove(d / "chunk_index.bin")
     with deadline(20), pytest.raises(CheckpointingException, match="not a regular file|is a directory"):
-        if name == ".metadata":  # loads read the chunk index instead; the tensor metadata reads .metadata
-            ci.load_tensors_metadata(str(d))
-        else:
-            ci.load(request, str(d))
+        ci.load(request, str(d))
 
 
 def test_zarr_chunk_files_are_contained(tmp_path):

@@ -133,10 +133,9 @@ def test_opened_once_reads_each_small_file_once(monkeypatch):
             assert ci.load_common_state_dict(ck)["step"] == 7
             assert set(ci.load_tensors_metadata(ck)) == {"w", "b"}
             assert torch.equal(ci.load(_request(), ck)["b"], torch.arange(8.0) + 3)
-        # the chunk index (loads), .metadata (load_tensors_metadata) and common.pt once; then only
-        # what holds tensor data, once per load
-        assert sorted(o for o in ops if o[1] in small) == [
-            ("read_bytes", ".metadata"), ("read_bytes", "chunk_index.bin"), ("read_bytes", "common.pt")], ops
+        # the chunk index (loads and load_tensors_metadata) and common.pt once; then only what holds
+        # tensor data, once per load
+        assert sorted(o for o in ops if o[1] in small) == [("read_bytes", "chunk_index.bin"), ("read_bytes", "common.pt")], ops
         assert sorted(o for o in ops if o[1] not in small) == sorted(data_files * 3), ops
 
 
@@ -153,8 +152,8 @@ def test_inspect_and_verify_an_object_store_checkpoint(monkeypatch):
     info = inspect_checkpoint(path)
     assert info["backend"] == "torch_dist" and info["tensors"]["w"]["shape"] == [64, 16]
     assert info["common_state"] == {"keys": {"step": "int = 7"}, "groups": {}}
-    small = [n for _, n in ops if n in ("metadata.json", "manifest.json", ".metadata", "common.pt")]
-    assert sorted(small) == sorted(["metadata.json", "manifest.json", ".metadata", "common.pt"]), ops
+    small = [n for _, n in ops if n in ("metadata.json", "manifest.json", ".metadata", "chunk_index.bin", "common.pt")]
+    assert sorted(small) == sorted(["metadata.json", "manifest.json", "chunk_index.bin", "common.pt"]), ops
     assert verify_checkpoint(path).ok
 
 

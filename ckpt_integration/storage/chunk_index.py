@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band, overlapping_reads
@@ -337,6 +337,11 @@ def read_chunk_index(location: Any, manifest: Any, metadata: Callable[[], Metada
         except CorruptCheckpointError as e:
             problem = str(e)
         logger.warning("%s is not used (%s): reading %s instead", where, problem, ckdir.DCP_METADATA_FILE)
+        try:
+            md = metadata()
+        except CheckpointingException as e:  # neither: say so about both
+            raise type(e)(f"{e} (and {where} could not be used either: {problem})") from None
+        return compact_of_metadata(md, md_entry)
     return compact_of_metadata(metadata(), md_entry)
 
 
@@ -465,7 +470,7 @@ def index_problems(location: Any, manifest: Any, md: Metadata) -> List[str]:
     where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
     try:
         index = parse_index(ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index"), where)
-    except (OSError, CorruptCheckpointError):
+    except (OSError, CheckpointingException):  # reported with every other recorded file
         return []
     if not matches(index, manifest.files[ckdir.DCP_METADATA_FILE]):
         return [f"{where} describes another {ckdir.DCP_METADATA_FILE} (loads read {ckdir.DCP_METADATA_FILE} instead)"]

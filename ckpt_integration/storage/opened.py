@@ -34,8 +34,8 @@ class OpenedCheckpoint(CheckpointLocation):
 
     Attributes: ``path`` (as given, fsspec URLs kept), ``storage``, ``config`` (``metadata.json``),
     ``backend``, ``manifest`` (``None`` for checkpoints of other writers), ``commit_id`` and
-    ``metadata`` (the DCP ``.metadata``, verified against the manifest, read on first use; ``None``
-    for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
+    ``metadata`` (the DCP ``Metadata``, read on first use from the chunk index, or from ``.metadata``
+    where the checkpoint has no usable index, verified against the manifest; ``None`` for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
     object too, and passes it down: nothing below reads those files again.
     """
 
@@ -71,8 +71,9 @@ class OpenedCheckpoint(CheckpointLocation):
 
     @property
     def metadata(self) -> Any:
-        """The DCP ``.metadata`` of the opened commit (read and checked against its manifest on
-        first use; ``None`` for zarr)."""
+        """The DCP ``Metadata`` of the opened commit (on first use: decoded from the chunk index, or
+        ``.metadata`` read where there is no usable index; checked against the manifest; ``None``
+        for zarr)."""
         return self.dcp_metadata
 
     @property  # type: ignore[override]
@@ -80,6 +81,14 @@ class OpenedCheckpoint(CheckpointLocation):
         if self._dcp_metadata is None and self.shared is not None and not self.closed:
             self._dcp_metadata = self.shared.full_metadata()
         if self._dcp_metadata is None and not self.closed and backend_named(self.backend).dcp_metadata:
+            # from the chunk index, as every load plans (one small file, no unpickling); .metadata
+            # itself where there is no usable index
+            self._dcp_metadata = self.chunk_index().full()
+        return self._dcp_metadata
+
+    def _read_pickled_metadata(self) -> Any:
+        """``.metadata`` itself, read and checked against the manifest (kept)."""
+        if self._dcp_metadata is None:
             try:
                 self._dcp_metadata = read_dcp_metadata(self.path, trusted=self.trusted, manifest=self.manifest)
             except Exception as e:
@@ -105,7 +114,7 @@ class OpenedCheckpoint(CheckpointLocation):
             return self.shared.compact
         if self._chunk_index is None and not self.closed and backend_named(self.backend).dcp_metadata:
             try:
-                self._chunk_index = read_chunk_index(self, self.manifest, lambda: self.dcp_metadata)
+                self._chunk_index = read_chunk_index(self, self.manifest, self._read_pickled_metadata)
             except Exception as e:
                 self._raise_if_replaced(e)
                 raise
