@@ -30,7 +30,7 @@ from .. import errors as errors_mod
 from ..planning.records import MessageWriter, decode
 from ..storage import checkpoint_dir as ckdir
 from ..storage.block_records import BlockRecordTable
-from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, compact_chunks_of, parse_index  # noqa: F401 - re-exported
+from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, parse_index
 from ..storage.opened import OpenedCheckpoint
 from . import dist
 

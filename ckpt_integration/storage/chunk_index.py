@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.records import MessageWriter, decode
-from ..planning.reshard import ChunkRead, band, overlapping_reads
+from ..planning.reshard import ChunkRead, band
 from . import checkpoint_dir as ckdir
 from .filesystem import join, storage_for
 from .torch_dist_reader import ChunkInfo
@@ -300,7 +300,7 @@ def compact_of_metadata(md: Metadata, metadata_entry: Optional[Dict[str, int]] =
     w = _writer(metadata_entry)
     encode_metadata(md, w)
     raw = zlib.compress(w.tobytes(), _LEVEL)
-    return CompactMetadata(raw, w.strings, w.ints, w.ints[1], w.ints[2])
+    return CompactMetadata(raw, w.strings, w.ints, w.ints[1], w.ints[2], ckdir.DCP_METADATA_FILE)
 
 
 def usable(manifest: Any, metadata_file: str) -> bool:
@@ -339,8 +339,12 @@ def read_chunk_index(location: Any, manifest: Any, metadata: Callable[[], Metada
         logger.warning("%s is not used (%s): reading %s instead", where, problem, ckdir.DCP_METADATA_FILE)
         try:
             md = metadata()
-        except CheckpointingException as e:  # neither: say so about both
-            raise type(e)(f"{e} (and {where} could not be used either: {problem})") from None
+        except CheckpointingException as e:  # neither: say so about both, as the same error type
+            try:
+                both = type(e)(f"{e} (and {where} could not be used either: {problem})")
+            except TypeError:  # (a type that takes other arguments: its own message stands)
+                raise e from None
+            raise both from None
         return compact_of_metadata(md, md_entry)
     return compact_of_metadata(metadata(), md_entry)
 
@@ -362,29 +366,12 @@ class CompactChunks:
     def __contains__(self, key: str) -> bool:
         return key in self._positions
 
-    def reads(self, key: str, request: Box) -> List[ChunkRead]:
-        """:meth:`ChunkIndex.reads` over the integers (``source`` = the chunk's position)."""
-        p, n, nd, axis, longest = self._positions[key]
-        ints, step = self._ints, 2 * nd + 3
-        if n == 1:  # one chunk (many small tensors): no search
-            offsets, sizes = ints[p : p + nd], ints[p + nd : p + 2 * nd]
-            ro, rsz = request.offsets, request.sizes
-            if not all(o < a + b and a < o + s for o, s, a, b in zip(offsets, sizes, ro, rsz)):
-                return []
-            box = Box(tuple(offsets), tuple(sizes))
-            return [ChunkRead(box, request if box == request else intersect(request, box), 0)]
-
-        def chunk(i: int) -> Tuple[List[int], List[int], int]:
-            base = p + i * step
-            return ints[base : base + nd], ints[base + nd : base + 2 * nd], i
-
-        return overlapping_reads(request, band(lambda i: ints[p + i * step + axis], n, axis, longest, request), chunk)
-
     def chunk_reads(self, key: str, request: Box, checksums: Any, directory: str) -> List[ChunkRead]:
-        """:meth:`reads` with ``source`` = the storage layer's chunk record. A request that is one
-        whole saved chunk (a same-layout load) gets ``request`` itself as chunk and overlap,
-        found by comparing integers: no box is built for it. Keys of a few chunks are scanned
-        rather than searched."""
+        """The reads filling ``request`` from the saved chunks of ``key`` (as
+        ``planning.reshard.ChunkIndex.reads``), ``source`` = the storage layer's chunk record. A
+        request that is one whole saved chunk (a same-layout load) gets ``request`` itself as
+        chunk and overlap, found by comparing integers: no box is built for it. Keys of a few
+        chunks are scanned rather than searched."""
         p, n, nd, axis, longest = self._positions[key]
         ints, step = self._ints, 2 * nd + 3
         ro, rsz = request.offsets, request.sizes
