@@ -23,32 +23,8 @@ from ..mapping import (
     extract_factories,
     is_sharded,
 )
+from ..planning.dtypes import dtype_from_name, dtype_name, element_size  # noqa: F401 - used here and re-exported
 from ..planning.shards import ShardMeta, replica_tuple
-
-
-_DTYPE_NAMES: Dict[torch.dtype, str] = {}
-_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
-
-
-def element_size(dtype: torch.dtype) -> int:
-    size = _ELEMENT_SIZES.get(dtype)
-    if size is None:
-        size = _ELEMENT_SIZES[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise CheckpointingException(f"unknown dtype {name!r}")
-    return dt
 
 
 _MAIN = (0,)

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.boxes import Box, intersect, sweep_axis
+from ..planning.dtypes import dtype_from_name, dtype_name
 from ..planning.records import MessageWriter, decode
 from ..planning.reshard import ChunkRead, band
 from . import checkpoint_dir as ckdir
@@ -54,15 +55,11 @@ _LEVEL = 1  # zlib: the records repeat their structure; level 1 is fast and take
 _MISSING = (-1, 0, 0)  # a chunk .metadata lists without a storage record
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _dtype(name: str, where: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CorruptCheckpointError(f"{where} names an unknown dtype {name!r}")
-    return dt
+    try:
+        return dtype_from_name(name)
+    except CheckpointingException:  # (read from a checkpoint: damage, named)
+        raise CorruptCheckpointError(f"{where} names an unknown dtype {name!r}") from None
 
 
 # --------------------------------------------------------------------------- encoding
@@ -107,7 +104,7 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
             dt = meta.properties.dtype
             did = dtype_ids.get(dt)
             if did is None:
-                did = dtype_ids[dt] = w.sid(_dtype_name(dt))
+                did = dtype_ids[dt] = w.sid(dtype_name(dt))
             chunks = []
             for c in meta.chunks:
                 offsets = tuple(c.offsets)
@@ -303,10 +300,10 @@ def compact_of_metadata(md: Metadata, metadata_entry: Optional[Dict[str, int]] =
     return CompactMetadata(raw, w.strings, w.ints, w.ints[1], w.ints[2], ckdir.DCP_METADATA_FILE)
 
 
-def usable(manifest: Any, metadata_file: str) -> bool:
+def usable(manifest: Any) -> bool:
     """Whether the manifest records an index and the ``.metadata`` it must describe (both with CRC32)."""
     files = getattr(manifest, "files", None) or {}
-    return "crc32" in files.get(CHUNK_INDEX_FILE, {}) and "crc32" in files.get(metadata_file, {})
+    return "crc32" in files.get(CHUNK_INDEX_FILE, {}) and "crc32" in files.get(ckdir.DCP_METADATA_FILE, {})
 
 
 def matches(index: CompactMetadata, metadata_entry: Dict[str, Any]) -> bool:
@@ -324,7 +321,7 @@ def read_chunk_index(location: Any, manifest: Any, metadata: Callable[[], Metada
     (with a warning naming the file): ``.metadata`` holds the same and is checked on its own.
     """
     md_entry = (manifest.files.get(ckdir.DCP_METADATA_FILE) if manifest is not None else None) or {}
-    if usable(manifest, ckdir.DCP_METADATA_FILE):
+    if usable(manifest):
         where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
         problem = ""
         try:
@@ -452,7 +449,7 @@ def index_problems(location: Any, manifest: Any, md: Metadata) -> List[str]:
     """What ``verify`` reports about a recorded index next to its (readable) ``.metadata``: made
     from another ``.metadata``, or describing other chunks. A damaged or missing file is reported
     with every other recorded file, not here."""
-    if not usable(manifest, ckdir.DCP_METADATA_FILE):
+    if not usable(manifest):
         return []
     where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
     try:
