@@ -35,11 +35,7 @@ class BlockRecord:
 
     @staticmethod
     def parse(v: Any, h: BlockHash) -> "BlockRecord":
-        if not (type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int):
-            raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
-        d, n, b, text = v
-        if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
-            raise ValueError(f"invalid block record {str(v)[:80]}")
+        d, n, b, text = _fields(v)
         return BlockRecord(d, n, b, h.unpack(text), h)
 
     def bounds(self, item_length: int) -> np.ndarray:
@@ -54,6 +50,17 @@ class BlockRecord:
         if len(out) != len(self.digests) + 1:
             raise ValueError(f"{len(self.digests)} block checksums recorded for {len(out) - 1} blocks")
         return out
+
+
+def _fields(v: Any) -> Tuple[int, int, int, str]:
+    """``(data_offset, data_length, block_size, digests text)`` of a raw block record; ValueError
+    when it does not have that form and those bounds."""
+    if not (type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int):
+        raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
+    d, n, b, text = v
+    if d < 0 or n < 0 or b <= 0 or not isinstance(text, str):
+        raise ValueError(f"invalid block record {str(v)[:80]}")
+    return d, n, b, text
 
 
 class BlockRecordTable(Mapping):
@@ -121,14 +128,8 @@ class BlockRecordTable(Mapping):
         k = self._key(rid)
         if k is None:
             return None
-        v = self._raw[k]
         try:
-            if not (type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
-                    and type(v[2]) is int and isinstance(v[3], str)):
-                raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], got {str(v)[:80]}")
-            d, n, b, text = v
-            if d < 0 or n < 0 or b <= 0:
-                raise ValueError(f"invalid block record {str(v)[:80]}")
+            d, n, b, text = _fields(self._raw[k])
             return d, n, b, self._hash.unpack_ints(text)
         except ValueError as e:
             raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: block record of {rid[0]}@{rid[1]}: {e}") from None

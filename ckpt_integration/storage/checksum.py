@@ -169,17 +169,18 @@ class BlockHash:
 
     def unpack(self, text: str) -> np.ndarray:
         """Inverse of :meth:`pack` (raises ValueError for malformed input)."""
-        raw = base64.b64decode(text.encode("ascii"), validate=True)
-        if len(raw) % self.width:
-            raise ValueError(f"block checksum table length is not a multiple of {self.width} bytes")
-        return np.frombuffer(raw, dtype=f"<u{self.width}")
+        return np.frombuffer(self._packed(text), dtype=f"<u{self.width}")
 
     def unpack_ints(self, text: str) -> Tuple[int, ...]:
         """:meth:`unpack` as a tuple of Python integers (for a few digests: no array)."""
+        raw = self._packed(text)
+        return struct.unpack(f"<{len(raw) // self.width}{'Q' if self.width == 8 else 'I'}", raw)
+
+    def _packed(self, text: str) -> bytes:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
         if len(raw) % self.width:
             raise ValueError(f"block checksum table length is not a multiple of {self.width} bytes")
-        return struct.unpack(f"<{len(raw) // self.width}{'Q' if self.width == 8 else 'I'}", raw)
+        return raw
 
     def show(self, value: int) -> str:
         """``value`` for a message, e.g. ``XXH3-64 0x0123456789abcdef``."""
