@@ -370,15 +370,15 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
     manifest = ckdir.read_manifest(checkpoint_dir)
     md_entry = write_dcp_metadata(checkpoint_dir, md)
+    # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
+    gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
     if manifest is not None:
         manifest.files[DCP_METADATA_FILE] = md_entry
-        # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
-        gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
         manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(checkpoint_dir, manifest)
     storage, checkpoint_dir = storage_for(checkpoint_dir)
-    for name in (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}:
+    for name in gone:
         try:
             storage.remove(join(checkpoint_dir, name))
         except FileNotFoundError:

@@ -7,7 +7,8 @@ heap, which in a training process holds the model and everything else. Measured 
 tensors per rank: unpickling ``.metadata`` took 0.36 s with the collector running and 0.085 s
 without; a save of 20,000 small tensors in one process 1.2-1.34 s with it and 0.88-0.99 s without
 (its per-item shard records, write requests and metadata tables). An async save pauses it only
-in the caller's blocking part (``prepare_save``), not in the background writer. Nothing a load builds relies on the cycle collector to be freed in time (tensors and
+in the caller's blocking part (``prepare_save``), not in the background writer. Nothing a load
+or a save builds relies on the cycle collector to be freed in time (tensors and
 buffers are freed by reference counting), so it is paused for the call and resumed after; a
 collection then runs as usual on the next allocations. The switch is process-wide: other threads
 (a training loop running beside a load) allocate without cycle collection for that long too.

@@ -34,8 +34,9 @@ class OpenedCheckpoint(CheckpointLocation):
 
     Attributes: ``path`` (as given, fsspec URLs kept), ``storage``, ``config`` (``metadata.json``),
     ``backend``, ``manifest`` (``None`` for checkpoints of other writers), ``commit_id`` and
-    ``metadata`` (the DCP ``Metadata``, read on first use from the chunk index, or from ``.metadata``
-    where the checkpoint has no usable index, verified against the manifest; ``None`` for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
+    ``metadata`` (the DCP ``Metadata``, read on first use from the chunk index, or from
+    ``.metadata`` where the checkpoint has no usable index, verified against the manifest;
+    ``None`` for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
     object too, and passes it down: nothing below reads those files again.
     """
 
@@ -103,7 +104,8 @@ class OpenedCheckpoint(CheckpointLocation):
         self._dcp_metadata = value
 
     def loaded_metadata(self) -> Any:
-        """The DCP ``.metadata`` if it has been read already (None otherwise: nothing is read here)."""
+        """The DCP ``Metadata`` if it has been read or decoded already (None otherwise: nothing is
+        read here)."""
         return self._dcp_metadata
 
     def chunk_index(self) -> Any:
