@@ -143,7 +143,8 @@ def _crc32_item(digests: Sequence[int], lengths: Sequence[int]) -> int:
 
 
 def _xxh3_item(digests: Sequence[int], lengths: Sequence[int]) -> int:
-    return xxhash.xxh3_64_intdigest(np.asarray(digests, dtype="<u8").tobytes())
+    # the digests as little-endian u64s (struct: ~0.3 us for an item of three blocks, numpy ~1.5 us)
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 @dataclass(frozen=True)

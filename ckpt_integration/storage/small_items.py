@@ -28,25 +28,36 @@ FLUSH_BYTES = 4 << 20
 
 
 class SmallItemWriter:
-    """Appends small tensor items to an open data file (call :meth:`flush` before other writes)."""
+    """Appends small tensor items to an open data file (call :meth:`flush` before other writes).
+
+    Items are assembled in one reused staging buffer (template header, the tensor's bytes, template
+    trailer, by ``memmove``) and checksummed there, so the bytes hashed are the bytes written even
+    if the tensor changes meanwhile; the buffer goes to the file in one write when full. No
+    per-item ``bytes`` object: allocating and filling one (``ctypes.string_at``) cost ~5 us of the
+    ~14 us an item took, the join before the write another copy.
+    """
 
     def __init__(self, f: BinaryIO, block_size: int, block_hash: Optional[BlockHash] = None):
         self.f = f
         self.block_size = block_size
         self.hash = block_hash or save_block_hash()
         self.limit = min(block_size, TEMPLATE_MAX_BYTES)
-        self.parts: List[bytes] = []
-        self.pending = 0
-        self.pos = f.tell()
-        self.templates: Dict[Tuple[Any, ...], Optional[Tuple[bytes, bytes, int, int]]] = {}
+        self.pending = 0  # bytes staged in ``buf``, not yet written
+        self.pos = f.tell()  # the file offset of ``buf[0]``
+        # (dtype, shape) -> (template: header + room for the data + trailer, header length, its
+        # digest, trailer digest), or None when that dtype and shape cannot be templated
+        self.templates: Dict[Tuple[Any, ...], Optional[Tuple[ctypes.Array, int, int, int]]] = {}
         self.enabled = not member_crcs_on()  # templates only without the archive members' CRC32s
+        self.buf: Optional[ctypes.Array] = None  # allocated on the first item
+        self.view: Optional[memoryview] = None
+        self.addr = 0
 
     def add(self, t: torch.Tensor) -> Optional[Tuple[int, int, int, Tuple[int, int, int, List[int]]]]:
         """Append ``t`` as one item if it is a small plain tensor: ``(start, length, item digest,
         block record)``; None (nothing written) otherwise."""
-        if not self.enabled or t.device.type != "cpu" or type(t) is not torch.Tensor or t.layout != torch.strided:
+        if not self.enabled or type(t) is not torch.Tensor or not t.is_cpu or t.layout != torch.strided:
             return None
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         if not 0 < nbytes <= self.limit or t.is_quantized or not t.is_contiguous():
             return None
         key = (t.dtype, t.shape)
@@ -55,29 +66,44 @@ class SmallItemWriter:
             tpl = self.templates[key] = self._make_template(t)
         if tpl is None:
             return None
-        head, tail, head_digest, tail_digest = tpl
-        data = ctypes.string_at(t.data_ptr(), nbytes)
-        digests = [head_digest, self.hash.digest(data), tail_digest]
-        d, n, m = len(head), nbytes, len(tail)
-        whole = self.hash.item_digest(digests, (d, n, m))
-        start = self.pos + self.pending
-        self.parts += (head, data, tail)
-        self.pending += d + n + m
-        if self.pending >= FLUSH_BYTES:
+        frame, d, head_digest, tail_digest = tpl
+        length = len(frame)
+        if self.pending + length > FLUSH_BYTES:
+            if length > FLUSH_BYTES:  # (not with the default sizes: an item is at most 1 MiB + _FRAME_MAX)
+                return None
             self.flush()
-        return start, d + n + m, whole, (d, n, self.block_size, digests)
+        if self.buf is None:
+            self.buf = (ctypes.c_char * FLUSH_BYTES)()
+            self.view = memoryview(self.buf).cast("B")
+            self.addr = ctypes.addressof(self.buf)
+        s = self.pending
+        at = self.addr + s
+        ctypes.memmove(at, frame, length)
+        ctypes.memmove(at + d, t.data_ptr(), nbytes)
+        digests = [head_digest, self.hash.digest(self.view[s + d : s + d + nbytes]), tail_digest]
+        whole = self.hash.item_digest(digests, (d, nbytes, length - d - nbytes))
+        self.pending = s + length
+        return self.pos + s, length, whole, (d, nbytes, self.block_size, digests)
 
-    def _make_template(self, t: torch.Tensor) -> Optional[Tuple[bytes, bytes, int, int]]:
+    def _make_template(self, t: torch.Tensor) -> Optional[Tuple[ctypes.Array, int, int, int]]:
         parts = archive_template(t.detach())
-        if parts is None or not parts[0] or not parts[1]:
+        if parts is None or not parts[0] or not parts[1] or len(parts[0]) + len(parts[1]) > _FRAME_MAX:
             return None  # (an archive always has a header and a trailer around the data)
-        return parts[0], parts[1], self.hash.digest(parts[0]), self.hash.digest(parts[1])
+        head, tail = parts
+        frame = ctypes.create_string_buffer(head + bytes(t.nbytes) + tail, len(head) + t.nbytes + len(tail))
+        return frame, len(head), self.hash.digest(head), self.hash.digest(tail)
 
     def flush(self) -> None:
-        if self.parts:
-            self.f.write(b"".join(self.parts))
+        if self.pending:
+            assert self.view is not None
+            # the file copies the bytes before write returns (a local file, or fsspec's buffer)
+            self.f.write(self.view[: self.pending])
             self.pos += self.pending
-            self.parts, self.pending = [], 0
+            self.pending = 0
+
+
+# room for a template's header and trailer (a few hundred bytes each; longer keeps the generic path)
+_FRAME_MAX = 64 << 10
 
 
 __all__ = ["SmallItemWriter", "FLUSH_BYTES"]
