@@ -257,3 +257,27 @@ def test_archive_of_an_unexpected_layout_gets_the_digest_of_its_bytes(name, layo
         w.write(b"trailer" * 30)
     digest, record = w.finish()
     assert record is None and digest == h.digest(out.getvalue())
+
+
+def test_block_records_decoded_together_equal_one_by_one():
+    """``digests_many`` (a run of small items: the digest texts of one length decoded at once) gives
+    what ``digests_of`` gives item by item: records of several lengths (padded base64 too), a key
+    spelled otherwise (found through the full index), items without a record; and a malformed
+    record among many is named as damage, as one by one."""
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage.block_records import BlockRecordTable
+    from ckpt_integration.storage.checksum import block_hash
+
+    for name in ("xxh3_64", "crc32"):
+        h = block_hash(name)
+        raw = {f"f@{i * 100}": [64, 4096 * (i % 3), 4096, h.pack(list(range(i, i + 1 + i % 4)))] for i in range(50)}
+        raw["g@0007"] = [10, 20, 4096, h.pack([5, 6, 7])]  # (not file@offset as the writer spells it)
+        rids = [("f", i * 100) for i in range(50)] + [("g", 7), ("f", 1), ("h", 0)]
+        for checked in (True, False):
+            got = BlockRecordTable(raw, h, checked=checked).digests_many(rids)
+            want = [BlockRecordTable(raw, h, checked=checked).digests_of(r) for r in rids]
+            assert got == want and got[-2:] == [None, None] and got[50] == (10, 20, 4096, (5, 6, 7))
+        bad = dict(raw)
+        bad["f@1200"] = [64, 0, 4096, "****" * 4]
+        with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: block record of f@1200"):
+            BlockRecordTable(bad, h, checked=True).digests_many(rids)

@@ -55,15 +55,20 @@ def test_run_parallel_runs_every_task_and_raises_the_first_error():
         run_parallel(list(range(1000)), boom, 3)
 
 
+@pytest.mark.parametrize("flush", [None, 5000])
 @pytest.mark.parametrize("hash_name", ["xxh3_64", "crc32"])
-def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, monkeypatch, hash_name):
+def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, monkeypatch, hash_name, flush):
     """Small plain tensors go through SmallItemWriter (template parts, cached checksums, one large
     write): the data files and every item record (offsets, lengths, digests, block records) are
     exactly those of the generic per-item writer, for every kind of item in between, with either
-    block digest (XXH3-64 of new saves, CRC32 of format 2)."""
+    block digest (XXH3-64 of new saves, CRC32 of format 2), also when its staging buffer fills
+    and is written several times (``flush``: its size), and an item larger than it takes the
+    generic path."""
     from ckpt_integration.storage import checksum, small_items
 
     monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", hash_name)
+    if flush:
+        monkeypatch.setattr(small_items, "FLUSH_BYTES", flush)
     from ckpt_integration.storage.torch_dist import WriteRequest, write_data_files
 
     g = torch.Generator().manual_seed(0)
@@ -78,7 +83,9 @@ def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, 
     real, taken = small_items.SmallItemWriter.add, []
     monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: taken.append(real(self, t)) or taken[-1])
     bulk = write_data_files(str(tmp_path / "bulk"), 0, requests, thread_count=2, durable=False)
-    assert sum(x is not None for x in taken) == 9 + 1 + 1  # the small ones, a contiguous view, requires_grad
+    # the small ones, a contiguous view, requires_grad (with a 5000-byte buffer not the 4 KiB float32
+    # tensor, whose archive is 5673 bytes)
+    assert sum(x is not None for x in taken) == 9 + 1 + 1 - (1 if flush else 0)
     monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: None)
     generic = write_data_files(str(tmp_path / "generic"), 0, requests, thread_count=2, durable=False)
     for name in ("__0_0.distcp", "__0_1.distcp"):
@@ -155,17 +162,25 @@ def _small_item(d, key):
     return os.path.join(d, info.relative_path), info.offset, info.length, blocks[0], blocks[1]
 
 
+@pytest.mark.parametrize("span", [None, 4096])
 @pytest.mark.parametrize("where", ["data", "header", "trailer"])
-def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(tmp_path, where):
+def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(tmp_path, monkeypatch, where, span):
     """A flipped byte in the data, the archive header or the archive trailer of one small item
     among many fails the load (read in runs of adjacent items) with the file, the item's block
-    byte range and the tensor named; the other items' reads do not hide it."""
+    byte range and the tensor named; the other items' reads do not hide it. With short runs
+    (``span``) the load reads runs in several threads while it checks earlier ones: it loads
+    exactly, and the damaged item in a middle run still fails it, named."""
     from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage import small_reads
     from tests.damage import flip_byte
 
+    if span:
+        monkeypatch.setattr(small_reads, "SPAN", span)
     ts = {f"s{i}": torch.randn(i % 5 + 1, 8) for i in range(400)}
     d = str(tmp_path / "c")
     ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, d)
+    got = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d, thread_count=4)
+    assert all(torch.equal(got[k], v) for k, v in ts.items())
     path, off, length, data_off, data_len = _small_item(d, "s217")
     if where == "data":
         flip_byte(path, off + data_off + 13)
@@ -178,7 +193,7 @@ def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(
         lo, hi, what = off + data_off + data_len, off + length, r"the archive trailer of chunk \[0:3, 0:8\] of 's217'"
     request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}
     with pytest.raises(CorruptCheckpointError, match=rf"{re.escape(path)}: checksum mismatch for {what} \(bytes \[{lo}, {hi}\)"):
-        ci.load(request, d)
+        ci.load(request, d, thread_count=4)
     with pytest.raises(CorruptCheckpointError, match=rf"checksum mismatch for {what} \(bytes \[{lo}, {hi}\)"):
         ci.load_plain_tensors(d)
     # the undamaged ones still load one by one

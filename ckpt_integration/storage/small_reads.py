@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence, Tuple
+
+import torch
 
 from ..errors import CorruptCheckpointError
 from .checkpoint_dir import MANIFEST_FILE
 from .filesystem import join
-from .region_read import scratch_buffer, dtype_size, run_parallel
+from .region_read import scratch_buffer, dtype_size
 from .fs import tensor_buffer
 from .tensor_record import describe_archive_head
 from .torch_dist import DCP_METADATA_FILE
@@ -41,16 +45,12 @@ SMALL_ITEM = 1 << 20
 SPAN = 8 << 20
 
 
-def _eligible(reader: Any, t: Any) -> Any:
-    """The item's block record ``(data_offset, data_length, block_size, digests)`` when task ``t``
-    can be read in a run, else None."""
+def _fits(t: Any) -> bool:
+    """Whether task ``t`` can be read in a run, if its item has a block record."""
     chunk, out = t.chunk, t.out
-    info = chunk.storage
-    if info.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
-        return None
-    if out.device.type != "cpu" or not out.is_contiguous() or out.numel() != chunk.box.numel:
-        return None
-    return reader.block_records.digests_of((info.relative_path, info.offset))
+    if chunk.storage.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
+        return False
+    return out.is_cpu and out.is_contiguous() and out.numel() == chunk.box.numel
 
 
 def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> List[Any]:
@@ -59,10 +59,13 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     ``chunk``, ``overlap``, ``out``, ``dtype``)."""
     if not getattr(reader, "block_records", None) or not reader.block_records:
         return list(tasks)
+    fits = [t for t in tasks if _fits(t)]
+    records = reader.block_records.digests_many([(t.chunk.storage.relative_path, t.chunk.storage.offset) for t in fits])
+    brec_of = {id(t): r for t, r in zip(fits, records) if r is not None}
     rest: List[Any] = []
     small: List[Tuple[str, int, Any, Any]] = []
     for t in tasks:
-        brec = _eligible(reader, t)
+        brec = brec_of.get(id(t))
         if brec is None:
             rest.append(t)
         else:
@@ -85,15 +88,53 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
             cur = [s]
         end = s[1] + length
     spans.append(cur)
-    run_parallel(spans, lambda span: _read_span(reader, span), thread_count)
+    if thread_count <= 1 or len(spans) == 1:
+        for span in spans:
+            _check_span(reader, span, *_fetch(reader, span, None))
+    else:
+        _pipelined(reader, spans, thread_count)
     return rest
+
+
+def _pipelined(reader: Any, spans: List[List[Tuple[str, int, Any, Any]]], thread_count: int) -> None:
+    """Reads in up to ``thread_count`` pool threads, checks and copies in the calling thread, in order.
+
+    The per-item work is Python that holds the GIL: run in several threads at once it only
+    contends (measured, 20,000 items of 4 KiB in one process: 28 us per item with 4 threads
+    against 15 with one). The reads release the GIL and overlap with it (and keep several
+    requests in flight on remote storage). Each span in flight has a buffer of its own."""
+    depth = min(thread_count, len(spans))
+    # a buffer per span in flight, reused in turn (not the threads' scratch buffers: a span is
+    # checked here while its reader thread already reads the next one)
+    free: List[Any] = [torch.empty(SPAN, dtype=torch.uint8) for _ in range(depth)]
+    pending: "deque[Tuple[List[Tuple[str, int, Any, Any]], Any]]" = deque()
+    it = iter(spans)
+    with ThreadPoolExecutor(depth, thread_name_prefix="ckpt-read") as pool:
+        try:
+            for span in it:
+                pending.append((span, pool.submit(_fetch, reader, span, free.pop())))
+                if not free:
+                    break
+            while pending:
+                span, fut = pending.popleft()
+                mv, buf, nbytes, read_s = fut.result()
+                _check_span(reader, span, mv, buf, nbytes, read_s)
+                nxt = next(it, None)
+                if nxt is not None:  # this span's buffer is free again
+                    pending.append((nxt, pool.submit(_fetch, reader, nxt, buf)))
+        except BaseException:
+            for _, fut in pending:  # (reads already running finish before the pool closes)
+                fut.cancel()
+            raise
 
 
 def _what(t: Any) -> str:
     return f"chunk {t.chunk.box} of {t.key!r}"
 
 
-def _read_span(reader: Any, span: List[Tuple[str, int, Any, Any]]) -> None:
+def _fetch(reader: Any, span: List[Tuple[str, int, Any, Any]], buf: Any) -> Tuple[memoryview, Any, int, float]:
+    """Read a span's bytes: ``(its bytes, the buffer holding them, their count, seconds)``, into
+    ``buf`` (None: this thread's scratch buffer; one too small is replaced)."""
     name, lo = span[0][0], span[0][1]
     last = span[-1][2].chunk.storage
     hi = last.offset + last.length
@@ -108,60 +149,85 @@ def _read_span(reader: Any, span: List[Tuple[str, int, Any, Any]]) -> None:
             f"but the file has {size} bytes"
         )
     nbytes = hi - lo
-    buf = scratch_buffer(nbytes)
+    if buf is None:
+        buf = scratch_buffer(nbytes)
+    elif buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, SPAN), dtype=torch.uint8)
     mv = tensor_buffer(buf)[:nbytes]
     t0 = time.perf_counter()
     fd.readv([mv], lo)
-    t1 = time.perf_counter()
+    return mv, buf, nbytes, time.perf_counter() - t0
+
+
+def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryview, buf: Any, nbytes: int,
+                read_s: float) -> None:
+    """Check every item of a span read into ``mv`` (see the module docstring) and copy its data out."""
+    name, lo = span[0][0], span[0][1]
+    path = join(reader.directory, name)
     addr = buf.data_ptr()
     verify = reader.verify_checksums
     memmove = ctypes.memmove
-    heads = {}
+    heads: dict = {}
     crc_s = 0.0
     h = reader.block_records.hash
+    digest = h.digest
+    # a header whose digest was checked is known by (length, digest) (64-bit digests only: no
+    # copy and hash of its bytes per item); otherwise by its bytes
+    by_digest = verify and h.width == 8
+    perf = time.perf_counter
     for _name, off, t, brec in span:
+        out = t.out
         length = t.chunk.storage.length
         s = off - lo  # the item's place in the buffer
         d, n, b, digests = brec
-        esize = dtype_size(t.dtype)
-        if n != t.chunk.box.numel * esize:
+        if n != out.nbytes:  # (out holds the chunk's elements in the stored dtype: see _fits)
+            esize = dtype_size(t.dtype)
             raise CorruptCheckpointError(
                 f"{path}: {_what(t)} holds {n} bytes of data, but .metadata says "
                 f"{t.chunk.box.numel} elements of {t.dtype} ({t.chunk.box.numel * esize} bytes)"
             )
-        if d + n > length or len(digests) != (d > 0) + -(-n // b) + (d + n < length):
+        tail = d + n < length
+        if d + n > length or len(digests) != (d > 0) + -(-n // b) + tail:
             where = join(reader.directory, MANIFEST_FILE)
             raise CorruptCheckpointError(
                 f"{where}: block record of {_what(t)} is damaged: data [{d}, {d + n}) in an item of {length} "
                 f"bytes with {len(digests)} block checksums"
             )
         if verify:
-            c0 = time.perf_counter()
-            digest, i = h.digest, 0
+            c0 = perf()
+            i = 0
             if d > 0:
                 if digest(mv[s : s + d]) != digests[0]:
                     _frame_mismatch(path, off, 0, d, t)
                 i = 1
-            for p in range(d, d + n, b):
-                q = min(p + b, d + n)
-                got = digest(mv[s + p : s + q])
-                if got != digests[i]:
-                    _data_mismatch(path, off, p, q, t, h, got, digests[i])
-                i += 1
-            if d + n < length and digest(mv[s + d + n : s + length]) != digests[i]:
+            if n <= b:  # one data block (or none): the common case of a small item
+                if n:
+                    got = digest(mv[s + d : s + d + n])
+                    if got != digests[i]:
+                        _data_mismatch(path, off, d, d + n, t, h, got, digests[i])
+                    i += 1
+            else:
+                for p in range(d, d + n, b):
+                    q = min(p + b, d + n)
+                    got = digest(mv[s + p : s + q])
+                    if got != digests[i]:
+                        _data_mismatch(path, off, p, q, t, h, got, digests[i])
+                    i += 1
+            if tail and digest(mv[s + d + n : s + length]) != digests[i]:
                 _frame_mismatch(path, off, d + n, length, t)
-            crc_s += time.perf_counter() - c0
-        head = bytes(mv[s : s + d])
-        found = heads.get(head)
-        if found is None:
+            crc_s += perf() - c0
+        key = (d, digests[0]) if by_digest and d > 0 else bytes(mv[s : s + d])
+        found = heads.get(key, heads)  # (the dict itself: not seen yet; None: seen, not our layout)
+        if found is heads:
             try:
-                found = heads[head] = (describe_archive_head(head),)
+                found = heads[key] = describe_archive_head(bytes(mv[s : s + d]))
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{path}: {_what(t)}: {e}") from None
-        _check_recorded(found[0], t, path, reader.directory)
+        if found is not None and (found[0] != t.dtype or found[1] != t.chunk.box.sizes):
+            _check_recorded(found, t, path, reader.directory)
         if n:
-            memmove(t.out.data_ptr(), addr + s + d, n)
-    reader.stats.add(nbytes, t1 - t0, crc_s)
+            memmove(out.data_ptr(), addr + s + d, n)
+    reader.stats.add(nbytes, read_s, crc_s)
 
 
 def _frame_mismatch(path: str, off: int, lo: int, hi: int, t: Any) -> None:
