@@ -8,10 +8,13 @@ tensors per rank: unpickling ``.metadata`` took 0.36 s with the collector runnin
 without; a save of 20,000 small tensors in one process 1.2-1.34 s with it and 0.88-0.99 s without
 (its per-item shard records, write requests and metadata tables). An async save pauses it only
 in the caller's blocking part (``prepare_save``), not in the background writer. Nothing a load
-or a save builds relies on the cycle collector to be freed in time (tensors and
-buffers are freed by reference counting), so it is paused for the call and resumed after; a
-collection then runs as usual on the next allocations. The switch is process-wide: other threads
-(a training loop running beside a load) allocate without cycle collection for that long too.
+or a save builds relies on the cycle collector to be freed: no reference cycles (a test checks
+it), so everything is freed by reference counting when the call returns, and the collection that
+runs as usual on the next allocations finds nothing of it to walk. (A closure in the load that
+called itself was such a cycle: it kept every read task, chunk record, the reader and the
+metadata alive, and the first collection after the load then walked ~14 objects per tensor,
+50 ms for 10,000 tensors.) The switch is process-wide: other threads (a training loop running
+beside a load) allocate without cycle collection for that long too.
 """
 
 from __future__ import annotations

@@ -110,13 +110,15 @@ def _handle_strict(
 def _tensor_tasks(
     sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str, strict_dtype: bool = False
 ) -> Tuple[torch.Tensor, List[ReadTask]]:
+    # (once per tensor, tens of thousands per rank for some models: torch.Size and tuples are
+    # compared as they are, no copies; a device test by ``is_cpu``)
     tmeta = md.state_dict_metadata.get(sh.key)
     if tmeta is None:
         raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
     if not isinstance(tmeta, TensorStorageMetadata):
         raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
     saved_dtype = tmeta.properties.dtype
-    saved_shape = tuple(tmeta.size)
+    saved_shape = tmeta.size
     if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)):
         why = "strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
         raise MismatchError(
@@ -125,7 +127,7 @@ def _tensor_tasks(
         )
     if saved_shape != sh.global_shape and not sh.allow_shape_mismatch:
         raise MismatchError(
-            f"{checkpoint_dir}: tensor {sh.key!r} has global shape {saved_shape} in the checkpoint but "
+            f"{checkpoint_dir}: tensor {sh.key!r} has global shape {tuple(saved_shape)} in the checkpoint but "
             f"{sh.global_shape} was requested (set allow_shape_mismatch=True to load the overlap)"
         )
     if len(saved_shape) != len(sh.global_shape):
@@ -136,17 +138,17 @@ def _tensor_tasks(
     out = sh.data
     if out is None:
         out = torch.empty(sh.local_shape, dtype=sh.dtype)
-    if tuple(out.shape) != sh.local_shape:
+    if out.shape != sh.local_shape:
         raise MismatchError(f"{sh.key!r}: data shape {tuple(out.shape)} != local_shape {sh.local_shape}")
-    if out.device.type != "cpu":
+    if not out.is_cpu:
         # Read into host memory, copy to the device afterwards (see load_sharded).
         host = torch.empty(sh.local_shape, dtype=sh.dtype)
     else:
         # a Parameter (requires_grad) as destination: write through a detached alias of its
         # memory, since in-place copies into a leaf that requires grad are refused by autograd
         host = out.detach() if out.requires_grad else out
-    shape = sh.saved_shape()
-    view = host if shape == tuple(host.shape) else host.view(shape)
+    shape = (1,) * sh.prepend_axis_num + sh.local_shape if sh.prepend_axis_num else sh.local_shape  # sh.saved_shape()
+    view = host if host.shape == shape else host.view(shape)
     request = Box(sh.global_offset, shape)
     reads = saved_chunk_reads(reader, sh.key, request)
     if sh.allow_shape_mismatch:
@@ -155,7 +157,7 @@ def _tensor_tasks(
         # the request is one saved chunk (or inside it): covered, and the destination is the
         # whole view (the common case of a same-layout load: no slicing per tensor)
         return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
-    elif uncovered_elements(request, saved_shape, reads) != 0:
+    elif uncovered_elements(request, tuple(saved_shape), reads) != 0:
         raise MismatchError(
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
         )
@@ -407,6 +409,9 @@ def _prepare_reads(
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
     whole = True
 
+    # (prepare calls prepare_one, never itself: a closure that calls itself is a reference cycle,
+    # which kept every object of the load - read tasks, chunk records, the reader, the metadata -
+    # alive until the cycle collector ran, and then cost a collection over them all: ~5 us a tensor)
     def prepare(sh: Any) -> Any:
         nonlocal whole
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
@@ -416,17 +421,22 @@ def _prepare_reads(
             if flat is None:
                 flat = (torch.zeros if sh.allow_shape_mismatch else torch.empty)(sh.flat_numel(), dtype=sh.dtype)
             for box in replace(sh, data=flat).unflattened():
-                prepare(box)
+                prepare_one(box)
             return flat
+        return prepare_one(sh)
+
+    def prepare_one(sh: Any) -> Any:
+        nonlocal whole
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
             if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
                 whole = False
             tasks.extend(ts)
-            if sh.data is not None:
-                if sh.data.device.type != "cpu":
-                    device_copies.append((host, sh.data))
-                return sh.data  # loaded in place: the caller's tensor (or Parameter) itself
+            data = sh.data
+            if data is not None:
+                if data is not host and not data.is_cpu:
+                    device_copies.append((host, data))
+                return data  # loaded in place: the caller's tensor (or Parameter) itself
             return host
         if isinstance(sh, ShardedObject):
             meta = md.state_dict_metadata.get(sh.unique_key)

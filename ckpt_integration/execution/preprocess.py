@@ -98,14 +98,16 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
 def _build_factories(sd: Any) -> None:
     """Replace every factory by what it builds (in place), recursively; what a foreign
     ``build_fn`` returns (Megatron-Core's classes) is converted to ours."""
+    dict_list_map_inplace(_built, sd)
 
-    def build(x: Any) -> Any:
-        if isinstance(x, ShardedTensorFactory):
-            built = convert_foreign(x.build(), (f"<built by factory {x.key!r}>",))
-            return dict_list_map_inplace(build, built)
-        return x
 
-    dict_list_map_inplace(build, sd)
+def _built(x: Any) -> Any:
+    # (a module function, not a closure calling itself: such a closure is a reference cycle that
+    # keeps everything it sees alive until the cycle collector runs)
+    if isinstance(x, ShardedTensorFactory):
+        built = convert_foreign(x.build(), (f"<built by factory {x.key!r}>",))
+        return dict_list_map_inplace(_built, built)
+    return x
 
 
 def local_shards(sharded: Any) -> List[ShardedBase]:

@@ -46,9 +46,9 @@ class SmallItemWriter:
         self.pos = f.tell()  # the file offset of ``buf[0]``
         # (dtype, shape) -> (template: header + room for the data + trailer, header length, its
         # digest, trailer digest), or None when that dtype and shape cannot be templated
-        self.templates: Dict[Tuple[Any, ...], Optional[Tuple[ctypes.Array, int, int, int]]] = {}
+        self.templates: Dict[Tuple[Any, ...], Optional[Tuple[bytes, int, int, int]]] = {}
         self.enabled = not member_crcs_on()  # templates only without the archive members' CRC32s
-        self.buf: Optional[ctypes.Array] = None  # allocated on the first item
+        self.buf: Optional[torch.Tensor] = None  # allocated on the first item
         self.view: Optional[memoryview] = None
         self.addr = 0
 
@@ -73,9 +73,9 @@ class SmallItemWriter:
                 return None
             self.flush()
         if self.buf is None:
-            self.buf = (ctypes.c_char * FLUSH_BYTES)()
-            self.view = memoryview(self.buf).cast("B")
-            self.addr = ctypes.addressof(self.buf)
+            self.buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
+            self.view = memoryview(self.buf.numpy())
+            self.addr = self.buf.data_ptr()
         s = self.pending
         at = self.addr + s
         ctypes.memmove(at, frame, length)
@@ -85,12 +85,12 @@ class SmallItemWriter:
         self.pending = s + length
         return self.pos + s, length, whole, (d, nbytes, self.block_size, digests)
 
-    def _make_template(self, t: torch.Tensor) -> Optional[Tuple[ctypes.Array, int, int, int]]:
+    def _make_template(self, t: torch.Tensor) -> Optional[Tuple[bytes, int, int, int]]:
         parts = archive_template(t.detach())
         if parts is None or not parts[0] or not parts[1] or len(parts[0]) + len(parts[1]) > _FRAME_MAX:
             return None  # (an archive always has a header and a trailer around the data)
         head, tail = parts
-        frame = ctypes.create_string_buffer(head + bytes(t.nbytes) + tail, len(head) + t.nbytes + len(tail))
+        frame = head + bytes(t.nbytes) + tail  # (ctypes.memmove copies from a bytes object's buffer)
         return frame, len(head), self.hash.digest(head), self.hash.digest(tail)
 
     def flush(self) -> None:
