@@ -453,6 +453,8 @@ def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float]
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # one node, as torchrun would say (a load then broadcasts its metadata uncompressed)
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     import torch
     import torch.distributed as dist
 

@@ -80,6 +80,7 @@ def _install(timings: Dict[str, float]) -> None:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))  # one node, as torchrun would say
     import torch
     import torch.distributed as tdist
 

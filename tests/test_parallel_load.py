@@ -111,17 +111,17 @@ class _Reads:
         # whole small items are read in runs of adjacent items (storage/small_reads.py): the same log per item
         from ckpt_integration.storage import small_reads
 
-        real_span = small_reads._read_span
+        real_fetch = small_reads._fetch
 
-        def counting_span(reader, span, _real=real_span):
+        def counting_fetch(reader, span, buf, _real=real_fetch):
             for _name, _off, t, _brec in span:
                 if self.fail is not None and self.fail(t.key):
                     raise OSError(f"injected read failure for {t.key!r}")
                 with self.lock:
                     self.log.append((t.key, t.overlap.offsets, t.overlap.sizes))
-            return _real(reader, span)
+            return _real(reader, span, buf)
 
-        small_reads._read_span = counting_span
+        small_reads._fetch = counting_fetch
 
 
 class _LiveBytes:

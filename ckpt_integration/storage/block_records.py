@@ -1,6 +1,8 @@
-"""A manifest's block records: where each tensor item's data lies and the digests of its blocks.
+"""A manifest's per-item tables: block records (where each tensor item's data lies and the
+digests of its blocks) and item digests.
 
-Decoded on first use (:class:`BlockRecordTable`): a manifest has one record per stored item.
+Decoded on first use (:class:`BlockRecordTable`, :class:`ItemDigestTable`): a manifest has one
+entry per stored item, a load uses those of the items it reads.
 """
 
 from __future__ import annotations
@@ -191,3 +193,46 @@ class BlockRecordTable(Mapping):
 
     def __len__(self) -> int:
         return len(self._raw) if self._keys is None else len(self._keys)
+
+
+class ItemDigestTable(Mapping):
+    """``(file, offset) -> item digest`` over a manifest's ``items`` table, each entry checked and
+    converted when it is used (a load needs the entries of the chunks it reads; converting every
+    entry of every rank up front cost ~1.2 us each on every rank, 25 ms for 20,000 small tensors).
+
+    An entry is found by its key as the writer spells it (``file@offset``); the index of every
+    entry (each key and digest checked) is built only when that finds nothing or the table is
+    iterated. A malformed entry raises :class:`CorruptCheckpointError` naming the manifest.
+    """
+
+    def __init__(self, items: Dict[str, Any]):
+        self._raw = items
+        self._index: Optional[Dict[Tuple[str, int], int]] = None
+
+    def _full(self) -> Dict[Tuple[str, int], int]:
+        if self._index is None:
+            out = {}
+            try:
+                for k, v in self._raw.items():
+                    name, _, off = k.rpartition("@")
+                    out[(name, int(off))] = int(v)
+            except (TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: an item digest entry: {e}") from None
+            self._index = out
+        return self._index
+
+    def __getitem__(self, rid: Tuple[str, int]) -> int:
+        if self._index is None:
+            v = self._raw.get(f"{rid[0]}@{rid[1]}")
+            if v is not None:
+                try:
+                    return int(v)
+                except (TypeError, ValueError) as e:
+                    raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: item digest of {rid[0]}@{rid[1]}: {e}") from None
+        return self._full()[rid]
+
+    def __iter__(self) -> Iterator[Tuple[str, int]]:
+        return iter(self._full())
+
+    def __len__(self) -> int:
+        return len(self._raw) if self._index is None else len(self._index)

@@ -43,7 +43,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable  # noqa: F401 (re-exported)
+from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable, ItemDigestTable  # noqa: F401 (re-exported)
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
 from .claim import MARKER_FILE
 from .filesystem import join, storage_for
@@ -114,16 +114,13 @@ class Manifest:
         """The block digest algorithm of this checkpoint (raises UnknownBlockHashError if unknown)."""
         return block_hash(self.block_hash, MANIFEST_FILE)
 
-    def checksums(self) -> Dict[Tuple[str, int], int]:
-        """``(file, offset) -> item digest``, built once per ``items`` table (read-only: every
-        reader of this manifest shares it; tens of thousands of entries with small tensors)."""
+    def checksums(self) -> "ItemDigestTable":
+        """``(file, offset) -> item digest``, one table per ``items`` table (read-only: every
+        reader of this manifest shares it; each entry converted when it is used)."""
         cached = self.__dict__.get("_checksums")
         if cached is not None and cached[0] is self.items:
             return cached[1]
-        out = {}
-        for k, v in self.items.items():
-            name, _, off = k.rpartition("@")
-            out[(name, int(off))] = int(v)
+        out = ItemDigestTable(self.items)
         self.__dict__["_checksums"] = (self.items, out)
         return out
 
