@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from array import array
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
@@ -62,8 +63,13 @@ class MessageWriter:
         self._parts.append(np.asarray(values, dtype=np.int64).reshape(-1))
 
     def sids(self, strings: Sequence[str]) -> np.ndarray:
-        """:meth:`sid` of each of ``strings``, as an array."""
-        return np.fromiter((self.sid(s) for s in strings), dtype=np.int64, count=len(strings))
+        """:meth:`sid` of each of ``strings``, as an array (tens of thousands of keys: one dict
+        call per string; the table of strings is the dict's keys in insertion order)."""
+        ids, known = self._ids, len(self.strings)
+        out = np.fromiter((ids.setdefault(s, len(ids)) for s in strings), dtype=np.int64, count=len(strings))
+        if len(ids) > known:
+            self.strings.extend(itertools.islice(ids, known, None))
+        return out
 
     def __bool__(self) -> bool:
         return bool(self.ints) or bool(self.strings) or bool(self._parts)
@@ -164,6 +170,29 @@ def _strings(buf: bytes, pos: int, nstr: int, nblob: int) -> List[str]:
 # records of one layout is written and read by numpy instead of a loop per record. ``width``
 # is a function of the tag and ``nd`` (the number of dimensions of the records' shapes), known
 # to both sides (see :func:`read_tables`).
+
+
+def group_rows(rows: np.ndarray) -> List[Tuple[List[int], np.ndarray]]:
+    """The distinct rows of an integer table ``rows`` (``(n, k)``), in ascending (lexicographic)
+    order, each with the indices of the rows equal to it (ascending): what ``np.unique(rows,
+    axis=0)`` and a mask per group give, without its sort of rows as records (~7 ms for 10,000
+    rows of a few small integers, against well under 1 ms for one integer per row)."""
+    if len(rows) == 0:
+        return []
+    lo = rows.min(axis=0)
+    span = rows.max(axis=0) - lo + 1
+    if float(np.prod(span.astype(np.float64))) >= 2.0 ** 62:  # (not one int64 per row: the general sort)
+        uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        return [(u, np.flatnonzero(inverse == i)) for i, u in enumerate(uniq.tolist())]
+    code = np.zeros(len(rows), dtype=np.int64)
+    for j in range(rows.shape[1]):  # mixed radix, the first column most significant
+        code = code * int(span[j]) + (rows[:, j] - lo[j])
+    order = np.argsort(code, kind="stable")
+    ordered = code[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    ends = np.r_[starts[1:], len(ordered)]
+    return [(rows[order[a]].tolist(), order[a:b]) for a, b in zip(starts.tolist(), ends.tolist())]
 
 
 def put_table(w: MessageWriter, tag: int, nd: int, columns: Sequence[np.ndarray]) -> None:

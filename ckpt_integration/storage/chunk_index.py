@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.dtypes import dtype_from_name, dtype_name
-from ..planning.records import MessageWriter, decode
+from ..planning.records import MessageWriter, decode, group_rows
 from ..planning.reshard import ChunkRead, band
 from . import checkpoint_dir as ckdir
 from .filesystem import join, storage_for
@@ -135,9 +135,8 @@ def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
     with_chunks = np.flatnonzero(counts > 0)
     nds = ws.nd[layout.chunk_items[layout.key_starts[with_chunks]]] if len(with_chunks) else np.zeros(0, dtype=np.int64)
     groups = np.stack([nds, counts[with_chunks]], axis=1) if len(with_chunks) else np.zeros((0, 2), dtype=np.int64)
-    for nd, c in np.unique(groups, axis=0).tolist():
-        ks = with_chunks[np.flatnonzero((groups[:, 0] == nd) & (groups[:, 1] == c))]
-        w.add_array(_tensor_rows(w, layout, ks, nd, c, dtype_ids, file_sid))
+    for (nd, c), members in group_rows(groups):
+        w.add_array(_tensor_rows(w, layout, with_chunks[members], nd, c, dtype_ids, file_sid))
     for k in np.flatnonzero(counts == 0).tolist():  # (a tensor with no chunk: nothing to search)
         _tensor(w.ints, w.sid(keys[k]), dtype_ids[layout.tensor_dtypes[k]], layout.tensor_shapes[k], [])
     obj = layout.object_items

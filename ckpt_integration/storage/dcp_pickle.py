@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..planning.records import group_rows
 from .metadata_pickle import dumps_dcp_metadata
 from .torch_dist import WrittenItem, make_dcp_metadata
 
@@ -100,6 +101,31 @@ def _put(i: int) -> bytes:
 def _str(s: str) -> bytes:
     b = s.encode("utf-8", "surrogatepass")
     return (SHORT_BINUNICODE + bytes([len(b)]) if len(b) < 256 else BINUNICODE + struct.pack("<I", len(b))) + b
+
+
+def _memo_strings(strings: Sequence[str], base: int) -> bytes:
+    """``_str(s) + _put(base + i) + POP`` for each string: the memo's string table, built with
+    numpy for tens of thousands of keys (~0.3 us each instead of ~2 one by one)."""
+    if not strings:
+        return b""
+    enc = [s.encode("utf-8", "surrogatepass") for s in strings]
+    n = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
+    if int(n.max()) >= 256 or base < 256:  # (long keys, low slots: the other opcodes, one by one)
+        return b"".join(_str(s) + _put(base + i) + POP for i, s in enumerate(strings))
+    # per string: SHORT_BINUNICODE, its length, its bytes, LONG_BINPUT, the slot (4 bytes), POP
+    ends = np.cumsum(n + 8)
+    starts = ends - (n + 8)
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    out[starts] = SHORT_BINUNICODE[0]
+    out[starts + 1] = n
+    src = np.frombuffer(b"".join(enc), dtype=np.uint8)
+    out[np.arange(len(src)) + 8 * np.repeat(np.arange(len(enc)), n) + 2] = src
+    out[starts + n + 2] = LONG_BINPUT[0]
+    slots = np.arange(base, base + len(enc), dtype="<u4").view(np.uint8).reshape(-1, 4)
+    for b in range(4):
+        out[starts + n + 3 + b] = slots[:, b]
+    out[ends - 1] = POP[0]
+    return out.tobytes()
 
 
 def _int(v: int) -> bytes:
@@ -312,10 +338,8 @@ def dumps_layout(
     state_slot = {d: _STATE_BASE + i for i, d in enumerate(names)}
     for d in names:
         parts += [_properties_state(d), _put(state_slot[d]), POP]
-    for i, k in enumerate(list(keys) + list(object_keys)):
-        parts += [_str(k), _put(key_slot + i), POP]
-    for i, f in enumerate(files):
-        parts += [_str(f), _put(file_slot + i), POP]
+    parts.append(_memo_strings(list(keys) + list(object_keys), key_slot))
+    parts.append(_memo_strings(list(files), file_slot))
     parts.append(head)
     # the chunk records of each chunk rank, as rows of bytes: ChunkStorageMetadata(Size(offsets), Size(sizes))
     chunk_rows: Dict[int, np.ndarray] = {}
@@ -335,9 +359,7 @@ def dumps_layout(
     entries: List[bytes] = [b""] * nkeys
     gnd = np.asarray([len(sh) for sh in shapes], dtype=np.int64)
     group_of = np.stack([gnd, chunk_nd, nchunks], axis=1) if len(keys) else np.zeros((0, 3), dtype=np.int64)
-    for g in (np.unique(group_of, axis=0).tolist() if len(keys) else []):
-        sel = np.flatnonzero(np.all(group_of == np.asarray(g), axis=1))
-        n_g, cnd, c = g
+    for (n_g, cnd, c), sel in group_rows(group_of):
         rec = _Record(len(sel))
         _get_record(rec, (key_slot + sel).astype(np.uint32))
         rec.const(_get(G_TSM) + EMPTY_TUPLE + NEWOBJ + EMPTY_DICT + MARK + _get(F_PROPERTIES) + _get(G_TP) + EMPTY_TUPLE + NEWOBJ)
