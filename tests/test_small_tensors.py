@@ -340,3 +340,36 @@ def test_save_and_load_leave_no_reference_cycles(tmp_path):
     assert count < 100 and not ours, (count, ours)
     assert all(torch.equal(got[k], v) for k, v in ts.items())
     assert torch.equal(got["flat"], torch.arange(12.0))
+
+
+def test_many_small_tensors_are_written_by_one_thread_of_their_own(tmp_path):
+    """With several writer threads, many small tensors go to one bucket (thread and file) by
+    themselves and the large ones are spread over the threads by bytes: the small items' work is
+    Python that only contends when split over threads (one process, 10,000 of 4 KiB: 30 us each
+    with one thread, 52-55 with four). With few small tensors nothing changes. Loads exactly."""
+    import pickle
+
+    from ckpt_integration.storage.torch_dist import MANY_SMALL, WriteRequest, _separate
+
+    big = [WriteRequest(f"b{i}", (0,), torch.zeros(1 << 19)) for i in range(6)]  # 2 MiB each
+    small = [WriteRequest(f"s{i}", (0,), torch.zeros(8)) for i in range(MANY_SMALL)]
+    reqs = big[:3] + small + big[3:] + [WriteRequest("obj", None, b"x" * 10)]
+    groups = _separate(reqs, None, 4)
+    assert [p for p, _ in groups] == [""] * 5
+    assert sorted(groups[-1][1]) == list(range(3, 3 + MANY_SMALL))  # the small ones, alone
+    assert sorted(i for _, b in groups[:-1] for i in b) == [0, 1, 2] + list(range(3 + MANY_SMALL, len(reqs)))
+    few = big + small[: MANY_SMALL - 1]
+    assert len(_separate(few, None, 4)) == 4 and len(_separate(reqs, None, 1)) == 1
+    hinted = _separate(reqs, "s", 4)  # Megatron-Core's separation hint: its files hold the small ones
+    assert {p for p, _ in hinted} == {"", "s"} and sorted(i for p, b in hinted if p == "s" for i in b) == list(range(3, 3 + MANY_SMALL))
+
+    ts = {f"t{i}": torch.randn(5) for i in range(200)}
+    ts.update({f"w{i}": torch.randn(1 << 19) for i in range(4)})  # 2 MiB each
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, tmp_path / "c", thread_count=4)
+    with open(tmp_path / "c" / ".metadata", "rb") as f:
+        md = pickle.load(f)  # our own, freshly written checkpoint
+    file_of = {k.fqn: v.relative_path for k, v in md.storage_data.items()}
+    assert len({file_of[f"t{i}"] for i in range(200)}) == 1
+    assert file_of["t0"] not in {file_of[f"w{i}"] for i in range(4)}
+    got = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, tmp_path / "c")
+    assert all(torch.equal(got[k], v) for k, v in ts.items())
