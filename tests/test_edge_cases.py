@@ -255,3 +255,36 @@ def test_checksum_matches_zlib_whatever_the_implementation():
         assert checksum.IMPLEMENTATION == "zlib"
     else:
         assert checksum.IMPLEMENTATION == "zlib-ng"
+
+
+def test_from_rank_offsets_builds_what_the_dataclass_builds():
+    """``from_rank_offsets`` sets the fields directly (its shapes are tuples of ints already):
+    the same object as the dataclass constructor makes, equal field by field, and the same
+    checks (a bad shard still raises naming its key); a subclass or extra fields take the
+    constructor."""
+    import dataclasses
+
+    from ckpt_integration import ShardedTensor
+    from ckpt_integration.errors import CheckpointingException
+
+    t = torch.zeros(4, 6)
+    cases = [((), {}), (((1, 1, 2),), {}), (((0, 2, 3), (1, 0, 2)), {"replica_id": (0, 1)}),
+             (((0, 1, 4),), {"prepend_axis_num": 1}), (((1, 1, 2),), {"allow_shape_mismatch": True})]
+    for offsets, kw in cases:
+        got = ShardedTensor.from_rank_offsets("k", t, *offsets, **kw)
+        pre = kw.get("prepend_axis_num", 0)
+        gs, go, fr = [1] * pre + list(t.shape), [0] * (pre + 2), [1] * (pre + 2)
+        for axis, r, n in offsets:
+            local = 1 if axis < pre else t.shape[axis - pre]
+            gs[axis], go[axis], fr[axis] = local * n, local * r, n
+        want = ShardedTensor("k", t, t.dtype, tuple(t.shape), tuple(gs), tuple(go), tuple(fr), kw.get("replica_id", 0),
+                             pre, kw.get("allow_shape_mismatch", False))
+        assert got == want and got.__dict__ == want.__dict__
+        assert list(got.__dict__) == [f.name for f in dataclasses.fields(ShardedTensor)]
+    with pytest.raises(CheckpointingException, match="key must be a non-empty str"):
+        ShardedTensor.from_rank_offsets("", t)
+
+    class Mine(ShardedTensor):
+        pass
+
+    assert type(Mine.from_rank_offsets("k", t, (0, 0, 2))) is Mine

@@ -33,9 +33,8 @@ _MAIN = (0,)
 def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
     if isinstance(sh, ShardedTensor):
         rid = sh.replica_id
-        return ShardMeta(
+        return ShardMeta.of_tensor(
             sh.key,
-            "tensor",
             rank,
             dtype_name(sh.dtype),
             sh.global_shape,

@@ -34,6 +34,20 @@ class ShardMeta:
     # False for a non-main replica that carries no data (allowed, as in Megatron): never a writer
     has_data: bool = True
 
+    @classmethod
+    def of_tensor(cls, key: str, rank: int, dtype: str, global_shape: Tuple[int, ...], offsets: Tuple[int, ...],
+                  sizes: Tuple[int, ...], replica_id: Tuple[int, ...], nbytes: int, allow_shape_mismatch: bool,
+                  has_data: bool) -> "ShardMeta":
+        """The record of a tensor shard, as ``ShardMeta(key, "tensor", ...)`` makes it, without the
+        frozen dataclass's ``object.__setattr__`` per field (one record per tensor at every save
+        and load: ~2 us -> ~1)."""
+        self = object.__new__(cls)
+        self.__dict__.update(
+            key=key, kind="tensor", rank=rank, dtype=dtype, global_shape=global_shape, offsets=offsets, sizes=sizes,
+            replica_id=replica_id, nbytes=nbytes, allow_shape_mismatch=allow_shape_mismatch, has_data=has_data,
+        )
+        return self
+
     @property
     def box(self) -> Box:
         return Box(self.offsets, self.sizes)
