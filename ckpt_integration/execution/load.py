@@ -197,7 +197,7 @@ def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
     """
     compact = compact_chunks_of(getattr(reader, "metadata", None))
     if compact is not None and key in compact:
-        return compact.chunk_reads(key, request, getattr(reader, "checksums", None), getattr(reader, "directory", ""))
+        return compact.chunk_reads(key, request, getattr(reader, "directory", ""))
     chunks = reader.chunks[key]
     if len(chunks) == 1:  # the common case of many small tensors: no index to build
         common = intersect(request, chunks[0].box)

@@ -362,7 +362,7 @@ class CompactChunks:
     def __contains__(self, key: str) -> bool:
         return key in self._positions
 
-    def chunk_reads(self, key: str, request: Box, checksums: Any, directory: str) -> List[ChunkRead]:
+    def chunk_reads(self, key: str, request: Box, directory: str) -> List[ChunkRead]:
         """The reads filling ``request`` from the saved chunks of ``key`` (as
         ``planning.reshard.ChunkIndex.reads``), ``source`` = the storage layer's chunk record. A
         request that is one whole saved chunk (a same-layout load) gets ``request`` itself as
@@ -377,16 +377,16 @@ class CompactChunks:
             base = p + i * step
             offsets, sizes = tuple(ints[base : base + nd]), tuple(ints[base + nd : base + 2 * nd])
             if offsets == ro and sizes == rsz:  # saved chunks are disjoint: this one is the whole answer
-                return [ChunkRead(request, request, self.chunk_info(key, i, request, checksums, directory))]
+                return [ChunkRead(request, request, self.chunk_info(key, i, request, directory))]
             for o, s, a, b in zip(offsets, sizes, ro, rsz):
                 if not (o < a + b and a < o + s):
                     break
             else:
                 box = Box(offsets, sizes)
-                out.append(ChunkRead(box, intersect(request, box), self.chunk_info(key, i, box, checksums, directory)))
+                out.append(ChunkRead(box, intersect(request, box), self.chunk_info(key, i, box, directory)))
         return out
 
-    def chunk_info(self, key: str, i: int, box: Box, checksums: Any, directory: str) -> Any:
+    def chunk_info(self, key: str, i: int, box: Box, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""
         info = self._infos.get((key, i))
         if info is None:
@@ -397,9 +397,7 @@ class CompactChunks:
                 raise CorruptCheckpointError(
                     f"{directory}/.metadata lists chunk {box.offsets} of {key!r} but not where it is stored"
                 )
-            where = _StorageInfo(self._strings[f], off, length)
-            crc = checksums.get((where.relative_path, where.offset)) if checksums else None
-            info = self._infos[(key, i)] = ChunkInfo(box, where, crc)
+            info = self._infos[(key, i)] = ChunkInfo(box, _StorageInfo(self._strings[f], off, length))
         return info
 
 

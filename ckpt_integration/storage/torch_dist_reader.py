@@ -34,9 +34,11 @@ from .torch_dist import BLOCK_SIZE, DCP_METADATA_FILE
 
 @dataclass
 class ChunkInfo:
+    """A stored chunk: its box in the global tensor and where it is stored (its item digest, when
+    a read needs it, is the reader's ``checksums[(file, offset)]``)."""
+
     box: Box
     storage: _StorageInfo
-    checksum: Optional[int] = None  # the item digest recorded in the manifest
 
 
 #: ``TorchDistReader(manifest=...)`` default: read the manifest from the checkpoint directory
@@ -118,8 +120,7 @@ class TorchDistReader:
                         raise CorruptCheckpointError(
                             f"{directory}/.metadata lists chunk {tuple(c.offsets)} of {key!r} but not where it is stored"
                         )
-                    crc = self.checksums.get((info.relative_path, info.offset))
-                    lst.append(ChunkInfo(box, info, crc))
+                    lst.append(ChunkInfo(box, info))
                 self.chunks[key] = lst
 
     # -- file handles ------------------------------------------------------------------
