@@ -162,25 +162,30 @@ def _small_item(d, key):
     return os.path.join(d, info.relative_path), info.offset, info.length, blocks[0], blocks[1]
 
 
+@pytest.mark.parametrize("uniform", [False, True])
 @pytest.mark.parametrize("span", [None, 4096])
 @pytest.mark.parametrize("where", ["data", "header", "trailer"])
-def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(tmp_path, monkeypatch, where, span):
+def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(tmp_path, monkeypatch, where, span, uniform):
     """A flipped byte in the data, the archive header or the archive trailer of one small item
     among many fails the load (read in runs of adjacent items) with the file, the item's block
     byte range and the tensor named; the other items' reads do not hide it. With short runs
     (``span``) the load reads runs in several threads while it checks earlier ones: it loads
-    exactly, and the damaged item in a middle run still fails it, named."""
+    exactly, and the damaged item in a middle run still fails it, named. Tensors all of one
+    shape (``uniform``) are checked a run at a time as a table: the same."""
     from ckpt_integration.errors import CorruptCheckpointError
     from ckpt_integration.storage import small_reads
     from tests.damage import flip_byte
 
     if span:
         monkeypatch.setattr(small_reads, "SPAN", span)
-    ts = {f"s{i}": torch.randn(i % 5 + 1, 8) for i in range(400)}
+    ts = {f"s{i}": torch.randn(3 if uniform else i % 5 + 1, 8) for i in range(400)}
     d = str(tmp_path / "c")
     ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, d)
+    real, tables = small_reads._check_uniform, []
+    monkeypatch.setattr(small_reads, "_check_uniform", lambda *a: tables.append(real(*a)) or tables[-1])
     got = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, d, thread_count=4)
     assert all(torch.equal(got[k], v) for k, v in ts.items())
+    assert (True in tables) == (uniform and not span)  # (runs of 2 items are too short for a table)
     path, off, length, data_off, data_len = _small_item(d, "s217")
     if where == "data":
         flip_byte(path, off + data_off + 13)

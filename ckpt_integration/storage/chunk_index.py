@@ -195,6 +195,9 @@ def decode_metadata(
     sd_meta: dict = {}
     storage: dict = {}
     dtypes: Dict[int, torch.dtype] = {}
+    # with lazy chunks (a load's plan, never handed out) the keys of one dtype share one
+    # TensorProperties: nothing modifies them, and one per key cost ~0.7 us of ~2 per key
+    shared_props: Dict[int, TensorProperties] = {}
     count = ints[p]
     p += 1
     for _ in range(count):
@@ -210,7 +213,12 @@ def decode_metadata(
             chunks = []
             positions[key] = (p, nchunks, nd, axis, longest)
             if lazy_chunks or (keys is not None and key not in keys):
-                sd_meta[key] = TensorStorageMetadata(TensorProperties(dtype=dt), size, chunks)
+                props = shared_props.get(ds) if lazy_chunks else None
+                if props is None:
+                    props = TensorProperties(dtype=dt)
+                    if lazy_chunks:
+                        shared_props[ds] = props
+                sd_meta[key] = TensorStorageMetadata(props, size, chunks)
                 p += nchunks * (2 * nd + 3)
                 continue
             for _ in range(nchunks):

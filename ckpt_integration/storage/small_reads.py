@@ -28,6 +28,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
@@ -175,6 +176,11 @@ def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryvi
     # copy and hash of its bytes per item); otherwise by its bytes
     by_digest = verify and h.width == 8
     perf = time.perf_counter
+    if verify and len(span) >= UNIFORM_MIN:
+        c0 = perf()
+        if _check_uniform(span, mv, addr, h):
+            reader.stats.add(nbytes, read_s, perf() - c0)
+            return
     for _name, off, t, brec in span:
         out = t.out
         length = t.chunk.storage.length
@@ -228,6 +234,54 @@ def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryvi
         if n:
             memmove(out.data_ptr(), addr + s + d, n)
     reader.stats.add(nbytes, read_s, crc_s)
+
+
+# spans of at least this many items of one layout are checked as a table (see _check_uniform)
+UNIFORM_MIN = 8
+
+
+def _check_uniform(span: List[Tuple[str, int, Any, Any]], mv: memoryview, addr: int, h: Any) -> bool:
+    """A span of items of one layout (many tensors of one shape and dtype: same length, header,
+    data and trailer lengths, one data block), checked as a table and copied out; False (nothing
+    copied) when it is not such a span or anything does not match, and the item-by-item check
+    then finds and names it.
+
+    Every block is still verified: the first item's header and trailer by their digests, every
+    other header and trailer by being byte-identical to those with the same recorded digest (so
+    its digest is the recorded one), every data block by its own digest. What this saves is the
+    per-item Python of the loop (~2-3 us of ~5 per item)."""
+    t0 = span[0][2]
+    length = t0.chunk.storage.length
+    d, n, b, digests = span[0][3]
+    if not (0 < d and 0 < n <= b and d + n < length and len(digests) == 3):
+        return False
+    count = len(span)
+    # one layout, one header digest and one trailer digest recorded for all
+    for _name, _off, t, brec in span:
+        if brec[0] != d or brec[1] != n or brec[2] != b or len(brec[3]) != 3 or brec[3][0] != digests[0] \
+                or brec[3][2] != digests[2] or t.chunk.storage.length != length or t.out.nbytes != n:
+            return False
+    digest = h.digest
+    if digest(mv[:d]) != digests[0] or digest(mv[d + n : length]) != digests[2]:
+        return False
+    table = np.frombuffer(mv, dtype=np.uint8, count=count * length).reshape(count, length)
+    if not (table[:, :d] == table[0, :d]).all() or not (table[:, d + n :] == table[0, d + n :]).all():
+        return False
+    if [digest(mv[s : s + n]) for s in range(d, count * length, length)] != [brec[3][1] for *_, brec in span]:
+        return False
+    try:
+        found = describe_archive_head(bytes(mv[:d]))
+    except CorruptCheckpointError:
+        return False
+    if found is not None:
+        dtype, shape = found
+        for _name, _off, t, _brec in span:
+            if t.dtype != dtype or t.chunk.box.sizes != shape:
+                return False
+    memmove = ctypes.memmove
+    for i, (_name, _off, t, _brec) in enumerate(span):
+        memmove(t.out.data_ptr(), addr + i * length + d, n)
+    return True
 
 
 def _frame_mismatch(path: str, off: int, lo: int, hi: int, t: Any) -> None:
