@@ -487,3 +487,44 @@ def test_parallel_strategy_single_process_falls_back(tmp_path):
     ci.save({"a": ci.ShardedTensor.from_rank_offsets("a", torch.ones(2))}, tmp_path / "c")
     out = ci.load({"a": ci.ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, tmp_path / "c", load_strategy="two_stage")
     assert torch.equal(out["a"], torch.ones(2))
+
+
+def _repeated_loads(rank, world, root):
+    from ckpt_integration.errors import ShardingIntegrityError
+    from ckpt_integration.execution import exchange
+
+    w = global_tensor("w", (8, 4))
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
+    checks = []
+    real = exchange.run
+    exchange.run = lambda *a, **k: checks.append(k.get("purpose")) or real(*a, **k)
+    try:
+        cols = lambda: {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 4 // world), (1, rank, world))}  # noqa: E731
+        for _ in range(2):  # the same request twice: checked once
+            assert torch.equal(ci.load(cols(), root)["w"], w.chunk(world, dim=1)[rank])
+        assert checks == ["load"], checks
+        rows = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8 // world, 4), (0, rank, world))}
+        assert torch.equal(ci.load(rows, root)["w"], w.chunk(world)[rank])  # another request: checked
+        assert checks == ["load", "load"], checks
+        # ranks that disagree on the global shape: checked, refused on every rank, nothing cached
+        bad = {"w": ci.ShardedTensor.from_global_offsets("w", torch.zeros(2, 4), (8 + 2 * rank, 4), (0, 0))}
+        with pytest.raises(ShardingIntegrityError, match="global shape"):
+            ci.load(bad, root)
+        with pytest.raises(ShardingIntegrityError, match="global shape"):
+            ci.load(bad, root)
+        assert checks == ["load"] * 4, checks
+        ci.save({"x": ci.ShardedTensor.from_rank_offsets("x", torch.ones(2), (0, rank, world))}, root + "_x")
+        # the last request checked (rows; one structure is kept), after a save: still not checked again
+        assert torch.equal(ci.load(rows, root)["w"], w.chunk(world)[rank])
+        assert [c for c in checks if c == "load"] == ["load"] * 4, checks
+    finally:
+        exchange.run = real
+
+
+def test_a_repeated_load_request_is_checked_once(tmp_path):
+    """Loads reuse the check of their request like saves reuse their plan: when every rank
+    requests what it requested at the last load checked (an evaluation job loading each new
+    checkpoint into the same model), the validation exchange is skipped; a different request,
+    or an invalid one, is checked (and refused on every rank) as before, and a save in between
+    keeps its own plan and the load's check."""
+    run_distributed(_repeated_loads, 2, str(tmp_path / "c"))

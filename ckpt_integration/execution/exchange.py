@@ -65,7 +65,7 @@ class ExchangeResult:
     token: int = 0
 
 
-_last: Dict[str, ExchangeResult] = {}  # purpose ("save") -> the last plan (one structure kept)
+_last: Dict[str, ExchangeResult] = {}  # purpose ("save", "load") -> the last plan (one structure each)
 
 
 def _frame(a: bytes, b: bytes) -> bytes:
@@ -177,9 +177,8 @@ def run(
     if want_layout:
         mine = encode_shards([metas[i] for i in result.to_write], rank)
         result.layout = [m for msg in dist.all_gather_bytes(mine, group) for m in decode_shards(msg)]
-    if purpose is not None:  # keep only the latest structure
-        _last.clear()
-        _last[purpose] = result
+    if purpose is not None:  # the latest structure per purpose (a load's request check: its identity only)
+        _last[purpose] = result if replies else ExchangeResult(digest=result.digest, token=result.token)
     return result
 
 
@@ -232,5 +231,5 @@ def _raise_problems(problems: List[str], group: Any, header: str, on_problems: O
 
 
 def forget_plans() -> None:
-    """Drop the cached plan (the next save exchanges metadata again)."""
+    """Drop the cached plans (the next save exchanges metadata again, the next load checks its request again)."""
     _last.clear()

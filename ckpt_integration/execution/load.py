@@ -268,13 +268,16 @@ def load_sharded(
         local_error, local_exc = _describe(e), e
     requested_global: Set[str] = set(requested)
     if needs_exchange:
-        if validate_access_integrity:  # raises on every rank when some rank failed above (no separate agreement)
-            exchange.run(
-                metas, routed, group, replies=False, purpose=None,
-                context=f"load of {checkpoint_dir} failed",
-                problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
-                local_error=local_error, local_exc=local_exc,
-            )
+        if validate_access_integrity:
+            # raises on every rank when some rank failed above; the check is skipped when every
+            # rank requests what it requested at the last load checked ("plan once, reuse", as
+            # saves do: an evaluation job loading each new checkpoint into the same model)
+            context = f"load of {checkpoint_dir} failed"
+            if exchange.start(routed, local_error, local_exc, group, context, purpose="load") is None:
+                exchange.run(
+                    metas, routed, group, replies=False, purpose="load", context=context,
+                    problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
+                )
         else:
             dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
         if StrictHandling.requires_global_app_metadata(strict):
