@@ -345,6 +345,9 @@ def test_save_and_load_leave_no_reference_cycles(tmp_path):
     assert count < 100 and not ours, (count, ours)
     assert all(torch.equal(got[k], v) for k, v in ts.items())
     assert torch.equal(got["flat"], torch.arange(12.0))
+    built = {"qkv": fused_qkv_factory("qkv", 8, 0, 1)}
+    _, count, ours = garbage_of(lambda: ci.mapping.apply_factories(built))  # (Megatron-Core's helper)
+    assert count == 0 and set(built["qkv"]) == {"q", "k", "v"}, (count, ours)
 
 
 def test_many_small_tensors_are_written_by_one_thread_of_their_own(tmp_path):
