@@ -336,7 +336,9 @@ class ShardedTensor(ShardedBase):
 
     def saved_shape(self) -> Tuple[int, ...]:
         """Shape of the saved chunk: local shape with the prepended axes as 1."""
-        return (1,) * self.prepend_axis_num + tuple(self.local_shape)
+        # (once per tensor at every save and load: ``local_shape`` is a tuple already, no copy)
+        local = self.local_shape if type(self.local_shape) is tuple else tuple(self.local_shape)
+        return (1,) * self.prepend_axis_num + local if self.prepend_axis_num else local
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
         if self.axis_fragmentations is None:

@@ -147,7 +147,7 @@ def _tensor_tasks(
         # a Parameter (requires_grad) as destination: write through a detached alias of its
         # memory, since in-place copies into a leaf that requires grad are refused by autograd
         host = out.detach() if out.requires_grad else out
-    shape = (1,) * sh.prepend_axis_num + sh.local_shape if sh.prepend_axis_num else sh.local_shape  # sh.saved_shape()
+    shape = sh.saved_shape()
     view = host if host.shape == shape else host.view(shape)
     request = Box(sh.global_offset, shape)
     reads = saved_chunk_reads(reader, sh.key, request)

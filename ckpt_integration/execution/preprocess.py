@@ -39,7 +39,7 @@ def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
             dtype_name(sh.dtype),
             sh.global_shape,
             sh.global_offset,
-            (1,) * sh.prepend_axis_num + sh.local_shape if sh.prepend_axis_num else sh.local_shape,
+            sh.saved_shape(),
             _MAIN if rid == 0 and type(rid) is int else replica_tuple(rid),
             math.prod(sh.local_shape) * element_size(sh.dtype),
             sh.allow_shape_mismatch,
