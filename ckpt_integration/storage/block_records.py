@@ -142,34 +142,28 @@ class BlockRecordTable(Mapping):
         """:meth:`digests_of` for many items at once (what a read of many small items needs):
         the digest texts of one length are joined and decoded together (one base64 decode and one
         ``struct.unpack``, not one per item). Same results and errors as item by item."""
-        raw, keys = self._raw, self._keys
-        vals: List[Any] = [None] * len(rids)
-        for j, rid in enumerate(rids):
-            k = f"{rid[0]}@{rid[1]}" if keys is None else keys.get(rid)
-            v = raw.get(k) if k is not None else None
-            if v is None and keys is None:
-                k = self._key(rid)  # spelled otherwise, or no record: the full index decides
-                keys = self._keys
-                v = raw.get(k) if k is not None else None
-            vals[j] = v
         out: List[Optional[Tuple[int, int, int, Tuple[int, ...]]]] = [None] * len(rids)
+        fields: List[Any] = [None] * len(rids)
         by_len: Dict[int, List[int]] = {}
-        for j, v in enumerate(vals):
-            if v is None:
+        for j, rid in enumerate(rids):
+            k = self._key(rid)
+            if k is None:
                 continue
-            # the form check of _fields, inline (once per small item)
-            if type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int \
-                    and type(v[3]) is str and v[0] >= 0 and v[1] >= 0 and v[2] > 0:
-                text = v[3]
-                if len(text) % 4 == 0 and not text.endswith("="):  # joins with others into valid base64
-                    by_len.setdefault(len(text), []).append(j)
-                    continue
-            out[j] = self.digests_of(rids[j])  # (raises, naming the record, when malformed)
+            try:
+                fields[j] = _fields(self._raw[k])
+            except ValueError:
+                out[j] = self.digests_of(rid)  # (raises, naming the record)
+                continue
+            text = fields[j][3]
+            if len(text) % 4 == 0 and not text.endswith("="):  # joins with others into valid base64
+                by_len.setdefault(len(text), []).append(j)
+            else:
+                out[j] = self.digests_of(rid)
         w, code = self._hash.width, "Q" if self._hash.width == 8 else "I"
         for length, js in by_len.items():
             per = length // 4 * 3 // w if length // 4 * 3 % w == 0 else 0
             try:
-                ints = struct.unpack(f"<{per * len(js)}{code}", base64.b64decode("".join(vals[j][3] for j in js), validate=True)) if per else None
+                ints = struct.unpack(f"<{per * len(js)}{code}", base64.b64decode("".join(fields[j][3] for j in js), validate=True)) if per else None
             except (ValueError, struct.error):
                 ints = None
             if ints is None:  # some text is malformed: find and name it
@@ -177,8 +171,8 @@ class BlockRecordTable(Mapping):
                     out[j] = self.digests_of(rids[j])
                 continue
             for i, j in enumerate(js):
-                v = vals[j]
-                out[j] = (v[0], v[1], v[2], ints[i * per : (i + 1) * per])
+                d, n, b, _ = fields[j]
+                out[j] = (d, n, b, ints[i * per : (i + 1) * per])
         return out
 
     @property
