@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -32,6 +33,8 @@ from bench_util import _free_port  # noqa: E402
 PHASES = [
     ("read_shared", "metadata: one reader, one broadcast (`open_shared`)"),
     ("load_common", "common state (`load_common`)"),
+    ("shards", "request cut into shards (`local_shards`)"),
+    ("check_start", "request check: failures and reuse agreed (`exchange.start`)"),
     ("validation", "request validation exchange (`exchange.run`)"),
     ("prepare", "read plan (`_prepare_reads`)"),
     ("read_once", "read-once decision (`load_read_once`)"),
@@ -68,6 +71,8 @@ def _install(timings: Dict[str, float]) -> None:
     ser_mod.open_shared = _wrap(timings, "read_shared", ser_mod.open_shared)
     ckdir.load_common = _wrap(timings, "load_common", ckdir.load_common)
     exchange_mod.run = _wrap(timings, "validation", exchange_mod.run)
+    exchange_mod.start = _wrap(timings, "check_start", exchange_mod.start)
+    load_mod.local_shards = _wrap(timings, "shards", load_mod.local_shards)
     load_mod._prepare_reads = _wrap(timings, "prepare", load_mod._prepare_reads)
     load_mod.load_read_once = _wrap(timings, "read_once", load_mod.load_read_once)
     load_mod._LoadJob.read_all = _wrap(timings, "read_all", load_mod._LoadJob.read_all)
@@ -129,6 +134,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof = cProfile.Profile()
                 prof.enable()
             request = sd(dst)  # built outside the timing (bench.py times it with the load)
+            gc.collect()  # (untimed, as in bench.py: no run pays for collecting what an earlier one left)
             t0 = time.perf_counter()
             ci.load(request, d, **({"load_strategy": args.strategy} if args.strategy else {}))
             total = time.perf_counter() - t0

@@ -6,7 +6,7 @@ Pure functions, no I/O. Paths are tuples of dict keys / list indices.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterator, Tuple
+from typing import Any, Callable, Iterable, Iterator, Tuple
 
 Path = Tuple[Any, ...]
 
@@ -26,14 +26,19 @@ def empty_like(d: dict) -> dict:
 
 def nested_items(x: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
     """Yield ``(path, leaf)`` for every non-container leaf of a nested dict/list."""
+    # (leaves yielded here, not by a generator of their own: once per tensor of a save or load)
     if isinstance(x, dict):
-        for k, v in x.items():
-            yield from nested_items(v, path + (k,))
+        items: Iterable[Tuple[Any, Any]] = x.items()
     elif isinstance(x, list):
-        for i, v in enumerate(x):
-            yield from nested_items(v, path + (i,))
+        items = enumerate(x)
     else:
         yield path, x
+        return
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from nested_items(v, path + (k,))
+        else:
+            yield path + (k,), v
 
 
 def nested_values(x: Any) -> Iterator[Any]:
@@ -44,13 +49,14 @@ def nested_values(x: Any) -> Iterator[Any]:
 
 def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
     """Replace every leaf ``v`` with ``f(v)`` in place; returns ``x`` (or ``f(x)`` for a leaf)."""
+    # (``f`` called here for leaves, not through a call of this function each: once per tensor)
     if isinstance(x, dict):
-        for k in x:
-            x[k] = dict_list_map_inplace(f, x[k])
+        for k, v in x.items():  # (only values are replaced: the keys stay as they are)
+            x[k] = dict_list_map_inplace(f, v) if isinstance(v, (dict, list)) else f(v)
         return x
     if isinstance(x, list):
-        for i in range(len(x)):
-            x[i] = dict_list_map_inplace(f, x[i])
+        for i, v in enumerate(x):
+            x[i] = dict_list_map_inplace(f, v) if isinstance(v, (dict, list)) else f(v)
         return x
     return f(x)
 

@@ -144,10 +144,11 @@ def convert_foreign(x: Any, path: Tuple[Any, ...] = ()) -> Any:
     if isinstance(x, dict):
         out = empty_like(x)
         for k, v in x.items():
-            out[k] = convert_foreign(v, path + (k,))
+            # (our own values as they are, without a call each: once per tensor of a save or load)
+            out[k] = v if isinstance(v, _OURS) else convert_foreign(v, path + (k,))
         return out
     if isinstance(x, list):
-        return [convert_foreign(v, path + (i,)) for i, v in enumerate(x)]
+        return [v if isinstance(v, _OURS) else convert_foreign(v, path + (i,)) for i, v in enumerate(x)]
     return to_native(x, path)
 
 

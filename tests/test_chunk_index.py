@@ -206,6 +206,45 @@ def test_keys_of_many_chunks_are_found_by_search(tmp_path):
         assert torch.equal(out["cols"], full[box]) and torch.equal(out["grid"], full[box]), box
 
 
+def test_a_request_that_is_one_saved_chunk_is_planned_in_one_step(tmp_path, monkeypatch):
+    """A same-layout request (exactly one saved chunk) is found by ``CompactChunks.whole_chunk``
+    (scanned for a few chunks, searched for more than 8) with the record ``chunk_reads`` gives it;
+    anything else is None and goes to the general plan, which loads it (or refuses it) as before."""
+    from ckpt_integration.execution import load as load_mod
+    from ckpt_integration.planning.boxes import Box
+
+    full = torch.arange(24 * 36, dtype=torch.float32).reshape(24, 36)
+    rows_at, cols_at = [0, 5, 16, 24], [0, 7, 8, 20, 36]
+    blocks = [(r0, c0, full[r0:r1, c0:c1].clone()) for r0, r1 in zip(rows_at, rows_at[1:])
+              for c0, c1 in zip(cols_at, cols_at[1:])]
+    path = str(tmp_path / "c")
+    ci.save({"grid": [_box("grid", b, r, c) for r, c, b in blocks],
+             "one": ShardedTensor.from_rank_offsets("one", torch.arange(6.0))}, path)
+    index = cx.read_chunk_index(path, ckdir.read_manifest(path), lambda: pytest.fail("the index was not used"))
+    compact = cx.compact_chunks_of(index.metadata_for(["grid", "one"]))
+    for key, r, c, b in [("grid", r, c, b) for r, c, b in blocks] + [("one", None, None, torch.arange(6.0))]:
+        box = Box((0,), (6,)) if r is None else Box((r, c), tuple(b.shape))
+        info = compact.whole_chunk(key, box, path)
+        (read,) = compact.chunk_reads(key, box, path)
+        assert info is not None and info.box == box and info.storage == read.source.storage, (key, box)
+    assert compact.whole_chunk("grid", Box((0, 0), (5, 8)), path) is None  # two chunks
+    assert compact.whole_chunk("grid", Box((0, 0), (4, 7)), path) is None  # inside one
+    assert compact.whole_chunk("grid", Box((0,), (5,)), path) is None  # another number of dims
+    assert compact.whole_chunk("nope", Box((0,), (6,)), path) is None
+    fast = []
+    real = load_mod._whole_chunk_task
+    monkeypatch.setattr(load_mod, "_whole_chunk_task", lambda *a: fast.append(real(*a)) or fast[-1])
+    # every block as saved (one step each), a window over several (the general plan), a Parameter
+    req = {"grid": [_box("grid", torch.zeros_like(b), r, c) for r, c, b in blocks],
+           "win": _box("grid", torch.zeros(10, 20), 3, 5),
+           "one": ShardedTensor.from_rank_offsets("one", torch.nn.Parameter(torch.zeros(6)))}
+    out = ci.load(req, path, validate_access_integrity=False)
+    assert all(torch.equal(o, b) for o, (_r, _c, b) in zip(out["grid"], blocks))
+    assert torch.equal(out["win"], full[3:13, 5:25])
+    assert isinstance(out["one"], torch.nn.Parameter) and torch.equal(out["one"].detach(), torch.arange(6.0))
+    assert [t is not None for t in fast] == [True] * len(blocks) + [False, True]
+
+
 @pytest.mark.parametrize("compress", [True, False])
 def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path, compress):
     """The coordinator's broadcast (manifest text, commit marker, the index as stored) decodes to

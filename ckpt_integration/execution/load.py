@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import logging
+import operator
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -70,7 +71,11 @@ class ReadTask:
 
     @property
     def order(self) -> Tuple[str, int]:
-        return (self.chunk.storage.relative_path, self.chunk.storage.offset)
+        return _read_order(self)
+
+
+# reads sorted by file and offset (a C getter: once per tensor, ~0.2 us against ~0.6 through the property)
+_read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.offset")
 
 
 def _request_key(sh: Any) -> str:
@@ -167,6 +172,34 @@ def _tensor_tasks(
         for r in reads
     ]
     return host, tasks
+
+
+def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, directory: str) -> Optional[ReadTask]:
+    """The read of a request that is exactly one saved chunk, in the saved dtype, into a CPU tensor
+    of its shape (a same-layout load: every tensor of it, tens of thousands per rank for some
+    models), checked and planned in one step; None for anything else, which
+    :func:`_tensor_tasks` plans (and refuses, naming the problem)."""
+    if sh.prepend_axis_num or sh.allow_shape_mismatch:
+        return None
+    tmeta = sdm.get(sh.key)
+    if not isinstance(tmeta, TensorStorageMetadata) or tmeta.properties.dtype is not sh.dtype \
+            or tmeta.size != sh.global_shape:
+        return None
+    out = sh.data
+    shape = sh.local_shape
+    if out is not None and (not out.is_cpu or out.shape != shape):
+        return None
+    request = Box(sh.global_offset, shape)
+    if not _inside(request, tmeta.size):
+        return None
+    info = compact.whole_chunk(sh.key, request, directory)
+    if info is None:
+        return None
+    if out is None:
+        out = torch.empty(shape, dtype=sh.dtype)
+    elif out.requires_grad:
+        out = out.detach()  # (as _tensor_tasks: write through an alias of a Parameter's memory)
+    return ReadTask(sh.key, info, request, out, sh.dtype)
 
 
 def _whole_chunks(tasks: List[ReadTask]) -> bool:
@@ -409,6 +442,10 @@ def _prepare_reads(
     # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
     tasks: List[ReadTask] = []
+    # requests that are one saved chunk each (a same-layout load) are planned in one step
+    fast = compact_chunks_of(getattr(reader, "metadata", None))
+    sdm = md.state_dict_metadata
+    directory = getattr(reader, "directory", "")
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
     whole = True
 
@@ -430,6 +467,13 @@ def _prepare_reads(
 
     def prepare_one(sh: Any) -> Any:
         nonlocal whole
+        if fast is not None and type(sh) is ShardedTensor:
+            task = _whole_chunk_task(sh, sdm, fast, directory)
+            if task is not None:
+                if whole and not is_main_replica(sh.replica_id):
+                    whole = False
+                tasks.append(task)
+                return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
             if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
@@ -459,7 +503,7 @@ def _prepare_reads(
     except BaseException:
         reader.close()
         raise
-    tasks.sort(key=lambda t: t.order)
+    tasks.sort(key=_read_order)
     return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected,
                     whole_chunks=whole)
 
@@ -481,7 +525,7 @@ def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2)
             out[key] = torch.empty(shape, dtype=tmeta.properties.dtype)
             chunk_of = {c.box: c for c in reader.chunks[key]}
             tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype) for r in reads]
-        tasks.sort(key=lambda t: t.order)
+        tasks.sort(key=_read_order)
         tasks = read_small_items(reader, tasks, thread_count)
         run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
     return out

@@ -394,6 +394,25 @@ class CompactChunks:
                 out.append(ChunkRead(box, intersect(request, box), self.chunk_info(key, i, box, directory)))
         return out
 
+    def whole_chunk(self, key: str, request: Box, directory: str) -> Any:
+        """The record of the saved chunk of ``key`` that is exactly ``request`` (a same-layout
+        load's request), or None (no such chunk, or not a key of this index): what
+        :meth:`chunk_reads` answers for it, without its list and read record."""
+        pos = self._positions.get(key)
+        if pos is None:
+            return None
+        p, n, nd, axis, longest = pos
+        ro, rsz = request.offsets, request.sizes
+        if len(ro) != nd:
+            return None
+        ints, step = self._ints, 2 * nd + 3
+        cands = range(n) if n <= 8 else band(lambda i: ints[p + i * step + axis], n, axis, longest, request)
+        for i in cands:
+            base = p + i * step
+            if tuple(ints[base : base + nd]) == ro and tuple(ints[base + nd : base + 2 * nd]) == rsz:
+                return self.chunk_info(key, i, request, directory)
+        return None
+
     def chunk_info(self, key: str, i: int, box: Box, directory: str) -> Any:
         """The storage layer's record of chunk ``i`` of ``key`` (built once)."""
         info = self._infos.get((key, i))

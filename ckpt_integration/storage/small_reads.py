@@ -60,13 +60,14 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     ``chunk``, ``overlap``, ``out``, ``dtype``)."""
     if not getattr(reader, "block_records", None) or not reader.block_records:
         return list(tasks)
-    fits = [t for t in tasks if _fits(t)]
-    records = reader.block_records.digests_many([(t.chunk.storage.relative_path, t.chunk.storage.offset) for t in fits])
-    brec_of = {id(t): r for t, r in zip(fits, records) if r is not None}
+    # (one pass per list, no call per task: tens of thousands of tasks for some models)
+    fits = [_fits(t) for t in tasks]
+    where = [(t.chunk.storage.relative_path, t.chunk.storage.offset) for t, f in zip(tasks, fits) if f]
+    records = iter(reader.block_records.digests_many(where))
     rest: List[Any] = []
     small: List[Tuple[str, int, Any, Any]] = []
-    for t in tasks:
-        brec = brec_of.get(id(t))
+    for t, f in zip(tasks, fits):
+        brec = next(records) if f else None
         if brec is None:
             rest.append(t)
         else:
