@@ -54,7 +54,13 @@ def string_digest(s: str) -> int:
 
 def string_digests(strings: Sequence[str]) -> np.ndarray:
     """:func:`string_digest` of each string, as a uint64 array."""
-    return np.fromiter((string_digest(s) for s in strings), dtype=np.uint64, count=len(strings))
+    # (the cache looked up in one comprehension, the function called only for strings not in it:
+    # a save or load looks up each of its keys several times)
+    get = _cache.get
+    found = [get(s) for s in strings]
+    if None in found:
+        found = [string_digest(s) if d is None else d for s, d in zip(strings, found)]
+    return np.array(found, dtype=np.uint64) if found else np.zeros(0, dtype=np.uint64)
 
 
 def mix(h: np.ndarray, columns: Optional[np.ndarray]) -> np.ndarray:

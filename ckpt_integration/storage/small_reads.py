@@ -51,7 +51,8 @@ def _fits(t: Any) -> bool:
     chunk, out = t.chunk, t.out
     if chunk.storage.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
         return False
-    return out.is_cpu and out.is_contiguous() and out.numel() == chunk.box.numel
+    # (the shape first: a whole chunk's destination has the chunk's shape, compared without a product)
+    return out.is_cpu and out.is_contiguous() and (out.shape == chunk.box.sizes or out.numel() == chunk.box.numel)
 
 
 def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> List[Any]:
@@ -268,7 +269,7 @@ def _check_uniform(span: List[Tuple[str, int, Any, Any]], mv: memoryview, addr: 
     table = np.frombuffer(mv, dtype=np.uint8, count=count * length).reshape(count, length)
     if not (table[:, :d] == table[0, :d]).all() or not (table[:, d + n :] == table[0, d + n :]).all():
         return False
-    if [digest(mv[s : s + n]) for s in range(d, count * length, length)] != [brec[3][1] for *_, brec in span]:
+    if [digest(mv[s : s + n]) for s in range(d, count * length, length)] != [e[3][3][1] for e in span]:
         return False
     try:
         found = describe_archive_head(bytes(mv[:d]))
