@@ -281,3 +281,9 @@ def test_block_records_decoded_together_equal_one_by_one():
         bad["f@1200"] = [64, 0, 4096, "****" * 4]
         with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: block record of f@1200"):
             BlockRecordTable(bad, h, checked=True).digests_many(rids)
+        # records of another form or out of bounds (checked inline in a run) are named the same way
+        for wrong in ([64, -5, 4096, h.pack([1])], [64, 0, 0, h.pack([1])], ["64", 0, 4096, h.pack([1])],
+                      [64, 0, 4096], "64,0,4096", [64, 0, 4096, 7]):
+            bad = dict(raw, **{"f@1300": wrong})
+            with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: block record of f@1300"):
+                BlockRecordTable(bad, h, checked=True).digests_many(rids)

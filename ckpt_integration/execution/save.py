@@ -162,9 +162,9 @@ def _remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
 
 def _check_savable(shards: List[ShardedBase]) -> None:
     """Before anything is written: tensors must have data a save can read (not on the meta device)."""
-    for sh in shards:
+    for sh in shards:  # (``is_meta``, not ``device.type``: no device object per tensor)
         data = getattr(sh, "data", None)
-        if isinstance(sh, ShardedTensor) and isinstance(data, torch.Tensor) and data.device.type == "meta":
+        if isinstance(sh, ShardedTensor) and isinstance(data, torch.Tensor) and data.is_meta:
             raise CheckpointingException(
                 f"ShardedTensor {sh.key!r} is on the meta device (it has a shape but no values); "
                 "materialize it (e.g. module.to_empty(device=...) and initialize) before saving"

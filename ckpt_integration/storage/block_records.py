@@ -143,22 +143,24 @@ class BlockRecordTable(Mapping):
         the digest texts of one length are joined and decoded together (one base64 decode and one
         ``struct.unpack``, not one per item). Same results and errors as item by item."""
         out: List[Optional[Tuple[int, int, int, Tuple[int, ...]]]] = [None] * len(rids)
-        fields: List[Any] = [None] * len(rids)
+        raw = self._raw
+        # the records as the writer spells their keys, looked up in one pass (``_key`` for the rest)
+        fields: List[Any] = [raw.get(f"{f}@{o}") for f, o in rids] if self._keys is None else [None] * len(rids)
         by_len: Dict[int, List[int]] = {}
-        for j, rid in enumerate(rids):
-            k = self._key(rid)
-            if k is None:
-                continue
-            try:
-                fields[j] = _fields(self._raw[k])
-            except ValueError:
-                out[j] = self.digests_of(rid)  # (raises, naming the record)
-                continue
-            text = fields[j][3]
-            if len(text) % 4 == 0 and not text.endswith("="):  # joins with others into valid base64
-                by_len.setdefault(len(text), []).append(j)
-            else:
-                out[j] = self.digests_of(rid)
+        for j, v in enumerate(fields):
+            if v is None:
+                k = self._key(rids[j])
+                if k is None:
+                    continue
+                v = fields[j] = raw[k]
+            # (``_fields``'s form and bounds, inline: once per small item)
+            if type(v) is list and len(v) == 4 and type(v[0]) is int and type(v[1]) is int and type(v[2]) is int \
+                    and v[0] >= 0 and v[1] >= 0 and v[2] > 0 and isinstance(v[3], str):
+                text = v[3]
+                if len(text) % 4 == 0 and not text.endswith("="):  # joins with others into valid base64
+                    by_len.setdefault(len(text), []).append(j)
+                    continue
+            out[j] = self.digests_of(rids[j])  # (raises naming a malformed record; decodes odd text alone)
         w, code = self._hash.width, "Q" if self._hash.width == 8 else "I"
         for length, js in by_len.items():
             per = length // 4 * 3 // w if length // 4 * 3 % w == 0 else 0
