@@ -143,8 +143,14 @@ def _crc32_item(digests: Sequence[int], lengths: Sequence[int]) -> int:
 
 
 def _xxh3_item(digests: Sequence[int], lengths: Sequence[int]) -> int:
-    # the digests as little-endian u64s (struct: ~0.3 us for an item of three blocks, numpy ~1.5 us)
+    # the digests as little-endian u64s (struct, numpy takes ~1.5 us); a small item has three
+    # (header, data, trailer): packed by a prepared Struct, not a format string built per item
+    if len(digests) == 3:
+        return xxhash.xxh3_64_intdigest(_PACK3(*digests))
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+_PACK3 = struct.Struct("<3Q").pack
 
 
 @dataclass(frozen=True)

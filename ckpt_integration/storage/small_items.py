@@ -41,6 +41,7 @@ class SmallItemWriter:
         self.f = f
         self.block_size = block_size
         self.hash = block_hash or save_block_hash()
+        self._digest, self._item_digest = self.hash.digest, self.hash.item_digest  # (once per item)
         self.limit = min(block_size, TEMPLATE_MAX_BYTES)
         self.pending = 0  # bytes staged in ``buf``, not yet written
         self.pos = f.tell()  # the file offset of ``buf[0]``
@@ -77,11 +78,13 @@ class SmallItemWriter:
             self.view = memoryview(self.buf.numpy())
             self.addr = self.buf.data_ptr()
         s = self.pending
-        at = self.addr + s
-        ctypes.memmove(at, frame, length)
-        ctypes.memmove(at + d, t.data_ptr(), nbytes)
-        digests = [head_digest, self.hash.digest(self.view[s + d : s + d + nbytes]), tail_digest]
-        whole = self.hash.item_digest(digests, (d, nbytes, length - d - nbytes))
+        view = self.view
+        # the template by a memoryview assignment (a C copy: ~0.4 us, ctypes.memmove ~1 us), then
+        # the tensor's bytes over its data part
+        view[s : s + length] = frame
+        ctypes.memmove(self.addr + s + d, t.data_ptr(), nbytes)
+        digests = [head_digest, self._digest(view[s + d : s + d + nbytes]), tail_digest]
+        whole = self._item_digest(digests, (d, nbytes, length - d - nbytes))
         self.pending = s + length
         return self.pos + s, length, whole, (d, nbytes, self.block_size, digests)
 
