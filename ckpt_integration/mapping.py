@@ -21,51 +21,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import CheckpointingException
+from .flat_ranges import flat_range_to_boxes  # (public here too, under Megatron-Core's module name)
 
 ReplicaId = Union[int, Tuple[int, ...]]
 StateDict = Dict[str, Any]
 ShardedStateDict = Dict[str, Any]
 CkptShardedMetadata = Dict[str, Any]
-
-
-def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
-    """Split the row-major flat range ``[start, end)`` of a tensor of ``shape`` into rectangles.
-
-    Returns ``[(offset, size), ...]`` in flat order; concatenating the boxes' elements in
-    row-major order gives the flat range. Per axis at most a partial first part, a block
-    of whole sub-tensors and a partial last part (3 boxes for 2-D, recursively for N-D).
-
-    Example: ``flat_range_to_boxes((4, 5), 3, 17)`` ->
-    ``[((0, 3), (1, 2)), ((1, 0), (2, 5)), ((3, 0), (1, 2))]``
-    """
-    shape = tuple(int(s) for s in shape)
-    if start >= end:
-        return []
-    if len(shape) == 0:
-        return [((), ())]
-    if len(shape) == 1:
-        return [((start,), (end - start,))]
-    row = math.prod(shape[1:])
-    first, first_off = divmod(start, row)
-    last, last_off = divmod(end, row)
-    sub = lambda r, a, b: [((r,) + o, (1,) + s) for o, s in flat_range_to_boxes(shape[1:], a, b)]  # noqa: E731
-    if first == last:
-        return sub(first, first_off, last_off)
-    out = []
-    if first_off:
-        out += sub(first, first_off, row)
-        first += 1
-    if last > first:
-        out.append(((first,) + (0,) * (len(shape) - 1), (last - first,) + shape[1:]))
-    if last_off:
-        out += sub(last, 0, last_off)
-    return out
 
 
 def is_main_replica(replica_id: ReplicaId) -> bool:

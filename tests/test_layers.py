@@ -35,6 +35,7 @@ LAYERS: Dict[str, int] = {
     "ckpt_integration.errors": 1,
     "ckpt_integration.version": 1,
     "ckpt_integration.dict_utils": 1,
+    "ckpt_integration.flat_ranges": 1,
     "ckpt_integration.mapping": 1,
     "ckpt_integration.foreign": 1,
     "ckpt_integration.utils": 1,
