@@ -36,8 +36,7 @@ def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
 
 def default_thread_count() -> int:
     """I/O threads per rank: the machine's cores shared by the ranks on it (1..4)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    ranks = int(local) if local else dist.get_world_size()
+    ranks = dist.local_world_size() or dist.get_world_size()
     return max(1, min(4, (os.cpu_count() or 1) // max(1, ranks)))
 
 

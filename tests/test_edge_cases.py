@@ -288,3 +288,25 @@ def test_from_rank_offsets_builds_what_the_dataclass_builds():
         pass
 
     assert type(Mine.from_rank_offsets("k", t, (0, 0, 2))) is Mine
+
+
+@pytest.mark.parametrize("value", ["", "2", " 2 ", "0", "-1", "four", "2.0"])
+def test_local_world_size_is_read_one_way_and_a_bad_value_breaks_nothing(tmp_path, monkeypatch, value):
+    """``LOCAL_WORLD_SIZE`` (ranks on the node, as torchrun says) is parsed in one place: a positive
+    integer or nothing. A value that is not one (set by hand, mistyped) made every save and load
+    raise ``ValueError`` from the thread count; now it counts as unset there, in the load's
+    one-node test and in the node of read-once loads."""
+    from ckpt_integration.execution import dist as dist_mod
+    from ckpt_integration.execution.read_once import node_of
+    from ckpt_integration.execution.shared_metadata import one_node
+    from ckpt_integration.serialization import default_thread_count
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    want = int(value) if value.strip().isdigit() and int(value) > 0 else None
+    assert dist_mod.local_world_size() == want
+    assert one_node() == (want is not None)  # (one process: a group of 1)
+    assert 1 <= default_thread_count() <= 4 and isinstance(node_of(0), int)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
+    ci.save(sd, tmp_path / "c")
+    assert torch.equal(ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, tmp_path / "c")["w"],
+                       torch.arange(6.0))

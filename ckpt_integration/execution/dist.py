@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import logging
+import os
 import pickle
 import threading
 import time
@@ -164,6 +165,13 @@ def get_world_size(group: Optional[Any] = None) -> int:
     if isinstance(group, PrivateGroup):
         return group.size()
     return dist.get_world_size(group) if is_distributed() else 1
+
+
+def local_world_size() -> Optional[int]:
+    """The ranks on this node as torchrun says (``LOCAL_WORLD_SIZE``), or None when it is unset or
+    not a positive integer (every reader of the variable parses it here, the same way)."""
+    v = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(v) if v.isdigit() and int(v) > 0 else None
 
 
 def own_global_rank(group: Optional[Any]) -> int:

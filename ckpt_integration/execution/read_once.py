@@ -70,9 +70,9 @@ def node_of(rank: int) -> int:
     ``RANK // LOCAL_WORLD_SIZE``). Ranks with the same value share a page cache."""
     index = os.environ.get("GROUP_RANK")
     if index is None:
-        lws = os.environ.get("LOCAL_WORLD_SIZE")
+        lws = dist.local_world_size()
         global_rank = tdist.get_rank() if dist.is_distributed() else rank
-        index = str(global_rank // max(1, int(lws))) if lws and lws.isdigit() else "0"
+        index = str(global_rank // lws) if lws else "0"
     return zlib.crc32(f"{socket.gethostname()}/{index}".encode()) & 0x3FFFFFFF
 
 

@@ -19,7 +19,6 @@ commit the coordinator read, which the load passes down with the :class:`SharedM
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from dataclasses import asdict, dataclass
@@ -84,8 +83,8 @@ _FRAME = struct.Struct("<IB")
 def one_node(group: Any = None) -> bool:
     """Whether every rank of ``group`` runs on this node, as torchrun says (``LOCAL_WORLD_SIZE``
     at least the group's size); unknown (no ``LOCAL_WORLD_SIZE``): False."""
-    lws = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return lws.isdigit() and int(lws) >= dist.get_world_size(group)
+    lws = dist.local_world_size()
+    return lws is not None and lws >= dist.get_world_size(group)
 
 
 def encode_shared(shared: SharedMetadata, compress: bool = True) -> bytes:

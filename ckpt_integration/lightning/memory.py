@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from lightning.pytorch.callbacks import Callback
 
 from ..errors import MemoryCheckpointError
+from ..execution.dist import local_world_size
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
 from ..memory import MemoryCheckpoints
@@ -60,7 +61,7 @@ def tier_for(strategy: Any) -> Any:
     io = strategy.dist_checkpoint_io()
     if io.memory_tier is None:
         trainer = strategy.lightning_module.trainer
-        rpn = io.memory_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or trainer.num_devices
+        rpn = io.memory_ranks_per_node or local_world_size() or trainer.num_devices
         kw = io.load_kwargs()
         io.memory_tier = MemoryCheckpoints(_dir(io), memory_job_id(io, trainer), replicas=io.memory_replicas,
                                            ranks_per_node=rpn, trusted=kw["trusted"],

@@ -133,10 +133,11 @@ class MemoryCheckpoints:
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         if ranks_per_node is None:
-            env = os.environ.get("LOCAL_WORLD_SIZE")
+            env = dist.local_world_size()
             if env is None and self.world_size > 1:
-                raise MemoryCheckpointError("MemoryCheckpoints needs ranks_per_node (LOCAL_WORLD_SIZE is not set)")
-            ranks_per_node = int(env) if env else 1
+                raise MemoryCheckpointError("MemoryCheckpoints needs ranks_per_node (LOCAL_WORLD_SIZE is not set, "
+                                            "or not a positive integer)")
+            ranks_per_node = env or 1
         self.plan = replication_plan(self.world_size, int(ranks_per_node), int(replicas))
         self.trusted = trusted
         self.allowed_globals = list(allowed_globals or [])
