@@ -56,6 +56,13 @@ class BlockRecord:
         return out
 
 
+def item_id(key: str) -> Tuple[str, int]:
+    """``(file, offset)`` of a manifest table key ``"<file>@<offset>"``; ValueError if the offset is
+    not an integer."""
+    name, _, off = key.rpartition("@")
+    return name, int(off)
+
+
 def _fields(v: Any) -> Tuple[int, int, int, str]:
     """``(data_offset, data_length, block_size, digests text)`` of a raw block record; ValueError
     when it does not have that form and those bounds."""
@@ -94,12 +101,12 @@ class BlockRecordTable(Mapping):
             keys = {}
             try:
                 for k, v in self._raw.items():
-                    name, _, off = k.rpartition("@")
+                    rid = item_id(k)
                     if not (isinstance(v, list) and len(v) == 4 and type(v[0]) is int and type(v[1]) is int
                             and type(v[2]) is int and isinstance(v[3], str)):
                         raise ValueError(f"a block record must be [data_offset, data_length, block_size, digests], "
                                          f"got {str(v)[:80]}")
-                    keys[(name, int(off))] = k
+                    keys[rid] = k
             except ValueError as e:
                 raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: {e}") from None
             self._keys = keys
@@ -210,8 +217,7 @@ class ItemDigestTable(Mapping):
             out = {}
             try:
                 for k, v in self._raw.items():
-                    name, _, off = k.rpartition("@")
-                    out[(name, int(off))] = int(v)
+                    out[item_id(k)] = int(v)
             except (TypeError, ValueError) as e:
                 raise CorruptCheckpointError(f"{MANIFEST_FILE} is damaged: an item digest entry: {e}") from None
             self._index = out
