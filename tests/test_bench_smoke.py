@@ -123,3 +123,25 @@ def test_load_phases_runs_and_prints_every_phase(tmp_path):
     for label in ("`open_shared`", "`exchange.run`", "`_prepare_reads`", "`load_read_once`", "`read_all`",
                   "total `load()`", "plain read"):
         assert label in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow  # ~10-20 s (two spawned ranks)
+def test_save_phases_runs_and_prints_every_phase(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "save_phases.py"), "--small", "20", "--repeats", "2",
+           "--dir", str(tmp_path)]
+    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("`split_state_dict`", "`route_shards`", "`exchange.start`", "`prepare_save`", "`write`",
+                  "`commit`", "`finalize_save`", "total `save()`", "first save", "rank 1"):
+        assert label in proc.stdout, proc.stdout
+    assert not os.listdir(tmp_path)  # (its checkpoints removed)
+
+
+def test_contention_runs_alone_and_together(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "contention.py"), "--small", "20", "--procs", "2",
+           "--repeats", "1", "--dir", str(tmp_path)]
+    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for label in ("| alone |", "| 2 at once, process 0 |", "| 2 at once, process 1 |", "slowest of 2 at once"):
+        assert label in proc.stdout, proc.stdout
+    assert not os.listdir(tmp_path)

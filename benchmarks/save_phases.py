@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Where a save's time goes: each phase of ``save()`` timed on every rank.
+
+``--ranks`` gloo ranks save the same state ``--repeats`` times, each into a new directory; the
+save's steps are wrapped with timers: the state dict split, the routing of the shard records,
+the plan agreement (``exchange.start``; the full exchange ``exchange.run`` only when the plan
+is not reused: the first save of a structure), the common-state check, the write requests, the
+data file writes, and the finalize step (rank 0 gathers what every rank wrote and commits:
+``.metadata``, the chunk index, the manifest; the others wait for it). Best of ``--repeats`` per
+phase and rank, after one untimed collection per save (as ``bench.py``); the first save (its
+plan exchanged) is reported apart.
+
+    python benchmarks/save_phases.py --small 10000 --dir /dev/shm --repeats 7     # 4 KiB tensors
+    python benchmarks/save_phases.py --mib 512 --tensors 32 --dir /dev/shm --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from typing import Any, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import _free_port  # noqa: E402
+
+PHASES = [
+    ("split", "state dict split (`split_state_dict`)"),
+    ("route", "shard records routed (`route_shards`)"),
+    ("plan_start", "plan agreed or reused (`exchange.start`)"),
+    ("plan_run", "plan exchanged (`exchange.run`, first save only)"),
+    ("common", "common state compared (`check_common_consistency`)"),
+    ("requests", "write requests (`_requests_for`)"),
+    ("prepare", "all of phase 1 (`prepare_save`)"),
+    ("write", "data files written (`write`)"),
+    ("commit", "commit, rank 0 (`commit`)"),
+    ("finalize", "finalize: gather + commit + agreement (`finalize_save`)"),
+]
+
+
+def _wrap(timings: Dict[str, float], name: str, fn):
+    def inner(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            timings[name] += time.perf_counter() - t0
+
+    return inner
+
+
+def _install(timings: Dict[str, float]) -> None:
+    from ckpt_integration.execution import exchange as exchange_mod
+    from ckpt_integration.execution import save as save_mod
+
+    for mod, attr, name in [(save_mod, "split_state_dict", "split"), (save_mod, "route_shards", "route"),
+                            (exchange_mod, "start", "plan_start"), (exchange_mod, "run", "plan_run"),
+                            (save_mod, "check_common_consistency", "common"), (save_mod, "_requests_for", "requests"),
+                            (save_mod, "prepare_save", "prepare"), (save_mod, "finalize_save", "finalize")]:
+        setattr(mod, attr, _wrap(timings, name, getattr(mod, attr)))
+    be = save_mod.SAVE_BACKENDS["torch_dist"]  # (its functions are held by the backend record)
+    save_mod.SAVE_BACKENDS["torch_dist"] = dataclasses.replace(
+        be, write=_wrap(timings, "write", be.write), commit=_wrap(timings, "commit", be.commit))
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))  # one node, as torchrun would say
+    import torch
+    import torch.distributed as tdist
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    root = os.path.join(args.dir, f"ckpt_save_phases_{port}")
+    try:
+        if args.small:
+            local = [torch.rand(args.small_bytes // 4) for _ in range(args.small)]
+        else:
+            per = args.mib * (1 << 20) // args.tensors // (args.cols * 4)
+            local = [torch.rand(per, args.cols) for _ in range(args.tensors)]
+        sd = lambda: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world)) for i, t in enumerate(local)}  # noqa: E731
+        timings: Dict[str, float] = defaultdict(float)
+        _install(timings)
+        best: Dict[str, float] = {}
+        for rep in range(args.repeats):
+            d = os.path.join(root, str(rep))
+            request = sd()  # built outside the timing (bench.py times it with the save)
+            gc.collect()
+            timings.clear()
+            tdist.barrier()
+            t0 = time.perf_counter()
+            ci.save(request, d)
+            total = time.perf_counter() - t0
+            tdist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+            rec = dict(timings, total=total)
+            allrec: List[Any] = [None] * world
+            tdist.all_gather_object(allrec, rec)
+            rec["total_max"] = max(r["total"] for r in allrec)
+            if rep == 0:  # the first save of a structure exchanges its plan; later ones reuse it
+                best["first_total_max"] = rec["total_max"]
+                continue
+            for k, v in rec.items():
+                best[k] = min(best.get(k, v), v)
+        allbest: List[Any] = [None] * world
+        tdist.all_gather_object(allbest, best)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(allbest, f)
+        tdist.barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        tdist.destroy_process_group()
+
+
+def main(argv=None) -> List[Dict[str, float]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--mib", type=int, default=512, help="state per rank (MiB)")
+    p.add_argument("--tensors", type=int, default=32)
+    p.add_argument("--cols", type=int, default=1024)
+    p.add_argument("--small", type=int, default=0, metavar="N", help="N tensors of --small-bytes per rank instead")
+    p.add_argument("--small-bytes", type=int, default=4096)
+    p.add_argument("--dir", default="/dev/shm")
+    p.add_argument("--repeats", type=int, default=5, help="saves (the first, whose plan is exchanged, reported apart)")
+    args = p.parse_args(argv)
+    if args.repeats < 2:
+        p.error("--repeats must be at least 2 (the first save is reported apart)")
+    import torch.multiprocessing as mp
+
+    out = tempfile.mktemp(suffix=".json")
+    mp.start_processes(_worker, args=(args.ranks, _free_port(), args, out), nprocs=args.ranks, start_method="spawn")
+    with open(out) as f:
+        per_rank = json.load(f)
+    os.unlink(out)
+    n = args.small
+    unit = "us/tensor" if n else "seconds"
+    scale = (lambda v: f"{1e6 * v / n:.1f}") if n else (lambda v: f"{v:.4f}")
+    print(f"| phase (best of {args.repeats - 1} repeated saves), {unit} | " +
+          " | ".join(f"rank {r}" for r in range(len(per_rank))) + " |")
+    print("|---|" + "---:|" * len(per_rank))
+    rows = PHASES + [("total", "total `save()`"), ("total_max", "total, slowest rank"),
+                     ("first_total_max", "first save (plan exchanged), slowest rank")]
+    for k, label in rows:
+        print(f"| {label} | " + " | ".join(scale(b.get(k, 0.0)) for b in per_rank) + " |")
+    return per_rank
+
+
+if __name__ == "__main__":
+    main()
