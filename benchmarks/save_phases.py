@@ -12,6 +12,7 @@ plan exchanged) is reported apart.
 
     python benchmarks/save_phases.py --small 10000 --dir /dev/shm --repeats 7     # 4 KiB tensors
     python benchmarks/save_phases.py --mib 512 --tensors 32 --dir /dev/shm --repeats 3
+    python benchmarks/save_phases.py --small 10000 --profile prof.out             # cProfile of rank 0's last save
 """
 
 from __future__ import annotations
@@ -99,9 +100,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             gc.collect()
             timings.clear()
             tdist.barrier()
+            prof = None
+            if args.profile and rank == 0 and rep == args.repeats - 1:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             t0 = time.perf_counter()
             ci.save(request, d)
             total = time.perf_counter() - t0
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(args.profile)
             tdist.barrier()
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
@@ -136,6 +146,7 @@ def main(argv=None) -> List[Dict[str, float]]:
     p.add_argument("--small-bytes", type=int, default=4096)
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--repeats", type=int, default=5, help="saves (the first, whose plan is exchanged, reported apart)")
+    p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last save into OUT")
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats must be at least 2 (the first save is reported apart)")

@@ -190,12 +190,12 @@ MANY_SMALL = 64
 def _buckets(requests: Sequence[WriteRequest], picked: Sequence[int], threads: int) -> List[List[int]]:
     """The requests ``picked`` in buckets of similar bytes, one per thread; many small tensors in
     one more bucket by themselves (see ``MANY_SMALL``)."""
-    small: List[int] = []
-    if threads > 1:
-        limit = TEMPLATE_MAX_BYTES
-        small = [i for i in picked if isinstance(requests[i].data, torch.Tensor) and requests[i].nbytes <= limit]
-        if len(small) < MANY_SMALL:
-            small = []
+    if threads <= 1:  # (one bucket: no sizes to weigh, tens of thousands of requests for some models)
+        return [list(picked)] if len(picked) else []
+    limit = TEMPLATE_MAX_BYTES
+    small = [i for i in picked if isinstance(requests[i].data, torch.Tensor) and requests[i].nbytes <= limit]
+    if len(small) < MANY_SMALL:
+        small = []
     taken = set(small)
     rest = [i for i in picked if i not in taken]
     out = [[rest[j] for j in b] for b in split_into_buckets([requests[i].nbytes for i in rest], threads)]
