@@ -84,3 +84,50 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- phase scripts
+# (load_phases.py and save_phases.py: the same state, the same timers, the same ranks)
+
+
+def timed(timings: dict, name: str, fn):
+    """``fn`` with its wall time added to ``timings[name]`` at every call."""
+    import time
+
+    def inner(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            timings[name] += time.perf_counter() - t0
+
+    return inner
+
+
+def add_state_args(p) -> None:
+    """The arguments describing each rank's state (and where it goes) of the phase scripts."""
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--mib", type=int, default=512, help="state per rank (MiB)")
+    p.add_argument("--tensors", type=int, default=32)
+    p.add_argument("--cols", type=int, default=1024)
+    p.add_argument("--small", type=int, default=0, metavar="N", help="N tensors of --small-bytes per rank instead")
+    p.add_argument("--small-bytes", type=int, default=4096)
+    p.add_argument("--dir", default="/dev/shm")
+
+
+def start_rank(rank: int, world: int, port: int, args) -> list:
+    """A gloo rank of a phase script (one node, as torchrun would say) and its state: ``--small``
+    tensors of ``--small-bytes``, or ``--tensors`` tensors of ``--cols`` columns making ``--mib``."""
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    if args.small:
+        return [torch.rand(args.small_bytes // 4) for _ in range(args.small)]
+    per = args.mib * (1 << 20) // args.tensors // (args.cols * 4)
+    return [torch.rand(per, args.cols) for _ in range(args.tensors)]

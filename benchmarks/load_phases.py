@@ -16,7 +16,6 @@ agreement) and, between the same barriers, each rank reads its own data files wi
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -28,7 +27,7 @@ from collections import defaultdict
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import _free_port  # noqa: E402
+from bench_util import _free_port, add_state_args, start_rank, timed  # noqa: E402
 
 PHASES = [
     ("read_shared", "metadata: one reader, one broadcast (`open_shared`)"),
@@ -47,17 +46,6 @@ PHASES = [
 ]
 
 
-def _wrap(timings: Dict[str, float], name: str, fn):
-    def inner(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            timings[name] += time.perf_counter() - t0
-
-    return inner
-
-
 def _install(timings: Dict[str, float]) -> None:
     from ckpt_integration.execution import dist as dist_mod
     from ckpt_integration.execution import exchange as exchange_mod
@@ -68,39 +56,31 @@ def _install(timings: Dict[str, float]) -> None:
     from ckpt_integration import serialization as ser_mod
 
     # the entry point opens the checkpoint once for the job (coordinator reads, one broadcast)
-    ser_mod.open_shared = _wrap(timings, "read_shared", ser_mod.open_shared)
-    ckdir.load_common = _wrap(timings, "load_common", ckdir.load_common)
-    exchange_mod.run = _wrap(timings, "validation", exchange_mod.run)
-    exchange_mod.start = _wrap(timings, "check_start", exchange_mod.start)
-    load_mod.local_shards = _wrap(timings, "shards", load_mod.local_shards)
-    load_mod._prepare_reads = _wrap(timings, "prepare", load_mod._prepare_reads)
-    load_mod.load_read_once = _wrap(timings, "read_once", load_mod.load_read_once)
-    load_mod._LoadJob.read_all = _wrap(timings, "read_all", load_mod._LoadJob.read_all)
-    dist_mod.agree_on_errors = _wrap(timings, "agree", dist_mod.agree_on_errors)
-    load_mod.split_state_dict = _wrap(timings, "split", load_mod.split_state_dict)
-    load_mod.route_shards = _wrap(timings, "route", load_mod.route_shards)
-    shared_mod.SharedMetadata.metadata_for = _wrap(timings, "metadata_for", shared_mod.SharedMetadata.metadata_for)
-    load_mod._LoadJob.finish = _wrap(timings, "finish", load_mod._LoadJob.finish)
+    ser_mod.open_shared = timed(timings, "read_shared", ser_mod.open_shared)
+    ckdir.load_common = timed(timings, "load_common", ckdir.load_common)
+    exchange_mod.run = timed(timings, "validation", exchange_mod.run)
+    exchange_mod.start = timed(timings, "check_start", exchange_mod.start)
+    load_mod.local_shards = timed(timings, "shards", load_mod.local_shards)
+    load_mod._prepare_reads = timed(timings, "prepare", load_mod._prepare_reads)
+    load_mod.load_read_once = timed(timings, "read_once", load_mod.load_read_once)
+    load_mod._LoadJob.read_all = timed(timings, "read_all", load_mod._LoadJob.read_all)
+    dist_mod.agree_on_errors = timed(timings, "agree", dist_mod.agree_on_errors)
+    load_mod.split_state_dict = timed(timings, "split", load_mod.split_state_dict)
+    load_mod.route_shards = timed(timings, "route", load_mod.route_shards)
+    shared_mod.SharedMetadata.metadata_for = timed(timings, "metadata_for", shared_mod.SharedMetadata.metadata_for)
+    load_mod._LoadJob.finish = timed(timings, "finish", load_mod._LoadJob.finish)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))  # one node, as torchrun would say
+    local = start_rank(rank, world, port, args)  # (a gloo rank on one node, and its state)
     import torch
     import torch.distributed as tdist
 
     import ckpt_integration as ci
     from ckpt_integration import ShardedTensor
 
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     d = os.path.join(args.dir, f"ckpt_phases_{port}")
     try:
-        if args.small:
-            local = [torch.rand(args.small_bytes // 4) for _ in range(args.small)]
-        else:
-            per = args.mib * (1 << 20) // args.tensors // (args.cols * 4)
-            local = [torch.rand(per, args.cols) for _ in range(args.tensors)]
         dst = [torch.zeros_like(t) for t in local]
         sd = lambda ts: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
         if rank == 0:
@@ -163,13 +143,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
 
 def main(argv=None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--mib", type=int, default=512, help="state per rank (MiB)")
-    p.add_argument("--tensors", type=int, default=32)
-    p.add_argument("--cols", type=int, default=1024)
-    p.add_argument("--small", type=int, default=0, metavar="N", help="N tensors of --small-bytes per rank instead")
-    p.add_argument("--small-bytes", type=int, default=4096)
-    p.add_argument("--dir", default="/dev/shm")
+    add_state_args(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--strategy", default=None, help="load_strategy= (default: the load's default)")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last load into OUT")

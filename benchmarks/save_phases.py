@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import json
 import os
@@ -31,7 +30,7 @@ from collections import defaultdict
 from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import _free_port  # noqa: E402
+from bench_util import _free_port, add_state_args, start_rank, timed  # noqa: E402
 
 PHASES = [
     ("split", "state dict split (`split_state_dict`)"),
@@ -47,17 +46,6 @@ PHASES = [
 ]
 
 
-def _wrap(timings: Dict[str, float], name: str, fn):
-    def inner(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            timings[name] += time.perf_counter() - t0
-
-    return inner
-
-
 def _install(timings: Dict[str, float]) -> None:
     from ckpt_integration.execution import exchange as exchange_mod
     from ckpt_integration.execution import save as save_mod
@@ -66,30 +54,21 @@ def _install(timings: Dict[str, float]) -> None:
                             (exchange_mod, "start", "plan_start"), (exchange_mod, "run", "plan_run"),
                             (save_mod, "check_common_consistency", "common"), (save_mod, "_requests_for", "requests"),
                             (save_mod, "prepare_save", "prepare"), (save_mod, "finalize_save", "finalize")]:
-        setattr(mod, attr, _wrap(timings, name, getattr(mod, attr)))
+        setattr(mod, attr, timed(timings, name, getattr(mod, attr)))
     be = save_mod.SAVE_BACKENDS["torch_dist"]  # (its functions are held by the backend record)
     save_mod.SAVE_BACKENDS["torch_dist"] = dataclasses.replace(
-        be, write=_wrap(timings, "write", be.write), commit=_wrap(timings, "commit", be.commit))
+        be, write=timed(timings, "write", be.write), commit=timed(timings, "commit", be.commit))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))  # one node, as torchrun would say
-    import torch
+    local = start_rank(rank, world, port, args)  # (a gloo rank on one node, and its state)
     import torch.distributed as tdist
 
     import ckpt_integration as ci
     from ckpt_integration import ShardedTensor
 
-    torch.set_num_threads(1)
-    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     root = os.path.join(args.dir, f"ckpt_save_phases_{port}")
     try:
-        if args.small:
-            local = [torch.rand(args.small_bytes // 4) for _ in range(args.small)]
-        else:
-            per = args.mib * (1 << 20) // args.tensors // (args.cols * 4)
-            local = [torch.rand(per, args.cols) for _ in range(args.tensors)]
         sd = lambda: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world)) for i, t in enumerate(local)}  # noqa: E731
         timings: Dict[str, float] = defaultdict(float)
         _install(timings)
@@ -138,13 +117,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
 
 def main(argv=None) -> List[Dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--mib", type=int, default=512, help="state per rank (MiB)")
-    p.add_argument("--tensors", type=int, default=32)
-    p.add_argument("--cols", type=int, default=1024)
-    p.add_argument("--small", type=int, default=0, metavar="N", help="N tensors of --small-bytes per rank instead")
-    p.add_argument("--small-bytes", type=int, default=4096)
-    p.add_argument("--dir", default="/dev/shm")
+    add_state_args(p)
     p.add_argument("--repeats", type=int, default=5, help="saves (the first, whose plan is exchanged, reported apart)")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last save into OUT")
     args = p.parse_args(argv)
