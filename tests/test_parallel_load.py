@@ -495,14 +495,29 @@ def _repeated_loads(rank, world, root):
 
     w = global_tensor("w", (8, 4))
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
+    from dataclasses import replace
+
+    from ckpt_integration.execution import load as load_mod
+
     checks = []
     real = exchange.run
     exchange.run = lambda *a, **k: checks.append(k.get("purpose")) or real(*a, **k)
+    routed = []  # loads that built and routed their shard records
+    real_route = load_mod.route_shards
+    load_mod.route_shards = lambda *a, **k: routed.append(1) or real_route(*a, **k)
     try:
         cols = lambda: {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 4 // world), (1, rank, world))}  # noqa: E731
-        for _ in range(2):  # the same request twice: checked once
+        for _ in range(3):  # the same request three times: checked once, its records built once
             assert torch.equal(ci.load(cols(), root)["w"], w.chunk(world, dim=1)[rank])
-        assert checks == ["load"], checks
+        assert checks == ["load"] and routed == [1], (checks, routed)
+        # one rank's request differs from the one checked (rank 1 has its tensor allocated): every
+        # rank builds its records and the check runs, though rank 0's request is the same
+        mine = cols()
+        if rank == 1:
+            mine["w"] = replace(mine["w"], data=None)
+        assert torch.equal(ci.load(mine, root)["w"], w.chunk(world, dim=1)[rank])
+        assert checks == ["load"] * 2 and routed == [1, 1], (checks, routed)
+        del checks[1:]
         rows = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8 // world, 4), (0, rank, world))}
         assert torch.equal(ci.load(rows, root)["w"], w.chunk(world)[rank])  # another request: checked
         assert checks == ["load", "load"], checks
@@ -519,12 +534,15 @@ def _repeated_loads(rank, world, root):
         assert [c for c in checks if c == "load"] == ["load"] * 4, checks
     finally:
         exchange.run = real
+        load_mod.route_shards = real_route
 
 
 def test_a_repeated_load_request_is_checked_once(tmp_path):
     """Loads reuse the check of their request like saves reuse their plan: when every rank
     requests what it requested at the last load checked (an evaluation job loading each new
-    checkpoint into the same model), the validation exchange is skipped; a different request,
-    or an invalid one, is checked (and refused on every rank) as before, and a save in between
-    keeps its own plan and the load's check."""
+    checkpoint into the same model), the validation exchange is skipped, and so is building the
+    request's shard records (its values are compared instead); a request changed on one rank only
+    makes every rank build its records and check; a different request, or an invalid one, is
+    checked (and refused on every rank) as before, and a save in between keeps its own plan and
+    the load's check."""
     run_distributed(_repeated_loads, 2, str(tmp_path / "c"))

@@ -63,6 +63,7 @@ class ExchangeResult:
     layout: Optional[List[ShardMeta]] = None  # zarr: every chunk with its writer as ``rank``
     digest: int = 0
     token: int = 0
+    identity: Any = None  # a load's request as compared values (see known_digest)
 
 
 _last: Dict[str, ExchangeResult] = {}  # purpose ("save", "load") -> the last plan (one structure each)
@@ -84,6 +85,18 @@ def _raise_errors(local_error: Optional[str], local_exc: Optional[BaseException]
     """Every rank raises (a failure is known to have happened somewhere)."""
     errors = [f"rank {r}: {e}" for r, e in enumerate(dist.all_gather_object(local_error, group)) if e]
     dist.raise_if_any_failed(local_exc, errors, context)
+
+
+def known_digest(purpose: str, identity: Any) -> Optional[int]:
+    """The digest of the records of the last checked input for ``purpose`` when ``identity`` (the
+    caller's input as values compared with ``==``, e.g. every requested shard's key, dtype, shapes,
+    offsets and replica id) equals that input's; None otherwise. A load that repeats its request
+    then needs neither its shard records nor their routing to agree, in :func:`start`, that nothing
+    changed: it builds them only if some rank's input did change."""
+    cached = _last.get(purpose)
+    if identity is None or cached is None or cached.identity is None or cached.identity != identity:
+        return None
+    return cached.digest
 
 
 def start(
@@ -118,6 +131,7 @@ def run(
     purpose: Optional[str] = "save",
     local_error: Optional[str] = None,
     local_exc: Optional[BaseException] = None,
+    identity: Any = None,
 ) -> ExchangeResult:
     """Steps 2-4 (collective). Raises ShardingIntegrityError on every rank for invalid sharding.
 
@@ -125,7 +139,8 @@ def run(
     ``purpose=None`` does not cache the result. ``local_error`` / ``local_exc``: this rank
     failed before the exchange (``routed`` may then be None); it takes part with empty
     messages and step 4 raises on every rank, as an agreement on errors beforehand would
-    (one collective round fewer when nothing failed).
+    (one collective round fewer when nothing failed). ``identity``: kept with the cached result
+    (see :func:`known_digest`).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     error: Optional[str] = local_error
@@ -178,7 +193,7 @@ def run(
         mine = encode_shards([metas[i] for i in result.to_write], rank)
         result.layout = [m for msg in dist.all_gather_bytes(mine, group) for m in decode_shards(msg)]
     if purpose is not None:  # the latest structure per purpose (a load's request check: its identity only)
-        _last[purpose] = result if replies else ExchangeResult(digest=result.digest, token=result.token)
+        _last[purpose] = result if replies else ExchangeResult(digest=result.digest, token=result.token, identity=identity)
     return result
 
 
