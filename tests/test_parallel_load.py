@@ -498,10 +498,12 @@ def _repeated_loads(rank, world, root):
     from dataclasses import replace
 
     from ckpt_integration.execution import load as load_mod
+    from ckpt_integration.execution import save as save_mod
 
+    real_save_route = save_mod.route_shards
     checks = []
     real = exchange.run
-    exchange.run = lambda *a, **k: checks.append(k.get("purpose")) or real(*a, **k)
+    exchange.run = lambda *a, **k: checks.append(k.get("purpose", "save")) or real(*a, **k)
     routed = []  # loads that built and routed their shard records
     real_route = load_mod.route_shards
     load_mod.route_shards = lambda *a, **k: routed.append(1) or real_route(*a, **k)
@@ -532,9 +534,25 @@ def _repeated_loads(rank, world, root):
         # the last request checked (rows; one structure is kept), after a save: still not checked again
         assert torch.equal(ci.load(rows, root)["w"], w.chunk(world)[rank])
         assert [c for c in checks if c == "load"] == ["load"] * 4, checks
+        # saves alike: the structure of the last save planned builds no shard records; one rank
+        # adding a tensor makes every rank build its records and plan again
+        saves = []
+        save_mod.route_shards = lambda *a, **k: saves.append(1) or real_save_route(*a, **k)
+        xs = lambda **extra: {"x": ci.ShardedTensor.from_rank_offsets("x", torch.ones(2), (0, rank, world)), **extra}  # noqa: E731
+        ci.save(xs(), root + "_y")
+        assert saves == [] and checks.count("save") == 1, (saves, checks)
+        only1 = {"only1": ci.ShardedTensor.from_rank_offsets("only1", torch.arange(3.0))} if rank == 1 else {}
+        ci.save(xs(**only1), root + "_z")
+        assert saves == [1] and checks.count("save") == 2, (saves, checks)
+        want = {"x": ci.ShardedTensor.from_rank_offsets("x", torch.zeros(2), (0, rank, world))}
+        if rank == 1:
+            want["only1"] = ci.ShardedTensor.from_rank_offsets("only1", torch.zeros(3))
+        got = ci.load(want, root + "_z")
+        assert torch.equal(got["x"], torch.ones(2)) and (rank == 0 or torch.equal(got["only1"], torch.arange(3.0)))
     finally:
         exchange.run = real
         load_mod.route_shards = real_route
+        save_mod.route_shards = real_save_route
 
 
 def test_a_repeated_load_request_is_checked_once(tmp_path):

@@ -138,17 +138,22 @@ def test_scale_benchmark_smoke(tmp_path):
 
 
 def test_repeated_save_with_the_same_structure_reuses_the_plan(tmp_path, monkeypatch):
+    from ckpt_integration.execution import save as save_mod
+
     calls = []
     real = ex_mod.chunk_owner_step
     monkeypatch.setattr(ex_mod, "chunk_owner_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    routed = []  # saves that built and routed their shard records (a reused plan needs none)
+    real_route = save_mod.route_shards
+    monkeypatch.setattr(save_mod, "route_shards", lambda *a, **k: routed.append(1) or real_route(*a, **k))
     ex_mod.forget_plans()
 
     def state(value, rows=4):
         return {"w": ShardedTensor.from_rank_offsets("w", torch.full((rows, 2), value)), "it": int(value)}
 
     ci.save(state(1.0), str(tmp_path / "a"))
-    ci.save(state(2.0), str(tmp_path / "b"))  # same keys, shapes, offsets: no exchange
-    assert len(calls) == 1
+    ci.save(state(2.0), str(tmp_path / "b"))  # same keys, shapes, offsets: no exchange, no records
+    assert len(calls) == 1 and len(routed) == 1
     ci.save(state(3.0, rows=6), str(tmp_path / "c"))  # another structure: planned again
     assert len(calls) == 2
     ci.save(state(4.0, rows=6), str(tmp_path / "d"), validate_access_integrity=False)  # other options: again

@@ -193,6 +193,7 @@ def run(
         mine = encode_shards([metas[i] for i in result.to_write], rank)
         result.layout = [m for msg in dist.all_gather_bytes(mine, group) for m in decode_shards(msg)]
     if purpose is not None:  # the latest structure per purpose (a load's request check: its identity only)
+        result.identity = identity
         _last[purpose] = result if replies else ExchangeResult(digest=result.digest, token=result.token, identity=identity)
     return result
 

@@ -47,7 +47,7 @@ from . import exchange
 from .dist import describe_error as _describe
 from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
-from .preprocess import local_shards, restore_list_types, shard_meta, split_state_dict
+from .preprocess import local_shards, restore_list_types, shard_meta, shards_identity, split_state_dict
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
 
@@ -76,22 +76,6 @@ class ReadTask:
 
 # reads sorted by file and offset (a C getter: once per tensor, ~0.2 us against ~0.6 through the property)
 _read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.offset")
-
-
-def _request_identity(shards: List[Any], rank: int, world: int) -> Any:
-    """What a load's request check depends on, as values compared with ``==``: every field of the
-    shard records (:func:`shard_meta`) comes from these. None (no reuse) when a shard is of
-    another class (a subclass may carry more)."""
-    out = []
-    for s in shards:  # (a tuple per shard, no record: ~1 us, against ~4.5 for records and routing)
-        if type(s) is ShardedTensor:
-            out.append((s.key, s.dtype, s.global_shape, s.global_offset, s.local_shape, s.prepend_axis_num,
-                        s.replica_id, s.allow_shape_mismatch, s.data is None))
-        elif type(s) is ShardedObject:
-            out.append((ShardedObject, s.key, s.global_shape, s.global_offset, s.replica_id))
-        else:
-            return None
-    return (rank, world, tuple(out))
 
 
 def _request_key(sh: Any) -> str:
@@ -315,7 +299,7 @@ def load_sharded(
         if validate_access_integrity:
             # the request repeats the last one checked: its digest is known, its records are built
             # only if some rank's request changed (below)
-            identity = _request_identity(shards, rank, world)
+            identity = shards_identity(shards, rank, world, "load")
             known = exchange.known_digest("load", identity)
             if known is not None:
                 routed = Routed({}, known)

@@ -60,6 +60,24 @@ def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
     raise CheckpointingException(f"unsupported sharded value {type(sh).__name__}")
 
 
+def shards_identity(shards: List[ShardedBase], rank: int, world: int, options: str = "") -> Any:
+    """The shards' description as values compared with ``==``: every field of their records
+    (:func:`shard_meta`) comes from these, so equal identities mean equal records, and a save's
+    plan or a load's request check made for one holds for the other (see
+    ``exchange.known_digest``). None (never equal) when a shard is of another class (a subclass
+    may carry more)."""
+    out = []
+    for s in shards:  # (a tuple per shard, no record: ~1 us, against ~4.5 for records and routing)
+        if type(s) is ShardedTensor:
+            out.append((s.key, s.dtype, s.global_shape, s.global_offset, s.local_shape, s.prepend_axis_num,
+                        s.replica_id, s.allow_shape_mismatch, s.data is None))
+        elif type(s) is ShardedObject:
+            out.append((ShardedObject, s.key, s.global_shape, s.global_offset, s.replica_id))
+        else:
+            return None
+    return (rank, world, options, tuple(out))
+
+
 def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any, Any, Any]:
     """Return ``(sharded, common, nonpersistent, factories, template)`` from a copy of the input.
 

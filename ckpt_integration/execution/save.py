@@ -62,7 +62,7 @@ from . import exchange
 from .dist import describe_error as _describe
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
-from .preprocess import dtype_from_name, local_shards, shard_meta, split_state_dict
+from .preprocess import dtype_from_name, local_shards, shard_meta, shards_identity, split_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,6 @@ class SavePlan:
     staging: bool
     common: Any
     requests: List[WriteRequest]
-    write_metas: List[ShardMeta]  # the chunks this rank writes
     summaries: Union[SummaryTable, List[KeySummary]]  # of the keys this rank validated (rank 0's commit checks against them)
     thread_count: int
     durable: bool
@@ -171,19 +170,21 @@ def _check_savable(shards: List[ShardedBase]) -> None:
             )
 
 
-def _requests_for(shards: List[ShardedBase], metas: List[ShardMeta], to_write: List[int]) -> List[WriteRequest]:
-    """The write requests of the chunks ``to_write`` (indices into ``metas``, which describe ``shards``
-    one for one)."""
+def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteRequest]:
+    """The write requests of the chunks ``to_write`` (indices into ``shards``), named and placed as
+    their records (:func:`shard_meta`) name and place them: a tensor by its key, global offset and
+    saved shape, an object by its unique key. (From the shards themselves: a save that reuses its
+    plan builds no records.)"""
     out = []
     for i in to_write:
-        sh, m = shards[i], metas[i]
+        sh = shards[i]
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-            data = sh.data
-            out.append(WriteRequest(m.key, m.offsets, data if data.shape == m.sizes else data.reshape(m.sizes)))
+            data, sizes = sh.data, sh.saved_shape()
+            out.append(WriteRequest(sh.key, sh.global_offset, data if data.shape == sizes else data.reshape(sizes)))
         else:
-            out.append(WriteRequest(m.storage_key, None, torch_dumps([sh.data])))
+            out.append(WriteRequest(sh.unique_key, None, torch_dumps([sh.data])))
     return out
 
 
@@ -219,14 +220,24 @@ def prepare_save(
     common: Any = None
     dir_info = None
     routed: Optional[Routed] = None
+    identity: Any = None
+    options = ""
     try:
         if content_metadata is not None:
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
         sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
         _check_savable(shards)
-        metas = [shard_meta(sh, rank) for sh in shards]
-        routed = route_shards(metas, rank, world, options=f"{balance}/{validate_access_integrity}/{backend}")
+        options = f"{balance}/{validate_access_integrity}/{backend}"
+        # the structure of the last save planned (every save of a training run): its plan's digest
+        # is known, and the shard records are built only if some rank's structure changed (below)
+        identity = shards_identity(shards, rank, world, options)
+        known = exchange.known_digest("save", identity)
+        if known is not None:
+            routed = Routed({}, known)
+        else:
+            metas = [shard_meta(sh, rank) for sh in shards]
+            routed = route_shards(metas, rank, world, options=options)
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
     except Exception as e:
@@ -239,15 +250,18 @@ def prepare_save(
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
             assert routed is not None  # start() raised on every rank otherwise
+            if not metas and shards:  # (the digest was known, but another rank's structure changed)
+                metas = [shard_meta(sh, rank) for sh in shards]
+                routed = route_shards(metas, rank, world, options=options)
             planned = exchange.run(
                 metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=be.wants_layout,
                 context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
+                identity=identity,
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
             cleanup_failed(*dir_info)
         raise
-    write_metas = [metas[i] for i in planned.to_write]
     if be.prepare_storage is not None:
         # e.g. zarr's arrays must exist before any rank writes chunks: the coordinator creates
         # them, and the broadcast of its outcome doubles as the barrier
@@ -263,7 +277,7 @@ def prepare_save(
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
     requests: List[WriteRequest] = []
     try:
-        requests = _requests_for(shards, metas, planned.to_write)
+        requests = _requests_for(shards, planned.to_write)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     if be.shape_requests is not None:
@@ -279,7 +293,6 @@ def prepare_save(
         staging=staging,
         common=common if coord else None,
         requests=requests,
-        write_metas=write_metas,
         summaries=planned.summaries,
         thread_count=thread_count,
         durable=durable,
