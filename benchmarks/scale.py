@@ -421,7 +421,7 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
         lay = commit_layout(written, summaries)
         plan = SavePlan(rank=0, world_size=layout.world, group=None, checkpoint_dir=commit_dir, write_dir=commit_dir,
                         staging=False, common={"iteration": 1000, "args": {"hidden": layout.hidden}}, requests=[],
-                        write_metas=[], summaries=[], thread_count=2, durable=False)
+                        summaries=[], thread_count=2, durable=False)
         SAVE_BACKENDS["torch_dist"].commit(plan, lay)
         return lay
 

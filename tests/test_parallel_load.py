@@ -519,6 +519,19 @@ def _repeated_loads(rank, world, root):
             mine["w"] = replace(mine["w"], data=None)
         assert torch.equal(ci.load(mine, root)["w"], w.chunk(world, dim=1)[rank])
         assert checks == ["load"] * 2 and routed == [1, 1], (checks, routed)
+        # the same again, but rank 0 fails building the records it needs after all: it takes part
+        # in the check with nothing and every rank raises, naming it (no rank waits forever)
+        real_meta = load_mod.shard_meta
+        if rank == 0:
+            load_mod.shard_meta = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("records lost"))
+        try:
+            # (rank 0's request as checked last, rank 1's changed back; the failing rank raises its own error)
+            with pytest.raises(RuntimeError if rank == 0 else ci.CheckpointingException,
+                               match="records lost" if rank == 0 else "rank 0: .*records lost"):
+                ci.load(cols(), root)
+        finally:
+            load_mod.shard_meta = real_meta
+        assert torch.equal(ci.load(cols(), root)["w"], w.chunk(world, dim=1)[rank])  # (checked: nothing cached)
         del checks[1:]
         rows = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8 // world, 4), (0, rank, world))}
         assert torch.equal(ci.load(rows, root)["w"], w.chunk(world)[rank])  # another request: checked

@@ -316,13 +316,17 @@ def load_sharded(
             # saves do: an evaluation job loading each new checkpoint into the same model)
             context = f"load of {checkpoint_dir} failed"
             if exchange.start(routed, local_error, local_exc, group, context, purpose="load") is None:
+                late_error, late_exc = None, None
                 if routed is not None and not metas and shards:  # (known digest, but another rank's request changed)
-                    metas = [shard_meta(s, rank) for s in shards]
-                    routed = route_shards(metas, rank, world, options="load")
+                    try:  # (a failure here: this rank takes part with empty messages, every rank raises)
+                        metas = [shard_meta(s, rank) for s in shards]
+                        routed = route_shards(metas, rank, world, options="load")
+                    except Exception as e:
+                        late_error, late_exc = _describe(e), e
                 exchange.run(
                     metas, routed, group, replies=False, purpose="load", context=context,
                     problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
-                    identity=identity,
+                    identity=identity, local_error=late_error, local_exc=late_exc,
                 )
         else:
             dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")

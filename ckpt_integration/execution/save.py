@@ -250,13 +250,17 @@ def prepare_save(
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
             assert routed is not None  # start() raised on every rank otherwise
+            late_error, late_exc = None, None
             if not metas and shards:  # (the digest was known, but another rank's structure changed)
-                metas = [shard_meta(sh, rank) for sh in shards]
-                routed = route_shards(metas, rank, world, options=options)
+                try:  # (a failure here: this rank takes part with empty messages, every rank raises)
+                    metas = [shard_meta(sh, rank) for sh in shards]
+                    routed = route_shards(metas, rank, world, options=options)
+                except Exception as e:
+                    late_error, late_exc = _describe(e), e
             planned = exchange.run(
                 metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=be.wants_layout,
                 context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
-                identity=identity,
+                identity=identity, local_error=late_error, local_exc=late_exc,
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
