@@ -490,16 +490,15 @@ def test_parallel_strategy_single_process_falls_back(tmp_path):
 
 
 def _repeated_loads(rank, world, root):
-    from ckpt_integration.errors import ShardingIntegrityError
-    from ckpt_integration.execution import exchange
-
-    w = global_tensor("w", (8, 4))
-    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
     from dataclasses import replace
 
+    from ckpt_integration.errors import ShardingIntegrityError
+    from ckpt_integration.execution import exchange
     from ckpt_integration.execution import load as load_mod
     from ckpt_integration.execution import save as save_mod
 
+    w = global_tensor("w", (8, 4))
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
     real_save_route = save_mod.route_shards
     checks = []
     real = exchange.run
