@@ -63,7 +63,7 @@ class ExchangeResult:
     layout: Optional[List[ShardMeta]] = None  # zarr: every chunk with its writer as ``rank``
     digest: int = 0
     token: int = 0
-    identity: Any = None  # a load's request as compared values (see known_digest)
+    identity: Any = None  # the input (a save's shards, a load's request) as compared values (see known_digest)
 
 
 _last: Dict[str, ExchangeResult] = {}  # purpose ("save", "load") -> the last plan (one structure each)
@@ -90,9 +90,10 @@ def _raise_errors(local_error: Optional[str], local_exc: Optional[BaseException]
 def known_digest(purpose: str, identity: Any) -> Optional[int]:
     """The digest of the records of the last checked input for ``purpose`` when ``identity`` (the
     caller's input as values compared with ``==``, e.g. every requested shard's key, dtype, shapes,
-    offsets and replica id) equals that input's; None otherwise. A load that repeats its request
-    then needs neither its shard records nor their routing to agree, in :func:`start`, that nothing
-    changed: it builds them only if some rank's input did change."""
+    offsets and replica id) equals that input's; None otherwise. A save that repeats the structure
+    of the last one planned, or a load that repeats its request, then needs neither its shard
+    records nor their routing to agree, in :func:`start`, that nothing changed: it builds them
+    only if some rank's input did change."""
     cached = _last.get(purpose)
     if identity is None or cached is None or cached.identity is None or cached.identity != identity:
         return None

@@ -60,7 +60,7 @@ def string_digests(strings: Sequence[str]) -> np.ndarray:
     found = [get(s) for s in strings]
     if None in found:
         found = [string_digest(s) if d is None else d for s, d in zip(strings, found)]
-    return np.array(found, dtype=np.uint64) if found else np.zeros(0, dtype=np.uint64)
+    return np.array(found, dtype=np.uint64)
 
 
 def mix(h: np.ndarray, columns: Optional[np.ndarray]) -> np.ndarray:
