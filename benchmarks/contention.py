@@ -24,7 +24,7 @@ import sys
 import time
 
 
-def _job(tag: str, n: int, nbytes: int, repeats: int, directory: str) -> None:
+def _job(n: int, nbytes: int, repeats: int, directory: str) -> None:
     import torch
 
     import ckpt_integration as ci
@@ -57,7 +57,7 @@ def _job(tag: str, n: int, nbytes: int, repeats: int, directory: str) -> None:
         assert all(torch.equal(a, b) for a, b in zip(local, dst)), "bad load"
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({"tag": tag, "save_us": 1e6 * min(saves) / n, "load_us": 1e6 * min(loads) / n}), flush=True)
+    print(json.dumps({"save_us": 1e6 * min(saves) / n, "load_us": 1e6 * min(loads) / n}), flush=True)
 
 
 def _run(procs: int, args: argparse.Namespace) -> list:
@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # (one of the processes measured)
     args = p.parse_args(argv)
     if args.job:
-        _job("job", args.small, args.small_bytes, args.repeats, args.dir)
+        _job(args.small, args.small_bytes, args.repeats, args.dir)
         return {}
     alone = _run(1, args)[0]
     together = _run(args.procs, args)
