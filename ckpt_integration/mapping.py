@@ -217,15 +217,20 @@ class ShardedTensor(ShardedBase):
     def _of_ints(cls, key: str, data: torch.Tensor, local_shape: Tuple[int, ...], global_shape: Tuple[int, ...],
                  global_offset: Tuple[int, ...], fragments: Tuple[int, ...], replica_id: ReplicaId,
                  prepend_axis_num: int) -> "ShardedTensor":
-        # shapes that are int tuples already: the fields set as __init__ would, checked, not converted
-        # again by __post_init__ (a shard is built per tensor at every save and load: 8.3 -> 5.7 us)
+        # shapes that are int tuples already: the fields set as __init__ would, not converted again
+        # by __post_init__ (a shard is built per tensor at every save and load: 8.3 -> 5.7 -> 2.9 us).
+        # Only the key is checked: what validate_metadata_integrity checks besides holds by
+        # construction here (shape and dtype are the data's, global shape and offset have
+        # len(shape) + prepend_axis_num dims, and 0 <= rank_offset < num_fragments puts the
+        # shard inside the global shape), as a test checks on random grids.
+        if not isinstance(key, str) or not key:
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {key!r}")
         self = object.__new__(cls)
         self.__dict__.update(
             key=key, data=data, dtype=data.dtype, local_shape=local_shape, global_shape=global_shape,
             global_offset=global_offset, axis_fragmentations=fragments, replica_id=replica_id,
             prepend_axis_num=prepend_axis_num, allow_shape_mismatch=False, flattened_range=None,
         )
-        self.validate_metadata_integrity()
         return self
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pathlib
 import pickle
+import random
 
 import pytest
 import torch
@@ -283,6 +284,24 @@ def test_from_rank_offsets_builds_what_the_dataclass_builds():
         assert list(got.__dict__) == [f.name for f in dataclasses.fields(ShardedTensor)]
     with pytest.raises(CheckpointingException, match="key must be a non-empty str"):
         ShardedTensor.from_rank_offsets("", t)
+    with pytest.raises(CheckpointingException, match="key must be a non-empty str"):
+        ShardedTensor.from_rank_offsets(7, t)
+    # the fast path checks only the key: everything else the full check looks at holds by
+    # construction, on any grid (random shapes, prepended axes, fragments and positions)
+    rng = random.Random(19)
+    for _ in range(300):
+        shape = tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3)))
+        pre = rng.randint(0, 2)
+        axes = rng.sample(range(len(shape) + pre), rng.randint(0, len(shape) + pre))
+        offsets = []
+        for axis in axes:
+            n = rng.randint(1, 4)
+            offsets.append((axis, rng.randrange(n), n))
+        got = ShardedTensor.from_rank_offsets("k", torch.zeros(shape), *offsets, prepend_axis_num=pre)
+        got.validate_metadata_integrity()
+    for bad in [(2, 0, 2), (0, 2, 2), (0, -1, 2), (0, 0, 0), (0, 0)]:
+        with pytest.raises(CheckpointingException, match="'k'"):
+            ShardedTensor.from_rank_offsets("k", t, bad)
 
     class Mine(ShardedTensor):
         pass
