@@ -22,6 +22,7 @@ from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import read_metadata
 from .storage.filesystem import join, storage_for
+from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
@@ -374,6 +375,9 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     if manifest is not None:
         manifest.files[DCP_METADATA_FILE] = md_entry
         manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
+        table = manifest.item_table()
+        if table is not None:  # format 4: the same, in the binary table
+            manifest.tables = encode_text(table.without_files(gone))
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(checkpoint_dir, manifest)
     storage, checkpoint_dir = storage_for(checkpoint_dir)

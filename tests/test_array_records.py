@@ -179,7 +179,8 @@ def test_manifest_tables_are_the_json_of_the_dict_tables(hash_name):
     expect_items = {f"{f}@{s}": d for f, s, d in zip(t.files, t.starts, t.digests)}
     expect_blocks = {f"{f}@{s}": [b[0], b[1], b[2], h.pack(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
     assert json.loads(items) == expect_items and json.loads(blocks) == expect_blocks
-    m = ckdir.Manifest(**ckdir.manifest_format(h), world_size=3, files=file_sizes(layout.written), step=5)
+    fmt = {**ckdir.manifest_format(h), **({"version": 3} if hash_name == "xxh3_64" else {})}  # the JSON tables' formats
+    m = ckdir.Manifest(**fmt, world_size=3, files=file_sizes(layout.written), step=5)
     text = ckdir.manifest_json(m, {"items": items, "blocks": blocks})
     assert json.loads(text) == {**ckdir.manifest_fields(m), "items": expect_items, "blocks": expect_blocks}
     assert text.startswith(json.dumps(ckdir.manifest_fields(m))[:60])  # the head that listings read
@@ -187,6 +188,104 @@ def test_manifest_tables_are_the_json_of_the_dict_tables(hash_name):
     for f, s, n in zip(t.files, t.starts, t.lengths):
         ends[f] = max(ends.get(f, 0), s + n)
     assert file_sizes(layout.written) == {f: {"size": e} for f, e in ends.items()}
+
+
+@pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
+def test_the_binary_item_table_holds_what_the_json_tables_hold(hash_name):
+    """Format 4's item table, made from a commit's arrays, answers every lookup as the JSON
+    tables of format 3 (2 for CRC32) made from the same arrays: item digests, block records, the
+    batched lookup of many small items (with items that are not there), iteration; dropping the
+    items of a data file (what ``remove_sharded_tensors`` does) drops exactly those."""
+    from ckpt_integration.storage.item_table import ItemTable, TableItemDigests, decode_text
+    from ckpt_integration.storage.manifest_tables import table_of_written
+
+    h = block_hash(hash_name)
+    t, layout = _layout_case(bits=8 * h.width)
+    items, blocks = render_tables(layout.written, h)
+    old = ckdir.Manifest(version=2 if hash_name == "crc32" else 3, block_hash=hash_name, items=json.loads(items),
+                         blocks=json.loads(blocks))
+    text = json.loads(table_of_written(layout.written, h))
+    new = ckdir.Manifest(version=4, block_hash=hash_name, tables=text)
+    assert dict(new.checksums()) == dict(old.checksums()) and len(new.checksums()) == len(t)
+    nb, ob = new.block_records(), old.block_records()
+    assert sorted(nb) == sorted(ob) and len(nb) == len(ob) == sum(1 for b in t.blocks if b)
+    for rid in ob:
+        a, b = nb[rid], ob[rid]
+        assert (a.data_offset, a.data_length, a.block_size, a.digests.tolist()) == \
+            (b.data_offset, b.data_length, b.block_size, b.digests.tolist())
+        assert nb.digests_of(rid) == ob.digests_of(rid) and rid in nb
+    objects = [rid for rid in old.checksums() if rid not in ob]
+    rids = list(ob)[::-1] + objects + [("nope.distcp", 0), ("__0_0.distcp", 3), ("__0_0.distcp", -1)]
+    assert nb.digests_many(rids) == ob.digests_many(rids) == [ob.digests_of(r) if r in ob else None for r in rids]
+    assert nb.digests_of(("nope.distcp", 0)) is None and ("nope.distcp", 0) not in new.checksums()
+    with pytest.raises(KeyError):
+        nb[objects[0]]
+    table = decode_text(text, h)
+    kept = ItemTable(table.without_files(["__1_0.distcp"]), h)
+    assert dict(TableItemDigests(kept)) == {k: v for k, v in old.checksums().items() if k[0] != "__1_0.distcp"}
+
+
+def test_a_damaged_binary_item_table_is_named_never_misread():
+    """Every structural problem of a format-4 table raises CorruptCheckpointError naming the
+    file and the problem: not base64, truncated or padded, bad magic, a newer table version,
+    digests of another width, items out of order or listed twice, block counts that do not add up."""
+    import base64
+    import struct
+
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage.item_table import ItemTable, decode_text, encode_table
+
+    h = block_hash("xxh3_64")
+    files = ["__0_0.distcp", "__1_0.distcp"]
+
+    def table(file, offset, nblocks=(3, -1, 3), digests=6):
+        n = len(file)
+        nbk = np.asarray(nblocks[:n], dtype=np.int64)
+        pos = np.cumsum(np.maximum(nbk, 0)) - np.maximum(nbk, 0)
+        return encode_table(files, np.asarray(file), np.asarray(offset), np.arange(n, dtype=np.uint64), nbk,
+                            np.full(n, 8), np.full(n, 16), np.full(n, 1 << 20), pos,
+                            np.arange(digests, dtype=np.uint64), h)
+
+    good = table([0, 0, 1], [0, 100, 0])
+    assert len(ItemTable(good, h)) == 3
+
+    def bad(raw, needle, where="x/manifest.json"):
+        with pytest.raises(CorruptCheckpointError, match=needle) as e:
+            ItemTable(raw, h, where)
+        assert where in str(e.value)
+
+    bad(good[:-1], "bytes where its header describes")
+    bad(good + b"\0", "bytes where its header describes")
+    bad(good[:10], "shorter than its header")
+    bad(b"XKIT" + good[4:], "bad magic")
+    bad(good[:4] + struct.pack("<I", 2) + good[8:], "table version 2")
+    with pytest.raises(CorruptCheckpointError, match="8-byte digests, but CRC32 digests have 4 bytes"):
+        ItemTable(good, block_hash("crc32"))
+    bad(table([0, 0, 1], [0, 0, 5]), "listed twice")
+    # (encode_table sorts; out of order rows are made by swapping two offsets in the bytes)
+    raw = bytearray(good)
+    nmsg = struct.unpack_from("<Q", raw, 28)[0]
+    from ckpt_integration.planning.records import decode_array, encode_array
+
+    fl, ints = decode_array(bytes(raw[36 : 36 + nmsg]))
+    ints = ints.copy()
+    ints[3], ints[4] = ints[4], ints[3]
+    msg = encode_array(fl, ints)
+    bad(bytes(raw[:28]) + struct.pack("<Q", len(msg)) + msg + bytes(raw[36 + nmsg :]), "not sorted")
+    ints = ints.copy()
+    ints[3], ints[4] = ints[4], ints[3]
+    ints[6 + 1] = 4  # the object (no block record) claims 4 digests
+    msg = encode_array(fl, ints)
+    bad(bytes(raw[:28]) + struct.pack("<Q", len(msg)) + msg + bytes(raw[36 + nmsg :]), "block digests")
+    ints[6 + 1] = -1
+    ints[0] = 7  # a file the table does not list
+    msg = encode_array(fl, ints)
+    bad(bytes(raw[:28]) + struct.pack("<Q", len(msg)) + msg + bytes(raw[36 + nmsg :]), "names a file")
+    with pytest.raises(CorruptCheckpointError, match="not valid base64"):
+        decode_text("not base64!", h, "x/manifest.json")
+    with pytest.raises(CorruptCheckpointError, match="must be a string"):
+        decode_text(12, h, "x/manifest.json")
+    assert len(decode_text("", h)) == 0 and decode_text(base64.b64encode(good).decode(), h).raw == good
 
 
 def test_table_batch_reads_many_messages_like_one_by_one():

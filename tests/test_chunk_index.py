@@ -247,23 +247,44 @@ def test_a_request_that_is_one_saved_chunk_is_planned_in_one_step(tmp_path, monk
 
 @pytest.mark.parametrize("compress", [True, False])
 def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path, compress):
-    """The coordinator's broadcast (manifest text, commit marker, the index as stored) decodes to
-    the same manifest and index whether its head is compressed (a job on several nodes) or not
-    (one node, ``LOCAL_WORLD_SIZE`` covering the group: no zlib on 2.6 MB of manifest for 20,000
-    small tensors); the frame says which."""
+    """The coordinator's broadcast (manifest text, commit marker, the manifest's item table, the
+    index as stored) decodes to the same manifest and index whether head and table are compressed
+    (a job on several nodes) or not (one node, ``LOCAL_WORLD_SIZE`` covering the group: no zlib on
+    megabytes of tables for 20,000 small tensors); the frame says which. Format 4's table travels
+    as its binary columns (not as the manifest's base64); format 3's tables in the manifest text."""
+    import dataclasses
+
     from ckpt_integration.execution import shared_metadata as sm
 
-    ci.save(_state(), tmp_path / "c")
-    shared = sm.read_local(str(tmp_path / "c"))
-    payload = sm.encode_shared(shared, compress=compress)
-    assert payload[4] == (1 if compress else 0)
-    manifest_json = ckdir.manifest_text(shared.manifest)
-    assert (manifest_json.encode() in payload) is not compress
-    got = sm.decode_shared(payload)
-    assert got.backend == shared.backend and got.config == shared.config
-    assert ckdir.manifest_fields(got.manifest) == ckdir.manifest_fields(shared.manifest)
-    assert got.compact.raw == shared.compact.raw
-    assert dict(got.manifest.checksums()) == dict(shared.manifest.checksums())
+    for version in (4, 3):
+        ckdir.SAVE_MANIFEST_VERSION, was = version, ckdir.SAVE_MANIFEST_VERSION
+        try:
+            ci.save(_state(), tmp_path / f"c{version}")
+        finally:
+            ckdir.SAVE_MANIFEST_VERSION = was
+        shared = sm.read_local(str(tmp_path / f"c{version}"))
+        assert shared.manifest.version == version
+        payload = sm.encode_shared(shared, compress=compress)
+        assert payload[4] == (1 if compress else 0)
+        manifest_json = ckdir.manifest_text(shared.manifest)
+        table = shared.manifest.item_table()
+        if version == 4:
+            assert manifest_json.encode() not in payload  # (the base64 does not travel)
+            assert ckdir.manifest_json(dataclasses.replace(shared.manifest, tables="")).encode() in payload or compress
+            assert (table.raw in payload) is not compress
+        else:
+            assert table is None and (manifest_json.encode() in payload) is not compress
+        got = sm.decode_shared(payload)
+        assert got.backend == shared.backend and got.config == shared.config
+        assert {**ckdir.manifest_fields(got.manifest), "tables": ""} == {**ckdir.manifest_fields(shared.manifest), "tables": ""}
+        assert got.compact.raw == shared.compact.raw
+        assert dict(got.manifest.checksums()) == dict(shared.manifest.checksums())
+        got_b, want_b = got.manifest.block_records(), shared.manifest.block_records()
+        assert sorted(got_b) == sorted(want_b) and len(want_b) > 0
+        for rid in want_b:
+            a, b = got_b[rid], want_b[rid]
+            assert (a.data_offset, a.data_length, a.block_size, a.digests.tolist()) == \
+                (b.data_offset, b.data_length, b.block_size, b.digests.tolist())
 
 
 def _one_node_load(rank, world, root):

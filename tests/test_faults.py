@@ -95,14 +95,14 @@ def test_damaged_data_is_never_returned_by_partial_reads(tmp_path, monkeypatch, 
     with the same file of another checkpoint of the same layout: a partial request either raises
     CorruptCheckpointError naming the file or returns exactly the saved values (it read no
     damaged byte); requests that read the damaged block always raise. Both block digests: XXH3-64
-    (format 3) and CRC32 (format 2, written through the writer's switch)."""
+    (format 4) and CRC32 (format 2, written through the writer's switch)."""
     from ckpt_integration.storage import checksum
 
     monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", block_hash)
     good = tmp_path / "good"
     want = _save(good, seed=1)
     man = json.loads((good / "manifest.json").read_text())
-    assert (man["version"], man.get("block_hash")) == ((3, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
+    assert (man["version"], man.get("block_hash")) == ((4, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
     other = tmp_path / "other"
     _save(other, seed=2)  # same layout, other values
     item = _w_item(good)

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import shutil
+import struct
 import zlib
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import CheckpointingException, ShardedObject, ShardedTensor
 from ckpt_integration.cli import main
+from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
 from tests.damage import deadline, flip_byte
@@ -120,6 +122,13 @@ def _to_format_1(d) -> None:
 def _tamper_block_crc(d) -> None:
     """One block digest of ``w`` wrong, its item digest right: loads of that block fail."""
     man = _manifest(d)
+    if man["version"] >= 4:  # the binary table: the first tensor item's block digests follow the item digests
+        raw = bytearray(base64.b64decode(man["tables"]))
+        _, _, width, n, _, nmsg = struct.unpack_from("<4sIIQQQ", raw, 0)
+        raw[36 + nmsg + width * n + 16] ^= 1  # the third digest (a data block's)
+        man["tables"] = base64.b64encode(bytes(raw)).decode()
+        _write_manifest(d, man)
+        return
     key = next(iter(man["blocks"]))
     rec = man["blocks"][key]
     crcs = bytearray(base64.b64decode(rec[3]))
@@ -180,7 +189,8 @@ def test_verify_reports_what_loads_refuse(saved, ckpt, capsys, damage):
 def test_verify_names_the_damaged_blocks(ckpt, capsys):
     """Two flipped data blocks of one item: the report gives the byte range of each block."""
     item = _w_item(ckpt)
-    data_offset, _, block, _ = _manifest(ckpt)["blocks"][f"{DATA}@{item.offset}"]
+    rec = ckdir.read_manifest(str(ckpt)).block_records()[(DATA, item.offset)]
+    data_offset, block = rec.data_offset, rec.block_size
     starts = [item.offset + data_offset + k * block for k in (0, 2)]
     for s in starts:
         flip_byte(ckpt / DATA, s + 5)

@@ -137,10 +137,9 @@ def _damaged(rank, world, d):
     tdist.barrier()
     if rank == 0:  # one bit of the second block of rank 1's "rows" chunk
         man = ckdir.read_manifest(d)
-        for k, v in man.blocks.items():
-            name, _, off = k.rpartition("@")
+        for name, off in man.block_records():
             if name.startswith("__1_"):
-                rec = man.block_records()[(name, int(off))]
+                rec = man.block_records()[(name, off)]
                 if rec.data_length > 2 * rec.block_size:
                     flip_byte(os.path.join(d, name), int(off) + rec.data_offset + rec.block_size + 7)
                     break

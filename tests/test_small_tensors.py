@@ -151,15 +151,15 @@ def test_many_small_tensors_round_trip_on_two_ranks(tmp_path):
 
 def _small_item(d, key):
     """(data file, item offset, item length, data offset, data length) of ``key``'s only chunk."""
-    import json
     import pickle
+
+    from ckpt_integration.storage import checkpoint_dir as ckdir
 
     with open(os.path.join(d, ".metadata"), "rb") as f:
         md = pickle.load(f)  # our own, freshly written checkpoint
     info = next(v for k, v in md.storage_data.items() if k.fqn == key)
-    with open(os.path.join(d, "manifest.json")) as f:
-        blocks = json.load(f)["blocks"][f"{info.relative_path}@{info.offset}"]
-    return os.path.join(d, info.relative_path), info.offset, info.length, blocks[0], blocks[1]
+    rec = ckdir.read_manifest(d).block_records()[(info.relative_path, info.offset)]
+    return os.path.join(d, info.relative_path), info.offset, info.length, rec.data_offset, rec.data_length
 
 
 @pytest.mark.parametrize("uniform", [False, True])
@@ -206,13 +206,16 @@ def test_one_damaged_small_item_among_many_fails_the_load_naming_file_and_bytes(
     assert torch.equal(ok["s216"], ts["s216"])
 
 
-def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path):
-    """Block records are decoded on first use: one record whose digests are not base64 fails the
-    load that reads its item with CorruptCheckpointError naming the manifest (not a ValueError),
-    while a load of other items does not need it."""
+def test_malformed_block_record_is_damage_when_its_item_is_read(tmp_path, monkeypatch):
+    """Block records of a format-3 manifest (JSON tables) are decoded on first use: one record
+    whose digests are not base64 fails the load that reads its item with CorruptCheckpointError
+    naming the manifest (not a ValueError), while a load of other items does not need it."""
     import json
 
     from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 3)
 
     ts = {f"s{i}": torch.randn(4, 4) for i in range(20)}
     d = str(tmp_path / "c")

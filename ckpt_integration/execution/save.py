@@ -48,7 +48,7 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.chunk_index import CHUNK_INDEX_FILE, index_of_layout
 from ..storage.dcp_pickle import dumps_commit_layout
-from ..storage.manifest_tables import file_sizes, render_tables
+from ..storage.manifest_tables import file_sizes, render_tables, table_of_written
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
@@ -380,9 +380,14 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     }
     files.update(file_sizes(layout.written))
     digest = save_block_hash()  # what write_data_files recorded
-    items, blocks = render_tables(layout.written, digest)
+    fmt = ckdir.manifest_format(digest)
+    if fmt["version"] >= 4:  # the per-item tables as binary columns
+        rendered = {"tables": table_of_written(layout.written, digest)}
+    else:
+        items, blocks = render_tables(layout.written, digest)
+        rendered = {"items": items, "blocks": blocks}
     manifest = ckdir.Manifest(
-        **ckdir.manifest_format(digest),
+        **fmt,
         world_size=plan.world_size,
         files=files,
         library_version=__version__,
@@ -391,7 +396,7 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
         commit_seq=next_commit_seq(plan.checkpoint_dir),
         commit_id=uuid.uuid4().hex,
     )
-    ckdir.write_manifest(d, manifest, plan.durable, rendered={"items": items, "blocks": blocks})
+    ckdir.write_manifest(d, manifest, plan.durable, rendered=rendered)
     _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
 

@@ -7,8 +7,9 @@
   directory without it is an incomplete save and is never loaded.
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
 * ``manifest.json`` - our own record: format version, world size, per-item and
-  per-file checksums, per-block digests of tensor data (format 2: CRC32, format 3: XXH3-64;
-  see ``checksum.py``). Optional on load
+  per-file checksums, per-block digests of tensor data (format 2: CRC32, formats 3 and 4:
+  XXH3-64, see ``checksum.py``; format 4 keeps the per-item tables as binary columns, see
+  ``item_table.py``). Optional on load
   (Megatron/DCP checkpoints lack it; they load unchecked, with a note in the log).
 * ``ckpt_integration.json`` - the save marker, written *first* by every save (see
   :mod:`.claim`): says that the directory is ours and that the checkpoint has a
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -45,6 +46,7 @@ from ..errors import (
 )
 from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable, ItemDigestTable  # noqa: F401 (re-exported)
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
+from .item_table import ItemTable, TableBlockRecords, TableItemDigests, decode_text
 from .claim import MARKER_FILE
 from .filesystem import join, storage_for
 from .located import CheckpointLocation, cached_config, cached_manifest
@@ -58,8 +60,12 @@ WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
 # 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token;
 # 3: the block digest is named by "block_hash" (XXH3-64 for new saves), item digests follow it
-MANIFEST_VERSION = 3
-SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3)
+# 4: the per-item tables ("items", "blocks") as binary columns in "tables" (see item_table.py)
+MANIFEST_VERSION = 4
+SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3, 4)
+# The format new XXH3-64 saves write: 4, or 3 (JSON tables, which versions of the library from
+# before format 4 read; tests write format-3 checkpoints through it). CRC32 saves write format 2.
+SAVE_MANIFEST_VERSION = MANIFEST_VERSION
 
 # backend -> supported versions of its on-disk layout
 SUPPORTED_BACKENDS: Dict[str, Tuple[int, ...]] = {"torch_dist": (1,), "zarr": (1,)}
@@ -104,6 +110,8 @@ class Manifest:
     # (digests of: bytes before the data, each data block, bytes after the data; empty ones left out)
     blocks: Dict[str, List[Any]] = field(default_factory=dict)
     save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
+    # format 4: "items" and "blocks" as one binary table, base64 (item_table.py); last in the file
+    tables: str = ""
 
     def __post_init__(self) -> None:
         if self.block_hash is None:
@@ -114,9 +122,29 @@ class Manifest:
         """The block digest algorithm of this checkpoint (raises UnknownBlockHashError if unknown)."""
         return block_hash(self.block_hash, MANIFEST_FILE)
 
-    def checksums(self) -> "ItemDigestTable":
+    def item_table(self, where: str = MANIFEST_FILE) -> Optional[ItemTable]:
+        """Format 4: the decoded ``tables`` (one per ``tables`` text; :class:`CorruptCheckpointError`
+        naming ``where`` if damaged); None for older formats, whose tables are ``items`` and ``blocks``."""
+        if not (isinstance(self.version, int) and self.version >= 4):
+            return None
+        cached = self.__dict__.get("_item_table")
+        if cached is not None and cached[0] is self.tables:
+            return cached[1]
+        out = decode_text(self.tables, self.hash, where)
+        self.attach_item_table(out)
+        return out
+
+    def attach_item_table(self, table: ItemTable) -> None:
+        """Use ``table`` (decoded from bytes that travelled without the base64 text, e.g. a load's
+        broadcast) as this format-4 manifest's tables. (The mapping views are kept here, not on
+        the table: they refer to it, and a table holding them would be a reference cycle.)"""
+        self.__dict__["_item_table"] = (self.tables, table, TableItemDigests(table), TableBlockRecords(table))
+
+    def checksums(self) -> Mapping[Tuple[str, int], int]:
         """``(file, offset) -> item digest``, one table per ``items`` table (read-only: every
         reader of this manifest shares it; each entry converted when it is used)."""
+        if self.item_table() is not None:
+            return self.__dict__["_item_table"][2]
         cached = self.__dict__.get("_checksums")
         if cached is not None and cached[0] is self.items:
             return cached[1]
@@ -128,6 +156,8 @@ class Manifest:
         """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
         (one table per manifest object; each record checked and decoded on first use: a load of
         10,000 small tensors per rank spent 3-5 us per tensor checking every record up front)."""
+        if self.item_table() is not None:
+            return self.__dict__["_item_table"][3]
         cached = self.__dict__.get("_block_records")
         if cached is not None and cached[0] is self.blocks:
             return cached[1]
@@ -140,9 +170,9 @@ def manifest_text(manifest: "Manifest") -> str:
     """The manifest as JSON text (e.g. for a load's broadcast): the text it was read from, while
     its tables are those read (re-encoding tens of thousands of entries costs ~20 us each)."""
     cached = manifest.__dict__.get("_text")
-    if cached is not None and cached[0] is manifest.blocks and cached[1] is manifest.items:
+    if cached is not None and cached[0] is manifest.blocks and cached[1] is manifest.items and cached[2] is manifest.tables:
         try:
-            return bytes(cached[2]).decode("utf-8")
+            return bytes(cached[3]).decode("utf-8")
         except UnicodeDecodeError:  # valid JSON in another encoding: re-encode below
             pass
     return json.dumps(manifest_fields(manifest))
@@ -151,17 +181,23 @@ def manifest_text(manifest: "Manifest") -> str:
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
     (its tables have an entry per stored item: tens of thousands with many small tensors).
-    Formats 1 and 2 are written without ``block_hash``, exactly as their writers wrote them."""
+    Formats 1 and 2 are written without ``block_hash``, formats 1 to 3 without ``tables``, exactly
+    as their writers wrote them; format 4 without ``items`` and ``blocks`` (``tables`` holds them)."""
     out = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
-    if isinstance(manifest.version, int) and manifest.version < 3:
+    version = manifest.version if isinstance(manifest.version, int) else MANIFEST_VERSION
+    if version < 3:
         del out["block_hash"]
+    if version < 4:
+        del out["tables"]
+    else:
+        del out["items"], out["blocks"]
     return out
 
 
 def manifest_format(h: BlockHash) -> Dict[str, Any]:
-    """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``: format 3, or
-    format 2 for CRC32 (which older versions of the library read)."""
-    return {"version": 2, "block_hash": CRC32} if h.name == CRC32 else {"version": MANIFEST_VERSION, "block_hash": h.name}
+    """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``: format 4 (or
+    :data:`SAVE_MANIFEST_VERSION`), or format 2 for CRC32 (which older versions of the library read)."""
+    return {"version": 2, "block_hash": CRC32} if h.name == CRC32 else {"version": SAVE_MANIFEST_VERSION, "block_hash": h.name}
 
 
 ZARR_INDEX_FILE = "zarr_index.json"
@@ -478,10 +514,15 @@ def read_manifest(directory: str) -> Optional[Manifest]:
             raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash'), this one does not")
         if manifest.version < 3 and manifest.block_hash != CRC32:
             raise TypeError(f"format {manifest.version} has CRC32 block checksums, not {manifest.block_hash!r}")
+        if manifest.version >= 4 and ("tables" not in raw or raw.get("items") or raw.get("blocks")):
+            raise TypeError(f"format {manifest.version} keeps its item tables in 'tables' (and has no 'items' or 'blocks')")
+        if manifest.version < 4 and "tables" in raw:
+            raise TypeError(f"format {manifest.version} has no 'tables'")
         block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
+        manifest.item_table(path)  # format 4: decoded and checked here (damage names the file)
         manifest.checksums()
         manifest.block_records()
-        manifest.__dict__["_text"] = (manifest.blocks, manifest.items, data)  # see manifest_text
+        manifest.__dict__["_text"] = (manifest.blocks, manifest.items, manifest.tables, data)  # see manifest_text
         return manifest
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None

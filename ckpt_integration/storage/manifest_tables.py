@@ -1,4 +1,6 @@
-"""The per-item tables of ``manifest.json`` rendered as JSON text from arrays (storage layer).
+"""The per-item tables of ``manifest.json`` made from a commit's arrays (storage layer): the
+binary table of format 4 (:func:`table_of_written`, see :mod:`.item_table`), or, for formats 2
+and 3, JSON text.
 
 A commit records for every stored item its whole-item checksum (``items``) and, for tensor
 items, its block checksums (``blocks``: data offset, data length, block size and the base64 of
@@ -19,6 +21,7 @@ import numpy as np
 
 from ..planning.written import WrittenColumns
 from .checksum import BlockHash
+from .item_table import encode_table, encode_text
 
 
 def file_sizes(w: WrittenColumns) -> Dict[str, Dict[str, int]]:
@@ -80,4 +83,12 @@ def _pack_rows(w: WrittenColumns, rows: np.ndarray, digest_dtype: str) -> List[s
     return out
 
 
-__all__ = ["file_sizes", "render_tables"]
+def table_of_written(w: WrittenColumns, block_hash: BlockHash) -> str:
+    """The ``tables`` field (format 4) of the items of ``w``: JSON text of the base64 of their
+    binary table (base64 needs no escaping in JSON)."""
+    raw = encode_table(w.strings, w.file, w.start, w.digest, w.nblocks, w.data_offset, w.data_length, w.block_size,
+                       w.block_pos, w.block_digests, block_hash)
+    return '"' + encode_text(raw) + '"'
+
+
+__all__ = ["file_sizes", "render_tables", "table_of_written"]

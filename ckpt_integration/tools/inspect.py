@@ -194,7 +194,7 @@ def _inspect_dcp(where: Any, path: str, trusted: bool) -> Dict[str, Any]:
         files = {}
         for info in storage.values():
             files[info.relative_path] = files.get(info.relative_path, 0) + info.length
-        checksummed = len(manifest.items) if manifest is not None else 0
+        checksummed = len(manifest.checksums()) if manifest is not None else 0
         warnings += _unsafe_file_names(path, files)
     tensors: Dict[str, Any] = {}
     objects = []
