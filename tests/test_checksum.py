@@ -230,6 +230,38 @@ def test_manifest_whose_version_and_algorithm_disagree_is_damaged(tmp_path, monk
         _load(d)
 
 
+@pytest.mark.parametrize("change", ["not_base64", "truncated", "no_tables", "json_items_too", "v3_with_tables"])
+def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch, capsys, change):
+    """A format-4 manifest whose binary tables are damaged (not base64, cut short), missing, mixed
+    with format 3's JSON tables, or a format-3 manifest that carries them: every load and
+    ``verify`` refuse it as damage naming the manifest; nothing is read unverified. The same
+    checkpoint loads once the manifest is restored."""
+    d = tmp_path / "c"
+    want = _save(d, "xxh3_64", monkeypatch)
+    good = (d / "manifest.json").read_text()
+    man = json.loads(good)
+    assert man["version"] == 4
+    if change == "not_base64":
+        man["tables"] = "not base64!"
+    elif change == "truncated":
+        man["tables"] = base64.b64encode(base64.b64decode(man["tables"])[:-8]).decode()
+    elif change == "no_tables":
+        del man["tables"]
+    elif change == "json_items_too":
+        man["items"] = {"__0_0.distcp@0": 1}
+    else:
+        man["version"] = 3
+    (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged") as ei:
+        _load(d)
+    assert str(d) in str(ei.value)
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 1
+    assert "manifest.json" in capsys.readouterr().out
+    (d / "manifest.json").write_text(good)
+    assert torch.equal(_load(d)["w"], want)
+
+
 # =========================================================================== digests between ranks
 def test_finalize_messages_carry_64_bit_digests():
     from ckpt_integration.planning import exchange as ex

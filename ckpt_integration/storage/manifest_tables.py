@@ -91,4 +91,13 @@ def table_of_written(w: WrittenColumns, block_hash: BlockHash) -> str:
     return '"' + encode_text(raw) + '"'
 
 
-__all__ = ["file_sizes", "render_tables", "table_of_written"]
+def rendered_tables(w: WrittenColumns, block_hash: BlockHash, version: int) -> Dict[str, str]:
+    """The per-item fields of a manifest of format ``version`` as JSON text (for
+    :func:`~.checkpoint_dir.write_manifest`): ``tables`` (format 4), or ``items`` and ``blocks``."""
+    if version >= 4:
+        return {"tables": table_of_written(w, block_hash)}
+    items, blocks = render_tables(w, block_hash)
+    return {"items": items, "blocks": blocks}
+
+
+__all__ = ["file_sizes", "render_tables", "rendered_tables", "table_of_written"]

@@ -41,7 +41,7 @@ class VerifyReport:
 
     ``items_checked`` / ``bytes_checked``: stored items (tensor chunks, objects, zarr chunk
     files) and their bytes; ``blocks_checked``: block checksums compared (manifest format 2
-    and later); ``block_hash``: their algorithm (``"xxh3_64"`` in format 3, ``"crc32"`` before;
+    and later); ``block_hash``: their algorithm (``"xxh3_64"`` in formats 3 and 4, ``"crc32"`` before;
     None without a manifest or for zarr); ``files_checked``: whole files compared with their
     recorded size and CRC32 (``.metadata``, ``common.pt``).
     """
@@ -101,7 +101,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
       a plain PyTorch DCP checkpoint has none);
     * every data file named in ``.metadata`` is a regular file inside the checkpoint, long
       enough for its items; every item matches its recorded digest and, for manifest format 2
-      and later, every 1 MiB block of tensor data its block digest (XXH3-64 in format 3,
+      and later, every 1 MiB block of tensor data its block digest (XXH3-64 in formats 3 and 4,
       CRC32 in format 2);
     * ``.metadata`` agrees with the data: each chunk's size and dtype with the stored tensor
       archive, and the chunks of every tensor cover its declared shape;
