@@ -121,6 +121,10 @@ def test_separation_hint_files_are_removed_with_the_prefix(tmp_path):
     from ckpt_integration.tools import verify_checkpoint
 
     assert verify_checkpoint(str(path)).ok
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    kept = ckdir.read_manifest(str(path)).checksums()  # (format 4: the binary table, rewritten)
+    assert kept and not any(f in hinted for f, _ in kept)
     # without a hint both kinds share files: nothing is deleted, only the metadata entries go
     ci.save(_sd(), tmp_path / "d", thread_count=1)
     before = sorted(os.listdir(tmp_path / "d"))
