@@ -282,7 +282,7 @@ def chunk_owner_step(
     box = _Inbox(inbox)
     strings = box.strings
     sdig = string_digests(strings)
-    kowner = np.fromiter((owner_of_key(s, world) for s in strings), dtype=np.int64, count=len(strings))
+    kowner = (sdig % np.uint64(world)).astype(np.int64)  # owner_of_key of every string at once
     compact = box.compact
     cdig = joined(compact[:, 2], compact[:, 3]) if len(compact) else np.zeros(0, dtype=np.uint64)
     claimed = np.zeros(len(compact), dtype=bool)  # compact copies matched to a chunk
