@@ -145,3 +145,12 @@ def test_contention_runs_alone_and_together(tmp_path):
     for label in ("| alone |", "| 2 at once, process 0 |", "| 2 at once, process 1 |", "slowest of 2 at once"):
         assert label in proc.stdout, proc.stdout
     assert not os.listdir(tmp_path)
+
+
+def test_manifest_cost_times_both_formats(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "manifest_cost.py"), "--small", "30", "--repeats", "1",
+           "--dir", str(tmp_path)]
+    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| 3 |" in proc.stdout and "| 4 |" in proc.stdout, proc.stdout
+    assert not os.listdir(tmp_path)

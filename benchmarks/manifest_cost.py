@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""What a checkpoint's manifest costs a load, by manifest format (one process, no process group).
+
+Saves ``--small`` tensors of ``--small-bytes`` each once per manifest format (3: the per-item
+tables as JSON; 4: as binary columns, see docs/format.md), then times, best of ``--repeats``:
+what the load's coordinator does with the manifest (read and checked, ``read_manifest``), the
+broadcast it builds (manifest, commit marker and chunk index) and what every other rank does with
+that broadcast (decoded). Sizes of ``manifest.json`` and of the broadcast are printed too.
+
+    python benchmarks/manifest_cost.py --small 20000 --dir /dev/shm
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import time
+from typing import Any, Callable, Dict, List
+
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str, Any]]:
+    import torch
+
+    import ckpt_integration as ci
+    from ckpt_integration import ShardedTensor
+    from ckpt_integration.execution import shared_metadata as sm
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(max(1, nbytes // 4))) for i in range(n)}
+    rows = []
+    for version in (3, 4):
+        d = os.path.join(directory, f"ckpt_manifest_cost_{os.getpid()}_{version}")
+        shutil.rmtree(d, ignore_errors=True)
+        was, ckdir.SAVE_MANIFEST_VERSION = ckdir.SAVE_MANIFEST_VERSION, version
+        try:
+            ci.save(state, d)
+        finally:
+            ckdir.SAVE_MANIFEST_VERSION = was
+        try:
+            shared = sm.read_local(d)
+            payload = sm.encode_shared(shared, compress=False)
+            rows.append({
+                "version": version,
+                "manifest_bytes": os.path.getsize(os.path.join(d, ckdir.MANIFEST_FILE)),
+                "read_s": _best(lambda: ckdir.read_manifest(d), repeats),
+                "encode_s": _best(lambda: sm.encode_shared(shared, compress=False), repeats),
+                "payload_bytes": len(payload),
+                "decode_s": _best(lambda: sm.decode_shared(payload), repeats),
+            })
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> List[Dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", type=int, default=20000, metavar="N", help="tensors in the checkpoint")
+    p.add_argument("--small-bytes", type=int, default=4096)
+    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    rows = measure(args.small, args.small_bytes, args.dir, args.repeats)
+    print(f"manifest of {args.small} tensors of {args.small_bytes} B, best of {args.repeats}")
+    print("| format | manifest.json | read and checked (coordinator) | broadcast built | broadcast | broadcast decoded (other ranks) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['version']} | {r['manifest_bytes'] / 1e6:.2f} MB | {1e3 * r['read_s']:.1f} ms | "
+              f"{1e3 * r['encode_s']:.1f} ms | {r['payload_bytes'] / 1e6:.2f} MB | {1e3 * r['decode_s']:.1f} ms |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
