@@ -38,7 +38,7 @@ from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys,
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
-from ..storage.chunk_index import compact_chunks_of
+from ..storage.chunk_index import checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_small_items
 from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
@@ -331,7 +331,7 @@ def load_sharded(
         else:
             dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
         if StrictHandling.requires_global_app_metadata(strict):
-            requested_global = _requested_by_any_rank(sorted(md.state_dict_metadata), requested, group)
+            requested_global = _requested_by_any_rank(checkpoint_keys(md), requested, group)
     job: Optional[_LoadJob] = None
     if local_error is None:
         try:
@@ -446,7 +446,7 @@ def _prepare_reads(
     requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
     strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
-    ckpt_keys = [k for k in md.state_dict_metadata]
+    ckpt_keys = checkpoint_keys(md)  # (md lists the requested keys only)
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):

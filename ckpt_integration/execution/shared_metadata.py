@@ -56,9 +56,10 @@ class SharedMetadata:
     config: Optional[ckdir.CheckpointingConfig] = None  # metadata.json
 
     def metadata_for(self, keys: Optional[Iterable[str]] = None) -> Optional[Metadata]:
-        """The DCP ``Metadata`` to load ``keys`` (all keys when None): with an index, every key
-        with its dtype and shape, storage records of the requested objects and **no tensor chunk
-        lists** (see :meth:`CompactMetadata.metadata_for`)."""
+        """The DCP ``Metadata`` to load ``keys`` (all keys when None): with an index, the requested
+        keys with their dtype and shape (``chunk_index.checkpoint_keys`` names every key), storage
+        records of the requested objects and **no tensor chunk lists** (see
+        :meth:`CompactMetadata.metadata_for`)."""
         if self.compact is None:
             return self.metadata
         return self.compact.metadata_for(keys)
