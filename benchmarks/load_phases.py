@@ -40,7 +40,7 @@ PHASES = [
     ("read_all", "reads + checks (`read_all`)"),
     ("agree", "error agreements (`agree_on_errors`)"),
     ("split", "state dict split (`split_state_dict`)"),
-    ("route", "request records routed (`route_shards`)"),
+    ("route", "request records built and routed (`build_routes`)"),
     ("metadata_for", "metadata of the requested keys (`metadata_for`)"),
     ("finish", "results assembled (`finish`)"),
 ]
@@ -66,7 +66,7 @@ def _install(timings: Dict[str, float]) -> None:
     load_mod._LoadJob.read_all = timed(timings, "read_all", load_mod._LoadJob.read_all)
     dist_mod.agree_on_errors = timed(timings, "agree", dist_mod.agree_on_errors)
     load_mod.split_state_dict = timed(timings, "split", load_mod.split_state_dict)
-    load_mod.route_shards = timed(timings, "route", load_mod.route_shards)
+    exchange_mod.build_routes = timed(timings, "route", exchange_mod.build_routes)
     shared_mod.SharedMetadata.metadata_for = timed(timings, "metadata_for", shared_mod.SharedMetadata.metadata_for)
     load_mod._LoadJob.finish = timed(timings, "finish", load_mod._LoadJob.finish)
 

@@ -34,7 +34,7 @@ from bench_util import _free_port, add_state_args, start_rank, timed  # noqa: E4
 
 PHASES = [
     ("split", "state dict split (`split_state_dict`)"),
-    ("route", "shard records routed (`route_shards`)"),
+    ("route", "shard records built and routed (`build_routes`, first save only)"),
     ("plan_start", "plan agreed or reused (`exchange.start`)"),
     ("plan_run", "plan exchanged (`exchange.run`, first save only)"),
     ("common", "common state compared (`check_common_consistency`)"),
@@ -50,7 +50,7 @@ def _install(timings: Dict[str, float]) -> None:
     from ckpt_integration.execution import exchange as exchange_mod
     from ckpt_integration.execution import save as save_mod
 
-    for mod, attr, name in [(save_mod, "split_state_dict", "split"), (save_mod, "route_shards", "route"),
+    for mod, attr, name in [(save_mod, "split_state_dict", "split"), (exchange_mod, "build_routes", "route"),
                             (exchange_mod, "start", "plan_start"), (exchange_mod, "run", "plan_run"),
                             (save_mod, "check_common_consistency", "common"), (save_mod, "_requests_for", "requests"),
                             (save_mod, "prepare_save", "prepare"), (save_mod, "finalize_save", "finalize")]:

@@ -131,7 +131,7 @@ def test_save_phases_runs_and_prints_every_phase(tmp_path):
            "--dir", str(tmp_path)]
     proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for label in ("`split_state_dict`", "`route_shards`", "`exchange.start`", "`prepare_save`", "`write`",
+    for label in ("`split_state_dict`", "`build_routes`", "`exchange.start`", "`prepare_save`", "`write`",
                   "`commit`", "`finalize_save`", "total `save()`", "first save", "rank 1"):
         assert label in proc.stdout, proc.stdout
     assert not os.listdir(tmp_path)  # (its checkpoints removed)

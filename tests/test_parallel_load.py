@@ -494,18 +494,20 @@ def _repeated_loads(rank, world, root):
 
     from ckpt_integration.errors import ShardingIntegrityError
     from ckpt_integration.execution import exchange
-    from ckpt_integration.execution import load as load_mod
-    from ckpt_integration.execution import save as save_mod
 
     w = global_tensor("w", (8, 4))
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
-    real_save_route = save_mod.route_shards
     checks = []
     real = exchange.run
     exchange.run = lambda *a, **k: checks.append(k.get("purpose", "save")) or real(*a, **k)
-    routed = []  # loads that built and routed their shard records
-    real_route = load_mod.route_shards
-    load_mod.route_shards = lambda *a, **k: routed.append(1) or real_route(*a, **k)
+    routed, saves = [], []  # loads and saves that built and routed their shard records
+    real_build = exchange.build_routes
+
+    def build(shards, rank_, world_, options):
+        (routed if options == "load" else saves).append(1)
+        return real_build(shards, rank_, world_, options)
+
+    exchange.build_routes = build
     try:
         cols = lambda: {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8, 4 // world), (1, rank, world))}  # noqa: E731
         for _ in range(3):  # the same request three times: checked once, its records built once
@@ -520,16 +522,16 @@ def _repeated_loads(rank, world, root):
         assert checks == ["load"] * 2 and routed == [1, 1], (checks, routed)
         # the same again, but rank 0 fails building the records it needs after all: it takes part
         # in the check with nothing and every rank raises, naming it (no rank waits forever)
-        real_meta = load_mod.shard_meta
+        real_meta = exchange.shard_meta
         if rank == 0:
-            load_mod.shard_meta = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("records lost"))
+            exchange.shard_meta = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("records lost"))
         try:
             # (rank 0's request as checked last, rank 1's changed back; the failing rank raises its own error)
             with pytest.raises(RuntimeError if rank == 0 else ci.CheckpointingException,
                                match="records lost" if rank == 0 else "rank 0: .*records lost"):
                 ci.load(cols(), root)
         finally:
-            load_mod.shard_meta = real_meta
+            exchange.shard_meta = real_meta
         assert torch.equal(ci.load(cols(), root)["w"], w.chunk(world, dim=1)[rank])  # (checked: nothing cached)
         del checks[1:]
         rows = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(8 // world, 4), (0, rank, world))}
@@ -548,8 +550,7 @@ def _repeated_loads(rank, world, root):
         assert [c for c in checks if c == "load"] == ["load"] * 4, checks
         # saves alike: the structure of the last save planned builds no shard records; one rank
         # adding a tensor makes every rank build its records and plan again
-        saves = []
-        save_mod.route_shards = lambda *a, **k: saves.append(1) or real_save_route(*a, **k)
+        del saves[:]
         xs = lambda **extra: {"x": ci.ShardedTensor.from_rank_offsets("x", torch.ones(2), (0, rank, world)), **extra}  # noqa: E731
         ci.save(xs(), root + "_y")
         assert saves == [] and checks.count("save") == 1, (saves, checks)
@@ -563,8 +564,7 @@ def _repeated_loads(rank, world, root):
         assert torch.equal(got["x"], torch.ones(2)) and (rank == 0 or torch.equal(got["only1"], torch.arange(3.0)))
     finally:
         exchange.run = real
-        load_mod.route_shards = real_route
-        save_mod.route_shards = real_save_route
+        exchange.build_routes = real_build
 
 
 def test_a_repeated_load_request_is_checked_once(tmp_path):

@@ -138,14 +138,12 @@ def test_scale_benchmark_smoke(tmp_path):
 
 
 def test_repeated_save_with_the_same_structure_reuses_the_plan(tmp_path, monkeypatch):
-    from ckpt_integration.execution import save as save_mod
-
     calls = []
     real = ex_mod.chunk_owner_step
     monkeypatch.setattr(ex_mod, "chunk_owner_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     routed = []  # saves that built and routed their shard records (a reused plan needs none)
-    real_route = save_mod.route_shards
-    monkeypatch.setattr(save_mod, "route_shards", lambda *a, **k: routed.append(1) or real_route(*a, **k))
+    real_route = ex_mod.build_routes
+    monkeypatch.setattr(ex_mod, "build_routes", lambda *a, **k: routed.append(1) or real_route(*a, **k))
     ex_mod.forget_plans()
 
     def state(value, rows=4):

@@ -50,6 +50,7 @@ from ..planning.exchange import (
 from ..planning.records import digest64
 from ..planning.shards import ShardMeta
 from . import dist
+from .preprocess import shard_meta
 
 MAX_PROBLEMS_SHOWN = 50
 
@@ -98,6 +99,38 @@ def known_digest(purpose: str, identity: Any) -> Optional[int]:
     if identity is None or cached is None or cached.identity is None or cached.identity != identity:
         return None
     return cached.digest
+
+
+def build_routes(shards: Sequence[Any], rank: int, world: int, options: str) -> Tuple[List[ShardMeta], Routed]:
+    """This rank's shard records (from its local shards) and what it sends to their chunk owners."""
+    metas = [shard_meta(s, rank) for s in shards]
+    return metas, route_shards(metas, rank, world, options=options)
+
+
+def routes_for(purpose: str, identity: Any, shards: Sequence[Any], rank: int, world: int,
+               options: str) -> Tuple[List[ShardMeta], Routed]:
+    """:func:`build_routes`, unless ``identity`` repeats the last checked input of ``purpose``:
+    then no records (``[]``) and the known digest, which :func:`start` agrees on; if another
+    rank's input changed, :func:`routes_after_change` builds them."""
+    known = known_digest(purpose, identity)
+    if known is not None:
+        return [], Routed({}, known)
+    return build_routes(shards, rank, world, options)
+
+
+def routes_after_change(metas: List[ShardMeta], routed: Routed, shards: Sequence[Any], rank: int, world: int,
+                        options: str) -> Tuple[List[ShardMeta], Routed, Optional[str], Optional[BaseException]]:
+    """After :func:`start` found that some rank's input changed: this rank's records and routes
+    if :func:`routes_for` skipped them, and the failure of building them, if any (passed to
+    :func:`run`, which then makes every rank raise: this rank still takes part, with empty
+    messages, so that no rank waits for it)."""
+    if metas or not shards:
+        return metas, routed, None, None
+    try:
+        metas, routed = build_routes(shards, rank, world, options)
+    except Exception as e:
+        return metas, routed, _describe(e), e
+    return metas, routed, None, None
 
 
 def start(

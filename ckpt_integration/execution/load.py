@@ -32,7 +32,6 @@ from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
 from ..planning.boxes import Box, intersect, relative_slices
-from ..planning.exchange import Routed, route_shards
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
@@ -47,7 +46,7 @@ from . import exchange
 from .dist import describe_error as _describe
 from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
-from .preprocess import local_shards, restore_list_types, shard_meta, shards_identity, split_state_dict
+from .preprocess import local_shards, restore_list_types, shards_identity, split_state_dict
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
 
@@ -300,12 +299,7 @@ def load_sharded(
             # the request repeats the last one checked: its digest is known, its records are built
             # only if some rank's request changed (below)
             identity = shards_identity(shards, rank, world, "load")
-            known = exchange.known_digest("load", identity)
-            if known is not None:
-                routed = Routed({}, known)
-            else:
-                metas = [shard_meta(s, rank) for s in shards]
-                routed = route_shards(metas, rank, world, options="load")
+            metas, routed = exchange.routes_for("load", identity, shards, rank, world, "load")
     except Exception as e:
         local_error, local_exc = _describe(e), e
     requested_global: Set[str] = set(requested)
@@ -316,13 +310,8 @@ def load_sharded(
             # saves do: an evaluation job loading each new checkpoint into the same model)
             context = f"load of {checkpoint_dir} failed"
             if exchange.start(routed, local_error, local_exc, group, context, purpose="load") is None:
-                late_error, late_exc = None, None
-                if routed is not None and not metas and shards:  # (known digest, but another rank's request changed)
-                    try:  # (a failure here: this rank takes part with empty messages, every rank raises)
-                        metas = [shard_meta(s, rank) for s in shards]
-                        routed = route_shards(metas, rank, world, options="load")
-                    except Exception as e:
-                        late_error, late_exc = _describe(e), e
+                # (start raised on every rank if any failed above: routed is set here)
+                metas, routed, late_error, late_exc = exchange.routes_after_change(metas, routed, shards, rank, world, "load")
                 exchange.run(
                     metas, routed, group, replies=False, purpose="load", context=context,
                     problems_header=f"invalid sharding of the load request for {checkpoint_dir}",

@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
-from ..planning.exchange import KeySummary, Routed, SummaryTable, route_shards
+from ..planning.exchange import KeySummary, Routed, SummaryTable
 from ..planning.written import CommitLayout, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
 from ..storage import atomic
@@ -62,7 +62,7 @@ from . import exchange
 from .dist import describe_error as _describe
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
-from .preprocess import dtype_from_name, local_shards, shard_meta, shards_identity, split_state_dict
+from .preprocess import dtype_from_name, local_shards, shards_identity, split_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -232,12 +232,7 @@ def prepare_save(
         # the structure of the last save planned (every save of a training run): its plan's digest
         # is known, and the shard records are built only if some rank's structure changed (below)
         identity = shards_identity(shards, rank, world, options)
-        known = exchange.known_digest("save", identity)
-        if known is not None:
-            routed = Routed({}, known)
-        else:
-            metas = [shard_meta(sh, rank) for sh in shards]
-            routed = route_shards(metas, rank, world, options=options)
+        metas, routed = exchange.routes_for("save", identity, shards, rank, world, options)
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
     except Exception as e:
@@ -250,13 +245,7 @@ def prepare_save(
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
             assert routed is not None  # start() raised on every rank otherwise
-            late_error, late_exc = None, None
-            if not metas and shards:  # (the digest was known, but another rank's structure changed)
-                try:  # (a failure here: this rank takes part with empty messages, every rank raises)
-                    metas = [shard_meta(sh, rank) for sh in shards]
-                    routed = route_shards(metas, rank, world, options=options)
-                except Exception as e:
-                    late_error, late_exc = _describe(e), e
+            metas, routed, late_error, late_exc = exchange.routes_after_change(metas, routed, shards, rank, world, options)
             planned = exchange.run(
                 metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=be.wants_layout,
                 context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
