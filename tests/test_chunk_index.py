@@ -245,6 +245,30 @@ def test_a_request_that_is_one_saved_chunk_is_planned_in_one_step(tmp_path, monk
     assert [t is not None for t in fast] == [True] * len(blocks) + [False, True]
 
 
+def test_a_loads_metadata_lists_the_requested_keys_and_names_all(tmp_path):
+    """A load's metadata decodes only the keys it requests (each other key of the index is stepped
+    over: a rank no longer decodes every key of the job); ``checkpoint_keys`` still names every
+    key, objects included, and strict handling sees them all: a load of one tensor reports every
+    other key missing, and a requested key the checkpoint lacks as unexpected."""
+    from ckpt_integration.execution import shared_metadata as sm
+    from ckpt_integration.storage.chunk_index import checkpoint_keys
+
+    path = str(tmp_path / "c")
+    ci.save(_state(), path)
+    shared = sm.read_local(path)
+    everything = sorted(shared.metadata_for().state_dict_metadata)
+    assert everything == ["half", "obj/shard_0_1", "scalar", "stack", "w"]
+    md = shared.metadata_for(["w", "obj/shard_0_1", "nope"])
+    assert sorted(md.state_dict_metadata) == ["obj/shard_0_1", "w"]
+    assert checkpoint_keys(md) == everything == checkpoint_keys(shared.metadata_for())
+    assert tuple(md.state_dict_metadata["w"].size) == (8, 6)
+    out, missing, unexpected = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 6)),
+                                        "nope": ShardedTensor.from_rank_offsets("nope", torch.zeros(2))},
+                                       path, strict="return_all")
+    assert torch.equal(out["w"], torch.arange(48.0).reshape(8, 6))
+    assert sorted(missing) == ["half", "obj", "scalar", "stack"] and sorted(unexpected) == ["nope"]  # (objects by key)
+
+
 @pytest.mark.parametrize("compress", [True, False])
 def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path, compress):
     """The coordinator's broadcast (manifest text, commit marker, the manifest's item table, the

@@ -435,11 +435,11 @@ def _prepare_reads(
     requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
     strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
-    ckpt_keys = checkpoint_keys(md)  # (md lists the requested keys only)
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-        missing, unexpected = mismatched_keys(requested, requested_global, ckpt_keys)
+        # (every key of the checkpoint: md lists the requested ones only)
+        missing, unexpected = mismatched_keys(requested, requested_global, checkpoint_keys(md))
         _handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
         if unexpected:
             sharded = _drop_keys(sharded, unexpected)

@@ -254,18 +254,18 @@ def decode_metadata(
         storage_meta=StorageMeta(), version="1.0.0",
     )
     if skip:
-        setattr(md, _ALL_KEYS, sorted([*sd_meta, *others]))
+        setattr(md, _ALL_KEYS, others)  # (sorted with the listed keys when asked: most loads never ask)
     return md, p, positions
 
 
-_ALL_KEYS = "_ckpt_all_keys"  # set on metadata decoded for some keys only (see checkpoint_keys)
+_ALL_KEYS = "_ckpt_other_keys"  # the keys left out of metadata decoded for some keys only (see checkpoint_keys)
 
 
 def checkpoint_keys(md: Metadata) -> List[str]:
     """Every key of the checkpoint ``md`` describes, sorted: also those a load's metadata (for
     the requested keys only, :meth:`CompactMetadata.metadata_for`) leaves out."""
-    keys = getattr(md, _ALL_KEYS, None)
-    return list(keys) if keys is not None else sorted(md.state_dict_metadata)
+    others = getattr(md, _ALL_KEYS, None)
+    return sorted([*md.state_dict_metadata, *others]) if others is not None else sorted(md.state_dict_metadata)
 
 
 _ATTR = "_ckpt_compact_chunks"  # set on the Metadata objects built by CompactMetadata.metadata_for
