@@ -147,8 +147,8 @@ def test_contention_runs_alone_and_together(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_manifest_cost_times_both_formats(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "manifest_cost.py"), "--small", "30", "--repeats", "1",
+def test_metadata_cost_times_both_formats(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "metadata_cost.py"), "--small", "30", "--repeats", "1",
            "--dir", str(tmp_path)]
     proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
