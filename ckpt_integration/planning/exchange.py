@@ -372,7 +372,7 @@ def _forward_plain(fwd: _Out, ans: _Answers, rows: np.ndarray, nd: int, strings:
 def _localize(w: MessageWriter, strings: List[str], *cols: np.ndarray) -> List[np.ndarray]:
     """Columns of global string ids as ids into ``w``'s string table."""
     u = np.unique(np.concatenate(cols))
-    lut = np.asarray([w.sid(strings[g]) for g in u.tolist()], dtype=np.int64)
+    lut = w.sids([strings[g] for g in u.tolist()])
     return [lut[np.searchsorted(u, c)] for c in cols]
 
 

@@ -290,14 +290,12 @@ class TableBatch:
             if len(buf) != pos + nblob + nints * width or nblob < 4 * nstr or (not nstr and nblob):
                 raise ValueError("metadata message has an inconsistent length")
             lut = []
-            if nstr:
-                ids, strings = self.ids, self.strings
-                for s in _strings(buf, pos, nstr, nblob):
-                    j = ids.get(s)
-                    if j is None:
-                        j = ids[s] = len(strings)
-                        strings.append(s)
-                    lut.append(j)
+            if nstr:  # (interned as MessageWriter.sids does: one dict call per string)
+                ids = self.ids
+                known = len(ids)
+                lut = [ids.setdefault(s, len(ids)) for s in _strings(buf, pos, nstr, nblob)]
+                if len(ids) > known:
+                    self.strings.extend(itertools.islice(ids, known, None))
             luts.append(lut)
             bodies[width].append((i, memoryview(buf)[pos + nblob :]))
         self.count = n
