@@ -208,7 +208,7 @@ def decode_metadata(
     p += 1
     for _ in range(count):
         kind, key = ints[p], strings[ints[p + 1]]
-        if skip and key not in keys:  # (type: ignore - keys is a set here)
+        if skip and key not in keys:  # type: ignore[operator]  (a set whenever skip is set)
             others.append(key)
             if kind == 0:
                 nd = ints[p + 3]
@@ -254,17 +254,17 @@ def decode_metadata(
         storage_meta=StorageMeta(), version="1.0.0",
     )
     if skip:
-        setattr(md, _ALL_KEYS, others)  # (sorted with the listed keys when asked: most loads never ask)
+        setattr(md, _OTHER_KEYS, others)  # (sorted with the listed keys when asked: most loads never ask)
     return md, p, positions
 
 
-_ALL_KEYS = "_ckpt_other_keys"  # the keys left out of metadata decoded for some keys only (see checkpoint_keys)
+_OTHER_KEYS = "_ckpt_other_keys"  # the keys left out of metadata decoded for some keys only (see checkpoint_keys)
 
 
 def checkpoint_keys(md: Metadata) -> List[str]:
     """Every key of the checkpoint ``md`` describes, sorted: also those a load's metadata (for
     the requested keys only, :meth:`CompactMetadata.metadata_for`) leaves out."""
-    others = getattr(md, _ALL_KEYS, None)
+    others = getattr(md, _OTHER_KEYS, None)
     return sorted([*md.state_dict_metadata, *others]) if others is not None else sorted(md.state_dict_metadata)
 
 
