@@ -320,6 +320,22 @@ def _one_node_load(rank, world, root):
     ci.save({"w": ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
     got = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(16, 4 // world), (1, rank, world))}, root)
     assert torch.equal(got["w"], w.chunk(world, dim=1)[rank])
+    # the format-4 item table cut short: the coordinator refuses the manifest and every rank
+    # raises the same error (none waits for a broadcast that does not come)
+    import base64
+    import json
+
+    import torch.distributed as tdist
+
+    if rank == 0:
+        with open(os.path.join(root, "manifest.json")) as f:
+            man = json.load(f)
+        man["tables"] = base64.b64encode(base64.b64decode(man["tables"])[:-8]).decode()
+        with open(os.path.join(root, "manifest.json"), "w") as f:
+            json.dump(man, f)
+    tdist.barrier()
+    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged: its item table"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(16, 4 // world), (1, rank, world))}, root)
 
 
 def test_a_load_on_one_node_resharded_exactly(tmp_path):
