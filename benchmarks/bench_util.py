@@ -131,3 +131,62 @@ def start_rank(rank: int, world: int, port: int, args) -> list:
         return [torch.rand(args.small_bytes // 4) for _ in range(args.small)]
     per = args.mib * (1 << 20) // args.tensors // (args.cols * 4)
     return [torch.rand(per, args.cols) for _ in range(args.tensors)]
+
+
+def with_slowest(rec: dict, world: int) -> dict:
+    """``rec`` (one run's timings on this rank) with ``total_max``: the slowest rank's ``total``
+    (collective: every rank calls it once per run)."""
+    import torch.distributed as tdist
+
+    allrec: list = [None] * world
+    tdist.all_gather_object(allrec, rec)
+    rec["total_max"] = max(r["total"] for r in allrec)
+    return rec
+
+
+def keep_best(best: dict, rec: dict) -> None:
+    """Each of ``rec``'s timings into ``best`` where it is the lowest so far."""
+    for k, v in rec.items():
+        best[k] = min(best.get(k, v), v)
+
+
+def write_per_rank(best: dict, world: int, rank: int, out_path: str) -> None:
+    """Every rank's ``best`` into ``out_path`` (JSON list by rank, written by rank 0; collective)."""
+    import json
+
+    import torch.distributed as tdist
+
+    allbest: list = [None] * world
+    tdist.all_gather_object(allbest, best)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(allbest, f)
+    tdist.barrier()
+
+
+def run_ranks(worker, args) -> list:
+    """``worker(rank, world, port, args, out_path)`` on ``args.ranks`` spawned processes; what they
+    wrote with :func:`write_per_rank`."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out = tempfile.mktemp(suffix=".json")
+    mp.start_processes(worker, args=(args.ranks, _free_port(), args, out), nprocs=args.ranks, start_method="spawn")
+    with open(out) as f:
+        per_rank = json.load(f)
+    os.unlink(out)
+    return per_rank
+
+
+def print_phase_table(title: str, columns: list, rows: list, n: int) -> None:
+    """A markdown table of phase timings: a row per ``(key, label)`` of ``rows``, a column per
+    ``(name, timings)`` of ``columns``; seconds, or microseconds per tensor with ``n`` tensors.
+    ``title`` is the first header cell, with ``{unit}`` where the unit goes."""
+    unit = "us/tensor" if n else "seconds"
+    scale = (lambda v: f"{1e6 * v / n:.1f}") if n else (lambda v: f"{v:.4f}")
+    print(f"| {title.format(unit=unit)} | " + " | ".join(name for name, _ in columns) + " |")
+    print("|---|" + "---:|" * len(columns))
+    for k, label in rows:
+        print(f"| {label} | " + " | ".join(scale(b.get(k, 0.0)) for _, b in columns) + " |")

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import _free_port, add_state_args, start_rank, timed  # noqa: E402
+from bench_util import (  # noqa: E402
+    add_state_args, keep_best, print_phase_table, run_ranks, start_rank, timed, with_slowest, write_per_rank,
+)
 
 PHASES = [
     ("read_shared", "metadata: one reader, one broadcast (`open_shared`)"),
@@ -122,24 +122,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof.disable()
                 prof.dump_stats(args.profile)
             tdist.barrier()
-            rec = dict(timings, total=total, plain=plain)
-            allrec: List[Any] = [None] * world
-            tdist.all_gather_object(allrec, rec)
-            rec["total_max"] = max(r["total"] for r in allrec)
+            rec = with_slowest(dict(timings, total=total, plain=plain), world)
             if rep == 0:  # the first load of the request checks it (later ones reuse that check): apart
                 first = rec
                 if args.repeats > 1:
                     continue
-            for k, v in rec.items():
-                best[k] = min(best.get(k, v), v)
+            keep_best(best, rec)
         best["first"] = first
         assert all(torch.equal(a, b) for a, b in zip(local, dst)), "bad load"
-        allbest: List[Any] = [None] * world
-        tdist.all_gather_object(allbest, best)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(allbest, f)
-        tdist.barrier()
+        write_per_rank(best, world, rank, out_path)
     finally:
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
@@ -153,23 +144,12 @@ def main(argv=None) -> List[Dict[str, float]]:
     p.add_argument("--strategy", default=None, help="load_strategy= (default: the load's default)")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last load into OUT")
     args = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    out = tempfile.mktemp(suffix=".json")
-    mp.start_processes(_worker, args=(args.ranks, _free_port(), args, out), nprocs=args.ranks, start_method="spawn")
-    with open(out) as f:
-        per_rank = json.load(f)
-    os.unlink(out)
-    n = args.small
-    unit = "us/tensor" if n else "seconds"
-    scale = (lambda v: f"{1e6 * v / n:.1f}") if n else (lambda v: f"{v:.4f}")
+    per_rank = run_ranks(_worker, args)
     again = max(args.repeats - 1, 1)
     cols = [(f"rank {r}", b) for r, b in enumerate(per_rank)] + [(f"first, rank {r}", b["first"]) for r, b in enumerate(per_rank)]
-    print(f"| phase ({unit}: best of {again} repeated loads; the first load, which checks the request) | " +
-          " | ".join(name for name, _ in cols) + " |")
-    print("|---|" + "---:|" * len(cols))
-    for k, label in PHASES + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")]:
-        print(f"| {label} | " + " | ".join(scale(b.get(k, 0.0)) for _, b in cols) + " |")
+    print_phase_table(f"phase ({{unit}}: best of {again} repeated loads; the first load, which checks the request)", cols,
+                      PHASES + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
+                      args.small)
     return per_rank
 
 

@@ -20,17 +20,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
-from typing import Any, Dict, List
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import _free_port, add_state_args, start_rank, timed  # noqa: E402
+from bench_util import (  # noqa: E402
+    add_state_args, keep_best, print_phase_table, run_ranks, start_rank, timed, with_slowest, write_per_rank,
+)
 
 PHASES = [
     ("split", "state dict split (`split_state_dict`)"),
@@ -94,21 +94,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             tdist.barrier()
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
-            rec = dict(timings, total=total)
-            allrec: List[Any] = [None] * world
-            tdist.all_gather_object(allrec, rec)
-            rec["total_max"] = max(r["total"] for r in allrec)
+            rec = with_slowest(dict(timings, total=total), world)
             if rep == 0:  # the first save of a structure exchanges its plan; later ones reuse it
                 best["first_total_max"] = rec["total_max"]
                 continue
-            for k, v in rec.items():
-                best[k] = min(best.get(k, v), v)
-        allbest: List[Any] = [None] * world
-        tdist.all_gather_object(allbest, best)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(allbest, f)
-        tdist.barrier()
+            keep_best(best, rec)
+        write_per_rank(best, world, rank, out_path)
     finally:
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
@@ -123,23 +114,11 @@ def main(argv=None) -> List[Dict[str, float]]:
     args = p.parse_args(argv)
     if args.repeats < 2:
         p.error("--repeats must be at least 2 (the first save is reported apart)")
-    import torch.multiprocessing as mp
-
-    out = tempfile.mktemp(suffix=".json")
-    mp.start_processes(_worker, args=(args.ranks, _free_port(), args, out), nprocs=args.ranks, start_method="spawn")
-    with open(out) as f:
-        per_rank = json.load(f)
-    os.unlink(out)
-    n = args.small
-    unit = "us/tensor" if n else "seconds"
-    scale = (lambda v: f"{1e6 * v / n:.1f}") if n else (lambda v: f"{v:.4f}")
-    print(f"| phase (best of {args.repeats - 1} repeated saves), {unit} | " +
-          " | ".join(f"rank {r}" for r in range(len(per_rank))) + " |")
-    print("|---|" + "---:|" * len(per_rank))
+    per_rank = run_ranks(_worker, args)
     rows = PHASES + [("total", "total `save()`"), ("total_max", "total, slowest rank"),
                      ("first_total_max", "first save (plan exchanged), slowest rank")]
-    for k, label in rows:
-        print(f"| {label} | " + " | ".join(scale(b.get(k, 0.0)) for b in per_rank) + " |")
+    print_phase_table(f"phase (best of {args.repeats - 1} repeated saves), {{unit}}",
+                      [(f"rank {r}", b) for r, b in enumerate(per_rank)], rows, args.small)
     return per_rank
 
 

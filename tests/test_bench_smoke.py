@@ -114,43 +114,39 @@ def test_request_counts_bench_runs_and_counts_remote_fetches():
     assert int(load.split("|")[5]) <= 4, load  # data read requests: one fetch per data file (was one per range)
 
 
-@pytest.mark.slow  # ~5-10 s (two spawned ranks)
-def test_load_phases_runs_and_prints_every_phase(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "load_phases.py"), "--small", "20", "--repeats", "1",
-           "--dir", str(tmp_path)]
+def _bench_stdout(script, *args):
+    """What ``benchmarks/<script> <args>`` printed (a smoke run, which must succeed)."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *map(str, args)]
     proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow  # ~5-10 s (two spawned ranks)
+def test_load_phases_runs_and_prints_every_phase(tmp_path):
+    out = _bench_stdout("load_phases.py", "--small", 20, "--repeats", 1, "--dir", tmp_path)
     for label in ("`open_shared`", "`exchange.run`", "`_prepare_reads`", "`load_read_once`", "`read_all`",
                   "total `load()`", "plain read"):
-        assert label in proc.stdout, proc.stdout
+        assert label in out, out
 
 
 @pytest.mark.slow  # ~10-20 s (two spawned ranks)
 def test_save_phases_runs_and_prints_every_phase(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "save_phases.py"), "--small", "20", "--repeats", "2",
-           "--dir", str(tmp_path)]
-    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = _bench_stdout("save_phases.py", "--small", 20, "--repeats", 2, "--dir", tmp_path)
     for label in ("`split_state_dict`", "`build_routes`", "`exchange.start`", "`prepare_save`", "`write`",
                   "`commit`", "`finalize_save`", "total `save()`", "first save", "rank 1"):
-        assert label in proc.stdout, proc.stdout
+        assert label in out, out
     assert not os.listdir(tmp_path)  # (its checkpoints removed)
 
 
 def test_contention_runs_alone_and_together(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "contention.py"), "--small", "20", "--procs", "2",
-           "--repeats", "1", "--dir", str(tmp_path)]
-    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = _bench_stdout("contention.py", "--small", 20, "--procs", 2, "--repeats", 1, "--dir", tmp_path)
     for label in ("| alone |", "| 2 at once, process 0 |", "| 2 at once, process 1 |", "slowest of 2 at once"):
-        assert label in proc.stdout, proc.stdout
+        assert label in out, out
     assert not os.listdir(tmp_path)
 
 
 def test_metadata_cost_times_both_formats(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "metadata_cost.py"), "--small", "30", "--repeats", "1",
-           "--dir", str(tmp_path)]
-    proc = forked.run(cmd, timeout=scaled_timeout(120), cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| 3 |" in proc.stdout and "| 4 |" in proc.stdout, proc.stdout
+    out = _bench_stdout("metadata_cost.py", "--small", 30, "--repeats", 1, "--dir", tmp_path)
+    assert "| 3 |" in out and "| 4 |" in out, out
     assert not os.listdir(tmp_path)
