@@ -107,14 +107,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                     pos += n
             plain = time.perf_counter() - t0
             tdist.barrier()
+            request = sd(dst)  # built outside the timing (bench.py times it with the load)
+            gc.collect()  # (untimed, as in bench.py: no run pays for collecting what an earlier one left)
             prof = None
             if args.profile and rank == 0 and rep == args.repeats - 1:
                 import cProfile
 
                 prof = cProfile.Profile()
                 prof.enable()
-            request = sd(dst)  # built outside the timing (bench.py times it with the load)
-            gc.collect()  # (untimed, as in bench.py: no run pays for collecting what an earlier one left)
             t0 = time.perf_counter()
             ci.load(request, d, **({"load_strategy": args.strategy} if args.strategy else {}))
             total = time.perf_counter() - t0
