@@ -33,7 +33,8 @@ PHASES = [
     ("read_shared", "metadata: one reader, one broadcast (`open_shared`)"),
     ("load_common", "common state (`load_common`)"),
     ("shards", "request cut into shards (`local_shards`)"),
-    ("check_start", "request check: failures and reuse agreed (`exchange.start`)"),
+    ("check_start", "request check: failures, reuse and whole chunks agreed (`exchange.start_load`)"),
+    ("whole", "request check by counting whole saved chunks (`exchange.check_whole_chunks`)"),
     ("validation", "request validation exchange (`exchange.run`)"),
     ("prepare", "read plan (`_prepare_reads`)"),
     ("read_once", "read-once decision (`load_read_once`)"),
@@ -59,7 +60,8 @@ def _install(timings: Dict[str, float]) -> None:
     ser_mod.open_shared = timed(timings, "read_shared", ser_mod.open_shared)
     ckdir.load_common = timed(timings, "load_common", ckdir.load_common)
     exchange_mod.run = timed(timings, "validation", exchange_mod.run)
-    exchange_mod.start = timed(timings, "check_start", exchange_mod.start)
+    exchange_mod.start_load = timed(timings, "check_start", exchange_mod.start_load)
+    exchange_mod.check_whole_chunks = timed(timings, "whole", exchange_mod.check_whole_chunks)
     load_mod.local_shards = timed(timings, "shards", load_mod.local_shards)
     load_mod._prepare_reads = timed(timings, "prepare", load_mod._prepare_reads)
     load_mod.load_read_once = timed(timings, "read_once", load_mod.load_read_once)

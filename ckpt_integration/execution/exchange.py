@@ -48,6 +48,7 @@ from ..planning.exchange import (
     route_shards,
 )
 from ..planning.records import digest64
+from ..planning.request_check import request_problems, route_requests
 from ..planning.shards import ShardMeta
 from . import dist
 from .preprocess import shard_meta
@@ -118,13 +119,21 @@ def routes_for(purpose: str, identity: Any, shards: Sequence[Any], rank: int, wo
     return build_routes(shards, rank, world, options)
 
 
-def routes_after_change(metas: List[ShardMeta], routed: Routed, shards: Sequence[Any], rank: int, world: int,
+def known_routes(purpose: str, identity: Any) -> Optional[Routed]:
+    """What :func:`routes_for` gives when ``identity`` repeats the last checked input of
+    ``purpose`` (no records, the known digest); None otherwise, building nothing:
+    :func:`routes_after_change` builds them if a check needs them."""
+    known = known_digest(purpose, identity)
+    return None if known is None else Routed({}, known)
+
+
+def routes_after_change(metas: List[ShardMeta], routed: Optional[Routed], shards: Sequence[Any], rank: int, world: int,
                         options: str) -> Tuple[List[ShardMeta], Routed, Optional[str], Optional[BaseException]]:
     """After :func:`start` found that some rank's input changed: this rank's records and routes
     if :func:`routes_for` skipped them, and the failure of building them, if any (passed to
     :func:`run`, which then makes every rank raise: this rank still takes part, with empty
     messages, so that no rank waits for it)."""
-    if metas or not shards:
+    if metas or (not shards and routed is not None):
         return metas, routed, None, None
     try:
         metas, routed = build_routes(shards, rank, world, options)
@@ -138,15 +147,69 @@ def start(
     purpose: str = "save",
 ) -> Optional[ExchangeResult]:
     """Step 1: raise on every rank if any failed; the cached plan when every rank's input is unchanged."""
+    return _start(routed, local_error, local_exc, group, context, purpose, ())[0]
+
+
+def start_load(
+    routed: Optional[Routed], whole_chunks: Optional[int], local_error: Optional[str],
+    local_exc: Optional[BaseException], group: Any, context: str,
+) -> Tuple[Optional[ExchangeResult], bool]:
+    """:func:`start` for a load's request check, which also agrees whether every rank's request is
+    whole saved chunks numbered by one index (``whole_chunks``: this rank's index identity, None
+    when its request is not): ``(the cached check or None, whether :func:`check_whole_chunks`
+    can check it)``. The same one collective."""
+    ident = -1 if whole_chunks is None else whole_chunks
+    cached, (other, imax, ineg) = _start(routed, local_error, local_exc, group, context, "load",
+                                         (0 if whole_chunks is not None else 1, ident, -ident))
+    return cached, not other and imax == -ineg
+
+
+def _start(routed: Optional[Routed], local_error: Optional[str], local_exc: Optional[BaseException], group: Any,
+           context: str, purpose: str, extra: Sequence[int]) -> Tuple[Optional[ExchangeResult], List[int]]:
     cached = _last.get(purpose)
     if routed is None or cached is None or cached.digest != routed.digest:
         cached = None
     tok = cached.token if cached else 0
-    failed, miss, tmax, tneg = dist.all_reduce_ints([1 if local_error else 0, 0 if cached else 1, tok, -tok], "max", group)
+    got = dist.all_reduce_ints([1 if local_error else 0, 0 if cached else 1, tok, -tok, *extra], "max", group)
+    failed, miss, tmax, tneg = got[:4]
     if failed:
         _raise_errors(local_error, local_exc, group, context)
-    if not miss and tmax == -tneg:
-        return cached
+    return (cached if not miss and tmax == -tneg else None), got[4:]
+
+
+def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Any, context: str,
+                       identity: Any) -> Optional[List[str]]:
+    """The request check of a load whose every rank requests whole saved chunks of one index (see
+    :mod:`..planning.request_check`): one all-to-all of four integers per request to the keys'
+    owners, one all-reduce. Collective. None on every rank when the request is valid (cached for
+    reuse under ``identity``, as :func:`run` does); when some rank found a problem, every rank
+    gets the list of those it found (maybe empty: the caller runs the general check to name
+    them, and :func:`raise_problems` collects them)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    error: Optional[str] = None
+    exc: Optional[BaseException] = None
+    messages: Dict[int, bytes] = {}
+    try:
+        messages = route_requests(rows, world)
+    except Exception as e:  # keep taking part: the all-reduce makes every rank raise
+        error, exc = _describe(e), e
+    inbox = dist.all_to_all_bytes(messages, group)
+    problems: List[str] = []
+    if error is None:
+        try:
+            problems = request_problems(inbox.values())
+        except Exception as e:
+            error, exc = _describe(e), e
+    d = digest64(f"{rank}/{world}/whole".encode(), *(k.to_bytes(8, "little") + m for k, m in sorted(messages.items())))
+    sums = dist.all_reduce_ints(
+        [len(problems), 1 if error else 0, d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF], "sum", group
+    )
+    if sums[1]:
+        _raise_errors(error, exc, group, context)
+    if sums[0]:
+        return problems
+    token = digest64(f"whole/{world}/{sums[2]}/{sums[3]}/{sums[4]}".encode()) or 1
+    _last["load"] = ExchangeResult(digest=d, token=token, identity=identity)
     return None
 
 
@@ -221,7 +284,7 @@ def run(
         # take part in collecting them, or the ranks would enter different collectives)
         problems, sums[0] = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
     if sums[0]:
-        _raise_problems(problems, group, problems_header, on_problems)
+        raise_problems(problems, group, problems_header, on_problems)
     result.token = digest64(f"{world}/{sums[3]}/{sums[4]}/{sums[5]}".encode()) or 1
     if want_layout:
         mine = encode_shards([metas[i] for i in result.to_write], rank)
@@ -264,8 +327,8 @@ def _detail_round(
     return problems, count
 
 
-def _raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]]) -> None:
-    """Collect every owner's problems on the coordinator, which broadcasts one message; all raise it."""
+def raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]] = None) -> None:
+    """Collect every owner's problems on the coordinator, which broadcasts one message; all raise it. Collective."""
     coord = dist.coordinator_rank(group)
     gathered = dist.gather_object(problems, dst=coord, group=group)
     text = None

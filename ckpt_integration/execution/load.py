@@ -32,6 +32,7 @@ from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
 from ..planning.boxes import Box, intersect, relative_slices
+from ..planning.records import digest64
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
@@ -173,11 +174,13 @@ def _tensor_tasks(
     return host, tasks
 
 
-def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, directory: str) -> Optional[ReadTask]:
+def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, directory: str,
+                      rows: Optional[List[Tuple[int, int, int, int]]] = None) -> Optional[ReadTask]:
     """The read of a request that is exactly one saved chunk, in the saved dtype, into a CPU tensor
     of its shape (a same-layout load: every tensor of it, tens of thousands per rank for some
     models), checked and planned in one step; None for anything else, which
-    :func:`_tensor_tasks` plans (and refuses, naming the problem)."""
+    :func:`_tensor_tasks` plans (and refuses, naming the problem). Appends the request's row
+    for the request check (``planning.request_check``) to ``rows``."""
     if sh.prepend_axis_num or sh.allow_shape_mismatch:
         return None
     tmeta = sdm.get(sh.key)
@@ -191,13 +194,16 @@ def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, dire
     request = Box(sh.global_offset, shape)
     if not _inside(request, tmeta.size):
         return None
-    info = compact.whole_chunk(sh.key, request, directory)
-    if info is None:
+    found = compact.whole_chunk_at(sh.key, request, directory)
+    if found is None:
         return None
+    info, position, chunks, number = found
     if out is None:
         out = torch.empty(shape, dtype=sh.dtype)
     elif out.requires_grad:
         out = out.detach()  # (as _tensor_tasks: write through an alias of a Parameter's memory)
+    if rows is not None:
+        rows.append((position, chunks, number, 1 if is_main_replica(sh.replica_id) else 0))
     return ReadTask(sh.key, info, request, out, sh.dtype)
 
 
@@ -275,7 +281,7 @@ def load_sharded(
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     result: Any = None
-    metas: List[Any] = []
+    shards: List[Any] = []
     routed: Any = None
     identity: Any = None
     requested: List[str] = []
@@ -296,39 +302,49 @@ def load_sharded(
         if md is None:  # zarr: the rank's reader reads the zarr index
             md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
         if validate_access_integrity:
-            # the request repeats the last one checked: its digest is known, its records are built
-            # only if some rank's request changed (below)
+            # the request repeats the last one checked: its digest is known, and no records are
+            # built unless some rank's request changed (below)
             identity = shards_identity(shards, rank, world, "load")
-            metas, routed = exchange.routes_for("load", identity, shards, rank, world, "load")
+            routed = exchange.known_routes("load", identity)
     except Exception as e:
         local_error, local_exc = _describe(e), e
     requested_global: Set[str] = set(requested)
-    if needs_exchange:
-        if validate_access_integrity:
-            # raises on every rank when some rank failed above; the check is skipped when every
-            # rank requests what it requested at the last load checked ("plan once, reuse", as
-            # saves do: an evaluation job loading each new checkpoint into the same model)
-            context = f"load of {checkpoint_dir} failed"
-            if exchange.start(routed, local_error, local_exc, group, context, purpose="load") is None:
-                # (start raised on every rank if any failed above: routed is set here)
-                metas, routed, late_error, late_exc = exchange.routes_after_change(metas, routed, shards, rank, world, "load")
-                exchange.run(
-                    metas, routed, group, replies=False, purpose="load", context=context,
-                    problems_header=f"invalid sharding of the load request for {checkpoint_dir}",
-                    identity=identity, local_error=late_error, local_exc=late_exc,
-                )
-        else:
-            dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
-        if StrictHandling.requires_global_app_metadata(strict):
-            requested_global = _requested_by_any_rank(checkpoint_keys(md), requested, group)
     job: Optional[_LoadJob] = None
-    if local_error is None:
+
+    def prepare() -> _LoadJob:
+        return _prepare_reads(
+            checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
+            requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
+            strict_dtype=strict_dtype, manifest=shared.manifest,
+        )
+
+    # the reads are planned before the request check where it can use them: a request of whole
+    # saved chunks is then checked by counting them (planning.request_check); a failure to plan
+    # is raised after the check, as when planning follows it
+    prep_error: Optional[str] = None
+    prep_exc: Optional[BaseException] = None
+    if validate_access_integrity and not StrictHandling.requires_global_app_metadata(strict) and local_error is None:
         try:
-            job = _prepare_reads(
-                checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-                requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
-                strict_dtype=strict_dtype, manifest=shared.manifest,
-            )
+            job = prepare()
+        except Exception as e:
+            prep_error, prep_exc = _describe(e), e
+    try:
+        if needs_exchange:
+            if validate_access_integrity:
+                _check_request(job, routed, shards, identity, local_error, local_exc, group, checkpoint_dir)
+            else:
+                dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
+            if StrictHandling.requires_global_app_metadata(strict):
+                requested_global = _requested_by_any_rank(checkpoint_keys(md), requested, group)
+    except BaseException:
+        if job is not None:
+            job.reader.close()
+        raise
+    if prep_error is not None:
+        local_error, local_exc = prep_error, prep_exc
+    if job is None and local_error is None:
+        try:
+            job = prepare()
         except Exception as e:
             local_error, local_exc = _describe(e), e
     last_load_stats.clear()
@@ -381,6 +397,35 @@ def load_sharded(
     return result
 
 
+def _check_request(job: Optional["_LoadJob"], routed: Any, shards: List[Any], identity: Any,
+                   local_error: Optional[str], local_exc: Optional[BaseException], group: Any, checkpoint_dir: Any) -> None:
+    """The request check (``validate_access_integrity``), collective; raises on every rank when some
+    rank failed before it or the request is invalid. Skipped when every rank requests what it
+    requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
+    each new checkpoint into the same model); by counting when every rank requests whole saved
+    chunks (``exchange.check_whole_chunks``); otherwise, or to name what counting found, the
+    general check of shard records (``exchange.run``)."""
+    context = f"load of {checkpoint_dir} failed"
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    whole = job.index_identity if job is not None and job.request_rows is not None else None
+    cached, all_whole = exchange.start_load(routed, whole, local_error, local_exc, group, context)
+    if cached is not None:
+        return
+    found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None
+    if all_whole and found is None:
+        return
+    # (start_load raised on every rank if any failed above)
+    metas, routed, late_error, late_exc = exchange.routes_after_change([], routed, shards, rank, world, "load")
+    header = f"invalid sharding of the load request for {checkpoint_dir}"
+    exchange.run(
+        metas, routed, group, replies=False, purpose="load", context=context, problems_header=header,
+        identity=identity, local_error=late_error, local_exc=late_exc,
+    )
+    if found is not None:  # (the general check names what counting finds: this is a safety net)
+        exchange.forget_plans()
+        exchange.raise_problems(found, group, header)
+
+
 def _requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Any) -> Set[str]:
     """Checkpoint keys some rank requests: an OR all-reduce of one bit per key (not the keys themselves)."""
     position = {k: i for i, k in enumerate(ckpt_keys)}
@@ -411,6 +456,10 @@ class _LoadJob:
     # chunk: once the request check has proven the main replicas of all ranks disjoint, no
     # stored block is touched by two ranks, so reading once cannot save anything
     whole_chunks: bool = False
+    # every request one whole saved chunk or an object cell: their rows for the request check
+    # (planning.request_check), and the index that numbers them; None otherwise
+    request_rows: Optional[List[Tuple[int, int, int, int]]] = None
+    index_identity: int = 0
 
     def read_all(self, thread_count: int) -> None:
         # whole small items in runs of adjacent items (one read each), the rest one region at a time
@@ -454,14 +503,19 @@ def _prepare_reads(
     directory = getattr(reader, "directory", "")
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
     whole = True
+    # one row per request while every request is one whole saved chunk (or an object cell); None
+    # once one is not: the load's request check then takes the general path (exchange.run)
+    # (keys left out as unexpected are not checked by counting: the general check sees every request)
+    rows: Optional[List[Tuple[int, int, int, int]]] = [] if fast is not None and not unexpected else None
 
     # (prepare calls prepare_one, never itself: a closure that calls itself is a reference cycle,
     # which kept every object of the load - read tasks, chunk records, the reader, the metadata -
     # alive until the cycle collector ran, and then cost a collection over them all: ~5 us a tensor)
     def prepare(sh: Any) -> Any:
-        nonlocal whole
+        nonlocal whole, rows
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
             whole = False
+            rows = None
             # read into the boxes it covers: views into the flat tensor, which is the result
             flat = sh.data
             if flat is None:
@@ -472,15 +526,16 @@ def _prepare_reads(
         return prepare_one(sh)
 
     def prepare_one(sh: Any) -> Any:
-        nonlocal whole
+        nonlocal whole, rows
         if fast is not None and type(sh) is ShardedTensor:
-            task = _whole_chunk_task(sh, sdm, fast, directory)
+            task = _whole_chunk_task(sh, sdm, fast, directory, rows)
             if task is not None:
-                if whole and not is_main_replica(sh.replica_id):
+                if whole and (rows[-1][3] == 0 if rows else not is_main_replica(sh.replica_id)):
                     whole = False
                 tasks.append(task)
                 return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
+            rows = None
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
             if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
                 whole = False
@@ -500,8 +555,11 @@ def _prepare_reads(
                 io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
                 what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
             )
+            if rows is not None:  # (an object cell: one chunk, numbered by its storage key, negative)
+                rows.append((-1 - (digest64(sh.unique_key.encode()) >> 1), 1, 0, 1 if is_main_replica(sh.replica_id) else 0))
             # Megatron-Core stores objects as a one-element list
             return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+        rows = None
         return sh
 
     try:
@@ -511,7 +569,7 @@ def _prepare_reads(
         raise
     tasks.sort(key=_read_order)
     return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected,
-                    whole_chunks=whole)
+                    whole_chunks=whole, request_rows=rows, index_identity=fast.identity if fast is not None else 0)
 
 
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:

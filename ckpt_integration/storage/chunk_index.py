@@ -292,8 +292,17 @@ class CompactMetadata:
         :class:`CompactChunks` attached to it (:func:`compact_chunks_of`), materialised per chunk
         only when read."""
         md, _, positions = self._decode(None if keys is None else set(keys), True)
-        setattr(md, _ATTR, CompactChunks(self.strings, self.ints, positions))
+        setattr(md, _ATTR, CompactChunks(self.strings, self.ints, positions, self.identity))
         return md
+
+    @property
+    def identity(self) -> int:
+        """A number that differs between indexes (the CRC32 and length of the raw bytes): ranks
+        compare it before comparing chunk numbers (:meth:`CompactChunks.whole_chunk_at`)."""
+        got = self.__dict__.get("_identity")
+        if got is None:
+            got = self.__dict__["_identity"] = zlib.crc32(self.raw) << 30 | len(self.raw) & 0x3FFFFFFF  # (< 2**62)
+        return got
 
     def full(self) -> Metadata:
         """The whole DCP ``Metadata``, chunk lists included."""
@@ -391,8 +400,9 @@ class CompactChunks:
     chunk that is read.
     """
 
-    def __init__(self, strings: List[str], ints: List[int], positions: Dict[str, Tuple[int, ...]]):
+    def __init__(self, strings: List[str], ints: List[int], positions: Dict[str, Tuple[int, ...]], identity: int = 0):
         self._strings, self._ints, self._positions = strings, ints, positions
+        self.identity = identity  # of the index (CompactMetadata.identity)
         self._infos: Dict[Tuple[str, int], Any] = {}
 
     def __contains__(self, key: str) -> bool:
@@ -426,6 +436,13 @@ class CompactChunks:
         """The record of the saved chunk of ``key`` that is exactly ``request`` (a same-layout
         load's request), or None (no such chunk, or not a key of this index): what
         :meth:`chunk_reads` answers for it, without its list and read record."""
+        found = self.whole_chunk_at(key, request, directory)
+        return None if found is None else found[0]
+
+    def whole_chunk_at(self, key: str, request: Box, directory: str) -> Optional[Tuple[Any, int, int, int]]:
+        """:meth:`whole_chunk` with the chunk's place in the index: ``(record, key position,
+        chunks of the key, chunk number)``, numbers every rank given the same index agrees on
+        (a load's request check counts requests by them: ``planning.request_check``)."""
         pos = self._positions.get(key)
         if pos is None:
             return None
@@ -438,7 +455,7 @@ class CompactChunks:
         for i in cands:
             base = p + i * step
             if tuple(ints[base : base + nd]) == ro and tuple(ints[base + nd : base + 2 * nd]) == rsz:
-                return self.chunk_info(key, i, request, directory)
+                return self.chunk_info(key, i, request, directory), p, n, i
         return None
 
     def chunk_info(self, key: str, i: int, box: Box, directory: str) -> Any:
