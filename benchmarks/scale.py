@@ -449,8 +449,8 @@ def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) ->
 
         def plan():
             sh = decode_shared(payload)
-            checksums = sh.manifest.checksums() if sh.manifest else None
-            reader = TorchDistReader(commit_dir, sh.metadata_for({m.key for m in metas}), checksums)
+            # the manifest as broadcast, as a load's ranks open their readers (not read again)
+            reader = TorchDistReader(commit_dir, sh.metadata_for({m.key for m in metas}), manifest=sh.manifest)
             n = 0
             for m in metas:
                 n += len(saved_chunk_reads(reader, m.key, Box(m.offsets, m.sizes)))

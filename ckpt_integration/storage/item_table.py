@@ -147,8 +147,8 @@ class ItemTable:
             raise ValueError(f"the items list {int(counts.sum())} block digests, the table holds {nb}")
         self.block_pos = np.cumsum(counts) - counts
         # file name -> [first row, end row) of its items
-        bounds = np.searchsorted(self.file, np.arange(nf + 1))
-        self._rows: Dict[str, Tuple[int, int]] = {f: (int(bounds[i]), int(bounds[i + 1])) for i, f in enumerate(self.files)}
+        bounds = np.searchsorted(self.file, np.arange(nf + 1)).tolist()  # (Python ints: one conversion, not two per file)
+        self._rows: Dict[str, Tuple[int, int]] = dict(zip(self.files, zip(bounds, bounds[1:])))
 
     def __len__(self) -> int:
         return len(self.offset)
