@@ -9,8 +9,10 @@ Collectives, none of which carries O(world) bytes to a rank when nothing fails:
 
 * one broadcast: the coordinator reads ``metadata.json``, ``.metadata`` and the
   manifest and shares them compactly (:mod:`.shared_metadata`);
-* with ``validate_access_integrity``: the request check of a save's exchange
-  (:mod:`.exchange`: records to chunk owners, holdings to key owners);
+* with ``validate_access_integrity``: the request check, by counting when every rank requests
+  whole saved chunks (one all-to-all of four integers per request to the keys' owners, see
+  :mod:`..planning.request_check`), otherwise the check of a save's exchange (:mod:`.exchange`:
+  records to chunk owners, holdings to key owners);
 * with a strict ``*_ALL`` mode: an OR all-reduce of one bit per checkpoint key
   ("requested by some rank");
 * a final agreement so that a failure on any rank raises on every rank.
