@@ -57,6 +57,14 @@ DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
 # block size of the data checksums of new saves (recorded per item, so readers need not know it)
 BLOCK_SIZE = DEFAULT_BLOCK_SIZE
+# Tensor items of at least ITEM_ALIGN_FROM bytes of data start at a multiple of ITEM_ALIGN bytes
+# of their file (zero bytes before them, in no item), so that their data, which the archive places
+# at a multiple of 64 bytes from the item's start, is 64-byte aligned in the file as the
+# destination tensors are in memory: a copy from the page cache into a tensor at another offset
+# modulo 64 ran ~16% slower here (5.6 against 6.6 GB/s on tmpfs). Smaller items stay adjacent:
+# they are read in runs of adjacent items (see small_reads), which a gap would end.
+ITEM_ALIGN = 64
+ITEM_ALIGN_FROM = 1 << 20
 
 
 # --------------------------------------------------------------------------- writing
@@ -275,6 +283,10 @@ def write_data_files(
                 sizes = None
                 if isinstance(req.data, torch.Tensor):
                     t = _standalone(req.data)
+                    pad = -start % ITEM_ALIGN if t.nbytes >= ITEM_ALIGN_FROM else 0
+                    if pad:
+                        f.write(bytes(pad))
+                        start += pad
                     w = BlockDigestWriter(f, t, block_size, digest)
                     try:
                         save_tensor(t, w)
