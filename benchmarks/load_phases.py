@@ -118,7 +118,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof = cProfile.Profile()
                 prof.enable()
             t0 = time.perf_counter()
-            ci.load(request, d, **({"load_strategy": args.strategy} if args.strategy else {}))
+            ci.load(request, d, **({"load_strategy": args.strategy} if args.strategy else {}),
+                    **({"strict": args.strict} if args.strict else {}))
             total = time.perf_counter() - t0
             if prof is not None:
                 prof.disable()
@@ -144,6 +145,7 @@ def main(argv=None) -> List[Dict[str, float]]:
     add_state_args(p)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--strategy", default=None, help="load_strategy= (default: the load's default)")
+    p.add_argument("--strict", default=None, help="strict= (e.g. return_all, as Lightning's resume loads)")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last load into OUT")
     args = p.parse_args(argv)
     per_rank = run_ranks(_worker, args)

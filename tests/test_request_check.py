@@ -99,14 +99,14 @@ def _worker(rank, world, root):
 
     exchange.check_whole_chunks, exchange.run = whole, general
 
-    def expect(request, *, whole_calls, general_calls, error=None):
+    def expect(request, *, whole_calls, general_calls, error=None, raises=ShardingIntegrityError, **kw):
         exchange.forget_plans()
         before = dict(calls)
         if error is None:
-            out = ci.load(request, root)
+            out = ci.load(request, root, **kw)
         else:
-            with pytest.raises(ShardingIntegrityError) as info:
-                ci.load(request, root)
+            with pytest.raises(raises) as info:
+                ci.load(request, root, **kw)
             for needle in error:
                 assert needle in str(info.value), (needle, str(info.value))
             out = None
@@ -163,6 +163,22 @@ def _worker(rank, world, root):
         # and a valid load afterwards is checked anew and loads exactly
         out = expect(_request(rank, world), whole_calls=1, general_calls=0)
         assert torch.equal(out["w"], torch.arange(24.0).view(6, 4)[2 * rank : 2 * rank + 2])
+        # a *_all strict mode (Lightning's resume uses "return_all"): counted too; the keys no rank
+        # requests are known after the check
+        partial = _request(rank, world)
+        del partial["rep"]
+        out, missing, unexpected = expect(partial, whole_calls=1, general_calls=0, strict="return_all")
+        assert missing == {"rep"} and unexpected == set(), (missing, unexpected)
+        assert torch.equal(out["w"], torch.arange(24.0).view(6, 4)[2 * rank : 2 * rank + 2])
+        # raise_all with a key only rank 0 requests that the checkpoint lacks: nothing is counted (the
+        # unexpected key is not a saved chunk), every rank raises before reading, naming the missing
+        # key, and rank 0 the unexpected one too
+        odd = _request(rank, world)
+        del odd["rep"]
+        if rank == 0:
+            odd["nope"] = ci.ShardedTensor.from_rank_offsets("nope", torch.zeros(2))
+        expect(odd, whole_calls=0, general_calls=1, error=["'rep'"] + (["'nope'"] if rank == 0 else []),
+               raises=ci.CheckpointingException, strict="raise_all")
     finally:
         exchange.check_whole_chunks, exchange.run = real_whole, real_run
 

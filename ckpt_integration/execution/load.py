@@ -21,7 +21,6 @@ Collectives, none of which carries O(world) bytes to a rank when nothing fails:
 from __future__ import annotations
 
 import io
-import logging
 import operator
 import weakref
 from dataclasses import dataclass, replace
@@ -36,7 +35,7 @@ from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_mai
 from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.records import digest64
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
-from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, parse_strict_flag
+from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
@@ -46,6 +45,7 @@ from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from . import exchange
+from . import load_request
 from .dist import describe_error as _describe
 from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
@@ -53,7 +53,6 @@ from .preprocess import local_shards, restore_list_types, shards_identity, split
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
 
-logger = logging.getLogger(__name__)
 
 # load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
 # once would not read fewer bytes)
@@ -78,40 +77,6 @@ class ReadTask:
 
 # reads sorted by file and offset (a C getter: once per tensor, ~0.2 us against ~0.6 through the property)
 _read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.offset")
-
-
-def _request_key(sh: Any) -> str:
-    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
-
-
-def _drop_keys(sharded: Any, keys: Set[str]) -> Any:
-    """Remove requested shards whose storage key is in ``keys``."""
-    if isinstance(sharded, dict):
-        out = {}
-        for k, v in sharded.items():
-            if isinstance(v, (dict, list)):
-                sub = _drop_keys(v, keys)
-                if sub:
-                    out[k] = sub
-            elif _request_key(v) not in keys and v.key not in keys:  # (objects are reported by key)
-                out[k] = v
-        return out
-    return sharded
-
-
-def _handle_strict(
-    strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str, rank: int
-) -> None:
-    """Raise or log a key mismatch, in Megatron-Core's words followed by ours."""
-    report_missing = StrictHandling.requires_global_app_metadata(strict)
-    missing = missing if report_missing else set()
-    if not missing and not unexpected:
-        return
-    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-        error = KeyNotInCheckpointError if unexpected else MismatchError
-        raise error(mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
-    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-        logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
 def _tensor_tasks(
@@ -299,7 +264,7 @@ def load_sharded(
                                    manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
         sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
-        requested = sorted({_request_key(s) for s in shards})
+        requested = sorted({load_request.request_key(s) for s in shards})
         md = shared.metadata_for(requested)  # chunk records of the requested keys only
         if md is None:  # zarr: the rank's reader reads the zarr index
             md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
@@ -310,7 +275,8 @@ def load_sharded(
             routed = exchange.known_routes("load", identity)
     except Exception as e:
         local_error, local_exc = _describe(e), e
-    requested_global: Set[str] = set(requested)
+    global_strict = StrictHandling.requires_global_app_metadata(strict)
+    requested_global: Optional[Set[str]] = set(requested)
     job: Optional[_LoadJob] = None
 
     def prepare() -> _LoadJob:
@@ -322,28 +288,37 @@ def load_sharded(
 
     # the reads are planned before the request check where it can use them: a request of whole
     # saved chunks is then checked by counting them (planning.request_check); a failure to plan
-    # is raised after the check, as when planning follows it
+    # is raised after the check, as when planning follows it; with a *_all strict mode the
+    # missing keys (requested by no rank) are known only after the check (load_request.strict_after_check)
     prep_error: Optional[str] = None
     prep_exc: Optional[BaseException] = None
-    if validate_access_integrity and not StrictHandling.requires_global_app_metadata(strict) and local_error is None:
+    early = validate_access_integrity and local_error is None
+    if early:
         try:
+            if global_strict:
+                requested_global = None
             job = prepare()
         except Exception as e:
             prep_error, prep_exc = _describe(e), e
     try:
         if needs_exchange:
             if validate_access_integrity:
-                _check_request(job, routed, shards, identity, local_error, local_exc, group, checkpoint_dir)
+                load_request.check_request(job, routed, shards, identity, local_error, local_exc, group, checkpoint_dir)
             else:
                 dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
-            if StrictHandling.requires_global_app_metadata(strict):
-                requested_global = _requested_by_any_rank(checkpoint_keys(md), requested, group)
+            if global_strict:
+                requested_global = load_request.requested_by_any_rank(checkpoint_keys(md), requested, group)
     except BaseException:
         if job is not None:
             job.reader.close()
         raise
     if prep_error is not None:
         local_error, local_exc = prep_error, prep_exc
+    if early and global_strict and job is not None and local_error is None:
+        try:
+            load_request.strict_after_check(job, strict, requested, requested_global, md, checkpoint_dir, rank)
+        except Exception as e:  # (a *_all mode that raises: before anything is read)
+            local_error, local_exc = _describe(e), e
     if job is None and local_error is None:
         try:
             job = prepare()
@@ -399,47 +374,6 @@ def load_sharded(
     return result
 
 
-def _check_request(job: Optional["_LoadJob"], routed: Any, shards: List[Any], identity: Any,
-                   local_error: Optional[str], local_exc: Optional[BaseException], group: Any, checkpoint_dir: Any) -> None:
-    """The request check (``validate_access_integrity``), collective; raises on every rank when some
-    rank failed before it or the request is invalid. Skipped when every rank requests what it
-    requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
-    each new checkpoint into the same model); by counting when every rank requests whole saved
-    chunks (``exchange.check_whole_chunks``); otherwise, or to name what counting found, the
-    general check of shard records (``exchange.run``)."""
-    context = f"load of {checkpoint_dir} failed"
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    whole = job.index_identity if job is not None and job.request_rows is not None else None
-    cached, all_whole = exchange.start_load(routed, whole, local_error, local_exc, group, context)
-    if cached is not None:
-        return
-    found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None
-    if all_whole and found is None:
-        return
-    # (start_load raised on every rank if any failed above)
-    metas, routed, late_error, late_exc = exchange.routes_after_change([], routed, shards, rank, world, "load")
-    header = f"invalid sharding of the load request for {checkpoint_dir}"
-    exchange.run(
-        metas, routed, group, replies=False, purpose="load", context=context, problems_header=header,
-        identity=identity, local_error=late_error, local_exc=late_exc,
-    )
-    if found is not None:  # (the general check names what counting finds: this is a safety net)
-        exchange.forget_plans()
-        exchange.raise_problems(found, group, header)
-
-
-def _requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Any) -> Set[str]:
-    """Checkpoint keys some rank requests: an OR all-reduce of one bit per key (not the keys themselves)."""
-    position = {k: i for i, k in enumerate(ckpt_keys)}
-    bits = bytearray((len(ckpt_keys) + 7) // 8)
-    for k in requested:
-        i = position.get(k)
-        if i is not None:
-            bits[i >> 3] |= 1 << (i & 7)
-    merged = dist.any_of_bits(bytes(bits), group)
-    return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
-
-
 @dataclass
 class _LoadJob:
     """The local part of a load: read tasks prepared, results assembled after reading."""
@@ -486,15 +420,20 @@ def _prepare_reads(
     requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
     strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
+    """The local part of a load. ``requested_global`` None (a ``*_all`` strict mode before the
+    ranks' requests are combined): unexpected keys are left out, and reported with the missing ones
+    by :func:`.load_request.strict_after_check` once they are known."""
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         # (every key of the checkpoint: md lists the requested ones only)
-        missing, unexpected = mismatched_keys(requested, requested_global, checkpoint_keys(md))
-        _handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
+        missing, unexpected = mismatched_keys(requested, requested if requested_global is None else requested_global,
+                                              checkpoint_keys(md))
+        if requested_global is not None:
+            load_request.handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
         if unexpected:
-            sharded = _drop_keys(sharded, unexpected)
-        if not StrictHandling.requires_global_app_metadata(strict):
+            sharded = load_request.drop_keys(sharded, unexpected)
+        if requested_global is None or not StrictHandling.requires_global_app_metadata(strict):
             missing = set()
     # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)

@@ -1,0 +1,107 @@
+"""A load's request, checked: the request check across ranks (``validate_access_integrity``) and
+strict handling of keys requested but not in the checkpoint, or in it but requested by no rank.
+
+Split from :mod:`.load`, which calls these in order: plan the reads, :func:`check_request`, then
+:func:`requested_by_any_rank` and :func:`strict_after_check` for a ``*_all`` strict mode.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Set
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import KeyNotInCheckpointError, MismatchError
+from ..mapping import ShardedObject
+from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
+from ..storage.chunk_index import checkpoint_keys
+from . import dist
+from . import exchange
+
+logger = logging.getLogger(__name__)
+
+
+def request_key(sh: Any) -> str:
+    return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+
+
+def drop_keys(sharded: Any, keys: Set[str]) -> Any:
+    """Remove requested shards whose storage key is in ``keys``."""
+    if isinstance(sharded, dict):
+        out = {}
+        for k, v in sharded.items():
+            if isinstance(v, (dict, list)):
+                sub = drop_keys(v, keys)
+                if sub:
+                    out[k] = sub
+            elif request_key(v) not in keys and v.key not in keys:  # (objects are reported by key)
+                out[k] = v
+        return out
+    return sharded
+
+
+def handle_strict(
+    strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str, rank: int
+) -> None:
+    """Raise or log a key mismatch, in Megatron-Core's words followed by ours."""
+    report_missing = StrictHandling.requires_global_app_metadata(strict)
+    missing = missing if report_missing else set()
+    if not missing and not unexpected:
+        return
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        error = KeyNotInCheckpointError if unexpected else MismatchError
+        raise error(mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
+
+
+def check_request(job: Any, routed: Any, shards: List[Any], identity: Any,
+                   local_error: Optional[str], local_exc: Optional[BaseException], group: Any, checkpoint_dir: Any) -> None:
+    """The request check (``validate_access_integrity``), collective; raises on every rank when some
+    rank failed before it or the request is invalid. Skipped when every rank requests what it
+    requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
+    each new checkpoint into the same model); by counting when every rank requests whole saved
+    chunks (``exchange.check_whole_chunks``); otherwise, or to name what counting found, the
+    general check of shard records (``exchange.run``)."""
+    context = f"load of {checkpoint_dir} failed"
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    whole = job.index_identity if job is not None and job.request_rows is not None else None
+    cached, all_whole = exchange.start_load(routed, whole, local_error, local_exc, group, context)
+    if cached is not None:
+        return
+    found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None
+    if all_whole and found is None:
+        return
+    # (start_load raised on every rank if any failed above)
+    metas, routed, late_error, late_exc = exchange.routes_after_change([], routed, shards, rank, world, "load")
+    header = f"invalid sharding of the load request for {checkpoint_dir}"
+    exchange.run(
+        metas, routed, group, replies=False, purpose="load", context=context, problems_header=header,
+        identity=identity, local_error=late_error, local_exc=late_exc,
+    )
+    if found is not None:  # (the general check names what counting finds: this is a safety net)
+        exchange.forget_plans()
+        exchange.raise_problems(found, group, header)
+
+
+def strict_after_check(job: Any, strict: StrictHandling, requested: List[str], requested_global: Set[str],
+                        md: Metadata, checkpoint_dir: Any, rank: int) -> None:
+    """A ``*_all`` strict mode for reads planned before the ranks' requests were combined: the
+    missing keys, and the mismatch raised or logged as when planning follows (unexpected keys were
+    left out of the plan)."""
+    missing, _ = mismatched_keys(requested, requested_global, checkpoint_keys(md))
+    handle_strict(strict, missing, job.unexpected, checkpoint_dir, rank)
+    job.missing = missing
+
+
+def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Any) -> Set[str]:
+    """Checkpoint keys some rank requests: an OR all-reduce of one bit per key (not the keys themselves)."""
+    position = {k: i for i, k in enumerate(ckpt_keys)}
+    bits = bytearray((len(ckpt_keys) + 7) // 8)
+    for k in requested:
+        i = position.get(k)
+        if i is not None:
+            bits[i >> 3] |= 1 << (i & 7)
+    merged = dist.any_of_bits(bytes(bits), group)
+    return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
