@@ -464,7 +464,51 @@ def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) ->
         "rank_time_max": max(v["time"] for v in per_rank.values()),
         "peak_mem_max": max(v["peak_mem"] for v in per_rank.values()),
         "ranks": per_rank,
+        "request_check": simulate_request_check(layout, decode_shared(payload), commit_dir),
     }
+
+
+def simulate_request_check(layout: GPTLayout, shared: Any, commit_dir: str) -> Dict[str, Any]:
+    """A same-layout load's request check by counting (``planning.request_check``), every rank:
+    its rows (each request's saved chunk, found in the broadcast index), routed to the keys'
+    owners, and each owner's count. Requests that are not one whole saved chunk would send the
+    real load to the general check (the save's exchange, measured above): counted here are the
+    rest. Per-rank time: finding the chunks is left out (a load does it while planning its reads,
+    which the load plan above measures); routing and counting are in."""
+    from ckpt_integration.planning.records import digest64
+    from ckpt_integration.planning.request_check import request_problems, route_requests
+    from ckpt_integration.storage.chunk_index import compact_chunks_of
+
+    W = layout.world
+    compact = compact_chunks_of(shared.metadata_for(None))
+    inbox: List[List[bytes]] = [[] for _ in range(W)]
+    t_rank, recv = Stat(W), Stat(W)
+    counted = total = 0
+    for r in range(W):
+        rows = []
+        for m in layout.rank_metas(r):
+            total += 1
+            main = 1 if m.is_main else 0
+            if m.kind == "object":
+                rows.append((-1 - (digest64(m.storage_key.encode()) >> 1), 1, 0, main))
+                continue
+            found = compact.whole_chunk_at(m.key, Box(m.offsets, m.sizes), commit_dir)
+            if found is not None:
+                rows.append((found[1], found[2], found[3], main))
+        counted += len(rows)
+        messages, dt = _timed(lambda: route_requests(rows, W))
+        t_rank.add(r, dt)
+        for d, msg in messages.items():
+            inbox[d].append(msg)
+            if d != r:
+                recv.add(d, len(msg))
+    problems = 0
+    for r in range(W):
+        found_here, dt = _timed(lambda: request_problems(inbox[r]))
+        t_rank.add(r, dt)
+        problems += len(found_here)
+    return {"requests": total, "counted": counted, "problems": problems, "rank_time": t_rank.summary(),
+            "received": recv.summary()}
 
 
 # --------------------------------------------------------------------------- driver
@@ -509,7 +553,7 @@ def _fmt_bytes(n: float) -> str:
 
 def _row_text(row: Dict[str, Any]) -> str:
     s, l = row["save"], row["load"]
-    c = s["commit"]
+    c, q = s["commit"], row["load"]["request_check"]
     return (
         f"W={row['world']:>6} zero={int(row['zero'])} records={s['records']:>9} chunks={s['unique_chunks']:>7} "
         f"rank max {s['rank_time']['max'] * 1e3:7.1f} ms (p50 {s['rank_time']['p50'] * 1e3:5.1f}) "
@@ -517,6 +561,8 @@ def _row_text(row: Dict[str, Any]) -> str:
         f"peak {_fmt_bytes(s['peak_mem']['max'])} | commit {c['time']:.2f} s .metadata {_fmt_bytes(c['sizes']['.metadata'])} "
         f"manifest {_fmt_bytes(c['sizes']['manifest.json'])} files {c['files']} | reuse {s['reuse_time']['max'] * 1e3:.1f} ms "
         f"| load rank {l['rank_time_max'] * 1e3:.0f} ms bcast {_fmt_bytes(l['broadcast_bytes'])} peak {_fmt_bytes(l['peak_mem_max'])} "
+        f"| counted check {q['counted']}/{q['requests']} requests, rank max {q['rank_time']['max'] * 1e3:.1f} ms, "
+        f"recv max {_fmt_bytes(q['received']['max'])}, problems {q['problems']} "
         f"| wall {row['wall']:.0f} s"
     )
 
