@@ -343,6 +343,10 @@ def raise_problems(problems: List[str], group: Any, header: str, on_problems: Op
     raise ShardingIntegrityError(text)
 
 
-def forget_plans() -> None:
-    """Drop the cached plans (the next save exchanges metadata again, the next load checks its request again)."""
-    _last.clear()
+def forget_plans(purpose: Optional[str] = None) -> None:
+    """Drop the cached plans (the next save exchanges metadata again, the next load checks its
+    request again); only that of ``purpose`` ("save", "load") when given."""
+    if purpose is None:
+        _last.clear()
+    else:
+        _last.pop(purpose, None)

@@ -81,7 +81,7 @@ def check_request(job: Any, routed: Any, shards: List[Any], identity: Any,
         identity=identity, local_error=late_error, local_exc=late_exc,
     )
     if found is not None:  # (the general check names what counting finds: this is a safety net)
-        exchange.forget_plans()
+        exchange.forget_plans("load")
         exchange.raise_problems(found, group, header)
 
 
