@@ -163,6 +163,23 @@ def _worker(rank, world, root):
         # and a valid load afterwards is checked anew and loads exactly
         out = expect(_request(rank, world), whole_calls=1, general_calls=0)
         assert torch.equal(out["w"], torch.arange(24.0).view(6, 4)[2 * rank : 2 * rank + 2])
+        # requests planned by the general read path (a GPU destination, read into host memory
+        # first: simulated here by turning the CPU shortcut off) are still whole saved chunks and
+        # counted; a cast (float64 requested) is not, on every rank alike
+        from ckpt_integration.execution import load as load_mod
+
+        real_fast = load_mod._whole_chunk_task
+        load_mod._whole_chunk_task = lambda *a, **k: None
+        try:
+            out = expect(_request(rank, world), whole_calls=1, general_calls=0)
+            assert torch.equal(out["w"], torch.arange(24.0).view(6, 4)[2 * rank : 2 * rank + 2])
+            assert torch.equal(out["rep"], torch.full((3,), 7.0)) and out["obj"] == {"rank": rank}
+            cast = _request(rank, world)
+            cast["w"] = ci.ShardedTensor.from_rank_offsets("w", torch.zeros(2, 4, dtype=torch.float64), (0, rank, world))
+            out = expect(cast, whole_calls=0, general_calls=1)
+            assert torch.equal(out["w"], torch.arange(24.0, dtype=torch.float64).view(6, 4)[2 * rank : 2 * rank + 2])
+        finally:
+            load_mod._whole_chunk_task = real_fast
         # a *_all strict mode (Lightning's resume uses "return_all"): counted too; the keys no rank
         # requests are known after the check
         partial = _request(rank, world)

@@ -174,6 +174,23 @@ def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, dire
     return ReadTask(sh.key, info, request, out, sh.dtype)
 
 
+def _whole_chunk_row(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any], compact: Any,
+                     directory: str) -> Optional[Tuple[int, int, int, int]]:
+    """The request check's row (see :func:`_whole_chunk_task`) of a request that
+    :func:`_tensor_tasks` planned, if it is one whole saved chunk in the saved dtype (a destination
+    that is not a plain CPU tensor: a GPU tensor is read into host memory first); None otherwise
+    (a cast, for one: ranks may request a key in different dtypes, which the general check refuses)."""
+    if compact is None or type(sh) is not ShardedTensor or sh.prepend_axis_num or sh.allow_shape_mismatch \
+            or len(ts) != 1 or sh.flattened_range is not None:
+        return None
+    t = ts[0]
+    tmeta = sdm.get(sh.key)
+    if tmeta is None or tmeta.properties.dtype is not sh.dtype or (t.overlap is not t.chunk.box and t.overlap != t.chunk.box):
+        return None
+    found = compact.whole_chunk_at(sh.key, t.overlap, directory)
+    return None if found is None else (found[1], found[2], found[3], 1 if is_main_replica(sh.replica_id) else 0)
+
+
 def _whole_chunks(tasks: List[ReadTask]) -> bool:
     for t in tasks:  # (a loop with an identity test first: once per small tensor)
         if t.overlap is not t.chunk.box and t.overlap != t.chunk.box:
@@ -476,8 +493,13 @@ def _prepare_reads(
                 tasks.append(task)
                 return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
-            rows = None
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
+            if rows is not None:  # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
+                row = _whole_chunk_row(sh, ts, sdm, fast, directory)
+                if row is None:
+                    rows = None
+                else:
+                    rows.append(row)
             if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
                 whole = False
             tasks.extend(ts)
