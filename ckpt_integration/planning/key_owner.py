@@ -25,7 +25,7 @@ import numpy as np
 
 from .digests import chunk_digests, halves, joined, string_digest, string_digests
 from .integrity import Holding, validate_key_records
-from .records import MessageWriter, TableBatch, decode_runs, put_table
+from .records import MessageWriter, TableBatch, decode_runs, put_table, segments
 from .shards import ShardMeta, object_storage_key
 from .storage_keys import collision_message
 from .wire import CLAIM, GENERAL, KIND_CODES, KIND_NAMES, SIMPLE, SUMMARY, WIDTHS
@@ -160,19 +160,11 @@ def _cols(nd: int) -> Tuple[slice, slice, int, slice, slice]:
     return slice(3, 3 + nd), slice(3 + nd, 3 + 2 * nd), 3 + 2 * nd, slice(4 + 2 * nd, 4 + 3 * nd), slice(4 + 3 * nd, 7 + 3 * nd)
 
 
-def _segments(sorted_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Start index and length of each run of equal values in a sorted array."""
-    if not len(sorted_ids):
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    return starts, np.diff(np.r_[starts, len(sorted_ids)])
-
-
 def _bad_keys(rows: np.ndarray, nd: int, validate: bool) -> np.ndarray:
     """Per row (sorted by key): whether its key must take the reference path."""
     g, o, _, s, _ = _cols(nd)
     key = rows[:, 0]
-    starts, lengths = _segments(key)
+    starts, lengths = segments(key)
     first = np.repeat(starts, lengths)
     bad = rows[:, 1] != 0  # objects
     bad |= np.any(rows[:, 1:3] != rows[first, 1:3], axis=1)  # kind, dtype
@@ -202,7 +194,7 @@ def _bad_keys(rows: np.ndarray, nd: int, validate: bool) -> np.ndarray:
 
 def _spread(key: np.ndarray, bad: np.ndarray) -> np.ndarray:
     """Mark every row of a key with a bad row (``key`` sorted)."""
-    starts, lengths = _segments(key)
+    starts, lengths = segments(key)
     if not len(starts):
         return bad
     return np.repeat(np.maximum.reduceat(bad.astype(np.int8), starts) > 0, lengths)
@@ -319,7 +311,7 @@ def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[Li
 
 
 def _split_by_key(rows: np.ndarray) -> Iterable[Tuple[int, np.ndarray]]:
-    starts, lengths = _segments(rows[:, 0])
+    starts, lengths = segments(rows[:, 0])
     for a, n in zip(starts.tolist(), lengths.tolist()):
         yield int(rows[a, 0]), rows[a : a + n]
 
@@ -328,7 +320,7 @@ def _fast_summaries(out: SummaryTable, rows: np.ndarray, nd: int, strings: List[
     if not len(rows):
         return
     g, o, _, _, _ = _cols(nd)
-    starts, lengths = _segments(rows[:, 0])
+    starts, lengths = segments(rows[:, 0])
     kd = string_digests(strings)[rows[:, 0]]
     dig = chunk_digests(kd, rows[:, o])
     sums = np.add.reduceat(dig, starts)  # uint64: modulo 2**64

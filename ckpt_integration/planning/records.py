@@ -172,6 +172,14 @@ def _strings(buf: bytes, pos: int, nstr: int, nblob: int) -> List[str]:
 # to both sides (see :func:`read_tables`).
 
 
+def segments(sorted_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Start index and length of each run of equal values in a sorted array."""
+    if not len(sorted_ids):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    return starts, np.diff(np.r_[starts, len(sorted_ids)])
+
+
 def group_rows(rows: np.ndarray) -> List[Tuple[List[int], np.ndarray]]:
     """The distinct rows of an integer table ``rows`` (``(n, k)``), in ascending (lexicographic)
     order, each with the indices of the rows equal to it (ascending): what ``np.unique(rows,

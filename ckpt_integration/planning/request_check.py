@@ -25,6 +25,8 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
+from .records import segments
+
 ROW = 4  # key, chunks of the key, chunk, main (1) or copy (0)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # (spreads key positions, which grow in steps, over the owners)
 
@@ -62,8 +64,7 @@ def request_problems(messages: Iterable[bytes], limit: int = 20) -> List[str]:
     # are chunks 0, 1, ..., n - 1 in that order (each once, none missing), one vectorised pass
     t = t[np.lexsort([t[:, 2], -t[:, 3], t[:, 0]])]
     key, n, chunk, main = t[:, 0], t[:, 1], t[:, 2], t[:, 3] == 1
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    lengths = np.diff(np.r_[starts, len(key)])
+    starts, lengths = segments(key)
     first = np.repeat(starts, lengths)
     bad_row = (main & (chunk != np.arange(len(key)) - first)) | (n != n[first])
     mains = np.add.reduceat(main.astype(np.int64), starts)
