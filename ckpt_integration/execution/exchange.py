@@ -113,10 +113,8 @@ def routes_for(purpose: str, identity: Any, shards: Sequence[Any], rank: int, wo
     """:func:`build_routes`, unless ``identity`` repeats the last checked input of ``purpose``:
     then no records (``[]``) and the known digest, which :func:`start` agrees on; if another
     rank's input changed, :func:`routes_after_change` builds them."""
-    known = known_digest(purpose, identity)
-    if known is not None:
-        return [], Routed({}, known)
-    return build_routes(shards, rank, world, options)
+    known = known_routes(purpose, identity)
+    return ([], known) if known is not None else build_routes(shards, rank, world, options)
 
 
 def known_routes(purpose: str, identity: Any) -> Optional[Routed]:
