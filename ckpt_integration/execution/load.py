@@ -141,13 +141,13 @@ def _tensor_tasks(
     return host, tasks
 
 
-def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, directory: str,
-                      rows: Optional[List[Tuple[int, int, int, int]]] = None) -> Optional[ReadTask]:
+def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any,
+                      directory: str) -> Optional[Tuple[ReadTask, Tuple[int, int, int]]]:
     """The read of a request that is exactly one saved chunk, in the saved dtype, into a CPU tensor
     of its shape (a same-layout load: every tensor of it, tens of thousands per rank for some
-    models), checked and planned in one step; None for anything else, which
-    :func:`_tensor_tasks` plans (and refuses, naming the problem). Appends the request's row
-    for the request check (``planning.request_check``) to ``rows``."""
+    models), checked and planned in one step, with the chunk's place in the index (key position,
+    chunks of the key, chunk number: what the request check counts, ``planning.request_check``);
+    None for anything else, which :func:`_tensor_tasks` plans (and refuses, naming the problem)."""
     if sh.prepend_axis_num or sh.allow_shape_mismatch:
         return None
     tmeta = sdm.get(sh.key)
@@ -169,14 +169,12 @@ def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any, dire
         out = torch.empty(shape, dtype=sh.dtype)
     elif out.requires_grad:
         out = out.detach()  # (as _tensor_tasks: write through an alias of a Parameter's memory)
-    if rows is not None:
-        rows.append((position, chunks, number, 1 if is_main_replica(sh.replica_id) else 0))
-    return ReadTask(sh.key, info, request, out, sh.dtype)
+    return ReadTask(sh.key, info, request, out, sh.dtype), (position, chunks, number)
 
 
-def _whole_chunk_row(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any], compact: Any,
-                     directory: str) -> Optional[Tuple[int, int, int, int]]:
-    """The request check's row (see :func:`_whole_chunk_task`) of a request that
+def _whole_chunk_place(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any], compact: Any,
+                       directory: str) -> Optional[Tuple[int, int, int]]:
+    """The place in the index (see :func:`_whole_chunk_task`) of a request that
     :func:`_tensor_tasks` planned, if it is one whole saved chunk in the saved dtype (a destination
     that is not a plain CPU tensor: a GPU tensor is read into host memory first); None otherwise
     (a cast, for one: ranks may request a key in different dtypes, which the general check refuses)."""
@@ -188,7 +186,7 @@ def _whole_chunk_row(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any],
     if tmeta is None or tmeta.properties.dtype is not sh.dtype or (t.overlap is not t.chunk.box and t.overlap != t.chunk.box):
         return None
     found = compact.whole_chunk_at(sh.key, t.overlap, directory)
-    return None if found is None else (found[1], found[2], found[3], 1 if is_main_replica(sh.replica_id) else 0)
+    return None if found is None else found[1:]
 
 
 def _whole_chunks(tasks: List[ReadTask]) -> bool:
@@ -293,28 +291,21 @@ def load_sharded(
     except Exception as e:
         local_error, local_exc = _describe(e), e
     global_strict = StrictHandling.requires_global_app_metadata(strict)
-    requested_global: Optional[Set[str]] = set(requested)
+    requested_global: Set[str] = set()  # (*_all modes: keys some rank requests, known after the check)
     job: Optional[_LoadJob] = None
-
-    def prepare() -> _LoadJob:
-        return _prepare_reads(
-            checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-            requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend,
-            strict_dtype=strict_dtype, manifest=shared.manifest,
-        )
-
-    # the reads are planned before the request check where it can use them: a request of whole
-    # saved chunks is then checked by counting them (planning.request_check); a failure to plan
-    # is raised after the check, as when planning follows it; with a *_all strict mode the
-    # missing keys (requested by no rank) are known only after the check (load_request.strict_after_check)
+    # the reads are planned before the request check, which uses them: a request of whole saved
+    # chunks is checked by counting them (planning.request_check); a failure to plan is raised
+    # after the check, as when planning followed it; with a *_all strict mode the missing keys
+    # (requested by no rank) are known only after the check (load_request.strict_after_check)
     prep_error: Optional[str] = None
     prep_exc: Optional[BaseException] = None
-    early = validate_access_integrity and local_error is None
-    if early:
+    if local_error is None:
         try:
-            if global_strict:
-                requested_global = None
-            job = prepare()
+            job = _prepare_reads(
+                checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
+                requested, trusted, allowed_globals, verify_checksums, rank, backend,
+                strict_dtype=strict_dtype, manifest=shared.manifest,
+            )
         except Exception as e:
             prep_error, prep_exc = _describe(e), e
     try:
@@ -331,15 +322,10 @@ def load_sharded(
         raise
     if prep_error is not None:
         local_error, local_exc = prep_error, prep_exc
-    if early and global_strict and job is not None and local_error is None:
+    if global_strict and job is not None and local_error is None:
         try:
             load_request.strict_after_check(job, strict, requested, requested_global, md, checkpoint_dir, rank)
         except Exception as e:  # (a *_all mode that raises: before anything is read)
-            local_error, local_exc = _describe(e), e
-    if job is None and local_error is None:
-        try:
-            job = prepare()
-        except Exception as e:
             local_error, local_exc = _describe(e), e
     last_load_stats.clear()
     last_load_stats["strategy"] = "local"
@@ -434,24 +420,21 @@ class _LoadJob:
 
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-    requested, requested_global, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
+    requested, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
     strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
-    """The local part of a load. ``requested_global`` None (a ``*_all`` strict mode before the
-    ranks' requests are combined): unexpected keys are left out, and reported with the missing ones
-    by :func:`.load_request.strict_after_check` once they are known."""
+    """The local part of a load, planned before the ranks' requests are combined: unexpected keys
+    are left out (and raised or logged here, except in a ``*_all`` strict mode, whose missing keys
+    need every rank's request: :func:`.load_request.strict_after_check` reports both)."""
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         # (every key of the checkpoint: md lists the requested ones only)
-        missing, unexpected = mismatched_keys(requested, requested if requested_global is None else requested_global,
-                                              checkpoint_keys(md))
-        if requested_global is not None:
+        _, unexpected = mismatched_keys(requested, requested, checkpoint_keys(md))
+        if not StrictHandling.requires_global_app_metadata(strict):
             load_request.handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
         if unexpected:
             sharded = load_request.drop_keys(sharded, unexpected)
-        if requested_global is None or not StrictHandling.requires_global_app_metadata(strict):
-            missing = set()
     # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
     tasks: List[ReadTask] = []
@@ -483,24 +466,33 @@ def _prepare_reads(
             return flat
         return prepare_one(sh)
 
+    def count(place: Optional[Tuple[int, int, int]], main: bool) -> None:
+        """The request's row for the request check; a request that is no saved chunk (None) ends them."""
+        nonlocal rows
+        if rows is not None:
+            if place is None:
+                rows = None
+            else:
+                rows.append((*place, 1 if main else 0))
+
     def prepare_one(sh: Any) -> Any:
         nonlocal whole, rows
         if fast is not None and type(sh) is ShardedTensor:
-            task = _whole_chunk_task(sh, sdm, fast, directory, rows)
-            if task is not None:
-                if whole and (rows[-1][3] == 0 if rows else not is_main_replica(sh.replica_id)):
+            found = _whole_chunk_task(sh, sdm, fast, directory)
+            if found is not None:
+                task, place = found
+                main = is_main_replica(sh.replica_id)
+                count(place, main)
+                if whole and not main:
                     whole = False
                 tasks.append(task)
                 return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
             host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
-            if rows is not None:  # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
-                row = _whole_chunk_row(sh, ts, sdm, fast, directory)
-                if row is None:
-                    rows = None
-                else:
-                    rows.append(row)
-            if whole and not (is_main_replica(sh.replica_id) and _whole_chunks(ts)):
+            main = is_main_replica(sh.replica_id)
+            # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
+            count(_whole_chunk_place(sh, ts, sdm, fast, directory) if rows is not None else None, main)
+            if whole and not (main and _whole_chunks(ts)):
                 whole = False
             tasks.extend(ts)
             data = sh.data
@@ -519,7 +511,7 @@ def _prepare_reads(
                 what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
             )
             if rows is not None:  # (an object cell: one chunk, numbered by its storage key, negative)
-                rows.append((-1 - (digest64(sh.unique_key.encode()) >> 1), 1, 0, 1 if is_main_replica(sh.replica_id) else 0))
+                count((-1 - (digest64(sh.unique_key.encode()) >> 1), 1, 0), is_main_replica(sh.replica_id))
             # Megatron-Core stores objects as a one-element list
             return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
         rows = None
