@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Where a same-layout load's time goes: each phase of ``load()`` timed on every rank.
+"""Where a load's time goes: each phase of ``load()`` timed on every rank.
 
 Two (``--ranks``) gloo ranks save a row-sharded state, then load it ``--repeats`` times in
-the same layout; the load's steps are wrapped with timers (metadata broadcast, common
+the same layout (or, with ``--layout row_to_col``, split by columns); the load's steps are wrapped with timers (metadata broadcast, common
 state, request validation exchange, read plan, read-once decision, reads, final error
 agreement) and, between the same barriers, each rank reads its own data files with plain
 ``readinto`` (no parsing, no checks). A column per rank: best of the
@@ -11,6 +11,7 @@ repeated loads per phase, and the first load (which checks the request) apart.
     python benchmarks/load_phases.py --mib 512 --tensors 32 --dir /dev/shm --repeats 5
     python benchmarks/load_phases.py --small 10000 --dir /dev/shm --repeats 5      # 4 KiB tensors
     python benchmarks/load_phases.py --small 10000 --profile prof.out             # cProfile of rank 0's last load
+    python benchmarks/load_phases.py --layout row_to_col --repeats 5              # a resharded (read-once) load
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ PHASES = [
     ("metadata_for", "metadata of the requested keys (`metadata_for`)"),
     ("finish", "results assembled (`finish`)"),
 ]
+# a read-once load's own statistics (``last_load_stats``: seconds per step, summed over its threads)
+RO_STATS = {"plan_s": "read-once: plan", "map_s": "read-once: mapping and unmapping units", "crc_s": "read-once: checks",
+            "copy_s": "read-once: copies out", "exchange_s": "read-once: waiting for exchanges"}
 
 
 def _install(timings: Dict[str, float]) -> None:
@@ -80,11 +84,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
 
     import ckpt_integration as ci
     from ckpt_integration import ShardedTensor
+    from ckpt_integration.execution import load as load_mod
 
     d = os.path.join(args.dir, f"ckpt_phases_{port}")
     try:
-        dst = [torch.zeros_like(t) for t in local]
         sd = lambda ts: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
+        if args.layout == "row_to_col":  # saved split by rows, loaded split by columns (a read-once load)
+            (R, C), G = local[0].shape, world * local[0].shape[0]
+            c0, cw = rank * (C // world), (C - (world - 1) * (C // world)) if rank == world - 1 else C // world
+            dst = [torch.zeros(G, cw) for _ in local]
+            request_of = lambda ts: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (G, C), (0, c0))  # noqa: E731
+                                     for i, t in enumerate(ts)}
+        else:
+            dst = [torch.zeros_like(t) for t in local]
+            request_of = sd
         if rank == 0:
             shutil.rmtree(d, ignore_errors=True)
         tdist.barrier()
@@ -109,7 +122,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                     pos += n
             plain = time.perf_counter() - t0
             tdist.barrier()
-            request = sd(dst)  # built outside the timing (bench.py times it with the load)
+            request = request_of(dst)  # built outside the timing (bench.py times it with the load)
             gc.collect()  # (untimed, as in bench.py: no run pays for collecting what an earlier one left)
             prof = None
             if args.profile and rank == 0 and rep == args.repeats - 1:
@@ -125,14 +138,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof.disable()
                 prof.dump_stats(args.profile)
             tdist.barrier()
-            rec = with_slowest(dict(timings, total=total, plain=plain), world)
+            stats = {f"ro_{k}": v for k, v in load_mod.last_load_stats.items() if k in RO_STATS}
+            rec = with_slowest(dict(timings, **stats, total=total, plain=plain), world)
             if rep == 0:  # the first load of the request checks it (later ones reuse that check): apart
                 first = rec
                 if args.repeats > 1:
                     continue
             keep_best(best, rec)
         best["first"] = first
-        assert all(torch.equal(a, b) for a, b in zip(local, dst)), "bad load"
+        if args.layout == "row_to_col":
+            assert all(torch.equal(d_[rank * R : (rank + 1) * R], t[:, c0 : c0 + cw]) for d_, t in zip(dst, local)), "bad load"
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(local, dst)), "bad load"
         write_per_rank(best, world, rank, out_path)
     finally:
         if rank == 0:
@@ -146,13 +163,15 @@ def main(argv=None) -> List[Dict[str, float]]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--strategy", default=None, help="load_strategy= (default: the load's default)")
     p.add_argument("--strict", default=None, help="strict= (e.g. return_all, as Lightning's resume loads)")
+    p.add_argument("--layout", default="same", choices=("same", "row_to_col"),
+                   help="row_to_col: load the row-split save split by columns (a read-once load)")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last load into OUT")
     args = p.parse_args(argv)
     per_rank = run_ranks(_worker, args)
     again = max(args.repeats - 1, 1)
     cols = [(f"rank {r}", b) for r, b in enumerate(per_rank)] + [(f"first, rank {r}", b["first"]) for r, b in enumerate(per_rank)]
     print_phase_table(f"phase ({{unit}}: best of {again} repeated loads; the first load, which checks the request)", cols,
-                      PHASES + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
+                      PHASES + [(f"ro_{k}", v) for k, v in RO_STATS.items()] + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
                       args.small)
     return per_rank
 

@@ -122,12 +122,28 @@ def _bench_stdout(script, *args):
     return proc.stdout
 
 
-@pytest.mark.slow  # ~5-10 s (two spawned ranks)
+@pytest.mark.slow  # ~10-20 s (two spawned ranks, twice)
 def test_load_phases_runs_and_prints_every_phase(tmp_path):
     out = _bench_stdout("load_phases.py", "--small", 20, "--repeats", 1, "--dir", tmp_path)
     for label in ("`open_shared`", "`exchange.run`", "`_prepare_reads`", "`load_read_once`", "`read_all`",
                   "total `load()`", "plain read"):
         assert label in out, out
+    # a resharded load (saved by rows, loaded by columns: read once), its result checked by the script
+    out = _bench_stdout("load_phases.py", "--layout", "row_to_col", "--mib", 2, "--tensors", 2, "--cols", 64,
+                        "--repeats", 2, "--dir", tmp_path)
+    for label in ("read-once: plan", "read-once: mapping and unmapping units", "read-once: copies out"):
+        assert label in out, out
+
+
+def test_page_costs_times_every_method(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import page_costs
+    finally:
+        sys.path.pop(0)
+    res = page_costs.main(["--dir", str(tmp_path), "--mib", "4", "--repeats", "1"])  # (checks the half rows it read)
+    assert len(res) == 6 and all(sum(v) > 0 for v in res.values())
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.slow  # ~10-20 s (two spawned ranks)

@@ -239,3 +239,54 @@ def test_union_bytes_matches_per_chunk_merge():
     hi = lo + rng.integers(1, 300, 200)
     want = sum(ranges_bytes(merge_ranges(lo[ids == i], hi[ids == i])) for i in range(5))
     assert union_bytes(ids, lo, hi) == want
+
+
+def _touched_brute(bounds, data_start, shape, esize, starts, lens):
+    """Blocks touched by each element of the box, found one element at a time, as merged ranges."""
+    import itertools
+    import math
+
+    if math.prod(lens) == 0:
+        return []
+    strides = [esize * math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    blocks = set()
+    for idx in itertools.product(*[range(s, s + n) for s, n in zip(starts, lens)]):
+        at = data_start + sum(i * st for i, st in zip(idx, strides))
+        blocks.update(range(int(np.searchsorted(bounds, at, side="right")) - 1,
+                            int(np.searchsorted(bounds, at + esize - 1, side="right"))))
+    out = []
+    for b in sorted(blocks):
+        if out and out[-1][1] == int(bounds[b]):
+            out[-1] = (out[-1][0], int(bounds[b + 1]))
+        else:
+            out.append((int(bounds[b]), int(bounds[b + 1])))
+    return out
+
+
+def test_touched_ranges_match_element_by_element():
+    """The one-range shortcut (no gap between runs holds a whole block) and the per-run search
+    agree with the blocks each element touches: boxes of 1-3 axes, blocks smaller and larger
+    than a row, a header and trailer block, element sizes 1-8."""
+    rng = np.random.default_rng(7)
+    several = 0
+    for _ in range(400):
+        nd = int(rng.integers(1, 4))
+        shape = tuple(int(v) for v in rng.choice([1, 3, 7, 16, 40], nd))
+        esize = int(rng.choice([1, 2, 4, 8]))
+        ds = int(rng.choice([0, 64, 704]))
+        nbytes = int(np.prod(shape)) * esize
+        block = int(rng.choice([8, 24, 64, 256, 4096]))
+        tail = int(rng.choice([0, 17]))
+        bounds = np.array(([0] if ds else []) + list(range(ds, ds + nbytes, block))
+                          + ([ds + nbytes] if tail else []) + [ds + nbytes + tail], dtype=np.int64)
+        starts, lens = [], []
+        for d in shape:
+            a = int(rng.integers(0, d))
+            n = int(rng.integers(0, d - a + 1))
+            starts.append(a)
+            lens.append(n)
+        got = touched_ranges(bounds, ds, shape, esize, tuple(starts), tuple(lens))
+        want = _touched_brute(bounds, ds, shape, esize, starts, lens)
+        assert got == want, (shape, esize, ds, block, starts, lens)
+        several += len(want) > 1
+    assert several > 20  # the per-run path (gaps holding whole blocks) is exercised too

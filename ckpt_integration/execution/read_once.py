@@ -79,7 +79,6 @@ def node_of(rank: int) -> int:
 @dataclass
 class _Chunk:
     """A stored chunk this rank needs, with its tasks and the units it takes part in."""
-
     file: str
     offset: int
     task_list: List[Any]
@@ -325,7 +324,6 @@ def _plan_replies(owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]]) -> Dict
         needs, info = owned[cid]
         units = plan_chunk(needs, load, salt=f"{cid[0]}@{cid[1]}")
         first_lo = units[0].lo if units else -1
-        nd = len(info["shape"])
         for rank in needs.ranks:
             mine = [u for u in units if rank in u.needers]
             w = writers.setdefault(rank, MessageWriter())
@@ -386,11 +384,19 @@ class _Source:
         return torch.as_strided(self.flat, tuple(lens), tuple(self.strides), _flat_index(starts, self.shape) - self.e0)
 
 
-def _map_unit(lay: Any, lo: int, hi: int, populate: bool = True) -> Tuple[ItemMap, Any]:
-    """A mapping of the item bytes ``[lo, hi)`` (one unit: the pages a rank holds stay bounded by
-    the unit size) and its ``at``."""
+def _map_unit(lay: Any, lo: int, hi: int, st: Stats, populate: bool = True) -> Tuple[ItemMap, Any]:
+    """A mapping of item bytes ``[lo, hi)`` (a unit: the pages held stay bounded) and its ``at``."""
+    t0 = time.perf_counter()
     im = ItemMap(lay.fd, lay.base + lo, hi - lo, populate=populate)
+    st.add("map_s", time.perf_counter() - t0)
     return im, (lambda x: im.at(x - lo))
+
+
+def _unmap(im: ItemMap, st: Stats) -> None:
+    """Close a unit's mapping (about half the cost of mapping it: counted in ``map_s`` with it)."""
+    t0 = time.perf_counter()
+    im.close()
+    st.add("map_s", time.perf_counter() - t0)
 
 
 def _dest(task: Any, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
@@ -446,9 +452,7 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
             for lo, hi, rd, rnode, first in c.units:
                 if rnode != node:
                     continue  # read on another node: arrives through _transfer
-                t0 = time.perf_counter()
-                im, at = _map_unit(lay, lo, hi, POPULATE)
-                st.add("map_s", time.perf_counter() - t0)
+                im, at = _map_unit(lay, lo, hi, st, POPULATE)
                 try:
                     src = _Source(lay, dtype, im.mm, lo, hi, at)
                     if rd == rank and (lo, hi) not in c.remote:
@@ -465,7 +469,7 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
                         t_copy += time.perf_counter() - t0
                     del src
                 finally:
-                    im.close()
+                    _unmap(im, st)
             st.add("copy_s", t_copy)
             st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
         except Exception as e:
@@ -485,8 +489,7 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
         for t in leftover:  # chunks not stored as plain arrays: read as "local" does
             futures.append(pool.submit(lambda t=t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)))
         _transfer(reader, ordered, mapped, rank, group, budget, st, note)
-        for f in futures:
-            e = f.exception()
+        for e in [f.exception() for f in futures]:
             if e is not None:
                 note(e)
     finally:
@@ -530,7 +533,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 if extra and lay.has_frame:
                     reader.check_frame(c.task_list[0].chunk, lay)
                 if mapped:
-                    im, at = _map_unit(lay, lo, hi)
+                    im, at = _map_unit(lay, lo, hi, st)
                     raw = _verify(c, im, at, lo, hi, st)
                     src = _Source(lay, dtype, im.mm, lo, hi, at)
                 else:
@@ -571,7 +574,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 del buf
             del src
             if im is not None:
-                im.close()
+                _unmap(im, st)
         else:
             regions = c.regions
             parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]

@@ -73,7 +73,15 @@ def touched_ranges(bounds: np.ndarray, data_start: int, shape: Sequence[int], es
     if math.prod(lens) == 0:
         return []
     run_lo, run_len = region_runs(shape, esize, starts, lens)
-    run_lo = run_lo + data_start
+    run_lo = run_lo + data_start  # ascending (row-major order)
+    # every block from the first run's to the last run's is touched unless a gap between two
+    # runs holds a whole one: with no gap as wide as the smallest of those blocks (a column slice
+    # of rows shorter than a block), one range, without a block lookup per run (a search per row
+    # of a 4096-row chunk, sorted and merged: ~0.2 ms a chunk)
+    b0 = int(np.searchsorted(bounds, run_lo[0], side="right")) - 1
+    b1 = int(np.searchsorted(bounds, run_lo[-1] + run_len - 1, side="right")) - 1
+    if len(run_lo) == 1 or int(np.diff(run_lo).max()) - run_len < int(np.diff(bounds[b0 : b1 + 2]).min()):
+        return [(int(bounds[b0]), int(bounds[b1 + 1]))]
     first = np.searchsorted(bounds, run_lo, side="right") - 1
     last = np.searchsorted(bounds, run_lo + run_len - 1, side="right") - 1
     return [(int(bounds[a]), int(bounds[b])) for a, b in merge_ranges(first, last + 1)]
