@@ -1,17 +1,20 @@
 #!/usr/bin/env python
 """Where a load's time goes: each phase of ``load()`` timed on every rank.
 
-Two (``--ranks``) gloo ranks save a row-sharded state, then load it ``--repeats`` times in
-the same layout (or, with ``--layout row_to_col``, split by columns); the load's steps are wrapped with timers (metadata broadcast, common
-state, request validation exchange, read plan, read-once decision, reads, final error
-agreement) and, between the same barriers, each rank reads its own data files with plain
-``readinto`` (no parsing, no checks). A column per rank: best of the
-repeated loads per phase, and the first load (which checks the request) apart.
+Two (``--ranks``) gloo ranks save a sharded state, then load it ``--repeats`` times in the
+same layout (or resharded: ``--layout row_to_col``, saved by rows and loaded by columns, or
+``col_to_row``); the load's steps are wrapped with timers (metadata broadcast, common state,
+request validation exchange, read plan, read-once decision, reads, final error agreement),
+the load's own statistics are shown beside them (reads, checks, copies, mapping), and, between
+the same barriers, each rank reads its own data files with plain ``readinto`` (no parsing, no
+checks). A column per rank: best of the repeated loads per phase, and the first load (which
+checks the request) apart.
 
     python benchmarks/load_phases.py --mib 512 --tensors 32 --dir /dev/shm --repeats 5
     python benchmarks/load_phases.py --small 10000 --dir /dev/shm --repeats 5      # 4 KiB tensors
     python benchmarks/load_phases.py --small 10000 --profile prof.out             # cProfile of rank 0's last load
     python benchmarks/load_phases.py --layout row_to_col --repeats 5              # a resharded (read-once) load
+    python benchmarks/load_phases.py --layout col_to_row --repeats 5              # strided destinations
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ PHASES = [
     ("metadata_for", "metadata of the requested keys (`metadata_for`)"),
     ("finish", "results assembled (`finish`)"),
 ]
-# a read-once load's own statistics (``last_load_stats``: seconds per step, summed over its threads)
-RO_STATS = {"plan_s": "read-once: plan", "map_s": "read-once: mapping and unmapping units", "crc_s": "read-once: checks",
-            "copy_s": "read-once: copies out", "exchange_s": "read-once: waiting for exchanges"}
+# the load's own statistics (``last_load_stats``: seconds per step, summed over its threads; the
+# plan and mapping only in read-once loads)
+LOAD_STATS = {"plan_s": "stats: read-once decision and plan", "map_s": "stats: mapping and unmapping units (read-once)",
+            "read_s": "stats: storage reads", "crc_s": "stats: checks", "copy_s": "stats: copies out",
+            "exchange_s": "stats: waiting for exchanges (read-once)"}
 
 
 def _install(timings: Dict[str, float]) -> None:
@@ -88,8 +93,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
 
     d = os.path.join(args.dir, f"ckpt_phases_{port}")
     try:
-        sd = lambda ts: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (0, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
-        if args.layout == "row_to_col":  # saved split by rows, loaded split by columns (a read-once load)
+        axis = 1 if args.layout == "col_to_row" else 0  # the saved split
+        sd = lambda ts: {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t, (axis, rank, world)) for i, t in enumerate(ts)}  # noqa: E731
+        if args.layout == "col_to_row":  # saved split by columns, loaded split by rows (strided destinations)
+            (R, C), W = local[0].shape, world
+            r0, rr = rank * (R // W), (R - (W - 1) * (R // W)) if rank == W - 1 else R // W
+            dst = [torch.zeros(rr, W * C) for _ in local]
+            request_of = lambda ts: {f"t{i}": ShardedTensor.from_global_offsets(f"t{i}", t, (R, W * C), (r0, 0))  # noqa: E731
+                                     for i, t in enumerate(ts)}
+        elif args.layout == "row_to_col":  # saved split by rows, loaded split by columns (a read-once load)
             (R, C), G = local[0].shape, world * local[0].shape[0]
             c0, cw = rank * (C // world), (C - (world - 1) * (C // world)) if rank == world - 1 else C // world
             dst = [torch.zeros(G, cw) for _ in local]
@@ -138,7 +150,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof.disable()
                 prof.dump_stats(args.profile)
             tdist.barrier()
-            stats = {f"ro_{k}": v for k, v in load_mod.last_load_stats.items() if k in RO_STATS}
+            stats = {f"ro_{k}": v for k, v in load_mod.last_load_stats.items() if k in LOAD_STATS}
             rec = with_slowest(dict(timings, **stats, total=total, plain=plain), world)
             if rep == 0:  # the first load of the request checks it (later ones reuse that check): apart
                 first = rec
@@ -146,7 +158,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                     continue
             keep_best(best, rec)
         best["first"] = first
-        if args.layout == "row_to_col":
+        if args.layout == "col_to_row":
+            assert all(torch.equal(d_[:, rank * C : (rank + 1) * C], t[r0 : r0 + rr]) for d_, t in zip(dst, local)), "bad load"
+        elif args.layout == "row_to_col":
             assert all(torch.equal(d_[rank * R : (rank + 1) * R], t[:, c0 : c0 + cw]) for d_, t in zip(dst, local)), "bad load"
         else:
             assert all(torch.equal(a, b) for a, b in zip(local, dst)), "bad load"
@@ -163,15 +177,16 @@ def main(argv=None) -> List[Dict[str, float]]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--strategy", default=None, help="load_strategy= (default: the load's default)")
     p.add_argument("--strict", default=None, help="strict= (e.g. return_all, as Lightning's resume loads)")
-    p.add_argument("--layout", default="same", choices=("same", "row_to_col"),
-                   help="row_to_col: load the row-split save split by columns (a read-once load)")
+    p.add_argument("--layout", default="same", choices=("same", "row_to_col", "col_to_row"),
+                   help="row_to_col: the row-split save loaded split by columns (a read-once load); "
+                        "col_to_row: a column-split save loaded split by rows")
     p.add_argument("--profile", default=None, metavar="OUT", help="cProfile rank 0's last load into OUT")
     args = p.parse_args(argv)
     per_rank = run_ranks(_worker, args)
     again = max(args.repeats - 1, 1)
     cols = [(f"rank {r}", b) for r, b in enumerate(per_rank)] + [(f"first, rank {r}", b["first"]) for r, b in enumerate(per_rank)]
     print_phase_table(f"phase ({{unit}}: best of {again} repeated loads; the first load, which checks the request)", cols,
-                      PHASES + [(f"ro_{k}", v) for k, v in RO_STATS.items()] + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
+                      PHASES + [(f"ro_{k}", v) for k, v in LOAD_STATS.items()] + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
                       args.small)
     return per_rank
 

@@ -131,7 +131,7 @@ def test_load_phases_runs_and_prints_every_phase(tmp_path):
     # a resharded load (saved by rows, loaded by columns: read once), its result checked by the script
     out = _bench_stdout("load_phases.py", "--layout", "row_to_col", "--mib", 2, "--tensors", 2, "--cols", 64,
                         "--repeats", 2, "--dir", tmp_path)
-    for label in ("read-once: plan", "read-once: mapping and unmapping units", "read-once: copies out"):
+    for label in ("stats: read-once decision and plan", "stats: mapping and unmapping units", "stats: copies out"):
         assert label in out, out
 
 
