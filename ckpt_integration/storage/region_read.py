@@ -29,6 +29,7 @@ running digest, and a mismatch raises
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import os
@@ -112,8 +113,16 @@ class Blocks:
     digests: Any
     hash: BlockHash
 
+    def lists(self) -> Tuple[List[int], List[int]]:
+        """``bounds`` and ``digests`` as Python lists (made once: a checker looks up a few entries
+        per piece, and indexing a list costs a fraction of a numpy scalar lookup)."""
+        cached = self.__dict__.get("_lists")
+        if cached is None:
+            cached = self.__dict__["_lists"] = ([int(v) for v in self.bounds], [int(v) for v in self.digests])
+        return cached
+
     def index(self, pos: int) -> int:
-        return int(np.searchsorted(self.bounds, pos, side="right")) - 1
+        return bisect.bisect_right(self.lists()[0], pos) - 1
 
 
 class _Checker:
@@ -122,13 +131,14 @@ class _Checker:
 
     def __init__(self, blocks: Blocks, path: str, base: int, what: str):
         self.blocks, self.path, self.base, self.what = blocks, path, base, what
+        self.bounds, self.digests = blocks.lists()
         self.digest, self.hasher = blocks.hash.digest, blocks.hash.hasher
         self.block = -1  # block being accumulated (-1: none, the next segment starts a block)
         self.pos = 0  # next expected item-relative byte
         self.running: Any = None  # running digest of the block being accumulated
 
     def feed(self, pos: int, data: memoryview) -> None:
-        bounds = self.blocks.bounds
+        bounds = self.bounds
         n = len(data)
         i = 0
         while i < n:
@@ -140,7 +150,7 @@ class _Checker:
                 if p != bounds[b]:
                     raise AssertionError("internal error: a checksummed block was read from its middle")
                 self.block, self.running = b, None
-            end = int(bounds[self.block + 1])
+            end = bounds[self.block + 1]
             take = min(n - i, end - p)
             if self.running is None and p + take == end:  # the whole block is in this segment
                 self._check(self.block, self.digest(data[i : i + take]))
@@ -158,9 +168,9 @@ class _Checker:
     def feed_views(self, pos: int, views: Sequence[memoryview]) -> None:
         """:meth:`feed` for views of consecutive bytes starting at ``pos``: a tight loop for
         the common case (a view inside the block being accumulated), the general path else."""
-        bounds = self.blocks.bounds
+        bounds = self.bounds
         q = pos  # file position of the current view
-        end = int(bounds[self.block + 1]) if self.block >= 0 else -1
+        end = bounds[self.block + 1] if self.block >= 0 else -1
         for v in views:
             n = len(v)
             if self.running is not None and q == self.pos and q + n < end:
@@ -170,12 +180,12 @@ class _Checker:
                 continue
             self.feed(q, v)  # starts or ends a block
             q += n
-            end = int(bounds[self.block + 1]) if self.block >= 0 else -1
+            end = bounds[self.block + 1] if self.block >= 0 else -1
 
     def _check(self, b: int, got: int) -> None:
-        expected = int(self.blocks.digests[b])
+        expected = self.digests[b]
         if got != expected:
-            lo, hi = int(self.blocks.bounds[b]), int(self.blocks.bounds[b + 1])
+            lo, hi = self.bounds[b], self.bounds[b + 1]
             show = self.blocks.hash.show
             raise CorruptCheckpointError(
                 f"{self.path}: checksum mismatch for {self.what} (bytes [{self.base + lo}, {self.base + hi}) "
@@ -297,10 +307,17 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
     piece = getattr(reader, "piece_bytes", DIRECT_PIECE)  # remote readers: one request per piece
     ranges = _touched(np.array([lo]), np.array([hi]), blocks)
     read_ahead(reader, base + ranges[0][0], ranges[-1][1] - ranges[0][0])
+    bounds = blocks.lists()[0] if blocks is not None else None
     for r_lo, r_hi in ranges:
         pos = r_lo
         while pos < r_hi:
             end = min(r_hi, pos + piece)
+            if bounds is not None and end < r_hi:
+                # end the piece at a block boundary (ranges start at one): each block is then
+                # checked in one call, without a running digest across pieces (a block larger
+                # than a piece is still split)
+                b = bounds[bisect.bisect_right(bounds, end) - 1]
+                end = b if b > pos else end
             segs: List[Tuple[int, memoryview]] = []
             head = max(0, min(end, lo) - pos)  # bytes of the first block before the request
             tail = max(0, end - max(pos, hi))  # bytes of the last block after it
