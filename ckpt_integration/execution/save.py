@@ -53,16 +53,15 @@ from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.safe_pickle import torch_dumps
-from ..storage.zarr_backend import Piece, assemble_border_chunks, commit_file_records, create_arrays, plan_array_writes
-from ..storage.zarr_backend import split_for_chunks, write_zarr_requests
-from ..storage.zarr_backend import write_index as write_zarr_index
+from ..storage.zarr_backend import commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
 from . import dist
 from . import exchange
+from . import zarr_save
 from .dist import describe_error as _describe
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
-from .preprocess import dtype_from_name, local_shards, shards_identity, split_state_dict
+from .preprocess import local_shards, shards_identity, split_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -427,93 +426,6 @@ def _swap_if_staging(plan: SavePlan) -> None:
     atomic.replace(storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
 
 
-def _tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
-    """key -> (dtype, global shape, main-replica boxes); and the object storage keys."""
-    tensors: Dict[str, Any] = {}
-    objects = set()
-    for m in all_metas:
-        if m.kind == "object":
-            objects.add(m.storage_key)
-            continue
-        entry = tensors.setdefault(m.key, (dtype_from_name(m.dtype), m.global_shape, []))
-        if m.is_main:
-            entry[2].append(m.box)
-    return tensors, sorted(objects)
-
-
-def _create_zarr_arrays(write_dir: str, all_metas: List[ShardMeta], durable: bool) -> None:
-    tensors, objects = _tensor_layouts(all_metas)
-    index = create_arrays(write_dir, tensors, objects)
-    write_zarr_index(write_dir, index, durable)  # also marks the directory as a (partial) save
-
-
-def _zarr_chunk_requests(
-    requests: List[WriteRequest],
-    all_metas: List[ShardMeta],
-    chosen: Dict[Any, ShardMeta],
-    rank: int,
-    group: Any,
-    local_error: Optional[str],
-    local_exc: Optional[BaseException],
-) -> Tuple[List[WriteRequest], Optional[str], Optional[BaseException]]:
-    """zarr: this rank's requests as whole-chunk writes (part of phase 1, collective).
-
-    With shard-aligned chunks nothing changes. Coarser chunks (uneven shards, see
-    ``chunk_shape_for``) may straddle shards of different writers; two ranks must not
-    write one chunk file, so each such chunk's owner assembles it from the pieces the
-    other writers send here, while the data is still at hand (before staging for an
-    async save). Only ranks that have pieces for another rank send; all ranks agree on
-    who that is from metadata, so a save without such chunks runs no collective.
-    """
-    tensors, _ = _tensor_layouts(all_metas)
-    writers: Dict[str, List[Any]] = {}
-    for m in chosen.values():
-        if m.kind != "object":
-            writers.setdefault(m.key, []).append((m.box, m.rank))
-    plans = plan_array_writes(tensors, writers)
-    senders = sorted({r for _, _, border in plans.values() for c in border.values() for _, r in c.pieces if r != c.owner})
-    pieces: List[Piece] = []
-    if local_error is None:
-        try:
-            requests, pieces = split_for_chunks(requests, plans)
-        except Exception as e:
-            local_error, local_exc = _describe(e), e
-    owners = {(key, coords): c.owner for key, (_, _, border) in plans.items() for coords, c in border.items()}
-    mine = [p for p in pieces if owners[(p[0], p[1])] == rank]
-    outgoing: Dict[int, List[Piece]] = {}
-    for p in pieces:
-        if owners[(p[0], p[1])] != rank:
-            # clone: a view would pickle the whole shard's storage
-            outgoing.setdefault(owners[(p[0], p[1])], []).append((p[0], p[1], p[2], p[3].detach().cpu().clone()))
-    received = _exchange_pieces(outgoing, senders, rank, group) if senders else []
-    if local_error is None:
-        try:
-            dtypes = {key: dtype for key, (dtype, _, _) in tensors.items()}
-            requests = requests + assemble_border_chunks(plans, dtypes, rank, mine + received)
-        except Exception as e:
-            local_error, local_exc = _describe(e), e
-    return requests, local_error, local_exc
-
-
-def _exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Any) -> List[Piece]:
-    """Each sender scatters its pieces to their owners; returns the pieces sent to ``rank``.
-
-    One ``scatter_object_list`` per sending rank, so each piece travels only to its
-    owner (pieces are small: a coarsened chunk holds under 2 MiB).
-    """
-    import torch.distributed as tdist
-
-    world = dist.get_world_size(group)
-    received: List[Piece] = []
-    for src in senders:
-        inputs = [outgoing.get(r, []) for r in range(world)] if src == rank else None
-        box: List[Any] = [None]
-        global_src = tdist.get_global_rank(group, src) if group is not None else src
-        tdist.scatter_object_list(box, inputs, src=global_src, group=group)
-        received.extend(box[0] or [])
-    return received
-
-
 def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     d = plan.write_dir
     claim = _check_claim(plan)
@@ -602,6 +514,6 @@ class SaveBackend:
 SAVE_BACKENDS: Dict[str, SaveBackend] = {
     "torch_dist": SaveBackend("torch_dist", wants_layout=False, check_layout=True, prepare_storage=None,
                               shape_requests=None, write=_write_torch_dist, commit=_commit_torch_dist),
-    "zarr": SaveBackend("zarr", wants_layout=True, check_layout=False, prepare_storage=_create_zarr_arrays,
-                        shape_requests=_zarr_chunk_requests, write=_write_zarr, commit=_commit_zarr),
+    "zarr": SaveBackend("zarr", wants_layout=True, check_layout=False, prepare_storage=zarr_save.create_zarr_arrays,
+                        shape_requests=zarr_save.zarr_chunk_requests, write=_write_zarr, commit=_commit_zarr),
 }
