@@ -7,7 +7,8 @@ same layout (or resharded: ``--layout row_to_col``, saved by rows and loaded by 
 request validation exchange, read plan, read-once decision, reads, final error agreement),
 the load's own statistics are shown beside them (reads, checks, copies, mapping), and, between
 the same barriers, each rank reads its own data files with plain ``readinto`` (no parsing, no
-checks). A column per rank: best of the repeated loads per phase, and the first load (which
+checks) and again hashing each 1 MiB right after it is read (the least a checked load can
+take). A column per rank: best of the repeated loads per phase, and the first load (which
 checks the request) apart.
 
     python benchmarks/load_phases.py --mib 512 --tensors 32 --dir /dev/shm --repeats 5
@@ -82,6 +83,30 @@ def _install(timings: Dict[str, float]) -> None:
     load_mod._LoadJob.finish = timed(timings, "finish", load_mod._LoadJob.finish)
 
 
+def _plain_checked_read(paths: List[str], mv: memoryview) -> float:
+    """Seconds to read ``paths`` into ``mv`` in 2 MiB pieces, each 1 MiB hashed (XXH3-64) right
+    after its piece is read: the least a load that checks every byte can take (no parsing, no
+    planning, the blocks not even those the files record)."""
+    import xxhash
+
+    digest, piece, block = xxhash.xxh3_64_intdigest, 2 << 20, 1 << 20
+    t0 = time.perf_counter()
+    pos = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            n = os.fstat(fd).st_size
+            for i in range(0, n, piece):
+                view = mv[pos + i : pos + min(n, i + piece)]
+                os.preadv(fd, [view], i)
+                for j in range(0, len(view), block):
+                    digest(view[j : j + block])
+            pos += n
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     local = start_rank(rank, world, port, args)  # (a gloo rank on one node, and its state)
     import torch
@@ -134,6 +159,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                     pos += n
             plain = time.perf_counter() - t0
             tdist.barrier()
+            plain_checked = _plain_checked_read([os.path.join(d, f) for f in files], mv)
+            tdist.barrier()
             request = request_of(dst)  # built outside the timing (bench.py times it with the load)
             gc.collect()  # (untimed, as in bench.py: no run pays for collecting what an earlier one left)
             prof = None
@@ -151,7 +178,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
                 prof.dump_stats(args.profile)
             tdist.barrier()
             stats = {f"ro_{k}": v for k, v in load_mod.last_load_stats.items() if k in LOAD_STATS}
-            rec = with_slowest(dict(timings, **stats, total=total, plain=plain), world)
+            rec = with_slowest(dict(timings, **stats, total=total, plain=plain, plain_checked=plain_checked), world)
             if rep == 0:  # the first load of the request checks it (later ones reuse that check): apart
                 first = rec
                 if args.repeats > 1:
@@ -186,7 +213,8 @@ def main(argv=None) -> List[Dict[str, float]]:
     again = max(args.repeats - 1, 1)
     cols = [(f"rank {r}", b) for r, b in enumerate(per_rank)] + [(f"first, rank {r}", b["first"]) for r, b in enumerate(per_rank)]
     print_phase_table(f"phase ({{unit}}: best of {again} repeated loads; the first load, which checks the request)", cols,
-                      PHASES + [(f"ro_{k}", v) for k, v in LOAD_STATS.items()] + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read")],
+                      PHASES + [(f"ro_{k}", v) for k, v in LOAD_STATS.items()] + [("total", "total `load()`"), ("total_max", "total, slowest rank"), ("plain", "plain read"),
+                   ("plain_checked", "plain read, each 1 MiB hashed after its 2 MiB piece (the floor with checks)")],
                       args.small)
     return per_rank
 

@@ -126,7 +126,7 @@ def _bench_stdout(script, *args):
 def test_load_phases_runs_and_prints_every_phase(tmp_path):
     out = _bench_stdout("load_phases.py", "--small", 20, "--repeats", 1, "--dir", tmp_path)
     for label in ("`open_shared`", "`exchange.run`", "`_prepare_reads`", "`load_read_once`", "`read_all`",
-                  "total `load()`", "plain read"):
+                  "total `load()`", "plain read", "the floor with checks"):
         assert label in out, out
     # a resharded load (saved by rows, loaded by columns: read once), its result checked by the script
     out = _bench_stdout("load_phases.py", "--layout", "row_to_col", "--mib", 2, "--tensors", 2, "--cols", 64,
