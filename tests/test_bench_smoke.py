@@ -142,7 +142,7 @@ def test_page_costs_times_every_method(tmp_path):
     finally:
         sys.path.pop(0)
     res = page_costs.main(["--dir", str(tmp_path), "--mib", "4", "--repeats", "1"])  # (checks the half rows it read)
-    assert len(res) == 6 and all(sum(v) > 0 for v in res.values())
+    assert len(res) == 7 and all(sum(v) > 0 for v in res.values())
     assert not os.listdir(tmp_path)
 
 
