@@ -113,6 +113,10 @@ def _check_all(rank, world, d):
                 assert read == st["union_bytes"], (strategy, lws, name, read, st)
             if strategy == "auto" and name == "row->col":
                 assert st["strategy"] == "read_once" and st["union_bytes"] < st["separate_bytes"]
+            if lws == "1" and name == "row->col":
+                # each slice from another rank is one run of the destination: received in place
+                got = cdist.all_reduce_ints([int(st.get("bytes_received", 0)), int(st.get("bytes_received_in_place", 0))], "sum")
+                assert got[0] > 0 and got[1] == got[0], (got, st)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 

@@ -25,7 +25,8 @@ over. Here:
    from storage and verified once, then copied by every rank that needs a slice of it.
    Ranks on other nodes get exactly their slices from the reader over the process group,
    in one order shared by all ranks, with at most ``memory_budget`` bytes of send and
-   receive buffers in flight per rank. Files that cannot be mapped (fsspec URLs) are read
+   receive buffers in flight per rank (a slice that is one run of the destination, as a row
+   split loaded by columns gives, is received in place: no buffer, no copy). Files that cannot be mapped (fsspec URLs) are read
    into buffers by the reader and every other rank counts as another node.
 
 A damaged block fails the load on every rank, naming the file and the block: the reader
@@ -44,19 +45,19 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as tdist
 
 from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, range_boxes, touched_ranges, union_bytes
-from ..planning.read_once import flat_index as _flat_index, pieces as _pieces, strides as _strides
+from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
-from ..storage.mapped import ItemMap, can_map, read_bytes, typed_view
-from ..storage.region_read import verify_blocks
+from ..storage.mapped import can_map
 from . import dist
+from .read_once_units import Source, Stats, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
 # "auto" reads once only when that saves at least this many bytes per rank on average: below,
@@ -79,6 +80,7 @@ def node_of(rank: int) -> int:
 @dataclass
 class _Chunk:
     """A stored chunk this rank needs, with its tasks and the units it takes part in."""
+
     file: str
     offset: int
     task_list: List[Any]
@@ -91,14 +93,6 @@ class _Chunk:
     def regions(self) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
         c = self.task_list[0].chunk.box
         return [(tuple(o - co for o, co in zip(t.overlap.offsets, c.offsets)), tuple(t.overlap.sizes)) for t in self.task_list]
-
-
-@dataclass
-class Stats:
-    values: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
-
-    def add(self, key: str, v: float) -> None:
-        self.values[key] += v
 
 
 def _owner(file: str, offset: int, world: int) -> int:
@@ -365,64 +359,6 @@ def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chun
                     c.remote[(lo, hi)] = remote
 
 
-class _Source:
-    """The stored elements of a chunk whose first byte lies in the item-relative range ``[lo, hi)``,
-    as one flat tensor of its dtype over ``buf`` (a mapping of the unit, or the bytes this rank
-    read); ``at(x)`` is the index in ``buf`` of item-relative byte ``x``. No copy."""
-
-    def __init__(self, layout: Any, dtype: torch.dtype, buf: Any, lo: int, hi: int, at):
-        numel = layout.nbytes // layout.esize
-        self.shape, self.strides = layout.shape, _strides(layout.shape)
-        e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
-        e1 = min(numel, max(0, -(-(hi - layout.data_start) // layout.esize)))
-        self.e0 = e0
-        self.flat = typed_view(buf, at(layout.data_start + e0 * layout.esize), e1 - e0, dtype, layout.esize)
-
-    def part(self, starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
-        if not self.shape:
-            return self.flat.reshape(())
-        return torch.as_strided(self.flat, tuple(lens), tuple(self.strides), _flat_index(starts, self.shape) - self.e0)
-
-
-def _map_unit(lay: Any, lo: int, hi: int, st: Stats, populate: bool = True) -> Tuple[ItemMap, Any]:
-    """A mapping of item bytes ``[lo, hi)`` (a unit: the pages held stay bounded) and its ``at``."""
-    t0 = time.perf_counter()
-    im = ItemMap(lay.fd, lay.base + lo, hi - lo, populate=populate)
-    st.add("map_s", time.perf_counter() - t0)
-    return im, (lambda x: im.at(x - lo))
-
-
-def _unmap(im: ItemMap, st: Stats) -> None:
-    """Close a unit's mapping (about half the cost of mapping it: counted in ``map_s`` with it)."""
-    t0 = time.perf_counter()
-    im.close()
-    st.add("map_s", time.perf_counter() - t0)
-
-
-def _dest(task: Any, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
-    return task.out[tuple(slice(s - r, s - r + n) for s, r, n in zip(part[0], region[0], part[1]))]
-
-
-def _verify(c: _Chunk, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
-    """Read (unless mapped) and check the blocks of ``[lo, hi)``; the bytes read for unmapped files."""
-    lay = c.layout
-    t0 = time.perf_counter()
-    raw = None
-    if im is None:
-        raw = read_bytes(lay.fd, lay.base + lo, hi - lo)
-        st.add("read_s", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-    if lay.blocks is not None:
-        if im is not None:
-            with memoryview(im.mm) as whole:
-                verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, whole[at(lo) : at(hi)])
-        else:
-            verify_blocks(lay.blocks, lay.path, lay.base, lay.what, lo, memoryview(raw.numpy()))
-    st.add("crc_s", time.perf_counter() - t0)
-    st.add("bytes_read", hi - lo)
-    return raw
-
-
 def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, budget, st, errors) -> None:
     """Verify this rank's units, copy node-local slices from the mapping, exchange the rest."""
 
@@ -430,11 +366,11 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
         if not errors:
             errors.append(e)
 
-    def copy_parts(c: _Chunk, src: "_Source", lo: int, hi: int) -> None:
+    def copy_parts(c: _Chunk, src: Source, lo: int, hi: int) -> None:
         lay = c.layout
         for t, region in zip(c.task_list, c.regions):
             for part in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region):
-                _dest(t, region, part).copy_(src.part(*part))
+                dest_view(t, region, part).copy_(src.part(*part))
 
     def local_work(c: _Chunk) -> None:
         """Units this rank checks for its node only, and its copies of the node-local parts.
@@ -452,14 +388,14 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
             for lo, hi, rd, rnode, first in c.units:
                 if rnode != node:
                     continue  # read on another node: arrives through _transfer
-                im, at = _map_unit(lay, lo, hi, st, POPULATE)
+                im, at = map_unit(lay, lo, hi, st, POPULATE)
                 try:
-                    src = _Source(lay, dtype, im.mm, lo, hi, at)
+                    src = Source(lay, dtype, im.mm, lo, hi, at)
                     if rd == rank and (lo, hi) not in c.remote:
                         if first and lay.has_frame:
                             reader.check_frame(c.task_list[0].chunk, lay)
                         for p_lo, p_hi in _pieces(lay.bounds, lo, hi, PIECE):
-                            _verify(c, im, at, p_lo, p_hi, st)
+                            verify_unit(c.layout, im, at, p_lo, p_hi, st)
                             t0 = time.perf_counter()
                             copy_parts(c, src, p_lo, p_hi)
                             t_copy += time.perf_counter() - t0
@@ -469,7 +405,7 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
                         t_copy += time.perf_counter() - t0
                     del src
                 finally:
-                    _unmap(im, st)
+                    unmap(im, st)
             st.add("copy_s", t_copy)
             st.add("bytes_copied", sum(t.out.numel() for t in c.task_list) * lay.esize)
         except Exception as e:
@@ -506,14 +442,25 @@ def _global(group: Any, r: int) -> int:
 
 
 def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
-    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight."""
-    pending: List[Tuple[Any, int, Any]] = []  # (work, bytes, on completion)
+    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight.
+
+    Buffers are reused once their transfer is done (at most ``budget`` bytes of them kept):
+    memory a process has not touched yet is paged in on first use, which costs more than the
+    copy into it (here ~1 s per first load with a fresh buffer per transfer)."""
+    pending: List[Tuple[Any, int, Any, Optional[torch.Tensor]]] = []  # (work, bytes, on completion, buffer)
     in_flight = 0
+    free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
+
+    def buffer(nbytes: int) -> torch.Tensor:
+        for i, b in enumerate(free):
+            if b.numel() >= nbytes:
+                return free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def settle(n_keep_bytes: int) -> None:
         nonlocal in_flight
         while pending and in_flight > n_keep_bytes:
-            work, nbytes, done = pending.pop(0)
+            work, nbytes, done, base = pending.pop(0)
             tw = time.perf_counter()
             work.wait()
             st.add("exchange_s", time.perf_counter() - tw)
@@ -523,6 +470,8 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     done()
                 except Exception as e:
                     note(e)
+            if base is not None and sum(b.numel() for b in free) + base.numel() <= budget:
+                free.append(base)
 
     for file, offset, lo, hi, c, role, extra in ordered:
         lay = c.layout
@@ -533,12 +482,12 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 if extra and lay.has_frame:
                     reader.check_frame(c.task_list[0].chunk, lay)
                 if mapped:
-                    im, at = _map_unit(lay, lo, hi, st)
-                    raw = _verify(c, im, at, lo, hi, st)
-                    src = _Source(lay, dtype, im.mm, lo, hi, at)
+                    im, at = map_unit(lay, lo, hi, st)
+                    raw = verify_unit(c.layout, im, at, lo, hi, st)
+                    src = Source(lay, dtype, im.mm, lo, hi, at)
                 else:
-                    raw = _verify(c, None, None, lo, hi, st)
-                    src = _Source(lay, dtype, raw, lo, hi, lambda x: x - lo)
+                    raw = verify_unit(c.layout, None, None, lo, hi, st)
+                    src = Source(lay, dtype, raw, lo, hi, lambda x: x - lo)
             except Exception as e:
                 note(e)
             receivers = list(c.remote.get((lo, hi), []))
@@ -546,17 +495,20 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 receivers.append((rank, c.regions))
             for r, regions in receivers:
                 tc = time.perf_counter()
-                parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]
-                n = sum(int(np.prod(p[1])) for _, p in parts)
+                parts, n = unit_parts(lay, lo, hi, regions)
                 if n == 0:
                     continue  # the receiver skips it too
                 if r == rank:
                     if src is not None:
                         for g, p in parts:
-                            _dest(c.task_list[g], regions[g], p).copy_(src.part(*p))
+                            dest_view(c.task_list[g], regions[g], p).copy_(src.part(*p))
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
-                buf = torch.empty(n, dtype=dtype)
+                nbytes = n * lay.esize
+                settle(max(0, budget - nbytes))
+                tc = time.perf_counter()
+                base = buffer(nbytes)
+                buf = base[:nbytes].view(dtype)
                 if src is not None:
                     pos = 0
                     for _, p in parts:
@@ -566,35 +518,43 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 else:
                     buf.zero_()  # keep the peer going: the load fails anyway
                 st.add("copy_s", time.perf_counter() - tc)
-                settle(max(0, budget - buf.numel() * lay.esize))
-                work = tdist.isend(buf.view(torch.uint8), dst=_global(group, r), group=group, tag=_TAG)
-                pending.append((work, buf.numel() * lay.esize, None))
-                in_flight += buf.numel() * lay.esize
-                st.add("bytes_sent", buf.numel() * lay.esize)
+                work = tdist.isend(base[:nbytes], dst=_global(group, r), group=group, tag=_TAG)
+                pending.append((work, nbytes, None, base))
+                in_flight += nbytes
+                st.add("bytes_sent", nbytes)
                 del buf
             del src
             if im is not None:
-                _unmap(im, st)
+                unmap(im, st)
         else:
             regions = c.regions
-            parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]
-            n = sum(int(np.prod(p[1])) for _, p in parts)
+            parts, n = unit_parts(lay, lo, hi, regions)
             if n == 0:
                 continue
+            st.add("bytes_received", n * lay.esize)
+            into = dest_view(c.task_list[parts[0][0]], regions[parts[0][0]], parts[0][1]) if len(parts) == 1 else None
+            if into is not None and into.dtype == dtype and into.is_contiguous():
+                # one box that is one run of the destination (a row split loaded by columns): received
+                # in place, no buffer and no copy out of one
+                work = tdist.irecv(into.view(-1).view(torch.uint8), src=_global(group, extra), group=group, tag=_TAG)
+                pending.append((work, 0, None, None))
+                st.add("bytes_received_in_place", n * lay.esize)
+                continue
             settle(max(0, budget - n * lay.esize))
-            buf = torch.empty(n, dtype=dtype)
+            base = buffer(n * lay.esize)
+            buf = base[: n * lay.esize].view(dtype)
 
             def unpack(buf=buf, parts=parts, c=c, regions=regions) -> None:
                 tc = time.perf_counter()
                 pos = 0
                 for g, p in parts:
                     k = int(np.prod(p[1]))
-                    _dest(c.task_list[g], regions[g], p).copy_(buf[pos : pos + k].view(p[1]))
+                    dest_view(c.task_list[g], regions[g], p).copy_(buf[pos : pos + k].view(p[1]))
                     pos += k
                 st.add("copy_s", time.perf_counter() - tc)
 
-            work = tdist.irecv(buf.view(torch.uint8), src=_global(group, extra), group=group, tag=_TAG)
-            pending.append((work, n * lay.esize, unpack))
+            work = tdist.irecv(base[: n * lay.esize], src=_global(group, extra), group=group, tag=_TAG)
+            pending.append((work, n * lay.esize, unpack, base))
             in_flight += n * lay.esize
-            st.add("bytes_received", n * lay.esize)
+            del buf
     settle(-1)
