@@ -249,7 +249,7 @@ def read_region(
 
     ``blocks``: the item's checksummed blocks (every byte read is verified), or None.
     """
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype_size(dtype)
     ndim = len(shape)
     numel = math.prod(lens)
     if numel == 0:
