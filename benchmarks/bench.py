@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional
 GiB = 1 << 30
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import _drop_cache, _free_port, _is_tmpfs, _peak_bytes, _reset_peak, _rss_bytes, _status_kib  # noqa: E402,F401
+from bench_util import _drop_cache, _free_port, _is_tmpfs, _peak_bytes, _reset_peak, _rss_bytes, _status_kib, all_gather  # noqa: E402,F401
 from bench_report import STAT_TIMES, format_load_details, format_small, format_table, summary_rows  # noqa: E402,F401
 
 
@@ -118,7 +118,6 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
     ``env``: environment variables set around ``fn`` (e.g. ``LOCAL_WORLD_SIZE=1``: every rank
     its own node).
     """
-    import torch.distributed as dist
 
     best = None
     for _ in range(repeats):
@@ -150,8 +149,7 @@ def _measure(ctx: Ctx, name: str, fn: Callable[[], Any], setup: Optional[Callabl
             from ckpt_integration.execution import load as load_mod
 
             rec["load"] = dict(load_mod.last_load_stats)
-        allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
-        dist.all_gather_object(allrec, rec)
+        allrec: List[Dict[str, Any]] = all_gather(rec)
         t = max(r["t"] for r in allrec)
         extras = [r["extra_rss"] for r in allrec if r["extra_rss"] is not None]
         out = {
@@ -428,11 +426,8 @@ def _run_small(ctx: Ctx, root: str) -> Dict[str, Any]:
 
 
 def _async_result(ctx: Ctx, name: str, blocking: List[float], total: List[float], extra_rss=None, **more) -> None:
-    import torch.distributed as dist
-
     rec = {"blocking": blocking, "total": total, "extra_rss": extra_rss, **more}
-    allrec: List[Dict[str, Any]] = [None] * ctx.world  # type: ignore
-    dist.all_gather_object(allrec, rec)
+    allrec: List[Dict[str, Any]] = all_gather(rec)
 
     def worst(key, i):
         return max(r[key][i] for r in allrec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 
 # --------------------------------------------------------------------------- memory helpers
@@ -133,13 +133,21 @@ def start_rank(rank: int, world: int, port: int, args) -> list:
     return [torch.rand(per, args.cols) for _ in range(args.tensors)]
 
 
+def all_gather(obj: Any) -> list:
+    """Every rank's ``obj`` (collective), gathered with the library's helper: it waits until gloo's
+    worker threads have let go of its tensors. ``torch.distributed.all_gather_object`` does not, and
+    a tensor such a thread frees after the interpreter began to exit aborts the process
+    ("terminate called without an active exception"): a benchmark's last gather is followed by
+    exactly that exit."""
+    from ckpt_integration.execution import dist as cdist
+
+    return cdist.all_gather_object(obj)
+
+
 def with_slowest(rec: dict, world: int) -> dict:
     """``rec`` (one run's timings on this rank) with ``total_max``: the slowest rank's ``total``
     (collective: every rank calls it once per run)."""
-    import torch.distributed as tdist
-
-    allrec: list = [None] * world
-    tdist.all_gather_object(allrec, rec)
+    allrec = all_gather(rec)
     rec["total_max"] = max(r["total"] for r in allrec)
     return rec
 
@@ -156,8 +164,7 @@ def write_per_rank(best: dict, world: int, rank: int, out_path: str) -> None:
 
     import torch.distributed as tdist
 
-    allbest: list = [None] * world
-    tdist.all_gather_object(allbest, best)
+    allbest = all_gather(best)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(allbest, f)

@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import _barrier, _fresh  # noqa: E402
 from bench_report import _fmt, format_load_details  # noqa: E402
-from bench_util import _drop_cache, _free_port, _is_tmpfs  # noqa: E402
+from bench_util import _drop_cache, _free_port, _is_tmpfs, all_gather  # noqa: E402
 from gpu_measure import CHUNK, DTYPES, GiB, GpuCtx, _async_done, _col_slices, _host_and_device_peaks, _zero, measure  # noqa: E402
 from gpu_peers import run_dcp, run_megatron, run_torch_save  # noqa: E402
 
@@ -249,7 +249,6 @@ def _ours_async(ctx: GpuCtx, root: str, info: Dict[str, Any]) -> None:
 
 
 def _run_target(ctx: GpuCtx, root: str, is_tmpfs: bool, info: Dict[str, Any]) -> Dict[str, Any]:
-    import torch.distributed as dist
 
     args = ctx.args
     ctx.results = {}
@@ -276,8 +275,7 @@ def _run_target(ctx: GpuCtx, root: str, is_tmpfs: bool, info: Dict[str, Any]) ->
                 traceback.print_exc()
         # every rank learns of any rank's failure (a rank left waiting in a collective of the step
         # gets the group's timeout) and the step's files go
-        errors: List[Any] = [None] * ctx.world
-        dist.all_gather_object(errors, why)
+        errors: List[Any] = all_gather(why)
         if any(errors):
             info.setdefault("failed", {})[label] = "; ".join(e for e in errors if e)
             _fresh(root, ctx.rank)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import _async_result, _measure  # noqa: E402
 from bench_report import _fmt  # noqa: E402
-from bench_util import _peak_bytes, _reset_peak, _rss_bytes  # noqa: E402
+from bench_util import _peak_bytes, _reset_peak, _rss_bytes, all_gather  # noqa: E402
 
 GiB = 1 << 30
 CHUNK = 64 << 20  # bounce buffer of the plain I/O limit
@@ -88,7 +88,6 @@ def measure(ctx: GpuCtx, name: str, fn: Callable[[], Any], setup: Optional[Calla
     """``bench._measure`` with the device synchronized inside the timed region, plus host and
     device memory peaks (max over repeats and ranks); ``check`` runs once after the repeats."""
     import torch
-    import torch.distributed as dist
 
     peaks = [0, 0]
     dev0 = [0]
@@ -110,8 +109,7 @@ def measure(ctx: GpuCtx, name: str, fn: Callable[[], Any], setup: Optional[Calla
             peaks[1] = max(peaks[1], torch.cuda.max_memory_allocated() - dev0[0])
 
     best = _measure(ctx, name, timed, setup=dev_setup, repeats=ctx.args.repeats, load=load)
-    allp: List[List[int]] = [None] * ctx.world  # type: ignore
-    dist.all_gather_object(allp, peaks)
+    allp: List[List[int]] = all_gather(peaks)
     _add_peaks(ctx, best, max(p[0] for p in allp), max(p[1] for p in allp))
     if check is not None:
         check()
@@ -158,11 +156,9 @@ def _async_done(ctx: GpuCtx, name: str, blocking, staged, total, peaks: List[int
     snapshot was taken and the memory peaks over the series."""
     import statistics
 
-    import torch.distributed as dist
 
     _async_result(ctx, name, blocking, total, **more)
-    allrec: List[Any] = [None] * ctx.world
-    dist.all_gather_object(allrec, {"staged": staged, "peaks": peaks})
+    allrec: List[Any] = all_gather({"staged": staged, "peaks": peaks})
     steady = range(1, len(staged)) if len(staged) > 1 else range(1)
     rec = ctx.results[name]
     rec["staged_s"] = statistics.mean(max(r["staged"][i] for r in allrec) for i in steady)

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench import _drop_cache, _free_port, _status_kib  # noqa: E402
+from bench_util import all_gather  # noqa: E402
 
 GiB = 1 << 30
 
@@ -286,10 +287,8 @@ def memory_tier(r: Rank, shm_base: str) -> None:
     r.barrier()
     if r.rank == 1:
         os.rename(hidden, os.path.join(shm_base, "node1", "bench"))
-    import torch.distributed as dist
 
-    sources: List[Any] = [None] * r.world
-    dist.all_gather_object(sources, src)
+    sources: List[Any] = all_gather(src)
     r.results["restore_peer"] = {"seconds": min(t), "source_rank1": sources[1]}
     tier.close(remove=True)
 
