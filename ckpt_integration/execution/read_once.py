@@ -26,8 +26,9 @@ over. Here:
    Ranks on other nodes get exactly their slices from the reader over the process group,
    in one order shared by all ranks, with at most ``memory_budget`` bytes of send and
    receive buffers in flight per rank (a slice that is one run of the destination, as a row
-   split loaded by columns gives, is received in place: no buffer, no copy). Files that cannot be mapped (fsspec URLs) are read
-   into buffers by the reader and every other rank counts as another node.
+   split loaded by columns gives, is received in place: no buffer, no copy). Files that
+   cannot be mapped (fsspec URLs) are read into buffers by the reader and every other rank
+   counts as another node.
 
 A damaged block fails the load on every rank, naming the file and the block: the reader
 records the error and still sends (so no rank waits forever), and the caller's final
