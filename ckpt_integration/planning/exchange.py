@@ -46,7 +46,7 @@ import numpy as np
 
 from .digests import halves, joined, mix, string_digests
 from .integrity import owner_of_key
-from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables
+from .records import MessageWriter, TableBatch, decode_array, digest64, encode_runs, put_table, read_tables, split_by
 from .shards import ShardMeta, object_storage_key
 
 from .key_owner import KeySummary, SummaryTable, chunk_digest, encode_summaries, key_owner_step  # noqa: E402,F401 (re-exported)
@@ -129,10 +129,7 @@ def route_shards(
         full = np.ones(len(ms), dtype=bool) if only is not None else (flags & MAIN) != 0
         rd = None if full.all() else record_digests(key_d, kind, string_digests(dtypes), geo)
         ids = np.asarray(idx, dtype=np.int64)
-        order = np.argsort(owner, kind="stable")
-        bounds = np.flatnonzero(np.diff(owner[order])) + 1
-        for sel in np.split(order, bounds):
-            d = int(owner[sel[0]])
+        for d, sel in split_by(owner):
             f, c = sel[full[sel]], sel[~full[sel]]
             if len(f):
                 parts[d].append((FULL, nd, ids[f], np.concatenate([kind[f][None], flags[f][None], geo[f].T]),
@@ -351,22 +348,18 @@ def _forward_plain(fwd: _Out, ans: _Answers, rows: np.ndarray, nd: int, strings:
     """Chunks with one record, their main replica: forwarded as SIMPLE rows, answered ``n = 1``."""
     if not len(rows):
         return
-    dest = kowner[rows[:, 2]]
-    order = np.argsort(dest, kind="stable")
-    for sel in np.split(order, np.flatnonzero(np.diff(dest[order])) + 1):
+    for d, sel in split_by(kowner[rows[:, 2]]):
         r = rows[sel]
-        w = fwd.writer(int(dest[sel[0]]))
+        w = fwd.writer(d)
         key, dtype = _localize(w, strings, r[:, 2], r[:, 4])
         geo = r[:, 6:]
         one = np.ones(len(r), dtype=np.int64)
         put_table(w, SIMPLE, nd, [key, r[:, 3], dtype, geo[:, : 2 * nd].T, r[:, 0], geo[:, 2 * nd :].T, r[:, 0], one, one])
     if replies:
-        src = rows[:, 0]
-        order = np.argsort(src, kind="stable")
-        for sel in np.split(order, np.flatnonzero(np.diff(src[order])) + 1):
+        for src, sel in split_by(rows[:, 0]):
             n = len(sel)
             zero, one = np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64)
-            ans.table(int(src[sel[0]]), [rows[sel, 1], zero, zero, one, zero])
+            ans.table(src, [rows[sel, 1], zero, zero, one, zero])
 
 
 def _localize(w: MessageWriter, strings: List[str], *cols: np.ndarray) -> List[np.ndarray]:

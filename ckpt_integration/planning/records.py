@@ -180,6 +180,15 @@ def segments(sorted_ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return starts, np.diff(np.r_[starts, len(sorted_ids)])
 
 
+def split_by(values: np.ndarray) -> List[Tuple[int, np.ndarray]]:
+    """The indices of ``values`` grouped by value: ``(value, indices)`` per distinct value, values
+    ascending and indices ascending within each (a stable sort); e.g. rows by destination rank."""
+    if not len(values):
+        return []
+    order = np.argsort(values, kind="stable")
+    return [(int(values[sel[0]]), sel) for sel in np.split(order, np.flatnonzero(np.diff(values[order])) + 1)]
+
+
 def group_rows(rows: np.ndarray) -> List[Tuple[List[int], np.ndarray]]:
     """The distinct rows of an integer table ``rows`` (``(n, k)``), in ascending (lexicographic)
     order, each with the indices of the rows equal to it (ascending): what ``np.unique(rows,

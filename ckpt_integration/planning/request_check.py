@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from .records import segments
+from .records import segments, split_by
 
 ROW = 4  # key, chunks of the key, chunk, main (1) or copy (0)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # (spreads key positions, which grow in steps, over the owners)
@@ -42,12 +42,7 @@ def route_requests(rows: Sequence[Tuple[int, int, int, int]], world: int) -> Dic
     if not len(rows):
         return {}
     table = np.asarray(rows, dtype=np.int64).reshape(-1, ROW)
-    dst = owners(table[:, 0], world).astype(np.int64)
-    order = np.argsort(dst, kind="stable")
-    table, dst = table[order], dst[order]
-    cuts = np.flatnonzero(np.diff(dst)) + 1
-    starts = np.r_[0, cuts]
-    return {int(dst[s]): part.astype("<i8").tobytes() for s, part in zip(starts, np.split(table, cuts))}
+    return {d: table[sel].astype("<i8").tobytes() for d, sel in split_by(owners(table[:, 0], world).astype(np.int64))}
 
 
 def request_problems(messages: Iterable[bytes], limit: int = 20) -> List[str]:
