@@ -475,8 +475,7 @@ def simulate_request_check(layout: GPTLayout, shared: Any, commit_dir: str) -> D
     real load to the general check (the save's exchange, measured above): counted here are the
     rest. Per-rank time: finding the chunks is left out (a load does it while planning its reads,
     which the load plan above measures); routing and counting are in."""
-    from ckpt_integration.planning.records import digest64
-    from ckpt_integration.planning.request_check import request_problems, route_requests
+    from ckpt_integration.planning.request_check import object_place, request_problems, route_requests
     from ckpt_integration.storage.chunk_index import compact_chunks_of
 
     W = layout.world
@@ -490,7 +489,7 @@ def simulate_request_check(layout: GPTLayout, shared: Any, commit_dir: str) -> D
             total += 1
             main = 1 if m.is_main else 0
             if m.kind == "object":
-                rows.append((-1 - (digest64(m.storage_key.encode()) >> 1), 1, 0, main))
+                rows.append((*object_place(m.storage_key), main))
                 continue
             found = compact.whole_chunk_at(m.key, Box(m.offsets, m.sizes), commit_dir)
             if found is not None:

@@ -33,7 +33,7 @@ from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
 from ..planning.boxes import Box, intersect, relative_slices
-from ..planning.records import digest64
+from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
@@ -510,8 +510,8 @@ def _prepare_reads(
                 io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
                 what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
             )
-            if rows is not None:  # (an object cell: one chunk, numbered by its storage key, negative)
-                count((-1 - (digest64(sh.unique_key.encode()) >> 1), 1, 0), is_main_replica(sh.replica_id))
+            if rows is not None:  # (an object cell: one chunk, numbered by its storage key)
+                count(object_place(sh.unique_key), is_main_replica(sh.replica_id))
             # Megatron-Core stores objects as a one-element list
             return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
         rows = None

@@ -25,10 +25,16 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import numpy as np
 
-from .records import segments, split_by
+from .records import digest64, segments, split_by
 
 ROW = 4  # key, chunks of the key, chunk, main (1) or copy (0)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # (spreads key positions, which grow in steps, over the owners)
+
+
+def object_place(storage_key: str) -> Tuple[int, int, int]:
+    """The place of a ShardedObject cell in a request row: a negative id from its storage key (key
+    positions are >= 0), one chunk, chunk 0."""
+    return -1 - (digest64(storage_key.encode()) >> 1), 1, 0
 
 
 def owners(keys: np.ndarray, world: int) -> np.ndarray:
