@@ -52,13 +52,13 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, range_boxes, touched_ranges, union_bytes
+from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, touched_ranges, union_bytes
 from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.mapped import can_map
 from . import dist
-from .read_once_units import Source, Stats, dest_view, map_unit, unit_parts, unmap, verify_unit
+from .read_once_units import Source, Stats, copy_parts, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
 # "auto" reads once only when that saves at least this many bytes per rank on average: below,
@@ -367,11 +367,9 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
         if not errors:
             errors.append(e)
 
-    def copy_parts(c: _Chunk, src: Source, lo: int, hi: int) -> None:
-        lay = c.layout
-        for t, region in zip(c.task_list, c.regions):
-            for part in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region):
-                dest_view(t, region, part).copy_(src.part(*part))
+    def copy_local(c: _Chunk, src: Source, lo: int, hi: int) -> None:
+        regions = c.regions
+        copy_parts(c.task_list, regions, unit_parts(c.layout, lo, hi, regions)[0], src)
 
     def local_work(c: _Chunk) -> None:
         """Units this rank checks for its node only, and its copies of the node-local parts.
@@ -398,11 +396,11 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
                         for p_lo, p_hi in _pieces(lay.bounds, lo, hi, PIECE):
                             verify_unit(c.layout, im, at, p_lo, p_hi, st)
                             t0 = time.perf_counter()
-                            copy_parts(c, src, p_lo, p_hi)
+                            copy_local(c, src, p_lo, p_hi)
                             t_copy += time.perf_counter() - t0
                     else:
                         t0 = time.perf_counter()
-                        copy_parts(c, src, lo, hi)
+                        copy_local(c, src, lo, hi)
                         t_copy += time.perf_counter() - t0
                     del src
                 finally:
@@ -501,8 +499,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     continue  # the receiver skips it too
                 if r == rank:
                     if src is not None:
-                        for g, p in parts:
-                            dest_view(c.task_list[g], regions[g], p).copy_(src.part(*p))
+                        copy_parts(c.task_list, regions, parts, src)
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
                 nbytes = n * lay.esize

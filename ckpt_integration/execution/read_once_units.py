@@ -95,3 +95,9 @@ def verify_unit(lay: Any, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats
     st.add("crc_s", time.perf_counter() - t0)
     st.add("bytes_read", hi - lo)
     return raw
+
+
+def copy_parts(tasks: Sequence[Any], regions: Sequence[BoxT], parts: Sequence[Tuple[int, BoxT]], src: Source) -> None:
+    """Copy ``parts`` (of :func:`unit_parts`) out of ``src`` into their tasks' destinations."""
+    for g, p in parts:
+        dest_view(tasks[g], regions[g], p).copy_(src.part(*p))
