@@ -50,6 +50,13 @@ class CorruptCheckpointError(CheckpointingException):
     """A checkpoint file is truncated, damaged, or inconsistent with the metadata."""
 
 
+class StateVerificationError(CorruptCheckpointError):
+    """The state a load would return is not what was saved: a requested region was not filled
+    exactly once (a part never delivered, or delivered twice), or a tensor's layout-independent
+    fingerprint differs from the one recorded at save. Raised on every rank; the message names
+    the key, the region and, where the ranks' parts tell, the rank. Nothing is returned."""
+
+
 class UnsupportedCheckpointError(CheckpointingException):
     """Unknown backend or format version."""
 

@@ -340,6 +340,19 @@ def test_convert_torch_dist_copy_keeps_objects_and_common(two_rank_ckpt, tmp_pat
     assert code == 0, out
 
 
+def test_convert_keeps_the_recorded_step(tmp_path, capsys):
+    """A step given to save (not in the common state) survives a copy to either backend: commit
+    order and ``ckpt_path="last"`` read it from the manifest."""
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    src = tmp_path / "src"
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, str(src), step=7)
+    for to in ("torch_dist", "zarr"):
+        code, _, err = run_cli("convert", src, tmp_path / to, "--to", to, capsys=capsys)
+        assert code == 0, err
+        assert ckdir.read_manifest(str(tmp_path / to)).step == 7, to
+
+
 def test_import_torch_save_file(tmp_path, capsys):
     expected = _expected_single()
     nested = {"state_dict": {"encoder": {"weight": expected["model.encoder.weight"], "bias": expected["model.encoder.bias"]},

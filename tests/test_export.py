@@ -330,6 +330,8 @@ def test_convert_stock_lightning_ckpt_then_resume(tmp_path, capsys):
     assert "imported a stock Lightning checkpoint (ckpt)" in text and "not carried: optimizer_states" in text
     _assert_same(ci.load_plain_tensors(str(tmp_path / "plain")), m.state_dict())
     assert ci.load_common_state_dict(str(tmp_path / "plain"))["global_step"] == 3
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+    assert ckdir.read_manifest(str(tmp_path / "plain")).step == 3  # the commit order knows the step
 
     # with the module class: everything, stored as its sharded_state_dict asks (fused parts)
     assert cli("convert", stock, tmp_path / "full", "--to", "torch_dist", "--module", "tests.test_export:Lit") == 0

@@ -563,25 +563,62 @@ def test_strategy_version_is_compared(tmp_path):
     assert out["step"] == 0
 
 
-# =========================================================================== parallel loads
-def _parallel_worker(rank, world, d):
+# =========================================================================== every load strategy, every damage
+STRATEGIES = ("local", "auto", "read_once", "fully_parallel", "two_stage")
+
+
+def _damage(path: str, how: str, offset: int) -> None:
+    if how == "flipped":
+        flip_byte(path, offset)
+    elif how == "missing":
+        os.remove(path)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "emptied":
+        os.truncate(path, 0)
+
+
+def _every_strategy_worker(rank, world, root):
+    """A row split saved, damaged four ways in four copies, loaded by columns (every rank needs
+    both saved chunks) with every strategy, also as if every rank were its own node: every load
+    fails on every rank with a library error naming the damaged file, nothing is returned."""
     from ckpt_integration.storage import torch_dist
 
     torch_dist.BLOCK_SIZE = 16 << 10
     full = _full(11)
     half = ROWS // world
-    ci.save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))}, d)
+    src = os.path.join(root, "src")
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))}, src)
     torch.distributed.barrier()
+    damages = ("flipped", "missing", "truncated", "emptied")
     if rank == 0:
-        flip_byte(os.path.join(d, "__1_0.distcp"), _w_item_of(d, (half, 0)).offset + 2048 + 5 * COLS * 4)
+        offset = _w_item_of(src, (half, 0)).offset + 2048 + 5 * COLS * 4
+        for how in damages:
+            shutil.copytree(src, os.path.join(root, how))
+            _damage(os.path.join(root, how, "__1_0.distcp"), how, offset)
     torch.distributed.barrier()
-    cols = COLS // world  # column split: every rank reads from both saved chunks
-    out = torch.zeros(ROWS, cols)
-    for strategy in ("fully_parallel", "two_stage"):
-        with pytest.raises(CheckpointingException) as ei:
-            ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, d, load_strategy=strategy)
-        assert "checksum mismatch" in str(ei.value) and "__1_0.distcp" in str(ei.value), str(ei.value)
-        assert type(ei.value).__name__ in ("CorruptCheckpointError", "DistributedCheckpointingError"), type(ei.value)
+    cols = COLS // world
+    sentinel = torch.full((ROWS, cols), -7.0)
+    for lws in (None, "1"):
+        if lws:
+            os.environ["LOCAL_WORLD_SIZE"] = lws  # every rank its own node: slices sent, not mapped
+        for how in damages:
+            for strategy in STRATEGIES:
+                out = sentinel.clone()
+                with pytest.raises(CheckpointingException) as ei:
+                    ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, os.path.join(root, how),
+                            load_strategy=strategy)
+                text = str(ei.value)
+                why = {"flipped": "checksum mismatch", "missing": "is missing", "truncated": "is truncated",
+                       "emptied": "is truncated"}[how]
+                assert why in text and "__1_0.distcp" in text, (how, strategy, lws, text)
+                assert type(ei.value).__name__ in ("CorruptCheckpointError", "DistributedCheckpointingError"), type(ei.value)
+        # the undamaged checkpoint loads exactly with every strategy
+        for strategy in STRATEGIES:
+            out = sentinel.clone()
+            ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, src, load_strategy=strategy)
+            assert torch.equal(out, full[:, rank * cols:(rank + 1) * cols]), (strategy, lws)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 
 def _w_item_of(d, offsets):
@@ -591,7 +628,7 @@ def _w_item_of(d, offsets):
 
 
 @pytest.mark.slow
-def test_parallel_loads_raise_library_errors_on_every_rank(tmp_path):
-    run_distributed(_parallel_worker, 2, str(tmp_path / "c"))
+def test_damaged_files_fail_every_load_strategy_on_every_rank(tmp_path):
+    run_distributed(_every_strategy_worker, 2, str(tmp_path), timeout=240)
 
 

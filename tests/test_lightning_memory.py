@@ -12,7 +12,9 @@ and ``DistCkptModelCheckpoint(save_last=True)`` at every epoch end (2 steps per 
    finishes and the job's snapshots are removed from both nodes;
 3. a fresh run gets a SIGTERM on every rank at step 3: Lightning stops both ranks, and the newest
    snapshot (step 3) is written as ``preempted-step=3.ckpt`` before they exit; that durable
-   checkpoint holds the step-3 state and resumes like any other.
+   checkpoint holds the step-3 state and records step 3;
+4. on new nodes (every memory directory deleted), ``ckpt_path="last"`` takes the preempted
+   checkpoint of step 3 over ``last.ckpt`` of step 2 and resumes from it exactly.
 """
 
 from __future__ import annotations
@@ -143,6 +145,28 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
     weights = ci.load_plain_tensors(pre)
     for name, value in killed["snap"]["state_dict"].items():
         assert torch.equal(weights[f"state_dict.{name}"] if f"state_dict.{name}" in weights else weights[name], value), name
+
+    # 4) new nodes (every memory directory gone): ckpt_path="last" resumes from the preempted
+    # checkpoint of step 3, not from last.ckpt of step 2, exactly
+    import shutil
+
+    shutil.rmtree(shm)
+    assert ci.load_common_state_dict(os.path.join(ckdir2, "last.ckpt"))["global_step"] == 2
+    rcs, outs, logs = _launch(tmp, "requeued", {**base, "dir": ckdir2, "resume": "last"})
+    assert rcs == [0, 0] and all(o.get("finished") for o in outs), f"{rcs}\n{tails(logs)}"
+    rank0 = torch.load(os.path.join(tmp, "sigterm-rank0.killed.pt"), weights_only=False)["snap"]
+    for r in range(2):
+        assert outs[r]["start_step"] == 3, (outs[r], tails(logs))
+        killed = torch.load(os.path.join(tmp, f"sigterm-rank{r}.killed.pt"), weights_only=False)
+        # a durable checkpoint keeps one copy of replicated state: the metric's rank-local values
+        # are rank 0's on every rank after a durable resume (as Lightning's own checkpoints)
+        killed["snap"]["metric"] = rank0["metric"]
+        killed["snap"]["state_dict"].update({k: v for k, v in rank0["state_dict"].items() if k.startswith("metric.")})
+        start = torch.load(os.path.join(tmp, f"requeued-rank{r}.start.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(tmp, f"requeued-rank{r}.loaded.pt"), weights_only=False)
+        assert_same(start, killed["snap"], f"rank {r} state")
+        for k in ("loops", "global_step", "epoch", "lr_schedulers"):
+            assert_same(loaded[k], killed[k], f"rank {r} {k}")
 
 
 def _allowed():

@@ -169,6 +169,37 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert not os.path.exists(os.path.join(d, "solo"))
 
 
+def test_a_persisted_snapshot_records_its_step_and_is_the_newest(tmp_path):
+    """A durable save of step 5 as last.ckpt, then a snapshot of step 7 persisted beside it (as at
+    a preemption): the persisted checkpoint records step 7 and orders after last.ckpt, so a
+    resume on new nodes (memory gone) takes it, and it loads exactly."""
+    import ckpt_integration as ci
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    ckpts = tmp_path / "ckpts"
+    durable = _state(0, 1, 5)
+    durable["global_step"] = 5
+    ci.save(durable, str(ckpts / "last.ckpt"))
+    tier = ci.MemoryCheckpoints(str(tmp_path / "shm"), "preempt", replicas=1)
+    snap = _state(0, 1, 7)
+    snap["global_step"] = 7
+    tier.save(snap, 7)
+    tier.persist(7, str(ckpts / "preempted-step=7.ckpt")).wait()
+    tier.close(remove=True)  # new nodes: nothing in memory
+    assert ckdir.read_manifest(str(ckpts / "preempted-step=7.ckpt")).step == 7
+    assert [os.path.basename(p) for p in ci.list_checkpoints(str(ckpts))] == ["last.ckpt", "preempted-step=7.ckpt"]
+    got = ci.load(_request(0, 1), ci.list_checkpoints(str(ckpts))[-1])
+    _check(got, 0, 1, 7)
+    assert got["global_step"] == 7
+    # the tier's step is recorded also when the common state names none
+    tier = ci.MemoryCheckpoints(str(tmp_path / "shm"), "plain", replicas=1)
+    tier.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, 9)
+    tier.persist(9, str(ckpts / "memory-step=9.ckpt")).wait()
+    tier.close(remove=True)
+    assert ckdir.read_manifest(str(ckpts / "memory-step=9.ckpt")).step == 9
+    assert os.path.basename(ci.list_checkpoints(str(ckpts))[-1]) == "memory-step=9.ckpt"
+
+
 def test_snapshot_is_a_copy_and_a_failed_snapshot_keeps_the_previous_step(tmp_path):
     import ckpt_integration as ci
 

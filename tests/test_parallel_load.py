@@ -360,6 +360,7 @@ class _FakeChunk:
 class _Task:
     def __init__(self, key, chunk, overlap, out):
         self.key, self.chunk, self.overlap, self.out, self.dtype = key, chunk, overlap, out, out.dtype
+        self.got = []  # the delivery ledger every load path records into (planning.delivery)
 
 
 class _FakeReader:

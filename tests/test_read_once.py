@@ -293,3 +293,97 @@ def test_touched_ranges_match_element_by_element():
         assert got == want, (shape, esize, ds, block, starts, lens)
         several += len(want) > 1
     assert several > 20  # the per-run path (gaps holding whole blocks) is exercised too
+
+
+def _lost_deliveries(rank, world, d):
+    """Every load path counts what it delivered into each destination and fails on every rank
+    when a part was skipped or delivered twice, naming the key, the region and the rank (a bug
+    injected through a hook into the copy of a real load)."""
+    from ckpt_integration.errors import StateVerificationError
+    from ckpt_integration.execution import load as load_mod
+    from ckpt_integration.execution import parallel_load as pl_mod
+    from ckpt_integration.execution import read_once as ro_mod
+
+    _save(rank, world, d)
+    name, req, exp = _requests(rank, world)[0]  # row->col: every rank needs a slice of every chunk
+    real_copy, real_read = ro_mod.copy_parts, load_mod.read_task
+
+    def skip_last(tasks, regions, parts, src):  # rank 0 drops its first copied part
+        skip_last.n += 1
+        real_copy(tasks, regions, parts[1:] if rank == 0 and skip_last.n == 1 else parts, src)
+
+    def twice(tasks, regions, parts, src):  # rank 0 copies its first part twice
+        twice.n += 1
+        real_copy(tasks, regions, parts + parts[:1] if rank == 0 and twice.n == 1 else parts, src)
+    skip_last.n = twice.n = 0
+
+    def skip_read(reader, t):
+        if rank == 0 and t is skip_read.first:
+            return
+        real_read(reader, t)
+
+    cases = [("read_once", "copy_parts", skip_last, "never delivered"),
+             ("read_once", "copy_parts", twice, "delivered twice"),
+             ("local", "read_task", skip_read, "never delivered")]
+    for strategy, hook, fake, words in cases:
+        skip_read.first = None
+        target = ro_mod if hook == "copy_parts" else load_mod
+        setattr(target, hook, fake)
+        if hook == "read_task":
+            real_prepare = load_mod._prepare_reads
+
+            def prepare(*a, **k):
+                job = real_prepare(*a, **k)
+                skip_read.first = job.tasks[0] if job.tasks else None
+                return job
+            load_mod._prepare_reads = prepare
+        try:
+            with pytest.raises(ci.CheckpointingException) as info:
+                ci.load(req, d, load_strategy=strategy)
+        finally:
+            setattr(target, hook, real_copy if hook == "copy_parts" else real_read)
+            if hook == "read_task":
+                load_mod._prepare_reads = real_prepare
+        text = str(info.value)
+        if rank == 0:
+            assert isinstance(info.value, StateVerificationError), (strategy, text)
+            assert "'rows'" in text and words in text and "rank 0" in text, text
+        else:
+            assert "rank 0" in text and words in text, text  # the other rank names the failing one
+    # fully_parallel and two_stage: a task their plan leaves out of its unit (rank 0) is caught
+    real_intersect = pl_mod.intersect
+    for strategy in ("fully_parallel", "two_stage"):
+        calls = []
+
+        def lose_first(a, b):
+            calls.append(1)
+            return None if rank == 0 and len(calls) == 1 else real_intersect(a, b)
+        pl_mod.intersect = lose_first
+        try:
+            with pytest.raises(ci.CheckpointingException) as info:
+                ci.load(req, d, load_strategy=strategy)
+        finally:
+            pl_mod.intersect = real_intersect
+        assert "rank 0" in str(info.value) and "never delivered" in str(info.value), str(info.value)
+        loaded = ci.load(req, d, load_strategy=strategy)
+        assert torch.equal(loaded["rows"], exp["rows"])
+
+
+def test_every_load_counts_what_it_delivered(tmp_path):
+    run_distributed(_lost_deliveries, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
+def test_tiling_problem_names_gaps_doubles_and_strays():
+    from ckpt_integration.planning.boxes import Box
+    from ckpt_integration.planning.delivery import tiling_problem
+
+    dest = Box((10, 0), (4, 6))
+    rows = [Box((10 + i, 0), (1, 6)) for i in range(4)]
+    assert tiling_problem(dest, rows) is None
+    assert tiling_problem(dest, [dest]) is None
+    assert "6 of its 24 elements were never delivered" in tiling_problem(dest, rows[:3])
+    assert "index 13" in tiling_problem(dest, rows[:3])
+    assert "delivered twice" in tiling_problem(dest, rows + [Box((11, 2), (1, 1))])
+    assert "outside" in tiling_problem(dest, rows[1:] + [Box((9, 0), (2, 6))])
+    # a part missing and another delivered twice: the counts alone would balance
+    assert "delivered twice" in tiling_problem(dest, rows[:3] + [Box((12, 0), (1, 6))])

@@ -23,16 +23,17 @@ from __future__ import annotations
 import io
 import operator
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..dict_utils import dict_list_map_inplace, merge
-from ..errors import KeyNotInCheckpointError, MismatchError
+from ..errors import KeyNotInCheckpointError, MismatchError, StateVerificationError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
-from ..planning.boxes import Box, intersect, relative_slices
+from ..planning.boxes import Box, clip_to_shape, intersect, relative_slices
+from ..planning.delivery import tiling_problem
 from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
@@ -64,11 +65,19 @@ last_load_stats: Dict[str, Any] = {}
 
 @dataclass
 class ReadTask:
+    """Fill ``out`` (this rank's view of ``overlap``, global coordinates) from one stored chunk.
+
+    ``got``: the boxes (global coordinates) actually copied into ``out``, recorded where each copy
+    happens (:mod:`..planning.delivery`); ``dest``: the whole destination whose tasks share it, or
+    None when ``overlap`` is the destination itself (a request that is one saved chunk)."""
+
     key: str
     chunk: Any
     overlap: Box
     out: torch.Tensor
     dtype: torch.dtype
+    dest: Optional[Box] = None
+    got: List[Box] = field(default_factory=list)
 
     @property
     def order(self) -> Tuple[str, int]:
@@ -123,19 +132,23 @@ def _tensor_tasks(
     view = host if host.shape == shape else host.view(shape)
     request = Box(sh.global_offset, shape)
     reads = saved_chunk_reads(reader, sh.key, request)
+    dest: Optional[Box] = request
     if sh.allow_shape_mismatch:
         host.zero_()
+        dest = clip_to_shape(request, tuple(saved_shape))  # the part of it the checkpoint holds
     elif len(reads) == 1 and (reads[0].overlap is request or reads[0].overlap == request) and _inside(request, saved_shape):
         # the request is one saved chunk (or inside it): covered, and the destination is the
         # whole view (the common case of a same-layout load: no slicing per tensor)
         return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
-    elif uncovered_elements(request, tuple(saved_shape), reads) != 0:
+    if uncovered_elements(request, tuple(saved_shape), reads) != 0:
         raise MismatchError(
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
         )
     # read as stored, cast on copy into the requested dtype (like Megatron-Core: bf16 saved, fp32 requested)
+    if dest is None:
+        return host, []
     tasks = [
-        ReadTask(sh.key, r.source, r.overlap, view[relative_slices(r.overlap, request)], saved_dtype)
+        ReadTask(sh.key, r.source, r.overlap, view[relative_slices(r.overlap, request)], saved_dtype, dest)
         for r in reads
     ]
     return host, tasks
@@ -347,10 +360,12 @@ def load_sharded(
             pass
         elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
             try:
-                exchange_reads(
+                pstats = exchange_reads(
                     job.reader if job else None, job.tasks if job else [], local_error, group,
                     mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
                 )
+                if pstats.get("failed"):
+                    outcome = "failed"
             except Exception as e:
                 if local_error is None:
                     local_error, local_exc = _describe(e), e
@@ -359,8 +374,9 @@ def load_sharded(
                 job.read_all(thread_count)
             except Exception as e:
                 local_error, local_exc = _describe(e), e
-        if job is not None and local_error is None:
+        if job is not None and local_error is None and outcome != "failed":  # (failed: another rank raises)
             try:
+                job.check_delivered(rank)
                 result, missing, unexpected = job.finish()
             except Exception as e:
                 local_error, local_exc = _describe(e), e
@@ -372,6 +388,9 @@ def load_sharded(
             job.reader.close()
     errs = dist.agree_on_errors(local_error, group)
     dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
+    if outcome == "failed":  # a strategy stopped because of a failure that no rank reported: never return
+        raise StateVerificationError(f"load of {checkpoint_dir} on rank {rank}: the {load_strategy} load stopped "
+                                     "after a failure no rank reported; nothing was returned")
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
@@ -403,7 +422,12 @@ class _LoadJob:
     def read_all(self, thread_count: int) -> None:
         # whole small items in runs of adjacent items (one read each), the rest one region at a time
         rest = read_small_items(self.reader, self.tasks, thread_count)
-        run_parallel(rest, lambda t: self.reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
+        run_parallel(rest, lambda t: read_task(self.reader, t), thread_count)
+
+    def check_delivered(self, rank: int) -> None:
+        """Every requested element was delivered exactly once (the ledger of each destination,
+        :mod:`..planning.delivery`), or raise naming the key, the region and the rank."""
+        check_delivered(self.tasks, rank, getattr(self.reader, "directory", ""))
 
     def finish(self) -> Tuple[Any, Set[str], Set[str]]:
         with torch.no_grad():  # destinations may be Parameters
@@ -527,6 +551,43 @@ def _prepare_reads(
                     whole_chunks=whole, request_rows=rows, index_identity=fast.identity if fast is not None else 0)
 
 
+def read_task(reader: Any, t: ReadTask) -> None:
+    """Read one task's region into its destination through the reader, and record the delivery."""
+    reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
+    t.got.append(t.overlap)
+
+
+def check_delivered(tasks: Iterable[ReadTask], rank: int, where: str) -> None:
+    """Raise :class:`StateVerificationError` unless every destination of ``tasks`` was tiled
+    exactly by what was delivered into it (see :mod:`..planning.delivery`)."""
+    shared: Dict[int, Tuple[ReadTask, List[Box]]] = {}
+    for t in tasks:
+        got = t.got
+        if t.dest is None:  # the task's region is the whole destination (one saved chunk)
+            if len(got) == 1 and (got[0] is t.overlap or got[0] == t.overlap):
+                continue
+            problem = tiling_problem(t.overlap, got)
+            if problem:
+                _undelivered(t, t.overlap, problem, rank, where)
+        else:
+            entry = shared.get(id(t.dest))
+            if entry is None:
+                shared[id(t.dest)] = (t, list(got))
+            else:
+                entry[1].extend(got)
+    for t, boxes in shared.values():
+        problem = tiling_problem(t.dest, boxes)
+        if problem:
+            _undelivered(t, t.dest, problem, rank, where)
+
+
+def _undelivered(t: ReadTask, dest: Box, problem: str, rank: int, where: str) -> None:
+    raise StateVerificationError(
+        f"load of {where} on rank {rank}: tensor {t.key!r}, requested region {dest}: {problem}; "
+        "nothing of this load is returned (a load never returns a region it did not fill)"
+    )
+
+
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, whole (no common state, no collectives)."""
     out: Dict[str, torch.Tensor] = {}
@@ -543,8 +604,10 @@ def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2)
             reader.validate_tensor(key)  # declared shape vs what the chunks hold, before allocating
             out[key] = torch.empty(shape, dtype=tmeta.properties.dtype)
             chunk_of = {c.box: c for c in reader.chunks[key]}
-            tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype) for r in reads]
+            tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype, whole)
+                      for r in reads]
         tasks.sort(key=_read_order)
-        tasks = read_small_items(reader, tasks, thread_count)
-        run_parallel(tasks, lambda t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype), thread_count)
+        rest = read_small_items(reader, tasks, thread_count)
+        run_parallel(rest, lambda t: read_task(reader, t), thread_count)
+        check_delivered(tasks, 0, checkpoint_dir)
     return out

@@ -170,7 +170,7 @@ def exchange_reads(
 
     ``tasks`` are this rank's :class:`~ckpt_integration.execution.load.ReadTask` (key,
     chunk, overlap, out, dtype). Returns this rank's statistics (bytes, seconds per
-    phase, peak staging bytes). Raises after the last transfer when anything failed
+    phase, peak staging bytes; ``failed``: some rank failed before, nothing was read). Raises after the last transfer when anything failed
     on this rank; the caller's final agreement makes every rank raise.
     """
     if mode not in MODES:
@@ -183,7 +183,8 @@ def exchange_reads(
     gathered = dist.all_gather_object((local_error, needs), group)
     st.values["metadata_s"] = time.perf_counter() - t0
     if any(err for err, _ in gathered):
-        return dict(st.values)  # the caller's final agreement raises on every rank
+        st.values["failed"] = 1  # nothing read: the caller's final agreement raises on every rank
+        return dict(st.values)
     t1 = time.perf_counter()
     units = plan_units([n for _, n in gathered])
     device = _exchange_device(group)
@@ -283,9 +284,12 @@ def exchange_reads(
             try:
                 for t in it.tasks:
                     t.out.copy_(buf[relative_slices(t.overlap, u.region)])
+                    t.got.append(t.overlap)  # the delivery ledger (planning.delivery)
             except Exception as e:
                 note_error(f"copying {u.key!r} {u.region} into place failed: {type(e).__name__}: {e}")
             st.add("copy_s", time.perf_counter() - tc)
+        elif it.direct is not None:  # read or received straight into the one task's destination
+            it.tasks[0].got.append(it.tasks[0].overlap)
         it.future = None
         del buf
         budget.release(it.staged)

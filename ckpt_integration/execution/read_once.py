@@ -58,7 +58,7 @@ from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.mapped import can_map
 from . import dist
-from .read_once_units import Source, Stats, copy_parts, dest_view, map_unit, unit_parts, unmap, verify_unit
+from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
 # "auto" reads once only when that saves at least this many bytes per rank on average: below,
@@ -134,11 +134,13 @@ def load_read_once(
     leftover: List[Any] = []
     outgoing: Dict[int, bytes] = {}
     owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
-    error = local_error
+    # this rank's own failure (an exception): a load that fails here must raise here, however the
+    # group decides (the caller's agreement then raises on every rank); local_error failed earlier
+    error: Optional[BaseException] = None
     node = -1 - rank
     mapped = False
     try:
-        if error is None:
+        if local_error is None:
             chunks, leftover = _collect(reader, tasks)
             # ranks share a page cache only through mapped local files; otherwise each is its own node
             files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
@@ -147,20 +149,22 @@ def load_read_once(
                 node = node_of(rank)
             outgoing = _encode_ranges(chunks, world)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
     # decision: bytes the ranks would read each on its own vs the union (flat integer arrays,
     # vectorised at the owners: cheap also for tens of thousands of small chunks)
     inbox = dist.all_to_all_bytes(outgoing, group)
     separate = union = 0
     try:
-        if error is None:
+        if error is None and local_error is None:
             separate = sum(b - a for c in chunks.values() for a, b in c.ranges)
             arr = np.frombuffer(b"".join(inbox.values()), dtype=np.int64).reshape(-1, 3)
             union = union_bytes(arr[:, 0], arr[:, 1], arr[:, 2])
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    failed, separate, union = dist.all_reduce_ints([1 if error else 0, separate, union], "sum", group)
+        error = e
+    failed, separate, union = dist.all_reduce_ints([1 if (error or local_error) else 0, separate, union], "sum", group)
     st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=union, read_once=0)
+    if error is not None:
+        raise error  # (after the collective: every rank has taken part in it)
     if failed or (mode == "auto" and separate - union < MIN_SAVING_PER_RANK * world):
         return ("failed" if failed else "local"), dict(st.values)
     # needs in full to the owners
@@ -168,28 +172,28 @@ def load_read_once(
         _layouts(reader, chunks)
         outgoing = _encode_needs(chunks, node, world)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
     inbox = dist.all_to_all_bytes(outgoing, group)
     try:
         if error is None:
             owned = _decode_needs(inbox)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
     # plan and tell every rank its units
     replies: Dict[int, bytes] = {}
     try:
         replies = _plan_replies(owned)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
     inbox = dist.all_to_all_bytes(replies, group)
     try:
         if error is None:
             _decode_replies(inbox, chunks)
     except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
     if dist.all_reduce_ints([1 if error else 0], "max", group)[0]:
-        if error and local_error is None:
-            raise RuntimeError(f"read-once planning failed: {error}")
+        if error is not None:
+            raise error
         return "failed", dict(st.values)
     st.values["plan_s"] = time.perf_counter() - t0
     st.values["read_once"] = 1
@@ -422,13 +426,18 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
     try:
         futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
         for t in leftover:  # chunks not stored as plain arrays: read as "local" does
-            futures.append(pool.submit(lambda t=t: reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)))
+            futures.append(pool.submit(_read_whole, reader, t))
         _transfer(reader, ordered, mapped, rank, group, budget, st, note)
         for e in [f.exception() for f in futures]:
             if e is not None:
                 note(e)
     finally:
         pool.shutdown(wait=True)
+
+
+def _read_whole(reader: Any, t: Any) -> None:
+    reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
+    t.got.append(t.overlap)
 
 
 POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
@@ -535,7 +544,8 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 # one box that is one run of the destination (a row split loaded by columns): received
                 # in place, no buffer and no copy out of one
                 work = tdist.irecv(into.view(-1).view(torch.uint8), src=_global(group, extra), group=group, tag=_TAG)
-                pending.append((work, 0, None, None))
+                g, p = parts[0]
+                pending.append((work, 0, lambda t=c.task_list[g], p=p: delivered(t, p), None))
                 st.add("bytes_received_in_place", n * lay.esize)
                 continue
             settle(max(0, budget - n * lay.esize))
@@ -548,6 +558,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 for g, p in parts:
                     k = int(np.prod(p[1]))
                     dest_view(c.task_list[g], regions[g], p).copy_(buf[pos : pos + k].view(p[1]))
+                    delivered(c.task_list[g], p)
                     pos += k
                 st.add("copy_s", time.perf_counter() - tc)
 

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..planning.delivery import global_part
 from ..planning.read_once import flat_index, range_boxes, strides
 from ..storage.mapped import ItemMap, read_bytes, typed_view
 from ..storage.region_read import verify_blocks
@@ -98,6 +99,13 @@ def verify_unit(lay: Any, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats
 
 
 def copy_parts(tasks: Sequence[Any], regions: Sequence[BoxT], parts: Sequence[Tuple[int, BoxT]], src: Source) -> None:
-    """Copy ``parts`` (of :func:`unit_parts`) out of ``src`` into their tasks' destinations."""
+    """Copy ``parts`` (of :func:`unit_parts`) out of ``src`` into their tasks' destinations, each
+    recorded in its task's delivery ledger."""
     for g, p in parts:
         dest_view(tasks[g], regions[g], p).copy_(src.part(*p))
+        delivered(tasks[g], p)
+
+
+def delivered(task: Any, part: BoxT) -> None:
+    """Record ``part`` (chunk-relative starts and sizes) as filled in ``task``'s ledger."""
+    task.got.append(global_part(task.chunk.box.offsets, part[0], part[1]))

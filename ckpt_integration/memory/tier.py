@@ -445,7 +445,9 @@ class MemoryCheckpoints:
         staging); each block is verified first. Same format as :func:`ckpt_integration.save`,
         so the checkpoint loads and reshards like any other. ``save_kwargs`` go to the save
         (``thread_count``, ``durable``, ``overwrite``; ``balance`` defaults to ``False`` so that
-        main replicas write, as their values are the ones a checkpoint keeps). Returns a
+        main replicas write, as their values are the ones a checkpoint keeps; ``step`` defaults to
+        ``step``: the checkpoint records the snapshot's step, which orders it among the others
+        (:func:`~ckpt_integration.list_checkpoints`, Lightning's ``ckpt_path="last"``)). Returns a
         request: ``.wait()`` blocks and raises a failure (on every rank). The slot stays pinned
         until then: a snapshot that would overwrite it waits.
         """
@@ -477,7 +479,10 @@ class MemoryCheckpoints:
             errors = dist.agree_on_errors(err or (f"no copy of rank(s) {missing}" if missing else None),
                                           self._persist_group)
             dist.raise_if_any_failed(None, errors, f"persisting memory step {key[0]} to {checkpoint_dir} failed")
-            kw = {"balance": False, **kw}
+            # the snapshot's step, recorded as a save records it (the commit order and "last" read it;
+            # the plan is made before the snapshot's common state is attached below, so it cannot
+            # be found there)
+            kw = {"balance": False, "step": key[0], **kw}
             plan = prepare_save({"shards": values}, checkpoint_dir, process_group=self._persist_group, **kw)
             if plan.rank == 0:
                 plan.common = common  # the snapshot's common state, exactly as a save of the original writes it

@@ -58,7 +58,8 @@ def _fits(t: Any) -> bool:
 def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> List[Any]:
     """Read the tasks that are whole small items in runs (see the module docstring); return the
     others, in their order, for ``read_region``. ``tasks`` are ``ReadTask``-like (``key``,
-    ``chunk``, ``overlap``, ``out``, ``dtype``)."""
+    ``chunk``, ``overlap``, ``out``, ``dtype``, and ``got``: each task read here records its
+    whole region there, the delivery ledger of :mod:`..planning.delivery`)."""
     if not getattr(reader, "block_records", None) or not reader.block_records:
         return list(tasks)
     # (one pass per list, no call per task: tens of thousands of tasks for some models)
@@ -235,6 +236,7 @@ def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryvi
             _check_recorded(found, t, path, reader.directory)
         if n:
             memmove(out.data_ptr(), addr + s + d, n)
+        t.got.append(t.overlap)  # the task's ledger (planning.delivery)
     reader.stats.add(nbytes, read_s, crc_s)
 
 
@@ -283,6 +285,7 @@ def _check_uniform(span: List[Tuple[str, int, Any, Any]], mv: memoryview, addr: 
     memmove = ctypes.memmove
     for i, (_name, _off, t, _brec) in enumerate(span):
         memmove(t.out.data_ptr(), addr + i * length + d, n)
+        t.got.append(t.overlap)
     return True
 
 

@@ -239,8 +239,12 @@ def _convert_to_torch_dist(
         sd = {k: ShardedTensor.from_rank_offsets(k, src.tensor(k)) for k in src.tensors}
         if src.metadata:
             sd["safetensors_metadata"] = dict(src.metadata)
+    # the step the source recorded (save(step=...), or Megatron's iteration): commit order and "last"
+    # read it, and a step given explicitly is not in the common state to be found again
+    manifest = getattr(src, "manifest", None)
+    step = getattr(manifest, "step", None) if isinstance(src, DistCheckpointSource) else None
     bar = progress(total=1, desc="save", unit="ckpt")
-    save(sd, out, validate_access_integrity=True, overwrite=True, sharded_strategy=backend)
+    save(sd, out, validate_access_integrity=True, overwrite=True, sharded_strategy=backend, step=step)
     bar.update(1)
     bar.close()
     result.tensors = len(src.tensors)
