@@ -271,6 +271,11 @@ def _run_target(ctx: Ctx, root: str, is_tmpfs: bool) -> Dict[str, Any]:
     _measure(ctx, "ours_load", lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads), setup=lambda: cache(d),
              repeats=rep, load=True)
     check(ctx.dst)
+    # the same load proving the loaded state equals the saved one (fingerprints, verify_state=True)
+    _measure(ctx, "ours_load_verify_state",
+             lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads, verify_state=True),
+             setup=lambda: cache(d), repeats=rep, load=True)
+    check(ctx.dst)
     # the same load without checksum verification (verify_checksums=False): the cost of the safety check
     _measure(ctx, "ours_load_noverify",
              lambda: ci.load(ctx.sharded(ctx.dst), d, thread_count=args.threads, verify_checksums=False),
@@ -409,6 +414,8 @@ def _run_small(ctx: Ctx, root: str) -> Dict[str, Any]:
     _measure(ctx, "ours_load_first", lambda: ci.load(sd(dst), d, thread_count=args.threads), load=True)
     _measure(ctx, "ours_load", lambda: ci.load(sd(dst), d, thread_count=args.threads), repeats=args.repeats, load=True)
     assert torch.equal(dst[-1], local[-1]), "bad small-tensor load"
+    _measure(ctx, "ours_load_verify_state", lambda: ci.load(sd(dst), d, thread_count=args.threads, verify_state=True),
+             repeats=args.repeats, load=True)
     if not args.skip_dcp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh

@@ -16,6 +16,7 @@ def format_small(small: Dict[str, Any]) -> str:
             f"{name} {r[key]['us_per_tensor']:.0f} us/tensor ({r[key]['seconds']:.2f} s)"
             for name, key in (("ours save", "ours_save"), ("DCP save", "dcp_save"),
                               ("ours first load (request checked)", "ours_load_first"), ("ours load", "ours_load"),
+                              ("ours load + state check", "ours_load_verify_state"),
                               ("DCP load", "dcp_load")) if key in r))
     return "\n".join(lines)
 
@@ -24,7 +25,8 @@ def _fmt(v, spec="{:.2f}", none="-"):
     return none if v is None else spec.format(v)
 
 
-LOAD_ROWS = (("ours load", "ours_load"), ("ours load (no CRC check)", "ours_load_noverify"),
+LOAD_ROWS = (("ours load", "ours_load"), ("ours load + state check", "ours_load_verify_state"),
+             ("ours load (no CRC check)", "ours_load_noverify"),
              ("uneven", "ours_load_resharded"), ("row->col", "ours_load_row_to_col"),
              ("col->row", "ours_load_col_to_row"), ("ws change", "ours_load_ws_change"))
 VARIANT_LABELS = {"": "", "_local": " [local]", "_nodes": " [nodes]"}

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("verify", help="completeness and checksums; exit 1 when damaged")
     sp.add_argument("path", metavar="DIR", help="checkpoint directory (torch_dist or zarr)")
+    sp.add_argument("--state", action="store_true",
+                    help="also read every tensor back across its saved chunks and compare its fingerprint with the "
+                         "one recorded at save (the state, position by position)")
+    sp.add_argument("--memory-budget", default="256MiB", help="largest block of tensor data held by --state (default 256MiB)")
     common(sp)
 
     sp = sub.add_parser("convert", help="streaming conversion to torch / safetensors / torch_dist / zarr")
@@ -242,7 +246,8 @@ def _run(argv: Optional[List[str]]) -> int:
                 _out(tools.format_inspect(info, show_shards=args.shards, show_all=args.show_all))
             return EXIT_OK
         if args.command == "verify":
-            report = tools.verify_checkpoint(args.path, progress=progress, trusted=args.trusted)
+            report = tools.verify_checkpoint(args.path, progress=progress, trusted=args.trusted, state=args.state,
+                                             memory_budget=args.memory_budget)
             if args.json:
                 _print_json(report.to_dict())
             else:

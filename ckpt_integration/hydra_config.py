@@ -117,6 +117,8 @@ class CheckpointConfig:
     durable: bool = True
     balance: bool = True
     trusted: bool = False
+    # resumes prove that the loaded state equals what was saved (fingerprints, docs/reliability.md)
+    verify_state: bool = True
     # after a SIGTERM: the async save in flight commits within this many seconds or is abandoned
     # (null: wait however long it takes); keep it below the scheduler's grace before SIGKILL
     sigterm_grace_s: Optional[float] = 25.0

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import async_save_torch_dist
-from .execution.load import load_sharded, read_whole_tensors
+from .execution.load import check_whole_tensors, default_verify_state, load_sharded, read_whole_tensors
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
 from .execution.shared_metadata import open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -156,6 +156,7 @@ def load(
     load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
+    verify_state: Optional[bool] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load a checkpoint into the layout described by ``sharded_state_dict``.
 
@@ -190,6 +191,15 @@ def load(
             need it; see docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
         process_group: the ranks taking part (default: the world).
         strict_dtype: refuse a dtype that differs from the saved one instead of casting.
+        verify_state: after the load, prove that every loaded tensor region equals what was
+            saved, position by position, whatever the layout change: the layout-independent
+            fingerprints recorded at save are compared with those of the loaded state (see
+            docs/reliability.md, "Verified resume"); a difference raises
+            :class:`~ckpt_integration.errors.StateVerificationError` on every rank naming the
+            key (and the rank where the parts tell). Costs about one pass over the loaded
+            bytes (docs/benchmarks.md); on by default in the Lightning integration and the tools.
+            ``None`` (default): off, unless the environment sets ``CKPT_INTEGRATION_VERIFY_STATE=1``
+            (every load of the process checks).
 
     A requested key that is not in the checkpoint raises
     :class:`~ckpt_integration.errors.KeyNotInCheckpointError` (with the default ``strict``),
@@ -207,7 +217,7 @@ def load(
         with ck.reading(verified=verify_checksums):
             return _load(sharded_state_dict, ck, shared, sharded_strategy, strict, validate_access_integrity,
                          trusted, allowed_globals, thread_count, verify_checksums, process_group, load_strategy,
-                         memory_budget, strict_dtype)
+                         memory_budget, strict_dtype, verify_state)
     finally:
         if ck is not checkpoint_dir:
             ck.close()
@@ -215,7 +225,8 @@ def load(
 
 def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: Any, sharded_strategy: Any, strict: Any,
           validate_access_integrity: bool, trusted: bool, allowed_globals: Any, thread_count: Optional[int],
-          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool) -> Any:
+          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool,
+          verify_state: Optional[bool] = None) -> Any:
     backend = _backend_from_strategy(sharded_strategy)
     if sharded_strategy is not None and backend != ck.config.sharded_backend:
         raise CheckpointingException(
@@ -236,6 +247,7 @@ def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: An
         memory_budget=memory_budget,
         strict_dtype=strict_dtype,
         shared=shared if shared is not None else shared_of(ck),
+        verify_state=default_verify_state() if verify_state is None else bool(verify_state),
     )
 
 
@@ -307,16 +319,20 @@ def _sharded_metadata(md: Any) -> CkptShardedMetadata:
     return out
 
 
-def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False) -> StateDict:
+def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False, verify_state: Optional[bool] = None) -> StateDict:
     """Every saved tensor, whole, as ``{key: torch.Tensor}`` (needs memory for all of them).
 
     Reads only tensors: the common state is not unpickled, so checkpoints whose
-    common state holds arbitrary objects load without ``trusted``.
+    common state holds arbitrary objects load without ``trusted``. ``verify_state``: compare
+    every tensor's fingerprint with the one recorded at save (as :func:`load`'s).
 
     Example: ``load_plain_tensors("ckpt")["embedding.weight"].shape``
     """
     with opened(checkpoint_dir, trusted, verified=True) as ck:  # every chunk read is checked
-        return read_whole_tensors(ck, read_metadata(ck, trusted=trusted))
+        out = read_whole_tensors(ck, read_metadata(ck, trusted=trusted))
+        if default_verify_state() if verify_state is None else verify_state:
+            check_whole_tensors(out, ck.manifest, str(ck.path))
+        return out
 
 
 def load_content_metadata(

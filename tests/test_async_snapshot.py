@@ -213,6 +213,40 @@ def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_pat
     assert torch.equal(out["w"], ref)
 
 
+def test_change_during_the_copy_that_bypasses_version_counters_fails_the_save(gate, tmp_path, monkeypatch):
+    """Another thread's kernel (here: a write through the raw storage, no version counter moves)
+    changes a tensor while its copy runs, after its first half was copied: the staged copy would
+    mix two states, one that never existed. The copy is compared with its source right after it
+    is made: the save fails loudly, nothing is committed, and the fingerprint the checkpoint of
+    the next save records is that of its staged bytes (the load checks it)."""
+    from ckpt_integration.execution.staging import StateDictStager
+
+    w = torch.randn(*BIG)
+    real_copy = StateDictStager._copy
+
+    def copy_then_race(self, groups, background=False, events=None):
+        real_copy(self, groups, background, events)
+        if background:  # "during" the copy: after its bytes were copied, before it ended
+            raw = torch.empty(0).set_(w.untyped_storage(), 0, (w.numel(),), (1,))
+            raw.view(torch.uint8)[:4] ^= 0xFF  # through the storage: w._version does not move
+    monkeypatch.setattr(StateDictStager, "_copy", copy_then_race)
+    version = w._version
+    with AsyncCallsQueue() as q:
+        req = async_save_torch_dist({"w": _st("w", w), "iteration": 3}, str(tmp_path / "torn"), queue=q)
+        gate.release()
+        with pytest.raises(ci.SnapshotModifiedError, match=r"copy differs from them.*: w\b"):
+            req.wait()
+        assert w._version == version
+        assert not (tmp_path / "torn" / "metadata.json").exists()
+        monkeypatch.setattr(StateDictStager, "_copy", real_copy)
+        ref = w.clone()
+        req = async_save_torch_dist({"w": _st("w", w), "iteration": 3}, str(tmp_path / "good"), queue=q)
+        gate.release()
+        req.wait()
+    out = ci.load({"w": _st("w", torch.empty(BIG))}, str(tmp_path / "good"), verify_state=True)
+    assert torch.equal(out["w"], ref)
+
+
 def test_change_after_the_copy_without_waiting_is_caught_before_the_commit(gate, tmp_path, monkeypatch):
     """Nobody waited; the writer's check before the commit sees the change (it cannot tell when it happened)."""
     write_gate = threading.Event()

@@ -240,7 +240,7 @@ def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch,
     want = _save(d, "xxh3_64", monkeypatch)
     good = (d / "manifest.json").read_text()
     man = json.loads(good)
-    assert man["version"] == 4
+    assert man["version"] == 5  # format 4 tables, plus fingerprints (format 5)
     if change == "not_base64":
         man["tables"] = "not base64!"
     elif change == "truncated":

@@ -248,9 +248,14 @@ def test_flipped_byte_in_tensor_data_fails_checksum(ckpt):
     # the other tensor of the same file is intact and still loads
     out = ci.load({"b": ST.from_rank_offsets("b", torch.empty(8, dtype=torch.bfloat16))}, ckpt)
     assert torch.equal(out["b"], B)
-    # with verification off the damage goes unnoticed (documented escape hatch)
-    out = ci.load(_request(), ckpt, verify_checksums=False)
+    # with verification off the damage goes unnoticed (documented escape hatch; the state check,
+    # on when CKPT_INTEGRATION_VERIFY_STATE=1, would see it too)
+    out = ci.load(_request(), ckpt, verify_checksums=False, verify_state=False)
     assert not torch.equal(out["a"], A)
+    from ckpt_integration.errors import StateVerificationError
+
+    with pytest.raises(StateVerificationError, match="'a'.*fingerprint differs"):
+        ci.load(_request(), ckpt, verify_checksums=False, verify_state=True)
 
 
 @pytest.mark.parametrize("where", [0, 5, 40, -10])

@@ -102,7 +102,7 @@ def test_damaged_data_is_never_returned_by_partial_reads(tmp_path, monkeypatch, 
     good = tmp_path / "good"
     want = _save(good, seed=1)
     man = json.loads((good / "manifest.json").read_text())
-    assert (man["version"], man.get("block_hash")) == ((4, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
+    assert (man["version"], man.get("block_hash")) == ((5, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
     other = tmp_path / "other"
     _save(other, seed=2)  # same layout, other values
     item = _w_item(good)

@@ -211,8 +211,11 @@ def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
     assert "before chunk checksums were recorded" in capsys.readouterr().out
     # integrity unknown, not corrupt: a missing chunk reads as fill value, as it always did there
     _damage(os.path.join(ckpt, "w", "c", "0", "0"), "delete")
-    out = ci.load(_request((0, 4), (0, 3)), ckpt, validate_access_integrity=False)
+    out = ci.load(_request((0, 4), (0, 3)), ckpt, validate_access_integrity=False, verify_state=False)
     assert torch.equal(out["w"], torch.zeros(4, 3))
+    # (the manifest of this checkpoint, written now, records fingerprints: the state check sees it)
+    with pytest.raises(ci.CorruptCheckpointError, match="'w'.*fingerprint differs"):
+        ci.load(_request((0, 4), (0, 3)), ckpt, validate_access_integrity=False, verify_state=True)
 
 
 def test_commit_refuses_a_chunk_no_rank_wrote(ckpt):

@@ -21,7 +21,9 @@ Collectives, none of which carries O(world) bytes to a rank when nothing fails:
 from __future__ import annotations
 
 import io
+import logging
 import operator
+import os
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -53,7 +55,10 @@ from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shards_identity, split_state_dict
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
+from .state_check import LoadedPart, check_state, raise_problems
 
+
+logger = logging.getLogger(__name__)
 
 # load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
 # once would not read fewer bytes)
@@ -90,7 +95,9 @@ _read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.
 
 def _tensor_tasks(
     sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str, strict_dtype: bool = False
-) -> Tuple[torch.Tensor, List[ReadTask]]:
+) -> Tuple[torch.Tensor, List[ReadTask], Optional[Tuple[Box, torch.Tensor, torch.dtype]]]:
+    """The host tensor a request is read into, its read tasks, and the region of it that the
+    checkpoint fills (global box, its elements, the saved dtype: what the state check checks)."""
     # (once per tensor, tens of thousands per rank for some models: torch.Size and tuples are
     # compared as they are, no copies; a device test by ``is_cpu``)
     tmeta = md.state_dict_metadata.get(sh.key)
@@ -139,19 +146,19 @@ def _tensor_tasks(
     elif len(reads) == 1 and (reads[0].overlap is request or reads[0].overlap == request) and _inside(request, saved_shape):
         # the request is one saved chunk (or inside it): covered, and the destination is the
         # whole view (the common case of a same-layout load: no slicing per tensor)
-        return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)]
+        return host, [ReadTask(sh.key, reads[0].source, request, view, saved_dtype)], (request, view, saved_dtype)
     if uncovered_elements(request, tuple(saved_shape), reads) != 0:
         raise MismatchError(
             f"{checkpoint_dir}: the saved chunks of {sh.key!r} do not cover the requested region {request}"
         )
     # read as stored, cast on copy into the requested dtype (like Megatron-Core: bf16 saved, fp32 requested)
     if dest is None:
-        return host, []
+        return host, [], None
     tasks = [
         ReadTask(sh.key, r.source, r.overlap, view[relative_slices(r.overlap, request)], saved_dtype, dest)
         for r in reads
     ]
-    return host, tasks
+    return host, tasks, (dest, view if dest == request else view[relative_slices(dest, request)], saved_dtype)
 
 
 def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any,
@@ -260,6 +267,7 @@ def load_sharded(
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
     shared: Optional[SharedMetadata] = None,
+    verify_state: bool = False,
 ) -> Any:
     """A load of a checkpoint of any backend (the one its ``metadata.json`` names). Collective.
 
@@ -391,6 +399,8 @@ def load_sharded(
     if outcome == "failed":  # a strategy stopped because of a failure that no rank reported: never return
         raise StateVerificationError(f"load of {checkpoint_dir} on rank {rank}: the {load_strategy} load stopped "
                                      "after a failure no rank reported; nothing was returned")
+    if verify_state and job is not None:
+        verify_loaded_state(job.parts, shared.manifest, rank, group, str(checkpoint_dir))
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
@@ -418,6 +428,8 @@ class _LoadJob:
     # (planning.request_check), and the index that numbers them; None otherwise
     request_rows: Optional[List[Tuple[int, int, int, int]]] = None
     index_identity: int = 0
+    # every requested tensor region as loaded, for the state check (execution.state_check)
+    parts: List[LoadedPart] = field(default_factory=list)
 
     def read_all(self, thread_count: int) -> None:
         # whole small items in runs of adjacent items (one read each), the rest one region at a time
@@ -462,6 +474,7 @@ def _prepare_reads(
     # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
     tasks: List[ReadTask] = []
+    parts: List[LoadedPart] = []
     # requests that are one saved chunk each (a same-layout load) are planned in one step
     fast = compact_chunks_of(getattr(reader, "metadata", None))
     sdm = md.state_dict_metadata
@@ -510,10 +523,13 @@ def _prepare_reads(
                 if whole and not main:
                     whole = False
                 tasks.append(task)
+                parts.append(LoadedPart(sh.key, task.overlap, task.out, main, sh.dtype))
                 return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
-            host, ts = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
+            host, ts, part = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
             main = is_main_replica(sh.replica_id)
+            if part is not None:
+                parts.append(LoadedPart(sh.key, part[0], part[1], main, part[2]))
             # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
             count(_whole_chunk_place(sh, ts, sdm, fast, directory) if rows is not None else None, main)
             if whole and not (main and _whole_chunks(ts)):
@@ -548,7 +564,45 @@ def _prepare_reads(
         raise
     tasks.sort(key=_read_order)
     return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected,
-                    whole_chunks=whole, request_rows=rows, index_identity=fast.identity if fast is not None else 0)
+                    whole_chunks=whole, request_rows=rows, index_identity=fast.identity if fast is not None else 0,
+                    parts=parts)
+
+
+VERIFY_STATE_ENV = "CKPT_INTEGRATION_VERIFY_STATE"
+
+
+def default_verify_state() -> bool:
+    """Whether loads check the loaded state when the caller does not say: ``CKPT_INTEGRATION_VERIFY_STATE=1``."""
+    return os.environ.get(VERIFY_STATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Any, where: str) -> None:
+    """Collective: the state check (:mod:`.state_check`) of a load that succeeded on every rank;
+    raises on every rank when any rank or key owner found a difference."""
+    report = None
+    error: Optional[BaseException] = None
+    try:
+        recorded = manifest.recorded_fingerprints() if manifest is not None else None
+        report = check_state(parts, recorded, rank, group, where)
+        last_load_stats.update(report.as_stats())
+        raise_problems(report, where, rank)
+    except Exception as e:
+        error = e
+    errs = dist.agree_on_errors(_describe(error) if error is not None else None, group)
+    dist.raise_if_any_failed(error, errs, f"load of {where} failed its state check")
+    if report is not None and report.unchecked:
+        keys = sorted(report.unchecked)
+        logger.info("load of %s: %d key(s) not checkable against the saved state, e.g. %r: %s", where, len(keys),
+                    keys[0], report.unchecked[keys[0]])
+
+
+def check_whole_tensors(tensors: Dict[str, torch.Tensor], manifest: Any, where: str) -> None:
+    """One process: whole tensors against the fingerprints recorded at save (:mod:`.state_check`)."""
+    recorded = manifest.recorded_fingerprints() if manifest is not None else None
+    parts = [LoadedPart(k, Box((0,) * t.dim(), tuple(t.shape)), t, True, t.dtype) for k, t in tensors.items()]
+    report = check_state(parts, recorded, 0, None, where, local=True)
+    last_load_stats.update(report.as_stats())
+    raise_problems(report, where, 0)
 
 
 def read_task(reader: Any, t: ReadTask) -> None:

@@ -41,7 +41,7 @@ from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedTensor
 from ..planning.exchange import KeySummary, Routed, SummaryTable
-from ..planning.written import CommitLayout, WrittenTable, commit_layout, encode_finalize, gather_finalize
+from ..planning.written import CommitLayout, FingerprintRow, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
@@ -52,6 +52,7 @@ from ..storage.manifest_tables import file_sizes, rendered_tables
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
+from ..storage.fingerprint import encode_rows, fingerprints
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
@@ -91,6 +92,10 @@ class SavePlan:
     local_error: Optional[str] = None
     local_exc: Optional[BaseException] = None
     stop: Optional[Callable[[], None]] = None  # raises to abandon the write (async saves, preemption)
+    # the layout-independent fingerprint of every tensor chunk this rank writes (key, offsets,
+    # sizes, value): computed over the bytes written (an async save's staged copies) before
+    # writing; zarr's before its requests are cut into zarr chunks
+    fingerprints: Optional[List[FingerprintRow]] = None
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
 
@@ -272,7 +277,12 @@ def prepare_save(
         requests = _requests_for(shards, planned.to_write)
     except Exception as e:
         local_error, local_exc = _describe(e), e
+    fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
+        try:  # of the chunks as validated, before they are cut into the backend's units
+            fprints = request_fingerprints(requests)
+        except Exception as e:
+            local_error, local_exc = _describe(e), e
         # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
         chosen = {m.chunk_id: m for m in planned.layout}
         requests, local_error, local_exc = be.shape_requests(requests, planned.layout, chosen, rank, group, local_error, local_exc)
@@ -291,6 +301,7 @@ def prepare_save(
         backend=backend,
         step=_recorded_step(step, common) if coord else None,
         separation_hint=separation_hint,
+        fingerprints=fprints,
         local_error=local_error,
         local_exc=local_exc,
     )
@@ -309,6 +320,13 @@ def _recorded_step(step: Optional[int], common: Any) -> Optional[int]:
     return None
 
 
+def request_fingerprints(requests: List[WriteRequest]) -> List[FingerprintRow]:
+    """The fingerprint row of every tensor chunk among ``requests`` (storage.fingerprint)."""
+    tensors = [r for r in requests if isinstance(r.data, torch.Tensor) and r.offsets is not None]
+    values = fingerprints([(r.data, r.offsets) for r in tensors])
+    return [(r.storage_key, tuple(r.offsets), tuple(r.data.shape), v) for r, v in zip(tensors, values)]
+
+
 def write_local(plan: SavePlan) -> None:
     """Phase 2 (no collectives). Records an error instead of raising."""
     if plan.local_error:
@@ -316,6 +334,8 @@ def write_local(plan: SavePlan) -> None:
     try:
         if plan.stop is not None:
             plan.stop()
+        if plan.fingerprints is None:
+            plan.fingerprints = request_fingerprints(plan.requests)
         plan.written = SAVE_BACKENDS[plan.backend].write(plan)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
@@ -379,10 +399,19 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
         step=plan.step,
         commit_seq=next_commit_seq(plan.checkpoint_dir),
         commit_id=uuid.uuid4().hex,
+        fingerprints=_fingerprint_text(layout),
     )
     ckdir.write_manifest(d, manifest, plan.durable, rendered=rendered)
     _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
+
+
+def _fingerprint_text(layout: CommitLayout) -> str:
+    """The manifest's ``fingerprints`` (format 5): one row per tensor chunk written."""
+    rows = sorted(layout.written.fingerprints)
+    if not rows:
+        return ""
+    return encode_rows([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
 
 
 def _check_claim(plan: SavePlan) -> Optional[claims.SaveClaim]:
@@ -433,7 +462,8 @@ def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
-                              commit_seq=next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex)
+                              commit_seq=next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex,
+                              fingerprints=_fingerprint_text(layout))
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
@@ -442,7 +472,7 @@ def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
 def finalize_save(plan: SavePlan) -> None:
     """Phase 3 (collective). Raises DistributedCheckpointingError on every rank if any rank failed."""
     try:
-        message = encode_finalize(plan.local_error, _written_records(plan), plan.summaries)
+        message = encode_finalize(plan.local_error, _written_records(plan), plan.summaries, plan.fingerprints or ())
     except Exception as e:
         if plan.local_error is None:
             plan.local_error, plan.local_exc = _describe(e), e

@@ -28,9 +28,15 @@ the copy may be torn or newer: the save fails on every rank with
 :class:`SnapshotModifiedError` naming the tensors, nothing is committed, and the
 next saves copy those tensors before returning (so the failure does not repeat).
 Modifications that bypass version counters (through ``.data``, ``set_``, NumPy views
-or raw storage, or an in-place kernel of another thread running through all three
-checks) cannot be seen: do them after :func:`wait_for_snapshot`, or use
-``snapshot="caller"`` (everything copied before the save returns).
+or raw storage, or an in-place kernel of another thread) are seen when they happen while
+the copy runs: right after the copy, each staged storage is compared with its source (byte
+for byte on the CPU, by fingerprints computed on the device otherwise), so a copy that mixes
+the bytes of two states - one that never existed - fails the save the same way. A change of
+that kind made after the copy and before the wait point leaves the snapshot of the state at
+the copy's end (a state that existed) and cannot be seen: make such changes after
+:func:`wait_for_snapshot`, or use ``snapshot="caller"`` (everything copied before the save
+returns). The fingerprint the checkpoint records for each tensor is computed from the staged
+bytes, the ones written.
 
 Errors of the copy itself are not raised at the wait points (a rank raising alone
 would leave its peers in the next collective); like every async save failure they
@@ -148,7 +154,8 @@ class Snapshot:
             return
         names = sorted({self._names.get(id(t), f"<tensor of shape {tuple(t.shape)}>") for t in changed})
         self.error = SnapshotModifiedError(
-            f"async save to {self.description}: {len(names)} tensor(s) were modified in place {when}, "
+            f"async save to {self.description}: {len(names)} tensor(s) were modified in place {when} (their "
+            "version counter moved, or their copy differs from them: a change that bypassed the counters), "
             f"so the snapshot may be torn; nothing is committed: {', '.join(names[:10])}"
             f"{' ...' if len(names) > 10 else ''}. Modify saved tensors only after "
             "ckpt_integration.wait_for_snapshot() (done automatically before torch.optim optimizer steps); "

@@ -54,6 +54,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..storage.fingerprint import fingerprint
+
 __all__ = ["PendingCopy", "StagingStats", "StateDictStager"]
 
 _ALIGN = 64  # staged byte ranges start at a multiple of this (>= any element size)
@@ -448,6 +450,23 @@ class StateDictStager:
                     mod.synchronize()
 
 
+def _copy_matches(g: _Group) -> bool:
+    """Whether the staged bytes of ``g`` equal its source right after the copy. The source cannot
+    change before the snapshot is complete (the next optimizer step waits for it), so a
+    difference is a change made during the copy that bypassed the version counters: the staged
+    state would be a mix of two states, one that never existed. A CPU source is compared byte for
+    byte; a device source by fingerprints (:mod:`..storage.fingerprint`: computed on the device,
+    nothing copied back)."""
+    n = g.hi - g.lo
+    if n <= 0 or g.storage is None or g.buffer is None:
+        return True
+    src = _byte_view(g.storage, g.device, g.lo, n)
+    dst = _byte_view(g.buffer, torch.device("cpu"), 0, n)
+    if g.device.type == "cpu":
+        return torch.equal(src, dst)
+    return fingerprint(src) == fingerprint(dst)
+
+
 class PendingCopy:
     """The deferred part of :meth:`StateDictStager.prepare`: copies of large storages.
 
@@ -464,6 +483,7 @@ class PendingCopy:
         self.seconds = 0.0
         self._groups = groups
         self._ran = False
+        self.torn: List[_Group] = []  # groups whose copy did not match the source after the copy
         self.nbytes = sum(g.hi - g.lo for g in groups)
         # device work queued before the save must come first: an event on the caller's stream
         self._events: Dict[Any, Any] = {}
@@ -483,6 +503,7 @@ class PendingCopy:
             self.stager._copy(self._groups, background=True, events=self._events)
             self.stager.stats.deferred_bytes += self.nbytes
             self.stager.stats.last_deferred_bytes += self.nbytes
+            self.torn = [g for g in self._groups if not _copy_matches(g)]
         finally:
             for g in self._groups:
                 g.storage = None  # the source storages are not needed any more
@@ -490,11 +511,14 @@ class PendingCopy:
             self.done.set()
 
     def changed(self) -> List[torch.Tensor]:
-        """Source tensors modified in place since ``prepare`` (version counter moved).
+        """Source tensors modified in place since ``prepare``: their version counter moved, or (a
+        change that bypasses version counters: ``.data``, raw storage, another thread's kernel)
+        the copy differs from its source right after it was made (:func:`_copy_matches`).
 
         Their storages are copied before ``prepare`` returns in later saves.
         """
-        out = [t for g in self._groups for t, v in zip(g.members, g.versions) if t._version != v]
+        torn = {id(g) for g in self.torn}
+        out = [t for g in self._groups for t, v in zip(g.members, g.versions) if t._version != v or id(g) in torn]
         if out:
             ids = {id(t) for t in out}
             self.stager._remember_changed([g for g in self._groups if any(id(t) in ids for t in g.members)])

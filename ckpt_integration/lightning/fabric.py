@@ -246,7 +246,7 @@ class DistCkptFabricMixin(Strategy):
         out.pop(CONTENT_METADATA_KEY, None)
         modules = meta.get("modules", {MODEL_KEY: ""} if meta.get("fabric") else {"state_dict": ""})
         optimizers = meta.get("optimizers", [k for k in out if k == "optimizer" or k.startswith("optimizer_")])
-        tensors = serialization.load_plain_tensors(path, trusted=io.trusted)
+        tensors = serialization.load_plain_tensors(path, trusted=io.trusted, verify_state=io.verify_state)
         prefixed = sorted(((p, k) for k, p in modules.items() if p), key=lambda x: -len(x[0]))
         for name, t in tensors.items():
             if any(name.startswith(f"{o}.") for o in optimizers):

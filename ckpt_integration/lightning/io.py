@@ -85,6 +85,10 @@ class DistCkptIO(CheckpointIO):
         backend: sharded backend, ``"torch_dist"`` (default) or ``"zarr"``.
         max_in_flight: async saves in flight at once (older ones are waited for).
         trusted: allow arbitrary pickled objects on load (only for trusted checkpoints).
+        verify_state: every resume proves that the loaded state (weights, optimizer state,
+            resharded or not, from storage or from memory) equals what was saved, position by
+            position, with the fingerprints recorded at save (``ci.load(..., verify_state=True)``;
+            docs/reliability.md); about one extra pass over the loaded bytes. Default on.
         allowed_globals: extra classes allowed in the common state on load.
         durable: fsync before commit.
         balance: spread writes of replicated tensors over DP replicas (fully-parallel save).
@@ -138,6 +142,7 @@ class DistCkptIO(CheckpointIO):
         memory_sigterm_grace_s: Optional[float] = None,
         memory: Optional[Any] = None,
         sigterm_grace_s: Optional[float] = 25.0,
+        verify_state: bool = True,
     ):
         if memory is not None:
             given = _memory_options(memory)
@@ -165,6 +170,7 @@ class DistCkptIO(CheckpointIO):
         self.durable = durable
         self.balance = balance
         self.validate_access_integrity = validate_access_integrity
+        self.verify_state = bool(verify_state)
         self._queue: Any = None
         self._requests: List[Any] = []
         self._deferred_removals: List[str] = []
@@ -247,7 +253,7 @@ class DistCkptIO(CheckpointIO):
         except ImportError:  # pragma: no cover
             pass
         return dict(trusted=self.trusted, allowed_globals=allowed, thread_count=self.thread_count,
-                    load_strategy=self.load_strategy)
+                    load_strategy=self.load_strategy, verify_state=self.verify_state)
 
     def save_sharded(self, state: Dict[str, Any], path: str, content_metadata: Optional[dict] = None) -> None:
         """Save a sharded state dict (collective); async if configured."""
@@ -399,7 +405,7 @@ class DistCkptIO(CheckpointIO):
         with opened(path, self.trusted, verified=True) as ck:  # both reads below are of one commit
             common = dict(serialization.load_common_state_dict(ck, trusted=self.trusted,
                                                                allowed_globals=self.load_kwargs()["allowed_globals"]))
-            tensors = serialization.load_plain_tensors(ck, trusted=self.trusted)
+            tensors = serialization.load_plain_tensors(ck, trusted=self.trusted, verify_state=self.verify_state)
         common["state_dict"] = {k: v for k, v in tensors.items() if not k.startswith("optimizer")}
         return common
 

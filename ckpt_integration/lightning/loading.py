@@ -52,7 +52,7 @@ def load_checkpoint_dict(
     with opened(_resolved(checkpoint_dir), trusted) as ck:  # the common state and the tensors of one commit
         common = dict(serialization.load_common_state_dict(ck, trusted=trusted,
                                                            allowed_globals=io.load_kwargs()["allowed_globals"]))
-        tensors = serialization.load_plain_tensors(ck, trusted=trusted)
+        tensors = serialization.load_plain_tensors(ck, trusted=trusted, verify_state=io.verify_state)
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     out = _lightning_part(common, int(meta.get("num_optimizers", 0)))
     model = dict(common.get("state_dict") or {})

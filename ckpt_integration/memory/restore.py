@@ -14,20 +14,23 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..dict_utils import dict_list_map_inplace, merge
-from ..errors import CorruptCheckpointError, MemoryLayoutError
+from ..errors import CorruptCheckpointError, MemoryLayoutError, StateVerificationError
 from ..execution import dist
 from ..execution.preprocess import dtype_from_name, restore_list_types, split_state_dict
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from ..planning.records import digest64
 from ..storage.checksum import DEFAULT_BLOCK_SIZE, BlockHash
+from ..storage.fingerprint import shard_fingerprints
 from ..storage.safe_pickle import safe_torch_load
 from . import slots
 from .plan import CopyLocation, choose_sources
@@ -247,11 +250,37 @@ def entry_id(s: Dict[str, Any]) -> Tuple[Any, ...]:
     return ("tensor", s["key"], tuple(s["global_offset"]), tuple(s["local_shape"]), None if fr is None else tuple(fr))
 
 
+def content_digest(shards: Sequence[Dict[str, Any]]) -> int:
+    """A digest of what a record holds: its shards (what identifies each) and their fingerprints,
+    whatever the order and wherever the bytes sit (the same for every copy of one snapshot)."""
+    rows = sorted(json.dumps([list(entry_id(s)), s.get("fingerprint")], default=list) for s in shards)
+    return digest64("\n".join(rows).encode())
+
+
+def check_owner(rec: slots.Record, rank: int, where: str) -> None:
+    """The record holds what ``rank`` saved (the digest every rank agreed on for it at the snapshot):
+    a copy of another rank, or of another snapshot, is refused even if its bytes are intact."""
+    agreed = rec.header.get("owner_digests")
+    if not agreed or rank >= len(agreed):
+        return  # a record written before the digests were agreed on
+    if content_digest(rec.header["shards"]) != agreed[rank]:
+        keys = sorted({s.get("key") for s in rec.header["shards"]})
+        raise StateVerificationError(
+            f"{where}: this copy is not the snapshot rank {rank} saved (its shards and their fingerprints differ "
+            f"from those every rank agreed on at the snapshot); keys {keys[:8]}{' ...' if len(keys) > 8 else ''}")
+
+
 def fill_request(
     sharded_state_dict: Dict[str, Any], got: Obtained, where: str, trusted: bool, allowed_globals: Any,
+    rank: Optional[int] = None, verify_state: bool = False,
 ) -> Any:
-    """Verify ``got`` block by block while copying it into the request; return what ``ci.load`` would."""
+    """Verify ``got`` block by block while copying it into the request; return what ``ci.load`` would.
+
+    The copy must be the one ``rank`` saved (:func:`check_owner`); with ``verify_state`` every
+    restored tensor's fingerprint is compared with the one recorded from the staged bytes."""
     rec = got.record
+    if rank is not None:
+        check_owner(rec, rank, where)
     sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
     saved = {entry_id(s): s for s in rec.header["shards"]}
     blob = safe_torch_load(io.BytesIO(rec.blob), trusted=trusted, allowed_globals=allowed_globals,
@@ -276,10 +305,19 @@ def fill_request(
         if out.device.type != "cpu":
             device_copies.append((host, out))
         by_region.setdefault(entry["region"], []).append((entry, host))
+        if verify_state and entry.get("fingerprint") is not None:
+            checks.append((replace(sh, data=host), entry))
         return out
 
+    checks: List[Tuple[ShardedTensor, Dict[str, Any]]] = []
     loaded = dict_list_map_inplace(prepare, sharded)
     copy_regions(got, by_region, where)
+    if checks:
+        for (sh, entry), fp in zip(checks, shard_fingerprints([c[0] for c in checks])):
+            if fp != int(entry["fingerprint"]):
+                raise StateVerificationError(
+                    f"{where}: tensor {sh.key!r} at offset {sh.global_offset} restored on rank {rank} is not what was "
+                    "saved (its fingerprint differs from the one recorded from the snapshot's bytes)")
     with torch.no_grad():
         for host, dev in device_copies:
             dev.copy_(host)

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
@@ -33,12 +33,14 @@ from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
 from ..execution.preprocess import dtype_name, split_state_dict
 from ..execution.dist import describe_error as _describe
+from ..execution.load import default_verify_state
 from ..execution.save import finalize_save, prepare_save, write_local
 from ..execution.snapshot import Snapshot
 from ..execution.staging import StateDictStager
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedTensor
 from ..storage.checksum import save_block_hash
+from ..storage.fingerprint import shard_fingerprints
 from ..storage.safe_pickle import torch_dumps
 from . import restore as rs
 from . import slots
@@ -271,7 +273,9 @@ class MemoryCheckpoints:
             raise MemorySpaceError("not enough shared memory for the memory tier:\n  " + "\n  ".join(errors))
         self._space_checked = True
 
-    def _build_record(self, job: _Job) -> Tuple[bytes, List[str]]:
+    def _build_record(self, job: _Job) -> Tuple[Dict[str, Any], bytes, List[str]]:
+        """The record's header (without ``owner_digests``), its blob and the arena files it keeps.
+        Every tensor shard's fingerprint is computed from the staged bytes (what is restored)."""
         arena = self._arenas[job.slot]
         digest = save_block_hash()
         regions: List[List[Any]] = []
@@ -279,6 +283,9 @@ class MemoryCheckpoints:
         shards = []
         tensors = iter(job.staged["tensors"])
         objects = 0
+        staged_shards = [replace(v, data=t) for v, t in zip((v for v in job.values if isinstance(v, ShardedTensor)),
+                                                              job.staged["tensors"])]
+        prints = iter(shard_fingerprints(staged_shards))
         for v in job.values:
             head = _shard_header(v)
             if isinstance(v, ShardedObject):
@@ -292,7 +299,7 @@ class MemoryCheckpoints:
                     where[(name, off)] = len(regions)
                     regions.append([name, off, n, slots.block_digests(arena.maps[name][off:off + n], h=digest)])
                 head.update(region=where[(name, off)], elem_offset=t.storage_offset(), size=list(t.shape),
-                            stride=list(t.stride()), dtype=dtype_name(t.dtype))
+                            stride=list(t.stride()), dtype=dtype_name(t.dtype), fingerprint=next(prints))
             shards.append(head)
         blob = torch_dumps({"common": job.staged["common"], "objects": job.staged["objects"]})
         keep = sorted({arena.locate_ptr(b.data_ptr()) for b in self._stagers[job.slot].buffers if b.nbytes()})
@@ -300,12 +307,13 @@ class MemoryCheckpoints:
         header = {"job_id": self.job_id, "owner": self.rank, "world_size": self.world_size, "step": job.step,
                   "slot": job.slot, "incarnation": list(self.incarnation), "files": files, "regions": regions,
                   "shards": shards, "block_hash": digest.name}
-        return slots.encode_record(header, blob), keep
+        return header, blob, keep
 
     def _run_save(self, job: _Job, snap: Optional[Snapshot]) -> None:
         """Background: checksums, commit, peer copies, agreement (the tier's group, all ranks)."""
         err, exc, raw = job.error, job.exc, None
         files: Dict[str, torch.Tensor] = {}
+        built: Optional[Tuple[Dict[str, Any], bytes, List[str]]] = None
         if err is None:
             try:
                 if snap is not None:
@@ -313,7 +321,20 @@ class MemoryCheckpoints:
                     if e is not None:
                         snap.seal_in_writer()
                         raise e
-                raw, keep = self._build_record(job)
+                built = self._build_record(job)
+            except Exception as e:  # noqa: BLE001
+                err, exc = _describe(e), e
+        # every record of the step lists what every rank's record holds (a digest of its shards and
+        # their fingerprints): a restore notices a copy that is not the one its rank saved
+        owner_digests = dist.all_gather_object(rs.content_digest(built[0]["shards"]) if built else None, self._group)
+        if err is None and built is not None:
+            try:
+                if None in owner_digests:
+                    raise MemoryCheckpointError(f"rank(s) {[r for r, d in enumerate(owner_digests) if d is None]} "
+                                                "could not build their snapshot record")
+                header, blob, keep = built
+                header["owner_digests"] = owner_digests
+                raw = slots.encode_record(header, blob)
                 slots.write_record(self.root, self.rank, job.slot, raw)
                 self._arenas[job.slot].retain(keep)
                 files = {n: self._arenas[job.slot].maps[n] for n in keep}
@@ -373,12 +394,16 @@ class MemoryCheckpoints:
         done = rs.complete_steps(inv, self.world_size)
         return done[0][0] if done else None
 
-    def load(self, sharded_state_dict: Dict[str, Any], step: int) -> Dict[str, Any]:
+    def load(self, sharded_state_dict: Dict[str, Any], step: int, verify_state: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: restore step ``step`` into ``sharded_state_dict``; returns what ``ci.load`` would.
 
         Each rank reads its own snapshot from its node's memory, or (node replaced, copy
         damaged) fetches a peer's copy; every byte is verified against the block digests, a copy
-        that fails is refused and the next one tried. Raises :class:`MemoryLayoutError` when
+        that fails is refused and the next one tried. A copy must also be the snapshot its rank
+        saved (the digest of its shards and their fingerprints every rank agreed on); with
+        ``verify_state`` (as :func:`ckpt_integration.load`'s; default: off unless
+        ``CKPT_INTEGRATION_VERIFY_STATE=1``) every restored tensor's fingerprint is compared with
+        the one recorded from the snapshot's bytes. Raises :class:`MemoryLayoutError` when
         the request is laid out differently and :class:`MemoryCheckpointError` when no intact
         copy of some rank's snapshot is left: load the durable checkpoint then. Logs (and
         keeps in :attr:`last_restore`) where this rank's state came from.
@@ -405,7 +430,8 @@ class MemoryCheckpoints:
             if self.rank in owners and err is None:
                 try:
                     result = rs.fill_request(sharded_state_dict, got, f"memory snapshot of rank {self.rank} step {step} "
-                                             f"({got.source})", self.trusted, self.allowed_globals)
+                                             f"({got.source})", self.trusted, self.allowed_globals, rank=self.rank,
+                                             verify_state=default_verify_state() if verify_state is None else verify_state)
                     source = got.source
                 except MemoryLayoutError as e:
                     err, layout = str(e), True

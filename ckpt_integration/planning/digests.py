@@ -30,7 +30,7 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 MASK63 = (1 << 63) - 1
 
 
-def _fmix(z: np.ndarray) -> np.ndarray:
+def fmix(z: np.ndarray) -> np.ndarray:
     z = z ^ (z >> _S30)
     z = z * _M1
     z ^= z >> _S27
@@ -69,10 +69,10 @@ def mix(h: np.ndarray, columns: Optional[np.ndarray]) -> np.ndarray:
     records of different lengths never share a digest by construction."""
     h = np.asarray(h, dtype=np.uint64)
     k = 0 if columns is None else columns.shape[1]
-    out = _fmix(h ^ np.uint64((_GOLDEN * (k + 1)) & 0xFFFFFFFFFFFFFFFF))
+    out = fmix(h ^ np.uint64((_GOLDEN * (k + 1)) & 0xFFFFFFFFFFFFFFFF))
     for j in range(k):
         col = np.ascontiguousarray(columns[:, j]).astype(np.int64, copy=False).view(np.uint64)
-        out = _fmix(out ^ (col + np.uint64((_GOLDEN * (j + 2)) & 0xFFFFFFFFFFFFFFFF)))
+        out = fmix(out ^ (col + np.uint64((_GOLDEN * (j + 2)) & 0xFFFFFFFFFFFFFFFF)))
     return out
 
 

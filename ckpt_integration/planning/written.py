@@ -88,25 +88,33 @@ class WrittenTable:
 
 
 # finalize message tables
-ITEMS, COORDS, BLOCK_DIGESTS = 11, 12, 13
+ITEMS, COORDS, BLOCK_DIGESTS, FINGERPRINTS = 11, 12, 13, 14
 # BLOCK_DIGESTS: ``nd`` 32-bit words per digest (1: all fit 32 bits, as CRC32s do; 2: low, high)
-_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd, SUMMARY: WIDTHS[SUMMARY]}
+# FINGERPRINTS (per number of dimensions nd): key, fingerprint (low, high), offsets, sizes
+_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd, SUMMARY: WIDTHS[SUMMARY],
+           FINGERPRINTS: lambda nd: 3 + 2 * nd}
+
+# a saved chunk's fingerprint as a writer reports it: (key, offsets, sizes, fingerprint)
+FingerprintRow = Tuple[str, Tuple[int, ...], Tuple[int, ...], int]
 
 
 def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[Written]],
-                    summaries: Union[SummaryTable, Sequence[KeySummary]]) -> bytes:
-    """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys.
+                    summaries: Union[SummaryTable, Sequence[KeySummary]],
+                    fingerprints: Sequence[FingerprintRow] = ()) -> bytes:
+    """A rank's phase-3 message to rank 0: its error, what it wrote, the summaries of its keys,
+    the fingerprints of the chunks it wrote as main replica.
 
     Empty (zero bytes) for a rank with nothing to report, so rank 0 receives O(unique
     chunks + keys) bytes plus one size per rank.
     """
     t = written if isinstance(written, WrittenTable) else WrittenTable.from_items(written)
-    if not error and not len(t) and not len(summaries):
+    if not error and not len(t) and not len(summaries) and not fingerprints:
         return b""
     w = MessageWriter()
     w.sid(error or "")
     w.add(1 if error else 0, len(t))
     encode_summaries(w, summaries)
+    _put_fingerprints(w, fingerprints)
     if not len(t):
         return w.tobytes()
     n = len(t)
@@ -135,6 +143,31 @@ def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[
     return w.tobytes()
 
 
+def _put_fingerprints(w: MessageWriter, rows: Sequence[FingerprintRow]) -> None:
+    by_nd: Dict[int, List[FingerprintRow]] = {}
+    for r in rows:
+        by_nd.setdefault(len(r[1]), []).append(r)
+    for nd, rs in sorted(by_nd.items()):
+        fp = halves(np.array([r[3] for r in rs], dtype=np.uint64))
+        coords = np.array([list(r[1]) + list(r[2]) for r in rs], dtype=np.int64).reshape(len(rs), 2 * nd).T
+        put_table(w, FINGERPRINTS, nd, [w.sids([r[0] for r in rs]), fp, coords])
+
+
+def read_fingerprints(batch: TableBatch) -> List[FingerprintRow]:
+    """Every message's fingerprint rows (rank 0)."""
+    out: List[FingerprintRow] = []
+    for tag, nd in sorted(batch.tables):
+        if tag != FINGERPRINTS:
+            continue
+        msg, rows = batch.rows(FINGERPRINTS, nd, 3 + 2 * nd)
+        keys = batch.global_ids(msg, rows[0]).tolist()
+        fps = joined(rows[1], rows[2]).tolist()
+        coords = rows[3:].T.tolist()
+        for k, fp, c in zip(keys, fps, coords):
+            out.append((batch.strings[k], tuple(c[:nd]), tuple(c[nd:]), int(fp)))
+    return out
+
+
 @dataclass
 class WrittenColumns:
     """Written items of one or more ranks as arrays (strings by index into ``strings``)."""
@@ -155,6 +188,8 @@ class WrittenColumns:
     nblocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block record
     block_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     block_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    # the fingerprints of the chunks written as main replica (key, offsets, sizes, fingerprint)
+    fingerprints: List[FingerprintRow] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -214,9 +249,10 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     strings = batch.strings
     errors = [(ranks[i], strings[int(batch.lut[batch.lut_base[i]])]) for i, has_error in heads if has_error]
     summaries = read_summaries(batch)
+    fingerprints = read_fingerprints(batch)
     msg, it = batch.rows(ITEMS, 0, 12)
     if not len(msg):
-        return errors, WrittenColumns(strings=strings), summaries
+        return errors, WrittenColumns(strings=strings, fingerprints=fingerprints), summaries
     it = it.copy()
     it[0] = batch.global_ids(msg, it[0])
     it[3] = batch.global_ids(msg, it[3])
@@ -236,6 +272,7 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
         file=it[3], start=it[4], length=it[5], digest=joined(it[6], it[7]),
         data_offset=it[8], data_length=it[9], block_size=it[10], nblocks=nblocks,
         block_pos=np.cumsum(np.maximum(nblocks, 0)) - np.maximum(nblocks, 0), block_digests=bdig,
+        fingerprints=fingerprints,
     )
     if len(cols.coords) != int(ncoords.sum()) or len(cols.block_digests) != int(np.maximum(nblocks, 0).sum()):
         raise ValueError("finalize messages have inconsistent item tables")

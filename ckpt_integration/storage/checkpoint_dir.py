@@ -28,6 +28,7 @@ nesting included) raises :class:`CorruptCheckpointError`, never ``RecursionError
 
 from __future__ import annotations
 
+import binascii
 import io
 import json
 import logging
@@ -46,6 +47,7 @@ from ..errors import (
 )
 from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable, ItemDigestTable  # noqa: F401 (re-exported)
 from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
+from .fingerprint import Recorded
 from .item_table import ItemTable, TableBlockRecords, TableItemDigests, decode_text
 from .claim import MARKER_FILE
 from .filesystem import join, storage_for
@@ -61,8 +63,8 @@ FORMAT_NAME = "ckpt_integration"
 # 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token;
 # 3: the block digest is named by "block_hash" (XXH3-64 for new saves), item digests follow it
 # 4: the per-item tables ("items", "blocks") as binary columns in "tables" (see item_table.py)
-MANIFEST_VERSION = 4
-SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3, 4)
+MANIFEST_VERSION = 5
+SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3, 4, 5)
 # The format new XXH3-64 saves write: 4, or 3 (JSON tables, which versions of the library from
 # before format 4 read; tests write format-3 checkpoints through it). CRC32 saves write format 2.
 SAVE_MANIFEST_VERSION = MANIFEST_VERSION
@@ -110,6 +112,9 @@ class Manifest:
     # (digests of: bytes before the data, each data block, bytes after the data; empty ones left out)
     blocks: Dict[str, List[Any]] = field(default_factory=dict)
     save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
+    # format 5: every saved chunk's layout-independent fingerprint (key, box, value), base64 of
+    # fingerprint.encode_rows ("" when the save recorded none)
+    fingerprints: str = ""
     # format 4: "items" and "blocks" as one binary table, base64 (item_table.py); last in the file
     tables: str = ""
 
@@ -132,6 +137,21 @@ class Manifest:
             return cached[1]
         out = decode_text(self.tables, self.hash, where)
         self.attach_item_table(out)
+        return out
+
+    def recorded_fingerprints(self, where: str = MANIFEST_FILE) -> Optional[Recorded]:
+        """Format 5: the fingerprints of the saved chunks (None: none recorded, as in older
+        formats); a damaged table raises :class:`CorruptCheckpointError` naming ``where``."""
+        if not self.fingerprints:
+            return None
+        cached = self.__dict__.get("_fingerprints")
+        if cached is not None and cached[0] is self.fingerprints:
+            return cached[1]
+        try:
+            out = Recorded(self.fingerprints)
+        except (ValueError, TypeError, binascii.Error) as e:
+            raise CorruptCheckpointError(f"{where} is damaged: its fingerprint table: {e}") from None
+        self.__dict__["_fingerprints"] = (self.fingerprints, out)
         return out
 
     def attach_item_table(self, table: ItemTable) -> None:
@@ -187,6 +207,8 @@ def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     version = manifest.version if isinstance(manifest.version, int) else MANIFEST_VERSION
     if version < 3:
         del out["block_hash"]
+    if version < 5:
+        del out["fingerprints"]
     if version < 4:
         del out["tables"]
     else:
@@ -518,6 +540,9 @@ def read_manifest(directory: str) -> Optional[Manifest]:
             raise TypeError(f"format {manifest.version} keeps its item tables in 'tables' (and has no 'items' or 'blocks')")
         if manifest.version < 4 and "tables" in raw:
             raise TypeError(f"format {manifest.version} has no 'tables'")
+        if (manifest.version >= 5) != ("fingerprints" in raw) or not isinstance(manifest.fingerprints, str):
+            raise TypeError(f"format {manifest.version} {'has' if manifest.version >= 5 else 'has no'} 'fingerprints' (a string)")
+        manifest.recorded_fingerprints(path)  # format 5: decoded and checked here
         block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
         manifest.item_table(path)  # format 4: decoded and checked here (damage names the file)
         manifest.checksums()

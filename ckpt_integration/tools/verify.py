@@ -27,12 +27,14 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
+from ..storage.fingerprint import add, fingerprint
 from ..storage.opened import accepts_opened
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from ..storage.torch_dist_reader import TorchDistReader
 from ..storage.zarr_backend import ZarrReader
-from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size
+from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size, parse_size
+from .sources import DistCheckpointSource
 
 
 @dataclass
@@ -56,6 +58,7 @@ class VerifyReport:
     files_checked: int = 0
     problems: List[Dict[str, Any]] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    state_checked: int = 0  # tensors whose read-back fingerprint was compared (verify --state)
 
     def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = ()) -> None:
         self.ok = False
@@ -67,7 +70,8 @@ class VerifyReport:
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "block_hash", "items_checked",
-                                               "bytes_checked", "blocks_checked", "files_checked", "problems", "notes")}
+                                               "bytes_checked", "blocks_checked", "files_checked", "state_checked",
+                                               "problems", "notes")}
 
     def format(self) -> str:
         lines = [f"checkpoint: {self.path}"]
@@ -75,6 +79,8 @@ class VerifyReport:
         if self.ok:
             what = "checksums of" if self.checksums_available else "structure of"
             lines.append(f"OK: {what} {self.items_checked} items ({format_size(self.bytes_checked)}) verified")
+            if self.state_checked:
+                lines.append(f"OK: state of {self.state_checked} tensors read back and equal to the saved state (fingerprints)")
         else:
             lines.append(f"DAMAGED: {len(self.problems)} problem(s)")
             for p in self.problems:
@@ -93,7 +99,8 @@ def _item_name(index: MetadataIndex) -> str:
 
 # --------------------------------------------------------------------------- entry point
 @accepts_opened('path')
-def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, trusted: bool = False) -> VerifyReport:
+def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, trusted: bool = False,
+                      state: bool = False, memory_budget: Any = "256MiB") -> VerifyReport:
     """Check that a checkpoint is complete and undamaged, reading every byte it records.
 
     * every file ``manifest.json`` records has its recorded size, and ``.metadata`` and
@@ -107,6 +114,12 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
       archive, and the chunks of every tensor cover its declared shape;
     * zarr: every chunk and object file against its record in ``zarr_index.json``, every
       array's ``zarr.json`` against the index.
+
+    With ``state`` (``verify --state``), when the files are undamaged, every tensor is also read
+    back whole, in row blocks of at most ``memory_budget`` bytes that cut across the saved chunks
+    (another layout than the saved one), and its layout-independent fingerprint is compared with
+    the one recorded at save (manifest format 5; docs/format.md, "Fingerprints"): the state the
+    checkpoint holds, position by position, is the state that was saved.
 
     Problems name the file and the tensors/objects stored in the damaged part. A path that is
     not a checkpoint (missing, empty, a file, a directory of checkpoints) raises
@@ -126,8 +139,41 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         if not storage.exists(join(root, DCP_METADATA_FILE)):
             return report
     if config is not None and config.sharded_backend == "zarr":
-        return _verify_zarr(path, report, progress)
-    return _verify_torch_dist(path, report, progress, trusted)
+        report = _verify_zarr(path, report, progress)
+    else:
+        report = _verify_torch_dist(path, report, progress, trusted)
+    if state and report.ok:
+        _verify_state(path, report, progress, trusted, parse_size(memory_budget))
+    return report
+
+
+def _verify_state(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int) -> None:
+    """Every tensor read back in row blocks and its fingerprint compared with the recorded one."""
+    manifest = ckdir.read_manifest(path)
+    recorded = manifest.recorded_fingerprints() if manifest is not None else None
+    if recorded is None:
+        report.notes.append("state: the checkpoint records no fingerprints (saved before manifest format 5 or by "
+                            "another tool): the state was not checkable")
+        return
+    with DistCheckpointSource(path, trusted) as src:
+        bar = progress(total=sum(i.nbytes for i in src.tensors.values()), unit="B", unit_scale=True, desc="state")
+        try:
+            for key, info in sorted(src.tensors.items()):
+                expected = recorded.total(key)
+                if expected is None:
+                    report.add(f"tensor {key!r} has no recorded fingerprint: the manifest does not describe this "
+                               "data", ckdir.MANIFEST_FILE, [key])
+                    continue
+                got = 0
+                for box, block in src.iter_blocks(key, budget):
+                    got = add(got, fingerprint(block, box.offsets))
+                    bar.update(block.numel() * block.element_size())
+                if got != expected:
+                    report.add(f"tensor {key!r}: the state read back is not the state that was saved (its fingerprint "
+                               "differs from the one recorded at save)", None, [key])
+                report.state_checked += 1
+        finally:
+            bar.close()
 
 
 def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:

@@ -1,0 +1,349 @@
+"""Layout-independent fingerprints of tensors: what a load proves it placed where it belongs.
+
+Block digests prove that every byte a load reads is the byte that was written; they cannot
+tell whether the byte landed at the right place of the right tensor. The fingerprint of a
+tensor is a sum over its elements, each weighted by a hash of its global coordinates, mod
+2^64: the sum over any set of disjoint boxes that tile the tensor is the same, however the
+tensor is split. A save records it per stored chunk (the commit adds the chunks of a key), a
+load computes it over what it loaded and compares (``execution/state_check.py``).
+
+**The function** (also in docs/format.md, so that other readers can check it). For a tensor
+whose elements are ``b`` bytes wide (1, 2, 4, 8 or 16), with global coordinates
+``(c_0, ..., c_{n-1})`` (a 0-d tensor counts as one element at ``(0,)``):
+
+* the *row* of an element is its leading coordinates ``(c_0, ..., c_{n-2})``; its bytes sit at
+  positions ``p = c_{n-1} * b + k`` (``k``: the byte's place in the element, little-endian) of
+  the row, and the row is cut into *segments* of ``S = 65536`` byte positions (``s = p // S``);
+* lane sums, for ``j`` in ``0..7``: ``y_j(row, s) = sum of int8(byte) * W[p % S, j]`` over the
+  row's bytes in segment ``s``, where ``W[q, j]`` is the low byte, as int8, of
+  ``fmix(8 * q + j ^ 0x5EED_0F_B17E_5EED)`` (``fmix``: SplitMix64's finaliser); exact in 32 bits;
+* ``rowkey``: ``h = 0x0C0FFEE5``, then for each leading axis ``d``:
+  ``h = fmix(h ^ (c_d * 0x9E3779B97F4A7C15 + d + 1))`` (mod 2^64);
+* ``H(row, s, j) = fmix(fmix(rowkey ^ (s + 1) * 0xD1B54A32D192ED03) ^ (j + 1) * 0xA0761D6478BD642F) | 1``;
+* ``F = sum over rows, segments and lanes of y_j(row, s) * H(row, s, j)``, mod 2^64, with
+  ``y_j`` sign-extended.
+
+Every element contributes through eight byte-weighted lanes and an odd 64-bit weight of its
+row and segment, so a changed element always changes ``F``, and two elements swapped, a row
+moved, a slice shifted change it unless their bytes collide under all eight lanes and the
+64-bit weights (about 2^-64 for unrelated data). The lane sums are one int8 matrix product per
+segment of rows (``torch._int_mm`` on the CPU: about the cost of one memory copy of the data;
+on a GPU, on the device), the rest is arithmetic per row.
+"""
+
+from __future__ import annotations
+
+import base64
+import ctypes
+import functools
+import struct
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..planning.digests import fmix, halves, joined
+from ..planning.records import decode_array, encode_array
+
+SEGMENT = 1 << 16  # byte positions per segment of a row: lane sums stay exact in int32
+LANES = 8
+_SEED_W = np.uint64(0x5EED0FB17E5EED)
+_SEED_ROW = np.uint64(0x0C0FFEE5)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_K_SEG = np.uint64(0xD1B54A32D192ED03)
+_K_LANE = np.uint64(0xA0761D6478BD642F)
+_ONE = np.uint64(1)
+# rows per step: bounds the per-row arrays (lane sums and weights) for tall, narrow tensors
+_ROWS_PER_STEP = 1 << 16
+MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _weights(device: str) -> torch.Tensor:
+    """``W``: the byte weights of one segment, int8, shape ``(SEGMENT, LANES)``."""
+    q = np.arange(SEGMENT * LANES, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        w = (fmix(q ^ _SEED_W) & np.uint64(0xFF)).astype(np.uint8).view(np.int8)
+    return torch.from_numpy(w.reshape(SEGMENT, LANES).copy()).to(device)
+
+
+def _lane_sums(xb: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``xb @ w`` (int8 x int8), exact, as int32 on the CPU (``xb``'s rows: one segment's bytes)."""
+    if xb.shape[0] == 0 or xb.shape[1] == 0:
+        return torch.zeros((xb.shape[0], LANES), dtype=torch.int32)
+    if xb.is_cuda:
+        m, k = xb.shape
+        if m > 16 and k % 8 == 0:
+            try:
+                return torch._int_mm(xb.contiguous(), w).cpu()
+            except RuntimeError:
+                pass
+        # products < 2^14, at most 2^16 of them: exact in float64
+        return (xb.to(torch.float64) @ w.to(torch.float64)).round().to(torch.int32).cpu()
+    mm = getattr(torch, "_int_mm", None)
+    if mm is not None:
+        try:
+            return mm(xb, w)
+        except (RuntimeError, NotImplementedError):
+            pass
+    return xb.to(torch.int32) @ w.to(torch.int32)
+
+
+def _row_keys(offsets: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """``rowkey`` of every row of a box (its leading axes), in row-major order, as uint64."""
+    h = np.array([_SEED_ROW], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for d, (o, n) in enumerate(zip(offsets, sizes)):
+            c = np.arange(o, o + n, dtype=np.uint64) * _GOLDEN + np.uint64(d + 1)
+            h = fmix(h[:, None] ^ c[None, :]).reshape(-1)
+    return h
+
+
+def _segment_weights(rowkeys: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """``H(row, s, j)`` for the given rows and segments: shape ``(rows, segments, LANES)``."""
+    with np.errstate(over="ignore"):
+        rs = fmix(rowkeys[:, None] ^ ((segments.astype(np.uint64) + _ONE) * _K_SEG)[None, :])
+        lanes = (np.arange(1, LANES + 1, dtype=np.uint64) * _K_LANE)
+        return fmix(rs[:, :, None] ^ lanes[None, None, :]) | _ONE
+
+
+def fingerprint(t: torch.Tensor, offsets: Optional[Sequence[int]] = None) -> int:
+    """The fingerprint (see the module docstring) of the box of a tensor whose elements are
+    ``t`` and whose first element has global coordinates ``offsets`` (default: all 0): the
+    contribution of these elements to the whole tensor's fingerprint. Sums of boxes that tile a
+    tensor, mod 2^64, give the tensor's.
+
+    Example::
+
+        full = torch.arange(12.0).view(3, 4)
+        whole = fingerprint(full)
+        parts = fingerprint(full[:2], (0, 0)) + fingerprint(full[2:], (2, 0))
+        assert whole == parts % 2**64
+    """
+    if t.dim() == 0:
+        t = t.reshape(1)
+        offsets = (0,)
+    shape = tuple(t.shape)
+    offsets = tuple(int(o) for o in (offsets if offsets is not None else (0,) * len(shape)))
+    if len(offsets) != len(shape):
+        raise ValueError(f"{len(offsets)} offsets for a tensor of {len(shape)} dimensions")
+    if t.numel() == 0:
+        return 0
+    esize = t.element_size()
+    last, c0 = shape[-1], offsets[-1]
+    rows = t.numel() // last
+    x = t.detach().reshape(rows, last)
+    if x.stride(-1) != 1 or (rows > 1 and x.stride(0) != last):
+        x = x.contiguous()
+    xb = x.view(torch.int8) if x.dtype != torch.bool else x.view(torch.int8)  # (rows, last * esize)
+    w = _weights(str(t.device) if t.is_cuda else "cpu")
+    lo, hi = c0 * esize, (c0 + last) * esize  # the row's byte positions
+    segs = np.arange(lo // SEGMENT, (hi - 1) // SEGMENT + 1, dtype=np.int64)
+    keys = _row_keys(offsets[:-1], shape[:-1])
+    total = np.uint64(0)
+    if len(segs) > 4:  # long rows (a flat vector, a byte view): each row's whole segments in one product
+        for r in range(rows):
+            total = total + _long_row(xb[r], w, lo, hi, keys[r : r + 1])
+        return int(total)
+    for r0 in range(0, rows, _ROWS_PER_STEP):
+        r1 = min(rows, r0 + _ROWS_PER_STEP)
+        lanes = []
+        for s in segs.tolist():
+            a, e = max(lo, s * SEGMENT), min(hi, (s + 1) * SEGMENT)
+            lanes.append(_lane_sums(xb[r0:r1, a - lo : e - lo], w[a - s * SEGMENT : e - s * SEGMENT]))
+        y = torch.stack(lanes, dim=1).numpy().astype(np.int64).view(np.uint64)  # (rows, segments, lanes)
+        h = _segment_weights(keys[r0:r1], segs)
+        with np.errstate(over="ignore"):
+            total = total + (y * h).sum(dtype=np.uint64)
+    return int(total)
+
+
+@functools.lru_cache(maxsize=4096)
+def _single_row_weights(leading: tuple) -> np.ndarray:
+    """``H(row, 0, j)`` of the row at leading coordinates ``leading`` (every lane)."""
+    keys = _row_keys(leading, (1,) * len(leading))
+    return _segment_weights(keys, np.zeros(1, dtype=np.int64)).reshape(LANES)
+
+
+# a tensor of at most this many bytes is fingerprinted in a batch (fingerprints)
+SMALL = 1 << 14
+
+
+def fingerprints(items: Sequence[tuple]) -> list:
+    """:func:`fingerprint` of each ``(tensor, offsets)``. Small one-row tensors that start at their
+    row's first element (whole biases, norms and other vectors: most tensors of a model by count)
+    are done in one batch: their bytes stacked, zero-padded (zero bytes weigh nothing) and
+    multiplied at once, a few microseconds each instead of a call each."""
+    out: list = [0] * len(items)
+    small: list = []
+    width = 0
+    for i, (t, o) in enumerate(items):
+        n = t.numel()
+        nbytes = n * t.element_size()
+        if 0 < nbytes <= SMALL and not t.is_cuda and (t.dim() == 0 or (o[-1] == 0 and n == t.shape[-1])):
+            small.append(i)
+            width = max(width, nbytes)
+        else:
+            out[i] = fingerprint(t, o)
+    if not small:
+        return out
+    width += -width % 8
+    m = np.zeros((len(small), width), dtype=np.int8)
+    base = m.ctypes.data
+    memmove = ctypes.memmove
+    leading = []
+    for row, i in enumerate(small):
+        t, o = items[i]
+        if not t.is_contiguous():
+            t = t.contiguous()
+        memmove(base + row * width, t.data_ptr(), t.numel() * t.element_size())
+        leading.append(tuple(o[:-1]) if t.dim() > 1 else ())
+    y = _lane_sums(torch.from_numpy(m), _weights("cpu")[:width]).numpy().astype(np.int64).view(np.uint64)
+    h = np.stack([_single_row_weights(k) for k in leading])
+    with np.errstate(over="ignore"):
+        sums = (y * h).sum(axis=1, dtype=np.uint64).tolist()
+    for row, i in enumerate(small):
+        out[i] = sums[row]
+    return out
+
+
+def _long_row(row: torch.Tensor, w: torch.Tensor, lo: int, hi: int, key: np.ndarray) -> np.uint64:
+    """One row's contribution when it spans many segments: its whole segments as the rows of one
+    matrix (one product), the partial ones at either end on their own."""
+    s_lo, s_hi = lo // SEGMENT, (hi - 1) // SEGMENT  # the segments touched (inclusive)
+    whole_lo = s_lo if lo % SEGMENT == 0 else s_lo + 1
+    whole_hi = s_hi + 1 if hi % SEGMENT == 0 else s_hi  # whole segments: [whole_lo, whole_hi)
+    pieces = []  # (segments, lane sums (n, LANES))
+    for s in sorted({s_lo, s_hi}):
+        if whole_lo <= s < whole_hi:
+            continue
+        a, e = max(lo, s * SEGMENT), min(hi, (s + 1) * SEGMENT)
+        pieces.append((np.array([s]), _lane_sums(row[None, a - lo : e - lo], w[a - s * SEGMENT : e - s * SEGMENT])))
+    if whole_hi > whole_lo:
+        a = whole_lo * SEGMENT - lo
+        mid = row[a : a + (whole_hi - whole_lo) * SEGMENT].reshape(whole_hi - whole_lo, SEGMENT)
+        pieces.append((np.arange(whole_lo, whole_hi), _lane_sums(mid, w)))
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for segs, y in pieces:
+            h = _segment_weights(key, segs.astype(np.int64))[0]  # (segments, lanes)
+            total = total + (y.numpy().astype(np.int64).view(np.uint64) * h).sum(dtype=np.uint64)
+    return total
+
+
+def add(*parts: int) -> int:
+    """Fingerprints of disjoint boxes added: the fingerprint of their union (mod 2^64)."""
+    return sum(parts) & MASK64
+
+
+# --- the recorded fingerprints: one row per saved chunk (key, box, fingerprint) ------------------
+MAGIC = b"CKFP"
+TABLE_VERSION = 1
+_HEAD = struct.Struct("<4sII")  # magic, version, rows
+
+
+def encode_rows(keys: Sequence[str], offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+                values: Sequence[int]) -> str:
+    """The manifest's ``fingerprints`` text (base64) for one row per saved chunk: key, global
+    offsets, sizes, fingerprint. Rows are grouped by number of dimensions; per group the columns
+    are key id, low and high 32 bits of the fingerprint, offsets, sizes."""
+    names = sorted(set(keys))
+    kid = {k: i for i, k in enumerate(names)}
+    groups: dict = {}
+    for k, o, s, v in zip(keys, offsets, sizes, values):
+        groups.setdefault(len(o), []).append((kid[k], int(v) & MASK64, tuple(o), tuple(s)))
+    ints: list = []
+    for nd in sorted(groups):
+        rows = groups[nd]
+        fp = halves(np.array([r[1] for r in rows], dtype=np.uint64))
+        ints += [nd, len(rows)] + [r[0] for r in rows] + fp[0].tolist() + fp[1].tolist()
+        for d in range(nd):
+            ints += [r[2][d] for r in rows]
+        for d in range(nd):
+            ints += [r[3][d] for r in rows]
+    raw = _HEAD.pack(MAGIC, TABLE_VERSION, len(keys)) + encode_array(names, np.asarray(ints, dtype=np.int64))
+    return base64.b64encode(raw).decode("ascii")
+
+
+class Recorded:
+    """The fingerprints a checkpoint recorded, decoded from the manifest's ``fingerprints`` text.
+
+    ``chunks(key)`` lists ``(offsets, sizes, fingerprint)`` of the key's saved chunks;
+    ``total(key)`` is their sum, the whole tensor's fingerprint. Damage raises ValueError (the
+    caller names the file)."""
+
+    def __init__(self, text: str):
+        raw = base64.b64decode(text.encode("ascii"), validate=True)
+        if len(raw) < _HEAD.size:
+            raise ValueError("fingerprint table shorter than its header")
+        magic, version, n = _HEAD.unpack_from(raw, 0)
+        if magic != MAGIC or version != TABLE_VERSION:
+            raise ValueError(f"not a fingerprint table of version {TABLE_VERSION}")
+        self.keys, ints = decode_array(raw[_HEAD.size:])
+        self._rows: dict = {}  # key id -> list of row numbers
+        self._groups: list = []  # (nd, key ids, fingerprints, offsets (m, nd), sizes (m, nd))
+        p, seen = 0, 0
+        while p < len(ints):
+            nd, m = int(ints[p]), int(ints[p + 1])
+            p += 2
+            if nd < 0 or m < 0 or p + m * (3 + 2 * nd) > len(ints):
+                raise ValueError("fingerprint table rows are cut short")
+            kid = ints[p : p + m]
+            fp = joined(ints[p + m : p + 2 * m], ints[p + 2 * m : p + 3 * m])
+            p += 3 * m
+            offs = ints[p : p + nd * m].reshape(nd, m).T
+            p += nd * m
+            szs = ints[p : p + nd * m].reshape(nd, m).T
+            p += nd * m
+            if m and (int(kid.min()) < 0 or int(kid.max()) >= len(self.keys)):
+                raise ValueError("a fingerprint row names a key the table does not list")
+            self._groups.append((nd, kid, fp, offs, szs))
+            seen += m
+        if seen != n:
+            raise ValueError(f"{seen} fingerprint rows where the header says {n}")
+        self._index = {k: i for i, k in enumerate(self.keys)}
+        self._by_key: Optional[dict] = None
+
+    def _build(self) -> dict:
+        by_key: dict = {}
+        for nd, kid, fp, offs, szs in self._groups:
+            order = np.argsort(kid, kind="stable")
+            ks = kid[order]
+            starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]]) if len(ks) else np.zeros(0, dtype=np.int64)
+            ends = np.r_[starts[1:], len(ks)]
+            for a, b in zip(starts.tolist(), ends.tolist()):
+                by_key.setdefault(int(ks[a]), []).append((order[a:b], fp, offs, szs))
+        return by_key
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def chunks(self, key: str) -> list:
+        """``[(offsets, sizes, fingerprint)]`` of ``key``'s saved chunks (empty: not recorded)."""
+        if self._by_key is None:
+            self._by_key = self._build()
+        out = []
+        for sel, fp, offs, szs in self._by_key.get(self._index.get(key, -1), ()):
+            for i in sel.tolist():
+                out.append((tuple(offs[i].tolist()), tuple(szs[i].tolist()), int(fp[i])))
+        return out
+
+    def total(self, key: str) -> Optional[int]:
+        """The whole tensor's fingerprint (None: not recorded)."""
+        parts = self.chunks(key)
+        return add(*(v for _, _, v in parts)) if parts else None
+
+
+def shard_fingerprints(shards: Sequence[Any]) -> list:
+    """The fingerprint of each ShardedTensor's data (flattened shards: the sum over the boxes
+    they cover; stacked layers: in their saved shape), in one batch."""
+    items: list = []
+    owner: list = []
+    for i, sh in enumerate(shards):
+        for b in sh.unflattened():
+            items.append((b.data.reshape(b.saved_shape()), b.global_offset))
+            owner.append(i)
+    out = [0] * len(shards)
+    for i, v in zip(owner, fingerprints(items)):
+        out[i] = (out[i] + v) & MASK64
+    return out
