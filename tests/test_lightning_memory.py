@@ -9,7 +9,8 @@ and ``DistCkptModelCheckpoint(save_last=True)`` at every epoch end (2 steps per 
 2. ``trainer.fit(ckpt_path="last")`` in 2 new processes: the memory snapshot of step 3 is newer
    than ``last.ckpt``, so it is restored from each rank's own memory (logged per rank) with the
    exact weights, optimizer and scheduler state, metric and extra state, loop counters; the run
-   finishes and the job's snapshots are removed from both nodes;
+   finishes and the job's snapshots are removed from both nodes; with ``memory_persist_every_n=1``
+   the snapshots were made durable on the way, the two newest kept;
 3. a fresh run gets a SIGTERM on every rank at step 3: Lightning stops both ranks, and the newest
    snapshot (step 3) is written as ``preempted-step=3.ckpt`` before they exit; that durable
    checkpoint holds the step-3 state and records step 3;
@@ -74,11 +75,32 @@ def _rank_main(cfg: dict) -> None:
             dump()
             if cfg["how"] == "kill" and rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if cfg["how"] == "exit":  # every rank gone at once (a job killed): its snapshots stay in memory
+                os._exit(3)
             if cfg["how"] == "sigterm":  # a preemption signals every rank; Lightning stops them at the next batch
                 os.kill(os.getpid(), signal.SIGTERM)
 
+    if cfg.get("slow_persist"):  # a persist whose write takes longer than the grace period after a SIGTERM
+        import time as _time
+
+        from ckpt_integration.memory import tier as tier_mod
+
+        real_write = tier_mod.write_local
+
+        def slow(plan):
+            end = _time.monotonic() + cfg["slow_persist"]
+            try:
+                while _time.monotonic() < end:  # items being written: the stop check runs before each
+                    if plan.stop is not None:
+                        plan.stop()
+                    _time.sleep(0.05)
+            except Exception:  # noqa: BLE001 - abandoned: the real write records it (it checks first too)
+                pass
+            return real_write(plan)
+        tier_mod.write_local = slow
     io = DistCkptIO(memory_every_n_train_steps=1, memory_replicas=2, memory_dir=os.path.join(cfg["shm"], f"node{rank}"),
-                    memory_job_id="lt", memory_ranks_per_node=1, memory_sigterm_grace_s=120)
+                    memory_job_id="lt", memory_ranks_per_node=1, memory_sigterm_grace_s=cfg.get("grace", 120),
+                    memory_persist_every_n=cfg.get("persist"))
     ckpt_cb = DistCkptModelCheckpoint(dirpath=cfg["dir"], save_last=True, every_n_epochs=1, save_top_k=-1)
     t = trainer(devices=world, strategy=DistCkptDDPStrategy(), plugins=[io], max_epochs=cfg["epochs"],
                 callbacks=[Recorder(), ckpt_cb])
@@ -114,12 +136,12 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
     assert rcs[1] == -signal.SIGKILL and outs[1].get("stopped_at") == 3, f"{rcs}\n{tails(logs)}"
     assert ci.load_common_state_dict(os.path.join(ckdir, "last.ckpt"))["global_step"] == 2
 
-    # 2) ckpt_path="last" resumes from memory, exactly
-    rcs, outs, logs = _launch(tmp, "resumed", {**base, "resume": "last"})
+    # 2) ckpt_path="last" resumes from memory, exactly (and makes every snapshot durable, keeping two)
+    rcs, outs, logs = _launch(tmp, "resumed", {**base, "resume": "last", "persist": 1, "epochs": 4})
     assert rcs == [0, 0] and all(o.get("finished") for o in outs), f"{rcs}\n{tails(logs)}"
     text = tails(logs, 200000)
     for r in range(2):
-        assert outs[r]["start_step"] == 3 and outs[r]["end_step"] == 6, outs[r]
+        assert outs[r]["start_step"] == 3 and outs[r]["end_step"] == 8, outs[r]
         assert f"rank {r}: ckpt_integration.lightning.memory: rank {r}: resumed from the memory tier, step 3 (own memory)" in text
         killed = torch.load(os.path.join(tmp, f"killed-rank{r}.killed.pt"), weights_only=False)
         start = torch.load(os.path.join(tmp, f"resumed-rank{r}.start.pt"), weights_only=False)
@@ -129,6 +151,18 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
             assert_same(loaded[k], killed[k], f"rank {r} {k}")
     for node in ("node0", "node1"):  # the job finished: its snapshots are gone
         assert not os.path.exists(os.path.join(shm, node, "lt")), os.listdir(os.path.join(shm, node))
+    # memory_persist_every_n=1: every snapshot made durable in the background, the two newest kept,
+    # each a complete checkpoint that records its step and holds the saved state
+    from ckpt_integration.storage import checkpoint_dir as ckd
+    from ckpt_integration.tools import verify_checkpoint
+
+    persisted = sorted(n for n in os.listdir(ckdir) if n.startswith("memory-step="))
+    assert persisted == ["memory-step=6.ckpt", "memory-step=7.ckpt"], persisted  # 4 and 5 pruned
+    for name in persisted:
+        path = os.path.join(ckdir, name)
+        assert ckd.read_manifest(path).step == int(name[len("memory-step="):-len(".ckpt")])
+        report = verify_checkpoint(path, state=True)
+        assert report.ok and report.state_checked > 0, report.format()
 
     # 3) SIGTERM at step 3 of a fresh run: the newest snapshot becomes durable before the exit
     ckdir2 = os.path.join(tmp, "ckpt2")
@@ -167,6 +201,88 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
         assert_same(start, killed["snap"], f"rank {r} state")
         for k in ("loops", "global_step", "epoch", "lr_schedulers"):
             assert_same(loaded[k], killed[k], f"rank {r} {k}")
+
+
+@pytest.mark.slow
+def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_cannot_serve(tmp_path):
+    """docs/memory.md's fallbacks, each said in the log: every memory copy damaged (own and peer:
+    the newest durable checkpoint is loaded instead); a restart with another world size (1 rank:
+    the snapshots of 2 ranks do not fit); a durable checkpoint that cannot be read (memory is
+    taken, saying why, never by a silent guess)."""
+    import glob
+    import shutil
+
+    import torch
+
+    import ckpt_integration as ci
+    from tests.damage import flip_byte
+    from tests.proc_launch import launch, tails
+
+    tmp = str(tmp_path)
+    shm, ckdir = os.path.join(tmp, "shm"), os.path.join(tmp, "ckpt")
+    base = dict(shm=shm, dir=ckdir, epochs=3)
+    rcs, outs, logs = _launch(tmp, "gone", {**base, "stop_at": 3, "how": "exit"})
+    assert all(o.get("stopped_at") == 3 for o in outs), f"{rcs}\n{tails(logs)}"
+    durable = os.path.join(ckdir, "last.ckpt")
+    assert ci.load_common_state_dict(durable)["global_step"] == 2
+    saved = ci.load_plain_tensors(durable)
+    weights = {k[len("state_dict."):]: v for k, v in saved.items() if k.startswith("state_dict.net")}
+
+    def started_from_durable(name, world, cfg):
+        rcs, outs, logs = launch(__file__, tmp, name, cfg, world, timeout=240.0)
+        assert rcs == [0] * world and all(o.get("finished") for o in outs), f"{rcs}\n{tails(logs)}"
+        for r in range(world):
+            assert outs[r]["start_step"] == 2, (outs[r], tails(logs))
+            start = torch.load(os.path.join(tmp, f"{name}-rank{r}.start.pt"), weights_only=False)
+            for k, v in weights.items():
+                assert torch.equal(start["state_dict"][k], v), (name, r, k)
+        return tails(logs, 200000)
+
+    # 1) every copy of every snapshot damaged (a byte of each data file, both nodes)
+    shm1, ck1 = os.path.join(tmp, "shm1"), os.path.join(tmp, "ck1")
+    shutil.copytree(shm, shm1)
+    shutil.copytree(ckdir, ck1)
+    data = [f for f in glob.glob(os.path.join(shm1, "node*", "lt", "r*", "*")) if not f.endswith((".rec", "node-id"))]
+    assert data
+    for f in data:
+        if os.path.getsize(f) > 64:
+            flip_byte(f, os.path.getsize(f) // 2)
+    text = started_from_durable("damaged", 2, {**base, "shm": shm1, "dir": ck1, "resume": "last"})
+    assert "cannot resume from memory step 3" in text and "falling back to the durable checkpoint" in text, text[-3000:]
+
+    # 2) a restart with another world size: the memory snapshots of 2 ranks cannot serve 1
+    shm2, ck2 = os.path.join(tmp, "shm2"), os.path.join(tmp, "ck2")
+    shutil.copytree(shm, shm2)
+    shutil.copytree(ckdir, ck2)
+    text = started_from_durable("smaller", 1, {**base, "shm": shm2, "dir": ck2, "resume": "last"})
+    assert "resuming from the durable checkpoint" in text and "newest in memory: None" in text, text[-3000:]
+
+    # 3) the durable checkpoints cannot be read (their recorded checksums are gone): memory (step 3)
+    # is taken, and every rank says why
+    for m in glob.glob(os.path.join(ckdir, "*.ckpt", "manifest.json")):
+        os.remove(m)
+    rcs, outs, logs = _launch(tmp, "unreadable", {**base, "resume": "last"})
+    text = tails(logs, 200000)
+    assert rcs == [0, 0] and all(o["start_step"] == 3 for o in outs), f"{rcs} {outs}\n{text[-3000:]}"
+    for r in range(2):
+        assert f"rank {r}: the durable checkpoint" in text and "cannot be read" in text, text[-3000:]
+
+    # 4) a SIGTERM whose grace period ends while the snapshot is being made durable: the processes
+    # exit within it, said so, nothing half-written is ever taken; the next job resumes from the
+    # newest complete checkpoint (memory gone: last.ckpt of step 2)
+    ck4, shm4 = os.path.join(tmp, "ck4"), os.path.join(tmp, "shm4")
+    import time
+
+    t0 = time.monotonic()
+    rcs, outs, logs = _launch(tmp, "slowterm", {**base, "dir": ck4, "shm": shm4, "stop_at": 3, "how": "sigterm",
+                                                "grace": 1.0, "slow_persist": 60})
+    assert time.monotonic() - t0 < 45, "the ranks outstayed the grace period, waiting for the persist"
+    text = tails(logs, 200000)
+    assert "could not be made durable within 1s" in text, f"{rcs}\n{text[-3000:]}"
+    assert not os.path.exists(os.path.join(ck4, "preempted-step=3.ckpt", "metadata.json"))
+    shutil.rmtree(shm4)
+    rcs, outs, logs = _launch(tmp, "after_slowterm", {**base, "dir": ck4, "shm": shm4, "resume": "last"})
+    assert rcs == [0, 0] and all(o["start_step"] == 2 for o in outs), f"{rcs} {outs}\n{tails(logs)[-3000:]}"
 
 
 def _allowed():

@@ -66,8 +66,10 @@ def test_replication_plan_refuses_impossible_layouts():
     import ckpt_integration as ci
     from ckpt_integration.memory.plan import replication_plan
 
-    with pytest.raises(ci.MemoryCheckpointError, match="replicas=3 needs 3 nodes.*has 2"):
-        replication_plan(4, 2, 3)
+    p = replication_plan(4, 2, 3)  # fewer nodes than replicas (a job restarted smaller): a copy per node
+    assert (p.replicas, p.asked) == (2, 3) and p.holders == ((2,), (3,), (0,), (1,))
+    p = replication_plan(2, 2, 2)  # one node: no peer copies
+    assert (p.replicas, p.holders) == (1, ((), ()))
     with pytest.raises(ci.MemoryCheckpointError, match="not a multiple of ranks_per_node=3"):
         replication_plan(4, 3, 1)
     with pytest.raises(ValueError, match="replicas must be >= 1"):
@@ -167,6 +169,39 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     _check(again.load(_request(0, 1), 3), 0, 1, 3)
     again.close(remove=True)
     assert not os.path.exists(os.path.join(d, "solo"))
+
+
+def _shared_directory(rank, world, root):
+    import logging
+
+    import ckpt_integration as ci
+
+    # two plan nodes given one directory (as a wrong ranks_per_node does on one host): refused on
+    # every rank, naming the ranks, before anything is written
+    with pytest.raises(ci.MemoryCheckpointError, match=r"same memory as their owners \(rank 0's copy on rank 1; rank 1's copy on rank 0"):
+        ci.MemoryCheckpoints(os.path.join(root, "shared"), "clash", replicas=2, ranks_per_node=1)
+    assert not os.path.exists(os.path.join(root, "shared", "clash", "r00000", "s0.rec"))
+    # one node's memory for both ranks, said so: the tier keeps one copy (a restart on fewer nodes)
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("ckpt_integration.memory.tier").addHandler(handler)
+    try:
+        tier = ci.MemoryCheckpoints(os.path.join(root, "shared"), "one", replicas=2, ranks_per_node=2)
+    finally:
+        logging.getLogger("ckpt_integration.memory.tier").removeHandler(handler)
+    assert tier.plan.replicas == 1 and any("keeping 1 copy" in m for m in records), records
+    tier.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((2,), float(rank)), (0, rank, world))}, 1)
+    tier.wait()
+    got = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}, 1, verify_state=True)
+    assert torch.equal(got["w"], torch.full((2,), float(rank)))
+    tier.close(remove=True)
+
+
+def test_copies_in_the_owners_own_memory_are_refused(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_shared_directory, 2, str(tmp_path), timeout=120)
 
 
 def test_a_persisted_snapshot_records_its_step_and_is_the_newest(tmp_path):

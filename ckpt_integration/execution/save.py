@@ -33,6 +33,7 @@ import os
 import time
 import uuid
 
+import numpy as np
 import torch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -52,7 +53,7 @@ from ..storage.manifest_tables import file_sizes, rendered_tables
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
-from ..storage.fingerprint import encode_rows, fingerprints
+from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
@@ -92,9 +93,11 @@ class SavePlan:
     local_error: Optional[str] = None
     local_exc: Optional[BaseException] = None
     stop: Optional[Callable[[], None]] = None  # raises to abandon the write (async saves, preemption)
-    # the layout-independent fingerprint of every tensor chunk this rank writes (key, offsets,
-    # sizes, value): computed over the bytes written (an async save's staged copies) before
-    # writing; zarr's before its requests are cut into zarr chunks
+    # the layout-independent fingerprint of every tensor chunk this rank writes, computed over the
+    # bytes written (an async save's staged copies): torch_dist's per request before writing, and
+    # recorded with the items; zarr's as rows (key, offsets, sizes, value) before its requests are
+    # cut into zarr chunks
+    item_fingerprints: Optional[List[Optional[int]]] = None
     fingerprints: Optional[List[FingerprintRow]] = None
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
@@ -280,7 +283,7 @@ def prepare_save(
     fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
         try:  # of the chunks as validated, before they are cut into the backend's units
-            fprints = request_fingerprints(requests)
+            fprints = fingerprint_rows(requests, request_fingerprints(requests))
         except Exception as e:
             local_error, local_exc = _describe(e), e
         # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
@@ -320,11 +323,18 @@ def _recorded_step(step: Optional[int], common: Any) -> Optional[int]:
     return None
 
 
-def request_fingerprints(requests: List[WriteRequest]) -> List[FingerprintRow]:
-    """The fingerprint row of every tensor chunk among ``requests`` (storage.fingerprint)."""
-    tensors = [r for r in requests if isinstance(r.data, torch.Tensor) and r.offsets is not None]
-    values = fingerprints([(r.data, r.offsets) for r in tensors])
-    return [(r.storage_key, tuple(r.offsets), tuple(r.data.shape), v) for r, v in zip(tensors, values)]
+def request_fingerprints(requests: List[WriteRequest]) -> List[Optional[int]]:
+    """The fingerprint of every tensor chunk among ``requests`` (storage.fingerprint; None for objects)."""
+    at = [i for i, r in enumerate(requests) if isinstance(r.data, torch.Tensor) and r.offsets is not None]
+    out: List[Optional[int]] = [None] * len(requests)
+    for i, v in zip(at, fingerprints([(requests[i].data, requests[i].offsets) for i in at])):
+        out[i] = v
+    return out
+
+
+def fingerprint_rows(requests: List[WriteRequest], values: List[Optional[int]]) -> List[FingerprintRow]:
+    """``(key, offsets, sizes, fingerprint)`` of every tensor chunk among ``requests``."""
+    return [(r.storage_key, tuple(r.offsets), tuple(r.data.shape), v) for r, v in zip(requests, values) if v is not None]
 
 
 def write_local(plan: SavePlan) -> None:
@@ -334,8 +344,8 @@ def write_local(plan: SavePlan) -> None:
     try:
         if plan.stop is not None:
             plan.stop()
-        if plan.fingerprints is None:
-            plan.fingerprints = request_fingerprints(plan.requests)
+        if plan.fingerprints is None and plan.backend == "torch_dist":  # (zarr's: before its chunks were cut)
+            plan.item_fingerprints = request_fingerprints(plan.requests)
         plan.written = SAVE_BACKENDS[plan.backend].write(plan)
     except Exception as e:
         e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
@@ -364,7 +374,7 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
 
 def _write_torch_dist(plan: SavePlan) -> Any:
     return write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
-                            separation_hint=plan.separation_hint, stop=plan.stop)
+                            separation_hint=plan.separation_hint, stop=plan.stop, fingerprints=plan.item_fingerprints)
 
 
 def _write_zarr(plan: SavePlan) -> Any:
@@ -408,10 +418,17 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
 
 def _fingerprint_text(layout: CommitLayout) -> str:
     """The manifest's ``fingerprints`` (format 5): one row per tensor chunk written."""
-    rows = sorted(layout.written.fingerprints)
-    if not rows:
+    w = layout.written
+    groups = list(w.fingerprints)  # zarr's rows
+    if len(w.has_fingerprint) and w.has_fingerprint.any():  # torch_dist's, with the items
+        for nd in np.unique(w.nd[w.has_fingerprint]).tolist():
+            sel = np.flatnonzero(w.has_fingerprint & (w.nd == nd) & w.has_sizes)
+            strings = w.strings
+            groups.append((nd, [strings[k] for k in w.key[sel].tolist()], w.fingerprint[sel], w.grid(sel, nd),
+                           w.grid(sel, nd, sizes=True)))
+    if not any(len(g[1]) for g in groups):
         return ""
-    return encode_rows([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows])
+    return encode_groups(groups)
 
 
 def _check_claim(plan: SavePlan) -> Optional[claims.SaveClaim]:

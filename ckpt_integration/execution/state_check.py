@@ -130,15 +130,14 @@ def check_state(parts: Sequence[LoadedPart], recorded: Optional[Recorded], rank:
     sums = fingerprints(values)
     outgoing: Dict[int, MessageWriter] = {}
     for p, fp in zip(kept, sums):
-        chunks = recorded.chunks(p.key)
-        if not chunks:
-            report.unchecked[p.key] = "no fingerprint recorded for it"
-            continue
-        same = next((c for c in chunks if c[0] == p.box.offsets and c[1] == p.box.sizes), None)
-        if same is not None:
+        same = recorded.chunk(p.key, p.box.offsets)
+        if same is not None and same[0] == p.box.sizes:  # one saved chunk (a same-layout load: every request)
             report.checked.add(p.key)
-            if same[2] != fp:
+            if same[1] != fp:
                 report.problems.append(_differs(p.key, p.box, [rank], p.main))
+            continue
+        if p.key not in recorded:
+            report.unchecked[p.key] = "no fingerprint recorded for it"
             continue
         w = outgoing.setdefault(_owner(p.key, world), MessageWriter())
         lo, hi = fp & 0xFFFFFFFF, fp >> 32

@@ -33,6 +33,7 @@ from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
 from ..memory import MemoryCheckpoints
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
+from ..storage import checkpoint_dir as ckdir
 from ..serialization import load_common_state_dict
 from .entries import RNG_KEY, rng_from_safe, sharded_keys
 from .io import MARKER, DistCkptIO
@@ -113,14 +114,16 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     if durable is None and strategy.is_global_zero:
         durable = latest_complete_checkpoint(_checkpoint_dir(trainer))
     durable = strategy.broadcast(durable)
-    step = -1
-    if durable is not None and strategy.is_global_zero and is_complete_checkpoint(durable):
-        try:
-            step = int(load_common_state_dict(durable, **_common_kw(io)).get("global_step", -1))
-        except Exception as e:  # noqa: BLE001 - the strategy's load reports a bad checkpoint properly
-            logger.warning("cannot read the step of %s: %s", durable, e)
-    durable_step = strategy.broadcast(step)
-    if mem_step is not None and (durable is None or mem_step >= durable_step):
+    step, why = -1, None
+    if durable is not None and strategy.is_global_zero:
+        step, why = _durable_step(durable, io)
+    durable_step, why = strategy.broadcast((step, why))
+    if why is not None and mem_step is not None:
+        # not a guess made silently: memory is taken because the durable checkpoint cannot be
+        # read (its load would fail the same way), and every rank says so
+        logger.warning("rank %d: the durable checkpoint %s cannot be read (%s), so its step is unknown; resuming from "
+                       "the memory tier's step %d instead", rank, durable, why, mem_step)
+    if mem_step is not None and (durable is None or why is not None or mem_step >= durable_step):
         try:
             loaded = _load_memory(strategy, tier, mem_step)
             logger.info("rank %d: resumed from the memory tier, step %d (%s)", rank, mem_step, tier.last_restore.source)
@@ -136,6 +139,20 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     logger.info("rank %d: resuming from the durable checkpoint %s (step %d; newest in memory: %s)", rank, durable,
                 durable_step, mem_step)
     return None, durable
+
+
+def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:
+    """``(step, None)`` of a durable checkpoint (the step its manifest records, else its
+    ``global_step``), or ``(-1, why)`` when it cannot be read."""
+    if not is_complete_checkpoint(path):
+        return -1, "it is not a complete checkpoint"
+    try:
+        manifest = ckdir.read_manifest(path)
+        if manifest is not None and manifest.step is not None:
+            return int(manifest.step), None
+        return int(load_common_state_dict(path, **_common_kw(io)).get("global_step", -1)), None
+    except Exception as e:  # noqa: BLE001 - reported by the caller, and by the load if it is tried
+        return -1, f"{type(e).__name__}: {e}"
 
 
 def _common_kw(io: DistCkptIO) -> Dict[str, Any]:
@@ -255,6 +272,8 @@ class DistCkptMemorySnapshots(Callback):
         th = threading.Thread(target=work, name="ckpt-memory-preempt", daemon=True)
         th.start()
         th.join(grace)
+        if th.is_alive():  # the grace period is over: stop what is in flight (nothing half-written commits)
+            tier.abandon(f"preempted: not durable within the grace period ({grace:.0f}s after the SIGTERM)")
         if "step" in outcome:
             logger.info("rank %d: SIGTERM: memory snapshot of step %d is durable in %s", trainer.global_rank,
                         outcome["step"], _checkpoint_dir(trainer))
@@ -272,6 +291,7 @@ class DistCkptMemorySnapshots(Callback):
                 r.wait()
             except Exception as e:  # noqa: BLE001
                 failed = failed or e
+        self._prune(trainer)  # every persist is done now: the two newest are kept, as during the run
         self._persists = []
         tier, io.memory_tier = io.memory_tier, None
         tier.close(remove=True)  # the job is finished: free the nodes' memory

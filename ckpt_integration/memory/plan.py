@@ -11,6 +11,8 @@ the failure domain: the tier survives the loss of up to ``replicas - 1`` nodes o
 Where the node count is not a multiple of ``replicas`` (NVRx refuses that), the last group
 takes the remaining nodes and each of its nodes sends to the next ``replicas - 1`` nodes of the
 group in a ring, so copies still land on distinct nodes and every node holds the same number.
+A job with fewer nodes than ``replicas`` (restarted smaller after losing nodes) keeps one copy
+per node (``ReplicationPlan.replicas``; ``asked`` keeps what was asked for).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class ReplicationPlan:
 
     world_size: int
     ranks_per_node: int
-    replicas: int
+    replicas: int  # copies kept, the owner's included (at most the number of nodes)
     holders: Tuple[Tuple[int, ...], ...]
+    asked: int = 0  # the replicas asked for (more than the nodes of a job restarted on fewer)
 
     def node_of(self, rank: int) -> int:
         """Index of the node ``rank`` runs on (``rank // ranks_per_node``)."""
@@ -62,11 +65,8 @@ def replication_plan(world_size: int, ranks_per_node: int, replicas: int) -> Rep
             "the same number of ranks on every node (pass ranks_per_node, default LOCAL_WORLD_SIZE)"
         )
     nodes = world_size // ranks_per_node
-    if replicas > nodes:
-        raise MemoryCheckpointError(
-            f"replicas={replicas} needs {replicas} nodes (each copy on a distinct node), but the job has {nodes} "
-            f"(world size {world_size} / ranks_per_node {ranks_per_node}); use replicas<={nodes}"
-        )
+    asked = replicas
+    replicas = min(replicas, nodes)  # copies on distinct nodes: as many as the nodes allow (a smaller restart)
     groups: List[List[int]] = [list(range(g, g + replicas)) for g in range(0, nodes - nodes % replicas, replicas)]
     if nodes % replicas:
         groups[-1].extend(range(nodes - nodes % replicas, nodes))  # the remainder joins the last group
@@ -78,7 +78,7 @@ def replication_plan(world_size: int, ranks_per_node: int, replicas: int) -> Rep
             for local in range(ranks_per_node):
                 rank = node * ranks_per_node + local
                 holders[rank] = tuple(t * ranks_per_node + local for t in targets)
-    return ReplicationPlan(world_size, ranks_per_node, replicas, tuple(holders))
+    return ReplicationPlan(world_size, ranks_per_node, replicas, tuple(holders), asked)
 
 
 @dataclass(frozen=True)

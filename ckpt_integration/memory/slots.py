@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import re
 import shutil
 import struct
@@ -71,6 +72,20 @@ def owner_dir(root: str, owner: int) -> str:
 
 def record_path(root: str, owner: int, slot: int) -> str:
     return os.path.join(owner_dir(root, owner), f"s{slot}.rec")
+
+
+def memory_identity(directory: str) -> str:
+    """Which physical memory ``directory`` is: host name, boot id and the directory's device and
+    inode (two ranks of one host given the same shared-memory directory, by any path, get the same
+    identity; two simulated nodes on one host with directories of their own, different ones)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "-"
+    os.makedirs(directory, exist_ok=True)
+    st = os.stat(directory)
+    return f"host {socket.gethostname()} (boot {boot[:8]}), device {st.st_dev}, inode {st.st_ino}"
 
 
 def node_id(root: str) -> str:

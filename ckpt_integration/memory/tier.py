@@ -147,9 +147,13 @@ class MemoryCheckpoints:
         self.last_restore: Optional[RestoreReport] = None
         self.last_complete_step: Optional[int] = None
         self.last_save_blocking_s: Optional[float] = None
+        self._check_distinct_memory(process_group)  # (before the tier's own groups exist: nothing to undo)
         self._group = self._new_group(process_group, timeout_s)
         self._persist_group = self._new_group(process_group, timeout_s)
         self.node = slots.node_id(self.root)
+        if self.plan.replicas < self.plan.asked:
+            logger.warning("memory tier: replicas=%d asked, but the job has %d node(s): keeping %d copy(ies) of every "
+                           "snapshot", self.plan.asked, self.world_size // self.plan.ranks_per_node, self.plan.replicas)
         inc = dist.broadcast_object((time.time_ns(), uuid.uuid4().hex) if self.rank == 0 else None,
                                     src=dist.coordinator_rank(self._group), group=self._group)
         self.incarnation: Tuple[int, str] = (int(inc[0]), str(inc[1]))
@@ -170,6 +174,25 @@ class MemoryCheckpoints:
         self._protected: Optional[rs.Key] = done[0] if done else None
         self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0]) if done else None
         self.last_complete_step = done[0][0] if done else None
+
+    def _check_distinct_memory(self, process_group: Any) -> None:
+        """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's
+        memory is named by its host, boot and the directory's device and inode (what two plan nodes
+        share when ``ranks_per_node`` does not match how the ranks are placed, or when two nodes
+        were given one directory); a copy that would land in its owner's memory is refused, naming
+        the ranks, before anything is written (it would protect nothing, and overwrite records)."""
+        gathered = dist.all_gather_object((slots.memory_identity(self.directory), self.directory), process_group)
+        ids = [g[0] for g in gathered]
+        clashes = [(r, h) for r in range(self.world_size) for h in self.plan.holders[r] if ids[h] == ids[r]]
+        if not clashes:
+            return
+        shown = "; ".join(f"rank {r}'s copy on rank {h}" for r, h in clashes[:6]) + (" ..." if len(clashes) > 6 else "")
+        raise MemoryCheckpointError(
+            f"memory tier: copies would be kept in the same memory as their owners ({shown}: both in "
+            f"{gathered[clashes[0][1]][1]}, {ids[clashes[0][0]]}); "
+            f"ranks_per_node={self.plan.ranks_per_node} puts ranks of one host's memory on different nodes, or several "
+            "nodes were given one directory. Pass the ranks per node the job really has (LOCAL_WORLD_SIZE), and each "
+            "node its own shared-memory directory")
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -486,13 +509,32 @@ class MemoryCheckpoints:
         slot = self._slot_of_key(inv, key)
         with self._pin_cv:
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
-        req = AsyncRequest(self._run_persist, (inv, key, os.fspath(checkpoint_dir), slot, save_kwargs),
+        path = os.fspath(checkpoint_dir)
+        held: List[AsyncRequest] = []
+
+        def stop() -> None:  # the write's check before each item: abandon() stops it (nothing is committed)
+            held[0]._check_cancelled(path, self.rank)
+
+        req = AsyncRequest(self._run_persist, (inv, key, path, slot, save_kwargs, stop),
                            description=f"persist step {step} to {checkpoint_dir}")
+        req._cancellable = True
+        held.append(req)
         self._persist_queue.schedule_async_request(req)
         return req
 
-    def _run_persist(self, inv: rs.Inventory, key: rs.Key, checkpoint_dir: str, slot: int, kw: Dict[str, Any]) -> None:
+    def abandon(self, reason: str, wait_s: float = 2.0) -> bool:
+        """Stop the snapshot and the persists in flight (a preemption's grace period is over): a
+        persist's write stops before its next item and nothing is committed, a snapshot in flight
+        fails (the previous complete step stays). Local; every rank calls it. Returns ``True`` if
+        everything ended within ``wait_s``."""
+        ok = self._persist_queue.abandon(reason, wait_s)
+        return self._queue.abandon(reason, wait_s) and ok
+
+    def _run_persist(self, inv: rs.Inventory, key: rs.Key, checkpoint_dir: str, slot: int, kw: Dict[str, Any],
+                     stop: Optional[Any] = None) -> None:
         try:
+            if stop is not None:
+                stop()
             got, err, missing, _ = rs.fetch(inv, key, self.root, self._persist_group)
             values: List[Any] = []
             common: Any = None
@@ -510,6 +552,7 @@ class MemoryCheckpoints:
             # be found there)
             kw = {"balance": False, "step": key[0], **kw}
             plan = prepare_save({"shards": values}, checkpoint_dir, process_group=self._persist_group, **kw)
+            plan.stop = stop
             if plan.rank == 0:
                 plan.common = common  # the snapshot's common state, exactly as a save of the original writes it
             write_local(plan)

@@ -38,12 +38,13 @@ class Written:
     checksum: int  # the item digest (CRC32 or XXH3-64: up to 64 bits)
     # tensor items of torch_dist: (data offset, data length, block size, block digests)
     blocks: Optional[Blocks] = None
+    fingerprint: Optional[int] = None  # a tensor chunk's layout-independent fingerprint
 
 
 class WrittenTable:
     """The items one rank wrote, field by field (cheap to append to while writing)."""
 
-    __slots__ = ("keys", "offsets", "sizes", "files", "starts", "lengths", "digests", "blocks")
+    __slots__ = ("keys", "offsets", "sizes", "files", "starts", "lengths", "digests", "blocks", "fingerprints")
 
     def __init__(self) -> None:
         self.keys: List[str] = []
@@ -54,12 +55,14 @@ class WrittenTable:
         self.lengths: List[int] = []
         self.digests: List[int] = []
         self.blocks: List[Optional[Blocks]] = []
+        self.fingerprints: List[Optional[int]] = []  # a tensor chunk's fingerprint (storage.fingerprint)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def append(self, key: str, offsets: Optional[Tuple[int, ...]], sizes: Optional[Tuple[int, ...]], file: str,
-               start: int, length: int, digest: int, blocks: Optional[Blocks] = None) -> None:
+               start: int, length: int, digest: int, blocks: Optional[Blocks] = None,
+               fingerprint: Optional[int] = None) -> None:
         self.keys.append(key)
         self.offsets.append(offsets)
         self.sizes.append(sizes)
@@ -68,6 +71,7 @@ class WrittenTable:
         self.lengths.append(length)
         self.digests.append(digest)
         self.blocks.append(blocks)
+        self.fingerprints.append(fingerprint)
 
     def extend(self, other: "WrittenTable") -> None:
         for name in self.__slots__:
@@ -79,19 +83,19 @@ class WrittenTable:
         t = cls()
         for it in items:
             t.append(it.storage_key, it.offsets, getattr(it, "sizes", None), it.relative_path, it.offset, it.length,
-                     it.checksum, it.blocks)
+                     it.checksum, it.blocks, getattr(it, "fingerprint", None))
         return t
 
     def items(self) -> List[Written]:
         return [Written(*row) for row in zip(self.keys, self.offsets, self.sizes, self.files, self.starts, self.lengths,
-                                             self.digests, self.blocks)]
+                                             self.digests, self.blocks, self.fingerprints)]
 
 
 # finalize message tables
 ITEMS, COORDS, BLOCK_DIGESTS, FINGERPRINTS = 11, 12, 13, 14
 # BLOCK_DIGESTS: ``nd`` 32-bit words per digest (1: all fit 32 bits, as CRC32s do; 2: low, high)
 # FINGERPRINTS (per number of dimensions nd): key, fingerprint (low, high), offsets, sizes
-_WIDTHS = {ITEMS: lambda nd: 12, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd, SUMMARY: WIDTHS[SUMMARY],
+_WIDTHS = {ITEMS: lambda nd: 15, COORDS: lambda nd: 1, BLOCK_DIGESTS: lambda nd: nd, SUMMARY: WIDTHS[SUMMARY],
            FINGERPRINTS: lambda nd: 3 + 2 * nd}
 
 # a saved chunk's fingerprint as a writer reports it: (key, offsets, sizes, fingerprint)
@@ -129,9 +133,11 @@ def encode_finalize(error: Optional[str], written: Union[WrittenTable, Sequence[
     bcols = [(-1, 0, 0, -1) if b is None else (b[0], b[1], b[2], len(b[3])) for b in t.blocks]
     block_digests = [d for b in t.blocks if b is not None for d in b[3]]
     dig = halves(np.asarray(t.digests, dtype=np.uint64))
+    has_fp = [0 if f is None else 1 for f in t.fingerprints]
+    fps = halves(np.fromiter((0 if f is None else f for f in t.fingerprints), dtype=np.uint64, count=n))
     put_table(w, ITEMS, 0, [w.sids(t.keys), np.asarray(nd), np.asarray(has_sizes), w.sids(t.files),
                             np.asarray(t.starts, dtype=np.int64), np.asarray(t.lengths, dtype=np.int64), dig,
-                            np.asarray(bcols, dtype=np.int64).reshape(n, 4).T])
+                            np.asarray(bcols, dtype=np.int64).reshape(n, 4).T, np.asarray(has_fp), fps])
     if coords:
         put_table(w, COORDS, 0, [np.asarray(coords, dtype=np.int64)])
     if block_digests:
@@ -148,23 +154,28 @@ def _put_fingerprints(w: MessageWriter, rows: Sequence[FingerprintRow]) -> None:
     for r in rows:
         by_nd.setdefault(len(r[1]), []).append(r)
     for nd, rs in sorted(by_nd.items()):
-        fp = halves(np.array([r[3] for r in rs], dtype=np.uint64))
-        coords = np.array([list(r[1]) + list(r[2]) for r in rs], dtype=np.int64).reshape(len(rs), 2 * nd).T
-        put_table(w, FINGERPRINTS, nd, [w.sids([r[0] for r in rs]), fp, coords])
+        m = len(rs)
+        fp = halves(np.fromiter((r[3] for r in rs), dtype=np.uint64, count=m))
+        offs = np.array([r[1] for r in rs], dtype=np.int64).reshape(m, nd).T
+        szs = np.array([r[2] for r in rs], dtype=np.int64).reshape(m, nd).T
+        put_table(w, FINGERPRINTS, nd, [w.sids([r[0] for r in rs]), fp, offs, szs])
 
 
-def read_fingerprints(batch: TableBatch) -> List[FingerprintRow]:
-    """Every message's fingerprint rows (rank 0)."""
-    out: List[FingerprintRow] = []
+# the fingerprint rows of every rank, per number of dimensions: (nd, keys, fingerprints, offsets
+# (m, nd), sizes (m, nd)), as rank 0 gathers them
+FingerprintGroups = List[Tuple[int, List[str], np.ndarray, np.ndarray, np.ndarray]]
+
+
+def read_fingerprints(batch: TableBatch) -> FingerprintGroups:
+    """Every message's fingerprint rows (rank 0), as columns per number of dimensions."""
+    out: FingerprintGroups = []
     for tag, nd in sorted(batch.tables):
         if tag != FINGERPRINTS:
             continue
         msg, rows = batch.rows(FINGERPRINTS, nd, 3 + 2 * nd)
-        keys = batch.global_ids(msg, rows[0]).tolist()
-        fps = joined(rows[1], rows[2]).tolist()
-        coords = rows[3:].T.tolist()
-        for k, fp, c in zip(keys, fps, coords):
-            out.append((batch.strings[k], tuple(c[:nd]), tuple(c[nd:]), int(fp)))
+        strings = batch.strings
+        keys = [strings[k] for k in batch.global_ids(msg, rows[0]).tolist()]
+        out.append((nd, keys, joined(rows[1], rows[2]), rows[3 : 3 + nd].T, rows[3 + nd :].T))
     return out
 
 
@@ -188,8 +199,10 @@ class WrittenColumns:
     nblocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # -1: no block record
     block_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     block_digests: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
-    # the fingerprints of the chunks written as main replica (key, offsets, sizes, fingerprint)
-    fingerprints: List[FingerprintRow] = field(default_factory=list)
+    has_fingerprint: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    fingerprint: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    # the fingerprints of the chunks written (key, offsets, sizes, fingerprint), per number of dimensions
+    fingerprints: FingerprintGroups = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -225,8 +238,10 @@ class WrittenColumns:
             if self.nblocks[i] >= 0:
                 b = (int(self.data_offset[i]), int(self.data_length[i]), int(self.block_size[i]),
                      self.block_digests_of(i).tolist())
+            fp = int(self.fingerprint[i]) if len(self.has_fingerprint) and self.has_fingerprint[i] else None
             out.append(Written(self.strings[self.key[i]], self.offsets_of(i), self.sizes_of(i),
-                               self.strings[self.file[i]], int(self.start[i]), int(self.length[i]), int(self.digest[i]), b))
+                               self.strings[self.file[i]], int(self.start[i]), int(self.length[i]), int(self.digest[i]), b,
+                               fp))
         return out
 
 
@@ -250,7 +265,7 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     errors = [(ranks[i], strings[int(batch.lut[batch.lut_base[i]])]) for i, has_error in heads if has_error]
     summaries = read_summaries(batch)
     fingerprints = read_fingerprints(batch)
-    msg, it = batch.rows(ITEMS, 0, 12)
+    msg, it = batch.rows(ITEMS, 0, 15)
     if not len(msg):
         return errors, WrittenColumns(strings=strings, fingerprints=fingerprints), summaries
     it = it.copy()
@@ -272,7 +287,7 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
         file=it[3], start=it[4], length=it[5], digest=joined(it[6], it[7]),
         data_offset=it[8], data_length=it[9], block_size=it[10], nblocks=nblocks,
         block_pos=np.cumsum(np.maximum(nblocks, 0)) - np.maximum(nblocks, 0), block_digests=bdig,
-        fingerprints=fingerprints,
+        has_fingerprint=it[12] != 0, fingerprint=joined(it[13], it[14]), fingerprints=fingerprints,
     )
     if len(cols.coords) != int(ncoords.sum()) or len(cols.block_digests) != int(np.maximum(nblocks, 0).sum()):
         raise ValueError("finalize messages have inconsistent item tables")

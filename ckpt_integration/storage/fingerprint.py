@@ -37,7 +37,7 @@ import base64
 import ctypes
 import functools
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -132,78 +132,121 @@ def fingerprint(t: torch.Tensor, offsets: Optional[Sequence[int]] = None) -> int
     esize = t.element_size()
     last, c0 = shape[-1], offsets[-1]
     rows = t.numel() // last
+    xb = _byte_rows(t, rows, last)
+    w = _weights(str(t.device) if t.is_cuda else "cpu")
+    return int(_contribution(xb, _row_keys(offsets[:-1], shape[:-1]), c0 * esize, (c0 + last) * esize, w))
+
+
+def _byte_rows(t: torch.Tensor, rows: int, last: int) -> torch.Tensor:
+    """``t``'s elements as ``(rows, last * element size)`` int8 (a view when its rows are contiguous)."""
     x = t.detach().reshape(rows, last)
     if x.stride(-1) != 1 or (rows > 1 and x.stride(0) != last):
         x = x.contiguous()
-    xb = x.view(torch.int8) if x.dtype != torch.bool else x.view(torch.int8)  # (rows, last * esize)
-    w = _weights(str(t.device) if t.is_cuda else "cpu")
-    lo, hi = c0 * esize, (c0 + last) * esize  # the row's byte positions
+    return x.view(torch.int8)
+
+
+def _contribution(xb: torch.Tensor, keys: np.ndarray, lo: int, hi: int, w: torch.Tensor) -> np.uint64:
+    """The contribution of rows of bytes ``xb`` (shape ``(rows, hi - lo)``) that sit at byte
+    positions ``[lo, hi)`` of rows with row keys ``keys``."""
+    rows = xb.shape[0]
     segs = np.arange(lo // SEGMENT, (hi - 1) // SEGMENT + 1, dtype=np.int64)
-    keys = _row_keys(offsets[:-1], shape[:-1])
     total = np.uint64(0)
     if len(segs) > 4:  # long rows (a flat vector, a byte view): each row's whole segments in one product
         for r in range(rows):
             total = total + _long_row(xb[r], w, lo, hi, keys[r : r + 1])
-        return int(total)
+        return total
     for r0 in range(0, rows, _ROWS_PER_STEP):
         r1 = min(rows, r0 + _ROWS_PER_STEP)
-        lanes = []
-        for s in segs.tolist():
-            a, e = max(lo, s * SEGMENT), min(hi, (s + 1) * SEGMENT)
-            lanes.append(_lane_sums(xb[r0:r1, a - lo : e - lo], w[a - s * SEGMENT : e - s * SEGMENT]))
-        y = torch.stack(lanes, dim=1).numpy().astype(np.int64).view(np.uint64)  # (rows, segments, lanes)
+        if len(segs) == 1:
+            s0 = int(segs[0])
+            y = _lane_sums(xb[r0:r1], w[lo - s0 * SEGMENT : hi - s0 * SEGMENT])[:, None, :]
+        else:
+            lanes = []
+            for s in segs.tolist():
+                a, e = max(lo, s * SEGMENT), min(hi, (s + 1) * SEGMENT)
+                lanes.append(_lane_sums(xb[r0:r1, a - lo : e - lo], w[a - s * SEGMENT : e - s * SEGMENT]))
+            y = torch.stack(lanes, dim=1)
+        y = y.numpy().astype(np.int64).view(np.uint64)  # (rows, segments, lanes)
         h = _segment_weights(keys[r0:r1], segs)
         with np.errstate(over="ignore"):
             total = total + (y * h).sum(dtype=np.uint64)
-    return int(total)
-
-
-@functools.lru_cache(maxsize=4096)
-def _single_row_weights(leading: tuple) -> np.ndarray:
-    """``H(row, 0, j)`` of the row at leading coordinates ``leading`` (every lane)."""
-    keys = _row_keys(leading, (1,) * len(leading))
-    return _segment_weights(keys, np.zeros(1, dtype=np.int64)).reshape(LANES)
+    return total
 
 
 # a tensor of at most this many bytes is fingerprinted in a batch (fingerprints)
-SMALL = 1 << 14
+SMALL = 1 << 16
+
+
+def _pair_weights(rowkeys: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """``H(row_i, s_i, j)`` for pairs ``(rowkeys[i], segments[i])``: shape ``(n, LANES)``."""
+    with np.errstate(over="ignore"):
+        rs = fmix(rowkeys ^ ((segments.astype(np.uint64) + _ONE) * _K_SEG))
+        lanes = np.arange(1, LANES + 1, dtype=np.uint64) * _K_LANE
+        return fmix(rs[:, None] ^ lanes[None, :]) | _ONE
 
 
 def fingerprints(items: Sequence[tuple]) -> list:
-    """:func:`fingerprint` of each ``(tensor, offsets)``. Small one-row tensors that start at their
-    row's first element (whole biases, norms and other vectors: most tensors of a model by count)
-    are done in one batch: their bytes stacked, zero-padded (zero bytes weigh nothing) and
-    multiplied at once, a few microseconds each instead of a call each."""
+    """:func:`fingerprint` of each ``(tensor, offsets)``, the small ones in batches.
+
+    A small CPU tensor whose rows each lie within one segment (most tensors of a model by count:
+    biases, norms, small matrices, and their shards) is not multiplied on its own: the rows of
+    all such tensors whose rows start at the same place of a segment are stacked into one
+    zero-padded byte matrix (zero bytes weigh nothing) and multiplied at once, a few
+    microseconds per tensor instead of a call each."""
     out: list = [0] * len(items)
-    small: list = []
-    width = 0
+    memmove = ctypes.memmove
+    groups: dict = {}  # start in the segment -> [(item, rows, row bytes, segment, tensor, offsets)]
     for i, (t, o) in enumerate(items):
         n = t.numel()
-        nbytes = n * t.element_size()
-        if 0 < nbytes <= SMALL and not t.is_cuda and (t.dim() == 0 or (o[-1] == 0 and n == t.shape[-1])):
-            small.append(i)
-            width = max(width, nbytes)
-        else:
+        if n == 0 or t.is_cuda:
             out[i] = fingerprint(t, o)
-    if not small:
-        return out
-    width += -width % 8
-    m = np.zeros((len(small), width), dtype=np.int8)
-    base = m.ctypes.data
-    memmove = ctypes.memmove
-    leading = []
-    for row, i in enumerate(small):
-        t, o = items[i]
+            continue
+        if not o:  # a 0-d tensor: one element at (0,)
+            t, o = t.reshape(1), (0,)
+        esize = t.element_size()
+        last = t.shape[-1]
+        p0 = o[-1] * esize
+        q0, width = p0 % SEGMENT, last * esize
+        if n * esize > SMALL or q0 + width > SEGMENT:
+            out[i] = fingerprint(t, o)
+            continue
         if not t.is_contiguous():
             t = t.contiguous()
-        memmove(base + row * width, t.data_ptr(), t.numel() * t.element_size())
-        leading.append(tuple(o[:-1]) if t.dim() > 1 else ())
-    y = _lane_sums(torch.from_numpy(m), _weights("cpu")[:width]).numpy().astype(np.int64).view(np.uint64)
-    h = np.stack([_single_row_weights(k) for k in leading])
-    with np.errstate(over="ignore"):
-        sums = (y * h).sum(axis=1, dtype=np.uint64).tolist()
-    for row, i in enumerate(small):
-        out[i] = sums[row]
+        group = groups.get(q0)
+        if group is None:
+            group = groups[q0] = []
+        group.append((i, n // last, width, p0 // SEGMENT, t, o))
+    for q0, members in groups.items():
+        rows_of = [m[1] for m in members]
+        total_rows = sum(rows_of)
+        width = max(m[2] for m in members)
+        mat = np.zeros((total_rows, width), dtype=np.int8)
+        keys = np.full(total_rows, _SEED_ROW, dtype=np.uint64)  # (a vector's one row: the seed)
+        segs = np.repeat(np.array([m[3] for m in members], dtype=np.int64), rows_of)
+        starts = np.cumsum([0] + rows_of[:-1])
+        flat2d: list = []  # (first row, rows, offset of the one leading axis): keys computed together
+        base = mat.ctypes.data
+        for (i, rows, nb, seg, t, o), r in zip(members, starts.tolist()):
+            if rows == 1:  # (one copy call: most small tensors are vectors)
+                memmove(base + r * width, t.data_ptr(), nb)
+            else:
+                mat[r : r + rows, :nb] = t.detach().reshape(-1).view(torch.int8).numpy().reshape(rows, nb)
+            nd = t.dim()
+            if nd == 2:
+                flat2d.append((r, rows, int(o[0])))
+            elif nd > 2:
+                keys[r : r + rows] = _row_keys(tuple(int(v) for v in o[:-1]), tuple(t.shape[:-1]))
+        if flat2d:  # rowkey of a row of a 2-d tensor: fmix(seed ^ (c_0 * golden + 1)), all at once
+            at = np.concatenate([np.arange(a, a + n) for a, n, _ in flat2d])
+            c0 = np.concatenate([np.arange(c, c + n) for _, n, c in flat2d]).astype(np.uint64)
+            with np.errstate(over="ignore"):
+                keys[at] = fmix(_SEED_ROW ^ (c0 * _GOLDEN + _ONE))
+        y = _lane_sums(torch.from_numpy(mat), _weights("cpu")[q0 : q0 + width]).numpy().astype(np.int64).view(np.uint64)
+        with np.errstate(over="ignore"):
+            per_row = (y * _pair_weights(keys, segs)).sum(axis=1, dtype=np.uint64)
+            sums = np.add.reduceat(per_row, starts).tolist()
+        for m, v in zip(members, sums):
+            out[m[0]] = v
     return out
 
 
@@ -245,23 +288,44 @@ _HEAD = struct.Struct("<4sII")  # magic, version, rows
 def encode_rows(keys: Sequence[str], offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
                 values: Sequence[int]) -> str:
     """The manifest's ``fingerprints`` text (base64) for one row per saved chunk: key, global
-    offsets, sizes, fingerprint. Rows are grouped by number of dimensions; per group the columns
-    are key id, low and high 32 bits of the fingerprint, offsets, sizes."""
-    names = sorted(set(keys))
-    kid = {k: i for i, k in enumerate(names)}
-    groups: dict = {}
-    for k, o, s, v in zip(keys, offsets, sizes, values):
-        groups.setdefault(len(o), []).append((kid[k], int(v) & MASK64, tuple(o), tuple(s)))
+    offsets, sizes, fingerprint (see :func:`encode_groups`)."""
+    by_nd: dict = {}
+    for k, o, z, v in zip(keys, offsets, sizes, values):
+        by_nd.setdefault(len(o), []).append((k, o, z, v))
+    groups = [(nd, [r[0] for r in rs], np.array([int(r[3]) & MASK64 for r in rs], dtype=np.uint64),
+               np.array([r[1] for r in rs], dtype=np.int64).reshape(len(rs), nd),
+               np.array([r[2] for r in rs], dtype=np.int64).reshape(len(rs), nd)) for nd, rs in by_nd.items()]
+    return encode_groups(groups)
+
+
+def encode_groups(groups: Sequence[tuple]) -> str:
+    """The manifest's ``fingerprints`` text for rows given as columns per number of dimensions:
+    ``(nd, keys, fingerprints (uint64), offsets (m, nd), sizes (m, nd))``. Rows are sorted by
+    key and offsets; per ``nd`` the columns are key id, low and high 32 bits of the fingerprint,
+    offsets, sizes."""
+    merged: dict = {}
+    for nd, keys, fp, offs, szs in groups:
+        m = len(keys)
+        merged.setdefault(nd, []).append((list(keys), np.asarray(fp, dtype=np.uint64),
+                                          np.asarray(offs, dtype=np.int64).reshape(m, nd),
+                                          np.asarray(szs, dtype=np.int64).reshape(m, nd)))
+    all_keys = sorted({k for parts in merged.values() for p in parts for k in p[0]})
+    kid_of = {k: i for i, k in enumerate(all_keys)}
     ints: list = []
-    for nd in sorted(groups):
-        rows = groups[nd]
-        fp = halves(np.array([r[1] for r in rows], dtype=np.uint64))
-        ints += [nd, len(rows)] + [r[0] for r in rows] + fp[0].tolist() + fp[1].tolist()
-        for d in range(nd):
-            ints += [r[2][d] for r in rows]
-        for d in range(nd):
-            ints += [r[3][d] for r in rows]
-    raw = _HEAD.pack(MAGIC, TABLE_VERSION, len(keys)) + encode_array(names, np.asarray(ints, dtype=np.int64))
+    n = 0
+    for nd in sorted(merged):
+        parts = merged[nd]
+        kid = np.array([kid_of[k] for p in parts for k in p[0]], dtype=np.int64)
+        fp = np.concatenate([p[1] for p in parts])
+        offs = np.concatenate([p[2] for p in parts])
+        szs = np.concatenate([p[3] for p in parts])
+        order = np.lexsort(tuple(offs[:, d] for d in reversed(range(nd))) + (kid,)) if nd else np.argsort(kid, kind="stable")
+        halves_ = halves(fp[order])
+        ints.append(np.concatenate([np.array([nd, len(order)], dtype=np.int64), kid[order], halves_[0], halves_[1],
+                                    offs[order].T.reshape(-1), szs[order].T.reshape(-1)]))
+        n += len(order)
+    body = np.concatenate(ints) if ints else np.zeros(0, dtype=np.int64)
+    raw = _HEAD.pack(MAGIC, TABLE_VERSION, n) + encode_array(all_keys, body)
     return base64.b64encode(raw).decode("ascii")
 
 
@@ -303,6 +367,7 @@ class Recorded:
             raise ValueError(f"{seen} fingerprint rows where the header says {n}")
         self._index = {k: i for i, k in enumerate(self.keys)}
         self._by_key: Optional[dict] = None
+        self._at: Optional[dict] = None
 
     def _build(self) -> dict:
         by_key: dict = {}
@@ -317,6 +382,17 @@ class Recorded:
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
+
+    def chunk(self, key: str, offsets: Tuple[int, ...]) -> Optional[Tuple[Tuple[int, ...], int]]:
+        """``(sizes, fingerprint)`` of ``key``'s saved chunk at ``offsets``, or None."""
+        if self._at is None:
+            at: dict = {}
+            for nd, kid, fp, offs, szs in self._groups:
+                names = [self.keys[k] for k in kid.tolist()]
+                for k, o, z, v in zip(names, offs.tolist(), szs.tolist(), fp.tolist()):
+                    at[(k, tuple(o))] = (tuple(z), v)
+            self._at = at
+        return self._at.get((key, tuple(offsets)))
 
     def chunks(self, key: str) -> list:
         """``[(offsets, sizes, fingerprint)]`` of ``key``'s saved chunks (empty: not recorded)."""

@@ -237,11 +237,13 @@ def write_data_files(
     block_size: Optional[int] = None,
     separation_hint: Optional[str] = None,
     stop: Optional[Callable[[], None]] = None,
+    fingerprints: Optional[Sequence[Optional[int]]] = None,
 ) -> WrittenTable:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
     Tensor items get block digests (``block_size``, of ``checksum.SAVE_BLOCK_HASH``) besides
-    their item digest. A failed
+    their item digest, and the ``fingerprints`` given (one per request, None for objects;
+    ``storage.fingerprint``), which the commit writes into the manifest. A failed
     write (disk full, permissions) raises :class:`CheckpointWriteError` naming the file.
     Items whose keys start with ``separation_hint`` go to files of their own,
     ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
@@ -273,10 +275,11 @@ def write_data_files(
                 if stop is not None:
                     stop()
                 req = requests[i]
+                fp = fingerprints[i] if fingerprints is not None else None
                 if isinstance(req.data, torch.Tensor) and req.offsets is not None:
                     done = small.add(req.data)
                     if done is not None:
-                        out.append(req.storage_key, req.offsets, tuple(req.data.shape), name, *done)
+                        out.append(req.storage_key, req.offsets, tuple(req.data.shape), name, *done, fingerprint=fp)
                         continue
                 small.flush()
                 start = f.tell()
@@ -298,7 +301,8 @@ def write_data_files(
                     w = DigestWriter(f, digest)
                     w.write(req.data)
                     item_digest, blocks = w.digest, None
-                out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, item_digest, blocks)
+                out.append(req.storage_key, req.offsets, sizes, name, start, f.tell() - start, item_digest, blocks,
+                           fingerprint=fp)
                 small.pos = f.tell()
             small.flush()
             storage.sync(f, durable)
