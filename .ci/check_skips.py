@@ -1,7 +1,11 @@
-"""Fail CI when any test was skipped other than the CUDA tests (no GPU on CI machines).
+"""Fail CI when any test was skipped other than the CUDA tests (no GPU on CI machines), or when
+fewer tests ran than the suite holds.
 
 Reads the JUnit XML that .ci/run asks pytest for. A skip elsewhere means a dependency or a
-server the suite needs was missing, and a green run would not mean what it says.
+server the suite needs was missing, and a green run would not mean what it says. ``--expect N``:
+the number of tests a plain collection finds (``.ci/run`` counts them with no options from the
+environment); a run that reports fewer (deselected by ``-m``, ``-k`` or ``--deselect`` in
+``PYTEST_ADDOPTS``) fails.
 """
 
 import sys
@@ -10,9 +14,14 @@ import xml.etree.ElementTree as ET
 ALLOWED = ("tests.test_cuda", "tests.test_cuda_snapshot")  # modules whose tests need a CUDA device
 
 
-def main(path: str) -> int:
+def main(path: str, expect: int = 0) -> int:
     skipped = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    cases = list(ET.parse(path).getroot().iter("testcase"))
+    if len(cases) < expect:
+        print(f"only {len(cases)} test(s) ran, but the suite holds {expect}: tests were deselected "
+              "(PYTEST_ADDOPTS?); CI runs all of them", file=sys.stderr)
+        return 1
+    for case in cases:
         skip = case.find("skipped")
         if skip is not None and not case.get("classname", "").startswith(ALLOWED):
             skipped.append(f"{case.get('classname')}::{case.get('name')}: {skip.get('message', '')}")
@@ -24,4 +33,10 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    args = sys.argv[1:]
+    expect = 0
+    if "--expect" in args:
+        i = args.index("--expect")
+        expect = int(args[i + 1])
+        del args[i : i + 2]
+    sys.exit(main(args[0], expect))

@@ -74,6 +74,9 @@ def slope_per_100(xs: List[int], ys: List[float]) -> float:
 def soak(rank: int, world: int, directory: str, saves: int, top_k: int = 3, every: int = 10,
          numel: int = 1 << 14) -> Dict[str, Any]:
     """The soak on this rank (call on every rank of an initialised gloo group); returns its samples."""
+    from ckpt_integration.lightning import DistCkptIO
+
+    remover = DistCkptIO()
     rows = numel // 64
     samples: List[Dict[str, int]] = []
     kept: List[str] = []
@@ -90,10 +93,10 @@ def soak(rank: int, world: int, directory: str, saves: int, top_k: int = 3, ever
         else:
             ci.save(state, path)
         kept.append(path)
-        while len(kept) > top_k:
+        while len(kept) > top_k:  # the library's own top-k deletion (DistCkptIO.remove_checkpoint)
             old = kept.pop(0)
             if rank == 0:
-                shutil.rmtree(old)
+                remover.remove_checkpoint(old)
         dist.barrier()
         if i % every == 0 or i == saves - 1:
             samples.append({"save": i, **sample()})

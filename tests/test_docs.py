@@ -239,3 +239,21 @@ def test_ci_runs_the_readme_test_command():
     assert install == 'pip install -e ".[test]" -c constraints.txt' and run == "python -m pytest -q"
     assert 'python -m pip install -q -e ".[test]" -c constraints.txt' in ci and run in ci
     assert ci.index(run) > ci.index('python -m pip install -q -e ".[test]" -c constraints.txt')
+
+
+def test_ci_fails_when_tests_were_deselected(tmp_path):
+    """.ci/run counts the suite's tests with no options from the environment and fails when fewer
+    ran (a PYTEST_ADDOPTS with -m "not slow" or --deselect cannot make CI green)."""
+    import subprocess
+    import sys
+
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="test_x"/>'
+                   '<testcase classname="tests.test_a" name="test_y"/></testsuite></testsuites>')
+    check = [sys.executable, os.path.join(REPO, ".ci", "check_skips.py"), str(xml)]
+    assert subprocess.run(check + ["--expect", "2"], capture_output=True).returncode == 0
+    bad = subprocess.run(check + ["--expect", "3"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "only 2 test(s) ran, but the suite holds 3" in bad.stderr
+    with open(os.path.join(REPO, ".ci", "run"), encoding="utf-8") as f:
+        ci = f.read()
+    assert 'env -u PYTEST_ADDOPTS python -m pytest --collect-only' in ci and '--expect "$COLLECTED"' in ci

@@ -581,7 +581,8 @@ def _damage(path: str, how: str, offset: int) -> None:
 def _every_strategy_worker(rank, world, root):
     """A row split saved, damaged four ways in four copies, loaded by columns (every rank needs
     both saved chunks) with every strategy, also as if every rank were its own node: every load
-    fails on every rank with a library error naming the damaged file, nothing is returned."""
+    fails on every rank with a library error naming the damaged file, nothing is returned. A
+    copy whose .metadata was forged to another dtype of the same width is refused the same way."""
     from ckpt_integration.storage import torch_dist
 
     torch_dist.BLOCK_SIZE = 16 << 10
@@ -596,6 +597,8 @@ def _every_strategy_worker(rank, world, root):
         for how in damages:
             shutil.copytree(src, os.path.join(root, how))
             _damage(os.path.join(root, how, "__1_0.distcp"), how, offset)
+        shutil.copytree(src, os.path.join(root, "forged"))  # .metadata says int32, manifest updated to match
+        _rewrite_metadata(os.path.join(root, "forged"), _forge_dtype)
     torch.distributed.barrier()
     cols = COLS // world
     sentinel = torch.full((ROWS, cols), -7.0)
@@ -613,6 +616,12 @@ def _every_strategy_worker(rank, world, root):
                        "emptied": "is truncated"}[how]
                 assert why in text and "__1_0.distcp" in text, (how, strategy, lws, text)
                 assert type(ei.value).__name__ in ("CorruptCheckpointError", "DistributedCheckpointingError"), type(ei.value)
+        # a consistently forged dtype is refused by every strategy too (read once included): each
+        # item's own archive says float32
+        for strategy in STRATEGIES:
+            with pytest.raises(CorruptCheckpointError, match=r"is stored as torch.float32 \(the archive's data.pkl\)"):
+                ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, cols, dtype=torch.int32), (1, rank, world))},
+                        os.path.join(root, "forged"), load_strategy=strategy)
         # the undamaged checkpoint loads exactly with every strategy
         for strategy in STRATEGIES:
             out = sentinel.clone()

@@ -309,10 +309,12 @@ def _worker2(rank, world, root):
     # and the group is still usable afterwards
     reads.fail = (lambda key: True) if rank == 1 else None
     for strategy in PARALLEL:
-        with pytest.raises(Exception) as info:
+        with pytest.raises(ci.CheckpointingException) as info:
             ci.load(_two_rank_request(rank), path, load_strategy=strategy, thread_count=1, memory_budget=64)
-        if rank == 1:
-            assert "injected read failure" in str(info.value)
+        # the failing rank raises its own error; the other names it and the rank
+        assert "injected read failure" in str(info.value), (rank, str(info.value))
+        if rank == 0:
+            assert isinstance(info.value, ci.DistributedCheckpointingError) and "rank 1" in str(info.value), str(info.value)
     reads.fail = None
     out = ci.load(_two_rank_request(rank), path, load_strategy="two_stage", thread_count=1)
     for name, exp in _expected(_two_rank_request(rank)).items():
