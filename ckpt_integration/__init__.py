@@ -6,30 +6,9 @@ parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
 
 from .version import __version__
 from .checkpoints import list_checkpoints
-from .errors import (
-    AsyncSaveAbandonedError,
-    CheckpointingException,
-    CheckpointNotFoundError,
-    CheckpointReadError,
-    CheckpointReplacedError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    DistributedCheckpointingError,
-    IncompleteCheckpointError,
-    KeyNotInCheckpointError,
-    KeyPrefixError,
-    MemoryCheckpointError,
-    MemoryLayoutError,
-    MemorySpaceError,
-    MismatchError,
-    SaveConflictError,
-    ShardingIntegrityError,
-    UnknownBlockHashError,
-    UnsafeCheckpointError,
-    UntrustedObjectError,
-    UnsupportedCheckpointError,
-)
-from .execution.snapshot import SnapshotModifiedError, wait_for_snapshot
+# The few exceptions callers catch; every other one lives in ckpt_integration.errors (see __getattr__).
+from .errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .execution.snapshot import wait_for_snapshot
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -94,25 +73,22 @@ __all__ = [
     "CheckpointingConfig",
     "add_safe_globals",
     "CheckpointingException",
-    "AsyncSaveAbandonedError",
     "CheckpointNotFoundError",
-    "CheckpointReadError",
-    "CheckpointReplacedError",
-    "CheckpointWriteError",
     "CorruptCheckpointError",
-    "DistributedCheckpointingError",
     "IncompleteCheckpointError",
-    "KeyNotInCheckpointError",
-    "KeyPrefixError",
-    "MemoryCheckpointError",
-    "MemoryLayoutError",
-    "MemorySpaceError",
-    "MismatchError",
-    "SaveConflictError",
-    "ShardingIntegrityError",
-    "UnknownBlockHashError",
-    "UnsafeCheckpointError",
-    "UntrustedObjectError",
-    "UnsupportedCheckpointError",
-    "SnapshotModifiedError",
 ]
+
+
+def __getattr__(name: str):
+    # Exceptions that the package root exported before they moved to ckpt_integration.errors:
+    # still found here (with a DeprecationWarning), so code written against the old root keeps working.
+    from . import errors
+
+    if isinstance(getattr(errors, name, None), type) and issubclass(getattr(errors, name), BaseException) \
+            and not name.startswith("_"):
+        import warnings
+
+        warnings.warn(f"ckpt_integration.{name} moved to ckpt_integration.errors.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(errors, name)
+    raise AttributeError(f"module 'ckpt_integration' has no attribute {name!r}")

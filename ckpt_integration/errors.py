@@ -157,3 +157,7 @@ class CheckpointReplacedError(CheckpointingException):
     commit (e.g. ``last.ckpt`` rewritten by a training job) or removed (top-k deletion) while it
     was being read. The message names the path. Nothing read from it is returned: the files are
     intact but belong to another commit, so open the path again to read the new one."""
+
+
+class SnapshotModifiedError(CheckpointingException):
+    """A tensor of an async save was modified in place before its snapshot was complete."""

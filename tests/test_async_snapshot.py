@@ -198,7 +198,7 @@ def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_pat
                                     str(tmp_path / "bad"), queue=q)
         w.mul_(2.0)  # in place, outside any optimizer, before the copy: the copy would be newer (or torn)
         gate.release()
-        with pytest.raises(ci.SnapshotModifiedError, match=r"in place.*: w\b"):
+        with pytest.raises(ci.errors.SnapshotModifiedError, match=r"in place.*: w\b"):
             req.wait()
         assert not (tmp_path / "bad" / "metadata.json").exists()
         assert q.stagers[0].stats.copy_now_learned == 1
@@ -234,7 +234,7 @@ def test_change_during_the_copy_that_bypasses_version_counters_fails_the_save(ga
     with AsyncCallsQueue() as q:
         req = async_save_torch_dist({"w": _st("w", w), "iteration": 3}, str(tmp_path / "torn"), queue=q)
         gate.release()
-        with pytest.raises(ci.SnapshotModifiedError, match=r"copy differs from them.*: w\b"):
+        with pytest.raises(ci.errors.SnapshotModifiedError, match=r"copy differs from them.*: w\b"):
             req.wait()
         assert w._version == version
         assert not (tmp_path / "torn" / "metadata.json").exists()
@@ -265,7 +265,7 @@ def test_change_after_the_copy_without_waiting_is_caught_before_the_commit(gate,
         w.add_(1.0)
         write_gate.set()
         req._event.wait(scaled_timeout(60))  # the writer finished (and failed) first
-        with pytest.raises(ci.SnapshotModifiedError, match="before the commit"):
+        with pytest.raises(ci.errors.SnapshotModifiedError, match="before the commit"):
             req.wait()
     assert not (tmp_path / "c" / "metadata.json").exists()
 

@@ -170,7 +170,7 @@ def test_failed_move_back_names_where_the_old_content_is(tmp_path, monkeypatch):
 
     monkeypatch.setattr(filesystem.Storage, "exchange", lambda self, a, b: False)
     monkeypatch.setattr(filesystem.Storage, "rename", rename)
-    with pytest.raises(ci.CheckpointWriteError, match=r"old content could not be moved back .* complete at .*out\.old-"):
+    with pytest.raises(ci.errors.CheckpointWriteError, match=r"old content could not be moved back .* complete at .*out\.old-"):
         atomic.replace(storage_for(target)[0], staged, target)
     old = calls[0][1]
     assert _version(old) == "old" and _version(staged) == "new" and not os.path.lexists(target)

@@ -205,10 +205,10 @@ def test_unknown_block_hash_is_refused_naming_the_file_and_algorithm(tmp_path, m
     man = json.loads((d / "manifest.json").read_text())
     man["block_hash"] = "blake9"
     (d / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ci.UnknownBlockHashError, match=r"manifest\.json.*'blake9'") as ei:
+    with pytest.raises(ci.errors.UnknownBlockHashError, match=r"manifest\.json.*'blake9'") as ei:
         _load(d)
-    assert isinstance(ei.value, ci.UnsupportedCheckpointError) and str(d) in str(ei.value)
-    with pytest.raises(ci.UnknownBlockHashError):
+    assert isinstance(ei.value, ci.errors.UnsupportedCheckpointError) and str(d) in str(ei.value)
+    with pytest.raises(ci.errors.UnknownBlockHashError):
         ci.load_common_state_dict(str(d))
     capsys.readouterr()
     assert main(["verify", str(d)]) == 1

@@ -152,7 +152,7 @@ def test_default_strategies(tmp_path):
     assert torch.equal(out["w"], torch.ones(2))
     with pytest.raises(ci.CheckpointingException, match="'torch_dist'"):
         ci.load({}, tmp_path / "c", ci.get_default_save_sharded_strategy())
-    with pytest.raises(ci.UnsupportedCheckpointError, match="version 2"):
+    with pytest.raises(ci.errors.UnsupportedCheckpointError, match="version 2"):
         ci.get_default_save_sharded_strategy("torch_dist", 2)
 
 

@@ -42,7 +42,7 @@ def test_gpu_state_snapshot_in_background_and_optimizer_step_waits(tmp_path):
         req = async_save_torch_dist(state(), str(tmp_path / "bad"), queue=q)
         with torch.no_grad():
             model.weight.mul_(2.0)
-        with pytest.raises(ci.SnapshotModifiedError, match="w"):
+        with pytest.raises(ci.errors.SnapshotModifiedError, match="w"):
             req.wait()
     out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(1024, 2048)),
                    "m": ShardedTensor.from_rank_offsets("m", torch.empty(1024, 2048))}, str(tmp_path / "c"))

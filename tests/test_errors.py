@@ -23,12 +23,14 @@ from ckpt_integration import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    MismatchError,
-    SaveConflictError,
     ShardedObject,
     ShardedTensor,
-    ShardingIntegrityError,
     StrictHandling,
+)
+from ckpt_integration.errors import (
+    MismatchError,
+    SaveConflictError,
+    ShardingIntegrityError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
@@ -937,3 +939,29 @@ def test_overwrite_multi_rank(multi_rank):
 def test_save_into_interrupted_directory_multi_rank(multi_rank):
     for rank, typ, msg in _outcomes(multi_rank, "partial_dir"):
         assert typ == "ok", (rank, msg)
+
+
+def test_the_package_root_is_small_and_the_moved_exceptions_still_resolve():
+    """The root exports entry points, mapping types, the base exception and the few exceptions
+    callers catch; every other exception lives in ckpt_integration.errors and, looked up on the
+    root as before, resolves to the same class with a DeprecationWarning."""
+    import warnings
+
+    import ckpt_integration as ci
+    from ckpt_integration import errors
+
+    exceptions = [n for n in ci.__all__ if isinstance(getattr(ci, n), type) and issubclass(getattr(ci, n), BaseException)]
+    assert sorted(exceptions) == ["CheckpointNotFoundError", "CheckpointingException", "CorruptCheckpointError",
+                                  "IncompleteCheckpointError"]
+    assert len(ci.__all__) <= 36, ci.__all__
+    for name in ("MemoryCheckpointError", "SnapshotModifiedError", "UnsupportedCheckpointError"):
+        assert name not in ci.__all__
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(ci, name) is getattr(errors, name)
+        assert any(issubclass(w.category, DeprecationWarning) and f"errors.{name}" in str(w.message) for w in caught)
+    from ckpt_integration.execution.snapshot import SnapshotModifiedError
+
+    assert SnapshotModifiedError is errors.SnapshotModifiedError
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        ci.no_such_name  # noqa: B018

@@ -64,7 +64,7 @@ SCRIPTS = {
             os._exit(0)
         try:
             req.wait()
-        except ci.AsyncSaveAbandonedError as e:
+        except ci.errors.AsyncSaveAbandonedError as e:
             print("ABANDONED:", e, flush=True)
             os._exit(0)
         raise SystemExit("the abandoned save did not fail")

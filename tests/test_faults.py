@@ -27,12 +27,14 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import (
     CheckpointingException,
-    CheckpointWriteError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    SaveConflictError,
     ShardedObject,
     ShardedTensor,
+)
+from ckpt_integration.errors import (
+    CheckpointWriteError,
+    SaveConflictError,
     ShardingIntegrityError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,

@@ -306,7 +306,7 @@ def _megatron_worker(rank: int, world: int, mck: str, ours: str, out: str) -> No
         # Megatron's common state holds an argparse.Namespace: refused by default ...
         try:
             ci.load(req, mck)
-        except ci.UnsafeCheckpointError as e:
+        except ci.errors.UnsafeCheckpointError as e:
             assert "argparse.Namespace" in str(e), str(e)
         else:
             raise AssertionError("common.pt with argparse.Namespace was loaded without opting in")
@@ -389,7 +389,7 @@ def test_ours_loads_megatron_single_process(megatron_ckpts):
 
 def test_megatron_common_state_refused_by_default(megatron_ckpts):
     mck, _, _ = megatron_ckpts
-    with pytest.raises(ci.UnsafeCheckpointError, match=r"argparse\.Namespace"):
+    with pytest.raises(ci.errors.UnsafeCheckpointError, match=r"argparse\.Namespace"):
         ci.load_common_state_dict(mck)
     assert ci.load_common_state_dict(mck, trusted=True)["args"].lr == 0.5
     assert ci.load_common_state_dict(mck, allowed_globals=[argparse.Namespace])["args"].tp == 2

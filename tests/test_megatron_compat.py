@@ -407,7 +407,7 @@ def _worker(rank: int, world: int, base: str, out: str) -> None:
             ci.load(req, ours)
         except CheckpointException as e:  # Megatron-Core users' except clause, on every rank
             assert isinstance(e, CheckpointingException)
-            assert isinstance(e, KeyNotInCheckpointError if rank == 1 else ci.DistributedCheckpointingError), type(e)
+            assert isinstance(e, KeyNotInCheckpointError if rank == 1 else ci.errors.DistributedCheckpointingError), type(e)
             assert "'nope'" in str(e)
         else:
             raise AssertionError("no exception")

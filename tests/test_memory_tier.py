@@ -70,7 +70,7 @@ def test_replication_plan_refuses_impossible_layouts():
     assert (p.replicas, p.asked) == (2, 3) and p.holders == ((2,), (3,), (0,), (1,))
     p = replication_plan(2, 2, 2)  # one node: no peer copies
     assert (p.replicas, p.holders) == (1, ((), ()))
-    with pytest.raises(ci.MemoryCheckpointError, match="not a multiple of ranks_per_node=3"):
+    with pytest.raises(ci.errors.MemoryCheckpointError, match="not a multiple of ranks_per_node=3"):
         replication_plan(4, 3, 1)
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         replication_plan(4, 2, 0)
@@ -153,9 +153,9 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert tier.latest() == 3
     _check(tier.load(_request(0, 1), 3), 0, 1, 3)
     _check(tier.load(_request(0, 1), 2), 0, 1, 2)
-    with pytest.raises(ci.MemoryCheckpointError, match="step 1 is not complete"):
+    with pytest.raises(ci.errors.MemoryCheckpointError, match="step 1 is not complete"):
         tier.load(_request(0, 1), 1)
-    with pytest.raises(ci.MemoryLayoutError, match="'w' at offset"):
+    with pytest.raises(ci.errors.MemoryLayoutError, match="'w' at offset"):
         tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N // 2, M), (0, 0, 2))}, 3)
     tier.persist(3, str(tmp_path / "durable")).wait()
     got = ci.load(_request(0, 1), str(tmp_path / "durable"))
@@ -178,7 +178,7 @@ def _shared_directory(rank, world, root):
 
     # two plan nodes given one directory (as a wrong ranks_per_node does on one host): refused on
     # every rank, naming the ranks, before anything is written
-    with pytest.raises(ci.MemoryCheckpointError, match=r"same memory as their owners \(rank 0's copy on rank 1; rank 1's copy on rank 0"):
+    with pytest.raises(ci.errors.MemoryCheckpointError, match=r"same memory as their owners \(rank 0's copy on rank 1; rank 1's copy on rank 0"):
         ci.MemoryCheckpoints(os.path.join(root, "shared"), "clash", replicas=2, ranks_per_node=1)
     assert not os.path.exists(os.path.join(root, "shared", "clash", "r00000", "s0.rec"))
     # one node's memory for both ranks, said so: the tier keeps one copy (a restart on fewer nodes)
@@ -269,7 +269,7 @@ def test_not_enough_shared_memory_is_refused_before_the_first_snapshot(tmp_path)
         pytest.skip("cannot mount a tmpfs here")
     try:
         tier = ci.MemoryCheckpoints(str(mnt), "big", replicas=1)
-        with pytest.raises(ci.MemorySpaceError, match=r"needs \d+\.\d+ GiB .*GiB free"):
+        with pytest.raises(ci.errors.MemorySpaceError, match=r"needs \d+\.\d+ GiB .*GiB free"):
             tier.save(_state(0, 1, 1), 1)
         assert not os.listdir(os.path.join(str(mnt), "big", "r00000")) if os.path.exists(
             os.path.join(str(mnt), "big", "r00000")) else True

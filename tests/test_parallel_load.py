@@ -314,7 +314,7 @@ def _worker2(rank, world, root):
         # the failing rank raises its own error; the other names it and the rank
         assert "injected read failure" in str(info.value), (rank, str(info.value))
         if rank == 0:
-            assert isinstance(info.value, ci.DistributedCheckpointingError) and "rank 1" in str(info.value), str(info.value)
+            assert isinstance(info.value, ci.errors.DistributedCheckpointingError) and "rank 1" in str(info.value), str(info.value)
     reads.fail = None
     out = ci.load(_two_rank_request(rank), path, load_strategy="two_stage", thread_count=1)
     for name, exp in _expected(_two_rank_request(rank)).items():

@@ -72,7 +72,7 @@ def _s3_save(rank, world, url, fail_rank):
 
         save_mod.write_data_files = broken
     # the failing rank re-raises its own error; the others raise DistributedCheckpointingError
-    with pytest.raises(OSError if rank == fail_rank else ci.DistributedCheckpointingError):
+    with pytest.raises(OSError if rank == fail_rank else ci.errors.DistributedCheckpointingError):
         ci.save(_state(rank, world), url + "/interrupted")
     if rank == fail_rank:
         save_mod.write_data_files = real

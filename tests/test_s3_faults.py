@@ -144,7 +144,7 @@ def test_hanging_requests_are_bounded(proxy, url, monkeypatch):
     assert [r.fired for r in proxy.state.rules] == [1, 1]
     monkeypatch.setenv(retry.ATTEMPTS_ENV, "2")
     proxy.add(Rule(op="GetObject", key=r"manifest\.json$", action="hang", seconds=600, times=None))
-    with pytest.raises(ci.CheckpointReadError, match=rf"{url}/manifest\.json failed after 2 attempt\(s\).*timed out"):
+    with pytest.raises(ci.errors.CheckpointReadError, match=rf"{url}/manifest\.json failed after 2 attempt\(s\).*timed out"):
         _load(url)
 
 
@@ -160,7 +160,7 @@ def test_interrupted_multipart_upload_is_aborted(proxy, url):
                  Rule(op="CompleteMultipartUpload", status=500, times=None)):
         proxy.clear()
         proxy.add(rule)
-        with pytest.raises(ci.CheckpointWriteError, match=rf"{url}/ck2/__0_0\.distcp"):
+        with pytest.raises(ci.errors.CheckpointWriteError, match=rf"{url}/ck2/__0_0\.distcp"):
             ci.save(_state(2.0, n), url + "/ck2", thread_count=1)
         assert rule.fired >= 1 and proxy.counts["CreateMultipartUpload"] == 1
         assert proxy.counts["AbortMultipartUpload"] == 1, repr(proxy.state.log)[-1500:]

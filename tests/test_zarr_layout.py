@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import ckpt_integration as ci
-from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTensor, UnsafeCheckpointError
+from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTensor
+from ckpt_integration.errors import UnsafeCheckpointError
 from ckpt_integration.cli import main
 from ckpt_integration.planning.boxes import Box
 from tests.dist_utils import run_distributed

@@ -51,16 +51,12 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from ..errors import CheckpointingException
+from ..errors import CheckpointingException, SnapshotModifiedError
 from .staging import PendingCopy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Snapshot", "SnapshotModifiedError", "snapshots_in_flight", "wait_for_snapshot"]
-
-
-class SnapshotModifiedError(CheckpointingException):
-    """A tensor of an async save was modified in place before its snapshot was complete."""
+__all__ = ["Snapshot", "snapshots_in_flight", "wait_for_snapshot"]
 
 
 class Snapshot:
