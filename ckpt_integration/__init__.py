@@ -5,6 +5,7 @@ parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
 """
 
 from .version import __version__
+from . import errors
 from .checkpoints import list_checkpoints
 # The few exceptions callers catch; every other one lives in ckpt_integration.errors (see __getattr__).
 from .errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
@@ -82,8 +83,6 @@ __all__ = [
 def __getattr__(name: str):
     # Exceptions that the package root exported before they moved to ckpt_integration.errors:
     # still found here (with a DeprecationWarning), so code written against the old root keeps working.
-    from . import errors
-
     if isinstance(getattr(errors, name, None), type) and issubclass(getattr(errors, name), BaseException) \
             and not name.startswith("_"):
         import warnings

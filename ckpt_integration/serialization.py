@@ -14,7 +14,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import async_save_torch_dist
-from .execution.load import check_whole_tensors, default_verify_state, load_sharded, read_whole_tensors
+from .execution.load import last_load_stats, load_sharded, read_whole_tensors
+from .execution.state_check import check_whole_tensors, default_verify_state
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
 from .execution.shared_metadata import open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
@@ -331,7 +332,7 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, trusted: bool = False, verif
     with opened(checkpoint_dir, trusted, verified=True) as ck:  # every chunk read is checked
         out = read_whole_tensors(ck, read_metadata(ck, trusted=trusted))
         if default_verify_state() if verify_state is None else verify_state:
-            check_whole_tensors(out, ck.manifest, str(ck.path))
+            check_whole_tensors(out, ck.manifest, str(ck.path), last_load_stats)
         return out
 
 

@@ -965,3 +965,23 @@ def test_the_package_root_is_small_and_the_moved_exceptions_still_resolve():
     assert SnapshotModifiedError is errors.SnapshotModifiedError
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         ci.no_such_name  # noqa: B018
+
+
+def test_failure_keeps_the_first_cause_and_lets_interrupts_through():
+    """execution.dist.Failure: the first exception of a step is kept (later ones are consequences),
+    an interrupt is never swallowed, and agree() raises the kept one with the context as a note."""
+    from ckpt_integration.execution.dist import Failure
+
+    failure = Failure()
+    failure.agree(None, "nothing failed")  # no failure: no raise
+    with failure.capture():
+        raise ValueError("first")
+    with failure.capture():
+        raise KeyError("second")
+    assert failure.failed and isinstance(failure.exc, ValueError) and "ValueError: first" in failure.message
+    with pytest.raises(KeyboardInterrupt):
+        with Failure().capture():
+            raise KeyboardInterrupt
+    with pytest.raises(ValueError, match="first") as ei:
+        failure.agree(None, "step failed")
+    assert any("step failed" in n for n in getattr(ei.value, "__notes__", []))

@@ -396,7 +396,7 @@ def test_staging_memory_is_bounded(mode, budget, monkeypatch):
     monkeypatch.setattr(pl, "_new_buffer", pl._new_buffer)  # restores the real one afterwards
     live = _LiveBytes()
     dests, tasks = _column_tasks(12)
-    stats = pl.exchange_reads(_FakeReader(), tasks, None, mode=mode, thread_count=3, memory_budget=budget)
+    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode=mode, thread_count=3, memory_budget=budget)
     unit = 8 * 4 * 4
     assert live.count == 12  # every unit staged (non-contiguous destinations)
     assert live.peak <= max(budget, unit) and stats["peak_staging_bytes"] <= max(budget, unit)
@@ -410,7 +410,7 @@ def test_direct_destinations_stage_nothing(monkeypatch):
     live = _LiveBytes()
     dest = torch.zeros(8, 8)
     tasks = [_Task("k0", _FakeChunk(Box((0, 0), (8, 8))), Box((0, 0), (4, 8)), dest[:4])]  # contiguous rows
-    stats = pl.exchange_reads(_FakeReader(), tasks, None, mode="two_stage", thread_count=1)
+    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=1)
     assert live.count == 0 and stats["peak_staging_bytes"] == 0
     assert torch.equal(dest[:4], global_tensor("k0", (8, 8))[:4])
 
@@ -438,7 +438,7 @@ def test_two_stage_reads_next_unit_during_exchange(thread_count, monkeypatch):
 
     monkeypatch.setattr(pl, "_exchange_unit", exchange)
     dests, tasks = _column_tasks(n)
-    pl.exchange_reads(_FakeReader(on_read), tasks, None, mode="two_stage", thread_count=thread_count, memory_budget=1 << 20)
+    pl.exchange_reads(_FakeReader(on_read), tasks, False, mode="two_stage", thread_count=thread_count, memory_budget=1 << 20)
     assert order == list(range(n))
     for i, d in enumerate(dests):
         assert torch.equal(d[:, :4], global_tensor(f"k{i}", (8, 8))[:, :4])
@@ -448,7 +448,7 @@ def test_fully_parallel_reads_round_before_exchange(monkeypatch):
     events = []
     monkeypatch.setattr(pl, "_exchange_unit", lambda u, *a: events.append(("x", u.key)))
     dests, tasks = _column_tasks(4)
-    pl.exchange_reads(_FakeReader(lambda k: events.append(("r", k))), tasks, None, mode="fully_parallel",
+    pl.exchange_reads(_FakeReader(lambda k: events.append(("r", k))), tasks, False, mode="fully_parallel",
                       thread_count=1, memory_budget=2 * 128)  # two staged units per round
     kinds = "".join(e[0] for e in events)
     assert kinds == "rrxxrrxx", events
@@ -457,7 +457,7 @@ def test_fully_parallel_reads_round_before_exchange(monkeypatch):
 def test_summary_is_logged(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     _, tasks = _column_tasks(3)
-    stats = pl.exchange_reads(_FakeReader(), tasks, None, mode="two_stage", thread_count=2)
+    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=2)
     msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
     assert len(msgs) == 1 and "two_stage load summary: 3 units" in msgs[0]
     for phase in ("metadata", "plan", "read", "waiting", "exchange", "copy", "total", "read MiB", "peak MiB"):
@@ -465,7 +465,7 @@ def test_summary_is_logged(caplog):
     assert [ln.split()[0] for ln in msgs[0].splitlines()[2:]] == ["0", "max"]
     assert stats["bytes_read"] == 3 * 8 * 4 * 4 and stats["units_read"] == 3
     caplog.clear()
-    pl.exchange_reads(_FakeReader(), _column_tasks(1)[1], None, mode="fully_parallel")
+    pl.exchange_reads(_FakeReader(), _column_tasks(1)[1], False, mode="fully_parallel")
     assert not [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]  # DEBUG only
 
 
@@ -477,7 +477,7 @@ def test_read_error_is_raised_after_the_transfers():
             raise OSError("disk gone")
 
     with pytest.raises(ci.CheckpointingException, match="disk gone"):  # a library error, naming the cause
-        pl.exchange_reads(_FakeReader(boom), tasks, None, mode="two_stage", thread_count=1, memory_budget=1)
+        pl.exchange_reads(_FakeReader(boom), tasks, False, mode="two_stage", thread_count=1, memory_budget=1)
 
 
 def test_unknown_strategy(tmp_path):

@@ -443,20 +443,20 @@ def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optio
 
 
 def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
-    if snap is not None and not plan.local_error:
+    if snap is not None and not plan.failure.failed:
         if snap.wait_copied() is not None:  # the copy failed or saw a modification
             snap.seal_in_writer()  # final; no longer in flight
-            plan.local_error, plan.local_exc = _describe(snap.error), snap.error
+            plan.failure.record(snap.error)
             plan.requests = []
     write_local(plan)
-    if snap is not None and not plan.local_error:
+    if snap is not None and not plan.failure.failed:
         err = snap.seal_in_writer()  # unless the training thread has checked it already
         if err is not None:
-            plan.local_error, plan.local_exc = _describe(err), err
+            plan.failure.record(err)
     try:
         finalize_save(plan)
     except Exception as e:
-        if isinstance(e, CheckpointingException) or e is plan.local_exc:
+        if isinstance(e, CheckpointingException) or e is plan.failure.exc:
             raise  # the save's own outcome (every rank's errors, or this rank's write error)
         # a collective of the commit failed: another rank is gone, or the group was aborted
         why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"
@@ -519,11 +519,11 @@ def async_save_torch_dist(
     t2 = time.perf_counter()
     stager = q._next_stager()
     snap: Optional[Snapshot] = None
-    if not plan.local_error:
+    if not plan.failure.failed:
         try:
             snap = _stage_plan(plan, stager, q.copy_now_bytes if mode == "background" else None)
         except Exception as e:  # reported by finalize_save on every rank
-            plan.local_error, plan.local_exc = _describe(e), e
+            plan.failure.record(e)
             plan.requests = []
     plan.group = group
     t3 = time.perf_counter()

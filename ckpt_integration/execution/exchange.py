@@ -51,6 +51,7 @@ from ..planning.records import digest64
 from ..planning.request_check import request_problems, route_requests
 from ..planning.shards import ShardMeta
 from . import dist
+from .dist import Failure
 from .preprocess import shard_meta
 
 MAX_PROBLEMS_SHOWN = 50
@@ -80,13 +81,10 @@ def _unframe(m: bytes) -> Tuple[bytes, bytes]:
     return m[4 : 4 + n], m[4 + n :]
 
 
-_describe = dist.describe_error
-
-
-def _raise_errors(local_error: Optional[str], local_exc: Optional[BaseException], group: Any, context: str) -> None:
+def _raise_errors(failure: Failure, group: Any, context: str) -> None:
     """Every rank raises (a failure is known to have happened somewhere)."""
-    errors = [f"rank {r}: {e}" for r, e in enumerate(dist.all_gather_object(local_error, group)) if e]
-    dist.raise_if_any_failed(local_exc, errors, context)
+    errors = [f"rank {r}: {e}" for r, e in enumerate(dist.all_gather_object(failure.message, group)) if e]
+    dist.raise_if_any_failed(failure.exc, errors, context)
 
 
 def known_digest(purpose: str, identity: Any) -> Optional[int]:
@@ -126,52 +124,49 @@ def known_routes(purpose: str, identity: Any) -> Optional[Routed]:
 
 
 def routes_after_change(metas: List[ShardMeta], routed: Optional[Routed], shards: Sequence[Any], rank: int, world: int,
-                        options: str) -> Tuple[List[ShardMeta], Routed, Optional[str], Optional[BaseException]]:
+                        options: str) -> Tuple[List[ShardMeta], Routed, Failure]:
     """After :func:`start` found that some rank's input changed: this rank's records and routes
     if :func:`routes_for` skipped them, and the failure of building them, if any (passed to
     :func:`run`, which then makes every rank raise: this rank still takes part, with empty
     messages, so that no rank waits for it)."""
+    failure = Failure()
     if metas or (not shards and routed is not None):
-        return metas, routed, None, None
-    try:
+        return metas, routed, failure
+    with failure.capture():
         metas, routed = build_routes(shards, rank, world, options)
-    except Exception as e:
-        return metas, routed, _describe(e), e
-    return metas, routed, None, None
+    return metas, routed, failure
 
 
 def start(
-    routed: Optional[Routed], local_error: Optional[str], local_exc: Optional[BaseException], group: Any, context: str,
-    purpose: str = "save",
+    routed: Optional[Routed], failure: Failure, group: Any, context: str, purpose: str = "save",
 ) -> Optional[ExchangeResult]:
     """Step 1: raise on every rank if any failed; the cached plan when every rank's input is unchanged."""
-    return _start(routed, local_error, local_exc, group, context, purpose, ())[0]
+    return _start(routed, failure, group, context, purpose, ())[0]
 
 
 def start_load(
-    routed: Optional[Routed], whole_chunks: Optional[int], local_error: Optional[str],
-    local_exc: Optional[BaseException], group: Any, context: str,
+    routed: Optional[Routed], whole_chunks: Optional[int], failure: Failure, group: Any, context: str,
 ) -> Tuple[Optional[ExchangeResult], bool]:
     """:func:`start` for a load's request check, which also agrees whether every rank's request is
     whole saved chunks numbered by one index (``whole_chunks``: this rank's index identity, None
     when its request is not): ``(the cached check or None, whether :func:`check_whole_chunks`
     can check it)``. The same one collective."""
     ident = -1 if whole_chunks is None else whole_chunks
-    cached, (other, imax, ineg) = _start(routed, local_error, local_exc, group, context, "load",
+    cached, (other, imax, ineg) = _start(routed, failure, group, context, "load",
                                          (0 if whole_chunks is not None else 1, ident, -ident))
     return cached, not other and imax == -ineg
 
 
-def _start(routed: Optional[Routed], local_error: Optional[str], local_exc: Optional[BaseException], group: Any,
-           context: str, purpose: str, extra: Sequence[int]) -> Tuple[Optional[ExchangeResult], List[int]]:
+def _start(routed: Optional[Routed], failure: Failure, group: Any, context: str, purpose: str,
+           extra: Sequence[int]) -> Tuple[Optional[ExchangeResult], List[int]]:
     cached = _last.get(purpose)
     if routed is None or cached is None or cached.digest != routed.digest:
         cached = None
     tok = cached.token if cached else 0
-    got = dist.all_reduce_ints([1 if local_error else 0, 0 if cached else 1, tok, -tok, *extra], "max", group)
+    got = dist.all_reduce_ints([int(failure.failed), 0 if cached else 1, tok, -tok, *extra], "max", group)
     failed, miss, tmax, tneg = got[:4]
     if failed:
-        _raise_errors(local_error, local_exc, group, context)
+        _raise_errors(failure, group, context)
     return (cached if not miss and tmax == -tneg else None), got[4:]
 
 
@@ -184,26 +179,21 @@ def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Any, co
     gets the list of those it found (maybe empty: the caller runs the general check to name
     them, and :func:`raise_problems` collects them)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error: Optional[str] = None
-    exc: Optional[BaseException] = None
+    failure = Failure()  # kept while taking part: the all-reduce makes every rank raise
     messages: Dict[int, bytes] = {}
-    try:
+    with failure.capture():
         messages = route_requests(rows, world)
-    except Exception as e:  # keep taking part: the all-reduce makes every rank raise
-        error, exc = _describe(e), e
     inbox = dist.all_to_all_bytes(messages, group)
     problems: List[str] = []
-    if error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             problems = request_problems(inbox.values())
-        except Exception as e:
-            error, exc = _describe(e), e
     d = digest64(f"{rank}/{world}/whole".encode(), *(k.to_bytes(8, "little") + m for k, m in sorted(messages.items())))
     sums = dist.all_reduce_ints(
-        [len(problems), 1 if error else 0, d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF], "sum", group
+        [len(problems), int(failure.failed), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF], "sum", group
     )
     if sums[1]:
-        _raise_errors(error, exc, group, context)
+        _raise_errors(failure, group, context)
     if sums[0]:
         return problems
     token = digest64(f"whole/{world}/{sums[2]}/{sums[3]}/{sums[4]}".encode()) or 1
@@ -224,41 +214,37 @@ def run(
     problems_header: str,
     on_problems: Optional[Callable[[], None]] = None,
     purpose: Optional[str] = "save",
-    local_error: Optional[str] = None,
-    local_exc: Optional[BaseException] = None,
+    failure: Optional[Failure] = None,
     identity: Any = None,
 ) -> ExchangeResult:
     """Steps 2-4 (collective). Raises ShardingIntegrityError on every rank for invalid sharding.
 
     ``replies=False`` (a load's request check) skips the write assignment;
-    ``purpose=None`` does not cache the result. ``local_error`` / ``local_exc``: this rank
+    ``purpose=None`` does not cache the result. ``failure``: this rank
     failed before the exchange (``routed`` may then be None); it takes part with empty
     messages and step 4 raises on every rank, as an agreement on errors beforehand would
     (one collective round fewer when nothing failed). ``identity``: kept with the cached result
     (see :func:`known_digest`).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    error: Optional[str] = local_error
-    exc: Optional[BaseException] = local_exc
-    if error is None and routed is None:
+    failure = failure if failure is not None else Failure()
+    if not failure.failed and routed is None:
         raise ValueError("exchange.run: no routed records and no local error")
-    inbox = dist.all_to_all_bytes(routed.messages if error is None else {}, group)
+    inbox = dist.all_to_all_bytes(routed.messages if not failure.failed else {}, group)
     outgoing: Dict[int, bytes] = {}
-    if error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():  # keep taking part: step 4 makes every rank raise
             forwards, answers = chunk_owner_step(inbox.values(), world, balance=balance, replies=replies)
             for d in set(forwards) | set(answers):
                 outgoing[d] = _frame(forwards.get(d, b""), answers.get(d, b""))
-        except Exception as e:  # keep taking part: step 4 makes every rank raise
-            error, exc = _describe(e), e
     del inbox
     inbox = dist.all_to_all_bytes(outgoing, group)
     result = ExchangeResult(digest=routed.digest if routed is not None else 0)
     problems: List[str] = []
     forwards_in: List[bytes] = []
     detail: List[int] = []
-    if error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             parts = [_unframe(m) for m in inbox.values()]
             forwards_in = [f for f, _ in parts if f]
             answers_in = [a for _, a in parts if a]
@@ -266,15 +252,13 @@ def run(
             detail = detail_requests(answers_in)
             if replies:
                 result.to_write = assign_writes(metas, answers_in)
-        except Exception as e:
-            error, exc = _describe(e), e
     d = result.digest
     sums = dist.all_reduce_ints(
-        [len(problems), 1 if error else 0, len(detail), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF],
+        [len(problems), int(failure.failed), len(detail), d & 0xFFFFF, (d >> 20) & 0xFFFFF, (d >> 40) & 0xFFFFF],
         "sum", group,
     )
     if sums[1]:
-        _raise_errors(error, exc, group, context)
+        _raise_errors(failure, group, context)
     if sums[2]:
         # detail round (only when some copy differs from its main replica, or a chunk has no
         # main): those records in full to their chunk owners, holdings on to the key owners
@@ -298,30 +282,23 @@ def _detail_round(
     validate: bool, result: ExchangeResult, context: str,
 ) -> Tuple[List[str], int]:
     """The detail round: this rank's problems and the number of problems on all ranks."""
-    error: Optional[str] = None
-    exc: Optional[BaseException] = None
+    failure = Failure()
     outgoing: Dict[int, bytes] = {}
-    try:
+    with failure.capture():
         outgoing = route_shards(metas, rank, world, only=detail).messages
-    except Exception as e:
-        error, exc = _describe(e), e
     inbox = dist.all_to_all_bytes(outgoing, group)
     forwards: Dict[int, bytes] = {}
-    if error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             forwards, _ = chunk_owner_step(inbox.values(), world, replies=False)
-        except Exception as e:
-            error, exc = _describe(e), e
     inbox = dist.all_to_all_bytes(forwards, group)
     problems: List[str] = []
-    if error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate)
-        except Exception as e:
-            error, exc = _describe(e), e
-    count, failed = dist.all_reduce_ints([len(problems), 1 if error else 0], "sum", group)
+    count, failed = dist.all_reduce_ints([len(problems), int(failure.failed)], "sum", group)
     if failed:
-        _raise_errors(error, exc, group, context)
+        _raise_errors(failure, group, context)
     return problems, count
 
 

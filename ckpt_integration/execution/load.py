@@ -23,7 +23,6 @@ from __future__ import annotations
 import io
 import logging
 import operator
-import os
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
@@ -35,7 +34,7 @@ from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError, StateVerificationError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
 from ..planning.boxes import Box, clip_to_shape, intersect, relative_slices
-from ..planning.delivery import tiling_problem
+from ..planning.delivery import check_delivered
 from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
@@ -49,13 +48,12 @@ from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from . import exchange
 from . import load_request
-from .dist import describe_error as _describe
 from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shards_identity, split_state_dict
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
-from .state_check import LoadedPart, check_state, raise_problems
+from .state_check import LoadedPart, verify_loaded_state
 
 
 logger = logging.getLogger(__name__)
@@ -276,134 +274,147 @@ def load_sharded(
     a load uses it (every rank passes one, or none: then the coordinator opens the path and
     broadcasts it)."""
     group = process_group
-    rank = dist.get_rank(group)
-    world = dist.get_world_size(group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     strict = parse_strict_flag(strict)
-    local_error: Optional[str] = None
-    local_exc: Optional[BaseException] = None
-    missing: Set[str] = set()
-    unexpected: Set[str] = set()
-    result: Any = None
-    shards: List[Any] = []
-    routed: Any = None
-    identity: Any = None
-    requested: List[str] = []
-    needs_exchange = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
-    md: Any = None
-    backend = "torch_dist"
-    try:
-        if shared is None:  # collective: one reader, one broadcast
-            checkpoint_dir, shared = open_shared(checkpoint_dir, group, trusted)
-        backend = shared.backend
-        # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
-        common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
-                                   manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
-        sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
-        shards = local_shards(sharded)
-        requested = sorted({load_request.request_key(s) for s in shards})
-        md = shared.metadata_for(requested)  # chunk records of the requested keys only
-        if md is None:  # zarr: the rank's reader reads the zarr index
-            md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
-        if validate_access_integrity:
-            # the request repeats the last one checked: its digest is known, and no records are
-            # built unless some rank's request changed (below)
-            identity = shards_identity(shards, rank, world, "load")
-            routed = exchange.known_routes("load", identity)
-    except Exception as e:
-        local_error, local_exc = _describe(e), e
     global_strict = StrictHandling.requires_global_app_metadata(strict)
-    requested_global: Set[str] = set()  # (*_all modes: keys some rank requests, known after the check)
+    # Steps: open -> plan -> check (collective) -> read (collective) -> finish. A step that fails
+    # on one rank is held (dist.Failure) and raised on every rank at the next agreement, so no
+    # rank waits in a collective for one that left. The reads are planned before the request
+    # check, which uses them; a failure to plan is raised after the check, as when planning
+    # followed it.
+    opened, planned = dist.Failure(), dist.Failure()
+    req: Optional[_Request] = None
+    with opened.capture():
+        req = _open_request(sharded_state_dict, checkpoint_dir, shared, group, trusted, allowed_globals,
+                            validate_access_integrity, rank, world)
+        checkpoint_dir = req.checkpoint_dir
     job: Optional[_LoadJob] = None
-    # the reads are planned before the request check, which uses them: a request of whole saved
-    # chunks is checked by counting them (planning.request_check); a failure to plan is raised
-    # after the check, as when planning followed it; with a *_all strict mode the missing keys
-    # (requested by no rank) are known only after the check (load_request.strict_after_check)
-    prep_error: Optional[str] = None
-    prep_exc: Optional[BaseException] = None
-    if local_error is None:
-        try:
+    if req is not None and not opened.failed:
+        with planned.capture():
             job = _prepare_reads(
-                checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
-                requested, trusted, allowed_globals, verify_checksums, rank, backend,
-                strict_dtype=strict_dtype, manifest=shared.manifest,
+                checkpoint_dir, req.md, req.common, req.sharded, req.nonpersistent, req.factories, req.template,
+                strict, req.requested, trusted, allowed_globals, verify_checksums, rank, req.backend,
+                strict_dtype=strict_dtype, manifest=req.shared.manifest,
             )
-        except Exception as e:
-            prep_error, prep_exc = _describe(e), e
+    requested_global: Set[str] = set()  # (*_all modes: keys some rank requests, known after the check)
     try:
-        if needs_exchange:
+        if validate_access_integrity or global_strict:
             if validate_access_integrity:
-                load_request.check_request(job, routed, shards, identity, local_error, local_exc, group, checkpoint_dir)
+                load_request.check_request(job, req and req.routed, req.shards if req else [], req and req.identity,
+                                           opened, group, checkpoint_dir)
             else:
-                dist.raise_if_any_failed(local_exc, dist.agree_on_errors(local_error, group), f"load of {checkpoint_dir} failed")
+                opened.agree(group, f"load of {checkpoint_dir} failed")
             if global_strict:
-                requested_global = load_request.requested_by_any_rank(checkpoint_keys(md), requested, group)
+                requested_global = load_request.requested_by_any_rank(checkpoint_keys(req.md), req.requested, group)
     except BaseException:
         if job is not None:
             job.reader.close()
         raise
-    if prep_error is not None:
-        local_error, local_exc = prep_error, prep_exc
-    if global_strict and job is not None and local_error is None:
-        try:
-            load_request.strict_after_check(job, strict, requested, requested_global, md, checkpoint_dir, rank)
-        except Exception as e:  # (a *_all mode that raises: before anything is read)
-            local_error, local_exc = _describe(e), e
+    failure = planned if planned.failed else opened
+    if global_strict and job is not None and not failure.failed:
+        with failure.capture():  # (a *_all mode that raises: before anything is read)
+            load_request.strict_after_check(job, strict, req.requested, requested_global, req.md, checkpoint_dir, rank)
     last_load_stats.clear()
     last_load_stats["strategy"] = "local"
-    outcome = "local"
+    result: Any = None
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
     try:
-        if load_strategy in READ_ONCE and world > 1 and backend_named(backend).mapped_chunks:
-            try:
-                outcome, stats = load_read_once(
-                    job.reader if job else None, job.tasks if job else [], local_error, group,
-                    mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
-                    disjoint=validate_access_integrity and job is not None and job.whole_chunks,
-                )
-                last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
-            except Exception as e:
-                outcome = "failed"
-                if local_error is None:
-                    local_error, local_exc = _describe(e), e
-        if outcome != "local":
-            pass
-        elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
-            try:
-                pstats = exchange_reads(
-                    job.reader if job else None, job.tasks if job else [], local_error, group,
-                    mode=load_strategy, thread_count=thread_count, memory_budget=memory_budget,
-                )
-                if pstats.get("failed"):
-                    outcome = "failed"
-            except Exception as e:
-                if local_error is None:
-                    local_error, local_exc = _describe(e), e
-        elif job is not None and local_error is None:
-            try:
-                job.read_all(thread_count)
-            except Exception as e:
-                local_error, local_exc = _describe(e), e
-        if job is not None and local_error is None and outcome != "failed":  # (failed: another rank raises)
-            try:
+        outcome = _read(job, failure, load_strategy, req.backend if req else "torch_dist", group, thread_count,
+                        memory_budget, disjoint=validate_access_integrity and job is not None and job.whole_chunks)
+        if job is not None and not failure.failed and outcome != "failed":  # (failed: another rank raises)
+            with failure.capture():
                 job.check_delivered(rank)
                 result, missing, unexpected = job.finish()
-            except Exception as e:
-                local_error, local_exc = _describe(e), e
     finally:
         if job is not None:
             if hasattr(job.reader, "stats"):  # reads of the reader itself ("local", and chunks read-once left to it)
                 for k, v in job.reader.stats.as_dict().items():
                     last_load_stats[k] = last_load_stats.get(k, 0) + v
             job.reader.close()
-    errs = dist.agree_on_errors(local_error, group)
-    dist.raise_if_any_failed(local_exc, errs, f"load of {checkpoint_dir} failed")
+    failure.agree(group, f"load of {checkpoint_dir} failed")
     if outcome == "failed":  # a strategy stopped because of a failure that no rank reported: never return
         raise StateVerificationError(f"load of {checkpoint_dir} on rank {rank}: the {load_strategy} load stopped "
                                      "after a failure no rank reported; nothing was returned")
     if verify_state and job is not None:
-        verify_loaded_state(job.parts, shared.manifest, rank, group, str(checkpoint_dir))
+        verify_loaded_state(job.parts, req.shared.manifest, rank, group, str(checkpoint_dir), last_load_stats)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
+
+
+@dataclass
+class _Request:
+    """What a rank asks of an opened checkpoint (the load's first step)."""
+
+    checkpoint_dir: Any  # the OpenedCheckpoint every later step is given
+    shared: SharedMetadata
+    backend: str
+    common: Any
+    sharded: Any
+    nonpersistent: Any
+    factories: Any
+    template: Any
+    shards: List[Any]
+    requested: List[str]  # the checkpoint keys this rank requests, sorted
+    md: Any  # the chunk records of the requested keys
+    identity: Any = None  # (validate_access_integrity) the request, compared with the last one checked
+    routed: Any = None
+
+
+def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, shared: Optional[SharedMetadata],
+                  group: Any, trusted: bool, allowed_globals: Any, validate: bool, rank: int, world: int) -> _Request:
+    """Open the checkpoint (collective when ``shared`` is None: one reader, one broadcast) and
+    split this rank's request into what the later steps read."""
+    if shared is None:
+        checkpoint_dir, shared = open_shared(checkpoint_dir, group, trusted)
+    backend = shared.backend
+    # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
+    common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
+                               manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
+    sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
+    shards = local_shards(sharded)
+    requested = sorted({load_request.request_key(s) for s in shards})
+    md = shared.metadata_for(requested)  # chunk records of the requested keys only
+    if md is None:  # zarr: the rank's reader reads the zarr index
+        md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
+    req = _Request(checkpoint_dir, shared, backend, common, sharded, nonpersistent, factories, template, shards,
+                   requested, md)
+    if validate:
+        # the request repeats the last one checked: its digest is known, and no records are
+        # built unless some rank's request changed (load_request.check_request)
+        req.identity = shards_identity(shards, rank, world, "load")
+        req.routed = exchange.known_routes("load", req.identity)
+    return req
+
+
+def _read(job: Optional["_LoadJob"], failure: dist.Failure, load_strategy: str, backend: str, group: Any,
+          thread_count: int, memory_budget: int, disjoint: bool) -> str:
+    """The read step: ``"local"`` (each rank read its own ranges), ``"read_once"``/``"parallel"``
+    (a strategy that shares reads: collective, every rank takes part even after a failure), or
+    ``"failed"`` (some rank failed: the final agreement raises). A failure is recorded, not raised."""
+    world = dist.get_world_size(group)
+    reader, tasks = (job.reader, job.tasks) if job is not None else (None, [])
+    if load_strategy in READ_ONCE and world > 1 and backend_named(backend).mapped_chunks:
+        outcome = "failed"
+        with failure.capture():
+            outcome, stats = load_read_once(reader, tasks, failure.failed, group, mode=load_strategy,
+                                            thread_count=thread_count, memory_budget=memory_budget, disjoint=disjoint)
+            last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
+        if outcome != "local":
+            return outcome
+    elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
+        outcome = "parallel"
+        with failure.capture():
+            pstats = exchange_reads(reader, tasks, failure.failed, group, mode=load_strategy,
+                                    thread_count=thread_count, memory_budget=memory_budget)
+            if pstats.get("failed"):
+                outcome = "failed"
+        return outcome
+    if job is not None and not failure.failed:
+        with failure.capture():
+            job.read_all(thread_count)
+    return "local"
 
 
 @dataclass
@@ -568,78 +579,10 @@ def _prepare_reads(
                     parts=parts)
 
 
-VERIFY_STATE_ENV = "CKPT_INTEGRATION_VERIFY_STATE"
-
-
-def default_verify_state() -> bool:
-    """Whether loads check the loaded state when the caller does not say: ``CKPT_INTEGRATION_VERIFY_STATE=1``."""
-    return os.environ.get(VERIFY_STATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Any, where: str) -> None:
-    """Collective: the state check (:mod:`.state_check`) of a load that succeeded on every rank;
-    raises on every rank when any rank or key owner found a difference."""
-    report = None
-    error: Optional[BaseException] = None
-    try:
-        recorded = manifest.recorded_fingerprints() if manifest is not None else None
-        report = check_state(parts, recorded, rank, group, where)
-        last_load_stats.update(report.as_stats())
-        raise_problems(report, where, rank)
-    except Exception as e:
-        error = e
-    errs = dist.agree_on_errors(_describe(error) if error is not None else None, group)
-    dist.raise_if_any_failed(error, errs, f"load of {where} failed its state check")
-    if report is not None and report.unchecked:
-        keys = sorted(report.unchecked)
-        logger.info("load of %s: %d key(s) not checkable against the saved state, e.g. %r: %s", where, len(keys),
-                    keys[0], report.unchecked[keys[0]])
-
-
-def check_whole_tensors(tensors: Dict[str, torch.Tensor], manifest: Any, where: str) -> None:
-    """One process: whole tensors against the fingerprints recorded at save (:mod:`.state_check`)."""
-    recorded = manifest.recorded_fingerprints() if manifest is not None else None
-    parts = [LoadedPart(k, Box((0,) * t.dim(), tuple(t.shape)), t, True, t.dtype) for k, t in tensors.items()]
-    report = check_state(parts, recorded, 0, None, where, local=True)
-    last_load_stats.update(report.as_stats())
-    raise_problems(report, where, 0)
-
-
 def read_task(reader: Any, t: ReadTask) -> None:
     """Read one task's region into its destination through the reader, and record the delivery."""
     reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
     t.got.append(t.overlap)
-
-
-def check_delivered(tasks: Iterable[ReadTask], rank: int, where: str) -> None:
-    """Raise :class:`StateVerificationError` unless every destination of ``tasks`` was tiled
-    exactly by what was delivered into it (see :mod:`..planning.delivery`)."""
-    shared: Dict[int, Tuple[ReadTask, List[Box]]] = {}
-    for t in tasks:
-        got = t.got
-        if t.dest is None:  # the task's region is the whole destination (one saved chunk)
-            if len(got) == 1 and (got[0] is t.overlap or got[0] == t.overlap):
-                continue
-            problem = tiling_problem(t.overlap, got)
-            if problem:
-                _undelivered(t, t.overlap, problem, rank, where)
-        else:
-            entry = shared.get(id(t.dest))
-            if entry is None:
-                shared[id(t.dest)] = (t, list(got))
-            else:
-                entry[1].extend(got)
-    for t, boxes in shared.values():
-        problem = tiling_problem(t.dest, boxes)
-        if problem:
-            _undelivered(t, t.dest, problem, rank, where)
-
-
-def _undelivered(t: ReadTask, dest: Box, problem: str, rank: int, where: str) -> None:
-    raise StateVerificationError(
-        f"load of {where} on rank {rank}: tensor {t.key!r}, requested region {dest}: {problem}; "
-        "nothing of this load is returned (a load never returns a region it did not fill)"
-    )
 
 
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:

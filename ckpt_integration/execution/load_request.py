@@ -8,7 +8,7 @@ Split from :mod:`.load`, which calls these in order: plan the reads, :func:`chec
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Set
+from typing import Any, List, Set
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -56,8 +56,8 @@ def handle_strict(
         logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
-def check_request(job: Any, routed: Any, shards: List[Any], identity: Any,
-                   local_error: Optional[str], local_exc: Optional[BaseException], group: Any, checkpoint_dir: Any) -> None:
+def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: dist.Failure, group: Any,
+                   checkpoint_dir: Any) -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some
     rank failed before it or the request is invalid. Skipped when every rank requests what it
     requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
@@ -67,18 +67,18 @@ def check_request(job: Any, routed: Any, shards: List[Any], identity: Any,
     context = f"load of {checkpoint_dir} failed"
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     whole = job.index_identity if job is not None and job.request_rows is not None else None
-    cached, all_whole = exchange.start_load(routed, whole, local_error, local_exc, group, context)
+    cached, all_whole = exchange.start_load(routed, whole, failure, group, context)
     if cached is not None:
         return
     found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None
     if all_whole and found is None:
         return
     # (start_load raised on every rank if any failed above)
-    metas, routed, late_error, late_exc = exchange.routes_after_change([], routed, shards, rank, world, "load")
+    metas, routed, late = exchange.routes_after_change([], routed, shards, rank, world, "load")
     header = f"invalid sharding of the load request for {checkpoint_dir}"
     exchange.run(
         metas, routed, group, replies=False, purpose="load", context=context, problems_header=header,
-        identity=identity, local_error=late_error, local_exc=late_exc,
+        identity=identity, failure=late,
     )
     if found is not None:  # (the general check names what counting finds: this is a safety net)
         exchange.forget_plans("load")

@@ -159,7 +159,7 @@ PHASES = (
 def exchange_reads(
     reader: Any,
     tasks: List[Any],
-    local_error: Optional[str],
+    failed_before: bool,
     group: Any = None,
     *,
     mode: str = "fully_parallel",
@@ -180,9 +180,9 @@ def exchange_reads(
     st = _Stats()
     t0 = time.perf_counter()
     needs = [Need(t.key, t.chunk.box, t.overlap, dtype_name(t.dtype), t.dtype.itemsize) for t in tasks]
-    gathered = dist.all_gather_object((local_error, needs), group)
+    gathered = dist.all_gather_object((failed_before, needs), group)
     st.values["metadata_s"] = time.perf_counter() - t0
-    if any(err for err, _ in gathered):
+    if any(failed for failed, _ in gathered):
         st.values["failed"] = 1  # nothing read: the caller's final agreement raises on every rank
         return dict(st.values)
     t1 = time.perf_counter()

@@ -101,7 +101,7 @@ def _owner(file: str, offset: int, world: int) -> int:
 
 
 def load_read_once(
-    reader: Any, tasks: List[Any], local_error: Optional[str], group: Any, *, mode: str = "auto",
+    reader: Any, tasks: List[Any], failed_before: bool, group: Any, *, mode: str = "auto",
     thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
@@ -121,10 +121,10 @@ def load_read_once(
     t0 = time.perf_counter()
     if mode == "auto":
         mine = 0
-        if local_error is None and disjoint:
+        if not failed_before and disjoint:
             mine = sum(t.overlap.numel * t.dtype.itemsize for t in tasks)  # each byte read once anyway
         failed, not_disjoint, separate = dist.all_reduce_ints(
-            [1 if local_error else 0, 0 if (disjoint or local_error) else 1, mine], "sum", group
+            [int(failed_before), 0 if (disjoint or failed_before) else 1, mine], "sum", group
         )
         if failed or not not_disjoint:
             st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=separate,
@@ -135,12 +135,12 @@ def load_read_once(
     outgoing: Dict[int, bytes] = {}
     owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
     # this rank's own failure (an exception): a load that fails here must raise here, however the
-    # group decides (the caller's agreement then raises on every rank); local_error failed earlier
+    # group decides (the caller's agreement then raises on every rank); failed_before: failed earlier
     error: Optional[BaseException] = None
     node = -1 - rank
     mapped = False
     try:
-        if local_error is None:
+        if not failed_before:
             chunks, leftover = _collect(reader, tasks)
             # ranks share a page cache only through mapped local files; otherwise each is its own node
             files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
@@ -155,13 +155,13 @@ def load_read_once(
     inbox = dist.all_to_all_bytes(outgoing, group)
     separate = union = 0
     try:
-        if error is None and local_error is None:
+        if error is None and not failed_before:
             separate = sum(b - a for c in chunks.values() for a, b in c.ranges)
             arr = np.frombuffer(b"".join(inbox.values()), dtype=np.int64).reshape(-1, 3)
             union = union_bytes(arr[:, 0], arr[:, 1], arr[:, 2])
     except Exception as e:
         error = e
-    failed, separate, union = dist.all_reduce_ints([1 if (error or local_error) else 0, separate, union], "sum", group)
+    failed, separate, union = dist.all_reduce_ints([1 if (error or failed_before) else 0, separate, union], "sum", group)
     st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=union, read_once=0)
     if error is not None:
         raise error  # (after the collective: every rank has taken part in it)

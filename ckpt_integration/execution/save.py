@@ -60,7 +60,7 @@ from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_fil
 from . import dist
 from . import exchange
 from . import zarr_save
-from .dist import describe_error as _describe
+from .dist import Failure, describe_error as _describe
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
 from .preprocess import local_shards, shards_identity, split_state_dict
@@ -90,8 +90,7 @@ class SavePlan:
     separation_hint: Optional[str] = None  # keys starting with it go to data files of their own
     started: float = field(default_factory=time.time)
     written: Any = field(default_factory=WrittenTable)  # WrittenTable (torch_dist) or [WrittenItem] (zarr)
-    local_error: Optional[str] = None
-    local_exc: Optional[BaseException] = None
+    failure: Failure = field(default_factory=Failure)  # this rank's, reported by finalize_save on every rank
     stop: Optional[Callable[[], None]] = None  # raises to abandon the write (async saves, preemption)
     # the layout-independent fingerprint of every tensor chunk this rank writes, computed over the
     # bytes written (an async save's staged copies): torch_dist's per request before writing, and
@@ -220,8 +219,7 @@ def prepare_save(
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coord = rank == 0
-    local_error = None
-    local_exc: Optional[BaseException] = None
+    failure = Failure()
     metas: List[ShardMeta] = []
     shards: List[ShardedBase] = []
     common: Any = None
@@ -229,7 +227,7 @@ def prepare_save(
     routed: Optional[Routed] = None
     identity: Any = None
     options = ""
-    try:
+    with failure.capture():
         if content_metadata is not None:
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
         sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
@@ -242,21 +240,19 @@ def prepare_save(
         metas, routed = exchange.routes_for("save", identity, shards, rank, world, options)
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
-    except Exception as e:
-        local_error, local_exc = _describe(e), e
     context = f"save to {checkpoint_dir} failed before writing"
     try:
-        planned = exchange.start(routed, local_error, local_exc, group, context)
+        planned = exchange.start(routed, failure, group, context)
         write_dir, staging = dist.broadcast_object(dir_info, src=dist.coordinator_rank(group), group=group)
         if validate_access_integrity:
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
             assert routed is not None  # start() raised on every rank otherwise
-            metas, routed, late_error, late_exc = exchange.routes_after_change(metas, routed, shards, rank, world, options)
+            metas, routed, late = exchange.routes_after_change(metas, routed, shards, rank, world, options)
             planned = exchange.run(
                 metas, routed, group, balance=balance, validate=validate_access_integrity, want_layout=be.wants_layout,
                 context=context, problems_header=f"invalid sharding, nothing was saved to {checkpoint_dir}",
-                identity=identity, local_error=late_error, local_exc=late_exc,
+                identity=identity, failure=late,
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
@@ -276,19 +272,15 @@ def prepare_save(
         if err:
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
     requests: List[WriteRequest] = []
-    try:
+    with failure.capture():
         requests = _requests_for(shards, planned.to_write)
-    except Exception as e:
-        local_error, local_exc = _describe(e), e
     fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
-        try:  # of the chunks as validated, before they are cut into the backend's units
+        with failure.capture():  # of the chunks as validated, before they are cut into the backend's units
             fprints = fingerprint_rows(requests, request_fingerprints(requests))
-        except Exception as e:
-            local_error, local_exc = _describe(e), e
         # may exchange pieces of chunks on shard borders: every rank takes part, even after an error
         chosen = {m.chunk_id: m for m in planned.layout}
-        requests, local_error, local_exc = be.shape_requests(requests, planned.layout, chosen, rank, group, local_error, local_exc)
+        requests = be.shape_requests(requests, planned.layout, chosen, rank, group, failure)
     return SavePlan(
         rank=rank,
         world_size=world,
@@ -305,8 +297,7 @@ def prepare_save(
         step=_recorded_step(step, common) if coord else None,
         separation_hint=separation_hint,
         fingerprints=fprints,
-        local_error=local_error,
-        local_exc=local_exc,
+        failure=failure,
     )
 
 
@@ -339,7 +330,7 @@ def fingerprint_rows(requests: List[WriteRequest], values: List[Optional[int]]) 
 
 def write_local(plan: SavePlan) -> None:
     """Phase 2 (no collectives). Records an error instead of raising."""
-    if plan.local_error:
+    if plan.failure.failed:
         return
     try:
         if plan.stop is not None:
@@ -348,8 +339,7 @@ def write_local(plan: SavePlan) -> None:
             plan.item_fingerprints = request_fingerprints(plan.requests)
         plan.written = SAVE_BACKENDS[plan.backend].write(plan)
     except Exception as e:
-        e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
-        plan.local_error, plan.local_exc = _describe(e), e
+        plan.failure.record(write_error(e, plan.write_dir))  # an OSError (disk full...) becomes CheckpointWriteError
     finally:
         plan.requests = []  # drop references to the state (and staged copies) early
 
@@ -489,11 +479,10 @@ def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
 def finalize_save(plan: SavePlan) -> None:
     """Phase 3 (collective). Raises DistributedCheckpointingError on every rank if any rank failed."""
     try:
-        message = encode_finalize(plan.local_error, _written_records(plan), plan.summaries, plan.fingerprints or ())
+        message = encode_finalize(plan.failure.message, _written_records(plan), plan.summaries, plan.fingerprints or ())
     except Exception as e:
-        if plan.local_error is None:
-            plan.local_error, plan.local_exc = _describe(e), e
-        message = encode_finalize(plan.local_error, [], [])
+        plan.failure.record(e)
+        message = encode_finalize(plan.failure.message, [], [])
     results = dist.gather_bytes(message, dst=dist.coordinator_rank(plan.group), group=plan.group)
     plan.commit_started = True
     status: Optional[str] = None
@@ -511,14 +500,14 @@ def finalize_save(plan: SavePlan) -> None:
         except Exception as e:
             e = write_error(e, plan.write_dir)  # an OSError (disk full...) becomes CheckpointWriteError
             status = f"rank 0 (commit): {_describe(e)}"
-            plan.local_exc = e
+            plan.failure.exc = e
         if status:
             cleanup_failed(plan.write_dir, plan.staging)
         _release_claim(storage_for(plan.write_dir)[1])
     status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
     if status:
         dist.raise_if_any_failed(
-            plan.local_exc,
+            plan.failure.exc,
             status.split("\n  "),
             f"save to {plan.checkpoint_dir} failed; no checkpoint was committed there and earlier "
             "checkpoints are untouched",
@@ -553,7 +542,7 @@ class SaveBackend:
     wants_layout: bool
     check_layout: bool
     prepare_storage: Optional[Callable[[str, List[ShardMeta], bool], None]]
-    shape_requests: Optional[Callable[..., Tuple[List[WriteRequest], Optional[str], Optional[BaseException]]]]
+    shape_requests: Optional[Callable[..., List[WriteRequest]]]
     write: Callable[[SavePlan], Any]
     commit: Callable[[SavePlan, CommitLayout], None]
 

@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from ..errors import CheckpointingException, SnapshotModifiedError
+from ..errors import SnapshotModifiedError
 from .staging import PendingCopy
 
 logger = logging.getLogger(__name__)

@@ -25,6 +25,7 @@ from exactly, is *not checkable*: the report lists it. A checkpoint without fing
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -245,3 +246,38 @@ def raise_problems(report: StateReport, where: str, rank: int) -> None:
         more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
         raise StateVerificationError(f"load of {where}, checked on rank {rank}: " + "; ".join(shown) + more
                                      + "; nothing of this load is returned")
+
+
+VERIFY_STATE_ENV = "CKPT_INTEGRATION_VERIFY_STATE"
+
+
+def default_verify_state() -> bool:
+    """Whether loads check the loaded state when the caller does not say: ``CKPT_INTEGRATION_VERIFY_STATE=1``."""
+    return os.environ.get(VERIFY_STATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Any, where: str,
+                        stats: Dict[str, Any]) -> None:
+    """Collective: the state check of a load that succeeded on every rank (its figures added to
+    ``stats``); raises on every rank when any rank or key owner found a difference."""
+    report = None
+    failure = dist.Failure()
+    with failure.capture():
+        recorded = manifest.recorded_fingerprints() if manifest is not None else None
+        report = check_state(parts, recorded, rank, group, where)
+        stats.update(report.as_stats())
+        raise_problems(report, where, rank)
+    failure.agree(group, f"load of {where} failed its state check")
+    if report is not None and report.unchecked:
+        keys = sorted(report.unchecked)
+        logger.info("load of %s: %d key(s) not checkable against the saved state, e.g. %r: %s", where, len(keys),
+                    keys[0], report.unchecked[keys[0]])
+
+
+def check_whole_tensors(tensors: Dict[str, torch.Tensor], manifest: Any, where: str, stats: Dict[str, Any]) -> None:
+    """One process: whole tensors against the fingerprints recorded at save (figures added to ``stats``)."""
+    recorded = manifest.recorded_fingerprints() if manifest is not None else None
+    parts = [LoadedPart(k, Box((0,) * t.dim(), tuple(t.shape)), t, True, t.dtype) for k, t in tensors.items()]
+    report = check_state(parts, recorded, 0, None, where, local=True)
+    stats.update(report.as_stats())
+    raise_problems(report, where, 0)

@@ -5,14 +5,14 @@ owners from pieces the other writers send). The rest of a save is backend-neutra
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
 from ..storage.zarr_backend import write_index as write_zarr_index
 from . import dist
-from .dist import describe_error as _describe
+from .dist import Failure
 from .preprocess import dtype_from_name
 
 
@@ -42,9 +42,8 @@ def zarr_chunk_requests(
     chosen: Dict[Any, ShardMeta],
     rank: int,
     group: Any,
-    local_error: Optional[str],
-    local_exc: Optional[BaseException],
-) -> Tuple[List[WriteRequest], Optional[str], Optional[BaseException]]:
+    failure: Failure,
+) -> List[WriteRequest]:
     """zarr: this rank's requests as whole-chunk writes (part of phase 1, collective).
 
     With shard-aligned chunks nothing changes. Coarser chunks (uneven shards, see
@@ -62,11 +61,9 @@ def zarr_chunk_requests(
     plans = plan_array_writes(tensors, writers)
     senders = sorted({r for _, _, border in plans.values() for c in border.values() for _, r in c.pieces if r != c.owner})
     pieces: List[Piece] = []
-    if local_error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             requests, pieces = split_for_chunks(requests, plans)
-        except Exception as e:
-            local_error, local_exc = _describe(e), e
     owners = {(key, coords): c.owner for key, (_, _, border) in plans.items() for coords, c in border.items()}
     mine = [p for p in pieces if owners[(p[0], p[1])] == rank]
     outgoing: Dict[int, List[Piece]] = {}
@@ -75,13 +72,11 @@ def zarr_chunk_requests(
             # clone: a view would pickle the whole shard's storage
             outgoing.setdefault(owners[(p[0], p[1])], []).append((p[0], p[1], p[2], p[3].detach().cpu().clone()))
     received = exchange_pieces(outgoing, senders, rank, group) if senders else []
-    if local_error is None:
-        try:
+    if not failure.failed:
+        with failure.capture():
             dtypes = {key: dtype for key, (dtype, _, _) in tensors.items()}
             requests = requests + assemble_border_chunks(plans, dtypes, rank, mine + received)
-        except Exception as e:
-            local_error, local_exc = _describe(e), e
-    return requests, local_error, local_exc
+    return requests
 
 
 def exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Any) -> List[Piece]:

@@ -32,8 +32,8 @@ from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayout
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
 from ..execution.preprocess import dtype_name, split_state_dict
-from ..execution.dist import describe_error as _describe
-from ..execution.load import default_verify_state
+from ..execution.dist import Failure, describe_error as _describe
+from ..execution.state_check import default_verify_state
 from ..execution.save import finalize_save, prepare_save, write_local
 from ..execution.snapshot import Snapshot
 from ..execution.staging import StateDictStager
@@ -67,8 +67,7 @@ class _Job:
     slot: int
     values: List[Any]  # ShardedTensors (with data) / ShardedObjects, in save order
     staged: Any = None
-    error: Optional[str] = None
-    exc: Optional[BaseException] = None
+    failure: Failure = field(default_factory=Failure)  # this rank's, agreed in the background
 
 
 def _shard_header(sh: Any) -> Dict[str, Any]:
@@ -246,20 +245,21 @@ class MemoryCheckpoints:
         slot = 0 if self._protected_slot is None else 1 - self._protected_slot
         self._wait_unpinned(slot)
         job = _Job(int(step), slot, [])
-        try:
+        common: Any = None
+        with job.failure.capture():
             sharded, common, _np, _f, _t = split_state_dict(sharded_state_dict)
             job.values = [v for v in nested_values(sharded) if isinstance(v, ShardedObject)
                           or (isinstance(v, ShardedTensor) and v.data is not None)]
             for v in job.values:
                 if isinstance(v, ShardedTensor) and v.data.device.type == "meta":
                     raise CheckpointingException(f"ShardedTensor {v.key!r} is on the meta device: nothing to snapshot")
-        except Exception as e:
-            job.error, job.exc, common = _describe(e), e, None
+        if job.failure.failed:
+            common = None
         if not self._space_checked:
             self._check_space(job)
         snap: Optional[Snapshot] = None
-        if job.error is None:
-            try:
+        if not job.failure.failed:
+            with job.failure.capture():  # reported on every rank by the background agreement
                 slots.invalidate(self.root, self.rank, slot)  # the slot is invalid from here on
                 tensors = [v.data for v in job.values if isinstance(v, ShardedTensor)]
                 objects = [v.data for v in job.values if isinstance(v, ShardedObject)]
@@ -269,8 +269,6 @@ class MemoryCheckpoints:
                 if not pending.done.is_set():
                     names = {id(v.data): v.key for v in job.values if isinstance(v, ShardedTensor)}
                     snap = Snapshot(pending, names, f"memory snapshot of step {step}")
-            except Exception as e:  # reported on every rank by the background agreement
-                job.error, job.exc = _describe(e), e
         req = AsyncRequest(self._run_save, (job, snap), description=f"memory snapshot of step {step}")
         req.snapshot = snap
         if snap is not None:
@@ -334,24 +332,22 @@ class MemoryCheckpoints:
 
     def _run_save(self, job: _Job, snap: Optional[Snapshot]) -> None:
         """Background: checksums, commit, peer copies, agreement (the tier's group, all ranks)."""
-        err, exc, raw = job.error, job.exc, None
+        failure, raw = job.failure, None
         files: Dict[str, torch.Tensor] = {}
         built: Optional[Tuple[Dict[str, Any], bytes, List[str]]] = None
-        if err is None:
-            try:
+        if not failure.failed:
+            with failure.capture():
                 if snap is not None:
                     e = snap.wait_copied() or snap.seal_in_writer()
                     if e is not None:
                         snap.seal_in_writer()
                         raise e
                 built = self._build_record(job)
-            except Exception as e:  # noqa: BLE001
-                err, exc = _describe(e), e
         # every record of the step lists what every rank's record holds (a digest of its shards and
         # their fingerprints): a restore notices a copy that is not the one its rank saved
         owner_digests = dist.all_gather_object(rs.content_digest(built[0]["shards"]) if built else None, self._group)
-        if err is None and built is not None:
-            try:
+        if not failure.failed and built is not None:
+            with failure.capture():
                 if None in owner_digests:
                     raise MemoryCheckpointError(f"rank(s) {[r for r, d in enumerate(owner_digests) if d is None]} "
                                                 "could not build their snapshot record")
@@ -361,14 +357,14 @@ class MemoryCheckpoints:
                 slots.write_record(self.root, self.rank, job.slot, raw)
                 self._arenas[job.slot].retain(keep)
                 files = {n: self._arenas[job.slot].maps[n] for n in keep}
-            except Exception as e:  # noqa: BLE001
-                err, exc, raw = _describe(e), e, None
+            if failure.failed:
+                raw = None
         job.staged = None
         recv_err = self._exchange_copies(job, raw, files)
-        errors = dist.agree_on_errors(err or recv_err, self._group)
+        errors = dist.agree_on_errors(failure.message or recv_err, self._group)
         if errors:
             msg = f"memory snapshot of step {job.step} failed; the previous complete step stays restorable"
-            dist.raise_if_any_failed(exc, errors, msg)
+            dist.raise_if_any_failed(failure.exc, errors, msg)
         self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
         self.last_complete_step = job.step
 

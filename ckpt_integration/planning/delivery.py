@@ -12,8 +12,9 @@ Pure: boxes in, a description of what is wrong out.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from ..errors import StateVerificationError
 from .boxes import Box, intersect
 from .load_units import overlapping_pairs
 
@@ -63,3 +64,35 @@ def _first_gap(dest: Box, boxes: Sequence[Box]) -> str:
         if n < row:
             return f" (e.g. in index {dest.offsets[0] + i} of the first axis)"
     return ""
+
+
+def check_delivered(tasks: Iterable[Any], rank: int, where: str) -> None:
+    """Raise :class:`StateVerificationError` unless every destination of ``tasks`` (a load's
+    read tasks: ``key``, ``overlap``, ``dest`` - None when the overlap is the whole destination -
+    and ``got``, the boxes delivered) was tiled exactly by what was delivered into it."""
+    shared: Dict[int, Tuple[Any, List[Box]]] = {}
+    for t in tasks:
+        got = t.got
+        if t.dest is None:  # the task's region is the whole destination (one saved chunk)
+            if len(got) == 1 and (got[0] is t.overlap or got[0] == t.overlap):
+                continue
+            problem = tiling_problem(t.overlap, got)
+            if problem:
+                _undelivered(t, t.overlap, problem, rank, where)
+        else:
+            entry = shared.get(id(t.dest))
+            if entry is None:
+                shared[id(t.dest)] = (t, list(got))
+            else:
+                entry[1].extend(got)
+    for t, boxes in shared.values():
+        problem = tiling_problem(t.dest, boxes)
+        if problem:
+            _undelivered(t, t.dest, problem, rank, where)
+
+
+def _undelivered(t: Any, dest: Box, problem: str, rank: int, where: str) -> None:
+    raise StateVerificationError(
+        f"load of {where} on rank {rank}: tensor {t.key!r}, requested region {dest}: {problem}; "
+        "nothing of this load is returned (a load never returns a region it did not fill)"
+    )
