@@ -68,8 +68,9 @@ def test_memory_tier_bench_runs_and_prints_table(tmp_path):
     ]
     proc = forked.run(cmd, timeout=scaled_timeout(180), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for label in ("blocking per save: memory snapshot", "restore: own memory (verified)", "restore: peer copy",
-                  "restore: durable on disk, cold", "limit: memcpy from host memory"):
+    for label in ("blocking per save: memory snapshot", "restore: own memory (verified; the process that saved)",
+                  "restore: own memory (verified; a restarted process)", "restore: peer copy",
+                  "restore: durable on disk, cold", "limit: memcpy from host memory", "limit: memcpy + digest pass"):
         assert label in proc.stdout, proc.stdout
     res = json.loads(out.read_text())
     assert res["restore_peer"]["source_rank1"] == "peer rank 0"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,7 +153,28 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert [n for n in names if n.endswith(".rec")] == ["s0.rec", "s1.rec"]  # two slots: steps 3 and 2
     assert tier.latest() == 3
     _check(tier.load(_request(0, 1), 3), 0, 1, 3)
+    assert tier.last_restore.from_mapping  # the process that saved copies from its own mappings
     _check(tier.load(_request(0, 1), 2), 0, 1, 2)
+    # those mappings are the files: a byte changed in place is seen (and refused) there too, and a
+    # file replaced by another (new inode) is read from the directory, not from the old mapping
+    owner = os.path.join(d, "solo", "r00000")
+    data = [os.path.join(owner, n) for n in os.listdir(owner) if n.startswith("s0-") and n.endswith(".bin")]
+    assert len(data) == 1, data
+    path, at = data[0], tier_region_start(tier, 0)  # a byte of "w"'s region
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ci.errors.MemoryCheckpointError, match="no intact copy"):
+        tier.load(_request(0, 1), 3)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b)
+    shutil.copyfile(path, path + ".new")
+    os.replace(path + ".new", path)
+    _check(tier.load(_request(0, 1), 3), 0, 1, 3)
+    assert not tier.last_restore.from_mapping
     with pytest.raises(ci.errors.MemoryCheckpointError, match="step 1 is not complete"):
         tier.load(_request(0, 1), 1)
     with pytest.raises(ci.errors.MemoryLayoutError, match="'w' at offset"):
@@ -167,8 +189,17 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     again.wait()
     assert again.latest() == 4
     _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    assert not again.last_restore.from_mapping  # (a restarted process reads the files)
     again.close(remove=True)
     assert not os.path.exists(os.path.join(d, "solo"))
+
+
+def tier_region_start(tier, slot: int) -> int:
+    """The byte offset of the largest region of rank 0's record in ``slot``, plus 100."""
+    import ckpt_integration as ci
+
+    rec = ci.memory.slots.read_record(tier.root, 0, slot)
+    return max(rec.regions, key=lambda r: r[2])[1] + 100
 
 
 def _shared_directory(rank, world, root):
@@ -196,6 +227,16 @@ def _shared_directory(rank, world, root):
     got = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}, 1, verify_state=True)
     assert torch.equal(got["w"], torch.full((2,), float(rank)))
     tier.close(remove=True)
+    # a tier made after another was closed, again and again in one process (Lightning's fit after
+    # fit): each its own groups; torch's new_group reused a closed group's name and rendezvous keys
+    # and hung connecting to its dead peers
+    for k in range(6):
+        with ci.MemoryCheckpoints(os.path.join(root, f"node{rank}"), "again", replicas=2, ranks_per_node=1) as tier:
+            tier.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((64,), float(k + rank)), (0, rank, world))},
+                      k + 1)
+            tier.wait()
+            got = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(64), (0, rank, world))}, k + 1)
+            assert torch.equal(got["w"], torch.full((64,), float(k + rank))) and tier.last_restore.source == "own memory"
 
 
 def test_copies_in_the_owners_own_memory_are_refused(tmp_path):

@@ -291,6 +291,7 @@ class Arena:
         self.slot = slot
         self.tag = tag  # makes file names unique per incarnation
         self.maps: Dict[str, torch.Tensor] = {}
+        self._ids: Dict[str, Tuple[int, int]] = {}  # name -> (device, inode) of the file mapped
         self._gen = 0
 
     def allocate(self, sizes: Sequence[int]) -> List[torch.UntypedStorage]:
@@ -304,7 +305,7 @@ class Arena:
         path = os.path.join(self.dir, name)
         _preallocate(path, total, f"memory snapshot slot {self.slot}")
         t = _map(path, total)
-        self.maps[name] = t
+        self.maps[name], self._ids[name] = t, _file_id(path)
         storage = t.untyped_storage()
         return [storage[o:o + n] for o, n in zip(offsets, sizes)]
 
@@ -338,8 +339,22 @@ class Arena:
                     if os.path.exists(path):
                         os.unlink(path)
                     _preallocate(path, size, f"copy of a peer's memory snapshot (slot {self.slot})")
-                self.maps[name] = _map(path, size)
+                self.maps[name], self._ids[name] = _map(path, size), _file_id(path)
         return {name: self.maps[name] for name in files}
+
+    def mapped(self, name: str, size: int) -> Optional[torch.Tensor]:
+        """This process's mapping of file ``name`` when it still maps the file of that name in the
+        directory (same device and inode, ``size`` bytes), else None. The pages a snapshot staged
+        into are already in this process's page tables: a restore in the process that saved
+        (a rollback) copies from them at memory speed instead of reading the file."""
+        m = self.maps.get(name)
+        if m is None or m.numel() != size:
+            return None
+        try:
+            same = _file_id(os.path.join(self.dir, name)) == self._ids.get(name)
+        except OSError:
+            return None
+        return m if same else None
 
     def retain(self, keep: Sequence[str]) -> None:
         """Delete this slot's files not in ``keep`` (after the stager let go of them)."""
@@ -361,6 +376,12 @@ class Arena:
 
     def close(self) -> None:
         self.maps.clear()
+        self._ids.clear()
+
+
+def _file_id(path: str) -> Tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def open_files(root: str, owner: int, files: Dict[str, int]) -> Dict[str, torch.Tensor]:

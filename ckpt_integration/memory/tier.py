@@ -59,6 +59,9 @@ class RestoreReport:
     step: int
     source: str  # "own memory" or "peer rank N"
     refused: List[str] = field(default_factory=list)  # copies that failed verification, and why
+    # own memory read through this process's mappings of the files (a restore in the process that
+    # saved): no page faults, a copy at memory speed; False when the files were read (a restart)
+    from_mapping: bool = False
 
 
 @dataclass
@@ -195,15 +198,13 @@ class MemoryCheckpoints:
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
-    def _new_group(process_group: Any, timeout_s: float) -> Any:
-        if not dist.is_distributed():
-            return None
-        import torch.distributed as tdist
-
-        ranks = (list(range(tdist.get_world_size())) if process_group is None
-                 else list(tdist.get_process_group_ranks(process_group)))
-        return tdist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                               use_local_synchronization=True)
+    def _new_group(process_group: Any, timeout_s: float) -> Optional[dist.PrivateGroup]:
+        # The library's own gloo group (store keys under a fresh random name): torch's new_group
+        # with local synchronization names a group by its ranks and the number of groups alive, so
+        # a tier made after another was closed reused the closed one's name and rendezvous keys
+        # and could hang connecting to its dead peers; and a destroy_process_group() of the
+        # caller's must not cut a snapshot or persist in flight.
+        return dist.new_private_group(process_group, datetime.timedelta(seconds=timeout_s))
 
     def _slot_of_key(self, inv: rs.Inventory, key: rs.Key) -> int:
         found = sorted({e.slot for es in inv.entries for e in es if (e.step, e.incarnation) == key})
@@ -447,6 +448,8 @@ class MemoryCheckpoints:
                     + ("; ".join(sorted(set(reasons))) or "none") + ". Load the durable checkpoint instead")
             layout = False
             if self.rank in owners and err is None:
+                if got.source == "own memory":
+                    self._use_own_mappings(got)
                 try:
                     result = rs.fill_request(sharded_state_dict, got, f"memory snapshot of rank {self.rank} step {step} "
                                              f"({got.source})", self.trusted, self.allowed_globals, rank=self.rank,
@@ -474,9 +477,20 @@ class MemoryCheckpoints:
                 break
             owners = failed
         mine_refused = [x for x in reasons if x.startswith(f"rank {self.rank}'s ")]
-        self.last_restore = RestoreReport(int(step), source, mine_refused)
+        self.last_restore = RestoreReport(int(step), source, mine_refused, bool(got is not None and got.warm))
         logger.info("memory tier: rank %d restored step %d of job %r from %s", self.rank, step, self.job_id, source)
         return result
+
+    def _use_own_mappings(self, got: rs.Obtained) -> None:
+        """Restoring in the process that took the snapshot: read from its own mappings of the files."""
+        slot = got.record.header.get("slot")
+        if slot not in slots.SLOTS:
+            return
+        arena = self._arenas[slot]
+        for name, size in got.record.files().items():
+            m = arena.mapped(name, size)
+            if m is not None:
+                got.warm[name] = m
 
     def latest_known(self, inv: rs.Inventory) -> Optional[int]:
         done = rs.complete_steps(inv, self.world_size)
@@ -590,15 +604,9 @@ class MemoryCheckpoints:
         """Shut this tier's own gloo groups down now (their queues are closed): left to interpreter
         teardown, a group whose worker thread still holds a finished operation's tensors aborts the
         process (``terminate called without an active exception``) when it needs the GIL."""
-        import torch.distributed as tdist
-
         for g in (self._group, self._persist_group):  # (a use after close() then fails loudly)
-            if g is None:
-                continue
-            try:
-                tdist.destroy_process_group(g)
-            except (ValueError, RuntimeError, AssertionError):  # already gone with destroy_process_group()
-                pass
+            if g is not None:
+                g.close("the memory tier was closed")
 
     def __enter__(self) -> "MemoryCheckpoints":
         return self

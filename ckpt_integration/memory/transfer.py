@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as tdist
 
+from ..execution.dist import PrivateGroup
 from .slots import Record, decode_record
 
 CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
@@ -37,8 +38,17 @@ class Outgoing:
     files: Dict[str, torch.Tensor]
 
 
-def _global(group: Any, rank: int) -> int:
-    return tdist.get_global_rank(group, rank) if group is not None else rank
+def _isend(t: torch.Tensor, group: Any, dst: int, tag: int) -> Any:
+    """Send to group rank ``dst``: on the library's own group (the tier's), or a registered one."""
+    if isinstance(group, PrivateGroup):
+        return group.pg.send([t], dst, tag)
+    return tdist.isend(t, tdist.get_global_rank(group, dst) if group is not None else dst, group=group, tag=tag)
+
+
+def _irecv(t: torch.Tensor, group: Any, src: int, tag: int) -> Any:
+    if isinstance(group, PrivateGroup):
+        return group.pg.recv([t], src, tag)
+    return tdist.irecv(t, tdist.get_global_rank(group, src) if group is not None else src, group=group, tag=tag)
 
 
 def _wait(works: List[Any]) -> None:
@@ -76,22 +86,22 @@ def exchange(
     headers: Dict[int, torch.Tensor] = {}
     for dst, out in sorted(sends.items()):
         h = torch.tensor([0 if out.raw is not None else 1, len(out.raw or b"")], dtype=torch.int64)
-        works.append(tdist.isend(h, _global(group, dst), group=group, tag=_HEADER))
+        works.append(_isend(h, group, dst, _HEADER))
     for src in sources:
         headers[src] = torch.zeros(2, dtype=torch.int64)
-        works.append(tdist.irecv(headers[src], _global(group, src), group=group, tag=_HEADER))
+        works.append(_irecv(headers[src], group, src, _HEADER))
     _wait(works)
 
     works, raws = [], {}
     for dst, out in sorted(sends.items()):
         if out.raw is not None:
             t = torch.frombuffer(bytearray(out.raw), dtype=torch.uint8)
-            works.append(tdist.isend(t, _global(group, dst), group=group, tag=_RECORD))
+            works.append(_isend(t, group, dst, _RECORD))
     for src in sources:
         status, n = (int(x) for x in headers[src])
         if status == 0:
             raws[src] = torch.empty(n, dtype=torch.uint8)
-            works.append(tdist.irecv(raws[src], _global(group, src), group=group, tag=_RECORD))
+            works.append(_irecv(raws[src], group, src, _RECORD))
     _wait(works)
 
     records: Dict[int, Optional[Record]] = {src: None for src in sources}
@@ -102,7 +112,7 @@ def exchange(
             continue
         for name in sorted(out.files):
             for c in _chunks(out.files[name]):
-                works.append(tdist.isend(c, _global(group, dst), group=group, tag=_DATA))
+                works.append(_isend(c, group, dst, _DATA))
     for src, raw in raws.items():
         data = raw.numpy().tobytes()
         try:
@@ -116,11 +126,11 @@ def exchange(
             sink = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
             for n in sizes:  # the sender sends every file in chunks: receive them into the sink
                 for o in range(0, n, CHUNK):
-                    works.append(tdist.irecv(sink[:min(CHUNK, n - o)], _global(group, src), group=group, tag=_DATA))
+                    works.append(_irecv(sink[:min(CHUNK, n - o)], group, src, _DATA))
             continue
         for t in targets:
             for c in _chunks(t):
-                works.append(tdist.irecv(c, _global(group, src), group=group, tag=_DATA))
+                works.append(_irecv(c, group, src, _DATA))
     _wait(works)
     return records, errors
 
