@@ -2,9 +2,10 @@
 
 One process here (Fabric's one-device strategy, in the test process): a round trip of model, AdamW,
 scheduler and plain values, ``strict`` as Fabric defines it, ``load_raw``, ``load`` without a state, and
-checkpoints of the Trainer and of Fabric loading into each other. Multi-process (``ddp`` and
-``ModelParallelStrategy`` on 2 processes, gloo) runs through ``examples/fabric_pretrain.py``, a
-LitGPT-style loop, resumed across strategies and world sizes and compared with an uninterrupted run.
+checkpoints of the Trainer and of Fabric loading into each other. Multi-process (``ddp``,
+``ModelParallelStrategy`` with DTensor TP and with FSDP2 on 2 processes, gloo) runs through
+``examples/fabric_pretrain.py``, a LitGPT-style loop, resumed across strategies and world sizes: the
+state each resume loaded is compared exactly with the state the saving run held.
 Fabric's ``"fsdp"`` needs a GPU and is not run here.
 """
 
@@ -200,31 +201,70 @@ def _example(tmp_path, name: str, *args: str, fresh: bool = False):
     return {int(k): v for k, v in json.loads(log.read_text()).items()}, r.stdout
 
 
+def _same_state(loaded_file, saved_file) -> None:
+    """The state a run resumed (``--dump-state``'s ``loaded-<step>.pt``) is, tensor by tensor and value by
+    value, the state the run that saved it held (its ``saved-<step>.pt``): model, AdamW moments and steps,
+    param groups, scheduler and loop counter."""
+    loaded, saved = torch.load(loaded_file, weights_only=False), torch.load(saved_file, weights_only=False)
+
+    def same(a, b, where):
+        if isinstance(a, torch.Tensor):
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+        elif isinstance(a, dict):
+            assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), (where, sorted(a, key=str), sorted(b, key=str))
+            for k in a:
+                same(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, (list, tuple)):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b)):
+                same(x, y, f"{where}[{i}]")
+        else:
+            assert a == b, (where, a, b)
+
+    assert loaded["model"] and loaded["optimizer"]["state"]
+    same(loaded, saved, "state")
+
+
 def test_fabric_example_resumes_across_strategies_and_world_sizes(tmp_path):
     """LitGPT-style loop: one device uninterrupted; one device resumed (exactly the same losses); 2-process
-    ModelParallelStrategy (DTensor TP) resumed from the one-device checkpoint; 2-process DDP with async saves
-    resumed from the TP checkpoint; the losses match the uninterrupted run's."""
-    ref, _ = _example(tmp_path, "ref", "--out-dir", str(tmp_path / "ref"), "--max-steps", "12", fresh=True)
-    assert sorted(ref) == list(range(12))
+    ModelParallelStrategy with DTensor TP resumed from the one-device checkpoint; 2-process FSDP2
+    (ModelParallelStrategy, data_parallel_size=2) resumed from the TP checkpoint; 2-process DDP with async
+    saves resumed from the FSDP2 checkpoint. At every resume the whole loaded state (model, optimizer,
+    scheduler, counter) equals, exactly, the state the saving run held; the losses match the uninterrupted
+    run's (another reduction order: to float precision)."""
+    d = lambda name: str(tmp_path / f"dump-{name}")  # noqa: E731
+    ref, _ = _example(tmp_path, "ref", "--out-dir", str(tmp_path / "ref"), "--max-steps", "14", "--dump-state", d("ref"),
+                      fresh=True)
+    assert sorted(ref) == list(range(14))
     (tmp_path / "a").mkdir()
     shutil.copytree(tmp_path / "ref" / "step-00000004", tmp_path / "a" / "step-00000004")
-    again, out = _example(tmp_path, "again", "--out-dir", str(tmp_path / "a"), "--max-steps", "8", "--resume")
+    again, out = _example(tmp_path, "again", "--out-dir", str(tmp_path / "a"), "--max-steps", "8", "--resume",
+                          "--dump-state", d("again"))
     assert "Resumed from" in out and "at step 4" in out, out
     assert again == {i: ref[i] for i in range(4, 8)}  # same layout: exactly the uninterrupted run
+    _same_state(os.path.join(d("again"), "loaded-4.pt"), os.path.join(d("ref"), "saved-4.pt"))
     tp, out = _example(tmp_path, "tp", "--out-dir", str(tmp_path / "a"), "--max-steps", "10", "--resume",
-                       "--devices", "2", "--strategy", "model_parallel", "--save-interval", "2")
+                       "--devices", "2", "--strategy", "model_parallel", "--save-interval", "2", "--dump-state", d("tp"))
     assert "at step 8 (2 process(es), strategy model_parallel)" in out, out
-    dp, out = _example(tmp_path, "dp", "--out-dir", str(tmp_path / "a"), "--max-steps", "12", "--resume",
-                       "--devices", "2", "--strategy", "ddp", "--save-interval", "2", "--async-save")
-    assert "at step 10 (2 process(es), strategy ddp)" in out, out
-    got = {**tp, **dp}
-    assert sorted(got) == list(range(8, 12))
+    _same_state(os.path.join(d("tp"), "loaded-8.pt"), os.path.join(d("again"), "saved-8.pt"))
+    fsdp2, out = _example(tmp_path, "fsdp2", "--out-dir", str(tmp_path / "a"), "--max-steps", "12", "--resume",
+                          "--devices", "2", "--strategy", "model_parallel", "--data-parallel-size", "2",
+                          "--save-interval", "2", "--dump-state", d("fsdp2"))
+    assert "at step 10 (2 process(es), strategy model_parallel)" in out, out
+    _same_state(os.path.join(d("fsdp2"), "loaded-10.pt"), os.path.join(d("tp"), "saved-10.pt"))
+    dp, out = _example(tmp_path, "dp", "--out-dir", str(tmp_path / "a"), "--max-steps", "14", "--resume",
+                       "--devices", "2", "--strategy", "ddp", "--save-interval", "2", "--async-save",
+                       "--dump-state", d("dp"))
+    assert "at step 12 (2 process(es), strategy ddp)" in out, out
+    _same_state(os.path.join(d("dp"), "loaded-12.pt"), os.path.join(d("fsdp2"), "saved-12.pt"))
+    got = {**tp, **fsdp2, **dp}
+    assert sorted(got) == list(range(8, 14))
     for i in got:  # another reduction order: equal to float precision
         assert abs(got[i] - ref[i]) <= 1e-5 * abs(ref[i]), (i, got[i], ref[i])
     # the async save of the last step committed before the script ended
     from ckpt_integration.lightning import latest_complete_checkpoint
 
-    assert latest_complete_checkpoint(str(tmp_path / "a"), suffix="").endswith("step-00000012")
+    assert latest_complete_checkpoint(str(tmp_path / "a"), suffix="").endswith("step-00000014")
 
 
 def test_fabric_example_resume_with_nothing_to_resume(tmp_path):
