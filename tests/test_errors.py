@@ -968,9 +968,9 @@ def test_the_package_root_is_small_and_the_moved_exceptions_still_resolve():
 
 
 def test_failure_keeps_the_first_cause_and_lets_interrupts_through():
-    """execution.dist.Failure: the first exception of a step is kept (later ones are consequences),
+    """execution.failure.Failure: the first exception of a step is kept (later ones are consequences),
     an interrupt is never swallowed, and agree() raises the kept one with the context as a note."""
-    from ckpt_integration.execution.dist import Failure
+    from ckpt_integration.execution.failure import Failure
 
     failure = Failure()
     failure.agree(None, "nothing failed")  # no failure: no raise

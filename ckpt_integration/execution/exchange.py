@@ -51,7 +51,7 @@ from ..planning.records import digest64
 from ..planning.request_check import request_problems, route_requests
 from ..planning.shards import ShardMeta
 from . import dist
-from .dist import Failure
+from .failure import Failure
 from .preprocess import shard_meta
 
 MAX_PROBLEMS_SHOWN = 50

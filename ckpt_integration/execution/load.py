@@ -48,6 +48,7 @@ from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from . import exchange
 from . import load_request
+from .failure import Failure
 from .gc_pause import with_gc_paused
 from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shards_identity, split_state_dict
@@ -278,11 +279,11 @@ def load_sharded(
     strict = parse_strict_flag(strict)
     global_strict = StrictHandling.requires_global_app_metadata(strict)
     # Steps: open -> plan -> check (collective) -> read (collective) -> finish. A step that fails
-    # on one rank is held (dist.Failure) and raised on every rank at the next agreement, so no
+    # on one rank is held (failure.Failure) and raised on every rank at the next agreement, so no
     # rank waits in a collective for one that left. The reads are planned before the request
     # check, which uses them; a failure to plan is raised after the check, as when planning
     # followed it.
-    opened, planned = dist.Failure(), dist.Failure()
+    opened, planned = Failure(), Failure()
     req: Optional[_Request] = None
     with opened.capture():
         req = _open_request(sharded_state_dict, checkpoint_dir, shared, group, trusted, allowed_globals,
@@ -388,7 +389,7 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, share
     return req
 
 
-def _read(job: Optional["_LoadJob"], failure: dist.Failure, load_strategy: str, backend: str, group: Any,
+def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backend: str, group: Any,
           thread_count: int, memory_budget: int, disjoint: bool) -> str:
     """The read step: ``"local"`` (each rank read its own ranges), ``"read_once"``/``"parallel"``
     (a strategy that shares reads: collective, every rank takes part even after a failure), or

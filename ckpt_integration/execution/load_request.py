@@ -18,6 +18,7 @@ from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
 from ..storage.chunk_index import checkpoint_keys
 from . import dist
 from . import exchange
+from .failure import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def handle_strict(
         logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
-def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: dist.Failure, group: Any,
+def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: Failure, group: Any,
                    checkpoint_dir: Any) -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some
     rank failed before it or the request is invalid. Skipped when every rank requests what it

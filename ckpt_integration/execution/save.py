@@ -60,7 +60,8 @@ from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_fil
 from . import dist
 from . import exchange
 from . import zarr_save
-from .dist import Failure, describe_error as _describe
+from .dist import describe_error as _describe
+from .failure import Failure
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
 from .preprocess import local_shards, shards_identity, split_state_dict

@@ -38,6 +38,7 @@ from ..planning.boxes import Box, intersect
 from ..planning.records import MessageWriter, decode
 from ..storage.fingerprint import MASK64, Recorded, fingerprints
 from . import dist
+from .failure import Failure
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group
     """Collective: the state check of a load that succeeded on every rank (its figures added to
     ``stats``); raises on every rank when any rank or key owner found a difference."""
     report = None
-    failure = dist.Failure()
+    failure = Failure()
     with failure.capture():
         recorded = manifest.recorded_fingerprints() if manifest is not None else None
         report = check_state(parts, recorded, rank, group, where)

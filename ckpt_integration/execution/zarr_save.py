@@ -12,7 +12,7 @@ from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
 from ..storage.zarr_backend import write_index as write_zarr_index
 from . import dist
-from .dist import Failure
+from .failure import Failure
 from .preprocess import dtype_from_name
 
 

@@ -32,7 +32,8 @@ from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayout
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
 from ..execution.preprocess import dtype_name, split_state_dict
-from ..execution.dist import Failure, describe_error as _describe
+from ..execution.dist import describe_error as _describe
+from ..execution.failure import Failure
 from ..execution.state_check import default_verify_state
 from ..execution.save import finalize_save, prepare_save, write_local
 from ..execution.snapshot import Snapshot
