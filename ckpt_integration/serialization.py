@@ -15,6 +15,7 @@ from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import async_save_torch_dist
 from .execution.load import last_load_stats, load_sharded, read_whole_tensors
+from .execution.dist import Group
 from .execution.state_check import check_whole_tensors, default_verify_state
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
 from .execution.shared_metadata import open_shared, shared_of
@@ -56,7 +57,7 @@ def save(
     balance: bool = True,
     overwrite: bool = False,
     durable: bool = True,
-    process_group: Any = None,
+    process_group: Group = None,
     async_queue: Any = None,
     step: Optional[int] = None,
 ) -> Any:
@@ -153,7 +154,7 @@ def load(
     allowed_globals: Optional[Iterable[Any]] = None,
     thread_count: Optional[int] = None,
     verify_checksums: bool = True,
-    process_group: Any = None,
+    process_group: Group = None,
     load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
@@ -226,7 +227,7 @@ def load(
 
 def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: Any, sharded_strategy: Any, strict: Any,
           validate_access_integrity: bool, trusted: bool, allowed_globals: Any, thread_count: Optional[int],
-          verify_checksums: bool, process_group: Any, load_strategy: str, memory_budget: int, strict_dtype: bool,
+          verify_checksums: bool, process_group: Group, load_strategy: str, memory_budget: int, strict_dtype: bool,
           verify_state: Optional[bool] = None) -> Any:
     backend = _backend_from_strategy(sharded_strategy)
     if sharded_strategy is not None and backend != ck.config.sharded_backend:

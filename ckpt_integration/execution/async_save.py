@@ -75,7 +75,7 @@ import weakref
 
 from ..errors import AsyncSaveAbandonedError, CheckpointingException
 from . import dist
-from .dist import describe_error as _describe
+from .dist import Group, describe_error as _describe
 from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_local
 from .async_request import AsyncRequest
 from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
@@ -359,7 +359,7 @@ class AsyncCallsQueue:
                 logger.error("async save failed during teardown: %s", _describe(e))
 
     # -- groups ------------------------------------------------------------------------
-    def private_group(self, process_group: Any = None) -> Any:
+    def private_group(self, process_group: Group = None) -> Any:
         """The queue's own gloo group with the members of ``process_group`` (made once, collectively
         over them; ``process_group`` itself without ``torch.distributed``). Commits of this queue's
         saves run on it; it stays usable after ``destroy_process_group()`` until :meth:`close`."""

@@ -21,6 +21,7 @@ import torch
 
 from ..dict_utils import diff
 from . import dist
+from .dist import Group
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def _digest(common: Any) -> Optional[bytes]:
 
 
 def check_common_consistency(
-    common: Any, group: Any = None, preprocess: Optional[Callable[[Any], Any]] = None
+    common: Any, group: Group = None, preprocess: Optional[Callable[[Any], Any]] = None
 ) -> None:
     """Collective: log on every rank != 0 how its common state differs from rank 0's.
 

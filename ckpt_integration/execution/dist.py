@@ -33,7 +33,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,12 @@ def _default_timeout() -> datetime.timedelta:
     return dist.default_pg_timeout
 
 
-def new_private_group(process_group: Optional[Any] = None, timeout: Optional[datetime.timedelta] = None) -> Optional[PrivateGroup]:
+#: A process group as the library's collectives take it: torch's (``None``: the default group, or no
+#: group at all when ``torch.distributed`` is not initialized) or the library's own.
+Group = Optional[Union[dist.ProcessGroup, PrivateGroup]]
+
+
+def new_private_group(process_group: Group = None, timeout: Optional[datetime.timedelta] = None) -> Optional[PrivateGroup]:
     """A :class:`PrivateGroup` with the members of ``process_group`` (collective over its members).
 
     Built on the default group's store under a name the group's first rank draws and
@@ -155,13 +160,13 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def get_rank(group: Optional[Any] = None) -> int:
+def get_rank(group: Group = None) -> int:
     if isinstance(group, PrivateGroup):
         return group.rank
     return dist.get_rank(group) if is_distributed() else 0
 
 
-def get_world_size(group: Optional[Any] = None) -> int:
+def get_world_size(group: Group = None) -> int:
     if isinstance(group, PrivateGroup):
         return group.size()
     return dist.get_world_size(group) if is_distributed() else 1
@@ -174,20 +179,20 @@ def local_world_size() -> Optional[int]:
     return int(v) if v.isdigit() and int(v) > 0 else None
 
 
-def own_global_rank(group: Optional[Any]) -> int:
+def own_global_rank(group: Group) -> int:
     """This process's global rank (a private group remembers it: the world may be destroyed)."""
     if isinstance(group, PrivateGroup):
         return group.global_rank
     return dist.get_rank() if is_distributed() else 0
 
 
-def _group_rank(group: Optional[Any], global_rank: int) -> int:
+def _group_rank(group: Group, global_rank: int) -> int:
     if isinstance(group, PrivateGroup):
         return group.group_rank(global_rank)
     return dist.get_group_rank(group, global_rank) if group is not None else global_rank
 
 
-def _local(group: Optional[Any]) -> bool:
+def _local(group: Group) -> bool:
     """No peers to talk to: not initialised, or a group of one (every helper then returns at once)."""
     if isinstance(group, PrivateGroup):
         group.backend()  # a closed group raises GroupClosedError instead of acting alone
@@ -227,7 +232,7 @@ def settle(tensors: Sequence[torch.Tensor], timeout: float = SETTLE_TIMEOUT_S) -
             time.sleep(0)  # let the worker thread run (it needs no GIL to drop its reference)
 
 
-def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Optional[Any]) -> None:
+def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Group) -> None:
     if isinstance(group, PrivateGroup):
         group.backend().allgather([outs], [t]).wait()
     else:
@@ -236,7 +241,7 @@ def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Optional[Any
 
 
 def _c_all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]], in_splits: Optional[List[int]],
-                  group: Optional[Any]) -> None:
+                  group: Group) -> None:
     if isinstance(group, PrivateGroup):
         from torch.distributed import AllToAllOptions
 
@@ -246,7 +251,7 @@ def _c_all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[Lis
     settle([out, inp])
 
 
-def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Optional[Any]) -> None:
+def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group) -> None:
     if isinstance(group, PrivateGroup):
         from torch.distributed import GatherOptions
 
@@ -258,7 +263,7 @@ def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, gro
     settle([t, *(outs or [])])
 
 
-def _c_broadcast(t: torch.Tensor, src: int, group: Optional[Any]) -> None:
+def _c_broadcast(t: torch.Tensor, src: int, group: Group) -> None:
     if isinstance(group, PrivateGroup):
         from torch.distributed import BroadcastOptions
 
@@ -271,7 +276,7 @@ def _c_broadcast(t: torch.Tensor, src: int, group: Optional[Any]) -> None:
     settle([t])
 
 
-def _c_all_reduce(t: torch.Tensor, op: str, group: Optional[Any]) -> None:
+def _c_all_reduce(t: torch.Tensor, op: str, group: Group) -> None:
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     if isinstance(group, PrivateGroup):
         from torch.distributed import AllreduceOptions
@@ -314,7 +319,7 @@ traffic = Traffic()
 
 
 # --------------------------------------------------------------------------- byte collectives
-def _device(group: Optional[Any]) -> torch.device:
+def _device(group: Group) -> torch.device:
     """Where the buffers of a collective live: host memory unless the backend only takes CUDA tensors."""
     if isinstance(group, PrivateGroup):
         return torch.device("cpu")  # always gloo
@@ -342,7 +347,7 @@ def _ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64, device=device)
 
 
-def all_gather_bytes(payload: bytes, group: Optional[Any] = None) -> List[bytes]:
+def all_gather_bytes(payload: bytes, group: Group = None) -> List[bytes]:
     """Every rank's ``payload``, in group-rank order."""
     if _local(group):
         return [payload]
@@ -357,7 +362,7 @@ def all_gather_bytes(payload: bytes, group: Optional[Any] = None) -> List[bytes]
     return [payload if r == me else _to_bytes(outs[r], sizes[r]) for r in range(world)]
 
 
-def all_to_all_bytes(messages: Dict[int, bytes], group: Optional[Any] = None) -> Dict[int, bytes]:
+def all_to_all_bytes(messages: Dict[int, bytes], group: Group = None) -> Dict[int, bytes]:
     """Send ``messages[d]`` to group rank ``d``; returns ``{src: message}`` of the non-empty ones received.
 
     Two ``all_to_all_single`` calls (sizes, then one byte tensor), supported by gloo
@@ -393,7 +398,7 @@ def all_to_all_bytes(messages: Dict[int, bytes], group: Optional[Any] = None) ->
     return result
 
 
-def gather_bytes(payload: bytes, dst: int = 0, group: Optional[Any] = None) -> Optional[List[bytes]]:
+def gather_bytes(payload: bytes, dst: int = 0, group: Group = None) -> Optional[List[bytes]]:
     """Every rank's ``payload`` at global rank ``dst`` (``None`` elsewhere); exact sizes, no padding."""
     if _local(group):
         return [payload]
@@ -420,7 +425,7 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Optional[Any] = None) -> O
     return result
 
 
-def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Optional[Any] = None) -> bytes:
+def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Group = None) -> bytes:
     """``payload`` of global rank ``src`` on every rank."""
     if _local(group):
         return payload or b""
@@ -438,7 +443,7 @@ def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Optional[Any]
     return _to_bytes(buf, n)
 
 
-def all_reduce_ints(values: Sequence[int], op: str = "max", group: Optional[Any] = None) -> List[int]:
+def all_reduce_ints(values: Sequence[int], op: str = "max", group: Group = None) -> List[int]:
     """Element-wise ``max`` or ``sum`` of an int64 vector over the group (one small collective)."""
     if _local(group):
         return list(values)
@@ -449,7 +454,7 @@ def all_reduce_ints(values: Sequence[int], op: str = "max", group: Optional[Any]
     return t.cpu().tolist()
 
 
-def any_of_bits(bits: bytes, group: Optional[Any] = None) -> bytes:
+def any_of_bits(bits: bytes, group: Group = None) -> bytes:
     """Bitwise OR of equally long byte strings over the group (a max all-reduce of bytes)."""
     if _local(group) or not bits:
         return bits
@@ -461,13 +466,13 @@ def any_of_bits(bits: bytes, group: Optional[Any] = None) -> bytes:
 
 
 # --------------------------------------------------------------------------- objects (pickled)
-def all_gather_object(obj: Any, group: Optional[Any] = None) -> List[Any]:
+def all_gather_object(obj: Any, group: Group = None) -> List[Any]:
     if _local(group):
         return [obj]
     return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group)]
 
 
-def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Optional[List[Any]]:
+def gather_object(obj: Any, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
     """Gather to global rank ``dst``; returns the list there and ``None`` elsewhere."""
     if _local(group):
         return [obj]
@@ -475,14 +480,14 @@ def gather_object(obj: Any, dst: int = 0, group: Optional[Any] = None) -> Option
     return None if out is None else [pickle.loads(b) for b in out]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Optional[Any] = None) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
     if _local(group):
         return obj
     data = broadcast_bytes(pickle.dumps(obj) if own_global_rank(group) == src else None, src, group)
     return pickle.loads(data)
 
 
-def barrier(group: Optional[Any] = None) -> None:
+def barrier(group: Group = None) -> None:
     if _local(group):
         return
     if isinstance(group, PrivateGroup):
@@ -491,7 +496,7 @@ def barrier(group: Optional[Any] = None) -> None:
         dist.barrier(group=group)
 
 
-def coordinator_rank(group: Optional[Any] = None) -> int:
+def coordinator_rank(group: Group = None) -> int:
     """Global rank of the group's first member (writes shared files)."""
     if isinstance(group, PrivateGroup):
         return group.ranks[0]
@@ -514,7 +519,7 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def agree_on_errors(local_error: Optional[str], group: Optional[Any] = None) -> List[str]:
+def agree_on_errors(local_error: Optional[str], group: Group = None) -> List[str]:
     """Every rank learns every rank's error message (``rank N: ...``).
 
     One 8-byte all-reduce when nothing failed; the messages are gathered only when

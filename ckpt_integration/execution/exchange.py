@@ -51,6 +51,7 @@ from ..planning.records import digest64
 from ..planning.request_check import request_problems, route_requests
 from ..planning.shards import ShardMeta
 from . import dist
+from .dist import Group
 from .failure import Failure
 from .preprocess import shard_meta
 
@@ -81,7 +82,7 @@ def _unframe(m: bytes) -> Tuple[bytes, bytes]:
     return m[4 : 4 + n], m[4 + n :]
 
 
-def _raise_errors(failure: Failure, group: Any, context: str) -> None:
+def _raise_errors(failure: Failure, group: Group, context: str) -> None:
     """Every rank raises (a failure is known to have happened somewhere)."""
     errors = [f"rank {r}: {e}" for r, e in enumerate(dist.all_gather_object(failure.message, group)) if e]
     dist.raise_if_any_failed(failure.exc, errors, context)
@@ -138,14 +139,14 @@ def routes_after_change(metas: List[ShardMeta], routed: Optional[Routed], shards
 
 
 def start(
-    routed: Optional[Routed], failure: Failure, group: Any, context: str, purpose: str = "save",
+    routed: Optional[Routed], failure: Failure, group: Group, context: str, purpose: str = "save",
 ) -> Optional[ExchangeResult]:
     """Step 1: raise on every rank if any failed; the cached plan when every rank's input is unchanged."""
     return _start(routed, failure, group, context, purpose, ())[0]
 
 
 def start_load(
-    routed: Optional[Routed], whole_chunks: Optional[int], failure: Failure, group: Any, context: str,
+    routed: Optional[Routed], whole_chunks: Optional[int], failure: Failure, group: Group, context: str,
 ) -> Tuple[Optional[ExchangeResult], bool]:
     """:func:`start` for a load's request check, which also agrees whether every rank's request is
     whole saved chunks numbered by one index (``whole_chunks``: this rank's index identity, None
@@ -157,7 +158,7 @@ def start_load(
     return cached, not other and imax == -ineg
 
 
-def _start(routed: Optional[Routed], failure: Failure, group: Any, context: str, purpose: str,
+def _start(routed: Optional[Routed], failure: Failure, group: Group, context: str, purpose: str,
            extra: Sequence[int]) -> Tuple[Optional[ExchangeResult], List[int]]:
     cached = _last.get(purpose)
     if routed is None or cached is None or cached.digest != routed.digest:
@@ -170,7 +171,7 @@ def _start(routed: Optional[Routed], failure: Failure, group: Any, context: str,
     return (cached if not miss and tmax == -tneg else None), got[4:]
 
 
-def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Any, context: str,
+def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Group, context: str,
                        identity: Any) -> Optional[List[str]]:
     """The request check of a load whose every rank requests whole saved chunks of one index (see
     :mod:`..planning.request_check`): one all-to-all of four integers per request to the keys'
@@ -204,7 +205,7 @@ def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Any, co
 def run(
     metas: Sequence[ShardMeta],
     routed: Routed,
-    group: Any,
+    group: Group,
     *,
     balance: bool = True,
     validate: bool = True,
@@ -278,7 +279,7 @@ def run(
 
 
 def _detail_round(
-    metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Any,
+    metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Group,
     validate: bool, result: ExchangeResult, context: str,
 ) -> Tuple[List[str], int]:
     """The detail round: this rank's problems and the number of problems on all ranks."""
@@ -302,7 +303,7 @@ def _detail_round(
     return problems, count
 
 
-def raise_problems(problems: List[str], group: Any, header: str, on_problems: Optional[Callable[[], None]] = None) -> None:
+def raise_problems(problems: List[str], group: Group, header: str, on_problems: Optional[Callable[[], None]] = None) -> None:
     """Collect every owner's problems on the coordinator, which broadcasts one message; all raise it. Collective."""
     coord = dist.coordinator_rank(group)
     gathered = dist.gather_object(problems, dst=coord, group=group)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .dist import agree_on_errors, describe_error, raise_if_any_failed
+from .dist import Group, agree_on_errors, describe_error, raise_if_any_failed
 
 
 class Failure:
@@ -49,7 +49,7 @@ class Failure:
         """A ``with`` block whose exception (an ``Exception``, not an interrupt) is recorded, not raised."""
         return _Capture(self)
 
-    def agree(self, group: Optional[Any], context: str) -> None:
+    def agree(self, group: Group, context: str) -> None:
         """Collective: raise on every rank when any rank failed (see :func:`raise_if_any_failed`)."""
         raise_if_any_failed(self.exc, agree_on_errors(self.message, group), context)
 

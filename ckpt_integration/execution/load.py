@@ -46,6 +46,7 @@ from ..storage.small_reads import read_small_items
 from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
+from .dist import Group
 from . import exchange
 from . import load_request
 from .failure import Failure
@@ -261,7 +262,7 @@ def load_sharded(
     allowed_globals: Optional[Iterable[Any]] = None,
     thread_count: int = 4,
     verify_checksums: bool = True,
-    process_group: Any = None,
+    process_group: Group = None,
     load_strategy: str = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
@@ -364,7 +365,7 @@ class _Request:
 
 
 def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, shared: Optional[SharedMetadata],
-                  group: Any, trusted: bool, allowed_globals: Any, validate: bool, rank: int, world: int) -> _Request:
+                  group: Group, trusted: bool, allowed_globals: Any, validate: bool, rank: int, world: int) -> _Request:
     """Open the checkpoint (collective when ``shared`` is None: one reader, one broadcast) and
     split this rank's request into what the later steps read."""
     if shared is None:
@@ -389,7 +390,7 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, share
     return req
 
 
-def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backend: str, group: Any,
+def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backend: str, group: Group,
           thread_count: int, memory_budget: int, disjoint: bool) -> str:
     """The read step: ``"local"`` (each rank read its own ranges), ``"read_once"``/``"parallel"``
     (a strategy that shares reads: collective, every rank takes part even after a failure), or

@@ -17,6 +17,7 @@ from ..mapping import ShardedObject
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
 from ..storage.chunk_index import checkpoint_keys
 from . import dist
+from .dist import Group
 from . import exchange
 from .failure import Failure
 
@@ -57,7 +58,7 @@ def handle_strict(
         logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
-def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: Failure, group: Any,
+def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: Failure, group: Group,
                    checkpoint_dir: Any) -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some
     rank failed before it or the request is invalid. Skipped when every rank requests what it
@@ -96,7 +97,7 @@ def strict_after_check(job: Any, strict: StrictHandling, requested: List[str], r
     job.missing = missing
 
 
-def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Any) -> Set[str]:
+def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Group) -> Set[str]:
     """Checkpoint keys some rank requests: an OR all-reduce of one bit per key (not the keys themselves)."""
     position = {k: i for i, k in enumerate(ckpt_keys)}
     bits = bytearray((len(ckpt_keys) + 7) // 8)

@@ -63,6 +63,7 @@ import torch.distributed as tdist
 from ..planning.boxes import intersect, relative_slices
 from ..planning.load_units import Need, Unit, plan_units
 from . import dist
+from .dist import Group
 from .preprocess import dtype_from_name, dtype_name
 from ..errors import CheckpointingException, CorruptCheckpointError
 
@@ -112,7 +113,7 @@ def _new_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _exchange_device(group: Any) -> torch.device:
+def _exchange_device(group: Group) -> torch.device:
     """Where transfer buffers live: host memory unless the group's backend cannot carry CPU tensors."""
     if not dist.is_distributed():
         return torch.device("cpu")
@@ -160,7 +161,7 @@ def exchange_reads(
     reader: Any,
     tasks: List[Any],
     failed_before: bool,
-    group: Any = None,
+    group: Group = None,
     *,
     mode: str = "fully_parallel",
     thread_count: int = 4,
@@ -374,11 +375,11 @@ def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor
         thread.join()
 
 
-def _global(group: Any, r: int) -> int:
+def _global(group: Group, r: int) -> int:
     return r if group is None else tdist.get_global_rank(group, r)
 
 
-def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Any) -> None:
+def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Group) -> None:
     """Deliver the reader's ``buf`` to the other ranks that need ``u``. Called in the shared order."""
     if len(u.needers) == 1 or size == 1:
         return
@@ -398,7 +399,7 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Any)
         tdist.recv(flat, src=_global(group, u.reader), group=group, tag=u.index % (1 << 30))
 
 
-def _log_summary(stats: Dict[str, float], mode: str, n_units: int, group: Any) -> None:
+def _log_summary(stats: Dict[str, float], mode: str, n_units: int, group: Group) -> None:
     """Gather every rank's statistics to the group's first rank and log a per-phase, per-rank table."""
     dst = dist.coordinator_rank(group)
     gathered = dist.gather_object(stats, dst=dst, group=group)

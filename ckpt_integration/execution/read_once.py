@@ -58,6 +58,7 @@ from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.mapped import can_map
 from . import dist
+from .dist import Group
 from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
@@ -101,7 +102,7 @@ def _owner(file: str, offset: int, world: int) -> int:
 
 
 def load_read_once(
-    reader: Any, tasks: List[Any], failed_before: bool, group: Any, *, mode: str = "auto",
+    reader: Any, tasks: List[Any], failed_before: bool, group: Group, *, mode: str = "auto",
     thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
@@ -445,7 +446,7 @@ POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 PIECE = 2 << 20
 
 
-def _global(group: Any, r: int) -> int:
+def _global(group: Group, r: int) -> int:
     return r if group is None else tdist.get_global_rank(group, r)
 
 

@@ -60,7 +60,7 @@ from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_fil
 from . import dist
 from . import exchange
 from . import zarr_save
-from .dist import describe_error as _describe
+from .dist import Group, describe_error as _describe
 from .failure import Failure
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
@@ -77,7 +77,7 @@ class SavePlan:
 
     rank: int
     world_size: int
-    group: Any
+    group: Group
     checkpoint_dir: str  # the final location
     write_dir: str  # where files go now (a staging dir when overwriting)
     staging: bool
@@ -206,7 +206,7 @@ def prepare_save(
     balance: bool = True,
     overwrite: bool = False,
     durable: bool = True,
-    process_group: Any = None,
+    process_group: Group = None,
     backend: str = "torch_dist",
     preprocess_common: Optional[Callable[[Any], Any]] = None,
     step: Optional[int] = None,

@@ -34,6 +34,7 @@ from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, parse_index
 from ..storage.item_table import ItemTable
 from ..storage.opened import OpenedCheckpoint
 from . import dist
+from .dist import Group
 
 
 @dataclass
@@ -83,7 +84,7 @@ _LEVEL = 1
 _FRAME = struct.Struct("<IBQ")
 
 
-def one_node(group: Any = None) -> bool:
+def one_node(group: Group = None) -> bool:
     """Whether every rank of ``group`` runs on this node, as torchrun says (``LOCAL_WORLD_SIZE``
     at least the group's size); unknown (no ``LOCAL_WORLD_SIZE``): False."""
     lws = dist.local_world_size()
@@ -159,7 +160,7 @@ def shared_of(ck: OpenedCheckpoint) -> SharedMetadata:
     return SharedMetadata(ck.backend, ck.loaded_metadata(), ck.manifest, compact, config=ck.config)
 
 
-def open_shared(checkpoint_dir: Any, group: Any = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
+def open_shared(checkpoint_dir: Any, group: Group = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
     """Collective: open ``checkpoint_dir`` on the coordinator (``metadata.json``, manifest,
     ``.metadata``: read and checked once for the job) and give every rank an opened checkpoint of
     the same commit, built from one broadcast without touching storage. A failure on the

@@ -38,6 +38,7 @@ from ..planning.boxes import Box, intersect
 from ..planning.records import MessageWriter, decode
 from ..storage.fingerprint import MASK64, Recorded, fingerprints
 from . import dist
+from .dist import Group
 from .failure import Failure
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def _owner(key: str, world: int) -> int:
     return zlib.crc32(key.encode()) % world
 
 
-def check_state(parts: Sequence[LoadedPart], recorded: Optional[Recorded], rank: int, group: Any,
+def check_state(parts: Sequence[LoadedPart], recorded: Optional[Recorded], rank: int, group: Group,
                 where: str, local: bool = False) -> StateReport:
     """Collective over ``group`` (every rank calls it, after a load that succeeded everywhere):
     compare the fingerprints of ``parts`` with ``recorded``. Returns this rank's report; its
@@ -257,7 +258,7 @@ def default_verify_state() -> bool:
     return os.environ.get(VERIFY_STATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Any, where: str,
+def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Group, where: str,
                         stats: Dict[str, Any]) -> None:
     """Collective: the state check of a load that succeeded on every rank (its figures added to
     ``stats``); raises on every rank when any rank or key owner found a difference."""

@@ -12,6 +12,7 @@ from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
 from ..storage.zarr_backend import write_index as write_zarr_index
 from . import dist
+from .dist import Group
 from .failure import Failure
 from .preprocess import dtype_from_name
 
@@ -41,7 +42,7 @@ def zarr_chunk_requests(
     all_metas: List[ShardMeta],
     chosen: Dict[Any, ShardMeta],
     rank: int,
-    group: Any,
+    group: Group,
     failure: Failure,
 ) -> List[WriteRequest]:
     """zarr: this rank's requests as whole-chunk writes (part of phase 1, collective).
@@ -79,7 +80,7 @@ def zarr_chunk_requests(
     return requests
 
 
-def exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Any) -> List[Piece]:
+def exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Group) -> List[Piece]:
     """Each sender scatters its pieces to their owners; returns the pieces sent to ``rank``.
 
     One ``scatter_object_list`` per sending rank, so each piece travels only to its

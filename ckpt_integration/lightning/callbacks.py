@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ..checkpoints import commit_order_of
@@ -32,7 +33,7 @@ def _lightning_candidate(path: str) -> str:
     return join(p, CONFIG_FILE) if is_remote(p) else p
 
 
-def _io(trainer: Any) -> Any:
+def _io(trainer: "pl.Trainer") -> Any:
     io = getattr(trainer.strategy, "_checkpoint_io", None)
     return io if isinstance(io, DistCkptIO) else None
 
@@ -47,21 +48,21 @@ class DistCkptAsyncFinalizer(Callback):
     ``teardown`` waits for everything. Added automatically when ``async_save=True``.
     """
 
-    def _check(self, trainer: Any) -> None:
+    def _check(self, trainer: "pl.Trainer") -> None:
         io = _io(trainer)
         if io is not None and io.num_unfinalized:
             io.maybe_finalize(blocking=False, collective=True)
 
-    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
         self._check(trainer)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check(trainer)
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check(trainer)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         io = _io(trainer)
         if io is not None:
             io.maybe_finalize(blocking=True, collective=False)
@@ -90,7 +91,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
 
     _last_written_at_step: int = -1
 
-    def _save_last_checkpoint(self, trainer: Any, monitor_candidates: Any) -> None:
+    def _save_last_checkpoint(self, trainer: "pl.Trainer", monitor_candidates: Any) -> None:
         if not self.save_last:
             return
         if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
@@ -103,7 +104,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
 
-    def _save_last_if_behind(self, trainer: Any) -> None:
+    def _save_last_if_behind(self, trainer: "pl.Trainer") -> None:
         """At an epoch-level trigger: write ``last`` if this step's top-k decision did not."""
         from lightning.pytorch.trainer.states import TrainerFn
 
@@ -113,17 +114,17 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             return
         self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_train_epoch_end(trainer, pl_module)
         if self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         super().on_validation_end(trainer, pl_module)
         if not self._should_save_on_train_epoch_end(trainer):
             self._save_last_if_behind(trainer)
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if self.save_last and self.dirpath is not None and is_remote(os.fspath(self.dirpath)):
             raise ValueError(
@@ -133,7 +134,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 "checkpoint in dirpath."
             )
 
-    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+    def file_exists(self, filepath: Any, trainer: "pl.Trainer") -> bool:
         """Only a complete checkpoint counts as existing (decided on rank 0, shared with all).
 
         A directory left by a save killed before its commit would otherwise make Lightning
@@ -145,7 +146,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             local = is_complete_checkpoint(_resolve_link(filepath))
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 
-    def _find_last_checkpoints(self, trainer: Any) -> set:
+    def _find_last_checkpoints(self, trainer: "pl.Trainer") -> set:
         """The one candidate for ``ckpt_path="last"``: the newest committed checkpoint of ``dirpath``.
 
         Newest by what the job recorded (global step, then the commit number written at

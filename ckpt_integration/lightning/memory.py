@@ -25,6 +25,7 @@ import os
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ..errors import MemoryCheckpointError
@@ -48,7 +49,7 @@ def _dir(io: DistCkptIO) -> str:
     return os.path.abspath(io.memory_dir or DEFAULT_MEMORY_DIR)
 
 
-def memory_job_id(io: DistCkptIO, trainer: Any) -> str:
+def memory_job_id(io: DistCkptIO, trainer: "pl.Trainer") -> str:
     """The job's name in the memory directory: ``memory_job_id``, or one derived from the trainer's
     ``default_root_dir`` (the same for a restart of the same run)."""
     if io.memory_job_id:
@@ -70,7 +71,7 @@ def tier_for(strategy: Any) -> Any:
     return io.memory_tier
 
 
-def memory_candidate(io: DistCkptIO, trainer: Any) -> Optional[str]:
+def memory_candidate(io: DistCkptIO, trainer: "pl.Trainer") -> Optional[str]:
     """For ``ckpt_path="last"``: the newest snapshot record of this job on this node (its
     modification time is when it was committed), or ``None``."""
     root = os.path.join(_dir(io), memory_job_id(io, trainer))
@@ -93,7 +94,7 @@ def _is_memory_path(io: DistCkptIO, path: str) -> bool:
     return os.path.abspath(path).startswith(_dir(io) + os.sep)
 
 
-def _checkpoint_dir(trainer: Any) -> str:
+def _checkpoint_dir(trainer: "pl.Trainer") -> str:
     cb = trainer.checkpoint_callback
     d = getattr(cb, "dirpath", None)
     return os.fspath(d) if d else os.path.join(trainer.default_root_dir, "checkpoints")
@@ -203,11 +204,11 @@ class DistCkptMemorySnapshots(Callback):
         self._persists: List[Tuple[str, Any]] = []
 
     @staticmethod
-    def _io(trainer: Any) -> Optional[DistCkptIO]:
+    def _io(trainer: "pl.Trainer") -> Optional[DistCkptIO]:
         io = getattr(trainer.strategy, "_checkpoint_io", None)
         return io if isinstance(io, DistCkptIO) and io.memory_enabled else None
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:
         io = self._io(trainer)
         if io is None:
             return
@@ -227,7 +228,7 @@ class DistCkptMemorySnapshots(Callback):
         if io.memory_persist_every_n and self._count % io.memory_persist_every_n == 0:
             self._persist_next = step
 
-    def _persist(self, trainer: Any, io: DistCkptIO, step: int, kind: str) -> Any:
+    def _persist(self, trainer: "pl.Trainer", io: DistCkptIO, step: int, kind: str) -> Any:
         path = os.path.join(_checkpoint_dir(trainer), f"{kind}-step={step}.ckpt")
         req = tier_for(trainer.strategy).persist(step, path, thread_count=io.thread_count, overwrite=True,
                                                  durable=io.durable)
@@ -236,7 +237,7 @@ class DistCkptMemorySnapshots(Callback):
             self._prune(trainer)
         return req
 
-    def _prune(self, trainer: Any) -> None:
+    def _prune(self, trainer: "pl.Trainer") -> None:
         """Keep the two newest ``memory-step=*`` checkpoints; failures are logged here and raised at fit end."""
         done = [(p, r) for p, r in self._persists if r.is_done()]
         for p, r in done[:-2]:
@@ -247,7 +248,7 @@ class DistCkptMemorySnapshots(Callback):
             if r.exception() is not None:
                 logger.error("making memory snapshot %s durable failed: %s", p, r.exception())
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         io = self._io(trainer)
@@ -281,7 +282,7 @@ class DistCkptMemorySnapshots(Callback):
             logger.error("rank %d: SIGTERM: the newest memory snapshot could not be made durable within %s",
                          trainer.global_rank, "the grace period" if grace is None else f"{grace:.0f}s")
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         io = self._io(trainer)
         if io is None or io.memory_tier is None:
             return

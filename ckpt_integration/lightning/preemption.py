@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ..execution import dist
@@ -40,12 +41,12 @@ from .io import DistCkptIO
 logger = logging.getLogger(__name__)
 
 
-def _io(trainer: Any) -> Optional[DistCkptIO]:
+def _io(trainer: "pl.Trainer") -> Optional[DistCkptIO]:
     io = getattr(trainer.strategy, "_checkpoint_io", None)
     return io if isinstance(io, DistCkptIO) else None
 
 
-def _requeue_signal(trainer: Any) -> Optional[int]:
+def _requeue_signal(trainer: "pl.Trainer") -> Optional[int]:
     """The SLURM requeue signal when Lightning handles it (``SLURMEnvironment(auto_requeue=True)``)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
@@ -89,12 +90,12 @@ class DistCkptPreemption(Callback):
     def __init__(self) -> None:
         self._deferred: Dict[int, _Deferred] = {}
 
-    def _record(self, trainer: Any, signum: int) -> None:
+    def _record(self, trainer: "pl.Trainer", signum: int) -> None:
         io = _io(trainer)
         if signum == signal.SIGTERM and io is not None:
             io.note_preemption()  # the grace period starts at the scheduler's notice
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread (Lightning has none either)
         self._deferred = {}
@@ -112,7 +113,7 @@ class DistCkptPreemption(Callback):
             self._deferred[signum] = wrapper
             # Lightning's teardown restores the handlers it found before fit, dropping this wrapper
 
-    def _agreed(self, trainer: Any) -> List[int]:
+    def _agreed(self, trainer: "pl.Trainer") -> List[int]:
         """The signals some rank received, in the order their handlers run (requeue before SIGTERM)."""
         order = sorted(self._deferred, key=lambda s: s == signal.SIGTERM)
         flags = [1 if self._deferred[s].pending is not None else 0 for s in order]
@@ -123,7 +124,7 @@ class DistCkptPreemption(Callback):
                 flags = dist.all_reduce_ints(flags, "max", group)
         return [s for s, f in zip(order, flags) if f]
 
-    def _deliver(self, trainer: Any) -> None:
+    def _deliver(self, trainer: "pl.Trainer") -> None:
         if not self._deferred:
             return
         for signum in self._agreed(trainer):
@@ -135,10 +136,10 @@ class DistCkptPreemption(Callback):
                         trainer.global_rank, signum, trainer.global_step)
             wrapper.run()
 
-    def on_train_batch_end(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any, **kwargs: Any) -> None:
         self._deliver(trainer)
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._deliver(trainer)
 
 

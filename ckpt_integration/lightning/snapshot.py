@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ..execution.snapshot import snapshots_in_flight, wait_for_snapshot
@@ -35,7 +36,7 @@ class WaitForSnapshot(Callback):
     def __init__(self) -> None:
         self.waits = 0
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         if snapshots_in_flight():
             self.waits += 1
             wait_for_snapshot()

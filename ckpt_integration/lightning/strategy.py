@@ -7,6 +7,7 @@ import os
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -161,7 +162,7 @@ class DistCkptStrategyMixin(Strategy):
         return self._module_sharded_state_dict()
 
     # -- hooks -----------------------------------------------------------------------------------------
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)  # type: ignore[misc]
         io = self.dist_checkpoint_io()
         if io.async_save and not any(isinstance(cb, DistCkptAsyncFinalizer) for cb in trainer.callbacks):

@@ -26,6 +26,7 @@ import torch
 from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import CorruptCheckpointError, MemoryLayoutError, StateVerificationError
 from ..execution import dist
+from ..execution.dist import Group
 from ..execution.preprocess import dtype_from_name, restore_list_types, split_state_dict
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..planning.records import digest64
@@ -69,7 +70,7 @@ class Inventory:
         return None
 
 
-def gather_inventory(root: str, job_id: str, node: str, group: Any) -> Inventory:
+def gather_inventory(root: str, job_id: str, node: str, group: Group) -> Inventory:
     mine = slots.scan(root, job_id)
     gathered = dist.all_gather_object((node, mine), group)
     return Inventory([g[0] for g in gathered], [g[1] for g in gathered])
@@ -104,7 +105,7 @@ class Obtained:
 
 
 def fetch(
-    inv: Inventory, key: Key, root: str, group: Any, refused: Iterable[Tuple[int, str]] = (),
+    inv: Inventory, key: Key, root: str, group: Group, refused: Iterable[Tuple[int, str]] = (),
     owners: Optional[Sequence[int]] = None,
 ) -> Tuple[Optional[Obtained], Optional[str], List[int], Dict[int, Tuple[str, int]]]:
     """Collective: every rank in ``owners`` (default all) obtains its own snapshot of ``key``.

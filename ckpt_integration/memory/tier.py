@@ -32,7 +32,7 @@ from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayout
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
 from ..execution.preprocess import dtype_name, split_state_dict
-from ..execution.dist import describe_error as _describe
+from ..execution.dist import Group, describe_error as _describe
 from ..execution.failure import Failure
 from ..execution.state_check import default_verify_state
 from ..execution.save import finalize_save, prepare_save, write_local
@@ -130,7 +130,7 @@ class MemoryCheckpoints:
     """
 
     def __init__(self, directory: Any, job_id: str, replicas: int = 2, ranks_per_node: Optional[int] = None,
-                 process_group: Any = None, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
+                 process_group: Group = None, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
                  timeout_s: float = 600.0, copy_now_bytes: int = DEFAULT_COPY_NOW_BYTES):
         self.directory = os.path.abspath(os.fspath(directory))
         self.job_id = slots.check_job_id(job_id)
@@ -178,7 +178,7 @@ class MemoryCheckpoints:
         self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0]) if done else None
         self.last_complete_step = done[0][0] if done else None
 
-    def _check_distinct_memory(self, process_group: Any) -> None:
+    def _check_distinct_memory(self, process_group: Group) -> None:
         """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's
         memory is named by its host, boot and the directory's device and inode (what two plan nodes
         share when ``ranks_per_node`` does not match how the ranks are placed, or when two nodes
@@ -199,7 +199,7 @@ class MemoryCheckpoints:
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
-    def _new_group(process_group: Any, timeout_s: float) -> Optional[dist.PrivateGroup]:
+    def _new_group(process_group: Group, timeout_s: float) -> Optional[dist.PrivateGroup]:
         # The library's own gloo group (store keys under a fresh random name): torch's new_group
         # with local synchronization names a group by its ranks and the number of groups alive, so
         # a tier made after another was closed reused the closed one's name and rendezvous keys

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..execution.dist import PrivateGroup
+from ..execution.dist import Group, PrivateGroup
 from .slots import Record, decode_record
 
 CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
@@ -38,14 +38,14 @@ class Outgoing:
     files: Dict[str, torch.Tensor]
 
 
-def _isend(t: torch.Tensor, group: Any, dst: int, tag: int) -> Any:
+def _isend(t: torch.Tensor, group: Group, dst: int, tag: int) -> Any:
     """Send to group rank ``dst``: on the library's own group (the tier's), or a registered one."""
     if isinstance(group, PrivateGroup):
         return group.pg.send([t], dst, tag)
     return tdist.isend(t, tdist.get_global_rank(group, dst) if group is not None else dst, group=group, tag=tag)
 
 
-def _irecv(t: torch.Tensor, group: Any, src: int, tag: int) -> Any:
+def _irecv(t: torch.Tensor, group: Group, src: int, tag: int) -> Any:
     if isinstance(group, PrivateGroup):
         return group.pg.recv([t], src, tag)
     return tdist.irecv(t, tdist.get_global_rank(group, src) if group is not None else src, group=group, tag=tag)
@@ -70,7 +70,7 @@ def exchange(
     sends: Dict[int, Outgoing],
     sources: List[int],
     buffers_for: Callable[[int, Record], Dict[str, torch.Tensor]],
-    group: Any,
+    group: Group,
     describe: Callable[[int], str],
 ) -> Tuple[Dict[int, Optional[Record]], Dict[int, str]]:
     """Send ``sends[dst]`` to each ``dst`` and receive one snapshot from each of ``sources``.

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 import torch
 
 from ..dict_utils import nested_values
-from ..execution.dist import all_gather_object, all_reduce_ints
+from ..execution.dist import Group, all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from ..dtensors import is_dtensor
 from ..serialization import load, load_sharded_metadata
@@ -41,7 +41,7 @@ def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: 
     return any(k.startswith(prefix + ".") for k in load_sharded_metadata(checkpoint_dir))
 
 
-def gather_problems(problems: List[str], group: Any) -> List[str]:
+def gather_problems(problems: List[str], group: Group) -> List[str]:
     """Every rank's problems on every rank (one small all-reduce when there are none), so that all
     ranks raise together instead of some waiting in the next collective."""
     if not all_reduce_ints([1 if problems else 0], "max", group)[0]:
