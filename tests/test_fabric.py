@@ -206,23 +206,8 @@ def _same_state(loaded_file, saved_file) -> None:
     value, the state the run that saved it held (its ``saved-<step>.pt``): model, AdamW moments and steps,
     param groups, scheduler and loop counter."""
     loaded, saved = torch.load(loaded_file, weights_only=False), torch.load(saved_file, weights_only=False)
-
-    def same(a, b, where):
-        if isinstance(a, torch.Tensor):
-            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-        elif isinstance(a, dict):
-            assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), (where, sorted(a, key=str), sorted(b, key=str))
-            for k in a:
-                same(a[k], b[k], f"{where}.{k}")
-        elif isinstance(a, (list, tuple)):
-            assert len(a) == len(b), where
-            for i, (x, y) in enumerate(zip(a, b)):
-                same(x, y, f"{where}[{i}]")
-        else:
-            assert a == b, (where, a, b)
-
     assert loaded["model"] and loaded["optimizer"]["state"]
-    same(loaded, saved, "state")
+    _same(loaded, saved, "state")
 
 
 def test_fabric_example_resumes_across_strategies_and_world_sizes(tmp_path):
