@@ -27,7 +27,7 @@ from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import CorruptCheckpointError, MemoryLayoutError, StateVerificationError
 from ..execution import dist
 from ..execution.dist import Group
-from ..execution.preprocess import dtype_from_name, restore_list_types, split_state_dict
+from ..execution.preprocess import dtype_from_name, dtype_name, restore_list_types, split_state_dict
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from ..planning.records import digest64
 from ..storage.checksum import DEFAULT_BLOCK_SIZE, BlockHash
@@ -248,6 +248,23 @@ def shard_id(sh: Any) -> Tuple[Any, ...]:
         return ("object", sh.unique_key)
     fr = sh.flattened_range
     return ("tensor", sh.key, tuple(sh.global_offset), tuple(sh.local_shape), None if fr is None else (fr.start, fr.stop))
+
+
+def shard_header(sh: Any) -> Dict[str, Any]:
+    """How a snapshot record describes one saved value (read back by :func:`entry_id` and :func:`as_sharded`)."""
+    rid = sh.replica_id
+    rid = list(rid) if isinstance(rid, tuple) else rid
+    if isinstance(sh, ShardedObject):
+        return {"kind": "object", "key": sh.key, "unique_key": sh.unique_key, "global_shape": list(sh.global_shape),
+                "global_offset": list(sh.global_offset), "replica_id": rid}
+    fr = sh.flattened_range
+    return {
+        "kind": "tensor", "key": sh.key, "dtype": dtype_name(sh.dtype), "local_shape": list(sh.local_shape),
+        "global_shape": list(sh.global_shape), "global_offset": list(sh.global_offset), "replica_id": rid,
+        "axis_fragmentations": None if sh.axis_fragmentations is None else list(sh.axis_fragmentations),
+        "prepend_axis_num": sh.prepend_axis_num, "allow_shape_mismatch": sh.allow_shape_mismatch,
+        "flattened_range": None if fr is None else [fr.start, fr.stop],
+    }
 
 
 def entry_id(s: Dict[str, Any]) -> Tuple[Any, ...]:

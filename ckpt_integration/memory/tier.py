@@ -74,22 +74,6 @@ class _Job:
     failure: Failure = field(default_factory=Failure)  # this rank's, agreed in the background
 
 
-def _shard_header(sh: Any) -> Dict[str, Any]:
-    rid = sh.replica_id
-    rid = list(rid) if isinstance(rid, tuple) else rid
-    if isinstance(sh, ShardedObject):
-        return {"kind": "object", "key": sh.key, "unique_key": sh.unique_key, "global_shape": list(sh.global_shape),
-                "global_offset": list(sh.global_offset), "replica_id": rid}
-    fr = sh.flattened_range
-    return {
-        "kind": "tensor", "key": sh.key, "dtype": dtype_name(sh.dtype), "local_shape": list(sh.local_shape),
-        "global_shape": list(sh.global_shape), "global_offset": list(sh.global_offset), "replica_id": rid,
-        "axis_fragmentations": None if sh.axis_fragmentations is None else list(sh.axis_fragmentations),
-        "prepend_axis_num": sh.prepend_axis_num, "allow_shape_mismatch": sh.allow_shape_mismatch,
-        "flattened_range": None if fr is None else [fr.start, fr.stop],
-    }
-
-
 class MemoryCheckpoints:
     """Snapshots of a sharded state dict in the node's shared memory and on peer nodes.
 
@@ -310,7 +294,7 @@ class MemoryCheckpoints:
                                                               job.staged["tensors"])]
         prints = iter(shard_fingerprints(staged_shards))
         for v in job.values:
-            head = _shard_header(v)
+            head = rs.shard_header(v)
             if isinstance(v, ShardedObject):
                 head["index"] = objects
                 objects += 1
