@@ -309,7 +309,9 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
     saved state; a manifest whose recorded fingerprint does not describe the data is reported."""
     import json
 
-    from ckpt_integration.storage.fingerprint import Recorded, encode_rows
+    import numpy as np
+
+    from ckpt_integration.storage.fingerprint import MASK64, Recorded, encode_groups
     from ckpt_integration.tools import verify_checkpoint
 
     d = tmp_path / "c"
@@ -320,7 +322,12 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
     rec = Recorded(man["fingerprints"])
     rows = [(k, o, s, v) for k in rec.keys for o, s, v in rec.chunks(k)]
     rows = [(k, o, s, (v + 1) if k == "h" else v) for k, o, s, v in rows]  # one chunk of "h" misdescribed
-    man["fingerprints"] = encode_rows(*zip(*rows))
+    by_nd: dict = {}  # the table's columns, per number of dimensions
+    for k, o, s, v in rows:
+        by_nd.setdefault(len(o), []).append((k, o, s, v))
+    man["fingerprints"] = encode_groups([(nd, [r[0] for r in rs], np.array([r[3] & MASK64 for r in rs], dtype=np.uint64),
+                                          np.array([r[1] for r in rs]).reshape(len(rs), nd),
+                                          np.array([r[2] for r in rs]).reshape(len(rs), nd)) for nd, rs in by_nd.items()])
     (d / "manifest.json").write_text(json.dumps(man))
     report = verify_checkpoint(str(d), state=True)
     assert not report.ok and ["h"] == [k for p in report.problems for k in p["keys"]], report.format()

@@ -291,7 +291,7 @@ def load_sharded(
                             validate_access_integrity, rank, world)
         checkpoint_dir = req.checkpoint_dir
     job: Optional[_LoadJob] = None
-    if req is not None and not opened.failed:
+    if req is not None:  # (opened)
         with planned.capture():
             job = _prepare_reads(
                 checkpoint_dir, req.md, req.common, req.sharded, req.nonpersistent, req.factories, req.template,
@@ -392,9 +392,10 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, share
 
 def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backend: str, group: Group,
           thread_count: int, memory_budget: int, disjoint: bool) -> str:
-    """The read step: ``"local"`` (each rank read its own ranges), ``"read_once"``/``"parallel"``
-    (a strategy that shares reads: collective, every rank takes part even after a failure), or
-    ``"failed"`` (some rank failed: the final agreement raises). A failure is recorded, not raised."""
+    """The read step: ``"local"`` (each rank read its own ranges), ``"done"`` (read once) or
+    ``"parallel"`` (fully_parallel / two_stage): strategies that share reads, collective, every rank
+    takes part even after a failure; or ``"failed"`` (some rank failed: the final agreement
+    raises). A failure is recorded, not raised."""
     world = dist.get_world_size(group)
     reader, tasks = (job.reader, job.tasks) if job is not None else (None, [])
     if load_strategy in READ_ONCE and world > 1 and backend_named(backend).mapped_chunks:

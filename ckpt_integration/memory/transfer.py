@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as tdist
 
-from ..execution.dist import Group, PrivateGroup
+from ..execution.dist import PrivateGroup
 from .slots import Record, decode_record
 
 CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
@@ -38,17 +37,13 @@ class Outgoing:
     files: Dict[str, torch.Tensor]
 
 
-def _isend(t: torch.Tensor, group: Group, dst: int, tag: int) -> Any:
-    """Send to group rank ``dst``: on the library's own group (the tier's), or a registered one."""
-    if isinstance(group, PrivateGroup):
-        return group.pg.send([t], dst, tag)
-    return tdist.isend(t, tdist.get_global_rank(group, dst) if group is not None else dst, group=group, tag=tag)
+def _isend(t: torch.Tensor, group: PrivateGroup, dst: int, tag: int) -> Any:
+    """Send to group rank ``dst`` on the tier's own group (``dist.new_private_group``)."""
+    return group.pg.send([t], dst, tag)
 
 
-def _irecv(t: torch.Tensor, group: Group, src: int, tag: int) -> Any:
-    if isinstance(group, PrivateGroup):
-        return group.pg.recv([t], src, tag)
-    return tdist.irecv(t, tdist.get_global_rank(group, src) if group is not None else src, group=group, tag=tag)
+def _irecv(t: torch.Tensor, group: PrivateGroup, src: int, tag: int) -> Any:
+    return group.pg.recv([t], src, tag)
 
 
 def _wait(works: List[Any]) -> None:
@@ -70,7 +65,7 @@ def exchange(
     sends: Dict[int, Outgoing],
     sources: List[int],
     buffers_for: Callable[[int, Record], Dict[str, torch.Tensor]],
-    group: Group,
+    group: Optional[PrivateGroup],
     describe: Callable[[int], str],
 ) -> Tuple[Dict[int, Optional[Record]], Dict[int, str]]:
     """Send ``sends[dst]`` to each ``dst`` and receive one snapshot from each of ``sources``.

@@ -113,7 +113,7 @@ class Manifest:
     blocks: Dict[str, List[Any]] = field(default_factory=dict)
     save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
     # format 5: every saved chunk's layout-independent fingerprint (key, box, value), base64 of
-    # fingerprint.encode_rows ("" when the save recorded none)
+    # fingerprint.encode_groups ("" when the save recorded none)
     fingerprints: str = ""
     # format 4: "items" and "blocks" as one binary table, base64 (item_table.py); last in the file
     tables: str = ""

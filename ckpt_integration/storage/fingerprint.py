@@ -285,19 +285,6 @@ TABLE_VERSION = 1
 _HEAD = struct.Struct("<4sII")  # magic, version, rows
 
 
-def encode_rows(keys: Sequence[str], offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
-                values: Sequence[int]) -> str:
-    """The manifest's ``fingerprints`` text (base64) for one row per saved chunk: key, global
-    offsets, sizes, fingerprint (see :func:`encode_groups`)."""
-    by_nd: dict = {}
-    for k, o, z, v in zip(keys, offsets, sizes, values):
-        by_nd.setdefault(len(o), []).append((k, o, z, v))
-    groups = [(nd, [r[0] for r in rs], np.array([int(r[3]) & MASK64 for r in rs], dtype=np.uint64),
-               np.array([r[1] for r in rs], dtype=np.int64).reshape(len(rs), nd),
-               np.array([r[2] for r in rs], dtype=np.int64).reshape(len(rs), nd)) for nd, rs in by_nd.items()]
-    return encode_groups(groups)
-
-
 def encode_groups(groups: Sequence[tuple]) -> str:
     """The manifest's ``fingerprints`` text for rows given as columns per number of dimensions:
     ``(nd, keys, fingerprints (uint64), offsets (m, nd), sizes (m, nd))``. Rows are sorted by
