@@ -128,4 +128,23 @@ def newest_checkpoint(directory: Any, suffix: Optional[str] = None, why: str = "
     return best.path
 
 
-__all__ = ["CommitOrder", "commit_order_of", "list_checkpoints", "newest_checkpoint", "ordered_checkpoints"]
+def newest_beside(checkpoint_dir: Any) -> Optional[str]:
+    """The newest committed checkpoint in the directory that holds ``checkpoint_dir`` (the base of an
+    incremental save to ``checkpoint_dir``; that path itself counts when it holds a committed
+    checkpoint, which an overwrite replaces), or None."""
+    storage, p = storage_for(checkpoint_dir)
+    parent = os.path.dirname(p.rstrip("/")) or "."
+    found = ordered_checkpoints(parent)
+    return found[-1].path if found else None
+
+
+def save_base(base: Any, checkpoint_dir: Any) -> Any:
+    """What a save's ``base=`` argument becomes for :func:`~.execution.save.prepare_save`: a path, or for
+    ``"auto"`` a function the coordinator calls to find the newest checkpoint beside the target."""
+    if isinstance(base, str) and base == "auto":
+        return lambda: newest_beside(checkpoint_dir)
+    return base if base is None or callable(base) else os.fspath(base)
+
+
+__all__ = ["CommitOrder", "commit_order_of", "list_checkpoints", "newest_beside", "newest_checkpoint",
+           "ordered_checkpoints", "save_base"]

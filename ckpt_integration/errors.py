@@ -161,3 +161,9 @@ class CheckpointReplacedError(CheckpointingException):
 
 class SnapshotModifiedError(CheckpointingException):
     """A tensor of an async save was modified in place before its snapshot was complete."""
+
+
+class StagingMemoryError(CheckpointingException):
+    """An async save's staging does not fit: in the host memory available (no ``staging_budget``
+    given) or in ``staging_budget`` (a device tensor larger than it). The message names the bytes
+    needed and the budget to pass; nothing is committed."""

@@ -119,6 +119,11 @@ class CheckpointConfig:
     trusted: bool = False
     # resumes prove that the loaded state equals what was saved (fingerprints, docs/reliability.md)
     verify_state: bool = True
+    # each save hard-links (object stores: copies server-side) the data files an earlier checkpoint in
+    # its directory holds unchanged, e.g. a fine-tuning job's frozen base (docs/incremental.md)
+    incremental: bool = True
+    # async saves stage at most this many bytes of tensor data in host memory (null: all of it)
+    staging_budget: Optional[int] = None
     # after a SIGTERM: the async save in flight commits within this many seconds or is abandoned
     # (null: wait however long it takes); keep it below the scheduler's grace before SIGKILL
     sigterm_grace_s: Optional[float] = 25.0

@@ -247,7 +247,10 @@ def _default_entry(key: str, value: Any, rid: ReplicaId, metadata: Optional[dict
         root = metadata.get("dtensor_mesh") if metadata else None
         return dtensor_to_sharded_tensor(key, value, None if root is None else mesh_replica_index(value, root))
     if isinstance(value, torch.Tensor):
-        return ShardedTensor.from_rank_offsets(key, value.detach(), replica_id=rid)
+        # a frozen parameter stays one (it needs no detaching): saves keep it in data files of their
+        # own, which incremental saves then link (storage.incremental)
+        frozen = isinstance(value, nn.Parameter) and not value.requires_grad
+        return ShardedTensor.from_rank_offsets(key, value if frozen else value.detach(), replica_id=rid)
     return value
 
 

@@ -11,6 +11,7 @@ from typing import Any, Dict, Iterable, Optional, Set, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from .checkpoints import save_base
 from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import async_save_torch_dist
@@ -60,6 +61,8 @@ def save(
     process_group: Group = None,
     async_queue: Any = None,
     step: Optional[int] = None,
+    base: Optional[PathLike] = None,
+    staging_budget: Optional[int] = None,
 ) -> Any:
     """Save a sharded state dict; every rank writes only what it owns.
 
@@ -107,10 +110,25 @@ def save(
             :func:`list_checkpoints` and Lightning's ``ckpt_path="last"`` order checkpoints
             by it (then by the order of their commits). Default: the common state's
             top-level integer ``global_step`` (Lightning) or ``iteration`` (Megatron-LM).
+        base: an earlier committed checkpoint of the same job, or ``"auto"`` (the newest committed
+            checkpoint beside ``checkpoint_dir``): an incremental save. A data file whose every item
+            is bit-identical to the base's is not written but hard-linked (a server-side copy on
+            object stores); the checkpoint stays complete and self-contained, and deleting the base
+            never breaks it. Parameters with ``requires_grad=False`` are kept in data files of their
+            own, so a fine-tuning job's frozen weights are written once. torch_dist only; where a
+            link or copy is impossible the bytes are written (said once). See docs/incremental.md.
+        staging_budget: with ``async_sharded_save``, the most bytes of tensor data staged in host
+            memory: the rest is staged in waves through one reused buffer, each written before the
+            next is copied, and this call returns once only the last wave is left to write (the
+            training loop waits as long as the state beyond the budget takes). Without it, an async
+            save whose staging cannot fit in the host memory available fails with
+            ``StagingMemoryError`` naming the bytes needed, instead of an out-of-memory kill.
+            ``request.staging`` reports the bytes staged, the waves and the time blocked.
 
     Example::
 
         save({"w": ShardedTensor.from_rank_offsets("w", local_w, (0, rank, world))}, "ckpt/iter_100")
+        save(state, "ckpt/iter_200", base="ckpt/iter_100")  # links what did not change
     """
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
@@ -134,10 +152,16 @@ def save(
         preprocess_common=preprocess_common_before_consistancy_check,
         step=step,
     )
+    if base is not None:
+        kwargs["base"] = save_base(base, checkpoint_dir)
     if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
         kwargs["separation_hint"] = sharded_strategy.separation_hint
+    if staging_budget is not None and (isinstance(staging_budget, bool) or not isinstance(staging_budget, int)
+                                       or staging_budget < 1):
+        raise CheckpointingException(f"save: staging_budget must be a positive number of bytes, got {staging_budget!r}")
     if async_sharded_save:
-        return async_save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), queue=async_queue, **kwargs)
+        return async_save_torch_dist(sharded_state_dict, os.fspath(checkpoint_dir), queue=async_queue,
+                                     staging_budget=staging_budget, **kwargs)
     save_sharded(sharded_state_dict, os.fspath(checkpoint_dir), **kwargs)
     return None
 

@@ -220,3 +220,33 @@ def test_load_requests_are_coalesced(proxy, url):
     got = ci.load(cols, url + "-2d", validate_access_integrity=False)  # one of four column shards
     assert all(torch.equal(got[k], v[:, 1024:2048]) for k, v in grid.items())
     assert proxy.reset_counts()["GetObject"] <= 12
+
+
+def test_incremental_save_copies_unchanged_objects_server_side(proxy, url):
+    """On an object store an unchanged data file is copied by the server (CopyObject), not uploaded
+    again; the checkpoint is complete on its own: exact after its base is deleted."""
+    import fsspec
+
+    frozen = torch.nn.Parameter(torch.randn(6 * MiB // 4), requires_grad=False)  # multipart-sized
+
+    def state(step):
+        return {"frozen": ci.ShardedTensor.from_rank_offsets("frozen", frozen),
+                "adapter": ci.ShardedTensor.from_rank_offsets("adapter", torch.full((1000,), float(step))),
+                "step": step}
+
+    ci.save(state(1), url + "/c1")
+    proxy.reset_counts()
+    with proxy.state.lock:
+        proxy.state.log.clear()
+        uploaded = proxy.state.bytes_in
+    ci.save(state(2), url + "/c2", base=url + "/c1")
+    with proxy.state.lock:
+        log, uploaded = list(proxy.state.log), proxy.state.bytes_in - uploaded
+    copies = [key for op, key in log if op == "CopyObject"]
+    assert len(copies) == 1 and copies[0].endswith(".distcp"), log
+    assert not [op for op, _ in log if op == "UploadPart"] and uploaded < MiB, (uploaded, log)
+    fsspec.filesystem("s3").rm(url + "/c1", recursive=True)
+    out = ci.load({"frozen": ci.ShardedTensor.from_rank_offsets("frozen", torch.zeros_like(frozen)),
+                   "adapter": ci.ShardedTensor.from_rank_offsets("adapter", torch.zeros(1000))}, url + "/c2")
+    assert torch.equal(out["frozen"], frozen.detach()) and torch.equal(out["adapter"], torch.full((1000,), 2.0))
+    assert out["step"] == 2

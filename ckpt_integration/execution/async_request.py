@@ -49,6 +49,7 @@ class AsyncRequest:
         self.call_idx: Optional[int] = None
         self.blocking_seconds: Optional[float] = None
         self.timings: Dict[str, float] = {}
+        self.staging: Any = None  # an async save's StagingReport (bytes staged, waves, time blocked)
         self.snapshot: Optional[Snapshot] = None
         self._state = _PENDING
         self._event = threading.Event()

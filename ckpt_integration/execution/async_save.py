@@ -80,6 +80,7 @@ from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_l
 from .async_request import AsyncRequest
 from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
+from .staging_budget import StagingArena, StagingReport, check_fits, write_in_waves
 
 logger = logging.getLogger(__name__)
 
@@ -418,13 +419,15 @@ def _close_queues_at_exit() -> None:
     dist.close_private_groups("interpreter exit")
 
 
-def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optional[int]) -> Optional[Snapshot]:
-    """Replace the plan's tensors (and common state) by staged host copies.
+def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optional[int],
+                tensors: bool = True) -> Optional[Snapshot]:
+    """Replace the plan's tensors (and common state) by staged host copies (only the common state
+    with ``tensors=False``: a save in waves staged its tensors already).
 
     Returns the :class:`Snapshot` still to copy in the background, or ``None`` when
     everything was copied here.
     """
-    idx = [i for i, r in enumerate(plan.requests) if isinstance(r.data, torch.Tensor)]
+    idx = [i for i, r in enumerate(plan.requests) if tensors and isinstance(r.data, torch.Tensor)]
     names: Dict[int, str] = {}
     for i in idx:
         r = plan.requests[i]
@@ -440,6 +443,14 @@ def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optio
     if pending.done.is_set():
         return None
     return Snapshot(pending, names, plan.checkpoint_dir)
+
+
+def _arena_of(stager: StateDictStager) -> StagingArena:
+    """The staging buffer of a queue slot for saves in waves (made on first use, then reused)."""
+    arena = getattr(stager, "arena", None)
+    if arena is None:
+        arena = stager.arena = StagingArena()  # type: ignore[attr-defined]
+    return arena
 
 
 def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
@@ -487,6 +498,7 @@ def async_save_torch_dist(
     queue: Optional[AsyncCallsQueue] = None,
     finalize_fns: Optional[List[Callable[[], Any]]] = None,
     snapshot: Optional[str] = None,
+    staging_budget: Optional[int] = None,
     **save_kwargs: Any,
 ) -> AsyncRequest:
     """Start saving ``sharded_state_dict`` in the background; collective (call on every rank).
@@ -504,6 +516,10 @@ def async_save_torch_dist(
     Call ``request.wait()`` (or the queue's ``maybe_finalize_async_calls`` /
     ``close``) to learn the outcome; the checkpoint is committed by the
     background worker once every rank's data is written.
+    ``staging_budget`` (bytes, torch_dist): stage at most this much tensor data in host memory,
+    in waves (:mod:`.staging_budget`); without it, a save whose staging cannot fit in the host
+    memory available fails with ``StagingMemoryError`` naming the bytes needed.
+    ``request.staging`` reports the bytes staged, the waves and the time the caller was blocked.
     """
     t0 = time.perf_counter()
     q = queue if queue is not None else get_default_async_queue()
@@ -519,9 +535,18 @@ def async_save_torch_dist(
     t2 = time.perf_counter()
     stager = q._next_stager()
     snap: Optional[Snapshot] = None
+    report = StagingReport()
+    if staging_budget is not None and plan.backend == "torch_dist" and not plan.failure.failed:
+        report = write_in_waves(plan, _arena_of(stager), int(staging_budget))
     if not plan.failure.failed:
         try:
-            snap = _stage_plan(plan, stager, q.copy_now_bytes if mode == "background" else None)
+            if staging_budget is None:
+                report.bytes = sum(r.data.numel() * r.data.element_size() for r in plan.requests
+                                   if isinstance(r.data, torch.Tensor))
+                check_fits(max(0, report.bytes - stager.cached_bytes), checkpoint_dir, plan.rank)
+            bounded = staging_budget is not None and plan.backend == "torch_dist"
+            snap = _stage_plan(plan, stager, None if bounded or mode != "background" else q.copy_now_bytes,
+                               tensors=not bounded)
         except Exception as e:  # reported by finalize_save on every rank
             plan.failure.record(e)
             plan.requests = []
@@ -538,5 +563,7 @@ def async_save_torch_dist(
     t4 = time.perf_counter()
     req.timings.update(wait_previous=t1 - t0, prepare=t2 - t1, stage=t3 - t2, submit=t4 - t3)
     req.blocking_seconds = t4 - t0
+    report.blocked_s = req.blocking_seconds
+    req.staging = report
     maybe_remove_hook()  # left installed by earlier saves, if nothing is in flight any more
     return req

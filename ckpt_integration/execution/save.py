@@ -36,7 +36,7 @@ import uuid
 import numpy as np
 import torch
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
@@ -54,6 +54,7 @@ from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
+from ..storage.incremental import BaseFiles, base_files, say_once
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
@@ -65,6 +66,7 @@ from .failure import Failure
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
 from .preprocess import local_shards, shards_identity, split_state_dict
+from .shared_metadata import open_shared
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class SavePlan:
     # cut into zarr chunks
     item_fingerprints: Optional[List[Optional[int]]] = None
     fingerprints: Optional[List[FingerprintRow]] = None
+    base: Optional[BaseFiles] = None  # an earlier checkpoint's files this rank may link (incremental save)
+    # a save in waves (staging_budget): what the caller's waves wrote or linked, and their file names
+    written_before: Optional[WrittenTable] = None
+    taken_names: Set[str] = field(default_factory=set)
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
 
@@ -188,11 +194,59 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-            data, sizes = sh.data, sh.saved_shape()
-            out.append(WriteRequest(sh.key, sh.global_offset, data if data.shape == sizes else data.reshape(sizes)))
+            data, sizes, stable = sh.data, sh.saved_shape(), _frozen(sh.data)
+            if isinstance(data, torch.nn.Parameter):
+                data = data.detach()  # (a plain tensor: the writers' fast paths take only those)
+            out.append(WriteRequest(sh.key, sh.global_offset, data if data.shape == sizes else data.reshape(sizes),
+                                    stable=stable))
         else:
             out.append(WriteRequest(sh.unique_key, None, torch_dumps([sh.data])))
     return out
+
+
+def _frozen(t: torch.Tensor) -> bool:
+    """A parameter that does not train (``requires_grad=False``), or a view of one: expected to be saved
+    unchanged at the next save, so an incremental save keeps it in data files of its own."""
+    b = t._base if t._base is not None else t
+    return isinstance(b, torch.nn.Parameter) and not b.requires_grad
+
+
+def _resolve_base(base: Any, checkpoint_dir: str) -> Optional[str]:
+    """Coordinator: the base checkpoint's path (``base`` itself, or what the callable returns), or None."""
+    try:
+        found = base() if callable(base) else base
+    except Exception as e:  # (listing the directory failed): a save never fails for want of a base
+        logger.warning("save to %s: no base checkpoint for an incremental save (%s); writing every byte", checkpoint_dir,
+                       _describe(e))
+        return None
+    return None if found is None else os.fspath(found)
+
+
+def _open_base(path: Optional[str], backend: str, rank: int, group: Group, checkpoint_dir: str) -> Optional[BaseFiles]:
+    """Collective: what this rank may take from the base checkpoint ``path`` (None: write every byte,
+    said once on the coordinator)."""
+    if path is None:
+        return None
+    if backend != "torch_dist":
+        say_once(f"incremental saves apply to the torch_dist backend; the {backend} save to {checkpoint_dir} "
+                 "writes every byte")
+        return None
+    try:
+        opened, _ = open_shared(path, group)  # (a failure on the coordinator raises on every rank)
+    except CheckpointingException as e:
+        if rank == 0:
+            logger.warning("save to %s: base checkpoint %s cannot be used (%s); writing every byte", checkpoint_dir,
+                           path, _describe(e))
+        return None
+    try:
+        found, why = base_files(opened, rank)
+    except Exception as e:  # (a local decision: linking is per rank)
+        found, why = None, _describe(e)
+    finally:
+        opened.close()
+    if found is None and rank == 0:
+        logger.warning("save to %s: base checkpoint %s cannot be used: %s; writing every byte", checkpoint_dir, path, why)
+    return found
 
 
 @with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
@@ -211,6 +265,7 @@ def prepare_save(
     preprocess_common: Optional[Callable[[Any], Any]] = None,
     step: Optional[int] = None,
     separation_hint: Optional[str] = None,
+    base: Any = None,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     be = SAVE_BACKENDS.get(backend)
@@ -241,10 +296,12 @@ def prepare_save(
         metas, routed = exchange.routes_for("save", identity, shards, rank, world, options)
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
+    base_path = _resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
         planned = exchange.start(routed, failure, group, context)
-        write_dir, staging = dist.broadcast_object(dir_info, src=dist.coordinator_rank(group), group=group)
+        (write_dir, staging), base_path = dist.broadcast_object(
+            (dir_info, base_path), src=dist.coordinator_rank(group), group=group)
         if validate_access_integrity:
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
@@ -275,6 +332,7 @@ def prepare_save(
     requests: List[WriteRequest] = []
     with failure.capture():
         requests = _requests_for(shards, planned.to_write)
+    found = _open_base(base_path, backend, rank, group, checkpoint_dir)
     fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
         with failure.capture():  # of the chunks as validated, before they are cut into the backend's units
@@ -299,6 +357,7 @@ def prepare_save(
         separation_hint=separation_hint,
         fingerprints=fprints,
         failure=failure,
+        base=found,
     )
 
 
@@ -336,7 +395,8 @@ def write_local(plan: SavePlan) -> None:
     try:
         if plan.stop is not None:
             plan.stop()
-        if plan.fingerprints is None and plan.backend == "torch_dist":  # (zarr's: before its chunks were cut)
+        if plan.fingerprints is None and plan.item_fingerprints is None and plan.backend == "torch_dist":
+            # (zarr's: before its chunks were cut; a save in waves: computed with its waves)
             plan.item_fingerprints = request_fingerprints(plan.requests)
         plan.written = SAVE_BACKENDS[plan.backend].write(plan)
     except Exception as e:
@@ -364,8 +424,12 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
 
 
 def _write_torch_dist(plan: SavePlan) -> Any:
-    return write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
-                            separation_hint=plan.separation_hint, stop=plan.stop, fingerprints=plan.item_fingerprints)
+    out = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
+                           separation_hint=plan.separation_hint, stop=plan.stop, fingerprints=plan.item_fingerprints,
+                           base=plan.base, taken_names=plan.taken_names)
+    if plan.written_before is not None:
+        out.extend(plan.written_before)
+    return out
 
 
 def _write_zarr(plan: SavePlan) -> Any:

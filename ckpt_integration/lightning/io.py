@@ -15,6 +15,7 @@ import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from .. import serialization
+from ..checkpoints import save_base
 from ..errors import CheckpointingException
 from ..execution import dist
 from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
@@ -117,6 +118,15 @@ class DistCkptIO(CheckpointIO):
             ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``, torchrun's 30 s), which is
             why the default is 25 s. ``None`` waits for the save however long it takes. See
             docs/lightning.md, "Preemption".
+        incremental: each save is incremental against the newest committed checkpoint in its
+            directory (``ModelCheckpoint``'s ``dirpath``): data files whose every item is unchanged
+            are hard-linked (server-side copied on object stores) instead of written, and frozen
+            parameters (``requires_grad=False``) are kept in files of their own, so a fine-tuning
+            run writes its frozen base once (docs/incremental.md). torch_dist only. Default on.
+        staging_budget: with ``async_save``, the most bytes of tensor data an async save stages in
+            host memory (the rest in waves, written before the save returns; see
+            ``ci.save(staging_budget=...)``). Default: the whole state, refused with a message naming
+            the bytes needed when it cannot fit in the host memory available.
         memory: the ``memory_*`` options as one mapping without the prefix (``{"every_n_train_steps":
             10, "replicas": 2}``): what Hydra's ``checkpoint.memory.*`` group passes.
     """
@@ -143,6 +153,8 @@ class DistCkptIO(CheckpointIO):
         memory: Optional[Any] = None,
         sigterm_grace_s: Optional[float] = 25.0,
         verify_state: bool = True,
+        incremental: bool = True,
+        staging_budget: Optional[int] = None,
     ):
         if memory is not None:
             given = _memory_options(memory)
@@ -171,6 +183,10 @@ class DistCkptIO(CheckpointIO):
         self.balance = balance
         self.validate_access_integrity = validate_access_integrity
         self.verify_state = bool(verify_state)
+        self.incremental = bool(incremental)
+        if staging_budget is not None and int(staging_budget) < 1:
+            raise ValueError(f"DistCkptIO: staging_budget must be >= 1 byte (or None), got {staging_budget}")
+        self.staging_budget = None if staging_budget is None else int(staging_budget)
         self._queue: Any = None
         self._requests: List[Any] = []
         self._deferred_removals: List[str] = []
@@ -260,6 +276,8 @@ class DistCkptIO(CheckpointIO):
         kwargs = dict(thread_count=self.thread_count, balance=self.balance, overwrite=True, durable=self.durable,
                       validate_access_integrity=self.validate_access_integrity, content_metadata=content_metadata)
         path = os.fspath(path)
+        if self.incremental and self.backend == "torch_dist":
+            kwargs["base"] = save_base("auto", path)
         if path in self._deferred_removals:
             self._deferred_removals.remove(path)
         if not self.async_save:
@@ -270,7 +288,8 @@ class DistCkptIO(CheckpointIO):
         self.ensure_check_group()
         if not self._make_room(path):
             return
-        req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend})
+        extra = {"staging_budget": self.staging_budget} if self.staging_budget is not None else {}
+        req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend, **extra})
         self._requests.append(req)
 
     def _make_room(self, path: str) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from ..checkpoints import save_base
 from ..errors import MemoryCheckpointError
 from ..execution.dist import local_world_size
 from ..execution.save import CONTENT_METADATA_KEY
@@ -230,8 +231,9 @@ class DistCkptMemorySnapshots(Callback):
 
     def _persist(self, trainer: "pl.Trainer", io: DistCkptIO, step: int, kind: str) -> Any:
         path = os.path.join(_checkpoint_dir(trainer), f"{kind}-step={step}.ckpt")
+        incremental = {"base": save_base("auto", path)} if io.incremental and io.backend == "torch_dist" else {}
         req = tier_for(trainer.strategy).persist(step, path, thread_count=io.thread_count, overwrite=True,
-                                                 durable=io.durable)
+                                                 durable=io.durable, **incremental)
         if kind == "memory":
             self._persists.append((path, req))
             self._prune(trainer)

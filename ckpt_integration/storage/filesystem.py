@@ -338,6 +338,25 @@ class Storage:
                 return _RemoteWriter(self.fs, path)  # type: ignore[return-value]
             return open(path, "xb" if exclusive else "wb")
 
+    def link(self, src: str, dst: str) -> bool:
+        """Put the file ``src`` at the new path ``dst`` without sending its bytes: a hard link on a
+        local filesystem (both names then share one inode: deleting either leaves the other whole),
+        a server-side copy on an object store. False where neither is possible (another
+        filesystem, links not supported, ``src`` gone); ``FileExistsError`` if ``dst`` exists."""
+        if not self.fs:
+            try:
+                os.link(src, dst)
+            except FileExistsError:
+                raise
+            except OSError:  # EXDEV, EPERM, ENOTSUP, EMLINK, ENOENT: the caller writes the bytes
+                return False
+            return True
+        try:
+            retry.call(self.fs, "copy", src, dst, write=True)
+        except Exception:  # (no such method, no permission, source gone) - the caller writes the bytes
+            return False
+        return True
+
     def sync(self, f: BinaryIO, durable: bool) -> None:
         """Flush a file opened with :meth:`open_write` (and fsync it locally when ``durable``)."""
         f.flush()

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -46,12 +47,15 @@ from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32, save_block_hash
 from .filesystem import join, name_problem, storage_for, writing
+from .incremental import BaseFiles, plan_reuse, say_once, take_file
 from .located import cached_dcp_metadata
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .metadata_pickle import dumps_dcp_metadata
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import TEMPLATE_MAX_BYTES, BlockDigestWriter, DigestWriter, save_tensor
 from .small_items import SmallItemWriter
+
+logger = logging.getLogger(__name__)
 
 DCP_METADATA_FILE = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -75,6 +79,7 @@ class WriteRequest:
     storage_key: str
     offsets: Optional[Tuple[int, ...]]
     data: Union[torch.Tensor, bytes]
+    stable: bool = False  # expected unchanged at the next save (a frozen parameter): files of its own
 
     @property
     def nbytes(self) -> int:
@@ -210,21 +215,25 @@ def _buckets(requests: Sequence[WriteRequest], picked: Sequence[int], threads: i
     return out + ([small] if small else [])
 
 
-def _separate(requests: Sequence[WriteRequest], hint: Optional[str], thread_count: int) -> List[Tuple[str, List[int]]]:
-    """``[(file name prefix, request indices)]`` buckets: the requests whose keys start with ``hint`` in
-    files of their own (about half the threads each, as Megatron-Core splits them), the rest in the
-    others; without a hint, ``thread_count`` buckets (see :func:`_buckets`)."""
-    if not hint:
-        return [("", b) for b in _buckets(requests, range(len(requests)), thread_count)]
-    problem = name_problem(data_file_name(0, 0, hint))
-    if problem or "/" in hint or "\\" in hint:
-        raise MismatchError(f"separation_hint {hint!r} cannot begin a data file name: {problem or 'a path separator'}")
+def _separate(requests: Sequence[WriteRequest], hint: Optional[str], thread_count: int,
+              picked: Optional[Sequence[int]] = None, stable: Set[int] = frozenset()) -> List[Tuple[str, List[int]]]:
+    """``[(file name prefix, request indices)]`` buckets of the requests ``picked`` (default: all): the
+    requests whose keys start with ``hint`` in files of their own (as Megatron-Core splits them), and
+    the ``stable`` requests (expected unchanged at the next save: :mod:`.incremental`) in files of
+    their own, each class with its share of the threads; with neither, ``thread_count`` buckets (see
+    :func:`_buckets`)."""
+    if hint:
+        problem = name_problem(data_file_name(0, 0, hint))
+        if problem or "/" in hint or "\\" in hint:
+            raise MismatchError(f"separation_hint {hint!r} cannot begin a data file name: {problem or 'a path separator'}")
+    classes: Dict[Tuple[bool, bool], List[int]] = {}
+    for i in range(len(requests)) if picked is None else picked:
+        hinted = bool(hint) and requests[i].storage_key.startswith(hint)
+        classes.setdefault((hinted, i in stable), []).append(i)
+    threads = max(1, thread_count // len(classes)) if len(classes) > 1 else thread_count
     out: List[Tuple[str, List[int]]] = []
-    threads = max(1, thread_count // 2)
-    for prefix, picked in (("", [i for i, r in enumerate(requests) if not r.storage_key.startswith(hint)]),
-                           (hint, [i for i, r in enumerate(requests) if r.storage_key.startswith(hint)])):
-        if picked:
-            out += [(prefix, b) for b in _buckets(requests, picked, threads)]
+    for (hinted, _), members in sorted(classes.items()):
+        out += [(hint if hinted else "", b) for b in _buckets(requests, members, threads)]  # type: ignore[misc]
     return out
 
 
@@ -238,6 +247,8 @@ def write_data_files(
     separation_hint: Optional[str] = None,
     stop: Optional[Callable[[], None]] = None,
     fingerprints: Optional[Sequence[Optional[int]]] = None,
+    base: Optional[BaseFiles] = None,
+    taken_names: Set[str] = frozenset(),
 ) -> WrittenTable:
     """Write ``requests`` into ``__<rank>_<i>.distcp`` files, one per thread; fsync them.
 
@@ -249,17 +260,24 @@ def write_data_files(
     ``<hint>__<rank>_<i>.distcp``, so that ``remove_sharded_tensors(dir, hint)`` drops them
     by deleting those files (Megatron-Core's ``separation_hint``). ``stop``, called before each
     item, raises to abandon the write (an async save cut off by a preemption's grace period).
+    With ``base`` (an earlier checkpoint's files this rank may take, :mod:`.incremental`), a base
+    file holding exactly some of the requests, unchanged, is linked instead of written; requests
+    marked ``stable`` or found unchanged go to files of their own. ``taken_names``: data files this
+    save has already written or linked (a save in waves calls this once per wave).
     """
     if not requests:
         return WrittenTable()
     block_size = block_size or BLOCK_SIZE
     digest = save_block_hash()
     storage, directory = storage_for(directory)
-    groups = _separate(requests, separation_hint, thread_count)
+    linked, taken, stable = link_unchanged(directory, storage, requests, base, digest, stop, fingerprints)
+    groups = _separate(requests, separation_hint, thread_count, [i for i in range(len(requests)) if i not in taken],
+                       stable)
     buckets = [b for _, b in groups]
+    names = _file_names(rank, [p for p, _ in groups], set(linked.files) | set(taken_names))
 
     def write_bucket(index: int, bucket: List[int]) -> WrittenTable:
-        name = data_file_name(rank, index, groups[index][0])
+        name = names[index]
         path = join(directory, name)
         out = WrittenTable()
         try:
@@ -309,15 +327,58 @@ def write_data_files(
         return out
 
     with _archive_member_crc_disabled():
-        if len(buckets) == 1:
+        if len(buckets) == 1 and not len(linked):
             return write_bucket(0, buckets[0])
-        with ThreadPoolExecutor(len(buckets), thread_name_prefix="ckpt-write") as pool:
+        with ThreadPoolExecutor(max(1, len(buckets)), thread_name_prefix="ckpt-write") as pool:
             futures = [pool.submit(write_bucket, i, b) for i, b in enumerate(buckets)]
             results = [f.result() for f in futures]
-    out = WrittenTable()
+    out = linked
     for r in results:
         out.extend(r)
     return out
+
+
+def _file_names(rank: int, prefixes: Sequence[str], taken: Set[str]) -> List[str]:
+    """The data file name of each bucket (``data_file_name`` numbered in order), skipping the names of
+    files taken from a base checkpoint."""
+    out: List[str] = []
+    index = 0
+    for prefix in prefixes:
+        while data_file_name(rank, index, prefix) in taken:
+            index += 1
+        out.append(data_file_name(rank, index, prefix))
+        index += 1
+    return out
+
+
+def link_unchanged(directory: str, storage: Any, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
+                   digest: Any, stop: Optional[Callable[[], None]],
+                   fingerprints: Optional[Sequence[Optional[int]]]) -> Tuple[WrittenTable, Set[int], Set[int]]:
+    """Link the base files that hold exactly some of ``requests``, unchanged (see :mod:`.incremental`):
+    ``(their items' rows, the requests they hold, the requests to write into stable files)``."""
+    stable = {i for i, r in enumerate(requests) if r.stable}
+    rows = WrittenTable()
+    taken: Set[int] = set()
+    if base is None:
+        return rows, taken, stable
+    reuse = plan_reuse(requests, base, digest)
+    stable |= reuse.unchanged
+    for name, pairs in sorted(reuse.linked.items()):
+        if stop is not None:
+            stop()
+        if not take_file(reuse, name, directory, storage):
+            say_once(f"incremental save: could not link or copy {join(base.directory, name)} into {directory} "
+                     "(another filesystem, or links not supported there); writing the bytes instead (said once)",
+                     key=f"link:{base.directory}")
+            continue
+        for i, it in pairs:
+            taken.add(i)
+            rows.append(it.key, it.offsets, it.sizes, name, it.start, it.length, it.digest, it.blocks,
+                        fingerprint=fingerprints[i] if fingerprints is not None else None)
+    if taken:
+        logger.debug("%s: took %d data file(s) holding %d item(s) from %s", directory, len(set(rows.files)), len(taken),
+                     base.directory)
+    return rows, taken, stable
 
 
 def make_dcp_metadata(

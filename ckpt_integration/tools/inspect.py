@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
@@ -14,7 +14,7 @@ from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
-from ..storage.filesystem import checked_path, is_remote
+from ..storage.filesystem import checked_path, is_remote, storage_for
 from ..storage.opened import OpenedCheckpoint, accepts_opened
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
@@ -178,6 +178,23 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     return _inspect_dcp(where, path, trusted)
 
 
+def _shared_files(where: Any, files: Dict[str, int]) -> Optional[Dict[str, int]]:
+    """``{data file: bytes}`` of the data files that are also part of other checkpoints (hard links
+    of incremental saves: more than one name); None on object stores, whose copies share nothing."""
+    storage, root = storage_for(where)
+    if storage.remote:
+        return None
+    out = {}
+    for name in files:
+        try:
+            st = os.stat(os.path.join(root, name))
+        except OSError:
+            continue
+        if st.st_nlink > 1:
+            out[name] = st.st_size
+    return out
+
+
 def _inspect_dcp(where: Any, path: str, trusted: bool) -> Dict[str, Any]:
     """:func:`inspect_checkpoint` of a checkpoint directory (``where``: it, or its opened checkpoint)."""
     config = ckdir.read_config(where)
@@ -240,6 +257,7 @@ def _inspect_dcp(where: Any, path: str, trusted: bool) -> Dict[str, Any]:
         },
         "manifest_expected": ckdir.manifest_expected(where),
         "files": dict(sorted(files.items())),
+        "shared_files": _shared_files(where, files) if be.dcp_metadata else None,
         "tensors": tensors,
         "objects": objects,
         "common_state": common,
@@ -312,7 +330,10 @@ def format_inspect(info: Dict[str, Any], show_shards: bool = False, show_all: bo
             lines.append("  manifest.json is missing although it was saved with one: run verify")
         else:
             lines.append("  no manifest.json: written by another tool (Megatron-Core / PyTorch DCP); no checksums")
-        lines.append(f"  data files: {len(info['files'])} ({format_size(sum(info['files'].values()))})")
+        shared = info.get("shared_files")
+        lines.append(f"  data files: {len(info['files'])} ({format_size(sum(info['files'].values()))})" + (
+            f"; {len(shared)} of them ({format_size(sum(shared.values()))}) shared with other checkpoints (hard links "
+            "of incremental saves)" if shared else ""))
         lines += [f"  warning: {w}" for w in info.get("warnings", [])]
     else:
         lines.append(f"  kind: {info['kind']}")

@@ -1,0 +1,220 @@
+"""Incremental saves: which data files an earlier checkpoint of the same job already holds (storage layer).
+
+A save given a *base* (``save(..., base=earlier_checkpoint)``) does not write a data file whose every
+item is bit-identical to an item of one of the base's files: it puts that file in place by a hard
+link (a server-side copy on object stores, :meth:`~.filesystem.Storage.link`) and records the
+base's rows for its items. Every checkpoint therefore stays a complete directory of the ordinary
+format that PyTorch DCP, Megatron-Core and every tool of this library read, and deleting any
+checkpoint never breaks another (a hard link is a second name of the same bytes).
+
+What is unchanged is decided by the digests the base recorded: a tensor item is unchanged when its
+dtype, shape and data length equal the base item's and every data block's digest, computed now over
+the bytes about to be saved, equals the recorded one (the first differing block ends the check, so a
+trained tensor costs one block of hashing); an object when the digest of its bytes is equal. Only
+the base files this rank's own writer wrote (``[prefix]__<rank>_<i>.distcp``) are candidates: the
+ranks of a job whose layout did not change write the same items each save, and no two ranks can then
+link one file.
+
+So that whole files stay unchanged, a save puts the items expected to stay as they are in data
+files of their own (:func:`stable_requests`): parameters with ``requires_grad=False`` (a frozen base
+model, frozen embeddings) and items found unchanged against the base but stored in a file beside
+changed ones. The first save of a fine-tuning job thus already separates the frozen weights, and
+every later save links them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..planning.written import Blocks
+from .checksum import BlockHash
+from .filesystem import Storage, join, storage_for
+from .fs import tensor_buffer
+
+logger = logging.getLogger(__name__)
+
+_DATA_FILE = re.compile(r"^(.*)__(\d+)_(\d+)\.distcp$")
+
+
+def data_file_parts(name: str) -> Optional[Tuple[str, int, int]]:
+    """``(prefix, rank, index)`` of a data file named ``[prefix]__<rank>_<index>.distcp``, else None."""
+    m = _DATA_FILE.match(name)
+    return None if m is None else (m.group(1), int(m.group(2)), int(m.group(3)))
+
+
+@dataclass(frozen=True)
+class BaseItem:
+    """One item of a base data file, as the base recorded it."""
+
+    key: str
+    offsets: Optional[Tuple[int, ...]]  # None for objects
+    sizes: Optional[Tuple[int, ...]]
+    dtype: Optional[torch.dtype]
+    start: int
+    length: int
+    digest: int
+    blocks: Optional[Blocks]
+
+
+@dataclass
+class BaseFiles:
+    """The data files of a base checkpoint that one rank may take, with their items."""
+
+    directory: str
+    storage: Storage
+    block_hash: str
+    files: Dict[str, List[BaseItem]] = field(default_factory=dict)
+    sizes: Dict[str, int] = field(default_factory=dict)  # recorded sizes (a truncated file is not taken)
+
+
+def base_files(opened: Any, rank: int) -> Tuple[Optional[BaseFiles], str]:
+    """What ``rank`` may take from the opened checkpoint ``opened`` (its own data files and their
+    items), or ``(None, why not)``: a base of another backend, without a binary item table
+    (written before format 4) or whose digests are of another algorithm cannot be compared."""
+    manifest = getattr(opened, "manifest", None)
+    if getattr(opened, "backend", None) != "torch_dist" or manifest is None:
+        return None, "it is not a torch_dist checkpoint of this library"
+    table = manifest.item_table()
+    if table is None:
+        return None, "its manifest has no item table (written before manifest format 4)"
+    md = opened.metadata
+    storage, directory = storage_for(opened.path)
+    out = BaseFiles(directory, storage, manifest.hash.name)
+    digests = manifest.checksums()
+    records = manifest.block_records()
+    chunks: Dict[str, Dict[Tuple[int, ...], Tuple[int, ...]]] = {}
+    for index, info in md.storage_data.items():
+        name = info.relative_path
+        parts = data_file_parts(name)
+        if parts is None or parts[1] != rank:
+            continue
+        rid = (name, int(info.offset))
+        if rid not in digests:
+            continue
+        smd = md.state_dict_metadata.get(index.fqn)
+        offsets = None if index.offset is None else tuple(int(x) for x in index.offset)
+        dtype = sizes = None
+        if offsets is not None:
+            if not hasattr(smd, "chunks"):
+                continue
+            if index.fqn not in chunks:
+                chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in smd.chunks}
+            sizes = chunks[index.fqn].get(offsets)
+            dtype = smd.properties.dtype
+        out.files.setdefault(name, []).append(
+            BaseItem(index.fqn, offsets, sizes, dtype, int(info.offset), int(info.length), int(digests[rid]),
+                     records.digests_of(rid)))
+    for name in out.files:
+        entry = manifest.files.get(name) or {}
+        out.sizes[name] = int(entry.get("size", -1))
+    return out, ""
+
+
+def _same_tensor(t: torch.Tensor, item: BaseItem, h: BlockHash) -> bool:
+    """Whether ``t`` holds exactly the data ``item`` recorded (dtype, shape, every data block's digest)."""
+    if item.blocks is None or item.dtype != t.dtype or item.sizes != tuple(t.shape):
+        return False
+    data_offset, n, bs, digests = item.blocks
+    if n != t.numel() * t.element_size() or bs <= 0:
+        return False
+    first = 1 if data_offset > 0 else 0  # (the archive header's digest comes first)
+    nblocks = -(-n // bs)
+    if len(digests) < first + nblocks:
+        return False
+    flat = t.detach().reshape(-1).view(torch.uint8) if n else None
+    for j, k in enumerate(range(0, n, bs)):
+        assert flat is not None
+        piece = flat[k : k + bs]
+        if not piece.is_cpu:
+            piece = piece.cpu()
+        if h.digest(tensor_buffer(piece.contiguous())) != digests[first + j]:
+            return False
+    return True
+
+
+def _same_bytes(data: bytes, item: BaseItem, h: BlockHash) -> bool:
+    if item.offsets is not None or item.length != len(data):
+        return False
+    hasher = h.hasher()
+    hasher.update(data)
+    return hasher.intdigest() == item.digest
+
+
+def unchanged(data: Any, item: BaseItem, h: BlockHash) -> bool:
+    """Whether the request's ``data`` (a tensor chunk or an object's bytes) equals ``item``."""
+    if isinstance(data, torch.Tensor):
+        return _same_tensor(data, item, h)
+    return _same_bytes(bytes(data), item, h)
+
+
+@dataclass
+class Reuse:
+    """One rank's decision: base files to take whole (name -> [(request index, base item)]) and the
+    requests found unchanged (to be written into stable files where their base file cannot be taken)."""
+
+    base: BaseFiles
+    linked: Dict[str, List[Tuple[int, BaseItem]]] = field(default_factory=dict)
+    unchanged: Set[int] = field(default_factory=set)
+
+
+def plan_reuse(requests: Sequence[Any], base: BaseFiles, h: BlockHash) -> Reuse:
+    """Which of ``base``'s files hold exactly some of ``requests`` (``WriteRequest``s) and nothing else."""
+    out = Reuse(base)
+    if base.block_hash != h.name:
+        return out
+    by_item = {(r.storage_key, None if r.offsets is None else tuple(r.offsets)): i for i, r in enumerate(requests)}
+    for name, items in base.files.items():
+        pairs: List[Tuple[int, BaseItem]] = []
+        whole = True
+        for it in items:
+            i = by_item.get((it.key, it.offsets))
+            if i is None or not unchanged(requests[i].data, it, h):
+                whole = False
+                continue
+            out.unchanged.add(i)
+            pairs.append((i, it))
+        if whole and pairs:
+            out.linked[name] = pairs
+    return out
+
+
+def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> bool:
+    """Put the base file ``name`` into ``directory`` (hard link / server-side copy) and check its size;
+    False (nothing left behind) where that is not possible: the caller writes the bytes."""
+    base = reuse.base
+    src, dst = join(base.directory, name), join(directory, name)
+    try:
+        if base.sizes.get(name, -1) < 0 or storage.size(src) != base.sizes[name]:
+            return False  # truncated or replaced since the base committed: never propagate it
+    except OSError:
+        return False
+    if not storage.link(src, dst):
+        return False
+    try:
+        if storage.size(dst) == base.sizes[name]:
+            return True
+    except OSError:
+        pass
+    storage.remove_any(dst)
+    return False
+
+
+_said: Set[str] = set()
+
+
+def say_once(message: str, key: str = "") -> None:
+    """Log ``message`` as a warning once per process for ``key`` (default: the message): a fallback
+    that would repeat at every save."""
+    key = key or message
+    if key not in _said:
+        _said.add(key)
+        logger.warning(message)
+
+
+__all__ = ["BaseFiles", "BaseItem", "Reuse", "base_files", "data_file_parts", "plan_reuse", "say_once", "take_file",
+           "unchanged"]
