@@ -5,7 +5,7 @@ parallel layout. Public names follow Megatron-Core's ``dist_checkpointing``.
 """
 
 from .version import __version__
-from . import errors
+from . import dcp, errors
 from .checkpoints import list_checkpoints
 # The few exceptions callers catch; every other one lives in ckpt_integration.errors (see __getattr__).
 from .errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError

@@ -60,6 +60,7 @@ LAYERS: Dict[str, int] = {
     "ckpt_integration.hydra_config": 5,
     "ckpt_integration.tools": 5,
     "ckpt_integration.cli": 5,
+    "ckpt_integration.dcp": 5,
 }
 
 #: (importer, imported) -> why that import must stay inside a function

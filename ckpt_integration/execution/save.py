@@ -472,8 +472,12 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
 
 
 def _fingerprint_text(layout: CommitLayout) -> str:
-    """The manifest's ``fingerprints`` (format 5): one row per tensor chunk written."""
-    w = layout.written
+    return fingerprint_text(layout.written)
+
+
+def fingerprint_text(w: Any) -> str:
+    """The manifest's ``fingerprints`` (format 5) of the written items ``w`` (``WrittenColumns``): one row
+    per tensor chunk written."""
     groups = list(w.fingerprints)  # zarr's rows
     if len(w.has_fingerprint) and w.has_fingerprint.any():  # torch_dist's, with the items
         for nd in np.unique(w.nd[w.has_fingerprint]).tolist():

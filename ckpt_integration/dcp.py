@@ -1,0 +1,316 @@
+"""PyTorch DCP's front door: a ``StorageWriter`` and a ``StorageReader`` that write and read this library's format.
+
+Code that checkpoints with ``torch.distributed.checkpoint`` (torchtitan, TorchTune-style loops,
+FSDP2 / DTensor state dicts from ``get_state_dict``) switches by passing these to DCP's own calls;
+DCP's planners, its resharding and its async save stay as they are::
+
+    import torch.distributed.checkpoint as dcp
+    import ckpt_integration as ci
+
+    dcp.save(state_dict, storage_writer=ci.dcp.Writer("ckpt/step_100"))
+    dcp.async_save(state_dict, storage_writer=ci.dcp.Writer("ckpt/step_200"))
+    dcp.load(state_dict, storage_reader=ci.dcp.Reader("ckpt/step_200"))
+
+What a checkpoint written through :class:`Writer` has that a plain ``FileSystemWriter`` one lacks:
+the commit rule (``metadata.json`` is written last, by the coordinator, once every rank's data is
+durable; a save that fails or is killed is never taken for a checkpoint, and a directory holding a
+committed checkpoint or files of another writer is refused), block digests of every item
+(XXH3-64 per 1 MiB) and the layout-independent fingerprints of verified resume in ``manifest.json``,
+retried object-store requests through fsspec. It is a directory of this library's ``torch_dist``
+format: ``ci.load``, ``ckpt-integration verify / inspect``, Megatron-Core and plain ``dcp.load`` read it.
+
+:class:`Reader` reads it, and plain DCP checkpoints, with every byte it returns checked against
+the recorded digests (a flipped byte raises :class:`~ckpt_integration.CorruptCheckpointError`
+naming the file and the byte range, where DCP's ``FileSystemReader`` returns the damaged values),
+``.metadata`` unpickled restrictedly, and every data file name checked to lie inside the
+checkpoint. A plain DCP checkpoint has no digests: that is said once, and its bytes are returned
+as read.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as tdist
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from .errors import CheckpointingException, CorruptCheckpointError
+from .execution.save import fingerprint_text, request_fingerprints
+from .planning.written import WrittenTable, encode_finalize, gather_finalize
+from .storage import checkpoint_dir as ckdir
+from .storage import claim as claims
+from .storage.block_records import BlockRecord
+from .storage.checksum import save_block_hash
+from .storage.commits import next_commit_seq
+from .storage.filesystem import checked_path, join, storage_for
+from .storage.manifest_tables import file_sizes, rendered_tables
+from .storage.region_read import Blocks, verify_blocks
+from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
+from .version import __version__
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _rank() -> int:
+    return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
+
+
+class Writer(StorageWriter):
+    """A ``torch.distributed.checkpoint`` ``StorageWriter`` writing this library's format to ``path``
+    (a directory, or an fsspec URL such as ``s3://bucket/run/step_100``).
+
+    Args:
+        path: the checkpoint directory (the ``checkpoint_id`` given to ``dcp.save`` replaces it).
+        thread_count: writer threads (and data files) per rank.
+        durable: fsync every file before the commit (off only for throwaway checkpoints).
+        overwrite: ``False`` (default) refuses a directory that holds a committed checkpoint.
+
+    Example::
+
+        dcp.save({"model": model.state_dict()}, storage_writer=ci.dcp.Writer("ckpt/step_100"))
+    """
+
+    def __init__(self, path: PathLike = "", thread_count: int = 2, durable: bool = True, overwrite: bool = False):
+        super().__init__()
+        self.path = os.fspath(path) if path else ""
+        self.thread_count = max(1, int(thread_count))
+        self.durable = durable
+        self.overwrite = overwrite
+        self.is_coordinator = False
+        self._claim: Optional[claims.SaveClaim] = None
+
+    # -- DCP's sequence: reset, set_up, local plan, global plan (coordinator), write, finish (coordinator)
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self._release()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self.path:
+            raise CheckpointingException("ci.dcp.Writer: no path (pass one, or checkpoint_id= to dcp.save)")
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.path, save_id=uuid.uuid4().hex)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
+        """Coordinator, before any rank writes: claim the directory (refusing a committed checkpoint
+        and files of other writers, as ``ci.save`` does)."""
+        storage, path = storage_for(self.path)
+        if storage.exists(join(path, ckdir.CONFIG_FILE)) and not self.overwrite:
+            raise CheckpointingException(
+                f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
+                "replaces it only where the filesystem can: not on object stores)")
+        if storage.exists(join(path, ckdir.CONFIG_FILE)):
+            storage.remove(join(path, ckdir.CONFIG_FILE))  # (uncommitted from here on: never half old, half new)
+            storage.remove_any(join(path, ckdir.MANIFEST_FILE))
+        self._claim = claims.claim_new(path, uuid.uuid4().hex, self.durable)
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
+        """This rank's items into ``__<rank>_<i>.distcp`` files, with block digests and fingerprints."""
+        requests: List[WriteRequest] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                requests.append(WriteRequest(item.index.fqn, None, bytes(data.getbuffer())))
+                continue
+            t = data.detach()
+            if not t.is_cpu:
+                t = t.to("cpu")
+            requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
+        fps = request_fingerprints(requests)
+        written = write_data_files(self.path, _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
+        by_item = {(k, o): i for i, (k, o) in enumerate(zip(written.keys, written.offsets))}
+        results = []
+        for item in plan.items:
+            offsets = None if item.type == WriteItemType.BYTE_IO else tuple(int(o) for o in item.tensor_data.chunk.offsets)
+            i = by_item[(item.index.fqn, offsets)]
+            row = WrittenTable()
+            row.append(written.keys[i], written.offsets[i], written.sizes[i], written.files[i], written.starts[i],
+                       written.lengths[i], written.digests[i], written.blocks[i], written.fingerprints[i])
+            # (DCP keeps storage_data as given: the coordinator's finish() takes our row back out of it)
+            results.append(WriteResult(index=item.index, size_in_bytes=written.lengths[i],
+                                       storage_data=(_StorageInfo(written.files[i], written.starts[i], written.lengths[i]),
+                                                     encode_finalize(None, row, []))))
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """Coordinator: ``.metadata`` (DCP's), ``common.pt``, ``manifest.json`` (digests of every item),
+        then ``metadata.json``: the commit."""
+        path = self.path
+        metadata.storage_data = {wr.index: wr.storage_data[0] for rs in results for wr in rs}
+        written = _columns([wr.storage_data[1] for rs in results for wr in rs])
+        if self._claim is not None:
+            self._claim.check_owned()
+        md_entry = write_dcp_metadata(path, metadata, self.durable)
+        files: Dict[str, Dict[str, int]] = {".metadata": md_entry,
+                                            ckdir.COMMON_FILE: ckdir.save_common(path, {}, self.durable)}
+        files.update(file_sizes(written))
+        digest = save_block_hash()
+        fmt = ckdir.manifest_format(digest)
+        manifest = ckdir.Manifest(
+            **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
+            files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
+            commit_seq=next_commit_seq(path), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
+        ckdir.write_manifest(path, manifest, self.durable, rendered=rendered_tables(written, digest, fmt["version"]))
+        ckdir.write_config(path, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=True)
+        self._release()
+        logger.debug("ci.dcp.Writer committed %s", path)
+
+    def _release(self) -> None:
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+
+
+def _columns(messages: Sequence[bytes]) -> Any:
+    """Every rank's rows as the commit's columns (one ``encode_finalize`` message per item)."""
+    return gather_finalize(list(messages))[1]
+
+
+class Reader(StorageReader):
+    """A ``torch.distributed.checkpoint`` ``StorageReader`` that reads this library's checkpoints, and plain
+    DCP ones, verifying every byte it returns against the recorded digests.
+
+    Args:
+        path: the checkpoint directory or fsspec URL (the ``checkpoint_id`` given to ``dcp.load`` replaces it).
+        trusted: unpickle ``.metadata`` without restrictions (only for checkpoints you trust).
+
+    Example::
+
+        dcp.load(state_dict, storage_reader=ci.dcp.Reader("ckpt/step_100"))
+    """
+
+    def __init__(self, path: PathLike = "", trusted: bool = False):
+        super().__init__()
+        self.path = os.fspath(path) if path else ""
+        self.trusted = trusted
+        self.manifest: Any = None
+        self.storage_data: Dict[MetadataIndex, Any] = {}
+
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.manifest, self.storage_data = None, {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
+        storage, path = storage_for(self.path)
+        committed = storage.exists(join(path, ckdir.CONFIG_FILE))
+        if committed:
+            ckdir.read_config(path)  # (a specific error for every way it is not a checkpoint)
+            self.manifest = ckdir.read_manifest_checked(path)
+        elif not ckdir.is_plain_dcp(path):
+            raise CorruptCheckpointError(f"{path} holds no committed checkpoint: its save did not finish "
+                                         "(metadata.json is missing)")
+        md = read_dcp_metadata(path, trusted=self.trusted, manifest=self.manifest)
+        if self.manifest is None:
+            logger.warning("%s has no recorded digests (a plain PyTorch DCP checkpoint): its data is read unverified",
+                           path)
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = dict(metadata.storage_data or {})
+        if self.manifest is None and not is_coordinator and self.path:
+            # (DCP reads the metadata on the coordinator only: the others learn the manifest here)
+            storage, path = storage_for(self.path)
+            if storage.exists(join(path, ckdir.MANIFEST_FILE)):
+                self.manifest = ckdir.read_manifest_checked(path)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
+        """Each requested item read whole once, checked, then handed to DCP's planner as its reader would."""
+        storage, root = storage_for(self.path)
+        per_item: Dict[Any, List[Any]] = {}
+        for req in plan.items:
+            per_item.setdefault(req.storage_index, []).append(req)
+        for index, reqs in per_item.items():
+            info = self.storage_data[index]
+            data = self._read_item(storage, root, info, index.fqn)
+            for req in reqs:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(data))
+                    continue
+                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CorruptCheckpointError(
+                        f"{join(root, info.relative_path)}: {index.fqn} holds {tuple(tensor.size())} where .metadata "
+                        f"records {tuple(target.size())}")
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, storage: Any, root: str, info: Any, key: str) -> bytes:
+        name = info.relative_path
+        checked_path(root, name, "data file")
+        reader = storage.open_in(root, name, "data file")
+        try:
+            data = reader.read(int(info.offset), int(info.length))
+        finally:
+            reader.close()
+        path = join(root, name)
+        if len(data) != int(info.length):
+            raise CorruptCheckpointError(f"{path} is truncated: {key} needs bytes [{info.offset}, "
+                                         f"{info.offset + info.length})")
+        if self.manifest is not None:
+            _verify_item(self.manifest, path, name, int(info.offset), data, key)
+        return data
+
+
+def _verify_item(manifest: Any, path: str, name: str, offset: int, data: bytes, key: str) -> None:
+    """An item read whole against the manifest: every block digest, or the item digest where the item
+    has no block record (objects); an item the manifest does not record is refused."""
+    rid = (name, offset)
+    record: Optional[BlockRecord] = manifest.block_records().get(rid)
+    if record is not None:
+        blocks = Blocks(record.bounds(len(data)), record.digests, record.hash)
+        verify_blocks(blocks, path, offset, key, 0, data)
+        return
+    recorded = manifest.checksums().get(rid)
+    if recorded is None:
+        raise CorruptCheckpointError(f"{path}: {key} at offset {offset} is not recorded in manifest.json: "
+                                     "the checkpoint's files do not belong together")
+    h = manifest.hash
+    got = h.digest(data)
+    if got != recorded:
+        raise CorruptCheckpointError(f"{path}: checksum mismatch for {key} (bytes [{offset}, {offset + len(data)}) "
+                                     f"of the file: {h.show(got)}, recorded at save time {h.show(recorded)}): "
+                                     "the file is damaged")
+
+
+__all__ = ["Reader", "Writer"]
