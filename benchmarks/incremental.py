@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -36,24 +37,19 @@ import torch.distributed.checkpoint as dcp
 import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import _rss_bytes  # noqa: E402
+
 MiB = 1 << 20
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _peak_extra(fn: Callable[[], Any]) -> tuple:
     """``(fn's result, peak extra resident bytes while it ran)``, sampled every millisecond."""
-    start, peak, stop = _rss(), [0], [False]
+    start, peak, stop = _rss_bytes(), [0], [False]
 
     def watch() -> None:
         while not stop[0]:
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], _rss_bytes())
             time.sleep(0.001)
 
     th = threading.Thread(target=watch, daemon=True)
@@ -63,7 +59,7 @@ def _peak_extra(fn: Callable[[], Any]) -> tuple:
     finally:
         stop[0] = True
         th.join()
-    return out, max(peak[0], _rss()) - start
+    return out, max(peak[0], _rss_bytes()) - start
 
 
 def _new_bytes(path: str, base: str) -> int:

@@ -95,3 +95,19 @@ def fused_qkv_factory(key: str, hidden: int, tp_rank: int, tp: int, replica_id=0
 def expected_fused(key: str, hidden: int, tp_rank: int, tp: int) -> torch.Tensor:
     rows = hidden // tp
     return torch.cat([global_tensor(f"{key}.{n}", (hidden, hidden))[tp_rank * rows : (tp_rank + 1) * rows] for n in "qkv"])
+
+
+def assert_same_state(a, b, where: str = "") -> None:
+    """Nested state (dicts, lists, tensors, values) equal exactly: tensors by dtype and ``torch.equal``."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), (where, set(a) ^ set(b))
+        for k in a:
+            assert_same_state(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # (DCP's: a Ba
 import ckpt_integration as ci
 from ckpt_integration.tools import verify_checkpoint
 from tests.dist_utils import run_distributed
+from tests.layouts import assert_same_state
 
 
 def _model_and_optimizer(world):
@@ -54,21 +55,6 @@ def _full(model, opt):
     return copy.deepcopy({"model": model_sd, "optim": optim_sd})
 
 
-def _same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
 def _save_worker(rank, world, root):
     import torch.distributed.checkpoint as dcp
 
@@ -100,7 +86,7 @@ def _load_worker(rank, world, root):
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         got = _full(model, opt)
         if rank == 0:
-            _same(got, torch.load(os.path.join(root, f"ref_{name}.pt")), f"{name} on {world} rank(s)")
+            assert_same_state(got, torch.load(os.path.join(root, f"ref_{name}.pt")), f"{name} on {world} rank(s)")
 
 
 def _damaged_worker(rank, world, root):
@@ -120,7 +106,7 @@ def _damaged_worker(rank, world, root):
     got = _full(model, opt)
     if rank == 0:
         with pytest.raises(AssertionError):
-            _same(got, torch.load(os.path.join(root, "ref_sync.pt")))
+            assert_same_state(got, torch.load(os.path.join(root, "ref_sync.pt")))
 
 
 def _flip_a_data_byte(path):

@@ -25,6 +25,7 @@ from torch import nn
 
 from ckpt_integration.lightning import DistCkptFabricSingleDeviceStrategy, DistCkptIO, UnsupportedStrategyError
 from tests import forked
+from tests.layouts import assert_same_state as _same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "fabric_pretrain.py")
@@ -66,21 +67,6 @@ def _copy(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_copy(v) for v in x)
     return x
-
-
-def _same(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), (where, set(a) ^ set(b))
-        for k in a:
-            _same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, (where, a, b)
 
 
 def _batches(n: int, seed: int = 1):
