@@ -492,7 +492,9 @@ def two_ranks(tmp_path_factory):
     _import_megatron()
     base = tmp_path_factory.mktemp("compat")
     run_distributed(_worker, WORLD, str(base), str(base), timeout=300)
-    return _read_results(str(base))
+    out = _read_results(str(base))
+    out["_base"] = str(base)  # (the checkpoints, for the tests that read them again)
+    return out
 
 
 SCENARIOS = [
@@ -528,3 +530,52 @@ def test_async_request_scheduled_again_megatron_style(tmp_path):
     finally:
         queue.close()
     assert torch.equal(ci.load_plain_tensors(tmp_path / "c")["w"], torch.ones(2))
+
+
+def _write_integrity_json(path: str) -> None:
+    """``integrity.json`` as Megatron-Core 0.18's ``save_integrity_manifest`` writes it: the SHA-256 of
+    every file of the directory, sorted by name, under ``{"algorithm": "sha256", "files": ...}``."""
+    import hashlib
+    import json
+
+    files = {}
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and name != "integrity.json":
+            with open(full, "rb") as f:
+                files[name] = hashlib.sha256(f.read()).hexdigest()
+    with open(os.path.join(path, "integrity.json"), "w") as f:
+        json.dump({"algorithm": "sha256", "files": files}, f, indent=2)
+
+
+def test_megatron_integrity_manifest_is_checked_when_present(two_ranks, tmp_path):
+    """A Megatron-Core checkpoint with core 0.18's integrity.json: it loads (every listed file's SHA-256
+    checked first), verify says so; a flipped byte or a missing file is refused naming the file."""
+    import shutil
+
+    from ckpt_integration.tools import verify_checkpoint
+
+    src = os.path.join(two_ranks["_base"], "megatron")
+    good = str(tmp_path / "good")
+    shutil.copytree(src, good)
+    _write_integrity_json(good)
+    report = verify_checkpoint(good)
+    assert report.ok and any("integrity.json" in n for n in report.notes), (report.problems, report.notes)
+    plain = ci.load_plain_tensors(good)
+    assert torch.equal(plain["w"], FULL) and torch.equal(plain["b"], BIAS)
+    data = sorted(n for n in os.listdir(good) if n.endswith(".distcp"))[0]
+    for damage in ("flip", "missing"):
+        bad = str(tmp_path / damage)
+        shutil.copytree(good, bad)
+        if damage == "flip":
+            with open(os.path.join(bad, data), "r+b") as f:
+                f.seek(10)
+                b = f.read(1)
+                f.seek(10)
+                f.write(bytes([b[0] ^ 1]))
+        else:
+            os.remove(os.path.join(bad, data))
+        with pytest.raises(ci.CorruptCheckpointError, match=data):
+            ci.load_plain_tensors(bad)
+        report = verify_checkpoint(bad)
+        assert not report.ok and any(data in str(p) for p in report.problems), report.problems

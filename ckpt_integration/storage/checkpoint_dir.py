@@ -456,7 +456,10 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
     except FileNotFoundError:
         if is_plain_dcp(directory):
             return {}
-        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state") from None
+        hint = "" if manifest is not None else (
+            " (if Megatron-Core 0.19 or later wrote it: those releases keep the common state inside the DCP "
+            "data, a layout this version does not read yet; see docs/megatron.md)")
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state{hint}") from None
     try:
         return safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:

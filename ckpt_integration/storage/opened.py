@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 from ..errors import CheckpointReplacedError
 from . import checkpoint_dir as ckdir
 from .commits import commit_identity, identity_of
+from .sha_manifest import check_sha_manifest
 from .filesystem import Storage, storage_for
 from .located import CheckpointLocation
 from .backends import backend_named
@@ -68,6 +69,7 @@ class OpenedCheckpoint(CheckpointLocation):
             self._raise_if_replaced(e)
             raise
         if self.manifest is None:  # nothing read later can be checked against it: pin by identity now
+            check_sha_manifest(self.path)  # (Megatron-Core's integrity.json, where there is one)
             self.check()
 
     @property

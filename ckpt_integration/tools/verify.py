@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
@@ -138,6 +139,8 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         storage, root = storage_for(path)
         if not storage.exists(join(root, DCP_METADATA_FILE)):
             return report
+    if not _integrity_manifest_holds(path, report):
+        return report
     if config is not None and config.sharded_backend == "zarr":
         report = _verify_zarr(path, report, progress)
     else:
@@ -145,6 +148,26 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     if state and report.ok:
         _verify_state(path, report, progress, trusted, parse_size(memory_budget))
     return report
+
+
+def _integrity_manifest_holds(path: str, report: VerifyReport) -> bool:
+    """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
+    against its SHA-256 (each problem reported, naming the file); False when any differs."""
+    try:
+        if ckdir.read_manifest(path) is not None:
+            return True
+        files = read_sha_manifest(path)
+    except CheckpointingException as e:
+        report.add(str(e), INTEGRITY_FILE)
+        return False
+    if files is None:
+        return True
+    problems = sha_problems(path, files)
+    for problem, name in problems:
+        report.add(problem, name)
+    if not problems:
+        report.notes.append(f"{INTEGRITY_FILE}: {len(files)} file(s) match their recorded SHA-256 (Megatron-Core)")
+    return not problems
 
 
 def _verify_state(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int) -> None:
