@@ -352,7 +352,27 @@ class DistCkptFabricModelParallelStrategy(DistCkptFabricMixin, ModelParallelStra
 
 class DistCkptFabricFSDPStrategy(DistCkptFabricMixin, FSDPStrategy):
     """Fabric's ``FSDPStrategy`` (FSDP1) with model and optimizer state through
-    ``torch.distributed.checkpoint.state_dict`` (:mod:`ckpt_integration.lightning.fsdp`)."""
+    ``torch.distributed.checkpoint.state_dict`` (:mod:`ckpt_integration.lightning.fsdp`).
+
+    Fabric refuses its stock ``FSDPStrategy`` on CPU; this class, given directly
+    (``Fabric(accelerator="cpu", strategy=DistCkptFabricFSDPStrategy(), plugins=[DistCkptIO()])``), runs
+    FSDP1 over gloo there, as the Trainer's ``DistCkptFSDPStrategy`` does."""
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """As Fabric wraps the module, with the device torch's FSDP1 needs on a CPU device (Fabric passes
+        ``root_device.index``, which is ``None`` there)."""
+        from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            return super().setup_module(module)
+        wrapped = FullyShardedDataParallel(module=module, cpu_offload=self.cpu_offload,
+                                           mixed_precision=self.mixed_precision_config,
+                                           sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                                           **self._fsdp_kwargs)
+        _move_torchmetrics_to_device(wrapped, self.root_device)
+        _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
+        return wrapped
 
 
 #: stock Fabric strategy class -> the DistCkpt class it becomes when given a DistCkptIO (exact types only)
