@@ -23,7 +23,7 @@ from .execution.shared_metadata import open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
-from .storage.backends import read_metadata
+from .storage.backends import embedded_common_bytes, read_metadata
 from .storage.filesystem import join, storage_for
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
@@ -63,6 +63,7 @@ def save(
     step: Optional[int] = None,
     base: Optional[PathLike] = None,
     staging_budget: Optional[int] = None,
+    common_state_in_data: bool = False,
 ) -> Any:
     """Save a sharded state dict; every rank writes only what it owns.
 
@@ -124,6 +125,9 @@ def save(
             save whose staging cannot fit in the host memory available fails with
             ``StagingMemoryError`` naming the bytes needed, instead of an out-of-memory kill.
             ``request.staging`` reports the bytes staged, the waves and the time blocked.
+        common_state_in_data: store the common state as the ``common_state`` ShardedObject inside the
+            data files instead of ``common.pt`` (Megatron-Core 0.19's layout, which loads of this
+            library read either way; Megatron-Core before 0.19 needs ``common.pt``). torch_dist only.
 
     Example::
 
@@ -152,6 +156,8 @@ def save(
         preprocess_common=preprocess_common_before_consistancy_check,
         step=step,
     )
+    if common_state_in_data:
+        kwargs["common_state_in_data"] = True
     if base is not None:
         kwargs["base"] = save_base(base, checkpoint_dir)
     if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
@@ -302,7 +308,8 @@ def load_common_state_dict(
     Example: ``load_common_state_dict("ckpt")["iteration"]``
     """
     with opened(checkpoint_dir, trusted, verified=True) as ck:  # common.pt is checked against the manifest
-        return ckdir.load_common(ck, trusted=trusted, allowed_globals=allowed_globals, manifest=ck.manifest)
+        return ckdir.load_common(ck, trusted=trusted, allowed_globals=allowed_globals, manifest=ck.manifest,
+                                 embedded=lambda: embedded_common_bytes(ck))
 
 
 def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:

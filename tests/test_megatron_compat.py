@@ -331,6 +331,20 @@ def _worker(rank: int, world: int, base: str, out: str) -> None:
         os.makedirs(mck)
     dist.barrier()
     mdc.save(_megatron_state(m, rank, world), mck)
+    # Megatron-Core 0.19's layout, written by Megatron-Core's own save: the common state as the
+    # ``common_state`` ShardedObject inside the DCP data, and no common.pt
+    m19 = os.path.join(base, "megatron-0.19-layout")
+    if rank == 0:
+        os.makedirs(m19)
+    dist.barrier()
+    st = _megatron_state(m, rank, world)
+    common = {"iteration": st.pop("iteration"), "args": {"lr": 0.5}}
+    st["common_state"] = m.ShardedObject("common_state", common, (1,), (0,), replica_id=rank)
+    mdc.save(st, m19)
+    dist.barrier()
+    if rank == 0:
+        os.remove(os.path.join(m19, "common.pt"))  # (0.16 still writes the rest of the common state there: {})
+    dist.barrier()
 
     _record(results, "megatron_loads_ours_written_from_megatron_classes",
             lambda: _check(mdc.load(_request(m, rank, world), ours), rank, world))
@@ -579,3 +593,24 @@ def test_megatron_integrity_manifest_is_checked_when_present(two_ranks, tmp_path
             ci.load_plain_tensors(bad)
         report = verify_checkpoint(bad)
         assert not report.ok and any(data in str(p) for p in report.problems), report.problems
+
+
+def test_megatron_0_19_layout_common_state_inside_the_data_is_read(two_ranks, tmp_path):
+    """Megatron-Core 0.19 keeps the common state as the ``common_state`` ShardedObject in the DCP data and
+    writes no common.pt: ``load``, ``load_common_state_dict`` and ``verify`` read it from there; our own
+    ``save(common_state_in_data=True)`` writes that layout and reads it back."""
+    from ckpt_integration.tools import verify_checkpoint
+
+    m19 = os.path.join(two_ranks["_base"], "megatron-0.19-layout")
+    assert not os.path.exists(os.path.join(m19, "common.pt"))
+    assert ci.load_common_state_dict(m19) == {"iteration": 9, "args": {"lr": 0.5}}
+    out = ci.load({"w": ST.from_rank_offsets("w", torch.zeros_like(FULL))}, m19)
+    assert torch.equal(out["w"], FULL) and out["iteration"] == 9 and out["args"] == {"lr": 0.5}
+    report = verify_checkpoint(m19)
+    assert report.ok and any("common_state" in n for n in report.notes), (report.problems, report.notes)
+    ours = str(tmp_path / "ours")
+    ci.save({"w": ST.from_rank_offsets("w", FULL.clone()), "iteration": 3}, ours, common_state_in_data=True,
+            content_metadata={"format": "x"})
+    assert not os.path.exists(os.path.join(ours, "common.pt"))
+    assert ci.load_common_state_dict(ours) == {"iteration": 3, "content_metadata": {"format": "x"}}
+    assert ci.load_content_metadata(ours) == {"format": "x"} and verify_checkpoint(ours).ok

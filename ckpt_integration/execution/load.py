@@ -39,7 +39,7 @@ from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, open_reader, read_metadata
+from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, embedded_common_bytes, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.chunk_index import checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_small_items
@@ -373,7 +373,8 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, share
     backend = shared.backend
     # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
     common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
-                               manifest=shared.manifest if backend_named(backend).dcp_metadata else None)
+                               manifest=shared.manifest if backend_named(backend).dcp_metadata else None,
+                               embedded=lambda: embedded_common_bytes(checkpoint_dir))
     sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
     shards = local_shards(sharded)
     requested = sorted({load_request.request_key(s) for s in shards})

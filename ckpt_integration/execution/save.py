@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
-from ..mapping import ShardedBase, ShardedTensor
+from ..mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..planning.exchange import KeySummary, Routed, SummaryTable
 from ..planning.written import CommitLayout, FingerprintRow, WrittenTable, commit_layout, encode_finalize, gather_finalize
 from ..planning.shards import ShardMeta
@@ -54,6 +54,7 @@ from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
+from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.incremental import BaseFiles, base_files, say_once
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import commit_file_records, write_zarr_requests
@@ -104,6 +105,7 @@ class SavePlan:
     base: Optional[BaseFiles] = None  # an earlier checkpoint's files this rank may link (incremental save)
     # a save in waves (staging_budget): what the caller's waves wrote or linked, and their file names
     written_before: Optional[WrittenTable] = None
+    common_state_in_data: bool = False  # the common state went into the data (no common.pt)
     taken_names: Set[str] = field(default_factory=set)
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
@@ -266,6 +268,7 @@ def prepare_save(
     step: Optional[int] = None,
     separation_hint: Optional[str] = None,
     base: Any = None,
+    common_state_in_data: bool = False,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
     be = SAVE_BACKENDS.get(backend)
@@ -288,6 +291,8 @@ def prepare_save(
             sharded_state_dict = {**sharded_state_dict, CONTENT_METADATA_KEY: content_metadata}
         sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
+        if common_state_in_data:  # Megatron-Core 0.19's layout: no common.pt, rank 0's common state as an object
+            shards.append(ShardedObject(EMBEDDED_COMMON_KEY, common, (1,), (0,), replica_id=rank))
         _check_savable(shards)
         options = f"{balance}/{validate_access_integrity}/{backend}"
         # the structure of the last save planned (every save of a training run): its plan's digest
@@ -358,6 +363,7 @@ def prepare_save(
         fingerprints=fprints,
         failure=failure,
         base=found,
+        common_state_in_data=common_state_in_data,
     )
 
 
@@ -449,8 +455,9 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     files: Dict[str, Dict[str, int]] = {
         DCP_METADATA_FILE: md_entry,
         CHUNK_INDEX_FILE: {"size": len(index), "crc32": crc32(index)},
-        ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable),
     }
+    if not plan.common_state_in_data:
+        files[ckdir.COMMON_FILE] = ckdir.save_common(d, plan.common, plan.durable)
     files.update(file_sizes(layout.written))
     digest = save_block_hash()  # what write_data_files recorded
     fmt = ckdir.manifest_format(digest)

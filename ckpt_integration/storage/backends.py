@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointingException
 from ..planning.boxes import Box
@@ -120,6 +120,33 @@ def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] 
     """The DCP-shaped ``Metadata`` of ``directory`` through its backend."""
     be = backend_named(backend) if backend else backend_of(directory)
     return be.read_metadata(directory, trusted)
+
+
+#: Megatron-Core 0.19's layout: the common state as this ShardedObject inside the DCP data (no common.pt)
+EMBEDDED_COMMON_KEY = "common_state"
+
+
+def embedded_common_key(metadata: Any) -> Optional[str]:
+    """The storage key of a common state stored as the ``common_state`` ShardedObject (Megatron-Core 0.19
+    layout: ``common_state/shard_0_1``), or None."""
+    found = [k for k, v in ((metadata.state_dict_metadata or {}).items() if metadata is not None else ())
+             if isinstance(v, BytesStorageMetadata)
+             and (k == EMBEDDED_COMMON_KEY or k.startswith(EMBEDDED_COMMON_KEY + "/shard_"))]
+    return sorted(found)[0] if found else None
+
+
+def embedded_common_bytes(opened: Any) -> Optional[bytes]:
+    """The bytes of the common state stored inside the DCP data of the opened checkpoint ``opened``
+    (verified where its manifest records them), or None when it has none."""
+    md = getattr(opened, "metadata", None)
+    key = embedded_common_key(md)
+    if key is None:
+        return None
+    reader = open_reader(opened, md, "torch_dist", manifest=getattr(opened, "manifest", None))
+    try:
+        return reader.read_bytes(key)
+    finally:
+        reader.close()
 
 
 def open_reader(

@@ -35,7 +35,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -442,28 +442,35 @@ def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest
 
 
 def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
-                manifest: Optional[Manifest] = None) -> Any:
+                manifest: Optional[Manifest] = None, embedded: Optional[Callable[[], Optional[bytes]]] = None) -> Any:
     """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint.
 
     ``manifest``: the checkpoint's manifest when the caller has read (and checked) it already,
-    e.g. broadcast by a load's coordinator; ``None``: read here."""
+    e.g. broadcast by a load's coordinator; ``None``: read here. ``embedded``: where there is no
+    ``common.pt``, returns the bytes of a common state stored inside the DCP data (Megatron-Core
+    0.19's ``common_state`` object, :func:`~.backends.embedded_common_bytes`), or None."""
     storage, root = storage_for(directory)  # ``directory`` itself goes down: an opened one keeps its reads
     path = join(root, COMMON_FILE)
     if manifest is None:
         manifest = read_manifest_checked(directory)
+    embedded_used = False
     try:
         data = read_verified_file(directory, COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
         if is_plain_dcp(directory):
             return {}
-        hint = "" if manifest is not None else (
-            " (if Megatron-Core 0.19 or later wrote it: those releases keep the common state inside the DCP "
-            "data, a layout this version does not read yet; see docs/megatron.md)")
-        raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state{hint}") from None
+        data = embedded() if embedded is not None else None
+        if data is None:
+            raise CorruptCheckpointError(f"{path} is missing: the checkpoint has no common state (neither common.pt "
+                                         "nor a 'common_state' object in its data)") from None
+        path = f"the 'common_state' object in {root}"
+        embedded_used = True
     try:
-        return safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
+        out = safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
+    # (a ShardedObject's value is stored as a one-element list)
+    return out[0] if embedded_used and isinstance(out, list) and len(out) == 1 else out
 
 
 def write_manifest(directory: str, manifest: Manifest, durable: bool = True, rendered: Optional[Dict[str, str]] = None) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
 from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
@@ -256,7 +257,18 @@ def _verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Verify
     try:
         data = ckdir.read_verified_file(path, ckdir.COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
-        report.add(f"{file} is missing (common state)", ckdir.COMMON_FILE)
+        if manifest is not None and ckdir.COMMON_FILE in manifest.files:
+            report.add(f"{file} is missing (common state, recorded in {ckdir.MANIFEST_FILE})", ckdir.COMMON_FILE)
+            return
+        try:  # Megatron-Core 0.19's layout: the common state is an object in the data, checked with the items
+            embedded = embedded_common_key(read_dcp_metadata(path, manifest=manifest))
+        except CheckpointingException:
+            embedded = None
+        if embedded is None:
+            report.add(f"{file} is missing (common state), and no '{EMBEDDED_COMMON_KEY}' object holds it",
+                       ckdir.COMMON_FILE)
+        else:
+            report.notes.append(f"the common state is the object {embedded!r} in the data (no {ckdir.COMMON_FILE})")
         return
     except CheckpointingException as e:  # damaged, refused (outside the checkpoint), not a regular file
         report.add(str(e), ckdir.COMMON_FILE)
