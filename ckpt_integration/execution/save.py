@@ -55,7 +55,7 @@ from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.backends import EMBEDDED_COMMON_KEY
-from ..storage.incremental import BaseFiles, base_files, say_once
+from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
@@ -67,7 +67,7 @@ from .failure import Failure
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
 from .preprocess import local_shards, shards_identity, split_state_dict
-from .shared_metadata import open_shared
+from .save_base import frozen, open_base, resolve_base
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
         if isinstance(sh, ShardedTensor):
             if sh.data is None:
                 raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
-            data, sizes, stable = sh.data, sh.saved_shape(), _frozen(sh.data)
+            data, sizes, stable = sh.data, sh.saved_shape(), frozen(sh.data)
             if isinstance(data, torch.nn.Parameter):
                 data = data.detach()  # (a plain tensor: the writers' fast paths take only those)
             out.append(WriteRequest(sh.key, sh.global_offset, data if data.shape == sizes else data.reshape(sizes),
@@ -204,51 +204,6 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
         else:
             out.append(WriteRequest(sh.unique_key, None, torch_dumps([sh.data])))
     return out
-
-
-def _frozen(t: torch.Tensor) -> bool:
-    """A parameter that does not train (``requires_grad=False``), or a view of one: expected to be saved
-    unchanged at the next save, so an incremental save keeps it in data files of its own."""
-    b = t._base if t._base is not None else t
-    return isinstance(b, torch.nn.Parameter) and not b.requires_grad
-
-
-def _resolve_base(base: Any, checkpoint_dir: str) -> Optional[str]:
-    """Coordinator: the base checkpoint's path (``base`` itself, or what the callable returns), or None."""
-    try:
-        found = base() if callable(base) else base
-    except Exception as e:  # (listing the directory failed): a save never fails for want of a base
-        logger.warning("save to %s: no base checkpoint for an incremental save (%s); writing every byte", checkpoint_dir,
-                       _describe(e))
-        return None
-    return None if found is None else os.fspath(found)
-
-
-def _open_base(path: Optional[str], backend: str, rank: int, group: Group, checkpoint_dir: str) -> Optional[BaseFiles]:
-    """Collective: what this rank may take from the base checkpoint ``path`` (None: write every byte,
-    said once on the coordinator)."""
-    if path is None:
-        return None
-    if backend != "torch_dist":
-        say_once(f"incremental saves apply to the torch_dist backend; the {backend} save to {checkpoint_dir} "
-                 "writes every byte")
-        return None
-    try:
-        opened, _ = open_shared(path, group)  # (a failure on the coordinator raises on every rank)
-    except CheckpointingException as e:
-        if rank == 0:
-            logger.warning("save to %s: base checkpoint %s cannot be used (%s); writing every byte", checkpoint_dir,
-                           path, _describe(e))
-        return None
-    try:
-        found, why = base_files(opened, rank)
-    except Exception as e:  # (a local decision: linking is per rank)
-        found, why = None, _describe(e)
-    finally:
-        opened.close()
-    if found is None and rank == 0:
-        logger.warning("save to %s: base checkpoint %s cannot be used: %s; writing every byte", checkpoint_dir, path, why)
-    return found
 
 
 @with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
@@ -301,7 +256,7 @@ def prepare_save(
         metas, routed = exchange.routes_for("save", identity, shards, rank, world, options)
         if coord:
             dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
-    base_path = _resolve_base(base, checkpoint_dir) if coord and base is not None else None
+    base_path = resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
         planned = exchange.start(routed, failure, group, context)
@@ -337,7 +292,7 @@ def prepare_save(
     requests: List[WriteRequest] = []
     with failure.capture():
         requests = _requests_for(shards, planned.to_write)
-    found = _open_base(base_path, backend, rank, group, checkpoint_dir)
+    found = open_base(base_path, backend, rank, group, checkpoint_dir)
     fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
         with failure.capture():  # of the chunks as validated, before they are cut into the backend's units

@@ -10,10 +10,8 @@ Data is streamed in pieces of 8 MiB, so memory stays small whatever the checkpoi
 from __future__ import annotations
 
 import collections
-import io
 import math
 import os
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -24,8 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
-from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
+from .verify_files import integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
@@ -140,7 +137,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         storage, root = storage_for(path)
         if not storage.exists(join(root, DCP_METADATA_FILE)):
             return report
-    if not _integrity_manifest_holds(path, report):
+    if not integrity_manifest_holds(path, report):
         return report
     if config is not None and config.sharded_backend == "zarr":
         report = _verify_zarr(path, report, progress)
@@ -149,26 +146,6 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     if state and report.ok:
         _verify_state(path, report, progress, trusted, parse_size(memory_budget))
     return report
-
-
-def _integrity_manifest_holds(path: str, report: VerifyReport) -> bool:
-    """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
-    against its SHA-256 (each problem reported, naming the file); False when any differs."""
-    try:
-        if ckdir.read_manifest(path) is not None:
-            return True
-        files = read_sha_manifest(path)
-    except CheckpointingException as e:
-        report.add(str(e), INTEGRITY_FILE)
-        return False
-    if files is None:
-        return True
-    problems = sha_problems(path, files)
-    for problem, name in problems:
-        report.add(problem, name)
-    if not problems:
-        report.notes.append(f"{INTEGRITY_FILE}: {len(files)} file(s) match their recorded SHA-256 (Megatron-Core)")
-    return not problems
 
 
 def _verify_state(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int) -> None:
@@ -223,72 +200,13 @@ def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
                                    "and no checkpoints inside")
 
 
-# --------------------------------------------------------------------------- shared checks
-def _read_manifest(path: str, report: VerifyReport) -> Tuple[Optional[ckdir.Manifest], bool]:
-    """``(manifest or None, whether its absence or damage was reported)``."""
-    try:
-        manifest = ckdir.read_manifest(path)
-    except CheckpointingException as e:
-        report.add(str(e), ckdir.MANIFEST_FILE)
-        return None, True
-    if manifest is None and ckdir.manifest_deleted(path):
-        # ours record at save time that they have one (ckpt_integration.json); foreign ones
-        # (Megatron-Core, DCP) never have one, which is no damage
-        storage, root = storage_for(path)
-        report.add(f"{join(root, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
-                   "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
-        return None, True
-    return manifest, False
-
-
-def _recorded(manifest: Optional[ckdir.Manifest], name: str) -> Dict[str, Any]:
-    return ((manifest.files if manifest is not None else {}).get(name)) or {}
-
-
-def _recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int]:
-    size = _recorded(manifest, name).get("size")
-    return size if isinstance(size, int) and not isinstance(size, bool) else None
-
-
-def _verify_common(path: str, manifest: Optional[ckdir.Manifest], report: VerifyReport) -> None:
-    """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
-    storage, root = storage_for(path)
-    file = join(root, ckdir.COMMON_FILE)
-    try:
-        data = ckdir.read_verified_file(path, ckdir.COMMON_FILE, manifest, "common state file")
-    except FileNotFoundError:
-        if manifest is not None and ckdir.COMMON_FILE in manifest.files:
-            report.add(f"{file} is missing (common state, recorded in {ckdir.MANIFEST_FILE})", ckdir.COMMON_FILE)
-            return
-        try:  # Megatron-Core 0.19's layout: the common state is an object in the data, checked with the items
-            embedded = embedded_common_key(read_dcp_metadata(path, manifest=manifest))
-        except CheckpointingException:
-            embedded = None
-        if embedded is None:
-            report.add(f"{file} is missing (common state), and no '{EMBEDDED_COMMON_KEY}' object holds it",
-                       ckdir.COMMON_FILE)
-        else:
-            report.notes.append(f"the common state is the object {embedded!r} in the data (no {ckdir.COMMON_FILE})")
-        return
-    except CheckpointingException as e:  # damaged, refused (outside the checkpoint), not a regular file
-        report.add(str(e), ckdir.COMMON_FILE)
-        return
-    if "crc32" in _recorded(manifest, ckdir.COMMON_FILE):
-        report.files_checked += 1
-        return
-    if manifest is not None:
-        report.notes.append(f"{ckdir.COMMON_FILE} has no checksum in {ckdir.MANIFEST_FILE}: only its format was checked")
-    if not zipfile.is_zipfile(io.BytesIO(data)):
-        report.add(f"{file} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
-
-
 # --------------------------------------------------------------------------- zarr
 def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> VerifyReport:
     """zarr checkpoints: every array opens and matches the index, every chunk and object file
     matches its recorded size and CRC32 (each bad file reported with its key), ``common.pt``.
     Checkpoints written before chunk records existed: every array is read in full instead."""
-    manifest, _ = _read_manifest(path, report)
-    _verify_common(path, manifest, report)
+    manifest, _ = read_manifest(path, report)
+    verify_common(path, manifest, report)
     if manifest is not None:
         storage, root = storage_for(path)
         _verify_other_recorded_files(storage, root, manifest, set(), report)
@@ -359,7 +277,7 @@ class _Chunk:
 
 def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool) -> VerifyReport:
     storage, root = storage_for(path)
-    manifest, manifest_reported = _read_manifest(path, report)
+    manifest, manifest_reported = read_manifest(path, report)
     report.checksums_available = manifest is not None
     report.block_hash = manifest.block_hash if manifest is not None else None
     plain = ckdir.is_plain_dcp(path)
@@ -371,13 +289,13 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
             "was verified")
     try:
         md: Optional[Metadata] = read_dcp_metadata(path, trusted=trusted)  # size + CRC32, as every load reads it
-        if "crc32" in _recorded(manifest, DCP_METADATA_FILE):
+        if "crc32" in recorded(manifest, DCP_METADATA_FILE):
             report.files_checked += 1
     except CheckpointingException as e:
         report.add(str(e), DCP_METADATA_FILE)
         md = None
     if not plain:
-        _verify_common(path, manifest, report)
+        verify_common(path, manifest, report)
     data_files = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()
                   if isinstance(getattr(info, "relative_path", None), str)} if md is not None else set()
     if manifest is not None:
@@ -413,7 +331,7 @@ def _verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Ma
             report.add(str(e), name)
             continue
         try:
-            size = _recorded_size(manifest, name)
+            size = recorded_size(manifest, name)
             if size is not None and reader.size != size:
                 report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {size}", name)
         finally:
@@ -530,7 +448,7 @@ class _DataPass:
     def _verify_items(self, reader: FileReader, name: str, file: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
         size = reader.size
         expected = max(info.offset + info.length for _, info in items)
-        recorded = _recorded_size(self.manifest, name)
+        recorded = recorded_size(self.manifest, name)
         if size < max(expected, recorded or 0):
             cut = [i for i, info in items if info.offset + info.length > size]
             self.problem(f"{file} is truncated: {size} bytes, expected {max(expected, recorded or 0)}", name, cut)

@@ -1,0 +1,94 @@
+"""The checks of ``verify`` on the files beside the data (tools layer): the manifest, recorded sizes and
+CRC32s, the common state (``common.pt`` or Megatron-Core 0.19's ``common_state`` object) and Megatron-Core's
+``integrity.json``. ``report`` is the :class:`~.verify.VerifyReport` being filled."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from typing import Any, Dict, Optional, Tuple
+
+from ..errors import CheckpointingException
+from ..storage import checkpoint_dir as ckdir
+from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
+from ..storage.filesystem import join, storage_for
+from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
+from ..storage.torch_dist import read_dcp_metadata
+
+
+def integrity_manifest_holds(path: str, report: Any) -> bool:
+    """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
+    against its SHA-256 (each problem reported, naming the file); False when any differs."""
+    try:
+        if ckdir.read_manifest(path) is not None:
+            return True
+        files = read_sha_manifest(path)
+    except CheckpointingException as e:
+        report.add(str(e), INTEGRITY_FILE)
+        return False
+    if files is None:
+        return True
+    problems = sha_problems(path, files)
+    for problem, name in problems:
+        report.add(problem, name)
+    if not problems:
+        report.notes.append(f"{INTEGRITY_FILE}: {len(files)} file(s) match their recorded SHA-256 (Megatron-Core)")
+    return not problems
+
+
+def read_manifest(path: str, report: Any) -> Tuple[Optional[ckdir.Manifest], bool]:
+    """``(manifest or None, whether its absence or damage was reported)``."""
+    try:
+        manifest = ckdir.read_manifest(path)
+    except CheckpointingException as e:
+        report.add(str(e), ckdir.MANIFEST_FILE)
+        return None, True
+    if manifest is None and ckdir.manifest_deleted(path):
+        # ours record at save time that they have one (ckpt_integration.json); foreign ones
+        # (Megatron-Core, DCP) never have one, which is no damage
+        storage, root = storage_for(path)
+        report.add(f"{join(root, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
+                   "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
+        return None, True
+    return manifest, False
+
+
+def recorded(manifest: Optional[ckdir.Manifest], name: str) -> Dict[str, Any]:
+    return ((manifest.files if manifest is not None else {}).get(name)) or {}
+
+
+def recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int]:
+    size = recorded(manifest, name).get("size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Any) -> None:
+    """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
+    storage, root = storage_for(path)
+    file = join(root, ckdir.COMMON_FILE)
+    try:
+        data = ckdir.read_verified_file(path, ckdir.COMMON_FILE, manifest, "common state file")
+    except FileNotFoundError:
+        if manifest is not None and ckdir.COMMON_FILE in manifest.files:
+            report.add(f"{file} is missing (common state, recorded in {ckdir.MANIFEST_FILE})", ckdir.COMMON_FILE)
+            return
+        try:  # Megatron-Core 0.19's layout: the common state is an object in the data, checked with the items
+            embedded = embedded_common_key(read_dcp_metadata(path, manifest=manifest))
+        except CheckpointingException:
+            embedded = None
+        if embedded is None:
+            report.add(f"{file} is missing (common state), and no '{EMBEDDED_COMMON_KEY}' object holds it",
+                       ckdir.COMMON_FILE)
+        else:
+            report.notes.append(f"the common state is the object {embedded!r} in the data (no {ckdir.COMMON_FILE})")
+        return
+    except CheckpointingException as e:  # damaged, refused (outside the checkpoint), not a regular file
+        report.add(str(e), ckdir.COMMON_FILE)
+        return
+    if "crc32" in recorded(manifest, ckdir.COMMON_FILE):
+        report.files_checked += 1
+        return
+    if manifest is not None:
+        report.notes.append(f"{ckdir.COMMON_FILE} has no checksum in {ckdir.MANIFEST_FILE}: only its format was checked")
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        report.add(f"{file} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
