@@ -29,6 +29,7 @@ as read.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -45,9 +46,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .errors import CheckpointingException, CorruptCheckpointError
-from .execution.save import fingerprint_text, request_fingerprints
+from .execution.save import fingerprint_text, remove_dead_staging, request_fingerprints
 from .planning.written import WrittenTable, encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
+from .storage import atomic
 from .storage import claim as claims
 from .storage.block_records import BlockRecord
 from .storage.checksum import save_block_hash
@@ -75,7 +77,9 @@ class Writer(StorageWriter):
         path: the checkpoint directory (the ``checkpoint_id`` given to ``dcp.save`` replaces it).
         thread_count: writer threads (and data files) per rank.
         durable: fsync every file before the commit (off only for throwaway checkpoints).
-        overwrite: ``False`` (default) refuses a directory that holds a committed checkpoint.
+        overwrite: ``False`` (default) refuses a directory that holds a committed checkpoint; ``True``
+            writes the new one beside it and puts it in place only once committed (as
+            ``ci.save(overwrite=True)``: the old one stays whole until then; not on object stores).
 
     Example::
 
@@ -90,6 +94,7 @@ class Writer(StorageWriter):
         self.overwrite = overwrite
         self.is_coordinator = False
         self._claim: Optional[claims.SaveClaim] = None
+        self.write_dir = ""  # where this save's files go: the path, or a staging sibling when overwriting
 
     # -- DCP's sequence: reset, set_up, local plan, global plan (coordinator), write, finish (coordinator)
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
@@ -116,18 +121,26 @@ class Writer(StorageWriter):
         """Coordinator, before any rank writes: claim the directory (refusing a committed checkpoint
         and files of other writers, as ``ci.save`` does)."""
         storage, path = storage_for(self.path)
-        if storage.exists(join(path, ckdir.CONFIG_FILE)) and not self.overwrite:
-            raise CheckpointingException(
-                f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
-                "replaces it only where the filesystem can: not on object stores)")
+        token = uuid.uuid4().hex
+        stale = _held.pop(path, None)
+        if stale is not None:  # an earlier save to this path from this process failed (DCP does not tell its writer)
+            stale.release()
         if storage.exists(join(path, ckdir.CONFIG_FILE)):
-            storage.remove(join(path, ckdir.CONFIG_FILE))  # (uncommitted from here on: never half old, half new)
-            storage.remove_any(join(path, ckdir.MANIFEST_FILE))
-        self._claim = claims.claim_new(path, uuid.uuid4().hex, self.durable)
-        return plans
+            if not self.overwrite or storage.remote:
+                raise CheckpointingException(
+                    f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
+                    "replaces it once the new one is committed; not on object stores)")
+            remove_dead_staging(storage, path)  # (what such a failed save left beside it)
+            self._claim = claims.claim_staging(path, atomic.staging_name(path, token), token, self.durable)
+        else:
+            self._claim = claims.claim_new(path, token, self.durable)
+        _held[path] = self._claim
+        # every rank writes where the coordinator claimed (the plans carry it to them)
+        return [dataclasses.replace(p, storage_data=self._claim.write_dir) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """This rank's items into ``__<rank>_<i>.distcp`` files, with block digests and fingerprints."""
+        self.write_dir = plan.storage_data if isinstance(plan.storage_data, str) else self.path
         requests: List[WriteRequest] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -139,7 +152,7 @@ class Writer(StorageWriter):
                 t = t.to("cpu")
             requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
         fps = request_fingerprints(requests)
-        written = write_data_files(self.path, _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
+        written = write_data_files(self.write_dir, _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
         by_item = {(k, o): i for i, (k, o) in enumerate(zip(written.keys, written.offsets))}
         results = []
         for item in plan.items:
@@ -159,7 +172,7 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Coordinator: ``.metadata`` (DCP's), ``common.pt``, ``manifest.json`` (digests of every item),
         then ``metadata.json``: the commit."""
-        path = self.path
+        path = self._claim.write_dir if self._claim is not None else self.path
         metadata.storage_data = {wr.index: wr.storage_data[0] for rs in results for wr in rs}
         written = _columns([wr.storage_data[1] for rs in results for wr in rs])
         if self._claim is not None:
@@ -173,16 +186,26 @@ class Writer(StorageWriter):
         manifest = ckdir.Manifest(
             **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
             files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
-            commit_seq=next_commit_seq(path), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
+            commit_seq=next_commit_seq(self.path), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
         ckdir.write_manifest(path, manifest, self.durable, rendered=rendered_tables(written, digest, fmt["version"]))
-        ckdir.write_config(path, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=True)
+        staging = self._claim is not None and self._claim.staging
+        ckdir.write_config(path, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
+        if staging:  # the old checkpoint is replaced only now, whole (storage/atomic.py's rule)
+            storage, _ = storage_for(self.path)
+            atomic.replace(storage, path, storage_for(self.path)[1], durable=self.durable, data_synced=True)
         self._release()
         logger.debug("ci.dcp.Writer committed %s", path)
 
     def _release(self) -> None:
         if self._claim is not None:
             self._claim.release()
+            _held.pop(storage_for(self.path)[1], None)
             self._claim = None
+
+
+# coordinator: the claim of each door save in progress, by target (released by the next save there if
+# the save failed: DCP raises without telling the writer)
+_held: Dict[str, claims.SaveClaim] = {}
 
 
 def _columns(messages: Sequence[bytes]) -> Any:

@@ -159,3 +159,33 @@ def test_the_reader_reads_plain_dcp_checkpoints_and_refuses_an_uncommitted_door_
     os.remove(tmp_path / "ours" / "metadata.json")  # as if the save had been killed before its commit
     with pytest.raises(CheckpointException, match="no committed checkpoint"):
         dcp.load(out, storage_reader=ci.dcp.Reader(str(tmp_path / "ours")), no_dist=True)
+
+
+def test_overwrite_through_the_door_replaces_only_once_committed(tmp_path, monkeypatch):
+    """``Writer(overwrite=True)`` writes beside the committed checkpoint and swaps at the commit: a save
+    that fails on the way leaves the old checkpoint whole and loadable."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt_integration.dcp as door
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.ones(8)}, storage_writer=ci.dcp.Writer(path), no_dist=True)
+    dcp.save({"w": torch.full((8,), 2.0)}, storage_writer=ci.dcp.Writer(path, overwrite=True), no_dist=True)
+    out = {"w": torch.zeros(8)}
+    dcp.load(out, storage_reader=ci.dcp.Reader(path), no_dist=True)
+    assert torch.equal(out["w"], torch.full((8,), 2.0))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(door, "write_data_files", disk_full)
+    with pytest.raises(CheckpointException, match="No space left"):
+        dcp.save({"w": torch.full((8,), 3.0)}, storage_writer=ci.dcp.Writer(path, overwrite=True), no_dist=True)
+    monkeypatch.undo()
+    out = {"w": torch.zeros(8)}
+    dcp.load(out, storage_reader=ci.dcp.Reader(path), no_dist=True)
+    assert torch.equal(out["w"], torch.full((8,), 2.0)) and verify_checkpoint(path).ok
+    dcp.save({"w": torch.full((8,), 4.0)}, storage_writer=ci.dcp.Writer(path, overwrite=True), no_dist=True)
+    dcp.load(out, storage_reader=ci.dcp.Reader(path), no_dist=True)
+    assert torch.equal(out["w"], torch.full((8,), 4.0))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # (the failed save's staging directory was taken over and cleaned)

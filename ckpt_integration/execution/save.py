@@ -141,7 +141,7 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool, durable: bool = Tru
                 f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
                 "would delete; move them elsewhere first"
             )
-        _remove_dead_staging(storage, checkpoint_dir)
+        remove_dead_staging(storage, checkpoint_dir)
         staging = atomic.staging_name(checkpoint_dir, token)
         claim = claims.claim_staging(checkpoint_dir, staging, token, durable)
     else:
@@ -156,7 +156,7 @@ def _release_claim(write_dir: str) -> None:
         claim.release()
 
 
-def _remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
+def remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
     """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
 
     Called only while ``<dir>`` itself is committed, so a staging sibling without its own
