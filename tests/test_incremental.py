@@ -147,7 +147,7 @@ def test_unchanged_compares_dtype_shape_and_every_block(tmp_path):
     ci.save({"t": ShardedTensor.from_rank_offsets("t", t), "o": ShardedObject("o", {"x": 1}, (1,), (0,))},
             str(tmp_path / "c"))
     with ci.open_checkpoint(str(tmp_path / "c")) as opened:
-        found, why = base_files(opened, 0)
+        found, why = base_files(opened, 0, list(opened.metadata.state_dict_metadata))
     assert found is not None, why
     items = {it.key: it for its in found.files.values() for it in its}
     h = save_block_hash()

@@ -292,7 +292,7 @@ def prepare_save(
     requests: List[WriteRequest] = []
     with failure.capture():
         requests = _requests_for(shards, planned.to_write)
-    found = open_base(base_path, backend, rank, group, checkpoint_dir)
+    found = open_base(base_path, backend, rank, group, checkpoint_dir, {r.storage_key for r in requests})
     fprints: Optional[List[FingerprintRow]] = None
     if be.shape_requests is not None:
         with failure.capture():  # of the chunks as validated, before they are cut into the backend's units

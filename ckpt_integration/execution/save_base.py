@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -36,7 +36,8 @@ def resolve_base(base: Any, checkpoint_dir: str) -> Optional[str]:
     return None if found is None else os.fspath(found)
 
 
-def open_base(path: Optional[str], backend: str, rank: int, group: Group, checkpoint_dir: str) -> Optional[BaseFiles]:
+def open_base(path: Optional[str], backend: str, rank: int, group: Group, checkpoint_dir: str,
+              keys: Iterable[str] = ()) -> Optional[BaseFiles]:
     """Collective: what this rank may take from the base checkpoint ``path`` (None: write every byte,
     said once on the coordinator)."""
     if path is None:
@@ -53,7 +54,7 @@ def open_base(path: Optional[str], backend: str, rank: int, group: Group, checkp
                            path, _describe(e))
         return None
     try:
-        found, why = base_files(opened, rank)
+        found, why = base_files(opened, rank, keys)
     except Exception as e:  # (a local decision: linking is per rank)
         found, why = None, _describe(e)
     finally:

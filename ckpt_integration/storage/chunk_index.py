@@ -308,6 +308,11 @@ class CompactMetadata:
         """The whole DCP ``Metadata``, chunk lists included."""
         return self._decode(None, False)[0]
 
+    def metadata_of(self, keys: Iterable[str]) -> Metadata:
+        """DCP ``Metadata`` of ``keys`` only, chunk lists and storage records included (what an incremental
+        save compares: the items of the keys it saves, not the whole checkpoint's)."""
+        return self._decode(set(keys), False)[0]
+
     def _decode(self, keys: Optional[Set[str]], lazy: bool) -> Tuple[Metadata, int, Dict[str, Tuple[int, ...]]]:
         # the records are walked here, not when the index is read (each load walks them once):
         # an index whose checksum passes but whose records do not add up is damage, named

@@ -153,6 +153,11 @@ class ItemTable:
     def __len__(self) -> int:
         return len(self.offset)
 
+    def count_in(self, name: str) -> int:
+        """How many items the data file ``name`` holds (0 for a file the table does not list)."""
+        first, end = self._rows.get(name, (0, 0))
+        return end - first
+
     def row(self, rid: Rid) -> int:
         """The row of item ``(file, offset)``, or -1."""
         span = self._rows.get(rid[0]) if isinstance(rid, tuple) and len(rid) == 2 else None

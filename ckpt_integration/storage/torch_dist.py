@@ -361,7 +361,7 @@ def link_unchanged(directory: str, storage: Any, requests: Sequence[WriteRequest
     taken: Set[int] = set()
     if base is None:
         return rows, taken, stable
-    reuse = plan_reuse(requests, base, digest)
+    reuse = plan_reuse(requests, base, digest, fingerprints)
     stable |= reuse.unchanged
     for name, pairs in sorted(reuse.linked.items()):
         if stop is not None:
