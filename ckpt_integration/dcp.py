@@ -47,17 +47,16 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .errors import CheckpointingException, CorruptCheckpointError
 from .execution.save import fingerprint_text, remove_dead_staging, request_fingerprints
-from .planning.written import WrittenTable, encode_finalize, gather_finalize
+from .planning.written import encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
 from .storage import atomic
 from .storage import claim as claims
-from .storage.block_records import BlockRecord
 from .storage.checksum import save_block_hash
 from .storage.commits import next_commit_seq
-from .storage.filesystem import checked_path, join, storage_for
+from .storage.filesystem import join, storage_for
 from .storage.manifest_tables import file_sizes, rendered_tables
-from .storage.region_read import Blocks, verify_blocks
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
+from .storage.torch_dist_reader import TorchDistReader
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -153,18 +152,14 @@ class Writer(StorageWriter):
             requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
         fps = request_fingerprints(requests)
         written = write_data_files(self.write_dir, _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
-        by_item = {(k, o): i for i, (k, o) in enumerate(zip(written.keys, written.offsets))}
+        rows = {(w.storage_key, w.offsets): w for w in written.items()}
         results = []
-        for item in plan.items:
-            offsets = None if item.type == WriteItemType.BYTE_IO else tuple(int(o) for o in item.tensor_data.chunk.offsets)
-            i = by_item[(item.index.fqn, offsets)]
-            row = WrittenTable()
-            row.append(written.keys[i], written.offsets[i], written.sizes[i], written.files[i], written.starts[i],
-                       written.lengths[i], written.digests[i], written.blocks[i], written.fingerprints[i])
+        for item, req in zip(plan.items, requests):
+            w = rows[(req.storage_key, req.offsets)]
             # (DCP keeps storage_data as given: the coordinator's finish() takes our row back out of it)
-            results.append(WriteResult(index=item.index, size_in_bytes=written.lengths[i],
-                                       storage_data=(_StorageInfo(written.files[i], written.starts[i], written.lengths[i]),
-                                                     encode_finalize(None, row, []))))
+            results.append(WriteResult(index=item.index, size_in_bytes=w.length,
+                                       storage_data=(_StorageInfo(w.relative_path, w.offset, w.length),
+                                                     encode_finalize(None, [w], []))))
         fut: Future = Future()
         fut.set_result(results)
         return fut
@@ -232,11 +227,12 @@ class Reader(StorageReader):
         self.trusted = trusted
         self.manifest: Any = None
         self.storage_data: Dict[MetadataIndex, Any] = {}
+        self._reader: Optional[TorchDistReader] = None
 
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
-        self.manifest, self.storage_data = None, {}
+        self.manifest, self.storage_data, self._reader = None, {}, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
@@ -245,26 +241,22 @@ class Reader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
         storage, path = storage_for(self.path)
-        committed = storage.exists(join(path, ckdir.CONFIG_FILE))
-        if committed:
+        if storage.exists(join(path, ckdir.CONFIG_FILE)):
             ckdir.read_config(path)  # (a specific error for every way it is not a checkpoint)
-            self.manifest = ckdir.read_manifest_checked(path)
         elif not ckdir.is_plain_dcp(path):
             raise CorruptCheckpointError(f"{path} holds no committed checkpoint: its save did not finish "
                                          "(metadata.json is missing)")
-        md = read_dcp_metadata(path, trusted=self.trusted, manifest=self.manifest)
-        if self.manifest is None:
-            logger.warning("%s has no recorded digests (a plain PyTorch DCP checkpoint): its data is read unverified",
-                           path)
-        return md
+        # (a checkpoint without a manifest - plain DCP - is said once to be read unverified)
+        self.manifest = ckdir.read_manifest_checked(path)
+        return read_dcp_metadata(path, trusted=self.trusted, manifest=self.manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = dict(metadata.storage_data or {})
         if self.manifest is None and not is_coordinator and self.path:
             # (DCP reads the metadata on the coordinator only: the others learn the manifest here)
-            storage, path = storage_for(self.path)
-            if storage.exists(join(path, ckdir.MANIFEST_FILE)):
-                self.manifest = ckdir.read_manifest_checked(path)
+            self.manifest = ckdir.read_manifest_checked(storage_for(self.path)[1])
+        # every item read through the library's reader: names inside the checkpoint, extents, digests
+        self._reader = TorchDistReader(self.path, metadata, manifest=self.manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -274,66 +266,32 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         """Each requested item read whole once, checked, then handed to DCP's planner as its reader would."""
-        storage, root = storage_for(self.path)
+        assert self._reader is not None  # (set up by DCP before any read)
         per_item: Dict[Any, List[Any]] = {}
         for req in plan.items:
             per_item.setdefault(req.storage_index, []).append(req)
-        for index, reqs in per_item.items():
-            info = self.storage_data[index]
-            data = self._read_item(storage, root, info, index.fqn)
-            for req in reqs:
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(data))
-                    continue
-                tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise CorruptCheckpointError(
-                        f"{join(root, info.relative_path)}: {index.fqn} holds {tuple(tensor.size())} where .metadata "
-                        f"records {tuple(target.size())}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+        try:
+            for index, reqs in per_item.items():
+                info = self.storage_data[index]
+                data = self._reader.read_item(info, index.fqn)
+                for req in reqs:
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(data))
+                        continue
+                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise CorruptCheckpointError(
+                            f"{join(self._reader.directory, info.relative_path)}: {index.fqn} holds "
+                            f"{tuple(tensor.size())} where .metadata records {tuple(target.size())}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        finally:
+            self._reader.close()  # (its open files; the next read_data opens them again)
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    def _read_item(self, storage: Any, root: str, info: Any, key: str) -> bytes:
-        name = info.relative_path
-        checked_path(root, name, "data file")
-        reader = storage.open_in(root, name, "data file")
-        try:
-            data = reader.read(int(info.offset), int(info.length))
-        finally:
-            reader.close()
-        path = join(root, name)
-        if len(data) != int(info.length):
-            raise CorruptCheckpointError(f"{path} is truncated: {key} needs bytes [{info.offset}, "
-                                         f"{info.offset + info.length})")
-        if self.manifest is not None:
-            _verify_item(self.manifest, path, name, int(info.offset), data, key)
-        return data
-
-
-def _verify_item(manifest: Any, path: str, name: str, offset: int, data: bytes, key: str) -> None:
-    """An item read whole against the manifest: every block digest, or the item digest where the item
-    has no block record (objects); an item the manifest does not record is refused."""
-    rid = (name, offset)
-    record: Optional[BlockRecord] = manifest.block_records().get(rid)
-    if record is not None:
-        blocks = Blocks(record.bounds(len(data)), record.digests, record.hash)
-        verify_blocks(blocks, path, offset, key, 0, data)
-        return
-    recorded = manifest.checksums().get(rid)
-    if recorded is None:
-        raise CorruptCheckpointError(f"{path}: {key} at offset {offset} is not recorded in manifest.json: "
-                                     "the checkpoint's files do not belong together")
-    h = manifest.hash
-    got = h.digest(data)
-    if got != recorded:
-        raise CorruptCheckpointError(f"{path}: checksum mismatch for {key} (bytes [{offset}, {offset + len(data)}) "
-                                     f"of the file: {h.show(got)}, recorded at save time {h.show(recorded)}): "
-                                     "the file is damaged")
 
 
 __all__ = ["Reader", "Writer"]

@@ -194,10 +194,15 @@ class TorchDistReader:
         info = (self.metadata.storage_data or {}).get(MetadataIndex(storage_key))
         if info is None:
             raise MismatchError(f"object {storage_key!r} is not in the checkpoint")
-        fd = self._check_extent(info, f"object {storage_key!r}")
+        return self.read_item(info, f"object {storage_key!r}")
+
+    def read_item(self, info: _StorageInfo, what: str) -> bytes:
+        """One stored item whole (an object's payload, a tensor chunk's archive), checked as every read is:
+        inside its file, then against its block digests or its item digest."""
+        fd = self._check_extent(info, what)
         buf = bytearray(info.length)
         pread_exact(fd, memoryview(buf), info.offset, join(self.directory, info.relative_path))
-        self._verify(info, buf, storage_key)
+        self._verify(info, buf, what)
         return bytes(buf)
 
     # -- tensors -----------------------------------------------------------------------
