@@ -536,7 +536,8 @@ def async_save_torch_dist(
     stager = q._next_stager()
     snap: Optional[Snapshot] = None
     report = StagingReport()
-    if staging_budget is not None and plan.backend == "torch_dist" and not plan.failure.failed:
+    bounded = staging_budget is not None and plan.backend == "torch_dist"  # (zarr: staged whole, as before)
+    if bounded and not plan.failure.failed:
         report = write_in_waves(plan, _arena_of(stager), int(staging_budget))
     if not plan.failure.failed:
         try:
@@ -544,7 +545,6 @@ def async_save_torch_dist(
                 report.bytes = sum(r.data.numel() * r.data.element_size() for r in plan.requests
                                    if isinstance(r.data, torch.Tensor))
                 check_fits(max(0, report.bytes - stager.cached_bytes), checkpoint_dir, plan.rank)
-            bounded = staging_budget is not None and plan.backend == "torch_dist"
             snap = _stage_plan(plan, stager, None if bounded or mode != "background" else q.copy_now_bytes,
                                tensors=not bounded)
         except Exception as e:  # reported by finalize_save on every rank

@@ -11,7 +11,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ..errors import CheckpointingException
-from ..storage.incremental import BaseFiles, base_files, say_once
+from ..storage.checkpoint_dir import note_once
+from ..storage.incremental import BaseFiles, base_files
 from .dist import Group, describe_error as _describe
 from .shared_metadata import open_shared
 
@@ -43,7 +44,7 @@ def open_base(path: Optional[str], backend: str, rank: int, group: Group, checkp
     if path is None:
         return None
     if backend != "torch_dist":
-        say_once(f"incremental saves apply to the torch_dist backend; the {backend} save to {checkpoint_dir} "
+        note_once(f"incremental saves apply to the torch_dist backend; the {backend} save to {checkpoint_dir} "
                  "writes every byte")
         return None
     try:

@@ -23,7 +23,7 @@ staged, in how many waves, and how long the caller was blocked.
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -147,8 +147,7 @@ def write_in_waves(plan: Any, arena: StagingArena, budget: int) -> StagingReport
     """The caller's part of a bounded async save (see the module doc): link what the base holds,
     write every early wave and direct tensor, and leave in ``plan.requests`` the last wave, staged in
     ``arena``, for the background writer; what was written is kept in ``plan.written_before``."""
-    t0 = time.perf_counter()
-    report = StagingReport(budget=budget, waves=0, bytes=0)
+    report = StagingReport(budget=budget, waves=0, bytes=0)  # (blocked_s: the caller's, set by async_save)
     requests: List[WriteRequest] = plan.requests
     storage, directory = storage_for(plan.write_dir)
     rows = WrittenTable()
@@ -184,7 +183,6 @@ def write_in_waves(plan: Any, arena: StagingArena, budget: int) -> StagingReport
         plan.requests = []
     plan.base = None  # (linked above)
     plan.written_before, plan.taken_names = rows, names
-    report.blocked_s = time.perf_counter() - t0
     return report
 
 
@@ -195,7 +193,7 @@ def _stage(rest: List[WriteRequest], wave: List[int], arena: StagingArena, repor
     staged = dict(zip(idx, arena.stage([rest[i].data for i in idx], nbytes)))
     report.waves += 1
     report.bytes += nbytes
-    return [WriteRequest(rest[i].storage_key, rest[i].offsets, staged.get(i, rest[i].data), rest[i].stable) for i in wave]
+    return [dataclasses.replace(rest[i], data=staged[i]) if i in staged else rest[i] for i in wave]
 
 
 __all__ = ["StagingArena", "StagingMemoryError", "StagingReport", "available_memory", "check_fits", "waves",

@@ -589,8 +589,14 @@ def read_manifest_checked(directory: str) -> Optional[Manifest]:
 _noted: set = set()
 
 
-def _note_unchecked(directory: str, message: str) -> None:
-    key = (directory, message)
+def note_once(message: str, key: Any = None) -> None:
+    """Log ``message`` as a warning once per process for ``key`` (default: the message itself): what would
+    otherwise repeat at every load or save (a foreign checkpoint read unverified, a fallback)."""
+    key = message if key is None else key
     if key not in _noted:
         _noted.add(key)
-        logger.warning("%s: %s", directory, message)
+        logger.warning("%s", message)
+
+
+def _note_unchecked(directory: str, message: str) -> None:
+    note_once(f"{directory}: {message}")

@@ -24,7 +24,6 @@ every later save links them.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -35,8 +34,6 @@ from ..planning.written import Blocks
 from .checksum import BlockHash
 from .filesystem import Storage, join, storage_for
 from .fs import tensor_buffer
-
-logger = logging.getLogger(__name__)
 
 _DATA_FILE = re.compile(r"^(.*)__(\d+)_(\d+)\.distcp$")
 
@@ -226,17 +223,5 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> bool
     return False
 
 
-_said: Set[str] = set()
-
-
-def say_once(message: str, key: str = "") -> None:
-    """Log ``message`` as a warning once per process for ``key`` (default: the message): a fallback
-    that would repeat at every save."""
-    key = key or message
-    if key not in _said:
-        _said.add(key)
-        logger.warning(message)
-
-
-__all__ = ["BaseFiles", "BaseItem", "Reuse", "base_files", "data_file_parts", "plan_reuse", "say_once", "take_file",
+__all__ = ["BaseFiles", "BaseItem", "Reuse", "base_files", "data_file_parts", "plan_reuse", "take_file",
            "unchanged"]

@@ -17,7 +17,7 @@ import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CorruptCheckpointError
-from .filesystem import checked_path, join, storage_for
+from .filesystem import join, storage_for
 
 INTEGRITY_FILE = "integrity.json"
 _PIECE = 1 << 20
@@ -50,8 +50,7 @@ def sha_problems(directory: Any, files: Dict[str, str]) -> List[Tuple[str, str]]
     out = []
     for name in sorted(files):
         try:
-            checked_path(root, name, "file recorded in integrity.json")
-            reader = storage.open_in(root, name, "file recorded in integrity.json")
+            reader = storage.open_in(root, name, "file", source=INTEGRITY_FILE)  # (containment checked there)
         except (OSError, CorruptCheckpointError) as e:
             out.append((f"{join(root, name)}: missing or unreadable ({e})", name))
             continue

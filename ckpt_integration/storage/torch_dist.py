@@ -47,7 +47,7 @@ from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, crc32, save_block_hash
 from .filesystem import join, name_problem, storage_for, writing
-from .incremental import BaseFiles, plan_reuse, say_once, take_file
+from .incremental import BaseFiles, plan_reuse, take_file
 from .located import cached_dcp_metadata
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .metadata_pickle import dumps_dcp_metadata
@@ -367,7 +367,7 @@ def link_unchanged(directory: str, storage: Any, requests: Sequence[WriteRequest
         if stop is not None:
             stop()
         if not take_file(reuse, name, directory, storage):
-            say_once(f"incremental save: could not link or copy {join(base.directory, name)} into {directory} "
+            ckdir.note_once(f"incremental save: could not link or copy {join(base.directory, name)} into {directory} "
                      "(another filesystem, or links not supported there); writing the bytes instead (said once)",
                      key=f"link:{base.directory}")
             continue
