@@ -14,7 +14,9 @@ what it used, the machine has 24 GiB):
 2. **restores into the live tensors** (zeroed first, checked afterwards), best of
    ``--repeats``: from own memory (``tier.load``, every byte checked against its block digest),
    from a peer (rank 1's node directory moved away: its snapshot comes from rank 0's node), from the durable
-   checkpoint on tmpfs and on disk read cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` first,
+   checkpoint on tmpfs and on disk read cold, an **elastic** restore (the same step into another
+   layout, every tensor split by columns instead of rows: resharded from both nodes' memory)
+   against the durable resharded load of the same request from tmpfs (``sync; echo 3 > /proc/sys/vm/drop_caches`` first,
    needs root; otherwise ``posix_fadvise(DONTNEED)`` per file), and the plain limits of the same
    bytes: ``read()`` of the snapshot files into the tensors (tmpfs to process memory) and
    ``memcpy`` from host memory;
@@ -96,8 +98,24 @@ class Rank:
         sd["step"] = 0
         return sd
 
+    def columns(self) -> Dict[str, Any]:
+        """Another layout of the same state: every tensor split by columns instead of rows (the
+        elastic restore's request; its destinations are allocated once, as the live tensors are)."""
+        import torch
+
+        import ckpt_integration as ci
+
+        if not hasattr(self, "col_tensors"):
+            self.col_tensors = [torch.empty(self.rows * self.world, self.cols // self.world) for _ in self.tensors]
+        return {f"t{i}": ci.ShardedTensor.from_rank_offsets(f"t{i}", t, (1, self.rank, self.world))
+                for i, t in enumerate(self.col_tensors)}
+
     def zero(self) -> None:
         for t in self.tensors:
+            t.zero_()
+
+    def zero_columns(self) -> None:
+        for t in self.col_tensors:
             t.zero_()
 
     def check(self, what: str) -> None:
@@ -211,6 +229,10 @@ def durable_restores(r: Rank, ckpt_disk: str, shm_base: str) -> None:
     t = r.timed(lambda: ci.load(r.sharded(), ckpt_shm), setup=r.zero)
     r.check("durable load from tmpfs")
     r.results["durable_tmpfs"] = {"seconds": min(t)}
+    r.columns()
+    t = r.timed(lambda: ci.load(r.columns(), ckpt_shm), setup=r.zero_columns)  # resharded: columns instead of rows
+    r.col_crcs = [zlib.crc32(c.numpy()) for c in r.col_tensors]
+    r.results["durable_tmpfs_resharded"] = {"seconds": min(t)}
     r.barrier()
     if r.rank == 0:
         shutil.rmtree(ckpt_shm, ignore_errors=True)
@@ -312,6 +334,12 @@ def memory_tier(r: Rank, shm_base: str) -> None:
 
     sources: List[Any] = all_gather(src)
     r.results["restore_peer"] = {"seconds": min(t), "source_rank1": sources[1]}
+
+    # elastic: the same step into another layout (columns), resharded from both nodes' memory
+    t = r.timed(lambda: tier.load(r.columns(), step), setup=r.zero_columns)
+    if [zlib.crc32(c.numpy()) for c in r.col_tensors] != r.col_crcs:
+        raise AssertionError(f"rank {r.rank}: the elastic restore differs from the durable resharded load")
+    r.results["restore_elastic"] = {"seconds": min(t), "source": tier.last_restore.source}
     tier.close(remove=True)
 
 
@@ -447,6 +475,8 @@ def format_table(res: Dict[str, Any]) -> str:
         ("restore: own memory (verified; a restarted process)", res["restore_own_memory_restarted"]["seconds"]),
         ("restore: peer copy (verified)", res["restore_peer"]["seconds"]),
         ("restore: durable on tmpfs", res["durable_tmpfs"]["seconds"]),
+        ("elastic restore: memory, another layout (verified, resharded)", res["restore_elastic"]["seconds"]),
+        ("elastic restore: durable on tmpfs, the same resharding", res["durable_tmpfs_resharded"]["seconds"]),
         ("restore: durable on disk, cold", res["durable_disk_cold"]["seconds"]),
         ("limit: read() of the snapshot files", res["limit_read_tmpfs"]["seconds"]),
         ("limit: memcpy from host memory", res["limit_memcpy"]["seconds"]),
@@ -475,6 +505,9 @@ def format_table(res: Dict[str, Any]) -> str:
         f"({ms['shm_bytes_per_node'] / res['bytes_per_rank']:.2f}x the rank's state); "
         f"process memory (anonymous) added by the snapshots: {ms['extra_anon_bytes'] / GiB:.3f} GiB",
         f"peer restore source (rank 1): {res['restore_peer'].get('source_rank1')}",
+        f"elastic restore from memory vs the durable resharded load from tmpfs: "
+        f"{res['durable_tmpfs_resharded']['seconds'] / res['restore_elastic']['seconds']:.2f}x "
+        f"(rank 0: {res['restore_elastic']['source']})",
     ]
     if nv:
         lines.append(f"NVRx: {json.dumps({k: v for k, v in nv.items() if k not in ('save_sync_s', 'restore_s')})}")

@@ -206,8 +206,8 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
 @pytest.mark.slow
 def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_cannot_serve(tmp_path):
     """docs/memory.md's fallbacks, each said in the log: every memory copy damaged (own and peer:
-    the newest durable checkpoint is loaded instead); a restart with another world size (1 rank:
-    the snapshots of 2 ranks do not fit); a durable checkpoint that cannot be read (memory is
+    the newest durable checkpoint is loaded instead); a restart on fewer nodes (1 rank: the
+    snapshots of 2 ranks are restored from the surviving node's memory, resharded); a durable checkpoint that cannot be read (memory is
     taken, saying why, never by a silent guess)."""
     import glob
     import shutil
@@ -216,6 +216,7 @@ def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_canno
 
     import ckpt_integration as ci
     from tests.damage import flip_byte
+    from tests.lightning_helpers import assert_same
     from tests.proc_launch import launch, tails
 
     tmp = str(tmp_path)
@@ -250,12 +251,22 @@ def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_canno
     text = started_from_durable("damaged", 2, {**base, "shm": shm1, "dir": ck1, "resume": "last"})
     assert "cannot resume from memory step 3" in text and "falling back to the durable checkpoint" in text, text[-3000:]
 
-    # 2) a restart with another world size: the memory snapshots of 2 ranks cannot serve 1
+    # 2) a restart on fewer nodes (1 rank, node 1's memory gone): node 0 holds rank 0's snapshot and
+    # its copy of rank 1's, so step 3 (newer than last.ckpt) is restored from memory, resharded,
+    # exactly as rank 0 had it (replicated state keeps rank 0's values, as a durable resume does)
     shm2, ck2 = os.path.join(tmp, "shm2"), os.path.join(tmp, "ck2")
     shutil.copytree(shm, shm2)
     shutil.copytree(ckdir, ck2)
-    text = started_from_durable("smaller", 1, {**base, "shm": shm2, "dir": ck2, "resume": "last"})
-    assert "resuming from the durable checkpoint" in text and "newest in memory: None" in text, text[-3000:]
+    shutil.rmtree(os.path.join(shm2, "node1"))
+    rcs, outs, logs = launch(__file__, tmp, "smaller", {**base, "shm": shm2, "dir": ck2, "resume": "last"}, 1,
+                             timeout=240.0)
+    text = tails(logs, 200000)
+    assert rcs == [0] and outs[0].get("finished") and outs[0]["start_step"] == 3, f"{rcs} {outs}\n{text[-3000:]}"
+    assert "resumed from the memory tier, step 3 (memory of 2 rank(s), resharded" in text, text[-3000:]
+    start = torch.load(os.path.join(tmp, "smaller-rank0.start.pt"), weights_only=False)
+    was = torch.load(os.path.join(tmp, "gone-rank0.killed.pt"), weights_only=False)
+    for part in ("state_dict", "optimizer", "scheduler", "extra", "metric", "global_step"):
+        assert_same(start[part], was["snap"][part], f"smaller.{part}")
 
     # 3) the durable checkpoints cannot be read (their recorded checksums are gone): memory (step 3)
     # is taken, and every rank says why

@@ -14,8 +14,8 @@ C. a byte of rank 0's own copy of step 6 is flipped first: rank 0's copy is refu
    and its peer copy on node 1 used; the others restore step 6 from their own memory; save 7;
 D. node 1's directory is deleted first (node replaced): ranks 2 and 3 restore step 7 from their
    peer copies on node 0; persist step 7;
-E. 2 processes (another world size): no complete step in memory, the durable checkpoint of
-   step 7 loads resharded.
+E. 2 processes (another world size; node 1 empty): step 7 of 4 ranks is restored from node 0's
+   memory, resharded (rank 1's bytes served by rank 0), equal to the durable checkpoint of step 7.
 
 Each rank is a subprocess launched here (a dead rank is part of the test); every wait has a
 deadline and everything left over is SIGKILLed. Running this file as a script is a rank's
@@ -177,8 +177,14 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert not tier.last_restore.from_mapping
     with pytest.raises(ci.errors.MemoryCheckpointError, match="step 1 is not complete"):
         tier.load(_request(0, 1), 1)
-    with pytest.raises(ci.errors.MemoryLayoutError, match="'w' at offset"):
-        tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N // 2, M), (0, 0, 2))}, 3)
+    # another layout (half the rows, a column block): resharded from memory; a key no snapshot holds: refused
+    half = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N // 2, M), (0, 1, 2)),
+                      "c": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(N, M // 4), (1, 2, 4))}, 3)
+    w3 = _state(0, 1, 3)["w"].data
+    assert torch.equal(half["w"], w3[N // 2:]) and torch.equal(half["c"], w3[:, M // 2:3 * M // 4])
+    assert half["iteration"] == 3 and tier.last_restore.source.startswith("memory of 1 rank(s), resharded")
+    with pytest.raises(ci.errors.MemoryLayoutError, match="'v' is in no snapshot"):
+        tier.load({"v": ci.ShardedTensor.from_rank_offsets("v", torch.zeros(4))}, 3)
     tier.persist(3, str(tmp_path / "durable")).wait()
     got = ci.load(_request(0, 1), str(tmp_path / "durable"))
     _check(got, 0, 1, 3)
@@ -366,14 +372,17 @@ def _rank_main(cfg: dict) -> None:
             json.dump(out, f)
 
     phase = cfg["phase"]
-    if phase == "E":  # another world size: memory has no complete step; the durable tier reshards
+    if phase == "E":  # another world size: the step of 4 ranks is restored from memory, resharded
         tier = ci.MemoryCheckpoints(node_dir, "J", replicas=2, ranks_per_node=rpn)
         out["latest"] = tier.latest()
-        got = ci.load(_request_resharded(rank, world), cfg["durable"])
         full = torch.cat([_state(r, 4, 7)["w"].data for r in range(4)])
         rows = full.shape[0] // world
+        got = tier.load(_request_resharded(rank, world), out["latest"])
         out["w_ok"] = torch.equal(got["w"], full[rank * rows:(rank + 1) * rows])
         out["iteration"] = got["iteration"]
+        out["source"] = tier.last_restore.source
+        durable = ci.load(_request_resharded(rank, world), cfg["durable"])  # the same as the durable tier's
+        out["w_ok"] = out["w_ok"] and torch.equal(durable["w"], got["w"]) and durable["iteration"] == 7
         tier.close()
         dump()
         dist.destroy_process_group()
@@ -499,10 +508,13 @@ def test_four_ranks_two_nodes_kill_restart_node_loss_corruption_and_reshard(tmp_
     assert [o["source"] for o in outs] == ["own memory", "own memory", "peer rank 0", "peer rank 1"], outs
     assert ci.load_common_state_dict(durable7)["iteration"] == 7
 
-    # E: 2 ranks (one per node): nothing complete in memory for this world size; durable step 7 resharded
+    # E: 2 ranks (one per node; node 1's memory is empty): step 7 of 4 ranks restored from memory,
+    # resharded; rank 1's bytes are served by rank 0 (node 0 holds all four snapshots)
     rcs, outs, logs = _launch(tmp, "E", {**common, "phase": "E", "rpn": 1, "durable": durable7}, 2)
     assert rcs == [0, 0], f"{rcs}\n{_tails(logs)}"
-    assert [(o["latest"], o["w_ok"], o["iteration"]) for o in outs] == [(None, True, 7)] * 2, outs
+    assert [(o["latest"], o["w_ok"], o["iteration"]) for o in outs] == [(7, True, 7)] * 2, outs
+    assert outs[0]["source"] == "memory of 4 rank(s), resharded: own node (2 range(s))", outs
+    assert outs[1]["source"] == "memory of 4 rank(s), resharded: peer rank 0 (2 range(s))", outs
 
 
 if __name__ == "__main__":  # one rank of a launch: python test_memory_tier.py '<json cfg>'

@@ -169,7 +169,9 @@ def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:
     model_sd = strategy._module_sharded_state_dict()
     strategy._loaded_sharded_keys = sharded_keys(model_sd)
     rank, world = strategy.global_rank, strategy.world_size
-    request: Dict[str, Any] = {"state_dict": model_sd, "rng_states": ShardedObject(RNG_KEY, None, (world,), (rank,))}
+    request: Dict[str, Any] = {"state_dict": model_sd}
+    if tier.saved_world_size(step) in (None, world):  # (RNG states are per rank: as a durable load, kept only
+        request["rng_states"] = ShardedObject(RNG_KEY, None, (world,), (rank,))  # when the job size is the same)
     optimizers = list(strategy.optimizers) if strategy._fitting() else []
     for i, opt in enumerate(optimizers):
         request[optimizer_key(i)] = optimizer_sharded_state_dict(opt, model_sd, prefix=optimizer_key(i), init_state=True,

@@ -17,12 +17,16 @@ per node (``ReplicationPlan.replicas``; ``asked`` keeps what was asked for).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..errors import MemoryCheckpointError
+from ..flat_ranges import flat_range_to_boxes
+from ..planning.boxes import Box, intersect
 
-__all__ = ["ReplicationPlan", "CopyLocation", "replication_plan", "choose_sources"]
+__all__ = ["ReplicationPlan", "CopyLocation", "SavedPiece", "replication_plan", "choose_sources", "memory_clashes",
+           "saved_pieces", "cover", "block_hull"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +134,77 @@ def choose_sources(
         load[best[1]] = load.get(best[1], 0) + 1
         chosen[owner] = (best[2], best[1])
     return chosen, missing
+
+
+def memory_clashes(plan: ReplicationPlan, identities: Sequence[str], directories: Sequence[str]) -> Optional[str]:
+    """Why copies would sit in their owners' own memory (``identities[r]``: the memory rank ``r``'s
+    directory is in), or ``None``: a copy there protects nothing and overwrites its owner's records."""
+    clashes = [(r, h) for r in range(plan.world_size) for h in plan.holders[r] if identities[h] == identities[r]]
+    if not clashes:
+        return None
+    shown = "; ".join(f"rank {r}'s copy on rank {h}" for r, h in clashes[:6]) + (" ..." if len(clashes) > 6 else "")
+    return (f"memory tier: copies would be kept in the same memory as their owners ({shown}: both in "
+            f"{directories[clashes[0][1]]}, {identities[clashes[0][0]]}); ranks_per_node={plan.ranks_per_node} puts "
+            "ranks of one host's memory on different nodes, or several nodes were given one directory. Pass the ranks "
+            "per node the job really has (LOCAL_WORLD_SIZE), and each node its own shared-memory directory")
+
+
+# --------------------------------------------------------------------------- elastic restore
+@dataclass(frozen=True)
+class SavedPiece:
+    """A rectangle of a saved shard in global coordinates (``box``) and where its elements sit
+    in the owner's region ``region``: the first at element ``base`` from the region's start,
+    then ``strides`` elements per step along each global axis (0 on prepended axes)."""
+
+    owner: int
+    region: int
+    dtype: str
+    box: Box
+    base: int
+    strides: Tuple[int, ...]
+
+    def extent(self, part: Box) -> Tuple[int, int]:
+        """Elements ``[first, last + 1)`` of the region that ``part`` (inside :attr:`box`) spans."""
+        first = self.base + sum((p - b) * s for p, b, s in zip(part.offsets, self.box.offsets, self.strides))
+        return first, first + sum((n - 1) * s for n, s in zip(part.sizes, self.strides)) + 1
+
+
+def saved_pieces(owner: int, entry: Mapping[str, Any]) -> List[SavedPiece]:
+    """The rectangles of a snapshot record's tensor entry (a flattened shard is cut as
+    :func:`~ckpt_integration.flat_ranges.flat_range_to_boxes` cuts it; each rectangle's elements
+    are a row-major run of the flat tensor)."""
+    p = int(entry["prepend_axis_num"])
+    goff, local = tuple(entry["global_offset"]), tuple(entry["local_shape"])
+    size, stride = list(entry["size"]), list(entry["stride"])
+    fr = entry["flattened_range"]
+    if fr is None:
+        return [SavedPiece(owner, int(entry["region"]), entry["dtype"], Box(goff, (1,) * p + local),
+                           int(entry["elem_offset"]), (0,) * p + tuple(int(s) for s in stride))]
+    step = int(stride[0]) if size and size[0] > 1 else 1
+    out, pos = [], 0
+    for off, sz in flat_range_to_boxes(local, int(fr[0]), int(fr[1])):
+        row_major = [math.prod(sz[i + 1:]) * step for i in range(len(sz))]
+        box = Box(goff[:p] + tuple(g + o for g, o in zip(goff[p:], off)), (1,) * p + tuple(sz))
+        out.append(SavedPiece(owner, int(entry["region"]), entry["dtype"], box, int(entry["elem_offset"]) + pos * step,
+                              (0,) * p + tuple(row_major)))
+        pos += math.prod(sz)
+    return out
+
+
+def cover(request: Box, candidates: Sequence[SavedPiece]) -> Tuple[List[Tuple[SavedPiece, Box]], int]:
+    """Which saved pieces fill ``request``: ``([(piece, overlap)], elements left uncovered)``.
+
+    Candidates are taken in order; one overlapping a part already taken (a replica saved under
+    another shard layout) is skipped, so every element is copied once."""
+    taken: List[Tuple[SavedPiece, Box]] = []
+    for c in candidates:
+        ov = intersect(request, c.box)
+        if ov is None or any(intersect(ov, o) is not None for _, o in taken):
+            continue
+        taken.append((c, ov))
+    return taken, request.numel - sum(o.numel for _, o in taken)
+
+
+def block_hull(lo: int, hi: int, nbytes: int, block: int) -> Tuple[int, int]:
+    """``[lo, hi)`` widened to whole digest blocks of a region of ``nbytes`` (what can be verified)."""
+    return lo // block * block, min(nbytes, -(-hi // block) * block)

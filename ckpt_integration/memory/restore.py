@@ -42,6 +42,21 @@ logger = logging.getLogger(__name__)
 Key = Tuple[int, Tuple[int, str]]  # (step, incarnation)
 
 
+@dataclass
+class RestoreReport:
+    """Where this rank's state came from in the last :meth:`~ckpt_integration.MemoryCheckpoints.load`."""
+
+    step: int
+    source: str  # "own memory" or "peer rank N"
+    refused: List[str] = field(default_factory=list)  # copies that failed verification, and why
+    # own memory read through this process's mappings of the files (a restore in the process that
+    # saved): no page faults, a copy at memory speed; False when the files were read (a restart)
+    from_mapping: bool = False
+    # an elastic restore (another world size or layout): "own node" / "peer rank N" -> byte ranges
+    ranges: Dict[str, List[str]] = field(default_factory=dict)
+
+
+
 # --------------------------------------------------------------------------- inventory
 @dataclass
 class Inventory:
@@ -87,6 +102,20 @@ def key_for_step(inv: Inventory, world: int, step: int) -> Optional[Key]:
         if k[0] == step:
             return k
     return None
+
+
+def complete_any(inv: Inventory) -> List[Tuple[Key, int]]:
+    """``(key, world size it was saved with)`` of every step complete in the surviving memory,
+    whatever job size took it (a restart into another size restores it resharded), newest first."""
+    worlds = sorted({e.world_size for es in inv.entries for e in es})
+    done = [(k, w) for w in worlds for k in complete_steps(inv, w)]
+    return sorted(done, key=lambda kw: (kw[0][0], kw[0][1][0]), reverse=True)
+
+
+def step_in_memory(inv: Inventory, step: int, world: int) -> Optional[Tuple[Key, int]]:
+    """The complete snapshot of ``step`` (one of this job size first), or ``None``."""
+    found = [kw for kw in complete_any(inv) if kw[0][0] == step]
+    return next((kw for kw in found if kw[1] == world), found[0] if found else None)
 
 
 # --------------------------------------------------------------------------- fetching
@@ -166,7 +195,7 @@ def _check_header(rec: slots.Record, owner: int, key: Key) -> None:
         raise CorruptCheckpointError(f"record is of rank {rec.owner} step {rec.step}, not rank {owner} step {key[0]}")
 
 
-def _read_own(root: str, owner: int, slot: int, key: Key) -> slots.Record:
+def read_own(root: str, owner: int, slot: int, key: Key) -> slots.Record:
     rec = slots.read_record(root, owner, slot)
     if rec is None:
         raise CorruptCheckpointError(f"slot {slot} of rank {owner} disappeared")
@@ -177,7 +206,7 @@ def _read_own(root: str, owner: int, slot: int, key: Key) -> slots.Record:
 def _own(inv: Inventory, rank: int, key: Key, root: str, node: str) -> Obtained:
     slot = inv.slot_of(rank, rank, key)
     assert slot is not None
-    rec = _read_own(root, rank, slot, key)
+    rec = read_own(root, rank, slot, key)
     files = slots.open_files(root, rank, rec.files())
     paths = {n: os.path.join(slots.owner_dir(root, rank), n) for n in files}
     return Obtained(rec, files, "own memory", node, paths)
@@ -187,7 +216,7 @@ def _outgoing(inv: Inventory, rank: int, owner: int, key: Key, root: str) -> Out
     slot = inv.slot_of(rank, owner, key)
     if slot is None:
         raise CorruptCheckpointError(f"rank {rank} has no copy of rank {owner} step {key[0]}")
-    rec = _read_own(root, owner, slot, key)
+    rec = read_own(root, owner, slot, key)
     return Outgoing(rec.raw, slots.open_files(root, owner, rec.files()))
 
 
@@ -345,7 +374,11 @@ def fill_request(
     with torch.no_grad():
         for host, dev in device_copies:
             dev.copy_(host)
-    common = blob["common"]
+    return finish_result(blob["common"], nonpersistent, loaded, template, factories)
+
+
+def finish_result(common: Any, nonpersistent: Any, loaded: Any, template: Any, factories: Any) -> Any:
+    """What ``ci.load`` returns: the common state with the loaded values merged in."""
     result = common if isinstance(common, dict) else {"__common__": common}
     merge(result, nonpersistent)
     merge(result, loaded)

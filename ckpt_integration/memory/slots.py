@@ -434,6 +434,14 @@ def node_usage(root: str) -> int:
     return total
 
 
+def owners(root: str) -> List[int]:
+    """The owners with a directory on this node (own snapshots and copies, of any job size)."""
+    try:
+        return sorted(int(m.group(1)) for m in map(_OWNER_RE.match, os.listdir(root)) if m)
+    except FileNotFoundError:
+        return []
+
+
 def remove_owner(root: str, owner: int) -> None:
     """Delete an owner's directory (both slots, records first so nothing half-valid remains)."""
     for slot in SLOTS:

@@ -43,26 +43,16 @@ from ..mapping import ShardedObject, ShardedTensor
 from ..storage.checksum import save_block_hash
 from ..storage.fingerprint import shard_fingerprints
 from ..storage.safe_pickle import torch_dumps
+from . import elastic
 from . import restore as rs
+from .restore import RestoreReport
 from . import slots
-from .plan import replication_plan
+from .plan import memory_clashes, replication_plan
 from .transfer import Outgoing, exchange
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MemoryCheckpoints", "RestoreReport"]
-
-
-@dataclass
-class RestoreReport:
-    """Where this rank's state came from in the last :meth:`MemoryCheckpoints.load`."""
-
-    step: int
-    source: str  # "own memory" or "peer rank N"
-    refused: List[str] = field(default_factory=list)  # copies that failed verification, and why
-    # own memory read through this process's mappings of the files (a restore in the process that
-    # saved): no page faults, a copy at memory speed; False when the files were read (a restart)
-    from_mapping: bool = False
 
 
 @dataclass
@@ -157,10 +147,12 @@ class MemoryCheckpoints:
         self._closed = False
         # the newest complete step already in memory (a restarted job) must survive the next save
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
-        done = rs.complete_steps(inv, self.world_size)
-        self._protected: Optional[rs.Key] = done[0] if done else None
-        self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0]) if done else None
-        self.last_complete_step = done[0][0] if done else None
+        done = rs.complete_any(inv)  # (also one of another job size: a smaller restart restores it)
+        self._protected: Optional[rs.Key] = done[0][0] if done else None
+        self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0][0]) if done else None
+        self.last_complete_step = done[0][0][0] if done else None
+        self._worlds: Dict[int, int] = {}  # step -> job size that saved it, as latest() found them
+        self._stale = bool(done) and done[0][1] != self.world_size  # snapshots of another job size to free
 
     def _check_distinct_memory(self, process_group: Group) -> None:
         """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's
@@ -169,17 +161,9 @@ class MemoryCheckpoints:
         were given one directory); a copy that would land in its owner's memory is refused, naming
         the ranks, before anything is written (it would protect nothing, and overwrite records)."""
         gathered = dist.all_gather_object((slots.memory_identity(self.directory), self.directory), process_group)
-        ids = [g[0] for g in gathered]
-        clashes = [(r, h) for r in range(self.world_size) for h in self.plan.holders[r] if ids[h] == ids[r]]
-        if not clashes:
-            return
-        shown = "; ".join(f"rank {r}'s copy on rank {h}" for r, h in clashes[:6]) + (" ..." if len(clashes) > 6 else "")
-        raise MemoryCheckpointError(
-            f"memory tier: copies would be kept in the same memory as their owners ({shown}: both in "
-            f"{gathered[clashes[0][1]][1]}, {ids[clashes[0][0]]}); "
-            f"ranks_per_node={self.plan.ranks_per_node} puts ranks of one host's memory on different nodes, or several "
-            "nodes were given one directory. Pass the ranks per node the job really has (LOCAL_WORLD_SIZE), and each "
-            "node its own shared-memory directory")
+        clash = memory_clashes(self.plan, [g[0] for g in gathered], [g[1] for g in gathered])
+        if clash is not None:
+            raise MemoryCheckpointError(clash)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -190,6 +174,11 @@ class MemoryCheckpoints:
         # and could hang connecting to its dead peers; and a destroy_process_group() of the
         # caller's must not cut a snapshot or persist in flight.
         return dist.new_private_group(process_group, datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def group(self) -> Optional[dist.PrivateGroup]:
+        """The tier's own gloo group (its snapshots and restores talk over it)."""
+        return self._group
 
     def _slot_of_key(self, inv: rs.Inventory, key: rs.Key) -> int:
         found = sorted({e.slot for es in inv.entries for e in es if (e.step, e.incarnation) == key})
@@ -353,6 +342,11 @@ class MemoryCheckpoints:
             dist.raise_if_any_failed(failure.exc, errors, msg)
         self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
         self.last_complete_step = job.step
+        if self._stale:  # a step of this job size is complete: free the snapshots of the larger one
+            self._stale = False
+            for owner in slots.owners(self.root):
+                if owner >= self.world_size:
+                    slots.remove_owner(self.root, owner)
 
     def _exchange_copies(self, job: _Job, raw: Optional[bytes], files: Dict[str, torch.Tensor]) -> Optional[str]:
         sends = {h: Outgoing(raw, files) for h in self.plan.holders[self.rank]}
@@ -388,16 +382,20 @@ class MemoryCheckpoints:
 
     # -- restore ------------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
-        """Collective: the newest step every rank can restore (own memory or a peer's copy), or ``None``.
-
-        ``None`` also when the snapshots in memory were taken with another world size (use the
-        durable tier, which reshards).
+        """Collective: the newest step whose every saved byte survives in memory (own node or a
+        peer's copy), or ``None``. The step may have been saved by a job of another size (a
+        restart on fewer nodes): :meth:`load` restores it resharded.
         """
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
-        done = rs.complete_steps(inv, self.world_size)
-        return done[0][0] if done else None
+        done = rs.complete_any(inv)
+        self._worlds = {k[0]: w for k, w in reversed(done)}
+        return done[0][0][0] if done else None
+
+    def saved_world_size(self, step: int) -> Optional[int]:
+        """How many ranks saved ``step`` (as the last :meth:`latest` found it; local)."""
+        return self._worlds.get(int(step))
 
     def load(self, sharded_state_dict: Dict[str, Any], step: int, verify_state: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: restore step ``step`` into ``sharded_state_dict``; returns what ``ci.load`` would.
@@ -416,10 +414,13 @@ class MemoryCheckpoints:
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
-        key = rs.key_for_step(inv, self.world_size, int(step))
-        if key is None:
+        found = rs.step_in_memory(inv, int(step), self.world_size)
+        if found is None:
             raise MemoryCheckpointError(f"step {step} is not complete in memory for job {self.job_id!r} "
                                         f"(newest complete: {self.latest_known(inv)})")
+        key, saved_world = found
+        if saved_world != self.world_size:
+            return elastic.load(self, sharded_state_dict, inv, key, saved_world)
         refused: Set[Tuple[int, str]] = set()
         reasons: List[str] = []
         owners = list(range(self.world_size))
@@ -446,9 +447,8 @@ class MemoryCheckpoints:
                     err = _describe(e)
             mine = (err, chosen.get(self.rank, ("", -1)), layout) if self.rank in owners else (None, ("", -1), False)
             outcomes = dist.all_gather_object(mine, self._group)
-            if any(o[2] for o in outcomes):
-                raise MemoryLayoutError("the memory snapshot does not fit the requested layout: " + "; ".join(
-                    f"rank {r}: {o[0]}" for r, o in enumerate(outcomes) if o[2]))
+            if any(o[2] for o in outcomes):  # another layout of the same job size: resharded
+                return elastic.load(self, sharded_state_dict, inv, key, self.world_size)
             failed = [r for r, o in enumerate(outcomes) if o[0]]
             for r in failed:
                 node, server = outcomes[r][1]
@@ -478,8 +478,8 @@ class MemoryCheckpoints:
                 got.warm[name] = m
 
     def latest_known(self, inv: rs.Inventory) -> Optional[int]:
-        done = rs.complete_steps(inv, self.world_size)
-        return done[0][0] if done else None
+        done = rs.complete_any(inv)
+        return done[0][0][0] if done else None
 
     # -- durable tier -------------------------------------------------------------------------
     def persist(self, step: int, checkpoint_dir: Any, **save_kwargs: Any) -> AsyncRequest:
