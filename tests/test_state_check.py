@@ -250,7 +250,7 @@ def _memory(rank, world, root):
         if r != 0:
             return real_own(inv, r, key, root_, nd)
         slot = inv.slot_of(0, 1, key)
-        rec = rs._read_own(root_, 1, slot, key)
+        rec = rs.read_own(root_, 1, slot, key)
         return rs.Obtained(rec, slots.open_files(root_, 1, rec.files()), "own memory", nd)
     rs._own = other_owner
     try:

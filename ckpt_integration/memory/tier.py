@@ -150,7 +150,7 @@ class MemoryCheckpoints:
         done = rs.complete_any(inv)  # (also one of another job size: a smaller restart restores it)
         self._protected: Optional[rs.Key] = done[0][0] if done else None
         self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0][0]) if done else None
-        self.last_complete_step = done[0][0][0] if done else None
+        self.last_complete_step = done[0][0][0] if done and done[0][1] == self.world_size else None  # (persistable)
         self._worlds: Dict[int, int] = {}  # step -> job size that saved it, as latest() found them
         self._stale = bool(done) and done[0][1] != self.world_size  # snapshots of another job size to free
 
