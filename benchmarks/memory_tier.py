@@ -34,6 +34,7 @@ Usage::
     python benchmarks/memory_tier.py                      # 1 GiB per rank
     python benchmarks/memory_tier.py --gib-per-rank 0.05 --repeats 1   # smoke run
     python benchmarks/memory_tier.py --json out.json
+    python benchmarks/memory_tier.py --s3                 # also the durable tier on a local S3 server
 """
 
 from __future__ import annotations
@@ -236,6 +237,11 @@ def durable_restores(r: Rank, ckpt_disk: str, shm_base: str) -> None:
     r.barrier()
     if r.rank == 0:
         shutil.rmtree(ckpt_shm, ignore_errors=True)
+    if r.args.s3_url:  # the durable tier on an object store (a local moto server: no network distance)
+        ci.save(r.sharded(), r.args.s3_url)
+        t = r.timed(lambda: ci.load(r.sharded(), r.args.s3_url), setup=r.zero)
+        r.check("durable load from S3")
+        r.results["durable_s3"] = {"seconds": min(t)}
 
 
 def memory_tier(r: Rank, shm_base: str) -> None:
@@ -478,6 +484,7 @@ def format_table(res: Dict[str, Any]) -> str:
         ("elastic restore: memory, another layout (verified, resharded)", res["restore_elastic"]["seconds"]),
         ("elastic restore: durable on tmpfs, the same resharding", res["durable_tmpfs_resharded"]["seconds"]),
         ("restore: durable on disk, cold", res["durable_disk_cold"]["seconds"]),
+    ] + ([("restore: durable on a local S3 server (moto)", res["durable_s3"]["seconds"])] if "durable_s3" in res else []) + [
         ("limit: read() of the snapshot files", res["limit_read_tmpfs"]["seconds"]),
         ("limit: memcpy from host memory", res["limit_memcpy"]["seconds"]),
         ("limit: memcpy + digest pass (XXH3-64 per 1 MiB block)", res["limit_memcpy_digest"]["seconds"]),
@@ -524,6 +531,7 @@ def main(argv=None) -> Dict[str, Any]:
     p.add_argument("--no-nvrx", action="store_true")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="evict only the checkpoint's files (fadvise) instead of the whole page cache")
+    p.add_argument("--s3", action="store_true", help="also restore the durable checkpoint from a local moto S3 server")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch.multiprocessing as mp
@@ -532,6 +540,16 @@ def main(argv=None) -> Dict[str, Any]:
     disk = tempfile.mkdtemp(prefix="memtier_bench_", dir=args.disk or "/var/tmp")
     args.shm, args.disk = shm, disk
     out = os.path.join(disk, "result.json")
+    args.s3_url, moto, old_env = None, None, None
+    if args.s3:
+        from tests.s3_faults import start_moto, use_endpoint
+
+        moto, endpoint = start_moto()
+        old_env = use_endpoint(endpoint)  # (through the environment: the spawned ranks use it too)
+        import fsspec
+
+        fsspec.filesystem("s3").mkdir("bench")
+        args.s3_url = "s3://bench/ckpt"
     try:
         mp.start_processes(_worker, args=(2, _free_port(), args, out), nprocs=2, start_method="spawn")
         with open(out) as f:
@@ -539,6 +557,11 @@ def main(argv=None) -> Dict[str, Any]:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+        if moto is not None:
+            from tests.s3_faults import restore
+
+            restore(old_env)
+            moto.stop()
     print(format_table(res))
     if args.json:
         with open(args.json, "w") as f:

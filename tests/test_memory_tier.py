@@ -200,6 +200,19 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert not os.path.exists(os.path.join(d, "solo"))
 
 
+def test_tmpfs_without_huge_pages_is_named(tmp_path):
+    from ckpt_integration.memory.slots import tmpfs_without_huge_pages
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("tmpfs /dev/shm tmpfs rw,relatime,size=24684092k 0 0\n"
+                      "tmpfs /dev/shm/huge tmpfs rw,size=8g,huge=within_size 0 0\n"
+                      "/dev/vda1 / ext4 rw,relatime 0 0\n")
+    assert tmpfs_without_huge_pages("/dev/shm/ckpt/node0", str(mounts)) == "/dev/shm"
+    assert tmpfs_without_huge_pages("/dev/shm/huge/node0", str(mounts)) is None  # the longest mount point wins
+    assert tmpfs_without_huge_pages("/var/tmp/x", str(mounts)) is None  # not a tmpfs
+    assert tmpfs_without_huge_pages("/dev/shmx", str(mounts)) is None
+
+
 def tier_region_start(tier, slot: int) -> int:
     """The byte offset of the largest region of rank 0's record in ``slot``, plus 100."""
     import ckpt_integration as ci

@@ -88,6 +88,36 @@ def memory_identity(directory: str) -> str:
     return f"host {socket.gethostname()} (boot {boot[:8]}), device {st.st_dev}, inode {st.st_ino}"
 
 
+def tmpfs_without_huge_pages(directory: str, mounts: str = "/proc/mounts") -> Optional[str]:
+    """The mount point when ``directory`` is on a tmpfs mounted without huge pages (``huge=never``,
+    the default), else ``None``. There a restarted process maps or reads the snapshot files 4 KiB
+    page by page: 0.71-0.80x the speed of ``memcpy`` plus digests on this VM, against 0.94x on a
+    tmpfs mounted with ``huge=within_size`` (docs/memory.md, "How fast a restore is")."""
+    try:
+        with open(mounts) as f:
+            table = [line.split() for line in f]
+    except OSError:
+        return None
+    path = os.path.realpath(directory)
+    best: Optional[List[str]] = None
+    for m in table:
+        if len(m) >= 4 and (path == m[1] or path.startswith(m[1].rstrip("/") + "/")):
+            if best is None or len(m[1]) >= len(best[1]):
+                best = m
+    if best is None or best[2] != "tmpfs":
+        return None
+    huge = [o.split("=", 1)[1] for o in best[3].split(",") if o.startswith("huge=")]
+    return best[1] if not huge or huge[-1] in ("never", "deny") else None
+
+
+def advise_huge_pages(directory: str) -> None:
+    """Say (INFO) when ``directory`` is a tmpfs without huge pages, and what mounting it with them gains."""
+    plain = tmpfs_without_huge_pages(directory)
+    if plain is not None:
+        logger.info("memory tier: %s is a tmpfs without huge pages; mounted with huge=within_size, a restarted process "
+                    "restores from it about 1.3x faster", plain)
+
+
 def node_id(root: str) -> str:
     """This node's memory id, created once (the first rank of the node to ask wins)."""
     os.makedirs(root, exist_ok=True)

@@ -128,6 +128,8 @@ class MemoryCheckpoints:
         self._group = self._new_group(process_group, timeout_s)
         self._persist_group = self._new_group(process_group, timeout_s)
         self.node = slots.node_id(self.root)
+        if self.rank % self.plan.ranks_per_node == 0:  # (once per node)
+            slots.advise_huge_pages(self.directory)
         if self.plan.replicas < self.plan.asked:
             logger.warning("memory tier: replicas=%d asked, but the job has %d node(s): keeping %d copy(ies) of every "
                            "snapshot", self.plan.asked, self.world_size // self.plan.ranks_per_node, self.plan.replicas)
@@ -168,11 +170,9 @@ class MemoryCheckpoints:
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
     def _new_group(process_group: Group, timeout_s: float) -> Optional[dist.PrivateGroup]:
-        # The library's own gloo group (store keys under a fresh random name): torch's new_group
-        # with local synchronization names a group by its ranks and the number of groups alive, so
-        # a tier made after another was closed reused the closed one's name and rendezvous keys
-        # and could hang connecting to its dead peers; and a destroy_process_group() of the
-        # caller's must not cut a snapshot or persist in flight.
+        # The library's own gloo group (fresh random store keys): torch's new_group names a group by
+        # its ranks and the groups alive, so a tier made after another was closed could hang on its
+        # dead peers' keys; and the caller's destroy_process_group() must not cut work in flight.
         return dist.new_private_group(process_group, datetime.timedelta(seconds=timeout_s))
 
     @property
