@@ -519,15 +519,17 @@ def differences(index: CompactMetadata, md: Metadata, limit: int = 5) -> List[st
     return out
 
 
-def index_problems(location: Any, manifest: Any, md: Metadata) -> List[str]:
+def index_problems(location: Any, manifest: Any, md: Metadata, data: Optional[bytes] = None) -> List[str]:
     """What ``verify`` reports about a recorded index next to its (readable) ``.metadata``: made
     from another ``.metadata``, or describing other chunks. A damaged or missing file is reported
-    with every other recorded file, not here."""
+    with every other recorded file, not here. ``data``: the index's bytes, checked already."""
     if not usable(manifest):
         return []
     where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
     try:
-        index = parse_index(ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index"), where)
+        if data is None:
+            data = ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index")
+        index = parse_index(data, where)
     except (OSError, CheckpointingException):  # reported with every other recorded file
         return []
     if not matches(index, manifest.files[ckdir.DCP_METADATA_FILE]):

@@ -218,12 +218,14 @@ def opened(checkpoint: Any, trusted: bool = False, verified: bool = False) -> It
             ck.close()
 
 
-def accepts_opened(*names: str) -> Callable[[F], F]:
+def accepts_opened(*names: str, verified: bool = False) -> Callable[[F], F]:
     """Decorator: the arguments ``names`` (checkpoint paths) may be :class:`OpenedCheckpoint`\\ s;
     the call then runs as a pinned read of each and the function is given the opened object
     (which every storage helper takes where it takes a directory, without reading its small
     files again). Paths are passed as they are: the function opens them itself where it can
-    (after resolving them, or after telling a file from a checkpoint directory)."""
+    (after resolving them, or after telling a file from a checkpoint directory). ``verified``:
+    every byte the function reads is checked against the pinned manifest (as for
+    :meth:`OpenedCheckpoint.reading`: no second read of the commit marker after the call)."""
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
@@ -234,17 +236,17 @@ def accepts_opened(*names: str) -> Callable[[F], F]:
             todo = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)]
             if not todo:
                 return fn(*args, **kwargs)
-            return _pinned_call(fn, bound, todo)
+            return _pinned_call(fn, bound, todo, verified)
 
         return inner  # type: ignore[return-value]
 
     return wrap
 
 
-def _pinned_call(fn: Callable[..., Any], bound: inspect.BoundArguments, todo: list) -> Any:
+def _pinned_call(fn: Callable[..., Any], bound: inspect.BoundArguments, todo: list, verified: bool) -> Any:
     name, rest = todo[0], todo[1:]
-    with opened(bound.arguments[name]) as ck:
+    with opened(bound.arguments[name], verified=verified) as ck:
         bound.arguments[name] = ck
         if rest:
-            return _pinned_call(fn, bound, rest)
+            return _pinned_call(fn, bound, rest, verified)
         return fn(*bound.args, **bound.kwargs)

@@ -34,7 +34,7 @@ def _load_common_for_output(src: TensorSource, result: ConvertResult) -> Dict[An
     if not isinstance(src, DistCheckpointSource):
         return {}
     try:
-        common = load_common_state_dict(src.path, trusted=src.trusted)
+        common = load_common_state_dict(src.checkpoint, trusted=src.trusted)
     except UntrustedObjectError as e:
         result.skipped_common.append(f"the common state ({str(e).splitlines()[0]})")
         return {}
@@ -94,7 +94,7 @@ def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_f
     writer.close(nested=nested)
 
 
-@accepts_opened('src_path')
+@accepts_opened('src_path', verified=True)  # (every read checked against the pinned manifest)
 def convert_checkpoint(
     src_path: str,
     to: str,
@@ -216,7 +216,7 @@ def _convert_to_torch_dist(
         tensors = {k: tensor_from_map(spill_map, i.dtype, i.shape, offsets[k]) for k, i in entries}
         sd: Dict[str, Any] = {}
         try:
-            common = load_common_state_dict(src.path, trusted=src.trusted)
+            common = load_common_state_dict(src.checkpoint, trusted=src.trusted)
         except CheckpointingException as e:
             raise CheckpointingException(f"cannot copy the common state: {e}") from None
         if isinstance(common, dict):

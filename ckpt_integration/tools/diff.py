@@ -132,7 +132,7 @@ def _path(path: Any) -> str:
 def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted: bool, report: DiffReport) -> None:
     """The common state and the ShardedObjects' values of two checkpoint directories."""
     try:
-        ca, cb = load_common_state_dict(sa.path, trusted=trusted), load_common_state_dict(sb.path, trusted=trusted)
+        ca, cb = load_common_state_dict(sa.checkpoint, trusted=trusted), load_common_state_dict(sb.checkpoint, trusted=trusted)
         oa = {k: sa.read_object(k) for k in sa.objects if k in set(sb.objects)}
         ob = {k: sb.read_object(k) for k in oa}
     except CheckpointingException as e:  # e.g. a class the restricted unpickler refuses without --trusted
@@ -149,7 +149,7 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
             report.objects_differ[key] = (_show(oa[key]), _show(ob[key]))
 
 
-@accepts_opened('a', 'b')
+@accepts_opened('a', 'b', verified=True)  # (every read checked against the pinned manifest)
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
                      progress: ProgressFactory = no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for

@@ -32,7 +32,7 @@ from ..modules import ParallelLayout, load_into_module, module_sharded_state_dic
 from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
 from ..serialization import load, load_common_state_dict
-from ..storage.opened import accepts_opened
+from ..storage.opened import OpenedCheckpoint, accepts_opened
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .output import check_not_source, check_output, commit_output, discard_output, staging_path
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
@@ -157,7 +157,7 @@ def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> Li
 def _read_common(src: DistCheckpointSource, allowed: Sequence[Any], result: ExportResult) -> Optional[Dict[str, Any]]:
     """The common state, or ``None`` (noted in ``result.skipped``) when it cannot be loaded safely."""
     try:
-        common = load_common_state_dict(src.path, trusted=src.trusted, allowed_globals=list(allowed))
+        common = load_common_state_dict(src.checkpoint, trusted=src.trusted, allowed_globals=list(allowed))
     except CheckpointingException as e:
         result.skipped.append(f"the common state ({str(e).splitlines()[0]})")
         return None
@@ -384,7 +384,7 @@ def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any
 
 
 # --------------------------------------------------------------------------- export
-@accepts_opened('src_path')
+@accepts_opened('src_path', verified=True)  # (every read checked against the pinned manifest)
 def export_checkpoint(
     src_path: str,
     out: str,
@@ -432,12 +432,12 @@ def export_checkpoint(
         raise ValueError(f"unknown export format {to!r}: choose hf or lightning")
     if include_optimizer and (to != "lightning" or module is None):
         raise ValueError("include_optimizer=True needs to='lightning' and module= (the optimizers are rebuilt from it)")
-    src_path, out = os.fspath(src_path), os.fspath(out)
+    given, src_path, out = src_path, os.fspath(src_path), os.fspath(out)
     budget, max_shard_size = parse_size(memory_budget), parse_size(max_shard_size)
     check_not_source(src_path, out)
     check_output(out, overwrite, is_dir=to == "hf")
     result = ExportResult(out, to)
-    src = DistCheckpointSource(src_path, trusted=trusted)
+    src = DistCheckpointSource(given if isinstance(given, OpenedCheckpoint) else src_path, trusted=trusted)
     try:
         common = _read_common(src, _allowed_globals(), result)
         marker = dict((common or {}).get(_CONTENT_METADATA_KEY) or {})

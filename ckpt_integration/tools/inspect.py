@@ -144,7 +144,7 @@ def _unsafe_file_names(path: str, files: Dict[Any, int]) -> List[str]:
     return out
 
 
-@accepts_opened('path')
+@accepts_opened('path', verified=True)  # (every read checked against the pinned manifest)
 def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """Describe a checkpoint directory as a JSON-serializable dict (nothing but metadata is read).
 

@@ -22,12 +22,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..checkpoints import list_checkpoints
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from .verify_files import integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common
+from .verify_files import (UNREAD, integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
+                           verify_other_recorded_files)
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.fingerprint import add, fingerprint
-from ..storage.opened import accepts_opened
+from ..storage.opened import OpenedCheckpoint, accepts_opened
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from ..storage.torch_dist_reader import TorchDistReader
@@ -125,10 +126,13 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     :class:`CheckpointNotFoundError` saying ``not a checkpoint`` and naming the checkpoints
     found inside; damage never raises, it is reported.
     """
+    # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
+    ck = path if isinstance(path, OpenedCheckpoint) else None
+    known = ck.manifest if ck is not None and ck.manifest_read else UNREAD
     path = os.fspath(path)
     report = VerifyReport(path)
     try:
-        config: Optional[ckdir.CheckpointingConfig] = ckdir.read_config(path)
+        config: Optional[ckdir.CheckpointingConfig] = ck.config if ck is not None else ckdir.read_config(path)
     except CheckpointNotFoundError:
         raise _not_a_checkpoint(path) from None
     except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
@@ -137,20 +141,21 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         storage, root = storage_for(path)
         if not storage.exists(join(root, DCP_METADATA_FILE)):
             return report
-    if not integrity_manifest_holds(path, report):
+    if not integrity_manifest_holds(path, report, known):
         return report
     if config is not None and config.sharded_backend == "zarr":
         report = _verify_zarr(path, report, progress)
     else:
-        report = _verify_torch_dist(path, report, progress, trusted)
+        report = _verify_torch_dist(path, report, progress, trusted, known, ck)
     if state and report.ok:
-        _verify_state(path, report, progress, trusted, parse_size(memory_budget))
+        _verify_state(ck or path, report, progress, trusted, parse_size(memory_budget), known)
     return report
 
 
-def _verify_state(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int) -> None:
+def _verify_state(path: Any, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int,
+                  known: Any = UNREAD) -> None:
     """Every tensor read back in row blocks and its fingerprint compared with the recorded one."""
-    manifest = ckdir.read_manifest(path)
+    manifest = ckdir.read_manifest(path) if known is UNREAD else known
     recorded = manifest.recorded_fingerprints() if manifest is not None else None
     if recorded is None:
         report.notes.append("state: the checkpoint records no fingerprints (saved before manifest format 5 or by "
@@ -209,7 +214,7 @@ def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> 
     verify_common(path, manifest, report)
     if manifest is not None:
         storage, root = storage_for(path)
-        _verify_other_recorded_files(storage, root, manifest, set(), report)
+        verify_other_recorded_files(storage, root, manifest, set(), report)
     try:
         reader = ZarrReader(path)
     except CheckpointingException as e:
@@ -275,9 +280,10 @@ class _Chunk:
         return self.numel * dtype_size(self.dtype)
 
 
-def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool) -> VerifyReport:
+def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool,
+                       known: Any = UNREAD, ck: Optional[OpenedCheckpoint] = None) -> VerifyReport:
     storage, root = storage_for(path)
-    manifest, manifest_reported = read_manifest(path, report)
+    manifest, manifest_reported = read_manifest(path, report, known)
     report.checksums_available = manifest is not None
     report.block_hash = manifest.block_hash if manifest is not None else None
     plain = ckdir.is_plain_dcp(path)
@@ -288,7 +294,8 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
             "no manifest.json (checkpoint written by another tool): checksums are unavailable, only the structure "
             "was verified")
     try:
-        md: Optional[Metadata] = read_dcp_metadata(path, trusted=trusted)  # size + CRC32, as every load reads it
+        # its bytes read and checked (size + CRC32) as every load reads them
+        md: Optional[Metadata] = read_dcp_metadata(path, trusted=trusted, manifest=manifest)
         if "crc32" in recorded(manifest, DCP_METADATA_FILE):
             report.files_checked += 1
     except CheckpointingException as e:
@@ -298,44 +305,20 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
         verify_common(path, manifest, report)
     data_files = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()
                   if isinstance(getattr(info, "relative_path", None), str)} if md is not None else set()
+    checked: Dict[str, bytes] = {}
     if manifest is not None:
-        _verify_other_recorded_files(storage, root, manifest, data_files, report)
+        checked = verify_other_recorded_files(storage, root, manifest, data_files, report)
     if md is None:
         return report
-    for problem in chunk_index.index_problems(path, manifest, md):  # what loads plan from vs .metadata
+    index = checked.get(chunk_index.CHUNK_INDEX_FILE)  # (read once: checked above, compared here)
+    for problem in chunk_index.index_problems(path, manifest, md, index):  # what loads plan from vs .metadata
         report.add(problem, chunk_index.CHUNK_INDEX_FILE)
     affected = _check_coverage(md, report)
     affected |= _DataPass(storage, root, md, manifest, report, progress).run()
     _validate_tensors(root, md, manifest, affected, report)
+    if ck is not None and report.ok and ck.loaded_metadata() is None:
+        ck.dcp_metadata = md  # checked above: what reads through the opened checkpoint use (--state)
     return report
-
-
-def _verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Manifest, data_files: Set[str],
-                                 report: VerifyReport) -> None:
-    """Files the manifest records that ``.metadata`` does not name (checked by the data pass)."""
-    for name in sorted(manifest.files):
-        if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
-            continue
-        entry = manifest.files[name]
-        file = join(root, name)
-        try:
-            if "crc32" in entry:
-                ckdir.read_verified_file(root, name, manifest)
-                report.files_checked += 1
-                continue
-            reader = storage.open_in(root, name, "data file", source=ckdir.MANIFEST_FILE)
-        except FileNotFoundError:
-            report.add(f"{file} is missing (recorded in {ckdir.MANIFEST_FILE})", name)
-            continue
-        except CheckpointingException as e:
-            report.add(str(e), name)
-            continue
-        try:
-            size = recorded_size(manifest, name)
-            if size is not None and reader.size != size:
-                report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {size}", name)
-        finally:
-            reader.close()
 
 
 def _check_coverage(md: Metadata, report: VerifyReport) -> Set[str]:

@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import io
 import zipfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 from ..errors import CheckpointingException
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
-from ..storage.filesystem import join, storage_for
+from ..storage.filesystem import Storage, join, storage_for
 from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
-from ..storage.torch_dist import read_dcp_metadata
+from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 
 
-def integrity_manifest_holds(path: str, report: Any) -> bool:
+UNREAD: Any = object()  # "the manifest has not been read yet" (None: read, and there is none)
+
+
+def integrity_manifest_holds(path: str, report: Any, known: Any = UNREAD) -> bool:
     """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
-    against its SHA-256 (each problem reported, naming the file); False when any differs."""
+    against its SHA-256 (each problem reported, naming the file); False when any differs. ``known``:
+    the manifest when the caller read it already."""
     try:
-        if ckdir.read_manifest(path) is not None:
+        if (ckdir.read_manifest(path) if known is UNREAD else known) is not None:
             return True
         files = read_sha_manifest(path)
     except CheckpointingException as e:
@@ -36,10 +40,10 @@ def integrity_manifest_holds(path: str, report: Any) -> bool:
     return not problems
 
 
-def read_manifest(path: str, report: Any) -> Tuple[Optional[ckdir.Manifest], bool]:
-    """``(manifest or None, whether its absence or damage was reported)``."""
+def read_manifest(path: str, report: Any, known: Any = UNREAD) -> Tuple[Optional[ckdir.Manifest], bool]:
+    """``(manifest or None, whether its absence or damage was reported)``; ``known``: as read already."""
     try:
-        manifest = ckdir.read_manifest(path)
+        manifest = ckdir.read_manifest(path) if known is UNREAD else known
     except CheckpointingException as e:
         report.add(str(e), ckdir.MANIFEST_FILE)
         return None, True
@@ -92,3 +96,34 @@ def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Any) ->
         report.notes.append(f"{ckdir.COMMON_FILE} has no checksum in {ckdir.MANIFEST_FILE}: only its format was checked")
     if not zipfile.is_zipfile(io.BytesIO(data)):
         report.add(f"{file} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
+
+
+def verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Manifest, data_files: Set[str],
+                                 report: Any) -> Dict[str, bytes]:
+    """Files the manifest records that ``.metadata`` does not name (checked by the data pass);
+    returns the bytes of those checked whole against their CRC32 (the chunk index)."""
+    whole: Dict[str, bytes] = {}
+    for name in sorted(manifest.files):
+        if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
+            continue
+        entry = manifest.files[name]
+        file = join(root, name)
+        try:
+            if "crc32" in entry:
+                whole[name] = ckdir.read_verified_file(root, name, manifest)
+                report.files_checked += 1
+                continue
+            reader = storage.open_in(root, name, "data file", source=ckdir.MANIFEST_FILE)
+        except FileNotFoundError:
+            report.add(f"{file} is missing (recorded in {ckdir.MANIFEST_FILE})", name)
+            continue
+        except CheckpointingException as e:
+            report.add(str(e), name)
+            continue
+        try:
+            size = recorded_size(manifest, name)
+            if size is not None and reader.size != size:
+                report.add(f"{file} has {reader.size} bytes, {ckdir.MANIFEST_FILE} says {size}", name)
+        finally:
+            reader.close()
+    return whole

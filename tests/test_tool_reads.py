@@ -1,0 +1,94 @@
+"""Issue 37 item 2: every tool passes one opened checkpoint down. Through ``ci.open_checkpoint``,
+the small files of the checkpoint are read at most once in all: ``metadata.json`` and
+``manifest.json`` by the open, ``chunk_index.bin``, ``.metadata`` and ``common.pt`` at most once
+by the tool. The one exception is ``verify``'s check, after its reads, that the directory still
+holds the opened commit (it reports damage instead of raising, so a replacement meanwhile must be
+told apart from damage): one more read of ``manifest.json``'s commit id."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+
+
+def _state(n=3):
+    import ckpt_integration as ci
+
+    sd = {f"layer{i}.weight": ci.ShardedTensor.from_rank_offsets(f"layer{i}.weight", torch.rand(16, 8)) for i in range(n)}
+    sd["obj"] = ci.ShardedObject("obj", {"seen": 7}, (1,), (0,))
+    sd["step"] = 3
+    return sd
+
+
+def _request(n=3):
+    import ckpt_integration as ci
+
+    return {f"layer{i}.weight": ci.ShardedTensor.from_rank_offsets(f"layer{i}.weight", torch.zeros(16, 8)) for i in range(n)}
+
+
+@pytest.fixture()
+def counted(monkeypatch):
+    """``(counts, watch)``: reads of files directly inside the watched directory, by file name."""
+    from ckpt_integration.storage import filesystem as fsm
+
+    counts: collections.Counter = collections.Counter()
+    watched = []
+    read_bytes, open_reader = fsm.Storage.read_bytes, fsm.Storage.open_reader
+
+    def note(path):
+        if watched and os.path.dirname(os.fspath(path)) == watched[0]:
+            counts[os.path.basename(path)] += 1
+
+    def rb(self, path, what="file"):
+        note(path)
+        return read_bytes(self, path, what)
+
+    def orr(self, path, what="file"):
+        note(path)
+        return open_reader(self, path, what)
+
+    monkeypatch.setattr(fsm.Storage, "read_bytes", rb)
+    monkeypatch.setattr(fsm.Storage, "open_reader", orr)
+    return counts, watched
+
+
+TOOLS = {
+    "load": lambda ci, t, ck, d: ci.load(_request(), ck),
+    "load_common_state_dict": lambda ci, t, ck, d: ci.load_common_state_dict(ck),
+    "verify": lambda ci, t, ck, d: t.verify_checkpoint(ck),
+    "verify --state": lambda ci, t, ck, d: t.verify_checkpoint(ck, state=True),
+    "inspect": lambda ci, t, ck, d: t.inspect_checkpoint(ck),
+    "diff": lambda ci, t, ck, d: t.diff_checkpoints(ck, os.path.join(d, "b")),
+    "convert torch_dist": lambda ci, t, ck, d: t.convert_checkpoint(ck, "torch_dist", os.path.join(d, "out")),
+    "convert zarr": lambda ci, t, ck, d: t.convert_checkpoint(ck, "zarr", os.path.join(d, "out")),
+    "convert safetensors": lambda ci, t, ck, d: t.convert_checkpoint(ck, "safetensors", os.path.join(d, "out")),
+    "export hf": lambda ci, t, ck, d: t.export_checkpoint(ck, os.path.join(d, "out")),
+}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_each_small_file_is_read_at_most_once_through_one_opened_checkpoint(tmp_path, counted, tool):
+    import ckpt_integration as ci
+    from ckpt_integration import tools
+
+    counts, watched = counted
+    d = str(tmp_path)
+    ci.save(_state(), os.path.join(d, "a"))
+    ci.save(_state(), os.path.join(d, "b"))
+    watched.append(os.path.join(d, "a"))
+    with ci.open_checkpoint(os.path.join(d, "a")) as ck:
+        assert dict(counts) == {"metadata.json": 1, "manifest.json": 1}, counts
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = TOOLS[tool](ci, tools, ck, d)
+    if tool.startswith("verify"):
+        assert out.ok, out.problems
+    small = {k: v for k, v in counts.items() if not k.endswith(".distcp")}
+    allowed = {"metadata.json": 1, "manifest.json": 2 if tool.startswith("verify") else 1, "chunk_index.bin": 1,
+               ".metadata": 1, "common.pt": 1}
+    over = {k: v for k, v in small.items() if v > allowed.get(k, 1)}
+    assert not over, f"{tool}: read more than once through one opened checkpoint: {over} (all: {small})"
