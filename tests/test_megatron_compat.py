@@ -614,3 +614,9 @@ def test_megatron_0_19_layout_common_state_inside_the_data_is_read(two_ranks, tm
     assert not os.path.exists(os.path.join(ours, "common.pt"))
     assert ci.load_common_state_dict(ours) == {"iteration": 3, "content_metadata": {"format": "x"}}
     assert ci.load_content_metadata(ours) == {"format": "x"} and verify_checkpoint(ours).ok
+    # the embedded common state is not a checkpoint key the request left out (strict modes)
+    for path in (m19, ours):
+        got, missing, unexpected = ci.load({"w": ST.from_rank_offsets("w", torch.zeros_like(FULL))}, path,
+                                           strict="return_all")
+        assert "common_state" not in missing and not unexpected and torch.equal(got["w"], FULL), (path, missing)
+    ci.load({"w": ST.from_rank_offsets("w", torch.zeros_like(FULL))}, ours, strict="raise_all")

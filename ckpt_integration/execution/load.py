@@ -101,28 +101,8 @@ def _tensor_tasks(
     # (once per tensor, tens of thousands per rank for some models: torch.Size and tuples are
     # compared as they are, no copies; a device test by ``is_cpu``)
     tmeta = md.state_dict_metadata.get(sh.key)
-    if tmeta is None:
-        raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
-    if not isinstance(tmeta, TensorStorageMetadata):
-        raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
-    saved_dtype = tmeta.properties.dtype
+    saved_dtype = load_request.check_against_saved(sh, tmeta, checkpoint_dir, strict_dtype)
     saved_shape = tmeta.size
-    if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)):
-        why = "strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
-        raise MismatchError(
-            f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype} ({why}); "
-            "request it with the saved dtype"
-        )
-    if saved_shape != sh.global_shape and not sh.allow_shape_mismatch:
-        raise MismatchError(
-            f"{checkpoint_dir}: tensor {sh.key!r} has global shape {tuple(saved_shape)} in the checkpoint but "
-            f"{sh.global_shape} was requested (set allow_shape_mismatch=True to load the overlap)"
-        )
-    if len(saved_shape) != len(sh.global_shape):
-        raise MismatchError(
-            f"{checkpoint_dir}: tensor {sh.key!r} has {len(saved_shape)} dims in the checkpoint but "
-            f"{len(sh.global_shape)} were requested"
-        )
     out = sh.data
     if out is None:
         out = torch.empty(sh.local_shape, dtype=sh.dtype)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Set
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
+from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.chunk_index import checkpoint_keys
 from . import dist
 from .dist import Group
@@ -93,6 +94,9 @@ def strict_after_check(job: Any, strict: StrictHandling, requested: List[str], r
     missing keys, and the mismatch raised or logged as when planning follows (unexpected keys were
     left out of the plan)."""
     missing, _ = mismatched_keys(requested, requested_global, checkpoint_keys(md))
+    # the common state stored as an object in the data (Megatron-Core 0.19's layout; save(...,
+    # common_state_in_data=True)) is what every load returns as the common state, not a key to request
+    missing.discard(EMBEDDED_COMMON_KEY)
     handle_strict(strict, missing, job.unexpected, checkpoint_dir, rank)
     job.missing = missing
 
@@ -107,3 +111,32 @@ def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Gro
             bits[i >> 3] |= 1 << (i & 7)
     merged = dist.any_of_bits(bytes(bits), group)
     return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
+
+
+def check_against_saved(sh: Any, tmeta: Any, checkpoint_dir: Any, strict_dtype: bool) -> Any:
+    """A requested tensor against its saved metadata ``tmeta`` (None: not saved): key, kind, dtype
+    (a cast is allowed unless ``strict_dtype`` or it would drop an imaginary part), global shape and
+    number of dims; returns the saved dtype. Raises naming the key."""
+    if tmeta is None:
+        raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
+    if not isinstance(tmeta, TensorStorageMetadata):
+        raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
+    saved_dtype = tmeta.properties.dtype
+    saved_shape = tmeta.size
+    if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)):
+        why = "strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype} ({why}); "
+            "request it with the saved dtype"
+        )
+    if saved_shape != sh.global_shape and not sh.allow_shape_mismatch:
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} has global shape {tuple(saved_shape)} in the checkpoint but "
+            f"{sh.global_shape} was requested (set allow_shape_mismatch=True to load the overlap)"
+        )
+    if len(saved_shape) != len(sh.global_shape):
+        raise MismatchError(
+            f"{checkpoint_dir}: tensor {sh.key!r} has {len(saved_shape)} dims in the checkpoint but "
+            f"{len(sh.global_shape)} were requested"
+        )
+    return saved_dtype
