@@ -92,3 +92,30 @@ def test_each_small_file_is_read_at_most_once_through_one_opened_checkpoint(tmp_
                ".metadata": 1, "common.pt": 1}
     over = {k: v for k, v in small.items() if v > allowed.get(k, 1)}
     assert not over, f"{tool}: read more than once through one opened checkpoint: {over} (all: {small})"
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["everything", "into a state"])
+def test_fabric_load_reads_each_small_file_once_through_one_opened_checkpoint(tmp_path, counted, whole):
+    import lightning as L
+
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    counts, watched = counted
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[DistCkptIO()])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    path = str(tmp_path / "a")
+    fabric.save(path, {"model": model, "step": 3})
+    watched.append(path)
+    with ci.open_checkpoint(path) as ck:
+        counts.clear()
+        if whole:
+            out = fabric.load(ck)
+            assert torch.equal(out["model"]["0.weight"], model[0].weight.detach()) and out["step"] == 3
+        else:
+            other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            rest = fabric.load(ck, {"model": other})
+            assert torch.equal(other[1].weight, model[1].weight) and rest == {"step": 3}
+    small = {k: v for k, v in counts.items() if not k.endswith(".distcp")}
+    assert small.get("metadata.json", 0) == 0 and small.get("manifest.json", 0) <= 1, small
+    assert all(v <= 1 for v in small.values()), f"read more than once through one opened checkpoint: {small}"

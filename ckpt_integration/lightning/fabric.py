@@ -38,6 +38,7 @@ from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedTensor, ShardedTensorFactory
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import has_optimizer_state, load_optimizer_state, optimizer_sharded_state_dict
+from ..storage.opened import OpenedCheckpoint
 from . import fsdp
 from .entries import model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO, UnsupportedStrategyError
@@ -220,13 +221,16 @@ class DistCkptFabricMixin(Strategy):
         io = self.checkpoint_io
         io.maybe_finalize(blocking=True, collective=False)  # a checkpoint still being written is committed first
         self.barrier()
-        path = self.broadcast(os.fspath(path))
+        given, path = path, self.broadcast(os.fspath(path))
         if stock_layout(path) is not None:  # a torch.save file, Fabric's own DCP directory: as without the plugin
             with self._stock_io():
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = resolve_checkpoint_path(path)  # an incomplete last.ckpt falls back; other incomplete ones raise
+        # an opened checkpoint given is read as it is (one commit, its small files read once); a path:
+        # an incomplete last.ckpt falls back, other incomplete ones raise
+        path = given if isinstance(given, OpenedCheckpoint) else resolve_checkpoint_path(path)
         if not state:
-            return self._load_full(io, path)
+            with io.opened_for_load(path) as ck:
+                return self._load_full(io, ck)
         if isinstance(state, torch.optim.Optimizer):
             raise TypeError(
                 f"{path} is a sharded checkpoint: an optimizer's state can only be placed with its model's "
@@ -238,8 +242,8 @@ class DistCkptFabricMixin(Strategy):
                 return {}
             return self._load_into(io, ck, state, strict)
 
-    def _load_full(self, io: DistCkptIO, path: str) -> Dict[str, Any]:
-        """Everything but optimizer tensors: the common state, and each module's tensors whole."""
+    def _load_full(self, io: DistCkptIO, path: OpenedCheckpoint) -> Dict[str, Any]:
+        """Everything but optimizer tensors: the common state, and each module's tensors whole (one commit)."""
         meta = serialization.load_content_metadata(path) or {}
         out = dict(serialization.load_common_state_dict(path, trusted=io.trusted,
                                                         allowed_globals=io.load_kwargs()["allowed_globals"]))

@@ -6,11 +6,9 @@
   is written **last**, atomically, after every rank's data is durable: a
   directory without it is an incomplete save and is never loaded.
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
-* ``manifest.json`` - our own record: format version, world size, per-item and
-  per-file checksums, per-block digests of tensor data (format 2: CRC32, formats 3 and 4:
-  XXH3-64, see ``checksum.py``; format 4 keeps the per-item tables as binary columns, see
-  ``item_table.py``). Optional on load
-  (Megatron/DCP checkpoints lack it; they load unchecked, with a note in the log).
+* ``manifest.json`` - our own record: format version, world size, per-item and per-file checksums,
+  per-block digests of tensor data (format 2: CRC32, 3 and 4: XXH3-64, ``checksum.py``; format 4's
+  per-item tables are binary columns, ``item_table.py``). Optional on load (Megatron/DCP lack it).
 * ``ckpt_integration.json`` - the save marker, written *first* by every save (see
   :mod:`.claim`): says that the directory is ours and that the checkpoint has a
   ``manifest.json``, so a deleted manifest is reported as damage instead of the
