@@ -40,8 +40,9 @@ from ..storage.checksum import DEFAULT_BLOCK_SIZE
 from ..storage.safe_pickle import safe_torch_load
 from . import slots
 from .plan import CopyLocation, SavedPiece, block_hull, choose_sources, cover, saved_pieces
-from .restore import Inventory, Key, RestoreReport, read_own, check_owner, entry_id, finish_result
-from .transfer import CHUNK
+from .restore import (Inventory, Key, RestoreReport, check_owner, entry_id, finish_result, host_destination,
+                      read_own)
+from .transfer import chunks, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,6 @@ class ElasticRestore:
 
     sources: Dict[str, List[str]] = field(default_factory=dict)  # "own node" / "peer rank N" -> ranges
     refused: List[str] = field(default_factory=list)
-    nbytes: int = 0
 
     def describe(self, old_world: int) -> str:
         parts = [f"{src} ({len(r)} range(s))" for src, r in sorted(self.sources.items())]
@@ -95,9 +95,8 @@ def restore(request: Dict[str, Any], inv: Inventory, key: Key, old_world: int, r
     with torch.no_grad():
         for piece, ov, dst in todo:
             lo, buf = buffers[(piece.owner, piece.region)]
-            dt = dtype_from_name(piece.dtype)
-            es = torch.empty((), dtype=dt).element_size()  # (buf: a view whose byte 0 is the region's byte lo)
-            first = piece.extent(ov)[0] + (buf.storage_offset() - lo) // es
+            dt = dtype_from_name(piece.dtype)  # (buf: a view whose byte 0 is the region's byte lo)
+            first = piece.extent(ov)[0] + (buf.storage_offset() - lo) // dt.itemsize
             p = len(ov.sizes) - dst.dim()
             src = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), first, ov.sizes[p:], piece.strides[p:])
             dst.copy_(src)
@@ -194,11 +193,7 @@ def _plan(request: Dict[str, Any], headers: Dict[int, Any], blobs: Dict[int, byt
         if shapes.get(sh.key) != tuple(sh.global_shape):
             raise MemoryLayoutError(f"{sh.key!r} " + ("is in no snapshot" if sh.key not in shapes else
                                     f"was saved with global shape {shapes[sh.key]}, requested {tuple(sh.global_shape)}"))
-        shape = (sh.flat_numel(),) if sh.flattened_range is not None else sh.local_shape
-        out = sh.data if sh.data is not None else torch.empty(shape, dtype=sh.dtype)
-        host = out.detach() if out.device.type == "cpu" else torch.empty(shape, dtype=sh.dtype)
-        if out.device.type != "cpu":
-            device_copies.append((host, out))
+        out, host = host_destination(sh, device_copies)
         for part in replace(sh, data=host).unflattened():
             box = Box(tuple(part.global_offset), part.saved_shape())
             taken, left = cover(box, pieces[sh.key])
@@ -206,7 +201,7 @@ def _plan(request: Dict[str, Any], headers: Dict[int, Any], blobs: Dict[int, byt
                 raise MemoryLayoutError(f"{left} of the {box.numel} elements of {sh.key!r} {box} are in no snapshot")
             for piece, ov in taken:
                 todo.append((piece, ov, part.data[relative_slices(ov, box)[part.prepend_axis_num:]]))
-                es = torch.empty((), dtype=dtype_from_name(piece.dtype)).element_size()
+                es = dtype_from_name(piece.dtype).itemsize
                 first, end = piece.extent(ov)
                 lo, hi = needs.get((piece.owner, piece.region), (first * es, end * es))
                 needs[(piece.owner, piece.region)] = (min(lo, first * es), max(hi, end * es))
@@ -242,7 +237,7 @@ def _fetch(needs: Dict[Need, Tuple[int, int]], headers: Dict[int, Any], inv: Inv
             else:
                 gone.append(n[0])
         everyone = dist.all_gather_object(asks, group)
-        failed = _transfer(everyone, rank, records, inv, key, root, group, done, report, where)
+        failed = _transfer(everyone, rank, records, inv, key, root, group, done, maps, report, where)
         for n in local:
             failed += _read_local(n, needs[n], records[n[0]], inv, key, root, rank, done, maps, report, where)
         outcome = dist.all_gather_object((failed, sorted(set(gone))), group)
@@ -270,7 +265,13 @@ def _verify(buf: torch.Tensor, lo: int, rec: slots.Record, region: int, what: st
 
 def _note(report: ElasticRestore, source: str, owner: int, region: int, lo: int, hi: int) -> None:
     report.sources.setdefault(source, []).append(f"old rank {owner} region {region} bytes {lo}..{hi}")
-    report.nbytes += hi - lo
+
+
+def _mapped(maps: Dict[Tuple[int, str], torch.Tensor], root: str, owner: int, rec: slots.Record, name: str) -> torch.Tensor:
+    """This node's file ``name`` of ``owner``'s copy, mapped once per restore (read or served from)."""
+    if (owner, name) not in maps:
+        maps[(owner, name)] = slots.open_files(root, owner, {name: rec.files()[name]})[name]
+    return maps[(owner, name)]
 
 
 def _read_local(n: Need, span: Tuple[int, int], rec: slots.Record, inv: Inventory, key: Key, root: str, rank: int,
@@ -286,9 +287,7 @@ def _read_local(n: Need, span: Tuple[int, int], rec: slots.Record, inv: Inventor
         name, offset, _nbytes, _ = rec.regions[region]
         # a view of the file's mapping: its pages are the node's shared memory, mapped, not copied
         # (a read into a fresh buffer faults in and zeroes a page per 4 KiB first: 2-3x slower)
-        if (owner, name) not in maps:
-            maps[(owner, name)] = slots.open_files(root, owner, {name: rec.files()[name]})[name]
-        buf = maps[(owner, name)][offset + lo:offset + hi]
+        buf = _mapped(maps, root, owner, rec, name)[offset + lo:offset + hi]
         _verify(buf, lo, rec, region, f"{where}, old rank {owner}'s region {region} in this node's memory")
     except Exception as e:  # noqa: BLE001 - refused; another copy is tried
         return [(owner, node, describe_error(e))]
@@ -299,40 +298,32 @@ def _read_local(n: Need, span: Tuple[int, int], rec: slots.Record, inv: Inventor
 
 def _transfer(everyone: List[List[Tuple[int, int, int, int, int]]], rank: int, records: Dict[int, slots.Record],
               inv: Inventory, key: Key, root: str, group: Any, done: Dict[Need, Tuple[int, torch.Tensor]],
-              report: ElasticRestore, where: str) -> List[Tuple[int, str, str]]:
+              maps: Dict[Tuple[int, str], torch.Tensor], report: ElasticRestore, where: str) -> List[Tuple[int, str, str]]:
     """Serve the ranges asked of this rank and receive those it asked for (in one order on both
     sides). A server that cannot read its copy sends zeros: the receiver's digest check refuses them."""
     works: List[Any] = []
-    opened: Dict[int, Dict[str, torch.Tensor]] = {}
     for requester, asks in enumerate(everyone):
         for owner, region, lo, hi, server in asks:
             if server != rank:
                 continue
             name, offset, _n, _ = records[owner].regions[region]
             try:
-                if owner not in opened:
-                    slot = inv.slot_of(rank, owner, key)
-                    opened[owner] = slots.open_files(root, owner, records[owner].files() if slot is not None else {})
-                data = opened[owner][name][offset + lo:offset + hi]
+                if inv.slot_of(rank, owner, key) is None:
+                    raise CorruptCheckpointError(f"the copy of old rank {owner} disappeared")
+                data = _mapped(maps, root, owner, records[owner], name)[offset + lo:offset + hi]
             except Exception as e:  # noqa: BLE001
                 logger.warning("memory tier: rank %d cannot serve old rank %d's copy: %s", rank, owner, e)
                 data = torch.zeros(hi - lo, dtype=torch.uint8)
-            for o in range(0, hi - lo, CHUNK):
-                works.append(group.pg.send([data[o:o + CHUNK]], requester, _TAG))
+            works += [group.pg.send([c], requester, _TAG) for c in chunks(data)]
     received = []
     for owner, region, lo, hi, server in everyone[rank]:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
-        for o in range(0, hi - lo, CHUNK):
-            works.append(group.pg.recv([buf[o:o + CHUNK]], server, _TAG))
+        works += [group.pg.recv([c], server, _TAG) for c in chunks(buf)]
         received.append((owner, region, lo, hi, server, buf))
-    first: Optional[BaseException] = None
-    for w in works:
-        try:
-            w.wait()
-        except BaseException as e:  # noqa: BLE001 - wait for the others, then raise
-            first = first or e
-    if first is not None:
-        raise MemoryCheckpointError(f"{where}: fetching from a peer failed: {describe_error(first)}")
+    try:
+        wait_all(works)
+    except Exception as e:  # a dead peer or a timeout: the restore fails on every rank
+        raise MemoryCheckpointError(f"{where}: fetching from a peer failed: {describe_error(e)}") from None
     failed = []
     for owner, region, lo, hi, server, buf in received:
         try:

@@ -352,11 +352,7 @@ def fill_request(
                                     "load the durable checkpoint, which reshards")
         if isinstance(sh, ShardedObject):
             return blob["objects"][entry["index"]]
-        shape = (sh.flat_numel(),) if sh.flattened_range is not None else sh.local_shape
-        out = sh.data if sh.data is not None else torch.empty(shape, dtype=sh.dtype)
-        host = out.detach() if out.device.type == "cpu" else torch.empty(shape, dtype=sh.dtype)
-        if out.device.type != "cpu":
-            device_copies.append((host, out))
+        out, host = host_destination(sh, device_copies)
         by_region.setdefault(entry["region"], []).append((entry, host))
         if verify_state and entry.get("fingerprint") is not None:
             checks.append((replace(sh, data=host), entry))
@@ -375,6 +371,20 @@ def fill_request(
         for host, dev in device_copies:
             dev.copy_(host)
     return finish_result(blob["common"], nonpersistent, loaded, template, factories)
+
+
+def host_destination(sh: ShardedTensor, device_copies: List[Tuple[torch.Tensor, torch.Tensor]]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(what the restore returns, the host tensor it fills)`` for a requested tensor: its own data
+    (a new tensor when it has none); a device tensor is filled through a host tensor, copied to it
+    afterwards (``device_copies``)."""
+    shape = (sh.flat_numel(),) if sh.flattened_range is not None else sh.local_shape
+    out = sh.data if sh.data is not None else torch.empty(shape, dtype=sh.dtype)
+    if out.device.type == "cpu":
+        return out, out.detach()
+    host = torch.empty(shape, dtype=sh.dtype)
+    device_copies.append((host, out))
+    return out, host
 
 
 def finish_result(common: Any, nonpersistent: Any, loaded: Any, template: Any, factories: Any) -> Any:

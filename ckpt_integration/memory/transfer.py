@@ -46,7 +46,8 @@ def _irecv(t: torch.Tensor, group: PrivateGroup, src: int, tag: int) -> Any:
     return group.pg.recv([t], src, tag)
 
 
-def _wait(works: List[Any]) -> None:
+def wait_all(works: List[Any]) -> None:
+    """Wait for every posted send/receive, then raise the first failure (none is left pending)."""
     first: Optional[BaseException] = None
     for w in works:
         try:
@@ -57,7 +58,8 @@ def _wait(works: List[Any]) -> None:
         raise first
 
 
-def _chunks(t: torch.Tensor) -> List[torch.Tensor]:
+def chunks(t: torch.Tensor) -> List[torch.Tensor]:
+    """``t`` in messages of at most :data:`CHUNK` bytes (gloo's per-message buffers stay bounded)."""
     return [t[o:o + CHUNK] for o in range(0, t.numel(), CHUNK)]
 
 
@@ -85,7 +87,7 @@ def exchange(
     for src in sources:
         headers[src] = torch.zeros(2, dtype=torch.int64)
         works.append(_irecv(headers[src], group, src, _HEADER))
-    _wait(works)
+    wait_all(works)
 
     works, raws = [], {}
     for dst, out in sorted(sends.items()):
@@ -97,7 +99,7 @@ def exchange(
         if status == 0:
             raws[src] = torch.empty(n, dtype=torch.uint8)
             works.append(_irecv(raws[src], group, src, _RECORD))
-    _wait(works)
+    wait_all(works)
 
     records: Dict[int, Optional[Record]] = {src: None for src in sources}
     errors: Dict[int, str] = {}
@@ -106,7 +108,7 @@ def exchange(
         if out.raw is None:
             continue
         for name in sorted(out.files):
-            for c in _chunks(out.files[name]):
+            for c in chunks(out.files[name]):
                 works.append(_isend(c, group, dst, _DATA))
     for src, raw in raws.items():
         data = raw.numpy().tobytes()
@@ -124,9 +126,9 @@ def exchange(
                     works.append(_irecv(sink[:min(CHUNK, n - o)], group, src, _DATA))
             continue
         for t in targets:
-            for c in _chunks(t):
+            for c in chunks(t):
                 works.append(_irecv(c, group, src, _DATA))
-    _wait(works)
+    wait_all(works)
     return records, errors
 
 

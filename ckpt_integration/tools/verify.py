@@ -128,7 +128,6 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     """
     # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
     ck = path if isinstance(path, OpenedCheckpoint) else None
-    known = ck.manifest if ck is not None and ck.manifest_read else UNREAD
     path = os.fspath(path)
     report = VerifyReport(path)
     try:
@@ -141,27 +140,33 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         storage, root = storage_for(path)
         if not storage.exists(join(root, DCP_METADATA_FILE)):
             return report
-    if not integrity_manifest_holds(path, report, known):
+    if not integrity_manifest_holds(path, report, _known_manifest(ck)):
         return report
     if config is not None and config.sharded_backend == "zarr":
         report = _verify_zarr(path, report, progress)
     else:
-        report = _verify_torch_dist(path, report, progress, trusted, known, ck)
+        report = _verify_torch_dist(path, report, progress, trusted, ck)
     if state and report.ok:
-        _verify_state(ck or path, report, progress, trusted, parse_size(memory_budget), known)
+        _verify_state(path, ck, report, progress, trusted, parse_size(memory_budget))
     return report
 
 
-def _verify_state(path: Any, report: VerifyReport, progress: ProgressFactory, trusted: bool, budget: int,
-                  known: Any = UNREAD) -> None:
-    """Every tensor read back in row blocks and its fingerprint compared with the recorded one."""
-    manifest = ckdir.read_manifest(path) if known is UNREAD else known
+def _known_manifest(ck: Optional[OpenedCheckpoint]) -> Any:
+    """The manifest an opened checkpoint read (and checked) at open, else :data:`UNREAD`."""
+    return ck.manifest if ck is not None else UNREAD
+
+
+def _verify_state(path: str, ck: Optional[OpenedCheckpoint], report: VerifyReport, progress: ProgressFactory,
+                  trusted: bool, budget: int) -> None:
+    """Every tensor read back in row blocks and its fingerprint compared with the recorded one
+    (through the opened checkpoint ``ck`` when there is one)."""
+    manifest = ck.manifest if ck is not None else ckdir.read_manifest(path)
     recorded = manifest.recorded_fingerprints() if manifest is not None else None
     if recorded is None:
         report.notes.append("state: the checkpoint records no fingerprints (saved before manifest format 5 or by "
                             "another tool): the state was not checkable")
         return
-    with DistCheckpointSource(path, trusted) as src:
+    with DistCheckpointSource(ck or path, trusted) as src:
         bar = progress(total=sum(i.nbytes for i in src.tensors.values()), unit="B", unit_scale=True, desc="state")
         try:
             for key, info in sorted(src.tensors.items()):
@@ -281,9 +286,9 @@ class _Chunk:
 
 
 def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool,
-                       known: Any = UNREAD, ck: Optional[OpenedCheckpoint] = None) -> VerifyReport:
+                       ck: Optional[OpenedCheckpoint] = None) -> VerifyReport:
     storage, root = storage_for(path)
-    manifest, manifest_reported = read_manifest(path, report, known)
+    manifest, manifest_reported = read_manifest(path, report, _known_manifest(ck))
     report.checksums_available = manifest is not None
     report.block_hash = manifest.block_hash if manifest is not None else None
     plain = ckdir.is_plain_dcp(path)
