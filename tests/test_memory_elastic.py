@@ -10,7 +10,9 @@ flattened optimizer pieces, a replicated bias, per-rank objects and common state
 2. both nodes survive, a byte of node 0's copy of rank 0's snapshot is flipped; 2 ranks, one per
    node: that copy is refused (named in the log and the report) and the one on node 1 is used;
 3. a request no surviving memory covers (another global shape): refused on every rank with
-   ``MemoryLayoutError``, and the durable checkpoint (persisted from memory) loads instead.
+   ``MemoryLayoutError``, and the durable checkpoint (persisted from memory) loads instead;
+4. node 1 lost and node 0's copies of ranks 2 and 3 damaged (a data file truncated, one emptied):
+   ``MemoryCheckpointError`` on every rank naming them, and the durable checkpoint loads.
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ def _restore(rank, world, root, rpn, expect):
     try:
         step = tier.latest()
         assert step == 2 and tier.saved_world_size(2) == 4, step
+        if expect == "damaged":  # old ranks 2 and 3 survive only on node 0, one file truncated, one emptied
+            with pytest.raises(ci.errors.MemoryCheckpointError, match=r"no intact copy left in memory of what old "
+                                                                       r"rank\(s\) \[2, 3\] saved"):
+                tier.load(_request(rank, world), step)
+            _check(ci.load(_request(rank, world), os.path.join(root, "durable")), rank, world, 2)
+            return
         if expect == "uncovered":
             request = _request(rank, world)
             request["w"] = ci.ShardedTensor.from_rank_offsets("w", torch.zeros(4 * R, C), (0, rank, world))  # 2x rows
@@ -220,3 +228,12 @@ def test_restart_smaller_from_memory_resharded_with_a_damaged_copy_and_an_uncove
     # 3) a layout that no surviving memory covers: refused on every rank, the durable tier loads
     reset(drop_node1=True)
     run_distributed(_restore, 2, root, 2, "uncovered", timeout=120)
+
+    # 4) node 1 lost and node 0's copies of ranks 2 and 3 damaged (a data file truncated, one
+    # emptied): no intact copy of their bytes is left, refused on every rank, the durable tier loads
+    reset(drop_node1=True)
+    for owner, size in ((2, lambda n: n // 2), (3, lambda n: 0)):
+        rec = next(r for r in (slots.read_record(node0, owner, s) for s in slots.SLOTS) if r is not None and r.step == 2)
+        path = os.path.join(slots.owner_dir(node0, owner), rec.regions[0][0])
+        os.truncate(path, size(os.path.getsize(path)))
+    run_distributed(_restore, 2, root, 2, "damaged", timeout=120)
