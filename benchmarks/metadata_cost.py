@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """What a checkpoint's metadata costs a load, by manifest format (one process, no process group).
 
-Saves ``--small`` tensors of ``--small-bytes`` each once per manifest format (3: the per-item
-tables as JSON; 4: as binary columns, see docs/format.md), then times, best of ``--repeats``:
+Saves ``--small`` tensors of ``--small-bytes`` each once per manifest format (4: the per-item
+table as binary columns; 5: the same plus the fingerprint table, see docs/format.md; format 3's
+JSON tables, measured in docs/benchmarks.md, are no longer loaded), then times, best of ``--repeats``:
 what the load's coordinator does with the manifest (read and checked, ``read_manifest``), the
 broadcast it builds (manifest, commit marker and chunk index), what every other rank does with
 that broadcast (decoded), and the metadata of the keys one of two ranks requests (every other
@@ -47,7 +48,7 @@ def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str,
 
     state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(max(1, nbytes // 4))) for i in range(n)}
     rows = []
-    for version in (3, 4):
+    for version in (4, 5):
         d = os.path.join(directory, f"ckpt_metadata_cost_{os.getpid()}_{version}")
         shutil.rmtree(d, ignore_errors=True)
         was, ckdir.SAVE_MANIFEST_VERSION = ckdir.SAVE_MANIFEST_VERSION, version

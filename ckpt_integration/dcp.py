@@ -54,7 +54,7 @@ from .storage import claim as claims
 from .storage.checksum import save_block_hash
 from .storage.commits import next_commit_seq
 from .storage.filesystem import join, storage_for
-from .storage.manifest_tables import file_sizes, rendered_tables
+from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
 from .storage.torch_dist_reader import TorchDistReader
 from .version import __version__
@@ -182,7 +182,7 @@ class Writer(StorageWriter):
             **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
             files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
             commit_seq=next_commit_seq(self.path), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
-        ckdir.write_manifest(path, manifest, self.durable, rendered=rendered_tables(written, digest, fmt["version"]))
+        ckdir.write_manifest(path, manifest, self.durable, rendered={"tables": table_of_written(written, digest)})
         staging = self._claim is not None and self._claim.staging
         ckdir.write_config(path, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
         if staging:  # the old checkpoint is replaced only now, whole (storage/atomic.py's rule)

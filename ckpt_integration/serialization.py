@@ -423,10 +423,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
     if manifest is not None:
         manifest.files[DCP_METADATA_FILE] = md_entry
-        manifest.items = {k: v for k, v in manifest.items.items() if k.rpartition("@")[0] not in gone}
-        table = manifest.item_table()
-        if table is not None:  # format 4: the same, in the binary table
-            manifest.tables = encode_text(table.without_files(gone))
+        manifest.tables = encode_text(manifest.item_table().without_files(gone))
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(checkpoint_dir, manifest)
     storage, checkpoint_dir = storage_for(checkpoint_dir)

@@ -8,7 +8,6 @@ import io
 import json
 import pickle
 import random
-import sys
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from ckpt_integration.planning.written import WrittenTable, commit_layout, encod
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage.checksum import block_hash
 from ckpt_integration.storage.dcp_pickle import dumps_commit_layout, supported
-from ckpt_integration.storage.manifest_tables import file_sizes, render_tables
 from ckpt_integration.storage.safe_pickle import load_dcp_metadata
 from ckpt_integration.storage.torch_dist import WrittenItem, make_dcp_metadata
 from tests.test_planning import _calls, _per_rank, meta, simulate
@@ -171,58 +169,47 @@ def test_metadata_from_arrays_unpickles_to_the_objects_dcp_builds(long_key):
 
 
 @pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
-def test_manifest_tables_are_the_json_of_the_dict_tables(hash_name):
-    h = block_hash(hash_name)
-    t, layout = _layout_case(bits=8 * h.width)
-    items, blocks = render_tables(layout.written, h)
-
-    expect_items = {f"{f}@{s}": d for f, s, d in zip(t.files, t.starts, t.digests)}
-    expect_blocks = {f"{f}@{s}": [b[0], b[1], b[2], h.pack(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
-    assert json.loads(items) == expect_items and json.loads(blocks) == expect_blocks
-    fmt = {**ckdir.manifest_format(h), **({"version": 3} if hash_name == "xxh3_64" else {})}  # the JSON tables' formats
-    m = ckdir.Manifest(**fmt, world_size=3, files=file_sizes(layout.written), step=5)
-    text = ckdir.manifest_json(m, {"items": items, "blocks": blocks})
-    assert json.loads(text) == {**ckdir.manifest_fields(m), "items": expect_items, "blocks": expect_blocks}
-    assert text.startswith(json.dumps(ckdir.manifest_fields(m))[:60])  # the head that listings read
-    ends = {}
-    for f, s, n in zip(t.files, t.starts, t.lengths):
-        ends[f] = max(ends.get(f, 0), s + n)
-    assert file_sizes(layout.written) == {f: {"size": e} for f, e in ends.items()}
-
-
-@pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
-def test_the_binary_item_table_holds_what_the_json_tables_hold(hash_name):
-    """Format 4's item table, made from a commit's arrays, answers every lookup as the JSON
-    tables of format 3 (2 for CRC32) made from the same arrays: item digests, block records, the
-    batched lookup of many small items (with items that are not there), iteration; dropping the
-    items of a data file (what ``remove_sharded_tensors`` does) drops exactly those."""
-    from ckpt_integration.storage.item_table import ItemTable, TableItemDigests, decode_text
-    from ckpt_integration.storage.manifest_tables import table_of_written
+def test_the_item_table_holds_what_the_old_json_tables_held(hash_name):
+    """A commit's item table (made from its arrays) answers every lookup as the JSON tables of
+    formats 2/3 with the same content did, once ``convert`` has read those (legacy_manifest.upgrade):
+    item digests, block records, the batched lookup of many small items (with items that are not
+    there), iteration; dropping the items of a data file (what ``remove_sharded_tensors`` does)
+    drops exactly those; ``file_sizes`` ends each file at its last item."""
+    from ckpt_integration.storage.item_table import ItemTable, TableItemDigests, decode_text, file_sizes, table_of_written
+    from ckpt_integration.storage.legacy_manifest import upgrade
 
     h = block_hash(hash_name)
     t, layout = _layout_case(bits=8 * h.width)
-    items, blocks = render_tables(layout.written, h)
-    old = ckdir.Manifest(version=2 if hash_name == "crc32" else 3, block_hash=hash_name, items=json.loads(items),
-                         blocks=json.loads(blocks))
+    items = {f"{f}@{s}": d for f, s, d in zip(t.files, t.starts, t.digests)}
+    blocks = {f"{f}@{s}": [b[0], b[1], b[2], h.pack(b[3])] for f, s, b in zip(t.files, t.starts, t.blocks) if b}
+    raw = {"version": 2, "items": items, "blocks": blocks} if hash_name == "crc32" else \
+        {"version": 3, "block_hash": hash_name, "items": items, "blocks": blocks}
+    old = ckdir.Manifest(**upgrade(raw, ckdir.MANIFEST_VERSION))
     text = json.loads(table_of_written(layout.written, h))
-    new = ckdir.Manifest(version=4, block_hash=hash_name, tables=text)
-    assert dict(new.checksums()) == dict(old.checksums()) and len(new.checksums()) == len(t)
-    nb, ob = new.block_records(), old.block_records()
-    assert sorted(nb) == sorted(ob) and len(nb) == len(ob) == sum(1 for b in t.blocks if b)
-    for rid in ob:
-        a, b = nb[rid], ob[rid]
-        assert (a.data_offset, a.data_length, a.block_size, a.digests.tolist()) == \
-            (b.data_offset, b.data_length, b.block_size, b.digests.tolist())
-        assert nb.digests_of(rid) == ob.digests_of(rid) and rid in nb
-    objects = [rid for rid in old.checksums() if rid not in ob]
-    rids = list(ob)[::-1] + objects + [("nope.distcp", 0), ("__0_0.distcp", 3), ("__0_0.distcp", -1)]
-    assert nb.digests_many(rids) == ob.digests_many(rids) == [ob.digests_of(r) if r in ob else None for r in rids]
+    new = ckdir.Manifest(version=ckdir.MANIFEST_VERSION, block_hash=hash_name, tables=text)
+    assert old.tables == new.tables  # the same content: the same bytes
+    want = {item_id: d for item_id, d in zip(zip(t.files, t.starts), t.digests)}
+    assert dict(new.checksums()) == want and len(new.checksums()) == len(t)
+    nb = new.block_records()
+    assert len(nb) == sum(1 for b in t.blocks if b)
+    for f, s, b in zip(t.files, t.starts, t.blocks):
+        if b:
+            rec = nb[(f, s)]
+            assert (rec.data_offset, rec.data_length, rec.block_size, rec.digests.tolist()) == (b[0], b[1], b[2], list(b[3]))
+            assert nb.digests_of((f, s)) == (b[0], b[1], b[2], tuple(b[3])) and (f, s) in nb
+    objects = [rid for rid in want if rid not in nb]
+    rids = list(nb)[::-1] + objects + [("nope.distcp", 0), ("__0_0.distcp", 3), ("__0_0.distcp", -1)]
+    assert nb.digests_many(rids) == [nb.digests_of(r) if r in nb else None for r in rids]
     assert nb.digests_of(("nope.distcp", 0)) is None and ("nope.distcp", 0) not in new.checksums()
     with pytest.raises(KeyError):
         nb[objects[0]]
     table = decode_text(text, h)
     kept = ItemTable(table.without_files(["__1_0.distcp"]), h)
-    assert dict(TableItemDigests(kept)) == {k: v for k, v in old.checksums().items() if k[0] != "__1_0.distcp"}
+    assert dict(TableItemDigests(kept)) == {k: v for k, v in want.items() if k[0] != "__1_0.distcp"}
+    ends = {}
+    for f, s, n in zip(t.files, t.starts, t.lengths):
+        ends[f] = max(ends.get(f, 0), s + n)
+    assert file_sizes(layout.written) == {f: {"size": e} for f, e in ends.items()}
 
 
 def test_a_damaged_binary_item_table_is_named_never_misread():

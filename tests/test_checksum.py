@@ -1,5 +1,5 @@
-"""Block digests: manifest format 3 (XXH3-64) as docs/format.md defines it, format 2 (CRC32) as
-before, unknown algorithms refused, and the hashes running without the GIL.
+"""Block digests: XXH3-64 (new saves) and CRC32 as docs/format.md defines them in the manifest's
+item table, unknown algorithms refused, and the hashes running without the GIL.
 
 The format tests recompute every recorded digest independently (``zlib``, ``xxhash`` and the
 file's bytes), so they pin the on-disk definition, not just a round trip through our code.
@@ -29,9 +29,9 @@ from tests.damage import flip_byte
 
 ROWS, COLS = 64, 96  # 24 KiB of float32: 3 data blocks of 8 KiB
 
-# the keys a format-2 manifest has (versions before format 3 refuse any other key)
-FORMAT_2_KEYS = {"format", "version", "created", "step", "commit_seq", "commit_id", "world_size", "items", "files",
-                 "library_version", "blocks", "save"}
+# the keys of a format-5 manifest
+FORMAT_5_KEYS = {"format", "version", "created", "step", "commit_seq", "commit_id", "world_size", "block_hash", "files",
+                 "library_version", "save", "fingerprints", "tables"}
 
 
 def _save(d, block_hash: str, monkeypatch, seed: int = 0) -> torch.Tensor:
@@ -114,52 +114,48 @@ def test_hashing_a_large_buffer_releases_the_gil(name, running):
 
 
 # =========================================================================== manifest formats
-def _tables_of_format_4(text: str):
-    """``items`` and ``blocks`` as formats 2 and 3 spell them, decoded by hand from a format-4
+def _tables_of_format_4(text: str, width_: int = 8):
+    """``items`` and ``blocks`` as formats 2 and 3 spelled them, decoded by hand from a format-4
     ``tables`` field as docs/format.md describes it (not through the library's reader)."""
     from ckpt_integration.planning.records import decode_array
 
     raw = base64.b64decode(text)
     magic, version, width, n, nb, nmsg = struct.unpack_from("<4sIIQQQ", raw, 0)
-    assert (magic, version, width) == (b"CKIT", 1, 8)
+    assert (magic, version) == (b"CKIT", 1) and width == width_
     files, ints = decode_array(raw[36 : 36 + nmsg])
     file, off, nblocks, d, ln, b = ints.reshape(6, n).tolist()
-    digests = struct.unpack_from(f"<{n + nb}Q", raw, 36 + nmsg)
-    assert len(raw) == 36 + nmsg + 8 * (n + nb)
+    fmt = "Q" if width == 8 else "I"
+    digests = struct.unpack_from(f"<{n + nb}{fmt}", raw, 36 + nmsg)
+    assert len(raw) == 36 + nmsg + width * (n + nb)
     keys = [f"{files[f]}@{o}" for f, o in zip(file, off)]
     assert keys == sorted(keys, key=lambda k: (k.rpartition("@")[0], int(k.rpartition("@")[2])))
     items, blocks, pos = {}, {}, n
     for i, k in enumerate(keys):
         items[k] = digests[i]
         if nblocks[i] >= 0:
-            packed = base64.b64encode(struct.pack(f"<{nblocks[i]}Q", *digests[pos : pos + nblocks[i]])).decode()
+            packed = base64.b64encode(struct.pack(f"<{nblocks[i]}{fmt}", *digests[pos : pos + nblocks[i]])).decode()
             blocks[k] = [d[i], ln[i], b[i], packed]
             pos += nblocks[i]
     assert pos == n + nb
     return items, blocks
 
 
-@pytest.mark.parametrize("block_hash,version", [("xxh3_64", 4), ("xxh3_64", 3), ("crc32", 2)])
+@pytest.mark.parametrize("block_hash,version", [("xxh3_64", 5), ("xxh3_64", 4), ("crc32", 5)])
 def test_recorded_digests_are_those_of_the_stored_bytes(tmp_path, monkeypatch, block_hash, version):
-    """Every block and item digest, recomputed from the data file: format 4 (XXH3-64, 8 bytes per
-    block, binary tables) for new saves, format 3 (the same in JSON tables) and format 2 (CRC32,
-    4 bytes, exactly the keys of format 2) through the switches."""
+    """Every block and item digest, recomputed from the data file: format 5 (XXH3-64, 8 bytes per
+    block, one binary table) for new saves, format 4 (the same without fingerprints) through the
+    switch, and CRC32 (4 bytes) in the same format."""
     d = tmp_path / "c"
-    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", version if version > 2 else 4)
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", version)
     want = _save(d, block_hash, monkeypatch)
     man = json.loads((d / "manifest.json").read_text())
-    assert man["version"] == version
+    assert man["version"] == version and man["block_hash"] == block_hash
+    assert set(man) == FORMAT_5_KEYS - ({"fingerprints"} if version == 4 else set())
     if block_hash == "xxh3_64":
-        assert man["block_hash"] == "xxh3_64"
         ref, width = xxhash.xxh3_64_intdigest, 8
     else:
-        assert set(man) == FORMAT_2_KEYS
         ref, width = zlib.crc32, 4
-    if version == 4:
-        assert "items" not in man and "blocks" not in man
-        man["items"], man["blocks"] = _tables_of_format_4(man["tables"])
-    else:
-        assert "tables" not in man
+    man["items"], man["blocks"] = _tables_of_format_4(man["tables"], width)
     items = _items(d)
     assert len(man["blocks"]) == 1 and len(man["items"]) == 2
     for key, recorded in man["items"].items():
@@ -216,12 +212,12 @@ def test_unknown_block_hash_is_refused_naming_the_file_and_algorithm(tmp_path, m
     assert ci.list_checkpoints(str(tmp_path)) == [str(d)]  # listing still works
 
 
-@pytest.mark.parametrize("change", ["v3_without_name", "v2_with_xxh3"])
-def test_manifest_whose_version_and_algorithm_disagree_is_damaged(tmp_path, monkeypatch, change):
+@pytest.mark.parametrize("change", ["without_name", "crc32_named_xxh3"])
+def test_manifest_whose_table_and_algorithm_disagree_is_damaged(tmp_path, monkeypatch, change):
     d = tmp_path / "c"
-    _save(d, "xxh3_64" if change == "v3_without_name" else "crc32", monkeypatch)
+    _save(d, "xxh3_64" if change == "without_name" else "crc32", monkeypatch)
     man = json.loads((d / "manifest.json").read_text())
-    if change == "v3_without_name":
+    if change == "without_name":
         del man["block_hash"]
     else:
         man["block_hash"] = "xxh3_64"
@@ -230,12 +226,15 @@ def test_manifest_whose_version_and_algorithm_disagree_is_damaged(tmp_path, monk
         _load(d)
 
 
-@pytest.mark.parametrize("change", ["not_base64", "truncated", "no_tables", "json_items_too", "v3_with_tables"])
+@pytest.mark.parametrize("change", ["not_base64", "truncated", "no_tables", "json_items_too", "emptied", "v3_with_tables"])
 def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch, capsys, change):
-    """A format-4 manifest whose binary tables are damaged (not base64, cut short), missing, mixed
-    with format 3's JSON tables, or a format-3 manifest that carries them: every load and
-    ``verify`` refuse it as damage naming the manifest; nothing is read unverified. The same
-    checkpoint loads once the manifest is restored."""
+    """A manifest whose binary table is damaged (not base64, cut short), missing, mixed with format
+    3's JSON tables or emptied (it once turned verification off: the load read every item
+    unchecked): every load and ``verify`` refuse it as damage naming the manifest; nothing is read
+    unverified. A manifest that says format 3 but carries the table is refused by loads as an older
+    format and by ``convert`` as damage. The same checkpoint loads once the manifest is restored."""
+    from ckpt_integration.tools import convert_checkpoint
+
     d = tmp_path / "c"
     want = _save(d, "xxh3_64", monkeypatch)
     good = (d / "manifest.json").read_text()
@@ -249,12 +248,21 @@ def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch,
         del man["tables"]
     elif change == "json_items_too":
         man["items"] = {"__0_0.distcp@0": 1}
+    elif change == "emptied":
+        man["tables"] = ""
     else:
         man["version"] = 3
     (d / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged") as ei:
-        _load(d)
-    assert str(d) in str(ei.value)
+    if change == "v3_with_tables":
+        with pytest.raises(ci.errors.UnsupportedCheckpointError, match="ckpt-integration convert"):
+            _load(d)
+        with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged: format 3 has no 'tables'"):
+            convert_checkpoint(str(d), "torch_dist", str(tmp_path / "out"))
+    else:
+        damaged = r"manifest\.json has no checksum for " if change == "emptied" else r"manifest\.json is damaged"
+        with pytest.raises(ci.CorruptCheckpointError, match=damaged) as ei:
+            _load(d)
+        assert str(d) in str(ei.value)
     capsys.readouterr()
     assert main(["verify", str(d)]) == 1
     assert "manifest.json" in capsys.readouterr().out
@@ -325,31 +333,31 @@ def test_archive_of_an_unexpected_layout_gets_the_digest_of_its_bytes(name, layo
     assert record is None and digest == h.digest(out.getvalue())
 
 
-def test_block_records_decoded_together_equal_one_by_one():
-    """``digests_many`` (a run of small items: the digest texts of one length decoded at once) gives
-    what ``digests_of`` gives item by item: records of several lengths (padded base64 too), a key
-    spelled otherwise (found through the full index), items without a record; and a malformed
-    record among many is named as damage, as one by one."""
-    from ckpt_integration.errors import CorruptCheckpointError
-    from ckpt_integration.storage.block_records import BlockRecordTable
+def test_old_json_block_records_become_the_item_table_or_are_named_as_damage():
+    """``convert`` reads the JSON tables of formats 2/3 into the item table (legacy_manifest.upgrade):
+    records of several lengths (padded base64 too), a key spelled otherwise, items without a record
+    come out as ``digests_many`` and ``digests_of`` give them; a malformed record (not base64, another
+    form, out of bounds, of no listed item) is named by its key."""
+    from ckpt_integration.storage import checkpoint_dir as ckdir
     from ckpt_integration.storage.checksum import block_hash
+    from ckpt_integration.storage.legacy_manifest import upgrade
 
     for name in ("xxh3_64", "crc32"):
         h = block_hash(name)
-        raw = {f"f@{i * 100}": [64, 4096 * (i % 3), 4096, h.pack(list(range(i, i + 1 + i % 4)))] for i in range(50)}
-        raw["g@0007"] = [10, 20, 4096, h.pack([5, 6, 7])]  # (not file@offset as the writer spells it)
+        blocks = {f"f@{i * 100}": [64, 4096 * (i % 3), 4096, h.pack(list(range(i, i + 1 + i % 4)))] for i in range(50)}
+        blocks["g@0007"] = [10, 20, 4096, h.pack([5, 6, 7])]  # (not file@offset as the writer spells it)
+        items = {k: 9 for k in blocks} | {"f@1": 3, "h@0": 4}
+        raw = {"version": 3, "block_hash": name, "items": items, "blocks": blocks} if name == "xxh3_64" else \
+            {"version": 2, "items": items, "blocks": blocks}
+        recs = ckdir.Manifest(**upgrade(raw, ckdir.MANIFEST_VERSION)).block_records()
         rids = [("f", i * 100) for i in range(50)] + [("g", 7), ("f", 1), ("h", 0)]
-        for checked in (True, False):
-            got = BlockRecordTable(raw, h, checked=checked).digests_many(rids)
-            want = [BlockRecordTable(raw, h, checked=checked).digests_of(r) for r in rids]
-            assert got == want and got[-2:] == [None, None] and got[50] == (10, 20, 4096, (5, 6, 7))
-        bad = dict(raw)
-        bad["f@1200"] = [64, 0, 4096, "****" * 4]
-        with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: block record of f@1200"):
-            BlockRecordTable(bad, h, checked=True).digests_many(rids)
-        # records of another form or out of bounds (checked inline in a run) are named the same way
-        for wrong in ([64, -5, 4096, h.pack([1])], [64, 0, 0, h.pack([1])], ["64", 0, 4096, h.pack([1])],
-                      [64, 0, 4096], "64,0,4096", [64, 0, 4096, 7]):
-            bad = dict(raw, **{"f@1300": wrong})
-            with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: block record of f@1300"):
-                BlockRecordTable(bad, h, checked=True).digests_many(rids)
+        got = recs.digests_many(rids)
+        assert got == [recs.digests_of(r) for r in rids] and got[-2:] == [None, None]
+        assert got[50] == (10, 20, 4096, (5, 6, 7)) and got[3] == (64, 0, 4096, (3, 4, 5, 6))
+        for key, wrong in (("f@1200", [64, 0, 4096, "****" * 4]), ("f@1300", [64, -5, 4096, h.pack([1])]),
+                           ("f@1300", [64, 0, 0, h.pack([1])]), ("f@1300", ["64", 0, 4096, h.pack([1])]),
+                           ("f@1300", [64, 0, 4096]), ("f@1300", "64,0,4096"), ("f@1300", [64, 0, 4096, 7]),
+                           ("q@5", [64, 0, 4096, h.pack([1])]), ("f@x", [64, 0, 4096, h.pack([1])])):
+            bad = dict(raw, blocks=dict(blocks, **{key: wrong}), items=dict(items, **({} if key == "q@5" else {key: 1})))
+            with pytest.raises(ValueError, match=key if key != "f@1200" else ""):
+                upgrade(bad, ckdir.MANIFEST_VERSION)

@@ -274,13 +274,13 @@ def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path
     """The coordinator's broadcast (manifest text, commit marker, the manifest's item table, the
     index as stored) decodes to the same manifest and index whether head and table are compressed
     (a job on several nodes) or not (one node, ``LOCAL_WORLD_SIZE`` covering the group: no zlib on
-    megabytes of tables for 20,000 small tensors); the frame says which. Format 4's table travels
-    as its binary columns (not as the manifest's base64); format 3's tables in the manifest text."""
+    megabytes of tables for 20,000 small tensors); the frame says which. The item table travels
+    as its binary columns (not as the manifest's base64), in formats 4 and 5."""
     import dataclasses
 
     from ckpt_integration.execution import shared_metadata as sm
 
-    for version in (4, 3):
+    for version in (5, 4):
         ckdir.SAVE_MANIFEST_VERSION, was = version, ckdir.SAVE_MANIFEST_VERSION
         try:
             ci.save(_state(), tmp_path / f"c{version}")
@@ -292,12 +292,9 @@ def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path
         assert payload[4] == (1 if compress else 0)
         manifest_json = ckdir.manifest_text(shared.manifest)
         table = shared.manifest.item_table()
-        if version == 4:
-            assert manifest_json.encode() not in payload  # (the base64 does not travel)
-            assert ckdir.manifest_json(dataclasses.replace(shared.manifest, tables="")).encode() in payload or compress
-            assert (table.raw in payload) is not compress
-        else:
-            assert table is None and (manifest_json.encode() in payload) is not compress
+        assert manifest_json.encode() not in payload  # (the base64 does not travel)
+        assert ckdir.manifest_json(dataclasses.replace(shared.manifest, tables="")).encode() in payload or compress
+        assert (table.raw in payload) is not compress
         got = sm.decode_shared(payload)
         assert got.backend == shared.backend and got.config == shared.config
         assert {**ckdir.manifest_fields(got.manifest), "tables": ""} == {**ckdir.manifest_fields(shared.manifest), "tables": ""}
@@ -342,21 +339,3 @@ def test_a_load_on_one_node_resharded_exactly(tmp_path):
     from tests.dist_utils import run_distributed
 
     run_distributed(_one_node_load, 2, str(tmp_path / "c"))
-
-
-def test_item_digests_are_checked_when_used(tmp_path):
-    """The manifest's item digests are converted entry by entry as a load uses them (not all of
-    every rank's up front); a malformed entry is damage naming the manifest when it is used, and
-    iterating the table (verify) checks every entry."""
-    from ckpt_integration.errors import CorruptCheckpointError
-    from ckpt_integration.storage.block_records import ItemDigestTable
-
-    table = ItemDigestTable({"f@0": 11, "f@0100": "12", "g@5": 7})
-    assert table[("f", 0)] == 11 and table.get(("f", 100)) == 12 and ("h", 1) not in table
-    assert dict(table) == {("f", 0): 11, ("f", 100): 12, ("g", 5): 7} and len(table) == 3
-    bad = ItemDigestTable({"f@0": 11, "f@1": "not a digest", "f@x": 3})
-    assert bad[("f", 0)] == 11  # the malformed entries are not needed for this one
-    with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: item digest of f@1"):
-        bad[("f", 1)]
-    with pytest.raises(CorruptCheckpointError, match=r"manifest.json is damaged: an item digest entry"):
-        list(bad)

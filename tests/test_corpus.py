@@ -1,9 +1,11 @@
 """Checkpoints written by earlier versions keep loading, exactly and verified (tests/corpus.py).
 
-Every set under ``tests/data/corpus/format<N>/`` was written once, by the version that introduced
-format N, and is never rewritten: each test here reads the committed files (copied, so a
-failed test cannot damage the corpus) and compares every value exactly with the arithmetic
-that produced it.
+Every set under ``tests/data/corpus/format<N>/`` was written once and is never rewritten: each
+test here reads the committed files (copied, so a failed test cannot damage the corpus) and
+compares every value exactly with the arithmetic that produced it. Formats 4 and 5 load as
+they are; formats 1-3 (JSON item tables; written by 99bfb91's writer through its format switches,
+format 1 as the format-2 set without block records and save token) are refused by every load
+with an error naming ``ckpt-integration convert``, which turns them into the current format.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from ckpt_integration.tools.verify import verify_checkpoint
 from tests.corpus import COMMON, CONTENT_METADATA, CORPUS_DIR, SHAPES, SETS, expected_full, expected_object, format_of
 from tests.dist_utils import run_distributed
 
-CORPUS = sorted(str(p.relative_to(CORPUS_DIR)) for p in CORPUS_DIR.glob("format*/*") if p.is_dir())
+ALL_SETS = sorted(str(p.relative_to(CORPUS_DIR)) for p in CORPUS_DIR.glob("format*/*") if p.is_dir())
+# manifest formats loads refuse (converted by ``ckpt-integration convert``)
+LEGACY = (1, 2, 3)
+CORPUS = [n for n in ALL_SETS if format_of(CORPUS_DIR / n) not in LEGACY]
+LEGACY_SETS = [n for n in ALL_SETS if format_of(CORPUS_DIR / n) in LEGACY]
 # the first format whose saves record fingerprints (verify_state checks them)
 FINGERPRINTED = 5
 
@@ -33,6 +39,7 @@ def test_the_corpus_holds_every_set_of_the_current_format():
     for name in SETS:
         assert f"format{MANIFEST_VERSION}/{name}" in CORPUS, (name, CORPUS)
     assert "format4/torch_dist-sync" in CORPUS  # written by 1714cad, the first corpus
+    assert [format_of(CORPUS_DIR / n) for n in LEGACY_SETS] == [1, 2, 3]
 
 
 def _copy(name: str, tmp_path) -> str:
@@ -127,3 +134,80 @@ def test_a_corpus_set_with_a_flipped_byte_is_refused(tmp_path):
     open(data, "wb").write(bytes(raw))
     with pytest.raises(ci.CorruptCheckpointError, match="__0_0.distcp"):
         ci.load_plain_tensors(path)
+
+
+def _tree_bytes(path: str) -> dict:
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+@pytest.mark.parametrize("name", LEGACY_SETS)
+def test_an_older_manifest_format_is_refused_naming_convert_which_turns_it_into_the_current_one(name, tmp_path):
+    """Manifest formats 1-3: every way in refuses with UnsupportedCheckpointError naming the command
+    (load, the tensors, the common state, verify, a collective open); ``ckpt-integration convert OLD
+    NEW --to torch_dist`` reads it (every byte checked against the digests it records: whole-item
+    CRC32s in format 1, block CRC32s in 2, XXH3-64 in 3), leaves it byte for byte unchanged and writes
+    the current format, which then loads exactly, with fingerprints, and verifies."""
+    from ckpt_integration.cli import main
+    from ckpt_integration.errors import UnsupportedCheckpointError
+    from ckpt_integration.storage.checkpoint_dir import MANIFEST_VERSION
+
+    path = _copy(name, tmp_path)
+    before = _tree_bytes(path)
+    refused = rf"manifest format {format_of(CORPUS_DIR / name)}.*ckpt-integration convert {path} NEW_DIR --to torch_dist"
+    for attempt in (lambda: ci.load_plain_tensors(path), lambda: ci.load_common_state_dict(path),
+                    lambda: ci.load({"counts": ShardedTensor.from_rank_offsets("counts", torch.zeros(10, dtype=torch.int64))}, path),
+                    lambda: ci.open_checkpoint(path)):
+        with pytest.raises(UnsupportedCheckpointError, match=refused):
+            attempt()
+    report = verify_checkpoint(path)  # (verify reports instead of raising)
+    assert not report.ok and [p["file"] for p in report.problems] == ["manifest.json"], report.format()
+    assert "ckpt-integration convert" in report.problems[0]["message"]
+    out = str(tmp_path / "converted")
+    assert main(["convert", path, out, "--to", "torch_dist"]) == 0
+    assert _tree_bytes(path) == before
+    assert format_of(__import__("pathlib").Path(out)) == MANIFEST_VERSION
+    tensors = ci.load_plain_tensors(out, verify_state=True)
+    assert sorted(tensors) == sorted(SHAPES)
+    for key in SHAPES:
+        want = expected_full(key)
+        assert tensors[key].dtype == want.dtype and torch.equal(tensors[key], want), key
+    assert last_load_stats["state_checked_keys"] == len(SHAPES)
+    common = ci.load_common_state_dict(out)
+    assert {k: common[k] for k in COMMON} == COMMON
+    assert ci.load_content_metadata(out) == CONTENT_METADATA
+    objs = ci.load({f"rng{t}": ShardedObject("rng", None, (2,), (t,)) for t in (0, 1)}, out)
+    assert [objs["rng0"], objs["rng1"]] == [expected_object(0), expected_object(1)]
+    report = verify_checkpoint(out, state=True)
+    assert report.ok, report.format()
+
+
+@pytest.mark.parametrize("name", LEGACY_SETS)
+def test_converting_a_damaged_older_checkpoint_fails_naming_the_damage(name, tmp_path):
+    """The conversion is no way around the checks: a flipped data byte (format 1: found by the
+    whole-item CRC32; 2 and 3: by the block digest) or a malformed record of the old JSON tables
+    fails it with CorruptCheckpointError naming the file, and no output is left."""
+    import json
+
+    from ckpt_integration.cli import main
+    from ckpt_integration.tools import convert_checkpoint
+
+    path = _copy(name, tmp_path)
+    data = os.path.join(path, "__1_0.distcp")
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(data, "wb").write(bytes(raw))
+    out = str(tmp_path / "converted")
+    with pytest.raises(ci.CorruptCheckpointError, match="__1_0.distcp"):
+        convert_checkpoint(path, "torch_dist", out)
+    assert not os.path.exists(out)
+    fresh = _copy(name, tmp_path / "again")
+    man_path = os.path.join(fresh, "manifest.json")
+    man = json.loads(open(man_path).read())
+    table = "blocks" if man.get("blocks") else "items"
+    first = sorted(man[table])[0]
+    man[table][first] = [1, 2] if table == "blocks" else "not a digest"
+    open(man_path, "w").write(json.dumps(man))
+    with pytest.raises(ci.CorruptCheckpointError, match=rf"manifest.json is damaged: .*{first}"):
+        convert_checkpoint(fresh, "torch_dist", out)
+    assert main(["convert", fresh, out, "--to", "torch_dist"]) != 0
+    assert not os.path.exists(out)

@@ -39,6 +39,7 @@ from ckpt_integration.errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import torch_dist as td
 from tests.damage import deadline, flip_byte
 from tests.dist_utils import run_distributed
@@ -91,20 +92,20 @@ def _w_item(d):
 
 
 # =========================================================================== silent wrong data
-@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])  # manifest format 3 (new saves), format 2
+@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])
 def test_damaged_data_is_never_returned_by_partial_reads(tmp_path, monkeypatch, block_hash):
     """Flips (archive header, first/middle/last data rows, archive trailer), truncation and a swap
     with the same file of another checkpoint of the same layout: a partial request either raises
     CorruptCheckpointError naming the file or returns exactly the saved values (it read no
     damaged byte); requests that read the damaged block always raise. Both block digests: XXH3-64
-    (format 4) and CRC32 (format 2, written through the writer's switch)."""
+    (new saves) and CRC32 (written through the writer's switch)."""
     from ckpt_integration.storage import checksum
 
     monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", block_hash)
     good = tmp_path / "good"
     want = _save(good, seed=1)
     man = json.loads((good / "manifest.json").read_text())
-    assert (man["version"], man.get("block_hash")) == ((5, "xxh3_64") if block_hash == "xxh3_64" else (2, None))
+    assert (man["version"], man.get("block_hash")) == (5, block_hash)
     other = tmp_path / "other"
     _save(other, seed=2)  # same layout, other values
     item = _w_item(good)
@@ -159,23 +160,37 @@ def _w_item_remote(url):
 
 
 def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path, monkeypatch):
-    """Manifest format 1 (whole-item CRC32s only, as written before block checksums): partial
-    reads read and check the whole item, and still load what an undamaged one holds."""
+    """Manifest format 1 (whole-item CRC32s only, as written before block checksums): loads refuse it
+    naming ``ckpt-integration convert``; ``convert``'s reader reads and checks the whole item for a
+    partial read, returns what an undamaged one holds and refuses a flip far from the request."""
+    from ckpt_integration.errors import UnsupportedCheckpointError
+    from ckpt_integration.planning.boxes import Box
     from ckpt_integration.storage import checksum
+    from ckpt_integration.tools.sources import open_source
 
-    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", "crc32")  # format 2, then made format 1
+    monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", "crc32")  # then made format 1
     d = tmp_path / "old"
     want = _save(d, seed=4)
     man = json.loads((d / "manifest.json").read_text())
-    man.pop("blocks", None), man.pop("save", None)
-    man["version"] = 1
+    items = {f"{f}@{o}": v for (f, o), v in ckdir.read_manifest(str(d)).checksums().items()}
+    man = {k: man[k] for k in ("format", "created", "world_size", "files", "library_version")}
+    man.update(version=1, items=items)
     (d / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UnsupportedCheckpointError, match="manifest format 1.*ckpt-integration convert"):
+        _load_box(d, slice(None), slice(0, 10))
+
+    def read(rows, cols):
+        r0, r1, _ = rows.indices(ROWS)
+        c0, c1, _ = cols.indices(COLS)
+        with open_source(str(d)) as src:
+            return src.read_block("w", Box((r0, c0), (r1 - r0, c1 - c0)))
+
     for rows, cols in REQUESTS.values():
-        assert torch.equal(_load_box(d, rows, cols), want[rows, cols])
+        assert torch.equal(read(rows, cols), want[rows, cols])
     flip_byte(_data_file(d), _w_item(d).offset + 1024 + 3 * COLS * 4)  # far from every request
     for rows, cols in REQUESTS.values():
         with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
-            _load_box(d, rows, cols)
+            read(rows, cols)
 
 
 def test_deleted_manifest_is_damage_not_a_foreign_checkpoint(tmp_path):

@@ -55,7 +55,7 @@ def saved(tmp_path_factory):
         _save(base / "good", seed=1)
         _save(base / "other", seed=2)
         _save(base / "zarr", seed=3, sharded_strategy="zarr")
-        checksum.SAVE_BLOCK_HASH = "crc32"  # manifest format 2, as written before format 3
+        checksum.SAVE_BLOCK_HASH = "crc32"  # CRC32 block digests
         _save(base / "good_crc32", seed=1)
     finally:
         td.BLOCK_SIZE, checksum.SAVE_BLOCK_HASH = old, old_hash
@@ -64,8 +64,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(params=["good", "good_crc32"])
 def ckpt(saved, tmp_path, request):
-    """A fresh copy of the good checkpoint, to damage: manifest format 3 (XXH3-64 block digests)
-    and format 2 (CRC32)."""
+    """A fresh copy of the good checkpoint, to damage: XXH3-64 block digests and CRC32 ones."""
     d = tmp_path / "c"
     shutil.copytree(saved / request.param, d)
     return d
@@ -111,29 +110,25 @@ def _rewrite_metadata(d, edit) -> None:
 
 
 def _to_format_1(d) -> None:
-    """The manifest as written before block checksums (whole-item CRC32s only), from format 2."""
+    """The manifest as written before block checksums (whole-item CRC32s only), from a CRC32 one."""
+    from ckpt_integration.storage.checkpoint_dir import read_manifest
+
     man = _manifest(d)
-    assert man["version"] == 2, "format 1 is made from a format-2 (CRC32) checkpoint"
-    man.pop("blocks"), man.pop("save")
-    man["version"] = 1
+    assert man["block_hash"] == "crc32", "format 1 is made from a CRC32 checkpoint"
+    items = {f"{f}@{o}": v for (f, o), v in read_manifest(str(d)).checksums().items()}
+    man = {k: man[k] for k in ("format", "created", "world_size", "files", "library_version")}
+    man.update(version=1, items=items)
     _write_manifest(d, man)
 
 
 def _tamper_block_crc(d) -> None:
     """One block digest of ``w`` wrong, its item digest right: loads of that block fail."""
     man = _manifest(d)
-    if man["version"] >= 4:  # the binary table: the first tensor item's block digests follow the item digests
-        raw = bytearray(base64.b64decode(man["tables"]))
-        _, _, width, n, _, nmsg = struct.unpack_from("<4sIIQQQ", raw, 0)
-        raw[36 + nmsg + width * n + 16] ^= 1  # the third digest (a data block's)
-        man["tables"] = base64.b64encode(bytes(raw)).decode()
-        _write_manifest(d, man)
-        return
-    key = next(iter(man["blocks"]))
-    rec = man["blocks"][key]
-    crcs = bytearray(base64.b64decode(rec[3]))
-    crcs[16] ^= 1  # in the digest of a data block (CRC32: the fifth, XXH3-64: the third)
-    rec[3] = base64.b64encode(bytes(crcs)).decode()
+    # the binary table: the first tensor item's block digests follow the item digests
+    raw = bytearray(base64.b64decode(man["tables"]))
+    _, _, width, n, _, nmsg = struct.unpack_from("<4sIIQQQ", raw, 0)
+    raw[36 + nmsg + width * n + 16] ^= 1  # in a data block's digest (CRC32: the fifth, XXH3-64: the third)
+    man["tables"] = base64.b64encode(bytes(raw)).decode()
     _write_manifest(d, man)
 
 
@@ -206,10 +201,12 @@ def test_verify_good_checkpoints(saved, tmp_path, capsys):
         assert rep["block_hash"] == block_hash
     old = tmp_path / "old"
     shutil.copytree(saved / "good_crc32", old)
-    _to_format_1(old)
-    assert run_cli("verify", old, capsys=capsys)[0] == 0
+    _to_format_1(old)  # an older format: reported, naming the command that converts it
+    _expect_damaged(old, capsys, "manifest.json", "manifest format 1", "ckpt-integration convert")
+    assert run_cli("convert", old, tmp_path / "new", "--to", "torch_dist", capsys=capsys)[0] == 0
+    assert run_cli("verify", tmp_path / "new", capsys=capsys)[0] == 0
     flip_byte(old / DATA, _w_item(old).offset + 20000)
-    _expect_damaged(old, capsys, DATA, "checksum mismatch")
+    assert run_cli("convert", old, tmp_path / "new2", "--to", "torch_dist", capsys=capsys)[0] != 0
 
 
 # =========================================================================== verify: .metadata vs the data
@@ -230,13 +227,11 @@ def _halve_rows(md):
 EDITS = {"dtype_same_size": _set_dtype(torch.int32), "dtype_larger": _set_dtype(torch.float64), "fewer_elements": _halve_rows}
 
 
-@pytest.mark.parametrize("fmt", [3, 2, 1])
+@pytest.mark.parametrize("block_hash", ["xxh3_64", "crc32"])
 @pytest.mark.parametrize("edit", sorted(EDITS))
-def test_verify_finds_metadata_that_disagrees_with_the_archive(saved, tmp_path, capsys, edit, fmt):
+def test_verify_finds_metadata_that_disagrees_with_the_archive(saved, tmp_path, capsys, edit, block_hash):
     ckpt = tmp_path / "c"
-    shutil.copytree(saved / ("good" if fmt == 3 else "good_crc32"), ckpt)
-    if fmt == 1:
-        _to_format_1(ckpt)
+    shutil.copytree(saved / ("good" if block_hash == "xxh3_64" else "good_crc32"), ckpt)
     _rewrite_metadata(ckpt, EDITS[edit])
     _expect_damaged(ckpt, capsys, DATA, "'w'")
 

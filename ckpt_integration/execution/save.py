@@ -49,7 +49,7 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.chunk_index import CHUNK_INDEX_FILE, index_of_layout
 from ..storage.dcp_pickle import dumps_commit_layout
-from ..storage.manifest_tables import file_sizes, rendered_tables
+from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
 from ..storage.filesystem import join, storage_for, write_error
@@ -416,7 +416,7 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     files.update(file_sizes(layout.written))
     digest = save_block_hash()  # what write_data_files recorded
     fmt = ckdir.manifest_format(digest)
-    rendered = rendered_tables(layout.written, digest, fmt["version"])
+    rendered = {"tables": table_of_written(layout.written, digest)}
     manifest = ckdir.Manifest(
         **fmt,
         world_size=plan.world_size,

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .. import errors as errors_mod
 from ..planning.records import MessageWriter, decode
 from ..storage import checkpoint_dir as ckdir
-from ..storage.block_records import BlockRecordTable
 from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, parse_index
 from ..storage.item_table import ItemTable
 from ..storage.opened import OpenedCheckpoint
@@ -78,8 +77,8 @@ class SharedMetadata:
 # older formats: nothing, their tables travel in the manifest's JSON text), then the chunk index
 # as stored (already compressed: the coordinator sends the file's bytes, neither decoding nor
 # re-encoding them). Head and table are compressed (zlib level 1) only for a job on several
-# nodes: on one node the broadcast is a copy through shared memory, and compressing the format-3
-# manifest of 20,000 small tensors (2.6 MB) took 26 ms on the coordinator and 7 ms on every other rank.
+# nodes: on one node the broadcast is a copy through shared memory, and compressing the JSON tables of
+# format 3 for 20,000 small tensors (2.6 MB) took 26 ms on the coordinator and 7 ms on every other rank.
 _LEVEL = 1
 _FRAME = struct.Struct("<IBQ")
 
@@ -97,7 +96,7 @@ def encode_shared(shared: SharedMetadata, compress: bool = True) -> bytes:
     config = json.dumps(asdict(shared.config)) if shared.config is not None else ""
     m = shared.manifest
     table = m.item_table() if m is not None else None
-    text = "" if m is None else ckdir.manifest_text(m) if table is None else ckdir.manifest_json(replace(m, tables=""))
+    text = "" if m is None else ckdir.manifest_json(replace(m, tables=""))
     w.add(0, w.sid(shared.backend), w.sid(text), w.sid(config))
     return _frame(w, shared.compact.raw if shared.compact is not None else b"", compress, table.raw if table is not None else b"")
 
@@ -124,16 +123,11 @@ def decode_shared(buf: bytes, where: str = "the broadcast chunk index") -> Share
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
     config = ckdir.CheckpointingConfig(**json.loads(config_json)) if config_json else None
     table = buf[_FRAME.size + n : _FRAME.size + n + nt]
-    if manifest is not None and manifest.version >= 4:
+    if manifest is not None:
         # the coordinator decoded and checked this table (read_manifest); decoding it here is a
         # few numpy views (its structure is checked again: the same bytes give the same verdict)
         raw = zlib.decompress(table) if compressed and table else bytes(table)
         manifest.attach_item_table(ItemTable(raw, manifest.hash, f"{ckdir.MANIFEST_FILE} (as rank 0 read it)"))
-    elif manifest is not None and manifest.blocks:
-        # the coordinator read this text and checked every block record's form (read_manifest):
-        # the table here decodes and indexes entries only as they are used (Manifest.block_records
-        # returns the table cached for its current ``blocks``)
-        manifest.__dict__["_block_records"] = (manifest.blocks, BlockRecordTable(manifest.blocks, manifest.hash, checked=True))
     index = buf[_FRAME.size + n + nt :]
     compact = parse_index(index, where) if index else None
     return SharedMetadata(backend, None, manifest, compact, config=config)

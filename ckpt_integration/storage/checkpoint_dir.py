@@ -6,9 +6,10 @@
   is written **last**, atomically, after every rank's data is durable: a
   directory without it is an incomplete save and is never loaded.
 * ``common.pt`` - the common (non-sharded) state, ``torch.save``'d by rank 0.
-* ``manifest.json`` - our own record: format version, world size, per-item and per-file checksums,
-  per-block digests of tensor data (format 2: CRC32, 3 and 4: XXH3-64, ``checksum.py``; format 4's
-  per-item tables are binary columns, ``item_table.py``). Optional on load (Megatron/DCP lack it).
+* ``manifest.json`` - our own record: format version, world size, per-file checksums, and per stored
+  item its digest and the digests of its blocks of tensor data (XXH3-64 or CRC32, ``checksum.py``)
+  as one binary table (``item_table.py``). Optional on load (Megatron/DCP lack it). Formats 1-3
+  (JSON tables) are refused by loads and read only by ``convert`` (``legacy_manifest.py``).
 * ``ckpt_integration.json`` - the save marker, written *first* by every save (see
   :mod:`.claim`): says that the directory is ours and that the checkpoint has a
   ``manifest.json``, so a deleted manifest is reported as damage instead of the
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 
@@ -43,10 +44,10 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .block_records import MANIFEST_FILE, BlockRecord, BlockRecordTable, ItemDigestTable  # noqa: F401 (re-exported)
-from .checksum import CRC32, BlockHash, block_hash, crc32, save_block_hash
+from .checksum import BlockHash, block_hash, crc32, save_block_hash
 from .fingerprint import Recorded
-from .item_table import ItemTable, TableBlockRecords, TableItemDigests, decode_text
+from .item_table import MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests, decode_text
+from .legacy_manifest import LEGACY_VERSIONS, refusal, upgrade
 from .claim import MARKER_FILE
 from .filesystem import join, storage_for
 from .located import CheckpointLocation, cached_config, cached_manifest
@@ -58,13 +59,12 @@ CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
-# 1: whole-item CRC32s; 2: adds per-block CRC32s of tensor data ("blocks") and the save token;
-# 3: the block digest is named by "block_hash" (XXH3-64 for new saves), item digests follow it
-# 4: the per-item tables ("items", "blocks") as binary columns in "tables" (see item_table.py)
+# 1-3: JSON item tables (legacy_manifest.py: converted, not loaded);
+# 4: the per-item tables as one binary table in "tables" (see item_table.py), the block digest
+# named by "block_hash"; 5: adds "fingerprints" (fingerprint.py)
 MANIFEST_VERSION = 5
-SUPPORTED_MANIFEST_VERSIONS = (1, 2, 3, 4, 5)
-# The format new XXH3-64 saves write: 4, or 3 (JSON tables, which versions of the library from
-# before format 4 read; tests write format-3 checkpoints through it). CRC32 saves write format 2.
+SUPPORTED_MANIFEST_VERSIONS = (4, 5)
+# The format new saves write (tests write format-4 checkpoints through it)
 SAVE_MANIFEST_VERSION = MANIFEST_VERSION
 
 # backend -> supported versions of its on-disk layout
@@ -98,38 +98,32 @@ class Manifest:
     # an opened checkpoint checks it to notice that its directory now holds another commit
     commit_id: str = ""
     world_size: int = 1
-    # format 3: the block digest algorithm (checksum.block_hash); formats 1 and 2: always "crc32",
-    # and the key is not written (their readers take no unknown keys)
+    # the block digest algorithm (checksum.block_hash) of the item table's digests
     block_hash: Optional[str] = None
-    # "file@offset" -> digest of the item's stored bytes (``block_hash``'s item_digest)
-    items: Dict[str, int] = field(default_factory=dict)
     # file name -> {"size": bytes, "crc32": ...}
     files: Dict[str, Dict[str, int]] = field(default_factory=dict)
     library_version: str = ""
-    # format 2+: "file@offset" -> [data_offset, data_length, block_size, base64 of the block digests]
-    # (digests of: bytes before the data, each data block, bytes after the data; empty ones left out)
-    blocks: Dict[str, List[Any]] = field(default_factory=dict)
     save: str = ""  # token of the save that wrote the checkpoint (see claim.py)
     # format 5: every saved chunk's layout-independent fingerprint (key, box, value), base64 of
     # fingerprint.encode_groups ("" when the save recorded none)
     fingerprints: str = ""
-    # format 4: "items" and "blocks" as one binary table, base64 (item_table.py); last in the file
+    # per stored item ("file", offset): the digest of its bytes and, for tensor items, where its data
+    # lies and the digests of its blocks (bytes before the data, each data block, bytes after it;
+    # empty ones left out), as one binary table, base64 (item_table.py); last in the file
     tables: str = ""
 
     def __post_init__(self) -> None:
         if self.block_hash is None:
-            self.block_hash = CRC32 if isinstance(self.version, int) and self.version < 3 else save_block_hash().name
+            self.block_hash = save_block_hash().name
 
     @property
     def hash(self) -> BlockHash:
         """The block digest algorithm of this checkpoint (raises UnknownBlockHashError if unknown)."""
         return block_hash(self.block_hash, MANIFEST_FILE)
 
-    def item_table(self, where: str = MANIFEST_FILE) -> Optional[ItemTable]:
-        """Format 4: the decoded ``tables`` (one per ``tables`` text; :class:`CorruptCheckpointError`
-        naming ``where`` if damaged); None for older formats, whose tables are ``items`` and ``blocks``."""
-        if not (isinstance(self.version, int) and self.version >= 4):
-            return None
+    def item_table(self, where: str = MANIFEST_FILE) -> ItemTable:
+        """The decoded ``tables`` (one per ``tables`` text; :class:`CorruptCheckpointError` naming
+        ``where`` if damaged)."""
         cached = self.__dict__.get("_item_table")
         if cached is not None and cached[0] is self.tables:
             return cached[1]
@@ -154,43 +148,30 @@ class Manifest:
 
     def attach_item_table(self, table: ItemTable) -> None:
         """Use ``table`` (decoded from bytes that travelled without the base64 text, e.g. a load's
-        broadcast) as this format-4 manifest's tables. (The mapping views are kept here, not on
+        broadcast) as this manifest's tables. (The mapping views are kept here, not on
         the table: they refer to it, and a table holding them would be a reference cycle.)"""
         self.__dict__["_item_table"] = (self.tables, table, TableItemDigests(table), TableBlockRecords(table))
 
     def checksums(self) -> Mapping[Tuple[str, int], int]:
-        """``(file, offset) -> item digest``, one table per ``items`` table (read-only: every
-        reader of this manifest shares it; each entry converted when it is used)."""
-        if self.item_table() is not None:
-            return self.__dict__["_item_table"][2]
-        cached = self.__dict__.get("_checksums")
-        if cached is not None and cached[0] is self.items:
-            return cached[1]
-        out = ItemDigestTable(self.items)
-        self.__dict__["_checksums"] = (self.items, out)
-        return out
+        """``(file, offset) -> item digest`` over the item table (read-only: every reader of this
+        manifest shares it; each entry converted when it is used)."""
+        self.item_table()
+        return self.__dict__["_item_table"][2]
 
-    def block_records(self) -> Dict[Tuple[str, int], "BlockRecord"]:
-        """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums
-        (one table per manifest object; each record checked and decoded on first use: a load of
-        10,000 small tensors per rank spent 3-5 us per tensor checking every record up front)."""
-        if self.item_table() is not None:
-            return self.__dict__["_item_table"][3]
-        cached = self.__dict__.get("_block_records")
-        if cached is not None and cached[0] is self.blocks:
-            return cached[1]
-        out = BlockRecordTable(self.blocks, self.hash, checked=True)
-        self.__dict__["_block_records"] = (self.blocks, out)
-        return out
+    def block_records(self) -> Mapping[Tuple[str, int], BlockRecord]:
+        """``(file, offset) -> BlockRecord`` of every tensor item saved with block checksums, over
+        the item table (each record decoded on first use)."""
+        self.item_table()
+        return self.__dict__["_item_table"][3]
 
 
 def manifest_text(manifest: "Manifest") -> str:
     """The manifest as JSON text (e.g. for a load's broadcast): the text it was read from, while
     its tables are those read (re-encoding tens of thousands of entries costs ~20 us each)."""
     cached = manifest.__dict__.get("_text")
-    if cached is not None and cached[0] is manifest.blocks and cached[1] is manifest.items and cached[2] is manifest.tables:
+    if cached is not None and cached[0] is manifest.tables:
         try:
-            return bytes(cached[3]).decode("utf-8")
+            return bytes(cached[1]).decode("utf-8")
         except UnicodeDecodeError:  # valid JSON in another encoding: re-encode below
             pass
     return json.dumps(manifest_fields(manifest))
@@ -199,25 +180,16 @@ def manifest_text(manifest: "Manifest") -> str:
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
     (its tables have an entry per stored item: tens of thousands with many small tensors).
-    Formats 1 and 2 are written without ``block_hash``, formats 1 to 3 without ``tables``, exactly
-    as their writers wrote them; format 4 without ``items`` and ``blocks`` (``tables`` holds them)."""
+    Format 4 is written without ``fingerprints``, as its writers wrote it."""
     out = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
-    version = manifest.version if isinstance(manifest.version, int) else MANIFEST_VERSION
-    if version < 3:
-        del out["block_hash"]
-    if version < 5:
+    if isinstance(manifest.version, int) and manifest.version < 5:
         del out["fingerprints"]
-    if version < 4:
-        del out["tables"]
-    else:
-        del out["items"], out["blocks"]
     return out
 
 
 def manifest_format(h: BlockHash) -> Dict[str, Any]:
-    """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``: format 4 (or
-    :data:`SAVE_MANIFEST_VERSION`), or format 2 for CRC32 (which older versions of the library read)."""
-    return {"version": 2, "block_hash": CRC32} if h.name == CRC32 else {"version": SAVE_MANIFEST_VERSION, "block_hash": h.name}
+    """The ``version`` and ``block_hash`` of a new manifest whose blocks use ``h``."""
+    return {"version": SAVE_MANIFEST_VERSION, "block_hash": h.name}
 
 
 ZARR_INDEX_FILE = "zarr_index.json"
@@ -476,7 +448,7 @@ def write_manifest(directory: str, manifest: Manifest, durable: bool = True, ren
     that says the checkpoint has one was written when the save began (see :mod:`.claim`).
 
     ``rendered``: fields given as JSON text already (the per-item tables of a large commit,
-    see :mod:`.manifest_tables`), written in place of the manifest's own value of that field.
+    :func:`.item_table.table_of_written`), written in place of the manifest's own value of that field.
     """
     storage, directory = storage_for(directory)
     storage.write_atomic(join(directory, MANIFEST_FILE), manifest_json(manifest, rendered).encode(), durable)
@@ -507,9 +479,11 @@ def manifest_expected(directory: str) -> bool:
     return storage.exists(join(directory, WRITER_FILE))
 
 
-def read_manifest(directory: str) -> Optional[Manifest]:
+def read_manifest(directory: str, legacy: bool = False) -> Optional[Manifest]:
     """Our manifest, or ``None`` for checkpoints written by other tools (an opened checkpoint: the
-    manifest it pinned)."""
+    manifest it pinned). Formats 1-3 raise :class:`UnsupportedCheckpointError` naming the command
+    that converts them; ``legacy=True`` (what ``convert`` opens its source with) reads them as
+    the current format (:func:`.legacy_manifest.upgrade`)."""
     known, manifest = cached_manifest(directory)
     if known:
         return manifest
@@ -520,18 +494,24 @@ def read_manifest(directory: str) -> Optional[Manifest]:
     except FileNotFoundError:
         return None
     raw = load_json(data, path)
-    if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] not in SUPPORTED_MANIFEST_VERSIONS:
+    version = raw.get("version") if isinstance(raw, dict) else None
+    old = version in LEGACY_VERSIONS and type(version) is int
+    if old and not legacy:
+        raise refusal(path, version, SUPPORTED_MANIFEST_VERSIONS)
+    if isinstance(version, int) and not old and version not in SUPPORTED_MANIFEST_VERSIONS:
         raise UnsupportedCheckpointError(
-            f"{path} has format version {raw['version']} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "
+            f"{path} has format version {version} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "
             "written by a newer version of ckpt_integration?"
         )
     try:
+        if old:
+            raw = upgrade(raw, MANIFEST_VERSION)
         manifest = Manifest(**raw)
         # Parse the checksum tables now, so that wrong shapes/values (valid JSON, not a
         # manifest) fail here as CorruptCheckpointError rather than later as
         # ValueError/AttributeError in the middle of a load.
-        if not isinstance(manifest.items, dict) or not isinstance(manifest.files, dict) or not isinstance(manifest.blocks, dict):
-            raise TypeError("'items', 'files' and 'blocks' must be objects")
+        if not isinstance(manifest.files, dict):
+            raise TypeError("'files' must be an object")
         if not all(isinstance(v, dict) for v in manifest.files.values()):
             raise TypeError("every 'files' entry must be an object")
         for name in ("step", "commit_seq"):
@@ -540,28 +520,22 @@ def read_manifest(directory: str) -> Optional[Manifest]:
                 raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
         if not isinstance(manifest.commit_id, str):
             raise TypeError(f"'commit_id' must be a string, got {manifest.commit_id!r}")
-        if manifest.version >= 3 and "block_hash" not in raw:
-            raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash'), this one does not")
-        if manifest.version < 3 and manifest.block_hash != CRC32:
-            raise TypeError(f"format {manifest.version} has CRC32 block checksums, not {manifest.block_hash!r}")
-        if manifest.version >= 4 and ("tables" not in raw or raw.get("items") or raw.get("blocks")):
-            raise TypeError(f"format {manifest.version} keeps its item tables in 'tables' (and has no 'items' or 'blocks')")
-        if manifest.version < 4 and "tables" in raw:
-            raise TypeError(f"format {manifest.version} has no 'tables'")
+        if "block_hash" not in raw or "tables" not in raw:
+            raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash') and keeps "
+                            "its item table in 'tables'")
         if (manifest.version >= 5) != ("fingerprints" in raw) or not isinstance(manifest.fingerprints, str):
             raise TypeError(f"format {manifest.version} {'has' if manifest.version >= 5 else 'has no'} 'fingerprints' (a string)")
         manifest.recorded_fingerprints(path)  # format 5: decoded and checked here
         block_hash(manifest.block_hash, path)  # an unknown algorithm: UnknownBlockHashError naming the file
-        manifest.item_table(path)  # format 4: decoded and checked here (damage names the file)
-        manifest.checksums()
-        manifest.block_records()
-        manifest.__dict__["_text"] = (manifest.blocks, manifest.items, manifest.tables, data)  # see manifest_text
+        manifest.item_table(path)  # decoded and checked here (damage names the file)
+        if not old:
+            manifest.__dict__["_text"] = (manifest.tables, data)  # see manifest_text
         return manifest
     except (TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
 
 
-def read_manifest_checked(directory: str) -> Optional[Manifest]:
+def read_manifest_checked(directory: str, legacy: bool = False) -> Optional[Manifest]:
     """:func:`read_manifest`, but a missing manifest of a checkpoint saved with one is damage.
 
     ``None`` (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch
@@ -570,7 +544,7 @@ def read_manifest_checked(directory: str) -> Optional[Manifest]:
     known, manifest = cached_manifest(directory)
     if known:  # checked when it was opened
         return manifest
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, legacy)
     if manifest is not None:
         return manifest
     storage, path = storage_for(directory)

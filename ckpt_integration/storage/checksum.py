@@ -9,12 +9,12 @@ digests goes through one :class:`BlockHash`, looked up by that name with :func:`
 arrives in pieces) compute, ``item_digest`` derives the whole-item digest from the block
 digests, ``pack``/``unpack`` are the manifest's encoding.
 
-* ``"xxh3_64"`` (manifest format 3, new checkpoints): XXH3-64 (seed 0) from the ``xxhash``
+* ``"xxh3_64"`` (new checkpoints; named in the manifest since format 3): XXH3-64 (seed 0) from the ``xxhash``
   package, 1.3 to 4 times the speed of zlib-ng's CRC32 here (benchmarks/crc_limit.py); it
   releases the GIL for inputs over 64 KiB, so reader threads verify in parallel. The item
   digest is XXH3-64 of the block digests as little-endian uint64, concatenated (no second
   pass over the data).
-* ``"crc32"`` (manifest formats 1 and 2): zlib's CRC32 (zlib-ng's SIMD implementation, which
+* ``"crc32"`` (chosen with :data:`SAVE_BLOCK_HASH`; the only one of formats 1 and 2): zlib's CRC32 (zlib-ng's SIMD implementation, which
   releases the GIL; the standard library's zlib without it - same values). The item digest is
   the CRC32 of the item's bytes, combined from the block CRC32s with :func:`crc32_combine`.
 
@@ -115,8 +115,8 @@ def _shift_tables(nbytes: int) -> List[List[int]]:
 # --------------------------------------------------------------------------- block digests
 CRC32 = "crc32"
 XXH3_64 = "xxh3_64"
-# The block digest new checkpoints record. "crc32" writes manifest format 2, which versions of
-# the library from before format 3 read (tests write format-2 checkpoints through it).
+# The block digest new checkpoints record ("crc32": the same manifest format with 4-byte digests;
+# tests write such checkpoints through it)
 SAVE_BLOCK_HASH = XXH3_64
 
 

@@ -74,15 +74,13 @@ class BaseFiles:
 def base_files(opened: Any, rank: int, keys: Iterable[str]) -> Tuple[Optional[BaseFiles], str]:
     """What ``rank`` may take from the opened checkpoint ``opened``: the items of ``keys`` (the storage keys
     this save writes) stored in this rank's own data files there, or ``(None, why not)``: a base of another
-    backend, without a binary item table (written before format 4) or whose digests are of another
+    backend or whose digests are of another
     algorithm cannot be compared. Only those keys' records are decoded, and the table is searched once
     for all of them: a save of 20,000 small tensors pays milliseconds, not a second."""
     manifest = getattr(opened, "manifest", None)
     if getattr(opened, "backend", None) != "torch_dist" or manifest is None:
         return None, "it is not a torch_dist checkpoint of this library"
     table = manifest.item_table()
-    if table is None:
-        return None, "its manifest has no item table (written before manifest format 4)"
     md = opened.chunk_index().metadata_of(keys)
     storage, directory = storage_for(opened.path)
     out = BaseFiles(directory, storage, manifest.hash.name, recorded=manifest.recorded_fingerprints())

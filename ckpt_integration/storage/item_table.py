@@ -28,14 +28,50 @@ import base64
 import binascii
 import struct
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..planning.records import decode_array, encode_array
-from .block_records import MANIFEST_FILE, BlockRecord
 from .checksum import BlockHash
+
+if TYPE_CHECKING:
+    from ..planning.written import WrittenColumns
+
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """Block digests of one tensor item: where its raw data lies in the item and the digests
+    (of the algorithm ``hash``).
+
+    Blocks, in item-relative bytes: ``[0, data_offset)`` (archive header), then the data in
+    blocks of ``block_size`` (the last one shorter), then ``[data_offset + data_length,
+    item_length)`` (archive trailer); empty blocks have no digest.
+    """
+
+    data_offset: int
+    data_length: int
+    block_size: int
+    digests: Any  # numpy uint32 (CRC32) or uint64 (XXH3-64) array
+    hash: BlockHash
+
+    def bounds(self, item_length: int) -> np.ndarray:
+        """Item-relative block boundaries (``len(digests) + 1`` of them); ValueError if inconsistent."""
+        d, n, b = self.data_offset, self.data_length, self.block_size
+        if d + n > item_length:
+            raise ValueError(f"data [{d}, {d + n}) exceeds the item's {item_length} bytes")
+        head = [0] if d > 0 else []
+        tail = [d + n] if d + n < item_length else []
+        out = np.concatenate([np.array(head, dtype=np.int64), np.arange(d, d + n, b, dtype=np.int64),
+                              np.array(tail + [item_length], dtype=np.int64)])
+        if len(out) != len(self.digests) + 1:
+            raise ValueError(f"{len(self.digests)} block checksums recorded for {len(out) - 1} blocks")
+        return out
+
 
 MAGIC = b"CKIT"
 TABLE_VERSION = 1
@@ -90,6 +126,26 @@ def empty_table(h: BlockHash) -> bytes:
 def encode_text(raw: bytes) -> str:
     """The ``tables`` field's text for a table's bytes."""
     return base64.b64encode(raw).decode("ascii")
+
+
+def file_sizes(w: "WrittenColumns") -> Dict[str, Dict[str, int]]:
+    """``{file: {"size": end of its last item}}`` for the data files of a commit's items."""
+    if not len(w):
+        return {}
+    order = np.argsort(w.file, kind="stable")
+    f = w.file[order]
+    starts = np.flatnonzero(np.r_[True, f[1:] != f[:-1]])
+    ends = np.maximum.reduceat((w.start + w.length)[order], starts)
+    return {w.strings[k]: {"size": e} for k, e in zip(f[starts].tolist(), ends.tolist())}
+
+
+def table_of_written(w: "WrittenColumns", h: BlockHash) -> str:
+    """The manifest's ``tables`` field for a commit's items (their block digests are ``h``'s):
+    JSON text of the base64 of their table (written into the manifest as it is, see
+    :func:`~.checkpoint_dir.write_manifest`; base64 needs no escaping in JSON)."""
+    raw = encode_table(w.strings, w.file, w.start, w.digest, w.nblocks, w.data_offset, w.data_length, w.block_size,
+                       w.block_pos, w.block_digests, h)
+    return '"' + encode_text(raw) + '"'
 
 
 class ItemTable:
@@ -309,4 +365,5 @@ class TableBlockRecords(Mapping):
         return int((self._t.nblocks >= 0).sum())
 
 
-__all__ = ["ItemTable", "TableBlockRecords", "TableItemDigests", "decode_text", "encode_table", "encode_text"]
+__all__ = ["MANIFEST_FILE", "BlockRecord", "ItemTable", "TableBlockRecords", "TableItemDigests", "decode_text", "encode_table",
+           "encode_text", "file_sizes", "table_of_written"]

@@ -39,10 +39,11 @@ class OpenedCheckpoint(CheckpointLocation):
     ``.metadata`` where the checkpoint has no usable index, verified against the manifest;
     ``None`` for zarr). Every ``ckpt_integration`` entry point that takes a checkpoint path accepts this
     object too, and passes it down: nothing below reads those files again.
+    ``legacy=True`` (``convert``'s source) also opens manifest formats 1-3, which loads refuse.
     """
 
     def __init__(self, path: Any, trusted: bool = False, *, config: Any = None, manifest: Any = None,
-                 metadata: Any = None, shared: Any = None):
+                 metadata: Any = None, shared: Any = None, legacy: bool = False):
         self.storage: Storage
         self.storage, self.path = storage_for(path)
         self.trusted = trusted
@@ -62,7 +63,7 @@ class OpenedCheckpoint(CheckpointLocation):
         self.config = ckdir.read_config(self.path)  # a specific error for every way it is not a checkpoint
         self.backend = self.config.sharded_backend
         try:
-            self.manifest = ckdir.read_manifest_checked(self.path)
+            self.manifest = ckdir.read_manifest_checked(self.path, legacy)
             self.manifest_read = True
             self.commit_id = identity_of(self.manifest)  # the commit pinned: the manifest's
         except Exception as e:

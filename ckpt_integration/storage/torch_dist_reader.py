@@ -54,10 +54,10 @@ class TorchDistReader:
 
     Integrity: the manifest is read here (``read_manifest_checked``: a missing manifest of a
     checkpoint saved with one is damage); with ``verify_checksums`` every byte read is
-    checked - against block digests (XXH3-64 in format 3, CRC32 in format 2; the algorithm
-    is the manifest's ``block_hash``), against the whole item's CRC32 (format 1:
-    the item is read whole, also for a partial request), or not at all for checkpoints of
-    other writers (logged once). Containment: every data file named in ``.metadata`` must
+    checked - against its item's block digests (the algorithm is the manifest's ``block_hash``),
+    against the whole item's digest where the item has no block record (objects; tensors of
+    converted format-1 checkpoints: the item is read whole, also for a partial request), or not at
+    all for checkpoints of other writers (logged once). Containment: every data file named in ``.metadata`` must
     be a plain file name inside the directory (checked here, before anything is opened).
     ``checksums`` is accepted for compatibility; the manifest's tables are used when it exists.
     """
@@ -78,7 +78,9 @@ class TorchDistReader:
         self.hash = manifest.hash if manifest is not None else block_hash(CRC32)  # (checksums given: CRC32s)
         self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})
         self.block_records = manifest.block_records() if manifest is not None else {}
-        self.verify_checksums = verify_checksums and bool(self.checksums or self.block_records)
+        # (a checkpoint with a manifest is checked item by item: an item the table does not list, or
+        # an emptied table, is damage; an empty table once turned verification off for every item)
+        self.verify_checksums = verify_checksums and (manifest is not None or bool(self.checksums))
         self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
         self._frames_checked: set = set()

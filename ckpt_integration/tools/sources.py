@@ -112,7 +112,8 @@ class DistCheckpointSource(TensorSource):
     def __init__(self, path: Any, trusted: bool = False):
         # opened once (or the opened checkpoint given): every read below is of the commit it pinned
         self.given = path
-        self.checkpoint = path if isinstance(path, OpenedCheckpoint) else OpenedCheckpoint(path, trusted)
+        # (manifest formats 1-3 too: this is how they are converted to the current one)
+        self.checkpoint = path if isinstance(path, OpenedCheckpoint) else OpenedCheckpoint(path, trusted, legacy=True)
         super().__init__(self.checkpoint.path)
         self.trusted = trusted
         self.config = self.checkpoint.config

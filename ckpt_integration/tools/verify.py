@@ -42,9 +42,8 @@ class VerifyReport:
     """Result of :func:`verify_checkpoint`; ``ok`` is False when anything is damaged, missing or refused.
 
     ``items_checked`` / ``bytes_checked``: stored items (tensor chunks, objects, zarr chunk
-    files) and their bytes; ``blocks_checked``: block checksums compared (manifest format 2
-    and later); ``block_hash``: their algorithm (``"xxh3_64"`` in formats 3 and 4, ``"crc32"`` before;
-    None without a manifest or for zarr); ``files_checked``: whole files compared with their
+    files) and their bytes; ``blocks_checked``: block checksums compared; ``block_hash``: their
+    algorithm (``"xxh3_64"`` for new saves, or ``"crc32"``; None without a manifest or for zarr); ``files_checked``: whole files compared with their
     recorded size and CRC32 (``.metadata``, ``common.pt``).
     """
 
@@ -107,9 +106,8 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
       ``common.pt`` their recorded CRC32 (without a manifest: ``common.pt`` is a zip archive;
       a plain PyTorch DCP checkpoint has none);
     * every data file named in ``.metadata`` is a regular file inside the checkpoint, long
-      enough for its items; every item matches its recorded digest and, for manifest format 2
-      and later, every 1 MiB block of tensor data its block digest (XXH3-64 in formats 3 and 4,
-      CRC32 in format 2);
+      enough for its items; every item matches its recorded digest and every 1 MiB block of
+      tensor data its block digest (XXH3-64, or CRC32);
     * ``.metadata`` agrees with the data: each chunk's size and dtype with the stored tensor
       archive, and the chunks of every tensor cover its declared shape;
     * zarr: every chunk and object file against its record in ``zarr_index.json``, every

@@ -23,9 +23,13 @@ def integrity_manifest_holds(path: str, report: Any, known: Any = UNREAD) -> boo
     """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
     against its SHA-256 (each problem reported, naming the file); False when any differs. ``known``:
     the manifest when the caller read it already."""
-    try:
+    try:  # (a manifest this version does not read, e.g. an older format: named as the manifest's problem)
         if (ckdir.read_manifest(path) if known is UNREAD else known) is not None:
             return True
+    except CheckpointingException as e:
+        report.add(str(e), ckdir.MANIFEST_FILE)
+        return False
+    try:
         files = read_sha_manifest(path)
     except CheckpointingException as e:
         report.add(str(e), INTEGRITY_FILE)
