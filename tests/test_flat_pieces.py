@@ -113,7 +113,7 @@ def test_compact_dcp_metadata_pickle_rebuilds_the_same_objects(tmp_path):
     )
 
     from ckpt_integration.storage.safe_pickle import load_dcp_metadata
-    from ckpt_integration.storage.metadata_pickle import dumps_dcp_metadata
+    from ckpt_integration.storage.torch_dist import dumps_dcp_metadata
 
     sd, st = {}, {}
     for j in range(5):

@@ -11,7 +11,7 @@ generated instead: a chunk's entries are fixed-width records per number of dimen
 integers in the narrowest pickle integer opcode that fits the column), written by numpy for all
 chunks at once; per key only the key's own header is Python. The object graph that
 ``pickle.load`` returns is the one :func:`~.torch_dist.make_dcp_metadata` builds (a test
-compares them), and :mod:`.metadata_pickle` stays the path for anything this writer does not
+compares them), and :func:`~.torch_dist.dumps_dcp_metadata` stays the path for anything this writer does not
 recognise.
 
 The parts that depend on torch's classes (the ``Metadata`` envelope with its ``StorageMeta``,
@@ -46,8 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..planning.records import group_rows
-from .metadata_pickle import dumps_dcp_metadata
-from .torch_dist import WrittenItem, make_dcp_metadata
+from .torch_dist import WrittenItem, dumps_dcp_metadata, make_dcp_metadata
 
 # opcodes (pickle protocol 4)
 MARK, STOP, POP, TUPLE = b"(", b".", b"0", b"t"
