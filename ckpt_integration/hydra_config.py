@@ -29,6 +29,8 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
+from .strategies import LoadStrategy  # (checkpoint.load_strategy: the enum load takes)
+
 __all__ = [
     "Backend",
     "LoadStrategy",
@@ -62,16 +64,6 @@ class Backend(_Choice):
 
     torch_dist = "torch_dist"
     zarr = "zarr"
-
-
-class LoadStrategy(_Choice):
-    """``checkpoint.load_strategy``: how ranks read a checkpoint."""
-
-    auto = "auto"
-    read_once = "read_once"
-    local = "local"
-    fully_parallel = "fully_parallel"
-    two_stage = "two_stage"
 
 
 class StrategyName(_Choice):

@@ -28,10 +28,10 @@ from .storage.filesystem import join, storage_for
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
-from .strategies import LoadShardedStrategy, SaveShardedStrategy, backend_and_version, check_backend
+from .strategies import LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, backend_and_version, check_backend
 
 PathLike = Union[str, "os.PathLike[str]"]
-LOAD_STRATEGIES = ("auto", "read_once", "local", "fully_parallel", "two_stage")
+LOAD_STRATEGIES = tuple(m.value for m in LoadStrategy)
 
 
 def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
@@ -185,7 +185,7 @@ def load(
     thread_count: Optional[int] = None,
     verify_checksums: bool = True,
     process_group: Group = None,
-    load_strategy: str = "auto",
+    load_strategy: Union[str, LoadStrategy] = "auto",
     memory_budget: int = 1 << 30,
     strict_dtype: bool = False,
     verify_state: Optional[bool] = None,
@@ -238,8 +238,7 @@ def load(
     which is also a ``torch.distributed.checkpoint.api.CheckpointException``, the type
     Megatron-Core raises there.
     """
-    if load_strategy not in LOAD_STRATEGIES:
-        raise ValueError(f"unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
+    load_strategy = LoadStrategy.parse(load_strategy).value
     if isinstance(checkpoint_dir, OpenedCheckpoint):
         # opened on every rank, or once for the job (open_shared: what the coordinator read)
         ck, shared = checkpoint_dir, checkpoint_dir.shared

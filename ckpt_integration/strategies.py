@@ -11,10 +11,42 @@ strategy only names the backend: how the work is parallelised is chosen by ``sav
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from enum import Enum
+from typing import Any, Optional, Tuple, Union
 
 from .errors import CheckpointingException, UnsupportedCheckpointError
 from .storage.checkpoint_dir import SUPPORTED_BACKENDS
+
+
+class LoadStrategy(str, Enum):
+    """How the ranks of a load read a checkpoint (``load(..., load_strategy=...)``, docs/strategies.md).
+
+    ``auto`` (default): read once when that reads fewer bytes, else ``local``; ``read_once``: every
+    stored block a load touches is read and verified by one rank, the others copy or receive their
+    parts; ``local``: each rank reads what it requested; ``fully_parallel`` / ``two_stage``
+    (Megatron-Core's): each requested region is read by one rank and sent to the others that need
+    it (``two_stage`` overlaps the reads with the exchange). Members are strings, so the plain value
+    works everywhere a member does.
+
+    Example: ``load(request, path, load_strategy=LoadStrategy.read_once)``
+    """
+
+    auto = "auto"
+    read_once = "read_once"
+    local = "local"
+    fully_parallel = "fully_parallel"
+    two_stage = "two_stage"
+
+    def __str__(self) -> str:  # "read_once", not "LoadStrategy.read_once", in messages
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Union[str, "LoadStrategy"], who: str = "") -> "LoadStrategy":
+        """The member named ``value``; ValueError naming the choices for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{who}unknown load_strategy {value!r}; choose one of {[m.value for m in cls]}") from None
 
 
 @dataclass

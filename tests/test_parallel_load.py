@@ -481,9 +481,19 @@ def test_read_error_is_raised_after_the_transfers():
 
 
 def test_unknown_strategy(tmp_path):
+    """``load_strategy`` is a LoadStrategy member or its value; anything else is refused naming the choices."""
+    from ckpt_integration.lightning import DistCkptIO
+    from ckpt_integration.strategies import LoadStrategy
+
     ci.save({"a": ci.ShardedTensor.from_rank_offsets("a", torch.ones(2))}, tmp_path / "c")
-    with pytest.raises(ValueError, match="unknown load_strategy"):
+    for strategy in LoadStrategy:
+        out = ci.load({"a": ci.ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, tmp_path / "c", load_strategy=strategy)
+        assert torch.equal(out["a"], torch.ones(2)) and strategy == strategy.value
+    with pytest.raises(ValueError, match=r"unknown load_strategy 'magic'; choose one of \['auto', 'read_once', 'local'"):
         ci.load({"a": ci.ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, tmp_path / "c", load_strategy="magic")
+    assert DistCkptIO(load_strategy=LoadStrategy.two_stage).load_strategy == "two_stage"
+    with pytest.raises(ValueError, match="DistCkptIO: unknown load_strategy 'magic'"):
+        DistCkptIO(load_strategy="magic")
 
 
 def test_parallel_strategy_single_process_falls_back(tmp_path):

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from enum import Enum
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch.distributed as tdist
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -24,6 +24,7 @@ from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import storage_for
 from ..storage.opened import OpenedCheckpoint, opened
+from ..strategies import LoadStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class DistCkptIO(CheckpointIO):
     def __init__(
         self,
         async_save: bool = False,
-        load_strategy: str = "auto",
+        load_strategy: Union[str, LoadStrategy] = "auto",
         thread_count: int = 2,
         backend: str = "torch_dist",
         max_in_flight: int = 1,
@@ -165,9 +166,7 @@ class DistCkptIO(CheckpointIO):
             memory_ranks_per_node = given.get("ranks_per_node", memory_ranks_per_node)
             memory_persist_every_n = given.get("persist_every_n", memory_persist_every_n)
             memory_sigterm_grace_s = given.get("sigterm_grace_s", memory_sigterm_grace_s)
-        load_strategy, backend = _plain(load_strategy), _plain(backend)
-        if load_strategy not in LOAD_STRATEGIES:
-            raise ValueError(f"DistCkptIO: unknown load_strategy {load_strategy!r}; choose one of {LOAD_STRATEGIES}")
+        load_strategy, backend = LoadStrategy.parse(load_strategy, "DistCkptIO: ").value, _plain(backend)
         if backend not in ckdir.SUPPORTED_BACKENDS:
             raise ValueError(f"DistCkptIO: unknown backend {backend!r}; supported: {sorted(ckdir.SUPPORTED_BACKENDS)}")
         if thread_count < 1 or max_in_flight < 1:
