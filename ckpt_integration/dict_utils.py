@@ -6,7 +6,7 @@ Pure functions, no I/O. Paths are tuples of dict keys / list indices.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Iterator, Tuple
+from typing import Any, Callable, Iterable, Iterator, Tuple, Union
 
 Path = Tuple[Any, ...]
 
@@ -24,7 +24,7 @@ def empty_like(d: dict) -> dict:
         return {}
 
 
-def nested_items(x: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
+def nested_items(x: object, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
     """Yield ``(path, leaf)`` for every non-container leaf of a nested dict/list."""
     # (leaves yielded here, not by a generator of their own: once per tensor of a save or load)
     if isinstance(x, dict):
@@ -41,13 +41,13 @@ def nested_items(x: Any, path: Path = ()) -> Iterator[Tuple[Path, Any]]:
             yield path + (k,), v
 
 
-def nested_values(x: Any) -> Iterator[Any]:
+def nested_values(x: object) -> Iterator[Any]:
     """Yield every leaf of a nested dict/list."""
     for _, v in nested_items(x):
         yield v
 
 
-def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
+def dict_list_map_inplace(f: Callable[[Any], Any], x: object) -> Any:
     """Replace every leaf ``v`` with ``f(v)`` in place; returns ``x`` (or ``f(x)`` for a leaf)."""
     # (``f`` called here for leaves, not through a call of this function each: once per tensor)
     if isinstance(x, dict):
@@ -61,7 +61,7 @@ def dict_list_map_inplace(f: Callable[[Any], Any], x: Any) -> Any:
     return f(x)
 
 
-def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
+def dict_list_map_outplace(f: Callable[[Any], Any], x: object) -> Any:
     """Like :func:`dict_list_map_inplace` but builds new containers (of the same dict types)."""
     if isinstance(x, dict):
         out = empty_like(x)
@@ -74,7 +74,7 @@ def dict_list_map_outplace(f: Callable[[Any], Any], x: Any) -> Any:
 
 
 def extract_matching_values(
-    x: Any, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+    x: Union[dict, list], predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
 ) -> Tuple[Any, Any]:
     """Split a nested structure into (matching, non-matching) parts by leaf predicate.
 
@@ -122,7 +122,7 @@ def extract_matching_values(
     raise TypeError(f"expected a dict or list, got {type(x).__name__}")
 
 
-def set_at_path(root: Any, path: Path, value: Any) -> None:
+def set_at_path(root: Union[dict, list], path: Path, value: object) -> None:
     """Set ``root[p0][p1]...[pn] = value``, creating dicts (never lists) as needed."""
     node = root
     for p in path[:-1]:
@@ -133,7 +133,7 @@ def set_at_path(root: Any, path: Path, value: Any) -> None:
     node[path[-1]] = value
 
 
-def merge(x1: Any, x2: Any, key: Path = ()) -> Any:
+def merge(x1: object, x2: object, key: Path = ()) -> Any:
     """Merge ``x2`` into ``x1`` recursively (in place for dicts); returns the result.
 
     A dict with integer keys merges into a list position by position (the
@@ -178,7 +178,7 @@ def format_path(path: Path) -> str:
     return out or "<root>"
 
 
-def diff(x1: Any, x2: Any, prefix: Path = ()) -> Tuple[list, list, list]:
+def diff(x1: object, x2: object, prefix: Path = ()) -> Tuple[list, list, list]:
     """Recursive comparison of two nested structures (Megatron-Core's ``dict_utils.diff``).
 
     Returns ``(only_left, only_right, mismatch)``: paths (tuples) present only in ``x1``,
@@ -215,7 +215,7 @@ def diff(x1: Any, x2: Any, prefix: Path = ()) -> Tuple[list, list, list]:
     return only_left, only_right, mismatch
 
 
-def _values_differ(x1: Any, x2: Any) -> bool:
+def _values_differ(x1: object, x2: object) -> bool:
     import torch  # local: keep this module importable without torch for docs tooling
 
     if type(x1) is not type(x2):

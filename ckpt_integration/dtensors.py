@@ -6,14 +6,19 @@ Used by :mod:`.modules` (the default ``sharded_state_dict``), the optimizer stat
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from .mapping import ReplicaId, ShardedTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["dtensor_to_sharded_tensor", "is_dtensor", "mesh_replica_index"]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch has none)."""
     try:
         from torch.distributed.tensor import DTensor
@@ -22,7 +27,7 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def _dtensor_local_offset(dt: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+def _dtensor_local_offset(dt: DTensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """(local shape, global offset) of this rank's shard, as torch computes them (uneven too)."""
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -43,7 +48,7 @@ def _dtensor_local_offset(dt: Any) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
         return tuple(dt.to_local().shape), tuple(offset)
 
 
-def _is_shard_placement(pl: Any) -> bool:
+def _is_shard_placement(pl: Placement) -> bool:
     """``Shard(dim)``, or ``_StridedShard`` (FSDP2 over tensor-parallel params: the data-parallel split
     of a TP shard, still one contiguous block per rank, as torch's offset computation gives it)."""
     from torch.distributed.tensor import Shard
@@ -57,7 +62,7 @@ def _is_shard_placement(pl: Any) -> bool:
     return isinstance(pl, _StridedShard)
 
 
-def dtensor_to_sharded_tensor(key: str, dt: Any, extra_replica_id: Optional[int] = None) -> Optional[ShardedTensor]:
+def dtensor_to_sharded_tensor(key: str, dt: DTensor, extra_replica_id: Optional[int] = None) -> Optional[ShardedTensor]:
     """A ShardedTensor for this rank's shard of a DTensor (``None`` if the local shard is empty).
 
     Global offsets come from the mesh coordinates and ``Shard(dim)`` placements
@@ -94,7 +99,7 @@ def dtensor_to_sharded_tensor(key: str, dt: Any, extra_replica_id: Optional[int]
     return ShardedTensor.from_global_offsets(key, local, tuple(dt.shape), offset, replica_id=replica)
 
 
-def mesh_replica_index(dt: Any, mesh: Any) -> Optional[int]:
+def mesh_replica_index(dt: DTensor, mesh: DeviceMesh) -> Optional[int]:
     """Which copy of ``dt``'s device mesh this rank is in, within the larger ``mesh``.
 
     A DTensor on a sub-mesh (e.g. FSDP2 on the ``data_parallel`` dims of a 2-D mesh, for a

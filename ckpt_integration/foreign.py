@@ -18,7 +18,7 @@ other rank's part would be lost.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from .dict_utils import empty_like, format_path
 from .errors import CheckpointingException
@@ -42,7 +42,7 @@ def _kind_by_name(cls: type) -> Optional[str]:
     return kind
 
 
-def sharded_kind(x: Any) -> Optional[str]:
+def sharded_kind(x: object) -> Optional[str]:
     """``"ShardedTensor"``, ``"ShardedObject"``, ``"ShardedTensorFactory"`` or
     ``"LocalNonpersistentObject"`` for ours and other libraries' instances of these classes;
     ``None`` for anything else."""
@@ -52,17 +52,17 @@ def sharded_kind(x: Any) -> Optional[str]:
     return kind if kind in KINDS else None
 
 
-def is_foreign(x: Any) -> bool:
+def is_foreign(x: object) -> bool:
     """An instance of another library's sharded class (not one of ours)."""
     return not isinstance(x, _OURS) and not isinstance(x, _PLAIN) and _kind_by_name(type(x)) is not None
 
 
-def _describe(x: Any) -> str:
+def _describe(x: object) -> str:
     cls = type(x)
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _fields(x: Any, required: Tuple[str, ...], optional: Dict[str, Any]) -> Dict[str, Any]:
+def _fields(x: object, required: Tuple[str, ...], optional: Dict[str, Any]) -> Dict[str, Any]:
     missing = [f for f in required if not hasattr(x, f)]
     if missing:
         raise AttributeError(f"it has no {', '.join(missing)}")
@@ -73,7 +73,7 @@ def _fields(x: Any, required: Tuple[str, ...], optional: Dict[str, Any]) -> Dict
     return out
 
 
-def _convert(x: Any, kind: str) -> Any:
+def _convert(x: object, kind: str) -> Any:
     if kind == "ShardedTensor":
         f = _fields(
             x,
@@ -96,7 +96,7 @@ def _convert(x: Any, kind: str) -> Any:
     raise AttributeError(f"{kind} is an abstract base; only its subclasses {', '.join(KINDS[:3])} can be saved")
 
 
-def looks_sharded(x: Any) -> Optional[str]:
+def looks_sharded(x: object) -> Optional[str]:
     """Why ``x`` (not one of ours) looks like a sharded value, or ``None``."""
     if isinstance(x, _OURS) or isinstance(x, _PLAIN):
         return None
@@ -113,7 +113,7 @@ def looks_sharded(x: Any) -> Optional[str]:
     return None
 
 
-def to_native(x: Any, path: Any = ()) -> Any:
+def to_native(x: object, path: Union[Tuple[Any, ...], str] = ()) -> Any:
     """Our class for another library's sharded value (converted by its fields); ``x`` itself
     for anything else. Raises :class:`CheckpointingException` naming ``path`` and the class
     if ``x`` looks sharded but cannot be converted."""
@@ -134,11 +134,11 @@ def to_native(x: Any, path: Any = ()) -> Any:
         ) from e
 
 
-def _where(path: Any) -> str:
+def _where(path: Union[Tuple[Any, ...], str]) -> str:
     return format_path(path) if isinstance(path, tuple) else str(path)
 
 
-def convert_foreign(x: Any, path: Tuple[Any, ...] = ()) -> Any:
+def convert_foreign(x: object, path: Tuple[Any, ...] = ()) -> Any:
     """A copy of the nested dicts/lists of ``x`` (dict types kept, leaves shared) with every
     other library's sharded value replaced by ours (see :func:`to_native`)."""
     if isinstance(x, dict):
@@ -152,7 +152,7 @@ def convert_foreign(x: Any, path: Tuple[Any, ...] = ()) -> Any:
     return to_native(x, path)
 
 
-def refuse_sharded_looking(x: Any, path: Any) -> None:
+def refuse_sharded_looking(x: object, path: Union[Tuple[Any, ...], str]) -> None:
     """Raise if a common-state value is, or (inside tuples/sets) holds, a sharded value.
 
     Sharded values are found in dicts and lists only; anywhere else they would be pickled

@@ -163,7 +163,7 @@ class ShardedTensor(ShardedBase):
         replica_id: ReplicaId = 0,
         prepend_axis_num: int = 0,
         flattened_range: None = None,
-        **init_kwargs: Any,
+        **init_kwargs: object,
     ) -> "ShardedTensor":
         """Build a shard from its position in an even grid of fragments.
 
@@ -241,7 +241,7 @@ class ShardedTensor(ShardedBase):
         non_flat_local_shape: Tuple[int, ...],
         *rank_offsets: Tuple[int, int, int],
         flattened_range: Optional[slice] = None,
-        **init_kwargs: Any,
+        **init_kwargs: object,
     ) -> "ShardedTensor":
         """A *flattened* shard: ``data`` (1-D) is ``flattened_range`` of the local shard of shape
         ``non_flat_local_shape``, flattened row-major; the local shard is placed by
@@ -531,7 +531,7 @@ class LocalNonpersistentObject:
         return self.obj
 
 
-def is_sharded(x: Any) -> bool:
+def is_sharded(x: object) -> bool:
     return isinstance(x, (ShardedTensor, ShardedObject))
 
 
@@ -540,7 +540,7 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
     dict_list_map_inplace(_built, sharded_state_dict)
 
 
-def _built(x: Any) -> Any:  # (not a closure calling itself: that is a reference cycle)
+def _built(x: object) -> Any:  # (not a closure calling itself: that is a reference cycle)
     if isinstance(x, ShardedTensorFactory):
         built = x.build()
         return dict_list_map_inplace(_built, built) if isinstance(built, (dict, list)) else _built(built)
@@ -554,7 +554,7 @@ def extract_factories(sharded_state_dict: ShardedStateDict) -> Tuple[Any, Any]:
     )
 
 
-def apply_factory_merges(loaded: Any, factories: Any, path: Tuple[Any, ...] = ()) -> Any:
+def apply_factory_merges(loaded: object, factories: Union[ShardedTensorFactory, Dict[Any, Any]], path: Tuple[Any, ...] = ()) -> Any:
     """Call each factory's ``merge_fn`` on the loaded sub state dict at its position."""
     if isinstance(factories, ShardedTensorFactory):
         try:

@@ -25,7 +25,7 @@ layers, whose layer index moves into the global tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -154,7 +154,7 @@ def fused_column_parallel(
     """A fused column-parallel tensor (e.g. QKV: local ``[q_r; k_r; v_r]``) stored as ``num_parts``
     separate column-parallel tensors ``{key}.part{i}``, so it reshards under any TP size."""
 
-    def build(k: str, t: torch.Tensor, rid: ReplicaId, _: Any) -> Dict[str, ShardedTensor]:
+    def build(k: str, t: torch.Tensor, rid: ReplicaId, _: Optional[slice]) -> Dict[str, ShardedTensor]:
         parts = t.chunk(num_parts, dim=0)
         return {f"part{i}": ShardedTensor.from_rank_offsets(f"{k}.part{i}", p, (0, tp_rank, tp_size), replica_id=rid)
                 for i, p in enumerate(parts)}
@@ -239,7 +239,7 @@ def _hooked_descendants(module: nn.Module, prefix: str) -> List[Tuple[str, nn.Mo
     return out
 
 
-def _default_entry(key: str, value: Any, rid: ReplicaId, metadata: Optional[dict]) -> Any:
+def _default_entry(key: str, value: object, rid: ReplicaId, metadata: Optional[dict]) -> Any:
     """One ``state_dict()`` entry as saved: a tensor as a ShardedTensor (a DTensor as its shard, ``None``
     when this rank's shard is empty), anything else (``get_extra_state()`` objects, list states) as is:
     common state, taken from the first rank."""
@@ -421,7 +421,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _as_target(value: Any, target: Any) -> Any:
+def _as_target(value: object, target: object) -> Any:
     """A loaded value shaped for ``target``'s ``load_state_dict``: the target itself when the load filled
     its memory in place, a DTensor with the target's mesh and placements for a loaded local shard."""
     if not isinstance(value, torch.Tensor) or not isinstance(target, torch.Tensor):
@@ -495,7 +495,7 @@ def load_module_state_dict(
     return missing_out, unexpected_out
 
 
-def raise_on_key_mismatch(module: Any, missing: Any, unexpected: Any) -> None:
+def raise_on_key_mismatch(module: nn.Module, missing: Collection[str], unexpected: Collection[str]) -> None:
     """Raise :class:`StateDictMismatchError` naming ``module``'s missing and unexpected keys, if any
     (the strict check of every module-loading path)."""
     if not (missing or unexpected):

@@ -10,7 +10,7 @@ rename sharded keys in place.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import KeyPrefixError
@@ -71,7 +71,7 @@ def add_prefix_for_sharding(sharded_state_dict: ShardedStateDict, prefix: str) -
     Example: ``add_prefix_for_sharding(sub_sd, "decoder.")`` turns key ``"w"`` into ``"decoder.w"``
     """
 
-    def add(x: Any) -> Any:
+    def add(x: object) -> object:
         if sharded_kind(x) in _BASE:
             x.key = f"{prefix}{x.key}"
         return x
@@ -88,7 +88,7 @@ def replace_prefix_for_sharding(sharded_state_dict: ShardedStateDict, old_prefix
     Example: ``replace_prefix_for_sharding(sd, "module.", "model.")``
     """
 
-    def replace(x: Any) -> Any:
+    def replace(x: object) -> object:
         if sharded_kind(x) in _BASE:
             if not x.key.startswith(old_prefix):
                 raise KeyPrefixError(f"Expected {x.key!r} to begin with prefix {old_prefix!r}")
@@ -105,7 +105,7 @@ def apply_prefix_mapping(sharded_state_dict: ShardedStateDict, prefix_map: Dict[
     Example: ``apply_prefix_mapping(sd, {"decoder.layers.": "model.layers."})``
     """
 
-    def replace(x: Any) -> Any:
+    def replace(x: object) -> object:
         if sharded_kind(x) in _BASE:
             for old, new in prefix_map.items():
                 if x.key.startswith(old):
