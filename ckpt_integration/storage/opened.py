@@ -12,10 +12,9 @@ returning data of two commits or reporting the other commit's files as damage
 
 from __future__ import annotations
 
-import functools
-import inspect
+import contextlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Iterator, Optional
 
 from ..errors import CheckpointReplacedError
 from . import checkpoint_dir as ckdir
@@ -26,8 +25,6 @@ from .located import CheckpointLocation
 from .backends import backend_named
 from .chunk_index import read_chunk_index
 from .torch_dist import read_dcp_metadata
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class OpenedCheckpoint(CheckpointLocation):
@@ -219,35 +216,16 @@ def opened(checkpoint: Any, trusted: bool = False, verified: bool = False) -> It
             ck.close()
 
 
-def accepts_opened(*names: str, verified: bool = False) -> Callable[[F], F]:
-    """Decorator: the arguments ``names`` (checkpoint paths) may be :class:`OpenedCheckpoint`\\ s;
-    the call then runs as a pinned read of each and the function is given the opened object
-    (which every storage helper takes where it takes a directory, without reading its small
-    files again). Paths are passed as they are: the function opens them itself where it can
-    (after resolving them, or after telling a file from a checkpoint directory). ``verified``:
-    every byte the function reads is checked against the pinned manifest (as for
-    :meth:`OpenedCheckpoint.reading`: no second read of the commit marker after the call)."""
-
-    def wrap(fn: F) -> F:
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            bound = sig.bind_partial(*args, **kwargs)
-            todo = [n for n in names if isinstance(bound.arguments.get(n), OpenedCheckpoint)]
-            if not todo:
-                return fn(*args, **kwargs)
-            return _pinned_call(fn, bound, todo, verified)
-
-        return inner  # type: ignore[return-value]
-
-    return wrap
-
-
-def _pinned_call(fn: Callable[..., Any], bound: inspect.BoundArguments, todo: list, verified: bool) -> Any:
-    name, rest = todo[0], todo[1:]
-    with opened(bound.arguments[name], verified=verified) as ck:
-        bound.arguments[name] = ck
-        if rest:
-            return _pinned_call(fn, bound, rest, verified)
-        return fn(*bound.args, **bound.kwargs)
+@contextmanager
+def pinned(*checkpoints: Any, verified: bool = False) -> Iterator[None]:
+    """A pinned read of each of ``checkpoints`` that is an :class:`OpenedCheckpoint` (the tools'
+    bodies run in it): every read inside is of the commit it pinned, or raises
+    :class:`CheckpointReplacedError`. Paths pass as they are: the tool opens them itself where it
+    can (after resolving them, or after telling a file from a checkpoint directory). ``verified``:
+    every byte read inside is checked against the pinned manifest (as for
+    :meth:`OpenedCheckpoint.reading`: no second read of the commit marker after the block)."""
+    with contextlib.ExitStack() as stack:
+        for ck in checkpoints:
+            if isinstance(ck, OpenedCheckpoint):
+                stack.enter_context(ck.reading(verified=verified))
+        yield

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
-from ..storage.opened import accepts_opened
+from ..storage.opened import pinned
 from ..mapping import ShardedObject, ShardedTensor
 from ..serialization import load_common_state_dict, save
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
@@ -94,7 +94,6 @@ def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_f
     writer.close(nested=nested)
 
 
-@accepts_opened('src_path', verified=True)  # (every read checked against the pinned manifest)
 def convert_checkpoint(
     src_path: str,
     to: str,
@@ -130,37 +129,38 @@ def convert_checkpoint(
     (:func:`~ckpt_integration.tools.lightning_import.import_lightning_checkpoint`, which ``module``
     is for); the result is then an ``ImportResult`` listing what was ``not_carried``.
     """
-    to = to.lower().replace("-", "_")
-    if to not in ("safetensors", "torch", "torch_dist", "zarr"):
-        raise ValueError(f"unknown output format {to!r}: choose torch, safetensors, torch_dist or zarr")
-    if to in ("torch_dist", "zarr"):
-        if stock_lightning_kind(src_path, trusted=trusted):
-            return import_lightning_checkpoint(src_path, out, to=to, module=module, overwrite=overwrite,
-                                               trusted=trusted, memory_budget=memory_budget, progress=progress)
-    if module is not None:
-        raise ValueError("module= is for importing stock Lightning checkpoints (--to torch_dist or zarr)")
-    max_shard_size = parse_size(max_shard_size)
-    budget = parse_size(memory_budget)
-    out = os.fspath(out)
-    check_not_source(os.fspath(src_path), out)
-    is_dir = to != "torch"
-    check_output(out, overwrite, is_dir)
-    src = open_source(src_path, trusted=trusted)
-    result = ConvertResult(out, to)
-    try:
-        tmp = staging_path(out, is_dir)
+    with pinned(src_path, verified=True):  # (an opened checkpoint: its commit, pinned)
+        to = to.lower().replace("-", "_")
+        if to not in ("safetensors", "torch", "torch_dist", "zarr"):
+            raise ValueError(f"unknown output format {to!r}: choose torch, safetensors, torch_dist or zarr")
+        if to in ("torch_dist", "zarr"):
+            if stock_lightning_kind(src_path, trusted=trusted):
+                return import_lightning_checkpoint(src_path, out, to=to, module=module, overwrite=overwrite,
+                                                   trusted=trusted, memory_budget=memory_budget, progress=progress)
+        if module is not None:
+            raise ValueError("module= is for importing stock Lightning checkpoints (--to torch_dist or zarr)")
+        max_shard_size = parse_size(max_shard_size)
+        budget = parse_size(memory_budget)
+        out = os.fspath(out)
+        check_not_source(os.fspath(src_path), out)
+        is_dir = to != "torch"
+        check_output(out, overwrite, is_dir)
+        src = open_source(src_path, trusted=trusted)
+        result = ConvertResult(out, to)
         try:
-            _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
-            commit_output(tmp, out)
-        except BaseException:
-            discard_output(tmp)
-            raise
-        if to == "torch":
-            result.files = [os.path.basename(os.path.abspath(out))]
-        result.file_count, result.file_bytes = disk_usage(out)
-        return result
-    finally:
-        src.close()
+            tmp = staging_path(out, is_dir)
+            try:
+                _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
+                commit_output(tmp, out)
+            except BaseException:
+                discard_output(tmp)
+                raise
+            if to == "torch":
+                result.files = [os.path.basename(os.path.abspath(out))]
+            result.file_count, result.file_bytes = disk_usage(out)
+            return result
+        finally:
+            src.close()
 
 
 def _convert_into(src: TensorSource, to: str, target: str, max_shard_size: int, budget: int, nested: bool,

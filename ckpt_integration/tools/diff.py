@@ -14,7 +14,7 @@ import torch
 from ..dict_utils import diff
 from ..errors import CheckpointingException
 from ..serialization import load_common_state_dict
-from ..storage.opened import accepts_opened
+from ..storage.opened import pinned
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
 
@@ -149,41 +149,41 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
             report.objects_differ[key] = (_show(oa[key]), _show(ob[key]))
 
 
-@accepts_opened('a', 'b', verified=True)  # (every read checked against the pinned manifest)
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
                      progress: ProgressFactory = no_progress) -> DiffReport:
     """Compare the tensors of two sources (checkpoint dirs, torch.save or safetensors) block by block; for
     two checkpoint directories also the common state and the ShardedObjects' values."""
-    budget = parse_size(memory_budget)
-    report = DiffReport(os.fspath(a), os.fspath(b))
-    with open_source(a, trusted=trusted) as sa, open_source(b, trusted=trusted) as sb:
-        ka, kb = set(sa.tensors), set(sb.tensors)
-        report.only_in_a = sorted(ka - kb)
-        report.only_in_b = sorted(kb - ka)
-        if isinstance(sa, DistCheckpointSource) and isinstance(sb, DistCheckpointSource):
-            # ShardedObjects exist only in checkpoint directories; compare their keys there
-            oa, ob = set(sa.objects), set(sb.objects)
-            report.objects_only_in_a, report.objects_only_in_b = sorted(oa - ob), sorted(ob - oa)
-            _compare_common(sa, sb, trusted, report)
-        common = sorted(ka & kb)
-        bar = progress(total=sum(sa.tensors[k].nbytes for k in common), unit="B", unit_scale=True, desc="diff")
-        try:
-            for key in common:
-                ia, ib = sa.tensors[key], sb.tensors[key]
-                if ia.shape != ib.shape:
-                    report.shape_mismatch[key] = (list(ia.shape), list(ib.shape))
-                    bar.update(ia.nbytes)
-                    continue
-                if ia.dtype != ib.dtype:
-                    report.dtype_mismatch[key] = (dtype_name(ia.dtype), dtype_name(ib.dtype))
-                worst = 0.0
-                big = ia if ia.nbytes >= ib.nbytes else ib
-                for box in plan_blocks(ia.shape, big.dtype, max(budget // 2, 1)):
-                    ta, tb = sa.read_block(key, box), sb.read_block(key, box)
-                    worst = max(worst, _max_abs_diff(ta, tb))
-                    bar.update(ta.numel() * ta.element_size())
-                    del ta, tb
-                report.max_abs_diff[key] = worst
-        finally:
-            bar.close()
-    return report
+    with pinned(a, b, verified=True):  # (an opened checkpoint: its commit, pinned)
+        budget = parse_size(memory_budget)
+        report = DiffReport(os.fspath(a), os.fspath(b))
+        with open_source(a, trusted=trusted) as sa, open_source(b, trusted=trusted) as sb:
+            ka, kb = set(sa.tensors), set(sb.tensors)
+            report.only_in_a = sorted(ka - kb)
+            report.only_in_b = sorted(kb - ka)
+            if isinstance(sa, DistCheckpointSource) and isinstance(sb, DistCheckpointSource):
+                # ShardedObjects exist only in checkpoint directories; compare their keys there
+                oa, ob = set(sa.objects), set(sb.objects)
+                report.objects_only_in_a, report.objects_only_in_b = sorted(oa - ob), sorted(ob - oa)
+                _compare_common(sa, sb, trusted, report)
+            common = sorted(ka & kb)
+            bar = progress(total=sum(sa.tensors[k].nbytes for k in common), unit="B", unit_scale=True, desc="diff")
+            try:
+                for key in common:
+                    ia, ib = sa.tensors[key], sb.tensors[key]
+                    if ia.shape != ib.shape:
+                        report.shape_mismatch[key] = (list(ia.shape), list(ib.shape))
+                        bar.update(ia.nbytes)
+                        continue
+                    if ia.dtype != ib.dtype:
+                        report.dtype_mismatch[key] = (dtype_name(ia.dtype), dtype_name(ib.dtype))
+                    worst = 0.0
+                    big = ia if ia.nbytes >= ib.nbytes else ib
+                    for box in plan_blocks(ia.shape, big.dtype, max(budget // 2, 1)):
+                        ta, tb = sa.read_block(key, box), sb.read_block(key, box)
+                        worst = max(worst, _max_abs_diff(ta, tb))
+                        bar.update(ta.numel() * ta.element_size())
+                        del ta, tb
+                    report.max_abs_diff[key] = worst
+            finally:
+                bar.close()
+        return report

@@ -32,7 +32,7 @@ from ..modules import ParallelLayout, load_into_module, module_sharded_state_dic
 from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
 from ..serialization import load, load_common_state_dict
-from ..storage.opened import OpenedCheckpoint, accepts_opened
+from ..storage.opened import OpenedCheckpoint, pinned
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .output import check_not_source, check_output, commit_output, discard_output, staging_path
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
@@ -384,7 +384,6 @@ def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any
 
 
 # --------------------------------------------------------------------------- export
-@accepts_opened('src_path', verified=True)  # (every read checked against the pinned manifest)
 def export_checkpoint(
     src_path: str,
     out: str,
@@ -427,77 +426,78 @@ def export_checkpoint(
         export_checkpoint("ckpts/last.ckpt", "hf_out", "hf", strip_prefix="model.", config=hf_config)
         AutoModelForCausalLM.from_pretrained("hf_out")
     """
-    to = {"huggingface": "hf", "safetensors": "hf", "ckpt": "lightning"}.get(to.lower(), to.lower())
-    if to not in ("hf", "lightning"):
-        raise ValueError(f"unknown export format {to!r}: choose hf or lightning")
-    if include_optimizer and (to != "lightning" or module is None):
-        raise ValueError("include_optimizer=True needs to='lightning' and module= (the optimizers are rebuilt from it)")
-    given, src_path, out = src_path, os.fspath(src_path), os.fspath(out)
-    budget, max_shard_size = parse_size(memory_budget), parse_size(max_shard_size)
-    check_not_source(src_path, out)
-    check_output(out, overwrite, is_dir=to == "hf")
-    result = ExportResult(out, to)
-    src = DistCheckpointSource(given if isinstance(given, OpenedCheckpoint) else src_path, trusted=trusted)
-    try:
-        common = _read_common(src, _allowed_globals(), result)
-        marker = dict((common or {}).get(_CONTENT_METADATA_KEY) or {})
-        prefixes = _optimizer_prefixes(src, marker)
-        extra_state: Dict[str, Any] = {}
-        if module is not None:
-            _load_through_module(module, src_path, trusted)
-            state = module.state_dict()
-            tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-            extra_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
-            view: TensorSource = _DictSource(src_path, tensors)
-            plan = {k: k for k in tensors}
-            if not include_optimizer and any(k.startswith(p + ".state.") for k in src.tensors for p in prefixes):
-                result.skipped.append("optimizer state")
-        else:
-            recipe = read_recipe(src)
-            pieces = _plan_from_disk(src, marker, recipe, merge_parts, result)
-            view = _ExportView(src, pieces)
-            plan = {k: k for k in pieces}
-            objects = _model_objects(src, prefixes)
-            if objects:
-                result.skipped.append(f"{len(objects)} ShardedObject(s) (export with module= to get a module's "
-                                      f"non-tensor state): {', '.join(objects)}")
-            saved_extra = (common or {}).get("state_dict")
-            if isinstance(saved_extra, dict):
-                extra_state = {k: v for k, v in saved_extra.items() if not isinstance(v, torch.Tensor)}
-        plan = _strip(plan, strip_prefix, result)
-        if strip_prefix:
-            result.merged = [n[len(strip_prefix):] for n in result.merged if n.startswith(strip_prefix)]
-        names = sorted(plan)
-        if strip_prefix:
-            extra_state = {k[len(strip_prefix):]: v for k, v in extra_state.items() if k.startswith(strip_prefix)}
-            view = _Renamed(view, plan)
-        total = sum(view.tensors[n].nbytes for n in names)
-        tmp = staging_path(out, to == "hf")
-        bar = progress(total=total, unit="B", unit_scale=True, desc=f"export to {to}")
+    with pinned(src_path, verified=True):  # (an opened checkpoint: its commit, pinned)
+        to = {"huggingface": "hf", "safetensors": "hf", "ckpt": "lightning"}.get(to.lower(), to.lower())
+        if to not in ("hf", "lightning"):
+            raise ValueError(f"unknown export format {to!r}: choose hf or lightning")
+        if include_optimizer and (to != "lightning" or module is None):
+            raise ValueError("include_optimizer=True needs to='lightning' and module= (the optimizers are rebuilt from it)")
+        given, src_path, out = src_path, os.fspath(src_path), os.fspath(out)
+        budget, max_shard_size = parse_size(memory_budget), parse_size(max_shard_size)
+        check_not_source(src_path, out)
+        check_output(out, overwrite, is_dir=to == "hf")
+        result = ExportResult(out, to)
+        src = DistCheckpointSource(given if isinstance(given, OpenedCheckpoint) else src_path, trusted=trusted)
         try:
-            if to == "hf":
-                if extra_state:
-                    result.skipped.append(f"non-tensor state {sorted(extra_state)} (safetensors holds tensors only)")
-                result.files += write_safetensors_folder(view, [(n, view.tensors[n]) for n in names], tmp, max_shard_size,
-                                                         budget, bar)
-                _write_hf_config(config, tmp, result)
+            common = _read_common(src, _allowed_globals(), result)
+            marker = dict((common or {}).get(_CONTENT_METADATA_KEY) or {})
+            prefixes = _optimizer_prefixes(src, marker)
+            extra_state: Dict[str, Any] = {}
+            if module is not None:
+                _load_through_module(module, src_path, trusted)
+                state = module.state_dict()
+                tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+                extra_state = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+                view: TensorSource = _DictSource(src_path, tensors)
+                plan = {k: k for k in tensors}
+                if not include_optimizer and any(k.startswith(p + ".state.") for k in src.tensors for p in prefixes):
+                    result.skipped.append("optimizer state")
             else:
-                top = _lightning_top_level(common, marker, include_optimizer, result)
-                if include_optimizer:
-                    top["optimizer_states"] = _module_optimizer_states(module, optimizers, src_path, marker)
-                    top.setdefault("lr_schedulers", [])
-                _write_lightning(view, names, extra_state, top, tmp, budget, bar)
-                result.files = [os.path.basename(os.path.abspath(out))]
-            commit_output(tmp, out)
-        except BaseException:
-            discard_output(tmp)
-            raise
+                recipe = read_recipe(src)
+                pieces = _plan_from_disk(src, marker, recipe, merge_parts, result)
+                view = _ExportView(src, pieces)
+                plan = {k: k for k in pieces}
+                objects = _model_objects(src, prefixes)
+                if objects:
+                    result.skipped.append(f"{len(objects)} ShardedObject(s) (export with module= to get a module's "
+                                          f"non-tensor state): {', '.join(objects)}")
+                saved_extra = (common or {}).get("state_dict")
+                if isinstance(saved_extra, dict):
+                    extra_state = {k: v for k, v in saved_extra.items() if not isinstance(v, torch.Tensor)}
+            plan = _strip(plan, strip_prefix, result)
+            if strip_prefix:
+                result.merged = [n[len(strip_prefix):] for n in result.merged if n.startswith(strip_prefix)]
+            names = sorted(plan)
+            if strip_prefix:
+                extra_state = {k[len(strip_prefix):]: v for k, v in extra_state.items() if k.startswith(strip_prefix)}
+                view = _Renamed(view, plan)
+            total = sum(view.tensors[n].nbytes for n in names)
+            tmp = staging_path(out, to == "hf")
+            bar = progress(total=total, unit="B", unit_scale=True, desc=f"export to {to}")
+            try:
+                if to == "hf":
+                    if extra_state:
+                        result.skipped.append(f"non-tensor state {sorted(extra_state)} (safetensors holds tensors only)")
+                    result.files += write_safetensors_folder(view, [(n, view.tensors[n]) for n in names], tmp, max_shard_size,
+                                                             budget, bar)
+                    _write_hf_config(config, tmp, result)
+                else:
+                    top = _lightning_top_level(common, marker, include_optimizer, result)
+                    if include_optimizer:
+                        top["optimizer_states"] = _module_optimizer_states(module, optimizers, src_path, marker)
+                        top.setdefault("lr_schedulers", [])
+                    _write_lightning(view, names, extra_state, top, tmp, budget, bar)
+                    result.files = [os.path.basename(os.path.abspath(out))]
+                commit_output(tmp, out)
+            except BaseException:
+                discard_output(tmp)
+                raise
+            finally:
+                bar.close()
+            result.tensors, result.bytes = len(names), total
+            return result
         finally:
-            bar.close()
-        result.tensors, result.bytes = len(names), total
-        return result
-    finally:
-        src.close()
+            src.close()
 
 
 class _Renamed(TensorSource):

@@ -15,7 +15,7 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
 from ..storage.filesystem import checked_path, is_remote, storage_for
-from ..storage.opened import OpenedCheckpoint, accepts_opened
+from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 from .common import dtype_name, dtype_size, format_size
@@ -144,7 +144,6 @@ def _unsafe_file_names(path: str, files: Dict[Any, int]) -> List[str]:
     return out
 
 
-@accepts_opened('path', verified=True)  # (every read checked against the pinned manifest)
 def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """Describe a checkpoint directory as a JSON-serializable dict (nothing but metadata is read).
 
@@ -155,27 +154,28 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     shards are the chunk files, sized from the records in ``zarr_index.json``.
     Safetensors and torch.save inputs are described too (without shard details).
     """
-    where = path  # an opened checkpoint goes down as it is (its files are not read again)
-    path = os.fspath(path)
-    # a checkpoint directory on an object store (fsspec URL); locally: whatever is there
-    kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
-    if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):
-        try:  # opened once for the reads below; one that cannot be opened is described as it is
-            ck = OpenedCheckpoint(path, trusted=trusted)
-        except CheckpointingException:
-            ck = None
-        if ck is not None:
-            with ck:
-                return _inspect_dcp(ck, path, trusted)
-    if kind != "torch_dist":
-        with open_source(path, trusted=trusted) as src:
-            tensors = {
-                k: {"shape": list(i.shape), "dtype": dtype_name(i.dtype), "nbytes": i.nbytes, "shards": [], "layout": kind}
-                for k, i in src.tensors.items()
-            }
-            return {"path": path, "kind": kind, "tensors": tensors, "objects": [], "common_state": None,
-                    "total_bytes": sum(t["nbytes"] for t in tensors.values())}
-    return _inspect_dcp(where, path, trusted)
+    with pinned(path, verified=True):  # (an opened checkpoint: its commit, pinned)
+        where = path  # an opened checkpoint goes down as it is (its files are not read again)
+        path = os.fspath(path)
+        # a checkpoint directory on an object store (fsspec URL); locally: whatever is there
+        kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
+        if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):
+            try:  # opened once for the reads below; one that cannot be opened is described as it is
+                ck = OpenedCheckpoint(path, trusted=trusted)
+            except CheckpointingException:
+                ck = None
+            if ck is not None:
+                with ck:
+                    return _inspect_dcp(ck, path, trusted)
+        if kind != "torch_dist":
+            with open_source(path, trusted=trusted) as src:
+                tensors = {
+                    k: {"shape": list(i.shape), "dtype": dtype_name(i.dtype), "nbytes": i.nbytes, "shards": [], "layout": kind}
+                    for k, i in src.tensors.items()
+                }
+                return {"path": path, "kind": kind, "tensors": tensors, "objects": [], "common_state": None,
+                        "total_bytes": sum(t["nbytes"] for t in tensors.values())}
+        return _inspect_dcp(where, path, trusted)
 
 
 def _shared_files(where: Any, files: Dict[str, int]) -> Optional[Dict[str, int]]:

@@ -28,7 +28,7 @@ from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.fingerprint import add, fingerprint
-from ..storage.opened import OpenedCheckpoint, accepts_opened
+from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from ..storage.torch_dist_reader import TorchDistReader
@@ -97,7 +97,6 @@ def _item_name(index: MetadataIndex) -> str:
 
 
 # --------------------------------------------------------------------------- entry point
-@accepts_opened('path')
 def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, trusted: bool = False,
                       state: bool = False, memory_budget: Any = "256MiB") -> VerifyReport:
     """Check that a checkpoint is complete and undamaged, reading every byte it records.
@@ -124,29 +123,30 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     :class:`CheckpointNotFoundError` saying ``not a checkpoint`` and naming the checkpoints
     found inside; damage never raises, it is reported.
     """
-    # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
-    ck = path if isinstance(path, OpenedCheckpoint) else None
-    path = os.fspath(path)
-    report = VerifyReport(path)
-    try:
-        config: Optional[ckdir.CheckpointingConfig] = ck.config if ck is not None else ckdir.read_config(path)
-    except CheckpointNotFoundError:
-        raise _not_a_checkpoint(path) from None
-    except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
-        report.add(str(e), ckdir.CONFIG_FILE)
-        config = None
-        storage, root = storage_for(path)
-        if not storage.exists(join(root, DCP_METADATA_FILE)):
+    with pinned(path):  # (an opened checkpoint: its commit, pinned)
+        # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
+        ck = path if isinstance(path, OpenedCheckpoint) else None
+        path = os.fspath(path)
+        report = VerifyReport(path)
+        try:
+            config: Optional[ckdir.CheckpointingConfig] = ck.config if ck is not None else ckdir.read_config(path)
+        except CheckpointNotFoundError:
+            raise _not_a_checkpoint(path) from None
+        except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
+            report.add(str(e), ckdir.CONFIG_FILE)
+            config = None
+            storage, root = storage_for(path)
+            if not storage.exists(join(root, DCP_METADATA_FILE)):
+                return report
+        if not integrity_manifest_holds(path, report, _known_manifest(ck)):
             return report
-    if not integrity_manifest_holds(path, report, _known_manifest(ck)):
+        if config is not None and config.sharded_backend == "zarr":
+            report = _verify_zarr(path, report, progress)
+        else:
+            report = _verify_torch_dist(path, report, progress, trusted, ck)
+        if state and report.ok:
+            _verify_state(path, ck, report, progress, trusted, parse_size(memory_budget))
         return report
-    if config is not None and config.sharded_backend == "zarr":
-        report = _verify_zarr(path, report, progress)
-    else:
-        report = _verify_torch_dist(path, report, progress, trusted, ck)
-    if state and report.ok:
-        _verify_state(path, ck, report, progress, trusted, parse_size(memory_budget))
-    return report
 
 
 def _known_manifest(ck: Optional[OpenedCheckpoint]) -> Any:
