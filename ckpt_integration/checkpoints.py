@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .storage.atomic import is_replace_sibling
 from .storage.checkpoint_dir import CONFIG_FILE
 from .storage.commits import commit_order
-from .storage.filesystem import base_name, join, storage_for
+from .storage.filesystem import Storage, base_name, join, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,11 @@ class CommitOrder:
         return ", ".join(parts)
 
 
-def _k(v: Any) -> Tuple[int, Any]:
+def _k(v: Optional[float]) -> Tuple[int, Any]:
     return (0, 0) if v is None else (1, v)
 
 
-def _mtime(storage: Any, path: str) -> Optional[float]:
+def _mtime(storage: Storage, path: str) -> Optional[float]:
     """Modification time of ``path`` (seconds since the epoch), locally or through fsspec; None if unknown."""
     try:
         if not storage.remote:
@@ -67,7 +67,7 @@ def _mtime(storage: Any, path: str) -> Optional[float]:
     return None
 
 
-def commit_order_of(path: Any) -> CommitOrder:
+def commit_order_of(path: Union[str, os.PathLike]) -> CommitOrder:
     """The recorded order of one committed checkpoint (reads the head of its ``manifest.json``)."""
     storage, p = storage_for(path)
     step, seq, created = commit_order(p)
@@ -77,7 +77,7 @@ def commit_order_of(path: Any) -> CommitOrder:
     return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
 
 
-def _committed(directory: Any, suffix: Optional[str] = None) -> List[str]:
+def _committed(directory: Union[str, os.PathLike], suffix: Optional[str] = None) -> List[str]:
     storage, d = storage_for(directory)
     if not storage.isdir(d):
         return []
@@ -85,12 +85,12 @@ def _committed(directory: Any, suffix: Optional[str] = None) -> List[str]:
     return [join(d, n) for n in names if storage.exists(join(d, n, CONFIG_FILE))]
 
 
-def ordered_checkpoints(directory: Any, suffix: Optional[str] = None) -> List[CommitOrder]:
+def ordered_checkpoints(directory: Union[str, os.PathLike], suffix: Optional[str] = None) -> List[CommitOrder]:
     """The committed checkpoints directly inside ``directory``, oldest first (see the module doc)."""
     return sorted((commit_order_of(p) for p in _committed(directory, suffix)), key=CommitOrder.key)
 
 
-def list_checkpoints(directory: Any) -> List[str]:
+def list_checkpoints(directory: Union[str, os.PathLike]) -> List[str]:
     """Paths of the committed checkpoints directly inside ``directory``, oldest first.
 
     A checkpoint is committed once its ``metadata.json`` exists: every save writes it last,
@@ -110,7 +110,7 @@ def list_checkpoints(directory: Any) -> List[str]:
     return [c.path for c in ordered_checkpoints(directory)]
 
 
-def newest_checkpoint(directory: Any, suffix: Optional[str] = None, why: str = "") -> Optional[str]:
+def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] = None, why: str = "") -> Optional[str]:
     """The newest committed checkpoint in ``directory`` (names ending in ``suffix``), or None.
 
     Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
@@ -128,7 +128,7 @@ def newest_checkpoint(directory: Any, suffix: Optional[str] = None, why: str = "
     return best.path
 
 
-def newest_beside(checkpoint_dir: Any) -> Optional[str]:
+def newest_beside(checkpoint_dir: Union[str, os.PathLike]) -> Optional[str]:
     """The newest committed checkpoint in the directory that holds ``checkpoint_dir`` (the base of an
     incremental save to ``checkpoint_dir``; that path itself counts when it holds a committed
     checkpoint, which an overwrite replaces), or None."""
@@ -138,7 +138,9 @@ def newest_beside(checkpoint_dir: Any) -> Optional[str]:
     return found[-1].path if found else None
 
 
-def save_base(base: Any, checkpoint_dir: Any) -> Any:
+def save_base(
+    base: Union[None, str, os.PathLike, Callable[[], Optional[str]]], checkpoint_dir: Union[str, os.PathLike]
+) -> Union[None, str, Callable[[], Optional[str]]]:
     """What a save's ``base=`` argument becomes for :func:`~.execution.save.prepare_save`: a path, or for
     ``"auto"`` a function the coordinator calls to find the newest checkpoint beside the target."""
     if isinstance(base, str) and base == "auto":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 from .errors import CheckpointingException, UnsupportedCheckpointError
 from .storage.checkpoint_dir import SUPPORTED_BACKENDS
@@ -128,7 +128,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         super().__init__("torch_dist", 1)
 
 
-def check_backend(backend: Any, version: Any = 1) -> None:
+def check_backend(backend: object, version: object = 1) -> None:
     """Raise :class:`UnsupportedCheckpointError` for an unknown backend or format version."""
     versions = SUPPORTED_BACKENDS.get(backend) if isinstance(backend, str) else None
     if versions is None:
@@ -137,7 +137,7 @@ def check_backend(backend: Any, version: Any = 1) -> None:
         raise UnsupportedCheckpointError(f"{backend} format version {version!r} is not supported (supported: {list(versions)})")
 
 
-def backend_and_version(strategy: Any, default: str = "torch_dist") -> Tuple[str, int]:
+def backend_and_version(strategy: object, default: str = "torch_dist") -> Tuple[str, int]:
     """``(backend, version)`` of a strategy given as ``None``, a name, a ``(name, version)`` tuple
     or an object with ``backend``/``version`` attributes (ours or Megatron-Core's)."""
     if strategy is None:

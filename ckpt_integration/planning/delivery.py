@@ -12,11 +12,17 @@ Pure: boxes in, a description of what is wrong out.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import StateVerificationError
 from .boxes import Box, intersect
 from .load_units import overlapping_pairs
+
+
+class _Keyed(Protocol):
+    """A read task, as far as the error naming it needs."""
+
+    key: str
 
 
 def global_part(chunk_offsets: Sequence[int], starts: Sequence[int], lens: Sequence[int]) -> Box:
@@ -91,7 +97,7 @@ def check_delivered(tasks: Iterable[Any], rank: int, where: str) -> None:
             _undelivered(t, t.dest, problem, rank, where)
 
 
-def _undelivered(t: Any, dest: Box, problem: str, rank: int, where: str) -> None:
+def _undelivered(t: _Keyed, dest: Box, problem: str, rank: int, where: str) -> None:
     raise StateVerificationError(
         f"load of {where} on rank {rank}: tensor {t.key!r}, requested region {dest}: {problem}; "
         "nothing of this load is returned (a load never returns a region it did not fill)"

@@ -20,7 +20,7 @@ import hashlib
 import itertools
 import struct
 from array import array
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -290,7 +290,12 @@ class TableBatch:
     start.
     """
 
-    def __init__(self, messages: Iterable[bytes], widths: Dict[int, Any], prefix: Any = None) -> None:
+    def __init__(
+        self,
+        messages: Iterable[bytes],
+        widths: Dict[int, Any],
+        prefix: Optional[Callable[[int, Sequence[int], int], int]] = None,
+    ) -> None:
         self.strings: List[str] = []
         self.ids: Dict[str, int] = {}
         luts: List[List[int]] = []

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
+from .located import CheckpointLocation
 from .torch_dist import read_dcp_metadata
 from .torch_dist_reader import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader
 from .zarr_backend import ZarrReader
@@ -52,7 +53,7 @@ class CheckpointReader(Protocol):
 
     def __enter__(self) -> "CheckpointReader": ...
 
-    def __exit__(self, *exc: Any) -> None: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,14 @@ class Backend:
 
 def _open_torch_dist(
     directory: str, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
-    verify_checksums: bool = True, manifest: Any = MANIFEST_FROM_DIRECTORY,
+    verify_checksums: bool = True, manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
 ) -> CheckpointReader:
     return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)
 
 
 def _open_zarr(
-    directory: str, metadata: Metadata, checksums: Any = None, verify_checksums: bool = True, manifest: Any = None,
+    directory: str, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
+    verify_checksums: bool = True, manifest: Union[ckdir.Manifest, None, object] = None,
 ) -> CheckpointReader:
     # the zarr index carries the chunk records and CRC32s; the DCP-shaped metadata is the reader's own
     return ZarrReader(directory, verify_checksums=verify_checksums)
@@ -126,7 +128,7 @@ def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] 
 EMBEDDED_COMMON_KEY = "common_state"
 
 
-def embedded_common_key(metadata: Any) -> Optional[str]:
+def embedded_common_key(metadata: Optional[Metadata]) -> Optional[str]:
     """The storage key of a common state stored as the ``common_state`` ShardedObject (Megatron-Core 0.19
     layout: ``common_state/shard_0_1``), or None."""
     found = [k for k, v in ((metadata.state_dict_metadata or {}).items() if metadata is not None else ())
@@ -135,7 +137,7 @@ def embedded_common_key(metadata: Any) -> Optional[str]:
     return sorted(found)[0] if found else None
 
 
-def embedded_common_bytes(opened: Any) -> Optional[bytes]:
+def embedded_common_bytes(opened: CheckpointLocation) -> Optional[bytes]:
     """The bytes of the common state stored inside the DCP data of the opened checkpoint ``opened``
     (verified where its manifest records them), or None when it has none."""
     md = getattr(opened, "metadata", None)
@@ -155,7 +157,7 @@ def open_reader(
     backend: Optional[str] = None,
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True,
-    manifest: Any = MANIFEST_FROM_DIRECTORY,
+    manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
 ) -> CheckpointReader:
     """A :class:`CheckpointReader` of ``directory``. Each reader reads its integrity records
     itself (manifest / zarr index), so every caller gets verified reads and the containment

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -49,7 +49,7 @@ from .fingerprint import Recorded
 from .item_table import MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests, decode_text
 from .legacy_manifest import LEGACY_VERSIONS, refusal, upgrade
 from .claim import MARKER_FILE
-from .filesystem import join, storage_for
+from .filesystem import Storage, join, storage_for
 from .located import CheckpointLocation, cached_config, cached_manifest
 from .safe_pickle import safe_torch_load
 
@@ -284,7 +284,7 @@ def read_config(directory: str) -> CheckpointingConfig:
     return _parse_config(load_json(raw_bytes, path), directory, path)
 
 
-def _config_or_explain(storage: Any, directory: str, path: str) -> Any:
+def _config_or_explain(storage: Storage, directory: str, path: str) -> Union[CheckpointingConfig, bytes]:
     """The commit marker's bytes (a plain PyTorch DCP checkpoint: its config), or the specific
     error for why ``directory`` has none."""
     if not storage.exists(directory):
@@ -312,7 +312,7 @@ def _config_or_explain(storage: Any, directory: str, path: str) -> Any:
     return storage.read_in(directory, CONFIG_FILE, "commit marker")
 
 
-def _parse_config(raw: Any, directory: str, path: str) -> CheckpointingConfig:
+def _parse_config(raw: object, directory: str, path: str) -> CheckpointingConfig:
     if not isinstance(raw, dict) or "sharded_backend" not in raw:
         raise CorruptCheckpointError(f"{path} does not describe a checkpoint (no 'sharded_backend')")
     known = {"sharded_backend", "sharded_backend_version", "common_backend", "common_backend_version"}
@@ -347,7 +347,7 @@ def _parse_config(raw: Any, directory: str, path: str) -> CheckpointingConfig:
     return config
 
 
-def check_strategy_version(directory: str, config: CheckpointingConfig, strategy: Any) -> None:
+def check_strategy_version(directory: str, config: CheckpointingConfig, strategy: object) -> None:
     """A load strategy given as ``(backend, version)`` (or an object with ``backend``/``version``)
     must name the checkpoint's format version, as in Megatron-Core: ``("torch_dist", 2)`` on a
     version-1 checkpoint is refused instead of silently reading it as version 1."""
@@ -375,7 +375,7 @@ def write_config(directory: str, config: CheckpointingConfig, durable: bool = Tr
     storage.write_atomic(join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
 
 
-def save_common(directory: str, common_state_dict: Any, durable: bool = True) -> Dict[str, int]:
+def save_common(directory: str, common_state_dict: Mapping[str, object], durable: bool = True) -> Dict[str, int]:
     """Write ``common.pt``; returns ``{"size", "crc32"}`` for the manifest."""
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
@@ -561,7 +561,7 @@ def read_manifest_checked(directory: str, legacy: bool = False) -> Optional[Mani
 _noted: set = set()
 
 
-def note_once(message: str, key: Any = None) -> None:
+def note_once(message: str, key: Optional[Hashable] = None) -> None:
     """Log ``message`` as a warning once per process for ``key`` (default: the message itself): what would
     otherwise repeat at every load or save (a foreign checkpoint read unverified, a fallback)."""
     key = message if key is None else key

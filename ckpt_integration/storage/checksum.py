@@ -32,12 +32,15 @@ import base64
 import functools
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import xxhash
 
 from ..errors import UnknownBlockHashError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 try:  # pragma: no cover - depends on the environment
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -55,7 +58,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 DEFAULT_BLOCK_SIZE = 1 << 20
 
 
-def crc32(data: Any, value: int = 0) -> int:
+def crc32(data: Buffer, value: int = 0) -> int:
     """CRC32 of a bytes-like object, continuing from ``value`` (as :func:`zlib.crc32`)."""
     return _crc32(data, value)
 
@@ -128,7 +131,7 @@ class _Crc32Hasher:
     def __init__(self) -> None:
         self.value = 0
 
-    def update(self, data: Any) -> None:
+    def update(self, data: Buffer) -> None:
         self.value = _crc32(data, self.value)
 
     def intdigest(self) -> int:

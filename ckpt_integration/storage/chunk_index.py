@@ -21,9 +21,10 @@ Megatron-Core read; they ignore this file.
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ from ..planning.boxes import Box, intersect, sweep_axis
 from ..planning.dtypes import dtype_from_name, dtype_name
 from ..planning.records import MessageWriter, decode, group_rows
 from ..planning.reshard import ChunkRead, band
+from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
 from .filesystem import join, storage_for
 from .torch_dist_reader import ChunkInfo
@@ -115,7 +117,7 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
             ints += located.get((key, None), _MISSING)
 
 
-def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
+def index_of_layout(layout: CommitLayout, metadata_entry: Dict[str, int]) -> bytes:
     """The index of a commit (``planning.written.CommitLayout``), built from its arrays: the
     records :func:`encode_metadata` makes of the ``.metadata`` written from that layout, as whole
     arrays per (dimensions, chunks per key) group. Chunks of a multi-chunk key are sorted along
@@ -149,7 +151,7 @@ def index_of_layout(layout: Any, metadata_entry: Dict[str, int]) -> bytes:
     return zlib.compress(w.tobytes(), _LEVEL)
 
 
-def _tensor_rows(w: MessageWriter, layout: Any, ks: np.ndarray, nd: int, c: int, dtype_ids: Dict[str, int],
+def _tensor_rows(w: MessageWriter, layout: CommitLayout, ks: np.ndarray, nd: int, c: int, dtype_ids: Dict[str, int],
                  file_sid: np.ndarray) -> np.ndarray:
     """The records of the tensors ``ks`` (each of ``nd`` dimensions and ``c`` chunks), one row each."""
     ws, m = layout.written, len(ks)
@@ -349,7 +351,7 @@ def compact_of_metadata(md: Metadata, metadata_entry: Optional[Dict[str, int]] =
     return CompactMetadata(raw, w.strings, w.ints, w.ints[1], w.ints[2], ckdir.DCP_METADATA_FILE)
 
 
-def usable(manifest: Any) -> bool:
+def usable(manifest: Optional[ckdir.Manifest]) -> bool:
     """Whether the manifest records an index and the ``.metadata`` it must describe (both with CRC32)."""
     files = getattr(manifest, "files", None) or {}
     return "crc32" in files.get(CHUNK_INDEX_FILE, {}) and "crc32" in files.get(ckdir.DCP_METADATA_FILE, {})
@@ -361,7 +363,7 @@ def matches(index: CompactMetadata, metadata_entry: Dict[str, Any]) -> bool:
                                                            int(metadata_entry.get("crc32", -2)))
 
 
-def read_chunk_index(location: Any, manifest: Any, metadata: Callable[[], Metadata]) -> CompactMetadata:
+def read_chunk_index(location: Union[str, os.PathLike], manifest: Optional[ckdir.Manifest], metadata: Callable[[], Metadata]) -> CompactMetadata:
     """The chunk index of the checkpoint at ``location`` (a path or an opened checkpoint):
     ``chunk_index.bin`` checked against ``manifest`` and matched to the ``.metadata`` it
     records, else built from ``metadata()`` (``.metadata``, read and checked by the caller).
@@ -478,7 +480,7 @@ class CompactChunks:
         return info
 
 
-def compact_chunks_of(md: Any) -> Optional[CompactChunks]:
+def compact_chunks_of(md: Metadata) -> Optional[CompactChunks]:
     """The :class:`CompactChunks` of a metadata built by :meth:`CompactMetadata.metadata_for`, if any."""
     return getattr(md, _ATTR, None)
 
@@ -519,7 +521,7 @@ def differences(index: CompactMetadata, md: Metadata, limit: int = 5) -> List[st
     return out
 
 
-def index_problems(location: Any, manifest: Any, md: Metadata, data: Optional[bytes] = None) -> List[str]:
+def index_problems(location: Union[str, os.PathLike], manifest: Optional[ckdir.Manifest], md: Metadata, data: Optional[bytes] = None) -> List[str]:
     """What ``verify`` reports about a recorded index next to its (readable) ``.metadata``: made
     from another ``.metadata``, or describing other chunks. A damaged or missing file is reported
     with every other recorded file, not here. ``data``: the index's bytes, checked already."""

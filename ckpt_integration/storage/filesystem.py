@@ -31,7 +31,7 @@ import shutil
 import logging
 import stat
 import threading
-from typing import Any, BinaryIO, Iterator, List, Optional, Sequence, Tuple
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from . import retry
@@ -39,13 +39,16 @@ from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
 from .readers import FileReader, FsspecReader
 from .located import CheckpointLocation
 
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
 logger = logging.getLogger(__name__)
 
 # Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
 ALLOW_SYMLINKS_ENV = "CKPT_INTEGRATION_ALLOW_SYMLINKS"
 
 
-def is_remote(path: Any) -> bool:
+def is_remote(path: Union[str, os.PathLike]) -> bool:
     """True for URLs handled by fsspec (anything with a scheme except ``file://``)."""
     p = os.fspath(path) if not isinstance(path, str) else path
     return "://" in p and not p.startswith("file://")
@@ -57,7 +60,7 @@ def join(base: str, *names: str) -> str:
     return os.path.join(base, *names)
 
 
-def parent_of(path: Any) -> str:
+def parent_of(path: Union[str, os.PathLike]) -> str:
     """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
     p = os.fspath(path)
     if is_remote(p):
@@ -65,7 +68,7 @@ def parent_of(path: Any) -> str:
     return os.path.dirname(os.path.abspath(p.rstrip(os.sep)))
 
 
-def base_name(path: Any) -> str:
+def base_name(path: Union[str, os.PathLike]) -> str:
     """The last component of ``path`` (a local path or a URL)."""
     p = os.fspath(path)
     return p.rstrip("/").rsplit("/", 1)[-1] if is_remote(p) else os.path.basename(p.rstrip(os.sep))
@@ -77,7 +80,7 @@ def symlinks_allowed() -> bool:
     return os.environ.get(ALLOW_SYMLINKS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def name_problem(name: Any, nested: bool = False) -> Optional[str]:
+def name_problem(name: object, nested: bool = False) -> Optional[str]:
     """Why ``name`` cannot name a file inside a checkpoint directory, or None.
 
     ``nested``: ``/``-separated relative paths are allowed (zarr chunk files
@@ -278,7 +281,7 @@ class _LocalReader(FileReader):
 class Storage:
     """File operations used by the backends, on one filesystem."""
 
-    def __init__(self, fs: Any = None):
+    def __init__(self, fs: Optional[AbstractFileSystem] = None):
         self.fs = fs  # None: local filesystem through os
         self._lock = threading.Lock()
 
@@ -481,7 +484,7 @@ class _RemoteWriter:
     complete it with the parts sent so far).
     """
 
-    def __init__(self, fs: Any, path: str):
+    def __init__(self, fs: AbstractFileSystem, path: str):
         self.fs, self.path = fs, path
         self.block = int(getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", None) or 50 * 2**20)
         self._buf = bytearray()
@@ -489,7 +492,7 @@ class _RemoteWriter:
         self._pos = 0
         self.closed = False
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Union[bytes, bytearray, memoryview]) -> int:
         n = memoryview(data).nbytes
         if self._stream is not None:
             self._streamed(self._stream.write, data)
@@ -502,7 +505,7 @@ class _RemoteWriter:
         self._pos += n
         return n
 
-    def _streamed(self, fn: Any, *args: Any) -> Any:
+    def _streamed(self, fn: Callable[..., Any], *args: object) -> Any:
         """A step of a streamed (multipart) upload: parts are retried by the client itself (s3fs,
         botocore) and cannot be repeated from here; what still fails is an error naming the object."""
         try:
@@ -546,7 +549,7 @@ class _RemoteWriter:
         if stream is not None:
             self._abort(stream)
 
-    def _abort(self, stream: Any) -> None:
+    def _abort(self, stream: IO[bytes]) -> None:
         try:
             if hasattr(stream, "discard"):
                 stream.discard()  # s3fs: aborts the multipart upload
@@ -560,7 +563,7 @@ class _RemoteWriter:
     def __enter__(self) -> "_RemoteWriter":
         return self
 
-    def __exit__(self, exc_type: Any, *args: Any) -> None:
+    def __exit__(self, exc_type: Optional[Type[BaseException]], *args: object) -> None:
         if exc_type is not None:
             self.discard()
         else:
@@ -570,7 +573,7 @@ class _RemoteWriter:
 _LOCAL = Storage()
 
 
-def storage_for(path: Any) -> Tuple[Storage, str]:
+def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
     """The storage and the path to use with it, for a local path or an fsspec URL.
 
     fsspec filesystems accept full URLs, so remote paths are kept as given. An opened checkpoint

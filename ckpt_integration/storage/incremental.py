@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from ..planning.written import Blocks
 from .checksum import BlockHash
 from .filesystem import Storage, join, storage_for
+from .located import CheckpointLocation
 from .fs import tensor_buffer
 
 _DATA_FILE = re.compile(r"^(.*)__(\d+)_(\d+)\.distcp$")
@@ -71,7 +72,7 @@ class BaseFiles:
     recorded: Any = None  # the base's fingerprints (storage.fingerprint.Recorded), where it has them
 
 
-def base_files(opened: Any, rank: int, keys: Iterable[str]) -> Tuple[Optional[BaseFiles], str]:
+def base_files(opened: CheckpointLocation, rank: int, keys: Iterable[str]) -> Tuple[Optional[BaseFiles], str]:
     """What ``rank`` may take from the opened checkpoint ``opened``: the items of ``keys`` (the storage keys
     this save writes) stored in this rank's own data files there, or ``(None, why not)``: a base of another
     backend or whose digests are of another
@@ -149,7 +150,7 @@ def _same_bytes(data: bytes, item: BaseItem, h: BlockHash) -> bool:
     return hasher.intdigest() == item.digest
 
 
-def unchanged(data: Any, item: BaseItem, h: BlockHash) -> bool:
+def unchanged(data: Union[torch.Tensor, bytes, bytearray, memoryview], item: BaseItem, h: BlockHash) -> bool:
     """Whether the request's ``data`` (a tensor chunk or an object's bytes) equals ``item``."""
     if isinstance(data, torch.Tensor):
         return _same_tensor(data, item, h)

@@ -260,7 +260,7 @@ class ItemTable:
                             self.block_pos[keep], self.block_digests, self.hash)
 
 
-def decode_text(text: Any, h: BlockHash, where: str = MANIFEST_FILE) -> ItemTable:
+def decode_text(text: object, h: BlockHash, where: str = MANIFEST_FILE) -> ItemTable:
     """The table of a manifest's ``tables`` field (base64 text; ``""``: no items, as in the
     manifest of a zarr checkpoint, whose chunks ``zarr_index.json`` records)."""
     if not isinstance(text, str):

@@ -20,7 +20,7 @@ checks those items whole, as it does for objects.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from .item_table import encode_table, encode_text
 LEGACY_VERSIONS = (1, 2, 3)
 
 
-def refusal(path: str, version: int, readable: Any) -> UnsupportedCheckpointError:
+def refusal(path: str, version: int, readable: Iterable[int]) -> UnsupportedCheckpointError:
     """The error a load of a format-``version`` manifest at ``path`` raises."""
     where = path.rsplit("/", 1)[0] if path.endswith("manifest.json") else path
     return UnsupportedCheckpointError(
@@ -41,7 +41,7 @@ def refusal(path: str, version: int, readable: Any) -> UnsupportedCheckpointErro
     )
 
 
-def _item(key: Any) -> tuple:
+def _item(key: object) -> tuple:
     if not isinstance(key, str) or "@" not in key:
         raise ValueError(f"table key {str(key)[:80]!r} is not '<file>@<offset>'")
     name, _, off = key.rpartition("@")
@@ -50,7 +50,7 @@ def _item(key: Any) -> tuple:
     return name, int(off)
 
 
-def _digest(v: Any, h: BlockHash, key: str) -> int:
+def _digest(v: object, h: BlockHash, key: str) -> int:
     if type(v) is not int or not 0 <= v < 1 << (8 * h.width):
         raise ValueError(f"item {key[:80]!r} has no {h.label} digest: {str(v)[:40]}")
     return v

@@ -41,12 +41,12 @@ class CheckpointLocation:
         return self.path
 
 
-def cached_config(where: Any) -> Any:
+def cached_config(where: object) -> Any:
     """``metadata.json`` as read at open, or ``None`` (not a location, or not read)."""
     return where.config if isinstance(where, CheckpointLocation) else None
 
 
-def cached_manifest(where: Any) -> "tuple[bool, Any]":
+def cached_manifest(where: object) -> "tuple[bool, Any]":
     """``(True, manifest)`` when ``where`` read its manifest already (``None`` for a checkpoint of
     another writer), else ``(False, None)``."""
     if isinstance(where, CheckpointLocation) and where.manifest_read:
@@ -54,6 +54,6 @@ def cached_manifest(where: Any) -> "tuple[bool, Any]":
     return False, None
 
 
-def cached_dcp_metadata(where: Any) -> Optional[Any]:
+def cached_dcp_metadata(where: object) -> Optional[Any]:
     return where.dcp_metadata if isinstance(where, CheckpointLocation) else None
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from typing import Any
+from typing import Protocol, Union
 
 import numpy as np
 import torch
 
 from .fs import tensor_buffer
+from .readers import FileReader
 
 # torch.from_numpy warns about read-only arrays: ours are read-only mappings, only ever copied from
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
@@ -31,7 +32,13 @@ _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14 (not exported by Python 3.11)
 
 
-def can_map(file_reader: Any) -> bool:
+class LocalFile(Protocol):
+    """A reader of a local file (``can_map`` said yes): its open descriptor."""
+
+    fd: int
+
+
+def can_map(file_reader: FileReader) -> bool:
     """Whether ``file_reader``'s file is local and can be mapped (probed with one page)."""
     fd = getattr(file_reader, "fd", None)
     if not isinstance(fd, int) or getattr(file_reader, "size", 0) <= 0:
@@ -51,7 +58,7 @@ class ItemMap:
     ``at(x)`` is the index in :attr:`mm` of item-relative byte ``x``.
     """
 
-    def __init__(self, file_reader: Any, base: int, length: int, willneed: bool = True, populate: bool = True):
+    def __init__(self, file_reader: LocalFile, base: int, length: int, willneed: bool = True, populate: bool = True):
         start = base - base % _PAGE
         self.delta = base - start
         self.mm = mmap.mmap(file_reader.fd, self.delta + length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
@@ -77,11 +84,11 @@ class ItemMap:
     def __enter__(self) -> "ItemMap":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def typed_view(buffer: Any, offset: int, numel: int, dtype: torch.dtype, esize: int) -> torch.Tensor:
+def typed_view(buffer: Union[mmap.mmap, torch.Tensor], offset: int, numel: int, dtype: torch.dtype, esize: int) -> torch.Tensor:
     """``numel`` elements of ``dtype`` at byte ``offset`` of ``buffer`` (a mapping or a byte tensor),
     without copying. The offset need not be aligned (items in DCP files are not)."""
     np_type = _INT_OF_SIZE.get(esize)
@@ -94,7 +101,7 @@ def typed_view(buffer: Any, offset: int, numel: int, dtype: torch.dtype, esize: 
     return t if t.dtype == dtype else t.view(dtype)
 
 
-def read_bytes(file_reader: Any, start: int, length: int) -> torch.Tensor:
+def read_bytes(file_reader: FileReader, start: int, length: int) -> torch.Tensor:
     """``length`` bytes of a file from ``start`` into a new byte tensor (files that are not mapped)."""
     buf = torch.empty(length, dtype=torch.uint8)
     if length:

@@ -9,10 +9,13 @@ descriptor, lives with the rest of the local file operations in :mod:`.filesyste
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 from ..errors import CorruptCheckpointError
 from . import retry
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 
 class FileReader:
@@ -123,7 +126,7 @@ class FsspecReader(FileReader):
 
     _windows = ReadAheadWindows(WINDOW_BYTES)
 
-    def __init__(self, fs: Any, path: str, what: str = "file"):
+    def __init__(self, fs: AbstractFileSystem, path: str, what: str = "file"):
         self.fs, self.path, self.what = fs, path, what
         self._whole: Optional[memoryview] = None
         self._lock = threading.Lock()

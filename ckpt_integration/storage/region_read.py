@@ -37,7 +37,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,10 @@ import torch
 from ..errors import CorruptCheckpointError
 from .checksum import BlockHash
 from .fs import tensor_buffer
+from .readers import FileReader
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # Bytes read (and checksummed) per step: small enough to stay in cache between the read,
 # the checksum and the copy out of the scratch buffer (window reads) ...
@@ -197,7 +201,7 @@ class _Checker:
             raise AssertionError("internal error: the last checksummed block was not read whole")
 
 
-def verify_blocks(blocks: Blocks, path: str, base: int, what: str, pos: int, data: Any) -> None:
+def verify_blocks(blocks: Blocks, path: str, base: int, what: str, pos: int, data: Buffer) -> None:
     """Check the whole blocks held by ``data`` (item-relative bytes ``[pos, pos + len(data))``,
     starting and ending at block boundaries); a mismatch raises :class:`CorruptCheckpointError`
     naming the file, the block's byte range and ``what``."""
@@ -231,7 +235,7 @@ def _touched(run_lo: np.ndarray, run_hi: np.ndarray, blocks: Optional[Blocks]) -
 
 
 def read_region(
-    reader: Any,
+    reader: FileReader,
     path: str,
     base: int,
     data_start: int,
@@ -342,7 +346,7 @@ def _read_direct(reader, base, lo, nbytes, dest: memoryview, blocks, checker, st
             pos = end
 
 
-def read_ahead(reader: Any, start: int, length: int) -> None:
+def read_ahead(reader: FileReader, start: int, length: int) -> None:
     """Local files: ask the kernel to read the whole range ahead, so that on disk the reads of
     later pieces proceed while earlier ones are checksummed (no effect on tmpfs)."""
     fd = getattr(reader, "fd", None)

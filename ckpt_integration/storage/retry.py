@@ -31,9 +31,12 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
-def _supports_timeout(fs: Any, fn: Any) -> bool:
+def _supports_timeout(fs: AbstractFileSystem, fn: Callable[..., object]) -> bool:
     """The blocking methods that fsspec derives from an asynchronous filesystem's coroutines
     (s3fs, gcsfs, adlfs ...) take ``timeout=`` (the coroutine is cancelled when it passes)."""
     import inspect
@@ -128,7 +131,8 @@ def _supports_timeout(fs: Any, fn: Any) -> bool:
     return not getattr(fs, "asynchronous", False) and inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None))
 
 
-def call(fs: Any, method: str, path: str, *args: Any, write: bool = False, what: str = "", **kwargs: Any) -> Any:
+def call(fs: AbstractFileSystem, method: str, path: str, *args: object, write: bool = False, what: str = "",
+         **kwargs: object) -> Any:
     """``getattr(fs, method)(path, *args, **kwargs)`` with per-attempt deadlines and bounded retries.
 
     ``write`` picks the error type (:class:`CheckpointWriteError` or :class:`CheckpointReadError`)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import re
-from typing import Any, BinaryIO, Iterable, Optional, Set, Tuple
+from typing import IO, Any, BinaryIO, Iterable, Optional, Set, Tuple, Union
 
 import torch
 
@@ -80,7 +81,7 @@ def add_safe_globals(globals_: Iterable[Any]) -> None:
 class _Placeholder:
     """Stands in for Megatron-Core's empty marker classes when megatron is absent."""
 
-    def __setstate__(self, state: Any) -> None:
+    def __setstate__(self, state: object) -> None:
         self.__dict__["_state"] = state
 
 
@@ -106,7 +107,7 @@ class _RestrictedMetadataUnpickler(pickle.Unpickler):
         )
 
 
-def _safe_getattr(obj: Any, name: str) -> Any:
+def _safe_getattr(obj: object, name: str) -> Any:
     # Only torch dtype/layout/memory_format attributes (e.g. torch.float32) pass.
     if obj is torch and name in _TORCH_ATTRS:
         return getattr(torch, name)
@@ -144,7 +145,7 @@ def _is_refusal(message: str) -> bool:
 
 
 def safe_torch_load(
-    f: Any,
+    f: Union[str, os.PathLike, IO[bytes]],
     trusted: bool = False,
     allowed_globals: Optional[Iterable[Any]] = None,
     what: str = "checkpoint object",
@@ -189,7 +190,7 @@ def safe_torch_load(
         raise CorruptCheckpointError(f"{what} is damaged and cannot be read: {type(e).__name__}: {e}") from None
 
 
-def torch_dumps(obj: Any) -> bytes:
+def torch_dumps(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()

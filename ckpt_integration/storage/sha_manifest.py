@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, List, Optional, Tuple
+import os
+from typing import Dict, List, Optional, Tuple, Union
 
 from ..errors import CorruptCheckpointError
 from .filesystem import join, storage_for
@@ -23,7 +24,7 @@ INTEGRITY_FILE = "integrity.json"
 _PIECE = 1 << 20
 
 
-def read_sha_manifest(directory: Any) -> Optional[Dict[str, str]]:
+def read_sha_manifest(directory: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
     """``{file: sha256 hex}`` recorded in ``integrity.json``, or None when there is none."""
     storage, root = storage_for(directory)
     path = join(root, INTEGRITY_FILE)
@@ -44,7 +45,7 @@ def read_sha_manifest(directory: Any) -> Optional[Dict[str, str]]:
     return files
 
 
-def sha_problems(directory: Any, files: Dict[str, str]) -> List[Tuple[str, str]]:
+def sha_problems(directory: Union[str, os.PathLike], files: Dict[str, str]) -> List[Tuple[str, str]]:
     """``(message, file name)`` per recorded file that is missing, unreadable or whose SHA-256 differs."""
     storage, root = storage_for(directory)
     out = []
@@ -69,7 +70,7 @@ def sha_problems(directory: Any, files: Dict[str, str]) -> List[Tuple[str, str]]
     return out
 
 
-def check_sha_manifest(directory: Any) -> bool:
+def check_sha_manifest(directory: Union[str, os.PathLike]) -> bool:
     """Check every file ``integrity.json`` lists (see the module doc); False when there is none."""
     files = read_sha_manifest(directory)
     if files is None:

@@ -26,18 +26,23 @@ import ctypes
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..planning.boxes import Box
+from .backends import CheckpointReader
 from .checkpoint_dir import MANIFEST_FILE
+from .checksum import BlockHash
 from .filesystem import join
 from .region_read import scratch_buffer, dtype_size
 from .fs import tensor_buffer
+from .item_table import Digests
 from .tensor_record import describe_archive_head
 from .torch_dist import DCP_METADATA_FILE
+from .torch_dist_reader import ChunkInfo, TorchDistReader
 
 # items up to this size (archive included) are read in runs; larger ones one by one (their
 # per-item overhead is small next to their bytes, and read_region reads them into place)
@@ -46,7 +51,18 @@ SMALL_ITEM = 1 << 20
 SPAN = 8 << 20
 
 
-def _fits(t: Any) -> bool:
+class ReadTaskLike(Protocol):
+    """A load's read task as far as this module reads and records it (``execution``'s ``ReadTask``)."""
+
+    key: str
+    chunk: ChunkInfo
+    overlap: Box
+    out: torch.Tensor
+    dtype: torch.dtype
+    got: List[Box]
+
+
+def _fits(t: ReadTaskLike) -> bool:
     """Whether task ``t`` can be read in a run, if its item has a block record."""
     chunk, out = t.chunk, t.out
     if chunk.storage.length > SMALL_ITEM or (t.overlap is not chunk.box and t.overlap != chunk.box) or out.dtype != t.dtype:
@@ -55,7 +71,7 @@ def _fits(t: Any) -> bool:
     return out.is_cpu and out.is_contiguous() and (out.shape == chunk.box.sizes or out.numel() == chunk.box.numel)
 
 
-def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> List[Any]:
+def read_small_items(reader: CheckpointReader, tasks: Sequence[ReadTaskLike], thread_count: int) -> List[ReadTaskLike]:
     """Read the tasks that are whole small items in runs (see the module docstring); return the
     others, in their order, for ``read_region``. ``tasks`` are ``ReadTask``-like (``key``,
     ``chunk``, ``overlap``, ``out``, ``dtype``, and ``got``: each task read here records its
@@ -67,7 +83,7 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     where = [(t.chunk.storage.relative_path, t.chunk.storage.offset) for t, f in zip(tasks, fits) if f]
     records = iter(reader.block_records.digests_many(where))
     rest: List[Any] = []
-    small: List[Tuple[str, int, Any, Any]] = []
+    small: List[Tuple[str, int, ReadTaskLike, Digests]] = []
     for t, f in zip(tasks, fits):
         brec = next(records) if f else None
         if brec is None:
@@ -78,8 +94,8 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     if not small:
         return rest
     # no sort: the load's tasks come sorted by file and offset, and a run only joins adjacent items
-    spans: List[List[Tuple[str, int, Any, Any]]] = []
-    cur: List[Tuple[str, int, Any, Any]] = []
+    spans: List[List[Tuple[str, int, ReadTaskLike, Digests]]] = []
+    cur: List[Tuple[str, int, ReadTaskLike, Digests]] = []
     end = -1
     for s in small:
         length = s[2].chunk.storage.length
@@ -100,7 +116,7 @@ def read_small_items(reader: Any, tasks: Sequence[Any], thread_count: int) -> Li
     return rest
 
 
-def _pipelined(reader: Any, spans: List[List[Tuple[str, int, Any, Any]]], thread_count: int) -> None:
+def _pipelined(reader: TorchDistReader, spans: List[List[Tuple[str, int, ReadTaskLike, Digests]]], thread_count: int) -> None:
     """Reads in up to ``thread_count`` pool threads, checks and copies in the calling thread, in order.
 
     The per-item work is Python that holds the GIL: run in several threads at once it only
@@ -111,7 +127,7 @@ def _pipelined(reader: Any, spans: List[List[Tuple[str, int, Any, Any]]], thread
     # a buffer per span in flight, reused in turn (not the threads' scratch buffers: a span is
     # checked here while its reader thread already reads the next one)
     free: List[Any] = [torch.empty(SPAN, dtype=torch.uint8) for _ in range(depth)]
-    pending: "deque[Tuple[List[Tuple[str, int, Any, Any]], Any]]" = deque()
+    pending: "deque[Tuple[List[Tuple[str, int, ReadTaskLike, Digests]], Any]]" = deque()
     it = iter(spans)
     with ThreadPoolExecutor(depth, thread_name_prefix="ckpt-read") as pool:
         try:
@@ -132,11 +148,12 @@ def _pipelined(reader: Any, spans: List[List[Tuple[str, int, Any, Any]]], thread
             raise
 
 
-def _what(t: Any) -> str:
+def _what(t: ReadTaskLike) -> str:
     return f"chunk {t.chunk.box} of {t.key!r}"
 
 
-def _fetch(reader: Any, span: List[Tuple[str, int, Any, Any]], buf: Any) -> Tuple[memoryview, Any, int, float]:
+def _fetch(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike, Digests]], buf: Optional[torch.Tensor]
+           ) -> Tuple[memoryview, torch.Tensor, int, float]:
     """Read a span's bytes: ``(its bytes, the buffer holding them, their count, seconds)``, into
     ``buf`` (None: this thread's scratch buffer; one too small is replaced)."""
     name, lo = span[0][0], span[0][1]
@@ -163,7 +180,7 @@ def _fetch(reader: Any, span: List[Tuple[str, int, Any, Any]], buf: Any) -> Tupl
     return mv, buf, nbytes, time.perf_counter() - t0
 
 
-def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryview, buf: Any, nbytes: int,
+def _check_span(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike, Digests]], mv: memoryview, buf: torch.Tensor, nbytes: int,
                 read_s: float) -> None:
     """Check every item of a span read into ``mv`` (see the module docstring) and copy its data out."""
     name, lo = span[0][0], span[0][1]
@@ -244,7 +261,7 @@ def _check_span(reader: Any, span: List[Tuple[str, int, Any, Any]], mv: memoryvi
 UNIFORM_MIN = 8
 
 
-def _check_uniform(span: List[Tuple[str, int, Any, Any]], mv: memoryview, addr: int, h: Any) -> bool:
+def _check_uniform(span: List[Tuple[str, int, ReadTaskLike, Digests]], mv: memoryview, addr: int, h: BlockHash) -> bool:
     """A span of items of one layout (many tensors of one shape and dtype: same length, header,
     data and trailer lengths, one data block), checked as a table and copied out; False (nothing
     copied) when it is not such a span or anything does not match, and the item-by-item check
@@ -289,21 +306,21 @@ def _check_uniform(span: List[Tuple[str, int, Any, Any]], mv: memoryview, addr: 
     return True
 
 
-def _frame_mismatch(path: str, off: int, lo: int, hi: int, t: Any) -> None:
+def _frame_mismatch(path: str, off: int, lo: int, hi: int, t: ReadTaskLike) -> None:
     raise CorruptCheckpointError(
         f"{path}: checksum mismatch for the archive {'header' if lo == 0 else 'trailer'} of {_what(t)} "
         f"(bytes [{off + lo}, {off + hi})): the file is damaged"
     )
 
 
-def _data_mismatch(path: str, off: int, lo: int, hi: int, t: Any, h: Any, got: int, expected: int) -> None:
+def _data_mismatch(path: str, off: int, lo: int, hi: int, t: ReadTaskLike, h: BlockHash, got: int, expected: int) -> None:
     raise CorruptCheckpointError(
         f"{path}: checksum mismatch for {_what(t)} (bytes [{off + lo}, {off + hi}) of the file: {h.show(got)}, "
         f"recorded at save time {h.show(expected)}): the file is damaged"
     )
 
 
-def _check_recorded(found: Any, t: Any, path: str, directory: str) -> None:
+def _check_recorded(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], t: ReadTaskLike, path: str, directory: str) -> None:
     """The archive's dtype and shape (``found``, from ``describe_archive_head``) against ``.metadata``."""
     if found is None:
         return  # an archive of another layout: its data's place and size were checked already

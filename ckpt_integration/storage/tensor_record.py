@@ -20,7 +20,7 @@ import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, BinaryIO, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,10 @@ import torch
 from ..errors import CheckpointWriteError, CorruptCheckpointError
 from .checksum import BlockHash, save_block_hash
 from .fs import tensor_buffer
+from .readers import FileReader
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
 
@@ -54,7 +58,7 @@ class TensorRecord:
 class _SliceFile(io.RawIOBase):
     """Read-only file-like view of ``[offset, offset+length)`` of a :class:`FileReader`."""
 
-    def __init__(self, reader: Any, offset: int, length: int):
+    def __init__(self, reader: FileReader, offset: int, length: int):
         self.reader, self.base, self.length, self.pos = reader, offset, length, 0
 
     def readable(self) -> bool:
@@ -78,7 +82,7 @@ class _SliceFile(io.RawIOBase):
         self.pos += len(data)
         return data
 
-    def readinto(self, b: Any) -> int:
+    def readinto(self, b: Union[bytearray, memoryview]) -> int:
         data = self.read(len(b))
         b[: len(data)] = data
         return len(data)
@@ -114,7 +118,7 @@ class _DescribingUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise _Unusual(f"{module}.{name}")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> Any:
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise _Unusual(f"persistent id {pid!r}")
         _, storage_type, key, _location, _numel = pid
@@ -132,7 +136,7 @@ def _describe_tensor(storage, storage_offset, size, stride, requires_grad=False,
     return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
 
 
-def parse_tensor_record(fd: Any, offset: int, length: int, path: str = "") -> TensorRecord | None:
+def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = "") -> TensorRecord | None:
     """Locate the raw bytes of the tensor archived at ``[offset, offset+length)``.
 
     ``fd`` is a :class:`~ckpt_integration.storage.filesystem.FileReader`.
@@ -237,7 +241,7 @@ class DigestWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b: Any) -> int:
+    def write(self, b: Buffer) -> int:
         mv = memoryview(b).cast("B")
         self._h.update(mv)
         n = self.f.write(mv)
@@ -302,7 +306,7 @@ class BlockDigestWriter(io.RawIOBase):
             self.error = e
             raise
 
-    def write(self, b: Any) -> int:
+    def write(self, b: Buffer) -> int:
         mv = memoryview(b).cast("B")
         n = len(mv)
         in_data = (

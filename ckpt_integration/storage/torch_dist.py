@@ -28,7 +28,7 @@ import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import IO, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -46,8 +46,8 @@ from ..errors import CorruptCheckpointError, MismatchError, SaveConflictError, U
 from ..planning.save_plan import split_into_buckets
 from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
-from .checksum import DEFAULT_BLOCK_SIZE, crc32, save_block_hash
-from .filesystem import join, name_problem, storage_for, writing
+from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, crc32, save_block_hash
+from .filesystem import Storage, join, name_problem, storage_for, writing
 from .incremental import BaseFiles, plan_reuse, take_file
 from .located import cached_dcp_metadata
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
@@ -351,8 +351,8 @@ def _file_names(rank: int, prefixes: Sequence[str], taken: Set[str]) -> List[str
     return out
 
 
-def link_unchanged(directory: str, storage: Any, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
-                   digest: Any, stop: Optional[Callable[[], None]],
+def link_unchanged(directory: str, storage: Storage, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
+                   digest: BlockHash, stop: Optional[Callable[[], None]],
                    fingerprints: Optional[Sequence[Optional[int]]]) -> Tuple[WrittenTable, Set[int], Set[int]]:
     """Link the base files that hold exactly some of ``requests``, unchanged (see :mod:`.incremental`):
     ``(their items' rows, the requests they hold, the requests to write into stable files)``."""
@@ -423,7 +423,7 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
     return {"size": len(data), "crc32": crc32(data)}
 
 
-def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Any = None) -> Metadata:
+def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Optional[ckdir.Manifest] = None) -> Metadata:
     """``.metadata``, checked against the manifest (read once: the bytes checked are the bytes
     unpickled) and unpickled restrictedly unless ``trusted``. ``manifest``: the checkpoint's
     manifest when the caller has read it already (else it is read here). An opened checkpoint:
@@ -472,7 +472,7 @@ class _CompactPickler(pickle.Pickler):
     of chunks at scale (docs/format.md).
     """
 
-    def __init__(self, f: Any):
+    def __init__(self, f: IO[bytes]):
         super().__init__(f, protocol=4)
         self._tuples: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
         self._strings: Dict[str, str] = {}
@@ -481,7 +481,7 @@ class _CompactPickler(pickle.Pickler):
         t = tuple(v)
         return self._tuples.setdefault(t, t)
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> Any:
         cls = type(obj)
         if cls is torch.Size:
             return torch.Size, (self._t(obj),)

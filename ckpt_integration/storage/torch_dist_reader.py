@@ -13,7 +13,7 @@ import math
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,11 +25,15 @@ from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
 from .checksum import CRC32, block_hash
 from .filesystem import FileReader, join, name_problem, storage_for
+from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
 from .region_read import read_region as _read_region
 from .safe_pickle import safe_torch_load
 from .tensor_record import TensorRecord, describe_archive_head, parse_tensor_record
 from .torch_dist import BLOCK_SIZE, DCP_METADATA_FILE
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 
 @dataclass
@@ -45,7 +49,7 @@ class ChunkInfo:
 MANIFEST_FROM_DIRECTORY = object()
 
 
-def _is_index(v: Any) -> bool:
+def _is_index(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
@@ -68,7 +72,7 @@ class TorchDistReader:
         metadata: Metadata,
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
-        manifest: Any = MANIFEST_FROM_DIRECTORY,
+        manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
     ):
         self.storage, self.directory = storage_for(directory)
         self.metadata = metadata
@@ -162,7 +166,7 @@ class TorchDistReader:
     def __enter__(self) -> "TorchDistReader":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def validate_tensor(self, key: str) -> None:
@@ -229,7 +233,7 @@ class TorchDistReader:
             )
         return expected
 
-    def _verify(self, info: _StorageInfo, buf: Any, what: str) -> None:
+    def _verify(self, info: _StorageInfo, buf: Buffer, what: str) -> None:
         """Check a whole item's bytes: against its block digests if it has them, else its item digest."""
         brec = self.block_records.get((info.relative_path, info.offset)) if self.verify_checksums else None
         if brec is not None:
@@ -359,7 +363,7 @@ class TorchDistReader:
                      out, dtype, layout.blocks, layout.what, self.stats)
         self.check_frame(chunk, layout, "tail")
 
-    def _blocks(self, info: _StorageInfo, brec: Any, what: str) -> Blocks:
+    def _blocks(self, info: _StorageInfo, brec: BlockRecord, what: str) -> Blocks:
         rid = (info.relative_path, info.offset)
         blocks = self._block_cache.get(rid)
         if blocks is None:
@@ -370,7 +374,7 @@ class TorchDistReader:
             self._block_cache[rid] = blocks
         return blocks
 
-    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: Any, blocks: Blocks, path: str, what: str,
+    def _check_archive_frame(self, fd: FileReader, info: _StorageInfo, brec: BlockRecord, blocks: Blocks, path: str, what: str,
                              which: str = "both") -> bytearray:
         """Once per item: the archive bytes around the data (zip headers, ``data.pkl``, central
         directory; a few hundred bytes each) match their digests, so a damaged archive - which

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import os
 import stat
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -24,12 +24,17 @@ from ..checksum import crc32
 from ..filesystem import checked_path, is_remote, join, not_regular, write_error
 from .index import ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, is_chunk_name, numpy_dtype, zarr_module
 
+if TYPE_CHECKING:  # zarr is optional, and imported on first use
+    import zarr
+    from zarr.abc.store import ByteRequest, Store
+    from zarr.core.buffer import Buffer as ZarrBuffer, BufferPrototype
+
 # CRC32 of buffers above this size runs in a worker thread: zlib releases the GIL,
 # and zarr's event loop (one thread for all arrays) keeps issuing I/O meanwhile.
 _CRC_IN_THREAD_BYTES = 1 << 20
 
 
-async def _crc32(buffer: Any) -> int:
+async def _crc32(buffer: ZarrBuffer) -> int:
     view = buffer.as_buffer_like()
     if len(buffer) >= _CRC_IN_THREAD_BYTES:
         return await asyncio.to_thread(crc32, view)
@@ -57,14 +62,14 @@ def store_wrappers() -> Tuple[type, type]:
     class RecordingStore(WrapperStore):
         """Writes through; records size and CRC32 of each chunk from the bytes zarr hands over."""
 
-        def __init__(self, store: Any, records: Optional[Dict[str, Tuple[int, int]]] = None):
+        def __init__(self, store: Store, records: Optional[Dict[str, Tuple[int, int]]] = None):
             super().__init__(store)
             self.records = {} if records is None else records  # chunk name -> (size, crc32)
 
-        def _with_store(self, store: Any) -> Any:
+        def _with_store(self, store: Store) -> Any:
             return type(self)(store, self.records)
 
-        async def set(self, key: str, value: Any) -> None:
+        async def set(self, key: str, value: ZarrBuffer) -> None:
             try:
                 if not is_chunk_name(key):
                     await self._store.set(key, value)
@@ -83,14 +88,14 @@ def store_wrappers() -> Tuple[type, type]:
         (``records`` None: an index without records) before zarr decodes it."""
 
         def __init__(
-            self, store: Any, array_dir: str, records: Optional[Callable[[str], Optional[FileRecord]]], verify: bool,
+            self, store: Store, array_dir: str, records: Optional[Callable[[str], Optional[FileRecord]]], verify: bool,
             root: str = "", prefix: str = "",
         ):
             super().__init__(store)
             self.array_dir, self.records, self.verify = array_dir, records, verify
             self.root, self.prefix = root, prefix  # checkpoint directory, array key
 
-        def _with_store(self, store: Any) -> Any:
+        def _with_store(self, store: Store) -> Any:
             return type(self)(store, self.array_dir, self.records, self.verify, self.root, self.prefix)
 
         def _contain(self, key: str) -> None:
@@ -104,7 +109,7 @@ def store_wrappers() -> Tuple[type, type]:
                 if not stat.S_ISREG(mode):
                     raise not_regular(mode, path, "zarr file")
 
-        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        async def get(self, key: str, prototype: BufferPrototype, byte_range: Optional[ByteRequest] = None) -> Any:
             if self.root:
                 self._contain(key)
             if byte_range is not None and is_chunk_name(key) and self.records is not None:
@@ -120,14 +125,16 @@ def store_wrappers() -> Tuple[type, type]:
                 await self._check_metadata(data)
             return data
 
-        async def get_partial_values(self, prototype: Any, key_ranges: Any) -> List[Any]:
+        async def get_partial_values(
+            self, prototype: BufferPrototype, key_ranges: Iterable[Tuple[str, Optional[ByteRequest]]]
+        ) -> List[Any]:
             return [await self.get(k, prototype, r) for k, r in key_ranges]
 
-        async def _get_many(self, requests: Any) -> Any:
+        async def _get_many(self, requests: Iterable[Tuple[str, BufferPrototype, Optional[ByteRequest]]]) -> Any:
             for key, prototype, byte_range in requests:
                 yield key, await self.get(key, prototype, byte_range)
 
-        async def _check(self, name: str, data: Any) -> None:
+        async def _check(self, name: str, data: Optional[ZarrBuffer]) -> None:
             path = join(self.array_dir, name)
             record = self.records(name)
             if record is None:
@@ -138,7 +145,7 @@ def store_wrappers() -> Tuple[type, type]:
             if problem:
                 raise CorruptCheckpointError(problem)
 
-        async def _check_metadata(self, data: Any) -> None:
+        async def _check_metadata(self, data: Optional[ZarrBuffer]) -> None:
             # always with CRC32 (a few hundred bytes): an edited zarr.json decodes chunks as garbage
             record = self.records(ARRAY_METADATA_FILE)
             if record is None:
@@ -157,7 +164,7 @@ def store_wrappers() -> Tuple[type, type]:
     return RecordingStore, CheckingStore
 
 
-def _byte_range(buf: Any, byte_range: Any) -> Any:
+def _byte_range(buf: ZarrBuffer, byte_range: ByteRequest) -> Any:
     """The part of a whole fetched ``buf`` a zarr ``ByteRequest`` asks for."""
     n = len(buf)
     if hasattr(byte_range, "start") and hasattr(byte_range, "end"):  # RangeByteRequest
@@ -171,7 +178,7 @@ def _byte_range(buf: Any, byte_range: Any) -> Any:
     return buf[lo:hi]
 
 
-def array_mismatch(arr: Any, info: Dict[str, Any]) -> Optional[str]:
+def array_mismatch(arr: zarr.Array, info: Dict[str, Any]) -> Optional[str]:
     """How an opened array differs from its index entry (what the save created), or None."""
     expected_dtype = numpy_dtype(getattr(torch, info["stored_dtype"]))
     problems = []

@@ -133,7 +133,7 @@ def chunk_box(coords: Sequence[int], shape: Sequence[int], chunks: Sequence[int]
 
 
 # --------------------------------------------------------------------------- keys as paths
-def key_path_problem(key: Any) -> Optional[str]:
+def key_path_problem(key: object) -> Optional[str]:
     """Why ``key`` cannot be a path inside the checkpoint directory, or None.
 
     Keys become directories as they are ("decoder.layers.0.weight", "model/w"), so

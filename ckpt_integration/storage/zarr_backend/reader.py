@@ -42,7 +42,7 @@ class ZarrReader:
     when ``verify_checksums``); ``checksums`` is unused (the records are in the index).
     """
 
-    def __init__(self, directory: str, checksums: Any = None, verify_checksums: bool = True):
+    def __init__(self, directory: str, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
         self.storage, self.directory = storage_for(directory)
         self.index = read_index(directory)  # an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
@@ -201,5 +201,5 @@ class ZarrReader:
     def __enter__(self) -> "ZarrReader":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
