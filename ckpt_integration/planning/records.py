@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import hashlib
-import itertools
 import struct
 from array import array
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -68,7 +67,7 @@ class MessageWriter:
         ids, known = self._ids, len(self.strings)
         out = np.fromiter((ids.setdefault(s, len(ids)) for s in strings), dtype=np.int64, count=len(strings))
         if len(ids) > known:
-            self.strings.extend(itertools.islice(ids, known, None))
+            _append_new(self.strings, strings, out.tolist())
         return out
 
     def __bool__(self) -> bool:
@@ -277,6 +276,16 @@ def decode_runs(runs: Sequence[int]) -> List[int]:
     return out
 
 
+def _append_new(table: List[str], strings: Sequence[str], ids: Sequence[int]) -> None:
+    """Append to ``table`` (the strings in id order) those of ``strings`` that were just given new ids:
+    the first occurrence of a new string has the id ``len(table)``. (Taking the dict's new keys with
+    ``islice(ids, known, None)`` walked past every known key: per message of rank 0's commit, so
+    quadratic in the ranks' file names: 2.1 s of rank 0's 3.6 s commit at 16,384 simulated ranks.)"""
+    for s, j in zip(strings, ids):
+        if j == len(table):
+            table.append(s)
+
+
 class TableBatch:
     """Many messages read together: their strings (interned into one table), all their integers
     in one int64 array, and their tables gathered by ``(tag, nd)`` across messages.
@@ -315,9 +324,10 @@ class TableBatch:
             if nstr:  # (interned as MessageWriter.sids does: one dict call per string)
                 ids = self.ids
                 known = len(ids)
-                lut = [ids.setdefault(s, len(ids)) for s in _strings(buf, pos, nstr, nblob)]
+                strs = _strings(buf, pos, nstr, nblob)
+                lut = [ids.setdefault(s, len(ids)) for s in strs]
                 if len(ids) > known:
-                    self.strings.extend(itertools.islice(ids, known, None))
+                    _append_new(self.strings, strs, lut)
             luts.append(lut)
             bodies[width].append((i, memoryview(buf)[pos + nblob :]))
         self.count = n

@@ -278,9 +278,7 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     # block digests, in message order: one word each, or two (low, high)
     parts = sorted([(i, start, cnt, nd) for (tag, nd) in batch.tables if tag == BLOCK_DIGESTS
                     for i, start, cnt in batch.tables[(tag, nd)]])
-    ints = batch.ints
-    bdig = np.concatenate([(ints[s : s + c] & 0xFFFFFFFF).astype(np.uint64) if nd == 1 else joined(ints[s : s + c], ints[s + c : s + 2 * c])
-                           for _, s, c, nd in parts]) if parts else np.zeros(0, dtype=np.uint64)
+    bdig = _block_digests(batch.ints, parts)
     cols = WrittenColumns(
         strings=strings, key=it[0], nd=nd, has_sizes=has_sizes,
         coord_pos=np.cumsum(ncoords) - ncoords, coords=coords[0],
@@ -292,6 +290,24 @@ def gather_finalize(messages: Sequence[bytes]) -> Tuple[List[Tuple[int, str]], W
     if len(cols.coords) != int(ncoords.sum()) or len(cols.block_digests) != int(np.maximum(nblocks, 0).sum()):
         raise ValueError("finalize messages have inconsistent item tables")
     return errors, cols, summaries
+
+
+def _block_digests(ints: np.ndarray, parts: Sequence[Tuple[int, int, int, int]]) -> np.ndarray:
+    """The digests of ``parts`` (``(message, start, count, words)``: ``count`` digests at ``start``
+    of ``ints``, one word each, or two: the low words, then the high ones), concatenated, in one
+    pass for all messages (a Python step per message cost rank 0 ~20 us each: 0.3 s at 16,384 ranks)."""
+    if not parts:
+        return np.zeros(0, dtype=np.uint64)
+    p = np.asarray([(st, c, w) for _, st, c, w in parts], dtype=np.int64)
+    start, count, words = p[:, 0], p[:, 1], p[:, 2]
+    part = np.repeat(np.arange(len(p)), count)
+    j = np.arange(len(part)) - np.repeat(np.cumsum(count) - count, count)
+    low = ints[start[part] + j]
+    out = (low & 0xFFFFFFFF).astype(np.uint64)
+    two = words[part] == 2
+    if two.any():
+        out[two] = joined(low[two], ints[(start + count)[part][two] + j[two]])
+    return out
 
 
 @dataclass
