@@ -7,19 +7,19 @@ without it (one process saves or loads everything).
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .checkpoints import save_base
 from .errors import CheckpointingException
 from .execution import dist
-from .execution.async_save import async_save_torch_dist
+from .execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from .execution.load import last_load_stats, load_sharded, read_whole_tensors
 from .execution.dist import Group
 from .execution.state_check import check_whole_tensors, default_verify_state
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
-from .execution.shared_metadata import open_shared, shared_of
+from .execution.shared_metadata import SharedMetadata, open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
@@ -28,13 +28,15 @@ from .storage.filesystem import join, storage_for
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
-from .strategies import LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, backend_and_version, check_backend
+from .strategies import (
+    LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, StrategySpec, backend_and_version, check_backend,
+)
 
 PathLike = Union[str, "os.PathLike[str]"]
 LOAD_STRATEGIES = tuple(m.value for m in LoadStrategy)
 
 
-def _backend_from_strategy(strategy: Any, default: str = "torch_dist") -> str:
+def _backend_from_strategy(strategy: StrategySpec, default: str = "torch_dist") -> str:
     return backend_and_version(strategy, default)[0]
 
 
@@ -47,11 +49,11 @@ def default_thread_count() -> int:
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
-    sharded_strategy: Any = None,
-    common_strategy: Any = None,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
-    preprocess_common_before_consistancy_check: Any = None,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
     *,
     thread_count: Optional[int] = None,
@@ -59,7 +61,7 @@ def save(
     overwrite: bool = False,
     durable: bool = True,
     process_group: Group = None,
-    async_queue: Any = None,
+    async_queue: Optional[AsyncCallsQueue] = None,
     step: Optional[int] = None,
     base: Optional[PathLike] = None,
     staging_budget: Optional[int] = None,
@@ -175,8 +177,8 @@ def save(
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
-    sharded_strategy: Any = None,
-    common_strategy: Any = None,
+    sharded_strategy: StrategySpec = None,
+    common_strategy: StrategySpec = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
@@ -254,8 +256,10 @@ def load(
             ck.close()
 
 
-def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: Any, sharded_strategy: Any, strict: Any,
-          validate_access_integrity: bool, trusted: bool, allowed_globals: Any, thread_count: Optional[int],
+def _load(sharded_state_dict: ShardedStateDict, ck: OpenedCheckpoint, shared: Optional[SharedMetadata],
+          sharded_strategy: StrategySpec, strict: Union[str, StrictHandling],
+          validate_access_integrity: bool, trusted: bool, allowed_globals: Optional[Iterable[Any]],
+          thread_count: Optional[int],
           verify_checksums: bool, process_group: Group, load_strategy: str, memory_budget: int, strict_dtype: bool,
           verify_state: Optional[bool] = None) -> Any:
     backend = _backend_from_strategy(sharded_strategy)
@@ -311,7 +315,7 @@ def load_common_state_dict(
                                  embedded=lambda: embedded_common_bytes(ck))
 
 
-def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
+def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: StrategySpec = None, *, trusted: bool = False) -> CkptShardedMetadata:
     """``{key: ShardedTensor without data}`` with the global shape and dtype of every saved tensor.
 
     Keys are ShardedTensor keys (not state-dict paths). Example::
@@ -322,7 +326,7 @@ def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None
         return _tensors_metadata(read_metadata(ck, trusted=trusted))
 
 
-def _tensors_metadata(md: Any) -> CkptShardedMetadata:
+def _tensors_metadata(md: Metadata) -> CkptShardedMetadata:
     out: Dict[str, Any] = {}
     for key, tmeta in md.state_dict_metadata.items():
         if isinstance(tmeta, TensorStorageMetadata):
@@ -333,13 +337,14 @@ def _tensors_metadata(md: Any) -> CkptShardedMetadata:
     return out
 
 
-def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Any = None, common_strategy: Any = None, *, trusted: bool = False) -> CkptShardedMetadata:
+def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: StrategySpec = None,
+                          common_strategy: StrategySpec = None, *, trusted: bool = False) -> CkptShardedMetadata:
     """Like :func:`load_tensors_metadata` plus every ShardedObject (keyed by unique key)."""
     with opened(checkpoint_dir, trusted, verified=True) as ck:
         return _sharded_metadata(read_metadata(ck, trusted=trusted))
 
 
-def _sharded_metadata(md: Any) -> CkptShardedMetadata:
+def _sharded_metadata(md: Metadata) -> CkptShardedMetadata:
     out = _tensors_metadata(md)
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):

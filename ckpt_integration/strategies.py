@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Tuple, Union
+from typing import Optional, Protocol, Tuple, Union
 
 from .errors import CheckpointingException, UnsupportedCheckpointError
 from .storage.checkpoint_dir import SUPPORTED_BACKENDS
@@ -128,6 +128,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         super().__init__("torch_dist", 1)
 
 
+class StrategyLike(Protocol):
+    """A strategy object, ours or Megatron-Core's: its ``backend`` and ``version``."""
+
+    backend: str
+    version: int
+
+
+#: a strategy as ``save``/``load`` take it: None (the default), a backend name, ``(name, version)``
+#: or a strategy object
+StrategySpec = Union[None, str, Tuple[str, int], StrategyLike]
+
+
 def check_backend(backend: object, version: object = 1) -> None:
     """Raise :class:`UnsupportedCheckpointError` for an unknown backend or format version."""
     versions = SUPPORTED_BACKENDS.get(backend) if isinstance(backend, str) else None
@@ -137,7 +149,7 @@ def check_backend(backend: object, version: object = 1) -> None:
         raise UnsupportedCheckpointError(f"{backend} format version {version!r} is not supported (supported: {list(versions)})")
 
 
-def backend_and_version(strategy: object, default: str = "torch_dist") -> Tuple[str, int]:
+def backend_and_version(strategy: StrategySpec, default: str = "torch_dist") -> Tuple[str, int]:
     """``(backend, version)`` of a strategy given as ``None``, a name, a ``(name, version)`` tuple
     or an object with ``backend``/``version`` attributes (ours or Megatron-Core's)."""
     if strategy is None:

@@ -68,7 +68,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Type
 
 import torch
 import weakref
@@ -350,7 +350,7 @@ class AsyncCallsQueue:
     def __enter__(self) -> "AsyncCallsQueue":
         return self
 
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+    def __exit__(self, exc_type: Optional[Type[BaseException]], *rest: object) -> None:
         if exc_type is None:
             self.close()
         else:  # do not hide the original error
@@ -499,7 +499,7 @@ def async_save_torch_dist(
     finalize_fns: Optional[List[Callable[[], Any]]] = None,
     snapshot: Optional[str] = None,
     staging_budget: Optional[int] = None,
-    **save_kwargs: Any,
+    **save_kwargs: object,
 ) -> AsyncRequest:
     """Start saving ``sharded_state_dict`` in the background; collective (call on every rank).
 

@@ -20,13 +20,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..dict_utils import diff
+from ..mapping import StateDict
 from . import dist
 from .dist import Group
 
 logger = logging.getLogger(__name__)
 
 
-def _comparable(x: Any) -> Any:
+def _comparable(x: object) -> Any:
     """The common state with every DTensor replaced by its local tensor: comparing or pickling
     a DTensor may run collectives, which only some ranks would enter here."""
     if isinstance(x, dict):
@@ -38,7 +39,7 @@ def _comparable(x: Any) -> Any:
     return x
 
 
-def _digest(common: Any) -> Optional[bytes]:
+def _digest(common: object) -> Optional[bytes]:
     """A hash of the pickled common state; ``None`` if it cannot be pickled (then the save
     itself reports it) so that every rank still takes part in the collectives below."""
     try:
@@ -48,7 +49,7 @@ def _digest(common: Any) -> Optional[bytes]:
 
 
 def check_common_consistency(
-    common: Any, group: Group = None, preprocess: Optional[Callable[[Any], Any]] = None
+    common: StateDict, group: Group = None, preprocess: Optional[Callable[[Any], Any]] = None
 ) -> None:
     """Collective: log on every rank != 0 how its common state differs from rank 0's.
 

@@ -61,7 +61,7 @@ class PrivateGroup:
     cannot answer once the default group is destroyed).
     """
 
-    def __init__(self, pg: Any, ranks: Sequence[int], global_rank: int):
+    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], global_rank: int):
         self.pg: Any = pg
         self.ranks = list(ranks)
         self.global_rank = int(global_rank)
@@ -466,13 +466,13 @@ def any_of_bits(bits: bytes, group: Group = None) -> bytes:
 
 
 # --------------------------------------------------------------------------- objects (pickled)
-def all_gather_object(obj: Any, group: Group = None) -> List[Any]:
+def all_gather_object(obj: object, group: Group = None) -> List[Any]:
     if _local(group):
         return [obj]
     return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group)]
 
 
-def gather_object(obj: Any, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
+def gather_object(obj: object, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
     """Gather to global rank ``dst``; returns the list there and ``None`` elsewhere."""
     if _local(group):
         return [obj]
@@ -480,7 +480,7 @@ def gather_object(obj: Any, dst: int = 0, group: Group = None) -> Optional[List[
     return None if out is None else [pickle.loads(b) for b in out]
 
 
-def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
+def broadcast_object(obj: object, src: int = 0, group: Group = None) -> Any:
     if _local(group):
         return obj
     data = broadcast_bytes(pickle.dumps(obj) if own_global_rank(group) == src else None, src, group)

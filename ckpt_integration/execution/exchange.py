@@ -67,7 +67,7 @@ class ExchangeResult:
     layout: Optional[List[ShardMeta]] = None  # zarr: every chunk with its writer as ``rank``
     digest: int = 0
     token: int = 0
-    identity: Any = None  # the input (a save's shards, a load's request) as compared values (see known_digest)
+    identity: object = None  # the input (a save's shards, a load's request) as compared values (see known_digest)
 
 
 _last: Dict[str, ExchangeResult] = {}  # purpose ("save", "load") -> the last plan (one structure each)
@@ -88,7 +88,7 @@ def _raise_errors(failure: Failure, group: Group, context: str) -> None:
     dist.raise_if_any_failed(failure.exc, errors, context)
 
 
-def known_digest(purpose: str, identity: Any) -> Optional[int]:
+def known_digest(purpose: str, identity: object) -> Optional[int]:
     """The digest of the records of the last checked input for ``purpose`` when ``identity`` (the
     caller's input as values compared with ``==``, e.g. every requested shard's key, dtype, shapes,
     offsets and replica id) equals that input's; None otherwise. A save that repeats the structure
@@ -107,7 +107,7 @@ def build_routes(shards: Sequence[Any], rank: int, world: int, options: str) -> 
     return metas, route_shards(metas, rank, world, options=options)
 
 
-def routes_for(purpose: str, identity: Any, shards: Sequence[Any], rank: int, world: int,
+def routes_for(purpose: str, identity: object, shards: Sequence[Any], rank: int, world: int,
                options: str) -> Tuple[List[ShardMeta], Routed]:
     """:func:`build_routes`, unless ``identity`` repeats the last checked input of ``purpose``:
     then no records (``[]``) and the known digest, which :func:`start` agrees on; if another
@@ -116,7 +116,7 @@ def routes_for(purpose: str, identity: Any, shards: Sequence[Any], rank: int, wo
     return ([], known) if known is not None else build_routes(shards, rank, world, options)
 
 
-def known_routes(purpose: str, identity: Any) -> Optional[Routed]:
+def known_routes(purpose: str, identity: object) -> Optional[Routed]:
     """What :func:`routes_for` gives when ``identity`` repeats the last checked input of
     ``purpose`` (no records, the known digest); None otherwise, building nothing:
     :func:`routes_after_change` builds them if a check needs them."""
@@ -172,7 +172,7 @@ def _start(routed: Optional[Routed], failure: Failure, group: Group, context: st
 
 
 def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Group, context: str,
-                       identity: Any) -> Optional[List[str]]:
+                       identity: object) -> Optional[List[str]]:
     """The request check of a load whose every rank requests whole saved chunks of one index (see
     :mod:`..planning.request_check`): one all-to-all of four integers per request to the keys'
     owners, one all-reduce. Collective. None on every rank when the request is valid (cached for
@@ -216,7 +216,7 @@ def run(
     on_problems: Optional[Callable[[], None]] = None,
     purpose: Optional[str] = "save",
     failure: Optional[Failure] = None,
-    identity: Any = None,
+    identity: object = None,
 ) -> ExchangeResult:
     """Steps 2-4 (collective). Raises ShardingIntegrityError on every rank for invalid sharding.
 

@@ -5,7 +5,8 @@ See :class:`Failure`; docs/architecture.md ("Failures across ranks") shows where
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from types import TracebackType
+from typing import Optional, Type
 
 from .dist import Group, agree_on_errors, describe_error, raise_if_any_failed
 
@@ -63,7 +64,8 @@ class _Capture:
     def __enter__(self) -> Failure:
         return self.failure
 
-    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> bool:
+    def __exit__(self, kind: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False
         self.failure.record(exc)

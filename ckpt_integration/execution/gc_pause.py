@@ -43,7 +43,7 @@ def with_gc_paused(fn: F) -> F:
     """Decorator: ``fn`` runs inside :func:`gc_paused`."""
 
     @functools.wraps(fn)
-    def inner(*args: Any, **kwargs: Any) -> Any:
+    def inner(*args: object, **kwargs: object) -> Any:
         with gc_paused():
             return fn(*args, **kwargs)
 

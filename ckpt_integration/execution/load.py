@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import operator
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -39,9 +40,9 @@ from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import MANIFEST_FROM_DIRECTORY, backend_named, embedded_common_bytes, open_reader, read_metadata
+from ..storage.backends import MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
-from ..storage.chunk_index import checkpoint_keys, compact_chunks_of
+from ..storage.chunk_index import CompactChunks, checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_small_items
 from ..storage.torch_dist import run_parallel
 from ..storage.torch_dist_reader import TorchDistReader
@@ -141,7 +142,7 @@ def _tensor_tasks(
     return host, tasks, (dest, view if dest == request else view[relative_slices(dest, request)], saved_dtype)
 
 
-def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any,
+def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: CompactChunks,
                       directory: str) -> Optional[Tuple[ReadTask, Tuple[int, int, int]]]:
     """The read of a request that is exactly one saved chunk, in the saved dtype, into a CPU tensor
     of its shape (a same-layout load: every tensor of it, tens of thousands per rank for some
@@ -172,7 +173,7 @@ def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: Any,
     return ReadTask(sh.key, info, request, out, sh.dtype), (position, chunks, number)
 
 
-def _whole_chunk_place(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any], compact: Any,
+def _whole_chunk_place(sh: ShardedTensor, ts: List[ReadTask], sdm: Dict[str, Any], compact: Optional[CompactChunks],
                        directory: str) -> Optional[Tuple[int, int, int]]:
     """The place in the index (see :func:`_whole_chunk_task`) of a request that
     :func:`_tensor_tasks` planned, if it is one whole saved chunk in the saved dtype (a destination
@@ -206,7 +207,7 @@ def _inside(box: Box, shape: Tuple[int, ...]) -> bool:
 _indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()
 
 
-def saved_chunk_reads(reader: Any, key: str, request: Box) -> List[ChunkRead]:
+def saved_chunk_reads(reader: CheckpointReader, key: str, request: Box) -> List[ChunkRead]:
     """Reads filling ``request`` from the saved chunks of ``key`` (``source`` = the reader's chunk record).
 
     When the metadata came from :mod:`.shared_metadata`, a binary search in the
@@ -236,7 +237,7 @@ def load_sharded(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,
     *,
-    strict: Any = StrictHandling.ASSUME_OK_UNEXPECTED,
+    strict: Union[str, bool, StrictHandling, None] = StrictHandling.ASSUME_OK_UNEXPECTED,
     validate_access_integrity: bool = True,
     trusted: bool = False,
     allowed_globals: Optional[Iterable[Any]] = None,
@@ -344,8 +345,9 @@ class _Request:
     routed: Any = None
 
 
-def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, shared: Optional[SharedMetadata],
-                  group: Group, trusted: bool, allowed_globals: Any, validate: bool, rank: int, world: int) -> _Request:
+def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str, os.PathLike],
+                  shared: Optional[SharedMetadata], group: Group, trusted: bool,
+                  allowed_globals: Optional[Iterable[Any]], validate: bool, rank: int, world: int) -> _Request:
     """Open the checkpoint (collective when ``shared`` is None: one reader, one broadcast) and
     split this rank's request into what the later steps read."""
     if shared is None:
@@ -452,7 +454,7 @@ class _LoadJob:
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
     requested, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
-    strict_dtype=False, manifest: Any = MANIFEST_FROM_DIRECTORY,
+    strict_dtype=False, manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
 ) -> _LoadJob:
     """The local part of a load, planned before the ranks' requests are combined: unexpected keys
     are left out (and raised or logged here, except in a ``*_all`` strict mode, whose missing keys
@@ -484,7 +486,7 @@ def _prepare_reads(
     # (prepare calls prepare_one, never itself: a closure that calls itself is a reference cycle,
     # which kept every object of the load - read tasks, chunk records, the reader, the metadata -
     # alive until the cycle collector ran, and then cost a collection over them all: ~5 us a tensor)
-    def prepare(sh: Any) -> Any:
+    def prepare(sh: object) -> Any:
         nonlocal whole, rows
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
             whole = False
@@ -507,7 +509,7 @@ def _prepare_reads(
             else:
                 rows.append((*place, 1 if main else 0))
 
-    def prepare_one(sh: Any) -> Any:
+    def prepare_one(sh: object) -> Any:
         nonlocal whole, rows
         if fast is not None and type(sh) is ShardedTensor:
             found = _whole_chunk_task(sh, sdm, fast, directory)
@@ -563,7 +565,7 @@ def _prepare_reads(
                     parts=parts)
 
 
-def read_task(reader: Any, t: ReadTask) -> None:
+def read_task(reader: CheckpointReader, t: ReadTask) -> None:
     """Read one task's region into its destination through the reader, and record the delivery."""
     reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
     t.got.append(t.overlap)

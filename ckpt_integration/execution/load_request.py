@@ -8,12 +8,14 @@ Split from :mod:`.load`, which calls these in order: plan the reads, :func:`chec
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Set
+import os
+from typing import Any, List, Optional, Protocol, Set, Tuple, Union
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 
 from ..errors import KeyNotInCheckpointError, MismatchError
-from ..mapping import ShardedObject
+from ..mapping import ShardedObject, ShardedTensor
+from ..planning.exchange import Routed
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
 from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.chunk_index import checkpoint_keys
@@ -25,11 +27,20 @@ from .failure import Failure
 logger = logging.getLogger(__name__)
 
 
-def request_key(sh: Any) -> str:
+class LoadJob(Protocol):
+    """The local part of a load (``load._LoadJob``) as far as the checks here read and record it."""
+
+    index_identity: int
+    request_rows: Optional[List[Tuple[int, int, int, int]]]
+    missing: Set[str]
+    unexpected: Set[str]
+
+
+def request_key(sh: Union[ShardedTensor, ShardedObject]) -> str:
     return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
 
 
-def drop_keys(sharded: Any, keys: Set[str]) -> Any:
+def drop_keys(sharded: object, keys: Set[str]) -> Any:
     """Remove requested shards whose storage key is in ``keys``."""
     if isinstance(sharded, dict):
         out = {}
@@ -59,8 +70,8 @@ def handle_strict(
         logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
-def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failure: Failure, group: Group,
-                   checkpoint_dir: Any) -> None:
+def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List[Any], identity: object,
+                  failure: Failure, group: Group, checkpoint_dir: Union[str, os.PathLike]) -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some
     rank failed before it or the request is invalid. Skipped when every rank requests what it
     requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
@@ -88,8 +99,8 @@ def check_request(job: Any, routed: Any, shards: List[Any], identity: Any, failu
         exchange.raise_problems(found, group, header)
 
 
-def strict_after_check(job: Any, strict: StrictHandling, requested: List[str], requested_global: Set[str],
-                        md: Metadata, checkpoint_dir: Any, rank: int) -> None:
+def strict_after_check(job: LoadJob, strict: StrictHandling, requested: List[str], requested_global: Set[str],
+                       md: Metadata, checkpoint_dir: Union[str, os.PathLike], rank: int) -> None:
     """A ``*_all`` strict mode for reads planned before the ranks' requests were combined: the
     missing keys, and the mismatch raised or logged as when planning follows (unexpected keys were
     left out of the plan)."""
@@ -113,7 +124,8 @@ def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Gro
     return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
 
 
-def check_against_saved(sh: Any, tmeta: Any, checkpoint_dir: Any, strict_dtype: bool) -> Any:
+def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], checkpoint_dir: Union[str, os.PathLike],
+                        strict_dtype: bool) -> Any:
     """A requested tensor against its saved metadata ``tmeta`` (None: not saved): key, kind, dtype
     (a cast is allowed unless ``strict_dtype`` or it would drop an imaginary part), global shape and
     number of dims; returns the saved dtype. Raises naming the key."""

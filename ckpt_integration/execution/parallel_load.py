@@ -62,6 +62,7 @@ import torch.distributed as tdist
 
 from ..planning.boxes import intersect, relative_slices
 from ..planning.load_units import Need, Unit, plan_units
+from ..storage.backends import CheckpointReader
 from . import dist
 from .dist import Group
 from .preprocess import dtype_from_name, dtype_name
@@ -158,7 +159,7 @@ PHASES = (
 
 
 def exchange_reads(
-    reader: Any,
+    reader: CheckpointReader,
     tasks: List[Any],
     failed_before: bool,
     group: Group = None,
@@ -437,7 +438,7 @@ def format_summary(per_rank: Sequence[Dict[str, float]], mode: str, n_units: int
     )
 
 
-def _find_chunk(reader: Any, u: Unit) -> Any:
+def _find_chunk(reader: CheckpointReader, u: Unit) -> Any:
     for c in reader.chunks[u.key]:
         if c.box == u.chunk:
             return c

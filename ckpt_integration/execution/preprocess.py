@@ -7,7 +7,7 @@ copied before factories are applied.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -112,13 +112,13 @@ def split_state_dict(sharded_state_dict: Dict[str, Any]) -> Tuple[Any, Any, Any,
     return sharded, common, nonpersistent, factories, template
 
 
-def _build_factories(sd: Any) -> None:
+def _build_factories(sd: Union[dict, list]) -> None:
     """Replace every factory by what it builds (in place), recursively; what a foreign
     ``build_fn`` returns (Megatron-Core's classes) is converted to ours."""
     dict_list_map_inplace(_built, sd)
 
 
-def _built(x: Any) -> Any:
+def _built(x: object) -> Any:
     # (a module function, not a closure calling itself: such a closure is a reference cycle that
     # keeps everything it sees alive until the cycle collector runs)
     if isinstance(x, ShardedTensorFactory):
@@ -127,7 +127,7 @@ def _built(x: Any) -> Any:
     return x
 
 
-def local_shards(sharded: Any) -> List[ShardedBase]:
+def local_shards(sharded: object) -> List[ShardedBase]:
     """Every shard to save or load, a flattened ShardedTensor as the boxes it covers."""
     out: List[ShardedBase] = []
     for _, v in nested_items(sharded):
@@ -138,7 +138,7 @@ def local_shards(sharded: Any) -> List[ShardedBase]:
     return out
 
 
-def restore_list_types(x: Any, template: Any) -> Any:
+def restore_list_types(x: object, template: object) -> Any:
     """Turn ``{0: a, 1: b}`` back into ``[a, b]`` wherever the request had a list.
 
     A mixed list whose positions are not all present (its sharded values were not

@@ -57,6 +57,8 @@ from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.mapped import can_map
+from ..storage.small_reads import ReadTaskLike
+from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
 from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
@@ -102,7 +104,7 @@ def _owner(file: str, offset: int, world: int) -> int:
 
 
 def load_read_once(
-    reader: Any, tasks: List[Any], failed_before: bool, group: Group, *, mode: str = "auto",
+    reader: TorchDistReader, tasks: List[Any], failed_before: bool, group: Group, *, mode: str = "auto",
     thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
@@ -206,7 +208,7 @@ def load_read_once(
     return "done", dict(st.values)
 
 
-def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any]]:
+def _collect(reader: TorchDistReader, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any]]:
     """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part."""
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
@@ -246,7 +248,7 @@ def _collect(reader: Any, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chun
     return chunks, leftover
 
 
-def _layouts(reader: Any, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
+def _layouts(reader: TorchDistReader, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
     """The layouts _collect left for later (checks of tens of microseconds per chunk: with many
     small tensors, more than the decision that the load reads as ``local``)."""
     for c in (c for c in chunks.values() if c.layout is None):
@@ -436,7 +438,7 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
         pool.shutdown(wait=True)
 
 
-def _read_whole(reader: Any, t: Any) -> None:
+def _read_whole(reader: TorchDistReader, t: ReadTaskLike) -> None:
     reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
     t.got.append(t.overlap)
 

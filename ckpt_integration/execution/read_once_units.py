@@ -7,10 +7,11 @@ in a unit, in the order both sides of a transfer agree on).
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -18,7 +19,8 @@ import torch
 from ..planning.delivery import global_part
 from ..planning.read_once import flat_index, range_boxes, strides
 from ..storage.mapped import ItemMap, read_bytes, typed_view
-from ..storage.region_read import verify_blocks
+from ..storage.region_read import ChunkLayout, verify_blocks
+from ..storage.small_reads import ReadTaskLike
 
 BoxT = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
@@ -33,7 +35,7 @@ class Stats:
         self.values[key] += v
 
 
-def unit_parts(lay: Any, lo: int, hi: int, regions: Sequence[BoxT]) -> Tuple[List[Tuple[int, BoxT]], int]:
+def unit_parts(lay: ChunkLayout, lo: int, hi: int, regions: Sequence[BoxT]) -> Tuple[List[Tuple[int, BoxT]], int]:
     """``(region index, part)`` of every part of ``regions`` whose bytes lie in ``[lo, hi)``, in the
     order of a transfer's message, and their number of elements."""
     parts = [(g, p) for g, region in enumerate(regions) for p in range_boxes(lay.shape, lay.esize, lay.data_start, lo, hi, region)]
@@ -45,7 +47,8 @@ class Source:
     as one flat tensor of its dtype over ``buf`` (a mapping of the unit, or the bytes this rank
     read); ``at(x)`` is the index in ``buf`` of item-relative byte ``x``. No copy."""
 
-    def __init__(self, layout: Any, dtype: torch.dtype, buf: Any, lo: int, hi: int, at):
+    def __init__(self, layout: ChunkLayout, dtype: torch.dtype, buf: Union[mmap.mmap, torch.Tensor], lo: int, hi: int,
+                 at):
         numel = layout.nbytes // layout.esize
         self.shape, self.strides = layout.shape, strides(layout.shape)
         e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
@@ -59,7 +62,7 @@ class Source:
         return torch.as_strided(self.flat, tuple(lens), tuple(self.strides), flat_index(starts, self.shape) - self.e0)
 
 
-def map_unit(lay: Any, lo: int, hi: int, st: Stats, populate: bool = True) -> Tuple[ItemMap, Any]:
+def map_unit(lay: ChunkLayout, lo: int, hi: int, st: Stats, populate: bool = True) -> Tuple[ItemMap, Any]:
     """A mapping of item bytes ``[lo, hi)`` (a unit: the pages held stay bounded) and its ``at``."""
     t0 = time.perf_counter()
     im = ItemMap(lay.fd, lay.base + lo, hi - lo, populate=populate)
@@ -74,11 +77,11 @@ def unmap(im: ItemMap, st: Stats) -> None:
     st.add("map_s", time.perf_counter() - t0)
 
 
-def dest_view(task: Any, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
+def dest_view(task: ReadTaskLike, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
     return task.out[tuple(slice(s - r, s - r + n) for s, r, n in zip(part[0], region[0], part[1]))]
 
 
-def verify_unit(lay: Any, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
+def verify_unit(lay: ChunkLayout, im: Optional[ItemMap], at, lo: int, hi: int, st: Stats) -> Optional[torch.Tensor]:
     """Read (unless mapped) and check the blocks of ``[lo, hi)`` of a chunk laid out as ``lay``; the
     bytes read for unmapped files."""
     t0 = time.perf_counter()
@@ -106,6 +109,6 @@ def copy_parts(tasks: Sequence[Any], regions: Sequence[BoxT], parts: Sequence[Tu
         delivered(tasks[g], p)
 
 
-def delivered(task: Any, part: BoxT) -> None:
+def delivered(task: ReadTaskLike, part: BoxT) -> None:
     """Record ``part`` (chunk-relative starts and sizes) as filled in ``task``'s ledger."""
     task.got.append(global_part(task.chunk.box.offsets, part[0], part[1]))

@@ -42,7 +42,9 @@ from ..version import __version__
 from ..errors import CheckpointingException, DistributedCheckpointingError, SaveConflictError
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor
 from ..planning.exchange import KeySummary, Routed, SummaryTable
-from ..planning.written import CommitLayout, FingerprintRow, WrittenTable, commit_layout, encode_finalize, gather_finalize
+from ..planning.written import (
+    CommitLayout, FingerprintRow, WrittenColumns, WrittenTable, commit_layout, encode_finalize, gather_finalize,
+)
 from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
@@ -52,7 +54,7 @@ from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.commits import next_commit_seq
-from ..storage.filesystem import join, storage_for, write_error
+from ..storage.filesystem import Storage, join, storage_for, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.incremental import BaseFiles
@@ -156,7 +158,7 @@ def _release_claim(write_dir: str) -> None:
         claim.release()
 
 
-def remove_dead_staging(storage: Any, checkpoint_dir: str) -> None:
+def remove_dead_staging(storage: Storage, checkpoint_dir: str) -> None:
     """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
 
     Called only while ``<dir>`` itself is committed, so a staging sibling without its own
@@ -222,7 +224,7 @@ def prepare_save(
     preprocess_common: Optional[Callable[[Any], Any]] = None,
     step: Optional[int] = None,
     separation_hint: Optional[str] = None,
-    base: Any = None,
+    base: Union[None, str, os.PathLike, Callable[[], Optional[str]]] = None,
     common_state_in_data: bool = False,
 ) -> SavePlan:
     """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
@@ -322,7 +324,7 @@ def prepare_save(
     )
 
 
-def _recorded_step(step: Optional[int], common: Any) -> Optional[int]:
+def _recorded_step(step: Optional[int], common: object) -> Optional[int]:
     """The step a checkpoint holds: ``step`` if given, else the common state's top-level
     ``global_step`` (Lightning) or ``iteration`` (Megatron-LM), if it is an integer."""
     if step is not None:
@@ -437,7 +439,7 @@ def _fingerprint_text(layout: CommitLayout) -> str:
     return fingerprint_text(layout.written)
 
 
-def fingerprint_text(w: Any) -> str:
+def fingerprint_text(w: WrittenColumns) -> str:
     """The manifest's ``fingerprints`` (format 5) of the written items ``w`` (``WrittenColumns``): one row
     per tensor chunk written."""
     groups = list(w.fingerprints)  # zarr's rows
@@ -547,7 +549,7 @@ def finalize_save(plan: SavePlan) -> None:
 
 
 @with_gc_paused  # 20,000 small tensors: 1.2-1.34 s with the cycle collector running, 0.88-0.99 s without
-def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: Any) -> None:
+def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwargs: object) -> None:
     """A synchronous save with any backend (``backend="torch_dist"`` or ``"zarr"``): prepare,
     write this rank's items, finalize and commit. Collective."""
     plan = prepare_save(sharded_state_dict, checkpoint_dir, **kwargs)

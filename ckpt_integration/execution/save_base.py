@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -26,7 +26,7 @@ def frozen(t: torch.Tensor) -> bool:
     return isinstance(b, torch.nn.Parameter) and not b.requires_grad
 
 
-def resolve_base(base: Any, checkpoint_dir: str) -> Optional[str]:
+def resolve_base(base: Union[None, str, os.PathLike, Callable[[], Optional[str]]], checkpoint_dir: str) -> Optional[str]:
     """Coordinator: the base checkpoint's path (``base`` itself, or what the callable returns), or None."""
     try:
         found = base() if callable(base) else base

@@ -19,10 +19,11 @@ commit the coordinator read, which the load passes down with the :class:`SharedM
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -141,7 +142,7 @@ def _rebuild_failure(name: str, message: str) -> BaseException:
     return errors_mod.DistributedCheckpointingError(f"rank 0 could not read the checkpoint metadata: {name}: {message}")
 
 
-def read_local(checkpoint_dir: Any, trusted: bool = False) -> SharedMetadata:
+def read_local(checkpoint_dir: Union[str, os.PathLike], trusted: bool = False) -> SharedMetadata:
     """What the coordinator reads (also the whole job's metadata in a single process)."""
     ck = checkpoint_dir if isinstance(checkpoint_dir, OpenedCheckpoint) else OpenedCheckpoint(checkpoint_dir, trusted)
     return shared_of(ck)
@@ -154,7 +155,7 @@ def shared_of(ck: OpenedCheckpoint) -> SharedMetadata:
     return SharedMetadata(ck.backend, ck.loaded_metadata(), ck.manifest, compact, config=ck.config)
 
 
-def open_shared(checkpoint_dir: Any, group: Group = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
+def open_shared(checkpoint_dir: Union[str, os.PathLike], group: Group = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
     """Collective: open ``checkpoint_dir`` on the coordinator (``metadata.json``, manifest,
     ``.metadata``: read and checked once for the job) and give every rank an opened checkpoint of
     the same commit, built from one broadcast without touching storage. A failure on the

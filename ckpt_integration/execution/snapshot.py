@@ -49,10 +49,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..errors import SnapshotModifiedError
 from .staging import PendingCopy
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +248,7 @@ def wait_for_snapshot(timeout: Optional[float] = None) -> bool:
     return ok
 
 
-def _before_optimizer_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
     """Global optimizer step pre-hook: wait for in-flight snapshots (after the closure, if any)."""
     snaps = snapshots_in_flight()
     if not snaps:
@@ -254,7 +257,7 @@ def _before_optimizer_step(optimizer: Any, args: tuple, kwargs: dict) -> Any:
     if callable(closure) and not all(s.copied() for s in snaps):
         # step() runs forward/backward inside the closure: let them overlap the copy, and wait
         # when the closure returns, i.e. before the step modifies anything
-        def closure_then_wait(*a: Any, **k: Any) -> Any:
+        def closure_then_wait(*a: object, **k: object) -> Any:
             out = closure(*a, **k)
             _wait_all(snaps)
             return out

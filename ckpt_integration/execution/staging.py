@@ -84,7 +84,7 @@ class StagingStats:
     copy_now_learned: int = 0  # storages copied before returning because they changed during a deferred copy
 
 
-def _is_plain_tensor(x: Any) -> bool:
+def _is_plain_tensor(x: object) -> bool:
     return type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided and x.device.type != "meta"
 
 
@@ -235,7 +235,7 @@ class StateDictStager:
         return (g.key, g.lo, g.hi)
 
     # -- traversal -------------------------------------------------------------------------
-    def _collect(self, obj: Any, tensors: Dict[int, torch.Tensor], seen: set) -> None:
+    def _collect(self, obj: object, tensors: Dict[int, torch.Tensor], seen: set) -> None:
         """Find every plain tensor reachable through standard containers and object attributes."""
         stack = [obj]
         while stack:
@@ -263,7 +263,7 @@ class StateDictStager:
                     if isinstance(slot, str) and hasattr(x, slot):
                         stack.append(getattr(x, slot))
 
-    def _rebuild(self, obj: Any, staged: Dict[int, torch.Tensor], memo: Dict[int, Any]) -> Any:
+    def _rebuild(self, obj: object, staged: Dict[int, torch.Tensor], memo: Dict[int, Any]) -> Any:
         if isinstance(obj, torch.Tensor):
             s = staged.get(id(obj))
             if s is not None:
@@ -300,7 +300,7 @@ class StateDictStager:
         return copy.deepcopy(obj, memo)
 
     # -- public ----------------------------------------------------------------------------
-    def stage(self, state: Any) -> Any:
+    def stage(self, state: object) -> Any:
         """Return a copy of ``state`` whose tensors live in this stager's host buffers.
 
         Blocks until every copy is complete (device copies are synchronised), so
@@ -308,7 +308,7 @@ class StateDictStager:
         """
         return self.prepare(state).state
 
-    def prepare(self, state: Any, *, defer_from_bytes: Optional[int] = None) -> "PendingCopy":
+    def prepare(self, state: object, *, defer_from_bytes: Optional[int] = None) -> "PendingCopy":
         """Stage ``state``, leaving the copies of storages of ``defer_from_bytes`` or more to later.
 
         Returns a :class:`PendingCopy`: its ``state`` is the staged structure; the

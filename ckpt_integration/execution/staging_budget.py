@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,7 +34,7 @@ from ..planning.written import WrittenTable
 from ..storage.checksum import save_block_hash
 from ..storage.filesystem import storage_for, write_error
 from ..storage.torch_dist import WriteRequest, link_unchanged, write_data_files
-from .save import request_fingerprints
+from .save import SavePlan, request_fingerprints
 
 _ALIGN = 64  # staged tensors start at multiples of this (>= any element size; the writer's alignment)
 
@@ -143,7 +143,7 @@ def _size_text(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def write_in_waves(plan: Any, arena: StagingArena, budget: int) -> StagingReport:
+def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingReport:
     """The caller's part of a bounded async save (see the module doc): link what the base holds,
     write every early wave and direct tensor, and leave in ``plan.requests`` the last wave, staged in
     ``arena``, for the background writer; what was written is kept in ``plan.written_before``."""

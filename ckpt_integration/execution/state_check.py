@@ -29,13 +29,14 @@ import os
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..errors import StateVerificationError
 from ..planning.boxes import Box, intersect
 from ..planning.records import MessageWriter, decode
+from ..storage.checkpoint_dir import Manifest
 from ..storage.fingerprint import MASK64, Recorded, fingerprints
 from . import dist
 from .dist import Group
@@ -234,7 +235,7 @@ def _whole_chunks(box: Box, chunks: Sequence[Tuple[Box, int]]) -> Optional[int]:
     return total & MASK64 if inside == box.numel else None
 
 
-def _span(boxes: Any) -> Box:
+def _span(boxes: Iterable[Box]) -> Box:
     bs = list(boxes)
     lo = [min(b.offsets[a] for b in bs) for a in range(len(bs[0].offsets))]
     hi = [max(b.offsets[a] + b.sizes[a] for b in bs) for a in range(len(bs[0].offsets))]
@@ -258,7 +259,7 @@ def default_verify_state() -> bool:
     return os.environ.get(VERIFY_STATE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group: Group, where: str,
+def verify_loaded_state(parts: List[LoadedPart], manifest: Optional[Manifest], rank: int, group: Group, where: str,
                         stats: Dict[str, Any]) -> None:
     """Collective: the state check of a load that succeeded on every rank (its figures added to
     ``stats``); raises on every rank when any rank or key owner found a difference."""
@@ -276,7 +277,7 @@ def verify_loaded_state(parts: List[LoadedPart], manifest: Any, rank: int, group
                     keys[0], report.unchecked[keys[0]])
 
 
-def check_whole_tensors(tensors: Dict[str, torch.Tensor], manifest: Any, where: str, stats: Dict[str, Any]) -> None:
+def check_whole_tensors(tensors: Dict[str, torch.Tensor], manifest: Optional[Manifest], where: str, stats: Dict[str, Any]) -> None:
     """One process: whole tensors against the fingerprints recorded at save (figures added to ``stats``)."""
     recorded = manifest.recorded_fingerprints() if manifest is not None else None
     parts = [LoadedPart(k, Box((0,) * t.dim(), tuple(t.shape)), t, True, t.dtype) for k, t in tensors.items()]
