@@ -8,6 +8,7 @@ import io
 import json
 import pickle
 import random
+import re
 
 import numpy as np
 import pytest
@@ -292,6 +293,61 @@ def test_table_batch_reads_many_messages_like_one_by_one():
     assert list(zip(names, rows[1].tolist())) == one_by_one
     with pytest.raises(ValueError):
         TableBatch([msgs[0][:-4]], {3: lambda nd: 2})
+
+
+def test_table_batch_reads_thousands_of_messages_in_bulk_and_names_damage():
+    """Rank 0 reads every rank's finalize message at once (strings interned in one pass, the k-th
+    table of every message in the k-th numpy pass): messages with several tables each, of
+    different kinds, repeated kinds and messages without strings or tables come out in message
+    order as one by one; a message whose tables do not add up (a table header cut, a count that
+    runs past the end, an unknown tag, a negative count, a string table longer than its bytes)
+    raises ValueError saying which, among thousands of good ones."""
+    import struct
+
+    msgs = []
+    for k in range(3000):
+        w = MessageWriter()
+        if k % 7:
+            put_table(w, 3, 1, [w.sids([f"file{k}", "key"]), np.asarray([k, -k])])
+        if k % 5 == 0:
+            put_table(w, 4, 2, [np.asarray([k]), np.asarray([k + 1]), np.asarray([k + 2])])
+        if k % 11 == 0:
+            put_table(w, 3, 1, [w.sids(["again"]), np.asarray([7 * k])])
+        msgs.append(w.tobytes())
+    widths = {3: lambda nd: 2, 4: lambda nd: 1 + nd}
+    batch = TableBatch(msgs, widths)
+    want3, want4 = [], []
+    for k in range(3000):
+        if k % 7:
+            want3 += [(f"file{k}", k), ("key", -k)]
+        if k % 5 == 0:
+            want4.append((k, k + 1, k + 2))
+        if k % 11 == 0:
+            want3.append(("again", 7 * k))
+    msg, rows = batch.rows(3, 1, 2)
+    got3 = list(zip([batch.strings[j] for j in batch.global_ids(msg, rows[0]).tolist()], rows[1].tolist()))
+    assert got3 == want3
+    assert [tuple(r) for r in batch.rows(4, 2, 3)[1].T.tolist()] == want4
+    assert len(batch.strings) == len(set(batch.strings)) == len(set(s for s, _ in want3))
+
+    def damaged(m: bytes, ints: list) -> bytes:
+        """``m`` with its integers replaced (same header otherwise)."""
+        magic, width, nstr, nblob, _ = struct.unpack_from("<4sBIII", m, 0)
+        head = struct.pack("<4sBIII", magic, 8, nstr, nblob, len(ints))
+        return head + m[17:17 + nblob] + struct.pack(f"<{len(ints)}q", *ints)
+
+    good = msgs[1]
+    _, ints = decode(good)
+    cases = {
+        "ends inside a table header": damaged(good, ints + [3, 1]),
+        "ends inside a table": damaged(good, ints[:-1]),
+        "unknown table (tag 9, nd 1, count 0)": damaged(good, ints + [9, 1, 0]),
+        "unknown table (tag 3, nd 1, count -2)": damaged(good, ints + [3, 1, -2]),
+        "inconsistent": good[:17] + struct.pack("<I", 99) + good[21:],
+    }
+    for words, bad in cases.items():
+        with pytest.raises(ValueError, match=re.escape(words)):
+            TableBatch(msgs[:1000] + [bad] + msgs[1000:2000], widths)
 
 
 def test_finalize_digests_of_32_and_64_bits_survive_the_trip():
