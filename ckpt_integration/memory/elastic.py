@@ -25,14 +25,14 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 import torch
 
 from ..dict_utils import dict_list_map_inplace
 from ..errors import CorruptCheckpointError, MemoryCheckpointError, MemoryLayoutError
 from ..execution import dist
-from ..execution.dist import describe_error
+from ..execution.dist import Group, describe_error
 from ..execution.preprocess import dtype_from_name, split_state_dict
 from ..mapping import ShardedObject, ShardedTensor
 from ..planning.boxes import Box, relative_slices
@@ -50,6 +50,20 @@ _TAG = 31  # the fetch round's messages on the tier's private group
 Need = Tuple[int, int]  # (old rank, region index)
 
 
+class TierLike(Protocol):
+    """A memory tier (``tier.MemoryCheckpoints``, which imports this module) as a restore reads and records it."""
+
+    root: str
+    trusted: bool
+    allowed_globals: Optional[Iterable[Any]]
+    rank: int
+    job_id: str
+    last_restore: Optional[RestoreReport]
+
+    @property
+    def group(self) -> Group: ...
+
+
 @dataclass
 class ElasticRestore:
     """Where this rank's bytes came from in an elastic restore."""
@@ -62,7 +76,7 @@ class ElasticRestore:
         return f"memory of {old_world} rank(s), resharded: " + (", ".join(parts) or "no tensor bytes")
 
 
-def load(tier: Any, request: Dict[str, Any], inv: Inventory, key: Key, saved_world: int) -> Any:
+def load(tier: TierLike, request: Dict[str, Any], inv: Inventory, key: Key, saved_world: int) -> Any:
     """Collective: :meth:`MemoryCheckpoints.load` of a step saved by ``saved_world`` ranks or in
     another layout; records and logs where every byte range came from (``tier.last_restore``)."""
     result, rep = restore(request, inv, key, saved_world, tier.root, tier.group, tier.trusted, tier.allowed_globals)
@@ -74,8 +88,8 @@ def load(tier: Any, request: Dict[str, Any], inv: Inventory, key: Key, saved_wor
     return result
 
 
-def restore(request: Dict[str, Any], inv: Inventory, key: Key, old_world: int, root: str, group: Any,
-            trusted: bool, allowed_globals: Any) -> Tuple[Any, ElasticRestore]:
+def restore(request: Dict[str, Any], inv: Inventory, key: Key, old_world: int, root: str, group: Group,
+            trusted: bool, allowed_globals: Optional[Iterable[Any]]) -> Tuple[Any, ElasticRestore]:
     """Collective: fill ``request`` from step ``key`` saved by ``old_world`` ranks (see the module docstring)."""
     copies = inv.copies(old_world).get(key, {})
     where = f"memory snapshot of step {key[0]} (saved by {old_world} rank(s))"
@@ -109,7 +123,7 @@ def restore(request: Dict[str, Any], inv: Inventory, key: Key, old_world: int, r
 
 
 # --------------------------------------------------------------------------- 1. records
-def _records(inv: Inventory, key: Key, old_world: int, root: str, group: Any, copies: Dict[int, List[CopyLocation]],
+def _records(inv: Inventory, key: Key, old_world: int, root: str, group: Group, copies: Dict[int, List[CopyLocation]],
              refused: Set[Tuple[int, str]], report: ElasticRestore, where: str) -> Tuple[Dict[int, Any], Dict[int, bytes]]:
     rank = dist.get_rank(group)
     headers: Dict[int, Any] = {}
@@ -153,7 +167,7 @@ def _records(inv: Inventory, key: Key, old_world: int, root: str, group: Any, co
 
 # --------------------------------------------------------------------------- 2. plan
 def _plan(request: Dict[str, Any], headers: Dict[int, Any], blobs: Dict[int, bytes], trusted: bool,
-          allowed_globals: Any, where: str) -> Tuple[List[Tuple[SavedPiece, Box, torch.Tensor]], Dict[Need, Tuple[int, int]],
+          allowed_globals: Optional[Iterable[Any]], where: str) -> Tuple[List[Tuple[SavedPiece, Box, torch.Tensor]], Dict[Need, Tuple[int, int]],
                                                      Any, Dict[str, Any]]:
     pieces: Dict[str, List[SavedPiece]] = {}
     shapes: Dict[str, Tuple[int, ...]] = {}
@@ -178,7 +192,7 @@ def _plan(request: Dict[str, Any], headers: Dict[int, Any], blobs: Dict[int, byt
     needs: Dict[Need, Tuple[int, int]] = {}
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def prepare(sh: Any) -> Any:
+    def prepare(sh: object) -> Any:
         if isinstance(sh, ShardedObject):
             found = objects.get(sh.unique_key)
             if found is None:
@@ -214,7 +228,7 @@ def _plan(request: Dict[str, Any], headers: Dict[int, Any], blobs: Dict[int, byt
 
 
 # --------------------------------------------------------------------------- 3. fetch
-def _fetch(needs: Dict[Need, Tuple[int, int]], headers: Dict[int, Any], inv: Inventory, key: Key, root: str, group: Any,
+def _fetch(needs: Dict[Need, Tuple[int, int]], headers: Dict[int, Any], inv: Inventory, key: Key, root: str, group: Group,
            copies: Dict[int, List[CopyLocation]], refused: Set[Tuple[int, str]], report: ElasticRestore,
            where: str) -> Dict[Need, Tuple[int, torch.Tensor]]:
     rank = dist.get_rank(group)
@@ -297,7 +311,7 @@ def _read_local(n: Need, span: Tuple[int, int], rec: slots.Record, inv: Inventor
 
 
 def _transfer(everyone: List[List[Tuple[int, int, int, int, int]]], rank: int, records: Dict[int, slots.Record],
-              inv: Inventory, key: Key, root: str, group: Any, done: Dict[Need, Tuple[int, torch.Tensor]],
+              inv: Inventory, key: Key, root: str, group: Group, done: Dict[Need, Tuple[int, torch.Tensor]],
               maps: Dict[Tuple[int, str], torch.Tensor], report: ElasticRestore, where: str) -> List[Tuple[int, str, str]]:
     """Serve the ranges asked of this rank and receive those it asked for (in one order on both
     sides). A server that cannot read its copy sends zeros: the receiver's digest check refuses them."""

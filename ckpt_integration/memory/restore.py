@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -249,7 +249,7 @@ def _reader(got: Obtained) -> Any:
     return read, close
 
 
-def verified_copy(read: Any, name: str, offset: int, out: np.ndarray, digests: np.ndarray, where: str,
+def verified_copy(read: Callable[[str, int, np.ndarray], None], name: str, offset: int, out: np.ndarray, digests: np.ndarray, where: str,
                   h: BlockHash) -> None:
     """Read a region into ``out`` block by block, checking each block's digest (of ``h``) while it is in cache."""
     n, block = len(out), DEFAULT_BLOCK_SIZE
@@ -271,7 +271,7 @@ def _bytes_of(t: torch.Tensor) -> Optional[np.ndarray]:
     return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
 
 
-def shard_id(sh: Any) -> Tuple[Any, ...]:
+def shard_id(sh: Union[ShardedTensor, ShardedObject]) -> Tuple[Any, ...]:
     """What identifies a saved value independent of where it sits in the dict."""
     if isinstance(sh, ShardedObject):
         return ("object", sh.unique_key)
@@ -279,7 +279,7 @@ def shard_id(sh: Any) -> Tuple[Any, ...]:
     return ("tensor", sh.key, tuple(sh.global_offset), tuple(sh.local_shape), None if fr is None else (fr.start, fr.stop))
 
 
-def shard_header(sh: Any) -> Dict[str, Any]:
+def shard_header(sh: Union[ShardedTensor, ShardedObject]) -> Dict[str, Any]:
     """How a snapshot record describes one saved value (read back by :func:`entry_id` and :func:`as_sharded`)."""
     rid = sh.replica_id
     rid = list(rid) if isinstance(rid, tuple) else rid
@@ -324,7 +324,8 @@ def check_owner(rec: slots.Record, rank: int, where: str) -> None:
 
 
 def fill_request(
-    sharded_state_dict: Dict[str, Any], got: Obtained, where: str, trusted: bool, allowed_globals: Any,
+    sharded_state_dict: Dict[str, Any], got: Obtained, where: str, trusted: bool,
+    allowed_globals: Optional[Iterable[Any]],
     rank: Optional[int] = None, verify_state: bool = False,
 ) -> Any:
     """Verify ``got`` block by block while copying it into the request; return what ``ci.load`` would.
@@ -341,7 +342,7 @@ def fill_request(
     by_region: Dict[int, List[Tuple[Dict[str, Any], torch.Tensor]]] = {}
     device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
-    def prepare(sh: Any) -> Any:
+    def prepare(sh: object) -> Any:
         if not isinstance(sh, (ShardedTensor, ShardedObject)):
             return sh
         entry = saved.get(shard_id(sh))
@@ -387,7 +388,7 @@ def host_destination(sh: ShardedTensor, device_copies: List[Tuple[torch.Tensor, 
     return out, host
 
 
-def finish_result(common: Any, nonpersistent: Any, loaded: Any, template: Any, factories: Any) -> Any:
+def finish_result(common: object, nonpersistent: object, loaded: object, template: object, factories: dict) -> Any:
     """What ``ci.load`` returns: the common state with the loaded values merged in."""
     result = common if isinstance(common, dict) else {"__common__": common}
     merge(result, nonpersistent)
@@ -421,14 +422,14 @@ def copy_regions(got: Obtained, by_region: Dict[int, List[Tuple[Dict[str, Any], 
         close()
 
 
-def _view(storage: Any, byte_offset: int, entry: Dict[str, Any]) -> torch.Tensor:
+def _view(storage: torch.UntypedStorage, byte_offset: int, entry: Dict[str, Any]) -> torch.Tensor:
     """The saved tensor ``entry`` inside ``storage`` whose region starts at ``byte_offset``."""
     dt = dtype_from_name(entry["dtype"])
     es = torch.empty((), dtype=dt).element_size()
     return torch.empty(0, dtype=dt).set_(storage, byte_offset // es + entry["elem_offset"], entry["size"], entry["stride"])
 
 
-def as_sharded(got: Obtained, trusted: bool, allowed_globals: Any) -> Tuple[List[Any], Any]:
+def as_sharded(got: Obtained, trusted: bool, allowed_globals: Optional[Iterable[Any]]) -> Tuple[List[Any], Any]:
     """The snapshot as (ShardedTensors / ShardedObjects viewing its bytes, common state): what
     ``persist`` hands to the durable save (no copy)."""
     rec = got.record

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
 
 import torch
 
@@ -103,7 +103,7 @@ class MemoryCheckpoints:
         tier.close(remove=True)                    # the job finished: free the memory
     """
 
-    def __init__(self, directory: Any, job_id: str, replicas: int = 2, ranks_per_node: Optional[int] = None,
+    def __init__(self, directory: Union[str, os.PathLike], job_id: str, replicas: int = 2, ranks_per_node: Optional[int] = None,
                  process_group: Group = None, *, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
                  timeout_s: float = 600.0, copy_now_bytes: int = DEFAULT_COPY_NOW_BYTES):
         self.directory = os.path.abspath(os.fspath(directory))
@@ -482,7 +482,7 @@ class MemoryCheckpoints:
         return done[0][0][0] if done else None
 
     # -- durable tier -------------------------------------------------------------------------
-    def persist(self, step: int, checkpoint_dir: Any, **save_kwargs: Any) -> AsyncRequest:
+    def persist(self, step: int, checkpoint_dir: Union[str, os.PathLike], **save_kwargs: object) -> AsyncRequest:
         """Collective: write step ``step`` from memory as an ordinary durable checkpoint, in the background.
 
         The snapshot's bytes are written as they are (no copy from the device, no second
@@ -596,5 +596,5 @@ class MemoryCheckpoints:
     def __enter__(self) -> "MemoryCheckpoints":
         return self
 
-    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+    def __exit__(self, exc_type: Optional[Type[BaseException]], *rest: object) -> None:
         self.close()

@@ -14,7 +14,7 @@ for ``set_optimizer_state_dict``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -29,7 +29,7 @@ from .sharding import DEFAULT_PREFIX, grid_object, make_sharded_optimizer_tensor
 LocalFn = Callable[[Any], Tuple[Optional[torch.Tensor], Optional[Tuple[int, ...]]]]
 
 
-def local_shard(value: Any) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int, ...]]]:
+def local_shard(value: object) -> Tuple[Optional[torch.Tensor], Optional[Tuple[int, ...]]]:
     """This rank's part of a per-param state and its global shape: a DTensor's local tensor, the one
     local shard of torch's (FSDP1) ``ShardedTensor`` (empty if this rank holds none), a plain tensor
     with dimensions itself; ``(None, None)`` for a scalar (0-dim tensor, number)."""
@@ -95,13 +95,13 @@ def load_named_optimizer_state(
     optimizer: torch.optim.Optimizer,
     named_osd: Dict[str, Any],
     model_sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: Any,
+    checkpoint_dir: Union[str, "os.PathLike[str]"],
     *,
     prefix: str = DEFAULT_PREFIX,
     state_dict_key: Optional[str] = None,
     missing_ok: bool = False,
     local: LocalFn = local_shard,
-    **load_kwargs: Any,
+    **load_kwargs: object,
 ) -> bool:
     """Fill ``named_osd`` (``get_optimizer_state_dict(model, optimizer)`` of the current run, whose
     state exists: torch creates it) from a checkpoint, resharded for this rank; then hand it to

@@ -78,7 +78,7 @@ def _check_requests(requests: Iterable[Any], ckpt_meta: Dict[str, Any], labels: 
     return problems
 
 
-def raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str,
+def raise_mismatch(problems: List[str], checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: str,
                     why: str = "does not fit the current parameters (changed names or shapes?)") -> None:
     """Raise :class:`OptimizerStateMismatchError` listing ``problems`` (every rank's), if there are any."""
     if problems:
@@ -87,7 +87,7 @@ def raise_mismatch(problems: List[str], checkpoint_dir: Any, prefix: str,
         )
 
 
-def report_missing_state(checkpoint_dir: Any, prefix: str, missing_ok: bool) -> None:
+def report_missing_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: str, missing_ok: bool) -> None:
     """A checkpoint without optimizer state under ``prefix``: :class:`OptimizerStateNotFoundError`, or a
     warning with ``missing_ok``."""
     msg = (
@@ -166,7 +166,7 @@ def _scalar_sources(sp: ShardedParam, parts: List[ShardedTensor], saved: Dict[st
 
 
 def read_optimizer_state(
-    checkpoint_dir: Any,
+    checkpoint_dir: Union[str, "os.PathLike[str]"],
     prefix: str,
     id_map: Dict[int, ShardedParam],
     object_request: Callable[[int, str, ShardedTensor], ShardedObject],
@@ -294,7 +294,7 @@ def param_labels(id_map: Dict[int, ShardedParam], params: Sequence[torch.Tensor]
 class LabelDict(dict):
     """Looks up a label by the param key at the end of an optimizer key."""
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: object = None) -> Any:  # type: ignore[override]
         hits = [k for k in self.keys() if key == k or key.endswith("." + k) or ("." + k + ".") in key]
         return self[max(hits, key=len)] if hits else default
 
@@ -321,7 +321,7 @@ def load_optimizer_state(
     model_params: Optional[Sequence[torch.Tensor]] = None,
     module: Optional[torch.nn.Module] = None,
     extract: Sequence[str] = EXTRA_STATE_NAMES,
-    **load_kwargs: Any,
+    **load_kwargs: object,
 ) -> Optional[Dict[int, Dict[str, torch.Tensor]]]:
     """Load optimizer state from a checkpoint into ``optimizer`` under the current layout.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+import os
+from typing import Any, Dict, Iterable, List, Union
 
 import torch
 
@@ -29,7 +30,7 @@ class MixedPrecisionOptimizer:
         sd = {"model": msd, "optimizer": opt.sharded_state_dict(msd)}
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], optimizer_cls: type = torch.optim.AdamW, **optimizer_kwargs: Any):
+    def __init__(self, params: Iterable[torch.Tensor], optimizer_cls: type = torch.optim.AdamW, **optimizer_kwargs: object):
         self.model_params = list(params)
         self.main_params = [torch.nn.Parameter(p.detach().float().clone()) for p in self.model_params]
         self.optimizer = optimizer_cls(self.main_params, **optimizer_kwargs)
@@ -77,7 +78,7 @@ class MixedPrecisionOptimizer:
                 m.copy_(src.view(m.shape))
 
     @torch.no_grad()
-    def load_checkpoint(self, model_sharded_state_dict: ShardedStateDict, checkpoint_dir: Any, *, prefix: str = DEFAULT_PREFIX, missing_ok: bool = False, **load_kwargs: Any) -> bool:
+    def load_checkpoint(self, model_sharded_state_dict: ShardedStateDict, checkpoint_dir: Union[str, "os.PathLike[str]"], *, prefix: str = DEFAULT_PREFIX, missing_ok: bool = False, **load_kwargs: object) -> bool:
         """Load masters and state (see :func:`load_optimizer_state`); False if fresh (``missing_ok``)."""
         extracted = load_optimizer_state(
             self.optimizer, model_sharded_state_dict, checkpoint_dir, prefix=prefix, missing_ok=missing_ok,

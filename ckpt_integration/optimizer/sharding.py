@@ -23,6 +23,7 @@ from ..errors import CheckpointingException, MismatchError
 from ..foreign import sharded_kind, to_native
 from ..mapping import (
     LocalNonpersistentObject,
+    ReplicaId,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
@@ -64,13 +65,13 @@ class UnmatchedParameterError(CheckpointingException):
 # ---------------------------------------------------------------------------------------------
 # identity mapping
 # ---------------------------------------------------------------------------------------------
-def _local(t: Any) -> Any:
+def _local(t: object) -> Any:
     """This rank's shard of a DTensor (``torch.distributed.tensor``: FSDP2 / TP params and their
     optimizer states); any other value unchanged."""
     return t.to_local() if is_dtensor(t) else t
 
 
-def empty_local_shard(p: Any) -> bool:
+def empty_local_shard(p: object) -> bool:
     """A param with no elements on this rank (a zero-size param, or a DTensor whose shard here is
     empty after an uneven FSDP2 / TP split): nothing to save or load here."""
     return isinstance(p, torch.Tensor) and _local(p).numel() == 0
@@ -203,7 +204,7 @@ def is_origin(st: ShardedTensor) -> bool:
     return all(o == 0 for o in st.global_offset[st.prepend_axis_num:])
 
 
-def grid_object(key: str, st: ShardedTensor, data: Any, main: Optional[bool] = None) -> ShardedObject:
+def grid_object(key: str, st: ShardedTensor, data: object, main: Optional[bool] = None) -> ShardedObject:
     """A ShardedObject ``key`` placed like ``st``: one grid position per stacked layer (its
     prepended axes), saved by the main replica holding the origin shard."""
     shape, offset = _meta_grid(st)
@@ -212,7 +213,7 @@ def grid_object(key: str, st: ShardedTensor, data: Any, main: Optional[bool] = N
     return ShardedObject(key, data, shape, offset, 0 if main else 1)
 
 
-def param_object(key: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> ShardedObject:
+def param_object(key: str, sp: ShardedParam, data: object, main: Optional[bool] = None) -> ShardedObject:
     """A ShardedObject ``key`` that belongs to one param, placed like its first stored tensor."""
     return grid_object(key, _first_built_tensor(sp), data, main)
 
@@ -238,7 +239,7 @@ def merge_part_scalars(key: str, values: Dict[str, Any]) -> Any:
     return first.clone() if isinstance(first, torch.Tensor) else first
 
 
-def state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Optional[bool] = None) -> Any:
+def state_object(prefix: str, name: str, sp: ShardedParam, data: object, main: Optional[bool] = None) -> Any:
     """A scalar state (``step``, a number, a 0-dim tensor, ...) of one param, saved in its place
     as ShardedObject ``f"{prefix}.state.{name}.{param_key}"``.
 
@@ -252,7 +253,7 @@ def state_object(prefix: str, name: str, sp: ShardedParam, data: Any, main: Opti
     parts = built_tensors(sp)
     owner = f"{prefix}.state.{name}.{sp.key}"
 
-    def build(key: str, value: Any, replica_id: Any, flattened_range: Any) -> Dict[str, ShardedObject]:
+    def build(key: str, value: object, replica_id: ReplicaId, flattened_range: Optional[slice]) -> Dict[str, ShardedObject]:
         return {t.key: grid_object(f"{prefix}.state.{name}.{t.key}", t, value, main) for t in parts}
 
     return ShardedTensorFactory(owner, data, build, lambda loaded: merge_part_scalars(owner, loaded))
@@ -264,7 +265,7 @@ def _is_split(sp: ShardedParam) -> bool:
     return tuple(st.local_shape) != tuple(st.global_shape[st.prepend_axis_num:])
 
 
-def _is_param_tensor_state(v: Any, param_numel: int) -> bool:
+def _is_param_tensor_state(v: object, param_numel: int) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == param_numel
 
 

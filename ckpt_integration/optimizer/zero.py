@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional
+import os
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as tdist
@@ -69,9 +70,9 @@ class ZeroShardedOptimizer:
         params: Iterable[torch.Tensor],
         optimizer_cls: type = torch.optim.AdamW,
         *,
-        dp_group: Any = None,
+        dp_group: Optional[tdist.ProcessGroup] = None,
         replica_id_fn: Optional[Callable[[ReplicaId], ReplicaId]] = None,
-        **optimizer_kwargs: Any,
+        **optimizer_kwargs: object,
     ):
         self.params = list(params)
         self.dp_group = dp_group
@@ -217,7 +218,7 @@ class ZeroShardedOptimizer:
             full[t.lo - lo: t.hi - lo].copy_(buf)
         return out
 
-    def _saved_pieces(self, sp: ShardedTensor, prefix: str, name: str, saved: Any) -> List[ShardedTensor]:
+    def _saved_pieces(self, sp: ShardedTensor, prefix: str, name: str, saved: Optional[Tuple[int, torch.Tensor]]) -> List[ShardedTensor]:
         """The boxes of a saved row-aligned range (one for a 2-D shard; none if the rank saves
         nothing of this param)."""
         if saved is None:
@@ -235,7 +236,7 @@ class ZeroShardedOptimizer:
                 )
         return id_map  # type: ignore[return-value]
 
-    def _object(self, key: str, sp: ShardedTensor, pid: int, data: Any) -> ShardedObject:
+    def _object(self, key: str, sp: ShardedTensor, pid: int, data: object) -> ShardedObject:
         """A per-param object (a scalar state), saved by the DP rank owning the param's first element."""
         owner = self.start <= self.offsets[pid] < self.end or (self.numels[pid] == 0 and self.dp_rank == 0)
         main = owner and is_main_replica(self.replica_id_fn(sp.replica_id)) and is_origin(sp)
@@ -275,12 +276,12 @@ class ZeroShardedOptimizer:
     def load_checkpoint(
         self,
         model_sharded_state_dict: ShardedStateDict,
-        checkpoint_dir: Any,
+        checkpoint_dir: Union[str, "os.PathLike[str]"],
         *,
         prefix: str = DEFAULT_PREFIX,
         state_dict_key: Optional[str] = None,
         missing_ok: bool = False,
-        **load_kwargs: Any,
+        **load_kwargs: object,
     ) -> bool:
         """Load this rank's slice of masters and state from a checkpoint of any layout.
 
