@@ -17,7 +17,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, TextIO
 
 from . import tools
 from .errors import CheckpointingException
@@ -44,7 +44,7 @@ def _progress_factory(quiet: bool):
 _BYTES_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
-def _bar_factory(file: Any):
+def _bar_factory(file: TextIO):
     """A progress-bar factory (``tools.ProgressFactory``) drawing tqdm bars on ``file``."""
     from tqdm import tqdm
 
@@ -58,7 +58,7 @@ def _bar_factory(file: Any):
                      rate_fmt=f"{format_size(rate)}/s" if rate else "? B/s")
             return d
 
-    def factory(iterable: Any = None, **kwargs: Any) -> Any:
+    def factory(iterable: Optional[Iterable[Any]] = None, **kwargs: object) -> Any:
         if kwargs.get("unit") == "B":
             kwargs.update(unit_scale=False, bar_format=_BYTES_BAR_FORMAT)
             return BinaryBytesBar(iterable, file=file, dynamic_ncols=True, leave=False, **kwargs)
@@ -186,7 +186,7 @@ def _flush_stdout() -> None:
         raise _StdoutClosed() from None
 
 
-def _print_json(obj: Any) -> None:
+def _print_json(obj: object) -> None:
     _out(json.dumps(obj, indent=2, default=str))
 
 

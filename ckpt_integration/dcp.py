@@ -105,7 +105,7 @@ class Writer(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         if not self.path:
             raise CheckpointingException("ci.dcp.Writer: no path (pass one, or checkpoint_id= to dcp.save)")
         self.is_coordinator = is_coordinator
@@ -238,7 +238,7 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
         storage, path = storage_for(self.path)
         if storage.exists(join(path, ckdir.CONFIG_FILE)):
@@ -250,7 +250,7 @@ class Reader(StorageReader):
         self.manifest = ckdir.read_manifest_checked(path)
         return read_dcp_metadata(path, trusted=self.trusted, manifest=self.manifest)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self.storage_data = dict(metadata.storage_data or {})
         if self.manifest is None and not is_coordinator and self.path:
             # (DCP reads the metadata on the coordinator only: the others learn the manifest here)

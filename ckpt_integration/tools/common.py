@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 
@@ -16,10 +16,16 @@ READ_PIECE = 8 * 2**20  # bytes read (and checksummed) at a time where a whole r
 ProgressFactory = Callable[..., Any]
 
 
+class ProgressBar(Protocol):
+    """What the tools call on a bar a :data:`ProgressFactory` made (tqdm's, or :func:`no_progress`'s)."""
+
+    def update(self, n: int = 1) -> None: ...
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: Any) -> int:
+def parse_size(text: Union[str, int]) -> int:
     """Parse ``"5GB"``, ``"500MB"``, ``"1.5GiB"``, ``"4096"`` into bytes (GB = 10^9, GiB = 2^30)."""
     if isinstance(text, int):
         return text
@@ -41,13 +47,13 @@ def format_size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def no_progress(iterable: Any = None, **_: Any) -> Any:
+def no_progress(iterable: Optional[Iterable[Any]] = None, **_: object) -> Any:
     """The :data:`ProgressFactory` that draws nothing (the default of every tool; the CLI's with ``--quiet``)."""
     return _NullBar(iterable)
 
 
 class _NullBar:
-    def __init__(self, iterable: Any = None):
+    def __init__(self, iterable: Optional[Iterable[Any]] = None):
         self.iterable = iterable
 
     def __iter__(self):
@@ -65,7 +71,7 @@ class _NullBar:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
 

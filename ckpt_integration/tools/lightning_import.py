@@ -29,7 +29,7 @@ import pickle
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -49,6 +49,9 @@ from .export import build_optimizers
 from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
 from .recipe import export_recipe_object
 from .sources import DistCheckpointSource, MappedFiles, TensorInfo, TensorSource, tensor_from_map
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 #: Lightning's file of non-tensor state inside a distributed checkpoint directory
 LIGHTNING_META_FILE = "meta.pt"
@@ -74,7 +77,7 @@ def _load_file(path: str, trusted: bool) -> Any:
             "pass --trusted (trusted=True) only if you trust the file") from None
 
 
-def stock_lightning_kind(path: Any, trusted: bool = False) -> Optional[str]:
+def stock_lightning_kind(path: Union[str, os.PathLike], trusted: bool = False) -> Optional[str]:
     """``"ckpt"`` / ``"dcp"`` for a stock Lightning checkpoint file / distributed directory, else ``None``.
 
     A file is loaded (memory-mapped, weights-only unless ``trusted``) to look at its keys; one that
@@ -141,7 +144,7 @@ def _spill(src: TensorSource, keys: Sequence[str], where: str, budget: int, prog
     return {k: tensor_from_map(mapped, src.tensors[k].dtype, src.tensors[k].shape, offsets[k]) for k in keys}
 
 
-def _set_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: Any) -> None:
+def _set_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: object) -> None:
     node = root
     for i, p in enumerate(path[:-1]):
         nxt = path[i + 1]
@@ -188,7 +191,7 @@ def _read_dcp(path: str, trusted: bool, where: str, budget: int, progress: Progr
 
 
 # --------------------------------------------------------------------------- building the output
-def _module_from(module: Any, ckpt: Dict[str, Any]) -> Any:
+def _module_from(module: Union[pl.LightningModule, Type[pl.LightningModule]], ckpt: Dict[str, Any]) -> Any:
     """A module instance with the checkpoint's weights: ``module`` given as a class is built the way
     ``load_from_checkpoint`` builds it (saved hyper-parameters, ``configure_model``)."""
     if isinstance(module, type):
@@ -215,7 +218,7 @@ def _fqn_keyed_to_sharded(state: Dict[str, Any], model_sd: Dict[str, Any], prefi
     return sd
 
 
-def _by_position(state: Dict[str, Any], optimizer: torch.optim.Optimizer, module: Any) -> Dict[str, Any]:
+def _by_position(state: Dict[str, Any], optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> Dict[str, Any]:
     """A name-keyed optimizer state renumbered by the optimizer's parameter positions."""
     names = {id(p): n for n, p in module.named_parameters()}
     pos = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -223,7 +226,7 @@ def _by_position(state: Dict[str, Any], optimizer: torch.optim.Optimizer, module
             "param_groups": [{**g, "params": [pos[f] for f in g["params"]]} for g in state["param_groups"]]}
 
 
-def _build_state(ckpt: Dict[str, Any], kind: str, module: Any, optimizers: Optional[Sequence[Any]], where: str,
+def _build_state(ckpt: Dict[str, Any], kind: str, module: Union[pl.LightningModule, Type[pl.LightningModule], None], optimizers: Optional[Sequence[Any]], where: str,
                  result: ImportResult) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     rest = {k: v for k, v in ckpt.items() if k not in ("state_dict", "optimizer_states")}
     opt_states = ckpt.get("optimizer_states")
@@ -269,15 +272,15 @@ def _build_state(ckpt: Dict[str, Any], kind: str, module: Any, optimizers: Optio
 
 
 def import_lightning_checkpoint(
-    src_path: Any,
-    out: Any,
+    src_path: Union[str, os.PathLike],
+    out: Union[str, os.PathLike],
     *,
     to: str = "torch_dist",
-    module: Any = None,
+    module: Union[pl.LightningModule, Type[pl.LightningModule], None] = None,
     optimizers: Optional[Sequence[torch.optim.Optimizer]] = None,
     overwrite: bool = False,
     trusted: bool = False,
-    memory_budget: Any = DEFAULT_MEMORY_BUDGET,
+    memory_budget: Union[int, str] = DEFAULT_MEMORY_BUDGET,
     progress: ProgressFactory = no_progress,
 ) -> ImportResult:
     """Convert a stock Lightning ``.ckpt`` file or distributed checkpoint directory into checkpoint

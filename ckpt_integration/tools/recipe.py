@@ -32,7 +32,8 @@ import torch
 
 from ..dict_utils import nested_items
 from ..errors import CheckpointingException
-from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from ..mapping import ReplicaId, ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
+from .sources import TensorSource
 
 #: key of the recipe ShardedObjects (one per rank) in the checkpoint
 EXPORT_RECIPE_KEY = "ckpt_integration.export_recipe"
@@ -79,7 +80,7 @@ def _axis0_parts(factory: ShardedTensorFactory) -> Optional[List[str]]:
     return [k for _, _, k in spans] if pos == data.shape[0] else None
 
 
-def export_recipe(model_sharded_state_dict: Any) -> Dict[str, Any]:
+def export_recipe(model_sharded_state_dict: ShardedStateDict) -> Dict[str, Any]:
     """The export recipe of a model's sharded state dict (see the module docstring).
 
     Names are the dict paths joined with ``.`` (the state-dict names for
@@ -113,8 +114,8 @@ def export_recipe(model_sharded_state_dict: Any) -> Dict[str, Any]:
     return {"version": RECIPE_VERSION, "merged": merged, "opaque": opaque, "renamed": renamed, "stacked": stacked}
 
 
-def export_recipe_object(model_sharded_state_dict: Any, rank: Optional[int] = None,
-                         world_size: Optional[int] = None, replica_id: Any = 0) -> ShardedObject:
+def export_recipe_object(model_sharded_state_dict: ShardedStateDict, rank: Optional[int] = None,
+                         world_size: Optional[int] = None, replica_id: ReplicaId = 0) -> ShardedObject:
     """This rank's :func:`export_recipe` as a ShardedObject to put into the saved state dict.
 
     ``rank`` / ``world_size`` (the object's place in a grid of ``world_size`` recipes) default to
@@ -157,7 +158,7 @@ def _merge_into(total: Dict[str, Any], recipe: Dict[str, Any], where: str) -> No
             entry[name] = index
 
 
-def read_recipe(src: Any) -> Optional[Dict[str, Any]]:
+def read_recipe(src: TensorSource) -> Optional[Dict[str, Any]]:
     """The union of the export recipes in a :class:`~ckpt_integration.tools.DistCheckpointSource`
     (every rank's ShardedObject), or ``None`` when none was recorded."""
     keys = [k for k in getattr(src, "objects", []) if k.split("/")[0] == EXPORT_RECIPE_KEY]

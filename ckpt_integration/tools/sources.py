@@ -16,7 +16,7 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -98,7 +98,7 @@ class TensorSource:
     def __enter__(self) -> "TensorSource":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -109,7 +109,7 @@ class DistCheckpointSource(TensorSource):
     checkpoint: Optional[OpenedCheckpoint] = None  # what it opened (closed with it) or was given
     given: Any = None
 
-    def __init__(self, path: Any, trusted: bool = False):
+    def __init__(self, path: Union[str, os.PathLike], trusted: bool = False):
         # opened once (or the opened checkpoint given): every read below is of the commit it pinned
         self.given = path
         # (manifest formats 1-3 too: this is how they are converted to the current one)
@@ -190,7 +190,7 @@ def _open_file(path: str) -> Any:
     return os.fdopen(open_regular(path, "input file"), "rb")
 
 
-def tensor_from_map(mm: Any, dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
+def tensor_from_map(mm: Union[mmap.mmap, bytes], dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
     """A tensor viewing ``shape`` elements of ``dtype`` at byte ``offset`` of a :class:`MappedFiles` map (no copy)."""
     count = math.prod(shape)
     if count == 0:
@@ -288,7 +288,7 @@ class SafetensorsSource(TensorSource):
         return self.tensor(key)[box_slices(box)]
 
 
-def flatten_tensors(obj: Any, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
+def flatten_tensors(obj: object, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
     """Collect tensors of nested dicts/lists under dotted keys; return the structure with tensors replaced by keys."""
     if isinstance(obj, torch.Tensor):
         out[prefix] = obj
@@ -306,7 +306,7 @@ class _TensorSlot:
     key: str
 
 
-def restore_structure(obj: Any, tensors: Dict[str, Any]) -> Any:
+def restore_structure(obj: object, tensors: Dict[str, Any]) -> Any:
     """The inverse of :func:`flatten_tensors`: the structure with each key slot replaced by ``tensors[key]``."""
     if isinstance(obj, _TensorSlot):
         return tensors[obj.key]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import io
 import zipfile
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
 
 from ..errors import CheckpointingException
 from ..storage import checkpoint_dir as ckdir
@@ -19,7 +19,16 @@ from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 UNREAD: Any = object()  # "the manifest has not been read yet" (None: read, and there is none)
 
 
-def integrity_manifest_holds(path: str, report: Any, known: Any = UNREAD) -> bool:
+class Report(Protocol):
+    """The report being filled (``verify.VerifyReport``, whose module imports this one)."""
+
+    notes: List[str]
+    files_checked: int
+
+    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = ()) -> None: ...
+
+
+def integrity_manifest_holds(path: str, report: Report, known: Union[ckdir.Manifest, None, object] = UNREAD) -> bool:
     """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
     against its SHA-256 (each problem reported, naming the file); False when any differs. ``known``:
     the manifest when the caller read it already."""
@@ -44,7 +53,7 @@ def integrity_manifest_holds(path: str, report: Any, known: Any = UNREAD) -> boo
     return not problems
 
 
-def read_manifest(path: str, report: Any, known: Any = UNREAD) -> Tuple[Optional[ckdir.Manifest], bool]:
+def read_manifest(path: str, report: Report, known: Union[ckdir.Manifest, None, object] = UNREAD) -> Tuple[Optional[ckdir.Manifest], bool]:
     """``(manifest or None, whether its absence or damage was reported)``; ``known``: as read already."""
     try:
         manifest = ckdir.read_manifest(path) if known is UNREAD else known
@@ -70,7 +79,7 @@ def recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Any) -> None:
+def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Report) -> None:
     """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
     storage, root = storage_for(path)
     file = join(root, ckdir.COMMON_FILE)
@@ -103,7 +112,7 @@ def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Any) ->
 
 
 def verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Manifest, data_files: Set[str],
-                                 report: Any) -> Dict[str, bytes]:
+                                 report: Report) -> Dict[str, bytes]:
     """Files the manifest records that ``.metadata`` does not name (checked by the data pass);
     returns the bytes of those checked whole against their CRC32 (the chunk index)."""
     whole: Dict[str, bytes] = {}

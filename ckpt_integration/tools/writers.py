@@ -11,13 +11,13 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from ..errors import CheckpointingException
 from ..storage.fs import tensor_buffer
-from .common import SAFETENSORS_INDEX, dtype_size
+from .common import SAFETENSORS_INDEX, ProgressBar, dtype_size
 from .sources import SAFETENSORS_DTYPE_NAMES, TensorInfo, TensorSource, flatten_tensors, restore_structure
 
 
@@ -75,7 +75,7 @@ def shard_plan(entries: List[Tuple[str, TensorInfo]], max_size: int) -> List[Lis
 
 
 def write_safetensors_folder(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_dir: str,
-                             max_shard_size: int, budget: int, bar: Any) -> List[str]:
+                             max_shard_size: int, budget: int, bar: ProgressBar) -> List[str]:
     """HF-style folder ``out_dir``: size-bounded ``.safetensors`` files and ``model.safetensors.index.json``,
     tensors streamed from ``src`` in blocks of at most ``budget`` bytes. Returns the names written."""
     plan = shard_plan(entries, max_shard_size)
@@ -147,7 +147,7 @@ class TorchSaveWriter:
         self._open_member.close()
         self._open_member = None
 
-    def add_value(self, key: Any, value: Any) -> None:
+    def add_value(self, key: Hashable, value: object) -> None:
         """Store ``value`` (plain data, may hold tensors) at top-level ``key`` of the saved dict.
 
         Its tensors become data records like the others: pickled in place they would need
@@ -225,7 +225,7 @@ def _legacy_storage_types() -> Dict[torch.dtype, Any]:
 
 
 class _RefPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
+    def persistent_id(self, obj: object) -> Any:
         if isinstance(obj, _StorageRef):
             legacy = _legacy_storage_types().get(obj.dtype)
             if legacy is not None:
@@ -233,7 +233,7 @@ class _RefPickler(pickle.Pickler):
             return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.numel * dtype_size(obj.dtype))
         return None
 
-    def reducer_override(self, obj: Any) -> Any:
+    def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, torch.Size):
             return torch.Size, (tuple(obj),)
         return NotImplemented
