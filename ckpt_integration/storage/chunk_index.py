@@ -132,8 +132,8 @@ def index_of_layout(layout: CommitLayout, metadata_entry: Dict[str, int]) -> byt
     dtype_ids = {d: w.sid(d) for d in dict.fromkeys(layout.tensor_dtypes)}
     file_sid = np.full(len(ws.strings), -1, dtype=np.int64)
     used = np.unique(ws.file[np.concatenate([layout.chunk_items, layout.object_items])]) if len(ws) else []
-    for f in np.asarray(used).tolist():
-        file_sid[f] = w.sid(ws.strings[f])
+    used = np.asarray(used, dtype=np.int64)
+    file_sid[used] = w.sids([ws.strings[f] for f in used.tolist()])  # (one call: 131,072 files at 65,536 ranks)
     with_chunks = np.flatnonzero(counts > 0)
     nds = ws.nd[layout.chunk_items[layout.key_starts[with_chunks]]] if len(with_chunks) else np.zeros(0, dtype=np.int64)
     groups = np.stack([nds, counts[with_chunks]], axis=1) if len(with_chunks) else np.zeros((0, 2), dtype=np.int64)
