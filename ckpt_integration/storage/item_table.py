@@ -1,6 +1,7 @@
-"""The manifest's per-item tables as binary columns (manifest format 4).
+"""The manifest's per-item table as binary columns (manifest formats 4 and 5), and a commit's
+``BlockRecord`` of each tensor item (where its data lies, the digests of its blocks).
 
-Formats 2 and 3 keep, per stored item, a JSON entry ``"file@offset": digest`` (``items``) and,
+Formats 2 and 3 (read only by ``convert``, :mod:`.legacy_manifest`) kept, per stored item, a JSON entry ``"file@offset": digest`` (``items``) and,
 per tensor item, ``"file@offset": [data_offset, data_length, block_size, "<base64 digests>"]``
 (``blocks``). With tens of thousands of items every rank paid for them as text: rank 0 rendered
 them at each commit, and at each load the coordinator parsed them (~0.8 us an item) and every
@@ -276,7 +277,7 @@ def decode_text(text: object, h: BlockHash, where: str = MANIFEST_FILE) -> ItemT
 
 class TableItemDigests(Mapping):
     """``(file, offset) -> item digest`` over an :class:`ItemTable` (what ``Manifest.checksums``
-    gives for format 4; the JSON tables' :class:`~.block_records.ItemDigestTable` for older ones)."""
+    gives)."""
 
     def __init__(self, table: ItemTable):
         self._t = table
@@ -300,7 +301,7 @@ class TableItemDigests(Mapping):
 
 class TableBlockRecords(Mapping):
     """``(file, offset) -> BlockRecord`` of the items with block digests, over an
-    :class:`ItemTable`, with the lookups of :class:`~.block_records.BlockRecordTable`."""
+    :class:`ItemTable` (``digests_of`` one item, ``digests_many`` a run of them)."""
 
     def __init__(self, table: ItemTable):
         self._t = table
