@@ -201,8 +201,12 @@ def test_verify_good_checkpoints(saved, tmp_path, capsys):
         assert rep["block_hash"] == block_hash
     old = tmp_path / "old"
     shutil.copytree(saved / "good_crc32", old)
-    _to_format_1(old)  # an older format: reported, naming the command that converts it
-    _expect_damaged(old, capsys, "manifest.json", "manifest format 1", "ckpt-integration convert")
+    _to_format_1(old)  # an older format: reported as not verified (not as damage), naming the command
+    code, out, _ = run_cli("verify", old, capsys=capsys)
+    assert code == 1 and "NOT VERIFIED: 1 problem(s) (not damage" in out and "DAMAGED" not in out, out
+    assert "manifest format 1" in out and "ckpt-integration convert" in out, out
+    rep = json.loads(run_cli("verify", old, "--json", capsys=capsys)[1])
+    assert [(p["file"], p["kind"]) for p in rep["problems"]] == [("manifest.json", "unsupported")]
     assert run_cli("convert", old, tmp_path / "new", "--to", "torch_dist", capsys=capsys)[0] == 0
     assert run_cli("verify", tmp_path / "new", capsys=capsys)[0] == 0
     flip_byte(old / DATA, _w_item(old).offset + 20000)

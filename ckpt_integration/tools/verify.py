@@ -20,7 +20,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..checkpoints import list_checkpoints
-from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
+                      UnsupportedCheckpointError)
 from ..storage import checkpoint_dir as ckdir
 from .verify_files import (UNREAD, integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
                            verify_other_recorded_files)
@@ -59,13 +60,16 @@ class VerifyReport:
     notes: List[str] = field(default_factory=list)
     state_checked: int = 0  # tensors whose read-back fingerprint was compared (verify --state)
 
-    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = ()) -> None:
+    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = (), unsupported: bool = False) -> None:
+        """A problem; ``unsupported``: not damage, but something this version cannot verify as it
+        is (an older manifest format to convert, a block digest it does not know)."""
         self.ok = False
         for p in self.problems:  # one damage seen by two checks (e.g. a damaged manifest) is one problem
             if p["message"] == message:
                 p["keys"] = sorted(set(p["keys"]) | set(keys))
                 return
-        self.problems.append({"file": file, "message": message, "keys": sorted(set(keys))})
+        self.problems.append({"file": file, "message": message, "keys": sorted(set(keys)),
+                              "kind": "unsupported" if unsupported else "damage"})
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "block_hash", "items_checked",
@@ -81,7 +85,9 @@ class VerifyReport:
             if self.state_checked:
                 lines.append(f"OK: state of {self.state_checked} tensors read back and equal to the saved state (fingerprints)")
         else:
-            lines.append(f"DAMAGED: {len(self.problems)} problem(s)")
+            damaged = any(p["kind"] == "damage" for p in self.problems)
+            lines.append(f"DAMAGED: {len(self.problems)} problem(s)" if damaged else
+                         f"NOT VERIFIED: {len(self.problems)} problem(s) (not damage: this version cannot verify it as it is)")
             for p in self.problems:
                 lines.append(f"  - {p['message']}")
                 if p["keys"]:
@@ -133,7 +139,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         except CheckpointNotFoundError:
             raise _not_a_checkpoint(path) from None
         except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
-            report.add(str(e), ckdir.CONFIG_FILE)
+            report.add(str(e), ckdir.CONFIG_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
             config = None
             storage, root = storage_for(path)
             if not storage.exists(join(root, DCP_METADATA_FILE)):

@@ -8,7 +8,7 @@ import io
 import zipfile
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
 
-from ..errors import CheckpointingException
+from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
 from ..storage.filesystem import Storage, join, storage_for
@@ -25,7 +25,7 @@ class Report(Protocol):
     notes: List[str]
     files_checked: int
 
-    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = ()) -> None: ...
+    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = (), unsupported: bool = False) -> None: ...
 
 
 def integrity_manifest_holds(path: str, report: Report, known: Union[ckdir.Manifest, None, object] = UNREAD) -> bool:
@@ -36,7 +36,7 @@ def integrity_manifest_holds(path: str, report: Report, known: Union[ckdir.Manif
         if (ckdir.read_manifest(path) if known is UNREAD else known) is not None:
             return True
     except CheckpointingException as e:
-        report.add(str(e), ckdir.MANIFEST_FILE)
+        report.add(str(e), ckdir.MANIFEST_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
         return False
     try:
         files = read_sha_manifest(path)
@@ -58,7 +58,7 @@ def read_manifest(path: str, report: Report, known: Union[ckdir.Manifest, None, 
     try:
         manifest = ckdir.read_manifest(path) if known is UNREAD else known
     except CheckpointingException as e:
-        report.add(str(e), ckdir.MANIFEST_FILE)
+        report.add(str(e), ckdir.MANIFEST_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
         return None, True
     if manifest is None and ckdir.manifest_deleted(path):
         # ours record at save time that they have one (ckpt_integration.json); foreign ones
