@@ -277,6 +277,12 @@ def decode_runs(runs: Sequence[int]) -> List[int]:
     return out
 
 
+def runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The positions ``starts[i], ..., starts[i] + counts[i] - 1`` of every run ``i``, in order
+    (each run's start repeated per element, plus the element's place in its run)."""
+    return np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
 def _append_new(table: List[str], strings: Sequence[str], ids: Sequence[int]) -> None:
     """Append to ``table`` (the strings in id order) those of ``strings`` that were just given new ids:
     the first occurrence of a new string has the id ``len(table)``. (Taking the dict's new keys with
@@ -435,9 +441,7 @@ class TableBatch:
         t = np.asarray(tabs, dtype=np.int64)
         msg, start, cnt = t[:, 0], t[:, 1], t[:, 2]
         tid = np.repeat(np.arange(len(t)), cnt)
-        j = np.arange(len(tid)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        base = start[tid] + j
-        idx = base[None, :] + np.arange(width)[:, None] * cnt[tid][None, :]
+        idx = runs(start, cnt)[None, :] + np.arange(width)[:, None] * cnt[tid][None, :]
         return msg[tid], self.ints[idx]
 
     def global_ids(self, msg: np.ndarray, local: np.ndarray) -> np.ndarray:

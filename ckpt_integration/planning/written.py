@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CheckpointingException
 from .digests import chunk_digests, halves, joined, string_digests
 from .key_owner import KeySummary, SummaryTable, encode_summaries, read_summaries
-from .records import MessageWriter, TableBatch, put_table
+from .records import MessageWriter, TableBatch, put_table, runs
 from .wire import SUMMARY, WIDTHS
 
 Blocks = Tuple[int, int, int, Sequence[int]]  # (data offset, data length, block size, block digests)
@@ -300,13 +300,11 @@ def _block_digests(ints: np.ndarray, parts: Sequence[Tuple[int, int, int, int]])
         return np.zeros(0, dtype=np.uint64)
     p = np.asarray([(st, c, w) for _, st, c, w in parts], dtype=np.int64)
     start, count, words = p[:, 0], p[:, 1], p[:, 2]
-    part = np.repeat(np.arange(len(p)), count)
-    j = np.arange(len(part)) - np.repeat(np.cumsum(count) - count, count)
-    low = ints[start[part] + j]
+    low = ints[runs(start, count)]
     out = (low & 0xFFFFFFFF).astype(np.uint64)
-    two = words[part] == 2
+    two = np.repeat(words == 2, count)
     if two.any():
-        out[two] = joined(low[two], ints[(start + count)[part][two] + j[two]])
+        out[two] = joined(low[two], ints[runs(start + count, count)[two]])  # (high words: two-word parts only)
     return out
 
 

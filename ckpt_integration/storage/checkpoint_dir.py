@@ -497,7 +497,7 @@ def read_manifest(directory: str, legacy: bool = False) -> Optional[Manifest]:
     version = raw.get("version") if isinstance(raw, dict) else None
     old = version in LEGACY_VERSIONS and type(version) is int
     if old and not legacy:
-        raise refusal(path, version, SUPPORTED_MANIFEST_VERSIONS)
+        raise refusal(directory, path, version, SUPPORTED_MANIFEST_VERSIONS)
     if isinstance(version, int) and not old and version not in SUPPORTED_MANIFEST_VERSIONS:
         raise UnsupportedCheckpointError(
             f"{path} has format version {version} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..planning.records import decode_array, encode_array
+from ..planning.records import decode_array, encode_array, runs
 from .checksum import BlockHash
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def encode_table(files: Sequence[str], file: np.ndarray, offset: np.ndarray, dig
     order = np.lexsort((offset, file))
     nb = np.asarray(nblocks, dtype=np.int64)[order]
     counts = np.maximum(nb, 0)
-    gather = _runs(np.asarray(block_pos, dtype=np.int64)[order], counts)  # each item's digests, in the new order
+    gather = runs(np.asarray(block_pos, dtype=np.int64)[order], counts)  # each item's digests, in the new order
     total = len(gather)
     width = h.width
     cols = np.concatenate([file[order], offset[order], nb, np.asarray(data_offset, dtype=np.int64)[order],
@@ -110,12 +110,6 @@ def encode_table(files: Sequence[str], file: np.ndarray, offset: np.ndarray, dig
     return (_HEAD.pack(MAGIC, TABLE_VERSION, width, len(order), total, len(msg)) + msg
             + np.asarray(digest, dtype=np.uint64)[order].astype(dt).tobytes()
             + np.asarray(block_digests, dtype=np.uint64)[gather].astype(dt).tobytes())
-
-
-def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The positions ``starts[i], ..., starts[i] + counts[i] - 1`` of every run ``i``, in order
-    (each run's start repeated per element, plus the element's place in its run)."""
-    return np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def empty_table(h: BlockHash) -> bytes:
@@ -346,7 +340,7 @@ class TableBlockRecords(Mapping):
         if not len(sel):
             return out
         counts = t.nblocks[sel]
-        flat = t.block_digests[_runs(t.block_pos[sel], counts)].tolist()
+        flat = t.block_digests[runs(t.block_pos[sel], counts)].tolist()
         pos = 0
         for j, d, n, b, c in zip(np.flatnonzero(found).tolist(), t.data_offset[sel].tolist(), t.data_length[sel].tolist(),
                                  t.block_size[sel].tolist(), counts.tolist()):

@@ -31,13 +31,12 @@ from .item_table import encode_table, encode_text
 LEGACY_VERSIONS = (1, 2, 3)
 
 
-def refusal(path: str, version: int, readable: Iterable[int]) -> UnsupportedCheckpointError:
-    """The error a load of a format-``version`` manifest at ``path`` raises."""
-    where = path.rsplit("/", 1)[0] if path.endswith("manifest.json") else path
+def refusal(directory: str, path: str, version: int, readable: Iterable[int]) -> UnsupportedCheckpointError:
+    """The error a load of the checkpoint ``directory`` raises, whose manifest ``path`` has format ``version``."""
     return UnsupportedCheckpointError(
         f"{path} has manifest format {version}, written by a version of ckpt_integration from before "
         f"2026-11-27; this version loads formats {list(readable)}. Convert it once (it is read and verified, "
-        f"and left unchanged): ckpt-integration convert {where} NEW_DIR --to torch_dist"
+        f"and left unchanged): ckpt-integration convert {directory} NEW_DIR --to torch_dist"
     )
 
 
