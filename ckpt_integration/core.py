@@ -32,7 +32,7 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     if not checkpoint_dir:
         return None
     try:
-        return read_config(os.fspath(checkpoint_dir))
+        return read_config(checkpoint_dir)  # a path, or an opened checkpoint (what it read at open)
     except (CheckpointNotFoundError, IncompleteCheckpointError):
         return None
 

@@ -299,7 +299,7 @@ def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedSt
 
     Example: ``get_default_load_sharded_strategy("ckpt").backend == "torch_dist"``
     """
-    config = ckdir.read_config(os.fspath(checkpoint_dir))
+    config = ckdir.read_config(checkpoint_dir)  # a path, or an opened checkpoint (what it read at open)
     return LoadShardedStrategy(config.sharded_backend, config.sharded_backend_version)
 
 

@@ -49,6 +49,12 @@ def test_every_entry_point_takes_a_path_or_the_opened_checkpoint(tmp_path, backe
     ci.save(_state(3.0, 7), path, sharded_strategy=backend, content_metadata={"format": 2})
     with ci.open_checkpoint(path) as ck:
         assert ck.backend == backend and ck.commit_id and ck.manifest.commit_id == ck.commit_id
+        # it is a handle, not a path: code that turned it back into one (and read its files again)
+        # now fails instead of passing silently
+        with pytest.raises(TypeError):
+            os.fspath(ck)
+        assert ci.core.maybe_load_config(ck) is ck.config
+        assert ci.get_default_load_sharded_strategy(ck).backend == backend
         for source in (path, ck):
             out = ci.load(_request(), source)
             assert torch.equal(out["w"], torch.full((64, 16), 3.0)) and torch.equal(out["b"], torch.arange(8.0) + 3)

@@ -13,6 +13,7 @@ so that the modules below ``opened`` can honour them without importing it.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 
@@ -20,8 +21,9 @@ class CheckpointLocation:
     """Storage and path of one checkpoint, plus what was read of it (``None``: not read).
 
     ``manifest_read`` tells a read manifest of ``None`` (a checkpoint of another writer) from one
-    not read yet. ``str()`` and ``os.fspath()`` give the path, so messages and path helpers that
-    only need where it is keep working.
+    not read yet. ``str()`` gives the path, for messages. It is not a path (no ``__fspath__``):
+    code that needs one asks :func:`path_of`, so an opened checkpoint is never turned back into a
+    string by accident and re-read from storage below the entry point that opened it.
     """
 
     storage: Any  # filesystem.Storage (which imports this module)
@@ -34,11 +36,13 @@ class CheckpointLocation:
     # not kept (set by the opened checkpoint, dropped when it is closed)
     file_cache: Optional[dict] = None
 
-    def __fspath__(self) -> str:
-        return self.path
-
     def __str__(self) -> str:
         return self.path
+
+
+def path_of(where: object) -> str:
+    """The path (or fsspec URL) of a checkpoint given as a location or as a path."""
+    return where.path if isinstance(where, CheckpointLocation) else os.fspath(where)  # type: ignore[arg-type]
 
 
 def cached_config(where: object) -> Any:

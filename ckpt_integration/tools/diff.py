@@ -5,7 +5,6 @@ Megatron-Core's ``dict_utils.diff`` finds them) and the values of their ShardedO
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -14,6 +13,7 @@ import torch
 from ..dict_utils import diff
 from ..errors import CheckpointingException
 from ..serialization import load_common_state_dict
+from ..storage.located import path_of
 from ..storage.opened import pinned
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
@@ -155,7 +155,7 @@ def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDG
     two checkpoint directories also the common state and the ShardedObjects' values."""
     with pinned(a, b, verified=True):  # (an opened checkpoint: its commit, pinned)
         budget = parse_size(memory_budget)
-        report = DiffReport(os.fspath(a), os.fspath(b))
+        report = DiffReport(path_of(a), path_of(b))
         with open_source(a, trusted=trusted) as sa, open_source(b, trusted=trusted) as sb:
             ka, kb = set(sa.tensors), set(sb.tensors)
             report.only_in_a = sorted(ka - kb)

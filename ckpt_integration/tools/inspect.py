@@ -15,6 +15,7 @@ from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
 from ..storage.filesystem import checked_path, is_remote, storage_for
+from ..storage.located import path_of
 from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
@@ -156,7 +157,7 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     """
     with pinned(path, verified=True):  # (an opened checkpoint: its commit, pinned)
         where = path  # an opened checkpoint goes down as it is (its files are not read again)
-        path = os.fspath(path)
+        path = path_of(path)
         # a checkpoint directory on an object store (fsspec URL); locally: whatever is there
         kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
         if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):

@@ -42,6 +42,7 @@ from ..optimizer.sharding import optim_state_to_sharding_state
 from ..serialization import save
 from ..storage.backends import open_reader
 from ..storage.fs import tensor_buffer
+from ..storage.located import CheckpointLocation
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import read_dcp_metadata
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
@@ -83,6 +84,8 @@ def stock_lightning_kind(path: Union[str, os.PathLike], trusted: bool = False) -
     A file is loaded (memory-mapped, weights-only unless ``trusted``) to look at its keys; one that
     cannot be loaded so is not recognized (the plain conversion reports why).
     """
+    if isinstance(path, CheckpointLocation):
+        return None  # opened as a checkpoint of ours (or DCP / Megatron-Core's): not a stock Lightning one
     path = os.fspath(path)
     if os.path.isdir(path):
         names = set(os.listdir(path))

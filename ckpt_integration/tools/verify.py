@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -29,6 +28,7 @@ from ..storage import chunk_index
 from ..storage.checksum import BlockHash
 from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
 from ..storage.fingerprint import add, fingerprint
+from ..storage.located import path_of
 from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
@@ -132,7 +132,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     with pinned(path):  # (an opened checkpoint: its commit, pinned)
         # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
         ck = path if isinstance(path, OpenedCheckpoint) else None
-        path = os.fspath(path)
+        path = path_of(path)
         report = VerifyReport(path)
         try:
             config: Optional[ckdir.CheckpointingConfig] = ck.config if ck is not None else ckdir.read_config(path)
