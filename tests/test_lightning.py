@@ -3,8 +3,8 @@
 Every resume is checked exactly: at ``on_train_start`` the resumed run saves what it loaded (in its
 own layout) and that checkpoint's tensors (weights, Adam states), scheduler, optimizer param groups
 and step equal the source checkpoint's. The next-step losses are compared with the uninterrupted
-run as a second, looser check (same layout: 1e-5; another TP/DP/world size: 2e-3, fp32 summation
-order only).
+run as a second, looser check (the reference run is TP1 x DP2: resumed TP2 runs within 1e-5; other
+TP/DP/world sizes: 2e-3, fp32 summation order only).
 """
 
 import json
@@ -110,7 +110,9 @@ def test_resume_across_layouts_and_topk(tmp_path):
     assert len(ref) == 28
     same = {int(k): v for k, v in out["same"].items()}
     assert sorted(same) == list(range(14, 21))
-    for s, v in same.items():  # same layout: identical continuation
+    # resumed in its own layout (TP2), compared with the uninterrupted run, which is TP1 x DP2: another
+    # summation order (2.4e-7 apart here). What it loaded is compared exactly below
+    for s, v in same.items():
         assert v == pytest.approx(ref[s], abs=1e-5), (s, v, ref[s])
     tp2 = {int(k): v for k, v in out["tp2"].items()}
     for s in range(14):
