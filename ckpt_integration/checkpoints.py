@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .storage.atomic import is_replace_sibling
 from .storage.checkpoint_dir import CONFIG_FILE
-from .storage.commits import commit_order
+from .storage.opened import commit_order
 from .storage.filesystem import Storage, base_name, join, storage_for
 
 logger = logging.getLogger(__name__)

@@ -52,7 +52,7 @@ from .storage import checkpoint_dir as ckdir
 from .storage import atomic
 from .storage import claim as claims
 from .storage.checksum import save_block_hash
-from .storage.commits import next_commit_seq
+from .storage.opened import next_commit_seq
 from .storage.filesystem import join, storage_for
 from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata

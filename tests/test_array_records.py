@@ -172,12 +172,12 @@ def test_metadata_from_arrays_unpickles_to_the_objects_dcp_builds(long_key):
 @pytest.mark.parametrize("hash_name", ["crc32", "xxh3_64"])
 def test_the_item_table_holds_what_the_old_json_tables_held(hash_name):
     """A commit's item table (made from its arrays) answers every lookup as the JSON tables of
-    formats 2/3 with the same content did, once ``convert`` has read those (legacy_manifest.upgrade):
+    formats 2/3 with the same content did, once ``convert`` has read those (item_table.upgrade):
     item digests, block records, the batched lookup of many small items (with items that are not
     there), iteration; dropping the items of a data file (what ``remove_sharded_tensors`` does)
     drops exactly those; ``file_sizes`` ends each file at its last item."""
     from ckpt_integration.storage.item_table import ItemTable, TableItemDigests, decode_text, file_sizes, table_of_written
-    from ckpt_integration.storage.legacy_manifest import upgrade
+    from ckpt_integration.storage.item_table import upgrade
 
     h = block_hash(hash_name)
     t, layout = _layout_case(bits=8 * h.width)

@@ -371,7 +371,7 @@ def _dist_failures(rank, world, root):
 def _dist_abandon(rank, world, root):
     """A save that cannot finish within ``close(timeout=...)`` is abandoned on every rank (preemption,
     issue 23.5); a checkpoint committed by rank 0 is never removed because telling the others failed."""
-    import ckpt_integration.storage.small_items as small_items
+    import ckpt_integration.storage.tensor_record as small_items
     from ckpt_integration.errors import AsyncSaveAbandonedError, DistributedCheckpointingError
     from ckpt_integration.execution import dist as cdist
 

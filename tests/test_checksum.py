@@ -335,13 +335,13 @@ def test_archive_of_an_unexpected_layout_gets_the_digest_of_its_bytes(name, layo
 
 
 def test_old_json_block_records_become_the_item_table_or_are_named_as_damage():
-    """``convert`` reads the JSON tables of formats 2/3 into the item table (legacy_manifest.upgrade):
+    """``convert`` reads the JSON tables of formats 2/3 into the item table (item_table.upgrade):
     records of several lengths (padded base64 too), a key spelled otherwise, items without a record
     come out as ``digests_many`` and ``digests_of`` give them; a malformed record (not base64, another
     form, out of bounds, of no listed item) is named by its key."""
     from ckpt_integration.storage import checkpoint_dir as ckdir
     from ckpt_integration.storage.checksum import block_hash
-    from ckpt_integration.storage.legacy_manifest import upgrade
+    from ckpt_integration.storage.item_table import upgrade
 
     for name in ("xxh3_64", "crc32"):
         h = block_hash(name)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import ckpt_integration as ci
-from ckpt_integration.storage import checkpoint_dir as ckdir, commits
+from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage import opened as commits
 from tests.s3_faults import s3_fixture
 
 s3 = s3_fixture(bucket="bkt")

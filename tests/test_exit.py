@@ -148,7 +148,7 @@ def _check_checkpoint(path: str) -> None:
 
 # Runs per case. ``save_no_destroy`` is the pattern that aborted in 2 of 8 runs before the fix
 # (issue 23.0): 14 runs, which a 20% abort rate passes with probability 0.8 ** 14 = 4.4%. The other
-# cases that exit with a process group up run 6 times, the ones after ``destroy_process_group()``
+# cases that exit with a process group up run 4 times, the ones after ``destroy_process_group()``
 # (whose backend threads are joined before the exit: 0 aborts in 16 runs with the fix switched
 # off) 2 times. 14 runs of every case took 319 s here and the suite 918 s (over its 15 minutes):
 # the long form is ``benchmarks/exit_stress.py --runs N [--burn auto]``. The first run of a case
@@ -158,7 +158,7 @@ def _check_checkpoint(path: str) -> None:
 # from one interpreter, a third as costly, never aborted (0 of 40). The deterministic check of the
 # mechanism is the last test of this file.
 RUNS = 14
-RUNS_OTHER = 6
+RUNS_OTHER = 4
 RUNS_AFTER_DESTROY = 2
 
 

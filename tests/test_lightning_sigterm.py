@@ -70,7 +70,7 @@ def _rank_main(cfg: dict) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    import ckpt_integration.storage.small_items as small_items
+    import ckpt_integration.storage.tensor_record as small_items
     from ckpt_integration.execution import save as save_mod
     from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
 

@@ -104,7 +104,8 @@ def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, 
     block digest (XXH3-64 of new saves, or CRC32), also when its staging buffer fills
     and is written several times (``flush``: its size), and an item larger than it takes the
     generic path."""
-    from ckpt_integration.storage import checksum, small_items
+    from ckpt_integration.storage import checksum
+    from ckpt_integration.storage import tensor_record as small_items
 
     monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", hash_name)
     if flush:

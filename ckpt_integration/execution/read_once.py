@@ -56,7 +56,7 @@ from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, touched_r
 from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
-from ..storage.mapped import can_map
+from ..storage.readers import can_map
 from ..storage.small_reads import ReadTaskLike
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist

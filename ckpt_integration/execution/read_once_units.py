@@ -18,7 +18,7 @@ import torch
 
 from ..planning.delivery import global_part
 from ..planning.read_once import flat_index, range_boxes, strides
-from ..storage.mapped import ItemMap, read_bytes, typed_view
+from ..storage.readers import ItemMap, read_bytes, typed_view
 from ..storage.region_read import ChunkLayout, verify_blocks
 from ..storage.small_reads import ReadTaskLike
 

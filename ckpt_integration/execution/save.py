@@ -53,7 +53,7 @@ from ..storage.chunk_index import CHUNK_INDEX_FILE, index_of_layout
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import crc32, save_block_hash
-from ..storage.commits import next_commit_seq
+from ..storage.opened import next_commit_seq
 from ..storage.filesystem import Storage, join, storage_for, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.backends import EMBEDDED_COMMON_KEY

@@ -9,7 +9,7 @@
 * ``manifest.json`` - our own record: format version, world size, per-file checksums, and per stored
   item its digest and the digests of its blocks of tensor data (XXH3-64 or CRC32, ``checksum.py``)
   as one binary table (``item_table.py``). Optional on load (Megatron/DCP lack it). Formats 1-3
-  (JSON tables) are refused by loads and read only by ``convert`` (``legacy_manifest.py``).
+  (JSON tables) are refused by loads and read only by ``convert`` (``item_table.py``).
 * ``ckpt_integration.json`` - the save marker, written *first* by every save (see
   :mod:`.claim`): says that the directory is ours and that the checkpoint has a
   ``manifest.json``, so a deleted manifest is reported as damage instead of the
@@ -46,8 +46,8 @@ from ..errors import (
 )
 from .checksum import BlockHash, block_hash, crc32, save_block_hash
 from .fingerprint import Recorded
-from .item_table import MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests, decode_text
-from .legacy_manifest import LEGACY_VERSIONS, refusal, upgrade
+from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
+                         decode_text, refusal, upgrade)
 from .claim import MARKER_FILE
 from .filesystem import Storage, join, storage_for
 from .located import CheckpointLocation, cached_config, cached_manifest
@@ -59,7 +59,7 @@ CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
-# 1-3: JSON item tables (legacy_manifest.py: converted, not loaded);
+# 1-3: JSON item tables (item_table.py: converted, not loaded);
 # 4: the per-item tables as one binary table in "tables" (see item_table.py), the block digest
 # named by "block_hash"; 5: adds "fingerprints" (fingerprint.py)
 MANIFEST_VERSION = 5
@@ -483,7 +483,7 @@ def read_manifest(directory: str, legacy: bool = False) -> Optional[Manifest]:
     """Our manifest, or ``None`` for checkpoints written by other tools (an opened checkpoint: the
     manifest it pinned). Formats 1-3 raise :class:`UnsupportedCheckpointError` naming the command
     that converts them; ``legacy=True`` (what ``convert`` opens its source with) reads them as
-    the current format (:func:`.legacy_manifest.upgrade`)."""
+    the current format (:func:`.item_table.upgrade`)."""
     known, manifest = cached_manifest(directory)
     if known:
         return manifest

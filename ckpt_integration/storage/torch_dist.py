@@ -52,8 +52,7 @@ from .incremental import BaseFiles, plan_reuse, take_file
 from .located import cached_dcp_metadata
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .safe_pickle import load_dcp_metadata
-from .tensor_record import TEMPLATE_MAX_BYTES, BlockDigestWriter, DigestWriter, save_tensor
-from .small_items import SmallItemWriter
+from .tensor_record import TEMPLATE_MAX_BYTES, BlockDigestWriter, DigestWriter, SmallItemWriter, save_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
 from ..storage.filesystem import Storage, join, storage_for
-from ..storage.sha_manifest import INTEGRITY_FILE, read_sha_manifest, sha_problems
+from ..storage.checksum import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 
 
