@@ -191,6 +191,54 @@ def test_read_once_decision_of_whole_chunk_loads(tmp_path):
     run_distributed(_decisions, 2, str(tmp_path / "ckpt"), timeout=120)
 
 
+def _cuda_only_group(rank, world, d):
+    """A group whose backend takes CUDA tensors only, as NCCL's: host tensors on it fail with "No
+    backend type associated with device type cpu" (a gloo backend registered for "cuda" alone)."""
+    import torch.distributed as tdist
+
+    from ckpt_integration.execution import dist as cdist
+    from ckpt_integration.execution import load as load_mod
+    from ckpt_integration.execution.read_once import load_read_once
+    from ckpt_integration import StrictHandling
+
+    if "cudaonly" not in tdist.Backend.backend_list:
+        tdist.Backend.register_backend("cudaonly", lambda store, r, n, timeout: tdist.ProcessGroupGloo(store, r, n, timeout),
+                                       devices=["cuda"])
+    g = tdist.new_group(list(range(world)), backend="cudaonly")
+    with pytest.raises(RuntimeError, match="device type cpu"):
+        tdist.all_reduce(torch.zeros(1), group=g)
+    assert not cdist.takes_host_tensors(g) and cdist.takes_host_tensors(None)
+    _save(rank, world, d)
+    name, req, exp = _requests(rank, world)[0]  # rows saved, columns requested: every rank needs every chunk
+    r = load_mod._open_request(req, d, None, None, False, None, False, rank, world)
+    job = load_mod._prepare_reads(r.checkpoint_dir, r.md, r.common, r.sharded, r.nonpersistent, r.factories, r.template,
+                                  StrictHandling.ASSUME_OK_UNEXPECTED, r.requested, False, None, True, rank, r.backend,
+                                  manifest=r.shared.manifest)
+    try:
+        outcome, st = load_read_once(job.reader, job.tasks, False, g, mode="read_once")
+        job.check_delivered(rank)
+        loaded = job.finish()[0]
+    finally:
+        job.reader.close()
+    assert outcome == "done" and st["read_once"] == 1, (outcome, st)
+    assert st["bytes_received"] > 0, st  # bytes did travel between the ranks
+    for k, v in exp.items():
+        assert torch.equal(loaded[k], v), (name, k, rank)
+    hg = cdist.host_group(g)  # the gloo group of the same ranks, made once
+    assert isinstance(hg, cdist.PrivateGroup) and hg.ranks == list(range(world)) and cdist.host_group(g) is hg
+    assert cdist.host_group(None) is None  # the gloo world takes host tensors itself
+
+
+def test_read_once_on_a_group_that_takes_only_cuda_tensors(tmp_path):
+    """A job's NCCL group carries no host tensors: read-once moves its host buffers over a gloo
+    group of the same ranks instead of failing in its first send."""
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # every rank its own node: units reach the others by transfers
+    try:
+        run_distributed(_cuda_only_group, 2, str(tmp_path / "ckpt"), timeout=120)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
 # ------------------------------------------------------------------ planning (pure)
 def test_flat_range_boxes_cover_the_range_exactly():
     shape = (3, 4, 5)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import hashlib
 import logging
 import os
 import pickle
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -132,22 +132,72 @@ Group = Optional[Union[dist.ProcessGroup, PrivateGroup]]
 def new_private_group(process_group: Group = None, timeout: Optional[datetime.timedelta] = None) -> Optional[PrivateGroup]:
     """A :class:`PrivateGroup` with the members of ``process_group`` (collective over its members).
 
-    Built on the default group's store under a name the group's first rank draws and
-    broadcasts, so two such groups never meet in the store. ``None`` without
-    ``torch.distributed`` (nothing to talk to).
+    Built on the default group's store, under a name no other such group takes: the members'
+    ranks and how many groups of these members were made before (a counter in the store, which
+    every member increments once). Nothing is sent over ``process_group`` itself, which may
+    carry no host tensors (NCCL). ``None`` without ``torch.distributed`` (nothing to talk to).
     """
     if not is_distributed():
         return None
     ranks = list(range(dist.get_world_size())) if process_group is None else list(dist.get_process_group_ranks(process_group))
     me = dist.get_rank()
-    name = broadcast_object(uuid.uuid4().hex if me == ranks[0] else None, src=ranks[0], group=process_group)
     from torch.distributed.distributed_c10d import _get_default_store
 
-    store = dist.PrefixStore(f"ckpt_integration/private/{name}", _get_default_store())
+    base = _get_default_store()
+    members = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:20]
+    # every member adds 1 per group, in the same program order: the n-th group of these members
+    # is the one made when the counter passes n * len(ranks)
+    made = (base.add(f"ckpt_integration/private/{members}/joined", 1) - 1) // len(ranks)
+    store = dist.PrefixStore(f"ckpt_integration/private/{members}/{made}", base)
     pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timeout or _default_timeout())
     group = PrivateGroup(pg, ranks, me)
     _private_groups.add(group)
     return group
+
+
+_host_groups: "weakref.WeakKeyDictionary[Any, PrivateGroup]" = weakref.WeakKeyDictionary()
+
+
+def takes_host_tensors(group: Group = None) -> bool:
+    """Whether ``group``'s backend moves tensors in host memory: gloo does, NCCL does not (its
+    groups take CUDA tensors only, and refuse others with "No backend type associated with
+    device type cpu"); a ``"cpu:gloo,cuda:nccl"`` group does."""
+    if isinstance(group, PrivateGroup) or not is_distributed():
+        return True
+    pg = group if group is not None else dist.group.WORLD
+    types = getattr(pg, "_device_types", None)  # (torch >= 2.2; the backend's name otherwise)
+    if types is not None:
+        return any(t.type == "cpu" for t in types)
+    return "nccl" not in str(dist.get_backend(pg)).lower()
+
+
+def host_group(group: Group = None) -> Group:
+    """``group`` itself when :func:`takes_host_tensors`, else a :class:`PrivateGroup` of its members
+    in its order (gloo), made the first time (collective over them) and kept while ``group`` lives:
+    what a load sends of the host memory it read, on a job's NCCL group."""
+    if takes_host_tensors(group):
+        return group
+    pg = group if group is not None else dist.group.WORLD
+    private = _host_groups.get(pg)
+    if private is None or private.closed:
+        private = new_private_group(group)
+        _host_groups[pg] = private
+        weakref.finalize(pg, private.close, "its process group is gone")
+    return private
+
+
+def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> Any:
+    """Post a send of ``t`` to group rank ``dst`` (either kind of group); returns the work."""
+    if isinstance(group, PrivateGroup):
+        return group.backend().send([t], dst, tag)
+    return dist.isend(t, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group, tag=tag)
+
+
+def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0) -> Any:
+    """Post a receive into ``t`` from group rank ``src`` (either kind of group); returns the work."""
+    if isinstance(group, PrivateGroup):
+        return group.backend().recv([t], src, tag)
+    return dist.irecv(t, src=dist.get_global_rank(group, src) if group is not None else src, group=group, tag=tag)
 
 
 def close_private_groups(reason: str = "exit") -> None:

@@ -133,6 +133,9 @@ def load_read_once(
             st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=separate,
                              read_once=0)
             return ("failed" if failed else "local"), dict(st.values)
+    # what follows moves bytes in host memory: on a group that takes only CUDA tensors (NCCL), over
+    # a gloo group of the same ranks (made once per group, here where every rank goes on)
+    group = dist.host_group(group)
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
     outgoing: Dict[int, bytes] = {}
@@ -448,10 +451,6 @@ POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 PIECE = 2 << 20
 
 
-def _global(group: Group, r: int) -> int:
-    return r if group is None else tdist.get_global_rank(group, r)
-
-
 def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
     """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight.
 
@@ -528,7 +527,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 else:
                     buf.zero_()  # keep the peer going: the load fails anyway
                 st.add("copy_s", time.perf_counter() - tc)
-                work = tdist.isend(base[:nbytes], dst=_global(group, r), group=group, tag=_TAG)
+                work = dist.isend(base[:nbytes], r, group, _TAG)
                 pending.append((work, nbytes, None, base))
                 in_flight += nbytes
                 st.add("bytes_sent", nbytes)
@@ -546,7 +545,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             if into is not None and into.dtype == dtype and into.is_contiguous():
                 # one box that is one run of the destination (a row split loaded by columns): received
                 # in place, no buffer and no copy out of one
-                work = tdist.irecv(into.view(-1).view(torch.uint8), src=_global(group, extra), group=group, tag=_TAG)
+                work = dist.irecv(into.view(-1).view(torch.uint8), extra, group, _TAG)
                 g, p = parts[0]
                 pending.append((work, 0, lambda t=c.task_list[g], p=p: delivered(t, p), None))
                 st.add("bytes_received_in_place", n * lay.esize)
@@ -565,7 +564,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     pos += k
                 st.add("copy_s", time.perf_counter() - tc)
 
-            work = tdist.irecv(base[: n * lay.esize], src=_global(group, extra), group=group, tag=_TAG)
+            work = dist.irecv(base[: n * lay.esize], extra, group, _TAG)
             pending.append((work, n * lay.esize, unpack, base))
             in_flight += n * lay.esize
             del buf

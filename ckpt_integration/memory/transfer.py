@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..execution.dist import PrivateGroup
+from ..execution.dist import PrivateGroup, irecv, isend
 from .slots import Record, decode_record
 
 CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
@@ -35,15 +35,6 @@ class Outgoing:
 
     raw: Optional[bytes]
     files: Dict[str, torch.Tensor]
-
-
-def _isend(t: torch.Tensor, group: PrivateGroup, dst: int, tag: int) -> Any:
-    """Send to group rank ``dst`` on the tier's own group (``dist.new_private_group``)."""
-    return group.pg.send([t], dst, tag)
-
-
-def _irecv(t: torch.Tensor, group: PrivateGroup, src: int, tag: int) -> Any:
-    return group.pg.recv([t], src, tag)
 
 
 def wait_all(works: List[Any]) -> None:
@@ -83,22 +74,22 @@ def exchange(
     headers: Dict[int, torch.Tensor] = {}
     for dst, out in sorted(sends.items()):
         h = torch.tensor([0 if out.raw is not None else 1, len(out.raw or b"")], dtype=torch.int64)
-        works.append(_isend(h, group, dst, _HEADER))
+        works.append(isend(h, dst, group, _HEADER))
     for src in sources:
         headers[src] = torch.zeros(2, dtype=torch.int64)
-        works.append(_irecv(headers[src], group, src, _HEADER))
+        works.append(irecv(headers[src], src, group, _HEADER))
     wait_all(works)
 
     works, raws = [], {}
     for dst, out in sorted(sends.items()):
         if out.raw is not None:
             t = torch.frombuffer(bytearray(out.raw), dtype=torch.uint8)
-            works.append(_isend(t, group, dst, _RECORD))
+            works.append(isend(t, dst, group, _RECORD))
     for src in sources:
         status, n = (int(x) for x in headers[src])
         if status == 0:
             raws[src] = torch.empty(n, dtype=torch.uint8)
-            works.append(_irecv(raws[src], group, src, _RECORD))
+            works.append(irecv(raws[src], src, group, _RECORD))
     wait_all(works)
 
     records: Dict[int, Optional[Record]] = {src: None for src in sources}
@@ -109,7 +100,7 @@ def exchange(
             continue
         for name in sorted(out.files):
             for c in chunks(out.files[name]):
-                works.append(_isend(c, group, dst, _DATA))
+                works.append(isend(c, dst, group, _DATA))
     for src, raw in raws.items():
         data = raw.numpy().tobytes()
         try:
@@ -123,11 +114,11 @@ def exchange(
             sink = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
             for n in sizes:  # the sender sends every file in chunks: receive them into the sink
                 for o in range(0, n, CHUNK):
-                    works.append(_irecv(sink[:min(CHUNK, n - o)], group, src, _DATA))
+                    works.append(irecv(sink[:min(CHUNK, n - o)], src, group, _DATA))
             continue
         for t in targets:
             for c in chunks(t):
-                works.append(_irecv(c, group, src, _DATA))
+                works.append(irecv(c, src, group, _DATA))
     wait_all(works)
     return records, errors
 
