@@ -114,10 +114,12 @@ class ZeroShardedOptimizer:
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        local = torch.zeros(self.shard_size)
+        # on the slice's device: a CUDA slice on an NCCL group (which takes CUDA tensors only)
+        dev = self.main_param.device
+        local = torch.zeros(self.shard_size, device=dev)
         local[: self.end - self.start] = self.main_param.detach()
         if self.dp_size > 1:
-            parts = [torch.empty(self.shard_size) for _ in range(self.dp_size)]
+            parts = [torch.empty(self.shard_size, device=dev) for _ in range(self.dp_size)]
             tdist.all_gather(parts, local, group=self.dp_group)
             settle([local, *parts])  # the worker thread must not be the one to free them (see settle)
             flat = torch.cat(parts)

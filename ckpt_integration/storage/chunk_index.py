@@ -251,26 +251,32 @@ def decode_metadata(
                 storage[MetadataIndex(key)] = _StorageInfo(strings[f], off, length)
             sd_meta[key] = BytesStorageMetadata()
             p += 5
-    md = Metadata(
-        state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
-        storage_meta=StorageMeta(), version="1.0.0",
-    )
-    if skip:
-        setattr(md, _OTHER_KEYS, others)  # (sorted with the listed keys when asked: most loads never ask)
-    return md, p, positions
+    fields = dict(state_dict_metadata=sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
+                  storage_meta=StorageMeta(), version="1.0.0")
+    if not lazy_chunks:  # whole chunk lists: DCP's own class, as ``.metadata`` holds it
+        return Metadata(**fields), p, positions
+    # (other keys sorted with the listed ones when asked: most loads never ask)
+    return IndexedMetadata(**fields, other_keys=others if skip else None), p, positions
 
 
-_OTHER_KEYS = "_ckpt_other_keys"  # the keys left out of metadata decoded for some keys only (see checkpoint_keys)
+@dataclass
+class IndexedMetadata(Metadata):
+    """DCP ``Metadata`` decoded from a chunk index, with what the index adds as declared fields.
+
+    ``chunks``: the index's chunk lists of the requested keys, where the DCP lists are left empty
+    (:meth:`CompactMetadata.metadata_for`); ``other_keys``: the checkpoint's keys this metadata
+    leaves out (decoded for some keys only), which :func:`checkpoint_keys` adds back. DCP code
+    takes it as the ``Metadata`` it is."""
+
+    chunks: Optional["CompactChunks"] = None
+    other_keys: Optional[List[str]] = None
 
 
 def checkpoint_keys(md: Metadata) -> List[str]:
     """Every key of the checkpoint ``md`` describes, sorted: also those a load's metadata (for
     the requested keys only, :meth:`CompactMetadata.metadata_for`) leaves out."""
-    others = getattr(md, _OTHER_KEYS, None)
+    others = md.other_keys if isinstance(md, IndexedMetadata) else None
     return sorted([*md.state_dict_metadata, *others]) if others is not None else sorted(md.state_dict_metadata)
-
-
-_ATTR = "_ckpt_compact_chunks"  # set on the Metadata objects built by CompactMetadata.metadata_for
 
 
 @dataclass
@@ -287,14 +293,14 @@ class CompactMetadata:
     where: str = CHUNK_INDEX_FILE  # names it in errors
     start: int = 3  # where the encode_metadata section starts
 
-    def metadata_for(self, keys: Optional[Iterable[str]] = None) -> Metadata:
+    def metadata_for(self, keys: Optional[Iterable[str]] = None) -> "IndexedMetadata":
         """DCP ``Metadata`` with the dtype and shape of the requested keys (of every key when
         ``keys`` is None; :func:`checkpoint_keys` names them all), storage records of the
         requested objects and **no tensor chunk lists**: those stay integers in a
-        :class:`CompactChunks` attached to it (:func:`compact_chunks_of`), materialised per chunk
+        :class:`CompactChunks` in its ``chunks`` field (:class:`IndexedMetadata`), materialised per chunk
         only when read."""
         md, _, positions = self._decode(None if keys is None else set(keys), True)
-        setattr(md, _ATTR, CompactChunks(self.strings, self.ints, positions, self.identity))
+        md.chunks = CompactChunks(self.strings, self.ints, positions, self.identity)
         return md
 
     @property
@@ -482,7 +488,7 @@ class CompactChunks:
 
 def compact_chunks_of(md: Metadata) -> Optional[CompactChunks]:
     """The :class:`CompactChunks` of a metadata built by :meth:`CompactMetadata.metadata_for`, if any."""
-    return getattr(md, _ATTR, None)
+    return md.chunks if isinstance(md, IndexedMetadata) else None
 
 
 def differences(index: CompactMetadata, md: Metadata, limit: int = 5) -> List[str]:
