@@ -58,7 +58,6 @@ from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
 from .state_check import LoadedPart, verify_loaded_state
 
-
 logger = logging.getLogger(__name__)
 
 # load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
@@ -85,12 +84,8 @@ class ReadTask:
     dest: Optional[Box] = None
     got: List[Box] = field(default_factory=list)
 
-    @property
-    def order(self) -> Tuple[str, int]:
-        return _read_order(self)
 
-
-# reads sorted by file and offset (a C getter: once per tensor, ~0.2 us against ~0.6 through the property)
+# reads sorted by file and offset (a C getter: ~0.2 us a tensor, against ~0.6 through a property)
 _read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.offset")
 
 
@@ -470,99 +465,108 @@ def _prepare_reads(
             sharded = load_request.drop_keys(sharded, unexpected)
     # the manifest read once by the coordinator and broadcast (shared_metadata), or read here
     reader = open_reader(checkpoint_dir, md, backend, None, verify_checksums, manifest=manifest)
-    tasks: List[ReadTask] = []
-    parts: List[LoadedPart] = []
-    # requests that are one saved chunk each (a same-layout load) are planned in one step
-    fast = compact_chunks_of(getattr(reader, "metadata", None))
-    sdm = md.state_dict_metadata
-    directory = getattr(reader, "directory", "")
-    device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    whole = True
-    # one row per request while every request is one whole saved chunk (or an object cell); None
-    # once one is not: the load's request check then takes the general path (exchange.run)
-    # (keys left out as unexpected are not checked by counting: the general check sees every request)
-    rows: Optional[List[Tuple[int, int, int, int]]] = [] if fast is not None and not unexpected else None
+    plan = _Planner(reader, md, checkpoint_dir, strict_dtype, trusted, allowed_globals, counted=not unexpected)
+    try:
+        # (a bound method: closures calling each other made a reference cycle that kept the load's
+        # objects alive until the cycle collector ran, and then cost ~5 us a tensor)
+        loaded = dict_list_map_inplace(plan.request, sharded)
+    except BaseException:
+        reader.close()
+        raise
+    plan.tasks.sort(key=_read_order)
+    return _LoadJob(reader, plan.tasks, plan.device_copies, loaded, common, nonpersistent, factories, template, missing,
+                    unexpected, whole_chunks=plan.whole, request_rows=plan.rows,
+                    index_identity=plan.fast.identity if plan.fast is not None else 0, parts=plan.parts)
 
-    # (prepare calls prepare_one, never itself: a closure that calls itself is a reference cycle,
-    # which kept every object of the load - read tasks, chunk records, the reader, the metadata -
-    # alive until the cycle collector ran, and then cost a collection over them all: ~5 us a tensor)
-    def prepare(sh: object) -> Any:
-        nonlocal whole, rows
+
+class _Planner:
+    """The reads of one rank's request, item by item (:meth:`request` on every leaf): the tasks, what the
+    state check compares (``parts``), and for the request check ``whole`` (every request a main replica
+    read as whole stored chunks) and ``rows`` (one per request while each is one whole saved chunk or an
+    object cell, numbered in the index; None once one is not: the general check, ``exchange.run``)."""
+
+    def __init__(self, reader: TorchDistReader, md: Metadata, checkpoint_dir: Any, strict_dtype: bool, trusted: bool,
+                 allowed_globals: Optional[Iterable[Any]], counted: bool) -> None:
+        self.reader, self.md, self.sdm, self.checkpoint_dir = reader, md, md.state_dict_metadata, checkpoint_dir
+        self.strict_dtype, self.trusted, self.allowed_globals = strict_dtype, trusted, allowed_globals
+        # requests that are one saved chunk each (a same-layout load) are planned in one step
+        self.fast: Optional[CompactChunks] = compact_chunks_of(getattr(reader, "metadata", None))
+        self.directory = getattr(reader, "directory", "")
+        self.tasks: List[ReadTask] = []
+        self.parts: List[LoadedPart] = []
+        self.device_copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.whole = True
+        # (keys left out as unexpected are not counted: the general check sees every request)
+        self.rows: Optional[List[Tuple[int, int, int, int]]] = [] if self.fast is not None and counted else None
+
+    def request(self, sh: object) -> Any:
+        """A leaf: a flattened piece is read into the boxes it covers (views into the flat result)."""
         if isinstance(sh, ShardedTensor) and sh.flattened_range is not None:
-            whole = False
-            rows = None
-            # read into the boxes it covers: views into the flat tensor, which is the result
+            self.whole = False
+            self.rows = None
             flat = sh.data
             if flat is None:
                 flat = (torch.zeros if sh.allow_shape_mismatch else torch.empty)(sh.flat_numel(), dtype=sh.dtype)
             for box in replace(sh, data=flat).unflattened():
-                prepare_one(box)
+                self.item(box)
             return flat
-        return prepare_one(sh)
+        return self.item(sh)
 
-    def count(place: Optional[Tuple[int, int, int]], main: bool) -> None:
+    def count(self, place: Optional[Tuple[int, int, int]], main: bool) -> None:
         """The request's row for the request check; a request that is no saved chunk (None) ends them."""
-        nonlocal rows
-        if rows is not None:
+        if self.rows is not None:
             if place is None:
-                rows = None
+                self.rows = None
             else:
-                rows.append((*place, 1 if main else 0))
+                self.rows.append((*place, 1 if main else 0))
 
-    def prepare_one(sh: object) -> Any:
-        nonlocal whole, rows
-        if fast is not None and type(sh) is ShardedTensor:
-            found = _whole_chunk_task(sh, sdm, fast, directory)
+    def item(self, sh: object) -> Any:
+        if self.fast is not None and type(sh) is ShardedTensor:
+            found = _whole_chunk_task(sh, self.sdm, self.fast, self.directory)
             if found is not None:
                 task, place = found
                 main = is_main_replica(sh.replica_id)
-                count(place, main)
-                if whole and not main:
-                    whole = False
-                tasks.append(task)
-                parts.append(LoadedPart(sh.key, task.overlap, task.out, main, sh.dtype))
+                self.count(place, main)
+                if not main:
+                    self.whole = False
+                self.tasks.append(task)
+                self.parts.append(LoadedPart(sh.key, task.overlap, task.out, main, sh.dtype))
                 return task.out if sh.data is None else sh.data
         if isinstance(sh, ShardedTensor):
-            host, ts, part = _tensor_tasks(sh, md, reader, checkpoint_dir, strict_dtype)
-            main = is_main_replica(sh.replica_id)
-            if part is not None:
-                parts.append(LoadedPart(sh.key, part[0], part[1], main, part[2]))
-            # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
-            count(_whole_chunk_place(sh, ts, sdm, fast, directory) if rows is not None else None, main)
-            if whole and not (main and _whole_chunks(ts)):
-                whole = False
-            tasks.extend(ts)
-            data = sh.data
-            if data is not None:
-                if data is not host and not data.is_cpu:
-                    device_copies.append((host, data))
-                return data  # loaded in place: the caller's tensor (or Parameter) itself
-            return host
+            return self.tensor(sh)
         if isinstance(sh, ShardedObject):
-            meta = md.state_dict_metadata.get(sh.unique_key)
-            if not isinstance(meta, BytesStorageMetadata):
-                raise KeyNotInCheckpointError(f"{checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
-            raw = reader.read_bytes(sh.unique_key)
-            obj = safe_torch_load(
-                io.BytesIO(raw), trusted=trusted, allowed_globals=allowed_globals,
-                what=f"ShardedObject {sh.unique_key!r} in {checkpoint_dir}",
-            )
-            if rows is not None:  # (an object cell: one chunk, numbered by its storage key)
-                count(object_place(sh.unique_key), is_main_replica(sh.replica_id))
-            # Megatron-Core stores objects as a one-element list
-            return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
-        rows = None
+            return self.object(sh)
+        self.rows = None
         return sh
 
-    try:
-        loaded = dict_list_map_inplace(prepare, sharded)
-    except BaseException:
-        reader.close()
-        raise
-    tasks.sort(key=_read_order)
-    return _LoadJob(reader, tasks, device_copies, loaded, common, nonpersistent, factories, template, missing, unexpected,
-                    whole_chunks=whole, request_rows=rows, index_identity=fast.identity if fast is not None else 0,
-                    parts=parts)
+    def tensor(self, sh: ShardedTensor) -> Any:
+        host, ts, part = _tensor_tasks(sh, self.md, self.reader, self.checkpoint_dir, self.strict_dtype)
+        main = is_main_replica(sh.replica_id)
+        if part is not None:
+            self.parts.append(LoadedPart(sh.key, part[0], part[1], main, part[2]))
+        # (e.g. a destination on a GPU: read into host memory, still one saved chunk)
+        self.count(_whole_chunk_place(sh, ts, self.sdm, self.fast, self.directory) if self.rows is not None else None, main)
+        if self.whole and not (main and _whole_chunks(ts)):
+            self.whole = False
+        self.tasks.extend(ts)
+        data = sh.data
+        if data is not None:
+            if data is not host and not data.is_cpu:
+                self.device_copies.append((host, data))
+            return data  # loaded in place: the caller's tensor (or Parameter) itself
+        return host
+
+    def object(self, sh: ShardedObject) -> Any:
+        meta = self.sdm.get(sh.unique_key)
+        if not isinstance(meta, BytesStorageMetadata):
+            raise KeyNotInCheckpointError(f"{self.checkpoint_dir}: object {sh.unique_key!r} is not in the checkpoint")
+        raw = self.reader.read_bytes(sh.unique_key)
+        obj = safe_torch_load(io.BytesIO(raw), trusted=self.trusted, allowed_globals=self.allowed_globals,
+                              what=f"ShardedObject {sh.unique_key!r} in {self.checkpoint_dir}")
+        if self.rows is not None:  # (an object cell: one chunk, numbered by its storage key)
+            self.count(object_place(sh.unique_key), is_main_replica(sh.replica_id))
+        # Megatron-Core stores objects as a one-element list
+        return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
 
 
 def read_task(reader: CheckpointReader, t: ReadTask) -> None:
