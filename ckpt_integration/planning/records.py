@@ -296,6 +296,13 @@ def _append_new(table: List[str], strings: Sequence[str], ids: Sequence[int]) ->
             n += 1
 
 
+def _cut(buf: bytes, starts: np.ndarray, counts: np.ndarray) -> bytes:
+    """The byte ranges ``[starts[i], starts[i] + counts[i])`` of ``buf``, joined (slices of a
+    memoryview: one copy, where a gather by numpy indices costs an index per byte)."""
+    mv = memoryview(buf)
+    return b"".join([mv[a : a + c] for a, c in zip(starts.tolist(), counts.tolist())])
+
+
 class TableBatch:
     """Many messages read together: their strings (interned into one table), all their integers
     in one int64 array, and their tables gathered by ``(tag, nd)`` across messages.
@@ -325,7 +332,8 @@ class TableBatch:
         lens = np.fromiter(map(len, msgs), dtype=np.int64, count=n)
         if n and int(lens.min()) < H:
             raise ValueError(f"metadata message of {int(lens.min())} bytes is too short")
-        raw = np.frombuffer(b"".join(msgs), dtype=np.uint8)
+        joined = b"".join(msgs)
+        raw = np.frombuffer(joined, dtype=np.uint8)
         at = np.cumsum(lens) - lens + H  # where each message's body (after its header) starts
         head = raw[(at - H)[:, None] + np.arange(H)].view(_HEAD_DTYPE).reshape(n)
         width = head["width"].astype(np.int64)
@@ -334,7 +342,7 @@ class TableBatch:
             raise ValueError("not a metadata message (bad magic)")
         if bool(((lens != H + nblob + nints * width) | (nblob < 4 * nstr) | ((nstr == 0) & (nblob != 0))).any()):
             raise ValueError("metadata message has an inconsistent length")
-        self.lut = self._intern(raw, at, nstr, nblob)
+        self.lut = self._intern(joined, at, nstr, nblob)
         self.lut_base = np.cumsum(nstr) - nstr
         # the integers: messages of 4-byte ones, then those of 8-byte ones
         start, end = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -343,7 +351,7 @@ class TableBatch:
             sel = np.flatnonzero(width == w)
             if not len(sel):
                 continue
-            arrays.append(raw[runs(at[sel] + nblob[sel], nints[sel] * w)].view(dt).astype(np.int64))
+            arrays.append(np.frombuffer(_cut(joined, at[sel] + nblob[sel], nints[sel] * w), dtype=dt).astype(np.int64))
             end[sel] = done + np.cumsum(nints[sel])
             start[sel] = end[sel] - nints[sel]
             done = int(end[sel[-1]])
@@ -403,7 +411,7 @@ class TableBatch:
             sel = t[:, inv == k]
             self.tables[divmod(code, _MAX_ND)] = list(zip(sel[0].tolist(), sel[4].tolist(), sel[5].tolist()))
 
-    def _intern(self, raw: np.ndarray, at: np.ndarray, nstr: np.ndarray, nblob: np.ndarray) -> np.ndarray:
+    def _intern(self, joined: bytes, at: np.ndarray, nstr: np.ndarray, nblob: np.ndarray) -> np.ndarray:
         """Every message's strings (a table of their byte lengths at ``at``, then their bytes, ``nblob``
         bytes in all), interned into :attr:`strings` (ids in order of first appearance): cut in one
         pass, one dict call per string (per message, this cost rank 0 tens of microseconds: a
@@ -411,12 +419,12 @@ class TableBatch:
         some = np.flatnonzero(nstr)
         if not len(some):
             return np.zeros(0, dtype=np.int64)
-        lengths = raw[runs(at[some], 4 * nstr[some])].view("<u4").astype(np.int64)
+        lengths = np.frombuffer(_cut(joined, at[some], 4 * nstr[some]), dtype="<u4").astype(np.int64)
         # each message's strings fill its string bytes exactly
         text_len = nblob[some] - 4 * nstr[some]
         if bool((np.add.reduceat(lengths, np.cumsum(nstr[some]) - nstr[some]) != text_len).any()):
             raise ValueError("metadata message has an inconsistent string table")
-        blob = raw[runs(at[some] + 4 * nstr[some], text_len)].tobytes()
+        blob = _cut(joined, at[some] + 4 * nstr[some], text_len)
         ends = np.cumsum(lengths)
         starts = ends - lengths
         if blob.isascii():  # one decode, then slices (byte and character offsets agree)
