@@ -145,8 +145,7 @@ def new_private_group(process_group: Group = None, timeout: Optional[datetime.ti
 
     base = _get_default_store()
     members = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:20]
-    # every member adds 1 per group, in the same program order: the n-th group of these members
-    # is the one made when the counter passes n * len(ranks)
+    # every member adds 1 per group, in the same program order: group n of these members is named n
     made = (base.add(f"ckpt_integration/private/{members}/joined", 1) - 1) // len(ranks)
     store = dist.PrefixStore(f"ckpt_integration/private/{members}/{made}", base)
     pg = dist.ProcessGroupGloo(store, ranks.index(me), len(ranks), timeout or _default_timeout())
@@ -186,18 +185,25 @@ def host_group(group: Group = None) -> Group:
     return private
 
 
+def global_rank(group: Group, r: int) -> int:
+    """The global rank of ``group``'s rank ``r`` (either kind of group; ``None``: the world)."""
+    if isinstance(group, PrivateGroup):
+        return group.ranks[r]
+    return dist.get_global_rank(group, r) if group is not None and is_distributed() else r
+
+
 def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> Any:
     """Post a send of ``t`` to group rank ``dst`` (either kind of group); returns the work."""
     if isinstance(group, PrivateGroup):
         return group.backend().send([t], dst, tag)
-    return dist.isend(t, dst=dist.get_global_rank(group, dst) if group is not None else dst, group=group, tag=tag)
+    return dist.isend(t, dst=global_rank(group, dst), group=group, tag=tag)
 
 
 def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0) -> Any:
     """Post a receive into ``t`` from group rank ``src`` (either kind of group); returns the work."""
     if isinstance(group, PrivateGroup):
         return group.backend().recv([t], src, tag)
-    return dist.irecv(t, src=dist.get_global_rank(group, src) if group is not None else src, group=group, tag=tag)
+    return dist.irecv(t, src=global_rank(group, src), group=group, tag=tag)
 
 
 def close_private_groups(reason: str = "exit") -> None:
@@ -369,14 +375,12 @@ traffic = Traffic()
 
 
 # --------------------------------------------------------------------------- byte collectives
-def _device(group: Group) -> torch.device:
-    """Where the buffers of a collective live: host memory unless the backend only takes CUDA tensors."""
-    if isinstance(group, PrivateGroup):
-        return torch.device("cpu")  # always gloo
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def buffer_device(group: Group) -> torch.device:
+    """Where the buffers of a collective or a transfer over ``group`` live: host memory unless the
+    group takes CUDA tensors only (NCCL, :func:`takes_host_tensors`)."""
+    if takes_host_tensors(group) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _to_tensor(payload: bytes, size: int, device: torch.device) -> torch.Tensor:
@@ -401,7 +405,7 @@ def all_gather_bytes(payload: bytes, group: Group = None) -> List[bytes]:
     """Every rank's ``payload``, in group-rank order."""
     if _local(group):
         return [payload]
-    world, me, dev = get_world_size(group), get_rank(group), _device(group)
+    world, me, dev = get_world_size(group), get_rank(group), buffer_device(group)
     sizes_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
     _c_all_gather(sizes_t, _ints([len(payload)], dev), group)
     sizes = [int(t.item()) for t in sizes_t]
@@ -422,7 +426,7 @@ def all_to_all_bytes(messages: Dict[int, bytes], group: Group = None) -> Dict[in
     if _local(group):
         own = messages.get(me, b"")
         return {me: own} if own else {}
-    world, dev = get_world_size(group), _device(group)
+    world, dev = get_world_size(group), buffer_device(group)
     send_sizes = [len(messages.get(d, b"")) for d in range(world)]
     if max(send_sizes) >= 1 << 31:
         raise ValueError("all_to_all_bytes: a message of 2 GiB or more")
@@ -452,7 +456,7 @@ def gather_bytes(payload: bytes, dst: int = 0, group: Group = None) -> Optional[
     """Every rank's ``payload`` at global rank ``dst`` (``None`` elsewhere); exact sizes, no padding."""
     if _local(group):
         return [payload]
-    world, dev = get_world_size(group), _device(group)
+    world, dev = get_world_size(group), buffer_device(group)
     at_dst = own_global_rank(group) == dst
     dst_group_rank = _group_rank(group, dst)
     size_t = _ints([len(payload)], dev)
@@ -479,7 +483,7 @@ def broadcast_bytes(payload: Optional[bytes], src: int = 0, group: Group = None)
     """``payload`` of global rank ``src`` on every rank."""
     if _local(group):
         return payload or b""
-    dev = _device(group)
+    dev = buffer_device(group)
     at_src = own_global_rank(group) == src
     n_t = _ints([len(payload or b"") if at_src else 0], dev)
     _c_broadcast(n_t, src, group)
@@ -497,7 +501,7 @@ def all_reduce_ints(values: Sequence[int], op: str = "max", group: Group = None)
     """Element-wise ``max`` or ``sum`` of an int64 vector over the group (one small collective)."""
     if _local(group):
         return list(values)
-    dev = _device(group)
+    dev = buffer_device(group)
     t = _ints(values, dev)
     _c_all_reduce(t, op, group)
     traffic.add("all_reduce", 8 * len(values), 8 * len(values))
@@ -508,7 +512,7 @@ def any_of_bits(bits: bytes, group: Group = None) -> bytes:
     """Bitwise OR of equally long byte strings over the group (a max all-reduce of bytes)."""
     if _local(group) or not bits:
         return bits
-    dev = _device(group)
+    dev = buffer_device(group)
     t = _to_tensor(bits, len(bits), dev)
     _c_all_reduce(t, "max", group)
     traffic.add("all_reduce", len(bits), len(bits))
@@ -548,13 +552,7 @@ def barrier(group: Group = None) -> None:
 
 def coordinator_rank(group: Group = None) -> int:
     """Global rank of the group's first member (writes shared files)."""
-    if isinstance(group, PrivateGroup):
-        return group.ranks[0]
-    if not is_distributed():
-        return 0
-    if group is None:
-        return 0
-    return dist.get_global_rank(group, 0)
+    return global_rank(group, 0)
 
 
 def describe_error(e: BaseException) -> str:

@@ -114,16 +114,6 @@ def _new_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _exchange_device(group: Group) -> torch.device:
-    """Where transfer buffers live: host memory unless the group's backend cannot carry CPU tensors."""
-    if not dist.is_distributed():
-        return torch.device("cpu")
-    backend = str(tdist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 @dataclass
 class _Item:
     """One unit as this rank handles it."""
@@ -189,7 +179,7 @@ def exchange_reads(
         return dict(st.values)
     t1 = time.perf_counter()
     units = plan_units([n for _, n in gathered])
-    device = _exchange_device(group)
+    device = dist.buffer_device(group)
     chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
     units_of_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Unit]] = defaultdict(list)
     for u in units:
@@ -376,28 +366,24 @@ def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor
         thread.join()
 
 
-def _global(group: Group, r: int) -> int:
-    return r if group is None else tdist.get_global_rank(group, r)
-
-
 def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Group) -> None:
     """Deliver the reader's ``buf`` to the other ranks that need ``u``. Called in the shared order."""
     if len(u.needers) == 1 or size == 1:
         return
     flat = buf.reshape(-1).view(torch.uint8)
     if u.needers == tuple(range(size)):
-        tdist.broadcast(flat, src=_global(group, u.reader), group=group)
+        tdist.broadcast(flat, src=dist.global_rank(group, u.reader), group=group)
         dist.settle([flat])  # the worker thread must not be the one to free ``flat`` (see dist.settle)
     elif rank == u.reader:
         works = [
-            tdist.isend(flat, dst=_global(group, r), group=group, tag=u.index % (1 << 30))
+            dist.isend(flat, r, group, u.index % (1 << 30))
             for r in u.needers
             if r != rank
         ]
         for w in works:
             w.wait()
     else:
-        tdist.recv(flat, src=_global(group, u.reader), group=group, tag=u.index % (1 << 30))
+        dist.irecv(flat, u.reader, group, u.index % (1 << 30)).wait()
 
 
 def _log_summary(stats: Dict[str, float], mode: str, n_units: int, group: Group) -> None:

@@ -93,7 +93,6 @@ def exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: 
     for src in senders:
         inputs = [outgoing.get(r, []) for r in range(world)] if src == rank else None
         box: List[Any] = [None]
-        global_src = tdist.get_global_rank(group, src) if group is not None else src
-        tdist.scatter_object_list(box, inputs, src=global_src, group=group)
+        tdist.scatter_object_list(box, inputs, src=dist.global_rank(group, src), group=group)
         received.extend(box[0] or [])
     return received

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import CheckpointingException
-from ..execution.dist import settle
+from ..execution.dist import global_rank, settle
 from ..mapping import (
     LocalNonpersistentObject,
     ReplicaId,
@@ -190,16 +190,15 @@ class ZeroShardedOptimizer:
             return out
         names = sorted(tensors)  # the same order on every rank: messages pair up by position
         ops, inbox = [], []
-        group_rank = (lambda r: tdist.get_global_rank(self.dp_group, r)) if self.dp_group is not None else (lambda r: r)
         for t in plan.sends:
             for name in names:
                 buf = tensors[name][self.offsets[t.pid] + t.lo - self.start: self.offsets[t.pid] + t.hi - self.start]
-                ops.append(tdist.P2POp(tdist.isend, buf.contiguous(), group_rank(t.dst), self.dp_group))
+                ops.append(tdist.P2POp(tdist.isend, buf.contiguous(), global_rank(self.dp_group, t.dst), self.dp_group))
         for t in plan.receives:
             for name in names:
                 buf = torch.empty(t.hi - t.lo, dtype=tensors[name].dtype, device=tensors[name].device)
                 inbox.append((t, name, buf))
-                ops.append(tdist.P2POp(tdist.irecv, buf, group_rank(t.src), self.dp_group))
+                ops.append(tdist.P2POp(tdist.irecv, buf, global_rank(self.dp_group, t.src), self.dp_group))
         if ops:
             for req in tdist.batch_isend_irecv(ops):
                 req.wait()
