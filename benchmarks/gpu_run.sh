@@ -12,7 +12,7 @@
 #   1. install .whl/*.whl into /tmp/site; nvidia-smi, versions, memory, file systems  -> env.log
 #   2. the CUDA tests (tests/test_cuda.py, tests/test_cuda_snapshot.py)                -> tests.log
 #   3. benchmarks/gpu_bench.py on a tmpfs (/dev/shm)                                    -> bench_shm.log, .json
-#   4. benchmarks/exit_stress.py with a small N, if it exists                          -> exit_stress.log
+#   4. benchmarks/exit_stress.py, a few runs per case, if it exists                     -> exit_stress.log
 #   5. benchmarks/gpu_bench.py on a disk directory                                      -> bench_disk.log, .json
 #   6. a summary: each step's exit status and time, then the tables                    -> summary.log
 # At most 8 files come back from $OUT: these are 8.
@@ -20,7 +20,8 @@
 # Knobs (environment): GPU_RUN_BUDGET, GPU_BENCH_GIB (per rank on tmpfs, default 4),
 # GPU_BENCH_DISK_GIB (default 2), GPU_BENCH_REPEATS (default 2), GPU_BENCH_DISK_REPEATS (default 1),
 # GPU_BENCH_RANKS (default 2), GPU_BENCH_DISK (default /var/tmp/ckpt_gpu_bench),
-# EXIT_STRESS_ARGS (default "--n 4"), GPU_BENCH_ARGS (extra arguments for both benchmark runs).
+# EXIT_STRESS_ARGS (default "--runs 1 --cases save async_destroy async_exit": about 6 s a run there),
+# GPU_BENCH_ARGS (extra arguments for both benchmark runs).
 
 set -u
 OUT=${OUT:-$PWD/gpu_out}
@@ -33,7 +34,7 @@ REPEATS=${GPU_BENCH_REPEATS:-2}
 DISK_REPEATS=${GPU_BENCH_DISK_REPEATS:-1}
 RANKS=${GPU_BENCH_RANKS:-2}
 DISK=${GPU_BENCH_DISK:-/var/tmp/ckpt_gpu_bench}
-EXIT_ARGS=${EXIT_STRESS_ARGS:---n 4}
+EXIT_ARGS=${EXIT_STRESS_ARGS:---runs 1 --cases save async_destroy async_exit}
 EXTRA=${GPU_BENCH_ARGS:-}
 SUMMARY="$OUT/summary.log"
 : >"$SUMMARY"

@@ -96,3 +96,68 @@ def _two_rank_gpu_load(rank, world, root, strategy):
 @pytest.mark.parametrize("strategy", ["auto", "read_once", "local", "fully_parallel", "two_stage"])
 def test_two_ranks_load_strategies_into_gpu_tensors(tmp_path, strategy):
     run_distributed(_two_rank_gpu_load, 2, str(tmp_path), strategy, timeout=240)
+
+
+def _zero_on_gpu(rank, world, root):
+    import torch.distributed as tdist
+
+    from ckpt_integration.optimizer import ZeroShardedOptimizer
+
+    alone = [tdist.new_group([r]) for r in range(world)][rank]  # every rank makes every group, in order
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)).cuda()
+
+    def sharded(model):
+        return {k: ShardedTensor.from_rank_offsets(k, p, replica_id=rank) for k, p in model.named_parameters()}
+
+    model, ref = net(0), net(0)
+    zero = ZeroShardedOptimizer(model.parameters(), torch.optim.Adam, lr=0.1)  # DP=2 over the world
+    whole = ZeroShardedOptimizer(ref.parameters(), torch.optim.Adam, dp_group=alone, lr=0.1)  # DP=1
+    assert zero.main_param.is_cuda and zero.end - zero.start < sum(zero.numels)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).cuda()
+    for _ in range(2):
+        for m, opt in ((model, zero), (ref, whole)):
+            opt.zero_grad()
+            m(x).square().sum().backward()
+            opt.step()  # the DP=2 one all-gathers CUDA slices
+    assert all(p.is_cuda and torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    msd = sharded(model)
+    ci.save({"model": msd, "optimizer": zero.sharded_state_dict(msd)}, root + "/z")
+    back = net(2)
+    again = ZeroShardedOptimizer(back.parameters(), torch.optim.Adam, lr=0.1)
+    ci.load({"model": sharded(back)}, root + "/z")
+    assert again.load_checkpoint(sharded(back), root + "/z")
+    assert again.main_param.is_cuda and torch.equal(again.main_param, zero.main_param)
+    mine, theirs = again.optimizer.state[again.main_param], zero.optimizer.state[zero.main_param]
+    assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_zero1_on_gpu_tensors_steps_saves_and_resumes(tmp_path):
+    run_distributed(_zero_on_gpu, 2, str(tmp_path), timeout=240)
+
+
+def test_large_gpu_tensors_stream_through_pinned_chunks_into_the_bytes_of_a_host_save(tmp_path, monkeypatch):
+    from ckpt_integration.storage import torch_dist
+
+    streamed = []
+
+    def counting(t, chunk=None):
+        streamed.append(t.nbytes)
+        return host_chunks(t, (1 << 20) + 512)  # chunks not aligned to the checksum blocks
+
+    host_chunks = torch_dist.host_chunks
+    monkeypatch.setattr(torch_dist, "host_chunks", counting)
+    g = torch.Generator().manual_seed(5)
+    src = {"big": torch.randn(1100, 1024, generator=g).to(torch.bfloat16),  # 2.1 MiB: 2 chunks and a bit
+           "f32": torch.randn(3, 700, 512, generator=g)}  # 4.1 MiB
+    ci.save(_sharded({k: t.cuda() for k, t in src.items()}), str(tmp_path / "gpu"))
+    assert sorted(streamed) == sorted(src[k].nbytes for k in ("big", "f32"))
+    ci.save(_sharded(src), str(tmp_path / "cpu"))
+    files = sorted(p.name for p in (tmp_path / "cpu").glob("*.distcp"))
+    assert files == sorted(p.name for p in (tmp_path / "gpu").glob("*.distcp"))
+    for name in files:  # the same archives and items, byte for byte
+        assert (tmp_path / "gpu" / name).read_bytes() == (tmp_path / "cpu" / name).read_bytes(), name
+    out = ci.load(_sharded({k: torch.zeros_like(t, device="cuda") for k, t in src.items()}), str(tmp_path / "gpu"))
+    assert all(torch.equal(out[k].cpu(), t) for k, t in src.items())

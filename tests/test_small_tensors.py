@@ -405,3 +405,53 @@ def test_many_small_tensors_are_written_by_one_thread_of_their_own(tmp_path):
     assert file_of["t0"] not in {file_of[f"w{i}"] for i in range(4)}
     got = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in ts.items()}, tmp_path / "c")
     assert all(torch.equal(got[k], v) for k, v in ts.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_template_streamed_in_chunks_is_byte_identical_to_torch_save(dtype):
+    """A device tensor is written as the template around its bytes copied out in chunks
+    (``BlockDigestWriter.write_archive``): the archive and its digests are torch.save's."""
+    from ckpt_integration.storage.tensor_record import archive_template
+
+    t = torch.randn(1536, 1000, generator=torch.Generator().manual_seed(3)).to(dtype)  # 3-6 MiB
+    raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    cuts = [0, 1 << 20, (1 << 20) + 7, 3 << 20, len(raw)]  # chunks not aligned to the blocks
+    with _archive_member_crc_disabled():
+        parts = archive_template(t)
+        assert parts is not None and 0 < len(parts[0]) < 4096 and 0 < len(parts[1]) < 4096
+        for block in (1 << 20, 3 << 20):
+            a, b = io.BytesIO(), io.BytesIO()
+            wa, wb = BlockDigestWriter(a, t, block), BlockDigestWriter(b, t, block)
+            torch.save(t, wa)
+            wb.write_archive(parts, (raw[i:j] for i, j in zip(cuts, cuts[1:])))
+            assert a.getvalue() == b.getvalue()
+            assert wa.finish() == wb.finish() and wb.finish()[1] is not None
+
+
+def test_streamed_items_are_the_bytes_of_a_whole_copy_save(tmp_path, monkeypatch):
+    """The writer's streamed path (large CUDA tensors, tests/test_cuda.py) run on host tensors:
+    the same data files, byte for byte, as the whole-copy path, and they load exactly."""
+    from ckpt_integration.storage import torch_dist
+
+    g = torch.Generator().manual_seed(4)
+    src = {"big": torch.randn(1100, 1024, generator=g).to(torch.bfloat16), "f32": torch.randn(3, 700, 512, generator=g),
+           "small": torch.randn(64, 8, generator=g)}
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in src.items()}, tmp_path / "whole")
+    streamed = []
+
+    def chunks(t, chunk=None):
+        streamed.append(t.nbytes)
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return (raw[i:i + 999_999] for i in range(0, len(raw), 999_999))
+
+    monkeypatch.setattr(torch_dist, "_streamed", lambda t: (
+        torch_dist.archive_template(t) if t.nbytes >= torch_dist.STREAM_FROM else None))
+    monkeypatch.setattr(torch_dist, "host_chunks", chunks)
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in src.items()}, tmp_path / "streamed")
+    assert sorted(streamed) == sorted([src["big"].nbytes, src["f32"].nbytes])
+    names = sorted(p.name for p in (tmp_path / "whole").glob("*.distcp"))
+    assert names and names == sorted(p.name for p in (tmp_path / "streamed").glob("*.distcp"))
+    for name in names:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
+    out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in src.items()}, tmp_path / "streamed")
+    assert all(torch.equal(out[k], v) for k, v in src.items())

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import CheckpointingException
-from ..execution.dist import global_rank, settle
+from ..execution.dist import buffer_device, global_rank, settle
 from ..mapping import (
     LocalNonpersistentObject,
     ReplicaId,
@@ -114,8 +114,8 @@ class ZeroShardedOptimizer:
 
     @torch.no_grad()
     def _gather_params(self) -> None:
-        # on the slice's device: a CUDA slice on an NCCL group (which takes CUDA tensors only)
-        dev = self.main_param.device
+        # where the group moves tensors (dist.buffer_device): CUDA on NCCL, host memory on gloo
+        dev = buffer_device(self.dp_group) if self.dp_size > 1 else self.main_param.device
         local = torch.zeros(self.shard_size, device=dev)
         local[: self.end - self.start] = self.main_param.detach()
         if self.dp_size > 1:
@@ -189,14 +189,15 @@ class ZeroShardedOptimizer:
         if plan is None:
             return out
         names = sorted(tensors)  # the same order on every rank: messages pair up by position
+        dev = buffer_device(self.dp_group)  # gloo's point-to-point takes host tensors only
         ops, inbox = [], []
         for t in plan.sends:
             for name in names:
                 buf = tensors[name][self.offsets[t.pid] + t.lo - self.start: self.offsets[t.pid] + t.hi - self.start]
-                ops.append(tdist.P2POp(tdist.isend, buf.contiguous(), global_rank(self.dp_group, t.dst), self.dp_group))
+                ops.append(tdist.P2POp(tdist.isend, buf.to(dev).contiguous(), global_rank(self.dp_group, t.dst), self.dp_group))
         for t in plan.receives:
             for name in names:
-                buf = torch.empty(t.hi - t.lo, dtype=tensors[name].dtype, device=tensors[name].device)
+                buf = torch.empty(t.hi - t.lo, dtype=tensors[name].dtype, device=dev)
                 inbox.append((t, name, buf))
                 ops.append(tdist.P2POp(tdist.irecv, buf, global_rank(self.dp_group, t.src), self.dp_group))
         if ops:

@@ -8,17 +8,12 @@ and decode the tiny ``data.pkl`` with a restricted unpickler that only
 understands tensor rebuilds. Archives written by others (DCP, Megatron-Core)
 are handled the same way; anything unusual falls back to a safe ``torch.load``.
 
-**Small tensor items written in bulk** (:class:`SmallItemWriter`): the archive template around
-each tensor's bytes, checksums from cached parts, one large write per few MiB. A tensor item of a ``.distcp`` file is a ``torch.save`` archive. For a plain contiguous CPU
-tensor of at most one checksum block, the archive is a per-(dtype, shape) template around the
-tensor's bytes (see :func:`save_tensor`), so its block checksums are the
-template header's (computed once per template), the data's, and the template trailer's (once
-per template), and the item digest is derived from those three (``BlockHash.item_digest``, as
-:class:`BlockDigestWriter` derives it). Writing such items
-through the generic stream (``torch.save``-style writes, a checksum per write, a file write per
-part) cost ~25 us each; here it is one copy of the tensor's bytes, one checksum of them, and a
-share of one large write: a few microseconds per item, which is what decides the checkpoint
-time of models with tens of thousands of small tensors.
+**Writing.** A tensor item is a ``torch.save`` archive; with the archive members' CRC32s off it is
+a per-(dtype, shape) template around the tensor's bytes (:func:`archive_template`). Small plain CPU
+tensors are written in bulk from it (:class:`SmallItemWriter`: one copy, one checksum and a share of
+one large write per item, a few microseconds instead of ~25 us through ``torch.save``, which decides
+the checkpoint time of models with tens of thousands of small tensors); a device tensor's bytes are
+streamed into it through host buffers (:meth:`BlockDigestWriter.write_archive`), never copied whole.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -351,6 +346,18 @@ class BlockDigestWriter(io.RawIOBase):
         self.pos += n
         return n
 
+    def write_archive(self, parts: Tuple[bytes, bytes], chunks: Iterable[Buffer]) -> None:
+        """Write the archive of template ``parts`` (:func:`archive_template`) around the tensor's
+        bytes given in order as ``chunks`` (host copies of a device tensor's bytes)."""
+        self.data_ptr = -1  # (nothing here is the tensor's own memory)
+        self.write(parts[0])
+        self.data_offset = self.pos
+        for b in chunks:
+            mv = memoryview(b).cast("B")
+            self._write_data(mv)
+            self.pos += len(mv)
+        self.write(parts[1])
+
     def _write_data(self, mv: memoryview) -> None:
         bs, i, n = self.block_size, 0, len(mv)
         digest = self.hash.digest
@@ -418,8 +425,7 @@ class BlockDigestWriter(io.RawIOBase):
         self.f.flush()
 
 
-# Header bytes kept for _plain_digest: a torch.save header is a few hundred bytes
-_HEAD_KEEP = 64 << 10
+_HEAD_KEEP = 64 << 10  # header bytes kept for _plain_digest: a torch.save header is a few hundred bytes
 
 # Archives of tensors up to this size are written from a cached template (see save_tensor)
 TEMPLATE_MAX_BYTES = 1 << 20
@@ -428,15 +434,32 @@ _templates: "OrderedDict[Tuple[Any, ...], Tuple[bytes, bytes]]" = OrderedDict()
 _templates_lock = threading.Lock()
 
 
+class _Probe(io.RawIOBase):
+    """What ``torch.save`` writes before and after a tensor's data, without reading the data (a
+    template of a 4 GiB tensor costs no more than one of 4 bytes)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.ptr, self.nbytes = tensor, tensor.data_ptr(), tensor.nbytes
+        self.parts, self.seen = [bytearray(), bytearray()], 0
+
+    def write(self, b: Buffer) -> int:  # (torch.save needs only this of its file)
+        mv = memoryview(b).cast("B")
+        if self.seen < self.nbytes and not self.parts[1] and _address(mv) == self.ptr + self.seen:
+            self.seen += len(mv)
+        else:
+            self.parts[0 if self.seen == 0 and self.nbytes else 1] += mv
+        return len(mv)
+
+
 def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     """``(archive bytes before the data, archive bytes after it)`` of ``torch.save`` for tensors of
     ``tensor``'s dtype and shape, or None when it cannot be templated.
 
     With the archive members' CRC32s switched off (as ``write_data_files`` does), ``torch.save``
-    of a contiguous, plain CPU tensor writes the same bytes for every tensor of one dtype and
+    of a contiguous, plain CPU tensor (or a device tensor's host copy) writes the same bytes for every tensor of one dtype and
     shape except the data itself (pickled size, stride and dtype, member names and offsets,
     ``serialization_id``): one ``torch.save`` per shape, then each tensor is the template
-    around its own bytes. tests/test_read_once.py checks the bytes equal ``torch.save``'s.
+    around its own bytes. tests/test_small_tensors.py checks the bytes equal ``torch.save``'s.
     """
     if member_crcs_on():
         return None  # the archive's member CRC32s would depend on the data
@@ -446,16 +469,11 @@ def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
         if hit is not None:
             _templates.move_to_end(key)
             return hit
-    probe = torch.zeros(tensor.shape, dtype=tensor.dtype)
-    buf = io.BytesIO()
-    w = BlockDigestWriter(buf, probe, max(1, probe.numel() * probe.element_size()))
-    torch.save(probe, w)
-    _, rec = w.finish()
-    if rec is None or member_crcs_on():  # switched on meanwhile (another thread): not a template
+    probe = _Probe(torch.empty(tensor.shape, dtype=tensor.dtype))  # (its bytes are never read)
+    torch.save(probe.tensor, probe)
+    if probe.seen != probe.nbytes or member_crcs_on():  # not that layout; or switched on meanwhile
         return None
-    raw = buf.getvalue()
-    d, n = rec[0], rec[1]
-    hit = (raw[:d], raw[d + n :])
+    hit = (bytes(probe.parts[0]), bytes(probe.parts[1]))
     with _templates_lock:
         _templates[key] = hit
         while len(_templates) > _TEMPLATE_SLOTS:
@@ -494,18 +512,9 @@ def save_tensor(tensor: torch.Tensor, w: "BlockDigestWriter") -> None:
     w.write(parts[1])
 
 
-def save_tensor_record(tensor: torch.Tensor, stream: BinaryIO) -> None:
-    """Serialize one CPU tensor as a ``torch.save`` archive (what DCP readers expect).
-
-    ``torch.save`` would also CRC the archive members itself (single-threaded and
-    slower than the write); we checksum the bytes ourselves in :class:`DigestWriter`.
-    """
-    torch.save(tensor, stream)
-
 # --------------------------------------------------------------------------- small tensor items written in bulk
 
-# pending bytes written at once
-FLUSH_BYTES = 4 << 20
+FLUSH_BYTES = 4 << 20  # pending bytes written at once
 
 
 class SmallItemWriter:
