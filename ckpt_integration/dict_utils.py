@@ -122,17 +122,6 @@ def extract_matching_values(
     raise TypeError(f"expected a dict or list, got {type(x).__name__}")
 
 
-def set_at_path(root: Union[dict, list], path: Path, value: object) -> None:
-    """Set ``root[p0][p1]...[pn] = value``, creating dicts (never lists) as needed."""
-    node = root
-    for p in path[:-1]:
-        if isinstance(node, list):
-            node = node[p]
-        else:
-            node = node.setdefault(p, {})
-    node[path[-1]] = value
-
-
 def merge(x1: object, x2: object, key: Path = ()) -> Any:
     """Merge ``x2`` into ``x1`` recursively (in place for dicts); returns the result.
 

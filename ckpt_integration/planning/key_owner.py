@@ -11,6 +11,12 @@ general records, or objects - is validated by the reference code
 (:func:`~.integrity.validate_key_records`), which gives the exact problem messages; a valid
 key of another layout merely takes that slower path.
 
+Storage-key collisions are refused whether or not the save validates: a ShardedTensor's storage
+key is its ``key``, a ShardedObject's is ``<key>/shard_<offsets>_<global shape>``, both in one
+namespace, so ``ShardedTensor("x/shard_0_1")`` beside ``ShardedObject("x")`` of shape ``(1,)`` at
+``(0,)`` would be one stored item that neither could load. Items of one storage key have one
+owner, so the owner sees every claim of it (:func:`collision_message`).
+
 The summary of a key (:class:`KeySummary`): its kind, dtype, global shape, number of main
 chunks and the sum of their digests (:func:`~.digests.chunk_digests`), which rank 0's commit
 compares with what was written.
@@ -19,7 +25,7 @@ compares with what was written.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -27,10 +33,19 @@ from .digests import chunk_digests, halves, joined, string_digest, string_digest
 from .integrity import Holding, validate_key_records
 from .records import MessageWriter, TableBatch, decode_runs, put_table, segments
 from .shards import ShardMeta, object_storage_key
-from .storage_keys import collision_message
 from .wire import CLAIM, GENERAL, KIND_CODES, KIND_NAMES, SIMPLE, SUMMARY, WIDTHS
 
 _MOD = 1 << 64
+
+
+def collision_message(storage_key: str, items: Mapping[Tuple[str, str], Iterable[int]]) -> str:
+    """The problem text for one storage key claimed by several ``(kind, key)`` items (with their ranks)."""
+    described = []
+    for (kind, key), ranks in sorted(items.items()):
+        rs = sorted(set(ranks))
+        what = "ShardedTensor" if kind == "tensor" else "ShardedObject"
+        described.append(f"{what} {key!r} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})")
+    return f"storage key {storage_key!r} would be used by {len(items)} different items: {'; '.join(described)}"
 
 
 class KeySummary(NamedTuple):

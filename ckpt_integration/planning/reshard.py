@@ -54,13 +54,6 @@ class ChunkIndex:
         sources = list(sources) if sources is not None else list(boxes)
         self._build([b.offsets for b in boxes], [b.sizes for b in boxes], sources)
 
-    @classmethod
-    def from_tuples(cls, offsets: Sequence[Tuple[int, ...]], sizes: Sequence[Tuple[int, ...]], sources: Sequence[Any]) -> "ChunkIndex":
-        """Build from offset/size tuples (no Box objects until a chunk matches a request)."""
-        self = cls.__new__(cls)
-        self._build(list(offsets), list(sizes), list(sources))
-        return self
-
     def _build(self, offsets: List[Tuple[int, ...]], sizes: List[Tuple[int, ...]], sources: List[Any]) -> None:
         self.axis = sweep_axis(offsets, sizes)
         order = range(len(offsets))
@@ -120,6 +113,3 @@ def uncovered_elements(request: Box, saved_global_shape: Sequence[int], reads: S
     want = inside.numel if inside is not None else 0
     return want - sum(r.overlap.numel for r in reads)
 
-
-def request_box(offsets: Tuple[int, ...], sizes: Tuple[int, ...]) -> Box:
-    return Box(tuple(offsets), tuple(sizes))

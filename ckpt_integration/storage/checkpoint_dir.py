@@ -406,11 +406,6 @@ def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"]
     return data
 
 
-def verify_file_checksum(directory: str, name: str, manifest: Optional["Manifest"]) -> None:
-    """Compare a whole small file (``common.pt``, ``.metadata``) with its manifest entry."""
-    read_verified_file(directory, name, manifest)
-
-
 def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
                 manifest: Optional[Manifest] = None, embedded: Optional[Callable[[], Optional[bytes]]] = None) -> Any:
     """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint.

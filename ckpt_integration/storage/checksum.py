@@ -196,11 +196,6 @@ class BlockHash:
         """Inverse of :meth:`pack` (raises ValueError for malformed input)."""
         return np.frombuffer(self._packed(text), dtype=f"<u{self.width}")
 
-    def unpack_ints(self, text: str) -> Tuple[int, ...]:
-        """:meth:`unpack` as a tuple of Python integers (for a few digests: no array)."""
-        raw = self._packed(text)
-        return struct.unpack(f"<{len(raw) // self.width}{'Q' if self.width == 8 else 'I'}", raw)
-
     def _packed(self, text: str) -> bytes:
         raw = base64.b64decode(text.encode("ascii"), validate=True)
         if len(raw) % self.width:

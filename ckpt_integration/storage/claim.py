@@ -144,18 +144,6 @@ def _unlock(fd: int) -> None:
         pass
 
 
-def marker_is_live(directory: str) -> bool:
-    """Local: whether a running save holds the marker of ``directory`` (False without a marker)."""
-    storage, directory = storage_for(directory)
-    if storage.remote:
-        return False
-    fd = _try_lock(join(directory, MARKER_FILE))
-    if isinstance(fd, int):
-        _unlock(fd)
-        return False
-    return fd == _HELD
-
-
 def _marker_bytes(token: str) -> bytes:
     return json.dumps({"format": FORMAT_NAME, "library_version": __version__, "manifest": "manifest.json",
                        "save": token, "started": time.time()}).encode()

@@ -126,8 +126,3 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
             )
         done += n
 
-
-def write_all(fd: int, buf: memoryview) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.write(fd, buf[done:])
