@@ -525,6 +525,11 @@ ENOSPC_CHILD = textwrap.dedent(
     import torch
     import ckpt_integration as ci
     root, how = sys.argv[1], sys.argv[2]
+    if sys.argv[3:] == ["streamed"]:  # the write path of large CUDA tensors (pinned chunks), on host tensors
+        from ckpt_integration.storage import torch_dist as td
+        td._streamed = lambda t: td.archive_template(t) if t.nbytes >= td.STREAM_FROM else None
+        td.host_chunks = lambda t, chunk=None: (
+            lambda raw: (raw[i : i + 999_999] for i in range(0, len(raw), 999_999)))(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     small = {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(1000.0)), "step": 1}}
     ci.save(small, os.path.join(root, "first"))
     if how == "fsize":  # no private mount: the per-process file size limit stands in for a full disk
@@ -546,19 +551,21 @@ ENOSPC_CHILD = textwrap.dedent(
 )
 
 
-def test_disk_full_during_save(tmp_path):
+@pytest.mark.parametrize("write", ["whole", "streamed"])
+def test_disk_full_during_save(tmp_path, write):
     """A full filesystem (a 6 MiB tmpfs in a private mount namespace; else RLIMIT_FSIZE):
     CheckpointWriteError 'no space left on device while writing <file>', nothing committed,
-    the earlier checkpoint intact (also after a failed overwrite=True)."""
+    the earlier checkpoint intact (also after a failed overwrite=True). ``streamed``: the tensor's
+    bytes written in chunks, as a large CUDA tensor's are."""
     script = tmp_path / "child.py"
     script.write_text(ENOSPC_CHILD.format(root=ROOT))
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    cmd = f"mount -t tmpfs -o size=6m tmpfs {mnt} && exec {sys.executable} {script} {mnt} tmpfs"
+    cmd = f"mount -t tmpfs -o size=6m tmpfs {mnt} && exec {sys.executable} {script} {mnt} tmpfs {write}"
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=180) \
         if shutil.which("unshare") else None
     if proc is None or (proc.returncode != 0 and "mount" in proc.stderr):
-        proc = subprocess.run([sys.executable, str(script), str(mnt), "fsize"], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, str(script), str(mnt), "fsize", write], capture_output=True, text=True,
                               cwd=ROOT, timeout=180)
         reason = "file too large"
     else:
