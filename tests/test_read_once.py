@@ -162,6 +162,29 @@ def test_read_once_damaged_block_fails_every_rank(tmp_path):
     run_distributed(_damaged, 2, str(tmp_path / "ckpt"), timeout=120)
 
 
+def _fails_planning_on_one_rank(rank, world, d):
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage.torch_dist_reader import TorchDistReader
+
+    big = global_tensor("big", (2 * 512, 1024))
+    ci.save({"big": ShardedTensor.from_rank_offsets("big", big[rank * 512 : (rank + 1) * 512].clone(), (0, rank, world))}, d)
+    if rank == 1:  # rank 1 cannot lay out a chunk (as for a forged dtype or shape) after the decision
+        def forged(self, key, chunk, dtype):
+            raise CorruptCheckpointError(f"forged layout of {key!r} on rank {rank}")
+        TorchDistReader.chunk_layout = forged
+    # every rank needs both whole chunks: read once, their layouts taken after the decision
+    with pytest.raises(ci.CheckpointingException) as info:
+        ci.load({"big": ShardedTensor.from_rank_offsets("big", torch.zeros(1024, 1024))}, d,
+                validate_access_integrity=False, load_strategy="read_once")
+    # every rank names rank 1's error (rank 0 raised a garbled message of its own when rank 1 sent
+    # its earlier ranges where the owners expected its needs)
+    assert "forged layout of 'big' on rank 1" in str(info.value), (rank, repr(info.value))
+
+
+def test_read_once_planning_failure_on_one_rank_is_every_rank_s_error(tmp_path):
+    run_distributed(_fails_planning_on_one_rank, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
 def _decisions(rank, world, d):
     from ckpt_integration.execution import dist as cdist
     from ckpt_integration.execution import load as load_mod

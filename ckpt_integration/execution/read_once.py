@@ -61,6 +61,7 @@ from ..storage.small_reads import ReadTaskLike
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
+from .failure import Failure
 from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
@@ -140,13 +141,13 @@ def load_read_once(
     leftover: List[Any] = []
     outgoing: Dict[int, bytes] = {}
     owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
-    # this rank's own failure (an exception): a load that fails here must raise here, however the
-    # group decides (the caller's agreement then raises on every rank); failed_before: failed earlier
-    error: Optional[BaseException] = None
+    # this rank's own failure: a load that fails here must raise here, however the group decides
+    # (the caller's agreement then raises on every rank); failed_before: some step before failed
+    failure = Failure()
     node = -1 - rank
     mapped = False
-    try:
-        if not failed_before:
+    if not failed_before:
+        with failure.capture():
             chunks, leftover = _collect(reader, tasks)
             # ranks share a page cache only through mapped local files; otherwise each is its own node
             files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
@@ -154,60 +155,49 @@ def load_read_once(
             if mapped:
                 node = node_of(rank)
             outgoing = _encode_ranges(chunks, world)
-    except Exception as e:
-        error = e
     # decision: bytes the ranks would read each on its own vs the union (flat integer arrays,
     # vectorised at the owners: cheap also for tens of thousands of small chunks)
-    inbox = dist.all_to_all_bytes(outgoing, group)
+    inbox = dist.all_to_all_bytes(outgoing if not failure.failed else {}, group)
     separate = union = 0
-    try:
-        if error is None and not failed_before:
+    if not (failure.failed or failed_before):
+        with failure.capture():
             separate = sum(b - a for c in chunks.values() for a, b in c.ranges)
             arr = np.frombuffer(b"".join(inbox.values()), dtype=np.int64).reshape(-1, 3)
             union = union_bytes(arr[:, 0], arr[:, 1], arr[:, 2])
-    except Exception as e:
-        error = e
-    failed, separate, union = dist.all_reduce_ints([1 if (error or failed_before) else 0, separate, union], "sum", group)
+    failed, separate, union = dist.all_reduce_ints([int(failure.failed or failed_before), separate, union], "sum", group)
     st.values.update(plan_s=time.perf_counter() - t0, separate_bytes=separate, union_bytes=union, read_once=0)
-    if error is not None:
-        raise error  # (after the collective: every rank has taken part in it)
+    if failure.failed:
+        raise failure.exc  # (after the collective: every rank has taken part in it)
     if failed or (mode == "auto" and separate - union < MIN_SAVING_PER_RANK * world):
         return ("failed" if failed else "local"), dict(st.values)
-    # needs in full to the owners
-    try:
+    # needs in full to the owners; then the owners plan, and tell every rank its units. A rank that
+    # failed at a step still takes part in the later exchanges, with nothing to say.
+    outgoing = {}
+    with failure.capture():
         _layouts(reader, chunks)
         outgoing = _encode_needs(chunks, node, world)
-    except Exception as e:
-        error = e
-    inbox = dist.all_to_all_bytes(outgoing, group)
-    try:
-        if error is None:
+    inbox = dist.all_to_all_bytes(outgoing if not failure.failed else {}, group)
+    if not failure.failed:
+        with failure.capture():
             owned = _decode_needs(inbox)
-    except Exception as e:
-        error = e
-    # plan and tell every rank its units
     replies: Dict[int, bytes] = {}
-    try:
-        replies = _plan_replies(owned)
-    except Exception as e:
-        error = e
-    inbox = dist.all_to_all_bytes(replies, group)
-    try:
-        if error is None:
+    if not failure.failed:
+        with failure.capture():
+            replies = _plan_replies(owned)
+    inbox = dist.all_to_all_bytes(replies if not failure.failed else {}, group)
+    if not failure.failed:
+        with failure.capture():
             _decode_replies(inbox, chunks)
-    except Exception as e:
-        error = e
-    if dist.all_reduce_ints([1 if error else 0], "max", group)[0]:
-        if error is not None:
-            raise error
+    if dist.all_reduce_ints([int(failure.failed)], "max", group)[0]:
+        if failure.failed:
+            raise failure.exc
         return "failed", dict(st.values)
     st.values["plan_s"] = time.perf_counter() - t0
     st.values["read_once"] = 1
-    errors: List[BaseException] = []
-    _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, memory_budget, st, errors)
+    _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, memory_budget, st, failure)
     st.values["total_s"] = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
+    if failure.failed:
+        raise failure.exc
     return "done", dict(st.values)
 
 
@@ -370,12 +360,10 @@ def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chun
                     c.remote[(lo, hi)] = remote
 
 
-def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, budget, st, errors) -> None:
-    """Verify this rank's units, copy node-local slices from the mapping, exchange the rest."""
-
-    def note(e: BaseException) -> None:
-        if not errors:
-            errors.append(e)
+def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, budget, st, failure: Failure) -> None:
+    """Verify this rank's units, copy node-local slices from the mapping, exchange the rest (the
+    first error is kept in ``failure``; every transfer still runs, so no peer waits forever)."""
+    note = failure.record
 
     def copy_local(c: _Chunk, src: Source, lo: int, hi: int) -> None:
         regions = c.regions
