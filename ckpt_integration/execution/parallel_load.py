@@ -65,6 +65,7 @@ from ..planning.load_units import Need, Unit, plan_units
 from ..storage.backends import CheckpointReader
 from . import dist
 from .dist import Group
+from .failure import Failure
 from .preprocess import dtype_from_name, dtype_name
 from ..errors import CheckpointingException, CorruptCheckpointError
 
@@ -205,14 +206,14 @@ def exchange_reads(
     st.values["plan_s"] = time.perf_counter() - t1
     st.values["units_total"] = len(units)
     budget = _Budget(memory_budget)
-    failed = threading.Event()
+    failure = Failure()  # this rank's first error; every transfer still runs (peers wait for it)
     local = threading.local()
 
     def read(it: _Item) -> torch.Tensor:
         """Read one unit (on a pool thread): into its destination, or into a staging buffer."""
         u = it.unit
         dtype = dtype_from_name(u.dtype)
-        if failed.is_set():  # an earlier unit failed and the load will raise: skip the I/O
+        if failure.failed:  # an earlier unit failed and the load will raise: skip the I/O
             raise RuntimeError("skipped after an earlier failure")
         if it.direct is not None:
             target = it.direct
@@ -239,13 +240,6 @@ def exchange_reads(
             target = dev
         return target
 
-    errors: List[str] = []
-
-    def note_error(msg: str) -> None:
-        if not errors:
-            errors.append(msg)
-        failed.set()
-
     def finish(it: _Item) -> None:
         """Exchange one admitted unit, copy it into place, free it (main thread, shared order)."""
         u = it.unit
@@ -255,7 +249,7 @@ def exchange_reads(
             try:
                 buf = it.future.result()
             except Exception as e:  # keep the transfer going: peers are waiting for it
-                note_error(f"reading {u.key!r} {u.region} failed: {type(e).__name__}: {e}")
+                failure.record(_failed(f"reading {u.key!r} {u.region}", e))
         st.add("read_wait_s", time.perf_counter() - tw)
         if buf is None:
             if it.direct is not None:
@@ -278,7 +272,7 @@ def exchange_reads(
                     t.out.copy_(buf[relative_slices(t.overlap, u.region)])
                     t.got.append(t.overlap)  # the delivery ledger (planning.delivery)
             except Exception as e:
-                note_error(f"copying {u.key!r} {u.region} into place failed: {type(e).__name__}: {e}")
+                failure.record(_failed(f"copying {u.key!r} {u.region} into place", e))
             st.add("copy_s", time.perf_counter() - tc)
         elif it.direct is not None:  # read or received straight into the one task's destination
             it.tasks[0].got.append(it.tasks[0].overlap)
@@ -291,7 +285,7 @@ def exchange_reads(
         if mode == "fully_parallel":
             _run_rounds(items, budget, pool, read, finish)
         else:
-            _run_pipelined(items, budget, pool, read, finish, note_error)
+            _run_pipelined(items, budget, pool, read, finish, failure)
     finally:
         budget.close()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -299,10 +293,18 @@ def exchange_reads(
     st.values["total_s"] = time.perf_counter() - t0
     stats = dict(st.values)
     _log_summary(stats, mode, len(units), group)
-    if errors:
-        kind = CorruptCheckpointError if "CorruptCheckpointError" in errors[0] else CheckpointingException
-        raise kind(f"parallel load ({mode}) failed on rank {rank} of its group: {errors[0]}")
+    if failure.failed:
+        e = failure.exc
+        raise type(e)(f"parallel load ({mode}) failed on rank {rank} of its group: {e}") from e.__cause__
     return stats
+
+
+def _failed(what: str, e: BaseException) -> CheckpointingException:
+    """``what`` failed with ``e``, as the error the load raises (damage stays damage)."""
+    kind = CorruptCheckpointError if isinstance(e, CorruptCheckpointError) else CheckpointingException
+    err = kind(f"{what} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
 
 
 def _run_rounds(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, read, finish) -> None:
@@ -326,7 +328,7 @@ def _run_rounds(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, r
             finish(it)
 
 
-def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, read, finish, note_error) -> None:
+def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor, read, finish, failure: Failure) -> None:
     """two_stage: a prefetch thread admits units in order while the main thread exchanges earlier ones."""
     ready: "queue.Queue[Optional[_Item]]" = queue.Queue()
 
@@ -339,7 +341,7 @@ def _run_pipelined(items: List[_Item], budget: _Budget, pool: ThreadPoolExecutor
                     it.future = pool.submit(read, it)
                 ready.put(it)
         except BaseException as e:  # never leave the main thread waiting
-            note_error(f"prefetch failed: {type(e).__name__}: {e}")
+            failure.record(_failed("prefetch", e))
         finally:
             ready.put(None)
 
