@@ -527,7 +527,7 @@ ENOSPC_CHILD = textwrap.dedent(
     root, how = sys.argv[1], sys.argv[2]
     if sys.argv[3:] == ["streamed"]:  # the write path of large CUDA tensors (pinned chunks), on host tensors
         from ckpt_integration.storage import torch_dist as td
-        td._streamed = lambda t: td.archive_template(t) if t.nbytes >= td.STREAM_FROM else None
+        td.STREAM_DEVICES = ("cpu",)
         td.host_chunks = lambda t, chunk=None: (
             lambda raw: (raw[i : i + 999_999] for i in range(0, len(raw), 999_999)))(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     small = {{"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(1000.0)), "step": 1}}

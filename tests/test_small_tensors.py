@@ -435,7 +435,8 @@ def test_streamed_items_are_the_bytes_of_a_whole_copy_save(tmp_path, monkeypatch
 
     g = torch.Generator().manual_seed(4)
     src = {"big": torch.randn(1100, 1024, generator=g).to(torch.bfloat16), "f32": torch.randn(3, 700, 512, generator=g),
-           "small": torch.randn(64, 8, generator=g)}
+           "small": torch.randn(64, 8, generator=g),
+           "param": torch.nn.Parameter(torch.randn(600, 1000, generator=g))}  # (a model's parameter)
     ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in src.items()}, tmp_path / "whole")
     streamed = []
 
@@ -444,14 +445,14 @@ def test_streamed_items_are_the_bytes_of_a_whole_copy_save(tmp_path, monkeypatch
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         return (raw[i:i + 999_999] for i in range(0, len(raw), 999_999))
 
-    monkeypatch.setattr(torch_dist, "_streamed", lambda t: (
-        torch_dist.archive_template(t) if t.nbytes >= torch_dist.STREAM_FROM else None))
+    monkeypatch.setattr(torch_dist, "STREAM_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(torch_dist, "host_chunks", chunks)
     ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in src.items()}, tmp_path / "streamed")
-    assert sorted(streamed) == sorted([src["big"].nbytes, src["f32"].nbytes])
+    assert sorted(streamed) == sorted([src["big"].nbytes, src["f32"].nbytes, src["param"].nbytes])
     names = sorted(p.name for p in (tmp_path / "whole").glob("*.distcp"))
     assert names and names == sorted(p.name for p in (tmp_path / "streamed").glob("*.distcp"))
     for name in names:
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
-    out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in src.items()}, tmp_path / "streamed")
-    assert all(torch.equal(out[k], v) for k, v in src.items())
+    out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v.detach())) for k, v in src.items()},
+                  tmp_path / "streamed")
+    assert all(torch.equal(out[k], v.detach()) for k, v in src.items())

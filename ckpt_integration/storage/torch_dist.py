@@ -193,13 +193,16 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
 # one step after the other: 0.88x DCP's save from an H200 to tmpfs (docs/benchmarks.md, "GPU").
 STREAM_FROM = 1 << 20
 DEVICE_CHUNK = 16 << 20
+STREAM_DEVICES = ("cuda",)  # (tests add "cpu" to run this path with host tensors)
 
 
 def _streamed(t: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
-    """The archive template to stream ``t``'s bytes into, for a large plain CUDA tensor; else None."""
-    if t.device.type != "cuda" or t.nbytes < STREAM_FROM or not t.is_contiguous() or type(t) is not torch.Tensor:
+    """The archive template to stream ``t``'s bytes into, for a large plain CUDA tensor (a parameter
+    too: its detached data is one); else None."""
+    if t.device.type not in STREAM_DEVICES or t.nbytes < STREAM_FROM or not t.is_contiguous():
         return None
-    return archive_template(t.detach())
+    d = t.detach()
+    return archive_template(d) if type(d) is torch.Tensor else None
 
 
 def host_chunks(t: torch.Tensor, chunk: Optional[int] = None) -> Iterator[memoryview]:
