@@ -43,10 +43,10 @@ import os
 import socket
 import time
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -439,38 +439,52 @@ POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 PIECE = 2 << 20
 
 
-def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
-    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight.
+class _InFlight:
+    """Posted sends and receives, waited for in the order they were posted, with at most ``budget``
+    bytes of buffers in flight.
 
     Buffers are reused once their transfer is done (at most ``budget`` bytes of them kept):
     memory a process has not touched yet is paged in on first use, which costs more than the
     copy into it (here ~1 s per first load with a fresh buffer per transfer)."""
-    pending: List[Tuple[Any, int, Any, Optional[torch.Tensor]]] = []  # (work, bytes, on completion, buffer)
-    in_flight = 0
-    free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
 
-    def buffer(nbytes: int) -> torch.Tensor:
-        for i, b in enumerate(free):
+    def __init__(self, budget: int, st: Stats, note: Callable[[BaseException], None]) -> None:
+        self.budget, self.st, self.note = budget, st, note
+        # (work, bytes, on completion, buffer to reuse)
+        self.pending: Deque[Tuple[Any, int, Optional[Callable[[], None]], Optional[torch.Tensor]]] = deque()
+        self.bytes = 0
+        self.free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        for i, b in enumerate(self.free):
             if b.numel() >= nbytes:
-                return free.pop(i)
+                return self.free.pop(i)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def settle(n_keep_bytes: int) -> None:
-        nonlocal in_flight
-        while pending and in_flight > n_keep_bytes:
-            work, nbytes, done, base = pending.pop(0)
+    def post(self, work: Any, nbytes: int, done: Optional[Callable[[], None]] = None,
+             base: Optional[torch.Tensor] = None) -> None:
+        self.pending.append((work, nbytes, done, base))
+        self.bytes += nbytes
+
+    def settle(self, keep_bytes: int) -> None:
+        """Wait for the oldest transfers until at most ``keep_bytes`` are in flight (-1: all)."""
+        while self.pending and self.bytes > keep_bytes:
+            work, nbytes, done, base = self.pending.popleft()
             tw = time.perf_counter()
             work.wait()
-            st.add("exchange_s", time.perf_counter() - tw)
-            in_flight -= nbytes
+            self.st.add("exchange_s", time.perf_counter() - tw)
+            self.bytes -= nbytes
             if done is not None:
                 try:
                     done()
                 except Exception as e:
-                    note(e)
-            if base is not None and sum(b.numel() for b in free) + base.numel() <= budget:
-                free.append(base)
+                    self.note(e)
+            if base is not None and sum(b.numel() for b in self.free) + base.numel() <= self.budget:
+                self.free.append(base)
 
+
+def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
+    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight."""
+    flight = _InFlight(budget, st, note)
     for file, offset, lo, hi, c, role, extra in ordered:
         lay = c.layout
         dtype = c.task_list[0].dtype
@@ -502,9 +516,9 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
                 nbytes = n * lay.esize
-                settle(max(0, budget - nbytes))
+                flight.settle(max(0, budget - nbytes))
                 tc = time.perf_counter()
-                base = buffer(nbytes)
+                base = flight.buffer(nbytes)
                 buf = base[:nbytes].view(dtype)
                 if src is not None:
                     pos = 0
@@ -516,8 +530,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     buf.zero_()  # keep the peer going: the load fails anyway
                 st.add("copy_s", time.perf_counter() - tc)
                 work = dist.isend(base[:nbytes], r, group, _TAG)
-                pending.append((work, nbytes, None, base))
-                in_flight += nbytes
+                flight.post(work, nbytes, None, base)
                 st.add("bytes_sent", nbytes)
                 del buf
             del src
@@ -535,11 +548,11 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 # in place, no buffer and no copy out of one
                 work = dist.irecv(into.view(-1).view(torch.uint8), extra, group, _TAG)
                 g, p = parts[0]
-                pending.append((work, 0, lambda t=c.task_list[g], p=p: delivered(t, p), None))
+                flight.post(work, 0, lambda t=c.task_list[g], p=p: delivered(t, p))
                 st.add("bytes_received_in_place", n * lay.esize)
                 continue
-            settle(max(0, budget - n * lay.esize))
-            base = buffer(n * lay.esize)
+            flight.settle(max(0, budget - n * lay.esize))
+            base = flight.buffer(n * lay.esize)
             buf = base[: n * lay.esize].view(dtype)
 
             def unpack(buf=buf, parts=parts, c=c, regions=regions) -> None:
@@ -553,7 +566,6 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 st.add("copy_s", time.perf_counter() - tc)
 
             work = dist.irecv(base[: n * lay.esize], extra, group, _TAG)
-            pending.append((work, n * lay.esize, unpack, base))
-            in_flight += n * lay.esize
+            flight.post(work, n * lay.esize, unpack, base)
             del buf
-    settle(-1)
+    flight.settle(-1)
