@@ -112,4 +112,3 @@ def uncovered_elements(request: Box, saved_global_shape: Sequence[int], reads: S
     inside: Optional[Box] = clip_to_shape(request, saved_global_shape)
     want = inside.numel if inside is not None else 0
     return want - sum(r.overlap.numel for r in reads)
-

@@ -125,4 +125,3 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
                 f"but the file ends at {offset + done}"
             )
         done += n
-

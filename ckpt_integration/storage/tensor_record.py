@@ -456,10 +456,10 @@ def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     ``tensor``'s dtype and shape, or None when it cannot be templated.
 
     With the archive members' CRC32s switched off (as ``write_data_files`` does), ``torch.save``
-    of a contiguous, plain CPU tensor (or a device tensor's host copy) writes the same bytes for every tensor of one dtype and
-    shape except the data itself (pickled size, stride and dtype, member names and offsets,
-    ``serialization_id``): one ``torch.save`` per shape, then each tensor is the template
-    around its own bytes. tests/test_small_tensors.py checks the bytes equal ``torch.save``'s.
+    of a contiguous, plain CPU tensor (or a device tensor's host copy) writes the same bytes for
+    every tensor of one dtype and shape except the data itself (pickled size, stride and dtype,
+    member names and offsets, ``serialization_id``): one ``torch.save`` per shape, then each tensor
+    is the template around its own bytes (tests/test_small_tensors.py compares with ``torch.save``).
     """
     if member_crcs_on():
         return None  # the archive's member CRC32s would depend on the data
