@@ -45,6 +45,7 @@ def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str,
     from ckpt_integration import ShardedTensor
     from ckpt_integration.execution import shared_metadata as sm
     from ckpt_integration.storage import checkpoint_dir as ckdir
+    from ckpt_integration.storage.filesystem import locate
 
     state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(max(1, nbytes // 4))) for i in range(n)}
     rows = []
@@ -63,7 +64,7 @@ def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str,
             rows.append({
                 "version": version,
                 "manifest_bytes": os.path.getsize(os.path.join(d, ckdir.MANIFEST_FILE)),
-                "read_s": _best(lambda: ckdir.read_manifest(d), repeats),
+                "read_s": _best(lambda: ckdir.read_manifest(locate(d)), repeats),
                 "encode_s": _best(lambda: sm.encode_shared(shared, compress=False), repeats),
                 "payload_bytes": len(payload),
                 "decode_s": _best(lambda: sm.decode_shared(payload), repeats),

@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 from .storage.atomic import is_replace_sibling
 from .storage.checkpoint_dir import CONFIG_FILE
 from .storage.opened import commit_order
-from .storage.filesystem import Storage, base_name, join, storage_for
+from .storage.filesystem import Storage, base_name, join, locate, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ def _mtime(storage: Storage, path: str) -> Optional[float]:
 
 def commit_order_of(path: Union[str, os.PathLike]) -> CommitOrder:
     """The recorded order of one committed checkpoint (reads the head of its ``manifest.json``)."""
-    storage, p = storage_for(path)
-    step, seq, created = commit_order(p)
+    ck = locate(path)
+    storage, p = ck.storage, ck.path
+    step, seq, created = commit_order(ck)
     mtime = None
     if created is None:  # no manifest (another writer): the commit marker's time is all there is
         mtime = _mtime(storage, join(p, CONFIG_FILE))

@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 from .errors import CheckpointingException, CheckpointNotFoundError, IncompleteCheckpointError
 from .storage.checkpoint_dir import CONFIG_FILE, CheckpointingConfig, read_config, write_config
+from .storage.filesystem import locate
 
 #: name of the config file inside a checkpoint directory (Megatron-Core's ``CONFIG_FNAME``)
 CONFIG_FNAME = CONFIG_FILE
@@ -32,7 +33,7 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     if not checkpoint_dir:
         return None
     try:
-        return read_config(checkpoint_dir)  # a path, or an opened checkpoint (what it read at open)
+        return read_config(locate(checkpoint_dir))  # (an opened checkpoint: what it read at open)
     except (CheckpointNotFoundError, IncompleteCheckpointError):
         return None
 

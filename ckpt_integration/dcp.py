@@ -53,7 +53,7 @@ from .storage import atomic
 from .storage import claim as claims
 from .storage.checksum import save_block_hash
 from .storage.opened import next_commit_seq
-from .storage.filesystem import join, storage_for
+from .storage.filesystem import join, locate, storage_for
 from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
 from .storage.torch_dist_reader import TorchDistReader
@@ -240,21 +240,21 @@ class Reader(StorageReader):
 
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
-        storage, path = storage_for(self.path)
-        if storage.exists(join(path, ckdir.CONFIG_FILE)):
-            ckdir.read_config(path)  # (a specific error for every way it is not a checkpoint)
-        elif not ckdir.is_plain_dcp(path):
-            raise CorruptCheckpointError(f"{path} holds no committed checkpoint: its save did not finish "
+        ck = locate(self.path)
+        if ck.storage.exists(join(ck.path, ckdir.CONFIG_FILE)):
+            ckdir.read_config(ck)  # (a specific error for every way it is not a checkpoint)
+        elif not ckdir.is_plain_dcp(ck):
+            raise CorruptCheckpointError(f"{ck} holds no committed checkpoint: its save did not finish "
                                          "(metadata.json is missing)")
         # (a checkpoint without a manifest - plain DCP - is said once to be read unverified)
-        self.manifest = ckdir.read_manifest_checked(path)
-        return read_dcp_metadata(path, trusted=self.trusted, manifest=self.manifest)
+        self.manifest = ckdir.read_manifest_checked(ck)
+        return read_dcp_metadata(ck, trusted=self.trusted, manifest=self.manifest)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self.storage_data = dict(metadata.storage_data or {})
         if self.manifest is None and not is_coordinator and self.path:
             # (DCP reads the metadata on the coordinator only: the others learn the manifest here)
-            self.manifest = ckdir.read_manifest_checked(storage_for(self.path)[1])
+            self.manifest = ckdir.read_manifest_checked(locate(self.path))
         # every item read through the library's reader: names inside the checkpoint, extents, digests
         self._reader = TorchDistReader(self.path, metadata, manifest=self.manifest)
 

@@ -24,7 +24,7 @@ from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, Shard
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import embedded_common_bytes, read_metadata
-from .storage.filesystem import join, storage_for
+from .storage.filesystem import join, locate, storage_for
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
@@ -299,7 +299,7 @@ def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedSt
 
     Example: ``get_default_load_sharded_strategy("ckpt").backend == "torch_dist"``
     """
-    config = ckdir.read_config(checkpoint_dir)  # a path, or an opened checkpoint (what it read at open)
+    config = ckdir.read_config(locate(checkpoint_dir))  # (an opened checkpoint: what it read at open)
     return LoadShardedStrategy(config.sharded_backend, config.sharded_backend_version)
 
 
@@ -402,10 +402,11 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     Example: ``remove_sharded_tensors("ckpt", "optimizer.")``
     """
     checkpoint_dir = os.fspath(checkpoint_dir)
-    if ckdir.read_config(checkpoint_dir).sharded_backend == "zarr":
+    ck = locate(checkpoint_dir)
+    if ckdir.read_config(ck).sharded_backend == "zarr":
         _remove_from_zarr(checkpoint_dir, key_prefix)
         return
-    md = read_dcp_metadata(checkpoint_dir)
+    md = read_dcp_metadata(ck)
     removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
     if not removed:
         return
@@ -421,7 +422,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     md.storage_data = new_storage
     if isinstance(md.planner_data, dict):
         md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
-    manifest = ckdir.read_manifest(checkpoint_dir)
+    manifest = ckdir.read_manifest(ck)
     md_entry = write_dcp_metadata(checkpoint_dir, md)
     # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
     gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
@@ -439,7 +440,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
 
 
 def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
-    index = zarr_backend.read_index(checkpoint_dir)
+    index = zarr_backend.read_index(locate(checkpoint_dir))
     zarr_backend.check_index_paths(checkpoint_dir, index)  # never delete outside the checkpoint
     tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]
     objects = [k for k in index.get("objects", []) if k.startswith(key_prefix)]

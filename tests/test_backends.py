@@ -11,6 +11,7 @@ from ckpt_integration.errors import CheckpointingException
 from ckpt_integration.planning.boxes import Box
 from ckpt_integration.storage import backends
 from ckpt_integration.tools import inspect_checkpoint
+from ckpt_integration.storage.filesystem import locate
 
 
 @pytest.mark.parametrize("name", ["torch_dist", "zarr"])
@@ -19,12 +20,13 @@ def test_every_backend_gives_the_same_reader_interface(tmp_path, name):
     path = tmp_path / name
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", w), "o": ci.ShardedObject("o", {"x": 1}, (1,), (0,))},
             str(path), sharded_strategy=name)
-    be = backends.backend_of(str(path))
+    ck = locate(path)
+    be = backends.backend_of(ck)
     assert be is backends.BACKENDS[name] and be.name == name
     assert be.dcp_metadata == (name == "torch_dist") and be.mapped_chunks == (name == "torch_dist")
-    md = be.read_metadata(str(path), False)
+    md = be.read_metadata(ck, False)
     assert sorted(md.state_dict_metadata) == ["o/shard_0_1", "w"]
-    with be.open_reader(str(path), md) as reader:
+    with be.open_reader(ck, md) as reader:
         for member in ("metadata", "chunks", "validate_tensor", "read_region", "read_bytes", "close"):
             assert hasattr(reader, member), member
         reader.validate_tensor("w")

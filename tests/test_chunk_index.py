@@ -17,14 +17,15 @@ from ckpt_integration.storage import chunk_index as cx
 from ckpt_integration.storage import torch_dist
 from ckpt_integration.storage.checksum import crc32
 from ckpt_integration.storage.torch_dist import read_dcp_metadata
+from ckpt_integration.storage.filesystem import locate
 
 
 def assert_index_matches_metadata(path: str) -> None:
     """The index the save wrote decodes to exactly what ``.metadata`` holds (keys, dtypes, shapes,
     chunks and where each is stored)."""
-    manifest = ckdir.read_manifest(path)
-    index = cx.read_chunk_index(path, manifest, lambda: pytest.fail("the index was not used"))
-    md = read_dcp_metadata(path)
+    manifest = ckdir.read_manifest(locate(path))
+    index = cx.read_chunk_index(locate(path), manifest, lambda: pytest.fail("the index was not used"))
+    md = read_dcp_metadata(locate(path))
     assert (index.metadata_size, index.metadata_crc32) == (manifest.files[".metadata"]["size"],
                                                           manifest.files[".metadata"]["crc32"])
     got = index.full()
@@ -79,7 +80,7 @@ def _check(out: dict, scale: float = 1.0) -> None:
 def test_index_describes_the_metadata_and_loads_never_unpickle_it(tmp_path, monkeypatch):
     path = str(tmp_path / "c")
     ci.save(_state(), path)
-    assert "chunk_index.bin" in ckdir.read_manifest(path).files
+    assert "chunk_index.bin" in ckdir.read_manifest(locate(path)).files
     assert_index_matches_metadata(path)
 
     def refuse(*a, **k):
@@ -118,7 +119,7 @@ def test_remove_sharded_tensors_drops_the_index(tmp_path):
     ci.save(_state(), path)
     ci.remove_sharded_tensors(path, "half")
     assert not os.path.exists(os.path.join(path, "chunk_index.bin"))
-    assert "chunk_index.bin" not in ckdir.read_manifest(path).files
+    assert "chunk_index.bin" not in ckdir.read_manifest(locate(path)).files
     request = _request()
     del request["half"]
     out = ci.load(request, path, validate_access_integrity=False)
@@ -169,8 +170,8 @@ def test_verify_checks_the_index_against_metadata(tmp_path):
     path = str(tmp_path / "c")
     ci.save(_state(), path)
     assert verify_checkpoint(path).ok
-    md = read_dcp_metadata(path)
-    entry = ckdir.read_manifest(path).files[".metadata"]
+    md = read_dcp_metadata(locate(path))
+    entry = ckdir.read_manifest(locate(path)).files[".metadata"]
     for index_key, info in md.storage_data.items():
         if index_key.fqn == "w":
             md.storage_data[index_key] = type(info)(info.relative_path, info.offset + 8, info.length)
@@ -220,7 +221,7 @@ def test_a_request_that_is_one_saved_chunk_is_planned_in_one_step(tmp_path, monk
     path = str(tmp_path / "c")
     ci.save({"grid": [_box("grid", b, r, c) for r, c, b in blocks],
              "one": ShardedTensor.from_rank_offsets("one", torch.arange(6.0))}, path)
-    index = cx.read_chunk_index(path, ckdir.read_manifest(path), lambda: pytest.fail("the index was not used"))
+    index = cx.read_chunk_index(locate(path), ckdir.read_manifest(locate(path)), lambda: pytest.fail("the index was not used"))
     compact = cx.compact_chunks_of(index.metadata_for(["grid", "one"]))
     for key, r, c, b in [("grid", r, c, b) for r, c, b in blocks] + [("one", None, None, torch.arange(6.0))]:
         box = Box((0,), (6,)) if r is None else Box((r, c), tuple(b.shape))

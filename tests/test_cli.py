@@ -26,6 +26,7 @@ from ckpt_integration.cli import main
 
 from . import forked
 from .dist_utils import run_distributed, scaled_timeout
+from ckpt_integration.storage.filesystem import locate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -350,7 +351,7 @@ def test_convert_keeps_the_recorded_step(tmp_path, capsys):
     for to in ("torch_dist", "zarr"):
         code, _, err = run_cli("convert", src, tmp_path / to, "--to", to, capsys=capsys)
         assert code == 0, err
-        assert ckdir.read_manifest(str(tmp_path / to)).step == 7, to
+        assert ckdir.read_manifest(locate(tmp_path / to)).step == 7, to
 
 
 def test_import_torch_save_file(tmp_path, capsys):

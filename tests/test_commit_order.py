@@ -20,6 +20,7 @@ import ckpt_integration as ci
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import opened as commits
 from tests.s3_faults import s3_fixture
+from ckpt_integration.storage.filesystem import locate
 
 s3 = s3_fixture(bucket="bkt")
 
@@ -38,8 +39,8 @@ def test_order_by_recorded_step_then_commit_not_clock(tmp_path):
     later = time.time() + 3600
     os.utime(d / "b" / "metadata.json", (later, later))
     assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["b", "a", "c"]
-    m = ckdir.read_manifest(str(d / "c"))
-    assert m.step == 8 and m.commit_seq == ckdir.read_manifest(str(d / "a")).commit_seq + 1
+    m = ckdir.read_manifest(locate(d / "c"))
+    assert m.step == 8 and m.commit_seq == ckdir.read_manifest(locate(d / "a")).commit_seq + 1
 
 
 def test_overwrite_siblings_are_not_listed(tmp_path):
@@ -66,7 +67,7 @@ def test_commit_numbers_continue_across_processes(tmp_path):
     commits._last_seq.clear()  # as in a restarted job
     _save(str(d / "iter_0"))
     assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["iter_3", "iter_2", "iter_1", "iter_0"]
-    assert ckdir.read_manifest(str(d / "iter_0")).commit_seq == 4
+    assert ckdir.read_manifest(locate(d / "iter_0")).commit_seq == 4
 
 
 def _fit(dirpath, epochs, ckpt_path=None):

@@ -17,6 +17,7 @@ import ckpt_integration as ci
 from ckpt_integration.tools import verify_checkpoint
 from tests.dist_utils import run_distributed
 from tests.layouts import assert_same_state
+from ckpt_integration.storage.filesystem import locate
 
 
 def _model_and_optimizer(world):
@@ -114,7 +115,7 @@ def _flip_a_data_byte(path):
     even PyTorch DCP's reader fail)."""
     from ckpt_integration.storage import checkpoint_dir as ckdir
 
-    records = ckdir.read_manifest(path).block_records()
+    records = ckdir.read_manifest(locate(path)).block_records()
     (name, offset), rec = max(((rid, records[rid]) for rid in records), key=lambda x: x[1].data_length)
     at = offset + rec.data_offset + rec.data_length // 2
     with open(os.path.join(path, name), "r+b") as f:

@@ -16,6 +16,7 @@ from ckpt_integration.cli import main as cli_main
 from ckpt_integration.modules import ParallelLayout, ShardedModuleMixin, module_sharded_state_dict
 from ckpt_integration.tools import ExportError, convert_checkpoint, export_checkpoint, export_recipe_object
 from tests.dist_utils import run_distributed
+from ckpt_integration.storage.filesystem import locate
 
 # --------------------------------------------------------------------------- a small LightningModule with a fused layer
 class FusedLinear(ShardedModuleMixin, nn.Linear):
@@ -331,7 +332,7 @@ def test_convert_stock_lightning_ckpt_then_resume(tmp_path, capsys):
     _assert_same(ci.load_plain_tensors(str(tmp_path / "plain")), m.state_dict())
     assert ci.load_common_state_dict(str(tmp_path / "plain"))["global_step"] == 3
     from ckpt_integration.storage import checkpoint_dir as ckdir
-    assert ckdir.read_manifest(str(tmp_path / "plain")).step == 3  # the commit order knows the step
+    assert ckdir.read_manifest(locate(tmp_path / "plain")).step == 3  # the commit order knows the step
 
     # with the module class: everything, stored as its sharded_state_dict asks (fused parts)
     assert cli("convert", stock, tmp_path / "full", "--to", "torch_dist", "--module", "tests.test_export:Lit") == 0

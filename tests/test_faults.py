@@ -43,6 +43,7 @@ from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import torch_dist as td
 from tests.damage import deadline, flip_byte
 from tests.dist_utils import run_distributed
+from ckpt_integration.storage.filesystem import locate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, COLS = 256, 192  # 192 KiB of float32: 12 checksum blocks of 16 KiB
@@ -155,7 +156,7 @@ def test_every_partial_read_is_checked_on_memory_urls():
 def _w_item_remote(url):
     from ckpt_integration.storage.torch_dist import read_dcp_metadata
 
-    md = read_dcp_metadata(url)
+    md = read_dcp_metadata(locate(url))
     return next(v for k, v in md.storage_data.items() if k.fqn == "w")
 
 
@@ -172,7 +173,7 @@ def test_checkpoint_in_the_old_format_is_checked_whole(tmp_path, monkeypatch):
     d = tmp_path / "old"
     want = _save(d, seed=4)
     man = json.loads((d / "manifest.json").read_text())
-    items = {f"{f}@{o}": v for (f, o), v in ckdir.read_manifest(str(d)).checksums().items()}
+    items = {f"{f}@{o}": v for (f, o), v in ckdir.read_manifest(locate(d)).checksums().items()}
     man = {k: man[k] for k in ("format", "created", "world_size", "files", "library_version")}
     man.update(version=1, items=items)
     (d / "manifest.json").write_text(json.dumps(man))

@@ -30,6 +30,7 @@ from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
 from tests.damage import deadline, flip_byte
+from ckpt_integration.storage.filesystem import locate
 
 ROWS, COLS = 128, 96  # 48 KiB of float32: 3 checksum blocks of 16 KiB
 DATA = "__0_0.distcp"
@@ -115,7 +116,7 @@ def _to_format_1(d) -> None:
 
     man = _manifest(d)
     assert man["block_hash"] == "crc32", "format 1 is made from a CRC32 checkpoint"
-    items = {f"{f}@{o}": v for (f, o), v in read_manifest(str(d)).checksums().items()}
+    items = {f"{f}@{o}": v for (f, o), v in read_manifest(locate(d)).checksums().items()}
     man = {k: man[k] for k in ("format", "created", "world_size", "files", "library_version")}
     man.update(version=1, items=items)
     _write_manifest(d, man)
@@ -184,7 +185,7 @@ def test_verify_reports_what_loads_refuse(saved, ckpt, capsys, damage):
 def test_verify_names_the_damaged_blocks(ckpt, capsys):
     """Two flipped data blocks of one item: the report gives the byte range of each block."""
     item = _w_item(ckpt)
-    rec = ckdir.read_manifest(str(ckpt)).block_records()[(DATA, item.offset)]
+    rec = ckdir.read_manifest(locate(ckpt)).block_records()[(DATA, item.offset)]
     data_offset, block = rec.data_offset, rec.block_size
     starts = [item.offset + data_offset + k * block for k in (0, 2)]
     for s in starts:

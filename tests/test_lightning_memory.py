@@ -26,6 +26,7 @@ import signal
 import sys
 
 import pytest
+from ckpt_integration.storage.filesystem import locate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +161,7 @@ def test_lightning_kill_resumes_from_memory_and_sigterm_persists(tmp_path):
     assert persisted == ["memory-step=6.ckpt", "memory-step=7.ckpt"], persisted  # 4 and 5 pruned
     for name in persisted:
         path = os.path.join(ckdir, name)
-        assert ckd.read_manifest(path).step == int(name[len("memory-step="):-len(".ckpt")])
+        assert ckd.read_manifest(locate(path)).step == int(name[len("memory-step="):-len(".ckpt")])
         report = verify_checkpoint(path, state=True)
         assert report.ok and report.state_checked > 0, report.format()
 

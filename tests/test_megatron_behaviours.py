@@ -23,6 +23,7 @@ import ckpt_integration as ci
 from ckpt_integration import ShardedObject, ShardedTensor, StrictHandling
 from ckpt_integration.errors import MismatchError
 from ckpt_integration.strategies import TorchDistSaveShardedStrategy
+from ckpt_integration.storage.filesystem import locate
 
 
 def _megatron_validation():
@@ -123,7 +124,7 @@ def test_separation_hint_files_are_removed_with_the_prefix(tmp_path):
     assert verify_checkpoint(str(path)).ok
     from ckpt_integration.storage import checkpoint_dir as ckdir
 
-    kept = ckdir.read_manifest(str(path)).checksums()  # (format 4: the binary table, rewritten)
+    kept = ckdir.read_manifest(locate(path)).checksums()  # (format 4: the binary table, rewritten)
     assert kept and not any(f in hinted for f, _ in kept)
     # without a hint both kinds share files: nothing is deleted, only the metadata entries go
     ci.save(_sd(), tmp_path / "d", thread_count=1)

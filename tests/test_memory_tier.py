@@ -33,6 +33,7 @@ import sys
 
 import pytest
 import torch
+from ckpt_integration.storage.filesystem import locate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N, M = 128, 512  # rows per rank, columns: 256 KiB per rank (deferred to the background copy)
@@ -281,7 +282,7 @@ def test_a_persisted_snapshot_records_its_step_and_is_the_newest(tmp_path):
     tier.save(snap, 7)
     tier.persist(7, str(ckpts / "preempted-step=7.ckpt")).wait()
     tier.close(remove=True)  # new nodes: nothing in memory
-    assert ckdir.read_manifest(str(ckpts / "preempted-step=7.ckpt")).step == 7
+    assert ckdir.read_manifest(locate(ckpts / "preempted-step=7.ckpt")).step == 7
     assert [os.path.basename(p) for p in ci.list_checkpoints(str(ckpts))] == ["last.ckpt", "preempted-step=7.ckpt"]
     got = ci.load(_request(0, 1), ci.list_checkpoints(str(ckpts))[-1])
     _check(got, 0, 1, 7)
@@ -291,7 +292,7 @@ def test_a_persisted_snapshot_records_its_step_and_is_the_newest(tmp_path):
     tier.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, 9)
     tier.persist(9, str(ckpts / "memory-step=9.ckpt")).wait()
     tier.close(remove=True)
-    assert ckdir.read_manifest(str(ckpts / "memory-step=9.ckpt")).step == 9
+    assert ckdir.read_manifest(locate(ckpts / "memory-step=9.ckpt")).step == 9
     assert os.path.basename(ci.list_checkpoints(str(ckpts))[-1]) == "memory-step=9.ckpt"
 
 

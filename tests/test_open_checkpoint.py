@@ -14,6 +14,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration.errors import CheckpointReplacedError, CorruptCheckpointError
+from ckpt_integration.storage.filesystem import locate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -306,9 +307,9 @@ def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path):
     out = load_checkpoint_dict(last)
     assert out["step"] == 7 and torch.equal(out["state_dict"]["w"], torch.full((64, 16), 3.0))
 
-    md = read_dcp_metadata(good)
+    md = read_dcp_metadata(locate(good))
     md.planner_data = {"w": argparse.Namespace(note="not a metadata class")}
-    manifest = ckdir.read_manifest(good)
+    manifest = ckdir.read_manifest(locate(good))
     manifest.files[DCP_METADATA_FILE] = write_dcp_metadata(good, md)
     ckdir.write_manifest(good, manifest)
     with pytest.raises(ci.CheckpointingException, match="argparse"):

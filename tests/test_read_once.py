@@ -20,6 +20,7 @@ from ckpt_integration.planning.read_once import (
 )
 from tests.dist_utils import run_distributed
 from tests.layouts import expected_fused, fused_qkv_factory, global_tensor
+from ckpt_integration.storage.filesystem import locate
 
 C = 4096  # float32 columns: a row is 16 KiB, so chunks span several 1 MiB checksum blocks
 
@@ -139,7 +140,7 @@ def _damaged(rank, world, d):
     _save(rank, world, d)
     tdist.barrier()
     if rank == 0:  # one bit of the second block of rank 1's "rows" chunk
-        man = ckdir.read_manifest(d)
+        man = ckdir.read_manifest(locate(d))
         for name, off in man.block_records():
             if name.startswith("__1_"):
                 rec = man.block_records()[(name, off)]

@@ -16,6 +16,7 @@ from ckpt_integration.planning.boxes import Box
 from ckpt_integration.storage import region_read
 from ckpt_integration.storage import torch_dist as td
 from ckpt_integration.storage.backends import open_reader, read_metadata
+from ckpt_integration.storage.filesystem import locate
 
 @pytest.mark.parametrize("scatter_min", [1, 4096])
 def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_path, monkeypatch, scatter_min):
@@ -35,7 +36,7 @@ def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_
         monkeypatch.setattr(td, "BLOCK_SIZE", rng.choice([16, 64, 100]))
         d = str(tmp_path / str(trial))
         ci.save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, d)
-        md = read_metadata(d)
+        md = read_metadata(locate(d))
         for verify in (True, False):
             with open_reader(d, md, verify_checksums=verify) as reader:
                 chunk = reader.chunks["w"][0]

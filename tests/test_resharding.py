@@ -25,6 +25,7 @@ from tests.layouts import (
     layer_stack,
     uneven_bounds,
 )
+from ckpt_integration.storage.filesystem import locate
 
 GRID = (8, 12)
 ROWS = (8, 12)
@@ -187,7 +188,7 @@ def test_replicated_shards_written_once(saved):
     from ckpt_integration.storage.torch_dist import read_dcp_metadata
 
     for name in ("main", "main_unbalanced"):
-        md = read_dcp_metadata(os.path.join(saved, name))
+        md = read_dcp_metadata(locate(os.path.join(saved, name)))
         bias_items = [i for i in md.storage_data if i.fqn == "dp.bias"]
         assert len(bias_items) == 1
         pp_chunks = md.state_dict_metadata["pp.layers"].chunks

@@ -13,6 +13,7 @@ import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
 from ckpt_integration.storage.tensor_record import BlockDigestWriter, save_tensor
 from ckpt_integration.storage.torch_dist import _archive_member_crc_disabled, run_parallel
+from ckpt_integration.storage.filesystem import locate
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
@@ -56,8 +57,8 @@ def test_large_items_start_aligned_small_items_stay_adjacent(tmp_path):
     ts = {f"t{i:02d}": torch.randn(*((262144 + 3 * i,) if i % 4 == 1 else (i + 1, 5))) for i in range(16)}
     path = tmp_path / "c"
     ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in ts.items()}, path, thread_count=1)
-    records = ckdir.read_manifest(str(path)).block_records()
-    md = read_metadata(str(path))
+    records = ckdir.read_manifest(locate(path)).block_records()
+    md = read_metadata(locate(path))
     spans = sorted((info.relative_path, info.offset, info.length) for info in md.storage_data.values())
     assert len({f for f, _, _ in spans}) == 1  # one data file: large and small items side by side
     gaps = 0
@@ -199,7 +200,7 @@ def _small_item(d, key):
     with open(os.path.join(d, ".metadata"), "rb") as f:
         md = pickle.load(f)  # our own, freshly written checkpoint
     info = next(v for k, v in md.storage_data.items() if k.fqn == key)
-    rec = ckdir.read_manifest(d).block_records()[(info.relative_path, info.offset)]
+    rec = ckdir.read_manifest(locate(d)).block_records()[(info.relative_path, info.offset)]
     return os.path.join(d, info.relative_path), info.offset, info.length, rec.data_offset, rec.data_length
 
 

@@ -20,6 +20,7 @@ from ckpt_integration import ShardedTensor
 from ckpt_integration.storage.fingerprint import add, fingerprint, fingerprints
 from tests.dist_utils import run_distributed
 from tests.layouts import expected_fused, fused_qkv_factory, global_tensor
+from ckpt_integration.storage.filesystem import locate
 
 R, C = 64, 2048  # float32: a row is 8 KiB
 
@@ -294,7 +295,7 @@ def test_checkpoints_without_fingerprints_load_with_a_note(tmp_path, monkeypatch
     monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 4)
     ci.save({"w": ShardedTensor.from_rank_offsets("w", w)}, str(tmp_path / "old"))
     monkeypatch.undo()
-    assert ckdir.read_manifest(str(tmp_path / "old")).version == 4
+    assert ckdir.read_manifest(locate(tmp_path / "old")).version == 4
     with caplog.at_level(logging.WARNING):
         out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(6, 5))}, str(tmp_path / "old"), verify_state=True)
     assert torch.equal(out["w"], w)

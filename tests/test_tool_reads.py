@@ -119,3 +119,48 @@ def test_fabric_load_reads_each_small_file_once_through_one_opened_checkpoint(tm
     small = {k: v for k, v in counts.items() if not k.endswith(".distcp")}
     assert small.get("metadata.json", 0) == 0 and small.get("manifest.json", 0) <= 1, small
     assert all(v <= 1 for v in small.values()), f"read more than once through one opened checkpoint: {small}"
+
+
+ENTRY_POINTS = {
+    "load": (lambda ci, t, p, d: ci.load(_request(), p), 1),
+    "load_common_state_dict": (lambda ci, t, p, d: ci.load_common_state_dict(p), 1),
+    "load_tensors_metadata": (lambda ci, t, p, d: ci.load_tensors_metadata(p), 1),
+    "load_plain_tensors": (lambda ci, t, p, d: ci.load_plain_tensors(p), 1),
+    "verify": (lambda ci, t, p, d: t.verify_checkpoint(p), 1),
+    "verify --state": (lambda ci, t, p, d: t.verify_checkpoint(p, state=True), 1),
+    "inspect": (lambda ci, t, p, d: t.inspect_checkpoint(p), 1),
+    "diff": (lambda ci, t, p, d: t.diff_checkpoints(p, os.path.join(d, "b")), 2),  # two checkpoints
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_an_entry_point_resolves_the_path_it_is_given_once(tmp_path, monkeypatch, entry):
+    """Issue 37 item 2: an entry point given a path turns it into the handle once
+    (``filesystem.locate``) and passes that down; no helper below it resolves the path again (on an
+    object store each resolution is an fsspec lookup). Before the handle, a load resolved its path
+    3 times, ``diff`` 6, ``verify`` 12 and ``verify --state`` 16."""
+    import sys
+
+    import ckpt_integration as ci
+    from ckpt_integration import tools
+    from ckpt_integration.storage import filesystem as fsm
+    from ckpt_integration.storage.located import CheckpointLocation
+
+    d = str(tmp_path)
+    ci.save(_state(), os.path.join(d, "a"))
+    ci.save(_state(), os.path.join(d, "b"))
+    resolved = []
+    real = fsm.storage_for
+
+    def storage_for(path):
+        if not isinstance(path, CheckpointLocation):
+            resolved.append(os.fspath(path))
+        return real(path)
+
+    for module in list(sys.modules.values()):  # every module that imported it by name
+        if getattr(module, "__name__", "").startswith("ckpt_integration") and getattr(module, "storage_for", None) is real:
+            monkeypatch.setattr(module, "storage_for", storage_for)
+    fn, most = ENTRY_POINTS[entry]
+    with contextlib.redirect_stdout(io.StringIO()):
+        fn(ci, tools, os.path.join(d, "a"), d)
+    assert len(resolved) <= most, f"{entry} resolved its path {len(resolved)} times: {resolved}"

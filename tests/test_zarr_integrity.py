@@ -21,6 +21,7 @@ from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTenso
 from ckpt_integration.cli import main
 from tests.dist_utils import run_distributed
 from tests.layouts import global_tensor, grid_shard
+from ckpt_integration.storage.filesystem import locate
 
 pytest.importorskip("zarr")
 
@@ -221,10 +222,10 @@ def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
 def test_commit_refuses_a_chunk_no_rank_wrote(ckpt):
     from ckpt_integration.storage.zarr_backend import commit_file_records, read_index
 
-    before = read_index(ckpt)
+    before = read_index(locate(ckpt))
     with pytest.raises(ci.CheckpointingException, match="not written by any rank"):
         commit_file_records(ckpt, [])
-    assert read_index(ckpt) == before
+    assert read_index(locate(ckpt)) == before
 
 
 # --------------------------------------------------------------------------- fsspec URLs

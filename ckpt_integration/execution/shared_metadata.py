@@ -32,7 +32,6 @@ from ..planning.records import MessageWriter, decode
 from ..storage import checkpoint_dir as ckdir
 from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, parse_index
 from ..storage.item_table import ItemTable
-from ..storage.located import path_of
 from ..storage.opened import OpenedCheckpoint
 from . import dist
 from .dist import Group
@@ -181,6 +180,6 @@ def open_shared(checkpoint_dir: Union[str, os.PathLike], group: Group = None, tr
         raise local
     if ck is not None:  # the coordinator plans from the same index (chunk records of its keys only)
         return ck, ck.shared
-    shared = decode_shared(payload, f"{path_of(checkpoint_dir)}/{CHUNK_INDEX_FILE} (as rank 0 read it)")
+    shared = decode_shared(payload, f"{checkpoint_dir}/{CHUNK_INDEX_FILE} (as rank 0 read it)")
     ck = OpenedCheckpoint(checkpoint_dir, trusted, config=shared.config, manifest=shared.manifest, shared=shared)
     return ck, shared

@@ -38,8 +38,8 @@ from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedTensor, ShardedTensorFactory
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
 from ..optimizer import has_optimizer_state, load_optimizer_state, optimizer_sharded_state_dict
-from ..storage.located import path_of
 from ..storage.opened import OpenedCheckpoint
+from ..storage.filesystem import locate
 from . import fsdp
 from .entries import model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO, UnsupportedStrategyError
@@ -222,7 +222,7 @@ class DistCkptFabricMixin(Strategy):
         io = self.checkpoint_io
         io.maybe_finalize(blocking=True, collective=False)  # a checkpoint still being written is committed first
         self.barrier()
-        given, path = path, self.broadcast(path_of(path))
+        given, path = path, self.broadcast(locate(path).path)
         if stock_layout(path) is not None:  # a torch.save file, Fabric's own DCP directory: as without the plugin
             with self._stock_io():
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)

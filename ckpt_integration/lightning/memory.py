@@ -36,6 +36,7 @@ from ..mapping import ShardedObject
 from ..memory import MemoryCheckpoints
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
 from ..storage import checkpoint_dir as ckdir
+from ..storage.filesystem import locate
 from ..serialization import load_common_state_dict
 from .entries import RNG_KEY, rng_from_safe, sharded_keys
 from .io import MARKER, DistCkptIO
@@ -149,7 +150,7 @@ def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:
     if not is_complete_checkpoint(path):
         return -1, "it is not a complete checkpoint"
     try:
-        manifest = ckdir.read_manifest(path)
+        manifest = ckdir.read_manifest(locate(path))
         if manifest is not None and manifest.step is not None:
             return int(manifest.step), None
         return int(load_common_state_dict(path, **_common_kw(io)).get("global_step", -1)), None

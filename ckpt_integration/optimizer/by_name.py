@@ -21,7 +21,6 @@ import torch
 from ..dict_utils import nested_values
 from ..mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor
 from ..dtensors import is_dtensor
-from ..storage.located import path_of
 from .load import (LabelDict, check_state_names, gather_problems, has_optimizer_state, raise_mismatch, read_optimizer_state,
                    report_missing_state)
 from .sharding import DEFAULT_PREFIX, grid_object, make_sharded_optimizer_tensor, state_object
@@ -166,7 +165,7 @@ def load_named_optimizer_state(
                    if pid in id_map and id_map[pid].data.numel()}
     problems += check_state_names(optimizer, named_osd["param_groups"], groups_pids, saved_names, (),
                                    lambda p: repr(order[p]))
-    raise_mismatch(gather_problems(problems, load_kwargs.get("process_group")), path_of(checkpoint_dir), prefix,
+    raise_mismatch(gather_problems(problems, load_kwargs.get("process_group")), str(checkpoint_dir), prefix,
                     f"does not fit {type(optimizer).__name__} (saved by another optimizer, with other options, or "
                     "for other parameters?)")
     for g, loaded in zip(named_osd["param_groups"], groups):

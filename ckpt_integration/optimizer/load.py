@@ -14,7 +14,6 @@ from ..execution.dist import Group, all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from ..dtensors import is_dtensor
 from ..serialization import load, load_sharded_metadata
-from ..storage.located import path_of
 from .sharding import (
     DEFAULT_PREFIX,
     EXTRA_STATE_NAMES,
@@ -84,7 +83,7 @@ def raise_mismatch(problems: List[str], checkpoint_dir: Union[str, "os.PathLike[
     """Raise :class:`OptimizerStateMismatchError` listing ``problems`` (every rank's), if there are any."""
     if problems:
         raise OptimizerStateMismatchError(
-            f"optimizer state {prefix!r} in {path_of(checkpoint_dir)} {why}:\n  " + "\n  ".join(problems)
+            f"optimizer state {prefix!r} in {checkpoint_dir} {why}:\n  " + "\n  ".join(problems)
         )
 
 
@@ -92,7 +91,7 @@ def report_missing_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix:
     """A checkpoint without optimizer state under ``prefix``: :class:`OptimizerStateNotFoundError`, or a
     warning with ``missing_ok``."""
     msg = (
-        f"{path_of(checkpoint_dir)} was saved without optimizer state (nothing under {prefix + '.'!r}); "
+        f"{checkpoint_dir} was saved without optimizer state (nothing under {prefix + '.'!r}); "
         "pass missing_ok=True to continue with fresh optimizer state"
     )
     if not missing_ok:
@@ -243,7 +242,7 @@ def read_optimizer_state(
     if not isinstance(saved_groups, list) or len(saved_groups) != len(param_groups_template):
         count = len(saved_groups) if isinstance(saved_groups, list) else "no"
         raise OptimizerStateMismatchError(
-            f"{path_of(checkpoint_dir)}: the checkpoint's optimizer {state_dict_key!r} has {count} "
+            f"{checkpoint_dir}: the checkpoint's optimizer {state_dict_key!r} has {count} "
             f"param groups, this optimizer {len(param_groups_template)}: build the optimizer with the same groups"
         )
     groups = [{**g, "params": t["params"]} for g, t in zip(saved_groups, param_groups_template)]

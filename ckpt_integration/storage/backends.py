@@ -7,9 +7,10 @@ are backend-agnostic: they ask the :class:`Backend` of a checkpoint (``backend_n
 
 Example::
 
-    be = backend_of("ckpt")            # TORCH_DIST or ZARR, from the checkpoint's metadata.json
-    md = be.read_metadata("ckpt", False)
-    with be.open_reader("ckpt", md) as reader:
+    ck = locate("ckpt")                # the handle every helper below takes
+    be = backend_of(ck)                # TORCH_DIST or ZARR, from the checkpoint's metadata.json
+    md = be.read_metadata(ck, False)
+    with be.open_reader(ck, md) as reader:
         reader.read_region(key, reader.chunks[key][0], box, out, dtype)
 """
 
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
+from .filesystem import locate
 from .located import CheckpointLocation
 from .torch_dist import read_dcp_metadata
 from .torch_dist_reader import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader
@@ -73,7 +75,7 @@ class Backend:
     dcp_metadata: bool
     mapped_chunks: bool
     block_hash: Optional[str]
-    read_metadata: Callable[[str, bool], Metadata]
+    read_metadata: Callable[[CheckpointLocation, bool], Metadata]
     open_reader: Callable[..., CheckpointReader]
 
 
@@ -94,12 +96,12 @@ def _open_zarr(
 
 TORCH_DIST = Backend(
     "torch_dist", dcp_metadata=True, mapped_chunks=True, block_hash=None,
-    read_metadata=lambda directory, trusted: read_dcp_metadata(directory, trusted=trusted),
+    read_metadata=lambda ck, trusted: read_dcp_metadata(ck, trusted=trusted),
     open_reader=_open_torch_dist,
 )
 ZARR = Backend(
     "zarr", dcp_metadata=False, mapped_chunks=False, block_hash="crc32",
-    read_metadata=lambda directory, trusted: ZarrReader(directory).metadata,
+    read_metadata=lambda ck, trusted: ZarrReader(ck).metadata,
     open_reader=_open_zarr,
 )
 BACKENDS: Dict[str, Backend] = {b.name: b for b in (TORCH_DIST, ZARR)}
@@ -113,15 +115,15 @@ def backend_named(name: str) -> Backend:
     return be
 
 
-def backend_of(directory: str) -> Backend:
-    """The backend that wrote ``directory`` (from its ``metadata.json``)."""
-    return backend_named(ckdir.read_config(directory).sharded_backend)
+def backend_of(ck: CheckpointLocation) -> Backend:
+    """The backend that wrote the checkpoint (from its ``metadata.json``)."""
+    return backend_named(ckdir.read_config(ck).sharded_backend)
 
 
-def read_metadata(directory: str, trusted: bool = False, backend: Optional[str] = None) -> Metadata:
-    """The DCP-shaped ``Metadata`` of ``directory`` through its backend."""
-    be = backend_named(backend) if backend else backend_of(directory)
-    return be.read_metadata(directory, trusted)
+def read_metadata(ck: CheckpointLocation, trusted: bool = False, backend: Optional[str] = None) -> Metadata:
+    """The DCP-shaped ``Metadata`` of the checkpoint through its backend."""
+    be = backend_named(backend) if backend else backend_of(ck)
+    return be.read_metadata(ck, trusted)
 
 
 #: Megatron-Core 0.19's layout: the common state as this ShardedObject inside the DCP data (no common.pt)
@@ -152,7 +154,7 @@ def embedded_common_bytes(opened: CheckpointLocation) -> Optional[bytes]:
 
 
 def open_reader(
-    directory: str,
+    directory: CheckpointLocation,
     metadata: Metadata,
     backend: Optional[str] = None,
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
@@ -164,5 +166,5 @@ def open_reader(
     checks, unless ``manifest`` hands it the checkpoint's manifest already read and checked (a
     load's coordinator reads it once and broadcasts it; ``None``: the checkpoint has none).
     ``checksums`` is accepted for compatibility and ignored where the checkpoint has a manifest."""
-    be = backend_named(backend) if backend else backend_of(directory)
+    be = backend_named(backend) if backend else backend_of(locate(directory))
     return be.open_reader(directory, metadata, checksums, verify_checksums, manifest)

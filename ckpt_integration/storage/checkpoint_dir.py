@@ -49,8 +49,8 @@ from .fingerprint import Recorded
 from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
                          decode_text, refusal, upgrade)
 from .claim import MARKER_FILE
-from .filesystem import Storage, join, storage_for
-from .located import CheckpointLocation, cached_config, cached_manifest
+from .filesystem import join, storage_for
+from .located import CheckpointLocation
 from .safe_pickle import safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -211,35 +211,33 @@ def load_json(data: bytes, path: str) -> Any:
         raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from None
 
 
-def looks_like_partial_save(directory: str) -> bool:
+def looks_like_partial_save(ck: CheckpointLocation) -> bool:
     """Whether the directory holds files of a save that never committed."""
-    storage, directory = storage_for(directory)
     try:
-        names = storage.listdir(directory)
+        names = ck.storage.listdir(ck.path)
     except OSError:
         return False
     return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
 
 
-def is_plain_dcp(directory: str) -> bool:
+def is_plain_dcp(ck: CheckpointLocation) -> bool:
     """A complete checkpoint of plain PyTorch DCP: ``.metadata`` (DCP writes it last), no
     ``metadata.json`` and none of the files only our (or Megatron-Core's) saves write."""
-    storage, directory = storage_for(directory)
     try:
-        names = set(storage.listdir(directory))
+        names = set(ck.storage.listdir(ck.path))
     except OSError:
         return False
     return DCP_METADATA_FILE in names and CONFIG_FILE not in names and not names.intersection(_OURS_ONLY)
 
 
-def interrupted_overwrite_hint(directory: str) -> str:
+def interrupted_overwrite_hint(ck: CheckpointLocation) -> str:
     """Where an ``overwrite=True`` save that crashed mid-swap left the checkpoints, if it did.
 
     Only the two-rename fallback (filesystems without an atomic exchange) can leave
     ``<dir>`` missing, with the old checkpoint at ``<dir>.old-*`` and the new committed
     one at ``<dir>.tmp-*``; nothing is lost, and this says where to find it.
     """
-    storage, directory = storage_for(directory)
+    storage, directory = ck.storage, ck.path
     if storage.remote:
         return ""
     parent, base = os.path.split(directory.rstrip(os.sep))
@@ -260,13 +258,12 @@ def interrupted_overwrite_hint(directory: str) -> str:
     )
 
 
-def read_config(directory: str) -> CheckpointingConfig:
+def read_config(ck: CheckpointLocation) -> CheckpointingConfig:
     """Parse ``metadata.json`` with a specific error for every way a path can fail to be a checkpoint
     (an opened checkpoint: what it read at open)."""
-    config = cached_config(directory)
-    if config is not None:
-        return config
-    storage, directory = storage_for(directory)
+    if ck.config is not None:
+        return ck.config
+    storage, directory = ck.storage, ck.path
     path = join(directory, CONFIG_FILE)
     raw_bytes: Optional[bytes] = None
     if storage.remote:
@@ -277,31 +274,32 @@ def read_config(directory: str) -> CheckpointingConfig:
         except (FileNotFoundError, CorruptCheckpointError):
             raw_bytes = None
     if raw_bytes is None:
-        found = _config_or_explain(storage, directory, path)
+        found = _config_or_explain(ck, path)
         if isinstance(found, CheckpointingConfig):
             return found
         raw_bytes = found
     return _parse_config(load_json(raw_bytes, path), directory, path)
 
 
-def _config_or_explain(storage: Storage, directory: str, path: str) -> Union[CheckpointingConfig, bytes]:
+def _config_or_explain(ck: CheckpointLocation, path: str) -> Union[CheckpointingConfig, bytes]:
     """The commit marker's bytes (a plain PyTorch DCP checkpoint: its config), or the specific
-    error for why ``directory`` has none."""
+    error for why the directory has none."""
+    storage, directory = ck.storage, ck.path
     if not storage.exists(directory):
         raise CheckpointNotFoundError(
             f"{directory} is not a distributed checkpoint: checkpoint directory {directory} does not exist"
-            + interrupted_overwrite_hint(directory)
+            + interrupted_overwrite_hint(ck)
         )
     if not storage.isdir(directory):
         raise CheckpointNotFoundError(
             f"{directory} is a file, not a checkpoint directory (for a torch.save file use torch.load)"
         )
     if not storage.exists(path):
-        if is_plain_dcp(directory):
+        if is_plain_dcp(ck):
             _note_unchecked(directory, "a PyTorch DCP checkpoint (no metadata.json): loaded as a foreign checkpoint, "
                                        "tensors and objects only (no common state)")
             return CheckpointingConfig("torch_dist", 1)
-        if looks_like_partial_save(directory):
+        if looks_like_partial_save(ck):
             raise IncompleteCheckpointError(
                 f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint, with data "
                 f"files but no {CONFIG_FILE} commit marker, so the save that wrote it did not finish; use an "
@@ -385,15 +383,15 @@ def save_common(directory: str, common_state_dict: Mapping[str, object], durable
     return {"size": len(data), "crc32": crc32(data)}
 
 
-def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"], what: str = "file") -> bytes:
+def read_verified_file(ck: CheckpointLocation, name: str, manifest: Optional["Manifest"], what: str = "file") -> bytes:
     """The bytes of a small whole file (``common.pt``, ``.metadata``), checked against its
     manifest entry (size and CRC32) when there is one. Read once: the bytes checked are
     the bytes returned. Containment and regular-file checks as every reader's open."""
-    cache = directory.file_cache if isinstance(directory, CheckpointLocation) else None
+    cache = ck.file_cache
     if cache is not None and name in cache:  # an opened checkpoint: read and checked once
         return cache[name]
-    storage, directory = storage_for(directory)
-    data = storage.read_in(directory, name, what)
+    directory = ck.path
+    data = ck.storage.read_in(directory, name, what)
     entry = (manifest.files.get(name) if manifest else None) or {}
     if "crc32" in entry and (len(data) != entry.get("size", len(data)) or crc32(data) != entry["crc32"]):
         raise CorruptCheckpointError(
@@ -406,7 +404,7 @@ def read_verified_file(directory: str, name: str, manifest: Optional["Manifest"]
     return data
 
 
-def load_common(directory: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
+def load_common(ck: CheckpointLocation, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None,
                 manifest: Optional[Manifest] = None, embedded: Optional[Callable[[], Optional[bytes]]] = None) -> Any:
     """The common state (``common.pt``), checksum-verified; ``{}`` for a plain PyTorch DCP checkpoint.
 
@@ -414,15 +412,15 @@ def load_common(directory: str, trusted: bool = False, allowed_globals: Optional
     e.g. broadcast by a load's coordinator; ``None``: read here. ``embedded``: where there is no
     ``common.pt``, returns the bytes of a common state stored inside the DCP data (Megatron-Core
     0.19's ``common_state`` object, :func:`~.backends.embedded_common_bytes`), or None."""
-    storage, root = storage_for(directory)  # ``directory`` itself goes down: an opened one keeps its reads
+    root = ck.path
     path = join(root, COMMON_FILE)
     if manifest is None:
-        manifest = read_manifest_checked(directory)
+        manifest = read_manifest_checked(ck)
     embedded_used = False
     try:
-        data = read_verified_file(directory, COMMON_FILE, manifest, "common state file")
+        data = read_verified_file(ck, COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
-        if is_plain_dcp(directory):
+        if is_plain_dcp(ck):
             return {}
         data = embedded() if embedded is not None else None
         if data is None:
@@ -458,34 +456,31 @@ def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None)
     return "{" + ", ".join(f"{json.dumps(k)}: {rendered[k] if k in rendered else json.dumps(v)}" for k, v in fields_.items()) + "}"
 
 
-def manifest_deleted(directory: str) -> bool:
+def manifest_deleted(ck: CheckpointLocation) -> bool:
     """Whether ``manifest.json`` is gone from a checkpoint that was saved with one (damage)."""
-    storage, path = storage_for(directory)
-    return manifest_expected(directory) and not storage.exists(join(path, MANIFEST_FILE))
+    return manifest_expected(ck) and not ck.storage.exists(join(ck.path, MANIFEST_FILE))
 
 
-def manifest_expected(directory: str) -> bool:
+def manifest_expected(ck: CheckpointLocation) -> bool:
     """Whether the checkpoint was saved with a ``manifest.json`` (so its absence is damage).
 
     False for checkpoints of other writers (Megatron-Core, PyTorch DCP), which have no
     :data:`WRITER_FILE`, and for ours saved before the marker existed.
     """
-    storage, directory = storage_for(directory)
-    return storage.exists(join(directory, WRITER_FILE))
+    return ck.storage.exists(join(ck.path, WRITER_FILE))
 
 
-def read_manifest(directory: str, legacy: bool = False) -> Optional[Manifest]:
+def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
     """Our manifest, or ``None`` for checkpoints written by other tools (an opened checkpoint: the
     manifest it pinned). Formats 1-3 raise :class:`UnsupportedCheckpointError` naming the command
     that converts them; ``legacy=True`` (what ``convert`` opens its source with) reads them as
     the current format (:func:`.item_table.upgrade`)."""
-    known, manifest = cached_manifest(directory)
-    if known:
-        return manifest
-    storage, directory = storage_for(directory)
+    if ck.manifest_read:
+        return ck.manifest
+    directory = ck.path
     path = join(directory, MANIFEST_FILE)
     try:
-        data = storage.read_in(directory, MANIFEST_FILE, "manifest")
+        data = ck.storage.read_in(directory, MANIFEST_FILE, "manifest")
     except FileNotFoundError:
         return None
     raw = load_json(data, path)
@@ -530,20 +525,19 @@ def read_manifest(directory: str, legacy: bool = False) -> Optional[Manifest]:
         raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
 
 
-def read_manifest_checked(directory: str, legacy: bool = False) -> Optional[Manifest]:
+def read_manifest_checked(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
     """:func:`read_manifest`, but a missing manifest of a checkpoint saved with one is damage.
 
     ``None`` (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch
     DCP) and ours saved before the marker existed; such loads log a note once per directory.
     """
-    known, manifest = cached_manifest(directory)
-    if known:  # checked when it was opened
-        return manifest
-    manifest = read_manifest(directory, legacy)
+    if ck.manifest_read:  # checked when it was opened
+        return ck.manifest
+    manifest = read_manifest(ck, legacy)
     if manifest is not None:
         return manifest
-    storage, path = storage_for(directory)
-    if manifest_expected(directory):
+    path = ck.path
+    if manifest_expected(ck):
         raise CorruptCheckpointError(
             f"{join(path, MANIFEST_FILE)} is missing, but {WRITER_FILE} says the checkpoint was saved with it: "
             "the recorded checksums are lost, so its data cannot be verified (refusing to load it unchecked)"

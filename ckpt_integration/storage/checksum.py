@@ -43,16 +43,16 @@ import base64
 import functools
 import hashlib
 import json
-import os
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnknownBlockHashError
-from .filesystem import join, storage_for
+from .filesystem import join
+from .located import CheckpointLocation
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -238,9 +238,9 @@ INTEGRITY_FILE = "integrity.json"
 _PIECE = 1 << 20
 
 
-def read_sha_manifest(directory: Union[str, os.PathLike]) -> Optional[Dict[str, str]]:
+def read_sha_manifest(ck: CheckpointLocation) -> Optional[Dict[str, str]]:
     """``{file: sha256 hex}`` recorded in ``integrity.json``, or None when there is none."""
-    storage, root = storage_for(directory)
+    storage, root = ck.storage, ck.path
     path = join(root, INTEGRITY_FILE)
     if not storage.exists(path):
         return None
@@ -259,9 +259,9 @@ def read_sha_manifest(directory: Union[str, os.PathLike]) -> Optional[Dict[str, 
     return files
 
 
-def sha_problems(directory: Union[str, os.PathLike], files: Dict[str, str]) -> List[Tuple[str, str]]:
+def sha_problems(ck: CheckpointLocation, files: Dict[str, str]) -> List[Tuple[str, str]]:
     """``(message, file name)`` per recorded file that is missing, unreadable or whose SHA-256 differs."""
-    storage, root = storage_for(directory)
+    storage, root = ck.storage, ck.path
     out = []
     for name in sorted(files):
         try:
@@ -284,15 +284,15 @@ def sha_problems(directory: Union[str, os.PathLike], files: Dict[str, str]) -> L
     return out
 
 
-def check_sha_manifest(directory: Union[str, os.PathLike]) -> bool:
+def check_sha_manifest(ck: CheckpointLocation) -> bool:
     """Check every file ``integrity.json`` lists (see the module doc); False when there is none."""
-    files = read_sha_manifest(directory)
+    files = read_sha_manifest(ck)
     if files is None:
         return False
-    problems = sha_problems(directory, files)
+    problems = sha_problems(ck, files)
     if problems:
         raise CorruptCheckpointError(
-            f"{storage_for(directory)[1]} fails its integrity manifest ({INTEGRITY_FILE}, Megatron-Core): "
+            f"{ck} fails its integrity manifest ({INTEGRITY_FILE}, Megatron-Core): "
             + "; ".join(message for message, _ in problems))
     return True
 

@@ -21,10 +21,9 @@ Megatron-Core read; they ignore this file.
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -46,7 +45,8 @@ from ..planning.records import MessageWriter, decode, group_rows
 from ..planning.reshard import ChunkRead, band
 from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
-from .filesystem import join, storage_for
+from .filesystem import join
+from .located import CheckpointLocation
 from .torch_dist_reader import ChunkInfo
 
 logger = logging.getLogger(__name__)
@@ -369,8 +369,8 @@ def matches(index: CompactMetadata, metadata_entry: Dict[str, Any]) -> bool:
                                                            int(metadata_entry.get("crc32", -2)))
 
 
-def read_chunk_index(location: Union[str, os.PathLike], manifest: Optional[ckdir.Manifest], metadata: Callable[[], Metadata]) -> CompactMetadata:
-    """The chunk index of the checkpoint at ``location`` (a path or an opened checkpoint):
+def read_chunk_index(location: CheckpointLocation, manifest: Optional[ckdir.Manifest], metadata: Callable[[], Metadata]) -> CompactMetadata:
+    """The chunk index of the checkpoint at ``location``:
     ``chunk_index.bin`` checked against ``manifest`` and matched to the ``.metadata`` it
     records, else built from ``metadata()`` (``.metadata``, read and checked by the caller).
 
@@ -379,7 +379,7 @@ def read_chunk_index(location: Union[str, os.PathLike], manifest: Optional[ckdir
     """
     md_entry = (manifest.files.get(ckdir.DCP_METADATA_FILE) if manifest is not None else None) or {}
     if usable(manifest):
-        where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
+        where = join(location.path, CHUNK_INDEX_FILE)
         problem = ""
         try:
             index = parse_index(ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index"), where)
@@ -527,13 +527,13 @@ def differences(index: CompactMetadata, md: Metadata, limit: int = 5) -> List[st
     return out
 
 
-def index_problems(location: Union[str, os.PathLike], manifest: Optional[ckdir.Manifest], md: Metadata, data: Optional[bytes] = None) -> List[str]:
+def index_problems(location: CheckpointLocation, manifest: Optional[ckdir.Manifest], md: Metadata, data: Optional[bytes] = None) -> List[str]:
     """What ``verify`` reports about a recorded index next to its (readable) ``.metadata``: made
     from another ``.metadata``, or describing other chunks. A damaged or missing file is reported
     with every other recorded file, not here. ``data``: the index's bytes, checked already."""
     if not usable(manifest):
         return []
-    where = join(storage_for(location)[1], CHUNK_INDEX_FILE)
+    where = join(location.path, CHUNK_INDEX_FILE)
     try:
         if data is None:
             data = ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index")

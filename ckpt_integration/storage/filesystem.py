@@ -574,11 +574,8 @@ _LOCAL = Storage()
 
 
 def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
-    """The storage and the path to use with it, for a local path or an fsspec URL.
-
-    fsspec filesystems accept full URLs, so remote paths are kept as given. An opened checkpoint
-    (a :class:`~.located.CheckpointLocation`) gives the storage it resolved when it was opened.
-    """
+    """The storage and the path to use with it, for a local path or an fsspec URL (kept as given:
+    fsspec filesystems accept full URLs). A location: the storage it resolved."""
     if isinstance(path, CheckpointLocation):
         return path.storage, path.path
     p = os.fspath(path)
@@ -592,3 +589,9 @@ def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
         raise ImportError(f"{p} is a URL: install fsspec (and the filesystem's package, e.g. s3fs)") from None
     fs, _ = fsspec.core.url_to_fs(p)
     return Storage(fs), p.rstrip("/")
+
+
+def locate(where: Union[str, os.PathLike, CheckpointLocation]) -> CheckpointLocation:
+    """The handle the storage helpers take for the checkpoint at ``where``: ``where`` itself when
+    it is one (an opened checkpoint keeps what it read), else one with its storage resolved here."""
+    return where if isinstance(where, CheckpointLocation) else CheckpointLocation(*storage_for(where))

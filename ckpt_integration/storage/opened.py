@@ -48,8 +48,8 @@ class OpenedCheckpoint(CheckpointLocation):
 
     def __init__(self, path: Any, trusted: bool = False, *, config: Any = None, manifest: Any = None,
                  metadata: Any = None, shared: Any = None, legacy: bool = False):
+        super().__init__(*storage_for(path))
         self.storage: Storage
-        self.storage, self.path = storage_for(path)
         self.trusted = trusted
         self.commit_id: Optional[str] = None
         self.closed = False
@@ -64,17 +64,17 @@ class OpenedCheckpoint(CheckpointLocation):
             self.backend = config.sharded_backend
             self.commit_id, self.dcp_metadata = identity_of(manifest), metadata
             return
-        self.config = ckdir.read_config(self.path)  # a specific error for every way it is not a checkpoint
+        self.config = ckdir.read_config(self)  # a specific error for every way it is not a checkpoint
         self.backend = self.config.sharded_backend
         try:
-            self.manifest = ckdir.read_manifest_checked(self.path, legacy)
+            self.manifest = ckdir.read_manifest_checked(self, legacy)
             self.manifest_read = True
             self.commit_id = identity_of(self.manifest)  # the commit pinned: the manifest's
         except Exception as e:
             self._raise_if_replaced(e)
             raise
         if self.manifest is None:  # nothing read later can be checked against it: pin by identity now
-            check_sha_manifest(self.path)  # (Megatron-Core's integrity.json, where there is one)
+            check_sha_manifest(self)  # (Megatron-Core's integrity.json, where there is one)
             self.check()
 
     @property
@@ -98,7 +98,8 @@ class OpenedCheckpoint(CheckpointLocation):
         """``.metadata`` itself, read and checked against the manifest (kept)."""
         if self._dcp_metadata is None:
             try:
-                self._dcp_metadata = read_dcp_metadata(self.path, trusted=self.trusted, manifest=self.manifest)
+                # (a bare location of this commit: this object's own dcp_metadata is what is being read)
+                self._dcp_metadata = read_dcp_metadata(self.at(self.path), trusted=self.trusted, manifest=self.manifest)
             except Exception as e:
                 self._raise_if_replaced(e)
                 raise
@@ -143,7 +144,7 @@ class OpenedCheckpoint(CheckpointLocation):
     def _raise_if_replaced(self, cause: Optional[BaseException]) -> None:
         if self.commit_id is None:  # nothing pinned yet (the manifest itself failed): its own error stands
             return
-        now = commit_identity(self.path)
+        now = commit_identity(self)
         if now == self.commit_id:
             return
         what = "removed" if now is None else "replaced by another commit"
@@ -246,7 +247,7 @@ _ORDER_RE = re.compile(rb'^\{"format": "[^"]*", "version": \d+, "created": [-+.e
 _HEAD_BYTES = 512
 
 
-def commit_order(directory: str) -> Tuple[Optional[int], Optional[int], Optional[float]]:
+def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], Optional[float]]:
     """``(step, commit_seq, created)`` recorded in a checkpoint's manifest; ``None`` for what it lacks.
 
     Reads the first bytes of ``manifest.json`` (one small ranged read on object stores; the
@@ -254,7 +255,7 @@ def commit_order(directory: str) -> Tuple[Optional[int], Optional[int], Optional
     readable manifest (other writers, damage) gives ``(None, None, None)``: listing
     checkpoints never fails because one of them is damaged; loading it does.
     """
-    storage, directory = storage_for(directory)
+    storage, directory = ck.storage, ck.path
     try:
         reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
         try:
@@ -266,7 +267,7 @@ def commit_order(directory: str) -> Tuple[Optional[int], Optional[int], Optional
             step, seq = (None if g == b"null" else int(g) for g in m.groups())
             created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
             return step, seq, created
-        manifest = read_manifest(directory)
+        manifest = read_manifest(ck.at(directory))  # (read afresh: what the directory holds now)
     except (OSError, CheckpointingException, ValueError):
         return None, None, None
     if manifest is None:
@@ -299,7 +300,7 @@ def next_commit_seq(checkpoint_dir: str) -> int:
             for n in names:
                 sibling = join(p, n)
                 if storage.exists(join(sibling, CONFIG_FILE)):
-                    seq = commit_order(sibling)[1]
+                    seq = commit_order(CheckpointLocation(storage, sibling))[1]
                     if seq is not None:
                         last = max(last, seq)
         _last_seq[parent] = last + 1
@@ -310,7 +311,7 @@ def next_commit_seq(checkpoint_dir: str) -> int:
 _ID_RE = re.compile(rb'"commit_id": "([0-9a-f]*)"')
 
 
-def commit_identity(directory: str) -> Optional[str]:
+def commit_identity(ck: CheckpointLocation) -> Optional[str]:
     """Which commit ``directory`` holds now: ``None`` when it holds no committed checkpoint (removed,
     or being rewritten in place: no ``metadata.json``), else the manifest's ``commit_id``.
 
@@ -319,9 +320,9 @@ def commit_identity(directory: str) -> Optional[str]:
     opened checkpoint can notice a removal but not every replacement (see docs/reading.md).
     Costs one existence check and one small read (the manifest's head) on any storage.
     """
-    storage, directory = storage_for(directory)
+    storage, directory = ck.storage, ck.path
     if not storage.exists(join(directory, CONFIG_FILE)):
-        return "" if is_plain_dcp(directory) else None  # plain DCP: ``.metadata`` is its commit marker
+        return "" if is_plain_dcp(ck) else None  # plain DCP: ``.metadata`` is its commit marker
     try:
         reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
     except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint
@@ -333,7 +334,7 @@ def commit_identity(directory: str) -> Optional[str]:
     m = _ID_RE.search(head)
     if m is not None and m.group(1):
         return m.group(1).decode()
-    return identity_of(read_manifest(directory))
+    return identity_of(read_manifest(ck.at(directory)))  # (read afresh, never what was opened)
 
 
 def identity_of(manifest: Optional[Manifest]) -> str:

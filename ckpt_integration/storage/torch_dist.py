@@ -50,7 +50,7 @@ from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, crc32, save_block_hash
 from .filesystem import Storage, join, name_problem, storage_for, writing
 from .fs import tensor_buffer
 from .incremental import BaseFiles, plan_reuse, take_file
-from .located import cached_dcp_metadata
+from .located import CheckpointLocation
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import TEMPLATE_MAX_BYTES, BlockDigestWriter, DigestWriter, SmallItemWriter, archive_template, save_tensor
@@ -474,20 +474,18 @@ def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True)
     return {"size": len(data), "crc32": crc32(data)}
 
 
-def read_dcp_metadata(directory: str, trusted: bool = False, manifest: Optional[ckdir.Manifest] = None) -> Metadata:
+def read_dcp_metadata(ck: CheckpointLocation, trusted: bool = False, manifest: Optional[ckdir.Manifest] = None) -> Metadata:
     """``.metadata``, checked against the manifest (read once: the bytes checked are the bytes
     unpickled) and unpickled restrictedly unless ``trusted``. ``manifest``: the checkpoint's
     manifest when the caller has read it already (else it is read here). An opened checkpoint:
     the ``.metadata`` it read."""
-    cached = cached_dcp_metadata(directory)
-    if cached is not None:
-        return cached
-    storage, root = storage_for(directory)  # ``directory`` itself goes down: an opened one keeps its reads
-    path = join(root, DCP_METADATA_FILE)
+    if ck.dcp_metadata is not None:
+        return ck.dcp_metadata
+    path = join(ck.path, DCP_METADATA_FILE)
     if manifest is None:
-        manifest = ckdir.read_manifest(directory)
+        manifest = ckdir.read_manifest(ck)
     try:
-        data = ckdir.read_verified_file(directory, DCP_METADATA_FILE, manifest, "tensor metadata file")
+        data = ckdir.read_verified_file(ck, DCP_METADATA_FILE, manifest, "tensor metadata file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the torch_dist checkpoint has no tensor metadata") from None
     try:

@@ -24,7 +24,8 @@ from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointErro
 from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
 from .checksum import CRC32, block_hash
-from .filesystem import FileReader, join, name_problem, storage_for
+from .filesystem import FileReader, join, locate, name_problem
+from .located import CheckpointLocation
 from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
 from .region_read import read_region as _read_region
@@ -68,16 +69,17 @@ class TorchDistReader:
 
     def __init__(
         self,
-        directory: str,
+        directory: Union[str, CheckpointLocation],
         metadata: Metadata,
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
         manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
     ):
-        self.storage, self.directory = storage_for(directory)
+        ck = locate(directory)
+        self.storage, self.directory = ck.storage, ck.path
         self.metadata = metadata
         if manifest is MANIFEST_FROM_DIRECTORY:  # an opened checkpoint: the manifest it pinned
-            manifest = ckdir.read_manifest_checked(directory)
+            manifest = ckdir.read_manifest_checked(ck)
         self.manifest = manifest
         self.hash = manifest.hash if manifest is not None else block_hash(CRC32)  # (checksums given: CRC32s)
         self.checksums = manifest.checksums() if manifest is not None else dict(checksums or {})

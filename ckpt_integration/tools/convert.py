@@ -11,8 +11,8 @@ import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.fs import tensor_buffer
-from ..storage.located import path_of
 from ..storage.opened import pinned
+from ..storage.filesystem import locate
 from ..mapping import ShardedObject, ShardedTensor
 from ..serialization import load_common_state_dict, save
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
@@ -143,7 +143,7 @@ def convert_checkpoint(
         max_shard_size = parse_size(max_shard_size)
         budget = parse_size(memory_budget)
         out = os.fspath(out)
-        check_not_source(path_of(src_path), out)
+        check_not_source(locate(src_path).path, out)
         is_dir = to != "torch"
         check_output(out, overwrite, is_dir)
         src = open_source(src_path, trusted=trusted)

@@ -13,7 +13,6 @@ import torch
 from ..dict_utils import diff
 from ..errors import CheckpointingException
 from ..serialization import load_common_state_dict
-from ..storage.located import path_of
 from ..storage.opened import pinned
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
 from .sources import DistCheckpointSource, open_source, plan_blocks
@@ -155,8 +154,8 @@ def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDG
     two checkpoint directories also the common state and the ShardedObjects' values."""
     with pinned(a, b, verified=True):  # (an opened checkpoint: its commit, pinned)
         budget = parse_size(memory_budget)
-        report = DiffReport(path_of(a), path_of(b))
         with open_source(a, trusted=trusted) as sa, open_source(b, trusted=trusted) as sb:
+            report = DiffReport(sa.path, sb.path)
             ka, kb = set(sa.tensors), set(sb.tensors)
             report.only_in_a = sorted(ka - kb)
             report.only_in_b = sorted(kb - ka)

@@ -32,8 +32,8 @@ from ..modules import ParallelLayout, load_into_module, module_sharded_state_dic
 from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
 from ..serialization import load, load_common_state_dict
-from ..storage.located import path_of
 from ..storage.opened import OpenedCheckpoint, pinned
+from ..storage.filesystem import locate
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .output import check_not_source, check_output, commit_output, discard_output, staging_path
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
@@ -433,7 +433,7 @@ def export_checkpoint(
             raise ValueError(f"unknown export format {to!r}: choose hf or lightning")
         if include_optimizer and (to != "lightning" or module is None):
             raise ValueError("include_optimizer=True needs to='lightning' and module= (the optimizers are rebuilt from it)")
-        given, src_path, out = src_path, path_of(src_path), os.fspath(out)
+        given, src_path, out = src_path, locate(src_path).path, os.fspath(out)
         budget, max_shard_size = parse_size(memory_budget), parse_size(max_shard_size)
         check_not_source(src_path, out)
         check_output(out, overwrite, is_dir=to == "hf")

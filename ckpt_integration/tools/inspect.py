@@ -14,8 +14,8 @@ from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import backend_named, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
-from ..storage.filesystem import checked_path, is_remote, storage_for
-from ..storage.located import path_of
+from ..storage.filesystem import checked_path, is_remote, locate
+from ..storage.located import CheckpointLocation
 from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
@@ -156,13 +156,13 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
     Safetensors and torch.save inputs are described too (without shard details).
     """
     with pinned(path, verified=True):  # (an opened checkpoint: its commit, pinned)
-        where = path  # an opened checkpoint goes down as it is (its files are not read again)
-        path = path_of(path)
+        where = locate(path)  # an opened checkpoint goes down as it is (its files are not read again)
+        path = str(where)
         # a checkpoint directory on an object store (fsspec URL); locally: whatever is there
         kind = "torch_dist" if isinstance(where, OpenedCheckpoint) or is_remote(path) else detect_kind(path)
         if kind == "torch_dist" and not isinstance(where, OpenedCheckpoint):
             try:  # opened once for the reads below; one that cannot be opened is described as it is
-                ck = OpenedCheckpoint(path, trusted=trusted)
+                ck = OpenedCheckpoint(where, trusted=trusted)
             except CheckpointingException:
                 ck = None
             if ck is not None:
@@ -179,10 +179,10 @@ def inspect_checkpoint(path: str, trusted: bool = False) -> Dict[str, Any]:
         return _inspect_dcp(where, path, trusted)
 
 
-def _shared_files(where: Any, files: Dict[str, int]) -> Optional[Dict[str, int]]:
+def _shared_files(where: CheckpointLocation, files: Dict[str, int]) -> Optional[Dict[str, int]]:
     """``{data file: bytes}`` of the data files that are also part of other checkpoints (hard links
     of incremental saves: more than one name); None on object stores, whose copies share nothing."""
-    storage, root = storage_for(where)
+    storage, root = where.storage, where.path
     if storage.remote:
         return None
     out = {}
@@ -196,7 +196,7 @@ def _shared_files(where: Any, files: Dict[str, int]) -> Optional[Dict[str, int]]
     return out
 
 
-def _inspect_dcp(where: Any, path: str, trusted: bool) -> Dict[str, Any]:
+def _inspect_dcp(where: CheckpointLocation, path: str, trusted: bool) -> Dict[str, Any]:
     """:func:`inspect_checkpoint` of a checkpoint directory (``where``: it, or its opened checkpoint)."""
     config = ckdir.read_config(where)
     backend = config.sharded_backend

@@ -42,6 +42,7 @@ from ..optimizer.sharding import optim_state_to_sharding_state
 from ..serialization import save
 from ..storage.backends import open_reader
 from ..storage.fs import tensor_buffer
+from ..storage.filesystem import locate
 from ..storage.located import CheckpointLocation
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import read_dcp_metadata
@@ -107,8 +108,9 @@ class _DCPSource(DistCheckpointSource):
     def __init__(self, path: str, trusted: bool = False):
         TensorSource.__init__(self, path)
         self.trusted, self.kind, self.config, self.manifest = trusted, "torch_dist", None, None
-        self.metadata = read_dcp_metadata(path, trusted=trusted)
-        self.reader = open_reader(path, self.metadata, "torch_dist", None, verify_checksums=False)
+        ck = locate(path)
+        self.metadata = read_dcp_metadata(ck, trusted=trusted)
+        self.reader = open_reader(ck, self.metadata, "torch_dist", None, verify_checksums=False)
         self.objects = []
         for key, md in sorted(self.metadata.state_dict_metadata.items()):
             if isinstance(md, TensorStorageMetadata):

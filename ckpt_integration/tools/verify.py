@@ -22,13 +22,13 @@ from ..checkpoints import list_checkpoints
 from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
 from ..storage import checkpoint_dir as ckdir
-from .verify_files import (UNREAD, integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
+from .verify_files import (integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
                            verify_other_recorded_files)
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
-from ..storage.filesystem import FileReader, Storage, join, name_problem, storage_for
+from ..storage.filesystem import FileReader, Storage, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
-from ..storage.located import path_of
+from ..storage.located import CheckpointLocation
 from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
@@ -130,47 +130,41 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
     found inside; damage never raises, it is reported.
     """
     with pinned(path):  # (an opened checkpoint: its commit, pinned)
-        # an opened checkpoint: its commit marker and manifest were read (and checked) when it was opened
-        ck = path if isinstance(path, OpenedCheckpoint) else None
-        path = path_of(path)
-        report = VerifyReport(path)
+        # an opened checkpoint: its commit marker and manifest were read (and checked) when it was
+        # opened, and the helpers below take them from it; the files verify checks are read here
+        ck = locate(path)
+        report = VerifyReport(str(ck))
         try:
-            config: Optional[ckdir.CheckpointingConfig] = ck.config if ck is not None else ckdir.read_config(path)
+            config: Optional[ckdir.CheckpointingConfig] = ckdir.read_config(ck)
         except CheckpointNotFoundError:
-            raise _not_a_checkpoint(path) from None
+            raise _not_a_checkpoint(ck) from None
         except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
             report.add(str(e), ckdir.CONFIG_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
             config = None
-            storage, root = storage_for(path)
-            if not storage.exists(join(root, DCP_METADATA_FILE)):
+            if not ck.storage.exists(join(ck.path, DCP_METADATA_FILE)):
                 return report
-        if not integrity_manifest_holds(path, report, _known_manifest(ck)):
+        if not integrity_manifest_holds(ck, report):
             return report
         if config is not None and config.sharded_backend == "zarr":
-            report = _verify_zarr(path, report, progress)
+            report = _verify_zarr(ck, report, progress)
         else:
-            report = _verify_torch_dist(path, report, progress, trusted, ck)
+            report = _verify_torch_dist(ck, report, progress, trusted)
         if state and report.ok:
-            _verify_state(path, ck, report, progress, trusted, parse_size(memory_budget))
+            _verify_state(ck, report, progress, trusted, parse_size(memory_budget))
         return report
 
 
-def _known_manifest(ck: Optional[OpenedCheckpoint]) -> Any:
-    """The manifest an opened checkpoint read (and checked) at open, else :data:`UNREAD`."""
-    return ck.manifest if ck is not None else UNREAD
-
-
-def _verify_state(path: str, ck: Optional[OpenedCheckpoint], report: VerifyReport, progress: ProgressFactory,
-                  trusted: bool, budget: int) -> None:
+def _verify_state(ck: CheckpointLocation, report: VerifyReport, progress: ProgressFactory, trusted: bool,
+                  budget: int) -> None:
     """Every tensor read back in row blocks and its fingerprint compared with the recorded one
-    (through the opened checkpoint ``ck`` when there is one)."""
-    manifest = ck.manifest if ck is not None else ckdir.read_manifest(path)
+    (through ``ck`` when it is an opened checkpoint)."""
+    manifest = ckdir.read_manifest(ck)
     recorded = manifest.recorded_fingerprints() if manifest is not None else None
     if recorded is None:
         report.notes.append("state: the checkpoint records no fingerprints (saved before manifest format 5 or by "
                             "another tool): the state was not checkable")
         return
-    with DistCheckpointSource(ck or path, trusted) as src:
+    with DistCheckpointSource(ck, trusted) as src:  # (a bare location: opened there)
         bar = progress(total=sum(i.nbytes for i in src.tensors.values()), unit="B", unit_scale=True, desc="state")
         try:
             for key, info in sorted(src.tensors.items()):
@@ -191,12 +185,12 @@ def _verify_state(path: str, ck: Optional[OpenedCheckpoint], report: VerifyRepor
             bar.close()
 
 
-def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
+def _not_a_checkpoint(ck: CheckpointLocation) -> CheckpointNotFoundError:
     """The error for a path that is no checkpoint, naming the checkpoints directly inside it."""
-    storage, root = storage_for(path)
+    storage, root, path = ck.storage, ck.path, str(ck)
     if not storage.exists(root):
         return CheckpointNotFoundError(f"{path} is not a checkpoint: it does not exist"
-                                       + ckdir.interrupted_overwrite_hint(root))
+                                       + ckdir.interrupted_overwrite_hint(ck))
     if not storage.isdir(root):
         return CheckpointNotFoundError(f"{path} is not a checkpoint: it is a file, not a checkpoint directory")
     names = storage.listdir(root)
@@ -204,7 +198,7 @@ def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(f"{path} is not a checkpoint: the directory is empty")
     found = list_checkpoints(root)
     found += [join(root, n) for n in names if join(root, n) not in found and storage.isdir(join(root, n))
-              and ckdir.is_plain_dcp(join(root, n))]
+              and ckdir.is_plain_dcp(ck.at(join(root, n)))]
     if found:
         shown = ", ".join(sorted(found)[:10]) + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
         return CheckpointNotFoundError(
@@ -215,17 +209,16 @@ def _not_a_checkpoint(path: str) -> CheckpointNotFoundError:
 
 
 # --------------------------------------------------------------------------- zarr
-def _verify_zarr(path: str, report: VerifyReport, progress: ProgressFactory) -> VerifyReport:
+def _verify_zarr(ck: CheckpointLocation, report: VerifyReport, progress: ProgressFactory) -> VerifyReport:
     """zarr checkpoints: every array opens and matches the index, every chunk and object file
     matches its recorded size and CRC32 (each bad file reported with its key), ``common.pt``.
     Checkpoints written before chunk records existed: every array is read in full instead."""
-    manifest, _ = read_manifest(path, report)
-    verify_common(path, manifest, report)
+    manifest, _ = read_manifest(ck, report)
+    verify_common(ck, manifest, report)
     if manifest is not None:
-        storage, root = storage_for(path)
-        verify_other_recorded_files(storage, root, manifest, set(), report)
+        verify_other_recorded_files(ck, manifest, set(), report)
     try:
-        reader = ZarrReader(path)
+        reader = ZarrReader(ck.path)
     except CheckpointingException as e:
         report.add(str(e), "zarr_index.json")
         return report
@@ -289,13 +282,13 @@ class _Chunk:
         return self.numel * dtype_size(self.dtype)
 
 
-def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactory, trusted: bool,
-                       ck: Optional[OpenedCheckpoint] = None) -> VerifyReport:
-    storage, root = storage_for(path)
-    manifest, manifest_reported = read_manifest(path, report, _known_manifest(ck))
+def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: ProgressFactory,
+                       trusted: bool) -> VerifyReport:
+    storage, root = ck.storage, ck.path
+    manifest, manifest_reported = read_manifest(ck, report)
     report.checksums_available = manifest is not None
     report.block_hash = manifest.block_hash if manifest is not None else None
-    plain = ckdir.is_plain_dcp(path)
+    plain = ckdir.is_plain_dcp(ck)
     if manifest is None and not manifest_reported:
         report.notes.append(
             "a plain PyTorch DCP checkpoint (no metadata.json): it has no checksums and no common state, only the "
@@ -304,28 +297,29 @@ def _verify_torch_dist(path: str, report: VerifyReport, progress: ProgressFactor
             "was verified")
     try:
         # its bytes read and checked (size + CRC32) as every load reads them
-        md: Optional[Metadata] = read_dcp_metadata(path, trusted=trusted, manifest=manifest)
+        # (read from the file, never what an opened checkpoint decoded from its index)
+        md: Optional[Metadata] = read_dcp_metadata(ck.at(root), trusted=trusted, manifest=manifest)
         if "crc32" in recorded(manifest, DCP_METADATA_FILE):
             report.files_checked += 1
     except CheckpointingException as e:
         report.add(str(e), DCP_METADATA_FILE)
         md = None
     if not plain:
-        verify_common(path, manifest, report)
+        verify_common(ck, manifest, report)
     data_files = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()
                   if isinstance(getattr(info, "relative_path", None), str)} if md is not None else set()
     checked: Dict[str, bytes] = {}
     if manifest is not None:
-        checked = verify_other_recorded_files(storage, root, manifest, data_files, report)
+        checked = verify_other_recorded_files(ck, manifest, data_files, report)
     if md is None:
         return report
     index = checked.get(chunk_index.CHUNK_INDEX_FILE)  # (read once: checked above, compared here)
-    for problem in chunk_index.index_problems(path, manifest, md, index):  # what loads plan from vs .metadata
+    for problem in chunk_index.index_problems(ck, manifest, md, index):  # what loads plan from vs .metadata
         report.add(problem, chunk_index.CHUNK_INDEX_FILE)
     affected = _check_coverage(md, report)
     affected |= _DataPass(storage, root, md, manifest, report, progress).run()
-    _validate_tensors(root, md, manifest, affected, report)
-    if ck is not None and report.ok and ck.loaded_metadata() is None:
+    _validate_tensors(ck, md, manifest, affected, report)
+    if isinstance(ck, OpenedCheckpoint) and report.ok and ck.loaded_metadata() is None:
         ck.dcp_metadata = md  # checked above: what reads through the opened checkpoint use (--state)
     return report
 
@@ -348,11 +342,11 @@ def _check_coverage(md: Metadata, report: VerifyReport) -> Set[str]:
     return affected
 
 
-def _validate_tensors(root: str, md: Metadata, manifest: Optional[ckdir.Manifest], affected: Set[str],
+def _validate_tensors(ck: CheckpointLocation, md: Metadata, manifest: Optional[ckdir.Manifest], affected: Set[str],
                       report: VerifyReport) -> None:
     """The loaders' own check of declared shapes against the chunks (for tensors not reported yet)."""
     try:
-        reader = TorchDistReader(root, md, manifest=manifest, verify_checksums=False)
+        reader = TorchDistReader(ck, md, manifest=manifest, verify_checksums=False)
     except UnsafeCheckpointError:
         return  # a data file name leading outside: reported by the data pass, file by file
     except CheckpointingException as e:  # a chunk outside its tensor, an invalid byte range

@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import io
 import zipfile
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
-from ..storage.filesystem import Storage, join, storage_for
+from ..storage.filesystem import join
+from ..storage.located import CheckpointLocation
 from ..storage.checksum import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
-
-
-UNREAD: Any = object()  # "the manifest has not been read yet" (None: read, and there is none)
 
 
 class Report(Protocol):
@@ -28,24 +26,23 @@ class Report(Protocol):
     def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = (), unsupported: bool = False) -> None: ...
 
 
-def integrity_manifest_holds(path: str, report: Report, known: Union[ckdir.Manifest, None, object] = UNREAD) -> bool:
+def integrity_manifest_holds(ck: CheckpointLocation, report: Report) -> bool:
     """A checkpoint without our manifest but with Megatron-Core's ``integrity.json``: every file it lists
-    against its SHA-256 (each problem reported, naming the file); False when any differs. ``known``:
-    the manifest when the caller read it already."""
+    against its SHA-256 (each problem reported, naming the file); False when any differs."""
     try:  # (a manifest this version does not read, e.g. an older format: named as the manifest's problem)
-        if (ckdir.read_manifest(path) if known is UNREAD else known) is not None:
+        if ckdir.read_manifest(ck) is not None:
             return True
     except CheckpointingException as e:
         report.add(str(e), ckdir.MANIFEST_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
         return False
     try:
-        files = read_sha_manifest(path)
+        files = read_sha_manifest(ck)
     except CheckpointingException as e:
         report.add(str(e), INTEGRITY_FILE)
         return False
     if files is None:
         return True
-    problems = sha_problems(path, files)
+    problems = sha_problems(ck, files)
     for problem, name in problems:
         report.add(problem, name)
     if not problems:
@@ -53,18 +50,18 @@ def integrity_manifest_holds(path: str, report: Report, known: Union[ckdir.Manif
     return not problems
 
 
-def read_manifest(path: str, report: Report, known: Union[ckdir.Manifest, None, object] = UNREAD) -> Tuple[Optional[ckdir.Manifest], bool]:
-    """``(manifest or None, whether its absence or damage was reported)``; ``known``: as read already."""
+def read_manifest(ck: CheckpointLocation, report: Report) -> Tuple[Optional[ckdir.Manifest], bool]:
+    """``(manifest or None, whether its absence or damage was reported)`` (an opened checkpoint: the
+    manifest it read and checked at open)."""
     try:
-        manifest = ckdir.read_manifest(path) if known is UNREAD else known
+        manifest = ckdir.read_manifest(ck)
     except CheckpointingException as e:
         report.add(str(e), ckdir.MANIFEST_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
         return None, True
-    if manifest is None and ckdir.manifest_deleted(path):
+    if manifest is None and ckdir.manifest_deleted(ck):
         # ours record at save time that they have one (ckpt_integration.json); foreign ones
         # (Megatron-Core, DCP) never have one, which is no damage
-        storage, root = storage_for(path)
-        report.add(f"{join(root, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
+        report.add(f"{join(ck.path, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
                    "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
         return None, True
     return manifest, False
@@ -79,18 +76,19 @@ def recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Report) -> None:
-    """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive."""
-    storage, root = storage_for(path)
-    file = join(root, ckdir.COMMON_FILE)
+def verify_common(ck: CheckpointLocation, manifest: Optional[ckdir.Manifest], report: Report) -> None:
+    """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive.
+    Read from the file (never a copy an opened checkpoint kept)."""
+    fresh = ck.at(ck.path)
+    file = join(ck.path, ckdir.COMMON_FILE)
     try:
-        data = ckdir.read_verified_file(path, ckdir.COMMON_FILE, manifest, "common state file")
+        data = ckdir.read_verified_file(fresh, ckdir.COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
         if manifest is not None and ckdir.COMMON_FILE in manifest.files:
             report.add(f"{file} is missing (common state, recorded in {ckdir.MANIFEST_FILE})", ckdir.COMMON_FILE)
             return
         try:  # Megatron-Core 0.19's layout: the common state is an object in the data, checked with the items
-            embedded = embedded_common_key(read_dcp_metadata(path, manifest=manifest))
+            embedded = embedded_common_key(read_dcp_metadata(fresh, manifest=manifest))
         except CheckpointingException:
             embedded = None
         if embedded is None:
@@ -111,10 +109,11 @@ def verify_common(path: str, manifest: Optional[ckdir.Manifest], report: Report)
         report.add(f"{file} is damaged: not a torch.save archive", ckdir.COMMON_FILE)
 
 
-def verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Manifest, data_files: Set[str],
+def verify_other_recorded_files(ck: CheckpointLocation, manifest: ckdir.Manifest, data_files: Set[str],
                                  report: Report) -> Dict[str, bytes]:
     """Files the manifest records that ``.metadata`` does not name (checked by the data pass);
     returns the bytes of those checked whole against their CRC32 (the chunk index)."""
+    storage, root, fresh = ck.storage, ck.path, ck.at(ck.path)
     whole: Dict[str, bytes] = {}
     for name in sorted(manifest.files):
         if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
@@ -123,7 +122,7 @@ def verify_other_recorded_files(storage: Storage, root: str, manifest: ckdir.Man
         file = join(root, name)
         try:
             if "crc32" in entry:
-                whole[name] = ckdir.read_verified_file(root, name, manifest)
+                whole[name] = ckdir.read_verified_file(fresh, name, manifest)
                 report.files_checked += 1
                 continue
             reader = storage.open_in(root, name, "data file", source=ckdir.MANIFEST_FILE)

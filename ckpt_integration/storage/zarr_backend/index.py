@@ -314,11 +314,10 @@ def write_index(directory: str, index: Dict[str, Any], durable: bool = True) -> 
     storage.write_atomic(join(directory, INDEX_FILE), json.dumps(index).encode(), durable)
 
 
-def read_index(directory: str) -> Dict[str, Any]:
+def read_index(ck: CheckpointLocation) -> Dict[str, Any]:
     """``zarr_index.json`` of a checkpoint (missing or not a JSON object: ``CorruptCheckpointError``);
     an opened checkpoint reads it once (each caller gets its own copy of the parsed index)."""
-    cache = directory.file_cache if isinstance(directory, CheckpointLocation) else None
-    storage, root = storage_for(directory)
+    cache, storage, root = ck.file_cache, ck.storage, ck.path
     path = join(root, INDEX_FILE)
     try:
         if cache is not None and INDEX_FILE in cache:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointingException, CorruptCheckpointError, MismatchError
 from ...planning.boxes import Box
 from ..checksum import crc32
-from ..filesystem import join, storage_for
+from ..filesystem import join, locate
 from ..torch_dist_reader import ChunkInfo
 from .checks import array_mismatch, file_problem, store_wrappers
 from .index import (ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, array_path, base_store, check_index_entries,
@@ -43,8 +43,9 @@ class ZarrReader:
     """
 
     def __init__(self, directory: str, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
-        self.storage, self.directory = storage_for(directory)
-        self.index = read_index(directory)  # an opened checkpoint: read once
+        ck = locate(directory)
+        self.storage, self.directory = ck.storage, ck.path
+        self.index = read_index(ck)  # an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
         check_index_paths(self.directory, self.index)
         # None: an index written before records existed; such files are read unchecked

@@ -21,7 +21,7 @@ import torch
 from ...errors import CheckpointingException
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
-from ..filesystem import join, storage_for
+from ..filesystem import join, locate, storage_for
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
@@ -309,7 +309,7 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
     Also checks that every chunk of every array and every object has a record: a
     chunk no rank wrote would otherwise read as zeros.
     """
-    index = read_index(directory)
+    index = read_index(locate(directory))
     files = {w.relative_path: FileRecord(w.storage_key, w.length, w.checksum) for w in written}  # (zarr items: CRC32s)
     missing = [(key, path) for key, path in expected_files(index) if path not in files]
     if missing:
