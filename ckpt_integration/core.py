@@ -52,7 +52,7 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
 
     Example: ``save_config(CheckpointingConfig("torch_dist"), path)``
     """
-    write_config(os.fspath(checkpoint_dir), config)
+    write_config(locate(checkpoint_dir), config)
 
 
 __all__ = [

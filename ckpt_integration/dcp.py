@@ -53,7 +53,7 @@ from .storage import atomic
 from .storage import claim as claims
 from .storage.checksum import save_block_hash
 from .storage.opened import next_commit_seq
-from .storage.filesystem import join, locate, storage_for
+from .storage.filesystem import join, locate
 from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
 from .storage.torch_dist_reader import TorchDistReader
@@ -93,6 +93,7 @@ class Writer(StorageWriter):
         self.overwrite = overwrite
         self.is_coordinator = False
         self._claim: Optional[claims.SaveClaim] = None
+        self._held_at = ""  # the path this writer's claim is held under in _held
         self.write_dir = ""  # where this save's files go: the path, or a staging sibling when overwriting
 
     # -- DCP's sequence: reset, set_up, local plan, global plan (coordinator), write, finish (coordinator)
@@ -119,7 +120,8 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
         """Coordinator, before any rank writes: claim the directory (refusing a committed checkpoint
         and files of other writers, as ``ci.save`` does)."""
-        storage, path = storage_for(self.path)
+        ck = locate(self.path)
+        storage, path = ck.storage, ck.path
         token = uuid.uuid4().hex
         stale = _held.pop(path, None)
         if stale is not None:  # an earlier save to this path from this process failed (DCP does not tell its writer)
@@ -129,11 +131,11 @@ class Writer(StorageWriter):
                 raise CheckpointingException(
                     f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
                     "replaces it once the new one is committed; not on object stores)")
-            remove_dead_staging(storage, path)  # (what such a failed save left beside it)
-            self._claim = claims.claim_staging(path, atomic.staging_name(path, token), token, self.durable)
+            remove_dead_staging(ck)  # (what such a failed save left beside it)
+            self._claim = claims.claim_staging(ck, atomic.staging_name(path, token), token, self.durable)
         else:
-            self._claim = claims.claim_new(path, token, self.durable)
-        _held[path] = self._claim
+            self._claim = claims.claim_new(ck, token, self.durable)
+        _held[path], self._held_at = self._claim, path
         # every rank writes where the coordinator claimed (the plans carry it to them)
         return [dataclasses.replace(p, storage_data=self._claim.write_dir) for p in plans]
 
@@ -151,7 +153,7 @@ class Writer(StorageWriter):
                 t = t.to("cpu")
             requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
         fps = request_fingerprints(requests)
-        written = write_data_files(self.write_dir, _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
+        written = write_data_files(locate(self.write_dir), _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
         rows = {(w.storage_key, w.offsets): w for w in written.items()}
         results = []
         for item, req in zip(plan.items, requests):
@@ -167,34 +169,35 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Coordinator: ``.metadata`` (DCP's), ``common.pt``, ``manifest.json`` (digests of every item),
         then ``metadata.json``: the commit."""
-        path = self._claim.write_dir if self._claim is not None else self.path
+        final = locate(self.path)
+        target = self._claim.where if self._claim is not None else final
+        path = target.path
         metadata.storage_data = {wr.index: wr.storage_data[0] for rs in results for wr in rs}
         written = _columns([wr.storage_data[1] for rs in results for wr in rs])
         if self._claim is not None:
             self._claim.check_owned()
-        md_entry = write_dcp_metadata(path, metadata, self.durable)
+        md_entry = write_dcp_metadata(target, metadata, self.durable)
         files: Dict[str, Dict[str, int]] = {".metadata": md_entry,
-                                            ckdir.COMMON_FILE: ckdir.save_common(path, {}, self.durable)}
+                                            ckdir.COMMON_FILE: ckdir.save_common(target, {}, self.durable)}
         files.update(file_sizes(written))
         digest = save_block_hash()
         fmt = ckdir.manifest_format(digest)
         manifest = ckdir.Manifest(
             **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
             files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
-            commit_seq=next_commit_seq(self.path), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
-        ckdir.write_manifest(path, manifest, self.durable, rendered={"tables": table_of_written(written, digest)})
+            commit_seq=next_commit_seq(final), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
+        ckdir.write_manifest(target, manifest, self.durable, rendered={"tables": table_of_written(written, digest)})
         staging = self._claim is not None and self._claim.staging
-        ckdir.write_config(path, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
+        ckdir.write_config(target, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
         if staging:  # the old checkpoint is replaced only now, whole (storage/atomic.py's rule)
-            storage, _ = storage_for(self.path)
-            atomic.replace(storage, path, storage_for(self.path)[1], durable=self.durable, data_synced=True)
+            atomic.replace(final.storage, path, final.path, durable=self.durable, data_synced=True)
         self._release()
         logger.debug("ci.dcp.Writer committed %s", path)
 
     def _release(self) -> None:
         if self._claim is not None:
             self._claim.release()
-            _held.pop(storage_for(self.path)[1], None)
+            _held.pop(self._held_at, None)
             self._claim = None
 
 

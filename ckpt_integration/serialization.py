@@ -24,7 +24,8 @@ from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, Shard
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import embedded_common_bytes, read_metadata
-from .storage.filesystem import join, locate, storage_for
+from .storage.filesystem import join, locate
+from .storage.located import CheckpointLocation
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
@@ -404,7 +405,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     checkpoint_dir = os.fspath(checkpoint_dir)
     ck = locate(checkpoint_dir)
     if ckdir.read_config(ck).sharded_backend == "zarr":
-        _remove_from_zarr(checkpoint_dir, key_prefix)
+        _remove_from_zarr(ck, key_prefix)
         return
     md = read_dcp_metadata(ck)
     removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
@@ -423,24 +424,24 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     if isinstance(md.planner_data, dict):
         md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
     manifest = ckdir.read_manifest(ck)
-    md_entry = write_dcp_metadata(checkpoint_dir, md)
+    md_entry = write_dcp_metadata(ck, md)
     # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
     gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
     if manifest is not None:
         manifest.files[DCP_METADATA_FILE] = md_entry
         manifest.tables = encode_text(manifest.item_table().without_files(gone))
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
-        ckdir.write_manifest(checkpoint_dir, manifest)
-    storage, checkpoint_dir = storage_for(checkpoint_dir)
+        ckdir.write_manifest(ck, manifest)
     for name in gone:
         try:
-            storage.remove(join(checkpoint_dir, name))
+            ck.storage.remove(join(ck.path, name))
         except FileNotFoundError:
             pass
 
 
-def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
-    index = zarr_backend.read_index(locate(checkpoint_dir))
+def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
+    checkpoint_dir = ck.path
+    index = zarr_backend.read_index(ck)
     zarr_backend.check_index_paths(checkpoint_dir, index)  # never delete outside the checkpoint
     tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]
     objects = [k for k in index.get("objects", []) if k.startswith(key_prefix)]
@@ -449,8 +450,8 @@ def _remove_from_zarr(checkpoint_dir: str, key_prefix: str) -> None:
     for k in tensors:
         del index["tensors"][k]
     index["objects"] = [k for k in index.get("objects", []) if k not in objects]
-    zarr_backend.write_index(checkpoint_dir, index)  # the index no longer names them: then delete
-    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
+    storage = ck.storage
     for k in tensors:
         storage.rmtree(join(checkpoint_dir, k))
     for k in objects:

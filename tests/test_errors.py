@@ -722,8 +722,8 @@ def _multi_rank_worker(rank: int, world: int, base: str) -> None:
     def write_fail():
         original = save_mod.write_data_files
         if rank == 2:
-            def refuse(directory, *a, **k):
-                raise PermissionError(13, "Permission denied", os.path.join(directory, "__2_0.distcp"))
+            def refuse(target, *a, **k):  # (the write directory, as the storage handle)
+                raise PermissionError(13, "Permission denied", os.path.join(target.path, "__2_0.distcp"))
 
             save_mod.write_data_files = refuse
         try:

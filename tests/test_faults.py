@@ -508,12 +508,12 @@ def test_two_jobs_saving_into_one_directory(tmp_path):
     from ckpt_integration.storage import claim
 
     url = f"memory://faults-{os.getpid()}-{time.time_ns()}/c"
-    first = claim.claim_new(url, "job-a")
+    first = claim.claim_new(locate(url), "job-a")
     real = claim.classify_entries
     claim.classify_entries = lambda directory: ([], [])  # job B listed the prefix before A's marker appeared
     try:
         with pytest.raises(SaveConflictError, match="at the same time"):
-            claim.claim_new(url, "job-b")
+            claim.claim_new(locate(url), "job-b")
     finally:
         claim.classify_entries = real
     assert first.owned()

@@ -57,12 +57,13 @@ def _install_kill(marker: str, kill_at: int) -> None:
     real = save_mod.write_data_files  # what ``write_local`` (sync and async save) calls
     calls = []
 
-    def write_half_then_die(directory, rank, requests, thread_count=2, durable=True, **kwargs):
+    def write_half_then_die(target, rank, requests, thread_count=2, durable=True, **kwargs):
+        directory = target.path  # (the write directory, as the storage handle)
         calls.append(directory)
         if len(calls) <= kill_at:
-            return real(directory, rank, requests, thread_count, durable, **kwargs)
+            return real(target, rank, requests, thread_count, durable, **kwargs)
         requests = list(requests)
-        written = real(directory, rank, requests[: max(1, len(requests) // 2)], 1, durable, **kwargs)
+        written = real(target, rank, requests[: max(1, len(requests) // 2)], 1, durable, **kwargs)
         info = {"dir": os.path.abspath(directory), "files": sorted(os.listdir(directory)),
                 "written": len(written), "of": len(requests), "thread": threading.current_thread().name}
         with open(marker, "w") as f:

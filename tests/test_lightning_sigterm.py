@@ -87,10 +87,10 @@ def _rank_main(cfg: dict) -> None:
     real_write, real_item = save_mod.write_data_files, small_items.SmallItemWriter.add
     slow = {"on": False, "first": True, "lock": threading.Lock()}  # one save writes at a time (its write threads share it)
 
-    def write_data_files(directory, *args, **kwargs):
-        slow.update(on=os.path.basename(directory).startswith(cfg.get("slow", "-")), first=True)
+    def write_data_files(target, *args, **kwargs):  # (the write directory, as the storage handle)
+        slow.update(on=os.path.basename(target.path).startswith(cfg.get("slow", "-")), first=True)
         try:
-            return real_write(directory, *args, **kwargs)
+            return real_write(target, *args, **kwargs)
         finally:
             slow["on"] = False
 
@@ -359,13 +359,14 @@ CHILD = textwrap.dedent(
     if mode == "preempt":
         real, calls = save_mod.write_data_files, []
 
-        def slow_then_sigterm(directory, *args, **kwargs):
+        def slow_then_sigterm(target, *args, **kwargs):  # (the write directory, as the storage handle)
+            directory = target.path
             calls.append(directory)
             if os.path.basename(directory) == "epoch=1-step=8.ckpt":  # the epoch-1 top-k save
                 record["signalled_from"] = threading.current_thread().name
                 os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, mid-write
                 time.sleep(2)  # still writing when the loop notices it
-            return real(directory, *args, **kwargs)
+            return real(target, *args, **kwargs)
 
         save_mod.write_data_files = slow_then_sigterm
 

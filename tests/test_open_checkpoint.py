@@ -310,8 +310,8 @@ def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path):
     md = read_dcp_metadata(locate(good))
     md.planner_data = {"w": argparse.Namespace(note="not a metadata class")}
     manifest = ckdir.read_manifest(locate(good))
-    manifest.files[DCP_METADATA_FILE] = write_dcp_metadata(good, md)
-    ckdir.write_manifest(good, manifest)
+    manifest.files[DCP_METADATA_FILE] = write_dcp_metadata(locate(good), md)
+    ckdir.write_manifest(locate(good), manifest)
     with pytest.raises(ci.CheckpointingException, match="argparse"):
         load_checkpoint_dict(good)
     assert torch.equal(load_checkpoint_dict(good, trusted=True)["state_dict"]["b"], torch.arange(8.0) + 3)

@@ -124,12 +124,12 @@ def test_bulk_small_item_writer_writes_what_the_generic_writer_writes(tmp_path, 
     (tmp_path / "generic").mkdir()
     real, taken = small_items.SmallItemWriter.add, []
     monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: taken.append(real(self, t)) or taken[-1])
-    bulk = write_data_files(str(tmp_path / "bulk"), 0, requests, thread_count=2, durable=False)
+    bulk = write_data_files(locate(tmp_path / "bulk"), 0, requests, thread_count=2, durable=False)
     # the small ones, a contiguous view, requires_grad (with a 5000-byte buffer not the 4 KiB float32
     # tensor, whose archive is 5673 bytes)
     assert sum(x is not None for x in taken) == 9 + 1 + 1 - (1 if flush else 0)
     monkeypatch.setattr(small_items.SmallItemWriter, "add", lambda self, t: None)
-    generic = write_data_files(str(tmp_path / "generic"), 0, requests, thread_count=2, durable=False)
+    generic = write_data_files(locate(tmp_path / "generic"), 0, requests, thread_count=2, durable=False)
     for name in ("__0_0.distcp", "__0_1.distcp"):
         assert (tmp_path / "bulk" / name).read_bytes() == (tmp_path / "generic" / name).read_bytes()
     assert [tuple(x) for x in zip(*(getattr(bulk, f) for f in bulk.__slots__))] == \

@@ -130,6 +130,9 @@ ENTRY_POINTS = {
     "verify --state": (lambda ci, t, p, d: t.verify_checkpoint(p, state=True), 1),
     "inspect": (lambda ci, t, p, d: t.inspect_checkpoint(p), 1),
     "diff": (lambda ci, t, p, d: t.diff_checkpoints(p, os.path.join(d, "b")), 2),  # two checkpoints
+    "save": (lambda ci, t, p, d: ci.save(_state(), os.path.join(d, "c")), 1),
+    "save overwrite": (lambda ci, t, p, d: ci.save(_state(), p, overwrite=True), 1),  # (through a staging sibling)
+    "async save": (lambda ci, t, p, d: ci.save(_state(), os.path.join(d, "c"), async_sharded_save=True).wait(), 1),
 }
 
 
@@ -138,7 +141,8 @@ def test_an_entry_point_resolves_the_path_it_is_given_once(tmp_path, monkeypatch
     """Issue 37 item 2: an entry point given a path turns it into the handle once
     (``filesystem.locate``) and passes that down; no helper below it resolves the path again (on an
     object store each resolution is an fsspec lookup). Before the handle, a load resolved its path
-    3 times, ``diff`` 6, ``verify`` 12 and ``verify --state`` 16."""
+    3 times, ``diff`` 6, ``verify`` 12 and ``verify --state`` 16, and a save (the claim, the writers,
+    the commit) the path it writes into 11 times (12 when overwriting)."""
     import sys
 
     import ckpt_integration as ci

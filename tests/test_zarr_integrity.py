@@ -224,7 +224,7 @@ def test_commit_refuses_a_chunk_no_rank_wrote(ckpt):
 
     before = read_index(locate(ckpt))
     with pytest.raises(ci.CheckpointingException, match="not written by any rank"):
-        commit_file_records(ckpt, [])
+        commit_file_records(locate(ckpt), [])
     assert read_index(locate(ckpt)) == before
 
 

@@ -480,7 +480,7 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
                            plan.checkpoint_dir, why, cause)
             return
         if plan.rank == 0:
-            cleanup_failed(plan.write_dir, plan.staging)
+            cleanup_failed(plan.target, plan.staging)
         outcome = ("Nothing was committed there; earlier checkpoints are untouched" if plan.rank == 0 or not plan.commit_started
                    else f"rank 0 was committing it when the group failed: it is committed if and only if "
                         f"{plan.checkpoint_dir}/metadata.json exists; earlier checkpoints are untouched")

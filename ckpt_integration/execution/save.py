@@ -54,7 +54,8 @@ from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import crc32, save_block_hash
 from ..storage.opened import next_commit_seq
-from ..storage.filesystem import Storage, join, storage_for, write_error
+from ..storage.filesystem import join, locate, write_error
+from ..storage.located import CheckpointLocation
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.incremental import BaseFiles
@@ -111,16 +112,21 @@ class SavePlan:
     taken_names: Set[str] = field(default_factory=set)
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
+    target: Optional[CheckpointLocation] = None  # ``write_dir`` as the handle the writers take (made once)
+
+    def __post_init__(self) -> None:
+        if self.target is None:
+            self.target = locate(self.write_dir)
 
 
 # Coordinator: the claim (marker lock) of each save in progress, by write directory.
 _claims: Dict[str, claims.SaveClaim] = {}
 
 
-def _prepare_directory(checkpoint_dir: str, overwrite: bool, durable: bool = True) -> Tuple[str, bool]:
+def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool = True) -> Tuple[str, bool]:
     """Coordinator only: claim the target and return (write_dir, staging). Never touches a
     committed checkpoint, never mixes into or deletes files this library did not write."""
-    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    storage, checkpoint_dir = where.storage, where.path
     if storage.exists(checkpoint_dir) and not storage.isdir(checkpoint_dir):
         raise CheckpointingException(f"cannot save to {checkpoint_dir}: it is a file")
     token = uuid.uuid4().hex
@@ -136,18 +142,18 @@ def _prepare_directory(checkpoint_dir: str, overwrite: bool, durable: bool = Tru
                 f"overwrite=True is not supported for {checkpoint_dir}: object stores cannot swap "
                 "directories atomically; save to a new location and delete the old one afterwards"
             )
-        _, foreign = claims.classify_entries(checkpoint_dir)
+        _, foreign = claims.classify_entries(where)
         if foreign:
             raise SaveConflictError(
                 f"refusing to replace {checkpoint_dir} (overwrite=True): besides the checkpoint it holds files this "
                 f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
                 "would delete; move them elsewhere first"
             )
-        remove_dead_staging(storage, checkpoint_dir)
+        remove_dead_staging(where)
         staging = atomic.staging_name(checkpoint_dir, token)
-        claim = claims.claim_staging(checkpoint_dir, staging, token, durable)
+        claim = claims.claim_staging(where, staging, token, durable)
     else:
-        claim = claims.claim_new(checkpoint_dir, token, durable)
+        claim = claims.claim_new(where, token, durable)
     _claims[claim.write_dir] = claim
     return claim.write_dir, claim.staging
 
@@ -158,7 +164,7 @@ def _release_claim(write_dir: str) -> None:
         claim.release()
 
 
-def remove_dead_staging(storage: Storage, checkpoint_dir: str) -> None:
+def remove_dead_staging(where: CheckpointLocation) -> None:
     """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
 
     Called only while ``<dir>`` itself is committed, so a staging sibling without its own
@@ -166,6 +172,7 @@ def remove_dead_staging(storage: Storage, checkpoint_dir: str) -> None:
     (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
     and so is one whose save is still running (its marker is locked).
     """
+    storage, checkpoint_dir = where.storage, where.path
     parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
     for name in storage.listdir(parent or "."):
         path = join(parent, name)
@@ -232,6 +239,7 @@ def prepare_save(
     if be is None:
         raise CheckpointingException(f"unknown backend {backend!r}; supported: {sorted(SAVE_BACKENDS)}")
     checkpoint_dir = os.fspath(checkpoint_dir)
+    where = locate(checkpoint_dir)  # (the write directory is it or a sibling: the same storage)
     group = process_group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     coord = rank == 0
@@ -257,13 +265,14 @@ def prepare_save(
         identity = shards_identity(shards, rank, world, options)
         metas, routed = exchange.routes_for("save", identity, shards, rank, world, options)
         if coord:
-            dir_info = _prepare_directory(checkpoint_dir, overwrite, durable)
+            dir_info = _prepare_directory(where, overwrite, durable)
     base_path = resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
         planned = exchange.start(routed, failure, group, context)
         (write_dir, staging), base_path = dist.broadcast_object(
             (dir_info, base_path), src=dist.coordinator_rank(group), group=group)
+        target = where.at(write_dir)
         if validate_access_integrity:
             check_common_consistency(common, group, preprocess_common)
         if planned is None:
@@ -276,7 +285,7 @@ def prepare_save(
             )
     except BaseException:
         if coord and dir_info is not None:  # any rank failed: remove this save's marker, release the directory
-            cleanup_failed(*dir_info)
+            cleanup_failed(where.at(dir_info[0]), dir_info[1])
         raise
     if be.prepare_storage is not None:
         # e.g. zarr's arrays must exist before any rank writes chunks: the coordinator creates
@@ -284,10 +293,10 @@ def prepare_save(
         err = None
         if coord:
             try:
-                be.prepare_storage(write_dir, planned.layout, durable)
+                be.prepare_storage(target, planned.layout, durable)
             except Exception as e:
                 err = f"rank 0 (preparing the {backend} storage): {_describe(e)}"
-                cleanup_failed(write_dir, staging)
+                cleanup_failed(target, staging)
         err = dist.broadcast_object(err, src=dist.coordinator_rank(group), group=group)
         if err:
             raise DistributedCheckpointingError(f"save to {checkpoint_dir} failed before writing:\n  " + err)
@@ -308,6 +317,7 @@ def prepare_save(
         group=group,
         checkpoint_dir=checkpoint_dir,
         write_dir=write_dir,
+        target=target,
         staging=staging,
         common=common if coord else None,
         requests=requests,
@@ -368,9 +378,9 @@ def write_local(plan: SavePlan) -> None:
         plan.requests = []  # drop references to the state (and staged copies) early
 
 
-def cleanup_failed(write_dir: str, staging: bool) -> None:
+def cleanup_failed(target: CheckpointLocation, staging: bool) -> None:
     """Coordinator: remove what the failed save wrote, if the directory is still its own; release it."""
-    storage, write_dir = storage_for(write_dir)
+    storage, write_dir = target.storage, target.path
     claim = _claims.get(write_dir)
     try:
         if claim is not None and not claim.owned():
@@ -378,7 +388,7 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
         elif staging:
             storage.rmtree(write_dir)
         else:
-            for n in claims.library_entries(write_dir):
+            for n in claims.library_entries(target):
                 storage.remove_any(join(write_dir, n))
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
@@ -387,7 +397,7 @@ def cleanup_failed(write_dir: str, staging: bool) -> None:
 
 
 def _write_torch_dist(plan: SavePlan) -> Any:
-    out = write_data_files(plan.write_dir, plan.rank, plan.requests, plan.thread_count, plan.durable,
+    out = write_data_files(plan.target, plan.rank, plan.requests, plan.thread_count, plan.durable,
                            separation_hint=plan.separation_hint, stop=plan.stop, fingerprints=plan.item_fingerprints,
                            base=plan.base, taken_names=plan.taken_names)
     if plan.written_before is not None:
@@ -396,19 +406,18 @@ def _write_torch_dist(plan: SavePlan) -> Any:
 
 
 def _write_zarr(plan: SavePlan) -> Any:
-    return write_zarr_requests(plan.write_dir, plan.requests, plan.thread_count, plan.durable)
+    return write_zarr_requests(plan.target, plan.requests, plan.thread_count, plan.durable)
 
 
 def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     """Coordinator: write metadata files, then the commit marker, then swap if staging."""
-    d = plan.write_dir
+    d = plan.target
     claim = _check_claim(plan)
-    storage, _ = storage_for(d)
     metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
-    storage.write_atomic(join(d, DCP_METADATA_FILE), metadata, plan.durable)
+    d.storage.write_atomic(join(d.path, DCP_METADATA_FILE), metadata, plan.durable)
     md_entry = {"size": len(metadata), "crc32": crc32(metadata)}
     index = index_of_layout(layout, md_entry)  # what loads read instead of unpickling .metadata
-    storage.write_atomic(join(d, CHUNK_INDEX_FILE), index, plan.durable)
+    d.storage.write_atomic(join(d.path, CHUNK_INDEX_FILE), index, plan.durable)
     files: Dict[str, Dict[str, int]] = {
         DCP_METADATA_FILE: md_entry,
         CHUNK_INDEX_FILE: {"size": len(index), "crc32": crc32(index)},
@@ -426,7 +435,7 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
         library_version=__version__,
         save=claim.token if claim else "",
         step=plan.step,
-        commit_seq=next_commit_seq(plan.checkpoint_dir),
+        commit_seq=next_commit_seq(d.at(plan.checkpoint_dir)),
         commit_id=uuid.uuid4().hex,
         fingerprints=_fingerprint_text(layout),
     )
@@ -456,7 +465,7 @@ def fingerprint_text(w: WrittenColumns) -> str:
 
 def _check_claim(plan: SavePlan) -> Optional[claims.SaveClaim]:
     """Before the commit files: the write directory must still be this save's."""
-    claim = _claims.get(storage_for(plan.write_dir)[1])
+    claim = _claims.get(plan.target.path)
     if claim is not None:
         claim.check_owned()
     return claim
@@ -466,7 +475,7 @@ def _write_commit_marker(plan: SavePlan, backend: str) -> None:
     """``metadata.json``, created exclusively in place: of two saves committing into one
     directory at once exactly one succeeds (a staging directory is this save's alone)."""
     try:
-        ckdir.write_config(plan.write_dir, ckdir.CheckpointingConfig(backend, 1), plan.durable, exclusive=not plan.staging)
+        ckdir.write_config(plan.target, ckdir.CheckpointingConfig(backend, 1), plan.durable, exclusive=not plan.staging)
     except FileExistsError:
         raise SaveConflictError(
             f"cannot commit the save to {plan.write_dir}: another save committed a checkpoint there meanwhile "
@@ -491,18 +500,17 @@ def _swap_if_staging(plan: SavePlan) -> None:
     """
     if not plan.staging:
         return
-    storage, _ = storage_for(plan.checkpoint_dir)
-    atomic.replace(storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
+    atomic.replace(plan.target.storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
 
 
 def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
-    d = plan.write_dir
+    d = plan.target
     claim = _check_claim(plan)
     commit_file_records(d, layout.written.items(), plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
-                              commit_seq=next_commit_seq(plan.checkpoint_dir), commit_id=uuid.uuid4().hex,
+                              commit_seq=next_commit_seq(d.at(plan.checkpoint_dir)), commit_id=uuid.uuid4().hex,
                               fingerprints=_fingerprint_text(layout))
     ckdir.write_manifest(d, manifest, plan.durable)
     _write_commit_marker(plan, plan.backend)
@@ -535,8 +543,8 @@ def finalize_save(plan: SavePlan) -> None:
             status = f"rank 0 (commit): {_describe(e)}"
             plan.failure.exc = e
         if status:
-            cleanup_failed(plan.write_dir, plan.staging)
-        _release_claim(storage_for(plan.write_dir)[1])
+            cleanup_failed(plan.target, plan.staging)
+        _release_claim(plan.target.path)
     status = dist.broadcast_object(status, src=dist.coordinator_rank(plan.group), group=plan.group)
     if status:
         dist.raise_if_any_failed(
@@ -563,7 +571,7 @@ class SaveBackend:
 
     * ``wants_layout``: the metadata exchange also returns every chunk's layout (zarr creates its
       arrays from it and writes whole chunks);
-    * ``prepare_storage(write_dir, layout, durable)``: run by the coordinator before any rank
+    * ``prepare_storage(target, layout, durable)``: run by the coordinator before any rank
       writes (zarr: create the arrays), or None;
     * ``shape_requests(...)``: turn this rank's write requests into the backend's units,
       collective (zarr: whole chunks, border pieces sent to their owners), or None;
@@ -574,7 +582,7 @@ class SaveBackend:
     name: str
     wants_layout: bool
     check_layout: bool
-    prepare_storage: Optional[Callable[[str, List[ShardMeta], bool], None]]
+    prepare_storage: Optional[Callable[[CheckpointLocation, List[ShardMeta], bool], None]]
     shape_requests: Optional[Callable[..., List[WriteRequest]]]
     write: Callable[[SavePlan], Any]
     commit: Callable[[SavePlan, CommitLayout], None]

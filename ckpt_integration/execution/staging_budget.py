@@ -32,7 +32,7 @@ import torch
 from ..errors import StagingMemoryError
 from ..planning.written import WrittenTable
 from ..storage.checksum import save_block_hash
-from ..storage.filesystem import storage_for, write_error
+from ..storage.filesystem import write_error
 from ..storage.torch_dist import WriteRequest, link_unchanged, write_data_files
 from .save import SavePlan, request_fingerprints
 
@@ -149,12 +149,11 @@ def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingR
     ``arena``, for the background writer; what was written is kept in ``plan.written_before``."""
     report = StagingReport(budget=budget, waves=0, bytes=0)  # (blocked_s: the caller's, set by async_save)
     requests: List[WriteRequest] = plan.requests
-    storage, directory = storage_for(plan.write_dir)
     rows = WrittenTable()
     names: set = set()
     try:
         fps = request_fingerprints(requests)
-        rows, taken, stable = link_unchanged(directory, storage, requests, plan.base, save_block_hash(), None, fps)
+        rows, taken, stable = link_unchanged(plan.target, requests, plan.base, save_block_hash(), None, fps)
         report.linked_files = len(set(rows.files))
         names |= set(rows.files)
         for i in stable:
@@ -170,7 +169,7 @@ def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingR
                     f"{rest[i].nbytes} bytes on {rest[i].data.device}, more than staging_budget={budget}; "
                     f"a budget of at least {_size(rest[i])} bytes is needed")
         for wave, staged in [(w, True) for w in early] + ([(direct, False)] if direct else []):
-            table = write_data_files(plan.write_dir, plan.rank,
+            table = write_data_files(plan.target, plan.rank,
                                      _stage(rest, wave, arena, report) if staged else [rest[i] for i in wave],
                                      plan.thread_count, plan.durable, separation_hint=plan.separation_hint,
                                      fingerprints=[fps[keep[i]] for i in wave], taken_names=names)

@@ -11,6 +11,7 @@ from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
 from ..storage.zarr_backend import write_index as write_zarr_index
+from ..storage.located import CheckpointLocation
 from . import dist
 from .dist import Group
 from .failure import Failure
@@ -31,10 +32,10 @@ def tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str
     return tensors, sorted(objects)
 
 
-def create_zarr_arrays(write_dir: str, all_metas: List[ShardMeta], durable: bool) -> None:
+def create_zarr_arrays(target: CheckpointLocation, all_metas: List[ShardMeta], durable: bool) -> None:
     tensors, objects = tensor_layouts(all_metas)
-    index = create_arrays(write_dir, tensors, objects)
-    write_zarr_index(write_dir, index, durable)  # also marks the directory as a (partial) save
+    index = create_arrays(target, tensors, objects)
+    write_zarr_index(target, index, durable)  # also marks the directory as a (partial) save
 
 
 def zarr_chunk_requests(

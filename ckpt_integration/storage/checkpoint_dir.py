@@ -49,7 +49,7 @@ from .fingerprint import Recorded
 from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
                          decode_text, refusal, upgrade)
 from .claim import MARKER_FILE
-from .filesystem import join, storage_for
+from .filesystem import join
 from .located import CheckpointLocation
 from .safe_pickle import safe_torch_load
 
@@ -363,23 +363,21 @@ def check_strategy_version(directory: str, config: CheckpointingConfig, strategy
         )
 
 
-def write_config(directory: str, config: CheckpointingConfig, durable: bool = True, exclusive: bool = False) -> None:
+def write_config(ck: CheckpointLocation, config: CheckpointingConfig, durable: bool = True, exclusive: bool = False) -> None:
     """Write the commit marker (atomically). Call only when everything else is durable.
 
     ``exclusive``: fail with ``FileExistsError`` if a commit marker exists already (two
     saves committing into one directory: exactly one succeeds).
     """
-    storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
+    ck.storage.write_atomic(join(ck.path, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
 
 
-def save_common(directory: str, common_state_dict: Mapping[str, object], durable: bool = True) -> Dict[str, int]:
+def save_common(ck: CheckpointLocation, common_state_dict: Mapping[str, object], durable: bool = True) -> Dict[str, int]:
     """Write ``common.pt``; returns ``{"size", "crc32"}`` for the manifest."""
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
     data = buf.getvalue()
-    storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, COMMON_FILE), data, durable)
+    ck.storage.write_atomic(join(ck.path, COMMON_FILE), data, durable)
     return {"size": len(data), "crc32": crc32(data)}
 
 
@@ -436,15 +434,14 @@ def load_common(ck: CheckpointLocation, trusted: bool = False, allowed_globals: 
     return out[0] if embedded_used and isinstance(out, list) and len(out) == 1 else out
 
 
-def write_manifest(directory: str, manifest: Manifest, durable: bool = True, rendered: Optional[Dict[str, str]] = None) -> None:
+def write_manifest(ck: CheckpointLocation, manifest: Manifest, durable: bool = True, rendered: Optional[Dict[str, str]] = None) -> None:
     """Write ``manifest.json`` (before the commit marker). The marker :data:`WRITER_FILE`
     that says the checkpoint has one was written when the save began (see :mod:`.claim`).
 
     ``rendered``: fields given as JSON text already (the per-item tables of a large commit,
     :func:`.item_table.table_of_written`), written in place of the manifest's own value of that field.
     """
-    storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, MANIFEST_FILE), manifest_json(manifest, rendered).encode(), durable)
+    ck.storage.write_atomic(join(ck.path, MANIFEST_FILE), manifest_json(manifest, rendered).encode(), durable)
 
 
 def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None) -> str:

@@ -36,7 +36,8 @@ from typing import Any, List, Optional, Set
 
 from ..errors import SaveConflictError
 from ..version import __version__
-from .filesystem import Storage, join, name_problem, storage_for, writing
+from .filesystem import Storage, join, name_problem, writing
+from .located import CheckpointLocation
 from .fs import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -83,20 +84,19 @@ def checkpoint_entry(name: str, zarr_tops: Set[str] = frozenset()) -> bool:
     return bool(m and m.group(1) in KNOWN_FILES)
 
 
-def classify_entries(directory: str) -> tuple:
-    """``(ours, foreign)`` entry names of ``directory`` (by name, see :func:`checkpoint_entry`)."""
-    storage, directory = storage_for(directory)
+def classify_entries(ck: CheckpointLocation) -> tuple:
+    """``(ours, foreign)`` entry names of the directory (by name, see :func:`checkpoint_entry`)."""
+    storage, directory = ck.storage, ck.path
     names = storage.listdir(directory)
     tops = zarr_top_names(storage, directory, names)
     ours = [n for n in names if checkpoint_entry(n, tops)]
     return ours, [n for n in names if n not in ours]
 
 
-def read_marker(directory: str) -> Optional[dict]:
-    """The parsed marker of ``directory`` if it is one of ours, else None (missing, damaged, foreign)."""
-    storage, directory = storage_for(directory)
+def read_marker(ck: CheckpointLocation) -> Optional[dict]:
+    """The parsed marker of the directory if it is one of ours, else None (missing, damaged, foreign)."""
     try:
-        raw = json.loads(storage.read_in(directory, MARKER_FILE, "save marker"))
+        raw = json.loads(ck.storage.read_in(ck.path, MARKER_FILE, "save marker"))
     except Exception:  # missing, a link out, not a file, damaged, hostile: not a marker of ours
         return None
     return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
@@ -202,24 +202,28 @@ class SaveClaim:
     Picklable (sent to the other ranks): the lock fds stay with the coordinator.
     """
 
-    write_dir: str
+    where: CheckpointLocation
     staging: bool
     token: str
     fds: List[int] = field(default_factory=list)
+
+    @property
+    def write_dir(self) -> str:
+        return self.where.path
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "fds": []}
 
     def owned(self) -> bool:
         """Whether ``write_dir`` still holds this save's marker (nobody took the directory over)."""
-        storage, d = storage_for(self.write_dir)
+        storage, d = self.where.storage, self.where.path
         path = join(d, MARKER_FILE)
         if not storage.remote and self.fds:
             try:
                 return os.fstat(self.fds[0]).st_ino == os.stat(path).st_ino
             except OSError:
                 return False
-        marker = read_marker(d)
+        marker = read_marker(self.where)
         return bool(marker and marker.get("save") == self.token)
 
     def check_owned(self, what: str = "commit") -> None:
@@ -235,23 +239,23 @@ class SaveClaim:
         self.fds = []
 
 
-def claim_new(directory: str, token: str, durable: bool = True) -> SaveClaim:
+def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveClaim:
     """Claim a directory that is empty or holds only leftovers of dead saves of ours.
 
     Raises :class:`SaveConflictError` if it holds files this library did not write, or if
     another save is running there (locally: its marker is locked).
     """
-    storage, directory = storage_for(directory)
+    storage, directory = ck.storage, ck.path
     with writing(directory):
         storage.makedirs(directory)
-    ours, foreign = classify_entries(directory)
+    ours, foreign = classify_entries(ck)
     if not ours and not foreign:
         try:
             fd = _write_marker(storage, directory, token, replace=False, durable=durable)
         except FileExistsError:
             raise SaveConflictError(f"cannot save to {directory}: another save started writing there at the same time") from None
-        return SaveClaim(directory, False, token, [fd] if fd is not None else [])
-    marker = read_marker(directory) if MARKER_FILE in ours else None
+        return SaveClaim(ck, False, token, [fd] if fd is not None else [])
+    marker = read_marker(ck) if MARKER_FILE in ours else None
     if marker is None:
         names = foreign + [n for n in ours if n not in foreign]
         raise SaveConflictError(
@@ -287,7 +291,7 @@ def claim_new(directory: str, token: str, durable: bool = True) -> SaveClaim:
     finally:
         if isinstance(old, int):
             _unlock(old)
-    return SaveClaim(directory, False, token, [fd] if fd is not None else [])
+    return SaveClaim(ck, False, token, [fd] if fd is not None else [])
 
 
 def _started(marker: dict) -> str:
@@ -297,13 +301,14 @@ def _started(marker: dict) -> str:
         return "at an unknown time"
 
 
-def claim_staging(checkpoint_dir: str, staging: str, token: str, durable: bool = True) -> SaveClaim:
-    """Claim a fresh staging directory for replacing the committed ``checkpoint_dir``.
+def claim_staging(ck: CheckpointLocation, staging: str, token: str, durable: bool = True) -> SaveClaim:
+    """Claim a fresh staging directory (``staging``: a sibling path on the same storage) for
+    replacing the committed checkpoint ``ck``.
 
     Also locks the committed checkpoint's marker (if it has one), so two saves replacing
     the same checkpoint at once do not both proceed.
     """
-    storage, checkpoint_dir = storage_for(checkpoint_dir)
+    storage, checkpoint_dir = ck.storage, ck.path
     fds: List[int] = []
     current = _try_lock(join(checkpoint_dir, MARKER_FILE)) if not storage.remote else None
     if current == _HELD:
@@ -318,7 +323,7 @@ def claim_staging(checkpoint_dir: str, staging: str, token: str, durable: bool =
         for f in fds:
             _unlock(f)
         raise
-    return SaveClaim(staging, True, token, ([fd] if fd is not None else []) + fds)
+    return SaveClaim(ck.at(staging), True, token, ([fd] if fd is not None else []) + fds)
 
 
 def staging_is_dead(path: str) -> bool:
@@ -330,6 +335,6 @@ def staging_is_dead(path: str) -> bool:
     return fd is None  # no marker: killed before it wrote one (or an older version's)
 
 
-def library_entries(directory: str) -> List[str]:
-    """The entries of ``directory`` that are checkpoint files (for cleaning up a failed save)."""
-    return classify_entries(directory)[0]
+def library_entries(ck: CheckpointLocation) -> List[str]:
+    """The entries of the directory that are checkpoint files (for cleaning up a failed save)."""
+    return classify_entries(ck)[0]

@@ -32,7 +32,7 @@ import torch
 
 from ..planning.written import Blocks
 from .checksum import BlockHash
-from .filesystem import Storage, join, storage_for
+from .filesystem import Storage, join
 from .located import CheckpointLocation
 from .fs import tensor_buffer
 
@@ -83,8 +83,7 @@ def base_files(opened: CheckpointLocation, rank: int, keys: Iterable[str]) -> Tu
         return None, "it is not a torch_dist checkpoint of this library"
     table = manifest.item_table()
     md = opened.chunk_index().metadata_of(keys)
-    storage, directory = storage_for(opened.path)
-    out = BaseFiles(directory, storage, manifest.hash.name, recorded=manifest.recorded_fingerprints())
+    out = BaseFiles(opened.path, opened.storage, manifest.hash.name, recorded=manifest.recorded_fingerprints())
     own: List[Tuple[Any, Any]] = []
     mine: Dict[str, bool] = {}  # file name -> written by this rank (a few files, thousands of items)
     for index, info in md.storage_data.items():

@@ -1,13 +1,20 @@
-"""The handle every storage read helper takes: one checkpoint's storage and path, resolved once.
+"""The handle the storage functions take: one checkpoint directory's storage and path, resolved once.
 
-:class:`CheckpointLocation` is what the readers of ``metadata.json``, ``manifest.json``,
-``.metadata`` and the small whole files (``checkpoint_dir.read_config``, ``read_manifest``,
-``read_manifest_checked``, ``read_verified_file``, ``load_common``,
-``torch_dist.read_dcp_metadata``, ``backends.read_metadata``) take in place of a directory
-string: an entry point given a path makes one with :func:`~.filesystem.locate` and passes it
-down, so no helper below it resolves the path again. Where the location holds what was read
-already (an :class:`~.opened.OpenedCheckpoint`, the public subclass), the helpers return that
-instead of reading the file again; a plain location holds nothing, and every helper reads.
+:class:`CheckpointLocation` is what the storage functions take in place of a directory string:
+the readers of ``metadata.json``, ``manifest.json``, ``.metadata`` and the small whole files
+(``checkpoint_dir.read_config``, ``read_manifest``, ``read_verified_file``, ``load_common``,
+``torch_dist.read_dcp_metadata``, ``backends.read_metadata``) and the save's claim, writers and
+commit (``claim.claim_new``, ``torch_dist.write_data_files``, ``checkpoint_dir.write_manifest``
+...). An entry point given a path makes one with :func:`~.filesystem.locate` and passes it down,
+so no function below it resolves the path again. Where the location holds what was read already
+(an :class:`~.opened.OpenedCheckpoint`, the public subclass), the readers return that instead of
+reading the file again; a plain location holds nothing, and every reader reads.
+
+Example::
+
+    ck = locate("s3://bucket/ckpt/iter_100")          # fsspec resolved here, once
+    manifest = checkpoint_dir.read_manifest(ck)
+    md = torch_dist.read_dcp_metadata(ck, manifest=manifest)
 
 This base holds only the fields, so that the modules below ``opened`` can honour them without
 importing it.

@@ -280,19 +280,19 @@ _seq_lock = threading.Lock()
 _last_seq: Dict[str, int] = {}
 
 
-def next_commit_seq(checkpoint_dir: str) -> int:
-    """The commit sequence number for a checkpoint about to be committed at ``checkpoint_dir``.
+def next_commit_seq(ck: CheckpointLocation) -> int:
+    """The commit sequence number for a checkpoint about to be committed at ``ck``.
 
     One more than every number recorded by the committed checkpoints beside it (same parent
     directory), so commits are ordered by what the jobs recorded, not by clocks: the siblings'
     manifests are read once per parent directory and process, later commits count on.
     """
-    parent = parent_of(checkpoint_dir)
+    parent = parent_of(ck.path)
     with _seq_lock:
         last = _last_seq.get(parent)
         if last is None:
             last = 0
-            storage, p = storage_for(parent)
+            storage, p = ck.storage, parent
             try:
                 names = storage.listdir(p) if storage.isdir(p) else []
             except OSError:

@@ -47,7 +47,7 @@ from ..planning.save_plan import split_into_buckets
 from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, crc32, save_block_hash
-from .filesystem import Storage, join, name_problem, storage_for, writing
+from .filesystem import join, name_problem, writing
 from .fs import tensor_buffer
 from .incremental import BaseFiles, plan_reuse, take_file
 from .located import CheckpointLocation
@@ -285,7 +285,7 @@ def _separate(requests: Sequence[WriteRequest], hint: Optional[str], thread_coun
 
 
 def write_data_files(
-    directory: str,
+    target: CheckpointLocation,
     rank: int,
     requests: Sequence[WriteRequest],
     thread_count: int = 2,
@@ -316,8 +316,8 @@ def write_data_files(
         return WrittenTable()
     block_size = block_size or BLOCK_SIZE
     digest = save_block_hash()
-    storage, directory = storage_for(directory)
-    linked, taken, stable = link_unchanged(directory, storage, requests, base, digest, stop, fingerprints)
+    storage, directory = target.storage, target.path
+    linked, taken, stable = link_unchanged(target, requests, base, digest, stop, fingerprints)
     groups = _separate(requests, separation_hint, thread_count, [i for i in range(len(requests)) if i not in taken],
                        stable)
     buckets = [b for _, b in groups]
@@ -402,11 +402,12 @@ def _file_names(rank: int, prefixes: Sequence[str], taken: Set[str]) -> List[str
     return out
 
 
-def link_unchanged(directory: str, storage: Storage, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
+def link_unchanged(target: CheckpointLocation, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
                    digest: BlockHash, stop: Optional[Callable[[], None]],
                    fingerprints: Optional[Sequence[Optional[int]]]) -> Tuple[WrittenTable, Set[int], Set[int]]:
     """Link the base files that hold exactly some of ``requests``, unchanged (see :mod:`.incremental`):
     ``(their items' rows, the requests they hold, the requests to write into stable files)``."""
+    storage, directory = target.storage, target.path
     stable = {i for i, r in enumerate(requests) if r.stable}
     rows = WrittenTable()
     taken: Set[int] = set()
@@ -466,11 +467,10 @@ def make_dcp_metadata(
     )
 
 
-def write_dcp_metadata(directory: str, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
+def write_dcp_metadata(target: CheckpointLocation, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
     """Write ``.metadata``; returns ``{"size", "crc32"}`` for the manifest."""
     data = dumps_dcp_metadata(metadata)
-    storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, DCP_METADATA_FILE), data, durable)
+    target.storage.write_atomic(join(target.path, DCP_METADATA_FILE), data, durable)
     return {"size": len(data), "crc32": crc32(data)}
 
 

@@ -218,7 +218,7 @@ def _verify_zarr(ck: CheckpointLocation, report: VerifyReport, progress: Progres
     if manifest is not None:
         verify_other_recorded_files(ck, manifest, set(), report)
     try:
-        reader = ZarrReader(ck.path)
+        reader = ZarrReader(ck.at(ck.path))  # (its index read from the file, never a kept copy)
     except CheckpointingException as e:
         report.add(str(e), "zarr_index.json")
         return report

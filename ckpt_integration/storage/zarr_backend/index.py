@@ -24,7 +24,7 @@ from ...errors import CheckpointingException, CorruptCheckpointError, UnsafeChec
 from ...planning.boxes import Box
 from ..checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, load_json
 from ..located import CheckpointLocation
-from ..filesystem import is_remote, join, storage_for, symlinks_allowed
+from ..filesystem import is_remote, join, symlinks_allowed
 
 INDEX_FILE = "zarr_index.json"
 # format 2 adds "files": per chunk/object file its key, size and CRC32;
@@ -308,10 +308,9 @@ def read_file_records(index: Dict[str, Any], where: str) -> Optional[Dict[str, F
         raise CorruptCheckpointError(f"{where}: the file records are damaged: {e!r}") from None
 
 
-def write_index(directory: str, index: Dict[str, Any], durable: bool = True) -> None:
+def write_index(ck: CheckpointLocation, index: Dict[str, Any], durable: bool = True) -> None:
     """Write ``zarr_index.json`` atomically."""
-    storage, directory = storage_for(directory)
-    storage.write_atomic(join(directory, INDEX_FILE), json.dumps(index).encode(), durable)
+    ck.storage.write_atomic(join(ck.path, INDEX_FILE), json.dumps(index).encode(), durable)
 
 
 def read_index(ck: CheckpointLocation) -> Dict[str, Any]:

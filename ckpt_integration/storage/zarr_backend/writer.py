@@ -21,7 +21,8 @@ import torch
 from ...errors import CheckpointingException
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
-from ..filesystem import join, locate, storage_for
+from ..filesystem import join
+from ..located import CheckpointLocation
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
@@ -188,7 +189,7 @@ def assemble_border_chunks(plans: Dict[str, ArrayPlan], dtypes: Dict[str, torch.
 
 # --------------------------------------------------------------------------- save: arrays, chunk files, records
 def create_arrays(
-    directory: str,
+    target: CheckpointLocation,
     tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...], List[Box]]],
     object_keys: Iterable[str],
 ) -> Dict[str, Any]:
@@ -205,7 +206,7 @@ def create_arrays(
         stored = storage_dtype(dtype)
         chunks = array_chunks(dtype, shape, boxes)
         zarr.create_array(
-            store=array_store(directory, key),
+            store=array_store(target.path, key),
             shape=shape,
             chunks=chunks,
             dtype=numpy_dtype(stored),
@@ -224,7 +225,7 @@ def create_arrays(
     return index
 
 
-def write_zarr_requests(directory: str, requests: Sequence[WriteRequest], thread_count: int = 2, durable: bool = True) -> List[WrittenItem]:
+def write_zarr_requests(target: CheckpointLocation, requests: Sequence[WriteRequest], thread_count: int = 2, durable: bool = True) -> List[WrittenItem]:
     """Write tensor chunks into their arrays and objects into ``.pt`` files.
 
     Returns one item per file written (each chunk file, each object file) with its
@@ -233,7 +234,7 @@ def write_zarr_requests(directory: str, requests: Sequence[WriteRequest], thread
     zarr = zarr_module()
     RecordingStore, _ = store_wrappers()
 
-    storage, directory = storage_for(directory)
+    storage, directory = target.storage, target.path
     arrays: Dict[str, Any] = {}
     stores: Dict[str, Any] = {}
     lock = threading.Lock()
@@ -302,14 +303,14 @@ def _sync_dirs(directory: str, files: Iterable[str]) -> None:
         fsync_dir(d)
 
 
-def commit_file_records(directory: str, written: Iterable[WrittenItem], durable: bool = True) -> None:
+def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenItem], durable: bool = True) -> None:
     """Coordinator, before the commit marker: put every rank's file records into the index,
     and those of every array's ``zarr.json`` (read back here: a few hundred bytes each).
 
     Also checks that every chunk of every array and every object has a record: a
     chunk no rank wrote would otherwise read as zeros.
     """
-    index = read_index(locate(directory))
+    index = read_index(target)
     files = {w.relative_path: FileRecord(w.storage_key, w.length, w.checksum) for w in written}  # (zarr items: CRC32s)
     missing = [(key, path) for key, path in expected_files(index) if path not in files]
     if missing:
@@ -317,7 +318,7 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
         raise CheckpointingException(
             f"internal error: {len(missing)} file(s) were not written by any rank, e.g. {path} of {key!r}"
         )
-    storage, directory = storage_for(directory)
+    storage, directory = target.storage, target.path
     metadata_files = [join(array_path(directory, key), ARRAY_METADATA_FILE) for key in sorted(index["tensors"])]
     for key, path in zip(sorted(index["tensors"]), metadata_files):
         data = storage.read_bytes(path)
@@ -328,4 +329,4 @@ def commit_file_records(directory: str, written: Iterable[WrittenItem], durable:
         _sync_dirs(directory, metadata_files)
     index["format"] = INDEX_FORMAT
     index["files"] = {path: asdict(r) for path, r in sorted(files.items())}
-    write_index(directory, index, durable)
+    write_index(target, index, durable)
