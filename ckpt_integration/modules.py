@@ -75,9 +75,9 @@ class ParallelLayout:
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
-    tp_group: Any = None
-    pp_group: Any = None
-    dp_group: Any = None
+    tp_group: Optional[tdist.ProcessGroup] = None
+    pp_group: Optional[tdist.ProcessGroup] = None
+    dp_group: Optional[tdist.ProcessGroup] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from ..checkpoints import newest_checkpoint
 from ..errors import IncompleteCheckpointError
 from ..storage.checkpoint_dir import CONFIG_FILE
-from ..storage.filesystem import base_name, join, parent_of, storage_for
+from ..storage.filesystem import base_name, join, locate, parent_of, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,10 @@ _LAST_RE = re.compile(r"^(last(-v\d+)?|hpc_ckpt_\d+)(\.ckpt)?$")
 
 
 def is_complete_checkpoint(path: Any) -> bool:
-    """True if ``path`` (local path or fsspec URL) is a committed checkpoint directory (has ``metadata.json``)."""
-    storage, p = storage_for(path)
+    """True if ``path`` (local path, fsspec URL or opened checkpoint) is a committed checkpoint directory
+    (has ``metadata.json``)."""
+    ck = locate(path)
+    storage, p = ck.storage, ck.path
     meta = join(p, CONFIG_FILE)
     return storage.exists(meta) and not storage.isdir(meta)
 

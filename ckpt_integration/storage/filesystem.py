@@ -575,9 +575,8 @@ _LOCAL = Storage()
 
 def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
     """The storage and the path to use with it, for a local path or an fsspec URL (kept as given:
-    fsspec filesystems accept full URLs). A location: the storage it resolved."""
-    if isinstance(path, CheckpointLocation):
-        return path.storage, path.path
+    fsspec filesystems accept full URLs). Entry points call it once, through :func:`locate`; a
+    location is not a path (``os.fspath`` refuses it), so nothing resolves one again."""
     p = os.fspath(path)
     if p.startswith("file://"):
         p = p[len("file://") :]

@@ -27,7 +27,7 @@ from ..errors import CheckpointingException, CheckpointReplacedError
 from . import checkpoint_dir as ckdir
 from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
 from .checksum import check_sha_manifest
-from .filesystem import Storage, join, parent_of, storage_for
+from .filesystem import Storage, join, locate, parent_of
 from .located import CheckpointLocation
 from .backends import backend_named
 from .chunk_index import read_chunk_index
@@ -48,7 +48,8 @@ class OpenedCheckpoint(CheckpointLocation):
 
     def __init__(self, path: Any, trusted: bool = False, *, config: Any = None, manifest: Any = None,
                  metadata: Any = None, shared: Any = None, legacy: bool = False):
-        super().__init__(*storage_for(path))
+        where = locate(path)  # (a location given: its storage, not resolved again)
+        super().__init__(where.storage, where.path)
         self.storage: Storage
         self.trusted = trusted
         self.commit_id: Optional[str] = None
