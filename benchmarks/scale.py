@@ -440,6 +440,7 @@ def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) ->
     from ckpt_integration.execution.load import saved_chunk_reads
     from ckpt_integration.execution.shared_metadata import decode_shared, encode_shared, read_local
     from ckpt_integration.storage.torch_dist_reader import TorchDistReader
+    from ckpt_integration.storage.filesystem import locate
 
     shared, t_read = _timed(lambda: read_local(commit_dir))
     payload, t_enc = _timed(lambda: encode_shared(shared))
@@ -450,7 +451,7 @@ def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) ->
         def plan():
             sh = decode_shared(payload)
             # the manifest as broadcast, as a load's ranks open their readers (not read again)
-            reader = TorchDistReader(commit_dir, sh.metadata_for({m.key for m in metas}), manifest=sh.manifest)
+            reader = TorchDistReader(locate(commit_dir), sh.metadata_for({m.key for m in metas}), manifest=sh.manifest)
             n = 0
             for m in metas:
                 n += len(saved_chunk_reads(reader, m.key, Box(m.offsets, m.sizes)))

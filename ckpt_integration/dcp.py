@@ -259,7 +259,7 @@ class Reader(StorageReader):
             # (DCP reads the metadata on the coordinator only: the others learn the manifest here)
             self.manifest = ckdir.read_manifest_checked(locate(self.path))
         # every item read through the library's reader: names inside the checkpoint, extents, digests
-        self._reader = TorchDistReader(self.path, metadata, manifest=self.manifest)
+        self._reader = TorchDistReader(locate(self.path), metadata, manifest=self.manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

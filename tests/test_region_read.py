@@ -38,7 +38,7 @@ def test_region_reads_return_exact_values_for_any_box_dtype_and_destination(tmp_
         ci.save({"w": ShardedTensor.from_rank_offsets("w", full.clone())}, d)
         md = read_metadata(locate(d))
         for verify in (True, False):
-            with open_reader(d, md, verify_checksums=verify) as reader:
+            with open_reader(locate(d), md, verify_checksums=verify) as reader:
                 chunk = reader.chunks["w"][0]
                 for _ in range(6):
                     starts = tuple(rng.randint(0, s - 1) for s in shape)

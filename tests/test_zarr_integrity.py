@@ -161,11 +161,11 @@ def test_reader_without_checksum_verification_still_checks_presence_and_size(ckp
         reader.read_region("w", reader.chunks["w"][0], box, out, torch.float32)
         return out
 
-    with ZarrReader(ckpt, verify_checksums=False) as reader:
+    with ZarrReader(locate(ckpt), verify_checksums=False) as reader:
         assert not torch.equal(read(reader, (0, 4)), W[:4])  # flipped bit read unchecked, as asked
         with pytest.raises(CorruptCheckpointError, match="is truncated"):
             read(reader, (4, 8))
-    with ZarrReader(ckpt) as reader, pytest.raises(CorruptCheckpointError, match="is damaged: CRC32"):
+    with ZarrReader(locate(ckpt)) as reader, pytest.raises(CorruptCheckpointError, match="is damaged: CRC32"):
         read(reader, (0, 4))
 
 

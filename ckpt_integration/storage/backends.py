@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
-from .filesystem import locate
 from .located import CheckpointLocation
 from .torch_dist import read_dcp_metadata
 from .torch_dist_reader import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader
@@ -80,18 +79,18 @@ class Backend:
 
 
 def _open_torch_dist(
-    directory: str, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
+    ck: CheckpointLocation, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True, manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
 ) -> CheckpointReader:
-    return TorchDistReader(directory, metadata, checksums, verify_checksums, manifest=manifest)
+    return TorchDistReader(ck, metadata, checksums, verify_checksums, manifest=manifest)
 
 
 def _open_zarr(
-    directory: str, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
+    ck: CheckpointLocation, metadata: Metadata, checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True, manifest: Union[ckdir.Manifest, None, object] = None,
 ) -> CheckpointReader:
     # the zarr index carries the chunk records and CRC32s; the DCP-shaped metadata is the reader's own
-    return ZarrReader(directory, verify_checksums=verify_checksums)
+    return ZarrReader(ck, verify_checksums=verify_checksums)
 
 
 TORCH_DIST = Backend(
@@ -154,17 +153,17 @@ def embedded_common_bytes(opened: CheckpointLocation) -> Optional[bytes]:
 
 
 def open_reader(
-    directory: CheckpointLocation,
+    ck: CheckpointLocation,
     metadata: Metadata,
     backend: Optional[str] = None,
     checksums: Optional[Dict[Tuple[str, int], int]] = None,
     verify_checksums: bool = True,
     manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
 ) -> CheckpointReader:
-    """A :class:`CheckpointReader` of ``directory``. Each reader reads its integrity records
+    """A :class:`CheckpointReader` of the checkpoint ``ck``. Each reader reads its integrity records
     itself (manifest / zarr index), so every caller gets verified reads and the containment
     checks, unless ``manifest`` hands it the checkpoint's manifest already read and checked (a
     load's coordinator reads it once and broadcasts it; ``None``: the checkpoint has none).
     ``checksums`` is accepted for compatibility and ignored where the checkpoint has a manifest."""
-    be = backend_named(backend) if backend else backend_of(locate(directory))
-    return be.open_reader(directory, metadata, checksums, verify_checksums, manifest)
+    be = backend_named(backend) if backend else backend_of(ck)
+    return be.open_reader(ck, metadata, checksums, verify_checksums, manifest)

@@ -24,7 +24,7 @@ from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointErro
 from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
 from .checksum import CRC32, block_hash
-from .filesystem import FileReader, join, locate, name_problem
+from .filesystem import FileReader, join, name_problem
 from .located import CheckpointLocation
 from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
@@ -69,13 +69,12 @@ class TorchDistReader:
 
     def __init__(
         self,
-        directory: Union[str, CheckpointLocation],
+        ck: CheckpointLocation,
         metadata: Metadata,
         checksums: Optional[Dict[Tuple[str, int], int]] = None,
         verify_checksums: bool = True,
         manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
     ):
-        ck = locate(directory)
         self.storage, self.directory = ck.storage, ck.path
         self.metadata = metadata
         if manifest is MANIFEST_FROM_DIRECTORY:  # an opened checkpoint: the manifest it pinned
@@ -126,7 +125,7 @@ class TorchDistReader:
                     info = (metadata.storage_data or {}).get(MetadataIndex(key, torch.Size(c.offsets)))
                     if info is None:
                         raise CorruptCheckpointError(
-                            f"{directory}/.metadata lists chunk {tuple(c.offsets)} of {key!r} but not where it is stored"
+                            f"{where} lists chunk {tuple(c.offsets)} of {key!r} but not where it is stored"
                         )
                     lst.append(ChunkInfo(box, info))
                 self.chunks[key] = lst

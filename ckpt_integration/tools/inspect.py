@@ -87,7 +87,7 @@ def _common_groups(state: Any) -> Dict[str, Dict[str, Any]]:
     return groups
 
 
-def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, Dict[str, Any]], Dict[str, int]]:
+def _zarr_layout(ck: CheckpointLocation) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, Dict[str, Any]], Dict[str, int]]:
     """``(shards, objects, files)`` of a zarr checkpoint, from the records in ``zarr_index.json``.
 
     zarr checkpoints have no DCP storage records: a tensor's "shards" are its chunk files
@@ -95,7 +95,7 @@ def _zarr_layout(path: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, 
     and object records the save committed. Indexes written before records existed give
     ``length`` None and no files.
     """
-    with ZarrReader(path) as reader:
+    with ZarrReader(ck) as reader:
         records = reader.files or {}
         shards: Dict[str, List[Dict[str, Any]]] = {}
         for key, info in reader.index.get("tensors", {}).items():

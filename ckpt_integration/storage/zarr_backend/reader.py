@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointingException, CorruptCheckpointError, MismatchError
 from ...planning.boxes import Box
 from ..checksum import crc32
-from ..filesystem import join, locate
+from ..filesystem import join
+from ..located import CheckpointLocation
 from ..torch_dist_reader import ChunkInfo
 from .checks import array_mismatch, file_problem, store_wrappers
 from .index import (ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, array_path, base_store, check_index_entries,
@@ -42,8 +43,7 @@ class ZarrReader:
     when ``verify_checksums``); ``checksums`` is unused (the records are in the index).
     """
 
-    def __init__(self, directory: str, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
-        ck = locate(directory)
+    def __init__(self, ck: CheckpointLocation, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
         self.storage, self.directory = ck.storage, ck.path
         self.index = read_index(ck)  # an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
