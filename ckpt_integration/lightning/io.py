@@ -324,15 +324,14 @@ class DistCkptIO(CheckpointIO):
     def load_sharded(self, request: Dict[str, Any], path: Any, **overrides: Any) -> Dict[str, Any]:
         """Load ``request`` (collective) with this plugin's load strategy and safety settings."""
         kwargs = {**self.load_kwargs(), **overrides}
-        return serialization.load(request, path if isinstance(path, OpenedCheckpoint) else os.fspath(path), **kwargs)
+        return serialization.load(request, path, **kwargs)  # (a path or an opened checkpoint)
 
     def load_optimizer(self, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str, module: Any = None) -> None:
         """Load one optimizer's state resharded for the current layout (collective)."""
         kw = self.load_kwargs()
         kw.pop("allowed_globals")
         kw.pop("trusted")
-        load_optimizer_state(optimizer, model_sd, path if isinstance(path, OpenedCheckpoint) else os.fspath(path),
-                             prefix=prefix, module=module, **kw)
+        load_optimizer_state(optimizer, model_sd, path, prefix=prefix, module=module, **kw)
 
     # -- async bookkeeping -----------------------------------------------------------------------
     def ensure_check_group(self) -> Any:
