@@ -153,7 +153,8 @@ class Writer(StorageWriter):
                 t = t.to("cpu")
             requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
         fps = request_fingerprints(requests)
-        written = write_data_files(locate(self.write_dir), _rank(), requests, self.thread_count, self.durable, fingerprints=fps)
+        written = write_data_files(locate(self.write_dir), _rank(), requests, self.thread_count, self.durable,
+                                   fingerprints=fps)
         rows = {(w.storage_key, w.offsets): w for w in written.items()}
         results = []
         for item, req in zip(plan.items, requests):
@@ -255,11 +256,12 @@ class Reader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         self.storage_data = dict(metadata.storage_data or {})
+        ck = locate(self.path)
         if self.manifest is None and not is_coordinator and self.path:
             # (DCP reads the metadata on the coordinator only: the others learn the manifest here)
-            self.manifest = ckdir.read_manifest_checked(locate(self.path))
+            self.manifest = ckdir.read_manifest_checked(ck)
         # every item read through the library's reader: names inside the checkpoint, extents, digests
-        self._reader = TorchDistReader(locate(self.path), metadata, manifest=self.manifest)
+        self._reader = TorchDistReader(ck, metadata, manifest=self.manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

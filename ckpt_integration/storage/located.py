@@ -47,9 +47,14 @@ class CheckpointLocation:
         self.path = path
 
     def at(self, path: str) -> "CheckpointLocation":
-        """The checkpoint at ``path`` on the same storage, nothing read of it (a sibling, a sub-directory,
-        or this one read afresh): no path resolved again."""
+        """The checkpoint at ``path`` on the same storage (a sibling, a sub-directory), nothing read of
+        it: no path resolved again."""
         return CheckpointLocation(self.storage, path)
+
+    def afresh(self) -> "CheckpointLocation":
+        """This directory with nothing read: its readers read what storage holds now, never what an
+        opened checkpoint kept (the commit identity, ``verify``'s file checks)."""
+        return self.at(self.path)
 
     def __str__(self) -> str:
         return self.path

@@ -99,8 +99,8 @@ class OpenedCheckpoint(CheckpointLocation):
         """``.metadata`` itself, read and checked against the manifest (kept)."""
         if self._dcp_metadata is None:
             try:
-                # (a bare location of this commit: this object's own dcp_metadata is what is being read)
-                self._dcp_metadata = read_dcp_metadata(self.at(self.path), trusted=self.trusted, manifest=self.manifest)
+                # (afresh: this object's own dcp_metadata is what is being read)
+                self._dcp_metadata = read_dcp_metadata(self.afresh(), trusted=self.trusted, manifest=self.manifest)
             except Exception as e:
                 self._raise_if_replaced(e)
                 raise
@@ -268,7 +268,7 @@ def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], 
             step, seq = (None if g == b"null" else int(g) for g in m.groups())
             created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
             return step, seq, created
-        manifest = read_manifest(ck.at(directory))  # (read afresh: what the directory holds now)
+        manifest = read_manifest(ck.afresh())  # (what the directory holds now)
     except (OSError, CheckpointingException, ValueError):
         return None, None, None
     if manifest is None:
@@ -301,7 +301,7 @@ def next_commit_seq(ck: CheckpointLocation) -> int:
             for n in names:
                 sibling = join(p, n)
                 if storage.exists(join(sibling, CONFIG_FILE)):
-                    seq = commit_order(CheckpointLocation(storage, sibling))[1]
+                    seq = commit_order(ck.at(sibling))[1]
                     if seq is not None:
                         last = max(last, seq)
         _last_seq[parent] = last + 1
@@ -313,7 +313,7 @@ _ID_RE = re.compile(rb'"commit_id": "([0-9a-f]*)"')
 
 
 def commit_identity(ck: CheckpointLocation) -> Optional[str]:
-    """Which commit ``directory`` holds now: ``None`` when it holds no committed checkpoint (removed,
+    """Which commit the directory of ``ck`` holds now: ``None`` when it holds no committed checkpoint (removed,
     or being rewritten in place: no ``metadata.json``), else the manifest's ``commit_id``.
 
     Checkpoints written before commit ids (or by other tools) are identified by what their
@@ -335,7 +335,7 @@ def commit_identity(ck: CheckpointLocation) -> Optional[str]:
     m = _ID_RE.search(head)
     if m is not None and m.group(1):
         return m.group(1).decode()
-    return identity_of(read_manifest(ck.at(directory)))  # (read afresh, never what was opened)
+    return identity_of(read_manifest(ck.afresh()))  # (never what was opened)
 
 
 def identity_of(manifest: Optional[Manifest]) -> str:

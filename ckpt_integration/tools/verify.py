@@ -218,7 +218,7 @@ def _verify_zarr(ck: CheckpointLocation, report: VerifyReport, progress: Progres
     if manifest is not None:
         verify_other_recorded_files(ck, manifest, set(), report)
     try:
-        reader = ZarrReader(ck.at(ck.path))  # (its index read from the file, never a kept copy)
+        reader = ZarrReader(ck.afresh())  # (its index read from the file, never a kept copy)
     except CheckpointingException as e:
         report.add(str(e), "zarr_index.json")
         return report
@@ -298,7 +298,7 @@ def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: P
     try:
         # its bytes read and checked (size + CRC32) as every load reads them
         # (read from the file, never what an opened checkpoint decoded from its index)
-        md: Optional[Metadata] = read_dcp_metadata(ck.at(root), trusted=trusted, manifest=manifest)
+        md: Optional[Metadata] = read_dcp_metadata(ck.afresh(), trusted=trusted, manifest=manifest)
         if "crc32" in recorded(manifest, DCP_METADATA_FILE):
             report.files_checked += 1
     except CheckpointingException as e:

@@ -79,7 +79,7 @@ def recorded_size(manifest: Optional[ckdir.Manifest], name: str) -> Optional[int
 def verify_common(ck: CheckpointLocation, manifest: Optional[ckdir.Manifest], report: Report) -> None:
     """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive.
     Read from the file (never a copy an opened checkpoint kept)."""
-    fresh = ck.at(ck.path)
+    fresh = ck.afresh()
     file = join(ck.path, ckdir.COMMON_FILE)
     try:
         data = ckdir.read_verified_file(fresh, ckdir.COMMON_FILE, manifest, "common state file")
@@ -113,7 +113,7 @@ def verify_other_recorded_files(ck: CheckpointLocation, manifest: ckdir.Manifest
                                  report: Report) -> Dict[str, bytes]:
     """Files the manifest records that ``.metadata`` does not name (checked by the data pass);
     returns the bytes of those checked whole against their CRC32 (the chunk index)."""
-    storage, root, fresh = ck.storage, ck.path, ck.at(ck.path)
+    storage, root, fresh = ck.storage, ck.path, ck.afresh()
     whole: Dict[str, bytes] = {}
     for name in sorted(manifest.files):
         if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
