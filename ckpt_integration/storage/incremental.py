@@ -113,7 +113,7 @@ def base_files(opened: CheckpointLocation, rank: int, keys: Iterable[str]) -> Tu
             sizes = chunk_sizes[index.fqn].get(offsets)
             dtype = smd.properties.dtype
         out.files.setdefault(info.relative_path, []).append(
-            BaseItem(index.fqn, offsets, sizes, dtype, int(info.offset), int(info.length), int(table.digest[row]), rec))
+            BaseItem(index.fqn, offsets, sizes, dtype, int(info.offset), int(info.length), table.item_digest(row), rec))
     for name in out.files:
         out.counts[name] = table.count_in(name)  # every item of the file, also those of keys this save does not write
         out.sizes[name] = int((manifest.files.get(name) or {}).get("size", -1))
