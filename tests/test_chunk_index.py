@@ -315,8 +315,6 @@ def test_the_broadcast_between_nodes_leaves_out_the_item_digests_that_block_dige
     1.6 of 9.5 MiB at 65,536 ranks); the receiving ranks derive every such digest as it was
     recorded, and a table re-encoded from them is the recorded one byte for byte. CRC32 tables,
     whose item digests need each block's length, travel as they are."""
-    import numpy as np
-
     from ckpt_integration.execution import shared_metadata as sm
     from ckpt_integration.storage import checksum
 
