@@ -74,7 +74,7 @@ def commit_order_of(path: Union[str, os.PathLike]) -> CommitOrder:
     step, seq, created = commit_order(ck)
     mtime = None
     if created is None:  # no manifest (another writer): the commit marker's time is all there is
-        mtime = _mtime(storage, join(p, CONFIG_FILE))
+        mtime = _mtime(storage, ck.file(CONFIG_FILE))
     return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
 
 

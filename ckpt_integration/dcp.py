@@ -53,7 +53,7 @@ from .storage import atomic
 from .storage import claim as claims
 from .storage.checksum import save_block_hash
 from .storage.opened import next_commit_seq
-from .storage.filesystem import join, locate
+from .storage.filesystem import locate
 from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
 from .storage.torch_dist_reader import TorchDistReader
@@ -126,7 +126,7 @@ class Writer(StorageWriter):
         stale = _held.pop(path, None)
         if stale is not None:  # an earlier save to this path from this process failed (DCP does not tell its writer)
             stale.release()
-        if storage.exists(join(path, ckdir.CONFIG_FILE)):
+        if ck.exists(ckdir.CONFIG_FILE):
             if not self.overwrite or storage.remote:
                 raise CheckpointingException(
                     f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
@@ -245,7 +245,7 @@ class Reader(StorageReader):
     def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
         ck = locate(self.path)
-        if ck.storage.exists(join(ck.path, ckdir.CONFIG_FILE)):
+        if ck.exists(ckdir.CONFIG_FILE):
             ckdir.read_config(ck)  # (a specific error for every way it is not a checkpoint)
         elif not ckdir.is_plain_dcp(ck):
             raise CorruptCheckpointError(f"{ck} holds no committed checkpoint: its save did not finish "
@@ -288,7 +288,7 @@ class Reader(StorageReader):
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise CorruptCheckpointError(
-                            f"{join(self._reader.directory, info.relative_path)}: {index.fqn} holds "
+                            f"{self._reader.ck.file(info.relative_path)}: {index.fqn} holds "
                             f"{tuple(tensor.size())} where .metadata records {tuple(target.size())}")
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)

@@ -24,7 +24,7 @@ from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, Shard
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import embedded_common_bytes, read_metadata
-from .storage.filesystem import join, locate
+from .storage.filesystem import locate
 from .storage.located import CheckpointLocation
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
@@ -434,7 +434,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         ckdir.write_manifest(ck, manifest)
     for name in gone:
         try:
-            ck.storage.remove(join(ck.path, name))
+            ck.remove(name)
         except FileNotFoundError:
             pass
 
@@ -453,8 +453,8 @@ def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
     zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
     storage = ck.storage
     for k in tensors:
-        storage.rmtree(join(checkpoint_dir, k))
+        storage.rmtree(ck.file(k))
     for k in objects:
-        path = zarr_backend.object_path(checkpoint_dir, k)
+        path = zarr_backend.object_path(ck, k)
         if storage.exists(path):
             storage.remove(path)

@@ -168,3 +168,40 @@ def test_an_entry_point_resolves_the_path_it_is_given_once(tmp_path, monkeypatch
     with contextlib.redirect_stdout(io.StringIO()):
         fn(ci, tools, os.path.join(d, "a"), d)
     assert len(resolved) <= most, f"{entry} resolved its path {len(resolved)} times: {resolved}"
+
+
+def test_the_handle_names_and_reads_the_files_of_its_directory(tmp_path):
+    """The storage operations on a checkpoint's files are the handle's methods (``read``, ``open``,
+    ``exists``, ``write``, ``remove``, ``listdir``, ``file``), locally and on an fsspec store, with
+    the containment checks of every reader; and below the entry points no module names a file of
+    a checkpoint by joining its path by hand or calls the storage's directory-relative readers
+    itself (so no read can skip those checks)."""
+    import pathlib
+    import re
+
+    from ckpt_integration.errors import UnsafeCheckpointError
+    from ckpt_integration.storage.filesystem import locate
+
+    for root in (str(tmp_path / "ck"), "memory://handle-test/ck"):
+        ck = locate(root)
+        ck.storage.makedirs(ck.path)
+        assert not ck.exists("a.json") and ck.listdir() == []
+        ck.write("a.json", b"{}")
+        assert ck.exists("a.json") and ck.read("a.json") == b"{}" and ck.listdir() == ["a.json"]
+        reader = ck.open("a.json")
+        try:
+            assert reader.size == 2 and reader.read(0, 2) == b"{}"
+        finally:
+            reader.close()
+        assert ck.file("a.json") == (os.path.join(root, "a.json") if "://" not in root else root + "/a.json")
+        with pytest.raises(UnsafeCheckpointError):
+            ck.read("../a.json")
+        ck.remove("a.json")
+        assert not ck.exists("a.json")
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "ckpt_integration"
+    by_hand = re.compile(r"\bjoin\([\w.]+\.path\b|\.(read_in|open_in)\(")
+    found = [f"{p.relative_to(package)}:{i}" for p in package.rglob("*.py")
+             if p.relative_to(package).as_posix() not in ("storage/filesystem.py", "storage/located.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if by_hand.search(line)]
+    assert found == []

@@ -130,7 +130,7 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
     if storage.exists(checkpoint_dir) and not storage.isdir(checkpoint_dir):
         raise CheckpointingException(f"cannot save to {checkpoint_dir}: it is a file")
     token = uuid.uuid4().hex
-    committed = storage.exists(join(checkpoint_dir, ckdir.CONFIG_FILE))
+    committed = where.exists(ckdir.CONFIG_FILE)
     if committed:
         if not overwrite:
             raise CheckpointingException(
@@ -389,7 +389,7 @@ def cleanup_failed(target: CheckpointLocation, staging: bool) -> None:
             storage.rmtree(write_dir)
         else:
             for n in claims.library_entries(target):
-                storage.remove_any(join(write_dir, n))
+                storage.remove_any(target.file(n))
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
     finally:
@@ -414,10 +414,10 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     d = plan.target
     claim = _check_claim(plan)
     metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
-    d.storage.write_atomic(join(d.path, DCP_METADATA_FILE), metadata, plan.durable)
+    d.write(DCP_METADATA_FILE, metadata, plan.durable)
     md_entry = {"size": len(metadata), "crc32": crc32(metadata)}
     index = index_of_layout(layout, md_entry)  # what loads read instead of unpickling .metadata
-    d.storage.write_atomic(join(d.path, CHUNK_INDEX_FILE), index, plan.durable)
+    d.write(CHUNK_INDEX_FILE, index, plan.durable)
     files: Dict[str, Dict[str, int]] = {
         DCP_METADATA_FILE: md_entry,
         CHUNK_INDEX_FILE: {"size": len(index), "crc32": crc32(index)},

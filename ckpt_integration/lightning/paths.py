@@ -13,7 +13,7 @@ from typing import Any, Optional
 from ..checkpoints import newest_checkpoint
 from ..errors import IncompleteCheckpointError
 from ..storage.checkpoint_dir import CONFIG_FILE
-from ..storage.filesystem import base_name, join, locate, parent_of, storage_for
+from ..storage.filesystem import base_name, locate, parent_of, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,8 @@ def is_complete_checkpoint(path: Any) -> bool:
     """True if ``path`` (local path, fsspec URL or opened checkpoint) is a committed checkpoint directory
     (has ``metadata.json``)."""
     ck = locate(path)
-    storage, p = ck.storage, ck.path
-    meta = join(p, CONFIG_FILE)
-    return storage.exists(meta) and not storage.isdir(meta)
+    meta = ck.file(CONFIG_FILE)
+    return ck.storage.exists(meta) and not ck.storage.isdir(meta)
 
 
 def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "") -> Optional[str]:

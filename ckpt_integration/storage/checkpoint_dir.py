@@ -214,7 +214,7 @@ def load_json(data: bytes, path: str) -> Any:
 def looks_like_partial_save(ck: CheckpointLocation) -> bool:
     """Whether the directory holds files of a save that never committed."""
     try:
-        names = ck.storage.listdir(ck.path)
+        names = ck.listdir()
     except OSError:
         return False
     return any(n.endswith(".distcp") or n in _DATA_MARKERS or n.endswith(".zarr") for n in names)
@@ -224,7 +224,7 @@ def is_plain_dcp(ck: CheckpointLocation) -> bool:
     """A complete checkpoint of plain PyTorch DCP: ``.metadata`` (DCP writes it last), no
     ``metadata.json`` and none of the files only our (or Megatron-Core's) saves write."""
     try:
-        names = set(ck.storage.listdir(ck.path))
+        names = set(ck.listdir())
     except OSError:
         return False
     return DCP_METADATA_FILE in names and CONFIG_FILE not in names and not names.intersection(_OURS_ONLY)
@@ -263,14 +263,13 @@ def read_config(ck: CheckpointLocation) -> CheckpointingConfig:
     (an opened checkpoint: what it read at open)."""
     if ck.config is not None:
         return ck.config
-    storage, directory = ck.storage, ck.path
-    path = join(directory, CONFIG_FILE)
+    path = ck.file(CONFIG_FILE)
     raw_bytes: Optional[bytes] = None
-    if storage.remote:
+    if ck.storage.remote:
         # Object stores: the commit marker first (one request, and strongly consistent where a
         # listing may lag behind a fresh commit); the checks below only explain a missing one.
         try:
-            raw_bytes = storage.read_in(directory, CONFIG_FILE, "commit marker")
+            raw_bytes = ck.read(CONFIG_FILE, "commit marker")
         except (FileNotFoundError, CorruptCheckpointError):
             raw_bytes = None
     if raw_bytes is None:
@@ -278,7 +277,7 @@ def read_config(ck: CheckpointLocation) -> CheckpointingConfig:
         if isinstance(found, CheckpointingConfig):
             return found
         raw_bytes = found
-    return _parse_config(load_json(raw_bytes, path), directory, path)
+    return _parse_config(load_json(raw_bytes, path), ck.path, path)
 
 
 def _config_or_explain(ck: CheckpointLocation, path: str) -> Union[CheckpointingConfig, bytes]:
@@ -307,7 +306,7 @@ def _config_or_explain(ck: CheckpointLocation, path: str) -> Union[Checkpointing
                 f"{', '.join(_OURS_ONLY)})"
             )
         raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
-    return storage.read_in(directory, CONFIG_FILE, "commit marker")
+    return ck.read(CONFIG_FILE, "commit marker")
 
 
 def _parse_config(raw: object, directory: str, path: str) -> CheckpointingConfig:
@@ -369,7 +368,7 @@ def write_config(ck: CheckpointLocation, config: CheckpointingConfig, durable: b
     ``exclusive``: fail with ``FileExistsError`` if a commit marker exists already (two
     saves committing into one directory: exactly one succeeds).
     """
-    ck.storage.write_atomic(join(ck.path, CONFIG_FILE), json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
+    ck.write(CONFIG_FILE, json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
 
 
 def save_common(ck: CheckpointLocation, common_state_dict: Mapping[str, object], durable: bool = True) -> Dict[str, int]:
@@ -377,7 +376,7 @@ def save_common(ck: CheckpointLocation, common_state_dict: Mapping[str, object],
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
     data = buf.getvalue()
-    ck.storage.write_atomic(join(ck.path, COMMON_FILE), data, durable)
+    ck.write(COMMON_FILE, data, durable)
     return {"size": len(data), "crc32": crc32(data)}
 
 
@@ -388,12 +387,11 @@ def read_verified_file(ck: CheckpointLocation, name: str, manifest: Optional["Ma
     cache = ck.file_cache
     if cache is not None and name in cache:  # an opened checkpoint: read and checked once
         return cache[name]
-    directory = ck.path
-    data = ck.storage.read_in(directory, name, what)
+    data = ck.read(name, what)
     entry = (manifest.files.get(name) if manifest else None) or {}
     if "crc32" in entry and (len(data) != entry.get("size", len(data)) or crc32(data) != entry["crc32"]):
         raise CorruptCheckpointError(
-            f"{join(directory, name)} is damaged: its size/checksum differs from the one recorded at save time "
+            f"{ck.file(name)} is damaged: its size/checksum differs from the one recorded at save time "
             f"({len(data)} bytes, CRC32 {crc32(data):#010x}; recorded {entry.get('size')} bytes, "
             f"CRC32 {int(entry['crc32']):#010x})"
         )
@@ -441,7 +439,7 @@ def write_manifest(ck: CheckpointLocation, manifest: Manifest, durable: bool = T
     ``rendered``: fields given as JSON text already (the per-item tables of a large commit,
     :func:`.item_table.table_of_written`), written in place of the manifest's own value of that field.
     """
-    ck.storage.write_atomic(join(ck.path, MANIFEST_FILE), manifest_json(manifest, rendered).encode(), durable)
+    ck.write(MANIFEST_FILE, manifest_json(manifest, rendered).encode(), durable)
 
 
 def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None) -> str:
@@ -455,7 +453,7 @@ def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None)
 
 def manifest_deleted(ck: CheckpointLocation) -> bool:
     """Whether ``manifest.json`` is gone from a checkpoint that was saved with one (damage)."""
-    return manifest_expected(ck) and not ck.storage.exists(join(ck.path, MANIFEST_FILE))
+    return manifest_expected(ck) and not ck.exists(MANIFEST_FILE)
 
 
 def manifest_expected(ck: CheckpointLocation) -> bool:
@@ -464,7 +462,7 @@ def manifest_expected(ck: CheckpointLocation) -> bool:
     False for checkpoints of other writers (Megatron-Core, PyTorch DCP), which have no
     :data:`WRITER_FILE`, and for ours saved before the marker existed.
     """
-    return ck.storage.exists(join(ck.path, WRITER_FILE))
+    return ck.exists(WRITER_FILE)
 
 
 def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
@@ -475,9 +473,9 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
     if ck.manifest_read:
         return ck.manifest
     directory = ck.path
-    path = join(directory, MANIFEST_FILE)
+    path = ck.file(MANIFEST_FILE)
     try:
-        data = ck.storage.read_in(directory, MANIFEST_FILE, "manifest")
+        data = ck.read(MANIFEST_FILE, "manifest")
     except FileNotFoundError:
         return None
     raw = load_json(data, path)

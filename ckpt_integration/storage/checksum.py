@@ -51,7 +51,6 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnknownBlockHashError
-from .filesystem import join
 from .located import CheckpointLocation
 
 if TYPE_CHECKING:
@@ -240,12 +239,11 @@ _PIECE = 1 << 20
 
 def read_sha_manifest(ck: CheckpointLocation) -> Optional[Dict[str, str]]:
     """``{file: sha256 hex}`` recorded in ``integrity.json``, or None when there is none."""
-    storage, root = ck.storage, ck.path
-    path = join(root, INTEGRITY_FILE)
-    if not storage.exists(path):
+    path = ck.file(INTEGRITY_FILE)
+    if not ck.exists(INTEGRITY_FILE):
         return None
     try:
-        raw = json.loads(storage.read_bytes(path, "integrity manifest"))
+        raw = json.loads(ck.read(INTEGRITY_FILE, "integrity manifest"))
     except ValueError as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("files"), dict):
@@ -261,25 +259,24 @@ def read_sha_manifest(ck: CheckpointLocation) -> Optional[Dict[str, str]]:
 
 def sha_problems(ck: CheckpointLocation, files: Dict[str, str]) -> List[Tuple[str, str]]:
     """``(message, file name)`` per recorded file that is missing, unreadable or whose SHA-256 differs."""
-    storage, root = ck.storage, ck.path
     out = []
     for name in sorted(files):
         try:
-            reader = storage.open_in(root, name, "file", source=INTEGRITY_FILE)  # (containment checked there)
+            reader = ck.open(name, "file", source=INTEGRITY_FILE)  # (containment checked there)
         except (OSError, CorruptCheckpointError) as e:
-            out.append((f"{join(root, name)}: missing or unreadable ({e})", name))
+            out.append((f"{ck.file(name)}: missing or unreadable ({e})", name))
             continue
         h = hashlib.sha256()
         try:
             for at in range(0, reader.size, _PIECE):
                 h.update(reader.read(at, min(_PIECE, reader.size - at)))
         except OSError as e:
-            out.append((f"{join(root, name)}: unreadable ({e})", name))
+            out.append((f"{ck.file(name)}: unreadable ({e})", name))
             continue
         finally:
             reader.close()
         if h.hexdigest() != files[name]:
-            out.append((f"{join(root, name)}: SHA-256 {h.hexdigest()[:16]}..., integrity.json records "
+            out.append((f"{ck.file(name)}: SHA-256 {h.hexdigest()[:16]}..., integrity.json records "
                         f"{files[name][:16]}...: the file is damaged", name))
     return out
 

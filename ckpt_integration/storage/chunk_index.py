@@ -45,7 +45,6 @@ from ..planning.records import MessageWriter, decode, group_rows
 from ..planning.reshard import ChunkRead, band
 from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
-from .filesystem import join
 from .located import CheckpointLocation
 from .torch_dist_reader import ChunkInfo
 
@@ -379,7 +378,7 @@ def read_chunk_index(location: CheckpointLocation, manifest: Optional[ckdir.Mani
     """
     md_entry = (manifest.files.get(ckdir.DCP_METADATA_FILE) if manifest is not None else None) or {}
     if usable(manifest):
-        where = join(location.path, CHUNK_INDEX_FILE)
+        where = location.file(CHUNK_INDEX_FILE)
         problem = ""
         try:
             index = parse_index(ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index"), where)
@@ -533,7 +532,7 @@ def index_problems(location: CheckpointLocation, manifest: Optional[ckdir.Manife
     with every other recorded file, not here. ``data``: the index's bytes, checked already."""
     if not usable(manifest):
         return []
-    where = join(location.path, CHUNK_INDEX_FILE)
+    where = location.file(CHUNK_INDEX_FILE)
     try:
         if data is None:
             data = ckdir.read_verified_file(location, CHUNK_INDEX_FILE, manifest, "chunk index")

@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Set
 
 from ..errors import SaveConflictError
 from ..version import __version__
-from .filesystem import Storage, join, name_problem, writing
+from .filesystem import join, name_problem, writing
 from .located import CheckpointLocation
 from .fs import fsync_dir
 
@@ -58,12 +58,12 @@ except ImportError:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- what is ours
-def zarr_top_names(storage: Storage, directory: str, names: List[str]) -> Set[str]:
+def zarr_top_names(ck: CheckpointLocation, names: List[str]) -> Set[str]:
     """Top-level entries that ``zarr_index.json`` says are arrays or object files of the checkpoint."""
     if ZARR_INDEX_FILE not in names:
         return set()
     try:
-        index = json.loads(storage.read_in(directory, ZARR_INDEX_FILE, "zarr index"))
+        index = json.loads(ck.read(ZARR_INDEX_FILE, "zarr index"))
         keys = [k for k in index.get("tensors", {})] + [k for k in index.get("objects", [])]
     except Exception:  # a damaged index names nothing: its arrays then count as foreign
         return set()
@@ -86,9 +86,8 @@ def checkpoint_entry(name: str, zarr_tops: Set[str] = frozenset()) -> bool:
 
 def classify_entries(ck: CheckpointLocation) -> tuple:
     """``(ours, foreign)`` entry names of the directory (by name, see :func:`checkpoint_entry`)."""
-    storage, directory = ck.storage, ck.path
-    names = storage.listdir(directory)
-    tops = zarr_top_names(storage, directory, names)
+    names = ck.listdir()
+    tops = zarr_top_names(ck, names)
     ours = [n for n in names if checkpoint_entry(n, tops)]
     return ours, [n for n in names if n not in ours]
 
@@ -96,7 +95,7 @@ def classify_entries(ck: CheckpointLocation) -> tuple:
 def read_marker(ck: CheckpointLocation) -> Optional[dict]:
     """The parsed marker of the directory if it is one of ours, else None (missing, damaged, foreign)."""
     try:
-        raw = json.loads(ck.storage.read_in(ck.path, MARKER_FILE, "save marker"))
+        raw = json.loads(ck.read(MARKER_FILE, "save marker"))
     except Exception:  # missing, a link out, not a file, damaged, hostile: not a marker of ours
         return None
     return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
@@ -149,22 +148,22 @@ def _marker_bytes(token: str) -> bytes:
                        "save": token, "started": time.time()}).encode()
 
 
-def _write_marker(storage: Storage, directory: str, token: str, replace: bool, durable: bool) -> Optional[int]:
+def _write_marker(where: CheckpointLocation, token: str, replace: bool, durable: bool) -> Optional[int]:
     """:func:`_write_marker_file`; an OS error (a full disk, no permission) is a
     :class:`CheckpointWriteError` naming the file, as for every other file of a save."""
-    with writing(join(directory, MARKER_FILE)):
-        return _write_marker_file(storage, directory, token, replace, durable)
+    with writing(where.file(MARKER_FILE)):
+        return _write_marker_file(where, token, replace, durable)
 
 
-def _write_marker_file(storage: Storage, directory: str, token: str, replace: bool, durable: bool) -> Optional[int]:
+def _write_marker_file(where: CheckpointLocation, token: str, replace: bool, durable: bool) -> Optional[int]:
     """Write this save's marker; locally return an fd holding its lock (taken before it is visible).
 
     ``replace=False``: the marker must not exist (``FileExistsError`` otherwise), so of two
     saves claiming a new directory at once exactly one succeeds.
     """
-    path = join(directory, MARKER_FILE)
-    if storage.remote:
-        storage.write_atomic(path, _marker_bytes(token), durable, exclusive=not replace)
+    path = where.file(MARKER_FILE)
+    if where.storage.remote:
+        where.write(MARKER_FILE, _marker_bytes(token), durable, exclusive=not replace)
         return None
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident() % 100000}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -183,7 +182,7 @@ def _write_marker_file(storage: Storage, directory: str, token: str, replace: bo
             os.link(tmp, path)
             os.remove(tmp)
         if durable:
-            fsync_dir(directory)
+            fsync_dir(where.path)
     except BaseException:
         _unlock(fd)
         try:
@@ -216,9 +215,8 @@ class SaveClaim:
 
     def owned(self) -> bool:
         """Whether ``write_dir`` still holds this save's marker (nobody took the directory over)."""
-        storage, d = self.where.storage, self.where.path
-        path = join(d, MARKER_FILE)
-        if not storage.remote and self.fds:
+        path = self.where.file(MARKER_FILE)
+        if not self.where.storage.remote and self.fds:
             try:
                 return os.fstat(self.fds[0]).st_ino == os.stat(path).st_ino
             except OSError:
@@ -251,7 +249,7 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
     ours, foreign = classify_entries(ck)
     if not ours and not foreign:
         try:
-            fd = _write_marker(storage, directory, token, replace=False, durable=durable)
+            fd = _write_marker(ck, token, replace=False, durable=durable)
         except FileExistsError:
             raise SaveConflictError(f"cannot save to {directory}: another save started writing there at the same time") from None
         return SaveClaim(ck, False, token, [fd] if fd is not None else [])
@@ -270,7 +268,7 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
         )
     old = None
     if not storage.remote:
-        old = _try_lock(join(directory, MARKER_FILE))
+        old = _try_lock(ck.file(MARKER_FILE))
         if old == _HELD:
             raise SaveConflictError(
                 f"cannot save to {directory}: another save is writing there right now (its marker "
@@ -286,8 +284,8 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
         logger.warning("removing %d files of an incomplete earlier save in %s", len(ours), directory)
         for n in ours:
             if n != MARKER_FILE:
-                storage.remove_any(join(directory, n))
-        fd = _write_marker(storage, directory, token, replace=True, durable=durable)
+                storage.remove_any(ck.file(n))
+        fd = _write_marker(ck, token, replace=True, durable=durable)
     finally:
         if isinstance(old, int):
             _unlock(old)
@@ -310,20 +308,21 @@ def claim_staging(ck: CheckpointLocation, staging: str, token: str, durable: boo
     """
     storage, checkpoint_dir = ck.storage, ck.path
     fds: List[int] = []
-    current = _try_lock(join(checkpoint_dir, MARKER_FILE)) if not storage.remote else None
+    current = _try_lock(ck.file(MARKER_FILE)) if not storage.remote else None
     if current == _HELD:
         raise SaveConflictError(f"cannot save to {checkpoint_dir}: another save is replacing it right now")
     if isinstance(current, int):
         fds.append(current)
+    fresh = ck.at(staging)
     try:
         with writing(staging):
             os.makedirs(staging)
-        fd = _write_marker(storage, staging, token, replace=False, durable=durable)
+        fd = _write_marker(fresh, token, replace=False, durable=durable)
     except BaseException:
         for f in fds:
             _unlock(f)
         raise
-    return SaveClaim(ck.at(staging), True, token, ([fd] if fd is not None else []) + fds)
+    return SaveClaim(fresh, True, token, ([fd] if fd is not None else []) + fds)
 
 
 def staging_is_dead(path: str) -> bool:

@@ -37,7 +37,7 @@ from ..errors import CheckpointingException, CheckpointReadError, CheckpointWrit
 from . import retry
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
 from .readers import FileReader, FsspecReader
-from .located import CheckpointLocation
+from .located import CheckpointLocation, is_remote, join  # (path arithmetic lives with the handle; named here too)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -46,18 +46,6 @@ logger = logging.getLogger(__name__)
 
 # Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
 ALLOW_SYMLINKS_ENV = "CKPT_INTEGRATION_ALLOW_SYMLINKS"
-
-
-def is_remote(path: Union[str, os.PathLike]) -> bool:
-    """True for URLs handled by fsspec (anything with a scheme except ``file://``)."""
-    p = os.fspath(path) if not isinstance(path, str) else path
-    return "://" in p and not p.startswith("file://")
-
-
-def join(base: str, *names: str) -> str:
-    if is_remote(base):
-        return "/".join([base.rstrip("/"), *names])
-    return os.path.join(base, *names)
 
 
 def parent_of(path: Union[str, os.PathLike]) -> str:

@@ -27,7 +27,7 @@ from ..errors import CheckpointingException, CheckpointReplacedError
 from . import checkpoint_dir as ckdir
 from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
 from .checksum import check_sha_manifest
-from .filesystem import Storage, join, locate, parent_of
+from .filesystem import Storage, locate, parent_of
 from .located import CheckpointLocation
 from .backends import backend_named
 from .chunk_index import read_chunk_index
@@ -256,9 +256,8 @@ def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], 
     readable manifest (other writers, damage) gives ``(None, None, None)``: listing
     checkpoints never fails because one of them is damaged; loading it does.
     """
-    storage, directory = ck.storage, ck.path
     try:
-        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
+        reader = ck.open(MANIFEST_FILE, "manifest")
         try:
             head = reader.read(0, min(reader.size, _HEAD_BYTES))
         finally:
@@ -293,15 +292,15 @@ def next_commit_seq(ck: CheckpointLocation) -> int:
         last = _last_seq.get(parent)
         if last is None:
             last = 0
-            storage, p = ck.storage, parent
+            here = ck.at(parent)
             try:
-                names = storage.listdir(p) if storage.isdir(p) else []
+                names = here.listdir() if ck.storage.isdir(parent) else []
             except OSError:
                 names = []
             for n in names:
-                sibling = join(p, n)
-                if storage.exists(join(sibling, CONFIG_FILE)):
-                    seq = commit_order(ck.at(sibling))[1]
+                sibling = ck.at(here.file(n))
+                if sibling.exists(CONFIG_FILE):
+                    seq = commit_order(sibling)[1]
                     if seq is not None:
                         last = max(last, seq)
         _last_seq[parent] = last + 1
@@ -321,13 +320,12 @@ def commit_identity(ck: CheckpointLocation) -> Optional[str]:
     opened checkpoint can notice a removal but not every replacement (see docs/reading.md).
     Costs one existence check and one small read (the manifest's head) on any storage.
     """
-    storage, directory = ck.storage, ck.path
-    if not storage.exists(join(directory, CONFIG_FILE)):
+    if not ck.exists(CONFIG_FILE):
         return "" if is_plain_dcp(ck) else None  # plain DCP: ``.metadata`` is its commit marker
     try:
-        reader = storage.open_in(directory, MANIFEST_FILE, "manifest")
+        reader = ck.open(MANIFEST_FILE, "manifest")
     except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint
-        return None if storage.exists(join(directory, WRITER_FILE)) else ""
+        return None if ck.exists(WRITER_FILE) else ""
     try:
         head = reader.read(0, min(reader.size, _HEAD_BYTES))
     finally:

@@ -36,7 +36,6 @@ from ..planning.boxes import Box
 from .backends import CheckpointReader
 from .checkpoint_dir import MANIFEST_FILE
 from .checksum import BlockHash
-from .filesystem import join
 from .region_read import scratch_buffer, dtype_size
 from .fs import tensor_buffer
 from .item_table import Digests
@@ -160,7 +159,7 @@ def _fetch(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike, Dig
     last = span[-1][2].chunk.storage
     hi = last.offset + last.length
     fd = reader.file_reader(name)
-    path = join(reader.directory, name)
+    path = reader.ck.file(name)
     size = fd.size
     if hi > size:  # name the first item that does not fit, as a one-item read would
         t = next(s[2] for s in span if s[1] + s[2].chunk.storage.length > size)
@@ -184,7 +183,7 @@ def _check_span(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike
                 read_s: float) -> None:
     """Check every item of a span read into ``mv`` (see the module docstring) and copy its data out."""
     name, lo = span[0][0], span[0][1]
-    path = join(reader.directory, name)
+    path = reader.ck.file(name)
     addr = buf.data_ptr()
     verify = reader.verify_checksums
     memmove = ctypes.memmove
@@ -214,7 +213,7 @@ def _check_span(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike
             )
         tail = d + n < length
         if d + n > length or len(digests) != (d > 0) + -(-n // b) + tail:
-            where = join(reader.directory, MANIFEST_FILE)
+            where = reader.ck.file(MANIFEST_FILE)
             raise CorruptCheckpointError(
                 f"{where}: block record of {_what(t)} is damaged: data [{d}, {d + n}) in an item of {length} "
                 f"bytes with {len(digests)} block checksums"
@@ -250,7 +249,7 @@ def _check_span(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{path}: {_what(t)}: {e}") from None
         if found is not None and (found[0] != t.dtype or found[1] != t.chunk.box.sizes):
-            _check_recorded(found, t, path, reader.directory)
+            _check_recorded(found, t, path, reader.ck.file(DCP_METADATA_FILE))
         if n:
             memmove(out.data_ptr(), addr + s + d, n)
         t.got.append(t.overlap)  # the task's ledger (planning.delivery)
@@ -320,14 +319,13 @@ def _data_mismatch(path: str, off: int, lo: int, hi: int, t: ReadTaskLike, h: Bl
     )
 
 
-def _check_recorded(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], t: ReadTaskLike, path: str, directory: str) -> None:
+def _check_recorded(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], t: ReadTaskLike, path: str, where: str) -> None:
     """The archive's dtype and shape (``found``, from ``describe_archive_head``) against ``.metadata``."""
     if found is None:
         return  # an archive of another layout: its data's place and size were checked already
     dtype, shape = found
     if dtype == t.dtype and shape == t.chunk.box.sizes:
         return
-    where = join(directory, DCP_METADATA_FILE)
     if dtype != t.dtype:
         raise CorruptCheckpointError(
             f"{path}: {_what(t)} is stored as {dtype} (the archive's data.pkl) but {where} says "

@@ -316,7 +316,7 @@ def write_data_files(
         return WrittenTable()
     block_size = block_size or BLOCK_SIZE
     digest = save_block_hash()
-    storage, directory = target.storage, target.path
+    storage = target.storage
     linked, taken, stable = link_unchanged(target, requests, base, digest, stop, fingerprints)
     groups = _separate(requests, separation_hint, thread_count, [i for i in range(len(requests)) if i not in taken],
                        stable)
@@ -325,7 +325,7 @@ def write_data_files(
 
     def write_bucket(index: int, bucket: List[int]) -> WrittenTable:
         name = names[index]
-        path = join(directory, name)
+        path = target.file(name)
         out = WrittenTable()
         try:
             f = storage.open_write(path, exclusive=True)
@@ -470,7 +470,7 @@ def make_dcp_metadata(
 def write_dcp_metadata(target: CheckpointLocation, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
     """Write ``.metadata``; returns ``{"size", "crc32"}`` for the manifest."""
     data = dumps_dcp_metadata(metadata)
-    target.storage.write_atomic(join(target.path, DCP_METADATA_FILE), data, durable)
+    target.write(DCP_METADATA_FILE, data, durable)
     return {"size": len(data), "crc32": crc32(data)}
 
 
@@ -481,7 +481,7 @@ def read_dcp_metadata(ck: CheckpointLocation, trusted: bool = False, manifest: O
     the ``.metadata`` it read."""
     if ck.dcp_metadata is not None:
         return ck.dcp_metadata
-    path = join(ck.path, DCP_METADATA_FILE)
+    path = ck.file(DCP_METADATA_FILE)
     if manifest is None:
         manifest = ckdir.read_manifest(ck)
     try:

@@ -24,7 +24,7 @@ from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointErro
 from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
 from .checksum import CRC32, block_hash
-from .filesystem import FileReader, join, name_problem
+from .filesystem import FileReader, name_problem
 from .located import CheckpointLocation
 from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
@@ -75,7 +75,7 @@ class TorchDistReader:
         verify_checksums: bool = True,
         manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
     ):
-        self.storage, self.directory = ck.storage, ck.path
+        self.ck, self.directory = ck, ck.path  # (the handle; its path for the planners and messages)
         self.metadata = metadata
         if manifest is MANIFEST_FROM_DIRECTORY:  # an opened checkpoint: the manifest it pinned
             manifest = ckdir.read_manifest_checked(ck)
@@ -93,7 +93,7 @@ class TorchDistReader:
         self._layouts: Dict[Tuple[str, int], ChunkLayout] = {}
         self.stats = ReadStats()
         self._lock = threading.Lock()
-        where = join(self.directory, DCP_METADATA_FILE)
+        where = self.ck.file(DCP_METADATA_FILE)
         names_ok: set = set()  # a few data files named by many items: each name checked once
         for index, info in (metadata.storage_data or {}).items():
             name = getattr(info, "relative_path", None)
@@ -136,10 +136,10 @@ class TorchDistReader:
             fd = self._files.get(relative_path)
             if fd is None:
                 try:
-                    fd = self.storage.open_in(self.directory, relative_path, "data file", source=DCP_METADATA_FILE)
+                    fd = self.ck.open(relative_path, "data file", source=DCP_METADATA_FILE)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
-                        f"data file {join(self.directory, relative_path)} is missing (listed in .metadata)"
+                        f"data file {self.ck.file(relative_path)} is missing (listed in .metadata)"
                     ) from None
                 self._files[relative_path] = fd
             return fd
@@ -153,7 +153,7 @@ class TorchDistReader:
         size = fd.size
         if info.offset + info.length > size:
             raise CorruptCheckpointError(
-                f"{join(self.directory, info.relative_path)} is truncated: {what} needs bytes "
+                f"{self.ck.file(info.relative_path)} is truncated: {what} needs bytes "
                 f"[{info.offset}, {info.offset + info.length}) but the file has {size} bytes"
             )
         return fd
@@ -184,14 +184,14 @@ class TorchDistReader:
             self._check_extent(info, f"chunk {c.box} of {key!r}")
             if c.box.numel * esize > info.length:
                 raise CorruptCheckpointError(
-                    f"{join(self.directory, DCP_METADATA_FILE)} is damaged: chunk {c.box} of {key!r} declares "
+                    f"{self.ck.file(DCP_METADATA_FILE)} is damaged: chunk {c.box} of {key!r} declares "
                     f"{c.box.numel} elements ({c.box.numel * esize} bytes) but its stored item has {info.length} bytes"
                 )
             held += c.box.numel
         declared = math.prod(shape)
         if declared > held:
             raise CorruptCheckpointError(
-                f"{join(self.directory, DCP_METADATA_FILE)} declares tensor {key!r} of shape {shape} "
+                f"{self.ck.file(DCP_METADATA_FILE)} declares tensor {key!r} of shape {shape} "
                 f"({declared} elements), but its saved chunks hold only {held}: the metadata is damaged "
                 "(or chunks are missing); nothing was allocated for it"
             )
@@ -208,7 +208,7 @@ class TorchDistReader:
         inside its file, then against its block digests or its item digest."""
         fd = self._check_extent(info, what)
         buf = bytearray(info.length)
-        pread_exact(fd, memoryview(buf), info.offset, join(self.directory, info.relative_path))
+        pread_exact(fd, memoryview(buf), info.offset, self.ck.file(info.relative_path))
         self._verify(info, buf, what)
         return bytes(buf)
 
@@ -218,7 +218,7 @@ class TorchDistReader:
         rid = (info.relative_path, info.offset)
         if rid not in self._records:
             fd = self._check_extent(info, f"chunk {chunk.box} of {key!r}")
-            rec = parse_tensor_record(fd, info.offset, info.length, join(self.directory, info.relative_path))
+            rec = parse_tensor_record(fd, info.offset, info.length, self.ck.file(info.relative_path))
             self._records[rid] = rec
         return self._records[rid]
 
@@ -229,7 +229,7 @@ class TorchDistReader:
         expected = self.checksums.get((info.relative_path, info.offset))
         if expected is None:
             raise CorruptCheckpointError(
-                f"{join(self.directory, ckdir.MANIFEST_FILE)} has no checksum for {what} "
+                f"{self.ck.file(ckdir.MANIFEST_FILE)} has no checksum for {what} "
                 f"({info.relative_path}@{info.offset}): the manifest is damaged or does not belong to this checkpoint"
             )
         return expected
@@ -238,14 +238,14 @@ class TorchDistReader:
         """Check a whole item's bytes: against its block digests if it has them, else its item digest."""
         brec = self.block_records.get((info.relative_path, info.offset)) if self.verify_checksums else None
         if brec is not None:
-            verify_blocks(self._blocks(info, brec, what), join(self.directory, info.relative_path), info.offset, what, 0, buf)
+            verify_blocks(self._blocks(info, brec, what), self.ck.file(info.relative_path), info.offset, what, 0, buf)
             return
         expected = self._expected_crc(info, what)
         if expected is None:
             return
         if self.hash.digest(buf) != expected:
             raise CorruptCheckpointError(
-                f"{join(self.directory, info.relative_path)}: checksum mismatch for {what} "
+                f"{self.ck.file(info.relative_path)}: checksum mismatch for {what} "
                 f"(bytes [{info.offset}, {info.offset + info.length})): the file is damaged"
             )
 
@@ -258,7 +258,7 @@ class TorchDistReader:
         cached = self._layouts.get(rid)
         if cached is not None:
             return cached
-        path = join(self.directory, info.relative_path)
+        path = self.ck.file(info.relative_path)
         what = f"chunk {chunk.box} of {key!r}"
         fd = self._check_extent(info, what)
         esize = dtype_size(dtype)
@@ -278,7 +278,7 @@ class TorchDistReader:
             try:
                 bounds = blocks.bounds if blocks is not None else brec.bounds(info.length)
             except ValueError as e:
-                raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+                raise CorruptCheckpointError(f"{self.ck.file(ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
         else:
             rec = self._record(key, chunk)
             if rec is None or not rec.is_contiguous:
@@ -336,7 +336,7 @@ class TorchDistReader:
         if found is None or layout.dtype is None:
             return  # an archive of another layout: its data's place and size were checked already
         dtype, shape = found
-        where = join(self.directory, DCP_METADATA_FILE)
+        where = self.ck.file(DCP_METADATA_FILE)
         if dtype != layout.dtype:
             raise CorruptCheckpointError(
                 f"{layout.path}: {layout.what} is stored as {dtype} (the archive's data.pkl) but {where} says "
@@ -371,7 +371,7 @@ class TorchDistReader:
             try:
                 blocks = Blocks(brec.bounds(info.length), brec.digests, brec.hash)
             except ValueError as e:
-                raise CorruptCheckpointError(f"{join(self.directory, ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
+                raise CorruptCheckpointError(f"{self.ck.file(ckdir.MANIFEST_FILE)}: block record of {what} is damaged: {e}") from None
             self._block_cache[rid] = blocks
         return blocks
 
@@ -402,7 +402,7 @@ class TorchDistReader:
         info = chunk.storage
         fd = self._check_extent(info, f"chunk {chunk.box} of {key!r}")
         buf = bytearray(info.length)
-        path = join(self.directory, info.relative_path)
+        path = self.ck.file(info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
         self._verify(info, buf, f"chunk {chunk.box} of {key!r}")
 

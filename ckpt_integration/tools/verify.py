@@ -26,7 +26,7 @@ from .verify_files import (integrity_manifest_holds, read_manifest, recorded, re
                            verify_other_recorded_files)
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
-from ..storage.filesystem import FileReader, Storage, join, locate, name_problem
+from ..storage.filesystem import FileReader, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
 from ..storage.located import CheckpointLocation
 from ..storage.opened import OpenedCheckpoint, pinned
@@ -141,7 +141,7 @@ def verify_checkpoint(path: str, progress: ProgressFactory = no_progress, truste
         except CheckpointingException as e:  # an interrupted save, a damaged or unsupported commit marker
             report.add(str(e), ckdir.CONFIG_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
             config = None
-            if not ck.storage.exists(join(ck.path, DCP_METADATA_FILE)):
+            if not ck.exists(DCP_METADATA_FILE):
                 return report
         if not integrity_manifest_holds(ck, report):
             return report
@@ -284,7 +284,6 @@ class _Chunk:
 
 def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: ProgressFactory,
                        trusted: bool) -> VerifyReport:
-    storage, root = ck.storage, ck.path
     manifest, manifest_reported = read_manifest(ck, report)
     report.checksums_available = manifest is not None
     report.block_hash = manifest.block_hash if manifest is not None else None
@@ -317,7 +316,7 @@ def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: P
     for problem in chunk_index.index_problems(ck, manifest, md, index):  # what loads plan from vs .metadata
         report.add(problem, chunk_index.CHUNK_INDEX_FILE)
     affected = _check_coverage(md, report)
-    affected |= _DataPass(storage, root, md, manifest, report, progress).run()
+    affected |= _DataPass(ck, md, manifest, report, progress).run()
     _validate_tensors(ck, md, manifest, affected, report)
     if isinstance(ck, OpenedCheckpoint) and report.ok and ck.loaded_metadata() is None:
         ck.dcp_metadata = md  # checked above: what reads through the opened checkpoint use (--state)
@@ -365,9 +364,9 @@ class _DataPass:
     """Streams every data file once: sizes, item digests, block digests, and each tensor archive
     against what ``.metadata`` says it holds. Returns the keys of the tensors found damaged."""
 
-    def __init__(self, storage: Storage, root: str, md: Metadata, manifest: Optional[ckdir.Manifest],
+    def __init__(self, ck: CheckpointLocation, md: Metadata, manifest: Optional[ckdir.Manifest],
                  report: VerifyReport, progress: ProgressFactory):
-        self.storage, self.root, self.md, self.manifest, self.report = storage, root, md, manifest, report
+        self.ck, self.md, self.manifest, self.report = ck, md, manifest, report
         self.progress = progress
         self.checksums = manifest.checksums() if manifest is not None else {}
         self.blocks = manifest.block_records() if manifest is not None else {}
@@ -390,11 +389,11 @@ class _DataPass:
         for index, info in (self.md.storage_data or {}).items():
             name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
             if not isinstance(name, str):  # (a str name leading outside is refused by the storage layer's open)
-                self.problem(f"refusing {join(self.root, DCP_METADATA_FILE)}: {_item_name(index)} is stored in "
+                self.problem(f"refusing {self.ck.file(DCP_METADATA_FILE)}: {_item_name(index)} is stored in "
                              f"{name!r}: {name_problem(name)}", DCP_METADATA_FILE, [index])
                 continue
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
-                self.problem(f"{join(self.root, DCP_METADATA_FILE)} is damaged: {_item_name(index)} has an invalid byte "
+                self.problem(f"{self.ck.file(DCP_METADATA_FILE)} is damaged: {_item_name(index)} has an invalid byte "
                              f"range ({offset!r}, {length!r})", DCP_METADATA_FILE, [index])
                 continue
             by_file[name].append((index, info))
@@ -411,10 +410,10 @@ class _DataPass:
         return self.affected
 
     def verify_file(self, name: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
-        file = join(self.root, name)
+        file = self.ck.file(name)
         indexes = [i for i, _ in items]
         try:
-            reader = self.storage.open_in(self.root, name, "data file", source=DCP_METADATA_FILE)
+            reader = self.ck.open(name, "data file", source=DCP_METADATA_FILE)
         except FileNotFoundError:
             reader = None
             self.problem(f"{file} is missing (listed in .metadata)", name, indexes)
@@ -480,7 +479,7 @@ class _DataPass:
             try:
                 bounds = brec.bounds(info.length)
             except ValueError as e:
-                self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)}: the block record of {_item_name(index)} in {file} "
+                self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)}: the block record of {_item_name(index)} in {file} "
                              f"is damaged: {e}", ckdir.MANIFEST_FILE, [index])
                 brec = None
         crc, bad, whole = _stream_item(reader, info.offset, info.length, self.hash, bounds,
@@ -492,14 +491,14 @@ class _DataPass:
         if bad and (expected is None or crc != expected):
             return [(info.offset + int(bounds[b]), info.offset + int(bounds[b + 1])) for b in bad[:5]]
         if bad:  # the data matches the item digest but not the block digests: the manifest's block table is wrong
-            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: {len(bad)} block checksum(s) of "
+            self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: {len(bad)} block checksum(s) of "
                          f"{_item_name(index)} in {file} do not match the data, whose whole-item checksum does "
                          "(loads of those blocks fail)", ckdir.MANIFEST_FILE, [index])
             return None
         if expected is not None and crc != expected:
             if brec is None:
                 return []
-            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: the checksum of {_item_name(index)} in "
+            self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: the checksum of {_item_name(index)} in "
                          f"{file} does not match the data, whose block checksums do", ckdir.MANIFEST_FILE, [index])
             return None
         if chunk is not None:  # (a small item is parsed from the bytes just checked: no second read)
@@ -530,7 +529,7 @@ class _DataPass:
         elif start + chunk.nbytes > info.length:
             self.problem(f"{file}: the tensor data of {what} exceeds its stored item", info.relative_path, [index])
         elif brec is not None and rec.is_contiguous and start != brec.data_offset:
-            self.problem(f"{join(self.root, ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
+            self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
                          f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
 
 

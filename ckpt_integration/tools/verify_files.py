@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
 from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
-from ..storage.filesystem import join
 from ..storage.located import CheckpointLocation
 from ..storage.checksum import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
@@ -61,7 +60,7 @@ def read_manifest(ck: CheckpointLocation, report: Report) -> Tuple[Optional[ckdi
     if manifest is None and ckdir.manifest_deleted(ck):
         # ours record at save time that they have one (ckpt_integration.json); foreign ones
         # (Megatron-Core, DCP) never have one, which is no damage
-        report.add(f"{join(ck.path, ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
+        report.add(f"{ck.file(ckdir.MANIFEST_FILE)} is missing, but {ckdir.WRITER_FILE} says the checkpoint "
                    "was saved with it: the recorded checksums are lost", ckdir.MANIFEST_FILE)
         return None, True
     return manifest, False
@@ -80,7 +79,7 @@ def verify_common(ck: CheckpointLocation, manifest: Optional[ckdir.Manifest], re
     """``common.pt``: its recorded size and CRC32 (the check every load makes), else a zip archive.
     Read from the file (never a copy an opened checkpoint kept)."""
     fresh = ck.afresh()
-    file = join(ck.path, ckdir.COMMON_FILE)
+    file = ck.file(ckdir.COMMON_FILE)
     try:
         data = ckdir.read_verified_file(fresh, ckdir.COMMON_FILE, manifest, "common state file")
     except FileNotFoundError:
@@ -113,19 +112,19 @@ def verify_other_recorded_files(ck: CheckpointLocation, manifest: ckdir.Manifest
                                  report: Report) -> Dict[str, bytes]:
     """Files the manifest records that ``.metadata`` does not name (checked by the data pass);
     returns the bytes of those checked whole against their CRC32 (the chunk index)."""
-    storage, root, fresh = ck.storage, ck.path, ck.afresh()
+    fresh = ck.afresh()
     whole: Dict[str, bytes] = {}
     for name in sorted(manifest.files):
         if name in (DCP_METADATA_FILE, ckdir.COMMON_FILE) or name in data_files:
             continue
         entry = manifest.files[name]
-        file = join(root, name)
+        file = ck.file(name)
         try:
             if "crc32" in entry:
                 whole[name] = ckdir.read_verified_file(fresh, name, manifest)
                 report.files_checked += 1
                 continue
-            reader = storage.open_in(root, name, "data file", source=ckdir.MANIFEST_FILE)
+            reader = ck.open(name, "data file", source=ckdir.MANIFEST_FILE)
         except FileNotFoundError:
             report.add(f"{file} is missing (recorded in {ckdir.MANIFEST_FILE})", name)
             continue

@@ -214,18 +214,18 @@ def check_index_paths(directory: str, index: Dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- files
-def array_path(directory: str, key: str) -> str:
+def array_path(ck: CheckpointLocation, key: str) -> str:
     """The directory of array ``key``."""
-    return join(directory, key)
+    return ck.file(key)
 
 
-def array_store(directory: str, key: str, read_only: bool = False) -> Any:
+def array_store(ck: CheckpointLocation, key: str, read_only: bool = False) -> Any:
     """What zarr should open: a local path, or an fsspec store for URLs.
 
     (A bare ``memory://`` string would give zarr's own in-process store, not
     fsspec's memory filesystem where the rest of the checkpoint lives.)
     """
-    path = array_path(directory, key)
+    path = array_path(ck, key)
     if not is_remote(path):
         return path
     zarr = zarr_module()
@@ -233,17 +233,17 @@ def array_store(directory: str, key: str, read_only: bool = False) -> Any:
     return zarr.storage.FsspecStore.from_url(path, read_only=read_only)
 
 
-def base_store(directory: str, key: str, read_only: bool = False) -> Any:
+def base_store(ck: CheckpointLocation, key: str, read_only: bool = False) -> Any:
     """Like :func:`array_store`, but always a zarr ``Store`` object (the integrity wrappers need one)."""
-    store = array_store(directory, key, read_only)
+    store = array_store(ck, key, read_only)
     if isinstance(store, str):
         store = zarr_module().storage.LocalStore(store, read_only=read_only)
     return store
 
 
-def object_path(directory: str, unique_key: str) -> str:
+def object_path(ck: CheckpointLocation, unique_key: str) -> str:
     """The file of ShardedObject ``unique_key``."""
-    return join(directory, f"{unique_key}.pt")
+    return ck.file(object_file_name(unique_key))
 
 
 def object_file_name(unique_key: str) -> str:
@@ -310,19 +310,18 @@ def read_file_records(index: Dict[str, Any], where: str) -> Optional[Dict[str, F
 
 def write_index(ck: CheckpointLocation, index: Dict[str, Any], durable: bool = True) -> None:
     """Write ``zarr_index.json`` atomically."""
-    ck.storage.write_atomic(join(ck.path, INDEX_FILE), json.dumps(index).encode(), durable)
+    ck.write(INDEX_FILE, json.dumps(index).encode(), durable)
 
 
 def read_index(ck: CheckpointLocation) -> Dict[str, Any]:
     """``zarr_index.json`` of a checkpoint (missing or not a JSON object: ``CorruptCheckpointError``);
     an opened checkpoint reads it once (each caller gets its own copy of the parsed index)."""
-    cache, storage, root = ck.file_cache, ck.storage, ck.path
-    path = join(root, INDEX_FILE)
+    cache, path = ck.file_cache, ck.file(INDEX_FILE)
     try:
         if cache is not None and INDEX_FILE in cache:
             data = cache[INDEX_FILE]
         else:
-            data = storage.read_in(root, INDEX_FILE, "zarr index")
+            data = ck.read(INDEX_FILE, "zarr index")
             if cache is not None:
                 cache[INDEX_FILE] = data
         index = load_json(data, path)

@@ -44,12 +44,12 @@ class ZarrReader:
     """
 
     def __init__(self, ck: CheckpointLocation, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
-        self.storage, self.directory = ck.storage, ck.path
+        self.ck, self.directory = ck, ck.path  # (the handle; its path for the planners and messages)
         self.index = read_index(ck)  # an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
         check_index_paths(self.directory, self.index)
         # None: an index written before records existed; such files are read unchecked
-        self.files = read_file_records(self.index, join(self.directory, INDEX_FILE))
+        self.files = read_file_records(self.index, self.ck.file(INDEX_FILE))
         self.verify_checksums = verify_checksums
         self._chunk_records: Optional[Dict[str, List[int]]] = None
         self._arrays: Dict[str, Any] = {}
@@ -80,7 +80,7 @@ class ZarrReader:
 
         with self._lock:
             if key not in self._arrays:
-                path = array_path(self.directory, key)
+                path = array_path(self.ck, key)
                 try:
                     # format pinned: zarr would otherwise also probe for zarr v2 metadata files
                     arr = zarr.open_array(self._open_store(key), mode="r", zarr_format=3)
@@ -101,8 +101,8 @@ class ZarrReader:
         files = self.files
         _, CheckingStore = store_wrappers()
         return CheckingStore(
-            base_store(self.directory, key, read_only=True),
-            array_path(self.directory, key),
+            base_store(self.ck, key, read_only=True),
+            array_path(self.ck, key),
             None if files is None else (lambda name: files.get(f"{key}/{name}")),
             self.verify_checksums,
             self.directory,
@@ -129,7 +129,7 @@ class ZarrReader:
         recorded = self._chunk_records.get(key, [])
         if len(recorded) != grid or any(size != per_chunk for size in recorded):
             raise CorruptCheckpointError(
-                f"{join(self.directory, INDEX_FILE)} is damaged: tensor {key!r} is declared with shape {shape} "
+                f"{self.ck.file(INDEX_FILE)} is damaged: tensor {key!r} is declared with shape {shape} "
                 f"in chunks of {chunks} ({grid} chunk files of {per_chunk} bytes), but {len(recorded)} chunk "
                 "files are recorded; nothing was allocated for it"
             )
@@ -152,9 +152,9 @@ class ZarrReader:
     def read_bytes(self, storage_key: str) -> bytes:
         if storage_key not in self.index.get("objects", []):
             raise MismatchError(f"object {storage_key!r} is not in the checkpoint")
-        path = object_path(self.directory, storage_key)
+        path = object_path(self.ck, storage_key)
         try:
-            data = self.storage.read_in(self.directory, object_file_name(storage_key), "object file", nested=True, source=INDEX_FILE)
+            data = self.ck.read(object_file_name(storage_key), "object file", nested=True, source=INDEX_FILE)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"object file {path} of {storage_key!r} is missing (listed in {INDEX_FILE})") from None
         record = self.files.get(object_file_name(storage_key)) if self.files is not None else None
@@ -173,15 +173,15 @@ class ZarrReader:
         for key, name in expected_files(self.index):
             record = self.files.get(name)
             if record is None:
-                yield key, name, 0, f"{join(self.directory, name)} of {key!r} has no record in {INDEX_FILE}: the index is damaged"
+                yield key, name, 0, f"{self.ck.file(name)} of {key!r} has no record in {INDEX_FILE}: the index is damaged"
             else:
                 yield key, name, record.size, self._file_problem(name, record)
 
     def _file_problem(self, name: str, record: FileRecord) -> Optional[str]:
-        path = join(self.directory, name)
+        path = self.ck.file(name)
         what = "object file" if name == object_file_name(record.key) else "zarr chunk file"
         try:
-            reader = self.storage.open_in(self.directory, name, what, nested=True, source=INDEX_FILE)
+            reader = self.ck.open(name, what, nested=True, source=INDEX_FILE)
         except FileNotFoundError:
             return file_problem(what, path, record, None)
         except CheckpointingException as e:  # refused (leads outside the checkpoint) or not a regular file

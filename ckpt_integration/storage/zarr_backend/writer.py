@@ -21,12 +21,11 @@ import torch
 from ...errors import CheckpointingException
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
-from ..filesystem import join
 from ..located import CheckpointLocation
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
-from .index import (ARRAY_METADATA_FILE, INDEX_FORMAT, FileRecord, array_chunks, array_path, array_store, base_store,
+from .index import (INDEX_FORMAT, FileRecord, array_chunks, array_store, base_store,
                     check_layout_paths, chunk_box, chunk_offsets, expected_files, metadata_file_name, numpy_dtype,
                     object_file_name, object_path, read_index, storage_dtype, write_index, zarr_module)
 
@@ -206,7 +205,7 @@ def create_arrays(
         stored = storage_dtype(dtype)
         chunks = array_chunks(dtype, shape, boxes)
         zarr.create_array(
-            store=array_store(target.path, key),
+            store=array_store(target, key),
             shape=shape,
             chunks=chunks,
             dtype=numpy_dtype(stored),
@@ -234,7 +233,7 @@ def write_zarr_requests(target: CheckpointLocation, requests: Sequence[WriteRequ
     zarr = zarr_module()
     RecordingStore, _ = store_wrappers()
 
-    storage, directory = target.storage, target.path
+    storage = target.storage
     arrays: Dict[str, Any] = {}
     stores: Dict[str, Any] = {}
     lock = threading.Lock()
@@ -242,14 +241,14 @@ def write_zarr_requests(target: CheckpointLocation, requests: Sequence[WriteRequ
     def array(key: str) -> Any:
         with lock:
             if key not in arrays:
-                stores[key] = RecordingStore(base_store(directory, key))
+                stores[key] = RecordingStore(base_store(target, key))
                 # all-zero chunks are written too: a missing chunk file then always means damage
                 arrays[key] = zarr.open_array(stores[key], mode="r+").with_config({"write_empty_chunks": True})
             return arrays[key]
 
     def write(req: WriteRequest) -> Optional[WrittenItem]:
         if req.offsets is None:
-            path = object_path(directory, req.storage_key)
+            path = object_path(target, req.storage_key)
             parent = path.rsplit("/", 1)[0]
             storage.makedirs(parent)
             storage.write_atomic(path, req.data, durable)
@@ -272,7 +271,7 @@ def write_zarr_requests(target: CheckpointLocation, requests: Sequence[WriteRequ
 
     run_parallel(list(range(len(requests))), task, thread_count)
     if durable and not storage.remote:
-        _sync_chunk_files(directory, {key: list(store.records) for key, store in stores.items()}, thread_count)
+        _sync_chunk_files(target, {key: list(store.records) for key, store in stores.items()}, thread_count)
     items = [r for r in results if r is not None]
     for key, store in stores.items():
         chunks = arrays[key].chunks
@@ -281,13 +280,13 @@ def write_zarr_requests(target: CheckpointLocation, requests: Sequence[WriteRequ
     return items
 
 
-def _sync_chunk_files(directory: str, names: Dict[str, List[str]], thread_count: int) -> None:
+def _sync_chunk_files(target: CheckpointLocation, names: Dict[str, List[str]], thread_count: int) -> None:
     """fsync the chunk files this rank wrote (``names``: per array key), then every directory holding
     them, deepest first: zarr's local store writes without fsync, and the commit marker may only
     follow durable data (docs/format.md)."""
-    files = [join(array_path(directory, key), name) for key, chunk_names in names.items() for name in chunk_names]
+    files = [target.file(f"{key}/{name}") for key, chunk_names in names.items() for name in chunk_names]
     run_parallel(files, fsync_file, thread_count)
-    _sync_dirs(directory, files)
+    _sync_dirs(target.path, files)
 
 
 def _sync_dirs(directory: str, files: Iterable[str]) -> None:
@@ -318,15 +317,15 @@ def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenIte
         raise CheckpointingException(
             f"internal error: {len(missing)} file(s) were not written by any rank, e.g. {path} of {key!r}"
         )
-    storage, directory = target.storage, target.path
-    metadata_files = [join(array_path(directory, key), ARRAY_METADATA_FILE) for key in sorted(index["tensors"])]
+    storage = target.storage
+    metadata_files = [target.file(metadata_file_name(key)) for key in sorted(index["tensors"])]
     for key, path in zip(sorted(index["tensors"]), metadata_files):
         data = storage.read_bytes(path)
         files[metadata_file_name(key)] = FileRecord(key, len(data), crc32(data))
     if durable and not storage.remote:  # zarr wrote them (create_arrays) without fsync
         for path in metadata_files:
             fsync_file(path)
-        _sync_dirs(directory, metadata_files)
+        _sync_dirs(target.path, metadata_files)
     index["format"] = INDEX_FORMAT
     index["files"] = {path: asdict(r) for path, r in sorted(files.items())}
     write_index(target, index, durable)
