@@ -343,6 +343,11 @@ def test_the_broadcast_between_nodes_leaves_out_the_item_digests_that_block_dige
     payload = sm.encode_shared(shared, compress=True)
     assert shared.manifest.hash.name == "crc32" and payload[4] == 1
     assert sm.decode_shared(payload).manifest.item_table().raw == shared.manifest.item_table().raw
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage.item_table import ItemTable
+
+    with pytest.raises(CorruptCheckpointError, match="must have XXH3-64 digests, not CRC32"):
+        ItemTable(shared.manifest.item_table().raw, shared.manifest.hash, "x", derived=True)
 
 
 def _one_node_load(rank, world, root):

@@ -189,6 +189,8 @@ class ItemTable:
             raise ValueError(f"table version {version} (this version of ckpt_integration reads {TABLE_VERSION})")
         if width != h.width:
             raise ValueError(f"{width}-byte digests, but {h.label} digests have {h.width} bytes")
+        if self.derived and h.name != XXH3_64:  # (only XXH3-64 item digests follow from the block digests alone)
+            raise ValueError(f"a table without its item digests must have XXH3-64 digests, not {h.label}")
         end = _HEAD.size + nmsg
         if len(raw) != end + (n + nb) * width:
             raise ValueError(f"{len(raw)} bytes where its header describes {end + (n + nb) * width}")
