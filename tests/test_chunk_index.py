@@ -309,33 +309,47 @@ def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path
                 (b.data_offset, b.data_length, b.block_size, b.digests.tolist())
 
 
-def test_the_broadcast_between_nodes_leaves_out_the_item_digests_that_block_digests_determine(tmp_path, monkeypatch):
-    """Compressed (a job on several nodes), the broadcast's item table carries zeros in place of
-    the XXH3-64 item digests of items with block digests (random bytes that nothing compresses:
-    1.6 of 9.5 MiB at 65,536 ranks); the receiving ranks derive every such digest as it was
-    recorded, and a table re-encoded from them is the recorded one byte for byte. CRC32 tables,
-    whose item digests need each block's length, travel as they are."""
+def test_the_broadcast_between_nodes_sends_the_item_table_in_its_wire_form(tmp_path, monkeypatch):
+    """Compressed (a job on several nodes), the broadcast's item table travels in its wire form:
+    zeros in place of the XXH3-64 item digests of items with block digests (random bytes that
+    nothing compresses: 1.6 of 9.5 MiB at 65,536 ranks) and its integer columns as first
+    differences. The receiving ranks get every column as recorded, derive every such digest as it
+    was recorded, and a table re-encoded from them is the recorded one byte for byte; a received
+    table sent on keeps all of it. CRC32 tables, whose item digests need each block's length,
+    travel as they are, and a wire-form table of CRC32 digests is refused."""
+    import zlib
+
+    from ckpt_integration.errors import CorruptCheckpointError
     from ckpt_integration.execution import shared_metadata as sm
     from ckpt_integration.storage import checksum
+    from ckpt_integration.storage.item_table import ItemTable
 
     state = _state()
     state["big"] = ShardedTensor.from_rank_offsets("big", torch.arange(3 * 2**18, dtype=torch.float32))  # 3 MiB: 3 blocks
+    for i in range(200):  # (offsets in a run: what the differences are for)
+        state[f"small.{i}"] = ShardedTensor.from_rank_offsets(f"small.{i}", torch.full((16,), float(i)))
     ci.save(state, tmp_path / "x")
     shared = sm.read_local(str(tmp_path / "x"))
     table = shared.manifest.item_table()
     recorded = table.digest.tolist()
+    wire, is_wire = table.for_wire()
+    assert is_wire and len(wire) == len(table.raw) and len(zlib.compress(wire, 1)) < len(zlib.compress(table.raw, 1))
     payload = sm.encode_shared(shared, compress=True)
-    assert payload[4] == 3  # compressed, a derived table
+    assert payload[4] == 3  # compressed, a table in wire form
     got = sm.decode_shared(payload).manifest.item_table()
     has_blocks = got.nblocks >= 0
-    assert got.derived and 0 < int(has_blocks.sum()) < len(got) and int(got.nblocks.max()) >= 5
+    assert got.wire and 0 < int(has_blocks.sum()) < len(got) and int(got.nblocks.max()) >= 5
+    assert got.files == table.files
+    for column in ("file", "offset", "nblocks", "data_offset", "data_length", "block_size", "block_digests"):
+        assert getattr(got, column).tolist() == getattr(table, column).tolist(), column
     assert not got.digest[has_blocks].any() and got.digest[~has_blocks].tolist() == table.digest[~has_blocks].tolist()
     assert [got.item_digest(i) for i in range(len(got))] == recorded
     assert got.digests().tolist() == recorded and got.without_files([]) == table.raw
     assert sm.decode_shared(sm.encode_shared(shared, compress=False)).manifest.item_table().raw == table.raw
-    again = sm.decode_shared(payload)  # (a received table sent on: derived, compressed or not)
+    again = sm.decode_shared(payload)  # (a received table sent on: in wire form, compressed or not)
     for compress in (True, False):
-        assert sm.decode_shared(sm.encode_shared(again, compress)).manifest.item_table().digests().tolist() == recorded
+        sent_on = sm.decode_shared(sm.encode_shared(again, compress)).manifest.item_table()
+        assert sent_on.digests().tolist() == recorded and sent_on.offset.tolist() == table.offset.tolist()
 
     monkeypatch.setattr(checksum, "SAVE_BLOCK_HASH", checksum.CRC32)
     ci.save(state, tmp_path / "c")
@@ -343,11 +357,8 @@ def test_the_broadcast_between_nodes_leaves_out_the_item_digests_that_block_dige
     payload = sm.encode_shared(shared, compress=True)
     assert shared.manifest.hash.name == "crc32" and payload[4] == 1
     assert sm.decode_shared(payload).manifest.item_table().raw == shared.manifest.item_table().raw
-    from ckpt_integration.errors import CorruptCheckpointError
-    from ckpt_integration.storage.item_table import ItemTable
-
     with pytest.raises(CorruptCheckpointError, match="must have XXH3-64 digests, not CRC32"):
-        ItemTable(shared.manifest.item_table().raw, shared.manifest.hash, "x", derived=True)
+        ItemTable(shared.manifest.item_table().raw, shared.manifest.hash, "x", wire=True)
 
 
 def _one_node_load(rank, world, root):

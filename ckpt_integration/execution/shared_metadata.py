@@ -80,11 +80,12 @@ class SharedMetadata:
 # re-encoding them). Head and table are compressed (zlib level 1) only for a job on several
 # nodes: on one node the broadcast is a copy through shared memory, and compressing the JSON tables of
 # format 3 for 20,000 small tensors (2.6 MB) took 26 ms on the coordinator and 7 ms on every other rank.
-# Compressed, the table leaves out the item digests that its block digests determine
-# (``ItemTable.for_wire``). The frame's flags: 1 compressed, 2 such a table.
+# Compressed, the table travels in its wire form (``ItemTable.for_wire``: without the item digests
+# that its block digests determine, its integer columns as differences). The frame's flags: 1
+# compressed, 2 a table in wire form.
 _LEVEL = 1
 _FRAME = struct.Struct("<IBQ")
-_COMPRESSED, _DERIVED = 1, 2
+_COMPRESSED, _WIRE = 1, 2
 
 
 def one_node(group: Group = None) -> bool:
@@ -102,16 +103,16 @@ def encode_shared(shared: SharedMetadata, compress: bool = True) -> bytes:
     table = m.item_table() if m is not None else None
     text = "" if m is None else ckdir.manifest_json(replace(m, tables=""))
     w.add(0, w.sid(shared.backend), w.sid(text), w.sid(config))
-    raw, derived = b"", False
-    if table is not None:  # (a table that arrived derived stays derived: its raw bytes hold zeros)
-        raw, derived = table.for_wire() if compress else (table.raw, table.derived)
-    return _frame(w, shared.compact.raw if shared.compact is not None else b"", compress, raw, derived)
+    raw, wire = b"", False
+    if table is not None:  # (a table that arrived in wire form is sent on in it: those are its bytes)
+        raw, wire = table.for_wire() if compress else (table.raw, table.wire)
+    return _frame(w, shared.compact.raw if shared.compact is not None else b"", compress, raw, wire)
 
 
-def _frame(head: MessageWriter, index: bytes, compress: bool = True, table: bytes = b"", derived: bool = False) -> bytes:
+def _frame(head: MessageWriter, index: bytes, compress: bool = True, table: bytes = b"", wire: bool = False) -> bytes:
     h = zlib.compress(head.tobytes(), _LEVEL) if compress else head.tobytes()
     t = zlib.compress(table, _LEVEL) if compress and table else table
-    flags = (_COMPRESSED if compress else 0) | (_DERIVED if derived else 0)
+    flags = (_COMPRESSED if compress else 0) | (_WIRE if wire else 0)
     return _FRAME.pack(len(h), flags, len(t)) + h + t + index
 
 
@@ -137,7 +138,7 @@ def decode_shared(buf: bytes, where: str = "the broadcast chunk index") -> Share
         # few numpy views (its structure is checked again: the same bytes give the same verdict)
         raw = zlib.decompress(table) if compressed and table else bytes(table)
         manifest.attach_item_table(ItemTable(raw, manifest.hash, f"{ckdir.MANIFEST_FILE} (as rank 0 read it)",
-                                             derived=bool(flags & _DERIVED)))
+                                             wire=bool(flags & _WIRE)))
     index = buf[_FRAME.size + n + nt :]
     compact = parse_index(index, where) if index else None
     return SharedMetadata(backend, None, manifest, compact, config=config)

@@ -94,6 +94,21 @@ def _string_blob(strings: Sequence[str]) -> Tuple[bytes, int]:
     return array("I", map(len, raw)).tobytes() + b"".join(raw), len(raw)
 
 
+def difference_ints(msg: Any, undo: bool = False) -> None:
+    """Replace, in place, the integers of the message ``msg`` (a writable buffer: a bytearray or a
+    memoryview of one) by their first differences, or (``undo``) back by their running sums. The
+    arithmetic wraps in the message's integer width, so both ways are exact whatever the values;
+    sorted offsets and repeated columns become small, repeating numbers that compress well."""
+    magic, width, _nstr, nblob, nints = _HEADER.unpack_from(msg, 0)
+    if magic != MAGIC or width not in (4, 8) or len(msg) != _HEADER.size + nblob + nints * width:
+        raise ValueError("not a metadata message (bad magic or length)")
+    a = np.frombuffer(msg, dtype=np.int32 if width == 4 else np.int64, count=nints, offset=_HEADER.size + nblob)
+    if undo:
+        np.cumsum(a, dtype=a.dtype, out=a)
+    elif nints > 1:
+        a[1:] = np.diff(a)  # (a new array first: no overlap)
+
+
 def encode_array(strings: Sequence[str], ints: np.ndarray) -> bytes:
     """:func:`encode` of an integer array (same bytes as ``encode(strings, ints.tolist())``)."""
     blob, nstr = _string_blob(strings)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ..planning.records import decode_array, encode_array, runs
+from ..planning.records import decode_array, difference_ints, encode_array, runs
 from .checksum import CRC32, XXH3_64, BlockHash, block_hash
 
 if TYPE_CHECKING:
@@ -170,10 +170,11 @@ class ItemTable:
     do not add up) raises :class:`CorruptCheckpointError` naming ``where``.
     """
 
-    def __init__(self, raw: bytes, h: BlockHash, where: str = MANIFEST_FILE, derived: bool = False):
+    def __init__(self, raw: bytes, h: BlockHash, where: str = MANIFEST_FILE, wire: bool = False):
         self.raw, self.hash, self.where = raw, h, where
-        # (the table of :meth:`for_wire`: the item digests that the block digests determine are zeros)
-        self.derived = derived
+        # (bytes of :meth:`for_wire`: the item digests that the block digests determine are zeros,
+        # the integer columns first differences)
+        self.wire = wire
         try:
             self._decode(raw, h)
         except ValueError as e:
@@ -189,12 +190,16 @@ class ItemTable:
             raise ValueError(f"table version {version} (this version of ckpt_integration reads {TABLE_VERSION})")
         if width != h.width:
             raise ValueError(f"{width}-byte digests, but {h.label} digests have {h.width} bytes")
-        if self.derived and h.name != XXH3_64:  # (only XXH3-64 item digests follow from the block digests alone)
+        if self.wire and h.name != XXH3_64:  # (only XXH3-64 item digests follow from the block digests alone)
             raise ValueError(f"a table without its item digests must have XXH3-64 digests, not {h.label}")
         end = _HEAD.size + nmsg
         if len(raw) != end + (n + nb) * width:
             raise ValueError(f"{len(raw)} bytes where its header describes {end + (n + nb) * width}")
-        self.files, ints = decode_array(raw[_HEAD.size : end])
+        msg = raw[_HEAD.size : end]
+        if self.wire:
+            msg = bytearray(msg)
+            difference_ints(msg, undo=True)
+        self.files, ints = decode_array(msg)
         if len(ints) != _COLUMNS * n:
             raise ValueError(f"{len(ints)} column entries for {n} items")
         cols = ints.reshape(_COLUMNS, n)
@@ -271,31 +276,37 @@ class ItemTable:
     def item_digest(self, i: int) -> int:
         """The digest of item ``i`` (in a table that travelled :meth:`for_wire`, derived from its
         block digests where those determine it)."""
-        if self.derived and self.nblocks[i] >= 0:
+        if self.wire and self.nblocks[i] >= 0:
             return self.hash.item_digest(self.block_digests_of(i).tolist(), ())  # (XXH3-64 needs no lengths)
         return int(self.digest[i])
 
     def digests(self) -> np.ndarray:
         """Every item's digest (:meth:`item_digest`), as a column."""
-        if not self.derived:
+        if not self.wire:
             return self.digest
         return np.fromiter((self.item_digest(i) for i in range(len(self))), dtype=np.uint64, count=len(self))
 
     def for_wire(self) -> Tuple[bytes, bool]:
-        """The table's bytes for a load's broadcast between nodes, and whether it is a derived
-        table (``ItemTable(raw, h, where, derived=True)`` reads it). With XXH3-64, the digest of an
-        item that has block digests is XXH3-64 of those, concatenated (``checksum._xxh3_item``;
-        ``verify`` checks that it is): such digests travel as zeros, which compression removes.
-        They are random bytes that nothing compresses, 1.6 of a 9.5 MiB broadcast at 65,536 ranks,
-        and a load never uses them (it checks such an item by its blocks); a reader that asks
-        derives them. With CRC32 the derivation needs each block's length: sent as they are."""
-        if self.hash.name != XXH3_64 or self.derived or not bool((self.nblocks >= 0).any()):
-            return self.raw, self.derived
+        """The table's bytes for a load's broadcast between nodes, and whether they are its wire
+        form (``ItemTable(raw, h, where, wire=True)`` reads it), made for zlib:
+
+        * with XXH3-64, the digest of an item that has block digests is XXH3-64 of those,
+          concatenated (``checksum._xxh3_item``; ``verify`` checks that it is): such digests travel
+          as zeros. They are random bytes that nothing compresses, 1.6 of a 9.5 MiB broadcast at
+          65,536 ranks, and a load never uses them (it checks such an item by its blocks); a reader
+          that asks derives them (:meth:`item_digest`);
+        * the integer columns travel as first differences (sorted offsets, repeated sizes: 0.34 ->
+          0.15 MiB compressed at 65,536 ranks), undone on arrival.
+
+        With CRC32 the item digests need each block's length: such a table is sent as it is."""
+        if self.hash.name != XXH3_64 or self.wire:
+            return self.raw, self.wire
         out = bytearray(self.raw)
         n, width = len(self), self.hash.width
         start = len(out) - (n + len(self.block_digests)) * width
         kept = np.where(self.nblocks >= 0, np.uint64(0), self.digest).astype(f"<u{width}")
         out[start : start + n * width] = kept.tobytes()
+        difference_ints(memoryview(out)[_HEAD.size : start])
         return bytes(out), True
 
     def without_files(self, names: Iterable[str]) -> bytes:
