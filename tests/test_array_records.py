@@ -377,3 +377,23 @@ def test_memo_string_table_and_row_groups_equal_the_one_by_one_forms():
         got = group_rows(rows)
         assert [g[0] for g in got] == [w[0] for w in want]
         assert all(np.array_equal(g[1], w[1]) for g, w in zip(got, want))
+
+
+def test_first_differences_of_a_message_are_undone_exactly_in_either_width():
+    """``records.difference_ints`` (the item table's wire form): differences wrap in the message's
+    integer width, so extreme values (where a difference overflows the width) come back exact;
+    strings are untouched; a buffer that is not a message is refused."""
+    from ckpt_integration.planning.records import decode_array, difference_ints, encode_array
+
+    lo32, hi32 = -(2**31), 2**31 - 1
+    for ints in ([], [7], [hi32, lo32, -1, 0, hi32, 5, 5, 5], [2**62, -(2**62), 3, -1, 2**40]):
+        msg = bytearray(encode_array(["__0_0.distcp", "a"], np.asarray(ints, dtype=np.int64)))
+        before = bytes(msg)
+        difference_ints(msg)
+        assert len(msg) == len(before) and (msg != before or len(ints) < 2)
+        difference_ints(msg, undo=True)
+        assert bytes(msg) == before
+        strings, got = decode_array(bytes(msg))
+        assert strings == ["__0_0.distcp", "a"] and got.tolist() == ints
+    with pytest.raises(ValueError, match="not a metadata message"):
+        difference_ints(bytearray(b"XXXX" + bytes(20)))
