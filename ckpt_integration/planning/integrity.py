@@ -85,7 +85,8 @@ def _check_consistency(key: str, holdings: Sequence[Holding]) -> List[str]:
         values: Dict[Any, set] = defaultdict(set)
         for h in holdings:
             values[getattr(h, attr)].update(h.ranks)
-        ordered = sorted(values.items(), key=lambda kv: min(kv[1]))
+        # (by lowest rank, then by value: the same message whatever order the records arrived in)
+        ordered = sorted(values.items(), key=lambda kv: (min(kv[1]), str(kv[0])))
         detail = "; ".join(f"{v} on ranks {_ranks(rs)}" for v, rs in ordered)
         errors.append(f"{key!r}: ranks disagree on the {label}: {detail}")
     return errors

@@ -339,7 +339,12 @@ class CommitLayout:
 
 def written_digests(w: WrittenColumns) -> np.ndarray:
     """Digest of each written item's chunk identity (storage key, offsets)."""
-    kd = string_digests(w.strings)[w.key] if len(w) else np.zeros(0, dtype=np.uint64)
+    # only the strings that name a key: the table also holds every data file's name (131,072 of
+    # them at 65,536 ranks), which no chunk identity needs
+    kd = np.zeros(0, dtype=np.uint64)
+    if len(w):
+        ids, which = np.unique(w.key, return_inverse=True)
+        kd = string_digests([w.strings[i] for i in ids.tolist()])[which]
     out = np.zeros(len(w), dtype=np.uint64)
     for nd in np.unique(w.nd).tolist():
         sel = np.flatnonzero(w.nd == nd)
