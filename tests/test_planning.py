@@ -266,6 +266,28 @@ def test_exchange_never_assigns_a_replica_without_data():
     assert sorted(len([m for m in ws if m.key != "k"]) for ws in writes) == [1, 1, 1, 1]
 
 
+def test_a_keys_chunks_meet_on_few_owners_and_a_chunks_copies_on_one():
+    """ZeRO-1 pieces of one optimizer state (one row each, 4,096 of them) reach at most
+    ``OWNER_BANDS`` chunk owners, so their key owner gets at most that many forwards (it got one
+    per piece: 18,570 at 65,536 simulated ranks); column blocks, which all start in the first row,
+    still go to owners of their own; every copy of a chunk goes to the same owner as its main."""
+    world = 8192
+    pieces = [meta("exp_avg", r, (r, 0), (1, 64), (4096, 64)) for r in range(4096)]
+    owners = {d for m in pieces for d in ex.route_shards([m], m.rank, world).messages}
+    assert 2 <= len(owners) <= ex.OWNER_BANDS
+    blocks = [meta("w", c * 100 + dp, (0, 8 * c), (4096, 8), (4096, 64), (dp,)) for c in range(8) for dp in range(100)]
+    owner_of = {}
+    for m in blocks:
+        (d,) = ex.route_shards([m], m.rank, world).messages
+        owner_of.setdefault(m.offsets, set()).add(d)
+    assert all(len(ds) == 1 for ds in owner_of.values())  # a chunk's 100 copies meet on one rank
+    assert len(set().union(*owner_of.values())) == 8  # each block has an owner of its own
+    # a valid layout of many small pieces still validates and writes each piece once
+    world = 64
+    problems, _, writes = simulate(_per_rank([meta("s", r % world, (r, 0), (1, 4), (640, 4)) for r in range(640)], world))
+    assert problems == [] and sorted(m.offsets for ws in writes for m in ws) == [(r, 0) for r in range(640)]
+
+
 def test_commit_layout_from_compact_records_and_its_checks(monkeypatch):
     shards = row_split("w", 4, 2) + [meta("o", 0, (0,), (1,), (1,), dtype="object", kind="object")]
     _, summaries, writes = simulate(_per_rank(shards, 4))
