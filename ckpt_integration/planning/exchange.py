@@ -10,7 +10,7 @@ Every rank plays three roles, for different chunks and keys:
 * **holder** - :func:`route_shards`: each local shard record goes to its *chunk
   owner* (a digest of the chunk's key and its band of the tensor, or of an object's storage
   key, modulo the world size: :func:`ownership_digests`), so a chunk's copies (its
-  data-parallel replicas) meet on one rank, and a key's chunks on at most 512. Later
+  data-parallel replicas) meet on one rank, and a key's small pieces on few ranks. Later
   :func:`assign_writes` turns the owners' replies into the chunks this rank writes.
 * **chunk owner** - :func:`chunk_owner_step`: groups the copies of each chunk,
   picks the main replica, and the *holder set* of ranks that may write it (the
@@ -73,7 +73,7 @@ def record_digests(key_d: np.ndarray, kind: np.ndarray, dtype_d: np.ndarray, geo
     return mix(key_d, cols)
 
 
-OWNER_BANDS = 512  # a tensor's chunks meet on at most this many chunk owners (see ownership_digests)
+OWNER_BANDS = 512  # a tensor's chunks meet on at most this many chunk owners per column block (ownership_digests)
 
 
 def ownership_digests(key_d: np.ndarray, kind: np.ndarray, geo: np.ndarray, nd: int) -> np.ndarray:
