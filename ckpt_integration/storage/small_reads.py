@@ -39,10 +39,8 @@ from .checksum import BlockHash
 from .region_read import scratch_buffer, dtype_size
 from .fs import tensor_buffer
 from .item_table import Digests
-from .located import CheckpointLocation
 from .tensor_record import describe_archive_head
-from .torch_dist import DCP_METADATA_FILE
-from .torch_dist_reader import ChunkInfo, TorchDistReader
+from .torch_dist_reader import ChunkInfo, TorchDistReader, check_archive_head
 
 # items up to this size (archive included) are read in runs; larger ones one by one (their
 # per-item overhead is small next to their bytes, and read_region reads them into place)
@@ -250,7 +248,7 @@ def _check_span(reader: TorchDistReader, span: List[Tuple[str, int, ReadTaskLike
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"{path}: {_what(t)}: {e}") from None
         if found is not None and (found[0] != t.dtype or found[1] != t.chunk.box.sizes):
-            _check_recorded(found, t, path, reader.ck)
+            check_archive_head(found, t.dtype, t.chunk.box.sizes, path, _what(t), reader.ck)
         if n:
             memmove(out.data_ptr(), addr + s + d, n)
         t.got.append(t.overlap)  # the task's ledger (planning.delivery)
@@ -318,25 +316,3 @@ def _data_mismatch(path: str, off: int, lo: int, hi: int, t: ReadTaskLike, h: Bl
         f"{path}: checksum mismatch for {_what(t)} (bytes [{off + lo}, {off + hi}) of the file: {h.show(got)}, "
         f"recorded at save time {h.show(expected)}): the file is damaged"
     )
-
-
-def _check_recorded(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], t: ReadTaskLike, path: str,
-                    ck: CheckpointLocation) -> None:
-    """The archive's dtype and shape (``found``, from ``describe_archive_head``) against ``.metadata``
-    (once per small item: the path for the message is made only when there is one)."""
-    if found is None:
-        return  # an archive of another layout: its data's place and size were checked already
-    dtype, shape = found
-    if dtype == t.dtype and shape == t.chunk.box.sizes:
-        return
-    where = ck.file(DCP_METADATA_FILE)
-    if dtype != t.dtype:
-        raise CorruptCheckpointError(
-            f"{path}: {_what(t)} is stored as {dtype} (the archive's data.pkl) but {where} says "
-            f"{t.dtype}: the metadata does not belong to this data or was altered; refusing to reinterpret it"
-        )
-    if tuple(shape) != tuple(t.chunk.box.sizes):
-        raise CorruptCheckpointError(
-            f"{path}: {_what(t)} is stored with shape {tuple(shape)} (the archive's data.pkl) but "
-            f"{where} says {tuple(t.chunk.box.sizes)}: the metadata does not belong to this data or was altered"
-        )

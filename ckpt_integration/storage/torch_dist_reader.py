@@ -333,20 +333,8 @@ class TorchDistReader:
             found = describe_archive_head(head)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"{layout.path}: {layout.what}: {e}") from None
-        if found is None or layout.dtype is None:
-            return  # an archive of another layout: its data's place and size were checked already
-        dtype, shape = found
-        where = self.ck.file(DCP_METADATA_FILE)
-        if dtype != layout.dtype:
-            raise CorruptCheckpointError(
-                f"{layout.path}: {layout.what} is stored as {dtype} (the archive's data.pkl) but {where} says "
-                f"{layout.dtype}: the metadata does not belong to this data or was altered; refusing to reinterpret it"
-            )
-        if tuple(shape) != tuple(chunk.box.sizes):  # the writer stores every chunk in its own shape
-            raise CorruptCheckpointError(
-                f"{layout.path}: {layout.what} is stored with shape {tuple(shape)} (the archive's data.pkl) but "
-                f"{where} says {tuple(chunk.box.sizes)}: the metadata does not belong to this data or was altered"
-            )
+        if layout.dtype is not None:
+            check_archive_head(found, layout.dtype, chunk.box.sizes, layout.path, layout.what, self.ck)
 
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
         """Copy ``overlap`` (global coords, inside ``chunk``) of ``key``, stored as ``dtype``, into ``out``.
@@ -419,6 +407,29 @@ class TorchDistReader:
             raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
         t = t.reshape(chunk.box.sizes)
         out.copy_(t[relative_slices(overlap, chunk.box)])
+
+
+def check_archive_head(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], dtype: torch.dtype, sizes: Tuple[int, ...],
+                       path: str, what: str, ck: CheckpointLocation) -> None:
+    """The dtype and shape a stored item's archive records (``found``, from ``describe_archive_head``)
+    against what ``.metadata`` says it holds (``dtype``, ``sizes``): CorruptCheckpointError naming
+    ``path`` and ``what`` if they differ. ``found`` None: an archive of another layout, whose data's
+    place and size were checked already. (The one check for the reader and the small-item runs.)"""
+    if found is None:
+        return
+    shape = tuple(found[1])
+    if found[0] == dtype and shape == tuple(sizes):
+        return
+    where = ck.file(DCP_METADATA_FILE)  # (made only for the message)
+    if found[0] != dtype:
+        raise CorruptCheckpointError(
+            f"{path}: {what} is stored as {found[0]} (the archive's data.pkl) but {where} says "
+            f"{dtype}: the metadata does not belong to this data or was altered; refusing to reinterpret it"
+        )
+    raise CorruptCheckpointError(  # the writer stores every chunk in its own shape
+        f"{path}: {what} is stored with shape {shape} (the archive's data.pkl) but "
+        f"{where} says {tuple(sizes)}: the metadata does not belong to this data or was altered"
+    )
 
 
 def pread_exact(reader: FileReader, buf: memoryview, offset: int, path: str = "") -> None:
