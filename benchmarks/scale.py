@@ -428,7 +428,8 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
     t0 = time.perf_counter()
     lay, cpu = _timed(run, retry_above=float("inf"))  # writes files: once
     dt = time.perf_counter() - t0
-    sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt")}
+    sizes = {n: os.path.getsize(os.path.join(commit_dir, n)) for n in (".metadata", "manifest.json", "common.pt", "index.bin")
+             if os.path.exists(os.path.join(commit_dir, n))}
     chunks = len(lay.chunk_items) + len(lay.object_items)
     files = len(set(lay.written.file.tolist()))
     return {"time": dt, "cpu": cpu, "chunks": chunks, "files": files, "sizes": sizes, "input_bytes": sum(map(len, fin_msgs))}

@@ -51,7 +51,8 @@ from .planning.written import encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
 from .storage import atomic
 from .storage import claim as claims
-from .storage.checksum import save_block_hash
+from .storage.checkpoint_index import INDEX_FILE, encode_index, layout_of_metadata
+from .storage.checksum import crc32, save_block_hash
 from .storage.opened import next_commit_seq
 from .storage.filesystem import locate
 from .storage.item_table import file_sizes, table_of_written
@@ -186,8 +187,16 @@ class Writer(StorageWriter):
         manifest = ckdir.Manifest(
             **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
             files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
-            commit_seq=next_commit_seq(final), commit_id=uuid.uuid4().hex, fingerprints=fingerprint_text(written))
-        ckdir.write_manifest(target, manifest, self.durable, rendered={"tables": table_of_written(written, digest)})
+            commit_seq=next_commit_seq(final), commit_id=uuid.uuid4().hex)
+        rendered = None
+        if fmt["version"] >= 6:  # every item's row in index.bin
+            index = encode_index(layout_of_metadata(metadata, written), digest, md_entry)
+            target.write(INDEX_FILE, index, self.durable)
+            files[INDEX_FILE] = {"size": len(index), "crc32": crc32(index)}
+        else:
+            manifest.fingerprints = fingerprint_text(written)
+            rendered = {"tables": table_of_written(written, digest)}
+        ckdir.write_manifest(target, manifest, self.durable, rendered=rendered)
         staging = self._claim is not None and self._claim.staging
         ckdir.write_config(target, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
         if staging:  # the old checkpoint is replaced only now, whole (storage/atomic.py's rule)

@@ -28,3 +28,49 @@ def deadline(seconds: int = 20):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def reindex(d) -> None:
+    """Rewrite a format-6 checkpoint's ``index.bin`` to describe its ``.metadata`` as it is now, and
+    record the new bytes in the manifest: what loads read then says what an edited ``.metadata``
+    says (a consistently crafted checkpoint). Each item keeps the digests, block record and
+    fingerprint the save recorded for its key and offsets. Nothing to do for older formats, whose
+    loads read ``.metadata`` once ``chunk_index.bin`` no longer describes it."""
+    import json
+    import os
+    import pickle
+    import zlib
+
+    from ckpt_integration.planning.written import encode_finalize, gather_finalize, WrittenTable
+    from ckpt_integration.storage.checkpoint_index import INDEX_FILE, CheckpointIndex, encode_index, layout_of_metadata
+    from ckpt_integration.storage.checksum import block_hash
+
+    d = str(d)
+    man_path = os.path.join(d, "manifest.json")
+    man = json.loads(open(man_path).read())
+    if man.get("version") != 6:
+        return
+    h = block_hash(man["block_hash"])
+    old = CheckpointIndex(open(os.path.join(d, INDEX_FILE), "rb").read(), h, INDEX_FILE).layout.written
+    recorded = {}
+    for i, b in enumerate(old.items()):
+        recorded[(b.storage_key, b.offsets)] = b
+    raw_md = open(os.path.join(d, ".metadata"), "rb").read()
+    md = pickle.loads(raw_md)
+    table = WrittenTable()
+    for index, info in md.storage_data.items():
+        offsets = None if index.offset is None else tuple(int(x) for x in index.offset)
+        was = recorded.get((index.fqn, offsets)) or next(b for (k, _), b in recorded.items() if k == index.fqn)
+        sizes = None
+        if offsets is not None:
+            chunks = md.state_dict_metadata[index.fqn].chunks
+            sizes = next(tuple(int(x) for x in c.sizes) for c in chunks if tuple(int(x) for x in c.offsets) == offsets)
+        table.append(index.fqn, offsets, sizes, str(info.relative_path), int(info.offset), int(info.length),
+                     was.checksum, was.blocks, was.fingerprint)
+    cols = gather_finalize([encode_finalize(None, table, [])])[1]
+    data = encode_index(layout_of_metadata(md, cols), h, {"size": len(raw_md), "crc32": zlib.crc32(raw_md)})
+    with open(os.path.join(d, INDEX_FILE), "wb") as f:
+        f.write(data)
+    man["files"][INDEX_FILE] = {"size": len(data), "crc32": zlib.crc32(data)}
+    man["files"][".metadata"] = {"size": len(raw_md), "crc32": zlib.crc32(raw_md)}
+    open(man_path, "w").write(json.dumps(man))

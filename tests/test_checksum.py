@@ -140,22 +140,57 @@ def _tables_of_format_4(text: str, width_: int = 8):
     return items, blocks
 
 
-@pytest.mark.parametrize("block_hash,version", [("xxh3_64", 5), ("xxh3_64", 4), ("crc32", 5)])
+def _tables_of_format_6(raw: bytes, width_: int = 8):
+    """``items`` and ``blocks`` as :func:`_tables_of_format_4` gives them, decoded by hand from a
+    format-6 ``index.bin`` as docs/format.md describes it (its rows' data file, offset and block
+    record; the keys and boxes are checked against the data in test_checkpoint_index.py)."""
+    from ckpt_integration.planning.records import decode_array, difference_ints
+
+    magic, version, width, flags, n, nb, nmsg, _, _ = struct.unpack_from("<4sIIIQQQqq", raw, 0)
+    assert (magic, version) == (b"CKIX", 1) and width == width_ and flags in (0, 1)
+    msg = bytearray(zlib.decompress(raw[56 : 56 + nmsg]))
+    difference_ints(msg, undo=True)  # (stored as first differences)
+    strings, ints = decode_array(bytes(msg))
+    nfiles = int(ints[0])
+    key, nd, has_sizes, file, off, length, d, ln, b, nblocks, has_fp = ints[2 : 2 + 11 * n].reshape(11, n).tolist()
+    fmt = "Q" if width == 8 else "I"
+    digests = struct.unpack_from(f"<{n + nb}{fmt}", raw, 56 + nmsg)
+    assert len(raw) == 56 + nmsg + width * (n + nb) + (8 * n if flags else 0)
+    assert all(0 <= f < nfiles for f in file)
+    keys = [f"{strings[f]}@{o}" for f, o in zip(file, off)]
+    assert keys == sorted(keys, key=lambda k: (k.rpartition("@")[0], int(k.rpartition("@")[2])))
+    items, blocks, pos = {}, {}, n
+    for i, k in enumerate(keys):
+        items[k] = digests[i]
+        if nblocks[i] >= 0:
+            packed = base64.b64encode(struct.pack(f"<{nblocks[i]}{fmt}", *digests[pos : pos + nblocks[i]])).decode()
+            blocks[k] = [d[i], ln[i], b[i], packed]
+            pos += nblocks[i]
+    assert pos == n + nb
+    return items, blocks
+
+
+@pytest.mark.parametrize("block_hash,version", [("xxh3_64", 6), ("crc32", 6), ("xxh3_64", 5), ("xxh3_64", 4),
+                                                ("crc32", 5)])
 def test_recorded_digests_are_those_of_the_stored_bytes(tmp_path, monkeypatch, block_hash, version):
-    """Every block and item digest, recomputed from the data file: format 5 (XXH3-64, 8 bytes per
-    block, one binary table) for new saves, format 4 (the same without fingerprints) through the
-    switch, and CRC32 (4 bytes) in the same format."""
+    """Every block and item digest, recomputed from the data file: format 6 (XXH3-64, 8 bytes per
+    block, in index.bin) for new saves, formats 5 (one binary table in the manifest) and 4 (the
+    same without fingerprints) through the switch, and CRC32 (4 bytes) in the same formats."""
     d = tmp_path / "c"
     monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", version)
     want = _save(d, block_hash, monkeypatch)
     man = json.loads((d / "manifest.json").read_text())
     assert man["version"] == version and man["block_hash"] == block_hash
-    assert set(man) == FORMAT_5_KEYS - ({"fingerprints"} if version == 4 else set())
+    assert set(man) == FORMAT_5_KEYS - ({"fingerprints"} if version == 4 else
+                                        {"fingerprints", "tables"} if version == 6 else set())
     if block_hash == "xxh3_64":
         ref, width = xxhash.xxh3_64_intdigest, 8
     else:
         ref, width = zlib.crc32, 4
-    man["items"], man["blocks"] = _tables_of_format_4(man["tables"], width)
+    if version == 6:
+        man["items"], man["blocks"] = _tables_of_format_6((d / "index.bin").read_bytes(), width)
+    else:
+        man["items"], man["blocks"] = _tables_of_format_4(man["tables"], width)
     items = _items(d)
     assert len(man["blocks"]) == 1 and len(man["items"]) == 2
     for key, recorded in man["items"].items():
@@ -223,7 +258,8 @@ def test_manifest_whose_table_and_algorithm_disagree_is_damaged(tmp_path, monkey
     else:
         man["block_hash"] = "xxh3_64"
     (d / "manifest.json").write_text(json.dumps(man))
-    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged"):
+    # (format 6 keeps the digests in index.bin, whose width then disagrees with the name)
+    with pytest.raises(ci.CorruptCheckpointError, match=r"(manifest\.json|index\.bin) is damaged"):
         _load(d)
 
 
@@ -237,6 +273,7 @@ def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch,
     from ckpt_integration.tools import convert_checkpoint
 
     d = tmp_path / "c"
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 5)  # (format 6 has no 'tables': tests/test_checkpoint_index.py)
     want = _save(d, "xxh3_64", monkeypatch)
     good = (d / "manifest.json").read_text()
     man = json.loads(good)
@@ -350,7 +387,7 @@ def test_old_json_block_records_become_the_item_table_or_are_named_as_damage():
         items = {k: 9 for k in blocks} | {"f@1": 3, "h@0": 4}
         raw = {"version": 3, "block_hash": name, "items": items, "blocks": blocks} if name == "xxh3_64" else \
             {"version": 2, "items": items, "blocks": blocks}
-        recs = ckdir.Manifest(**upgrade(raw, ckdir.MANIFEST_VERSION)).block_records()
+        recs = ckdir.Manifest(**upgrade(raw, 5)).block_records()  # (format 5: its item table in the manifest)
         rids = [("f", i * 100) for i in range(50)] + [("g", 7), ("f", 1), ("h", 0)]
         got = recs.digests_many(rids)
         assert got == [recs.digests_of(r) for r in rids] and got[-2:] == [None, None]
@@ -361,4 +398,4 @@ def test_old_json_block_records_become_the_item_table_or_are_named_as_damage():
                            ("q@5", [64, 0, 4096, h.pack([1])]), ("f@x", [64, 0, 4096, h.pack([1])])):
             bad = dict(raw, blocks=dict(blocks, **{key: wrong}), items=dict(items, **({} if key == "q@5" else {key: 1})))
             with pytest.raises(ValueError, match=key if key != "f@1200" else ""):
-                upgrade(bad, ckdir.MANIFEST_VERSION)
+                upgrade(bad, 5)

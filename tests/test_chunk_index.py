@@ -20,6 +20,13 @@ from ckpt_integration.storage.torch_dist import read_dcp_metadata
 from ckpt_integration.storage.filesystem import locate
 
 
+@pytest.fixture(autouse=True)
+def _format_5(monkeypatch):
+    """``chunk_index.bin`` is what formats 4 and 5 write (format 6 derives the same records from
+    ``index.bin``: tests/test_checkpoint_index.py); these tests save format 5, which loads forever."""
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 5)
+
+
 def assert_index_matches_metadata(path: str) -> None:
     """The index the save wrote decodes to exactly what ``.metadata`` holds (keys, dtypes, shapes,
     chunks and where each is stored)."""
@@ -307,6 +314,21 @@ def test_the_load_broadcast_carries_the_same_metadata_compressed_or_not(tmp_path
             a, b = got_b[rid], want_b[rid]
             assert (a.data_offset, a.data_length, a.block_size, a.digests.tolist()) == \
                 (b.data_offset, b.data_length, b.block_size, b.digests.tolist())
+    # format 6: index.bin travels as stored (compressed already), in place of the table and chunk index
+    ckdir.SAVE_MANIFEST_VERSION, was = 6, ckdir.SAVE_MANIFEST_VERSION
+    try:
+        ci.save(_state(), tmp_path / "c6")
+    finally:
+        ckdir.SAVE_MANIFEST_VERSION = was
+    shared = sm.read_local(str(tmp_path / "c6"))
+    payload = sm.encode_shared(shared, compress=compress)
+    index = shared.manifest.index()
+    assert payload[4] == (4 | (1 if compress else 0)) and payload.endswith(index.raw)
+    got = sm.decode_shared(payload)
+    assert ckdir.manifest_fields(got.manifest) == ckdir.manifest_fields(shared.manifest)
+    assert got.manifest.index().raw == index.raw and got.compact.full() == shared.compact.full()
+    assert dict(got.manifest.checksums()) == dict(shared.manifest.checksums()) and len(index) == 8  # (4 stack layers)
+    assert got.manifest.recorded_fingerprints().chunks("w") == shared.manifest.recorded_fingerprints().chunks("w")
 
 
 def test_the_broadcast_between_nodes_sends_the_item_table_in_its_wire_form(tmp_path, monkeypatch):
@@ -367,6 +389,20 @@ def _one_node_load(rank, world, root):
 
     assert sm.one_node()
     w = torch.arange(64.0).reshape(16, 4)
+    import torch.distributed as tdist
+
+    # format 6: index.bin broadcast as stored; cut short, every rank raises the coordinator's error
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root + "6")
+    got = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(16, 4 // world), (1, rank, world))}, root + "6")
+    assert torch.equal(got["w"], w.chunk(world, dim=1)[rank])
+    if rank == 0:
+        index = os.path.join(root + "6", "index.bin")
+        raw = open(index, "rb").read()
+        open(index, "wb").write(raw[:-8])
+    tdist.barrier()
+    with pytest.raises(ci.CorruptCheckpointError, match=r"index\.bin is damaged"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(16, 4 // world), (1, rank, world))}, root + "6")
+    ckdir.SAVE_MANIFEST_VERSION = 5  # (this process only)
     ci.save({"w": ShardedTensor.from_rank_offsets("w", w.chunk(world)[rank].clone(), (0, rank, world))}, root)
     got = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(16, 4 // world), (1, rank, world))}, root)
     assert torch.equal(got["w"], w.chunk(world, dim=1)[rank])
@@ -374,8 +410,6 @@ def _one_node_load(rank, world, root):
     # raises the same error (none waits for a broadcast that does not come)
     import base64
     import json
-
-    import torch.distributed as tdist
 
     if rank == 0:
         with open(os.path.join(root, "manifest.json")) as f:

@@ -34,10 +34,11 @@ FINGERPRINTED = 5
 
 def test_the_corpus_holds_every_set_of_the_current_format():
     """A format change without a corpus set of its own fails here (``python -m tests.corpus write``)."""
-    from ckpt_integration.storage.checkpoint_dir import MANIFEST_VERSION
+    from ckpt_integration.storage.checkpoint_dir import MANIFEST_VERSION, ZARR_MANIFEST_VERSION
 
-    for name in SETS:
-        assert f"format{MANIFEST_VERSION}/{name}" in CORPUS, (name, CORPUS)
+    for name, (backend, _) in SETS.items():  # (zarr checkpoints are written in format 5: zarr_index.json)
+        fmt = ZARR_MANIFEST_VERSION if backend == "zarr" else MANIFEST_VERSION
+        assert f"format{fmt}/{name}" in CORPUS, (name, CORPUS)
     assert "format4/torch_dist-sync" in CORPUS  # written by 1714cad, the first corpus
     assert [format_of(CORPUS_DIR / n) for n in LEGACY_SETS] == [1, 2, 3]
 

@@ -89,6 +89,19 @@ def ckpt(tmp_path) -> str:
     return d
 
 
+@pytest.fixture
+def ckpt5(tmp_path, monkeypatch) -> str:
+    """A format-5 checkpoint: ``chunk_index.bin`` beside ``.metadata``, which loads read where the
+    index is missing (format 6 keeps every item's digests in ``index.bin`` and never falls back:
+    tests/test_checkpoint_index.py)."""
+    from ckpt_integration.storage import checkpoint_dir as ckdir
+
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 5)
+    d = str(tmp_path / "ckpt")
+    ci.save(_state(), d, thread_count=1)
+    return d
+
+
 def _storage_of(d: str, key: str):
     with open(os.path.join(d, ".metadata"), "rb") as f:
         md = pickle.load(f)  # our own, freshly written checkpoint
@@ -324,10 +337,11 @@ def test_deleted_data_file(ckpt):
     assert info.relative_path in str(ei.value)
 
 
-def test_missing_dcp_metadata(ckpt):
+def test_missing_dcp_metadata(ckpt5):
     """Our readers (loads and the metadata helpers) read the chunk index (``chunk_index.bin``) and
     never ``.metadata``, which DCP and Megatron-Core read and ``verify`` checks; without either the
     load says what is missing."""
+    ckpt = ckpt5
     os.remove(os.path.join(ckpt, ".metadata"))
     out = ci.load(_request(), ckpt)
     assert torch.equal(out["a"], A) and torch.equal(out["b"], B)
@@ -338,7 +352,8 @@ def test_missing_dcp_metadata(ckpt):
             call()
 
 
-def test_damaged_dcp_metadata(ckpt):
+def test_damaged_dcp_metadata(ckpt5):
+    ckpt = ckpt5
     os.remove(os.path.join(ckpt, "chunk_index.bin"))  # (as written before the index: .metadata is read)
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         f.write(b"\x80\x04not a pickle at all")
@@ -361,7 +376,8 @@ def test_damaged_manifest(ckpt):
 
 # =========================================================================== code in pickles
 @pytest.mark.parametrize("payload", [RunsCode, RunsCodeViaEval])
-def test_dcp_metadata_that_would_run_code_is_refused(ckpt, tmp_path, payload):
+def test_dcp_metadata_that_would_run_code_is_refused(ckpt5, tmp_path, payload):
+    ckpt = ckpt5
     marker = tmp_path / "pwned"
     with open(os.path.join(ckpt, ".metadata"), "rb") as f:
         md = pickle.load(f)

@@ -41,7 +41,7 @@ from ckpt_integration.errors import (
 )
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import torch_dist as td
-from tests.damage import deadline, flip_byte
+from tests.damage import reindex, deadline, flip_byte
 from tests.dist_utils import run_distributed
 from ckpt_integration.storage.filesystem import locate
 
@@ -106,7 +106,7 @@ def test_damaged_data_is_never_returned_by_partial_reads(tmp_path, monkeypatch, 
     good = tmp_path / "good"
     want = _save(good, seed=1)
     man = json.loads((good / "manifest.json").read_text())
-    assert (man["version"], man.get("block_hash")) == (5, block_hash)
+    assert (man["version"], man.get("block_hash")) == (6, block_hash)
     other = tmp_path / "other"
     _save(other, seed=2)  # same layout, other values
     item = _w_item(good)
@@ -241,6 +241,7 @@ def _rewrite_metadata(d, edit) -> None:
     man = json.loads(open(man_path).read())
     man["files"][".metadata"] = {"size": len(data), "crc32": zlib.crc32(data)}
     open(man_path, "w").write(json.dumps(man))
+    reindex(d)  # (format 6: loads read index.bin, made to say what the edited .metadata says)
 
 
 @pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.distcp", "sub/__0_0.distcp"])
@@ -287,7 +288,7 @@ def test_links_leading_outside_are_refused_unless_allowed(tmp_path, monkeypatch)
     assert ci.load_common_state_dict(str(tmp_path / "latest"))["step"] == 7
 
 
-@pytest.mark.parametrize("name", ["common.pt", ".metadata", "chunk_index.bin", "__0_0.distcp", "manifest.json",
+@pytest.mark.parametrize("name", ["common.pt", ".metadata", "index.bin", "__0_0.distcp", "manifest.json",
                                   "metadata.json"])
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_special_files_give_an_error_not_a_hang(tmp_path, name, kind):
@@ -296,12 +297,10 @@ def test_special_files_give_an_error_not_a_hang(tmp_path, name, kind):
     os.remove(d / name)
     os.mkfifo(d / name) if kind == "fifo" else os.mkdir(d / name)
     request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(ROWS, COLS))}
-    if name == "chunk_index.bin":  # refused as the others, then the load plans from .metadata
+    if name == ".metadata":  # never read by a load (it plans from index.bin): DCP's and Megatron-Core's
         with deadline(20):
             assert torch.equal(ci.load(request, str(d))["w"], w)
         return
-    if name == ".metadata":  # read only where the chunk index is not: as a checkpoint written without one
-        os.remove(d / "chunk_index.bin")
     with deadline(20), pytest.raises(CheckpointingException, match="not a regular file|is a directory"):
         ci.load(request, str(d))
 

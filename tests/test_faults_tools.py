@@ -12,7 +12,6 @@ Checkpoints are one 48 KiB tensor with the checksum block size lowered to 16 KiB
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import pickle
@@ -29,7 +28,7 @@ from ckpt_integration.cli import main
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
-from tests.damage import deadline, flip_byte
+from tests.damage import reindex, deadline, flip_byte
 from ckpt_integration.storage.filesystem import locate
 
 ROWS, COLS = 128, 96  # 48 KiB of float32: 3 checksum blocks of 16 KiB
@@ -108,6 +107,7 @@ def _rewrite_metadata(d, edit) -> None:
     man = _manifest(d)
     man["files"][".metadata"] = {"size": len(data), "crc32": zlib.crc32(data)}
     _write_manifest(d, man)
+    reindex(d)  # (format 6: loads read index.bin, made to say what the edited .metadata says)
 
 
 def _to_format_1(d) -> None:
@@ -123,13 +123,15 @@ def _to_format_1(d) -> None:
 
 
 def _tamper_block_crc(d) -> None:
-    """One block digest of ``w`` wrong, its item digest right: loads of that block fail."""
+    """One block digest of ``w`` wrong, its item digest right (and the index's own CRC32 updated):
+    loads of that block fail."""
     man = _manifest(d)
-    # the binary table: the first tensor item's block digests follow the item digests
-    raw = bytearray(base64.b64decode(man["tables"]))
-    _, _, width, n, _, nmsg = struct.unpack_from("<4sIIQQQ", raw, 0)
-    raw[36 + nmsg + width * n + 16] ^= 1  # in a data block's digest (CRC32: the fifth, XXH3-64: the third)
-    man["tables"] = base64.b64encode(bytes(raw)).decode()
+    # index.bin (format 6): the first tensor item's block digests follow the item digests
+    raw = bytearray((d / "index.bin").read_bytes())
+    _, _, width, _, n, _, nmsg, _, _ = struct.unpack_from("<4sIIIQQQqq", raw, 0)
+    raw[56 + nmsg + width * n + 16] ^= 1  # in a data block's digest (CRC32: the fifth, XXH3-64: the third)
+    (d / "index.bin").write_bytes(bytes(raw))
+    man["files"]["index.bin"] = {"size": len(raw), "crc32": zlib.crc32(bytes(raw))}
     _write_manifest(d, man)
 
 
@@ -145,16 +147,16 @@ def _expect_damaged(d, capsys, *needles):
 DAMAGES = {
     # name: (damage(d, other), words the report must contain); loads refuse all but LOADS_READ_AROUND:
     # "data_appended" (bytes after the last item are never read, but the file differs from the one
-    # saved), damage to .metadata (loads plan from chunk_index.bin, which describes the same) and
-    # to chunk_index.bin (loads then read .metadata, with a warning)
+    # saved) and damage to .metadata (loads plan from index.bin, which describes the same; index.bin
+    # itself has no stand-in: it holds every item's digests)
     "common_flipped": (lambda d, o: flip_byte(d / "common.pt", (d / "common.pt").stat().st_size // 2), ["common.pt"]),
     "common_swapped": (lambda d, o: shutil.copy(o / "common.pt", d / "common.pt"), ["common.pt"]),
     "common_appended": (lambda d, o: _append(d / "common.pt"), ["common.pt"]),
     "common_missing": (lambda d, o: os.remove(d / "common.pt"), ["common.pt is missing"]),
     "metadata_flipped": (lambda d, o: flip_byte(d / ".metadata", 40), [".metadata"]),
     "metadata_appended": (lambda d, o: _append(d / ".metadata"), [".metadata"]),
-    "index_flipped": (lambda d, o: flip_byte(d / "chunk_index.bin", 20), ["chunk_index.bin"]),
-    "index_missing": (lambda d, o: os.remove(d / "chunk_index.bin"), ["chunk_index.bin is missing"]),
+    "index_flipped": (lambda d, o: flip_byte(d / "index.bin", 20), ["index.bin"]),
+    "index_missing": (lambda d, o: os.remove(d / "index.bin"), ["index.bin is missing"]),
     "data_flipped_header": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 100), [DATA, "checksum mismatch"]),
     "data_flipped_block": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + 20000), [DATA, "checksum mismatch", "w[0, 0]"]),
     "data_flipped_trailer": (lambda d, o: flip_byte(d / DATA, _w_item(d).offset + _w_item(d).length - 50), [DATA, "checksum mismatch"]),
@@ -165,7 +167,7 @@ DAMAGES = {
 }
 
 
-LOADS_READ_AROUND = {"data_appended", "metadata_flipped", "metadata_appended", "index_flipped", "index_missing"}
+LOADS_READ_AROUND = {"data_appended", "metadata_flipped", "metadata_appended"}
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGES))
@@ -287,49 +289,45 @@ def test_convert_refuses_a_damaged_common_state(saved, ckpt, tmp_path, capsys, d
     assert not out_path.exists()
 
 
-# our readers read .metadata only where the chunk index is unusable (a damaged index: with a warning,
-# a link out of the checkpoint: refused): one of the two is removed below where the tools must meet
-# the damage of the other (verify checks each)
-METADATA_PAIR = {".metadata": "chunk_index.bin", "chunk_index.bin": ".metadata"}
+# format 6: our tools read index.bin and never .metadata (an export for DCP and Megatron-Core), which
+# only verify reads (and reports); index.bin has no stand-in
 
 
-@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "chunk_index.bin", "manifest.json", "metadata.json"])
+@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "index.bin", "manifest.json", "metadata.json"])
 def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch, name):
     store = tmp_path / "dedup"
     store.mkdir()
     shutil.move(str(ckpt / name), str(store / name))
     os.symlink(store / name, ckpt / name)
     _expect_damaged(ckpt, capsys, "symbolic link leading outside", name)
-    if name == ".metadata":  # read only where the chunk index is unusable
-        os.remove(ckpt / "chunk_index.bin")
+    if name == ".metadata":  # (the tools plan from index.bin: only verify reads it)
+        return
     code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
     assert code == 2 and "symbolic link leading outside" in err, err
     code, out, err = run_cli("inspect", ckpt, capsys=capsys)
     assert "symbolic link leading outside" in out + err
-    if name == ".metadata":  # (its index removed above: verify reports that)
-        return
     monkeypatch.setenv("CKPT_INTEGRATION_ALLOW_SYMLINKS", "1")  # the documented opt-in
     code, out, _ = run_cli("verify", ckpt, capsys=capsys)
     assert code == 0, out
 
 
-@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "chunk_index.bin", "manifest.json", "metadata.json"])
+@pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "index.bin", "manifest.json", "metadata.json"])
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_tools_on_special_files_give_an_error_not_a_hang(ckpt, tmp_path, capsys, name, kind):
     os.remove(ckpt / name)
     os.mkfifo(ckpt / name) if kind == "fifo" else os.mkdir(ckpt / name)
     with deadline():
         _expect_damaged(ckpt, capsys, name, "not a regular file")
-        if name in METADATA_PAIR:  # the tools need one of the two: then they meet the damage
-            os.remove(ckpt / METADATA_PAIR[name])
-        if name in (DATA, ".metadata", "chunk_index.bin", "common.pt"):
+        if name == ".metadata":  # (the tools plan from index.bin: only verify reads it)
+            return
+        if name in (DATA, "index.bin", "common.pt"):
             code, _, err = run_cli("convert", ckpt, tmp_path / "o.pt", "--to", "torch", capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
-        if name in (DATA, ".metadata", "chunk_index.bin"):  # (diff compares tensors only)
+        if name in (DATA, "index.bin"):  # (diff compares tensors only)
             code, _, err = run_cli("diff", ckpt, ckpt, capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
         code, out, err = run_cli("inspect", ckpt, capsys=capsys)
-        if name in ("common.pt", ".metadata", "chunk_index.bin", "manifest.json", "metadata.json"):
+        if name in ("common.pt", "index.bin", "manifest.json", "metadata.json"):
             assert "not a regular file" in out + err, (out, err)
 
 

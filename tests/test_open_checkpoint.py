@@ -127,22 +127,22 @@ def test_opened_once_reads_each_small_file_once(monkeypatch):
     ops = _storage_ops(monkeypatch)
     out = ci.load(_request(), path)
     assert torch.equal(out["w"], torch.full((64, 16), 3.0)) and out["step"] == 7
-    small = ["metadata.json", "manifest.json", "chunk_index.bin", ".metadata", "common.pt"]
-    # the chunk index, not .metadata: a load does not unpickle DCP's metadata
+    small = ["metadata.json", "manifest.json", "index.bin", ".metadata", "common.pt"]
+    # the index, not .metadata: a load does not unpickle DCP's metadata
     assert [o for o in ops if o[1] in small] == [("read_bytes", n) for n in small if n != ".metadata"], ops
     data_files = [o for o in ops if o[1] not in small]
     assert data_files and all(op == "open_reader" for op, _ in data_files) and len(set(data_files)) == len(data_files), ops
     ops.clear()
     with ci.open_checkpoint(path) as ck:
-        assert ops == [("read_bytes", "metadata.json"), ("read_bytes", "manifest.json")]  # .metadata: on first use
+        # (format 6: the index at open, every item's place and digests; .metadata never)
+        assert ops == [("read_bytes", "metadata.json"), ("read_bytes", "manifest.json"), ("read_bytes", "index.bin")]
         ops.clear()
         for _ in range(3):
             assert ci.load_common_state_dict(ck)["step"] == 7
             assert set(ci.load_tensors_metadata(ck)) == {"w", "b"}
             assert torch.equal(ci.load(_request(), ck)["b"], torch.arange(8.0) + 3)
-        # the chunk index (loads and load_tensors_metadata) and common.pt once; then only what holds
-        # tensor data, once per load
-        assert sorted(o for o in ops if o[1] in small) == [("read_bytes", "chunk_index.bin"), ("read_bytes", "common.pt")], ops
+        # common.pt once; then only what holds tensor data, once per load
+        assert sorted(o for o in ops if o[1] in small) == [("read_bytes", "common.pt")], ops
         assert sorted(o for o in ops if o[1] not in small) == sorted(data_files * 3), ops
 
 
@@ -159,8 +159,8 @@ def test_inspect_and_verify_an_object_store_checkpoint(monkeypatch):
     info = inspect_checkpoint(path)
     assert info["backend"] == "torch_dist" and info["tensors"]["w"]["shape"] == [64, 16]
     assert info["common_state"] == {"keys": {"step": "int = 7"}, "groups": {}}
-    small = [n for _, n in ops if n in ("metadata.json", "manifest.json", ".metadata", "chunk_index.bin", "common.pt")]
-    assert sorted(small) == sorted(["metadata.json", "manifest.json", "chunk_index.bin", "common.pt"]), ops
+    small = [n for _, n in ops if n in ("metadata.json", "manifest.json", ".metadata", "index.bin", "common.pt")]
+    assert sorted(small) == sorted(["metadata.json", "manifest.json", "index.bin", "common.pt"]), ops
     assert verify_checkpoint(path).ok
 
 
@@ -272,8 +272,8 @@ def _resume_reads(rank, world, path):
         fsmod.Storage.read_bytes = real
     assert torch.equal(out["w"], torch.full((4, 8), float(rank))) and out["step"] == 3
     # the coordinator reads the small files once for the job; the other rank only the common state
-    # (the chunk index, not .metadata: the optimizer's metadata is decoded from it too)
-    expected = ["metadata.json", "manifest.json", "chunk_index.bin", "common.pt"] if rank == 0 else ["common.pt"]
+    # (the index, not .metadata: the optimizer's metadata is decoded from it too)
+    expected = ["metadata.json", "manifest.json", "index.bin", "common.pt"] if rank == 0 else ["common.pt"]
     assert sorted(ops) == sorted(expected), (rank, ops)
 
 
@@ -286,7 +286,7 @@ def test_a_resume_opens_the_checkpoint_once_for_the_job(tmp_path):
     run_distributed(_resume_reads, 2, str(tmp_path / "c"))
 
 
-def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path):
+def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path, monkeypatch):
     """``load_checkpoint_dict`` / ``load_from_checkpoint`` read the common state and the tensors
     through one opened checkpoint, opened after the path is resolved: an interrupted ``last.ckpt``
     still falls back to its newest complete sibling (opening the path first refused it as
@@ -299,6 +299,9 @@ def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path):
     from ckpt_integration.storage import checkpoint_dir as ckdir
     from ckpt_integration.storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 
+    # (format 5: a .metadata rewritten after the save is what its loads read; format 6 loads read
+    # index.bin only, tests/test_checkpoint_index.py)
+    monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 5)
     good = str(tmp_path / "epoch=0.ckpt")
     ci.save(_state(3.0, 7), good)
     last = str(tmp_path / "last.ckpt")

@@ -312,7 +312,7 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
 
     import numpy as np
 
-    from ckpt_integration.storage.fingerprint import MASK64, Recorded, encode_groups
+    from ckpt_integration.storage.fingerprint import MASK64
     from ckpt_integration.tools import verify_checkpoint
 
     d = tmp_path / "c"
@@ -320,15 +320,20 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
     report = verify_checkpoint(str(d), state=True, memory_budget=64 << 10)  # blocks far smaller than a chunk
     assert report.ok and report.state_checked == 5, report.format()  # w, h, fused.q/k/v
     man = json.loads((d / "manifest.json").read_text())
-    rec = Recorded(man["fingerprints"])
-    rows = [(k, o, s, v) for k in rec.keys for o, s, v in rec.chunks(k)]
-    rows = [(k, o, s, (v + 1) if k == "h" else v) for k, o, s, v in rows]  # one chunk of "h" misdescribed
-    by_nd: dict = {}  # the table's columns, per number of dimensions
-    for k, o, s, v in rows:
-        by_nd.setdefault(len(o), []).append((k, o, s, v))
-    man["fingerprints"] = encode_groups([(nd, [r[0] for r in rs], np.array([r[3] & MASK64 for r in rs], dtype=np.uint64),
-                                          np.array([r[1] for r in rs]).reshape(len(rs), nd),
-                                          np.array([r[2] for r in rs]).reshape(len(rs), nd)) for nd, rs in by_nd.items()])
+    # format 6: the fingerprints are a column of index.bin; one chunk of "h" misdescribed there (and
+    # the index's recorded CRC32 updated: damage no checksum sees)
+    from ckpt_integration.storage.checkpoint_index import CheckpointIndex, encode_index
+    from ckpt_integration.storage.checksum import block_hash, crc32
+
+    h = block_hash(man["block_hash"], "manifest.json")
+    index = CheckpointIndex((d / "index.bin").read_bytes(), h, "index.bin")
+    w = index.layout.written
+    first_h = int(np.flatnonzero(w.key == w.strings.index("h"))[0])
+    assert w.has_fingerprint[first_h]
+    w.fingerprint[first_h] = (int(w.fingerprint[first_h]) + 1) & MASK64
+    raw = encode_index(index.layout, h, {"size": index.metadata_size, "crc32": index.metadata_crc32})
+    (d / "index.bin").write_bytes(raw)
+    man["files"]["index.bin"] = {"size": len(raw), "crc32": crc32(raw)}
     (d / "manifest.json").write_text(json.dumps(man))
     report = verify_checkpoint(str(d), state=True)
     assert not report.ok and ["h"] == [k for p in report.problems for k in p["keys"]], report.format()

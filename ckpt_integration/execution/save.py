@@ -49,7 +49,7 @@ from ..planning.shards import ShardMeta
 from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
-from ..storage.chunk_index import CHUNK_INDEX_FILE, index_of_layout
+from ..storage.chunk_index import write_index
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import crc32, save_block_hash
@@ -416,18 +416,13 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
     d.write(DCP_METADATA_FILE, metadata, plan.durable)
     md_entry = {"size": len(metadata), "crc32": crc32(metadata)}
-    index = index_of_layout(layout, md_entry)  # what loads read instead of unpickling .metadata
-    d.write(CHUNK_INDEX_FILE, index, plan.durable)
-    files: Dict[str, Dict[str, int]] = {
-        DCP_METADATA_FILE: md_entry,
-        CHUNK_INDEX_FILE: {"size": len(index), "crc32": crc32(index)},
-    }
+    digest = save_block_hash()  # what write_data_files recorded
+    fmt = ckdir.manifest_format(digest)
+    files: Dict[str, Dict[str, int]] = {DCP_METADATA_FILE: md_entry}
+    files.update(write_index(d, layout, digest, md_entry, fmt["version"], plan.durable))
     if not plan.common_state_in_data:
         files[ckdir.COMMON_FILE] = ckdir.save_common(d, plan.common, plan.durable)
     files.update(file_sizes(layout.written))
-    digest = save_block_hash()  # what write_data_files recorded
-    fmt = ckdir.manifest_format(digest)
-    rendered = {"tables": table_of_written(layout.written, digest)}
     manifest = ckdir.Manifest(
         **fmt,
         world_size=plan.world_size,
@@ -437,8 +432,11 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
         step=plan.step,
         commit_seq=next_commit_seq(d.at(plan.checkpoint_dir)),
         commit_id=uuid.uuid4().hex,
-        fingerprints=_fingerprint_text(layout),
     )
+    rendered = None
+    if fmt["version"] < 6:  # (formats 4 and 5: the items in the manifest, as their writers wrote them)
+        manifest.fingerprints = _fingerprint_text(layout)
+        rendered = {"tables": table_of_written(layout.written, digest)}
     ckdir.write_manifest(d, manifest, plan.durable, rendered=rendered)
     _write_commit_marker(plan, plan.backend)
     _swap_if_staging(plan)
@@ -508,7 +506,8 @@ def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     claim = _check_claim(plan)
     commit_file_records(d, layout.written.items(), plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
     files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
-    manifest = ckdir.Manifest(world_size=plan.world_size, files=files, library_version=__version__,
+    manifest = ckdir.Manifest(version=ckdir.ZARR_MANIFEST_VERSION, world_size=plan.world_size, files=files,
+                              library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,
                               commit_seq=next_commit_seq(d.at(plan.checkpoint_dir)), commit_id=uuid.uuid4().hex,
                               fingerprints=_fingerprint_text(layout))

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .. import errors as errors_mod
 from ..planning.records import MessageWriter, decode
 from ..storage import checkpoint_dir as ckdir
-from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, parse_index
+from ..storage.checkpoint_index import CheckpointIndex
+from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, compact_of_index, parse_index
 from ..storage.item_table import ItemTable
 from ..storage.opened import OpenedCheckpoint
 from . import dist
@@ -82,10 +83,11 @@ class SharedMetadata:
 # format 3 for 20,000 small tensors (2.6 MB) took 26 ms on the coordinator and 7 ms on every other rank.
 # Compressed, the table travels in its wire form (``ItemTable.for_wire``: without the item digests
 # that its block digests determine, its integer columns as differences). The frame's flags: 1
-# compressed, 2 a table in wire form.
+# compressed, 2 a table in wire form, 4 a format-6 checkpoint: ``index.bin`` as stored in place of the
+# table and the chunk index (compressed already; each rank derives both from it).
 _LEVEL = 1
 _FRAME = struct.Struct("<IBQ")
-_COMPRESSED, _WIRE = 1, 2
+_COMPRESSED, _WIRE, _INDEX = 1, 2, 4
 
 
 def one_node(group: Group = None) -> bool:
@@ -100,19 +102,23 @@ def encode_shared(shared: SharedMetadata, compress: bool = True) -> bytes:
     w.sid("")  # index 0: no error
     config = json.dumps(asdict(shared.config)) if shared.config is not None else ""
     m = shared.manifest
-    table = m.item_table() if m is not None else None
     text = "" if m is None else ckdir.manifest_json(replace(m, tables=""))
     w.add(0, w.sid(shared.backend), w.sid(text), w.sid(config))
+    index = m.index() if m is not None else None
+    if index is not None:  # format 6: index.bin as stored (compressed already); every view is derived from it
+        return _frame(w, index.raw, compress, flags=_INDEX)
+    table = m.item_table() if m is not None else None
     raw, wire = b"", False
     if table is not None:  # (a table that arrived in wire form is sent on in it: those are its bytes)
         raw, wire = table.for_wire() if compress else (table.raw, table.wire)
-    return _frame(w, shared.compact.raw if shared.compact is not None else b"", compress, raw, wire)
+    return _frame(w, shared.compact.raw if shared.compact is not None else b"", compress, raw,
+                  _WIRE if wire else 0)
 
 
-def _frame(head: MessageWriter, index: bytes, compress: bool = True, table: bytes = b"", wire: bool = False) -> bytes:
+def _frame(head: MessageWriter, index: bytes, compress: bool = True, table: bytes = b"", flags: int = 0) -> bytes:
     h = zlib.compress(head.tobytes(), _LEVEL) if compress else head.tobytes()
     t = zlib.compress(table, _LEVEL) if compress and table else table
-    flags = (_COMPRESSED if compress else 0) | (_WIRE if wire else 0)
+    flags |= _COMPRESSED if compress else 0
     return _FRAME.pack(len(h), flags, len(t)) + h + t + index
 
 
@@ -133,13 +139,16 @@ def decode_shared(buf: bytes, where: str = "the broadcast chunk index") -> Share
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
     config = ckdir.CheckpointingConfig(**json.loads(config_json)) if config_json else None
     table = buf[_FRAME.size + n : _FRAME.size + n + nt]
+    index = buf[_FRAME.size + n + nt :]
+    if flags & _INDEX and manifest is not None:  # format 6: one index, read and checked by rank 0
+        manifest.attach_index(CheckpointIndex(bytes(index), manifest.hash, f"{ckdir.INDEX_FILE} (as rank 0 read it)"))
+        return SharedMetadata(backend, None, manifest, compact_of_index(manifest.index()), config=config)
     if manifest is not None:
         # the coordinator decoded and checked this table (read_manifest); decoding it here is a
         # few numpy views (its structure is checked again: the same bytes give the same verdict)
         raw = zlib.decompress(table) if compressed and table else bytes(table)
         manifest.attach_item_table(ItemTable(raw, manifest.hash, f"{ckdir.MANIFEST_FILE} (as rank 0 read it)",
                                              wire=bool(flags & _WIRE)))
-    index = buf[_FRAME.size + n + nt :]
     compact = parse_index(index, where) if index else None
     return SharedMetadata(backend, None, manifest, compact, config=config)
 

@@ -48,6 +48,7 @@ from .checksum import BlockHash, block_hash, crc32, save_block_hash
 from .fingerprint import Recorded
 from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
                          decode_text, refusal, upgrade)
+from .checkpoint_index import INDEX_FILE, CheckpointIndex
 from .claim import MARKER_FILE
 from .filesystem import join
 from .located import CheckpointLocation
@@ -61,9 +62,12 @@ WRITER_FILE = MARKER_FILE  # "ckpt_integration.json"
 FORMAT_NAME = "ckpt_integration"
 # 1-3: JSON item tables (item_table.py: converted, not loaded);
 # 4: the per-item tables as one binary table in "tables" (see item_table.py), the block digest
-# named by "block_hash"; 5: adds "fingerprints" (fingerprint.py)
-MANIFEST_VERSION = 5
-SUPPORTED_MANIFEST_VERSIONS = (4, 5)
+# named by "block_hash"; 5: adds "fingerprints" (fingerprint.py); 6 (torch_dist): both, and the chunk
+# records of chunk_index.bin, are one table in index.bin (checkpoint_index.py), which the manifest names in
+# "files"; zarr checkpoints keep format 5 (their chunks are recorded in zarr_index.json)
+MANIFEST_VERSION = 6
+SUPPORTED_MANIFEST_VERSIONS = (4, 5, 6)
+ZARR_MANIFEST_VERSION = 5
 # The format new saves write (tests write format-4 checkpoints through it)
 SAVE_MANIFEST_VERSION = MANIFEST_VERSION
 
@@ -121,19 +125,48 @@ class Manifest:
         """The block digest algorithm of this checkpoint (raises UnknownBlockHashError if unknown)."""
         return block_hash(self.block_hash, MANIFEST_FILE)
 
+    def index(self) -> Optional[CheckpointIndex]:
+        """Format 6: the checkpoint's ``index.bin``, read and checked (``files``) on first use; missing or
+        damaged: :class:`CorruptCheckpointError` naming it. None for formats 4-5 (``tables``)."""
+        got = self.__dict__.get("_index")
+        if got is not None or not isinstance(self.version, int) or self.version < 6:
+            return got
+        at = self.__dict__.pop("_index_at", None)  # (kept until read: an opened checkpoint holds this manifest)
+        if at is None:  # (a manifest built in memory: nothing to read it from)
+            raise CorruptCheckpointError(f"format {self.version} keeps its items in {INDEX_FILE}, which was not read")
+        try:
+            raw = read_verified_file(at, INDEX_FILE, self, "checkpoint index")
+            self.attach_index(CheckpointIndex(raw, self.hash, at.file(INDEX_FILE)))
+        except (FileNotFoundError, CorruptCheckpointError) as e:
+            self.__dict__["_index_at"] = at  # (asked again: read again, the same verdict)
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            raise CorruptCheckpointError(f"{at.file(INDEX_FILE)} is missing: the checkpoint's index (every item's "
+                                         "place and digests) is lost, so its data cannot be verified") from None
+        return self.__dict__["_index"]
+
+    def attach_index(self, index: CheckpointIndex) -> None:
+        """Use ``index`` (read here, or broadcast by a load's coordinator) as this manifest's index."""
+        self.__dict__["_index"] = index
+
     def item_table(self, where: str = MANIFEST_FILE) -> ItemTable:
         """The decoded ``tables`` (one per ``tables`` text; :class:`CorruptCheckpointError` naming
-        ``where`` if damaged)."""
+        ``where`` if damaged); format 6: the table of its index's rows."""
         cached = self.__dict__.get("_item_table")
         if cached is not None and cached[0] is self.tables:
             return cached[1]
-        out = decode_text(self.tables, self.hash, where)
+        index = self.index()
+        out = index.item_table() if index is not None else decode_text(self.tables, self.hash, where)
         self.attach_item_table(out)
         return out
 
     def recorded_fingerprints(self, where: str = MANIFEST_FILE) -> Optional[Recorded]:
         """Format 5: the fingerprints of the saved chunks (None: none recorded, as in older
-        formats); a damaged table raises :class:`CorruptCheckpointError` naming ``where``."""
+        formats); a damaged table raises :class:`CorruptCheckpointError` naming ``where``.
+        Format 6: those of its index's rows."""
+        index = self.index()
+        if index is not None:
+            return index.fingerprints()
         if not self.fingerprints:
             return None
         cached = self.__dict__.get("_fingerprints")
@@ -180,11 +213,11 @@ def manifest_text(manifest: "Manifest") -> str:
 def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     """The manifest's fields as a dict for ``json.dumps``, without ``dataclasses.asdict``'s deep copy
     (its tables have an entry per stored item: tens of thousands with many small tensors).
-    Format 4 is written without ``fingerprints``, as its writers wrote it."""
-    out = {f.name: getattr(manifest, f.name) for f in fields(manifest)}
-    if isinstance(manifest.version, int) and manifest.version < 5:
-        del out["fingerprints"]
-    return out
+    Format 4 is written without ``fingerprints``, as its writers wrote it; format 6 without both
+    (they are in index.bin)."""
+    version = manifest.version if isinstance(manifest.version, int) else 5
+    gone = ("fingerprints",) if version < 5 else ("fingerprints", "tables") if version >= 6 else ()
+    return {f.name: getattr(manifest, f.name) for f in fields(manifest) if f.name not in gone}
 
 
 def manifest_format(h: BlockHash) -> Dict[str, Any]:
@@ -194,10 +227,10 @@ def manifest_format(h: BlockHash) -> Dict[str, Any]:
 
 ZARR_INDEX_FILE = "zarr_index.json"
 CHUNK_INDEX_FILE = "chunk_index.bin"  # see chunk_index.py
-_DATA_MARKERS = (".metadata", CHUNK_INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+_DATA_MARKERS = (".metadata", CHUNK_INDEX_FILE, INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
 # files only our saves (and Megatron-Core's) write: with them and no commit marker a
 # directory is an interrupted save, not a plain PyTorch DCP checkpoint
-_OURS_ONLY = (CHUNK_INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+_OURS_ONLY = (CHUNK_INDEX_FILE, INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
 DCP_METADATA_FILE = ".metadata"
 
 
@@ -490,7 +523,7 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
         )
     try:
         if old:
-            raw = upgrade(raw, MANIFEST_VERSION)
+            raw = upgrade(raw, 5)  # (the last format whose items are in the manifest, as theirs were)
         manifest = Manifest(**raw)
         # Parse the checksum tables now, so that wrong shapes/values (valid JSON, not a
         # manifest) fail here as CorruptCheckpointError rather than later as
@@ -505,6 +538,15 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
                 raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
         if not isinstance(manifest.commit_id, str):
             raise TypeError(f"'commit_id' must be a string, got {manifest.commit_id!r}")
+        if manifest.version == 6:
+            if "block_hash" not in raw or "tables" in raw or "fingerprints" in raw or "crc32" not in manifest.files.get(
+                    INDEX_FILE, {}):
+                raise TypeError(f"format 6 names its block checksum algorithm ('block_hash') and keeps its items in "
+                                f"{INDEX_FILE} (recorded in 'files' with its CRC32), not in 'tables' or 'fingerprints'")
+            block_hash(manifest.block_hash, path)
+            manifest.__dict__["_index_at"] = ck  # (read on first use: listings and pins need only the manifest)
+            manifest.__dict__["_text"] = (manifest.tables, data)
+            return manifest
         if "block_hash" not in raw or "tables" not in raw:
             raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash') and keeps "
                             "its item table in 'tables'")

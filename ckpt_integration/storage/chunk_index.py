@@ -45,6 +45,7 @@ from ..planning.records import MessageWriter, decode, group_rows
 from ..planning.reshard import ChunkRead, band
 from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
+from .checkpoint_index import INDEX_FILE, CheckpointIndex, encode_index
 from .located import CheckpointLocation
 from .torch_dist_reader import ChunkInfo
 
@@ -123,6 +124,31 @@ def index_of_layout(layout: CommitLayout, metadata_entry: Dict[str, int]) -> byt
     the axis with the most distinct chunk starts (the lowest on ties): for the tilings a save
     writes (rows, columns, layers, grids) the axis ``sweep_axis`` picks, found without a Python
     loop per key (any axis gives the same answers; this one keeps the search short)."""
+    return zlib.compress(_layout_message(layout, metadata_entry).tobytes(), _LEVEL)
+
+
+def write_index(d: CheckpointLocation, layout: CommitLayout, h: Any, md_entry: Dict[str, int], version: int,
+                durable: bool) -> Dict[str, Dict[str, int]]:
+    """Write a commit's index (format 6: ``index.bin``, every item's row; formats 4 and 5: the chunk
+    records in ``chunk_index.bin``) and return its ``files`` entry."""
+    if version >= 6:
+        name, data = INDEX_FILE, encode_index(layout, h, md_entry)
+    else:
+        name, data = CHUNK_INDEX_FILE, index_of_layout(layout, md_entry)
+    d.write(name, data, durable)
+    return {name: {"size": len(data), "crc32": zlib.crc32(data)}}
+
+
+def compact_of_index(index: "CheckpointIndex") -> CompactMetadata:
+    """The chunk index of a format-6 checkpoint, derived from its ``index.bin`` (the same records
+    :func:`index_of_layout` stores in ``chunk_index.bin`` for formats 4 and 5); ``raw`` is the
+    index file's bytes (what a load's broadcast sends)."""
+    strings, ints = decode(_layout_message(index.layout, {"size": index.metadata_size,
+                                                           "crc32": index.metadata_crc32}).tobytes())
+    return CompactMetadata(index.raw, strings, ints, ints[1], ints[2], index.where)
+
+
+def _layout_message(layout: CommitLayout, metadata_entry: Dict[str, int]) -> MessageWriter:
     w = _writer(metadata_entry)
     ws = layout.written
     keys = layout.tensor_keys
@@ -147,7 +173,7 @@ def index_of_layout(layout: CommitLayout, metadata_entry: Dict[str, int]) -> byt
             np.ones((n, 1), dtype=np.int64), w.sids([ws.strings[k] for k in ws.key[obj].tolist()]).reshape(n, 1),
             file_sid[ws.file[obj]].reshape(n, 1), ws.start[obj].reshape(n, 1), ws.length[obj].reshape(n, 1),
         ], axis=1))
-    return zlib.compress(w.tobytes(), _LEVEL)
+    return w
 
 
 def _tensor_rows(w: MessageWriter, layout: CommitLayout, ks: np.ndarray, nd: int, c: int, dtype_ids: Dict[str, int],
@@ -362,7 +388,7 @@ def usable(manifest: Optional[ckdir.Manifest]) -> bool:
     return "crc32" in files.get(CHUNK_INDEX_FILE, {}) and "crc32" in files.get(ckdir.DCP_METADATA_FILE, {})
 
 
-def matches(index: CompactMetadata, metadata_entry: Dict[str, Any]) -> bool:
+def matches(index: Any, metadata_entry: Dict[str, Any]) -> bool:
     """Whether ``index`` was made from the ``.metadata`` the manifest records."""
     return (index.metadata_size, index.metadata_crc32) == (int(metadata_entry.get("size", -2)),
                                                            int(metadata_entry.get("crc32", -2)))
@@ -376,6 +402,9 @@ def read_chunk_index(location: CheckpointLocation, manifest: Optional[ckdir.Mani
     A recorded index that is missing, damaged or made from another ``.metadata`` is not used
     (with a warning naming the file): ``.metadata`` holds the same and is checked on its own.
     """
+    index = manifest.index() if manifest is not None else None
+    if index is not None:  # format 6: derived from index.bin, which holds every item's row
+        return compact_of_index(index)
     md_entry = (manifest.files.get(ckdir.DCP_METADATA_FILE) if manifest is not None else None) or {}
     if usable(manifest):
         where = location.file(CHUNK_INDEX_FILE)
@@ -530,6 +559,16 @@ def index_problems(location: CheckpointLocation, manifest: Optional[ckdir.Manife
     """What ``verify`` reports about a recorded index next to its (readable) ``.metadata``: made
     from another ``.metadata``, or describing other chunks. A damaged or missing file is reported
     with every other recorded file, not here. ``data``: the index's bytes, checked already."""
+    index = manifest.index() if manifest is not None else None  # (format 6: read and checked already)
+    if index is not None:
+        if not matches(index, manifest.files[ckdir.DCP_METADATA_FILE]):
+            return [f"{index.where} was not made with {ckdir.DCP_METADATA_FILE} as it is now (rewritten after the "
+                    f"save?): PyTorch DCP and Megatron-Core read {ckdir.DCP_METADATA_FILE}, loads read the index"]
+        try:
+            found = differences(compact_of_index(index), md)
+        except CorruptCheckpointError as e:
+            return [str(e)]
+        return [f"{index.where} does not describe {ckdir.DCP_METADATA_FILE} as saved: {d}" for d in found]
     if not usable(manifest):
         return []
     where = location.file(CHUNK_INDEX_FILE)

@@ -46,7 +46,7 @@ MARKER_FILE = "ckpt_integration.json"  # also checkpoint_dir.WRITER_FILE
 FORMAT_NAME = "ckpt_integration"
 CONFIG_FILE = "metadata.json"
 ZARR_INDEX_FILE = "zarr_index.json"
-KNOWN_FILES = frozenset({CONFIG_FILE, ".metadata", "chunk_index.bin", "common.pt", "manifest.json", MARKER_FILE,
+KNOWN_FILES = frozenset({CONFIG_FILE, ".metadata", "chunk_index.bin", "index.bin", "common.pt", "manifest.json", MARKER_FILE,
                          ZARR_INDEX_FILE})
 _DATA_FILE = re.compile(r"[^/\\]*__\d+_\d+\.distcp")  # with any separation-hint prefix
 _TEMP_FILE = re.compile(r"(.+)\.tmp-[0-9-]+")

@@ -356,6 +356,20 @@ class Recorded:
         self._by_key: Optional[dict] = None
         self._at: Optional[dict] = None
 
+    @classmethod
+    def of_columns(cls, keys: Sequence[str], groups: Sequence[tuple]) -> "Recorded":
+        """From rows already decoded (a format-6 checkpoint index): ``keys`` a string table,
+        ``groups`` per number of dimensions ``(nd, key ids, fingerprints, offsets (m, nd), sizes
+        (m, nd))``. Only the keys that have rows count as recorded."""
+        self = cls.__new__(cls)
+        self.keys = list(keys)
+        self._groups = list(groups)
+        self._rows = {}
+        ids = np.unique(np.concatenate([g[1] for g in groups])) if groups else np.zeros(0, dtype=np.int64)
+        self._index = {self.keys[i]: i for i in ids.tolist()}
+        self._by_key = self._at = None
+        return self
+
     def _build(self) -> dict:
         by_key: dict = {}
         for nd, kid, fp, offs, szs in self._groups:

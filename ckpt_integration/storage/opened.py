@@ -71,6 +71,8 @@ class OpenedCheckpoint(CheckpointLocation):
             self.manifest = ckdir.read_manifest_checked(self, legacy)
             self.manifest_read = True
             self.commit_id = identity_of(self.manifest)  # the commit pinned: the manifest's
+            if self.manifest is not None:
+                self.manifest.index()  # format 6: index.bin, read and checked once, at open
         except Exception as e:
             self._raise_if_replaced(e)
             raise

@@ -313,8 +313,9 @@ def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: P
     if md is None:
         return report
     index = checked.get(chunk_index.CHUNK_INDEX_FILE)  # (read once: checked above, compared here)
+    named = ckdir.INDEX_FILE if manifest is not None and manifest.index() is not None else chunk_index.CHUNK_INDEX_FILE
     for problem in chunk_index.index_problems(ck, manifest, md, index):  # what loads plan from vs .metadata
-        report.add(problem, chunk_index.CHUNK_INDEX_FILE)
+        report.add(problem, named)
     affected = _check_coverage(md, report)
     affected |= _DataPass(ck, md, manifest, report, progress).run()
     _validate_tensors(ck, md, manifest, affected, report)

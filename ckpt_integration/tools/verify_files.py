@@ -57,6 +57,12 @@ def read_manifest(ck: CheckpointLocation, report: Report) -> Tuple[Optional[ckdi
     except CheckpointingException as e:
         report.add(str(e), ckdir.MANIFEST_FILE, unsupported=isinstance(e, UnsupportedCheckpointError))
         return None, True
+    try:  # format 6: the items' digests are in index.bin (as a damaged manifest, nothing can be checked without it)
+        if manifest is not None:
+            manifest.index()
+    except CheckpointingException as e:
+        report.add(str(e), ckdir.INDEX_FILE)
+        return None, True
     if manifest is None and ckdir.manifest_deleted(ck):
         # ours record at save time that they have one (ckpt_integration.json); foreign ones
         # (Megatron-Core, DCP) never have one, which is no damage

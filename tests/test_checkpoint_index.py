@@ -1,0 +1,210 @@
+"""``index.bin`` (manifest format 6): one row per stored item, the only record of the items' places and
+digests, from which loads derive the item table, the chunk index and the fingerprints (issue 37, item 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import ckpt_integration as ci
+from ckpt_integration import ShardedObject, ShardedTensor
+from ckpt_integration.errors import CorruptCheckpointError
+from ckpt_integration.storage import checkpoint_dir as ckdir
+from ckpt_integration.storage.checkpoint_index import INDEX_FILE, CheckpointIndex, encode_index
+from ckpt_integration.storage.checksum import crc32
+from ckpt_integration.storage.filesystem import locate
+from ckpt_integration.storage.opened import OpenedCheckpoint
+from ckpt_integration.tools.verify import verify_checkpoint
+
+
+def _state(fill: bool = True) -> dict:
+    def t(shape, dtype=torch.float32, base=0):
+        n = int(np.prod(shape))
+        return (torch.arange(n, dtype=torch.float64) + base).reshape(shape).to(dtype) if fill else torch.zeros(shape, dtype=dtype)
+
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", t((6, 4))),
+        "b": ShardedTensor.from_rank_offsets("b", t((5,), torch.int64, 3)),
+        "h": ShardedTensor.from_rank_offsets("h", t((2, 3), torch.bfloat16, 7)),
+        "big": ShardedTensor.from_rank_offsets("big", t((300, 1024), base=1)),  # (above 1 MiB: several blocks)
+        "opt.m": ShardedTensor.from_rank_offsets("opt.m", t((6, 4), base=2)),
+        "o": ShardedObject("o", {"x": [1, 2]} if fill else None, (1,), (0,), replica_id=0),
+    }
+    if fill:
+        sd["step"] = 9
+    return sd
+
+
+def _save(path, version=None, monkeypatch=None) -> str:
+    if version is not None:
+        monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", version)
+    ci.save(_state(), str(path))
+    return str(path)
+
+
+def _load(path) -> dict:
+    return ci.load(_state(fill=False), str(path))
+
+
+def _check(out: dict) -> None:
+    want = _state()
+    for k in ("w", "b", "h", "big", "opt.m"):
+        assert out[k].dtype == want[k].data.dtype and torch.equal(out[k], want[k].data), k
+    assert out["o"] == {"x": [1, 2]} and out["step"] == 9
+
+
+def test_format_6_keeps_every_item_in_one_index_and_its_views_equal_format_5s_records(tmp_path, monkeypatch):
+    p6 = _save(tmp_path / "v6")
+    names = sorted(os.listdir(p6))
+    assert INDEX_FILE in names and "chunk_index.bin" not in names, names
+    raw = json.loads(open(os.path.join(p6, "manifest.json")).read())
+    assert raw["version"] == 6 and "tables" not in raw and "fingerprints" not in raw, raw
+    assert raw["files"][INDEX_FILE]["crc32"] == crc32(open(os.path.join(p6, INDEX_FILE), "rb").read())
+    _check(_load(p6))
+    p5 = _save(tmp_path / "v5", 5, monkeypatch)
+    with OpenedCheckpoint(p6) as a, OpenedCheckpoint(p5) as b:
+        # the same save in both formats: the data files are the same bytes, so every derived record is
+        ta, tb = a.manifest.item_table(), b.manifest.item_table()
+        assert ta.files == tb.files
+        for col in ("file", "offset", "nblocks", "data_offset", "data_length", "block_size", "digest", "block_digests"):
+            assert np.array_equal(getattr(ta, col), getattr(tb, col)), col
+        ca, cb = a.chunk_index(), b.chunk_index()
+        assert ca.full().state_dict_metadata == cb.full().state_dict_metadata
+        assert ca.full().storage_data == cb.full().storage_data
+        fa, fb = a.manifest.recorded_fingerprints(), b.manifest.recorded_fingerprints()
+        for key in ("w", "b", "h", "big", "opt.m"):
+            assert fa.chunks(key) == fb.chunks(key) and fa.total(key) is not None, key
+        assert "o" not in fa and "o" not in fb
+        rows = a.manifest.index().layout.written
+        assert len(rows) == 6 and sorted(a.manifest.index().layout.tensor_keys) == ["b", "big", "h", "opt.m", "w"]
+    report = verify_checkpoint(p6, state=True)
+    assert report.ok and report.state_checked == 5, report.problems
+
+
+def _rewrite_index(path: str, data: bytes) -> None:
+    """Replace index.bin and record the new bytes in the manifest (damage the CRC32 cannot see)."""
+    with open(os.path.join(path, INDEX_FILE), "wb") as f:
+        f.write(data)
+    man = json.loads(open(os.path.join(path, "manifest.json")).read())
+    man["files"][INDEX_FILE] = {"size": len(data), "crc32": crc32(data)}
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        f.write(json.dumps(man))
+
+
+def _rows_swapped(raw: bytes) -> bytes:
+    """The same index with two rows' offsets exchanged in its column message (rows out of order)."""
+    head = struct.Struct("<4sIIIQQQqq")
+    fields = list(head.unpack_from(raw, 0))
+    n, nmsg = fields[4], fields[6]
+    from ckpt_integration.planning.records import decode_array, difference_ints, encode_array
+
+    msg = bytearray(zlib.decompress(raw[head.size : head.size + nmsg]))
+    difference_ints(msg, undo=True)
+    strings, ints = decode_array(bytes(msg))
+    ints = ints.copy()
+    files, offsets = ints[2 + 3 * n : 2 + 4 * n], ints[2 + 4 * n : 2 + 5 * n]
+    i = int(np.flatnonzero(files[1:] == files[:-1])[0])  # (two rows of one data file)
+    offsets[[i, i + 1]] = offsets[[i + 1, i]]
+    out = bytearray(encode_array(strings, ints))
+    difference_ints(out)
+    z = zlib.compress(bytes(out), 1)
+    fields[6] = len(z)
+    return head.pack(*fields) + z + raw[head.size + nmsg :]
+
+
+DAMAGE = {
+    "missing": (lambda p, raw: os.remove(os.path.join(p, INDEX_FILE)), "is missing"),
+    "truncated": (lambda p, raw: open(os.path.join(p, INDEX_FILE), "wb").write(raw[:-9]), "is damaged"),
+    "emptied": (lambda p, raw: open(os.path.join(p, INDEX_FILE), "wb").write(b""), "is damaged"),
+    "flipped": (lambda p, raw: open(os.path.join(p, INDEX_FILE), "wb").write(raw[:70] + bytes([raw[70] ^ 1]) + raw[71:]),
+                "is damaged"),
+    "cut_short_recorded": (lambda p, raw: _rewrite_index(p, raw[:-8]), "is damaged"),
+    "rows_out_of_order": (lambda p, raw: _rewrite_index(p, _rows_swapped(raw)), "not in storage order"),
+    "newer_version": (lambda p, raw: _rewrite_index(p, raw[:4] + struct.pack("<I", 2) + raw[8:]), "index version 2"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_a_damaged_or_missing_index_is_refused_by_load_and_reported_by_verify(tmp_path, case):
+    """No fallback to .metadata: without index.bin no byte could be verified."""
+    path = _save(tmp_path / "c")
+    raw = open(os.path.join(path, INDEX_FILE), "rb").read()
+    damage, said = DAMAGE[case]
+    damage(path, raw)
+    with pytest.raises(CorruptCheckpointError, match=INDEX_FILE) as e:
+        _load(path)
+    assert said in str(e.value), str(e.value)
+    report = verify_checkpoint(path)
+    assert not report.ok and any(INDEX_FILE in p for p in map(str, report.problems)), report.problems
+
+
+def test_an_index_that_does_not_describe_metadata_is_reported_by_verify(tmp_path):
+    """DCP and Megatron-Core read .metadata, loads the index: verify says when they disagree."""
+    path = _save(tmp_path / "c")
+    with OpenedCheckpoint(path) as ck:
+        index = ck.manifest.index()
+        entry = ck.manifest.files[".metadata"]
+        fewer = index.without_keys({"b"}, entry)  # (made with this .metadata, but without one key's row)
+        other = encode_index(index.layout, index.hash, {"size": 1, "crc32": 2})
+    _rewrite_index(path, fewer)
+    report = verify_checkpoint(path)
+    assert not report.ok and "does not describe .metadata as saved: 'b'" in str(report.problems), report.problems
+    _rewrite_index(path, other)
+    report = verify_checkpoint(path)
+    assert not report.ok and "was not made with .metadata as it is now" in str(report.problems), report.problems
+
+
+def test_remove_sharded_tensors_rewrites_the_index(tmp_path):
+    path = _save(tmp_path / "c")
+    ci.remove_sharded_tensors(path, "opt.")
+    with OpenedCheckpoint(path) as ck:
+        assert "opt.m" not in ck.manifest.index().layout.tensor_keys
+        assert len(ck.manifest.index()) == 5
+    sd = _state(fill=False)
+    del sd["opt.m"]
+    out = ci.load(sd, path)
+    want = _state()
+    for k in ("w", "b", "h", "big"):
+        assert torch.equal(out[k], want[k].data), k
+    assert out["o"] == {"x": [1, 2]}
+    assert verify_checkpoint(path, state=True).ok
+
+
+def test_an_index_round_trips_exactly(tmp_path):
+    path = _save(tmp_path / "c")
+    raw = open(os.path.join(path, INDEX_FILE), "rb").read()
+    h = ckdir.read_manifest(locate(path)).hash
+    index = CheckpointIndex(raw, h, INDEX_FILE)
+    assert encode_index(index.layout, h, {"size": index.metadata_size, "crc32": index.metadata_crc32}) == raw
+
+
+def test_loads_never_unpickle_metadata_and_verify_names_it_when_damaged(tmp_path):
+    """``.metadata`` is an export for DCP and Megatron-Core: a load plans from the index, so a
+    ``.metadata`` that would run code, or is gone, changes nothing a load does; verify reports it."""
+    import pickle
+
+    path = _save(tmp_path / "c")
+    marker = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    md.planner_data = {"w": RunsCode()}
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    _check(_load(path))
+    assert ci.load_tensors_metadata(path)["w"].global_shape == (6, 4)
+    report = verify_checkpoint(path)
+    assert not marker.exists()
+    assert not report.ok and ".metadata is damaged" in str(report.problems), report.problems
+    os.remove(os.path.join(path, ".metadata"))
+    _check(_load(path))
