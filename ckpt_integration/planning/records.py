@@ -75,6 +75,13 @@ class MessageWriter:
     def __bool__(self) -> bool:
         return bool(self.ints) or bool(self.strings) or bool(self._parts)
 
+    def int_list(self) -> List[int]:
+        """Every integer added so far, as one Python list (what :func:`decode` of :meth:`tobytes` gives,
+        without encoding and decoding the message)."""
+        if not self._parts:
+            return list(self.ints)
+        return np.concatenate(self._parts + [np.asarray(self.ints, dtype=np.int64)]).tolist()
+
     def tobytes(self) -> bytes:
         if not self._parts:
             return encode(self.strings, self.ints)

@@ -174,7 +174,7 @@ class CheckpointIndex:
         if p != len(ints):
             raise ValueError(f"{len(ints) - p} integers after the last section")
         tkeys = [strings[k] for k in tkey.tolist()]
-        if any(a >= b for a, b in zip(tkeys, tkeys[1:])):
+        if tkeys != sorted(tkeys) or len(set(tkey.tolist())) != nt:
             raise ValueError("tensor keys are not sorted, or a key is listed twice")
         _check_chunks(chunk_rows, tkey, tnd, tcount, key, nd, has_sizes)
         dt = f"<u{width}"
@@ -191,12 +191,15 @@ class CheckpointIndex:
             block_digests=block_digests, has_fingerprint=has_fp != 0, fingerprint=fingerprint)
         objects = np.flatnonzero(has_sizes == 0)
         objects = objects[np.argsort([strings[k] for k in key[objects].tolist()], kind="stable")] if len(objects) else objects
-        bounds = np.r_[0, np.cumsum(tnd)].tolist()
         self.layout = CommitLayout(
             written=written, tensor_keys=tkeys, tensor_dtypes=[strings[k] for k in tdtype.tolist()],
-            tensor_shapes=[tuple(shapes[a:b].tolist()) for a, b in zip(bounds, bounds[1:])],
+            tensor_shapes=_shapes(shapes, tnd),
             chunk_items=chunk_rows, key_starts=np.r_[0, np.cumsum(tcount)].astype(np.int64), object_items=objects)
         self.files = strings[:nfiles]
+        # the tensor keys' string ids, dtype ids and shapes (flat, start of each key's): what the chunk
+        # index derived from this one is made of, in this index's string table
+        self.tensor_key_ids, self.tensor_dtype_ids = tkey, tdtype
+        self.tensor_shapes = (shapes, np.cumsum(tnd) - tnd)
 
     def __len__(self) -> int:
         return len(self.layout.written)
@@ -278,6 +281,22 @@ def layout_of_metadata(md: Any, w: WrittenColumns) -> CommitLayout:
                                      "but the metadata does not list them")
     return CommitLayout(written=w, tensor_keys=keys, tensor_dtypes=dtypes, tensor_shapes=shapes,
                         chunk_items=np.asarray(chunk_items, dtype=np.int64), key_starts=np.asarray(starts, dtype=np.int64))
+
+
+def _shapes(flat: np.ndarray, nds: np.ndarray) -> List[tuple]:
+    """The shapes of ``nds`` dimensions each, one after another in ``flat``, as tuples (built column
+    by column per distinct number of dimensions: 20,000 small tensors cost no Python step each)."""
+    out: List[tuple] = [()] * len(nds)
+    starts = np.cumsum(nds) - nds
+    groups = np.unique(nds).tolist()
+    for nd in groups:
+        sel = np.flatnonzero(nds == nd) if len(groups) > 1 else np.arange(len(nds))
+        shapes = list(zip(*(flat[starts[sel] + j].tolist() for j in range(nd)))) if nd else [()] * len(sel)
+        if len(groups) == 1:
+            return shapes
+        for i, shape in zip(sel.tolist(), shapes):
+            out[i] = shape
+    return out
 
 
 def _take(ints: np.ndarray, p: int, count: int, what: str):

@@ -141,43 +141,54 @@ def write_index(d: CheckpointLocation, layout: CommitLayout, h: Any, md_entry: D
 
 def compact_of_index(index: "CheckpointIndex") -> CompactMetadata:
     """The chunk index of a format-6 checkpoint, derived from its ``index.bin`` (the same records
-    :func:`index_of_layout` stores in ``chunk_index.bin`` for formats 4 and 5); ``raw`` is the
-    index file's bytes (what a load's broadcast sends)."""
-    strings, ints = decode(_layout_message(index.layout, {"size": index.metadata_size,
-                                                           "crc32": index.metadata_crc32}).tobytes())
-    return CompactMetadata(index.raw, strings, ints, ints[1], ints[2], index.where)
+    :func:`index_of_layout` stores in ``chunk_index.bin`` for formats 4 and 5) with the index's own
+    string table, so no string is looked up again; ``raw`` is the index file's bytes (what a load's
+    broadcast sends)."""
+    w = _layout_message(index.layout, {"size": index.metadata_size, "crc32": index.metadata_crc32}, index)
+    return CompactMetadata(index.raw, w.strings, w.int_list(), index.metadata_size, index.metadata_crc32, index.where)
 
 
-def _layout_message(layout: CommitLayout, metadata_entry: Dict[str, int]) -> MessageWriter:
+def _layout_message(layout: CommitLayout, metadata_entry: Dict[str, int],
+                    index: Optional["CheckpointIndex"] = None) -> MessageWriter:
+    """The records of ``layout``; with ``index`` (the layout decoded from it) in the index's string ids."""
     w = _writer(metadata_entry)
     ws = layout.written
     keys = layout.tensor_keys
     counts = np.diff(layout.key_starts)
     w.add(len(keys) + len(layout.object_items))
-    dtype_ids = {d: w.sid(d) for d in dict.fromkeys(layout.tensor_dtypes)}
-    file_sid = np.full(len(ws.strings), -1, dtype=np.int64)
-    used = np.unique(ws.file[np.concatenate([layout.chunk_items, layout.object_items])]) if len(ws) else []
-    used = np.asarray(used, dtype=np.int64)
-    file_sid[used] = w.sids([ws.strings[f] for f in used.tolist()])  # (one call: 131,072 files at 65,536 ranks)
+    if index is not None:  # the index's strings and ids as they are
+        w.strings = ws.strings
+        key_ids, dtype_ids, shapes = index.tensor_key_ids, index.tensor_dtype_ids, index.tensor_shapes
+        file_sid = np.arange(len(ws.strings), dtype=np.int64)
+        object_ids = ws.key[layout.object_items]
+    else:
+        by_name = {d: w.sid(d) for d in dict.fromkeys(layout.tensor_dtypes)}
+        dtype_ids = np.asarray([by_name[d] for d in layout.tensor_dtypes], dtype=np.int64)
+        file_sid = np.full(len(ws.strings), -1, dtype=np.int64)
+        used = np.unique(ws.file[np.concatenate([layout.chunk_items, layout.object_items])]) if len(ws) else []
+        used = np.asarray(used, dtype=np.int64)
+        file_sid[used] = w.sids([ws.strings[f] for f in used.tolist()])  # (one call: 131,072 files at 65,536 ranks)
+        key_ids, shapes = w.sids(keys), None
+        object_ids = w.sids([ws.strings[k] for k in ws.key[layout.object_items].tolist()])
     with_chunks = np.flatnonzero(counts > 0)
     nds = ws.nd[layout.chunk_items[layout.key_starts[with_chunks]]] if len(with_chunks) else np.zeros(0, dtype=np.int64)
     groups = np.stack([nds, counts[with_chunks]], axis=1) if len(with_chunks) else np.zeros((0, 2), dtype=np.int64)
     for (nd, c), members in group_rows(groups):
-        w.add_array(_tensor_rows(w, layout, with_chunks[members], nd, c, dtype_ids, file_sid))
+        w.add_array(_tensor_rows(layout, with_chunks[members], nd, c, key_ids, dtype_ids, file_sid, shapes))
     for k in np.flatnonzero(counts == 0).tolist():  # (a tensor with no chunk: nothing to search)
-        _tensor(w.ints, w.sid(keys[k]), dtype_ids[layout.tensor_dtypes[k]], layout.tensor_shapes[k], [])
+        _tensor(w.ints, int(key_ids[k]), int(dtype_ids[k]), layout.tensor_shapes[k], [])
     obj = layout.object_items
     if len(obj):
         n = len(obj)
         w.add_array(np.concatenate([
-            np.ones((n, 1), dtype=np.int64), w.sids([ws.strings[k] for k in ws.key[obj].tolist()]).reshape(n, 1),
+            np.ones((n, 1), dtype=np.int64), np.asarray(object_ids, dtype=np.int64).reshape(n, 1),
             file_sid[ws.file[obj]].reshape(n, 1), ws.start[obj].reshape(n, 1), ws.length[obj].reshape(n, 1),
         ], axis=1))
     return w
 
 
-def _tensor_rows(w: MessageWriter, layout: CommitLayout, ks: np.ndarray, nd: int, c: int, dtype_ids: Dict[str, int],
-                 file_sid: np.ndarray) -> np.ndarray:
+def _tensor_rows(layout: CommitLayout, ks: np.ndarray, nd: int, c: int, key_ids: np.ndarray, dtype_ids: np.ndarray,
+                 file_sid: np.ndarray, shapes: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
     """The records of the tensors ``ks`` (each of ``nd`` dimensions and ``c`` chunks), one row each."""
     ws, m = layout.written, len(ks)
     items = layout.chunk_items[layout.key_starts[ks][:, None] + np.arange(c)[None, :]]  # (m, c)
@@ -195,13 +206,14 @@ def _tensor_rows(w: MessageWriter, layout: CommitLayout, ks: np.ndarray, nd: int
         longest = np.take_along_axis(sizes, axis[:, None, None], axis=2)[:, :, 0].max(axis=1)
     chunks = np.concatenate([offs, sizes, file_sid[ws.file[items]][:, :, None], ws.start[items][:, :, None],
                              ws.length[items][:, :, None]], axis=2).reshape(m, c * (2 * nd + 3))
-    kl = ks.tolist()
+    if shapes is None:
+        shapes = np.asarray([layout.tensor_shapes[k] for k in ks.tolist()], dtype=np.int64)
+    else:  # (the index's shapes, one after another: ``(flat, start of each key's)``)
+        flat, starts = shapes
+        shapes = flat[starts[ks][:, None] + np.arange(nd)[None, :]]
     return np.concatenate([
-        np.zeros((m, 1), dtype=np.int64),
-        w.sids([layout.tensor_keys[k] for k in kl]).reshape(m, 1),
-        np.asarray([dtype_ids[layout.tensor_dtypes[k]] for k in kl], dtype=np.int64).reshape(m, 1),
-        np.full((m, 1), nd, dtype=np.int64),
-        np.asarray([layout.tensor_shapes[k] for k in kl], dtype=np.int64).reshape(m, nd),
+        np.zeros((m, 1), dtype=np.int64), key_ids[ks].reshape(m, 1), dtype_ids[ks].reshape(m, 1),
+        np.full((m, 1), nd, dtype=np.int64), shapes.reshape(m, nd),
         np.full((m, 1), c, dtype=np.int64), axis.reshape(m, 1), longest.reshape(m, 1),
         chunks,
     ], axis=1)
