@@ -2,13 +2,15 @@
 """What a checkpoint's metadata costs a load, by manifest format (one process, no process group).
 
 Saves ``--small`` tensors of ``--small-bytes`` each once per manifest format (4: the per-item
-table as binary columns; 5: the same plus the fingerprint table, see docs/format.md; format 3's
-JSON tables, measured in docs/benchmarks.md, are no longer loaded), then times, best of ``--repeats``:
-what the load's coordinator does with the manifest (read and checked, ``read_manifest``), the
-broadcast it builds (manifest, commit marker and chunk index), what every other rank does with
-that broadcast (decoded), and the metadata of the keys one of two ranks requests (every other
-key: ``metadata_for``, what each rank of a 2-rank job of these tensors decodes at each load).
-Sizes of ``manifest.json`` and of the broadcast are printed too.
+table as binary columns in the manifest, and chunk_index.bin; 5: the same plus the fingerprint
+table; 6: one index, index.bin, see docs/format.md; format 3's JSON tables, measured in
+docs/benchmarks.md, are no longer loaded), then times, best of ``--repeats``: what the load's
+coordinator does to open the checkpoint (``read_local``: manifest and index read and checked,
+the item table built), the broadcast it builds (manifest, commit marker and index), what every
+other rank does with that broadcast (decoded, the item table built), and the metadata of the keys
+one of two ranks requests (every other key: ``metadata_for``, what each rank of a 2-rank job of
+these tensors decodes at each load). Sizes of ``manifest.json``, the index and the broadcast are
+printed too.
 
     python benchmarks/metadata_cost.py --small 20000 --dir /dev/shm
 """
@@ -45,11 +47,10 @@ def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str,
     from ckpt_integration import ShardedTensor
     from ckpt_integration.execution import shared_metadata as sm
     from ckpt_integration.storage import checkpoint_dir as ckdir
-    from ckpt_integration.storage.filesystem import locate
 
     state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(max(1, nbytes // 4))) for i in range(n)}
     rows = []
-    for version in (4, 5):
+    for version in (4, 5, 6):
         d = os.path.join(directory, f"ckpt_metadata_cost_{os.getpid()}_{version}")
         shutil.rmtree(d, ignore_errors=True)
         was, ckdir.SAVE_MANIFEST_VERSION = ckdir.SAVE_MANIFEST_VERSION, version
@@ -64,10 +65,12 @@ def measure(n: int, nbytes: int, directory: str, repeats: int) -> List[Dict[str,
             rows.append({
                 "version": version,
                 "manifest_bytes": os.path.getsize(os.path.join(d, ckdir.MANIFEST_FILE)),
-                "read_s": _best(lambda: ckdir.read_manifest(locate(d)), repeats),
+                "index_bytes": sum(os.path.getsize(os.path.join(d, f)) for f in ("chunk_index.bin", "index.bin")
+                                   if os.path.exists(os.path.join(d, f))),
+                "read_s": _best(lambda: sm.read_local(d).manifest.item_table(), repeats),
                 "encode_s": _best(lambda: sm.encode_shared(shared, compress=False), repeats),
                 "payload_bytes": len(payload),
-                "decode_s": _best(lambda: sm.decode_shared(payload), repeats),
+                "decode_s": _best(lambda: sm.decode_shared(payload).manifest.item_table(), repeats),
                 "metadata_for_s": _best(lambda: shared.metadata_for(half), repeats),
             })
         finally:
@@ -84,11 +87,12 @@ def main(argv=None) -> List[Dict[str, Any]]:
     args = p.parse_args(argv)
     rows = measure(args.small, args.small_bytes, args.dir, args.repeats)
     print(f"metadata of {args.small} tensors of {args.small_bytes} B, best of {args.repeats}")
-    print("| format | manifest.json | read and checked (coordinator) | broadcast built | broadcast "
+    print("| format | manifest.json | index | opened, read and checked (coordinator) | broadcast built | broadcast "
           "| broadcast decoded (other ranks) | metadata of every other key (`metadata_for`) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['version']} | {r['manifest_bytes'] / 1e6:.2f} MB | {1e3 * r['read_s']:.1f} ms | "
+        print(f"| {r['version']} | {r['manifest_bytes'] / 1e6:.2f} MB | {r['index_bytes'] / 1e6:.2f} MB | "
+              f"{1e3 * r['read_s']:.1f} ms | "
               f"{1e3 * r['encode_s']:.1f} ms | {r['payload_bytes'] / 1e6:.2f} MB | {1e3 * r['decode_s']:.1f} ms | "
               f"{1e3 * r['metadata_for_s']:.1f} ms |")
     return rows

@@ -163,7 +163,7 @@ def test_contention_runs_alone_and_together(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_metadata_cost_times_both_formats(tmp_path):
+def test_metadata_cost_times_every_loaded_format(tmp_path):
     out = _bench_stdout("metadata_cost.py", "--small", 30, "--repeats", 1, "--dir", tmp_path)
-    assert "| 4 |" in out and "| 5 |" in out, out
+    assert "| 4 |" in out and "| 5 |" in out and "| 6 |" in out, out
     assert not os.listdir(tmp_path)

@@ -147,26 +147,32 @@ def _tables_of_format_6(raw: bytes, width_: int = 8):
     from ckpt_integration.planning.records import decode_array, difference_ints
 
     magic, version, width, flags, n, nb, nmsg, _, _ = struct.unpack_from("<4sIIIQQQqq", raw, 0)
-    assert (magic, version) == (b"CKIX", 1) and width == width_ and flags in (0, 1)
+    assert (magic, version) == (b"CKIX", 1) and width == width_ and flags in (0, 1, 2, 3)
     msg = bytearray(zlib.decompress(raw[56 : 56 + nmsg]))
     difference_ints(msg, undo=True)  # (stored as first differences)
     strings, ints = decode_array(bytes(msg))
     nfiles = int(ints[0])
     key, nd, has_sizes, file, off, length, d, ln, b, nblocks, has_fp = ints[2 : 2 + 11 * n].reshape(11, n).tolist()
     fmt = "Q" if width == 8 else "I"
-    digests = struct.unpack_from(f"<{n + nb}{fmt}", raw, 56 + nmsg)
-    assert len(raw) == 56 + nmsg + width * (n + nb) + (8 * n if flags else 0)
+    # flag 2 (XXH3-64): item digests only of the rows without block digests, the others are XXH3-64
+    # of their block digests
+    stored = sum(1 for k in nblocks if k < 0) if flags & 2 else n
+    assert (flags & 2 != 0) == (width == 8)
+    digests = struct.unpack_from(f"<{stored + nb}{fmt}", raw, 56 + nmsg)
+    assert len(raw) == 56 + nmsg + width * (stored + nb) + (8 * n if flags & 1 else 0)
     assert all(0 <= f < nfiles for f in file)
     keys = [f"{strings[f]}@{o}" for f, o in zip(file, off)]
     assert keys == sorted(keys, key=lambda k: (k.rpartition("@")[0], int(k.rpartition("@")[2])))
-    items, blocks, pos = {}, {}, n
+    items, blocks, pos, given = {}, {}, stored, iter(digests[:stored])
     for i, k in enumerate(keys):
-        items[k] = digests[i]
         if nblocks[i] >= 0:
-            packed = base64.b64encode(struct.pack(f"<{nblocks[i]}{fmt}", *digests[pos : pos + nblocks[i]])).decode()
-            blocks[k] = [d[i], ln[i], b[i], packed]
+            own = digests[pos : pos + nblocks[i]]
+            blocks[k] = [d[i], ln[i], b[i], base64.b64encode(struct.pack(f"<{nblocks[i]}{fmt}", *own)).decode()]
+            items[k] = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(own)}Q", *own)) if flags & 2 else next(given)
             pos += nblocks[i]
-    assert pos == n + nb
+        else:
+            items[k] = next(given)
+    assert pos == stored + nb
     return items, blocks
 
 

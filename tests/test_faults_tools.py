@@ -127,9 +127,14 @@ def _tamper_block_crc(d) -> None:
     loads of that block fail."""
     man = _manifest(d)
     # index.bin (format 6): the first tensor item's block digests follow the item digests
+    from ckpt_integration.storage.checkpoint_index import CheckpointIndex
+    from ckpt_integration.storage.checksum import block_hash
+
     raw = bytearray((d / "index.bin").read_bytes())
-    _, _, width, _, n, _, nmsg, _, _ = struct.unpack_from("<4sIIIQQQqq", raw, 0)
-    raw[56 + nmsg + width * n + 16] ^= 1  # in a data block's digest (CRC32: the fifth, XXH3-64: the third)
+    _, _, width, flags, n, _, nmsg, _, _ = struct.unpack_from("<4sIIIQQQqq", raw, 0)
+    nblocks = CheckpointIndex(bytes(raw), block_hash(man["block_hash"]), "index.bin").layout.written.nblocks
+    stored = int((nblocks < 0).sum()) if flags & 2 else n  # (flag 2: item digests of rows without block digests only)
+    raw[56 + nmsg + width * stored + 16] ^= 1  # in a data block's digest (CRC32: the fifth, XXH3-64: the third)
     (d / "index.bin").write_bytes(bytes(raw))
     man["files"]["index.bin"] = {"size": len(raw), "crc32": zlib.crc32(bytes(raw))}
     _write_manifest(d, man)
@@ -163,7 +168,9 @@ DAMAGES = {
     "data_truncated": (lambda d, o: os.truncate(d / DATA, _w_item(d).offset + 1000), [DATA, "truncated"]),
     "data_appended": (lambda d, o: _append(d / DATA), [DATA, "manifest.json says"]),
     "data_swapped": (lambda d, o: shutil.copy(o / DATA, d / DATA), [DATA, "checksum mismatch"]),
-    "block_checksum": (lambda d, o: _tamper_block_crc(d), [DATA, "block"]),
+    # (XXH3-64: the item digest is derived from the block digests, so the data no longer matches the
+    # tampered one: a checksum mismatch at that block's bytes; CRC32: the two recorded digests disagree)
+    "block_checksum": (lambda d, o: _tamper_block_crc(d), [DATA, "checksum"]),
 }
 
 

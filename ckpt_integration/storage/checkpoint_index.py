@@ -17,14 +17,17 @@ What a load or a tool uses is derived from it in memory, on first use: the item 
 The file (little-endian), see docs/format.md:
 
 * a 56-byte header (:data:`_HEAD`): magic ``CKIX``, index version (u32, 1), digest width in bytes
-  (u32: 8 for XXH3-64, 4 for CRC32), flags (u32; 1: fingerprints present), the number of rows and
+  (u32: 8 for XXH3-64, 4 for CRC32), flags (u32; 1: fingerprints present; 2: item digests derived,
+  set exactly with XXH3-64), the number of rows and
   of block digests (u64 each), the length of the column message (u64), the size and CRC32 of the
   ``.metadata`` exported with it (i64 each, -1 when unknown);
 * the column message: a :mod:`..planning.records` message (its string table: the data file names,
   sorted, then keys and dtype names) whose integers are stored as first differences and which is
   zlib-compressed (sorted offsets and repeated sizes become small repeating numbers);
-* the item digests (one per row), the block digests (every row's, in row order), and with flag 1
-  the fingerprints (one u64 per row, 0 where a row has none), as unsigned integers.
+* the item digests (one per row; with flag 2 only those of rows without block digests: the item
+  digest of a row with block digests is XXH3-64 of them, derived when asked), the block digests
+  (every row's, in row order), and with flag 1 the fingerprints (one u64 per row, 0 where a row
+  has none), as unsigned integers.
 
 The message's integers: the number of file names and of tensor keys; eleven columns of one entry
 per row (key id, dimensions (-1: an object), has sizes, file id, offset, length, data offset, data
@@ -49,15 +52,15 @@ from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.dtypes import dtype_name
 from ..planning.records import MessageWriter, decode_array, difference_ints, runs
 from ..planning.written import CommitLayout, WrittenColumns
-from .checksum import BlockHash
+from .checksum import XXH3_64, BlockHash
 from .fingerprint import Recorded
-from .item_table import ItemTable, encode_table
+from .item_table import ItemTable
 
 INDEX_FILE = "index.bin"
 INDEX_VERSION = 1
 MAGIC = b"CKIX"
 _HEAD = struct.Struct("<4sIIIQQQqq")  # magic, version, digest width, flags, rows, block digests, message, .metadata size, CRC32
-_FINGERPRINTS = 1
+_FINGERPRINTS, _DERIVED = 1, 2
 _ROW_COLUMNS = 11
 _TENSOR_COLUMNS = 4
 _LEVEL = 1  # zlib: the differenced columns repeat; level 1 is fast and takes most of it
@@ -99,11 +102,15 @@ def encode_index(layout: CommitLayout, h: BlockHash, metadata_entry: Optional[Di
     difference_ints(msg)
     zmsg = zlib.compress(bytes(msg), _LEVEL)
     flags = _FINGERPRINTS if has_fp.any() else 0
+    digest = w.digest[order]
+    if h.name == XXH3_64:  # (an item digest its block digests determine is not stored: 1.6 MiB at 65,536 ranks)
+        flags |= _DERIVED
+        digest = digest[nblocks < 0]
     entry = metadata_entry or {}
     dt = f"<u{h.width}"
     parts = [_HEAD.pack(MAGIC, INDEX_VERSION, h.width, flags, n, len(block_digests), len(zmsg),
                         int(entry.get("size", -1)), int(entry.get("crc32", -1))),
-             zmsg, w.digest[order].astype(dt).tobytes(), block_digests.astype(dt).tobytes()]
+             zmsg, digest.astype(dt).tobytes(), block_digests.astype(dt).tobytes()]
     if flags & _FINGERPRINTS:
         parts.append(np.where(has_fp != 0, w.fingerprint[order], np.uint64(0)).astype("<u8").tobytes())
     return b"".join(parts)
@@ -141,12 +148,12 @@ class CheckpointIndex:
             raise ValueError(f"index version {version} (this version of ckpt_integration reads {INDEX_VERSION})")
         if width != h.width:
             raise ValueError(f"{width}-byte digests, but {h.label} digests have {h.width} bytes")
-        if flags & ~_FINGERPRINTS:
+        if flags & ~(_FINGERPRINTS | _DERIVED):
             raise ValueError(f"unknown flags {flags:#x}")
+        if flags & _DERIVED and h.name != XXH3_64:
+            raise ValueError(f"item digests derived from block digests, but its digests are {h.label}")
+        self.derived = bool(flags & _DERIVED)
         end = _HEAD.size + nmsg
-        want = end + (n + nb) * width + (n * 8 if flags & _FINGERPRINTS else 0)
-        if len(raw) != want:
-            raise ValueError(f"{len(raw)} bytes where its header describes {want}")
         self.metadata_size, self.metadata_crc32 = md_size, md_crc
         msg = bytearray(zlib.decompress(raw[_HEAD.size : end]))
         difference_ints(msg, undo=True)
@@ -177,12 +184,19 @@ class CheckpointIndex:
         if tkeys != sorted(tkeys) or len(set(tkey.tolist())) != nt:
             raise ValueError("tensor keys are not sorted, or a key is listed twice")
         _check_chunks(chunk_rows, tkey, tnd, tcount, key, nd, has_sizes)
+        stored = int((nblocks < 0).sum()) if self.derived else n  # (item digests in the file)
+        want = end + (stored + nb) * width + (n * 8 if flags & _FINGERPRINTS else 0)
+        if len(raw) != want:
+            raise ValueError(f"{len(raw)} bytes where its header and rows describe {want}")
         dt = f"<u{width}"
-        digest = np.frombuffer(raw, dtype=dt, count=n, offset=end).astype(np.uint64)
-        block_digests = np.frombuffer(raw, dtype=dt, count=nb, offset=end + n * width).astype(np.uint64)
+        digest = np.frombuffer(raw, dtype=dt, count=stored, offset=end).astype(np.uint64)
+        if self.derived:  # (zeros where the block digests determine it: ItemTable derives those)
+            digest, given = np.zeros(n, dtype=np.uint64), digest
+            digest[nblocks < 0] = given
+        block_digests = np.frombuffer(raw, dtype=dt, count=nb, offset=end + stored * width).astype(np.uint64)
         fingerprint = np.zeros(n, dtype=np.uint64)
         if flags & _FINGERPRINTS:
-            fingerprint = np.frombuffer(raw, dtype="<u8", count=n, offset=end + (n + nb) * width).astype(np.uint64)
+            fingerprint = np.frombuffer(raw, dtype="<u8", count=n, offset=end + (stored + nb) * width).astype(np.uint64)
         counts = np.maximum(nblocks, 0)
         written = WrittenColumns(
             strings=strings, key=key, nd=nd, has_sizes=has_sizes != 0, coord_pos=np.cumsum(ncoords) - ncoords,
@@ -206,11 +220,11 @@ class CheckpointIndex:
 
     def item_table(self) -> ItemTable:
         """The rows as the item table verified reads look items up in (built once)."""
-        if self._table is None:
+        if self._table is None:  # (the rows are in its order, their file ids number the sorted file names)
             w = self.layout.written
-            raw = encode_table(w.strings, w.file, w.start, w.digest, w.nblocks, w.data_offset, w.data_length,
-                               w.block_size, w.block_pos, w.block_digests, self.hash)
-            self._table = ItemTable(raw, self.hash, self.where)
+            self._table = ItemTable.of_columns(self.files, w.file, w.start, w.digest, w.nblocks, w.data_offset,
+                                               w.data_length, w.block_size, w.block_digests, self.hash, self.where,
+                                               derived=self.derived)
         return self._table
 
     def fingerprints(self) -> Optional[Recorded]:

@@ -180,6 +180,27 @@ class ItemTable:
         except ValueError as e:
             raise CorruptCheckpointError(f"{where} is damaged: its item table: {e}") from None
 
+    @classmethod
+    def of_columns(cls, files: List[str], file: np.ndarray, offset: np.ndarray, digest: np.ndarray, nblocks: np.ndarray,
+                   data_offset: np.ndarray, data_length: np.ndarray, block_size: np.ndarray, block_digests: np.ndarray,
+                   h: BlockHash, where: str, derived: bool = False) -> "ItemTable":
+        """A table over columns checked already and sorted by file and offset, ``file`` numbering
+        ``files`` in name order (a format-6 index's rows): nothing encoded or decoded. ``derived``:
+        the item digests of items with block digests are not given (XXH3-64 of those, derived when
+        asked, as in a table that travelled :meth:`for_wire`). It has no bytes (format 6 broadcasts
+        its index instead)."""
+        self = cls.__new__(cls)
+        self.raw, self.hash, self.where, self.wire = b"", h, where, derived
+        self.files = files
+        self.file, self.offset, self.nblocks = file, offset, nblocks
+        self.data_offset, self.data_length, self.block_size = data_offset, data_length, block_size
+        self.digest, self.block_digests = digest, block_digests
+        counts = np.maximum(nblocks, 0)
+        self.block_pos = np.cumsum(counts) - counts
+        bounds = np.searchsorted(file, np.arange(len(files) + 1)).tolist()
+        self._rows = dict(zip(files, zip(bounds, bounds[1:])))
+        return self
+
     def _decode(self, raw: bytes, h: BlockHash) -> None:
         if len(raw) < _HEAD.size:
             raise ValueError(f"{len(raw)} bytes, shorter than its header")
