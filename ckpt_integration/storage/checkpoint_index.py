@@ -54,7 +54,7 @@ from ..planning.records import MessageWriter, decode_array, difference_ints, run
 from ..planning.written import CommitLayout, WrittenColumns
 from .checksum import XXH3_64, BlockHash
 from .fingerprint import Recorded
-from .item_table import ItemTable
+from .item_table import ItemTable, read_head
 
 INDEX_FILE = "index.bin"
 INDEX_VERSION = 1
@@ -139,15 +139,7 @@ class CheckpointIndex:
         self._fingerprints: Optional[Recorded] = None
 
     def _decode(self, raw: bytes, h: BlockHash) -> None:
-        if len(raw) < _HEAD.size:
-            raise ValueError(f"{len(raw)} bytes, shorter than its header")
-        magic, version, width, flags, n, nb, nmsg, md_size, md_crc = _HEAD.unpack_from(raw, 0)
-        if magic != MAGIC:
-            raise ValueError("bad magic (not a checkpoint index)")
-        if version != INDEX_VERSION:
-            raise ValueError(f"index version {version} (this version of ckpt_integration reads {INDEX_VERSION})")
-        if width != h.width:
-            raise ValueError(f"{width}-byte digests, but {h.label} digests have {h.width} bytes")
+        _, _, width, flags, n, nb, nmsg, md_size, md_crc = read_head(raw, _HEAD, MAGIC, INDEX_VERSION, "index", h)
         if flags & ~(_FINGERPRINTS | _DERIVED):
             raise ValueError(f"unknown flags {flags:#x}")
         if flags & _DERIVED and h.name != XXH3_64:

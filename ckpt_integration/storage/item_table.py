@@ -202,15 +202,7 @@ class ItemTable:
         return self
 
     def _decode(self, raw: bytes, h: BlockHash) -> None:
-        if len(raw) < _HEAD.size:
-            raise ValueError(f"{len(raw)} bytes, shorter than its header")
-        magic, version, width, n, nb, nmsg = _HEAD.unpack_from(raw, 0)
-        if magic != MAGIC:
-            raise ValueError("bad magic")
-        if version != TABLE_VERSION:
-            raise ValueError(f"table version {version} (this version of ckpt_integration reads {TABLE_VERSION})")
-        if width != h.width:
-            raise ValueError(f"{width}-byte digests, but {h.label} digests have {h.width} bytes")
+        _, _, width, n, nb, nmsg = read_head(raw, _HEAD, MAGIC, TABLE_VERSION, "table", h)
         if self.wire and h.name != XXH3_64:  # (only XXH3-64 item digests follow from the block digests alone)
             raise ValueError(f"a table without its item digests must have XXH3-64 digests, not {h.label}")
         end = _HEAD.size + nmsg
@@ -338,6 +330,21 @@ class ItemTable:
         return encode_table(self.files, self.file[keep], self.offset[keep], self.digests()[keep], self.nblocks[keep],
                             self.data_offset[keep], self.data_length[keep], self.block_size[keep],
                             self.block_pos[keep], self.block_digests, self.hash)
+
+
+def read_head(raw: bytes, head: struct.Struct, magic: bytes, version: int, what: str, h: BlockHash) -> tuple:
+    """The fields of a binary table's header that starts with its magic, version and digest width
+    (this table's, ``checkpoint_index``'s), checked against ``h``: ValueError naming the problem."""
+    if len(raw) < head.size:
+        raise ValueError(f"{len(raw)} bytes, shorter than its header")
+    fields = head.unpack_from(raw, 0)
+    if fields[0] != magic:
+        raise ValueError(f"bad magic (not a {what})")
+    if fields[1] != version:
+        raise ValueError(f"{what} version {fields[1]} (this version of ckpt_integration reads {version})")
+    if fields[2] != h.width:
+        raise ValueError(f"{fields[2]}-byte digests, but {h.label} digests have {h.width} bytes")
+    return fields
 
 
 def decode_text(text: object, h: BlockHash, where: str = MANIFEST_FILE) -> ItemTable:
