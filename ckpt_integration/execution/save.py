@@ -33,7 +33,6 @@ import os
 import time
 import uuid
 
-import numpy as np
 import torch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -450,12 +449,8 @@ def fingerprint_text(w: WrittenColumns) -> str:
     """The manifest's ``fingerprints`` (format 5) of the written items ``w`` (``WrittenColumns``): one row
     per tensor chunk written."""
     groups = list(w.fingerprints)  # zarr's rows
-    if len(w.has_fingerprint) and w.has_fingerprint.any():  # torch_dist's, with the items
-        for nd in np.unique(w.nd[w.has_fingerprint]).tolist():
-            sel = np.flatnonzero(w.has_fingerprint & (w.nd == nd) & w.has_sizes)
-            strings = w.strings
-            groups.append((nd, [strings[k] for k in w.key[sel].tolist()], w.fingerprint[sel], w.grid(sel, nd),
-                           w.grid(sel, nd, sizes=True)))
+    for nd, keys, fp, offs, sizes in w.fingerprint_groups():  # torch_dist's, with the items
+        groups.append((nd, [w.strings[k] for k in keys.tolist()], fp, offs, sizes))
     if not any(len(g[1]) for g in groups):
         return ""
     return encode_groups(groups)

@@ -225,6 +225,31 @@ class WrittenColumns:
         p, n = int(self.block_pos[i]), int(self.nblocks[i])
         return self.block_digests[p : p + max(n, 0)]
 
+    def take(self, sel: np.ndarray) -> "WrittenColumns":
+        """The items ``sel`` (row numbers, in that order), with their coordinates and block digests;
+        the same string table. (Zarr's separate ``fingerprints`` rows are not items: left out.)"""
+        nd, has_sizes = self.nd[sel], self.has_sizes[sel]
+        ncoords = np.where(nd < 0, 0, nd * (1 + has_sizes))
+        nb = np.maximum(self.nblocks[sel], 0)
+        return WrittenColumns(
+            strings=self.strings, key=self.key[sel], nd=nd, has_sizes=has_sizes, coord_pos=np.cumsum(ncoords) - ncoords,
+            coords=self.coords[runs(self.coord_pos[sel], ncoords)], file=self.file[sel], start=self.start[sel],
+            length=self.length[sel], digest=self.digest[sel], data_offset=self.data_offset[sel],
+            data_length=self.data_length[sel], block_size=self.block_size[sel], nblocks=self.nblocks[sel],
+            block_pos=np.cumsum(nb) - nb, block_digests=self.block_digests[runs(self.block_pos[sel], nb)],
+            has_fingerprint=self.has_fingerprint[sel] if len(self.has_fingerprint) else np.zeros(len(sel), dtype=bool),
+            fingerprint=self.fingerprint[sel] if len(self.fingerprint) else np.zeros(len(sel), dtype=np.uint64))
+
+    def fingerprint_groups(self) -> List[Tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """The fingerprints recorded with the tensor items, per number of dimensions: ``(nd, key ids,
+        fingerprints, offsets (m, nd), sizes (m, nd))`` (torch_dist's; zarr's are in ``fingerprints``)."""
+        out = []
+        if len(self.has_fingerprint) and self.has_fingerprint.any():
+            for nd in np.unique(self.nd[self.has_fingerprint]).tolist():
+                sel = np.flatnonzero(self.has_fingerprint & (self.nd == nd) & self.has_sizes)
+                out.append((nd, self.key[sel], self.fingerprint[sel], self.grid(sel, nd), self.grid(sel, nd, sizes=True)))
+        return out
+
     def grid(self, sel: np.ndarray, nd: int, sizes: bool = False) -> np.ndarray:
         """Offsets (or sizes) of the items ``sel`` (all of ``nd`` dimensions) as an ``(m, nd)`` array."""
         base = self.coord_pos[sel] + (nd if sizes else 0)

@@ -50,7 +50,7 @@ import numpy as np
 
 from ..errors import CheckpointingException, CorruptCheckpointError
 from ..planning.dtypes import dtype_name
-from ..planning.records import MessageWriter, decode_array, difference_ints, runs
+from ..planning.records import MessageWriter, decode_array, difference_ints
 from ..planning.written import CommitLayout, WrittenColumns
 from .checksum import XXH3_64, BlockHash
 from .fingerprint import Recorded
@@ -81,38 +81,34 @@ def encode_index(layout: CommitLayout, h: BlockHash, metadata_entry: Optional[Di
     order = np.lexsort((w.start, file))
     where_now = np.empty(n, dtype=np.int64)
     where_now[order] = np.arange(n)
-    key = _sids(out, w.strings, w.key[order])
-    nd, has_sizes = w.nd[order], w.has_sizes[order].astype(np.int64)
-    ncoords = np.where(nd < 0, 0, nd * (1 + has_sizes))
-    coords = w.coords[runs(w.coord_pos[order], ncoords)]
-    nblocks = w.nblocks[order]
-    block_digests = w.block_digests[runs(w.block_pos[order], np.maximum(nblocks, 0))]
-    has_fp = (w.has_fingerprint[order] if len(w.has_fingerprint) else np.zeros(n, dtype=bool)).astype(np.int64)
+    r = w.take(order)  # the rows in storage order
+    key = _sids(out, r.strings, r.key)
+    nblocks, has_fp = r.nblocks, r.has_fingerprint.astype(np.int64)
     tkeys = out.sids(layout.tensor_keys)
     tdtypes = out.sids(layout.tensor_dtypes)
     tnd = np.asarray([len(s) for s in layout.tensor_shapes], dtype=np.int64)
     shapes = np.asarray([d for s in layout.tensor_shapes for d in s], dtype=np.int64)
     out.add(len(names), len(layout.tensor_keys))
     out.add_array(np.concatenate([
-        key, nd, has_sizes, file[order], w.start[order], w.length[order], w.data_offset[order], w.data_length[order],
-        w.block_size[order], nblocks, has_fp, coords,
+        key, r.nd, r.has_sizes.astype(np.int64), file[order], r.start, r.length, r.data_offset, r.data_length,
+        r.block_size, nblocks, has_fp, r.coords,
         tkeys, tdtypes, tnd, np.diff(layout.key_starts), shapes, where_now[layout.chunk_items],
     ]))
     msg = bytearray(out.tobytes())
     difference_ints(msg)
     zmsg = zlib.compress(bytes(msg), _LEVEL)
     flags = _FINGERPRINTS if has_fp.any() else 0
-    digest = w.digest[order]
+    digest = r.digest
     if h.name == XXH3_64:  # (an item digest its block digests determine is not stored: 1.6 MiB at 65,536 ranks)
         flags |= _DERIVED
         digest = digest[nblocks < 0]
     entry = metadata_entry or {}
     dt = f"<u{h.width}"
-    parts = [_HEAD.pack(MAGIC, INDEX_VERSION, h.width, flags, n, len(block_digests), len(zmsg),
+    parts = [_HEAD.pack(MAGIC, INDEX_VERSION, h.width, flags, n, len(r.block_digests), len(zmsg),
                         int(entry.get("size", -1)), int(entry.get("crc32", -1))),
-             zmsg, digest.astype(dt).tobytes(), block_digests.astype(dt).tobytes()]
+             zmsg, digest.astype(dt).tobytes(), r.block_digests.astype(dt).tobytes()]
     if flags & _FINGERPRINTS:
-        parts.append(np.where(has_fp != 0, w.fingerprint[order], np.uint64(0)).astype("<u8").tobytes())
+        parts.append(np.where(has_fp != 0, r.fingerprint, np.uint64(0)).astype("<u8").tobytes())
     return b"".join(parts)
 
 
@@ -223,11 +219,7 @@ class CheckpointIndex:
         """The recorded fingerprints of the saved tensor chunks (None: the save recorded none)."""
         w = self.layout.written
         if self._fingerprints is None and w.has_fingerprint.any():
-            groups = []
-            for nd in np.unique(w.nd[w.has_fingerprint]).tolist():
-                sel = np.flatnonzero(w.has_fingerprint & (w.nd == nd) & w.has_sizes)
-                groups.append((nd, w.key[sel], w.fingerprint[sel], w.grid(sel, nd), w.grid(sel, nd, sizes=True)))
-            self._fingerprints = Recorded.of_columns(w.strings, groups)
+            self._fingerprints = Recorded.of_columns(w.strings, w.fingerprint_groups())
         return self._fingerprints
 
     def without_keys(self, keys: Set[str], metadata_entry: Optional[Dict[str, int]] = None) -> bytes:
@@ -240,16 +232,7 @@ class CheckpointIndex:
         ks = [k for k, key in enumerate(lay.tensor_keys) if key not in keys]
         starts = lay.key_starts
         chunk = [lay.chunk_items[starts[k] : starts[k + 1]] for k in ks]
-        sel = np.flatnonzero(keep)
-        ncoords = np.where(w.nd[sel] < 0, 0, w.nd[sel] * (1 + w.has_sizes[sel]))
-        nb = np.maximum(w.nblocks[sel], 0)
-        kept = WrittenColumns(
-            strings=w.strings, key=w.key[sel], nd=w.nd[sel], has_sizes=w.has_sizes[sel],
-            coord_pos=np.cumsum(ncoords) - ncoords, coords=w.coords[runs(w.coord_pos[sel], ncoords)],
-            file=w.file[sel], start=w.start[sel], length=w.length[sel], digest=w.digest[sel],
-            data_offset=w.data_offset[sel], data_length=w.data_length[sel], block_size=w.block_size[sel],
-            nblocks=w.nblocks[sel], block_pos=np.cumsum(nb) - nb, block_digests=w.block_digests[runs(w.block_pos[sel], nb)],
-            has_fingerprint=w.has_fingerprint[sel], fingerprint=w.fingerprint[sel])
+        kept = w.take(np.flatnonzero(keep))
         counts = [len(c) for c in chunk]
         out = CommitLayout(
             written=kept, tensor_keys=[lay.tensor_keys[k] for k in ks], tensor_dtypes=[lay.tensor_dtypes[k] for k in ks],
