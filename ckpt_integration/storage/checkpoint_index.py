@@ -42,6 +42,7 @@ overlapping, a chunk row that is not a chunk of its key, counts that do not add 
 
 from __future__ import annotations
 
+import operator
 import struct
 import zlib
 from typing import Any, Dict, List, Optional, Set
@@ -54,7 +55,7 @@ from ..planning.records import MessageWriter, decode_array, difference_ints
 from ..planning.written import CommitLayout, WrittenColumns
 from .checksum import XXH3_64, BlockHash
 from .fingerprint import Recorded
-from .item_table import ItemTable, read_head
+from .item_table import ItemTable, check_columns, read_head
 
 INDEX_FILE = "index.bin"
 INDEX_VERSION = 1
@@ -156,7 +157,10 @@ class CheckpointIndex:
             raise ValueError("rows cut short")
         rows = ints[2:p].reshape(_ROW_COLUMNS, n)
         key, nd, has_sizes, file, start, length, data_offset, data_length, block_size, nblocks, has_fp = rows
-        _check_rows(len(strings), nfiles, key, nd, has_sizes, file, start, length, nblocks, nb)
+        if bool(has_fp.any()) != bool(flags & _FINGERPRINTS):
+            raise ValueError("its rows and its flags disagree on whether it holds fingerprints")
+        _check_rows(strings, nfiles, key, nd, has_sizes, has_fp, file, start, length, nblocks, data_offset, data_length,
+                    block_size, nb)
         ncoords = np.where(nd < 0, 0, nd * (1 + has_sizes))
         coords, p = _take(ints, p, int(ncoords.sum()), "box coordinates")
         tcols, p = _take(ints, p, _TENSOR_COLUMNS * nt, "tensor keys")
@@ -169,8 +173,11 @@ class CheckpointIndex:
         if p != len(ints):
             raise ValueError(f"{len(ints) - p} integers after the last section")
         tkeys = [strings[k] for k in tkey.tolist()]
-        if tkeys != sorted(tkeys) or len(set(tkey.tolist())) != nt:
+        if not all(map(operator.lt, tkeys, tkeys[1:])):
             raise ValueError("tensor keys are not sorted, or a key is listed twice")
+        names = [strings[k] for k in key[has_sizes == 0].tolist()]  # (objects: one row each, by name)
+        if len(set(names)) != len(names) or not set(names).isdisjoint(tkeys):
+            raise ValueError("an object key is listed twice, or is a tensor key too")
         _check_chunks(chunk_rows, tkey, tnd, tcount, key, nd, has_sizes)
         stored = int((nblocks < 0).sum()) if self.derived else n  # (item digests in the file)
         want = end + (stored + nb) * width + (n * 8 if flags & _FINGERPRINTS else 0)
@@ -185,6 +192,8 @@ class CheckpointIndex:
         fingerprint = np.zeros(n, dtype=np.uint64)
         if flags & _FINGERPRINTS:
             fingerprint = np.frombuffer(raw, dtype="<u8", count=n, offset=end + (stored + nb) * width).astype(np.uint64)
+            if bool((fingerprint[has_fp == 0] != 0).any()):
+                raise ValueError("a row without a fingerprint has one stored")
         counts = np.maximum(nblocks, 0)
         written = WrittenColumns(
             strings=strings, key=key, nd=nd, has_sizes=has_sizes != 0, coord_pos=np.cumsum(ncoords) - ncoords,
@@ -294,29 +303,22 @@ def _take(ints: np.ndarray, p: int, count: int, what: str):
     return ints[p : p + count], p + count
 
 
-def _check_rows(nstrings: int, nfiles: int, key: np.ndarray, nd: np.ndarray, has_sizes: np.ndarray, file: np.ndarray,
-                start: np.ndarray, length: np.ndarray, nblocks: np.ndarray, nb: int) -> None:
-    n = len(key)
-    if not n:
-        if nb:
-            raise ValueError(f"no rows, but {nb} block digests")
-        return
-    if int(key.min()) < 0 or int(key.max()) >= nstrings:
+def _check_rows(strings: List[str], nfiles: int, key: np.ndarray, nd: np.ndarray, has_sizes: np.ndarray,
+                has_fp: np.ndarray, file: np.ndarray, start: np.ndarray, length: np.ndarray, nblocks: np.ndarray,
+                data_offset: np.ndarray, data_length: np.ndarray, block_size: np.ndarray, nb: int) -> None:
+    """The rows' own checks, then the item columns' (``item_table.check_columns``, the same as a
+    format-5 table's): what the derived item table may assume."""
+    files = strings[:nfiles]
+    if not all(map(operator.lt, files, files[1:])):  # (C loops: 3 ms for 131,072 names)
+        raise ValueError("its data file names are not sorted, or a data file name is listed twice")
+    if len(key) and (int(key.min()) < 0 or int(key.max()) >= len(strings)):
         raise ValueError("a row names a key the index does not list")
-    if int(file.min()) < 0 or int(file.max()) >= nfiles:
-        raise ValueError("a row names a data file the index does not list")
-    if int(nd.min()) < -1 or bool(((has_sizes != 0) & (has_sizes != 1)).any()) or bool(((nd < 0) & (has_sizes != 0)).any()):
+    if len(key) and (int(nd.min()) < -1 or bool(((has_sizes != 0) & (has_sizes != 1)).any())
+                     or bool(((nd < 0) & (has_sizes != 0)).any())):
         raise ValueError("a row has an invalid number of dimensions")
-    if int(start.min()) < 0 or int(length.min()) < 0:
-        raise ValueError("a row has a negative offset or length")
-    if n > 1:
-        same = np.diff(file) == 0
-        if bool((np.diff(file) < 0).any()) or bool((same & (start[:-1] + length[:-1] > start[1:])).any()):
-            raise ValueError("rows are not in storage order, or two items overlap")
-    if int(nblocks.min()) < -1:
-        raise ValueError("a row has a negative number of block digests")
-    if int(np.maximum(nblocks, 0).sum()) != nb:
-        raise ValueError(f"the rows list {int(np.maximum(nblocks, 0).sum())} block digests, the index holds {nb}")
+    if bool(((has_fp != 0) & (has_fp != 1)).any()) or bool(((has_fp != 0) & (has_sizes == 0)).any()):
+        raise ValueError("a row has an invalid fingerprint flag, or an object row has a fingerprint")
+    check_columns(nfiles, file, start, nblocks, data_offset, data_length, block_size, nb, length=length)
 
 
 def _check_chunks(chunk_rows: np.ndarray, tkey: np.ndarray, tnd: np.ndarray, tcount: np.ndarray, key: np.ndarray,

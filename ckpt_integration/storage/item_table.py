@@ -197,8 +197,10 @@ class ItemTable:
         self.digest, self.block_digests = digest, block_digests
         counts = np.maximum(nblocks, 0)
         self.block_pos = np.cumsum(counts) - counts
-        bounds = np.searchsorted(file, np.arange(len(files) + 1)).tolist()
-        self._rows = dict(zip(files, zip(bounds, bounds[1:])))
+        try:
+            self._rows = _rows_by_name(files, file)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where} is damaged: {e}") from None
         return self
 
     def _decode(self, raw: bytes, h: BlockHash) -> None:
@@ -221,26 +223,10 @@ class ItemTable:
         self.digest = np.frombuffer(raw, dtype=dt, count=n, offset=end)
         self.block_digests = np.frombuffer(raw, dtype=dt, count=nb, offset=end + n * width)
         nf = len(self.files)
-        if n and (int(self.file.min()) < 0 or int(self.file.max()) >= nf):
-            raise ValueError("an item names a file the table does not list")
-        if n and int(self.offset.min()) < 0:
-            raise ValueError("an item has a negative offset")
-        if n > 1:
-            step = np.diff(self.file)
-            if bool((step < 0).any()) or bool(((step == 0) & (np.diff(self.offset) <= 0)).any()):
-                raise ValueError("items are not sorted by file and offset, or an item is listed twice")
-        has = self.nblocks >= 0
-        if bool((self.nblocks < -1).any()):
-            raise ValueError("an item has a negative number of block digests")
-        if bool((has & ((self.data_offset < 0) | (self.data_length < 0) | (self.block_size <= 0))).any()):
-            raise ValueError("a block record has a negative data range or a block size that is not positive")
+        check_columns(nf, self.file, self.offset, self.nblocks, self.data_offset, self.data_length, self.block_size, nb)
         counts = np.maximum(self.nblocks, 0)
-        if int(counts.sum()) != nb:
-            raise ValueError(f"the items list {int(counts.sum())} block digests, the table holds {nb}")
         self.block_pos = np.cumsum(counts) - counts
-        # file name -> [first row, end row) of its items
-        bounds = np.searchsorted(self.file, np.arange(nf + 1)).tolist()  # (Python ints: one conversion, not two per file)
-        self._rows: Dict[str, Tuple[int, int]] = dict(zip(self.files, zip(bounds, bounds[1:])))
+        self._rows = _rows_by_name(self.files, self.file)
 
     def __len__(self) -> int:
         return len(self.offset)
@@ -330,6 +316,48 @@ class ItemTable:
         return encode_table(self.files, self.file[keep], self.offset[keep], self.digests()[keep], self.nblocks[keep],
                             self.data_offset[keep], self.data_length[keep], self.block_size[keep],
                             self.block_pos[keep], self.block_digests, self.hash)
+
+
+def _rows_by_name(files: List[str], file: np.ndarray) -> Dict[str, Tuple[int, int]]:
+    """File name -> ``[first row, end row)`` of its items (rows sorted by file id); ValueError when a
+    name is listed twice (its items would be looked up in one of them only)."""
+    bounds = np.searchsorted(file, np.arange(len(files) + 1)).tolist()  # (Python ints: one conversion, not two per file)
+    rows = dict(zip(files, zip(bounds, bounds[1:])))
+    if len(rows) != len(files):
+        raise ValueError("a data file name is listed twice")
+    return rows
+
+
+def check_columns(nfiles: int, file: np.ndarray, offset: np.ndarray, nblocks: np.ndarray, data_offset: np.ndarray,
+                  data_length: np.ndarray, block_size: np.ndarray, nb: int, length: Optional[np.ndarray] = None) -> None:
+    """The one structural check of stored items' columns, rows in storage order (an item table's and
+    a checkpoint index's): ValueError naming the problem. Files are ids below ``nfiles``; offsets
+    strictly increase within a file (with ``length``: items do not overlap); a block record
+    (``nblocks >= 0``) has a data range inside its item (with ``length``) and a positive block size;
+    the block digest counts add up to ``nb``. What a read derives from these (block bounds, the
+    item a ``(file, offset)`` names) then cannot fail or mislead on a consistently rewritten file."""
+    n = len(file)
+    if n and (int(file.min()) < 0 or int(file.max()) >= nfiles):
+        raise ValueError("an item names a file the table does not list")
+    if n and int(offset.min()) < 0:
+        raise ValueError("an item has a negative offset")
+    if length is not None and n and int(length.min()) < 0:
+        raise ValueError("an item has a negative length")
+    if n > 1:
+        same = np.diff(file) == 0
+        ends = offset[:-1] + (length[:-1] if length is not None else 1)
+        if bool((np.diff(file) < 0).any()) or bool((same & (ends > offset[1:])).any()):
+            raise ValueError("items are not sorted by file and offset (storage order), or one is listed twice or overlaps another")
+    if bool((nblocks < -1).any()):
+        raise ValueError("an item has a negative number of block digests")
+    has = nblocks >= 0
+    if bool((has & ((data_offset < 0) | (data_length < 0) | (block_size <= 0))).any()):
+        raise ValueError("a block record has a negative data range or a block size that is not positive")
+    if length is not None and bool((has & (data_offset + data_length > length)).any()):
+        raise ValueError("a block record's data range exceeds its item")
+    counts = np.maximum(nblocks, 0)
+    if int(counts.sum()) != nb:
+        raise ValueError(f"the items list {int(counts.sum())} block digests, the table holds {nb}")
 
 
 def read_head(raw: bytes, head: struct.Struct, magic: bytes, version: int, what: str, h: BlockHash) -> tuple:
@@ -539,4 +567,4 @@ def upgrade(raw: Dict[str, Any], to_version: int) -> Dict[str, Any]:
 
 
 __all__ = ["LEGACY_VERSIONS", "MANIFEST_FILE", "BlockRecord", "ItemTable", "TableBlockRecords", "TableItemDigests",
-           "decode_text", "encode_table", "encode_text", "file_sizes", "refusal", "table_of_written", "upgrade"]
+           "check_columns", "decode_text", "encode_table", "encode_text", "file_sizes", "refusal", "table_of_written", "upgrade"]
