@@ -450,7 +450,8 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
 
 def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
     checkpoint_dir = ck.path
-    index = zarr_backend.read_index(ck)
+    manifest = ckdir.read_manifest(ck)
+    index = zarr_backend.read_index(ck, manifest)
     zarr_backend.check_index_paths(checkpoint_dir, index)  # never delete outside the checkpoint
     tensors = [k for k in index.get("tensors", {}) if k.startswith(key_prefix)]
     objects = [k for k in index.get("objects", []) if k.startswith(key_prefix)]
@@ -459,7 +460,10 @@ def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
     for k in tensors:
         del index["tensors"][k]
     index["objects"] = [k for k in index.get("objects", []) if k not in objects]
-    zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
+    entry = zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
+    if manifest is not None and zarr_backend.INDEX_FILE in manifest.files:  # (recorded since 2026-11-29)
+        manifest.files[zarr_backend.INDEX_FILE] = entry
+        ckdir.write_manifest(ck, manifest)
     storage = ck.storage
     for k in tensors:
         storage.rmtree(ck.file(k))

@@ -74,3 +74,26 @@ def reindex(d) -> None:
     man["files"][INDEX_FILE] = {"size": len(data), "crc32": zlib.crc32(data)}
     man["files"][".metadata"] = {"size": len(raw_md), "crc32": zlib.crc32(raw_md)}
     open(man_path, "w").write(json.dumps(man))
+
+
+def write_zarr_index(d, index, recorded: bool = True) -> None:
+    """Write a zarr checkpoint's ``zarr_index.json`` (a dict, or text) as a crafted checkpoint would:
+    the manifest's entry says what the file now holds, so loads meet what the index says rather than
+    a CRC32 mismatch. ``recorded=False`` drops the entry instead, as in zarr checkpoints saved
+    before the manifest recorded the index (a format-1 or -2 index is simulated with it)."""
+    import json
+    import os
+    import zlib
+
+    d = str(d)
+    data = (index if isinstance(index, str) else json.dumps(index)).encode()
+    with open(os.path.join(d, "zarr_index.json"), "wb") as f:
+        f.write(data)
+    man_path = os.path.join(d, "manifest.json")
+    man = json.loads(open(man_path).read())
+    if recorded:
+        man["files"]["zarr_index.json"] = {"size": len(data), "crc32": zlib.crc32(data)}
+    else:
+        man["files"].pop("zarr_index.json", None)
+    with open(man_path, "w") as f:
+        f.write(json.dumps(man))

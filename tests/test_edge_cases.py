@@ -28,6 +28,7 @@ from ckpt_integration.optimizer import (
 )
 from ckpt_integration.planning.save_plan import plan_writers
 from ckpt_integration.planning.shards import ShardMeta
+from tests.damage import write_zarr_index
 from tests.dist_utils import run_distributed
 
 
@@ -234,7 +235,7 @@ def test_remove_sharded_tensors_never_deletes_outside_a_zarr_checkpoint(tmp_path
     index_path = d / "zarr_index.json"
     index = json.loads(index_path.read_text())
     index["tensors"]["../victim"] = index["tensors"]["w"]  # a crafted index naming a path outside
-    index_path.write_text(json.dumps(index))
+    write_zarr_index(d, index)
     with pytest.raises(UnsafeCheckpointError, match=r"\.\./victim.*outside the checkpoint"):
         ci.remove_sharded_tensors(str(d), "../")
     assert (victim / "keep.txt").exists()

@@ -41,7 +41,7 @@ from ckpt_integration.errors import (
 )
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import torch_dist as td
-from tests.damage import reindex, deadline, flip_byte
+from tests.damage import reindex, deadline, flip_byte, write_zarr_index
 from tests.dist_utils import run_distributed
 from ckpt_integration.storage.filesystem import locate
 
@@ -345,7 +345,7 @@ def test_deeply_nested_save_marker_is_not_ours(tmp_path):
 def test_deeply_nested_zarr_index_is_corruption(tmp_path):
     d = tmp_path / "z"
     ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(d), sharded_strategy="zarr")
-    (d / "zarr_index.json").write_text('{"tensors": ' + "[" * 200000 + "]" * 200000 + "}")
+    write_zarr_index(d, '{"tensors": ' + "[" * 200000 + "]" * 200000 + "}")  # (recorded: the parse itself must refuse it)
     with pytest.raises(CorruptCheckpointError):
         ci.load_plain_tensors(str(d))
 
@@ -408,7 +408,7 @@ def test_declared_shape_larger_than_the_chunks_is_refused_before_allocating(tmp_
     ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}, str(z), sharded_strategy="zarr")
     index = json.loads((z / "zarr_index.json").read_text())
     index["tensors"]["w"]["shape"] = [10**12]
-    (z / "zarr_index.json").write_text(json.dumps(index))
+    write_zarr_index(z, index)
     with pytest.raises(CorruptCheckpointError, match="chunk files"):
         ci.load_plain_tensors(str(z))
 

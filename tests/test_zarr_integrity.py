@@ -9,6 +9,7 @@ every bad file. Checkpoints written before the records existed still load.
 from __future__ import annotations
 
 import json
+import zlib
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTensor
 from ckpt_integration.cli import main
+from tests.damage import write_zarr_index
 from tests.dist_utils import run_distributed
 from tests.layouts import global_tensor, grid_shard
 from ckpt_integration.storage.filesystem import locate
@@ -197,6 +199,38 @@ def test_verify_json_names_file_and_key(ckpt, capsys):
     assert [(p["file"], p["keys"]) for p in report["problems"]] == [("z/c/0/0", ["z"])]
 
 
+@pytest.mark.parametrize("how", ["flip_key", "truncate", "empty"])
+def test_a_damaged_index_fails_the_load_naming_it(ckpt, capsys, how):
+    """``zarr_index.json`` is recorded in the manifest (size and CRC32) like every small file. Before,
+    it was not: a bit flipped in a key's name made the load say the key was not in the checkpoint
+    (``KeyNotInCheckpointError``), and one flipped in a file record's name went unnoticed."""
+    from ckpt_integration.storage.zarr_backend import INDEX_FILE
+
+    manifest = json.loads(open(os.path.join(ckpt, "manifest.json")).read())
+    raw = open(os.path.join(ckpt, INDEX_FILE), "rb").read()
+    assert manifest["files"][INDEX_FILE] == {"size": len(raw), "crc32": zlib.crc32(raw)}
+    if how == "flip_key":
+        i = raw.index(b'"b": {"dtype"') + 1
+        raw = raw[:i] + b"c" + raw[i + 1 :]  # the tensor "b" is now called "c"
+    else:
+        raw = raw[: len(raw) // 2] if how == "truncate" else b""
+    with open(os.path.join(ckpt, INDEX_FILE), "wb") as f:
+        f.write(raw)
+    with pytest.raises(CorruptCheckpointError, match=f"{INDEX_FILE} is damaged"):
+        ci.load(_request(), ckpt)
+    assert main(["verify", ckpt, "-q"]) == 1
+    assert INDEX_FILE in capsys.readouterr().out
+
+
+def test_removing_keys_records_the_rewritten_index(ckpt):
+    ci.remove_sharded_tensors(ckpt, "z")
+    req = _request()
+    del req["z"]
+    out = ci.load(req, ckpt)
+    assert torch.equal(out["w"], W) and torch.equal(out["b"], B) and out["obj"] == {"step": 7}
+    assert main(["verify", ckpt, "-q"]) == 0
+
+
 # --------------------------------------------------------------------------- older checkpoints
 def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
     index_path = os.path.join(ckpt, "zarr_index.json")
@@ -204,8 +238,7 @@ def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
         index = json.load(f)
     del index["files"]
     index["format"] = 1  # as written before records existed
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    write_zarr_index(ckpt, index, recorded=False)
     out = ci.load(_request(), ckpt)
     assert torch.equal(out["w"], W) and torch.equal(out["b"], B) and out["obj"] == {"step": 7}
     assert main(["verify", ckpt]) == 0
@@ -289,8 +322,7 @@ def _drop_metadata_records(path: str) -> None:
         index = json.load(f)
     index["format"] = 2
     index["files"] = {k: v for k, v in index["files"].items() if not k.endswith("/zarr.json")}
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    write_zarr_index(path, index, recorded=False)
 
 
 EDITS = {

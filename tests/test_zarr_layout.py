@@ -23,6 +23,7 @@ from ckpt_integration import CorruptCheckpointError, ShardedObject, ShardedTenso
 from ckpt_integration.errors import UnsafeCheckpointError
 from ckpt_integration.cli import main
 from ckpt_integration.planning.boxes import Box
+from tests.damage import write_zarr_index
 from tests.dist_utils import run_distributed
 
 zb = pytest.importorskip("ckpt_integration.storage.zarr_backend")
@@ -176,8 +177,7 @@ def test_checkpoint_with_the_old_row_chunks_still_loads(tmp_path, monkeypatch):
     assert index["tensors"]["w"]["chunks"] == [1, 8]
     index["format"] = 2
     index["files"] = {k: v for k, v in index["files"].items() if not k.endswith("zarr.json")}
-    with open(index_path, "w") as f:
-        json.dump(index, f)
+    write_zarr_index(path, index, recorded=False)
     req = {"w": ShardedTensor.from_global_offsets("w", torch.empty(100, 8), (301, 8), (120, 0))}
     assert torch.equal(ci.load(req, path, validate_access_integrity=False)["w"], small[120:220])
     assert main(["verify", path, "-q"]) == 0
@@ -234,7 +234,7 @@ def _edit_index(path, edit):
     p = path / "zarr_index.json"
     index = json.loads(p.read_text())
     edit(index)
-    p.write_text(json.dumps(index))
+    write_zarr_index(path, index)
 
 
 @pytest.mark.parametrize("section", ["tensors", "objects"])

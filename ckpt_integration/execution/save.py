@@ -59,7 +59,7 @@ from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
-from ..storage.zarr_backend import commit_file_records, write_zarr_requests
+from ..storage.zarr_backend import INDEX_FILE as ZARR_INDEX_FILE, commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
 from . import dist
 from . import exchange
@@ -499,8 +499,9 @@ def _swap_if_staging(plan: SavePlan) -> None:
 def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
     d = plan.target
     claim = _check_claim(plan)
-    commit_file_records(d, layout.written.items(), plan.durable)  # chunk/object sizes + CRC32s into zarr_index.json
-    files = {ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
+    # chunk/object sizes + CRC32s into zarr_index.json, itself recorded in the manifest like every small file
+    files = {ZARR_INDEX_FILE: commit_file_records(d, layout.written.items(), plan.durable),
+             ckdir.COMMON_FILE: ckdir.save_common(d, plan.common, plan.durable)}
     manifest = ckdir.Manifest(version=ckdir.ZARR_MANIFEST_VERSION, world_size=plan.world_size, files=files,
                               library_version=__version__,
                               save=claim.token if claim else "", step=plan.step,

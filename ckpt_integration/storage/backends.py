@@ -90,7 +90,7 @@ def _open_zarr(
     verify_checksums: bool = True, manifest: Union[ckdir.Manifest, None, object] = None,
 ) -> CheckpointReader:
     # the zarr index carries the chunk records and CRC32s; the DCP-shaped metadata is the reader's own
-    return ZarrReader(ck, verify_checksums=verify_checksums)
+    return ZarrReader(ck, verify_checksums=verify_checksums, manifest=manifest if isinstance(manifest, ckdir.Manifest) else None)
 
 
 TORCH_DIST = Backend(

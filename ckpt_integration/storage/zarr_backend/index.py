@@ -22,7 +22,9 @@ import torch
 
 from ...errors import CheckpointingException, CorruptCheckpointError, UnsafeCheckpointError
 from ...planning.boxes import Box
-from ..checkpoint_dir import COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, load_json
+from ..checkpoint_dir import (COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, load_json, read_manifest,
+                              read_verified_file)
+from ..checksum import crc32
 from ..located import CheckpointLocation
 from ..filesystem import is_remote, join, symlinks_allowed
 
@@ -308,23 +310,29 @@ def read_file_records(index: Dict[str, Any], where: str) -> Optional[Dict[str, F
         raise CorruptCheckpointError(f"{where}: the file records are damaged: {e!r}") from None
 
 
-def write_index(ck: CheckpointLocation, index: Dict[str, Any], durable: bool = True) -> None:
-    """Write ``zarr_index.json`` atomically."""
-    ck.write(INDEX_FILE, json.dumps(index).encode(), durable)
+def write_index(ck: CheckpointLocation, index: Dict[str, Any], durable: bool = True) -> Dict[str, int]:
+    """Write ``zarr_index.json`` atomically; returns its manifest entry (size and CRC32), which every
+    read of it checks (:func:`read_index`)."""
+    data = json.dumps(index).encode()
+    ck.write(INDEX_FILE, data, durable)
+    return {"size": len(data), "crc32": crc32(data)}
 
 
-def read_index(ck: CheckpointLocation) -> Dict[str, Any]:
-    """``zarr_index.json`` of a checkpoint (missing or not a JSON object: ``CorruptCheckpointError``);
-    an opened checkpoint reads it once (each caller gets its own copy of the parsed index)."""
-    cache, path = ck.file_cache, ck.file(INDEX_FILE)
+def read_index(ck: CheckpointLocation, manifest: Optional[Manifest] = None, *, unrecorded: bool = False) -> Dict[str, Any]:
+    """``zarr_index.json`` of a checkpoint, checked against its entry in the manifest (``manifest``,
+    else the one ``ck`` holds or reads): a changed size or CRC32 is :class:`CorruptCheckpointError`
+    naming it, as for every small file. Zarr checkpoints saved before the manifest recorded it are
+    read unchecked. Missing or not a JSON object: ``CorruptCheckpointError``. An opened checkpoint
+    reads and checks it once (each caller gets its own copy of the parsed index). ``unrecorded``: a
+    save's own index before its commit, which no manifest records yet (one in the directory is an
+    earlier save's)."""
+    path = ck.file(INDEX_FILE)
+    if unrecorded:
+        manifest = None
+    elif manifest is None:
+        manifest = ck.manifest if ck.manifest_read else read_manifest(ck)
     try:
-        if cache is not None and INDEX_FILE in cache:
-            data = cache[INDEX_FILE]
-        else:
-            data = ck.read(INDEX_FILE, "zarr index")
-            if cache is not None:
-                cache[INDEX_FILE] = data
-        index = load_json(data, path)
+        index = load_json(read_verified_file(ck, INDEX_FILE, manifest, "zarr index"), path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: the zarr checkpoint has no index") from None
     if not isinstance(index, dict):

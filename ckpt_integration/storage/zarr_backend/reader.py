@@ -43,9 +43,10 @@ class ZarrReader:
     when ``verify_checksums``); ``checksums`` is unused (the records are in the index).
     """
 
-    def __init__(self, ck: CheckpointLocation, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True):
+    def __init__(self, ck: CheckpointLocation, checksums: Optional[Dict[Tuple[str, int], int]] = None, verify_checksums: bool = True,
+                 manifest: Any = None):
         self.ck, self.directory = ck, ck.path  # (the handle; its path for the planners and messages)
-        self.index = read_index(ck)  # an opened checkpoint: read once
+        self.index = read_index(ck, manifest)  # checked against the manifest; an opened checkpoint: read once
         check_index_entries(self.directory, self.index)
         check_index_paths(self.directory, self.index)
         # None: an index written before records existed; such files are read unchecked

@@ -302,14 +302,16 @@ def _sync_dirs(directory: str, files: Iterable[str]) -> None:
         fsync_dir(d)
 
 
-def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenItem], durable: bool = True) -> None:
+def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenItem], durable: bool = True) -> Dict[str, int]:
     """Coordinator, before the commit marker: put every rank's file records into the index,
     and those of every array's ``zarr.json`` (read back here: a few hundred bytes each).
 
     Also checks that every chunk of every array and every object has a record: a
-    chunk no rank wrote would otherwise read as zeros.
+    chunk no rank wrote would otherwise read as zeros. Returns the index's manifest entry (size
+    and CRC32). The index read back is this save's own, written by ``create_arrays``: not yet
+    recorded anywhere, so read unchecked.
     """
-    index = read_index(target)
+    index = read_index(target, unrecorded=True)
     files = {w.relative_path: FileRecord(w.storage_key, w.length, w.checksum) for w in written}  # (zarr items: CRC32s)
     missing = [(key, path) for key, path in expected_files(index) if path not in files]
     if missing:
@@ -328,4 +330,4 @@ def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenIte
         _sync_dirs(target.path, metadata_files)
     index["format"] = INDEX_FORMAT
     index["files"] = {path: asdict(r) for path, r in sorted(files.items())}
-    write_index(target, index, durable)
+    return write_index(target, index, durable)
