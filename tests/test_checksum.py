@@ -333,8 +333,8 @@ def test_memory_snapshot_regions_verify_with_the_recorded_algorithm(name):
 
     h = checksum.block_hash(name)
     buf = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
-    header = {"job_id": "j", "owner": 0, "step": 1, "incarnation": [1, "x"], "files": {}, "shards": [], "slot": 0,
-              "world_size": 1, "regions": [["s0-1.bin", 0, buf.numel(), slots.block_digests(buf, h=h)]],
+    header = {"job_id": "j", "owner": 0, "step": 1, "incarnation": [1, "x"], "files": {"s0-1.bin": buf.numel()},
+              "shards": [], "slot": 0, "world_size": 1, "regions": [["s0-1.bin", 0, buf.numel(), slots.block_digests(buf, h=h)]],
               "block_hash": name}
     rec = slots.decode_record(slots.encode_record(header, b""), "r")
     assert rec.block_hash is h

@@ -106,6 +106,24 @@ def test_record_roundtrip_and_damage(tmp_path):
             slots.decode_record(bytes(bad), "r")
     with pytest.raises(ci.CorruptCheckpointError, match="truncated"):
         slots.decode_record(raw[:10], "r")
+    # a record whose CRC32 holds but whose layout does not add up (a writer's bug, a crafted file):
+    # refused when decoded, never an out-of-range view or a huge allocation inside a restore
+    # (before: accepted; prepend_axis_num=10**12 raised MemoryError inside the restore's plan)
+    shard = {"kind": "tensor", "key": "w", "dtype": "float32", "size": [4, 8], "stride": [8, 1], "elem_offset": 0,
+             "region": 0, "prepend_axis_num": 0, "global_shape": [4, 8]}
+    good = {"job_id": "j", "owner": 0, "step": 3, "incarnation": [1, "x"], "files": {"a.bin": 8192},
+            "regions": [["a.bin", 4096, 128, ""]], "shards": [shard], "slot": 0, "world_size": 1}
+    assert slots.decode_record(slots.encode_record(good, b""), "r").step == 3
+    for change, said in [({"regions": [["a.bin", 4096, 8192, ""]]}, "outside its arena file"),
+                         ({"regions": [["b.bin", 0, 128, ""]]}, "outside its arena file"),
+                         ({"shards": [{**shard, "elem_offset": 1}]}, "past the end of its region"),
+                         ({"shards": [{**shard, "stride": [9, 1]}]}, "past the end of its region"),
+                         ({"shards": [{**shard, "region": 1}]}, "inconsistent"),
+                         ({"shards": [{**shard, "prepend_axis_num": 10**12}]}, "inconsistent"),
+                         ({"shards": [{**shard, "stride": [8]}]}, "inconsistent"),
+                         ({"shards": [{**shard, "dtype": "float99"}]}, "unknown dtype")]:
+        with pytest.raises(ci.CorruptCheckpointError, match=f"record r is damaged: .*{said}"):
+            slots.decode_record(slots.encode_record({**good, **change}, b""), "r")
     for bad_id in ("", "..", "a/b", "-x", "x" * 200, ".hidden"):
         with pytest.raises(ValueError, match="job_id"):
             ci.MemoryCheckpoints(str(tmp_path), bad_id, replicas=1)

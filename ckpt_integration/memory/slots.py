@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
+from ..errors import CheckpointingException, CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
+from ..planning.dtypes import dtype_from_name, element_size
 from ..storage.checksum import CRC32, DEFAULT_BLOCK_SIZE, BlockHash, block_hash, crc32, save_block_hash
 
 logger = logging.getLogger(__name__)
@@ -202,7 +203,36 @@ def decode_record(raw: bytes, where: str) -> Record:
         if "block_hash" not in header:
             raise CorruptCheckpointError(f"memory snapshot record {where} is damaged: it does not name its block checksums")
         block_hash(header["block_hash"], f"memory snapshot record {where}")
+    _check_layout(header, where)
     return Record(header, bytes(blob), raw)
+
+
+def _check_layout(header: Dict[str, Any], where: str) -> None:
+    """Every region lies inside its arena file, and every tensor shard (its dtype, element offset,
+    sizes and strides) inside its region: what restore, persist and an elastic restart view the
+    bytes through. Their CRC32 vouches for the record's bytes, not for the writer that made them;
+    a record that does not add up is damage named here, never an out-of-range view (or a
+    ``MemoryError`` from a huge count) in the middle of a restore."""
+    try:
+        files = {str(k): int(v) for k, v in header["files"].items()}
+        spans = []
+        for name, offset, nbytes, _ in header["regions"]:
+            offset, nbytes = int(offset), int(nbytes)
+            if name not in files or offset < 0 or nbytes < 0 or offset + nbytes > files[name]:
+                raise ValueError(f"region [{offset}, {offset + nbytes}) of {name!r} lies outside its arena file")
+            spans.append(nbytes)
+        for s in header["shards"]:
+            if s["kind"] != "tensor":
+                continue
+            size, stride, region, first = list(s["size"]), list(s["stride"]), int(s["region"]), int(s["elem_offset"])
+            if not (0 <= region < len(spans) and len(size) == len(stride) and first >= 0
+                    and all(int(n) >= 0 for n in size + stride) and 0 <= int(s["prepend_axis_num"]) <= len(s["global_shape"])):
+                raise ValueError(f"the entry of tensor {s['key']!r} is inconsistent")
+            last = first + sum((int(n) - 1) * int(st) for n, st in zip(size, stride)) if all(size) else first - 1
+            if (last + 1) * element_size(dtype_from_name(s["dtype"])) > spans[region]:
+                raise ValueError(f"tensor {s['key']!r} reaches past the end of its region {region}")
+    except (KeyError, TypeError, ValueError, AttributeError, CheckpointingException) as e:  # (an unknown dtype)
+        raise CorruptCheckpointError(f"memory snapshot record {where} is damaged: {e}") from None
 
 
 def write_record(root: str, owner: int, slot: int, raw: bytes) -> None:
