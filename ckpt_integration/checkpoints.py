@@ -7,6 +7,8 @@ any checkpoint beside it. Checkpoints are ordered by step, then commit sequence,
 time recorded at commit, then the modification time of ``metadata.json``, then the name.
 Timestamps alone misorder checkpoints: object stores keep ``LastModified`` to the second (two
 commits in one second tie), and the nodes of a shared filesystem have clocks that differ.
+A committed checkpoint of ours whose manifest cannot be read is listed (first), but
+:func:`newest_checkpoint` refuses to choose beside it: it may be the newest.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
+from .errors import CheckpointingException, CorruptCheckpointError
 from .storage.atomic import is_replace_sibling
-from .storage.checkpoint_dir import CONFIG_FILE
+from .storage.checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, manifest_expected, read_manifest
 from .storage.opened import commit_order
 from .storage.filesystem import Storage, base_name, join, locate, storage_for
 
@@ -33,6 +36,9 @@ class CommitOrder:
     commit_seq: Optional[int]
     created: Optional[float]
     mtime: Optional[float]
+    # ours and committed, but its manifest cannot be read (missing, damaged, a newer format): why.
+    # Its place among the others is unknown, so no checkpoint can be called the newest beside it
+    damaged: Optional[str] = None
 
     def key(self) -> Tuple[Any, ...]:
         # missing values sort first (older): checkpoints of other writers record none
@@ -72,10 +78,24 @@ def commit_order_of(path: Union[str, os.PathLike]) -> CommitOrder:
     ck = locate(path)
     storage, p = ck.storage, ck.path
     step, seq, created = commit_order(ck)
-    mtime = None
+    mtime, damaged = None, None
     if created is None:  # no manifest (another writer): the commit marker's time is all there is
         mtime = _mtime(storage, ck.file(CONFIG_FILE))
-    return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime)
+        damaged = _unreadable_manifest(ck)
+    return CommitOrder(os.fspath(path) if not storage.remote else p, step, seq, created, mtime, damaged)
+
+
+def _unreadable_manifest(ck: Any) -> Optional[str]:
+    """Why the manifest of a checkpoint saved with one cannot be read, or None (read fine, or a
+    checkpoint of another writer, which has none)."""
+    if not manifest_expected(ck):
+        return None
+    try:
+        if read_manifest(ck.afresh()) is None:
+            return f"its {MANIFEST_FILE} is missing"
+    except CheckpointingException as e:
+        return str(e)
+    return None
 
 
 def _committed(directory: Union[str, os.PathLike], suffix: Optional[str] = None) -> List[str]:
@@ -115,10 +135,23 @@ def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] 
     """The newest committed checkpoint in ``directory`` (names ending in ``suffix``), or None.
 
     Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
+    A committed checkpoint of ours whose manifest cannot be read (deleted, emptied, damaged, a
+    newer format) has no known place among the others; it may be the newest, so rather than
+    resume from an older one without a word, this raises :class:`CorruptCheckpointError` naming it
+    and the newest readable one. Checkpoints of other writers (no manifest) are ordered by time.
     """
     found = ordered_checkpoints(directory, suffix)
     if not found:
         return None
+    damaged = [c for c in found if c.damaged]
+    if damaged:  # (it may be the newest: resuming from another one would silently lose its steps)
+        readable = [c for c in found if not c.damaged]
+        newest = f"the newest readable one is {readable[-1].path} ({readable[-1].describe()})" if readable else "none is readable"
+        raise CorruptCheckpointError(
+            f"{why + ': ' if why else ''}cannot tell which checkpoint in {directory} is the newest: "
+            + "; ".join(f"{c.path} is committed but cannot be ordered ({c.damaged})" for c in damaged)
+            + f". {newest}. Check it with `ckpt-integration verify`, then repair or remove it, or resume from "
+            "an explicit path")
     best = found[-1]
     reason = f"{best.describe()}"
     if len(found) > 1:

@@ -59,6 +59,41 @@ def test_overwrite_siblings_are_not_listed(tmp_path):
     assert os.path.basename(ci.checkpoints.newest_checkpoint(str(d))) == "last.ckpt"
 
 
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "newer_format"])
+def test_a_newest_checkpoint_that_cannot_be_ordered_is_not_skipped(tmp_path, damage):
+    """Before: a committed checkpoint whose manifest.json was deleted or emptied sorted as the oldest,
+    and ``ckpt_path="last"`` resumed from an older checkpoint without a word (its steps lost)."""
+    import json
+    import shutil
+
+    d = tmp_path / "run"
+    _save(str(d / "epoch=0.ckpt"), step=4)
+    _save(str(d / "last.ckpt"), step=8)
+    manifest = d / "last.ckpt" / "manifest.json"
+    if damage == "deleted":
+        manifest.unlink()
+    elif damage == "emptied":
+        manifest.write_bytes(b"")
+    else:  # (written by a newer version: its head does not have the layout this one reads)
+        raw = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({"version": 99, **{k: v for k, v in raw.items() if k != "version"}}))
+    assert [os.path.basename(p) for p in ci.list_checkpoints(d)] == ["last.ckpt", "epoch=0.ckpt"]  # (listed)
+    with pytest.raises(ci.errors.CorruptCheckpointError, match=r"last\.ckpt is committed but cannot be ordered.*"
+                       r"the newest readable one is .*epoch=0\.ckpt \(global step 4"):
+        ci.checkpoints.newest_checkpoint(str(d), why='ckpt_path="last"')
+    from ckpt_integration.lightning import latest_complete_checkpoint
+
+    with pytest.raises(ci.errors.CorruptCheckpointError, match="cannot be ordered"):
+        latest_complete_checkpoint(str(d))  # (what Lightning's ckpt_path="last" and the memory tier ask)
+    # a checkpoint of another writer (no manifest, no marker) is ordered by time, as before
+    shutil.rmtree(d / "last.ckpt")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(d / "dcp.ckpt"))
+    (d / "dcp.ckpt" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    assert os.path.basename(ci.checkpoints.newest_checkpoint(str(d))) in ("epoch=0.ckpt", "dcp.ckpt")
+
+
 def test_commit_numbers_continue_across_processes(tmp_path):
     """A new job (no cached counter) numbers its commits after every checkpoint already there."""
     d = tmp_path / "run"
@@ -106,3 +141,14 @@ def test_lightning_last_on_s3_resumes_from_latest_step(s3, caplog):
     assert names == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]  # no "-v1" copy
     why = [r.getMessage() for r in caplog.records if "newest of" in r.getMessage()]
     assert why and "epoch=1-step=8.ckpt" in why[0] and "global step 8" in why[0] and "step 4" in why[0], why
+
+
+def test_lightning_last_refuses_a_newest_checkpoint_whose_manifest_is_gone(tmp_path):
+    """``fit(ckpt_path="last")`` after the newest checkpoint's manifest.json was deleted: an error naming
+    it and the newest readable one (before: epoch 0's checkpoint was resumed, epoch 1 redone without a word)."""
+    d = str(tmp_path / "ck")
+    _fit(d, 2)
+    os.remove(os.path.join(d, "epoch=1-step=8.ckpt", "manifest.json"))
+    with pytest.raises(ci.errors.CorruptCheckpointError, match=r"epoch=1-step=8\.ckpt is committed but cannot be "
+                       r"ordered.*the newest readable one is .*epoch=0-step=4\.ckpt"):
+        _fit(d, 3, ckpt_path="last")

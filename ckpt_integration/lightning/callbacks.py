@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from ..errors import CorruptCheckpointError
 from ..checkpoints import commit_order_of
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import is_remote, join
@@ -157,14 +158,19 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         committed gives way to that one. Which was chosen, and why, is logged.
         """
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
+        io = _io(trainer)
         if self.dirpath is not None:
-            newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"')
+            try:
+                newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"')
+            except CorruptCheckpointError:  # a committed checkpoint whose step is unknown (it may be the newest)
+                if io is None or not io.memory_enabled:
+                    raise
+                newest = None  # (the memory tier's restore decides, and says why: lightning/memory.py)
             if newest is not None:
                 found.add(newest)
         if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
             found = {max(found, key=lambda p: commit_order_of(p).key())}
         out = {_lightning_candidate(p) for p in found}
-        io = _io(trainer)
         if io is not None and io.memory_enabled:  # the memory tier's newest snapshot competes too
             io._memory_last_requested = True  # "last": the strategy restores the newest of memory and durable
             snap = memory_candidate(io, trainer)

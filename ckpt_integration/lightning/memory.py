@@ -29,7 +29,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from ..checkpoints import save_base
-from ..errors import MemoryCheckpointError
+from ..errors import CorruptCheckpointError, MemoryCheckpointError
 from ..execution.dist import local_world_size
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
@@ -114,10 +114,16 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     tier = tier_for(strategy)
     mem_step = tier.latest()
     durable: Optional[str] = None if _is_memory_path(io, path) else path
+    unordered: Optional[str] = None  # (a committed checkpoint whose step is unknown: none is called the newest)
     if durable is None and strategy.is_global_zero:
-        durable = latest_complete_checkpoint(_checkpoint_dir(trainer))
-    durable = strategy.broadcast(durable)
-    step, why = -1, None
+        try:
+            durable = latest_complete_checkpoint(_checkpoint_dir(trainer))
+        except CorruptCheckpointError as e:
+            unordered = str(e)
+    durable, unordered = strategy.broadcast((durable, unordered))
+    if unordered is not None and mem_step is None:
+        raise CorruptCheckpointError(unordered)
+    step, why = -1, unordered
     if durable is not None and strategy.is_global_zero:
         step, why = _durable_step(durable, io)
     durable_step, why = strategy.broadcast((step, why))
@@ -125,7 +131,7 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
         # not a guess made silently: memory is taken because the durable checkpoint cannot be
         # read (its load would fail the same way), and every rank says so
         logger.warning("rank %d: the durable checkpoint %s cannot be read (%s), so its step is unknown; resuming from "
-                       "the memory tier's step %d instead", rank, durable, why, mem_step)
+                       "the memory tier's step %d instead", rank, durable or "(the newest)", why, mem_step)
     if mem_step is not None and (durable is None or why is not None or mem_step >= durable_step):
         try:
             loaded = _load_memory(strategy, tier, mem_step)
@@ -133,6 +139,9 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
             return loaded, None
         except MemoryCheckpointError as e:
             if durable is None:
+                if unordered is not None:  # (neither memory nor the durable checkpoints: say both)
+                    raise CorruptCheckpointError(f"{unordered}; and the memory tier cannot serve step {mem_step}: "
+                                                 f"{e}") from None
                 raise
             logger.warning("rank %d: cannot resume from memory step %d (%s); falling back to the durable "
                            "checkpoint %s", rank, mem_step, e, durable)
