@@ -75,12 +75,14 @@ class MessageWriter:
     def __bool__(self) -> bool:
         return bool(self.ints) or bool(self.strings) or bool(self._parts)
 
-    def int_list(self) -> List[int]:
-        """Every integer added so far, as one Python list (what :func:`decode` of :meth:`tobytes` gives,
-        without encoding and decoding the message)."""
+    def int_values(self) -> Sequence[int]:
+        """Every integer added so far (what :func:`decode` of :meth:`tobytes` gives, without encoding
+        and decoding the message), as a memoryview of one int64 array: indexing and slicing give Python
+        ints as a list's do, and no list of every integer is built (1.5 million at 16,384 ZeRO-1 ranks,
+        of which a rank reads the few its keys need)."""
         if not self._parts:
             return list(self.ints)
-        return np.concatenate(self._parts + [np.asarray(self.ints, dtype=np.int64)]).tolist()
+        return memoryview(np.concatenate(self._parts + [np.asarray(self.ints, dtype=np.int64)]))
 
     def tobytes(self) -> bytes:
         if not self._parts:

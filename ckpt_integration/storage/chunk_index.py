@@ -145,7 +145,7 @@ def compact_of_index(index: "CheckpointIndex") -> CompactMetadata:
     string table, so no string is looked up again; ``raw`` is the index file's bytes (what a load's
     broadcast sends)."""
     w = _layout_message(index.layout, {"size": index.metadata_size, "crc32": index.metadata_crc32}, index)
-    return CompactMetadata(index.raw, w.strings, w.int_list(), index.metadata_size, index.metadata_crc32, index.where)
+    return CompactMetadata(index.raw, w.strings, w.int_values(), index.metadata_size, index.metadata_crc32, index.where)
 
 
 def _layout_message(layout: CommitLayout, metadata_entry: Dict[str, int],
@@ -221,7 +221,7 @@ def _tensor_rows(layout: CommitLayout, ks: np.ndarray, nd: int, c: int, key_ids:
 
 # --------------------------------------------------------------------------- decoding
 def decode_metadata(
-    strings: List[str], ints: List[int], p: int, keys: Optional[Set[str]] = None, lazy_chunks: bool = False
+    strings: List[str], ints: Sequence[int], p: int, keys: Optional[Set[str]] = None, lazy_chunks: bool = False
 ) -> Tuple[Metadata, int, Dict[str, Tuple[int, ...]]]:
     """Inverse of :func:`encode_metadata` from position ``p``.
 
@@ -324,7 +324,7 @@ class CompactMetadata:
 
     raw: bytes
     strings: List[str]
-    ints: List[int]
+    ints: Sequence[int]  # (a list, or a memoryview of int64s: compact_of_index)
     metadata_size: int = -1
     metadata_crc32: int = -1
     where: str = CHUNK_INDEX_FILE  # names it in errors
@@ -453,7 +453,7 @@ class CompactChunks:
     chunk that is read.
     """
 
-    def __init__(self, strings: List[str], ints: List[int], positions: Dict[str, Tuple[int, ...]], identity: int = 0):
+    def __init__(self, strings: List[str], ints: Sequence[int], positions: Dict[str, Tuple[int, ...]], identity: int = 0):
         self._strings, self._ints, self._positions = strings, ints, positions
         self.identity = identity  # of the index (CompactMetadata.identity)
         self._infos: Dict[Tuple[str, int], Any] = {}
