@@ -51,8 +51,9 @@ from .planning.written import encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
 from .storage import atomic
 from .storage import claim as claims
-from .storage.checkpoint_index import INDEX_FILE, encode_index, layout_of_metadata
-from .storage.checksum import crc32, save_block_hash
+from .storage.checkpoint_index import layout_of_metadata
+from .storage.checksum import save_block_hash
+from .storage.chunk_index import write_index
 from .storage.opened import next_commit_seq
 from .storage.filesystem import locate
 from .storage.item_table import file_sizes, table_of_written
@@ -190,9 +191,8 @@ class Writer(StorageWriter):
             commit_seq=next_commit_seq(final), commit_id=uuid.uuid4().hex)
         rendered = None
         if fmt["version"] >= 6:  # every item's row in index.bin
-            index = encode_index(layout_of_metadata(metadata, written), digest, md_entry)
-            target.write(INDEX_FILE, index, self.durable)
-            files[INDEX_FILE] = {"size": len(index), "crc32": crc32(index)}
+            files.update(write_index(target, layout_of_metadata(metadata, written), digest, md_entry, fmt["version"],
+                                     self.durable))
         else:
             manifest.fingerprints = fingerprint_text(written)
             rendered = {"tables": table_of_written(written, digest)}

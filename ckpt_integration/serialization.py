@@ -26,7 +26,7 @@ from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.backends import embedded_common_bytes, read_metadata
 from .storage.filesystem import locate
 from .storage.located import CheckpointLocation
-from .storage.checksum import crc32
+from .storage.checksum import write_recorded
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
@@ -430,10 +430,8 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
     gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
     if index is not None:  # format 6: the index without the removed keys' rows, for the new .metadata
-        data = index.without_keys(removed, md_entry)
-        ck.write(ckdir.INDEX_FILE, data)
         manifest.files[DCP_METADATA_FILE] = md_entry
-        manifest.files[ckdir.INDEX_FILE] = {"size": len(data), "crc32": crc32(data)}
+        manifest.files[ckdir.INDEX_FILE] = write_recorded(ck, ckdir.INDEX_FILE, index.without_keys(removed, md_entry))
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(ck, manifest)
     elif manifest is not None:

@@ -51,7 +51,7 @@ from ..storage import claim as claims
 from ..storage.chunk_index import write_index
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
-from ..storage.checksum import crc32, save_block_hash
+from ..storage.checksum import save_block_hash, write_recorded
 from ..storage.opened import next_commit_seq
 from ..storage.filesystem import join, locate, write_error
 from ..storage.located import CheckpointLocation
@@ -413,8 +413,7 @@ def _commit_torch_dist(plan: SavePlan, layout: CommitLayout) -> None:
     d = plan.target
     claim = _check_claim(plan)
     metadata = dumps_commit_layout(layout)  # .metadata from the arrays (DCP's pickle, no objects built)
-    d.write(DCP_METADATA_FILE, metadata, plan.durable)
-    md_entry = {"size": len(metadata), "crc32": crc32(metadata)}
+    md_entry = write_recorded(d, DCP_METADATA_FILE, metadata, plan.durable)
     digest = save_block_hash()  # what write_data_files recorded
     fmt = ckdir.manifest_format(digest)
     files: Dict[str, Dict[str, int]] = {DCP_METADATA_FILE: md_entry}

@@ -44,7 +44,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .checksum import BlockHash, block_hash, crc32, save_block_hash
+from .checksum import BlockHash, block_hash, crc32, save_block_hash, write_recorded
 from .fingerprint import Recorded
 from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
                          decode_text, refusal, upgrade)
@@ -408,9 +408,7 @@ def save_common(ck: CheckpointLocation, common_state_dict: Mapping[str, object],
     """Write ``common.pt``; returns ``{"size", "crc32"}`` for the manifest."""
     buf = io.BytesIO()
     torch.save(common_state_dict, buf)
-    data = buf.getvalue()
-    ck.write(COMMON_FILE, data, durable)
-    return {"size": len(data), "crc32": crc32(data)}
+    return write_recorded(ck, COMMON_FILE, buf.getvalue(), durable)
 
 
 def read_verified_file(ck: CheckpointLocation, name: str, manifest: Optional["Manifest"], what: str = "file") -> bytes:

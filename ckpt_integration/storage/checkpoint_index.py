@@ -175,7 +175,8 @@ class CheckpointIndex:
         tkeys = [strings[k] for k in tkey.tolist()]
         if not all(map(operator.lt, tkeys, tkeys[1:])):
             raise ValueError("tensor keys are not sorted, or a key is listed twice")
-        names = [strings[k] for k in key[has_sizes == 0].tolist()]  # (objects: one row each, by name)
+        objects = np.flatnonzero(has_sizes == 0)
+        names = [strings[k] for k in key[objects].tolist()]  # (objects: one row each, by name)
         if len(set(names)) != len(names) or not set(names).isdisjoint(tkeys):
             raise ValueError("an object key is listed twice, or is a tensor key too")
         _check_chunks(chunk_rows, tkey, tnd, tcount, key, nd, has_sizes)
@@ -200,8 +201,7 @@ class CheckpointIndex:
             coords=coords, file=file, start=start, length=length, digest=digest, data_offset=data_offset,
             data_length=data_length, block_size=block_size, nblocks=nblocks, block_pos=np.cumsum(counts) - counts,
             block_digests=block_digests, has_fingerprint=has_fp != 0, fingerprint=fingerprint)
-        objects = np.flatnonzero(has_sizes == 0)
-        objects = objects[np.argsort([strings[k] for k in key[objects].tolist()], kind="stable")] if len(objects) else objects
+        objects = objects[np.argsort(names, kind="stable")] if len(objects) else objects
         self.layout = CommitLayout(
             written=written, tensor_keys=tkeys, tensor_dtypes=[strings[k] for k in tdtype.tolist()],
             tensor_shapes=_shapes(shapes, tnd),

@@ -77,6 +77,13 @@ def crc32(data: Buffer, value: int = 0) -> int:
     return _crc32(data, value)
 
 
+def write_recorded(ck: CheckpointLocation, name: str, data: bytes, durable: bool = True) -> Dict[str, int]:
+    """Write the small file ``name`` of ``ck`` whole and atomically; returns its manifest entry (size
+    and CRC32), what ``checkpoint_dir.read_verified_file`` checks at every read of it."""
+    ck.write(name, data, durable)
+    return {"size": len(data), "crc32": crc32(data)}
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (zlib's crc32_combine)."""
     if _crc32_combine is not None:
@@ -294,6 +301,6 @@ def check_sha_manifest(ck: CheckpointLocation) -> bool:
     return True
 
 
-__all__ = ["crc32", "crc32_combine", "IMPLEMENTATION", "DEFAULT_BLOCK_SIZE", "BlockHash", "block_hash",
+__all__ = ["crc32", "crc32_combine", "write_recorded", "IMPLEMENTATION", "DEFAULT_BLOCK_SIZE", "BlockHash", "block_hash",
            "save_block_hash", "BLOCK_HASHES", "CRC32", "XXH3_64", "SAVE_BLOCK_HASH",
            "INTEGRITY_FILE", "check_sha_manifest", "read_sha_manifest", "sha_problems"]

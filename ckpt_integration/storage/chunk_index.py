@@ -46,6 +46,7 @@ from ..planning.reshard import ChunkRead, band
 from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
 from .checkpoint_index import INDEX_FILE, CheckpointIndex, encode_index
+from .checksum import write_recorded
 from .located import CheckpointLocation
 from .torch_dist_reader import ChunkInfo
 
@@ -135,8 +136,7 @@ def write_index(d: CheckpointLocation, layout: CommitLayout, h: Any, md_entry: D
         name, data = INDEX_FILE, encode_index(layout, h, md_entry)
     else:
         name, data = CHUNK_INDEX_FILE, index_of_layout(layout, md_entry)
-    d.write(name, data, durable)
-    return {name: {"size": len(data), "crc32": zlib.crc32(data)}}
+    return {name: write_recorded(d, name, data, durable)}
 
 
 def compact_of_index(index: "CheckpointIndex") -> CompactMetadata:

@@ -46,7 +46,7 @@ from ..errors import CorruptCheckpointError, MismatchError, SaveConflictError, U
 from ..planning.save_plan import split_into_buckets
 from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
-from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, crc32, save_block_hash
+from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, save_block_hash, write_recorded
 from .filesystem import join, name_problem, writing
 from .fs import tensor_buffer
 from .incremental import BaseFiles, plan_reuse, take_file
@@ -469,9 +469,7 @@ def make_dcp_metadata(
 
 def write_dcp_metadata(target: CheckpointLocation, metadata: Metadata, durable: bool = True) -> Dict[str, int]:
     """Write ``.metadata``; returns ``{"size", "crc32"}`` for the manifest."""
-    data = dumps_dcp_metadata(metadata)
-    target.write(DCP_METADATA_FILE, data, durable)
-    return {"size": len(data), "crc32": crc32(data)}
+    return write_recorded(target, DCP_METADATA_FILE, dumps_dcp_metadata(metadata), durable)
 
 
 def read_dcp_metadata(ck: CheckpointLocation, trusted: bool = False, manifest: Optional[ckdir.Manifest] = None) -> Metadata:

@@ -24,7 +24,7 @@ from ...errors import CheckpointingException, CorruptCheckpointError, UnsafeChec
 from ...planning.boxes import Box
 from ..checkpoint_dir import (COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, load_json, read_manifest,
                               read_verified_file)
-from ..checksum import crc32
+from ..checksum import write_recorded
 from ..located import CheckpointLocation
 from ..filesystem import is_remote, join, symlinks_allowed
 
@@ -313,9 +313,7 @@ def read_file_records(index: Dict[str, Any], where: str) -> Optional[Dict[str, F
 def write_index(ck: CheckpointLocation, index: Dict[str, Any], durable: bool = True) -> Dict[str, int]:
     """Write ``zarr_index.json`` atomically; returns its manifest entry (size and CRC32), which every
     read of it checks (:func:`read_index`)."""
-    data = json.dumps(index).encode()
-    ck.write(INDEX_FILE, data, durable)
-    return {"size": len(data), "crc32": crc32(data)}
+    return write_recorded(ck, INDEX_FILE, json.dumps(index).encode(), durable)
 
 
 def read_index(ck: CheckpointLocation, manifest: Optional[Manifest] = None, *, unrecorded: bool = False) -> Dict[str, Any]:
