@@ -69,7 +69,7 @@ def counting():
         wrap(fsmod.Storage, name, name)
     # local reads: each call is a system call; remote reads: each fetch is a request (reads are
     # served from shared read-ahead windows, storage/readers.py)
-    for cls, names in ((fsmod._LocalReader, _READER_OPS), (readers_mod.FsspecReader, ("_fetch",))):
+    for cls, names in ((readers_mod.LocalReader, _READER_OPS), (readers_mod.FsspecReader, ("_fetch",))):
         for name in names:
             if name in cls.__dict__:
                 wrap(cls, name, "read request")

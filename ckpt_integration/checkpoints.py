@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .errors import CheckpointingException, CorruptCheckpointError
-from .storage.atomic import is_replace_sibling
+from .storage.claim import is_replace_sibling
 from .storage.checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, manifest_expected, read_manifest
 from .storage.opened import commit_order
 from .storage.filesystem import Storage, base_name, join, locate, storage_for

@@ -49,7 +49,6 @@ from .errors import CheckpointingException, CorruptCheckpointError
 from .execution.save import fingerprint_text, remove_dead_staging, request_fingerprints
 from .planning.written import encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
-from .storage import atomic
 from .storage import claim as claims
 from .storage.checkpoint_index import layout_of_metadata
 from .storage.checksum import save_block_hash
@@ -134,7 +133,7 @@ class Writer(StorageWriter):
                     f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
                     "replaces it once the new one is committed; not on object stores)")
             remove_dead_staging(ck)  # (what such a failed save left beside it)
-            self._claim = claims.claim_staging(ck, atomic.staging_name(path, token), token, self.durable)
+            self._claim = claims.claim_staging(ck, claims.staging_name(path, token), token, self.durable)
         else:
             self._claim = claims.claim_new(ck, token, self.durable)
         _held[path], self._held_at = self._claim, path
@@ -199,8 +198,8 @@ class Writer(StorageWriter):
         ckdir.write_manifest(target, manifest, self.durable, rendered=rendered)
         staging = self._claim is not None and self._claim.staging
         ckdir.write_config(target, ckdir.CheckpointingConfig("torch_dist", 1), self.durable, exclusive=not staging)
-        if staging:  # the old checkpoint is replaced only now, whole (storage/atomic.py's rule)
-            atomic.replace(final.storage, path, final.path, durable=self.durable, data_synced=True)
+        if staging:  # the old checkpoint is replaced only now, whole (storage/claim.py's atomic-replace rule)
+            claims.replace(final.storage, path, final.path, durable=self.durable, data_synced=True)
         self._release()
         logger.debug("ci.dcp.Writer committed %s", path)
 

@@ -23,9 +23,8 @@ from .execution.shared_metadata import SharedMetadata, open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling
 from .storage import checkpoint_dir as ckdir, zarr_backend
-from .storage.backends import embedded_common_bytes, read_metadata
-from .storage.filesystem import locate
-from .storage.located import CheckpointLocation
+from .storage.opened import embedded_common_bytes, read_metadata
+from .storage.filesystem import CheckpointLocation, locate
 from .storage.checksum import write_recorded
 from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)

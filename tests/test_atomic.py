@@ -1,4 +1,4 @@
-"""The one atomic-replace rule (``storage/atomic.py``), used by ``save(overwrite=True)`` and the tools.
+"""The one atomic-replace rule (``storage/claim.py``'s ``replace``), used by ``save(overwrite=True)`` and the tools.
 
 A failure injected at every step of :func:`replace` (each fsync, the exchange, each rename, the
 removal of the old content), for every kind of replacement (file over file, directory over
@@ -25,7 +25,7 @@ import torch
 
 import ckpt_integration as ci
 from ckpt_integration.cli import main
-from ckpt_integration.storage import atomic, filesystem
+from ckpt_integration.storage import claim as atomic, filesystem
 from ckpt_integration.storage.filesystem import storage_for
 
 KINDS = ["file>file", "dir>dir", "dir>file", "file>dir", "dir>none", "file>none"]

@@ -1,4 +1,4 @@
-"""The typed storage backends (storage/backends.py): capabilities instead of name comparisons,
+"""The typed storage backends (storage/opened.py): capabilities instead of name comparisons,
 one reader interface, and a clear error for a backend this library cannot read."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration.errors import CheckpointingException
 from ckpt_integration.planning.boxes import Box
-from ckpt_integration.storage import backends
+from ckpt_integration.storage import opened as backends
 from ckpt_integration.tools import inspect_checkpoint
 from ckpt_integration.storage.filesystem import locate
 
@@ -48,7 +48,7 @@ def test_unknown_backend_is_refused_by_name():
 
 
 def test_every_backend_reads_what_it_writes():
-    """The read side (storage.backends) and the save side (execution.save) name the same backends,
+    """The read side (storage.opened) and the save side (execution.save) name the same backends,
     and what the save plans for each agrees with what the reader can do."""
     from ckpt_integration.execution.save import SAVE_BACKENDS
 

@@ -15,7 +15,7 @@ from ckpt_integration import ShardedTensor
 from ckpt_integration.planning.boxes import Box
 from ckpt_integration.storage import region_read
 from ckpt_integration.storage import torch_dist as td
-from ckpt_integration.storage.backends import open_reader, read_metadata
+from ckpt_integration.storage.opened import open_reader, read_metadata
 from ckpt_integration.storage.filesystem import locate
 
 @pytest.mark.parametrize("scatter_min", [1, 4096])

@@ -248,18 +248,18 @@ def test_content_metadata_and_remove(tmp_path):
 def test_strided_column_read_reads_only_needed_runs(tmp_path, monkeypatch):
     """A column slice of large rows: unverified, only the requested runs are read; verified (the
     default), every block the request touches is read and checked once - here all of them."""
-    from ckpt_integration.storage import filesystem
+    from ckpt_integration.storage import readers
 
     w = global_tensor("big", (64, 8192))  # 32 KiB rows
     ci.save({"w": ShardedTensor.from_rank_offsets("big", w)}, tmp_path / "c")
     reads = []
-    real = filesystem._LocalReader.readv
+    real = readers.LocalReader.readv
 
     def counting(self, buffers, offset):
         reads.extend(len(b) for b in buffers)
         return real(self, buffers, offset)
 
-    monkeypatch.setattr(filesystem._LocalReader, "readv", counting)
+    monkeypatch.setattr(readers.LocalReader, "readv", counting)
     half = ShardedTensor.from_global_offsets("big", torch.zeros(64, 4096), (64, 8192), (0, 4096))
     out = ci.load({"w": half}, tmp_path / "c", validate_access_integrity=False, verify_checksums=False)
     assert torch.equal(out["w"], w[:, 4096:])

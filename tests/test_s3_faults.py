@@ -1,7 +1,7 @@
 """Object stores that fail: saves and loads through s3fs against moto behind a fault-injecting proxy.
 
 The client's own retries are switched off here (s3fs ``retries=1``, botocore ``max_attempts=1``),
-so what is tested is the library's layer (``ckpt_integration/storage/retry.py``): bounded,
+so what is tested is the library's layer (``ckpt_integration/storage/readers.py``'s ``retried``): bounded,
 backed-off retries of transient failures with a deadline per attempt, then an error naming the
 object; a failed save commits nothing and leaves the previous checkpoint loadable; a multipart
 upload cut short is aborted; a listing that lags behind writes hides no commit.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckpt_integration as ci
-from ckpt_integration.storage import retry
+from ckpt_integration.storage import readers as retry
 from tests.dist_utils import run_distributed
 from tests.s3_faults import Rule, apply_client_retries, s3_fixture
 

@@ -49,7 +49,7 @@ def test_large_items_start_aligned_small_items_stay_adjacent(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from ckpt_integration.storage import checkpoint_dir as ckdir
-    from ckpt_integration.storage.backends import read_metadata
+    from ckpt_integration.storage.opened import read_metadata
     from ckpt_integration.storage.torch_dist import ITEM_ALIGN, ITEM_ALIGN_FROM
     from ckpt_integration.tools.verify import verify_checkpoint
 

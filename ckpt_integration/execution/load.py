@@ -40,7 +40,7 @@ from ..planning.request_check import object_place
 from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader, read_metadata
+from ..storage.opened import MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader, read_metadata
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.chunk_index import CompactChunks, checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_small_items

@@ -17,7 +17,7 @@ from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor
 from ..planning.exchange import Routed
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
-from ..storage.backends import EMBEDDED_COMMON_KEY
+from ..storage.opened import EMBEDDED_COMMON_KEY
 from ..storage.chunk_index import checkpoint_keys
 from . import dist
 from .dist import Group

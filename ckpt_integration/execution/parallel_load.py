@@ -62,7 +62,7 @@ import torch.distributed as tdist
 
 from ..planning.boxes import intersect, relative_slices
 from ..planning.load_units import Need, Unit, plan_units
-from ..storage.backends import CheckpointReader
+from ..storage.opened import CheckpointReader
 from . import dist
 from .dist import Group
 from .failure import Failure

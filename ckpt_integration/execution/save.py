@@ -45,18 +45,15 @@ from ..planning.written import (
     CommitLayout, FingerprintRow, WrittenColumns, WrittenTable, commit_layout, encode_finalize, gather_finalize,
 )
 from ..planning.shards import ShardMeta
-from ..storage import atomic
 from ..storage import checkpoint_dir as ckdir
 from ..storage import claim as claims
 from ..storage.chunk_index import write_index
 from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import save_block_hash, write_recorded
-from ..storage.opened import next_commit_seq
-from ..storage.filesystem import join, locate, write_error
-from ..storage.located import CheckpointLocation
+from ..storage.opened import EMBEDDED_COMMON_KEY, next_commit_seq
+from ..storage.filesystem import CheckpointLocation, join, locate, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
-from ..storage.backends import EMBEDDED_COMMON_KEY
 from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import INDEX_FILE as ZARR_INDEX_FILE, commit_file_records, write_zarr_requests
@@ -149,7 +146,7 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
                 "would delete; move them elsewhere first"
             )
         remove_dead_staging(where)
-        staging = atomic.staging_name(checkpoint_dir, token)
+        staging = claims.staging_name(checkpoint_dir, token)
         claim = claims.claim_staging(where, staging, token, durable)
     else:
         claim = claims.claim_new(where, token, durable)
@@ -484,7 +481,7 @@ def _written_records(plan: SavePlan) -> WrittenTable:
 
 def _swap_if_staging(plan: SavePlan) -> None:
     """Put the committed staging directory in place of the old checkpoint (``overwrite=True``),
-    by the library's one atomic-replace rule (:mod:`..storage.atomic`; the data is fsync'ed already).
+    by the library's one atomic-replace rule (:func:`..storage.claim.replace`; the data is fsync'ed already).
 
     A crash in the two-rename fallback leaves the old checkpoint at ``<dir>.old-*`` and the new,
     committed one at ``<dir>.tmp-*``, which ``load`` names in its error
@@ -492,7 +489,7 @@ def _swap_if_staging(plan: SavePlan) -> None:
     """
     if not plan.staging:
         return
-    atomic.replace(plan.target.storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
+    claims.replace(plan.target.storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
 
 
 def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:
@@ -561,7 +558,7 @@ def save_sharded(sharded_state_dict: Dict[str, Any], checkpoint_dir: str, **kwar
 
 @dataclass(frozen=True)
 class SaveBackend:
-    """What a save does differently per storage backend (the read side: ``storage.backends``).
+    """What a save does differently per storage backend (the read side: ``storage.opened``).
 
     * ``wants_layout``: the metadata exchange also returns every chunk's layout (zarr creates its
       arrays from it and writes whole chunks);

@@ -11,7 +11,7 @@ from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
 from ..storage.zarr_backend import write_index as write_zarr_index
-from ..storage.located import CheckpointLocation
+from ..storage.filesystem import CheckpointLocation
 from . import dist
 from .dist import Group
 from .failure import Failure

@@ -50,8 +50,7 @@ from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable,
                          decode_text, refusal, upgrade)
 from .checkpoint_index import INDEX_FILE, CheckpointIndex
 from .claim import MARKER_FILE
-from .filesystem import join
-from .located import CheckpointLocation
+from .filesystem import CheckpointLocation, join
 from .safe_pickle import safe_torch_load
 
 logger = logging.getLogger(__name__)
@@ -438,7 +437,7 @@ def load_common(ck: CheckpointLocation, trusted: bool = False, allowed_globals: 
     ``manifest``: the checkpoint's manifest when the caller has read (and checked) it already,
     e.g. broadcast by a load's coordinator; ``None``: read here. ``embedded``: where there is no
     ``common.pt``, returns the bytes of a common state stored inside the DCP data (Megatron-Core
-    0.19's ``common_state`` object, :func:`~.backends.embedded_common_bytes`), or None."""
+    0.19's ``common_state`` object, :func:`~.opened.embedded_common_bytes`), or None."""
     root = ck.path
     path = join(root, COMMON_FILE)
     if manifest is None:

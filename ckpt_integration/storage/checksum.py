@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnknownBlockHashError
-from .located import CheckpointLocation
+from .filesystem import CheckpointLocation
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -47,7 +47,7 @@ from ..planning.written import CommitLayout
 from . import checkpoint_dir as ckdir
 from .checkpoint_index import INDEX_FILE, CheckpointIndex, encode_index
 from .checksum import write_recorded
-from .located import CheckpointLocation
+from .filesystem import CheckpointLocation
 from .torch_dist_reader import ChunkInfo
 
 logger = logging.getLogger(__name__)

@@ -20,6 +20,30 @@ opened only if it is a regular file (checked with ``stat`` before opening and ``
 after a non-blocking open), so a FIFO, device or directory gives an error instead of a
 hang. Writes that fail with an ``OSError`` (disk full, permissions) raise
 :class:`~ckpt_integration.errors.CheckpointWriteError` naming the file.
+
+**The handle** (:class:`CheckpointLocation`): what the storage functions take in place of a directory
+string, one checkpoint directory's storage and path, resolved once: the readers of ``metadata.json``,
+``manifest.json``, ``.metadata`` and the small whole files (``checkpoint_dir.read_config``,
+``read_manifest``, ``read_verified_file``, ``load_common``, ``torch_dist.read_dcp_metadata``,
+``opened.read_metadata``) and the save's claim, writers and commit (``claim.claim_new``,
+``torch_dist.write_data_files``, ``checkpoint_dir.write_manifest`` ...). An entry point given a path
+makes one with :func:`locate` and passes it down, so no function below it resolves the path again.
+Where the location holds what was read already (an :class:`~.opened.OpenedCheckpoint`, the public
+subclass), the readers return that instead of reading the file again; a plain location holds
+nothing, and every reader reads.
+
+Example::
+
+    ck = locate("s3://bucket/ckpt/iter_100")          # fsspec resolved here, once
+    manifest = checkpoint_dir.read_manifest(ck)
+    md = torch_dist.read_dcp_metadata(ck, manifest=manifest)
+
+The storage operations on the directory's files are its methods (``ck.read(name)``,
+``ck.open(name)``, ``ck.exists(name)``, ``ck.write(name, data)``, ``ck.remove(name)``,
+``ck.listdir()``, ``ck.file(name)`` for a message or a primitive that wants a path), so nothing
+above the storage layer joins a directory and a file name by hand: the containment checks of
+:func:`checked_path` apply to every read through them. The base holds only the fields and those
+methods, so that the modules below ``opened`` can honour them without importing it.
 """
 
 from __future__ import annotations
@@ -29,15 +53,12 @@ import errno as _errno
 import os
 import shutil
 import logging
-import stat
 import threading
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, List, Optional, Sequence, Tuple, Type, Union
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, List, Optional, Tuple, Type, Union
 
-from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
-from . import retry
-from .fs import atomic_write_bytes, exchange_paths, fsync_dir, pread_exact
-from .readers import FileReader, FsspecReader
-from .located import CheckpointLocation, is_remote, join  # (path arithmetic lives with the handle; named here too)
+from ..errors import CheckpointingException, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
+from .fs import atomic_write_bytes, exchange_paths, fsync_dir
+from .readers import FileReader, FsspecReader, LocalReader, open_regular, reading, retried, stream_failed
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -46,6 +67,86 @@ logger = logging.getLogger(__name__)
 
 # Opt-in for checkpoints whose files are symbolic links to storage elsewhere (deduplication).
 ALLOW_SYMLINKS_ENV = "CKPT_INTEGRATION_ALLOW_SYMLINKS"
+
+
+def is_remote(path: Union[str, "os.PathLike[str]"]) -> bool:
+    """True for URLs handled by fsspec (anything with a scheme except ``file://``)."""
+    p = os.fspath(path) if not isinstance(path, str) else path
+    return "://" in p and not p.startswith("file://")
+
+
+def join(base: str, *names: str) -> str:
+    """``base/name/...``: ``/`` for URLs, ``os.path.join`` for local paths (path arithmetic, no I/O)."""
+    if is_remote(base):
+        return "/".join([base.rstrip("/"), *names])
+    return os.path.join(base, *names)
+
+
+class CheckpointLocation:
+    """Storage and path of one checkpoint, plus what was read of it (``None``: not read).
+
+    ``manifest_read`` tells a read manifest of ``None`` (a checkpoint of another writer) from one
+    not read yet. ``str()`` gives the path, for messages. It is not a path (no ``__fspath__``),
+    so it is never turned back into a string by accident and re-read from storage below the
+    entry point that made it.
+    """
+
+    config: Any = None
+    manifest: Any = None
+    manifest_read: bool = False
+    dcp_metadata: Any = None
+    # small whole files read and checked against the manifest (common.pt): name -> bytes; None:
+    # not kept (set by the opened checkpoint, dropped when it is closed)
+    file_cache: Optional[dict] = None
+
+    def __init__(self, storage: Any, path: str) -> None:
+        self.storage = storage  # filesystem.Storage (which imports this module)
+        self.path = path
+
+    def at(self, path: str) -> "CheckpointLocation":
+        """The checkpoint at ``path`` on the same storage (a sibling, a sub-directory), nothing read of
+        it: no path resolved again."""
+        return CheckpointLocation(self.storage, path)
+
+    def afresh(self) -> "CheckpointLocation":
+        """This directory with nothing read: its readers read what storage holds now, never what an
+        opened checkpoint kept (the commit identity, ``verify``'s file checks)."""
+        return self.at(self.path)
+
+    # ------------------------------------------------------------------ the directory's files
+    def file(self, name: str) -> str:
+        """The path of ``name`` in this directory (for messages, and primitives that take a path)."""
+        return join(self.path, name)
+
+    def exists(self, name: str) -> bool:
+        return self.storage.exists(self.file(name))
+
+    def read(self, name: str, what: str = "file", nested: bool = False, source: str = "") -> bytes:
+        """All bytes of ``name``, after the containment checks (``filesystem.checked_path``: no
+        ``..``, no absolute path, no link out of the directory; ``nested`` allows sub-directories;
+        ``source`` names the file that named it, for the error)."""
+        return self.storage.read_in(self.path, name, what, nested, source)
+
+    def open(self, name: str, what: str = "file", nested: bool = False, source: str = "") -> Any:
+        """A positional reader (``readers.FileReader``) of ``name``, after the same checks as :meth:`read`."""
+        return self.storage.open_in(self.path, name, what, nested, source)
+
+    def write(self, name: str, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
+        """Write ``name`` whole and atomically (``Storage.write_atomic``)."""
+        self.storage.write_atomic(self.file(name), data, durable, exclusive=exclusive)
+
+    def remove(self, name: str) -> None:
+        self.storage.remove(self.file(name))
+
+    def listdir(self) -> List[str]:
+        """The names in this directory."""
+        return self.storage.listdir(self.path)
+
+    def __str__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"CheckpointLocation({self.path!r})"
 
 
 def parent_of(path: Union[str, os.PathLike]) -> str:
@@ -119,42 +220,6 @@ def checked_path(directory: str, name: str, what: str = "file", nested: bool = F
     return path
 
 
-_KINDS = (
-    (stat.S_ISDIR, "directory"),
-    (stat.S_ISFIFO, "FIFO (named pipe)"),
-    (stat.S_ISCHR, "character device"),
-    (stat.S_ISBLK, "block device"),
-    (stat.S_ISSOCK, "socket"),
-)
-
-
-def not_regular(mode: int, path: str, what: str) -> CorruptCheckpointError:
-    kind = next((k for test, k in _KINDS if test(mode)), "special file")
-    return CorruptCheckpointError(
-        f"{what} {path} is a {kind}, not a regular file: refusing to read it (a checkpoint holds only regular files)"
-    )
-
-
-def open_regular(path: str, what: str = "file") -> int:
-    """A read-only fd of ``path`` if it is a regular file; never blocks on FIFOs or devices.
-
-    ``stat`` first (a device is never opened: opening some has side effects), then a
-    non-blocking open and ``fstat`` of what was actually opened.
-    """
-    st = os.stat(path)  # FileNotFoundError passes through: callers name the missing file
-    if not stat.S_ISREG(st.st_mode):
-        raise not_regular(st.st_mode, path, what)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(st.st_mode, path, what)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 # --------------------------------------------------------------------------- write errors
 def _os_error_in(e: BaseException) -> Optional[OSError]:
     seen = 0
@@ -189,21 +254,6 @@ def write_error(e: BaseException, path: str) -> BaseException:
 
 
 @contextlib.contextmanager
-def reading(path: str) -> Iterator[None]:
-    """Raise :class:`CheckpointReadError` naming ``path`` for OS errors of the block (a missing
-    file passes through as ``FileNotFoundError``: callers say which checkpoint file is missing)."""
-    try:
-        yield
-    except (CheckpointingException, FileNotFoundError):
-        raise
-    except OSError as e:
-        reason = (e.strerror or str(e)).lower()
-        out = CheckpointReadError(f"{reason} while reading {path}")
-        out.errno = e.errno
-        raise out from e
-
-
-@contextlib.contextmanager
 def writing(path: str) -> Iterator[None]:
     """Raise :class:`CheckpointWriteError` naming ``path`` for OS errors of the block."""
     try:
@@ -215,55 +265,6 @@ def writing(path: str) -> Iterator[None]:
         if converted is e:
             raise
         raise converted from e
-
-
-# iovecs per preadv call (Linux IOV_MAX is 1024)
-_IOV_MAX = 1024
-
-
-class _LocalReader(FileReader):
-    def __init__(self, path: str, what: str = "file"):
-        self.path = path
-        with reading(path):
-            self.fd = open_regular(path, what)
-            self.size = os.fstat(self.fd).st_size
-
-    def read(self, offset: int, length: int) -> bytes:
-        with reading(self.path):
-            return os.pread(self.fd, length, offset)
-
-    def read_into(self, buf: memoryview, offset: int) -> None:
-        with reading(self.path):
-            pread_exact(self.fd, buf, offset, self.path)
-
-    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
-        """One ``preadv`` per up to 1024 buffers (a short read at the file end raises)."""
-        with reading(self.path):
-            self._readv(buffers, offset)
-
-    def _readv(self, buffers: Sequence[memoryview], offset: int) -> None:
-        buffers = [b for b in buffers if len(b)]
-        i = 0
-        while i < len(buffers):
-            group = buffers[i : i + _IOV_MAX]
-            want = sum(len(b) for b in group)
-            n = os.preadv(self.fd, group, offset)
-            if n == want:
-                offset += n
-                i += len(group)
-                continue
-            # rare: an interrupted or short read; finish this group buffer by buffer
-            for b in group:
-                if n >= len(b):
-                    n -= len(b)
-                else:
-                    pread_exact(self.fd, b[n:], offset + n, self.path)
-                    n = 0
-                offset += len(b)
-            i += len(group)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class Storage:
@@ -287,31 +288,31 @@ class Storage:
         if not self.fs:
             return os.path.exists(path)
         self._fresh(path)
-        return retry.call(self.fs, "exists", path)
+        return retried(self.fs, "exists", path)
 
     def isdir(self, path: str) -> bool:
         if not self.fs:
             return os.path.isdir(path)
         self._fresh(path)
-        return retry.call(self.fs, "isdir", path)
+        return retried(self.fs, "isdir", path)
 
     def listdir(self, path: str) -> List[str]:
         if self.fs:
             self._fresh(path)
             try:
-                entries = retry.call(self.fs, "ls", path, detail=False)
+                entries = retried(self.fs, "ls", path, detail=False)
             except FileNotFoundError:
                 return []  # object stores have no empty directories: an unused prefix is empty
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in entries)
         return sorted(os.listdir(path))
 
     def size(self, path: str) -> int:
-        return int(retry.call(self.fs, "size", path)) if self.fs else os.path.getsize(path)
+        return int(retried(self.fs, "size", path)) if self.fs else os.path.getsize(path)
 
     # -- writing -------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
         if self.fs:
-            retry.call(self.fs, "makedirs", path, exist_ok=True, write=True)
+            retried(self.fs, "makedirs", path, exist_ok=True, write=True)
         else:
             os.makedirs(path, exist_ok=True)
 
@@ -343,7 +344,7 @@ class Storage:
                 return False
             return True
         try:
-            retry.call(self.fs, "copy", src, dst, write=True)
+            retried(self.fs, "copy", src, dst, write=True)
         except Exception:  # (no such method, no permission, source gone) - the caller writes the bytes
             return False
         return True
@@ -366,13 +367,13 @@ class Storage:
                 if exclusive:
                     self._pipe_exclusive(path, data)
                 else:
-                    retry.call(self.fs, "pipe_file", path, data, write=True)
+                    retried(self.fs, "pipe_file", path, data, write=True)
             else:
                 atomic_write_bytes(path, data, durable, exclusive=exclusive)
 
     def _pipe_exclusive(self, path: str, data: bytes) -> None:
         try:
-            retry.call(self.fs, "pipe_file", path, data, mode="create", write=True)
+            retried(self.fs, "pipe_file", path, data, mode="create", write=True)
             return
         except FileExistsError:
             raise
@@ -386,7 +387,7 @@ class Storage:
             raise
         if self.exists(path):
             raise FileExistsError(_errno.EEXIST, "already exists", path)
-        retry.call(self.fs, "pipe_file", path, data, write=True)
+        retried(self.fs, "pipe_file", path, data, write=True)
 
     def read_bytes(self, path: str, what: str = "file") -> bytes:
         """All bytes of a regular file (a FIFO, device or directory raises instead of blocking)."""
@@ -394,7 +395,7 @@ class Storage:
             try:
                 # one request: objects are regular files (a "directory" is a missing key); start=0
                 # asks for a ranged read, which s3fs makes without a size query first
-                return retry.call(self.fs, "cat_file", path, start=0, what=what)
+                return retried(self.fs, "cat_file", path, start=0, what=what)
             except (FileNotFoundError, IsADirectoryError):
                 if self.isdir(path):
                     raise CorruptCheckpointError(f"{what} {path} is a directory, not a regular file: refusing to read it") from None
@@ -405,7 +406,7 @@ class Storage:
                 return f.read()
 
     def open_reader(self, path: str, what: str = "file") -> FileReader:
-        return FsspecReader(self.fs, path, what) if self.fs else _LocalReader(path, what)
+        return FsspecReader(self.fs, path, what) if self.fs else LocalReader(path, what)
 
     def read_in(self, directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> bytes:
         """:meth:`read_bytes` of ``directory/name`` after the containment checks of :func:`checked_path`."""
@@ -418,7 +419,7 @@ class Storage:
     def remove(self, path: str) -> None:
         if self.fs:
             with writing(path):
-                retry.call(self.fs, "rm", path, write=True)
+                retried(self.fs, "rm", path, write=True)
         else:
             os.remove(path)
 
@@ -442,7 +443,7 @@ class Storage:
         if self.fs:
             if self.exists(path):
                 with writing(path):
-                    retry.call(self.fs, "rm", path, recursive=True, write=True)
+                    retried(self.fs, "rm", path, recursive=True, write=True)
         else:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -503,7 +504,7 @@ class _RemoteWriter:
         except Exception as e:  # noqa: BLE001 - any client error: the upload of this object failed
             if isinstance(e, (PermissionError, FileNotFoundError)):
                 raise
-            raise retry.stream_failed(e, self.path) from e
+            raise stream_failed(e, self.path) from e
 
     def tell(self) -> int:
         return self._pos
@@ -525,7 +526,7 @@ class _RemoteWriter:
                 raise
         else:
             data, self._buf = bytes(self._buf), bytearray()
-            retry.call(self.fs, "pipe_file", self.path, data, write=True)
+            retried(self.fs, "pipe_file", self.path, data, write=True)
 
     def discard(self) -> None:
         """Upload nothing (abort a multipart upload in progress)."""

@@ -32,8 +32,7 @@ import torch
 
 from ..planning.written import Blocks
 from .checksum import BlockHash
-from .filesystem import Storage, join
-from .located import CheckpointLocation
+from .filesystem import CheckpointLocation, Storage, join
 from .fs import tensor_buffer
 
 _DATA_FILE = re.compile(r"^(.*)__(\d+)_(\d+)\.distcp$")

@@ -1,13 +1,14 @@
-"""Random-access readers of checkpoint files: the interface, the remote one (fsspec), and shared
-mappings of local data files.
+"""Reading checkpoint files: the reader interface, the local reader (``preadv``), the remote one
+(fsspec) with the bounded retries every remote request goes through, and shared mappings of
+local data files.
 
-:class:`FileReader` is what the backends read through (the local reader, ``preadv`` on a file
-descriptor, lives with the rest of the local file operations in :mod:`.filesystem`).
+:class:`FileReader` is what the backends read through. :class:`LocalReader` reads a local regular
+file (opened by :func:`open_regular`: never a FIFO or a device).
 :class:`FsspecReader` reads objects of any fsspec filesystem with ranged requests, retried
-(:mod:`.retry`) and coalesced through read-ahead windows shared by the reading threads.
+(:func:`retried`) and coalesced through read-ahead windows shared by the reading threads.
 
-**Stored chunk data as tensors over the page cache** (:class:`ItemMap`). A read-once load (``execution/read_once.py``) lets one rank of a node read and verify a
-block while the node's other ranks copy their slices of it straight from the same page
+**Stored chunk data as tensors over the page cache** (:class:`ItemMap`). A read-once load
+(``execution/read_once.py``) lets one rank of a node read and verify a block while the node's other ranks copy their slices of it straight from the same page
 cache pages: each rank maps the data file (``MAP_SHARED``, read-only, so every rank of
 the node sees the one cached copy of the file) and copies the box it needs out of a
 strided view. Nothing is staged. Remote files (fsspec) cannot be mapped: their bytes are
@@ -16,24 +17,55 @@ group.
 
 Views into a mapping must be dropped before :meth:`ItemMap.close` (a view that is still
 alive keeps its mapping open until it is collected).
+
+**Retries of remote requests** (:func:`retried`; every remote operation of
+:class:`~ckpt_integration.storage.filesystem.Storage` goes through it too). Object stores fail in
+passing (500/503 answers, ``SlowDown`` throttling, reset connections, requests that hang). Clients
+retry some of that themselves (s3fs and botocore, with their own counts); what they cannot give is
+a bound on a request that hangs, an error that names the checkpoint file, and a retry of a request
+that failed after their own retries. So:
+
+* each attempt has a deadline (``CKPT_INTEGRATION_IO_TIMEOUT`` seconds, default 120; enforced
+  for asynchronous fsspec filesystems such as s3fs, gcsfs, adlfs, whose request is cancelled);
+* transient failures (timeouts, connection errors, throttling, 5xx answers) are retried up to
+  ``CKPT_INTEGRATION_IO_ATTEMPTS`` attempts in all (default 4), waiting a random time up to
+  ``CKPT_INTEGRATION_IO_BACKOFF`` seconds (default 1) doubled after every attempt, at most 30 s;
+* then :class:`CheckpointWriteError` / :class:`CheckpointReadError` names the object, the
+  number of attempts and the time spent. Permanent failures (missing object, access denied,
+  invalid request) are not retried.
+
+Only idempotent whole-object requests are retried (read a range, list, stat, put a whole
+object, delete): repeating them cannot change the outcome. A write that timed out may still
+take effect at the server later; the commit protocol tolerates that (a late data object is
+not part of any commit; a late ``metadata.json`` of a failed save names files that the
+manifest check finds missing, so the directory loads as damaged, never as wrong data).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno as _errno
+import logging
 import mmap
+import os
+import random
+import stat
 import threading
+import time
 import warnings
-from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError
-from . import retry
-from .fs import tensor_buffer
+from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
+from .fs import pread_exact, tensor_buffer
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
+
+logger = logging.getLogger(__name__)
 
 
 class FileReader:
@@ -59,6 +91,261 @@ class FileReader:
 
 
 
+# --------------------------------------------------------------------------- local files
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISSOCK, "socket"),
+)
+
+
+def not_regular(mode: int, path: str, what: str) -> CorruptCheckpointError:
+    kind = next((k for test, k in _KINDS if test(mode)), "special file")
+    return CorruptCheckpointError(
+        f"{what} {path} is a {kind}, not a regular file: refusing to read it (a checkpoint holds only regular files)"
+    )
+
+
+def open_regular(path: str, what: str = "file") -> int:
+    """A read-only fd of ``path`` if it is a regular file; never blocks on FIFOs or devices.
+
+    ``stat`` first (a device is never opened: opening some has side effects), then a
+    non-blocking open and ``fstat`` of what was actually opened.
+    """
+    st = os.stat(path)  # FileNotFoundError passes through: callers name the missing file
+    if not stat.S_ISREG(st.st_mode):
+        raise not_regular(st.st_mode, path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(st.st_mode, path, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[None]:
+    """Raise :class:`CheckpointReadError` naming ``path`` for OS errors of the block (a missing
+    file passes through as ``FileNotFoundError``: callers say which checkpoint file is missing)."""
+    try:
+        yield
+    except (CheckpointingException, FileNotFoundError):
+        raise
+    except OSError as e:
+        reason = (e.strerror or str(e)).lower()
+        out = CheckpointReadError(f"{reason} while reading {path}")
+        out.errno = e.errno
+        raise out from e
+
+
+
+# iovecs per preadv call (Linux IOV_MAX is 1024)
+_IOV_MAX = 1024
+
+
+class LocalReader(FileReader):
+    """Positional reads of one local regular file (``preadv`` on a descriptor opened by
+    :func:`open_regular`)."""
+
+    def __init__(self, path: str, what: str = "file"):
+        self.path = path
+        with reading(path):
+            self.fd = open_regular(path, what)
+            self.size = os.fstat(self.fd).st_size
+
+    def read(self, offset: int, length: int) -> bytes:
+        with reading(self.path):
+            return os.pread(self.fd, length, offset)
+
+    def read_into(self, buf: memoryview, offset: int) -> None:
+        with reading(self.path):
+            pread_exact(self.fd, buf, offset, self.path)
+
+    def readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """One ``preadv`` per up to 1024 buffers (a short read at the file end raises)."""
+        with reading(self.path):
+            self._readv(buffers, offset)
+
+    def _readv(self, buffers: Sequence[memoryview], offset: int) -> None:
+        buffers = [b for b in buffers if len(b)]
+        i = 0
+        while i < len(buffers):
+            group = buffers[i : i + _IOV_MAX]
+            want = sum(len(b) for b in group)
+            n = os.preadv(self.fd, group, offset)
+            if n == want:
+                offset += n
+                i += len(group)
+                continue
+            # rare: an interrupted or short read; finish this group buffer by buffer
+            for b in group:
+                if n >= len(b):
+                    n -= len(b)
+                else:
+                    pread_exact(self.fd, b[n:], offset + n, self.path)
+                    n = 0
+                offset += len(b)
+            i += len(group)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# --------------------------------------------------------------------------- retries of remote requests
+ATTEMPTS_ENV = "CKPT_INTEGRATION_IO_ATTEMPTS"
+TIMEOUT_ENV = "CKPT_INTEGRATION_IO_TIMEOUT"
+BACKOFF_ENV = "CKPT_INTEGRATION_IO_BACKOFF"
+MAX_BACKOFF_S = 30.0
+
+T = TypeVar("T")
+
+# errnos of transient failures (s3fs: SlowDown / ServiceUnavailable -> EBUSY, InternalError -> EREMOTEIO)
+_TRANSIENT_ERRNOS = {_errno.EBUSY, _errno.EAGAIN, _errno.ETIMEDOUT, _errno.ECONNRESET, _errno.ECONNABORTED,
+                     _errno.ECONNREFUSED, _errno.EPIPE, _errno.EHOSTUNREACH, _errno.ENETUNREACH,
+                     getattr(_errno, "EREMOTEIO", 121)}
+_TRANSIENT_WORDS = ("slowdown", "slow down", "reduce your request rate", "throttl", "serviceunavailable",
+                    "service unavailable", "internalerror", "internal error", "timed out", "timeout",
+                    "connection reset", "connection aborted", "server disconnected", "connection closed",
+                    "broken pipe", "too many requests", "requesttimeout")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long a remote request is tried (see the module doc for the defaults)."""
+
+    attempts: int = 4
+    timeout: float = 120.0
+    backoff: float = 1.0
+
+    @staticmethod
+    def from_env() -> "RetryPolicy":
+        def number(name: str, default: float, cast: Callable[[str], Any]) -> Any:
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                value = cast(raw)
+            except ValueError:
+                raise CheckpointingException(f"{name}={raw!r} is not a number") from None
+            if value < (1 if cast is int else 0):
+                raise CheckpointingException(f"{name}={raw!r} is out of range")
+            return value
+
+        return RetryPolicy(number(ATTEMPTS_ENV, 4, int), number(TIMEOUT_ENV, 120.0, float),
+                           number(BACKOFF_ENV, 1.0, float))
+
+    def wait(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based): full jitter, exponential, capped."""
+        return random.uniform(0, min(MAX_BACKOFF_S, self.backoff * 2 ** (attempt - 1)))
+
+
+def _chain(e: BaseException):
+    seen = 0
+    while e is not None and seen < 16:
+        yield e
+        e = e.__cause__ or e.__context__
+        seen += 1
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed request may succeed when repeated (timeout, connection, throttling, 5xx)."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+                      CheckpointingException)):
+        return False
+    for x in _chain(e):
+        if isinstance(x, (TimeoutError, ConnectionError)):
+            return True
+        response = getattr(x, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            code = str((response.get("Error") or {}).get("Code", ""))
+            if (isinstance(status, int) and (status >= 500 or status == 429)) or "Throttl" in code or code in (
+                    "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"):
+                return True
+        if isinstance(x, OSError) and x.errno in _TRANSIENT_ERRNOS:
+            return True
+        name = type(x).__name__
+        if name in ("ClientConnectionError", "ClientOSError", "ServerDisconnectedError", "ClientPayloadError",
+                    "ConnectionClosedError", "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
+                    "ResponseStreamingError", "IncompleteRead", "ServerTimeoutError"):
+            return True
+        text = str(x).lower()
+        if any(w in text for w in _TRANSIENT_WORDS):
+            return True
+    return False
+
+
+def _supports_timeout(fs: AbstractFileSystem, fn: Callable[..., object]) -> bool:
+    """The blocking methods that fsspec derives from an asynchronous filesystem's coroutines
+    (s3fs, gcsfs, adlfs ...) take ``timeout=`` (the coroutine is cancelled when it passes)."""
+    import inspect
+
+    return not getattr(fs, "asynchronous", False) and inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None))
+
+
+def retried(fs: AbstractFileSystem, method: str, path: str, *args: object, write: bool = False, what: str = "",
+         **kwargs: object) -> Any:
+    """``getattr(fs, method)(path, *args, **kwargs)`` with per-attempt deadlines and bounded retries.
+
+    ``write`` picks the error type (:class:`CheckpointWriteError` or :class:`CheckpointReadError`)
+    raised when the attempts are spent; ``what`` says what the object is, for the message.
+    """
+    policy = RetryPolicy.from_env()
+    fn = getattr(fs, method)
+    if policy.timeout > 0 and _supports_timeout(fs, fn):
+        kwargs["timeout"] = policy.timeout
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn(path, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not is_transient(e):
+                raise
+            if attempt >= policy.attempts:
+                raise gave_up(e, path, attempt, time.monotonic() - start, write, what) from e
+            delay = policy.wait(attempt)
+            logger.warning("%s %s failed (attempt %d of %d): %s; retrying in %.1fs", method, path, attempt,
+                           policy.attempts, _reason(e), delay)
+            time.sleep(delay)
+
+
+def _reason(e: BaseException) -> str:
+    if type(e).__name__ == "FSTimeoutError" or (isinstance(e, TimeoutError) and not str(e)):
+        return "no answer within the deadline (timed out)"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def gave_up(e: BaseException, path: str, attempts: int, seconds: float, write: bool,
+            what: str = "") -> CheckpointingException:
+    """The error raised when every attempt of a request to ``path`` failed."""
+    cls = CheckpointWriteError if write else CheckpointReadError
+    verb = "writing" if write else "reading"
+    label = f"{what} " if what else ""
+    out = cls(f"{verb} {label}{path} failed after {attempts} attempt(s) in {seconds:.1f}s "
+              f"({ATTEMPTS_ENV}, {TIMEOUT_ENV}): {_reason(e)}")
+    out.errno = getattr(e, "errno", None) or _errno.EIO
+    out.path = path
+    return out
+
+
+def stream_failed(e: BaseException, path: str) -> CheckpointingException:
+    """The error raised when a streamed (multipart) upload of ``path`` failed: its parts are
+    retried by the storage client (s3fs, botocore: their own retry settings), not here."""
+    out = CheckpointWriteError(f"writing {path} failed (a streamed multipart upload, whose parts the storage "
+                               f"client retries by its own settings; the upload was aborted): {_reason(e)}")
+    out.errno = getattr(e, "errno", None) or _errno.EIO
+    out.path = path
+    return out
+
+
+# --------------------------------------------------------------------------- remote objects
 class Window:
     """Bytes ``[start, end)`` of one object, fetched once for every thread (``data`` is None
     while the request is in flight; ``ready`` is set when it arrived or failed)."""
@@ -118,7 +405,7 @@ class ReadAheadWindows:
 
 
 class FsspecReader(FileReader):
-    """Ranged reads of one object (each a request, retried, see :mod:`.retry`), coalesced.
+    """Ranged reads of one object (each a request, retried, see :func:`retried`), coalesced.
 
     A load reads each stored item as a few ranges in file order: the archive header (a few
     hundred bytes), the data, the trailer, then the next item's header, often from several
@@ -148,13 +435,13 @@ class FsspecReader(FileReader):
         self.fs, self.path, self.what = fs, path, what
         self._whole: Optional[memoryview] = None
         self._lock = threading.Lock()
-        info = retry.call(fs, "info", path, what=what)
+        info = retried(fs, "info", path, what=what)
         if info.get("type", "file") != "file":
             raise CorruptCheckpointError(f"{what} {path} is a {info.get('type')}, not a regular file: refusing to read it")
-        self.size = int(info.get("size") if info.get("size") is not None else retry.call(fs, "size", path, what=what))
+        self.size = int(info.get("size") if info.get("size") is not None else retried(fs, "size", path, what=what))
 
     def _fetch(self, start: int, end: int) -> bytes:
-        return retry.call(self.fs, "cat_file", self.path, start=start, end=end, what=self.what)
+        return retried(self.fs, "cat_file", self.path, start=start, end=end, what=self.what)
 
     def read(self, offset: int, length: int) -> bytes:
         end = min(offset + length, self.size)

@@ -33,7 +33,7 @@ import torch
 
 from ..errors import CorruptCheckpointError
 from ..planning.boxes import Box
-from .backends import CheckpointReader
+from .opened import CheckpointReader
 from .checkpoint_dir import MANIFEST_FILE
 from .checksum import BlockHash
 from .region_read import scratch_buffer, dtype_size

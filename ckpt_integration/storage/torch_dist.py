@@ -47,10 +47,9 @@ from ..planning.save_plan import split_into_buckets
 from ..planning.written import WrittenTable
 from . import checkpoint_dir as ckdir
 from .checksum import DEFAULT_BLOCK_SIZE, BlockHash, save_block_hash, write_recorded
-from .filesystem import join, name_problem, writing
+from .filesystem import CheckpointLocation, join, name_problem, writing
 from .fs import tensor_buffer
 from .incremental import BaseFiles, plan_reuse, take_file
-from .located import CheckpointLocation
 from .region_read import run_parallel  # noqa: F401 (the writers' and loads' thread pool, re-exported)
 from .safe_pickle import load_dcp_metadata
 from .tensor_record import TEMPLATE_MAX_BYTES, BlockDigestWriter, DigestWriter, SmallItemWriter, archive_template, save_tensor

@@ -1,6 +1,6 @@
 """Reading a ``torch_dist`` checkpoint: every requested region of every chunk, verified.
 
-:class:`TorchDistReader` is the backend's :class:`~.backends.CheckpointReader`: it checks each
+:class:`TorchDistReader` is the backend's :class:`~.opened.CheckpointReader`: it checks each
 chunk's recorded extent and archive frame, reads regions through :mod:`.region_read` (block
 digests of the manifest, or whole-item checksums of older checkpoints) and objects through the
 safe unpickler. The writing side and ``.metadata`` live in :mod:`.torch_dist`.
@@ -24,8 +24,7 @@ from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointErro
 from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
 from .checksum import CRC32, block_hash
-from .filesystem import FileReader, name_problem
-from .located import CheckpointLocation
+from .filesystem import CheckpointLocation, FileReader, name_problem
 from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
 from .region_read import read_region as _read_region

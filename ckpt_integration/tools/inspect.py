@@ -12,11 +12,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException, UnsafeCheckpointError
 from ..serialization import load_common_state_dict
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import backend_named, read_metadata
+from ..storage.opened import OpenedCheckpoint, backend_named, pinned, read_metadata
 from ..storage.checksum import BLOCK_HASHES, block_hash
-from ..storage.filesystem import checked_path, is_remote, locate
-from ..storage.located import CheckpointLocation
-from ..storage.opened import OpenedCheckpoint, pinned
+from ..storage.filesystem import CheckpointLocation, checked_path, is_remote, locate
 from ..storage.torch_dist import DCP_METADATA_FILE
 from ..storage.zarr_backend import ZarrReader, chunk_box, chunk_coords, chunk_file_names, object_file_name
 from .common import dtype_name, dtype_size, format_size

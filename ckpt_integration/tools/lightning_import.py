@@ -40,10 +40,9 @@ from ..modules import ParallelLayout, module_sharded_state_dict
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict
 from ..optimizer.sharding import optim_state_to_sharding_state
 from ..serialization import save
-from ..storage.backends import open_reader
+from ..storage.opened import open_reader
 from ..storage.fs import tensor_buffer
-from ..storage.filesystem import locate
-from ..storage.located import CheckpointLocation
+from ..storage.filesystem import CheckpointLocation, locate
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import read_dcp_metadata
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size

@@ -3,7 +3,7 @@
 ``convert``, ``export`` and the Lightning import all write their output the same way: OUT may not
 be (or hold, or lie inside) the source; an existing OUT is kept unless ``overwrite``; the output is
 written into a hidden sibling of OUT and put in place by :func:`commit_output` only when complete
-(:func:`ckpt_integration.storage.atomic.replace`: fsync'ed, then renamed, then the parent
+(:func:`ckpt_integration.storage.claim.replace`: fsync'ed, then renamed, then the parent
 directory fsync'ed), so a failed or interrupted run never damages an old OUT; a failed run's
 partial output is removed by :func:`discard_output`.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import List, Tuple
 
 from ..errors import CheckpointingException
-from ..storage import atomic
+from ..storage import claim as claims
 from ..storage.filesystem import storage_for
 
 __all__ = ["ConvertResult", "check_not_source", "check_output", "staging_path", "commit_output", "discard_output",
@@ -91,7 +91,7 @@ def staging_path(out: str, is_dir: bool) -> str:
 def commit_output(tmp: str, out: str) -> None:
     """Put the finished output ``tmp`` in place of OUT (durably; only now is an old OUT removed)."""
     storage, out = storage_for(out)
-    atomic.replace(storage, tmp, out)
+    claims.replace(storage, tmp, out)
 
 
 def _remove_path(path: str) -> None:

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import open_reader, read_metadata
-from ..storage.filesystem import name_problem, open_regular
+from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
+from ..storage.filesystem import name_problem
+from ..storage.readers import open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
-from ..storage.opened import OpenedCheckpoint
 from .common import SAFETENSORS_INDEX, dtype_size
 from ..storage.safe_pickle import safe_torch_load
 
@@ -186,7 +186,7 @@ class MappedFiles:
 
 def _open_file(path: str) -> Any:
     """``open(path, "rb")`` of a regular file only: a FIFO, device or directory raises
-    CorruptCheckpointError instead of blocking (see ``filesystem.open_regular``)."""
+    CorruptCheckpointError instead of blocking (see ``readers.open_regular``)."""
     return os.fdopen(open_regular(path, "input file"), "rb")
 
 

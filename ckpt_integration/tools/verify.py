@@ -26,9 +26,8 @@ from .verify_files import (integrity_manifest_holds, read_manifest, recorded, re
                            verify_other_recorded_files)
 from ..storage import chunk_index
 from ..storage.checksum import BlockHash
-from ..storage.filesystem import FileReader, join, locate, name_problem
+from ..storage.filesystem import CheckpointLocation, FileReader, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
-from ..storage.located import CheckpointLocation
 from ..storage.opened import OpenedCheckpoint, pinned
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata

@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
-from ..storage.backends import EMBEDDED_COMMON_KEY, embedded_common_key
-from ..storage.located import CheckpointLocation
+from ..storage.opened import EMBEDDED_COMMON_KEY, embedded_common_key
+from ..storage.filesystem import CheckpointLocation
 from ..storage.checksum import INTEGRITY_FILE, read_sha_manifest, sha_problems
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 

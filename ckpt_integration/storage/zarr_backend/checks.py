@@ -21,7 +21,8 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
-from ..filesystem import checked_path, is_remote, join, not_regular, write_error
+from ..filesystem import checked_path, is_remote, join, write_error
+from ..readers import not_regular
 from .index import ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, is_chunk_name, numpy_dtype, zarr_module
 
 if TYPE_CHECKING:  # zarr is optional, and imported on first use

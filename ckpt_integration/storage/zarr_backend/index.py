@@ -25,8 +25,7 @@ from ...planning.boxes import Box
 from ..checkpoint_dir import (COMMON_FILE, CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, load_json, read_manifest,
                               read_verified_file)
 from ..checksum import write_recorded
-from ..located import CheckpointLocation
-from ..filesystem import is_remote, join, symlinks_allowed
+from ..filesystem import CheckpointLocation, is_remote, join, symlinks_allowed
 
 INDEX_FILE = "zarr_index.json"
 # format 2 adds "files": per chunk/object file its key, size and CRC32;

@@ -24,8 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointingException, CorruptCheckpointError, MismatchError
 from ...planning.boxes import Box
 from ..checksum import crc32
-from ..filesystem import join
-from ..located import CheckpointLocation
+from ..filesystem import CheckpointLocation, join
 from ..torch_dist_reader import ChunkInfo
 from .checks import array_mismatch, file_problem, store_wrappers
 from .index import (ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, array_path, base_store, check_index_entries,

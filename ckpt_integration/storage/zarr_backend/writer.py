@@ -21,7 +21,7 @@ import torch
 from ...errors import CheckpointingException
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
-from ..located import CheckpointLocation
+from ..filesystem import CheckpointLocation
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
