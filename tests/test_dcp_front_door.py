@@ -190,3 +190,39 @@ def test_overwrite_through_the_door_replaces_only_once_committed(tmp_path, monke
     dcp.load(out, storage_reader=ci.dcp.Reader(path), no_dist=True)
     assert torch.equal(out["w"], torch.full((8,), 4.0))
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # (the failed save's staging directory was taken over and cleaned)
+
+
+# every file the door's reader reads, and the damage each must refuse (a flipped byte of the two JSON
+# files may leave valid JSON of other values, which their own checks do not promise to see)
+_DOOR_FILES = {".metadata": "mtef", "__0_0.distcp": "mtef", "__0_1.distcp": "mtef", "index.bin": "mtef",
+               "manifest.json": "mte", "metadata.json": "mte"}
+
+
+@pytest.mark.parametrize("name,kind", [(n, k) for n, kinds in _DOOR_FILES.items() for k in kinds])
+def test_reader_refuses_every_damaged_file(tmp_path, name, kind):
+    """A missing (m), truncated (t), emptied (e) or byte-flipped (f) file fails ``dcp.load`` through the
+    reader with an error naming the file (DCP wraps it in its ``CheckpointException``); the caller's
+    tensors are never given unverified bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.damage import flip_byte
+
+    state = {"a": torch.arange(4096.0).view(64, 64), "b": torch.arange(10), "c": {"x": torch.ones(3, 3)}}
+    path = str(tmp_path / "ck")
+    dcp.save(state, storage_writer=ci.dcp.Writer(path), no_dist=True)
+    assert sorted(f for f in os.listdir(path) if f not in ("common.pt", "ckpt_integration.json")) == sorted(_DOOR_FILES)
+    target = os.path.join(path, name)
+    size = os.path.getsize(target)
+    if kind == "m":
+        os.remove(target)
+    elif kind in "te":
+        os.truncate(target, size // 2 if kind == "t" else 0)
+    else:
+        flip_byte(target, size // 2)
+    out = {"a": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.int64), "c": {"x": torch.zeros(3, 3)}}
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(out, storage_reader=ci.dcp.Reader(path), no_dist=True)
+    text = str(info.value)  # (DCP keeps the class of errors of its reads, not of its metadata read)
+    assert path in text and name in text, text[-600:]  # the checkpoint and the file named
+    if name not in ("manifest.json", "metadata.json", ".metadata"):
+        assert "CorruptCheckpointError" in text, text[-600:]
