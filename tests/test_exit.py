@@ -91,7 +91,10 @@ def _script(tmp_path, case: str):
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack first, so a rare abort
+    # in a suite run says where each thread was (the failure message carries the output's tail)
+    return {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1"}
 
 
 def _run(tmp_path, case: str, ckpt: str, timeout_s: float = 120.0):
