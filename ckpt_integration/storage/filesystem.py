@@ -99,8 +99,8 @@ class CheckpointLocation:
     # not kept (set by the opened checkpoint, dropped when it is closed)
     file_cache: Optional[dict] = None
 
-    def __init__(self, storage: Any, path: str) -> None:
-        self.storage = storage  # filesystem.Storage (which imports this module)
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage = storage
         self.path = path
 
     def at(self, path: str) -> "CheckpointLocation":
@@ -127,8 +127,8 @@ class CheckpointLocation:
         ``source`` names the file that named it, for the error)."""
         return self.storage.read_in(self.path, name, what, nested, source)
 
-    def open(self, name: str, what: str = "file", nested: bool = False, source: str = "") -> Any:
-        """A positional reader (``readers.FileReader``) of ``name``, after the same checks as :meth:`read`."""
+    def open(self, name: str, what: str = "file", nested: bool = False, source: str = "") -> FileReader:
+        """A positional reader (:class:`~.readers.FileReader`) of ``name``, after the same checks as :meth:`read`."""
         return self.storage.open_in(self.path, name, what, nested, source)
 
     def write(self, name: str, data: bytes, durable: bool = True, exclusive: bool = False) -> None:
