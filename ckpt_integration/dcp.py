@@ -110,6 +110,15 @@ class Writer(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         if not self.path:
             raise CheckpointingException("ci.dcp.Writer: no path (pass one, or checkpoint_id= to dcp.save)")
+        if kwargs.get("use_collectives") is False and tdist.is_initialized() and tdist.get_world_size() > 1 \
+                and kwargs.get("rank") == tdist.get_rank():
+            # every rank would claim and commit the directory with its own part only: the first commit
+            # would hold one rank's state and the others would fail against it
+            raise CheckpointingException(
+                f"ci.dcp.Writer({self.path!r}): dcp.save(use_collectives=False) saves each rank's part without "
+                "coordination, but a checkpoint of this library is committed once for the whole job after every "
+                "rank's data is durable. Save with use_collectives=True (the default); for one checkpoint per "
+                "rank, give each rank its own path and no_dist=True")
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> Optional[StorageMeta]:
@@ -250,8 +259,14 @@ class Reader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
-        """``.metadata``, checked against the manifest where there is one, unpickled restrictedly."""
+    def read_metadata(self) -> Metadata:
+        """``.metadata``, checked against the manifest where there is one, unpickled restrictedly.
+
+        No ``**kwargs`` on purpose: DCP probes for them and, when this read fails, reads again with
+        ``rank=`` ("rank-local metadata", which these checkpoints do not have); a rank whose second
+        read worked (a passing object-store failure) would then load without collectives while the
+        others wait in theirs, and the job would hang. Without them the failed read fails the load
+        on every rank."""
         ck = locate(self.path)
         if ck.exists(ckdir.CONFIG_FILE):
             ckdir.read_config(ck)  # (a specific error for every way it is not a checkpoint)

@@ -226,3 +226,61 @@ def test_reader_refuses_every_damaged_file(tmp_path, name, kind):
     assert path in text and name in text, text[-600:]  # the checkpoint and the file named
     if name not in ("manifest.json", "metadata.json", ".metadata"):
         assert "CorruptCheckpointError" in text, text[-600:]
+
+
+def _transient_metadata_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt_integration.dcp as door
+
+    real, calls = door.read_dcp_metadata, []
+
+    def flaky(*args, **kwargs):  # rank 1's first read of .metadata fails (an object store gave up)
+        calls.append(1)
+        if rank == 1 and len(calls) == 1:
+            raise ci.errors.CheckpointReadError(f"reading {path}/.metadata failed after 4 attempt(s)")
+        return real(*args, **kwargs)
+
+    door.read_dcp_metadata = flaky
+    try:
+        out = {"w": torch.zeros(8, 4)}
+        with pytest.raises(CheckpointException, match="failed after 4 attempt"):
+            dcp.load(out, storage_reader=ci.dcp.Reader(path))
+        # every rank raised; none read the metadata a second time (DCP's rank-local fallback, which
+        # would take that rank out of the load's collectives while the others wait in them)
+        assert len(calls) == 1, calls
+        dist.barrier()
+    finally:
+        door.read_dcp_metadata = real
+
+
+def test_a_failed_metadata_read_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    """DCP retries ``read_metadata(rank=...)`` when the first read fails, and a rank whose retry works
+    then loads without collectives while the others wait in theirs. The reader takes no ``rank``: the
+    load fails on every rank, at once, with the rank's error."""
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ck")
+    dcp.save({"w": torch.arange(32.0).view(8, 4)}, storage_writer=ci.dcp.Writer(path), no_dist=True)
+    run_distributed(_transient_metadata_worker, 2, path, timeout=60)
+
+
+def _uncoordinated_worker(rank, world, path):
+    import torch.distributed.checkpoint as dcp
+
+    with pytest.raises(ci.CheckpointingException, match="use_collectives=False"):
+        dcp.save({f"w{rank}": torch.full((4,), float(rank))}, storage_writer=ci.dcp.Writer(path), use_collectives=False)
+    dist.barrier()
+    assert not os.path.exists(os.path.join(path, "metadata.json"))  # nothing committed
+    # a checkpoint per rank, each saved on its own
+    mine = f"{path}-{rank}"
+    dcp.save({"w": torch.full((4,), float(rank))}, storage_writer=ci.dcp.Writer(mine), no_dist=True)
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=ci.dcp.Reader(mine), no_dist=True)
+    assert torch.equal(out["w"], torch.full((4,), float(rank)))
+
+
+def test_an_uncoordinated_save_of_a_job_is_refused_on_every_rank(tmp_path):
+    """``dcp.save(use_collectives=False)`` on several ranks into one path committed the first rank's part
+    alone (the other ranks failed against its claim): now every rank refuses before writing."""
+    run_distributed(_uncoordinated_worker, 2, str(tmp_path / "ck"), timeout=60)
