@@ -665,3 +665,28 @@ def test_damaged_files_fail_every_load_strategy_on_every_rank(tmp_path):
     run_distributed(_every_strategy_worker, 2, str(tmp_path), timeout=240)
 
 
+
+
+def _different_arguments(rank, world, root):
+    def state(fill=True):
+        a = torch.arange(64.0).view(8, 8)[rank * 4:(rank + 1) * 4].clone() if fill else torch.zeros(4, 8)
+        return {"a": ShardedTensor.from_rank_offsets("a", a, (0, rank, world)), "step": 7}
+
+    # options that decide which collectives follow, different on the two ranks: every rank raises at
+    # once, naming its own value, and nothing is committed (before: the ranks waited in different
+    # collectives until the job was killed)
+    with pytest.raises(ci.errors.MismatchError, match=f"validate_access_integrity={rank == 0}"):
+        ci.save(state(), f"{root}/c", validate_access_integrity=rank == 0)
+    with pytest.raises(ci.errors.MismatchError, match="backend="):
+        ci.save(state(), f"{root}/c", sharded_strategy="zarr" if rank else "torch_dist")
+    assert not os.path.exists(f"{root}/c/metadata.json")
+    ci.save(state(), f"{root}/c")
+    strategy = "read_once" if rank == 0 else "fully_parallel"
+    with pytest.raises(ci.errors.MismatchError, match=f"load_strategy={strategy}"):
+        ci.load(state(False), f"{root}/c", load_strategy=strategy)
+    out = ci.load(state(False), f"{root}/c", load_strategy="fully_parallel")
+    assert torch.equal(out["a"], state()["a"].data) and out["step"] == 7
+
+
+def test_ranks_passing_different_options_fail_at_once_instead_of_hanging(tmp_path):
+    run_distributed(_different_arguments, 2, str(tmp_path), timeout=60)

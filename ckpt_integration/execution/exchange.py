@@ -34,7 +34,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from ..errors import ShardingIntegrityError
+from ..errors import MismatchError, ShardingIntegrityError
 from ..planning.exchange import (
     KeySummary,
     Routed,
@@ -140,13 +140,16 @@ def routes_after_change(metas: List[ShardMeta], routed: Optional[Routed], shards
 
 def start(
     routed: Optional[Routed], failure: Failure, group: Group, context: str, purpose: str = "save",
+    arguments: str = "",
 ) -> Optional[ExchangeResult]:
-    """Step 1: raise on every rank if any failed; the cached plan when every rank's input is unchanged."""
-    return _start(routed, failure, group, context, purpose, ())[0]
+    """Step 1: raise on every rank if any failed, or if the ranks passed different ``arguments`` (the
+    options that decide which collectives follow); the cached plan when every rank's input is unchanged."""
+    return _start(routed, failure, group, context, purpose, (), arguments)[0]
 
 
 def start_load(
     routed: Optional[Routed], whole_chunks: Optional[int], failure: Failure, group: Group, context: str,
+    arguments: str = "",
 ) -> Tuple[Optional[ExchangeResult], bool]:
     """:func:`start` for a load's request check, which also agrees whether every rank's request is
     whole saved chunks numbered by one index (``whole_chunks``: this rank's index identity, None
@@ -154,21 +157,26 @@ def start_load(
     can check it)``. The same one collective."""
     ident = -1 if whole_chunks is None else whole_chunks
     cached, (other, imax, ineg) = _start(routed, failure, group, context, "load",
-                                         (0 if whole_chunks is not None else 1, ident, -ident))
+                                         (0 if whole_chunks is not None else 1, ident, -ident), arguments)
     return cached, not other and imax == -ineg
 
 
 def _start(routed: Optional[Routed], failure: Failure, group: Group, context: str, purpose: str,
-           extra: Sequence[int]) -> Tuple[Optional[ExchangeResult], List[int]]:
+           extra: Sequence[int], arguments: str = "") -> Tuple[Optional[ExchangeResult], List[int]]:
     cached = _last.get(purpose)
     if routed is None or cached is None or cached.digest != routed.digest:
         cached = None
     tok = cached.token if cached else 0
-    got = dist.all_reduce_ints([int(failure.failed), 0 if cached else 1, tok, -tok, *extra], "max", group)
-    failed, miss, tmax, tneg = got[:4]
+    args = digest64(arguments.encode()) >> 1  # (its negation fits the int64 all-reduce)
+    got = dist.all_reduce_ints([int(failure.failed), 0 if cached else 1, tok, -tok, args, -args, *extra], "max", group)
+    failed, miss, tmax, tneg, amax, aneg = got[:6]
     if failed:
         _raise_errors(failure, group, context)
-    return (cached if not miss and tmax == -tneg else None), got[4:]
+    if amax != -aneg:
+        # ranks that go on with other options would wait in different collectives: a hang, not an error
+        raise MismatchError(f"{context}: the ranks of this {purpose} passed different arguments (this rank: "
+                            f"{arguments}); every rank of the group must pass the same")
+    return (cached if not miss and tmax == -tneg else None), got[6:]
 
 
 def check_whole_chunks(rows: Sequence[Tuple[int, int, int, int]], group: Group, context: str,

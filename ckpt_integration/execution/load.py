@@ -279,7 +279,7 @@ def load_sharded(
         if validate_access_integrity or global_strict:
             if validate_access_integrity:
                 load_request.check_request(job, req and req.routed, req.shards if req else [], req and req.identity,
-                                           opened, group, checkpoint_dir)
+                                           opened, group, checkpoint_dir, f"load_strategy={load_strategy}")
             else:
                 opened.agree(group, f"load of {checkpoint_dir} failed")
             if global_strict:

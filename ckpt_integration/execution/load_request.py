@@ -71,17 +71,18 @@ def handle_strict(
 
 
 def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List[Any], identity: object,
-                  failure: Failure, group: Group, checkpoint_dir: Union[str, os.PathLike]) -> None:
+                  failure: Failure, group: Group, checkpoint_dir: Union[str, os.PathLike], arguments: str = "") -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some
     rank failed before it or the request is invalid. Skipped when every rank requests what it
     requested at the last load checked ("plan once, reuse", as saves do: an evaluation job loading
     each new checkpoint into the same model); by counting when every rank requests whole saved
     chunks (``exchange.check_whole_chunks``); otherwise, or to name what counting found, the
-    general check of shard records (``exchange.run``)."""
+    general check of shard records (``exchange.run``). ``arguments``: the load's options that every rank
+    must pass alike (its strategy: ranks that differ would run different collectives)."""
     context = f"load of {checkpoint_dir} failed"
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     whole = job.index_identity if job is not None and job.request_rows is not None else None
-    cached, all_whole = exchange.start_load(routed, whole, failure, group, context)
+    cached, all_whole = exchange.start_load(routed, whole, failure, group, context, arguments)
     if cached is not None:
         return
     found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None

@@ -154,6 +154,12 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
     return claim.write_dir, claim.staging
 
 
+def _agreed(backend: str, validate_access_integrity: bool, balance: bool, common_state_in_data: bool) -> str:
+    """The options of a save that decide which collectives follow: every rank must pass them alike."""
+    return (f"backend={backend!r}, validate_access_integrity={validate_access_integrity}, "
+            f"balance={balance}, common_state_in_data={common_state_in_data}")
+
+
 def _release_claim(write_dir: str) -> None:
     claim = _claims.pop(write_dir, None)
     if claim is not None:
@@ -265,7 +271,8 @@ def prepare_save(
     base_path = resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
-        planned = exchange.start(routed, failure, group, context)
+        planned = exchange.start(routed, failure, group, context, arguments=_agreed(backend, validate_access_integrity,
+                                                                                    balance, common_state_in_data))
         (write_dir, staging), base_path = dist.broadcast_object(
             (dir_info, base_path), src=dist.coordinator_rank(group), group=group)
         target = where.at(write_dir)
