@@ -679,6 +679,8 @@ def _different_arguments(rank, world, root):
         ci.save(state(), f"{root}/c", validate_access_integrity=rank == 0)
     with pytest.raises(ci.errors.MismatchError, match="backend="):
         ci.save(state(), f"{root}/c", sharded_strategy="zarr" if rank else "torch_dist")
+    with pytest.raises(ci.errors.MismatchError, match=f"async_sharded_save={rank == 0}"):
+        ci.save(state(), f"{root}/c", async_sharded_save=rank == 0)
     assert not os.path.exists(f"{root}/c/metadata.json")
     ci.save(state(), f"{root}/c")
     strategy = "read_once" if rank == 0 else "fully_parallel"

@@ -530,8 +530,11 @@ def async_save_torch_dist(
         raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {mode!r}")
     q._make_room()  # may raise the previous save's error (on every rank)
     t1 = time.perf_counter()
+    # planned first: its first collective is where the ranks agree to save asynchronously (a rank that
+    # saves synchronously meets it there and both raise), before the private group, whose making
+    # would wait for every member
+    plan = prepare_save(sharded_state_dict, checkpoint_dir, asynchronous=True, **save_kwargs)
     group = q.private_group(save_kwargs.get("process_group"))
-    plan = prepare_save(sharded_state_dict, checkpoint_dir, **save_kwargs)
     t2 = time.perf_counter()
     stager = q._next_stager()
     snap: Optional[Snapshot] = None

@@ -154,10 +154,11 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
     return claim.write_dir, claim.staging
 
 
-def _agreed(backend: str, validate_access_integrity: bool, balance: bool, common_state_in_data: bool) -> str:
+def _agreed(backend: str, validate_access_integrity: bool, balance: bool, common_state_in_data: bool,
+            asynchronous: bool) -> str:
     """The options of a save that decide which collectives follow: every rank must pass them alike."""
     return (f"backend={backend!r}, validate_access_integrity={validate_access_integrity}, "
-            f"balance={balance}, common_state_in_data={common_state_in_data}")
+            f"balance={balance}, common_state_in_data={common_state_in_data}, async_sharded_save={asynchronous}")
 
 
 def _release_claim(write_dir: str) -> None:
@@ -235,8 +236,10 @@ def prepare_save(
     separation_hint: Optional[str] = None,
     base: Union[None, str, os.PathLike, Callable[[], Optional[str]]] = None,
     common_state_in_data: bool = False,
+    asynchronous: bool = False,
 ) -> SavePlan:
-    """Phase 1 (collective). Raises the same error on every rank when anything is wrong."""
+    """Phase 1 (collective). Raises the same error on every rank when anything is wrong.
+    ``asynchronous``: the plan is for an async save (every rank must say the same)."""
     be = SAVE_BACKENDS.get(backend)
     if be is None:
         raise CheckpointingException(f"unknown backend {backend!r}; supported: {sorted(SAVE_BACKENDS)}")
@@ -272,7 +275,7 @@ def prepare_save(
     context = f"save to {checkpoint_dir} failed before writing"
     try:
         planned = exchange.start(routed, failure, group, context, arguments=_agreed(backend, validate_access_integrity,
-                                                                                    balance, common_state_in_data))
+                                                                                    balance, common_state_in_data, asynchronous))
         (write_dir, staging), base_path = dist.broadcast_object(
             (dir_info, base_path), src=dist.coordinator_rank(group), group=group)
         target = where.at(write_dir)
