@@ -686,6 +686,8 @@ def _different_arguments(rank, world, root):
     strategy = "read_once" if rank == 0 else "fully_parallel"
     with pytest.raises(ci.errors.MismatchError, match=f"load_strategy={strategy}"):
         ci.load(state(False), f"{root}/c", load_strategy=strategy)
+    with pytest.raises(ci.errors.MismatchError, match=f"verify_state={rank == 1}"):
+        ci.load(state(False), f"{root}/c", verify_state=rank == 1)
     out = ci.load(state(False), f"{root}/c", load_strategy="fully_parallel")
     assert torch.equal(out["a"], state()["a"].data) and out["step"] == 7
 

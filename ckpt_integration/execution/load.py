@@ -278,8 +278,9 @@ def load_sharded(
     try:
         if validate_access_integrity or global_strict:
             if validate_access_integrity:
+                agreed = f"load_strategy={load_strategy}, verify_state={verify_state}, strict *_all mode={global_strict}"
                 load_request.check_request(job, req and req.routed, req.shards if req else [], req and req.identity,
-                                           opened, group, checkpoint_dir, f"load_strategy={load_strategy}")
+                                           opened, group, checkpoint_dir, agreed)
             else:
                 opened.agree(group, f"load of {checkpoint_dir} failed")
             if global_strict:
@@ -295,8 +296,7 @@ def load_sharded(
     last_load_stats.clear()
     last_load_stats["strategy"] = "local"
     result: Any = None
-    missing: Set[str] = set()
-    unexpected: Set[str] = set()
+    missing, unexpected = set(), set()  # (the keys a *_all strict mode reports, from job.finish())
     try:
         outcome = _read(job, failure, load_strategy, req.backend if req else "torch_dist", group, thread_count,
                         memory_budget, disjoint=validate_access_integrity and job is not None and job.whole_chunks)
