@@ -681,8 +681,18 @@ def _different_arguments(rank, world, root):
         ci.save(state(), f"{root}/c", sharded_strategy="zarr" if rank else "torch_dist")
     with pytest.raises(ci.errors.MismatchError, match=f"async_sharded_save={rank == 0}"):
         ci.save(state(), f"{root}/c", async_sharded_save=rank == 0)
-    assert not os.path.exists(f"{root}/c/metadata.json")
+    # a directory per rank (a timestamp in the name, taken on each rank): the coordinator's got every
+    # rank's data, silently; now refused, naming this rank's directory
+    with pytest.raises(ci.errors.MismatchError, match=f"checkpoint_dir='{root}/d{rank}'"):
+        ci.save(state(), f"{root}/d{rank}")
+    assert not os.path.exists(f"{root}/c/metadata.json") and not os.path.exists(f"{root}/d0/metadata.json")
     ci.save(state(), f"{root}/c")
+    ci.save(state(), f"{root}/c2")
+    # loading two checkpoints: a rank read its files against the coordinator's manifest and called
+    # them damaged (CorruptCheckpointError), or, unverified, returned another checkpoint's data
+    for verify in (True, False):
+        with pytest.raises(ci.errors.MismatchError, match="checkpoint_dir="):
+            ci.load(state(False), f"{root}/c" if rank == 0 else f"{root}/c2", verify_checksums=verify)
     strategy = "read_once" if rank == 0 else "fully_parallel"
     with pytest.raises(ci.errors.MismatchError, match=f"load_strategy={strategy}"):
         ci.load(state(False), f"{root}/c", load_strategy=strategy)

@@ -170,12 +170,12 @@ def _start(routed: Optional[Routed], failure: Failure, group: Group, context: st
     args = digest64(arguments.encode()) >> 1  # (its negation fits the int64 all-reduce)
     got = dist.all_reduce_ints([int(failure.failed), 0 if cached else 1, tok, -tok, args, -args, *extra], "max", group)
     failed, miss, tmax, tneg, amax, aneg = got[:6]
-    if failed:
-        _raise_errors(failure, group, context)
-    if amax != -aneg:
+    if amax != -aneg:  # (first: what the ranks did apart, e.g. read other files, is not the cause)
         # ranks that go on with other options would wait in different collectives: a hang, not an error
         raise MismatchError(f"{context}: the ranks of this {purpose} passed different arguments (this rank: "
                             f"{arguments}); every rank of the group must pass the same")
+    if failed:
+        _raise_errors(failure, group, context)
     return (cached if not miss and tmax == -tneg else None), got[6:]
 
 

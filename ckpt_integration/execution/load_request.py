@@ -19,6 +19,7 @@ from ..planning.exchange import Routed
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
 from ..storage.opened import EMBEDDED_COMMON_KEY
 from ..storage.chunk_index import checkpoint_keys
+from ..storage.filesystem import canonical
 from . import dist
 from .dist import Group
 from . import exchange
@@ -80,6 +81,9 @@ def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List
     general check of shard records (``exchange.run``). ``arguments``: the load's options that every rank
     must pass alike (its strategy: ranks that differ would run different collectives)."""
     context = f"load of {checkpoint_dir} failed"
+    # (the coordinator opened its path for every rank: a rank given another would read its files
+    # against the coordinator's manifest, and report them as damaged)
+    arguments = f"checkpoint_dir={canonical(checkpoint_dir)!r}, {arguments}"
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     whole = job.index_identity if job is not None and job.request_rows is not None else None
     cached, all_whole = exchange.start_load(routed, whole, failure, group, context, arguments)

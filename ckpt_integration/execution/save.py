@@ -52,7 +52,7 @@ from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import save_block_hash, write_recorded
 from ..storage.opened import EMBEDDED_COMMON_KEY, next_commit_seq
-from ..storage.filesystem import CheckpointLocation, join, locate, write_error
+from ..storage.filesystem import CheckpointLocation, canonical, join, locate, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
@@ -154,10 +154,11 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
     return claim.write_dir, claim.staging
 
 
-def _agreed(backend: str, validate_access_integrity: bool, balance: bool, common_state_in_data: bool,
-            asynchronous: bool) -> str:
-    """The options of a save that decide which collectives follow: every rank must pass them alike."""
-    return (f"backend={backend!r}, validate_access_integrity={validate_access_integrity}, "
+def _agreed(where: CheckpointLocation, backend: str, validate_access_integrity: bool, balance: bool,
+            common_state_in_data: bool, asynchronous: bool) -> str:
+    """The options of a save that every rank must pass alike: those that decide which collectives follow,
+    and the directory (every rank writes where the coordinator claimed)."""
+    return (f"checkpoint_dir={canonical(where)!r}, backend={backend!r}, validate_access_integrity={validate_access_integrity}, "
             f"balance={balance}, common_state_in_data={common_state_in_data}, async_sharded_save={asynchronous}")
 
 
@@ -274,7 +275,7 @@ def prepare_save(
     base_path = resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
-        planned = exchange.start(routed, failure, group, context, arguments=_agreed(backend, validate_access_integrity,
+        planned = exchange.start(routed, failure, group, context, arguments=_agreed(where, backend, validate_access_integrity,
                                                                                     balance, common_state_in_data, asynchronous))
         (write_dir, staging), base_path = dist.broadcast_object(
             (dir_info, base_path), src=dist.coordinator_rank(group), group=group)

@@ -149,6 +149,13 @@ class CheckpointLocation:
         return f"CheckpointLocation({self.path!r})"
 
 
+def canonical(path: Union[str, os.PathLike, CheckpointLocation]) -> str:
+    """The form of a checkpoint path that two ranks compare (no I/O): URLs without a trailing ``/``,
+    local paths absolute and normalized."""
+    p = path.path if isinstance(path, CheckpointLocation) else os.fspath(path)
+    return p.rstrip("/") if is_remote(p) else os.path.abspath(p)
+
+
 def parent_of(path: Union[str, os.PathLike]) -> str:
     """The directory holding ``path`` (URLs split on ``/``; local paths made absolute first)."""
     p = os.fspath(path)

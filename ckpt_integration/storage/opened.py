@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..errors import CheckpointingException, CheckpointReplacedError
+from ..errors import CheckpointingException, CheckpointReplacedError, MismatchError
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
 from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
@@ -333,6 +333,8 @@ class OpenedCheckpoint(CheckpointLocation):
             raise ValueError(f"{self.path}: the opened checkpoint is closed")
         try:
             yield self
+        except MismatchError:  # the request, or ranks that disagree: not what storage holds, its own error stands
+            raise
         except Exception as e:
             self._raise_if_replaced(e)
             raise
