@@ -79,7 +79,7 @@ def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List
     each new checkpoint into the same model); by counting when every rank requests whole saved
     chunks (``exchange.check_whole_chunks``); otherwise, or to name what counting found, the
     general check of shard records (``exchange.run``). ``arguments``: the load's options that every rank
-    must pass alike (its strategy: ranks that differ would run different collectives)."""
+    must pass alike (those that decide its collectives); the directory is added here."""
     context = f"load of {checkpoint_dir} failed"
     # (the coordinator opened its path for every rank: a rank given another would read its files
     # against the coordinator's manifest, and report them as damaged)

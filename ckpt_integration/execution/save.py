@@ -158,8 +158,9 @@ def _agreed(where: CheckpointLocation, backend: str, validate_access_integrity: 
             common_state_in_data: bool, asynchronous: bool) -> str:
     """The options of a save that every rank must pass alike: those that decide which collectives follow,
     and the directory (every rank writes where the coordinator claimed)."""
-    return (f"checkpoint_dir={canonical(where)!r}, backend={backend!r}, validate_access_integrity={validate_access_integrity}, "
-            f"balance={balance}, common_state_in_data={common_state_in_data}, async_sharded_save={asynchronous}")
+    return (f"checkpoint_dir={canonical(where)!r}, backend={backend!r}, "
+            f"validate_access_integrity={validate_access_integrity}, balance={balance}, "
+            f"common_state_in_data={common_state_in_data}, async_sharded_save={asynchronous}")
 
 
 def _release_claim(write_dir: str) -> None:
@@ -275,8 +276,8 @@ def prepare_save(
     base_path = resolve_base(base, checkpoint_dir) if coord and base is not None else None
     context = f"save to {checkpoint_dir} failed before writing"
     try:
-        planned = exchange.start(routed, failure, group, context, arguments=_agreed(where, backend, validate_access_integrity,
-                                                                                    balance, common_state_in_data, asynchronous))
+        agreed = _agreed(where, backend, validate_access_integrity, balance, common_state_in_data, asynchronous)
+        planned = exchange.start(routed, failure, group, context, arguments=agreed)
         (write_dir, staging), base_path = dist.broadcast_object(
             (dir_info, base_path), src=dist.coordinator_rank(group), group=group)
         target = where.at(write_dir)
