@@ -693,6 +693,11 @@ def _different_arguments(rank, world, root):
     for verify in (True, False):
         with pytest.raises(ci.errors.MismatchError, match="checkpoint_dir="):
             ci.load(state(False), f"{root}/c" if rank == 0 else f"{root}/c2", verify_checksums=verify)
+        # without the request check: the rank given another directory says so before reading it, and
+        # every rank raises it (the coordinator names that rank)
+        with pytest.raises(CheckpointingException, match="every rank of the group must pass the same directory"):
+            ci.load(state(False), f"{root}/c" if rank == 0 else f"{root}/c2", verify_checksums=verify,
+                    validate_access_integrity=False)
     strategy = "read_once" if rank == 0 else "fully_parallel"
     with pytest.raises(ci.errors.MismatchError, match=f"load_strategy={strategy}"):
         ci.load(state(False), f"{root}/c", load_strategy=strategy)

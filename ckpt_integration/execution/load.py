@@ -347,6 +347,7 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str,
     split this rank's request into what the later steps read."""
     if shared is None:
         checkpoint_dir, shared = open_shared(checkpoint_dir, group, trusted)
+    load_request.check_directory(checkpoint_dir, shared.path)  # (before this rank reads any file of its own)
     backend = shared.backend
     # the manifest the coordinator read and checked (one JSON parse per load, not per rank)
     common = ckdir.load_common(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals,
@@ -361,8 +362,7 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str,
     req = _Request(checkpoint_dir, shared, backend, common, sharded, nonpersistent, factories, template, shards,
                    requested, md)
     if validate:
-        # the request repeats the last one checked: its digest is known, and no records are
-        # built unless some rank's request changed (load_request.check_request)
+        # a request like the last one checked: its digest is known, no records built unless one changed
         req.identity = shards_identity(shards, rank, world, "load")
         req.routed = exchange.known_routes("load", req.identity)
     return req

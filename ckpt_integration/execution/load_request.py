@@ -71,6 +71,16 @@ def handle_strict(
         logger.warning("%s (skipped)", mismatch_message(missing, unexpected, f"rank {rank}, {checkpoint_dir}"))
 
 
+def check_directory(ck: Any, coordinator_path: str) -> None:
+    """Raise :class:`MismatchError` when this rank was given another directory than the one the
+    coordinator opened for the job: its files would be read against the coordinator's manifest (and
+    called damaged, or, unverified, returned as they are)."""
+    mine = canonical(ck)
+    if coordinator_path and mine != coordinator_path:
+        raise MismatchError(f"this rank loads {mine!r}, but the coordinator opened {coordinator_path!r} for the "
+                            "load: every rank of the group must pass the same directory")
+
+
 def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List[Any], identity: object,
                   failure: Failure, group: Group, checkpoint_dir: Union[str, os.PathLike], arguments: str = "") -> None:
     """The request check (``validate_access_integrity``), collective; raises on every rank when some

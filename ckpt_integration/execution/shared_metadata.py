@@ -32,6 +32,7 @@ from ..planning.records import MessageWriter, decode
 from ..storage import checkpoint_dir as ckdir
 from ..storage.checkpoint_index import CheckpointIndex
 from ..storage.chunk_index import CHUNK_INDEX_FILE, CompactMetadata, compact_of_index, parse_index
+from ..storage.filesystem import canonical
 from ..storage.item_table import ItemTable
 from ..storage.opened import OpenedCheckpoint
 from . import dist
@@ -56,6 +57,7 @@ class SharedMetadata:
     manifest: Optional[ckdir.Manifest]
     compact: Optional[CompactMetadata] = None
     config: Optional[ckdir.CheckpointingConfig] = None  # metadata.json
+    path: str = ""  # where the coordinator opened it (``filesystem.canonical``): every rank must read there
 
     def metadata_for(self, keys: Optional[Iterable[str]] = None) -> Optional[Metadata]:
         """The DCP ``Metadata`` to load ``keys`` (all keys when None): with an index, the requested
@@ -74,7 +76,7 @@ class SharedMetadata:
 
 
 # The broadcast: a frame with the lengths of the head and of the item table and whether they are
-# compressed, the head (backend, manifest text, commit marker), the manifest's item table (format
+# compressed, the head (backend, manifest text, commit marker, path), the manifest's item table (format
 # 4: its binary columns as the coordinator decoded them, so no other rank parses text or base64;
 # older formats: nothing, their tables travel in the manifest's JSON text), then the chunk index
 # as stored (already compressed: the coordinator sends the file's bytes, neither decoding nor
@@ -103,7 +105,7 @@ def encode_shared(shared: SharedMetadata, compress: bool = True) -> bytes:
     config = json.dumps(asdict(shared.config)) if shared.config is not None else ""
     m = shared.manifest
     text = "" if m is None else ckdir.manifest_json(replace(m, tables=""))
-    w.add(0, w.sid(shared.backend), w.sid(text), w.sid(config))
+    w.add(0, w.sid(shared.backend), w.sid(text), w.sid(config), w.sid(shared.path))
     index = m.index() if m is not None else None
     if index is not None:  # format 6: index.bin as stored (compressed already); every view is derived from it
         return _frame(w, index.raw, compress, flags=_INDEX)
@@ -135,14 +137,14 @@ def decode_shared(buf: bytes, where: str = "the broadcast chunk index") -> Share
     strings, ints = decode(zlib.decompress(head) if compressed else head)
     if ints[0]:
         raise _rebuild_failure(strings[ints[1]], strings[ints[2]])
-    backend, manifest_json, config_json = strings[ints[1]], strings[ints[2]], strings[ints[3]]
+    backend, manifest_json, config_json, path = (strings[i] for i in ints[1:5])
     manifest = ckdir.Manifest(**json.loads(manifest_json)) if manifest_json else None
     config = ckdir.CheckpointingConfig(**json.loads(config_json)) if config_json else None
     table = buf[_FRAME.size + n : _FRAME.size + n + nt]
     index = buf[_FRAME.size + n + nt :]
     if flags & _INDEX and manifest is not None:  # format 6: one index, read and checked by rank 0
         manifest.attach_index(CheckpointIndex(bytes(index), manifest.hash, f"{ckdir.INDEX_FILE} (as rank 0 read it)"))
-        return SharedMetadata(backend, None, manifest, compact_of_index(manifest.index()), config=config)
+        return SharedMetadata(backend, None, manifest, compact_of_index(manifest.index()), config=config, path=path)
     if manifest is not None:
         # the coordinator decoded and checked this table (read_manifest); decoding it here is a
         # few numpy views (its structure is checked again: the same bytes give the same verdict)
@@ -150,7 +152,7 @@ def decode_shared(buf: bytes, where: str = "the broadcast chunk index") -> Share
         manifest.attach_item_table(ItemTable(raw, manifest.hash, f"{ckdir.MANIFEST_FILE} (as rank 0 read it)",
                                              wire=bool(flags & _WIRE)))
     compact = parse_index(index, where) if index else None
-    return SharedMetadata(backend, None, manifest, compact, config=config)
+    return SharedMetadata(backend, None, manifest, compact, config=config, path=path)
 
 
 def _rebuild_failure(name: str, message: str) -> BaseException:
@@ -171,7 +173,7 @@ def shared_of(ck: OpenedCheckpoint) -> SharedMetadata:
     """What an opened checkpoint read, as a load uses it (its chunk index: ``.metadata`` is
     unpickled only where the index is missing or does not describe it)."""
     compact = ck.chunk_index()
-    return SharedMetadata(ck.backend, ck.loaded_metadata(), ck.manifest, compact, config=ck.config)
+    return SharedMetadata(ck.backend, ck.loaded_metadata(), ck.manifest, compact, config=ck.config, path=canonical(ck))
 
 
 def open_shared(checkpoint_dir: Union[str, os.PathLike], group: Group = None, trusted: bool = False) -> Tuple[OpenedCheckpoint, SharedMetadata]:
