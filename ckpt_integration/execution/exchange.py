@@ -167,7 +167,7 @@ def _start(routed: Optional[Routed], failure: Failure, group: Group, context: st
     if routed is None or cached is None or cached.digest != routed.digest:
         cached = None
     tok = cached.token if cached else 0
-    args = digest64(arguments.encode()) >> 1  # (its negation fits the int64 all-reduce)
+    args = digest64(arguments.encode())  # (63 bits: its negation fits the int64 all-reduce)
     got = dist.all_reduce_ints([int(failure.failed), 0 if cached else 1, tok, -tok, args, -args, *extra], "max", group)
     failed, miss, tmax, tneg, amax, aneg = got[:6]
     if amax != -aneg:  # (first: what the ranks did apart, e.g. read other files, is not the cause)

@@ -58,7 +58,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, List, O
 
 from ..errors import CheckpointingException, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir
-from .readers import FileReader, FsspecReader, LocalReader, open_regular, reading, retried, stream_failed
+from .readers import FileReader, FsspecReader, LocalReader, exception_chain, open_regular, reading, retried, stream_failed
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -229,13 +229,7 @@ def checked_path(directory: str, name: str, what: str = "file", nested: bool = F
 
 # --------------------------------------------------------------------------- write errors
 def _os_error_in(e: BaseException) -> Optional[OSError]:
-    seen = 0
-    while e is not None and seen < 16:
-        if isinstance(e, OSError) and e.errno:
-            return e
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return None
+    return next((x for x in exception_chain(e) if isinstance(x, OSError) and x.errno), None)
 
 
 def write_error(e: BaseException, path: str) -> BaseException:

@@ -54,7 +54,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Sequence, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -202,8 +202,6 @@ TIMEOUT_ENV = "CKPT_INTEGRATION_IO_TIMEOUT"
 BACKOFF_ENV = "CKPT_INTEGRATION_IO_BACKOFF"
 MAX_BACKOFF_S = 30.0
 
-T = TypeVar("T")
-
 # errnos of transient failures (s3fs: SlowDown / ServiceUnavailable -> EBUSY, InternalError -> EREMOTEIO)
 _TRANSIENT_ERRNOS = {_errno.EBUSY, _errno.EAGAIN, _errno.ETIMEDOUT, _errno.ECONNRESET, _errno.ECONNABORTED,
                      _errno.ECONNREFUSED, _errno.EPIPE, _errno.EHOSTUNREACH, _errno.ENETUNREACH,
@@ -244,7 +242,8 @@ class RetryPolicy:
         return random.uniform(0, min(MAX_BACKOFF_S, self.backoff * 2 ** (attempt - 1)))
 
 
-def _chain(e: BaseException):
+def exception_chain(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and its causes (``__cause__``, else ``__context__``), at most 16."""
     seen = 0
     while e is not None and seen < 16:
         yield e
@@ -257,7 +256,7 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
                       CheckpointingException)):
         return False
-    for x in _chain(e):
+    for x in exception_chain(e):
         if isinstance(x, (TimeoutError, ConnectionError)):
             return True
         response = getattr(x, "response", None)  # botocore ClientError
