@@ -269,6 +269,18 @@ def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_canno
     for part in ("state_dict", "optimizer", "scheduler", "extra", "metric", "global_step"):
         assert_same(start[part], was["snap"][part], f"smaller.{part}")
 
+    # 2b) the job started over (its checkpoints deleted, no ckpt_path) on 1 rank and was killed after
+    # its snapshot of step 1: the next resume goes on from that step, not from the abandoned run's
+    # snapshot of step 3, which stayed in memory until the new run left it (at train start)
+    shm5, ck5 = os.path.join(tmp, "shm5"), os.path.join(tmp, "ck5")
+    shutil.copytree(shm, shm5)
+    launch(__file__, tmp, "over", {**base, "shm": shm5, "dir": ck5, "stop_at": 1, "how": "exit"}, 1, timeout=240.0)
+    rcs, outs, logs = launch(__file__, tmp, "over_resumed", {**base, "shm": shm5, "dir": ck5, "resume": "last"}, 1,
+                             timeout=240.0)
+    text = tails(logs, 200000)
+    assert rcs == [0] and outs[0]["start_step"] == 1, f"{rcs} {outs}\n{text[-3000:]}"
+    assert "resumed from the memory tier, step 1 (own memory)" in text, text[-3000:]
+
     # 3) the durable checkpoints cannot be read (their recorded checksums are gone): memory (step 3)
     # is taken, and every rank says why
     for m in glob.glob(os.path.join(ckdir, "*.ckpt", "manifest.json")):

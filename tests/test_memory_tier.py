@@ -219,6 +219,43 @@ def test_single_process_roundtrip_slots_and_persist(tmp_path):
     assert not os.path.exists(os.path.join(d, "solo"))
 
 
+def test_snapshots_of_a_timeline_the_job_left_are_never_restored(tmp_path):
+    """A run that goes on from an older step than earlier runs of the job reached (a rollback to a
+    durable checkpoint, a restart from scratch) leaves their later snapshots behind: they were
+    offered by ``latest()`` (and persisted at a SIGTERM) before the run's own first snapshot
+    overwrote them, so the next restart silently resumed the abandoned timeline."""
+    import ckpt_integration as ci
+
+    d = str(tmp_path)
+    first = ci.MemoryCheckpoints(d, "tl", replicas=1)
+    for step in (4, 5):
+        first.save(_state(0, 1, step), step)
+    first.close()  # killed: its snapshots of steps 4 and 5 stay in memory
+    # a rollback to step 2 (from a durable checkpoint), whose first snapshot is step 3
+    rolled = ci.MemoryCheckpoints(d, "tl", replicas=1)
+    assert rolled.latest() == 5 and rolled.last_complete_step == 5
+    rolled.discard_newer(4)  # (Lightning calls it at train start with the step it resumed from)
+    assert rolled.latest() == 4 and rolled.last_complete_step is None  # nothing a SIGTERM would persist
+    rolled.save(_state(0, 1, 3), 3)  # its first snapshot drops what earlier runs took of step 3 and later
+    rolled.wait()
+    assert rolled.latest() == 3 and rolled.last_complete_step == 3
+    rolled.close()
+    # a restart that restores step 3 and goes on: the step it came from stays beside its own
+    again = ci.MemoryCheckpoints(d, "tl", replicas=1)
+    again.discard_newer(3)
+    _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    again.save(_state(0, 1, 4), 4)
+    again.wait()
+    assert again.latest() == 4
+    _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    again.close()
+    fresh = ci.MemoryCheckpoints(d, "tl", replicas=1)  # a run from scratch
+    fresh.discard_newer(0)
+    assert fresh.latest() is None and fresh.last_complete_step is None
+    assert not [n for n in os.listdir(os.path.join(d, "tl", "r00000")) if n.startswith("s")]  # files freed too
+    fresh.close(remove=True)
+
+
 def test_tmpfs_without_huge_pages_is_named(tmp_path):
     from ckpt_integration.memory.slots import tmpfs_without_huge_pages
 

@@ -221,6 +221,12 @@ class DistCkptMemorySnapshots(Callback):
         io = getattr(trainer.strategy, "_checkpoint_io", None)
         return io if isinstance(io, DistCkptIO) and io.memory_enabled else None
 
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        io = self._io(trainer)
+        if io is not None:  # (after any restore) snapshots of later steps that earlier runs took are a timeline
+            # this run left: a rollback to an older checkpoint, or a fresh start, must not be undone by the next restart
+            tier_for(trainer.strategy).discard_newer(int(trainer.global_step))
+
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", *args: Any, **kwargs: Any) -> None:
         io = self._io(trainer)
         if io is None:

@@ -26,7 +26,7 @@ from ..flat_ranges import flat_range_to_boxes
 from ..planning.boxes import Box, intersect
 
 __all__ = ["ReplicationPlan", "CopyLocation", "SavedPiece", "replication_plan", "choose_sources", "memory_clashes",
-           "saved_pieces", "cover", "block_hull"]
+           "space_problem", "saved_pieces", "cover", "block_hull"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,18 @@ def memory_clashes(plan: ReplicationPlan, identities: Sequence[str], directories
             f"{directories[clashes[0][1]]}, {identities[clashes[0][0]]}); ranks_per_node={plan.ranks_per_node} puts "
             "ranks of one host's memory on different nodes, or several nodes were given one directory. Pass the ranks "
             "per node the job really has (LOCAL_WORLD_SIZE), and each node its own shared-memory directory")
+
+
+def space_problem(plan: ReplicationPlan, rank: int, sizes: Sequence[int], free: int, directory: str) -> Optional[str]:
+    """Why ``rank``'s node lacks room for 2 slots of the snapshots it holds (its ranks' own and the
+    copies they keep; ``sizes[r]``: bytes of rank ``r``'s snapshot; ``free``: bytes it can use), or ``None``."""
+    mine = [r for r in range(plan.world_size) if plan.node_of(r) == plan.node_of(rank)]
+    held = set(mine) | {o for r in mine for o in plan.held_by(r)}
+    need = 2 * sum(sizes[o] for o in held)
+    if need <= free:
+        return None
+    return (f"node {plan.node_of(rank)} ({directory}, ranks {mine[0]}-{mine[-1]}): needs {need / 2**30:.2f} GiB for 2 "
+            f"slots of {len(mine)} own and {len(held) - len(mine)} peer snapshots, {free / 2**30:.2f} GiB free")
 
 
 # --------------------------------------------------------------------------- elastic restore

@@ -190,6 +190,18 @@ def fetch(
     return obtained, local_err, missing, chosen
 
 
+def use_own_mappings(got: Obtained, arenas: Sequence[slots.Arena]) -> None:
+    """Restoring in the process that took the snapshot: read from its own mappings of the files
+    (``arenas``: that process's, by slot)."""
+    slot = got.record.header.get("slot")
+    if slot not in slots.SLOTS:
+        return
+    for name, size in got.record.files().items():
+        m = arenas[slot].mapped(name, size)
+        if m is not None:
+            got.warm[name] = m
+
+
 def _check_header(rec: slots.Record, owner: int, key: Key) -> None:
     if rec.owner != owner or (rec.step, rec.incarnation) != key:
         raise CorruptCheckpointError(f"record is of rank {rec.owner} step {rec.step}, not rank {owner} step {key[0]}")

@@ -36,7 +36,7 @@ import shutil
 import struct
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -422,21 +422,46 @@ class Arena:
         for name in list(self.maps):
             if name not in keep:
                 del self.maps[name]
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return
-        for name in names:
-            m = _BIN_RE.match(name)
-            if m and int(m.group(1)) == self.slot and name not in keep:
-                try:
-                    os.unlink(os.path.join(self.dir, name))
-                except FileNotFoundError:
-                    pass
+        remove_slot_files(self.dir, self.slot, keep)
 
     def close(self) -> None:
         self.maps.clear()
         self._ids.clear()
+
+
+def remove_slot_files(directory: str, slot: int, keep: Iterable[str] = ()) -> None:
+    """Delete the arena files of ``slot`` in an owner's ``directory``, except ``keep``."""
+    keep = set(keep)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        m = _BIN_RE.match(name)
+        if m and int(m.group(1)) == slot and name not in keep:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+
+
+def drop_other_runs(root: str, owners: Iterable[int], incarnation: Tuple[int, str], lowest: int) -> List[Tuple[int, int]]:
+    """Delete the slots of ``owners`` on this node that another run (incarnation) of the job committed
+    for a step ``>= lowest``: record first (the slot is invalid from then on), then its files.
+    Returns ``(owner, step)`` of each slot deleted. A damaged record is left (it counts for nothing)."""
+    dropped = []
+    for owner in owners:
+        for slot in SLOTS:
+            try:
+                rec = read_record(root, owner, slot)
+                run, step = (rec.incarnation, rec.step) if rec is not None else (tuple(incarnation), 0)
+            except (CorruptCheckpointError, ValueError, KeyError, TypeError, OSError):
+                continue
+            if run != tuple(incarnation) and step >= lowest:
+                invalidate(root, owner, slot)
+                remove_slot_files(owner_dir(root, owner), slot)
+                dropped.append((owner, step))
+    return dropped
 
 
 def _file_id(path: str) -> Tuple[int, int]:

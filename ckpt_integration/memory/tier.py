@@ -47,7 +47,7 @@ from . import elastic
 from . import restore as rs
 from .restore import RestoreReport
 from . import slots
-from .plan import memory_clashes, replication_plan
+from .plan import memory_clashes, replication_plan, space_problem
 from .transfer import Outgoing, exchange
 
 logger = logging.getLogger(__name__)
@@ -255,16 +255,8 @@ class MemoryCheckpoints:
         """First save (collective): does every node have room for 2 slots of what it holds?"""
         est = sum(v.data.numel() * v.data.element_size() for v in job.values if isinstance(v, ShardedTensor))
         sizes = dist.all_gather_object(est + (1 << 20), self._group)
-        mine = [r for r in range(self.world_size) if self.plan.node_of(r) == self.plan.node_of(self.rank)]
-        held = set(mine) | {o for r in mine for o in self.plan.held_by(r)}
-        need = 2 * sum(sizes[o] for o in held)
         free = shutil.disk_usage(self.directory).free + slots.node_usage(self.root)
-        err = None
-        if need > free:
-            err = (f"node {self.plan.node_of(self.rank)} ({self.directory}, ranks {mine[0]}-{mine[-1]}): needs "
-                   f"{need / 2**30:.2f} GiB for 2 slots of {len(mine)} own and {len(held) - len(mine)} peer snapshots, "
-                   f"{free / 2**30:.2f} GiB free")
-        errors = dist.agree_on_errors(err, self._group)
+        errors = dist.agree_on_errors(space_problem(self.plan, self.rank, sizes, free, self.directory), self._group)
         if errors:
             raise MemorySpaceError("not enough shared memory for the memory tier:\n  " + "\n  ".join(errors))
         self._space_checked = True
@@ -340,8 +332,11 @@ class MemoryCheckpoints:
         if errors:
             msg = f"memory snapshot of step {job.step} failed; the previous complete step stays restorable"
             dist.raise_if_any_failed(failure.exc, errors, msg)
+        first = self._protected is None or self._protected[1] != self.incarnation
         self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
         self.last_complete_step = job.step
+        if first:  # this run's first snapshot: what earlier runs took of this step or later is another timeline
+            self._drop_other_runs(job.step)
         if self._stale:  # a step of this job size is complete: free the snapshots of the larger one
             self._stale = False
             for owner in slots.owners(self.root):
@@ -380,6 +375,26 @@ class MemoryCheckpoints:
         """Block until the last snapshot is committed on every rank with all its copies; raise its failure."""
         self._drain()
 
+    def discard_newer(self, step: int) -> None:
+        """Drop the snapshots earlier runs of this job took of steps after ``step``, where this run goes
+        on from (``0``: afresh). They are a timeline it left (a rollback, a restart from scratch) that
+        :meth:`latest` would offer the next restart. Local: every rank calls it (its own snapshots and
+        copies). A run's first snapshot drops those of its step and later; Lightning calls this at train start."""
+        self._check_open()
+        self._drop_other_runs(int(step) + 1)
+
+    def _drop_other_runs(self, lowest: int) -> None:
+        with self._pin_cv:
+            if any(self._pinned.values()):
+                return  # a persist is reading a snapshot: left as it is
+        owners = {self.rank, *self.plan.held_by(self.rank), *(o for o in slots.owners(self.root) if o >= self.world_size)}
+        dropped = slots.drop_other_runs(self.root, sorted(owners), self.incarnation, lowest)
+        if self._protected is not None and self._protected[1] != self.incarnation and self._protected[0] >= lowest:
+            self._protected = self._protected_slot = self.last_complete_step = None
+        if dropped:
+            logger.info("memory tier: rank %d dropped the snapshots of step(s) %s an earlier run of job %r took (this "
+                        "run left that timeline)", self.rank, sorted({s for _, s in dropped}), self.job_id)
+
     # -- restore ------------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
         """Collective: the newest step whose every saved byte survives in memory (own node or a
@@ -417,7 +432,7 @@ class MemoryCheckpoints:
         found = rs.step_in_memory(inv, int(step), self.world_size)
         if found is None:
             raise MemoryCheckpointError(f"step {step} is not complete in memory for job {self.job_id!r} "
-                                        f"(newest complete: {self.latest_known(inv)})")
+                                        f"(newest complete: {next((k[0] for k, _ in rs.complete_any(inv)), None)})")
         key, saved_world = found
         if saved_world != self.world_size:
             return elastic.load(self, sharded_state_dict, inv, key, saved_world)
@@ -434,8 +449,8 @@ class MemoryCheckpoints:
                     + ("; ".join(sorted(set(reasons))) or "none") + ". Load the durable checkpoint instead")
             layout = False
             if self.rank in owners and err is None:
-                if got.source == "own memory":
-                    self._use_own_mappings(got)
+                if got.source == "own memory":  # in the process that took it: read its own mappings of the files
+                    rs.use_own_mappings(got, self._arenas)
                 try:
                     result = rs.fill_request(sharded_state_dict, got, f"memory snapshot of rank {self.rank} step {step} "
                                              f"({got.source})", self.trusted, self.allowed_globals, rank=self.rank,
@@ -465,21 +480,6 @@ class MemoryCheckpoints:
         self.last_restore = RestoreReport(int(step), source, mine_refused, bool(got is not None and got.warm))
         logger.info("memory tier: rank %d restored step %d of job %r from %s", self.rank, step, self.job_id, source)
         return result
-
-    def _use_own_mappings(self, got: rs.Obtained) -> None:
-        """Restoring in the process that took the snapshot: read from its own mappings of the files."""
-        slot = got.record.header.get("slot")
-        if slot not in slots.SLOTS:
-            return
-        arena = self._arenas[slot]
-        for name, size in got.record.files().items():
-            m = arena.mapped(name, size)
-            if m is not None:
-                got.warm[name] = m
-
-    def latest_known(self, inv: rs.Inventory) -> Optional[int]:
-        done = rs.complete_any(inv)
-        return done[0][0][0] if done else None
 
     # -- durable tier -------------------------------------------------------------------------
     def persist(self, step: int, checkpoint_dir: Union[str, os.PathLike], **save_kwargs: object) -> AsyncRequest:
