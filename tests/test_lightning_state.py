@@ -16,7 +16,7 @@ from torch import nn
 from tests.lightning_helpers import TinyModule, assert_same, loader, trainer
 
 
-def _fit(tmp, name, epochs, ckpt_path=None, strategy=None, module=None, **kw):
+def _fit(tmp, name, epochs, ckpt_path=None, strategy=None, module=None, io=None, **kw):
     import lightning as L
 
     from ckpt_integration.lightning import DistCkptIO
@@ -25,7 +25,8 @@ def _fit(tmp, name, epochs, ckpt_path=None, strategy=None, module=None, **kw):
     m = module or TinyModule(dump=f"{tmp}/{name}", options={})
     if strategy is not None:
         kw["strategy"] = strategy
-    t = trainer(max_epochs=epochs, limit_train_batches=3, default_root_dir=f"{tmp}/{name}", plugins=[DistCkptIO()], **kw)
+    t = trainer(max_epochs=epochs, limit_train_batches=3, default_root_dir=f"{tmp}/{name}", plugins=[io or DistCkptIO()],
+                **kw)
     t.fit(m, loader(), ckpt_path=ckpt_path)
     return m, t
 
@@ -100,6 +101,52 @@ def test_last_is_the_newest_state_whatever_top_k_says(tmp_path, save_last):
         DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", monitor="rising", mode="min", save_top_k=1, save_last=save_last)])
     assert m.counter.history[:1] == [0] and m.counter.calls == 12  # resumed from step 9, not from step 3
     assert ci.load_common_state_dict(f"{tmp}/ck/last.ckpt")["global_step"] == 12
+
+
+class _Scored(TinyModule):
+    """Epoch 1 does not make the top 1 (``last.ckpt`` is written itself), epoch 2 does (it becomes a link)."""
+
+    def training_step(self, batch, idx):
+        self.log("score", {0: 1.0, 1: 2.0}.get(self.current_epoch, 0.5))
+        return super().training_step(batch, idx)
+
+
+def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_commits(tmp_path, monkeypatch):
+    """``save_last="link"``: Lightning deleted a ``last.ckpt`` written as a checkpoint itself as soon as
+    the link to the new top-k checkpoint was made, while that save was still being written. When the
+    save then failed (or the job was killed), the newest state was gone and ``ckpt_path="last"``
+    resumed two epochs back."""
+    import ckpt_integration as ci
+    from ckpt_integration.execution import save as save_mod
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    tmp = str(tmp_path)
+
+    def run(name, ck, epochs, resume=None):
+        cb = DistCkptModelCheckpoint(dirpath=ck, monitor="score", mode="min", save_top_k=1, save_last="link")
+        return _fit(tmp, name, epochs, ckpt_path=resume, module=_Scored(options={}), callbacks=[cb],
+                    io=DistCkptIO(async_save=True))[1]
+
+    run("ok", f"{tmp}/ok", 3)  # the link's save commits: the checkpoint it replaced is removed then
+    assert sorted(os.listdir(f"{tmp}/ok")) == ["epoch=2-step=9.ckpt", "last.ckpt"]
+    assert os.path.islink(f"{tmp}/ok/last.ckpt") and ci.load_common_state_dict(f"{tmp}/ok/last.ckpt")["global_step"] == 9
+    ck = f"{tmp}/ck"
+    run("a", ck, 2)
+    assert not os.path.islink(f"{ck}/last.ckpt") and ci.load_common_state_dict(f"{ck}/last.ckpt")["global_step"] == 6
+    real = save_mod.write_data_files
+
+    def failing(target, *args, **kwargs):
+        if "epoch=2" in target.path:
+            raise OSError(28, "No space left on device")
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(save_mod, "write_data_files", failing)
+    with pytest.raises(ci.errors.CheckpointWriteError, match="no space left on device"):
+        run("b", ck, 3, resume="last")
+    monkeypatch.undo()
+    t = run("c", ck, 3, resume="last")
+    assert ci.load_common_state_dict(t.ckpt_path)["global_step"] == 6, t.ckpt_path  # the step-6 state, kept aside
+    assert os.path.basename(t.ckpt_path).startswith("last.replaced-")
 
 
 def test_default_sharded_state_dict_is_what_state_dict_holds(tmp_path):

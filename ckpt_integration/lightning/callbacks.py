@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import lightning.pytorch as pl
@@ -104,6 +105,23 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 trainer.strategy.barrier()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
+
+    def _link_checkpoint(self, trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
+        """Lightning's, except that a ``last.ckpt`` written as a checkpoint itself is moved aside, not
+        deleted, before the link takes its name: the checkpoint linked to may still be being written
+        (an async save), and until it commits the one it replaces is the newest state. The moved one
+        (``last.replaced-<id>.ckpt``, still a candidate for ``ckpt_path="last"``) is removed as a
+        replaced checkpoint is: after the commit, and never when the save fails."""
+        if os.path.abspath(filepath) != os.path.abspath(linkpath):
+            aside = None
+            if trainer.is_global_zero and os.path.isdir(linkpath) and not os.path.islink(linkpath):
+                stem, ext = os.path.splitext(linkpath)
+                aside = f"{stem}.replaced-{uuid.uuid4().hex[:8]}{ext}"
+                os.replace(linkpath, aside)
+            aside = trainer.strategy.broadcast(aside)
+            if aside is not None:
+                trainer.strategy.remove_checkpoint(aside)
+        super()._link_checkpoint(trainer, filepath, linkpath)
 
     def _save_last_if_behind(self, trainer: "pl.Trainer") -> None:
         """At an epoch-level trigger: write ``last`` if this step's top-k decision did not."""
