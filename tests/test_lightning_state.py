@@ -149,6 +149,41 @@ def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_co
     assert os.path.basename(t.ckpt_path).startswith("last.replaced-")
 
 
+def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
+    """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
+    (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""
+    import lightning as L
+
+    from ckpt_integration.lightning import DistCkptIO
+
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def training_step(self, batch, idx):
+            if self.global_step == 1:
+                self.optimizers().param_groups[0]["lr"] = 0.05  # saved with the groups, restored by the resume
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def on_train_start(self):
+            self.started = (int(self.global_step), self.optimizers().param_groups[0]["lr"])
+
+    def fit(epochs, ckpt_path=None):
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(12, 4)), batch_size=4)
+        t = trainer(max_epochs=epochs, default_root_dir=str(tmp_path), plugins=[DistCkptIO()])
+        m = Plain()
+        t.fit(m, data, ckpt_path=ckpt_path)
+        return m, t
+
+    saved, t = fit(1)
+    resumed, _ = fit(2, ckpt_path=t.checkpoint_callback.best_model_path)
+    assert resumed.started == (3, 0.05)
+
+
 def test_default_sharded_state_dict_is_what_state_dict_holds(tmp_path):
     """Hooked children (ShardedModuleMixin) and state_dict semantics side by side, without Lightning."""
     import ckpt_integration as ci

@@ -13,7 +13,7 @@ from ..dict_utils import nested_values
 from ..execution.dist import Group, all_gather_object, all_reduce_ints
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from ..dtensors import is_dtensor
-from ..serialization import load, load_sharded_metadata
+from ..serialization import load, load_common_state_dict, load_sharded_metadata
 from .sharding import (
     DEFAULT_PREFIX,
     EXTRA_STATE_NAMES,
@@ -39,6 +39,13 @@ logger = logging.getLogger(__name__)
 def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: str = DEFAULT_PREFIX) -> bool:
     """True if the checkpoint holds any tensor or object under ``f"{prefix}."``."""
     return any(k.startswith(prefix + ".") for k in load_sharded_metadata(checkpoint_dir))
+
+
+def saved_param_groups_only(checkpoint_dir: Union[str, "os.PathLike[str]"], key: str) -> bool:
+    """True if the checkpoint's common state holds the param groups of an optimizer under ``key``
+    and no state: what an optimizer that keeps no state (SGD without momentum) saves."""
+    entry = load_common_state_dict(checkpoint_dir).get(key)
+    return isinstance(entry, dict) and isinstance(entry.get("param_groups"), (list, dict)) and not entry.get("state")
 
 
 def gather_problems(problems: List[str], group: Group) -> List[str]:
@@ -346,7 +353,7 @@ def load_optimizer_state(
     or has another shape.
     """
     state_dict_key = state_dict_key or prefix
-    if not has_optimizer_state(checkpoint_dir, prefix):
+    if not has_optimizer_state(checkpoint_dir, prefix) and not saved_param_groups_only(checkpoint_dir, state_dict_key):
         report_missing_state(checkpoint_dir, prefix, missing_ok)
         return None
     params = optimizer_params(optimizer)
