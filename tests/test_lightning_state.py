@@ -149,6 +149,22 @@ def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_co
     assert os.path.basename(t.ckpt_path).startswith("last.replaced-")
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_two_checkpoint_callbacks_in_one_directory_keep_their_own_checkpoints(tmp_path, async_save):
+    """A "best" and a "latest" callback save at the same step under the same name. Lightning gives
+    the second one ``-v1`` when the first's checkpoint exists; an async save still being written did
+    not count, so both kept one checkpoint and "latest" later deleted "best"'s."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint, is_complete_checkpoint
+
+    tmp = str(tmp_path)
+    best = DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", monitor="rising", mode="min", save_top_k=1)
+    latest = DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", save_top_k=1)
+    _fit(tmp, "a", 3, module=_Rising(options={}), callbacks=[best, latest], io=DistCkptIO(async_save=async_save))
+    assert sorted(os.listdir(f"{tmp}/ck")) == ["epoch=0-step=3.ckpt", "epoch=2-step=9.ckpt"]
+    assert best.best_model_path.endswith("epoch=0-step=3.ckpt") and is_complete_checkpoint(best.best_model_path)
+    assert latest.best_model_path.endswith("epoch=2-step=9.ckpt") and is_complete_checkpoint(latest.best_model_path)
+
+
 def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
     """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
     (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""

@@ -154,14 +154,20 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             )
 
     def file_exists(self, filepath: Any, trainer: "pl.Trainer") -> bool:
-        """Only a complete checkpoint counts as existing (decided on rank 0, shared with all).
+        """Only a complete checkpoint, or one this job's async save is writing, counts as existing
+        (decided on rank 0, shared with all).
 
         A directory left by a save killed before its commit would otherwise make Lightning
         write the redone save as ``<name>-v1.ckpt`` next to the debris; treating it as absent
-        lets the new save reuse the name (the save clears an incomplete directory first).
+        lets the new save reuse the name (the save clears an incomplete directory first). A save
+        still in flight is not debris: a second callback saving at the same step must get a name
+        of its own, or both would keep (and one later delete) the same checkpoint.
         """
         local = False
-        if trainer.is_global_zero and self._fs.exists(filepath):
+        io = _io(trainer)
+        if trainer.is_global_zero and io is not None and io.saving(filepath):
+            local = True
+        elif trainer.is_global_zero and self._fs.exists(filepath):
             local = is_complete_checkpoint(_resolve_link(filepath))
         return trainer.strategy.reduce_boolean_decision(local, all=False)
 

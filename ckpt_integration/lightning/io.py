@@ -22,7 +22,7 @@ from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from ..execution.shared_metadata import open_shared
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
-from ..storage.filesystem import storage_for
+from ..storage.filesystem import canonical, storage_for
 from ..storage.opened import OpenedCheckpoint, opened
 from ..strategies import LoadStrategy
 
@@ -342,6 +342,11 @@ class DistCkptIO(CheckpointIO):
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
             self._check_group = dist.new_private_group(None)
         return self._check_group
+
+    def saving(self, path: Any) -> bool:
+        """True while an async save of this plugin to ``path`` is not finalized (this rank)."""
+        p = canonical(os.fspath(path))
+        return any(canonical(r.description) == p for r in self._requests)
 
     @property
     def num_unfinalized(self) -> int:
