@@ -165,6 +165,33 @@ def test_two_checkpoint_callbacks_in_one_directory_keep_their_own_checkpoints(tm
     assert latest.best_model_path.endswith("epoch=2-step=9.ckpt") and is_complete_checkpoint(latest.best_model_path)
 
 
+def test_loading_a_checkpoint_this_job_is_still_saving_waits_for_its_commit(tmp_path, monkeypatch):
+    """``trainer.save_checkpoint(p)`` with async saves, then at once ``validate(ckpt_path=p)``: the load
+    was refused as an incomplete checkpoint ("the save was interrupted or is still running")."""
+    import time
+
+    import ckpt_integration as ci
+    from ckpt_integration.execution import save as save_mod
+    from ckpt_integration.lightning import DistCkptIO
+
+    tmp = str(tmp_path)
+    m, t = _fit(tmp, "a", 1, io=DistCkptIO(async_save=True))
+    real = save_mod.write_data_files
+
+    def slow(*args, **kwargs):  # (a bigger model's write: still running when validate starts)
+        out = real(*args, **kwargs)
+        time.sleep(0.5)
+        return out
+
+    monkeypatch.setattr(save_mod, "write_data_files", slow)
+    t.save_checkpoint(f"{tmp}/final.ckpt")
+    assert not os.path.exists(f"{tmp}/final.ckpt/metadata.json")
+    fresh = TinyModule(options={})
+    t.validate(fresh, loader(), ckpt_path=f"{tmp}/final.ckpt")
+    assert ci.check_is_distributed_checkpoint(f"{tmp}/final.ckpt")
+    assert_same(dict(fresh.state_dict()), dict(m.state_dict()))
+
+
 def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
     """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
     (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""

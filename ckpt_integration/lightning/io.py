@@ -315,6 +315,7 @@ class DistCkptIO(CheckpointIO):
         if isinstance(path, OpenedCheckpoint):
             yield path
             return
+        self.wait_if_saving(path)
         ck, _ = open_shared(os.fspath(path), None, self.trusted)
         try:
             yield ck
@@ -342,6 +343,12 @@ class DistCkptIO(CheckpointIO):
         if self._check_group is None and tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1:
             self._check_group = dist.new_private_group(None)
         return self._check_group
+
+    def wait_if_saving(self, path: Any) -> None:
+        """A load of a checkpoint this job's async save is still writing waits for its commit (and
+        raises its failure) instead of refusing an incomplete checkpoint. Every rank loads alike."""
+        if self.saving(path):
+            self.maybe_finalize(blocking=True, collective=False)
 
     def saving(self, path: Any) -> bool:
         """True while an async save of this plugin to ``path`` is not finalized (this rank)."""
@@ -424,6 +431,7 @@ class DistCkptIO(CheckpointIO):
             path = os.fspath(path)
             if os.path.isfile(path) and os.path.basename(path).startswith(".temp"):
                 return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
+            self.wait_if_saving(path)
         with opened(path, self.trusted, verified=True) as ck:  # both reads below are of one commit
             common = dict(serialization.load_common_state_dict(ck, trusted=self.trusted,
                                                                allowed_globals=self.load_kwargs()["allowed_globals"]))

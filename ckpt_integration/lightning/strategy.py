@@ -226,6 +226,7 @@ class DistCkptStrategyMixin(Strategy):
         """
         io = self.dist_checkpoint_io()
         path = self.broadcast(os.fspath(checkpoint_path))  # type: ignore[attr-defined]
+        io.wait_if_saving(path)
         if io.memory_enabled:  # the newer of the memory tier's newest step and this checkpoint
             loaded, path = restore_newest(self, path)
             if loaded is not None:
