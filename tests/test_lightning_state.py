@@ -192,6 +192,17 @@ def test_loading_a_checkpoint_this_job_is_still_saving_waits_for_its_commit(tmp_
     assert_same(dict(fresh.state_dict()), dict(m.state_dict()))
 
 
+def test_a_callback_that_replaces_the_state_dict_with_plain_tensors_is_named(tmp_path):
+    """Lightning's WeightAveraging puts the averaged model's plain tensors in ``checkpoint["state_dict"]``:
+    they were replaced by the live module's weights (lost), then the module's, moved to
+    ``current_model_state``, collided with them ("main replicas overlap", naming no cause)."""
+    import ckpt_integration as ci
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    with pytest.raises(ci.CheckpointingException, match=r"plain tensors.*WeightAveraging"):
+        _fit(str(tmp_path), "a", 1, callbacks=[WeightAveraging()])
+
+
 def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
     """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
     (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""

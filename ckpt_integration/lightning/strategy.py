@@ -8,11 +8,13 @@ from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from .. import serialization
+from ..errors import CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from ..execution import dist as cdist
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
@@ -187,6 +189,14 @@ class DistCkptStrategyMixin(Strategy):
         snapshot restores each rank's own state)."""
         state = dict(checkpoint)
         dumped = state.pop("state_dict", None)
+        if isinstance(dumped, dict) and not _contains_sharded(dumped) and any(isinstance(v, torch.Tensor) for v in
+                                                                              dumped.values()):
+            raise CheckpointingException(
+                "checkpoint['state_dict'] holds plain tensors instead of the module's sharded state dict: a callback "
+                "replaced it (Lightning's WeightAveraging / EMAWeightAveraging put the averaged model's weights there and "
+                f"moved the module's to 'current_model_state'). {type(self).__name__} saves the module's sharded state "
+                "dict, so these weights would be lost: keep the averaged weights as a module of the LightningModule "
+                "(saved and resharded like its other parameters), or save without the DistCkpt plugin")
         model_sd = dumped if _contains_sharded(dumped) else self._module_sharded_state_dict()
         state["state_dict"] = model_sd
         opt_states = state.pop("optimizer_states", None)
