@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..dict_utils import diff
-from ..errors import CheckpointingException
+from ..errors import UntrustedObjectError
 from ..serialization import load_common_state_dict
 from ..storage.opened import pinned
 from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, dtype_name, no_progress, parse_size
@@ -92,9 +92,38 @@ class DiffReport:
         return "\n".join(lines)
 
 
+def _is_exact(t: torch.Tensor) -> bool:
+    """Integer or bool: compared exactly (a cast to float64 rounds integers beyond 2**53)."""
+    return not (t.is_floating_point() or t.is_complex())
+
+
+def _exact_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise exact equality of two integer/bool tensors of any dtypes (uint64 included)."""
+    if a.dtype == b.dtype:
+        return a == b
+    ua, ub = a.dtype == torch.uint64, b.dtype == torch.uint64
+    ia = a.view(torch.int64) if ua else a.to(torch.int64)  # every other integer dtype fits int64
+    ib = b.view(torch.int64) if ub else b.to(torch.int64)
+    eq = ia == ib
+    if ua != ub:  # a uint64 >= 2**63 reads as a negative int64: equal only to a non-negative signed value
+        eq &= (ib if ua else ia) >= 0
+    return eq
+
+
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference, for display; non-zero exactly when some element differs.
+
+    Integer/bool values are compared exactly; the magnitude (computed in float64) is then at
+    least 1, the smallest difference two integers can have.
+    """
     if a.dtype == b.dtype and torch.equal(a, b):
         return 0.0
+    if _is_exact(a) and _is_exact(b):
+        same = _exact_equal(a, b)
+        if bool(same.all()):
+            return 0.0
+        d = (a.to(torch.float64) - b.to(torch.float64)).abs()[~same]
+        return max(float(d.max()), 1.0)
     if a.is_complex() or b.is_complex():
         a, b = a.to(torch.complex128), b.to(torch.complex128)
     else:
@@ -134,7 +163,8 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
         ca, cb = load_common_state_dict(sa.checkpoint, trusted=trusted), load_common_state_dict(sb.checkpoint, trusted=trusted)
         oa = {k: sa.read_object(k) for k in sa.objects if k in set(sb.objects)}
         ob = {k: sb.read_object(k) for k in oa}
-    except CheckpointingException as e:  # e.g. a class the restricted unpickler refuses without --trusted
+    except UntrustedObjectError as e:  # a class the restricted unpickler refuses without --trusted
+        # (only that refusal is a note: damaged or missing data is an error, as for tensors)
         report.common_error = str(e).splitlines()[0]
         return
     only_a, only_b, mismatch = diff(ca, cb)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointingException
+from ..errors import CheckpointingException, UntrustedObjectError
 from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
 from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
@@ -156,10 +156,16 @@ def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> Li
 
 
 def _read_common(src: DistCheckpointSource, allowed: Sequence[Any], result: ExportResult) -> Optional[Dict[str, Any]]:
-    """The common state, or ``None`` (noted in ``result.skipped``) when it cannot be loaded safely."""
+    """The common state, or ``None`` (noted in ``result.skipped``) when it is refused as unsafe.
+
+    Only an untrusted-object refusal (objects outside the allow-list, without ``trusted``) is a
+    note: the user chose not to trust it. A missing or damaged common state fails the export
+    (as in ``convert``): without it the Lightning marker is lost, so optimizer state would be
+    exported as model weights and the ``.ckpt`` would silently lack its training entries.
+    """
     try:
         common = load_common_state_dict(src.checkpoint, trusted=src.trusted, allowed_globals=list(allowed))
-    except CheckpointingException as e:
+    except UntrustedObjectError as e:
         result.skipped.append(f"the common state ({str(e).splitlines()[0]})")
         return None
     return dict(common) if isinstance(common, dict) else {"common": common}
@@ -345,19 +351,23 @@ def _write_lightning(src: TensorSource, names: List[str], extra_state: Dict[str,
                      out_file: str, budget: int, bar: Any) -> None:
     """One ``torch.load``-able file ``{"state_dict": {name: tensor, ...}, **top}``, tensors streamed."""
     writer = TorchSaveWriter(out_file)
-    for name in names:
-        writer.begin_tensor(name, src.tensors[name])
-        for _, block in src.iter_blocks(name, budget):
-            writer.write(block)
-            bar.update(block.numel() * block.element_size())
-            del block
-        writer.end_tensor()
-    state_dict, writer.refs = writer.refs, {}  # the tensors go under "state_dict", not at the top
-    state_dict.update(extra_state)
-    writer.values["state_dict"] = state_dict
-    for key, value in top.items():
-        writer.add_value(key, value)
-    writer.close()
+    try:
+        for name in names:
+            writer.begin_tensor(name, src.tensors[name])
+            for _, block in src.iter_blocks(name, budget):
+                writer.write(block)
+                bar.update(block.numel() * block.element_size())
+                del block
+            writer.end_tensor()
+        state_dict, writer.refs = writer.refs, {}  # the tensors go under "state_dict", not at the top
+        state_dict.update(extra_state)
+        writer.values["state_dict"] = state_dict
+        for key, value in top.items():
+            writer.add_value(key, value)
+        writer.close()  # inside: pickling the top-level values can fail too
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _lightning_top_level(common: Optional[Dict[str, Any]], marker: Dict[str, Any], include_training: bool,

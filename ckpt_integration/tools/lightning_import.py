@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Ty
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..errors import CheckpointingException, UntrustedObjectError
+from ..errors import CheckpointingException, CorruptCheckpointError, UntrustedObjectError
 from ..mapping import ShardedTensor
 from ..modules import ParallelLayout, module_sharded_state_dict
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict
@@ -49,7 +49,7 @@ from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_s
 from .export import build_optimizers
 from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
 from .recipe import export_recipe_object
-from .sources import DistCheckpointSource, MappedFiles, TensorInfo, TensorSource, tensor_from_map
+from .sources import DistCheckpointSource, MappedFiles, TensorInfo, TensorSource, check_zip_records, tensor_from_map
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,13 +69,26 @@ class ImportResult(ConvertResult):
 
 
 # --------------------------------------------------------------------------- reading the inputs
-def _load_file(path: str, trusted: bool) -> Any:
+def _load_file(path: str, trusted: bool, check: bool = True) -> Any:
+    """``torch.load`` of a Lightning file (memory-mapped; weights-only unless ``trusted``).
+
+    ``check``: first verify the zip records' CRC32s (``torch.load`` does not), so that damaged
+    bytes fail here, naming the file and record, instead of being converted as values.
+    Any other failure to load is a :class:`CorruptCheckpointError` naming the file.
+    """
+    if check:
+        check_zip_records(path)
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
     except pickle.UnpicklingError as e:
         raise UntrustedObjectError(
             f"refusing to load {path} with weights_only=True ({str(e).splitlines()[0]}); "
             "pass --trusted (trusted=True) only if you trust the file") from None
+    except CheckpointingException:
+        raise
+    except Exception as e:  # torch.load fails in many ways on a damaged or foreign file
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CorruptCheckpointError(f"{path} cannot be read by torch.load: {detail}") from None
 
 
 def stock_lightning_kind(path: Union[str, os.PathLike], trusted: bool = False) -> Optional[str]:
@@ -94,7 +107,7 @@ def stock_lightning_kind(path: Union[str, os.PathLike], trusted: bool = False) -
     if not (os.path.isfile(path) and zipfile.is_zipfile(path)):
         return None
     try:
-        obj = _load_file(path, trusted)
+        obj = _load_file(path, trusted, check=False)  # (the conversion checks the file's CRCs)
     except Exception:  # noqa: BLE001 - not ours to judge here
         return None
     return "ckpt" if isinstance(obj, dict) and _VERSION_KEY in obj and isinstance(obj.get("state_dict"), dict) else None

@@ -15,13 +15,16 @@ import mmap
 import os
 import pickle
 import struct
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..errors import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
+                      UnsupportedCheckpointError)
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
@@ -190,6 +193,23 @@ def _open_file(path: str) -> Any:
     return os.fdopen(open_regular(path, "input file"), "rb")
 
 
+def check_zip_records(path: str) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``path`` and the damaged record when the zip
+    archive of a ``torch.save`` file fails its CRC32 checks (``torch.load`` does not check them:
+    a flipped bit in tensor data would be read as a value). Reads the whole file once; a file
+    that is no zip archive (the legacy ``torch.save`` format) has no CRCs and passes."""
+    with _open_file(path) as f:
+        if f.read(4) != b"PK\x03\x04":
+            return
+    try:
+        with zipfile.ZipFile(path) as zf:
+            bad = zf.testzip()
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as e:
+        raise CorruptCheckpointError(f"{path} is damaged: its zip archive cannot be read ({e})") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{path} is damaged: record {bad!r} of its zip archive fails its CRC32 check")
+
+
 def tensor_from_map(mm: Union[mmap.mmap, bytes], dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:
     """A tensor viewing ``shape`` elements of ``dtype`` at byte ``offset`` of a :class:`MappedFiles` map (no copy)."""
     count = math.prod(shape)
@@ -229,7 +249,59 @@ def read_safetensors_header(path: str) -> Tuple[Dict[str, Any], int]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise CorruptCheckpointError(f"{path} is not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
     return header, 8 + n
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int  # noqa: E721 - JSON true/false are bools, not sizes
+
+
+def check_safetensors_entry(file: str, key: str, entry: Any, data_size: int) -> Tuple[torch.dtype, Tuple[int, ...], int, int]:
+    """``(dtype, shape, start, end)`` of one header entry of a safetensors file, checked against
+    itself and the ``data_size`` bytes after the header (a truncated file, or a header whose ranges
+    disagree with dtype x shape, would otherwise be read as other tensors' bytes or fail in torch)."""
+    def bad(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{file} is damaged: tensor {key!r} {what}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"has a header entry that is not an object: {entry!r:.80}")
+    name = entry.get("dtype")
+    if not isinstance(name, str):
+        raise bad(f"has no valid dtype (got {name!r:.40})")
+    dtype = _ST_DTYPES.get(name)
+    if dtype is None:
+        raise UnsupportedCheckpointError(f"{file}: tensor {key!r} has unsupported dtype {name}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"has no valid shape (a list of non-negative integers; got {shape!r:.80})")
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise bad(f"has no valid data_offsets ([start, end] integers; got {offsets!r:.80})")
+    start, end = offsets
+    nbytes = math.prod(shape) * dtype_size(dtype)
+    if not 0 <= start <= end:
+        raise bad(f"has data_offsets {offsets} (start after end)")
+    if end - start != nbytes:
+        raise bad(f"has data_offsets {offsets} ({end - start} bytes) but {name} x {shape} is {nbytes} bytes")
+    if end > data_size:
+        raise bad(f"has data_offsets {offsets} past the end of the data ({data_size} bytes after the header): "
+                  "the file is truncated or its header is wrong")
+    return dtype, tuple(shape), start, end
+
+
+def check_no_overlap(file: str, ranges: Dict[str, Tuple[int, int]]) -> None:
+    """Raise :class:`CorruptCheckpointError` when two tensors' byte ranges of ``file`` overlap."""
+    last_key, last_end = None, 0
+    for key, (start, end) in sorted(ranges.items(), key=lambda kv: kv[1]):
+        if start == end:
+            continue  # an empty tensor owns no bytes
+        if last_key is not None and start < last_end:
+            raise CorruptCheckpointError(f"{file} is damaged: the data of tensors {last_key!r} and {key!r} overlap "
+                                         f"(bytes [{start}, {last_end}))")
+        if end > last_end:
+            last_key, last_end = key, end
 
 
 class SafetensorsSource(TensorSource):
@@ -265,17 +337,21 @@ class SafetensorsSource(TensorSource):
         self.metadata: Dict[str, str] = {}
         for file in files:
             header, start = read_safetensors_header(file)
+            data_size = os.path.getsize(file) - start
+            ranges: Dict[str, Tuple[int, int]] = {}
             for key, entry in header.items():
                 if key == "__metadata__":
+                    if entry is not None and not isinstance(entry, dict):
+                        raise CorruptCheckpointError(f"{file} is damaged: its __metadata__ is not an object")
                     self.metadata.update(entry or {})
                     continue
-                dtype = _ST_DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise CheckpointingException(f"{file}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+                dtype, shape, begin, end = check_safetensors_entry(file, key, entry, data_size)
                 if key in self.tensors:
                     raise CorruptCheckpointError(f"tensor {key!r} appears in more than one file of {path}")
-                self.tensors[key] = TensorInfo(dtype, tuple(entry["shape"]))
-                self._where[key] = (file, start + int(entry["data_offsets"][0]))
+                ranges[key] = (begin, end)
+                self.tensors[key] = TensorInfo(dtype, shape)
+                self._where[key] = (file, start + begin)
+            check_no_overlap(file, ranges)
         self.tensors = dict(sorted(self.tensors.items()))
 
     def tensor(self, key: str) -> torch.Tensor:
@@ -326,6 +402,7 @@ class TorchFileSource(TensorSource):
 
     def __init__(self, path: str, trusted: bool = False):
         super().__init__(path)
+        check_zip_records(path)
         try:
             try:
                 obj = torch.load(path, map_location="cpu", mmap=True, weights_only=not trusted)
