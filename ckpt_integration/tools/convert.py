@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from typing import Any, Dict, List, Tuple
 
 import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
-from ..storage.fs import tensor_buffer
 from ..storage.opened import pinned
 from ..storage.filesystem import locate
 from ..mapping import ShardedObject, ShardedTensor
@@ -18,8 +16,8 @@ from ..serialization import load_common_state_dict, save
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .lightning_import import import_lightning_checkpoint, stock_lightning_kind
 from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
-from .sources import (DistCheckpointSource, MappedFiles, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource,
-                      open_source, restore_structure, tensor_from_map)
+from .sources import (DistCheckpointSource, SafetensorsSource, TensorInfo, TensorSource, TorchFileSource, open_source,
+                      restore_structure, spill_tensors)
 from .writers import TorchSaveWriter, write_safetensors_folder
 
 
@@ -77,6 +75,13 @@ def _write_torch(src: TensorSource, entries: List[Tuple[str, TensorInfo]], out_f
                  budget: int, bar: Any, result: ConvertResult) -> None:
     """One ``torch.load``-able file: the tensors, and the common state of a checkpoint source."""
     tensor_names = {k.split(".")[0] for k, _ in entries} if nested else {k for k, _ in entries}
+    if nested:  # "emb" and "emb.scale": one key would have to be a tensor and a dict at once
+        keys = {k for k, _ in entries}
+        clash = next((k for k in sorted(keys) if any(k[:i] in keys for i in range(len(k)) if k[i] == ".")), None)
+        if clash is not None:
+            parent = next(clash[:i] for i in range(len(clash)) if clash[i] == "." and clash[:i] in keys)
+            raise CheckpointingException(f"--nested cannot write tensors {parent!r} and {clash!r}: {parent!r} would be "
+                                         "a tensor and a dict at once; convert without --nested")
     common = _common_values_for_torch(src, tensor_names, result)
     writer = TorchSaveWriter(out_file)
     try:
@@ -190,31 +195,11 @@ def _convert_into(src: TensorSource, to: str, target: str, max_shard_size: int, 
 def _convert_to_torch_dist(
     src: TensorSource, out: str, budget: int, progress: ProgressFactory, result: ConvertResult, backend: str = "torch_dist"
 ) -> None:
-    spill_map = None
     if isinstance(src, DistCheckpointSource):
-        # Stream every tensor into one spill file, then hand save() memory-mapped views of it.
+        # every tensor streamed into one spill file; save() gets memory-mapped views of it
         entries = list(src.tensors.items())
-        offsets: Dict[str, int] = {}
-        pos = 0
-        for key, info in entries:
-            offsets[key] = pos
-            pos += info.nbytes + (-info.nbytes % 64)
-        fd, spill = tempfile.mkstemp(prefix=".ckpt-convert-spill-", dir=os.path.dirname(os.path.abspath(out)))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                bar = progress(total=sum(i.nbytes for _, i in entries), unit="B", unit_scale=True, desc="read")
-                for key, info in entries:
-                    f.seek(offsets[key])
-                    for _, block in src.iter_blocks(key, budget):
-                        if block.numel():
-                            f.write(tensor_buffer(block.contiguous()))
-                        bar.update(block.numel() * block.element_size())
-                bar.close()
-                f.truncate(max(pos, 1))
-            spill_map = MappedFiles().get(spill)
-        finally:
-            os.remove(spill)  # the mapping keeps the data reachable until it is dropped
-        tensors = {k: tensor_from_map(spill_map, i.dtype, i.shape, offsets[k]) for k, i in entries}
+        tensors = spill_tensors(src, [k for k, _ in entries], os.path.dirname(os.path.abspath(out)), budget, progress,
+                                "convert")
         sd: Dict[str, Any] = {}
         try:
             common = load_common_state_dict(src.checkpoint, trusted=src.trusted)

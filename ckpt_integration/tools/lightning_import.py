@@ -26,7 +26,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -41,7 +40,6 @@ from ..optimizer import optimizer_key, optimizer_sharded_state_dict
 from ..optimizer.sharding import optim_state_to_sharding_state
 from ..serialization import save
 from ..storage.opened import open_reader
-from ..storage.fs import tensor_buffer
 from ..storage.filesystem import CheckpointLocation, locate
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.torch_dist import read_dcp_metadata
@@ -49,7 +47,7 @@ from .common import DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_s
 from .export import build_optimizers
 from .output import ConvertResult, check_not_source, check_output, commit_output, discard_output, disk_usage, staging_path
 from .recipe import export_recipe_object
-from .sources import DistCheckpointSource, MappedFiles, TensorInfo, TensorSource, check_zip_records, tensor_from_map
+from .sources import DistCheckpointSource, TensorInfo, TensorSource, check_zip_records, spill_tensors
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -136,31 +134,6 @@ class _DCPSource(DistCheckpointSource):
                                what=f"item {key!r} in {self.path}")
 
 
-def _spill(src: TensorSource, keys: Sequence[str], where: str, budget: int, progress: ProgressFactory) -> Dict[str, torch.Tensor]:
-    """Stream tensors into one temporary file next to the output and return memory-mapped views of it
-    (the file is unlinked at once; the mapping keeps the data until the views are dropped)."""
-    offsets, pos = {}, 0
-    for k in keys:
-        offsets[k] = pos
-        pos += src.tensors[k].nbytes + (-src.tensors[k].nbytes % 64)
-    fd, spill = tempfile.mkstemp(prefix=".ckpt-import-spill-", dir=where)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            bar = progress(total=pos, unit="B", unit_scale=True, desc="read")
-            for k in keys:
-                f.seek(offsets[k])
-                for _, block in src.iter_blocks(k, budget):
-                    if block.numel():
-                        f.write(tensor_buffer(block.contiguous()))
-                    bar.update(block.numel() * block.element_size())
-            bar.close()
-            f.truncate(max(pos, 1))
-        mapped = MappedFiles().get(spill)
-    finally:
-        os.remove(spill)
-    return {k: tensor_from_map(mapped, src.tensors[k].dtype, src.tensors[k].shape, offsets[k]) for k in keys}
-
-
 def _set_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: object) -> None:
     node = root
     for i, p in enumerate(path[:-1]):
@@ -193,7 +166,7 @@ def _read_dcp(path: str, trusted: bool, where: str, budget: int, progress: Progr
         if missing:
             raise CheckpointingException(f"{path}/.metadata does not say where {missing[:3]} belong (no planner data)")
         out: Dict[Any, Any] = {}
-        for key, value in _spill(src, list(src.tensors), where, budget, progress).items():
+        for key, value in spill_tensors(src, list(src.tensors), where, budget, progress, "import").items():
             _set_path(out, tuple(nested[key]), value)
         for key in src.objects:
             _set_path(out, tuple(nested[key]), src.read_value(key))

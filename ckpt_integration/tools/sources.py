@@ -15,6 +15,7 @@ import mmap
 import os
 import pickle
 import struct
+import tempfile
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
 from ..storage.filesystem import name_problem
+from ..storage.fs import tensor_buffer
 from ..storage.readers import open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
 from .common import SAFETENSORS_INDEX, dtype_size
@@ -185,6 +187,33 @@ class MappedFiles:
                 mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else b""
             self.maps[path] = mm
         return mm
+
+
+def spill_tensors(src: "TensorSource", keys: Sequence[str], where: str, budget: int, progress: Any,
+                  what: str) -> Dict[str, torch.Tensor]:
+    """Stream the tensors ``keys`` of ``src`` into one temporary file in ``where`` and return
+    memory-mapped views of it (``progress``: a :data:`~.common.ProgressFactory`). The file is unlinked
+    as soon as it exists, so a process killed on the way leaves nothing behind; the mapping keeps the
+    data until the views are dropped."""
+    offsets, pos = {}, 0
+    for k in keys:
+        offsets[k] = pos
+        pos += src.tensors[k].nbytes + (-src.tensors[k].nbytes % 64)
+    fd, spill = tempfile.mkstemp(prefix=f".ckpt-{what}-spill-", dir=where)
+    os.unlink(spill)
+    with os.fdopen(fd, "w+b") as f:
+        bar = progress(total=pos, unit="B", unit_scale=True, desc="read")
+        for k in keys:
+            f.seek(offsets[k])
+            for _, block in src.iter_blocks(k, budget):
+                if block.numel():
+                    f.write(tensor_buffer(block.contiguous()))
+                bar.update(block.numel() * block.element_size())
+        bar.close()
+        f.truncate(max(pos, 1))
+        f.flush()
+        mapped = mmap.mmap(f.fileno(), max(pos, 1), access=mmap.ACCESS_COPY)
+    return {k: tensor_from_map(mapped, src.tensors[k].dtype, src.tensors[k].shape, offsets[k]) for k in keys}
 
 
 def _open_file(path: str) -> Any:
@@ -367,6 +396,9 @@ class SafetensorsSource(TensorSource):
 def flatten_tensors(obj: object, prefix: str, out: Dict[str, torch.Tensor]) -> Any:
     """Collect tensors of nested dicts/lists under dotted keys; return the structure with tensors replaced by keys."""
     if isinstance(obj, torch.Tensor):
+        if prefix in out:  # {"a.b": t, "a": {"b": u}}: one of them would be lost without a word
+            raise CheckpointingException(f"two tensors of the input are both named {prefix!r} once nested keys are "
+                                         "joined with '.': rename one of them")
         out[prefix] = obj
         return _TensorSlot(prefix)
     if isinstance(obj, dict):
