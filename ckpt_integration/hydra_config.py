@@ -33,6 +33,7 @@ from .strategies import LoadStrategy  # (checkpoint.load_strategy: the enum load
 
 __all__ = [
     "Backend",
+    "Snapshot",
     "LoadStrategy",
     "Accelerator",
     "StrategyName",
@@ -64,6 +65,13 @@ class Backend(_Choice):
 
     torch_dist = "torch_dist"
     zarr = "zarr"
+
+
+class Snapshot(_Choice):
+    """``checkpoint.snapshot``: when an async save copies large tensors (``DistCkptIO(snapshot=...)``)."""
+
+    background = "background"
+    caller = "caller"
 
 
 class StrategyName(_Choice):
@@ -116,6 +124,9 @@ class CheckpointConfig:
     incremental: bool = True
     # async saves stage at most this many bytes of tensor data in host memory (null: all of it)
     staging_budget: Optional[int] = None
+    # async saves copy large tensors while training goes on (background) or before returning (caller:
+    # for models that change a large buffer in place in forward)
+    snapshot: Snapshot = Snapshot.background
     # after a SIGTERM: the async save in flight commits within this many seconds or is abandoned
     # (null: wait however long it takes); keep it below the scheduler's grace before SIGKILL
     sigterm_grace_s: Optional[float] = 25.0
@@ -190,6 +201,7 @@ class TrainConfig:
 _ALLOWED = {
     "checkpoint.load_strategy": tuple(m.value for m in LoadStrategy),
     "checkpoint.backend": tuple(m.value for m in Backend),
+    "checkpoint.snapshot": tuple(m.value for m in Snapshot),
     "trainer.accelerator": tuple(m.value for m in Accelerator),
     "strategy.name": tuple(m.value for m in StrategyName),
 }

@@ -203,6 +203,38 @@ def test_a_callback_that_replaces_the_state_dict_with_plain_tensors_is_named(tmp
         _fit(str(tmp_path), "a", 1, callbacks=[WeightAveraging()])
 
 
+class _Queue(TinyModule):
+    """A MoCo-style queue: a large buffer changed in place in ``training_step`` (before the optimizer step)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.register_buffer("queue", torch.zeros(512, 1024))  # 2 MiB: copied in the background by default
+
+    def training_step(self, batch, idx):
+        with torch.no_grad():
+            self.queue[self.global_step % 512].add_(1.0)
+        return super().training_step(batch, idx)
+
+    def on_save_checkpoint(self, checkpoint):
+        super().on_save_checkpoint(checkpoint)
+        self.queue_at_save = self.queue.clone()
+
+
+def test_a_buffer_changed_in_forward_saves_with_snapshot_caller(tmp_path):
+    """In the background such a save can fail (the copy would be torn; tests/test_async_snapshot.py, whose
+    message names this option); with ``snapshot="caller"`` every epoch saves, holding the buffer
+    exactly as it was at the save."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    tmp = str(tmp_path)
+    m, t = _fit(tmp, "caller", 2, module=_Queue(options={}), io=DistCkptIO(async_save=True, snapshot="caller"))
+    saved = ci.load_plain_tensors(t.checkpoint_callback.best_model_path)
+    assert torch.equal(saved["queue"], m.queue_at_save) and m.queue_at_save.sum() == 6 * 1024
+    with pytest.raises(ValueError, match="snapshot must be one of"):
+        DistCkptIO(snapshot="later")
+
+
 def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
     """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
     (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""

@@ -157,8 +157,9 @@ class Snapshot:
             "version counter moved, or their copy differs from them: a change that bypassed the counters), "
             f"so the snapshot may be torn; nothing is committed: {', '.join(names[:10])}"
             f"{' ...' if len(names) > 10 else ''}. Modify saved tensors only after "
-            "ckpt_integration.wait_for_snapshot() (done automatically before torch.optim optimizer steps); "
-            "later saves copy these tensors before returning."
+            "ckpt_integration.wait_for_snapshot() (done automatically before torch.optim optimizer steps), or save "
+            "with snapshot=\"caller\" (DistCkptIO(snapshot=\"caller\") in Lightning), which copies everything "
+            "before the save returns; later saves of this process copy these tensors before returning."
         )
         logger.error("%s", self.error)
 

@@ -18,7 +18,7 @@ from .. import serialization
 from ..checkpoints import save_base
 from ..errors import CheckpointingException
 from ..execution import dist
-from ..execution.async_save import AsyncCallsQueue, async_save_torch_dist
+from ..execution.async_save import SNAPSHOT_MODES, AsyncCallsQueue, async_save_torch_dist
 from ..execution.shared_metadata import open_shared
 from ..optimizer import load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
@@ -128,6 +128,10 @@ class DistCkptIO(CheckpointIO):
             host memory (the rest in waves, written before the save returns; see
             ``ci.save(staging_budget=...)``). Default: the whole state, refused with a message naming
             the bytes needed when it cannot fit in the host memory available.
+        snapshot: with ``async_save``, when large tensors are copied: ``"background"`` (while training
+            goes on; the next optimizer step waits for the copy) or ``"caller"`` (before the save
+            returns). A model that changes a large buffer in place in ``forward`` (a MoCo-style
+            queue) needs ``"caller"``: in the background its save fails with ``SnapshotModifiedError``.
         memory: the ``memory_*`` options as one mapping without the prefix (``{"every_n_train_steps":
             10, "replicas": 2}``): what Hydra's ``checkpoint.memory.*`` group passes.
     """
@@ -156,6 +160,7 @@ class DistCkptIO(CheckpointIO):
         verify_state: bool = True,
         incremental: bool = True,
         staging_budget: Optional[int] = None,
+        snapshot: str = "background",
     ):
         if memory is not None:
             given = _memory_options(memory)
@@ -186,6 +191,9 @@ class DistCkptIO(CheckpointIO):
         if staging_budget is not None and int(staging_budget) < 1:
             raise ValueError(f"DistCkptIO: staging_budget must be >= 1 byte (or None), got {staging_budget}")
         self.staging_budget = None if staging_budget is None else int(staging_budget)
+        if _plain(snapshot) not in SNAPSHOT_MODES:
+            raise ValueError(f"DistCkptIO: snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
+        self.snapshot = str(_plain(snapshot))
         self._queue: Any = None
         self._requests: List[Any] = []
         self._deferred_removals: List[str] = []
@@ -288,6 +296,7 @@ class DistCkptIO(CheckpointIO):
         if not self._make_room(path):
             return
         extra = {"staging_budget": self.staging_budget} if self.staging_budget is not None else {}
+        extra["snapshot"] = self.snapshot
         req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend, **extra})
         self._requests.append(req)
 
