@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -73,6 +74,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+_WARNED_STATELESS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def optimizer_sharded_state_dict(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: ShardedStateDict,
@@ -114,7 +118,8 @@ def optimizer_sharded_state_dict(
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
     sd = optimizer.state_dict()
     sd["state"] = {pid: dict(s) for pid, s in sd["state"].items()}
-    if not sd["state"] and params and not init_state:
+    if not sd["state"] and params and not init_state and optimizer not in _WARNED_STATELESS:
+        _WARNED_STATELESS.add(optimizer)  # (once per optimizer: SGD without momentum never has state)
         logger.warning(
             "%s has no state yet: its sharded state dict holds no per-parameter state, so a save stores "
             "none and, used as a load request, it loads none. To load into it, pass init_state=True or "
