@@ -59,8 +59,9 @@ SCRIPTS = {
     ),
     # an async save, the process group destroyed before wait(), exit: the exit handler finishes it
     "async_destroy": "req = ci.save(state(), path, async_sharded_save=True)\ndist.destroy_process_group()\n",
-    # an async save and exit without wait() nor destroy_process_group()
-    "async_exit": "req = ci.save(state(), path, async_sharded_save=True)\n",
+    # an async save and exit without wait() nor destroy_process_group(); 2 writer threads: the save
+    # hands its files to a thread pool, which Python shuts down before atexit handlers run
+    "async_exit": "req = ci.save(state(), path, async_sharded_save=True, thread_count=2)\n",
     # rank 1 leaves without letting the save finish: rank 0's commit must say so
     "async_abandon": textwrap.dedent("""
         req = ci.save(state(), path, async_sharded_save=True)

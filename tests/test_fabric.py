@@ -138,6 +138,30 @@ def test_fabric_round_trip_strict_and_load_raw(tmp_path):
     _same(want[0], full["model"], "load()")
 
 
+def test_fabric_async_save_as_the_last_line_of_a_script_is_committed(tmp_path):
+    """Fabric has no teardown call: the plugin's exit hook commits the save in flight. It ran after
+    Python had shut its thread pools down, so the save failed ("cannot schedule new futures after
+    interpreter shutdown"), was only logged, and the script exited 0 without its checkpoint."""
+    script = tmp_path / "last_line.py"
+    script.write_text(
+        "import sys, torch, lightning as L\n"
+        "from ckpt_integration.lightning import DistCkptIO\n"
+        "fabric = L.Fabric(accelerator='cpu', devices=1, plugins=[DistCkptIO(async_save=True, thread_count=2)])\n"
+        "model = fabric.setup(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))\n"
+        "torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, sys.argv[1] + '.pt')\n"
+        "fabric.save(sys.argv[1], {'model': model, 'step': 1})\n")
+    out = str(tmp_path / "ck")
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), out], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "save failed" not in proc.stderr, proc.stderr[-3000:]
+    import ckpt_integration as ci
+
+    want = torch.load(out + ".pt", weights_only=True)
+    got = ci.load_plain_tensors(out)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_trainer_and_fabric_checkpoints_interchange(tmp_path):
     """A Trainer checkpoint loads into Fabric's model and optimizer, and a Fabric checkpoint resumes a Trainer."""
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.randn(8)), batch_size=4)

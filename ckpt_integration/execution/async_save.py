@@ -62,6 +62,7 @@ Example (every rank)::
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread as _executors
 import logging
 import os
 import sys
@@ -400,7 +401,24 @@ def _exit_timeout() -> float:
         return DEFAULT_EXIT_TIMEOUT_S
 
 
-@atexit.register
+def register_exit_hook(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` at interpreter exit *before* ``concurrent.futures`` shuts its executors down.
+
+    Python stops accepting work in every ``ThreadPoolExecutor`` (its ``threading`` exit hook) before
+    it runs ``atexit`` handlers, so a save still writing then fails with "cannot schedule new futures
+    after interpreter shutdown" as soon as it hands a file to a thread. ``threading``'s own exit hooks
+    run last registered first, and this module imported ``concurrent.futures.thread`` already, so
+    ``fn`` runs before that shutdown; ``atexit`` as well, as a fallback (a second call finds nothing
+    left to do)."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None and hasattr(_executors, "_python_exit"):  # (the hook it registered when imported)
+        try:
+            register(fn)
+        except RuntimeError:  # (the interpreter is shutting down already)
+            pass
+    atexit.register(fn)
+
+
 def _close_queues_at_exit() -> None:
     """Before the interpreter tears down: finish (or, past the deadline, abandon) every queue's saves
     in flight, stop the workers and close the library's process groups.
@@ -417,6 +435,9 @@ def _close_queues_at_exit() -> None:
         except BaseException as e:  # noqa: BLE001
             logger.error("an async checkpoint save failed: %s", _describe(e))
     dist.close_private_groups("interpreter exit")
+
+
+register_exit_hook(_close_queues_at_exit)
 
 
 def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optional[int],

@@ -21,7 +21,6 @@ What a state entry becomes (keys of the checkpoint):
 
 from __future__ import annotations
 
-import atexit
 import os
 import weakref
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallel
 from torch import nn
 
 from .. import serialization
+from ..execution.async_save import register_exit_hook
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedTensor, ShardedTensorFactory
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
@@ -91,8 +91,8 @@ class DistCkptFabricMixin(Strategy):
             self._checkpoint_io = io
         if not getattr(io, "_fabric_exit_hook", False):
             # async saves still in flight when the script ends are committed first (Fabric has no teardown call)
-            ref = weakref.ref(io)
-            atexit.register(lambda: ref() is not None and ref().teardown())
+            ref = weakref.ref(io)  # (before executors stop at exit: the save may still hand files to threads)
+            register_exit_hook(lambda: ref() is not None and ref().teardown())
             io._fabric_exit_hook = True
         return io
 
