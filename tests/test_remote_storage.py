@@ -36,6 +36,42 @@ def test_memory_url_roundtrip_and_reshard(backend):
         ci.save(_state(0, 1), url)
 
 
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_glob_characters_in_urls_and_keys_are_taken_literally(backend):
+    """fsspec's rm / copy read "[", "*", "?" as a pattern: removing ``run/v[1]`` (Lightning's top-k
+    deletion) removed ``run/v1`` and left itself; a failed save's cleanup in ``exp[AB]`` emptied the
+    other run ``expB``; an incremental save in ``exp[AB]`` copied ``expA``'s file; zarr keys ``emb0``
+    and ``emb[0]`` in one save deleted ``emb0``."""
+    from ckpt_integration.lightning import DistCkptIO
+    from ckpt_integration.storage.filesystem import storage_for
+
+    root = f"memory://ckpt-tests/glob-{backend}"
+    for name in ("v1", "v[1]", "v*"):
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(len(name))))}, f"{root}/{name}",
+                sharded_strategy=backend)
+    DistCkptIO._remove_now(f"{root}/v[1]")  # (the plugin's removal of a replaced checkpoint)
+    storage, _ = storage_for(root)
+    assert not storage.exists(f"{root}/v[1]")
+    for name in ("v1", "v*"):  # untouched, whole
+        got = ci.load_plain_tensors(f"{root}/{name}")["w"]
+        assert torch.equal(got, torch.full((4,), float(len(name)))), name
+    storage.rmtree(f"{root}/v*")
+    assert torch.equal(ci.load_plain_tensors(f"{root}/v1")["w"], torch.full((4,), 2.0))
+    keys = {"emb0": torch.zeros(3), "emb[0]": torch.ones(3), "e?": torch.full((2,), 2.0)}
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in keys.items()}, f"{root}/keys[0]",
+            sharded_strategy=backend)
+    got = ci.load_plain_tensors(f"{root}/keys[0]")
+    assert all(torch.equal(got[k], v) for k, v in keys.items()), got
+    if backend == "torch_dist":  # an incremental save's server-side copy names its source literally
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, f"{root}/expA/it1")
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, f"{root}/exp[AB]/it1")
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, f"{root}/exp[AB]/it2",
+                base=f"{root}/exp[AB]/it1")
+        assert torch.equal(ci.load_plain_tensors(f"{root}/exp[AB]/it2")["w"], torch.arange(4.0))
+        names = [n.split("/exp[AB]/it2/", 1)[1] for n in storage.fs.find(f"{root}/exp[AB]/it2")]
+        assert names and all("/" not in n for n in names), names  # (no other run's file copied into one of its own)
+
+
 def test_memory_url_uncommitted_save_is_invisible(monkeypatch):
     import fsspec
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import os
+import re
 import shutil
 import logging
 import threading
@@ -147,6 +148,9 @@ class CheckpointLocation:
 
     def __repr__(self) -> str:
         return f"CheckpointLocation({self.path!r})"
+
+
+_GLOB = re.compile(r"[*?\[]")  # what fsspec's rm/copy/expand_path read as a glob pattern
 
 
 def canonical(path: Union[str, os.PathLike, CheckpointLocation]) -> str:
@@ -344,8 +348,8 @@ class Storage:
             except OSError:  # EXDEV, EPERM, ENOTSUP, EMLINK, ENOENT: the caller writes the bytes
                 return False
             return True
-        try:
-            retried(self.fs, "copy", src, dst, write=True)
+        try:  # cp_file: one object, named literally ("copy" reads "[", "*", "?" as a pattern)
+            retried(self.fs, "cp_file", src, dst, write=True)
         except Exception:  # (no such method, no permission, source gone) - the caller writes the bytes
             return False
         return True
@@ -419,8 +423,8 @@ class Storage:
 
     def remove(self, path: str) -> None:
         if self.fs:
-            with writing(path):
-                retried(self.fs, "rm", path, write=True)
+            with writing(path):  # rm_file: the object named literally ("rm" expands "[", "*", "?" as a pattern)
+                retried(self.fs, "rm_file", path, write=True)
         else:
             os.remove(path)
 
@@ -441,11 +445,21 @@ class Storage:
                 self.remove(marker)
         except OSError:
             pass
-        if self.fs:
-            if self.exists(path):
-                with writing(path):
+        if self.fs and self.exists(path):
+            with writing(path):
+                if _GLOB.search(path):  # fsspec's rm would expand it as a pattern: other checkpoints'
+                    files = retried(self.fs, "find", path)
+                    for name in files:  # one by one, named literally
+                        retried(self.fs, "rm_file", name, write=True)
+                    dirs = set(retried(self.fs, "find", path, withdirs=True)) - set(files) | {path}
+                    for name in sorted(dirs, key=len, reverse=True):  # (pseudo-directories: memory://)
+                        try:
+                            self.fs.rmdir(name)
+                        except (OSError, NotImplementedError):
+                            pass
+                else:
                     retried(self.fs, "rm", path, recursive=True, write=True)
-        else:
+        elif not self.fs:
             shutil.rmtree(path, ignore_errors=True)
 
     def rename(self, src: str, dst: str) -> None:

@@ -213,7 +213,8 @@ def create_arrays(
             fill_value=0,
             # pinned: chunk_file_names() enumerates chunk files in this encoding
             chunk_key_encoding={"name": "default", "separator": "/"},
-            overwrite=True,
+            # (no overwrite: the save's directory is new, and zarr's overwrite deletes through fsspec's
+            # rm, which reads "[", "*", "?" in a key as a pattern: another array's files went with it)
         )
         index["tensors"][key] = {
             "dtype": str(dtype).replace("torch.", ""),
