@@ -138,6 +138,34 @@ def test_fabric_round_trip_strict_and_load_raw(tmp_path):
     _same(want[0], full["model"], "load()")
 
 
+def test_fabric_load_returns_what_it_did_not_place_and_refuses_what_was_never_saved(tmp_path):
+    """Three differences from Fabric's own load, each a way to lose state without a word:
+    * ``fabric.load(p, {"head": module})`` after saving ``{"model": m}`` whose ``m.head`` has the same
+      tensor names: it loaded ``m.head``'s weights, where Fabric raises ``KeyError``;
+    * the remainder left modules out (``ema``) and returned an optimizer not asked for as its common part
+      alone (``{"param_groups": ...}``: ``load_state_dict`` of it fails);
+    * a ``torch.save`` file (which the docs say loads as Fabric loads it) was refused as no directory."""
+    fabric = _fabric()
+    model, opt, _ = _setup(fabric)
+    _train(fabric, model, opt, _setup(fabric)[2], 2)
+    ema = fabric.setup(nn.Linear(8, 1))
+    path = tmp_path / "ck"
+    fabric.save(path, {"model": model, "optimizer": opt, "ema": ema, "step": 2})
+    m2, _, _ = _setup(_fabric())
+    rest = fabric.load(path, {"model": m2})
+    assert set(rest) == {"ema", "step"} and rest["step"] == 2, sorted(rest)  # (no half optimizer entry)
+    _same(_copy(ema.state_dict()), rest["ema"], "ema")
+    with pytest.raises(KeyError, match="'net' that does not exist"):
+        fabric.load(path, {"net": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))})
+    stock = tmp_path / "plain.pt"
+    torch.save({"model": _copy(model.state_dict()), "step": 5}, stock)
+    m3, _, _ = _setup(_fabric())
+    state = {"model": m3, "step": 0}
+    fabric.load(stock, state)
+    assert state["step"] == 5
+    _same(_copy(model.state_dict()), m3.state_dict(), "torch.save file")
+
+
 def test_fabric_async_save_as_the_last_line_of_a_script_is_committed(tmp_path):
     """Fabric has no teardown call: the plugin's exit hook commits the save in flight. It ran after
     Python had shut its thread pools down, so the save failed ("cannot schedule new futures after

@@ -84,6 +84,8 @@ class DistCkptFabricMixin(Strategy):
     @property
     def checkpoint_io(self) -> DistCkptIO:  # type: ignore[override]
         io = getattr(self, "_checkpoint_io", None)
+        if getattr(self, "_loading_stock", False):
+            return io  # (_stock_io: Fabric's own loader reads the file)
         if not isinstance(io, DistCkptIO):
             if io is not None and not isinstance(io, TorchCheckpointIO):
                 raise TypeError(f"{type(self).__name__} needs plugins=[DistCkptIO(...)], got {type(io).__name__}")
@@ -104,11 +106,11 @@ class DistCkptFabricMixin(Strategy):
     def _stock_io(self) -> Iterator[None]:
         """Files and foreign directories load as the stock strategy loads them (``torch.load``)."""
         io = getattr(self, "_checkpoint_io", None)
-        self._checkpoint_io = TorchCheckpointIO()
+        self._checkpoint_io, self._loading_stock = TorchCheckpointIO(), True
         try:
             yield
         finally:
-            self._checkpoint_io = io
+            self._checkpoint_io, self._loading_stock = io, False
 
     # -- layout and state ----------------------------------------------------------------------------
     @property
@@ -276,8 +278,11 @@ class DistCkptFabricMixin(Strategy):
         loaded = dict(loaded)
         # which keys of ``state`` the checkpoint has
         present = {k for k in loaded if k not in modules}
+        saved_modules = meta.get("modules")  # (which keys were saved as modules; checkpoints of older versions: None)
         for key in modules:
             keys = {v.key for v in request[key].values() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+            if saved_modules is not None and key not in saved_modules:
+                continue  # its tensor names may still match another module's (a submodule "head" of "model")
             if not keys or keys - set(request_only):
                 present.add(key)
         opt_keys = [k for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
@@ -330,8 +335,15 @@ class DistCkptFabricMixin(Strategy):
                 obj.load_state_dict(loaded[key])
             else:
                 state[key] = loaded[key]
-        # the library's own bookkeeping (content metadata) is no part of what the user saved
-        return {k: v for k, v in loaded.items() if k not in state and k != CONTENT_METADATA_KEY}
+        # what ``state`` did not ask for, as Fabric returns it: modules whole; an optimizer's state can only be
+        # placed with its parameters, so one not asked for is left out (its common part alone would not load)
+        rest = {k: v for k, v in loaded.items() if k not in state and k != CONTENT_METADATA_KEY
+                and k not in meta.get("optimizers", ())}
+        unasked = [k for k in (saved_modules or {}) if k not in state]
+        if unasked:
+            full = self._load_full(io, path)
+            rest.update({k: full[k] for k in unasked if k in full})
+        return rest
 
 
 class DistCkptFabricSingleDeviceStrategy(DistCkptFabricMixin, SingleDeviceStrategy):
