@@ -207,7 +207,8 @@ _ALLOWED = {
 }
 _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
                  "trainer.global_batch_size", "model.n_heads", "checkpoint.memory.every_n_train_steps",
-                 "checkpoint.memory.replicas", "checkpoint.memory.persist_every_n", "checkpoint.memory.ranks_per_node")
+                 "checkpoint.memory.replicas", "checkpoint.memory.persist_every_n", "checkpoint.memory.ranks_per_node",
+                 "checkpoint.staging_budget", "trainer.max_epochs")
 
 
 def _config_errors(cfg: Any) -> List[str]:
@@ -225,7 +226,7 @@ def _config_errors(cfg: Any) -> List[str]:
             errors.append(f"{path}={v} must be >= 1")
     for path in ("checkpoint.sigterm_grace_s", "checkpoint.memory.sigterm_grace_s"):
         v = OmegaConf.select(cfg, path)
-        if v is not None and v < 0:
+        if v is not None and not v >= 0:  # (also NaN)
             errors.append(f"{path}={v} must be >= 0 (or null)")
     if errors:  # the checks below divide by these values
         return errors
@@ -245,6 +246,15 @@ def _config_errors(cfg: Any) -> List[str]:
     gbs = OmegaConf.select(cfg, "trainer.global_batch_size")
     if dp is not None and gbs is not None and gbs % dp:
         errors.append(f"trainer.global_batch_size={gbs} must be divisible by parallel.dp={dp}")
+    if OmegaConf.select(cfg, "demo"):  # its second phase resumes with TP=1, DP=2 (examples/train.py)
+        epochs = OmegaConf.select(cfg, "trainer.max_epochs")
+        if epochs is not None and epochs < 2:
+            errors.append(f"demo=true trains half of trainer.max_epochs, then resumes for the rest: it needs "
+                          f"trainer.max_epochs >= 2 (got {epochs})")
+        if OmegaConf.select(cfg, "strategy.name") == "single_device":
+            errors.append("demo=true resumes with parallel.dp=2: it needs strategy=ddp or strategy=model_parallel")
+        if gbs is not None and gbs % 2:
+            errors.append(f"demo=true resumes with parallel.dp=2: trainer.global_batch_size={gbs} must be even")
     return errors
 
 

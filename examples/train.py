@@ -207,13 +207,15 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
         return
     # demo: train with the configured layout (default TP=2, DP=1), then resume with TP=1, DP=2
+    validate_config(cfg)  # (both phases' settings, before the first one runs)
     total = cfg.trainer.max_epochs
     # the demo is a fresh run by definition: phase 1 wipes its ckpt_dir (overwrite=true), so the
     # README command works when run again
-    first = OmegaConf.merge(cfg, {"resume": False, "overwrite": True, "trainer": {"max_epochs": max(1, total // 2)}})
+    first = OmegaConf.merge(cfg, {"resume": False, "overwrite": True, "demo": False,
+                                  "trainer": {"max_epochs": max(1, total // 2)}})
     print(f"== phase 1: train {first.trainer.max_epochs} epochs with TP={first.parallel.tp}, DP={first.parallel.dp}")
     a = run(first)
-    second = OmegaConf.merge(cfg, {"resume": True, "parallel": {"tp": 1, "dp": 2}})
+    second = OmegaConf.merge(cfg, {"resume": True, "demo": False, "parallel": {"tp": 1, "dp": 2}})
     print(f"== phase 2: resume from '{cfg.ckpt_dir}/last.ckpt' with TP=1, DP=2 until epoch {total}")
     b = run(second)
     end, start = a["losses"][-1], b["losses"][0]

@@ -67,10 +67,19 @@ def test_validate_config_before_spawning():
                             "parallel.dp=0": "parallel.dp=0 must be >= 1",
                             "parallel.tp=-1": "parallel.tp=-1 must be >= 1",
                             "model.n_heads=3": "model.n_heads=3 must be divisible by parallel.tp=2",
-                            "parallel=tp1_dp4 trainer.global_batch_size=6": "global_batch_size=6 .* parallel.dp=4"}.items():
+                            "parallel=tp1_dp4 trainer.global_batch_size=6": "global_batch_size=6 .* parallel.dp=4",
+                            # (each was accepted, then failed in every spawned worker, or after the demo's phase 1)
+                            "checkpoint.staging_budget=0": "checkpoint.staging_budget=0 must be >= 1",
+                            "checkpoint.sigterm_grace_s=nan": "checkpoint.sigterm_grace_s=nan must be >= 0",
+                            "trainer.max_epochs=-1": "trainer.max_epochs=-1 must be >= 1",
+                            "demo=true trainer.max_epochs=1": "demo=true .* trainer.max_epochs >= 2",
+                            "demo=true strategy=single_device parallel=tp1_dp1": "demo=true resumes with parallel.dp=2",
+                            "demo=true trainer.global_batch_size=3 parallel=tp1_dp1": "global_batch_size=3 must be even",
+                            }.items():
         with pytest.raises(ValueError, match=match):
             validate_config(_compose(*override.split()))
     validate_config(_compose("parallel=tp4_dp1"))  # 4 heads over 4 ranks
+    validate_config(_compose("demo=true"))  # (the README's main job)
     with pytest.raises(ValueError, match="strategy=single_device runs one process.*tp=2, dp=1"):
         validate_config(_compose("strategy=single_device"))
     validate_config(_compose("strategy=single_device", "parallel=tp1_dp1"))
