@@ -235,6 +235,21 @@ def test_a_buffer_changed_in_forward_saves_with_snapshot_caller(tmp_path):
         DistCkptIO(snapshot="later")
 
 
+def test_saving_again_to_a_path_still_being_written_waits_for_that_save(tmp_path):
+    """``max_in_flight=2``: a second save to the path of one still writing raised ``SaveConflictError``."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    tmp = str(tmp_path)
+    m, t = _fit(tmp, "a", 1, io=DistCkptIO(async_save=True, max_in_flight=2))
+    t.save_checkpoint(f"{tmp}/p.ckpt")
+    with torch.no_grad():
+        m.net.fc1.weight.add_(1.0)
+    t.save_checkpoint(f"{tmp}/p.ckpt")
+    t.strategy.checkpoint_io.teardown()
+    assert torch.equal(ci.load_plain_tensors(f"{tmp}/p.ckpt")["net.fc1.weight"], m.net.fc1.weight)
+
+
 def test_an_optimizer_that_keeps_no_state_resumes_with_its_param_groups(tmp_path):
     """Plain SGD (no momentum) saves param groups and no per-parameter state: its resume was refused
     (``OptimizerStateNotFoundError``, "pass missing_ok=True", which a Lightning user cannot pass)."""
