@@ -92,6 +92,30 @@ def test_transient_faults_are_retried(proxy, url, caplog):
         assert any(f"/{name} failed (attempt 1 of 4)" in m for m in retried), name
 
 
+def test_zarr_requests_get_the_same_retries(proxy, url, caplog):
+    """zarr's fsspec store made one attempt: one 503 on a chunk or zarr.json failed the save, and on a
+    load it was reported as damage (``CorruptCheckpointError``); a request that never ends waited for the
+    client's own timeout. Now the same retries and deadline as every other object; a fault that
+    persists is a ``CheckpointReadError`` naming the object, not damage."""
+    rules = [
+        Rule(op="PutObject", key=r"/a/c/0$", status=503, times=2),
+        Rule(op="PutObject", key=r"/b/zarr\.json$", status=500),
+        Rule(op="GetObject", key=r"/a/c/0$", status=503),
+        Rule(op="GetObject", key=r"/b/zarr\.json$", action="reset"),
+    ]
+    proxy.add(*rules)
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(_state(5.0), url, sharded_strategy="zarr")
+        _check(url, 5.0)
+    assert [r.fired for r in rules] == [2, 1, 1, 1]
+    retried = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert any(f"{url}/a/c/0 failed (attempt 1 of 4)" in m for m in retried), retried
+    proxy.clear()
+    proxy.add(Rule(op="GetObject", key=r"/a/c/0$", status=503, times=100))
+    with pytest.raises(ci.errors.CheckpointReadError, match=r"/a/c/0 failed after 4 attempt"):
+        _load(url)
+
+
 def _two_rank_failed_save(rank, world, url):
     """Rank 1's data object fails on every attempt, sync and async: both ranks raise, nothing is committed."""
     apply_client_retries()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import stat
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -22,13 +24,46 @@ import torch
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
 from ..filesystem import checked_path, is_remote, join, write_error
-from ..readers import not_regular
+from ..readers import RetryPolicy, gave_up, is_transient, not_regular
 from .index import ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, is_chunk_name, numpy_dtype, zarr_module
 
 if TYPE_CHECKING:  # zarr is optional, and imported on first use
     import zarr
     from zarr.abc.store import ByteRequest, Store
     from zarr.core.buffer import Buffer as ZarrBuffer, BufferPrototype
+
+logger = logging.getLogger(__name__)
+
+
+def _url(store: Any, key: str) -> str:
+    """The URL of ``key`` in an fsspec store (for messages)."""
+    fs, path = getattr(store, "fs", None), getattr(store, "path", "")
+    proto = getattr(fs, "protocol", "")
+    proto = proto[0] if isinstance(proto, (tuple, list)) else proto
+    return f"{proto}://{path}/{key}" if proto and proto != "file" else f"{path}/{key}"
+
+
+async def retried(store: Any, call: Callable[[], Any], key: str, write: bool) -> Any:
+    """``await call()`` on an object store with the bounded retries and per-attempt deadline every other
+    remote request gets (``readers.retried``): zarr's own fsspec store makes one attempt, so one throttled
+    request failed a save, and a load called it damage. Local stores: one plain call."""
+    if type(store).__name__ != "FsspecStore":
+        return await call()
+    policy, start, attempt = RetryPolicy.from_env(), time.monotonic(), 0
+    while True:
+        attempt += 1
+        try:
+            return await (asyncio.wait_for(call(), policy.timeout) if policy.timeout > 0 else call())
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not is_transient(e):
+                raise
+            if attempt >= policy.attempts:
+                raise gave_up(e, _url(store, key), attempt, time.monotonic() - start, write, "zarr file") from e
+            delay = policy.wait(attempt)
+            logger.warning("%s %s failed (attempt %d of %d): %s; retrying in %.1fs", "set" if write else "get",
+                           _url(store, key), attempt, policy.attempts, e, delay)
+            await asyncio.sleep(delay)
+
 
 # CRC32 of buffers above this size runs in a worker thread: zlib releases the GIL,
 # and zarr's event loop (one thread for all arrays) keeps issuing I/O meanwhile.
@@ -72,13 +107,14 @@ def store_wrappers() -> Tuple[type, type]:
 
         async def set(self, key: str, value: ZarrBuffer) -> None:
             try:
+                write = retried(self._store, lambda: self._store.set(key, value), key, write=True)
                 if not is_chunk_name(key):
-                    await self._store.set(key, value)
+                    await write
                     return
                 # checksum while the store writes: both only read the buffer
-                crc, _ = await asyncio.gather(_crc32(value), self._store.set(key, value))
+                crc, _ = await asyncio.gather(_crc32(value), write)
             except Exception as e:
-                converted = write_error(e, f"{self._store}/{key}")
+                converted = write_error(e, _url(self._store, key))
                 if converted is e:
                     raise
                 raise converted from e
@@ -117,7 +153,7 @@ def store_wrappers() -> Tuple[type, type]:
                 # a partial fetch would skip the check: fetch the chunk whole, check it, cut the range
                 whole = await self.get(key, prototype, None)
                 return None if whole is None else _byte_range(whole, byte_range)
-            data = await self._store.get(key, prototype, byte_range)
+            data = await retried(self._store, lambda: self._store.get(key, prototype, byte_range), key, write=False)
             if self.records is None:
                 return data
             if byte_range is None and is_chunk_name(key):

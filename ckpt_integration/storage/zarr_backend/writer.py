@@ -25,7 +25,7 @@ from ..filesystem import CheckpointLocation
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
-from .index import (INDEX_FORMAT, FileRecord, array_chunks, array_store, base_store,
+from .index import (INDEX_FORMAT, FileRecord, array_chunks, base_store,
                     check_layout_paths, chunk_box, chunk_offsets, expected_files, metadata_file_name, numpy_dtype,
                     object_file_name, object_path, read_index, storage_dtype, write_index, zarr_module)
 
@@ -204,8 +204,8 @@ def create_arrays(
     for key, (dtype, shape, boxes) in tensors.items():
         stored = storage_dtype(dtype)
         chunks = array_chunks(dtype, shape, boxes)
-        zarr.create_array(
-            store=array_store(target, key),
+        zarr.create_array(  # (through the recording store: its zarr.json write gets the remote retries)
+            store=store_wrappers()[0](base_store(target, key)),
             shape=shape,
             chunks=chunks,
             dtype=numpy_dtype(stored),
