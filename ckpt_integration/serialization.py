@@ -6,8 +6,10 @@ without it (one process saves or loads everything).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
@@ -34,6 +36,8 @@ from .strategies import (
 )
 
 PathLike = Union[str, "os.PathLike[str]"]
+logger = logging.getLogger(__name__)
+
 LOAD_STRATEGIES = tuple(m.value for m in LoadStrategy)
 
 
@@ -393,12 +397,31 @@ def load_content_metadata(
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
+@contextlib.contextmanager
+def _put_back_on_failure(ck: CheckpointLocation, names: Iterable[str]) -> Iterator[None]:
+    """Rewrites of the small files ``names`` that fail part-way are undone: each one rewritten already
+    gets its old bytes back, so the manifest (written last) still describes every file and the
+    checkpoint keeps loading with its old content. (A process killed between the rewrites still
+    leaves the new files beside the old manifest: ``verify`` names them.)"""
+    old = {n: ck.storage.read_bytes(ck.file(n)) for n in names if ck.exists(n)}
+    try:
+        yield
+    except BaseException:
+        for name, data in old.items():
+            try:
+                ck.storage.write_atomic(ck.file(name), data)
+            except Exception as e:  # noqa: BLE001 - the original error is the one raised
+                logger.error("could not put %s back after the failed rewrite: %s", ck.file(name), e)
+        raise
+
+
 def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     """Drop every tensor/object whose key starts with ``key_prefix`` from a checkpoint.
 
-    Rewrites ``.metadata`` atomically first, then deletes data files that held
-    only removed items (files shared with kept items keep their bytes). Run it
-    on one process.
+    Rewrites ``.metadata`` and the index, then the manifest that records them (each atomically;
+    a rewrite that fails part-way puts the files rewritten already back, so the checkpoint keeps
+    loading with its old content), then deletes data files that held only removed items (files
+    shared with kept items keep their bytes). Run it on one process.
 
     Example: ``remove_sharded_tensors("ckpt", "optimizer.")``
     """
@@ -425,9 +448,21 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         md.planner_data = {k: v for k, v in md.planner_data.items() if k not in removed}
     manifest = ckdir.read_manifest(ck)
     index = manifest.index() if manifest is not None else None  # (format 6: read before .metadata changes)
+    with _put_back_on_failure(ck, (DCP_METADATA_FILE, ckdir.INDEX_FILE) if manifest is not None else ()):
+        gone = _rewrite_tables(ck, md, manifest, index, removed, files_all - files_kept)
+    for name in gone:
+        try:
+            ck.remove(name)
+        except FileNotFoundError:
+            pass
+
+
+def _rewrite_tables(ck: CheckpointLocation, md: Metadata, manifest: Any, index: Any, removed: Set[str],
+                    unused: Set[str]) -> Set[str]:
+    """``.metadata``, the index and the manifest without the ``removed`` keys; returns the files to delete."""
     md_entry = write_dcp_metadata(ck, md)
     # the chunk index describes the old .metadata: dropped (loads would not use it anyway)
-    gone = (files_all - files_kept) | {ckdir.CHUNK_INDEX_FILE}
+    gone = unused | {ckdir.CHUNK_INDEX_FILE}
     if index is not None:  # format 6: the index without the removed keys' rows, for the new .metadata
         manifest.files[DCP_METADATA_FILE] = md_entry
         manifest.files[ckdir.INDEX_FILE] = write_recorded(ck, ckdir.INDEX_FILE, index.without_keys(removed, md_entry))
@@ -438,11 +473,7 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         manifest.tables = encode_text(manifest.item_table().without_files(gone))
         manifest.files = {k: v for k, v in manifest.files.items() if k not in gone}
         ckdir.write_manifest(ck, manifest)
-    for name in gone:
-        try:
-            ck.remove(name)
-        except FileNotFoundError:
-            pass
+    return gone
 
 
 def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
@@ -457,10 +488,11 @@ def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
     for k in tensors:
         del index["tensors"][k]
     index["objects"] = [k for k in index.get("objects", []) if k not in objects]
-    entry = zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
-    if manifest is not None and zarr_backend.INDEX_FILE in manifest.files:  # (recorded since 2026-11-29)
-        manifest.files[zarr_backend.INDEX_FILE] = entry
-        ckdir.write_manifest(ck, manifest)
+    with _put_back_on_failure(ck, (zarr_backend.INDEX_FILE,)):
+        entry = zarr_backend.write_index(ck, index)  # the index no longer names them: then delete
+        if manifest is not None and zarr_backend.INDEX_FILE in manifest.files:  # (recorded since 2026-11-29)
+            manifest.files[zarr_backend.INDEX_FILE] = entry
+            ckdir.write_manifest(ck, manifest)
     storage = ck.storage
     for k in tensors:
         storage.rmtree(ck.file(k))

@@ -214,6 +214,33 @@ def test_remove_sharded_tensors_rewrites_the_index(tmp_path):
     assert verify_checkpoint(path, state=True).ok
 
 
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_remove_sharded_tensors_that_fails_part_way_leaves_the_checkpoint_loading(tmp_path, monkeypatch, backend):
+    """The manifest's rewrite failed (a full disk, an object store that gave up) after ``.metadata`` and
+    the index were rewritten: every later load refused the checkpoint as damaged (the manifest still
+    recorded the old files' sizes and CRC32s)."""
+    from ckpt_integration import serialization
+
+    path = str(tmp_path / "c")
+    ci.save(_state(), path, sharded_strategy=backend)
+    real = ckdir.write_manifest
+
+    def failing(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialization.ckdir, "write_manifest", failing)
+    with pytest.raises(OSError, match="No space left"):
+        ci.remove_sharded_tensors(path, "opt.")
+    monkeypatch.setattr(serialization.ckdir, "write_manifest", real)
+    out = ci.load(_state(fill=False), path)  # the old content, opt.m included, verified
+    want = _state()
+    for k in ("w", "b", "h", "big", "opt.m"):
+        assert torch.equal(out[k], want[k].data), k
+    assert verify_checkpoint(path, state=True).ok
+    ci.remove_sharded_tensors(path, "opt.")  # and the removal works once the cause is gone
+    assert "opt.m" not in ci.load_tensors_metadata(path)
+
+
 def test_an_index_round_trips_exactly(tmp_path):
     path = _save(tmp_path / "c")
     raw = open(os.path.join(path, INDEX_FILE), "rb").read()
