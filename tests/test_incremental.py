@@ -275,3 +275,31 @@ def test_lora_fine_tuning_under_lightning_writes_the_frozen_base_once(tmp_path):
         loaded = ci.load_plain_tensors(path)
         for k, v in m.saved[step].items():
             assert torch.equal(loaded[k], v), (name, k)
+
+
+@pytest.mark.parametrize("where", ["header", "data", "trailer"])
+def test_a_base_file_damaged_on_disk_is_never_linked(tmp_path, caplog, where):
+    """A base data file whose bytes changed on disk since its save (a bad sector, a tool writing in
+    place) was linked into the new checkpoint: the new save's rows are computed from memory and equal
+    the base's, so the new checkpoint failed its own digests, and every later incremental save (``base=
+    "auto"`` with top-k deletion) linked it again: no kept checkpoint loaded. The linked file is now
+    read and checked first; a damaged one is written from memory, and that is said."""
+    first, second = str(tmp_path / "s1"), str(tmp_path / "s2")
+    ci.save(_state(0, 1, 1), first)
+    frozen = max(_data_files(first), key=lambda n: _data_files(first)[n][1])  # the frozen base's file
+    path = os.path.join(first, frozen)
+    at = {"header": 100, "data": 5000, "trailer": os.path.getsize(path) - 30}[where]
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x04]))
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(_state(0, 1, 2), second, base=first)
+    assert f"{frozen} is not intact" in caplog.text and "writing its items from memory" in caplog.text
+    assert _data_files(second)[frozen][0] != _data_files(first)[frozen][0]  # written, not linked
+    out = ci.load(_state(0, 1, 0), second)
+    want = _state(0, 1, 2)
+    for k in ("base.weight", "emb.weight", "adapter.weight", "opt.exp_avg"):
+        assert torch.equal(out[k], want[k].data), k
+    assert verify_checkpoint(second).ok

@@ -24,16 +24,22 @@ every later save links them.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from ..planning.written import Blocks
-from .checksum import BlockHash
+from ..errors import CheckpointingException, CorruptCheckpointError
+from ..planning.written import Blocks as Digests
+from .checksum import BlockHash, block_hash
 from .filesystem import CheckpointLocation, Storage, join
 from .fs import tensor_buffer
+from .item_table import BlockRecord
+from .region_read import Blocks, verify_blocks
+
+logger = logging.getLogger(__name__)
 
 _DATA_FILE = re.compile(r"^(.*)__(\d+)_(\d+)\.distcp$")
 
@@ -55,7 +61,7 @@ class BaseItem:
     start: int
     length: int
     digest: int
-    blocks: Optional[Blocks]
+    blocks: Optional[Digests]
 
 
 @dataclass
@@ -199,25 +205,66 @@ def _fingerprint_differs(base: BaseFiles, item: BaseItem, value: Optional[int]) 
     return recorded is not None and recorded[1] != value
 
 
-def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> bool:
-    """Put the base file ``name`` into ``directory`` (hard link / server-side copy) and check its size;
-    False (nothing left behind) where that is not possible: the caller writes the bytes."""
+def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Optional[bool]:
+    """Put the base file ``name`` into ``directory`` (hard link / server-side copy), then read it and check
+    every byte of its items against the digests the base recorded. True: taken; False: no link or copy is
+    possible here; None: the file is not as the base recorded it (logged). Nothing is left behind unless
+    True: the caller writes the bytes from memory.
+
+    The save's own rows for these items are the base's (computed from memory, they equal them): a file
+    damaged on disk since the base was saved would otherwise enter the new checkpoint under digests it
+    fails, and every later incremental save would link it again (a run with ``base="auto"`` and top-k
+    deletion would keep no loadable checkpoint). Reading costs less than the write it replaces."""
     base = reuse.base
     src, dst = join(base.directory, name), join(directory, name)
+    why = "its size is not the one recorded"  # (truncated or replaced since the base committed)
     try:
         if base.sizes.get(name, -1) < 0 or storage.size(src) != base.sizes[name]:
-            return False  # truncated or replaced since the base committed: never propagate it
+            logger.warning("incremental save: the base's %s is not intact (%s): writing its items from memory "
+                           "instead", src, why)
+            return None
     except OSError:
-        return False
+        return None
     if not storage.link(src, dst):
         return False
     try:
         if storage.size(dst) == base.sizes[name]:
-            return True
-    except OSError:
-        pass
+            why = _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])], block_hash(base.block_hash))
+            if why is None:
+                return True
+    except (OSError, CheckpointingException) as e:
+        why = str(e)
     storage.remove_any(dst)
-    return False
+    logger.warning("incremental save: the base's %s is not intact (%s): writing its items from memory instead", src, why)
+    return None
+
+
+def _damage(storage: Storage, path: str, items: Sequence[BaseItem], h: BlockHash, piece: int = 32 << 20) -> Optional[str]:
+    """Why the items of the file ``path`` do not hold the bytes their base recorded, or None. Items with
+    block digests are checked in pieces of about ``piece`` bytes, whole blocks each; others whole."""
+    f = storage.open_reader(path, "base data file")
+    try:
+        for it in items:
+            what = f"{it.key!r}" + ("" if it.offsets is None else f" at {list(it.offsets)}")
+            if it.blocks is None:
+                if h.digest(f.read(it.start, it.length)) != it.digest:
+                    return f"{what}: its bytes differ from the base's record"
+                continue
+            d, n, bs, digests = it.blocks
+            blocks = Blocks(BlockRecord(d, n, bs, digests, h).bounds(it.length), digests, h)
+            bounds = blocks.lists()[0]
+            i = 0
+            while i < len(bounds) - 1:
+                j = i + 1
+                while j < len(bounds) - 1 and bounds[j + 1] - bounds[i] <= piece:
+                    j += 1
+                verify_blocks(blocks, path, it.start, what, bounds[i], f.read(it.start + bounds[i], bounds[j] - bounds[i]))
+                i = j
+    except (CorruptCheckpointError, ValueError) as e:
+        return str(e)
+    finally:
+        f.close()
+    return None
 
 
 __all__ = ["BaseFiles", "BaseItem", "Reuse", "base_files", "data_file_parts", "plan_reuse", "take_file",

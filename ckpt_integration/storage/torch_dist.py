@@ -417,7 +417,10 @@ def link_unchanged(target: CheckpointLocation, requests: Sequence[WriteRequest],
     for name, pairs in sorted(reuse.linked.items()):
         if stop is not None:
             stop()
-        if not take_file(reuse, name, directory, storage):
+        taken_here = take_file(reuse, name, directory, storage)
+        if taken_here is None:
+            continue  # (not as the base recorded it: said, and written from memory)
+        if not taken_here:
             ckdir.note_once(f"incremental save: could not link or copy {join(base.directory, name)} into {directory} "
                      "(another filesystem, or links not supported there); writing the bytes instead (said once)",
                      key=f"link:{base.directory}")
