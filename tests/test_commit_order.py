@@ -105,6 +105,19 @@ def test_commit_numbers_continue_across_processes(tmp_path):
     assert ckdir.read_manifest(locate(d / "iter_0")).commit_seq == 4
 
 
+def test_commit_numbers_of_one_directory_however_it_is_spelled(tmp_path):
+    """The counter was kept per parent path as spelled: a save through a symlinked parent numbered on
+    from that spelling's own count, and two checkpoints of one directory got the same number (the
+    clock then decided which was newest)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    os.symlink(d, tmp_path / "link")
+    for i, parent in enumerate((d, tmp_path / "link", d, tmp_path / "link")):
+        _save(str(parent / f"c{i}"))
+    seqs = [ckdir.read_manifest(locate(d / f"c{i}")).commit_seq for i in range(4)]
+    assert seqs == sorted(set(seqs)) and len(seqs) == 4, seqs
+
+
 def _fit(dirpath, epochs, ckpt_path=None):
     import lightning as L
 

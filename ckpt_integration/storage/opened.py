@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 from contextlib import contextmanager
@@ -449,8 +450,9 @@ def next_commit_seq(ck: CheckpointLocation) -> int:
     manifests are read once per parent directory and process, later commits count on.
     """
     parent = parent_of(ck.path)
+    key = parent if ck.storage.remote else os.path.realpath(parent)  # (one directory, however it is spelled)
     with _seq_lock:
-        last = _last_seq.get(parent)
+        last = _last_seq.get(key)
         if last is None:
             last = 0
             here = ck.at(parent)
@@ -464,7 +466,7 @@ def next_commit_seq(ck: CheckpointLocation) -> int:
                     seq = commit_order(sibling)[1]
                     if seq is not None:
                         last = max(last, seq)
-        _last_seq[parent] = last + 1
+        _last_seq[key] = last + 1
         return last + 1
 
 
