@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -303,3 +304,24 @@ def test_a_base_file_damaged_on_disk_is_never_linked(tmp_path, caplog, where):
     for k in ("base.weight", "emb.weight", "adapter.weight", "opt.exp_avg"):
         assert torch.equal(out[k], want[k].data), k
     assert verify_checkpoint(second).ok
+
+
+def test_a_base_file_checked_once_is_checked_again_after_it_changed(tmp_path, caplog):
+    """Each save of a job links the same base files: one found intact is not read again by the process
+    (the benchmark's later incremental saves pay nothing), until its identity changes (written in place)."""
+    s1, s2, s3 = (str(tmp_path / n) for n in ("s1", "s2", "s3"))
+    ci.save(_state(0, 1, 1), s1)
+    ci.save(_state(0, 1, 2), s2, base=s1)  # reads s1's frozen file, intact: remembered
+    frozen = max(_data_files(s2), key=lambda n: _data_files(s2)[n][1])
+    assert _data_files(s2)[frozen][0] == _data_files(s1)[frozen][0]  # linked
+    time.sleep(0.01)
+    with open(os.path.join(s2, frozen), "r+b") as f:  # (the same inode as s1's)
+        f.seek(5000)
+        b = f.read(1)
+        f.seek(5000)
+        f.write(bytes([b[0] ^ 0x04]))
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(_state(0, 1, 3), s3, base=s2)
+    assert f"{frozen} is not intact" in caplog.text
+    out = ci.load(_state(0, 1, 0), s3)
+    assert torch.equal(out["base.weight"], _state(0, 1, 3)["base.weight"].data)

@@ -25,7 +25,9 @@ every later save links them.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -37,6 +39,7 @@ from .checksum import BlockHash, block_hash
 from .filesystem import CheckpointLocation, Storage, join
 from .fs import tensor_buffer
 from .item_table import BlockRecord
+from .readers import retried
 from .region_read import Blocks, verify_blocks
 
 logger = logging.getLogger(__name__)
@@ -225,12 +228,20 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
             return None
     except OSError:
         return None
+    ident = _identity(storage, src)
     if not storage.link(src, dst):
         return False
     try:
         if storage.size(dst) == base.sizes[name]:
+            if ident is not None and ident in _INTACT:
+                return True  # (checked whole by this process since it last changed)
             why = _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])], block_hash(base.block_hash))
             if why is None:
+                if ident is not None:
+                    with _INTACT_LOCK:
+                        _INTACT[ident] = None
+                        while len(_INTACT) > 4096:
+                            _INTACT.pop(next(iter(_INTACT)))
                 return True
     except (OSError, CheckpointingException) as e:
         why = str(e)
@@ -239,10 +250,31 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
     return None
 
 
+# files this process checked whole and found as their base recorded them, by identity: each save of a job
+# links the same base files again, and reads each once (a file changed since has another identity)
+_INTACT: Dict[Tuple[Any, ...], None] = {}
+_INTACT_LOCK = threading.Lock()
+
+
+def _identity(storage: Storage, path: str) -> Optional[Tuple[Any, ...]]:
+    """What identifies the bytes of ``path``: device, inode, size and modification time locally; size and
+    ETag (or modification time) on an object store; None where unknown (the file is then always checked)."""
+    try:
+        if not storage.remote:
+            st = os.stat(path)
+            return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+        info = retried(storage.fs, "info", path)
+    except (OSError, CheckpointingException):
+        return None
+    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+    return None if tag is None else (path, info.get("size"), str(tag))
+
+
 def _damage(storage: Storage, path: str, items: Sequence[BaseItem], h: BlockHash, piece: int = 32 << 20) -> Optional[str]:
     """Why the items of the file ``path`` do not hold the bytes their base recorded, or None. Items with
     block digests are checked in pieces of about ``piece`` bytes, whole blocks each; others whole."""
     f = storage.open_reader(path, "base data file")
+    buf = None  # one buffer for every piece (fresh memory per piece costs more than its hashing)
     try:
         for it in items:
             what = f"{it.key!r}" + ("" if it.offsets is None else f" at {list(it.offsets)}")
@@ -258,7 +290,12 @@ def _damage(storage: Storage, path: str, items: Sequence[BaseItem], h: BlockHash
                 j = i + 1
                 while j < len(bounds) - 1 and bounds[j + 1] - bounds[i] <= piece:
                     j += 1
-                verify_blocks(blocks, path, it.start, what, bounds[i], f.read(it.start + bounds[i], bounds[j] - bounds[i]))
+                n = bounds[j] - bounds[i]
+                if buf is None or len(buf) < n:
+                    buf = bytearray(max(n, min(piece, it.length)))
+                view = memoryview(buf)[:n]
+                f.read_into(view, it.start + bounds[i])
+                verify_blocks(blocks, path, it.start, what, bounds[i], view)
                 i = j
     except (CorruptCheckpointError, ValueError) as e:
         return str(e)
