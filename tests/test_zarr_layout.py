@@ -204,6 +204,7 @@ def test_ordinary_keys_are_stored_as_directories(tmp_path, key):
         (["metadata.json"], "file of the checkpoint directory"),
         (["zarr_index.json/x"], "file of the checkpoint directory"),
         (["x", "x/c/0"], r"inside the directory of tensor 'x'"),
+        (["model/" + "k" * 300], "300 bytes long"),  # (was a raw OSError "File name too long")
     ],
 )
 def test_unsafe_or_colliding_keys_are_refused_before_writing(tmp_path, keys, why):

@@ -156,6 +156,9 @@ def key_path_problem(key: object) -> Optional[str]:
         return "it has a '.' or '..' path segment (it would leave its own directory)"
     if segments[0] in _RESERVED_NAMES:
         return f"{segments[0]!r} is a file of the checkpoint directory itself"
+    long = next((seg for seg in segments if len(seg.encode()) > 255), None)  # (NAME_MAX of common filesystems)
+    if long is not None:
+        return f"its path segment {long[:40]!r}... is {len(long.encode())} bytes long (file names hold 255 at most)"
     return None
 
 
