@@ -225,35 +225,75 @@ def test_snapshots_of_a_timeline_the_job_left_are_never_restored(tmp_path):
     offered by ``latest()`` (and persisted at a SIGTERM) before the run's own first snapshot
     overwrote them, so the next restart silently resumed the abandoned timeline."""
     import ckpt_integration as ci
+    from ckpt_integration.memory import slots
 
     d = str(tmp_path)
     first = ci.MemoryCheckpoints(d, "tl", replicas=1)
-    for step in (4, 5):
+    for step in (4, 5):  # (step 4 in slot 0, step 5 in slot 1)
         first.save(_state(0, 1, step), step)
     first.close()  # killed: its snapshots of steps 4 and 5 stay in memory
-    # a rollback to step 2 (from a durable checkpoint), whose first snapshot is step 3
+    # a rollback to the durable checkpoint of step 4: this run's own steps differ from the first's (sign -1)
     rolled = ci.MemoryCheckpoints(d, "tl", replicas=1)
     assert rolled.latest() == 5 and rolled.last_complete_step == 5
+    req = rolled.persist(5, str(tmp_path / "durable5"))  # (a persist reading step 5: the drop waits for it)
     rolled.discard_newer(4)  # (Lightning calls it at train start with the step it resumed from)
+    req.wait()
     assert rolled.latest() == 4 and rolled.last_complete_step is None  # nothing a SIGTERM would persist
-    rolled.save(_state(0, 1, 3), 3)  # its first snapshot drops what earlier runs took of step 3 and later
+    # its first snapshot fails on the way (the slot's record removed, then the write failed): step 4 stays,
+    # in the other slot (the dropped step 5 had left no slot protected, and slot 0 was overwritten)
+    real, slots.write_record = slots.write_record, _failing_write
+    try:
+        rolled.save(_state(0, 1, 5, -1), 5)
+        with pytest.raises(OSError, match="no room"):
+            rolled.wait()
+    finally:
+        slots.write_record = real
+    assert rolled.latest() == 4
+    rolled.save(_state(0, 1, 5, -1), 5)
     rolled.wait()
-    assert rolled.latest() == 3 and rolled.last_complete_step == 3
+    assert rolled.latest() == 5 and rolled.last_complete_step == 5
+    _check(rolled.load(_request(0, 1), 5), 0, 1, 5, -1)  # its own step 5, not the first run's
     rolled.close()
-    # a restart that restores step 3 and goes on: the step it came from stays beside its own
+    # a restart that restores step 5 and goes on: the step it came from stays beside its own
     again = ci.MemoryCheckpoints(d, "tl", replicas=1)
-    again.discard_newer(3)
-    _check(again.load(_request(0, 1), 3), 0, 1, 3)
-    again.save(_state(0, 1, 4), 4)
+    _check(again.load(_request(0, 1), 5), 0, 1, 5, -1)
+    again.discard_newer(5)
+    again.save(_state(0, 1, 6, -1), 6)
     again.wait()
-    assert again.latest() == 4
-    _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    assert again.latest() == 6
+    _check(again.load(_request(0, 1), 5), 0, 1, 5, -1)
     again.close()
-    fresh = ci.MemoryCheckpoints(d, "tl", replicas=1)  # a run from scratch
+    # a run from scratch without discard_newer: its first complete snapshot drops the others' later steps
+    scratch = ci.MemoryCheckpoints(d, "tl", replicas=1)
+    scratch.save(_state(0, 1, 1), 1)
+    scratch.wait()
+    assert scratch.latest() == 1
+    scratch.close()
+    fresh = ci.MemoryCheckpoints(d, "tl", replicas=1)  # and one that calls it, before any snapshot
     fresh.discard_newer(0)
     assert fresh.latest() is None and fresh.last_complete_step is None
     assert not [n for n in os.listdir(os.path.join(d, "tl", "r00000")) if n.startswith("s")]  # files freed too
     fresh.close(remove=True)
+
+
+def _failing_write(*args, **kwargs):
+    raise OSError(28, "no room")
+
+
+def test_a_step_a_later_run_left_is_not_offered_and_load_takes_what_latest_found():
+    """Run X (2 ranks) reached steps 6 and 7; a later run Y (1 rank, one node) rolled back and saved 5
+    and 6; X's copies survive on the node Y did not have. ``latest()`` offered X's step 7, and
+    ``load(6)`` preferred X's step 6 (of this job size) to Y's: the timeline Y left."""
+    from ckpt_integration.memory.restore import Inventory, complete_any, step_in_memory
+    from ckpt_integration.memory.slots import Entry
+
+    x, y = (100, "x"), (200, "y")
+    node0 = [Entry(0, s % 2, s, x, 2) for s in (6, 7)] + [Entry(1, s % 2, s, x, 2) for s in (6, 7)] + [
+        Entry(0, s % 2, s, y, 1) for s in (5, 6)]
+    node1 = [Entry(o, s % 2, s, x, 2) for o in (0, 1) for s in (6, 7)]
+    inv = Inventory(["n0", "n1"], [node0, node1])
+    assert [k for k, _ in complete_any(inv)] == [(6, y), (5, y)]
+    assert step_in_memory(inv, 6, 2) == ((6, y), 1)
 
 
 def test_tmpfs_without_huge_pages_is_named(tmp_path):

@@ -106,16 +106,20 @@ def key_for_step(inv: Inventory, world: int, step: int) -> Optional[Key]:
 
 def complete_any(inv: Inventory) -> List[Tuple[Key, int]]:
     """``(key, world size it was saved with)`` of every step complete in the surviving memory,
-    whatever job size took it (a restart into another size restores it resharded), newest first."""
+    whatever job size took it (a restart into another size restores it resharded), newest first
+    (the later run first on a tie). A step that a later run (incarnation) left is not offered: that
+    run saved a lower step, so it went on from before it (a rollback, a start from scratch), also
+    where the copies of the abandoned step survive on a node the later run did not have."""
     worlds = sorted({e.world_size for es in inv.entries for e in es})
     done = [(k, w) for w in worlds for k in complete_steps(inv, w)]
+    done = [(k, w) for k, w in done if not any(o[1][0] > k[1][0] and o[0] < k[0] for o, _ in done)]
     return sorted(done, key=lambda kw: (kw[0][0], kw[0][1][0]), reverse=True)
 
 
 def step_in_memory(inv: Inventory, step: int, world: int) -> Optional[Tuple[Key, int]]:
-    """The complete snapshot of ``step`` (one of this job size first), or ``None``."""
-    found = [kw for kw in complete_any(inv) if kw[0][0] == step]
-    return next((kw for kw in found if kw[1] == world), found[0] if found else None)
+    """The complete snapshot of ``step`` that :func:`complete_any` ranks first (the latest run's, as
+    ``latest()`` found it), or ``None``. (``world``: this job's size, kept for callers.)"""
+    return next((kw for kw in complete_any(inv) if kw[0][0] == step), None)
 
 
 # --------------------------------------------------------------------------- fetching

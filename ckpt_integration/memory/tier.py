@@ -155,6 +155,7 @@ class MemoryCheckpoints:
         self.last_complete_step = done[0][0][0] if done and done[0][1] == self.world_size else None  # (persistable)
         self._worlds: Dict[int, int] = {}  # step -> job size that saved it, as latest() found them
         self._stale = bool(done) and done[0][1] != self.world_size  # snapshots of another job size to free
+        self._ran = False  # (this run completed a snapshot: earlier runs' later steps were dropped then)
 
     def _check_distinct_memory(self, process_group: Group) -> None:
         """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's
@@ -181,8 +182,7 @@ class MemoryCheckpoints:
         return self._group
 
     def _slot_of_key(self, inv: rs.Inventory, key: rs.Key) -> int:
-        found = sorted({e.slot for es in inv.entries for e in es if (e.step, e.incarnation) == key})
-        return found[0]
+        return min(e.slot for es in inv.entries for e in es if (e.step, e.incarnation) == key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -328,15 +328,16 @@ class MemoryCheckpoints:
                 raw = None
         job.staged = None
         recv_err = self._exchange_copies(job, raw, files)
+        if not self._ran:  # this run's first snapshot: what earlier runs took of later steps is another timeline
+            self._ran = True  # (dropped before the agreement below: no rank then still scans them)
+            with failure.capture():
+                self._drop_other_runs(job.step + 1)
         errors = dist.agree_on_errors(failure.message or recv_err, self._group)
         if errors:
             msg = f"memory snapshot of step {job.step} failed; the previous complete step stays restorable"
             dist.raise_if_any_failed(failure.exc, errors, msg)
-        first = self._protected is None or self._protected[1] != self.incarnation
         self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
         self.last_complete_step = job.step
-        if first:  # this run's first snapshot: what earlier runs took of this step or later is another timeline
-            self._drop_other_runs(job.step)
         if self._stale:  # a step of this job size is complete: free the snapshots of the larger one
             self._stale = False
             for owner in slots.owners(self.root):
@@ -376,21 +377,26 @@ class MemoryCheckpoints:
         self._drain()
 
     def discard_newer(self, step: int) -> None:
-        """Drop the snapshots earlier runs of this job took of steps after ``step``, where this run goes
-        on from (``0``: afresh). They are a timeline it left (a rollback, a restart from scratch) that
-        :meth:`latest` would offer the next restart. Local: every rank calls it (its own snapshots and
-        copies). A run's first snapshot drops those of its step and later; Lightning calls this at train start."""
+        """Collective: drop the snapshots earlier runs of this job took of steps after ``step``, where this
+        run goes on from (``0``: afresh). They are a timeline it left (a rollback, a restart from scratch)
+        that :meth:`latest` would offer the next restart. A run's first snapshot drops those after its
+        step; Lightning calls this at train start."""
         self._check_open()
+        self._drain()
         self._drop_other_runs(int(step) + 1)
+        dist.barrier(self._group)  # (ranks of a node scan each other's slots: none still sees the dropped)
 
     def _drop_other_runs(self, lowest: int) -> None:
-        with self._pin_cv:
-            if any(self._pinned.values()):
-                return  # a persist is reading a snapshot: left as it is
+        for slot in slots.SLOTS:  # (a persist reading one finishes first)
+            self._wait_unpinned(slot)
         owners = {self.rank, *self.plan.held_by(self.rank), *(o for o in slots.owners(self.root) if o >= self.world_size)}
         dropped = slots.drop_other_runs(self.root, sorted(owners), self.incarnation, lowest)
         if self._protected is not None and self._protected[1] != self.incarnation and self._protected[0] >= lowest:
-            self._protected = self._protected_slot = self.last_complete_step = None
+            # the slot it held is free; the newest step left (the one a restart goes on from) is protected
+            e = max((e for e in slots.scan(self.root, self.job_id) if e.owner == self.rank), default=None,
+                    key=lambda e: (e.step, e.slot))
+            self._protected, self._protected_slot = (None, None) if e is None else ((e.step, e.incarnation), e.slot)
+            self.last_complete_step = None
         if dropped:
             logger.info("memory tier: rank %d dropped the snapshots of step(s) %s an earlier run of job %r took (this "
                         "run left that timeline)", self.rank, sorted({s for _, s in dropped}), self.job_id)
@@ -415,16 +421,13 @@ class MemoryCheckpoints:
     def load(self, sharded_state_dict: Dict[str, Any], step: int, verify_state: Optional[bool] = None) -> Dict[str, Any]:
         """Collective: restore step ``step`` into ``sharded_state_dict``; returns what ``ci.load`` would.
 
-        Each rank reads its own snapshot from its node's memory, or (node replaced, copy
-        damaged) fetches a peer's copy; every byte is verified against the block digests, a copy
-        that fails is refused and the next one tried. A copy must also be the snapshot its rank
-        saved (the digest of its shards and their fingerprints every rank agreed on); with
-        ``verify_state`` (as :func:`ckpt_integration.load`'s; default: off unless
-        ``CKPT_INTEGRATION_VERIFY_STATE=1``) every restored tensor's fingerprint is compared with
-        the one recorded from the snapshot's bytes. Raises :class:`MemoryLayoutError` when
-        the request is laid out differently and :class:`MemoryCheckpointError` when no intact
-        copy of some rank's snapshot is left: load the durable checkpoint then. Logs (and
-        keeps in :attr:`last_restore`) where this rank's state came from.
+        Each rank reads its own snapshot from its node's memory, or (node replaced, copy damaged)
+        fetches a peer's copy; every byte is verified against the block digests, a copy that fails
+        (or is not the snapshot its rank saved: the digest of its shards every rank agreed on) is
+        refused and the next one tried. ``verify_state``: as :func:`ckpt_integration.load`'s. Raises
+        :class:`MemoryLayoutError` when the request is laid out differently and
+        :class:`MemoryCheckpointError` when no intact copy of some rank's snapshot is left. Logs
+        (and keeps in :attr:`last_restore`) where this rank's state came from.
         """
         self._check_open()
         self._drain()
@@ -476,6 +479,7 @@ class MemoryCheckpoints:
             if not failed:
                 break
             owners = failed
+        self._protected, self._protected_slot = key, self._slot_of_key(inv, key)  # (kept until this run's own)
         mine_refused = [x for x in reasons if x.startswith(f"rank {self.rank}'s ")]
         self.last_restore = RestoreReport(int(step), source, mine_refused, bool(got is not None and got.warm))
         logger.info("memory tier: rank %d restored step %d of job %r from %s", self.rank, step, self.job_id, source)
@@ -485,15 +489,11 @@ class MemoryCheckpoints:
     def persist(self, step: int, checkpoint_dir: Union[str, os.PathLike], **save_kwargs: object) -> AsyncRequest:
         """Collective: write step ``step`` from memory as an ordinary durable checkpoint, in the background.
 
-        The snapshot's bytes are written as they are (no copy from the device, no second
-        staging); each block is verified first. Same format as :func:`ckpt_integration.save`,
-        so the checkpoint loads and reshards like any other. ``save_kwargs`` go to the save
-        (``thread_count``, ``durable``, ``overwrite``; ``balance`` defaults to ``False`` so that
-        main replicas write, as their values are the ones a checkpoint keeps; ``step`` defaults to
-        ``step``: the checkpoint records the snapshot's step, which orders it among the others
-        (:func:`~ckpt_integration.list_checkpoints`, Lightning's ``ckpt_path="last"``)). Returns a
-        request: ``.wait()`` blocks and raises a failure (on every rank). The slot stays pinned
-        until then: a snapshot that would overwrite it waits.
+        The snapshot's bytes are written as they are, each block verified first; the checkpoint loads
+        and reshards like any other. ``save_kwargs`` go to the save (``thread_count``, ``durable``,
+        ``overwrite``; ``balance`` defaults to ``False``: main replicas write; ``step`` to ``step``, which
+        orders it among the others). Returns a request: ``.wait()`` blocks and raises a failure (on
+        every rank). The slot stays pinned until then: a snapshot that would overwrite it waits.
         """
         self._check_open()
         self._drain()
