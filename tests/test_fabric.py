@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
+import ckpt_integration as ci
 from ckpt_integration.lightning import DistCkptFabricSingleDeviceStrategy, DistCkptIO, UnsupportedStrategyError
 from tests import forked
 from tests.layouts import assert_same_state as _same
@@ -157,6 +158,9 @@ def test_fabric_load_returns_what_it_did_not_place_and_refuses_what_was_never_sa
     _same(_copy(ema.state_dict()), rest["ema"], "ema")
     with pytest.raises(KeyError, match="'net' that does not exist"):
         fabric.load(path, {"net": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))})
+    # a module saved under the name of one of the model's submodules: both would be saved as "net.*"
+    with pytest.raises(ci.CheckpointingException, match="modules 'model' and 'net' both have a tensor saved as 'net"):
+        fabric.save(tmp_path / "clash", {"model": model, "net": nn.Sequential(nn.Linear(4, 8))})
     stock = tmp_path / "plain.pt"
     torch.save({"model": _copy(model.state_dict()), "step": 5}, stock)
     m3, _, _ = _setup(_fabric())

@@ -33,6 +33,7 @@ from lightning.fabric.strategies import DDPStrategy, FSDPStrategy, ModelParallel
 from torch import nn
 
 from .. import serialization
+from ..errors import CheckpointingException
 from ..execution.async_save import register_exit_hook
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedTensor, ShardedTensorFactory
@@ -168,6 +169,15 @@ class DistCkptFabricMixin(Strategy):
                 models[key] = sd
                 if self._is_fsdp1():
                     fsdp_roots[key] = obj
+        owner: Dict[str, str] = {}  # tensor key -> the state key of the module that has it
+        for key, sd in models.items():
+            for v in sd.values():
+                k = getattr(v, "key", None)
+                if isinstance(k, str) and owner.setdefault(k, key) != key:
+                    raise CheckpointingException(
+                        f"fabric.save: modules {owner[k]!r} and {key!r} both have a tensor saved as {k!r} (the module "
+                        f"under {MODEL_KEY!r} keeps its names without a prefix, so another module named like one of "
+                        "its submodules collides): save them under other keys, or only the one holding both")
         merged = {k: v for sd in models.values() for k, v in sd.items()}
         optimizers: List[str] = []
         for key, obj in state.items():

@@ -377,10 +377,9 @@ class MemoryCheckpoints:
         self._drain()
 
     def discard_newer(self, step: int) -> None:
-        """Collective: drop the snapshots earlier runs of this job took of steps after ``step``, where this
-        run goes on from (``0``: afresh). They are a timeline it left (a rollback, a restart from scratch)
-        that :meth:`latest` would offer the next restart. A run's first snapshot drops those after its
-        step; Lightning calls this at train start."""
+        """Collective: drop the snapshots earlier runs of this job took of steps after ``step``, where this run
+        goes on from (``0``: afresh): a timeline it left (a rollback, a restart from scratch), which :meth:`latest`
+        would offer the next restart. A run's first snapshot drops those after its step too."""
         self._check_open()
         self._drain()
         self._drop_other_runs(int(step) + 1)
@@ -500,7 +499,9 @@ class MemoryCheckpoints:
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
         key = rs.key_for_step(inv, self.world_size, int(step))
         if key is None:
-            raise MemoryCheckpointError(f"cannot persist step {step}: it is not complete in memory")
+            other = rs.step_in_memory(inv, int(step), self.world_size)  # (saved by another job size?)
+            raise MemoryCheckpointError(f"cannot persist step {step}: " + ("it is not complete in memory" if other is None
+                                        else f"it was saved by {other[1]} rank(s); persist takes steps of this job size"))
         slot = self._slot_of_key(inv, key)
         with self._pin_cv:
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
@@ -586,9 +587,8 @@ class MemoryCheckpoints:
             raise first
 
     def _destroy_groups(self) -> None:
-        """Shut this tier's own gloo groups down now (their queues are closed): left to interpreter
-        teardown, a group whose worker thread still holds a finished operation's tensors aborts the
-        process (``terminate called without an active exception``) when it needs the GIL."""
+        """Shut this tier's own gloo groups down now (their queues are closed): left to interpreter teardown, a
+        group whose worker still holds a finished operation's tensors aborts the process when it needs the GIL."""
         for g in (self._group, self._persist_group):  # (a use after close() then fails loudly)
             if g is not None:
                 g.close("the memory tier was closed")
