@@ -293,7 +293,7 @@ def test_a_step_a_later_run_left_is_not_offered_and_load_takes_what_latest_found
     node1 = [Entry(o, s % 2, s, x, 2) for o in (0, 1) for s in (6, 7)]
     inv = Inventory(["n0", "n1"], [node0, node1])
     assert [k for k, _ in complete_any(inv)] == [(6, y), (5, y)]
-    assert step_in_memory(inv, 6, 2) == ((6, y), 1)
+    assert step_in_memory(inv, 6) == ((6, y), 1)
 
 
 def test_tmpfs_without_huge_pages_is_named(tmp_path):

@@ -293,8 +293,7 @@ class DistCkptIO(CheckpointIO):
         if self._queue is None:
             self._queue = AsyncCallsQueue(max_in_flight=self.max_in_flight)
         self.ensure_check_group()
-        if self.saving(path):  # (max_in_flight > 1) the same path again: after the save still writing it
-            self.maybe_finalize(blocking=True, collective=False)
+        self.wait_if_saving(path)  # (max_in_flight > 1) the same path again: after the save still writing it
         if not self._make_room(path):
             return
         extra = {"staging_budget": self.staging_budget} if self.staging_budget is not None else {}

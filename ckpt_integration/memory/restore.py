@@ -116,9 +116,9 @@ def complete_any(inv: Inventory) -> List[Tuple[Key, int]]:
     return sorted(done, key=lambda kw: (kw[0][0], kw[0][1][0]), reverse=True)
 
 
-def step_in_memory(inv: Inventory, step: int, world: int) -> Optional[Tuple[Key, int]]:
+def step_in_memory(inv: Inventory, step: int) -> Optional[Tuple[Key, int]]:
     """The complete snapshot of ``step`` that :func:`complete_any` ranks first (the latest run's, as
-    ``latest()`` found it), or ``None``. (``world``: this job's size, kept for callers.)"""
+    ``latest()`` found it), or ``None``."""
     return next((kw for kw in complete_any(inv) if kw[0][0] == step), None)
 
 

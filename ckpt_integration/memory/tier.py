@@ -431,7 +431,7 @@ class MemoryCheckpoints:
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
-        found = rs.step_in_memory(inv, int(step), self.world_size)
+        found = rs.step_in_memory(inv, int(step))
         if found is None:
             raise MemoryCheckpointError(f"step {step} is not complete in memory for job {self.job_id!r} "
                                         f"(newest complete: {next((k[0] for k, _ in rs.complete_any(inv)), None)})")
@@ -499,7 +499,7 @@ class MemoryCheckpoints:
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
         key = rs.key_for_step(inv, self.world_size, int(step))
         if key is None:
-            other = rs.step_in_memory(inv, int(step), self.world_size)  # (saved by another job size?)
+            other = rs.step_in_memory(inv, int(step))  # (saved by another job size?)
             raise MemoryCheckpointError(f"cannot persist step {step}: " + ("it is not complete in memory" if other is None
                                         else f"it was saved by {other[1]} rank(s); persist takes steps of this job size"))
         slot = self._slot_of_key(inv, key)

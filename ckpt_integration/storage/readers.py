@@ -18,8 +18,8 @@ group.
 Views into a mapping must be dropped before :meth:`ItemMap.close` (a view that is still
 alive keeps its mapping open until it is collected).
 
-**Retries of remote requests** (:func:`retried`; every remote operation of
-:class:`~ckpt_integration.storage.filesystem.Storage` goes through it too). Object stores fail in
+**Retries of remote requests** (:func:`retried`; :func:`retry_delay` for zarr's asynchronous stores; every
+remote operation of :class:`~ckpt_integration.storage.filesystem.Storage`). Object stores fail in
 passing (500/503 answers, ``SlowDown`` throttling, reset connections, requests that hang). Clients
 retry some of that themselves (s3fs and botocore, with their own counts); what they cannot give is
 a bound on a request that hangs, an error that names the checkpoint file, and a retry of a request
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import inspect
 import logging
 import mmap
 import os
@@ -88,7 +89,6 @@ class FileReader:
 
     def close(self) -> None:
         pass
-
 
 
 # --------------------------------------------------------------------------- local files
@@ -234,8 +234,7 @@ class RetryPolicy:
                 raise CheckpointingException(f"{name}={raw!r} is out of range")
             return value
 
-        return RetryPolicy(number(ATTEMPTS_ENV, 4, int), number(TIMEOUT_ENV, 120.0, float),
-                           number(BACKOFF_ENV, 1.0, float))
+        return RetryPolicy(number(ATTEMPTS_ENV, 4, int), number(TIMEOUT_ENV, 120.0, float), number(BACKOFF_ENV, 1.0, float))
 
     def wait(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1-based): full jitter, exponential, capped."""
@@ -282,37 +281,39 @@ def is_transient(e: BaseException) -> bool:
 def _supports_timeout(fs: AbstractFileSystem, fn: Callable[..., object]) -> bool:
     """The blocking methods that fsspec derives from an asynchronous filesystem's coroutines
     (s3fs, gcsfs, adlfs ...) take ``timeout=`` (the coroutine is cancelled when it passes)."""
-    import inspect
-
     return not getattr(fs, "asynchronous", False) and inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None))
 
 
 def retried(fs: AbstractFileSystem, method: str, path: str, *args: object, write: bool = False, what: str = "",
          **kwargs: object) -> Any:
-    """``getattr(fs, method)(path, *args, **kwargs)`` with per-attempt deadlines and bounded retries.
-
-    ``write`` picks the error type (:class:`CheckpointWriteError` or :class:`CheckpointReadError`)
-    raised when the attempts are spent; ``what`` says what the object is, for the message.
-    """
+    """``getattr(fs, method)(path, *args, **kwargs)`` with per-attempt deadlines and bounded retries (the error
+    when they are spent: :func:`retry_delay`; ``what`` says what the object is, for the message)."""
     policy = RetryPolicy.from_env()
     fn = getattr(fs, method)
     if policy.timeout > 0 and _supports_timeout(fs, fn):
         kwargs["timeout"] = policy.timeout
-    start = time.monotonic()
-    attempt = 0
+    start, attempt = time.monotonic(), 0
     while True:
         attempt += 1
         try:
             return fn(path, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - classified below
-            if not is_transient(e):
-                raise
-            if attempt >= policy.attempts:
-                raise gave_up(e, path, attempt, time.monotonic() - start, write, what) from e
-            delay = policy.wait(attempt)
-            logger.warning("%s %s failed (attempt %d of %d): %s; retrying in %.1fs", method, path, attempt,
-                           policy.attempts, _reason(e), delay)
-            time.sleep(delay)
+        except Exception as e:  # noqa: BLE001 - classified by retry_delay
+            time.sleep(retry_delay(e, policy, attempt, start, method, path, write, what))
+
+
+def retry_delay(e: Exception, policy: "RetryPolicy", attempt: int, start: float, method: str, path: str,
+                write: bool = False, what: str = "") -> float:
+    """After attempt ``attempt`` (the first began at ``start``) of ``method`` on ``path`` failed with ``e``: the
+    seconds to wait before the next one (logged). Raises ``e`` when it is not transient, and :func:`gave_up`'s
+    error (``CheckpointWriteError`` if ``write``, else ``CheckpointReadError``) when the attempts are spent."""
+    if not is_transient(e):
+        raise e
+    if attempt >= policy.attempts:
+        raise gave_up(e, path, attempt, time.monotonic() - start, write, what) from e
+    delay = policy.wait(attempt)
+    logger.warning("%s %s failed (attempt %d of %d): %s; retrying in %.1fs", method, path, attempt,
+                   policy.attempts, _reason(e), delay)
+    return delay
 
 
 def _reason(e: BaseException) -> str:

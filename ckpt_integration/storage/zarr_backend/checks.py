@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import os
 import stat
 import time
@@ -24,16 +23,13 @@ import torch
 from ...errors import CorruptCheckpointError
 from ..checksum import crc32
 from ..filesystem import checked_path, is_remote, join, write_error
-from ..readers import RetryPolicy, gave_up, is_transient, not_regular
+from ..readers import RetryPolicy, not_regular, retry_delay
 from .index import ARRAY_METADATA_FILE, INDEX_FILE, FileRecord, is_chunk_name, numpy_dtype, zarr_module
 
 if TYPE_CHECKING:  # zarr is optional, and imported on first use
     import zarr
     from zarr.abc.store import ByteRequest, Store
     from zarr.core.buffer import Buffer as ZarrBuffer, BufferPrototype
-
-logger = logging.getLogger(__name__)
-
 
 def _url(store: Any, key: str) -> str:
     """The URL of ``key`` in an fsspec store (for messages)."""
@@ -54,15 +50,9 @@ async def retried(store: Any, call: Callable[[], Any], key: str, write: bool) ->
         attempt += 1
         try:
             return await (asyncio.wait_for(call(), policy.timeout) if policy.timeout > 0 else call())
-        except Exception as e:  # noqa: BLE001 - classified below
-            if not is_transient(e):
-                raise
-            if attempt >= policy.attempts:
-                raise gave_up(e, _url(store, key), attempt, time.monotonic() - start, write, "zarr file") from e
-            delay = policy.wait(attempt)
-            logger.warning("%s %s failed (attempt %d of %d): %s; retrying in %.1fs", "set" if write else "get",
-                           _url(store, key), attempt, policy.attempts, e, delay)
-            await asyncio.sleep(delay)
+        except Exception as e:  # noqa: BLE001 - classified by retry_delay
+            await asyncio.sleep(retry_delay(e, policy, attempt, start, "set" if write else "get", _url(store, key),
+                                            write, "zarr file"))
 
 
 # CRC32 of buffers above this size runs in a worker thread: zlib releases the GIL,
