@@ -150,7 +150,7 @@ def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] 
         raise CorruptCheckpointError(
             f"{why + ': ' if why else ''}cannot tell which checkpoint in {directory} is the newest: "
             + "; ".join(f"{c.path} is committed but cannot be ordered ({c.damaged})" for c in damaged)
-            + f". {newest}. Check it with `ckpt-integration verify`, then repair or remove it, or resume from "
+            + f"; {newest}. Check it with `ckpt-integration verify`, then repair or remove it, or resume from "
             "an explicit path")
     best = found[-1]
     reason = f"{best.describe()}"

@@ -25,7 +25,7 @@ from ckpt_integration.cli import main
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
-from tests.damage import flip_byte
+from tests.damage import flip_byte, write_manifest
 
 ROWS, COLS = 64, 96  # 24 KiB of float32: 3 data blocks of 8 KiB
 
@@ -236,12 +236,46 @@ def test_a_flipped_byte_is_found_by_loads_and_verify(tmp_path, monkeypatch, caps
     assert "checksum mismatch" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+@pytest.mark.parametrize("where", ["step", "world_size", "save", "version_7_to_6", "version_6_to_7"])
+def test_a_manifest_changed_by_one_bit_is_refused_by_its_own_checksum(tmp_path, monkeypatch, capsys, backend, where):
+    """Before format 7 nothing checked ``manifest.json`` itself: one flipped bit turned a recorded step 30
+    into 20 (so ``"last"`` and ``base="auto"`` picked an older checkpoint) or the world size into 0, and
+    loads and ``verify`` said nothing. Now its head and its whole text carry CRC32s; a format-6 manifest
+    (no seal) that claims 7 is refused too, and a sealed one that claims 6 is still checked."""
+    d = tmp_path / "c"
+    if where == "version_6_to_7":
+        monkeypatch.setattr(ckdir, "SAVE_MANIFEST_VERSION", 6)
+        if backend == "zarr":
+            monkeypatch.setattr(ckdir, "ZARR_MANIFEST_VERSION", 5)
+    w = torch.arange(12.0).reshape(3, 4)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", w.clone())}, str(d), backend, durable=False, step=30)
+    path = d / "manifest.json"
+    data = bytearray(path.read_bytes())
+    pattern = {"step": b'"step": 3', "world_size": b'"world_size": 1', "save": b'"save": "',
+               "version_7_to_6": b'"version": 7', "version_6_to_7": b'"version": '}[where]
+    at = data.index(pattern) + len(pattern) - (0 if where in ("save", "version_6_to_7") else 1)
+    data[at] ^= ord("7") ^ data[at] if where == "version_6_to_7" else 0x01  # (one bit: 6 -> 7, zarr's 5 -> 7)
+    path.write_bytes(bytes(data))
+    json.loads(bytes(data))  # (still valid JSON: a change only a checksum can see)
+    with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged: .*(own checksum|CRC32)"):
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}, str(d))
+    if where in ("world_size", "save"):  # (listings read the sealed head only; the load above refuses the rest)
+        assert ci.checkpoints.newest_checkpoint(str(tmp_path)) == str(d)
+    else:
+        with pytest.raises(ci.CorruptCheckpointError, match=r"manifest\.json is damaged"):
+            ci.checkpoints.newest_checkpoint(str(tmp_path))
+    capsys.readouterr()
+    assert main(["verify", str(d)]) == 1
+    assert "manifest.json is damaged" in capsys.readouterr().out
+
+
 def test_unknown_block_hash_is_refused_naming_the_file_and_algorithm(tmp_path, monkeypatch, capsys):
     d = tmp_path / "c"
     _save(d, "xxh3_64", monkeypatch)
     man = json.loads((d / "manifest.json").read_text())
     man["block_hash"] = "blake9"
-    (d / "manifest.json").write_text(json.dumps(man))
+    write_manifest(d / "manifest.json", man)
     with pytest.raises(ci.errors.UnknownBlockHashError, match=r"manifest\.json.*'blake9'") as ei:
         _load(d)
     assert isinstance(ei.value, ci.errors.UnsupportedCheckpointError) and str(d) in str(ei.value)
@@ -263,7 +297,7 @@ def test_manifest_whose_table_and_algorithm_disagree_is_damaged(tmp_path, monkey
         del man["block_hash"]
     else:
         man["block_hash"] = "xxh3_64"
-    (d / "manifest.json").write_text(json.dumps(man))
+    write_manifest(d / "manifest.json", man)
     # (format 6 keeps the digests in index.bin, whose width then disagrees with the name)
     with pytest.raises(ci.CorruptCheckpointError, match=r"(manifest\.json|index\.bin) is damaged"):
         _load(d)
@@ -296,7 +330,7 @@ def test_format_4_tables_damaged_or_misplaced_are_refused(tmp_path, monkeypatch,
         man["tables"] = ""
     else:
         man["version"] = 3
-    (d / "manifest.json").write_text(json.dumps(man))
+    write_manifest(d / "manifest.json", man)
     if change == "v3_with_tables":
         with pytest.raises(ci.errors.UnsupportedCheckpointError, match="ckpt-integration convert"):
             _load(d)

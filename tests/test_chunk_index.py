@@ -18,6 +18,7 @@ from ckpt_integration.storage import torch_dist
 from ckpt_integration.storage.checksum import crc32
 from ckpt_integration.storage.torch_dist import read_dcp_metadata
 from ckpt_integration.storage.filesystem import locate
+from tests.damage import write_manifest
 
 
 @pytest.fixture(autouse=True)
@@ -105,8 +106,7 @@ def _rewrite(path: str, name: str, data: bytes) -> None:
         f.write(data)
     man = json.load(open(os.path.join(path, "manifest.json")))
     man["files"][name] = {"size": len(data), "crc32": crc32(data)}
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(man, f)
+    write_manifest(os.path.join(path, "manifest.json"), man)
 
 
 def test_an_index_of_another_metadata_is_not_used(tmp_path, caplog):
@@ -152,7 +152,7 @@ def test_a_damaged_index_falls_back_to_metadata(tmp_path, caplog):
     os.remove(os.path.join(old, "chunk_index.bin"))
     man = json.load(open(os.path.join(old, "manifest.json")))
     del man["files"]["chunk_index.bin"]
-    json.dump(man, open(os.path.join(old, "manifest.json"), "w"))
+    write_manifest(os.path.join(old, "manifest.json"), man)
     _check(_load(old), 2.0)
 
 

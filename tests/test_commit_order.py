@@ -59,10 +59,12 @@ def test_overwrite_siblings_are_not_listed(tmp_path):
     assert os.path.basename(ci.checkpoints.newest_checkpoint(str(d))) == "last.ckpt"
 
 
-@pytest.mark.parametrize("damage", ["deleted", "emptied", "newer_format"])
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "newer_format", "step_bit_flipped"])
 def test_a_newest_checkpoint_that_cannot_be_ordered_is_not_skipped(tmp_path, damage):
     """Before: a committed checkpoint whose manifest.json was deleted or emptied sorted as the oldest,
-    and ``ckpt_path="last"`` resumed from an older checkpoint without a word (its steps lost)."""
+    and ``ckpt_path="last"`` resumed from an older checkpoint without a word (its steps lost). The
+    same for one flipped bit that turned its recorded step 8 into 0 (format 7 seals the manifest's
+    head, which listings read: ``checksum.sealed_json``)."""
     import json
     import shutil
 
@@ -74,6 +76,10 @@ def test_a_newest_checkpoint_that_cannot_be_ordered_is_not_skipped(tmp_path, dam
         manifest.unlink()
     elif damage == "emptied":
         manifest.write_bytes(b"")
+    elif damage == "step_bit_flipped":  # "8" (0x38) -> "0" (0x30): valid JSON, an older step
+        data = bytearray(manifest.read_bytes())
+        data[data.index(b'"step": 8') + len(b'"step": ')] ^= 0x08
+        manifest.write_bytes(bytes(data))
     else:  # (written by a newer version: its head does not have the layout this one reads)
         raw = json.loads(manifest.read_text())
         manifest.write_text(json.dumps({"version": 99, **{k: v for k, v in raw.items() if k != "version"}}))

@@ -28,7 +28,7 @@ from ckpt_integration.cli import main
 from ckpt_integration.storage import checkpoint_dir as ckdir
 from ckpt_integration.storage import checksum
 from ckpt_integration.storage import torch_dist as td
-from tests.damage import reindex, deadline, flip_byte
+from tests.damage import reindex, deadline, flip_byte, write_manifest
 from ckpt_integration.storage.filesystem import locate
 
 ROWS, COLS = 128, 96  # 48 KiB of float32: 3 checksum blocks of 16 KiB
@@ -95,7 +95,7 @@ def _manifest(d) -> dict:
 
 
 def _write_manifest(d, man: dict) -> None:
-    (d / "manifest.json").write_text(json.dumps(man))
+    write_manifest(d / "manifest.json", man)
 
 
 def _rewrite_metadata(d, edit) -> None:

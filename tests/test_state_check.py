@@ -18,6 +18,7 @@ import torch
 import ckpt_integration as ci
 from ckpt_integration import ShardedTensor
 from ckpt_integration.storage.fingerprint import add, fingerprint, fingerprints
+from tests.damage import write_manifest
 from tests.dist_utils import run_distributed
 from tests.layouts import expected_fused, fused_qkv_factory, global_tensor
 from ckpt_integration.storage.filesystem import locate
@@ -334,7 +335,7 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
     raw = encode_index(index.layout, h, {"size": index.metadata_size, "crc32": index.metadata_crc32})
     (d / "index.bin").write_bytes(raw)
     man["files"]["index.bin"] = {"size": len(raw), "crc32": crc32(raw)}
-    (d / "manifest.json").write_text(json.dumps(man))
+    write_manifest(d / "manifest.json", man)
     report = verify_checkpoint(str(d), state=True)
     assert not report.ok and ["h"] == [k for p in report.problems for k in p["keys"]], report.format()
     assert "'h'" in report.format() and "not the state that was saved" in report.format()

@@ -497,7 +497,7 @@ def _swap_if_staging(plan: SavePlan) -> None:
 
     A crash in the two-rename fallback leaves the old checkpoint at ``<dir>.old-*`` and the new,
     committed one at ``<dir>.tmp-*``, which ``load`` names in its error
-    (see ``checkpoint_dir.interrupted_overwrite_hint``).
+    (see ``claim.interrupted_overwrite_hint``).
     """
     if not plan.staging:
         return

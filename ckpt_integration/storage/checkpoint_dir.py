@@ -31,7 +31,6 @@ import binascii
 import io
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, Hashable, Iterable, Mapping, Optional, Tuple, Union
@@ -44,12 +43,12 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsupportedCheckpointError,
 )
-from .checksum import BlockHash, block_hash, crc32, save_block_hash, write_recorded
+from .checksum import BlockHash, block_hash, check_sealed, crc32, save_block_hash, sealed_json, write_recorded
 from .fingerprint import Recorded
 from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable, TableBlockRecords, TableItemDigests,
                          decode_text, refusal, upgrade)
 from .checkpoint_index import INDEX_FILE, CheckpointIndex
-from .claim import MARKER_FILE
+from .claim import MARKER_FILE, interrupted_overwrite_hint
 from .filesystem import CheckpointLocation, join
 from .safe_pickle import safe_torch_load
 
@@ -63,10 +62,12 @@ FORMAT_NAME = "ckpt_integration"
 # 4: the per-item tables as one binary table in "tables" (see item_table.py), the block digest
 # named by "block_hash"; 5: adds "fingerprints" (fingerprint.py); 6 (torch_dist): both, and the chunk
 # records of chunk_index.bin, are one table in index.bin (checkpoint_index.py), which the manifest names in
-# "files"; zarr checkpoints keep format 5 (their chunks are recorded in zarr_index.json)
-MANIFEST_VERSION = 6
-SUPPORTED_MANIFEST_VERSIONS = (4, 5, 6)
-ZARR_MANIFEST_VERSION = 5
+# "files"; zarr checkpoints kept format 5 (their chunks are recorded in zarr_index.json); 7: the manifest seals
+# itself (checksum.sealed_json: "head_crc32", "manifest_crc32"), items as in 6 (torch_dist) or 5 (zarr)
+MANIFEST_VERSION = 7
+SUPPORTED_MANIFEST_VERSIONS = (4, 5, 6, 7)
+ZARR_MANIFEST_VERSION = 7
+SEALED_VERSION = 7
 # The format new saves write (tests write format-4 checkpoints through it)
 SAVE_MANIFEST_VERSION = MANIFEST_VERSION
 
@@ -100,6 +101,8 @@ class Manifest:
     # this commit's identity (a random hex string, unique per commit; "" in older checkpoints):
     # an opened checkpoint checks it to notice that its directory now holds another commit
     commit_id: str = ""
+    # format 7: CRC32 of the text before it (what listings read), and last, of the whole text before it
+    head_crc32: Optional[int] = None
     world_size: int = 1
     # the block digest algorithm (checksum.block_hash) of the item table's digests
     block_hash: Optional[str] = None
@@ -114,10 +117,17 @@ class Manifest:
     # lies and the digests of its blocks (bytes before the data, each data block, bytes after it;
     # empty ones left out), as one binary table, base64 (item_table.py); last in the file
     tables: str = ""
+    manifest_crc32: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_hash is None:
             self.block_hash = save_block_hash().name
+
+    @property
+    def keeps_index(self) -> bool:
+        """Whether the items are in ``index.bin`` (format 6, and 7 of torch_dist) or in the manifest."""
+        v = self.version
+        return isinstance(v, int) and (v == 6 or (v >= SEALED_VERSION and INDEX_FILE in self.files))
 
     @property
     def hash(self) -> BlockHash:
@@ -128,7 +138,7 @@ class Manifest:
         """Format 6: the checkpoint's ``index.bin``, read and checked (``files``) on first use; missing or
         damaged: :class:`CorruptCheckpointError` naming it. None for formats 4-5 (``tables``)."""
         got = self.__dict__.get("_index")
-        if got is not None or not isinstance(self.version, int) or self.version < 6:
+        if got is not None or not self.keeps_index:
             return got
         at = self.__dict__.pop("_index_at", None)  # (kept until read: an opened checkpoint holds this manifest)
         if at is None:  # (a manifest built in memory: nothing to read it from)
@@ -215,7 +225,8 @@ def manifest_fields(manifest: "Manifest") -> Dict[str, Any]:
     Format 4 is written without ``fingerprints``, as its writers wrote it; format 6 without both
     (they are in index.bin)."""
     version = manifest.version if isinstance(manifest.version, int) else 5
-    gone = ("fingerprints",) if version < 5 else ("fingerprints", "tables") if version >= 6 else ()
+    gone = ("fingerprints",) if version < 5 else ("fingerprints", "tables") if manifest.keeps_index else ()
+    gone += ("head_crc32", "manifest_crc32") if version < SEALED_VERSION else ()
     return {f.name: getattr(manifest, f.name) for f in fields(manifest) if f.name not in gone}
 
 
@@ -260,34 +271,6 @@ def is_plain_dcp(ck: CheckpointLocation) -> bool:
     except OSError:
         return False
     return DCP_METADATA_FILE in names and CONFIG_FILE not in names and not names.intersection(_OURS_ONLY)
-
-
-def interrupted_overwrite_hint(ck: CheckpointLocation) -> str:
-    """Where an ``overwrite=True`` save that crashed mid-swap left the checkpoints, if it did.
-
-    Only the two-rename fallback (filesystems without an atomic exchange) can leave
-    ``<dir>`` missing, with the old checkpoint at ``<dir>.old-*`` and the new committed
-    one at ``<dir>.tmp-*``; nothing is lost, and this says where to find it.
-    """
-    storage, directory = ck.storage, ck.path
-    if storage.remote:
-        return ""
-    parent, base = os.path.split(directory.rstrip(os.sep))
-    try:
-        names = storage.listdir(parent or ".")
-    except OSError:
-        return ""
-    found = [
-        join(parent, n) for n in names
-        if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")
-        if storage.exists(join(parent, n, CONFIG_FILE))
-    ]
-    if not found:
-        return ""
-    return (
-        "; a save with overwrite=True was interrupted while replacing it, and these complete "
-        f"checkpoints remain: {', '.join(found)} (.tmp-* is the newer one); rename one back to {directory}"
-    )
 
 
 def read_config(ck: CheckpointLocation) -> CheckpointingConfig:
@@ -476,8 +459,10 @@ def manifest_json(manifest: Manifest, rendered: Optional[Dict[str, str]] = None)
     """The text of ``manifest.json``: ``json.dumps`` of its fields, in order, with ``rendered``
     fields spliced in as given."""
     fields_ = manifest_fields(manifest)
-    if not rendered:
-        return json.dumps(fields_)
+    rendered = rendered or {}
+    if isinstance(manifest.version, int) and manifest.version >= SEALED_VERSION:  # (fields in order: the head first)
+        entries = [(k, json.dumps(v)) for k, v in fields_.items() if k not in ("head_crc32", "manifest_crc32")]
+        return sealed_json([(k, rendered.get(k, v)) for k, v in entries], head=6)
     return "{" + ", ".join(f"{json.dumps(k)}: {rendered[k] if k in rendered else json.dumps(v)}" for k, v in fields_.items()) + "}"
 
 
@@ -518,6 +503,9 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
             f"{path} has format version {version} (supported: {list(SUPPORTED_MANIFEST_VERSIONS)}); "
             "written by a newer version of ckpt_integration?"
         )
+    sealed = version in SUPPORTED_MANIFEST_VERSIONS and version >= SEALED_VERSION
+    if sealed or (isinstance(raw, dict) and ("head_crc32" in raw or "manifest_crc32" in raw)):  # (sealed: checked whatever its version says)
+        check_sealed(bytes(data), path)
     try:
         if old:
             raw = upgrade(raw, 5)  # (the last format whose items are in the manifest, as theirs were)
@@ -535,10 +523,10 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
                 raise TypeError(f"{name!r} must be an integer or null, got {v!r}")
         if not isinstance(manifest.commit_id, str):
             raise TypeError(f"'commit_id' must be a string, got {manifest.commit_id!r}")
-        if manifest.version == 6:
+        if manifest.keeps_index:
             if "block_hash" not in raw or "tables" in raw or "fingerprints" in raw or "crc32" not in manifest.files.get(
                     INDEX_FILE, {}):
-                raise TypeError(f"format 6 names its block checksum algorithm ('block_hash') and keeps its items in "
+                raise TypeError(f"format {manifest.version} names its block checksum algorithm ('block_hash') and keeps its items in "
                                 f"{INDEX_FILE} (recorded in 'files' with its CRC32), not in 'tables' or 'fingerprints'")
             block_hash(manifest.block_hash, path)
             manifest.__dict__["_index_at"] = ck  # (read on first use: listings and pins need only the manifest)

@@ -43,6 +43,7 @@ import base64
 import functools
 import hashlib
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -75,6 +76,39 @@ DEFAULT_BLOCK_SIZE = 1 << 20
 def crc32(data: Buffer, value: int = 0) -> int:
     """CRC32 of a bytes-like object, continuing from ``value`` (as :func:`zlib.crc32`)."""
     return _crc32(data, value)
+
+
+# JSON files that carry their own CRC32s (manifest.json from format 7): one over the head (the fields a
+# listing reads: format, version, commit order) written right after it, one over the rest written last
+HEAD_SEAL = b', "head_crc32": '
+WHOLE_SEAL = b', "manifest_crc32": '
+_SEAL_VALUE = re.compile(rb"(\d{1,10})")
+
+
+def sealed_json(entries: Sequence[Tuple[str, str]], head: int) -> str:
+    """A JSON object of ``(key, JSON text)`` entries, in order, sealed: after the first ``head``
+    entries, ``"head_crc32"``: the CRC32 of the text before it; last, ``"manifest_crc32"``: the CRC32
+    of all the text before it. :func:`check_sealed` checks both (a listing checks the head alone)."""
+    parts = [f"{json.dumps(k)}: {v}" for k, v in entries]
+    first = ("{" + ", ".join(parts[:head])).encode()
+    rest = (f"{HEAD_SEAL.decode()}{crc32(first)}" + "".join(", " + p for p in parts[head:])).encode()
+    return (first + rest).decode() + f"{WHOLE_SEAL.decode()}{crc32(rest, crc32(first))}" + "}"
+
+
+def check_sealed(data: bytes, where: str, whole: bool = True) -> None:
+    """Check the CRC32s :func:`sealed_json` wrote (``whole=False``: the head's only, all a listing
+    reads); :class:`CorruptCheckpointError` naming ``where`` when either is missing or differs."""
+    for seal, what, at in ((HEAD_SEAL, "its head (format, step, commit order)", data.find(HEAD_SEAL)),
+                           (WHOLE_SEAL, "its content", data.rfind(WHOLE_SEAL) if whole else -2)):
+        if at == -2:
+            continue
+        m = _SEAL_VALUE.match(data, at + len(seal)) if at >= 0 else None
+        end = m.end() if m is not None else -1
+        if m is None or (seal is WHOLE_SEAL and data[end:].strip() != b"}"):
+            raise CorruptCheckpointError(f"{where} is damaged: its own checksum of {what} is missing or malformed")
+        if crc32(memoryview(data)[:at]) != int(m.group(1)):
+            raise CorruptCheckpointError(f"{where} is damaged: {what} does not match its own checksum (a changed "
+                                         "step, commit order or file record would otherwise go unnoticed)")
 
 
 def write_recorded(ck: CheckpointLocation, name: str, data: bytes, durable: bool = True) -> Dict[str, int]:

@@ -482,3 +482,31 @@ def _remove_old(storage: Storage, old: str) -> None:
             storage.remove(old)
     except OSError as e:
         logger.warning("replaced %s, but could not delete the old content at %s: %s", old, old, e)
+
+
+def interrupted_overwrite_hint(ck: CheckpointLocation) -> str:
+    """Where an ``overwrite=True`` save that crashed mid-swap left the checkpoints, if it did.
+
+    Only the two-rename fallback (filesystems without an atomic exchange) can leave
+    ``<dir>`` missing, with the old checkpoint at ``<dir>.old-*`` and the new committed
+    one at ``<dir>.tmp-*``; nothing is lost, and this says where to find it.
+    """
+    storage, directory = ck.storage, ck.path
+    if storage.remote:
+        return ""
+    parent, base = os.path.split(directory.rstrip(os.sep))
+    try:
+        names = storage.listdir(parent or ".")
+    except OSError:
+        return ""
+    found = [
+        join(parent, n) for n in names
+        if n.startswith(base + ".old-") or n.startswith(base + ".tmp-")
+        if storage.exists(join(parent, n, CONFIG_FILE))
+    ]
+    if not found:
+        return ""
+    return (
+        "; a save with overwrite=True was interrupted while replacing it, and these complete "
+        f"checkpoints remain: {', '.join(found)} (.tmp-* is the newer one); rename one back to {directory}"
+    )

@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..errors import CheckpointingException, CheckpointReplacedError, MismatchError
 from ..planning.boxes import Box
 from . import checkpoint_dir as ckdir
-from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
-from .checksum import check_sha_manifest
+from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, SEALED_VERSION, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
+from .checksum import HEAD_SEAL, check_sealed, check_sha_manifest
 from .filesystem import CheckpointLocation, Storage, locate, parent_of
 from .chunk_index import read_chunk_index
 from .torch_dist import read_dcp_metadata
@@ -425,6 +425,10 @@ def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], 
         finally:
             reader.close()
         m = _ORDER_RE.match(head)
+        if m is not None and HEAD_SEAL in head:  # (format 7: the head seals itself; a changed step is damage)
+            check_sealed(head, ck.file(MANIFEST_FILE), whole=False)
+        elif m is not None and int(re.match(rb'^\{"format": "[^"]*", "version": (\d+)', head).group(1)) >= SEALED_VERSION:
+            m = None  # (a sealed format whose seal is not in the head: read and checked whole below)
         if m is not None:
             step, seq = (None if g == b"null" else int(g) for g in m.groups())
             created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
