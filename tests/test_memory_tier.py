@@ -341,6 +341,11 @@ def _shared_directory(rank, world, root):
     tier.wait()
     got = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(2), (0, rank, world))}, 1, verify_state=True)
     assert torch.equal(got["w"], torch.full((2,), float(rank)))
+    # ranks that disagree on the step a run goes on from: refused on every rank, nothing dropped (before:
+    # each rank kept other slots, and every later snapshot failed naming another rank's step)
+    with pytest.raises(ci.errors.MismatchError, match=r"different steps \(from 0 to 1; this rank: " + str(rank)):
+        tier.discard_newer(rank)
+    assert tier.latest() == 1
     tier.close(remove=True)
     # a tier made after another was closed, again and again in one process (Lightning's fit after
     # fit): each its own groups; torch's new_group reused a closed group's name and rendezvous keys

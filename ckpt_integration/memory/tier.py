@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
 
 import torch
 
-from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayoutError, MemorySpaceError
+from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayoutError, MemorySpaceError, MismatchError
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
 from ..execution.preprocess import dtype_name, split_state_dict
@@ -43,10 +43,9 @@ from ..mapping import ShardedObject, ShardedTensor
 from ..storage.checksum import save_block_hash
 from ..storage.fingerprint import shard_fingerprints
 from ..storage.safe_pickle import torch_dumps
-from . import elastic
+from . import elastic, slots
 from . import restore as rs
 from .restore import RestoreReport
-from . import slots
 from .plan import memory_clashes, replication_plan, space_problem
 from .transfer import Outgoing, exchange
 
@@ -212,8 +211,7 @@ class MemoryCheckpoints:
         step waits for that; other in-place changes must call
         :func:`ckpt_integration.wait_for_snapshot` first). Waits for the previous snapshot and
         raises its failure. The first call checks that every node has room for its snapshots
-        and raises :class:`MemorySpaceError` on every rank otherwise.
-        """
+        and raises :class:`MemorySpaceError` on every rank otherwise."""
         self._check_open()
         t0 = time.perf_counter()
         self._queue._make_room()  # the previous snapshot is complete everywhere (or raises)
@@ -382,6 +380,10 @@ class MemoryCheckpoints:
         would offer the next restart. A run's first snapshot drops those after its step too."""
         self._check_open()
         self._drain()
+        hi, neg_lo = dist.all_reduce_ints([int(step), -int(step)], "max", self._group)  # (ranks that differ keep
+        if hi != -neg_lo:  # different slots, and every later snapshot fails naming another rank's step)
+            raise MismatchError(f"memory tier: the ranks of job {self.job_id!r} called discard_newer with different steps (from "
+                                f"{-neg_lo} to {hi}; this rank: {int(step)}): pass every rank the step the run goes on from")
         self._drop_other_runs(int(step) + 1)
         dist.barrier(self._group)  # (ranks of a node scan each other's slots: none still sees the dropped)
 
@@ -402,10 +404,8 @@ class MemoryCheckpoints:
 
     # -- restore ------------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
-        """Collective: the newest step whose every saved byte survives in memory (own node or a
-        peer's copy), or ``None``. The step may have been saved by a job of another size (a
-        restart on fewer nodes): :meth:`load` restores it resharded.
-        """
+        """Collective: the newest step whose every saved byte survives in memory (own node or a peer's copy), or
+        ``None``. It may have been saved by a job of another size (a restart on fewer nodes): :meth:`load` reshards."""
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
