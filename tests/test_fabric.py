@@ -161,6 +161,11 @@ def test_fabric_load_returns_what_it_did_not_place_and_refuses_what_was_never_sa
     # a module saved under the name of one of the model's submodules: both would be saved as "net.*"
     with pytest.raises(ci.CheckpointingException, match="modules 'model' and 'net' both have a tensor saved as 'net"):
         fabric.save(tmp_path / "clash", {"model": model, "net": nn.Sequential(nn.Linear(4, 8))})
+    # an optimizer saved without the model it optimizes: the advice says to save them together (it said to
+    # "put the parameter as the data of its ShardedTensor", which a Fabric user never builds)
+    with pytest.raises(ci.optimizer.UnmatchedParameterError, match=r"fabric\.save: optimizer 'optimizer' .*save the model"):
+        fabric.save(tmp_path / "alone", {"optimizer": opt, "step": 2})
+    assert not (tmp_path / "alone").exists()
     stock = tmp_path / "plain.pt"
     torch.save({"model": _copy(model.state_dict()), "step": 5}, stock)
     m3, _, _ = _setup(_fabric())

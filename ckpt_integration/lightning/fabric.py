@@ -38,7 +38,7 @@ from ..execution.async_save import register_exit_hook
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedTensor, ShardedTensorFactory
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
-from ..optimizer import has_optimizer_state, load_optimizer_state, optimizer_sharded_state_dict
+from ..optimizer import UnmatchedParameterError, has_optimizer_state, load_optimizer_state, optimizer_sharded_state_dict
 from ..storage.opened import OpenedCheckpoint
 from ..storage.filesystem import locate
 from . import fsdp
@@ -216,7 +216,12 @@ class DistCkptFabricMixin(Strategy):
             sd = {k[len(_prefix(root_key)):]: replace(v, key=v.key[len(_prefix(root_key)):]) for k, v in models[root_key].items()
                   if isinstance(v, ShardedTensor)} if _prefix(root_key) else models[root_key]
             return fsdp.optimizer_state(root, opt, sd, key)
-        return optimizer_sharded_state_dict(opt, merged, prefix=key)
+        try:
+            return optimizer_sharded_state_dict(opt, merged, prefix=key)
+        except UnmatchedParameterError as e:  # (its advice is for hand-built state dicts: here the module is missing)
+            raise UnmatchedParameterError(
+                f"fabric.save: optimizer {key!r} optimizes parameters of no module in the state; save the model(s) "
+                f"it optimizes in the same call, e.g. fabric.save(path, {{'model': model, {key!r}: optimizer}}) ({e})") from None
 
     @staticmethod
     def _fsdp_root_of(opt: torch.optim.Optimizer, roots: Dict[str, nn.Module]) -> Tuple[str, nn.Module]:
