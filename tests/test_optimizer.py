@@ -619,3 +619,41 @@ def test_zero_single_rank_matches_plain_adam_and_loads_into_it(tmp_path):
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt_a.state[p][name], opt_c.state[q][name])
     assert opt_c.param_groups[0]["lr"] == 0.1
+
+
+def test_optimizer_state_of_a_parameter_saved_as_a_transposed_view_is_transposed_too(tmp_path):
+    """A weight kept as [in, out] (GPT-2's Conv1D) and checkpointed as the view ``w.t()`` ([out, in], so the
+    load fills it in place): its Adam state was filed by a reshape, not the transpose, so every resharded
+    load, ``load_plain_tensors``, export and convert returned state that belongs to other weights
+    (``verify_state`` agreed: the fingerprints were of that same wrong layout)."""
+    from ckpt_integration.optimizer import ZeroShardedOptimizer, optimizer_sharded_state_dict
+
+    w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+    opt = torch.optim.Adam([w])
+    opt.state[w] = {"step": torch.tensor(2.0), "exp_avg": 100 + torch.arange(12.0).reshape(3, 4),
+                    "exp_avg_sq": 200 + torch.arange(12.0).reshape(3, 4)}
+    msd = {"fc.weight": ShardedTensor.from_rank_offsets("fc.weight", w.detach().t())}
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(opt, msd)}, tmp_path / "c")
+    plain = ci.load_plain_tensors(tmp_path / "c")
+    assert torch.equal(plain["fc.weight"], w.detach().t())
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(plain[f"optimizer.state.{name}.fc.weight"], opt.state[w][name].t()), name
+    # back into a fresh optimizer of the same view (both ways of loading), and resharded by rows of the view
+    for how in ("load_optimizer_state", "request"):
+        v = torch.nn.Parameter(torch.zeros(3, 4))
+        fresh = torch.optim.Adam([v])
+        vsd = {"fc.weight": ShardedTensor.from_rank_offsets("fc.weight", v.detach().t())}
+        if how == "load_optimizer_state":
+            load_optimizer_state(fresh, vsd, tmp_path / "c")
+        else:
+            loaded = ci.load({"optimizer": optimizer_sharded_state_dict(fresh, vsd, init_state=True)}, tmp_path / "c")
+            fresh.load_state_dict(loaded["optimizer"])
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state[v][name], opt.state[w][name]), (how, name)
+    rows = ci.load({"r": ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.fc.weight", torch.zeros(2, 3), (0, 1, 2))},
+                   tmp_path / "c", validate_access_integrity=False)["r"]
+    assert torch.equal(rows, opt.state[w]["exp_avg"].t()[2:])
+    # ZeRO keeps a flat buffer in the parameter's order: refused, naming the key
+    zero = ZeroShardedOptimizer([w], torch.optim.Adam)
+    with pytest.raises(ci.CheckpointingException, match="'fc.weight' is saved as a transposed or permuted view"):
+        zero.sharded_state_dict(msd)

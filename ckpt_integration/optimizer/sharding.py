@@ -139,6 +139,8 @@ def get_param_id_to_sharded_param_map(
         pid = param_to_id.get(_identity(v.data))
         if pid is not None and pid not in out:
             out[pid] = to_native(v)  # Megatron-Core's classes (a Megatron model's state dict) become ours
+            if isinstance(out[pid], ShardedTensor) and permuted(v.data, _local(params[pid])):
+                out[pid] = view_factory(out[pid], _local(params[pid]))
     # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
     unmatched = [i for i in range(len(params)) if i not in out and not empty_local_shard(params[i])]
     if unmatched:
@@ -153,6 +155,47 @@ def get_param_id_to_sharded_param_map(
             raise UnmatchedParameterError(msg)
         logger.warning(msg)
     return out
+
+
+def permuted(view: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether ``view``, a tensor over ``param``'s memory, lists the elements in another order than a
+    reshape of ``param`` would: a transpose or permutation (e.g. a Conv1D weight saved as ``w.t()``)."""
+    if view.is_contiguous() and param.is_contiguous():
+        return False
+    return not (view.shape == param.shape and view.stride() == param.stride())
+
+
+def _as_view(t: torch.Tensor, size: Tuple[int, ...], stride: Tuple[int, ...], pshape: Tuple[int, ...],
+             pstride: Tuple[int, ...]) -> torch.Tensor:
+    """``t`` (shaped like the param) seen as the param's saved view sees the param (``size``, ``stride``)."""
+    if tuple(t.shape) != pshape:
+        raise OptimizerStateMismatchError(f"optimizer tensor of shape {tuple(t.shape)} for a parameter of shape {pshape}")
+    if t.stride() != pstride:  # (laid out like the param first: the view's strides are the param's memory order)
+        t = torch.empty_strided(pshape, pstride, dtype=t.dtype, device=t.device).copy_(t)
+    return t.as_strided(size, stride, t.storage_offset())
+
+
+def view_factory(sp: ShardedTensor, param: torch.Tensor) -> ShardedTensorFactory:
+    """The parameter of a ShardedTensor that holds a permuted view of it (:func:`permuted`), as a factory
+    that shows each param-shaped optimizer tensor the same way, and puts a loaded one back in the param's
+    order: reshaping it instead files each state element under another weight element."""
+    geometry = (tuple(sp.data.shape), tuple(sp.data.stride()), tuple(param.shape), tuple(param.stride()))
+
+    def build(key: str, data: torch.Tensor, replica_id: ReplicaId, _: Optional[slice]) -> ShardedTensor:
+        view = _as_view(data, *geometry)
+        return replace(sp, key=key, data=view, dtype=view.dtype, replica_id=replica_id)
+
+    def merge(loaded: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_strided(geometry[2], geometry[3], dtype=loaded.dtype, device=loaded.device)
+        _as_view(out, *geometry).copy_(loaded)
+        return out
+
+    return ShardedTensorFactory(sp.key, param.detach(), build, merge, sp.replica_id)
+
+
+def is_view_factory(sp: object) -> bool:
+    """Whether ``sp`` is what :func:`view_factory` made of a permuted view."""
+    return isinstance(sp, ShardedTensorFactory) and getattr(sp.build_fn, "__qualname__", "").startswith("view_factory.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +216,13 @@ def make_sharded_optimizer_tensor(model_param: ShardedParam, optim_param: torch.
             f"optimizer tensor {key!r} has shape {tuple(optim_param.shape)} but the parameter "
             f"{model_param.key!r} has local shape {model_param.local_shape}"
         )
+    if tuple(optim_param.shape) != model_param.local_shape and isinstance(model_param.data, torch.Tensor) and \
+            not model_param.data.is_contiguous():  # (a permuted view: get_param_id_to_sharded_param_map maps those)
+        raise OptimizerStateMismatchError(
+            f"optimizer tensor {key!r}: the parameter's ShardedTensor {model_param.key!r} holds a non-contiguous view of "
+            f"shape {model_param.local_shape} (a transpose?), the state has the parameter's shape {tuple(optim_param.shape)}: "
+            "a reshape would file its elements under other weights. Build the optimizer's sharded state dict with "
+            "optimizer_sharded_state_dict(), or give the ShardedTensor the parameter in its own shape")
     data = optim_param if tuple(optim_param.shape) == model_param.local_shape else optim_param.view(model_param.local_shape)
     return replace(model_param, key=key, data=data, dtype=data.dtype)
 

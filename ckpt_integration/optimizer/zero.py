@@ -23,7 +23,8 @@ from ..mapping import (
 )
 from ..planning.flat_pieces import row_aligned_save, row_unit
 from .load import LabelDict, has_optimizer_state, param_labels, read_optimizer_state, report_missing_state
-from .sharding import DEFAULT_PREFIX, EXTRA_STATE_NAMES, get_param_id_to_sharded_param_map, is_origin, param_object
+from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, get_param_id_to_sharded_param_map, is_origin, is_view_factory,
+                       param_object)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +232,10 @@ class ZeroShardedOptimizer:
     def _id_map(self, model_sharded_state_dict: ShardedStateDict) -> Dict[int, ShardedTensor]:
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
         for pid, sp in id_map.items():
+            if is_view_factory(sp):  # (its flat buffer is in the param's order, the view's pieces in another)
+                raise CheckpointingException(
+                    f"ZeroShardedOptimizer: parameter {sp.key!r} is saved as a transposed or permuted view; ZeRO "
+                    "checkpoints need the ShardedTensor to hold the parameter in its own element order")
             if isinstance(sp, ShardedTensorFactory):
                 raise CheckpointingException(
                     f"ZeroShardedOptimizer: parameter {sp.key!r} is a ShardedTensorFactory; ZeRO checkpoints "
