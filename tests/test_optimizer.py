@@ -657,3 +657,26 @@ def test_optimizer_state_of_a_parameter_saved_as_a_transposed_view_is_transposed
     zero = ZeroShardedOptimizer([w], torch.optim.Adam)
     with pytest.raises(ci.CheckpointingException, match="'fc.weight' is saved as a transposed or permuted view"):
         zero.sharded_state_dict(msd)
+
+
+def test_a_plain_checkpoint_whose_params_stepped_differently_is_refused_by_zero(tmp_path):
+    """ZeRO steps all its params as one (one ``step``); a plain Adam checkpoint where one param got its
+    first gradient a step later holds two. The load took the first param's ``step`` for all, which
+    changes the other's bias correction without a word."""
+    from ckpt_integration.optimizer import OptimizerStateMismatchError, ZeroShardedOptimizer, optimizer_sharded_state_dict
+
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.Adam([a, b])
+    for step in range(3):
+        a.grad = torch.full((4,), 0.5)
+        b.grad = torch.full((2,), 0.25) if step else None  # b's first gradient at the second step
+        opt.step()
+    assert opt.state[a]["step"] == 3 and opt.state[b]["step"] == 2
+    msd = {"a": ShardedTensor.from_rank_offsets("a", a.detach()), "b": ShardedTensor.from_rank_offsets("b", b.detach())}
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(opt, msd)}, tmp_path / "c")
+    zero = ZeroShardedOptimizer([a, b], torch.optim.Adam)
+    with pytest.raises(OptimizerStateMismatchError, match=r"one 'step' for all .*'a': step=3\.0; 'b': step=2\.0"):
+        zero.load_checkpoint(msd, tmp_path / "c")
+    fresh = torch.optim.Adam([a, b])  # (what the message suggests: exact)
+    load_optimizer_state(fresh, msd, tmp_path / "c")
+    assert fresh.state[a]["step"] == 3 and fresh.state[b]["step"] == 2

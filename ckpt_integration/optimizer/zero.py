@@ -23,8 +23,8 @@ from ..mapping import (
 )
 from ..planning.flat_pieces import row_aligned_save, row_unit
 from .load import LabelDict, has_optimizer_state, param_labels, read_optimizer_state, report_missing_state
-from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, get_param_id_to_sharded_param_map, is_origin, is_view_factory,
-                       param_object)
+from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, OptimizerStateMismatchError, get_param_id_to_sharded_param_map,
+                       is_origin, is_view_factory, param_object)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,9 +316,19 @@ class ZeroShardedOptimizer:
             checkpoint_dir, prefix, id_map, lambda pid, key, st: self._object(key, id_map[pid], pid, None),
             make_requests, groups_template, labels, state_dict_key, load_kwargs,
         )
-        # scalars are identical for all params of a ZeRO optimizer; take the first one available
-        # (every rank reads every param's object, so all ranks agree)
+        # a ZeRO optimizer steps all its params as one: one value of each scalar (every rank reads every
+        # param's object, so all ranks agree). A plain optimizer's checkpoint may hold several (a param first
+        # stepped later): taking one would change the others' bias correction without a word
         all_scalars = next((s for s in scalars.values() if s), {})
+        differ = sorted({name for s in scalars.values() for name, v in s.items()
+                         if name in all_scalars and not _same_scalar(v, all_scalars[name])})
+        if differ:
+            values = "; ".join(f"{id_map[pid].key!r}: " + ", ".join(f"{n}={_shown(s[n])}" for n in differ if n in s)
+                               for pid, s in sorted(scalars.items()) if s)
+            raise OptimizerStateMismatchError(
+                f"ZeroShardedOptimizer keeps one {', '.join(map(repr, differ))} for all its parameters, but the "
+                f"checkpoint's parameters have different values ({values}): load it into an optimizer of its kind "
+                "(e.g. with load_optimizer_state), which keeps one per parameter")
         master = buffers.pop("fp32_param", None)
         if master is not None:
             self.main_param.copy_(master)
@@ -332,3 +342,13 @@ class ZeroShardedOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
+
+
+def _same_scalar(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _shown(v: object) -> str:
+    return repr(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else repr(v)
