@@ -680,3 +680,46 @@ def test_a_plain_checkpoint_whose_params_stepped_differently_is_refused_by_zero(
     fresh = torch.optim.Adam([a, b])  # (what the message suggests: exact)
     load_optimizer_state(fresh, msd, tmp_path / "c")
     assert fresh.state[a]["step"] == 3 and fresh.state[b]["step"] == 2
+
+
+def test_stacked_layers_with_a_layer_the_optimizer_has_no_state_for(tmp_path):
+    """Layers stacked under one key (``prepend_axis_num=1``) where one layer has no Adam state (frozen, or
+    an expert that got no tokens yet): the stacked state had a hole, so every save was refused (a
+    generic "main replicas cover 18 of 24 elements"), i.e. no checkpoint at all. Now such a layer is
+    saved with the state Adam creates at its first step (zeros, step 0: that step does the same from it),
+    and the resumed run goes on exactly as the uninterrupted one."""
+    from ckpt_integration.optimizer import optimizer_sharded_state_dict
+
+    def run(ws, opt, steps):
+        for _ in range(steps):
+            for i, w in enumerate(ws):
+                w.grad = None if i == 1 else torch.full_like(w, 0.1 * (i + 1))  # layer 1 never gets a gradient
+            opt.step()
+
+    def msd(ws):
+        return {f"l{i}": ShardedTensor.from_rank_offsets("layers.w", w.detach(), (0, i, 4), prepend_axis_num=1)
+                for i, w in enumerate(ws)}
+
+    ws = [torch.nn.Parameter(torch.full((3, 2), float(i))) for i in range(4)]
+    opt = torch.optim.Adam(ws, lr=0.1)
+    run(ws, opt, 2)
+    assert ws[1] not in opt.state
+    ci.save({"model": msd(ws), "optimizer": optimizer_sharded_state_dict(opt, msd(ws))}, tmp_path / "c")
+    vs = [torch.nn.Parameter(torch.zeros(3, 2)) for _ in range(4)]
+    ci.load(msd(vs), tmp_path / "c")
+    fresh = torch.optim.Adam(vs, lr=0.1)
+    load_optimizer_state(fresh, msd(vs), tmp_path / "c")
+    for i in (0, 2, 3):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state[vs[i]][name], opt.state[ws[i]][name]), (i, name)
+    ws[1].requires_grad_(True)  # (layer 1 gets its first gradient after the resume too)
+    for a, b in ((ws, opt), (vs, fresh)):
+        run(a, b, 1)
+        a[1].grad = torch.full_like(a[1], 0.3)
+        b.step()
+    assert all(torch.equal(a, b) for a, b in zip(ws, vs))
+    # a frozen layer left out of the optimizer leaves a gap no placeholder can fill: the error says so
+    frozen = torch.optim.Adam([ws[0], ws[2], ws[3]])
+    run([ws[0], ws[2], ws[3]], frozen, 1)
+    with pytest.raises(ci.errors.ShardingIntegrityError, match=r"optimizer state is sharded like its parameter.*frozen"):
+        ci.save({"optimizer": optimizer_sharded_state_dict(frozen, msd(ws))}, tmp_path / "d")

@@ -12,6 +12,7 @@ from ..errors import CheckpointingException
 from ..mapping import ShardedStateDict
 from .sharding import (
     DEFAULT_PREFIX,
+    built_tensors,
     empty_local_shard,
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
@@ -35,6 +36,21 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
         return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
                 + (("grad_avg",) if group.get("centered") else ()))
     return None
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """The state a known torch optimizer creates for ``p`` at its first step (zeros, ``step`` 0), for which
+    that step does what it would do without state; ``None`` where that is not so or not known (an unknown
+    optimizer, SGD with dampening: its first step copies the gradient into an absent buffer)."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    names = _expected_tensor_states(optimizer, group)
+    if names is None or (isinstance(optimizer, torch.optim.SGD) and group.get("dampening", 0) != 0):
+        return None
+    out: Dict[str, Any] = {n: torch.zeros_like(p.detach(), memory_format=torch.preserve_format) for n in names}
+    if "step" in (expected_states(optimizer, group) or ()):
+        on_device = group.get("capturable") or group.get("fused")
+        out["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+    return out
 
 
 def expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
@@ -130,5 +146,11 @@ def optimizer_sharded_state_dict(
     for pid in range(len(params)):
         if pid not in id_map and empty_local_shard(identity[pid]):
             sd["state"].pop(pid, None)  # empty DTensor shard on this rank: the other ranks save this param
+        elif pid in id_map and pid not in sd["state"] and built_tensors(id_map[pid])[0].prepend_axis_num:
+            # a layer of a stacked tensor without state (frozen, or not stepped yet) would leave a hole in the
+            # stacked state, which no save accepts: the state the optimizer would create at its first step
+            placeholder = _fresh_state(optimizer, params[pid])
+            if placeholder is not None:
+                sd["state"][pid] = placeholder
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
     return sd

@@ -13,6 +13,7 @@ from the main-replica records and one :class:`Holding` per chunk and signature
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
@@ -309,8 +310,18 @@ def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence
         errors.append(
             f"{key!r} (global shape {tuple(global_shape)}): main replicas cover {covered} of "
             f"{total} elements (shards held by ranks {_ranks(_holder_ranks(holdings))}); not covered: " + "; ".join(gaps)
+            + (_OPTIMIZER_GAP if _OPTIMIZER_STATE.match(key) else "")
         )
     return errors
+
+
+# an optimizer state key (Megatron-Core's scheme, ``optimizer.state.<name>.<param key>``): its shards are those of
+# the parameters that have the state, so a gap is a part of the parameter whose optimizer keeps none
+_OPTIMIZER_STATE = re.compile(r"optimizer(_\d+)?\.state\.")
+_OPTIMIZER_GAP = (" (optimizer state is sharded like its parameter: the gap is a part of the parameter, e.g. a layer "
+                  "of a stacked tensor, that no optimizer holds state for; frozen layers left out of the optimizer "
+                  "leave one: give the optimizer every layer of the stack, or save frozen layers under keys of "
+                  "their own)")
 
 
 def validate_sharding_integrity(shards: Iterable[ShardMeta], rank: int = 0, world_size: int = 1) -> List[str]:
