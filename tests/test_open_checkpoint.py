@@ -217,6 +217,28 @@ def test_checkpoint_replaced_by_another_process_while_open(tmp_path):
     assert not isinstance(ei.value, CorruptCheckpointError)
 
 
+def test_a_manifest_changed_or_deleted_under_an_opened_checkpoint_is_named(tmp_path):
+    """After open: a flipped bit in the manifest's head kept the commit id a regex found there, so the handle
+    read on (``verify`` of it said OK); a deleted manifest was reported as the whole checkpoint "removed"."""
+    from ckpt_integration.tools.verify import verify_checkpoint
+
+    path = tmp_path / "c"
+    ci.save(_state(1.0, 30), str(path), step=30)
+    manifest = path / "manifest.json"
+    good = manifest.read_bytes()
+    with ci.open_checkpoint(str(path)) as ck:
+        data = bytearray(good)
+        data[data.index(b'"step": 30') + len(b'"step": ')] ^= 0x01  # 30 -> 20
+        manifest.write_bytes(bytes(data))
+        # (a load through the handle reads the pinned commit, every byte checked against the pinned manifest)
+        assert torch.equal(ci.load(_request(), ck)["w"], torch.full((64, 16), 1.0))
+        with pytest.raises(CorruptCheckpointError, match=r"manifest\.json is damaged: its head"):
+            verify_checkpoint(ck)
+        manifest.unlink()
+        with pytest.raises(CheckpointReplacedError, match=r"c was changed \(metadata\.json or manifest\.json is gone\)"):
+            verify_checkpoint(ck)
+
+
 @pytest.mark.parametrize("mode", ["opened", "path"])
 def test_evaluation_job_reads_while_training_saves(tmp_path, mode):
     """Issue 23 item 1 / issue 22, short form of ``benchmarks/readers_beside_writer.py``: a reader

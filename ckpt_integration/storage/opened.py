@@ -308,7 +308,9 @@ class OpenedCheckpoint(CheckpointLocation):
         now = commit_identity(self)
         if now == self.commit_id:
             return
-        what = "removed" if now is None else "replaced by another commit"
+        gone = now is None and self.storage.isdir(self.path)  # (the directory is there, a commit file is not)
+        what = f"changed ({CONFIG_FILE} or {MANIFEST_FILE} is gone)" if gone else "removed" if now is None else \
+            "replaced by another commit"
         err = CheckpointReplacedError(
             f"{self.path} was {what} while it was being read (opened commit {self.commit_id or 'unknown'}"
             f"{'' if now is None else ', now ' + now}); nothing read from it is returned: open it again "
@@ -497,6 +499,8 @@ def commit_identity(ck: CheckpointLocation) -> Optional[str]:
         head = reader.read(0, min(reader.size, _HEAD_BYTES))
     finally:
         reader.close()
+    if HEAD_SEAL in head:  # (format 7: a head changed since it was written names no commit)
+        check_sealed(head, ck.file(MANIFEST_FILE), whole=False)
     m = _ID_RE.search(head)
     if m is not None and m.group(1):
         return m.group(1).decode()
