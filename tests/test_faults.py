@@ -216,6 +216,19 @@ def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
     assert torch.equal(out["w"], want)
     assert any("no checksums" in r.getMessage() for r in caplog.records)
     assert torch.equal(ci.load_plain_tensors(str(d))["w"], want)
+    # a damaged storage offset in a tensor's data.pkl (no checksum catches it): the tensor would reach past
+    # its storage, into the archive's other records; it was read from there (shifted values), where
+    # dcp.load raises
+    small = tmp_path / "small"
+    with pytest.warns(UserWarning):
+        dcp.save({"v": torch.arange(20.0).reshape(4, 5)}, checkpoint_id=str(small))
+    data = (small / "__0_0.distcp").read_bytes()
+    at = data.index(b"QK\x00K\x04K\x05\x86") + 2  # (persistent id, storage offset 0, shape (4, 5))
+    (small / "__0_0.distcp").write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:])
+    for load in (lambda: ci.load_plain_tensors(str(small)),
+                 lambda: ci.load({"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4, 5))}, str(small))):
+        with pytest.raises(CorruptCheckpointError, match=r"storage offset 1, .* reaches past its storage"):
+            load()
     os.remove(d / ".metadata")  # DCP writes .metadata last: without it the save did not finish
     with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         ci.load_plain_tensors(str(d))

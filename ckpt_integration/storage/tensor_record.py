@@ -145,14 +145,10 @@ def _describe_tensor(storage, storage_offset, size, stride, requires_grad=False,
 
 
 def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = "") -> TensorRecord | None:
-    """Locate the raw bytes of the tensor archived at ``[offset, offset+length)``.
-
-    ``fd`` is a :class:`~ckpt_integration.storage.filesystem.FileReader`.
-
-    Returns ``None`` for archives that are valid but unusual (callers then fall
-    back to ``torch.load``); raises :class:`CorruptCheckpointError` when the
-    bytes are not a readable archive.
-    """
+    """Locate the raw bytes of the tensor archived at ``[offset, offset+length)`` of ``fd`` (a
+    :class:`~ckpt_integration.storage.filesystem.FileReader`). ``None`` for archives that are valid
+    but unusual (callers then fall back to ``torch.load``); :class:`CorruptCheckpointError` when the
+    bytes are not a readable archive, or its tensor reaches past its storage."""
     try:
         zf = zipfile.ZipFile(_SliceFile(fd, offset, length))
         names = {i.filename: i for i in zf.infolist()}
@@ -171,6 +167,10 @@ def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = ""
         info = names.get(f"{prefix}data/{key}")
         if info is None:
             raise CorruptCheckpointError(f"{path}@{offset}: archive lacks storage data/{key}")
+        end = (storage_offset + sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * dtype.itemsize if all(shape) else 0
+        if storage_offset < 0 or min(stride, default=0) < 0 or end > info.file_size:  # (a damaged offset/stride: other records)
+            raise CorruptCheckpointError(f"{path}@{offset}: the tensor (storage offset {storage_offset}, shape {list(shape)}, "
+                                         f"stride {list(stride)}) reaches past its storage data/{key} ({info.file_size} bytes)")
         data_start = _member_data_start(fd, offset, length, info)
         return TensorRecord(data_start, dtype, shape, stride, storage_offset)
     except CorruptCheckpointError:
@@ -181,7 +181,7 @@ def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = ""
         # impossible offset, MemoryError from a huge pickle length field, TypeError from a
         # mangled rebuild call... All mean the record is unreadable: name file and offset.
         raise CorruptCheckpointError(
-            f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {e}"
+            f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {type(e).__name__}: {e}"
         ) from None
 
 
@@ -379,11 +379,9 @@ class BlockDigestWriter(io.RawIOBase):
         self.data_done += n
 
     def finish(self) -> Tuple[int, Optional[Tuple[int, int, int, List[int]]]]:
-        """``(item digest, block record or None)``; call after ``torch.save`` returned.
-
-        The block record is ``(data_offset, data_length, block_size, digests)`` with the digests
-        of the non-empty blocks in order: header, data blocks, trailer.
-        """
+        """``(item digest, block record or None)``; call after ``torch.save`` returned. The block record is
+        ``(data_offset, data_length, block_size, digests)``, the digests of the non-empty blocks in order:
+        header, data blocks, trailer."""
         if self.block is not None:
             self.blocks.append(self.block.intdigest())
             self.block_fill, self.block = 0, None
