@@ -229,6 +229,13 @@ def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
                  lambda: ci.load({"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4, 5))}, str(small))):
         with pytest.raises(CorruptCheckpointError, match=r"storage offset 1, .* reaches past its storage"):
             load()
+    # a field name of .metadata damaged (valid pickle, no checksum): was a raw AttributeError
+    md = (small / ".metadata").read_bytes()
+    assert md.count(b"properties") == 1
+    (small / ".metadata").write_bytes(md.replace(b"properties", b"propertyes"))
+    for load in (lambda: ci.load_plain_tensors(str(small)), lambda: ci.load_tensors_metadata(str(small))):
+        with pytest.raises(CorruptCheckpointError, match=r"\.metadata is damaged: .*'properties'"):
+            load()
     os.remove(d / ".metadata")  # DCP writes .metadata last: without it the save did not finish
     with pytest.raises(IncompleteCheckpointError, match="incomplete"):
         ci.load_plain_tensors(str(d))

@@ -496,12 +496,32 @@ def read_dcp_metadata(ck: CheckpointLocation, trusted: bool = False, manifest: O
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e!r}") from None
     except Exception as e:  # pickle.UnpicklingError and friends
 
-        if isinstance(e, UnsafeCheckpointError):
-            raise
+        if isinstance(e, UnsafeCheckpointError):  # (named: a garbled global name is damage, not an attack)
+            raise type(e)(f"{path}: {e} (a name no library defines means the file is damaged)") from None
         raise CorruptCheckpointError(f"{path} is damaged and cannot be decoded: {e!r}") from None
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CorruptCheckpointError(f"{path} does not hold DCP metadata (got {type(md).__name__})")
+    _check_entries(md, path)
     return md
+
+
+def _check_entries(md: Metadata, path: str) -> None:
+    """The fields every reader of the entries uses are there and of their types (a damaged pickle can
+    rename a field: readers then failed with a raw ``AttributeError``); a few attribute tests per chunk."""
+    try:
+        for key, entry in md.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                ok = isinstance(entry.properties.dtype, torch.dtype) and isinstance(entry.size, tuple) and \
+                    isinstance(entry.chunks, list) and all(isinstance(c.offsets, tuple) and isinstance(c.sizes, tuple)
+                                                           for c in entry.chunks)
+            else:
+                ok = isinstance(entry, BytesStorageMetadata)
+            if not ok:
+                raise TypeError(f"entry {key!r} is not tensor or bytes metadata")
+        if not isinstance(md.storage_data, dict):
+            raise TypeError("its storage index is not a dict")
+    except (AttributeError, TypeError) as e:
+        raise CorruptCheckpointError(f"{path} is damaged: {e}") from None
 
 
 # --------------------------------------------------------------------------- reading
