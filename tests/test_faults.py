@@ -229,6 +229,16 @@ def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
                  lambda: ci.load({"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4, 5))}, str(small))):
         with pytest.raises(CorruptCheckpointError, match=r"storage offset 1, .* reaches past its storage"):
             load()
+    # a record loads refuse (a garbled rebuild function): verify said OK ("an unusual layout")
+    (small / "__0_0.distcp").write_bytes(data.replace(b"_rebuild_tensor_v2", b"_rebuild_tensorOv2"))
+    with pytest.raises(CorruptCheckpointError, match="not a plain tensor record"):
+        ci.load_plain_tensors(str(small))
+    from ckpt_integration.tools.verify import verify_checkpoint
+
+    report = verify_checkpoint(str(small))
+    assert not report.ok and "cannot be loaded" in report.format(), report.format()
+    (small / "__0_0.distcp").write_bytes(data)
+    assert verify_checkpoint(str(small)).ok
     # a field name of .metadata damaged (valid pickle, no checksum): was a raw AttributeError
     md = (small / ".metadata").read_bytes()
     assert md.count(b"properties") == 1

@@ -10,6 +10,7 @@ Data is streamed in pieces of 8 MiB, so memory stays small whatever the checkpoi
 from __future__ import annotations
 
 import collections
+import io
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -29,6 +30,7 @@ from ..storage.checksum import BlockHash
 from ..storage.filesystem import CheckpointLocation, FileReader, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
 from ..storage.opened import OpenedCheckpoint, pinned
+from ..storage.safe_pickle import safe_torch_load
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
 from ..storage.torch_dist_reader import TorchDistReader
@@ -405,8 +407,8 @@ class _DataPass:
         finally:
             self.bar.close()
         if self.unparsed:
-            self.report.notes.append(f"{self.unparsed} tensor item(s) are archives of an unusual layout: their checksums "
-                                     "were checked, their dtype and size against .metadata were not")
+            self.report.notes.append(f"{self.unparsed} tensor item(s) are archives of an unusual layout: loaded as a load "
+                                     "loads them, and their dtype and size compared with .metadata")
         return self.affected
 
     def verify_file(self, name: str, items: List[Tuple[MetadataIndex, Any]]) -> None:
@@ -518,8 +520,14 @@ class _DataPass:
         except CorruptCheckpointError as e:
             self.problem(str(e), info.relative_path, [index])
             return
-        if rec is None:
+        if rec is None:  # (loaded as a load would: restricted torch.load of the item, then its size and dtype)
             self.unparsed += 1
+            try:
+                t = safe_torch_load(io.BytesIO(reader.read(info.offset, info.length)), what=f"{what} in {file}")
+                if not isinstance(t, torch.Tensor) or t.numel() != chunk.numel or t.dtype != chunk.dtype:
+                    raise CorruptCheckpointError(f"{file}: {what} is not a tensor of {declared}")
+            except (CorruptCheckpointError, UnsafeCheckpointError) as e:
+                self.problem(f"{file}: {what} cannot be loaded: {e}", info.relative_path, [index])
             return
         start = rec.data_offset + rec.storage_offset * dtype_size(rec.dtype)
         numel = math.prod(rec.shape)
