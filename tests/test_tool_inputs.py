@@ -388,3 +388,22 @@ class _NoBar:
 
     def close(self):
         pass
+
+
+@pytest.mark.parametrize("to", ["torch_dist", "zarr"])
+def test_a_dcp_checkpoint_with_non_tensor_values_converts(tmp_path, capsys, to):
+    """A ``dcp.save`` of a state with non-tensor values (every ``get_state_dict`` optimizer: its param groups;
+    a step) keeps each under its own key as a byte item; ``convert`` took each for one of our sharded
+    objects and failed ("'optim.param_groups.0.lr' is not a ShardedObject storage key"). They become the
+    common state (what ``load_common_state_dict`` returns), exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"param_groups": [{"lr": 0.1}]}, "step": 7},
+                 checkpoint_id=str(src), no_dist=True)
+    code, out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", to)
+    assert code == 0, (out, err)
+    assert ci.load_common_state_dict(str(tmp_path / "out")) == {"optim.param_groups.0.lr": 0.1, "step": 7}
+    assert torch.equal(ci.load_plain_tensors(str(tmp_path / "out"))["model.w"], torch.arange(6.0).reshape(2, 3))

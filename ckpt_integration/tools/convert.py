@@ -212,6 +212,11 @@ def _convert_to_torch_dist(
         for key, t in tensors.items():
             sd[key] = ShardedTensor.from_rank_offsets(key, t)
         for unique_key in src.objects:
+            if "/shard_" not in unique_key:  # a plain DCP byte item (a non-tensor value under its own key)
+                if unique_key in sd:
+                    raise CheckpointingException(f"{src.path}: {unique_key!r} is both a byte item and a common-state key")
+                sd[unique_key] = src.read_object(unique_key)  # (common state: what load_common_state_dict returns)
+                continue
             obj = ShardedObject.empty_from_unique_key(unique_key)
             obj.data = src.read_object(unique_key)
             sd[unique_key] = obj
