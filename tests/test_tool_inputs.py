@@ -175,7 +175,7 @@ def test_diff_untrusted_common_state_stays_a_note(tmp_path, capsys):
     a = str(tmp_path / "a")
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(4.0)), "thing": Opaque()}, a, durable=False)
     code, out, _ = run_cli(capsys, "diff", a, a)
-    assert code == 1 and "common state not compared" in out
+    assert code == 1 and "common state and objects not compared" in out
 
 
 # --------------------------------------------------------------------------- safetensors inputs: the header is checked
@@ -407,3 +407,17 @@ def test_a_dcp_checkpoint_with_non_tensor_values_converts(tmp_path, capsys, to):
     assert code == 0, (out, err)
     assert ci.load_common_state_dict(str(tmp_path / "out")) == {"optim.param_groups.0.lr": 0.1, "step": 7}
     assert torch.equal(ci.load_plain_tensors(str(tmp_path / "out"))["model.w"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_diff_compares_bytesio_values_by_their_bytes(tmp_path, capsys):
+    """A ``BytesIO`` object (DCP's way to store raw bytes) compared by identity: a checkpoint differed from itself."""
+    import io
+
+    for name, payload in (("a", b"same"), ("b", b"same"), ("c", b"other")):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                 "blob": ci.ShardedObject("blob", io.BytesIO(payload), (1,), (0,)), "meta": {"buf": io.BytesIO(payload)}},
+                str(tmp_path / name))
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b", "--trusted")
+    assert code == 0, out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "c", "--trusted")
+    assert code == 1 and "blob/shard_0_1: bytes b'same' vs bytes b'other'" in out and "meta/buf" in out, out

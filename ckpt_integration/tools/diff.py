@@ -4,6 +4,8 @@ Megatron-Core's ``dict_utils.diff`` finds them) and the values of their ShardedO
 
 from __future__ import annotations
 
+import io
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
@@ -83,7 +85,7 @@ class DiffReport:
                 lines.append(f"{title} ({len(items)}):")
                 lines += [f"  {k}: {a} vs {b}" for k, (a, b) in items.items()]
         if self.common_error:
-            lines.append(f"common state not compared: {self.common_error}")
+            lines.append(f"common state and objects not compared: {self.common_error}")
         diff = self.differing
         if diff:
             lines.append(f"values differ ({len(diff)} of {len(self.max_abs_diff)} common tensors):")
@@ -157,6 +159,15 @@ def _path(path: Any) -> str:
     return "/".join(str(k) for k in path if not isinstance(k, type)) or "<root>"
 
 
+def _by_value(x: Any) -> Any:
+    """``x`` with each ``io.BytesIO`` as its bytes (its ``==`` is identity: equal buffers compared unequal)."""
+    if isinstance(x, io.BytesIO):
+        return x.getvalue()
+    if isinstance(x, dict):
+        return {k: _by_value(v) for k, v in x.items()}
+    return type(x)(_by_value(v) for v in x) if isinstance(x, (list, tuple)) and type(x) in (list, tuple) else x
+
+
 def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted: bool, report: DiffReport) -> None:
     """The common state and the ShardedObjects' values of two checkpoint directories."""
     try:
@@ -167,6 +178,7 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
         # (only that refusal is a note: damaged or missing data is an error, as for tensors)
         report.common_error = str(e).splitlines()[0]
         return
+    ca, cb = _by_value(ca), _by_value(cb)
     only_a, only_b, mismatch = diff(ca, cb)
     report.common_only_in_a = sorted(_path(p) for p in only_a)
     report.common_only_in_b = sorted(_path(p) for p in only_b)
@@ -174,8 +186,9 @@ def _compare_common(sa: DistCheckpointSource, sb: DistCheckpointSource, trusted:
         p = entry[0]
         report.common_differ[_path(p)] = (_show(_at(ca, p)), _show(_at(cb, p)))
     for key in sorted(oa):
-        if any(diff(oa[key], ob[key])):
-            report.objects_differ[key] = (_show(oa[key]), _show(ob[key]))
+        va, vb = _by_value(oa[key]), _by_value(ob[key])
+        if any(diff(va, vb)):
+            report.objects_differ[key] = (_show(va), _show(vb))
 
 
 def diff_checkpoints(a: str, b: str, *, memory_budget: Any = DEFAULT_MEMORY_BUDGET, trusted: bool = False,
