@@ -191,6 +191,27 @@ def test_small_tensors_changed_by_forward_are_copied_before_returning(gate, tmp_
     _check_equal(str(tmp_path / "c"), ref)
 
 
+def test_large_buffers_changed_by_forward_wait_for_their_copy(gate, tmp_path):
+    """BatchNorm running stats of 256 KiB and more are copied in the background, and BatchNorm's kernel
+    changes them without a version bump: a forward before their copy put the next step's statistics
+    into the checkpoint beside this step's weights (a state that never existed), without an error. A
+    module whose buffer is still being copied now waits for the copy before it runs."""
+    bn = torch.nn.BatchNorm1d(BIG[0] * 512)  # (running stats of 256 KiB each)
+    x = torch.randn(4, BIG[0] * 512)
+    bn(x)
+    ref = {"m": bn.running_mean.clone(), "v": bn.running_var.clone()}
+    req = ci.save({"m": _st("m", bn.running_mean), "v": _st("v", bn.running_var), "iteration": 3}, tmp_path / "c",
+                  async_sharded_save=True)
+    assert not req.snapshot_done()
+    threading.Timer(0.3, gate.release).start()  # (the copy is held until then)
+    bn(x)  # waits in the module's forward pre-hook for the copy of its buffers
+    assert req.snapshot_done() and not torch.equal(bn.running_mean, ref["m"])
+    req.wait()
+    out = _load(str(tmp_path / "c"), {"m": ref["m"].shape, "v": ref["v"].shape})
+    assert torch.equal(out["m"], ref["m"]) and torch.equal(out["v"], ref["v"])
+    assert not snap_mod.hook_installed()
+
+
 def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_path):
     w, small = torch.randn(*BIG), torch.randn(16)
     with AsyncCallsQueue() as q:

@@ -13,6 +13,11 @@ next optimizer step, so the wait is put right before it:
   ``step`` gets a closure (LBFGS, Lightning's automatic optimization, which runs
   forward and backward inside ``step``), the wait runs after the closure returns,
   so forward and backward still overlap the copy;
+* **automatically before a module whose buffer is being copied runs** (a global module
+  forward pre-hook, while a snapshot is in flight): a forward updates buffers in place, and
+  some kernels do it without bumping version counters (BatchNorm's running statistics), so
+  the checks below could not see it. Only modules with a buffer among the storages still
+  being copied wait (buffers under 256 KiB are copied before the save returns);
 * **for anything else** that modifies the saved tensors in place (a hand-written
   update, EMA weights, weight clipping outside the optimizer): call
   :func:`wait_for_snapshot` (or ``request.wait_for_snapshot()``) first;
@@ -172,6 +177,7 @@ class Snapshot:
 _lock = threading.Lock()
 _in_flight: List[Snapshot] = []
 _hook_handle: Any = None
+_forward_handle: Any = None
 _tls = threading.local()
 
 
@@ -182,13 +188,15 @@ def snapshots_in_flight() -> List[Snapshot]:
 
 
 def _register(snap: Snapshot) -> None:
-    global _hook_handle
+    global _hook_handle, _forward_handle
     with _lock:
         _in_flight.append(snap)
         if _hook_handle is None:
+            from torch.nn.modules.module import register_module_forward_pre_hook
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+            _forward_handle = register_module_forward_pre_hook(_before_forward)
 
 
 def _unregister(snap: Snapshot) -> None:
@@ -203,13 +211,14 @@ def maybe_remove_hook() -> None:
     Only from the training thread outside the hook: torch iterates the global hook
     dict while calling the hooks, so the hook must not remove itself.
     """
-    global _hook_handle
+    global _hook_handle, _forward_handle
     if getattr(_tls, "in_hook", False):
         return
     with _lock:
         if _hook_handle is not None and not _in_flight:
             _hook_handle.remove()
-            _hook_handle = None
+            _forward_handle.remove()
+            _hook_handle = _forward_handle = None
 
 
 def hook_installed() -> bool:
@@ -247,6 +256,23 @@ def wait_for_snapshot(timeout: Optional[float] = None) -> bool:
     if ok:
         maybe_remove_hook()
     return ok
+
+
+def _before_forward(module: Any, args: tuple) -> None:
+    """Global module forward pre-hook: wait for the snapshots still copying one of this module's own
+    buffers (a forward may change them in place, BatchNorm's without a version bump)."""
+    if not _in_flight or not module._buffers:  # (every module call while a snapshot is in flight: no lock here)
+        return None
+    snaps = [s for s in snapshots_in_flight() if not s.copied()]
+    ptrs = {b.untyped_storage().data_ptr() for b in module._buffers.values() if b is not None}
+    waiting = [s for s in snaps if not ptrs.isdisjoint(s.pending.sources)]
+    if waiting:
+        _tls.in_hook = True
+        try:
+            _wait_all(waiting)
+        finally:
+            _tls.in_hook = False
+    return None
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:

@@ -485,6 +485,8 @@ class PendingCopy:
         self._ran = False
         self.torn: List[_Group] = []  # groups whose copy did not match the source after the copy
         self.nbytes = sum(g.hi - g.lo for g in groups)
+        # the storages copied later (snapshot.py waits before a module whose buffer is one of them runs)
+        self.sources = {t.untyped_storage().data_ptr() for g in groups for t in g.members}
         # device work queued before the save must come first: an event on the caller's stream
         self._events: Dict[Any, Any] = {}
         for dev in {g.device for g in groups if g.device.type == "cuda"}:
