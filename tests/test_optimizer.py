@@ -718,6 +718,10 @@ def test_stacked_layers_with_a_layer_the_optimizer_has_no_state_for(tmp_path):
         a[1].grad = torch.full_like(a[1], 0.3)
         b.step()
     assert all(torch.equal(a, b) for a, b in zip(ws, vs))
+    # an optimizer with no state at all stays as it was: its sharded state dict holds none (saved: none;
+    # as a request: loads none), not placeholders for its stacked layers only
+    cold = [torch.nn.Parameter(torch.zeros(3, 2)) for _ in range(4)]
+    assert optimizer_sharded_state_dict(torch.optim.Adam(cold), msd(cold))["state"] == {}
     # a frozen layer left out of the optimizer leaves a gap no placeholder can fill: the error says so
     frozen = torch.optim.Adam([ws[0], ws[2], ws[3]])
     run([ws[0], ws[2], ws[3]], frozen, 1)

@@ -38,11 +38,10 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
     return None
 
 
-def _fresh_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> Optional[Dict[str, Any]]:
+def _fresh_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
     """The state a known torch optimizer creates for ``p`` at its first step (zeros, ``step`` 0), for which
     that step does what it would do without state; ``None`` where that is not so or not known (an unknown
     optimizer, SGD with dampening: its first step copies the gradient into an absent buffer)."""
-    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     names = _expected_tensor_states(optimizer, group)
     if names is None or (isinstance(optimizer, torch.optim.SGD) and group.get("dampening", 0) != 0):
         return None
@@ -143,13 +142,15 @@ def optimizer_sharded_state_dict(
         )
     for pid, extra in (extra_states or {}).items():
         sd["state"].setdefault(pid, {}).update(extra)
+    # (an optimizer with no state at all saves none and, as a request, loads none: no placeholders then)
+    group_of = [g for g in optimizer.param_groups for _ in g["params"]] if optimizer.state else []
     for pid in range(len(params)):
         if pid not in id_map and empty_local_shard(identity[pid]):
             sd["state"].pop(pid, None)  # empty DTensor shard on this rank: the other ranks save this param
-        elif pid in id_map and pid not in sd["state"] and built_tensors(id_map[pid])[0].prepend_axis_num:
+        elif group_of and pid in id_map and pid not in sd["state"] and built_tensors(id_map[pid])[0].prepend_axis_num:
             # a layer of a stacked tensor without state (frozen, or not stepped yet) would leave a hole in the
             # stacked state, which no save accepts: the state the optimizer would create at its first step
-            placeholder = _fresh_state(optimizer, params[pid])
+            placeholder = _fresh_state(optimizer, group_of[pid], params[pid])
             if placeholder is not None:
                 sd["state"][pid] = placeholder
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
