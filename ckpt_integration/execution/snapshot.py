@@ -263,9 +263,8 @@ def _before_forward(module: Any, args: tuple) -> None:
     buffers (a forward may change them in place, BatchNorm's without a version bump)."""
     if not _in_flight or not module._buffers:  # (every module call while a snapshot is in flight: no lock here)
         return None
-    snaps = [s for s in snapshots_in_flight() if not s.copied()]
     ptrs = {b.untyped_storage().data_ptr() for b in module._buffers.values() if b is not None}
-    waiting = [s for s in snaps if not ptrs.isdisjoint(s.pending.sources)]
+    waiting = [s for s in snapshots_in_flight() if not s.copied() and not ptrs.isdisjoint(s.pending.sources)]
     if waiting:
         _tls.in_hook = True
         try:

@@ -273,15 +273,21 @@ def _is_fused(sp: ShardedParam) -> bool:
     return isinstance(sp, ShardedTensorFactory) and [t.key for t in built_tensors(sp)] != [sp.key]
 
 
+def same_scalar(a: Any, b: Any) -> bool:
+    """Whether two scalar states (``step``, numbers, 0-dim tensors) are one value: tensors equal and of one
+    dtype, anything else of one type and equal."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b) and a.dtype == b.dtype
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and type(a) is type(b) and a == b
+
+
 def merge_part_scalars(key: str, values: Dict[str, Any]) -> Any:
     """The one value of a fused param's scalar state saved once per part (``{part key: value}``):
     the parts must agree (they were built from one value, or are separate params stepped together)."""
     items = sorted(values.items())
     first = items[0][1]
     for _, v in items[1:]:
-        same = (torch.equal(v, first) and v.dtype == first.dtype) if isinstance(v, torch.Tensor) and isinstance(first, torch.Tensor) else (
-            not isinstance(v, torch.Tensor) and not isinstance(first, torch.Tensor) and type(v) is type(first) and v == first)
-        if not same:
+        if not same_scalar(v, first):
             raise OptimizerStateMismatchError(
                 f"optimizer state {key!r} differs between the parts the parameter is fused from, so it cannot "
                 "become one value: " + ", ".join(f"{k!r} = {v!r}" for k, v in items)

@@ -38,20 +38,6 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
     return None
 
 
-def _fresh_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
-    """The state a known torch optimizer creates for ``p`` at its first step (zeros, ``step`` 0), for which
-    that step does what it would do without state; ``None`` where that is not so or not known (an unknown
-    optimizer, SGD with dampening: its first step copies the gradient into an absent buffer)."""
-    names = _expected_tensor_states(optimizer, group)
-    if names is None or (isinstance(optimizer, torch.optim.SGD) and group.get("dampening", 0) != 0):
-        return None
-    out: Dict[str, Any] = {n: torch.zeros_like(p.detach(), memory_format=torch.preserve_format) for n in names}
-    if "step" in (expected_states(optimizer, group) or ()):
-        on_device = group.get("capturable") or group.get("fused")
-        out["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-    return out
-
-
 def expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
     """Per-param states (tensors and scalars such as ``step``) a known torch optimizer needs once a
     param has state (``None``: unknown optimizer)."""
@@ -62,6 +48,16 @@ def expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> 
     return tensors + (("step",) if has_step else ())
 
 
+def _zero_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
+    """Zeros for every state a known torch optimizer keeps for ``p`` (``step`` 0 first); ``None``: unknown."""
+    names = expected_states(optimizer, group)
+    if names is None:
+        return None
+    out: Dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)} if "step" in names else {}
+    out.update({n: torch.zeros_like(p, memory_format=torch.preserve_format) for n in names if n != "step"})
+    return out
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Explicitly create (zero) state for every param without state, without a training step.
 
@@ -70,23 +66,18 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     a load; the parameters are not touched. Other optimizers raise; use
     :func:`load_optimizer_state`, which needs no existing state.
     """
-    scalar = torch.tensor(0.0, dtype=torch.float32)
-    has_step = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
     for group in optimizer.param_groups:
-        names = _expected_tensor_states(optimizer, group)
         for p in group["params"]:
             st = optimizer.state[p]
             if st:
                 continue
-            if names is None:
+            zeros = _zero_state(optimizer, group, p)
+            if zeros is None:
                 raise CheckpointingException(
                     f"init_optimizer_state does not know {type(optimizer).__name__}; use "
                     "load_optimizer_state (it creates the state from the checkpoint)"
                 )
-            if has_step:
-                st["step"] = scalar.clone()
-            for name in names:
-                st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st.update(zeros)
 
 
 _WARNED_STATELESS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -149,8 +140,12 @@ def optimizer_sharded_state_dict(
             sd["state"].pop(pid, None)  # empty DTensor shard on this rank: the other ranks save this param
         elif group_of and pid in id_map and pid not in sd["state"] and built_tensors(id_map[pid])[0].prepend_axis_num:
             # a layer of a stacked tensor without state (frozen, or not stepped yet) would leave a hole in the
-            # stacked state, which no save accepts: the state the optimizer would create at its first step
-            placeholder = _fresh_state(optimizer, group_of[pid], params[pid])
+            # stacked state, which no save accepts: the state the optimizer creates at its first step, from which
+            # that step does what it does without state (not so for SGD with dampening: its first step copies
+            # the gradient into an absent buffer)
+            group = group_of[pid]
+            sgd_dampening = isinstance(optimizer, torch.optim.SGD) and group.get("dampening", 0) != 0
+            placeholder = None if sgd_dampening else _zero_state(optimizer, group, params[pid])
             if placeholder is not None:
                 sd["state"][pid] = placeholder
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)

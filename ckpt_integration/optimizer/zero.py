@@ -24,7 +24,7 @@ from ..mapping import (
 from ..planning.flat_pieces import row_aligned_save, row_unit
 from .load import LabelDict, has_optimizer_state, param_labels, read_optimizer_state, report_missing_state
 from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, OptimizerStateMismatchError, get_param_id_to_sharded_param_map,
-                       is_origin, is_view_factory, param_object)
+                       is_origin, is_view_factory, param_object, same_scalar)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class ZeroShardedOptimizer:
         # stepped later): taking one would change the others' bias correction without a word
         all_scalars = next((s for s in scalars.values() if s), {})
         differ = sorted({name for s in scalars.values() for name, v in s.items()
-                         if name in all_scalars and not _same_scalar(v, all_scalars[name])})
+                         if name in all_scalars and not same_scalar(v, all_scalars[name])})
         if differ:
             values = "; ".join(f"{id_map[pid].key!r}: " + ", ".join(f"{n}={_shown(s[n])}" for n in differ if n in s)
                                for pid, s in sorted(scalars.items()) if s)
@@ -342,12 +342,6 @@ class ZeroShardedOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
-
-
-def _same_scalar(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def _shown(v: object) -> str:

@@ -407,9 +407,21 @@ def pinned(*checkpoints: Any, verified: bool = False) -> Iterator[None]:
 # --------------------------------------------------------------------------- commit order
 # The head of a manifest as json.dumps(asdict(Manifest)) writes it: "step" and "commit_seq" come
 # right after the three leading fields, so the first bytes of the file hold them.
-_ORDER_RE = re.compile(rb'^\{"format": "[^"]*", "version": \d+, "created": [-+.eE0-9]+, '
+_ORDER_RE = re.compile(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+), '
                        rb'"step": (null|-?\d+), "commit_seq": (null|-?\d+)[,}]')
+_VERSION_RE = re.compile(rb'^\{"format": "[^"]*", "version": (\d+)')
 _HEAD_BYTES = 512
+
+
+def _trusted_head(head: bytes, ck: CheckpointLocation) -> bool:
+    """Whether the fields in a manifest's first bytes may be used as they are: a sealed head (format 7) is
+    checked here (changed: :class:`CorruptCheckpointError` naming the file); a format-7 head without its seal
+    in those bytes is not (the caller reads and checks the whole manifest); older formats have no seal."""
+    if HEAD_SEAL in head:
+        check_sealed(head, ck.file(MANIFEST_FILE), whole=False)
+        return True
+    v = _VERSION_RE.match(head)
+    return v is None or int(v.group(1)) < SEALED_VERSION
 
 
 def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], Optional[float]]:
@@ -426,15 +438,10 @@ def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], 
             head = reader.read(0, min(reader.size, _HEAD_BYTES))
         finally:
             reader.close()
-        m = _ORDER_RE.match(head)
-        if m is not None and HEAD_SEAL in head:  # (format 7: the head seals itself; a changed step is damage)
-            check_sealed(head, ck.file(MANIFEST_FILE), whole=False)
-        elif m is not None and int(re.match(rb'^\{"format": "[^"]*", "version": (\d+)', head).group(1)) >= SEALED_VERSION:
-            m = None  # (a sealed format whose seal is not in the head: read and checked whole below)
+        m = _ORDER_RE.match(head) if _trusted_head(head, ck) else None
         if m is not None:
-            step, seq = (None if g == b"null" else int(g) for g in m.groups())
-            created = float(re.match(rb'^\{"format": "[^"]*", "version": \d+, "created": ([-+.eE0-9]+)', head).group(1))
-            return step, seq, created
+            step, seq = (None if g == b"null" else int(g) for g in m.groups()[1:])
+            return step, seq, float(m.group(1))
         manifest = read_manifest(ck.afresh())  # (what the directory holds now)
     except (OSError, CheckpointingException, ValueError):
         return None, None, None
@@ -499,9 +506,7 @@ def commit_identity(ck: CheckpointLocation) -> Optional[str]:
         head = reader.read(0, min(reader.size, _HEAD_BYTES))
     finally:
         reader.close()
-    if HEAD_SEAL in head:  # (format 7: a head changed since it was written names no commit)
-        check_sealed(head, ck.file(MANIFEST_FILE), whole=False)
-    m = _ID_RE.search(head)
+    m = _ID_RE.search(head) if _trusted_head(head, ck) else None  # (a changed head names no commit)
     if m is not None and m.group(1):
         return m.group(1).decode()
     return identity_of(read_manifest(ck.afresh()))  # (never what was opened)
