@@ -374,8 +374,9 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Grou
         return
     flat = buf.reshape(-1).view(torch.uint8)
     if u.needers == tuple(range(size)):
+        before = dist.python_refs([flat])
         tdist.broadcast(flat, src=dist.global_rank(group, u.reader), group=group)
-        dist.settle([flat])  # the worker thread must not be the one to free ``flat`` (see dist.settle)
+        dist.settle([flat], before)  # the worker thread must not be the one to free ``flat`` (see dist.settle)
     elif rank == u.reader:
         works = [
             dist.isend(flat, r, group, u.index % (1 << 30))

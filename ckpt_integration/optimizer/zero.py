@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 
 from ..errors import CheckpointingException
-from ..execution.dist import buffer_device, global_rank, settle
+from ..execution.dist import buffer_device, global_rank, python_refs, settle
 from ..mapping import (
     LocalNonpersistentObject,
     ReplicaId,
@@ -121,8 +121,9 @@ class ZeroShardedOptimizer:
         local[: self.end - self.start] = self.main_param.detach()
         if self.dp_size > 1:
             parts = [torch.empty(self.shard_size, device=dev) for _ in range(self.dp_size)]
+            before = python_refs([local, *parts])
             tdist.all_gather(parts, local, group=self.dp_group)
-            settle([local, *parts])  # the worker thread must not be the one to free them (see settle)
+            settle([local, *parts], before)  # the worker thread must not be the one to free them (see settle)
             flat = torch.cat(parts)
         else:
             flat = local
