@@ -237,12 +237,23 @@ def _fsdp2_optimizer_api(rank, world, tmp):
     for (n, p), p2 in zip(m.named_parameters(), m2.parameters()):
         assert isinstance(p2, DTensor) and torch.equal(p.full_tensor(), p2.full_tensor()), n
         st, st2 = opt.state[p], opt2.state[p2]
-        if p.to_local().numel():
-            assert isinstance(st2["exp_avg"], DTensor) and st2["exp_avg"].placements == p2.placements
-            assert torch.equal(st["exp_avg_sq"].to_local(), st2["exp_avg_sq"].to_local()), n
-            assert float(st2["step"]) == 2.0
-        else:
-            assert not st2  # nothing of this param on this rank
+        # a rank whose shard is empty saved nothing of the param, and still gets its state back: empty
+        # tensors and the same step as its peers (before: no state, so the ranks' states differed in shape)
+        assert sorted(st2) == sorted(st), n
+        assert isinstance(st2["exp_avg"], DTensor) and st2["exp_avg"].placements == p2.placements
+        assert st2["exp_avg"].to_local().shape == p2.to_local().shape
+        assert torch.equal(st["exp_avg_sq"].to_local(), st2["exp_avg_sq"].to_local()), n
+        assert torch.equal(st2["step"], st["step"]) and float(st2["step"]) == 2.0
+    # torch's own full optimizer state dict (a collective over the states' shards): equal, and no rank
+    # left waiting (it hung when the empty shard's rank had no state for that param)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    saved_full, loaded_full = get_optimizer_state_dict(m, opt, options=full), get_optimizer_state_dict(m2, opt2, options=full)
+    assert sorted(saved_full["state"]) == sorted(loaded_full["state"])
+    for k, s1 in saved_full["state"].items():
+        assert sorted(s1) == sorted(loaded_full["state"][k]), k
+        assert all(torch.equal(v, loaded_full["state"][k][name]) for name, v in s1.items()), k
     for i in (2, 3):  # training continues identically
         step(m, opt, i)
         step(m2, opt2, i)

@@ -29,7 +29,7 @@ import torch
 
 from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from ..optimizer import get_param_id_to_sharded_param_map
+from ..optimizer import fill_empty_shards, get_param_id_to_sharded_param_map
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.safe_pickle import safe_torch_load
 
@@ -250,6 +250,7 @@ def _load_optimizer(source: _Source, idx: int, opt: Any, module: Any, request: D
             else:
                 out[name] = v
         state[pid] = out
+    fill_empty_shards(params, state)  # (empty shards of DTensor params: their peers' state, emptied)
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 

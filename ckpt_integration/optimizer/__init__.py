@@ -22,7 +22,7 @@ Public names: :func:`get_param_id_to_sharded_param_map`,
 :func:`make_sharded_optimizer_tensor`, :func:`optim_state_to_sharding_state`,
 :func:`sharding_state_to_optim_state`, :func:`optimizer_sharded_state_dict`,
 :func:`init_optimizer_state`, :func:`load_optimizer_state`, :func:`optimizer_key`,
-:func:`has_optimizer_state`, :func:`flat_range_to_boxes`,
+:func:`has_optimizer_state`, :func:`fill_empty_shards`, :func:`flat_range_to_boxes`,
 :class:`MixedPrecisionOptimizer`, :class:`ZeroShardedOptimizer` and the errors
 :class:`OptimizerStateNotFoundError`, :class:`OptimizerStateMismatchError`,
 :class:`UnmatchedParameterError`. See ``docs/optimizer.md``.
@@ -44,7 +44,7 @@ from .sharding import (
     optimizer_key,
     sharding_state_to_optim_state,
 )
-from .state import init_optimizer_state, optimizer_sharded_state_dict
+from .state import fill_empty_shards, init_optimizer_state, optimizer_sharded_state_dict
 from ..mapping import flat_range_to_boxes
 from .zero import ZeroShardedOptimizer
 
@@ -62,6 +62,7 @@ __all__ = [
     "sharding_state_to_optim_state",
     "optimizer_sharded_state_dict",
     "init_optimizer_state",
+    "fill_empty_shards",
     "has_optimizer_state",
     "load_optimizer_state",
     "flat_range_to_boxes",

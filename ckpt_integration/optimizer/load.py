@@ -28,7 +28,7 @@ from .sharding import (
     merge_part_scalars,
     names_from_module,
 )
-from .state import expected_states, optimizer_params
+from .state import expected_states, fill_empty_shards, optimizer_params
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +384,8 @@ def load_optimizer_state(
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st
+    # a DTensor param with an empty shard here had nothing saved on this rank: its peers' state, emptied
+    fill_empty_shards(params, torch_state, load_kwargs.get("process_group"))  # type: ignore[arg-type]
     pids, groups_pids = iter(range(len(params))), []
     for g in optimizer.param_groups:
         groups_pids.append([next(pids) for _ in g["params"]])

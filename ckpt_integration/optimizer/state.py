@@ -8,7 +8,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..dtensors import is_dtensor
 from ..errors import CheckpointingException
+from ..execution.dist import Group, all_gather_object, all_reduce_ints
 from ..mapping import ShardedStateDict
 from .sharding import (
     DEFAULT_PREFIX,
@@ -150,3 +152,61 @@ def optimizer_sharded_state_dict(
                 sd["state"][pid] = placeholder
     optim_state_to_sharding_state(sd, id_map, exclude_keys, prefix=prefix)
     return sd
+
+
+def _offer(state: Dict[str, Any]) -> Dict[str, Tuple[str, Any, str]]:
+    """A param's loaded state as its peers need it for an empty shard: each tensor state's dtype (its
+    elements live elsewhere) and each scalar's value (on the host, with the device it was on)."""
+    out: Dict[str, Tuple[str, Any, str]] = {}
+    for name, v in state.items():
+        if is_dtensor(v) or (isinstance(v, torch.Tensor) and v.dim() > 0):
+            out[name] = ("tensor", v.dtype, "")
+        elif isinstance(v, torch.Tensor):
+            out[name] = ("scalar", v.detach().cpu().clone(), v.device.type)
+        else:
+            out[name] = ("scalar", v, "")
+    return out
+
+
+def _state_from_offer(p: Any, offer: Dict[str, Tuple[str, Any, str]]) -> Dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    local = p.to_local()
+    out: Dict[str, Any] = {}
+    for name, (kind, x, device) in offer.items():
+        if kind == "tensor":
+            out[name] = DTensor.from_local(torch.empty(local.shape, dtype=x, device=local.device), p.device_mesh,
+                                           p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        else:
+            out[name] = x.to(local.device) if isinstance(x, torch.Tensor) and device not in ("", "cpu") else x
+    return out
+
+
+def fill_empty_shards(params: Sequence[torch.Tensor], state: Dict[int, Dict[str, Any]], group: Group = None) -> None:
+    """Give every DTensor param whose shard on this rank is empty (a parameter with fewer rows than
+    FSDP2 / TP ranks) the state its peers loaded, in place: empty tensor states and the same
+    scalars (``step``). Nothing of such a param is saved on this rank, so a load finds nothing
+    for it here; without this, the ranks' optimizer states differ in shape after a resume (torch's
+    ``get_optimizer_state_dict(..., full_state_dict=True)`` then waits forever) and ``step`` restarts.
+
+    Collective over ``group`` (one small all-reduce), and over each mesh dimension of the params
+    when some rank has such a shard (peers are matched by param position, which every rank of a
+    mesh shares, and checked by shape)."""
+    empty = [pid for pid, p in enumerate(params) if is_dtensor(p) and empty_local_shard(p) and not state.get(pid)]
+    if not all_reduce_ints([1 if empty else 0], "max", group)[0]:
+        return
+    meshes: List[Any] = []
+    for p in params:
+        if is_dtensor(p) and p.device_mesh not in meshes:  # type: ignore[attr-defined]
+            meshes.append(p.device_mesh)  # type: ignore[attr-defined]
+    for mesh in meshes:
+        pids = [pid for pid, p in enumerate(params) if is_dtensor(p) and p.device_mesh == mesh]  # type: ignore[attr-defined]
+        for dim in range(mesh.ndim):  # a peer along each dimension in turn reaches every rank of the mesh
+            mine = {pid: (tuple(params[pid].shape), _offer(state[pid])) for pid in pids if state.get(pid)}
+            peers = all_gather_object(mine, mesh.get_group(dim))
+            for pid in pids:
+                if state.get(pid) or not empty_local_shard(params[pid]):
+                    continue
+                offer = next((o[pid][1] for o in peers if pid in o and o[pid][0] == tuple(params[pid].shape)), None)
+                if offer is not None:
+                    state[pid] = _state_from_offer(params[pid], offer)
