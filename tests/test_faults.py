@@ -733,6 +733,12 @@ def _different_arguments(rank, world, root):
         ci.load(state(False), f"{root}/c", load_strategy=strategy)
     with pytest.raises(ci.errors.MismatchError, match=f"verify_state={rank == 1}"):
         ci.load(state(False), f"{root}/c", verify_state=rank == 1)
+    # the request check on one rank only: gloo aborted the process (collectives of other sizes); without
+    # the request check on every rank, other strategies: the ranks waited in different collectives
+    with pytest.raises(ci.errors.MismatchError, match=f"validate_access_integrity={rank == 1}"):
+        ci.load(state(False), f"{root}/c", validate_access_integrity=rank == 1)
+    with pytest.raises(ci.errors.MismatchError, match=f"load_strategy={strategy}"):
+        ci.load(state(False), f"{root}/c", load_strategy=strategy, validate_access_integrity=False)
     out = ci.load(state(False), f"{root}/c", load_strategy="fully_parallel")
     assert torch.equal(out["a"], state()["a"].data) and out["step"] == 7
 

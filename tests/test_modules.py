@@ -3,6 +3,7 @@
 import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -109,3 +110,40 @@ def _dtensor_worker(rank, world, path):
 
 def test_dtensor_default_sharded_state_dict(tmp_path):
     run_distributed(_dtensor_worker, 2, str(tmp_path / "dt"), timeout=120)
+
+
+@pytest.mark.parametrize("strict", ["return_all", "return_unexpected", "log_unexpected", "log_all", "ignore_all"])
+def test_a_fused_layer_added_since_the_save_is_skipped_in_lenient_strict_modes(tmp_path, strict):
+    """A fused QKV (a ShardedTensorFactory) that the checkpoint does not hold, e.g. a layer added since the
+    save: the strict modes that skip such keys raised "nothing was loaded for ShardedTensorFactory"
+    (or, with some of its parts saved, its merge_fn's KeyError), so no missing/unexpected lists came back.
+    Now the factory is left out of the result and its parts are reported as unexpected."""
+    from ckpt_integration.modules import fused_column_parallel
+
+    ci.save({"a": ci.ShardedTensor.from_rank_offsets("a", torch.ones(2)),
+             "old": fused_column_parallel("old.qkv", torch.arange(24.0).view(6, 4), 0, 1, 3)}, tmp_path / "c")
+    request = {"a": ci.ShardedTensor.from_rank_offsets("a", torch.zeros(2)),
+               "old": fused_column_parallel("old.qkv", torch.zeros(6, 4), 0, 1, 3),
+               "layers": {"9": {"qkv": fused_column_parallel("layer9.qkv", torch.zeros(6, 4), 0, 1, 3)}}}
+    out = ci.load(request, tmp_path / "c", strict=strict)
+    if strict.startswith("return"):
+        out, missing, unexpected = out
+        assert missing == set() and unexpected == {f"layer9.qkv.part{i}" for i in range(3)}
+    assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out["old"], torch.arange(24.0).view(6, 4))
+    assert "9" not in out.get("layers", {})
+    with pytest.raises(ci.errors.KeyNotInCheckpointError, match="layer9.qkv.part0"):
+        ci.load(request, tmp_path / "c", strict="raise_unexpected")
+
+
+def test_a_failing_build_fn_is_named(tmp_path):
+    """An exception in a factory's build_fn reached the caller as it was (a bare ZeroDivisionError); a
+    failing merge_fn was already named. Now both are a CheckpointingException naming the factory."""
+    def build(key, data, replica_id, flattened_range):
+        return 1 / 0
+
+    factory = ci.ShardedTensorFactory("broken.qkv", torch.zeros(2), build, lambda x: x)
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "ok")
+    for call in (lambda: ci.save({"f": factory}, tmp_path / "c"), lambda: ci.load({"f": factory}, tmp_path / "ok")):
+        with pytest.raises(ci.CheckpointingException, match="build_fn of ShardedTensorFactory 'broken.qkv' failed: "
+                                                            "ZeroDivisionError"):
+            call()

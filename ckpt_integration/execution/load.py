@@ -9,10 +9,10 @@ Collectives, none of which carries O(world) bytes to a rank when nothing fails:
 
 * one broadcast: the coordinator reads ``metadata.json``, ``.metadata`` and the
   manifest and shares them compactly (:mod:`.shared_metadata`);
-* with ``validate_access_integrity``: the request check, by counting when every rank requests
-  whole saved chunks (one all-to-all of four integers per request to the keys' owners, see
-  :mod:`..planning.request_check`), otherwise the check of a save's exchange (:mod:`.exchange`:
-  records to chunk owners, holdings to key owners);
+* an all-reduce of a few integers that compares the options (and, with ``validate_access_integrity``,
+  begins the request check: by counting when every rank requests whole saved chunks, one all-to-all
+  of four integers per request to the keys' owners, :mod:`..planning.request_check`; otherwise the
+  check of a save's exchange, :mod:`.exchange`: records to chunk owners, holdings to key owners);
 * with a strict ``*_ALL`` mode: an OR all-reduce of one bit per checkpoint key
   ("requested by some rank");
 * a final agreement so that a failure on any rank raises on every rank.
@@ -276,15 +276,15 @@ def load_sharded(
             )
     requested_global: Set[str] = set()  # (*_all modes: keys some rank requests, known after the check)
     try:
-        if validate_access_integrity or global_strict:
-            if validate_access_integrity:
-                agreed = f"load_strategy={load_strategy}, verify_state={verify_state}, strict *_all mode={global_strict}"
-                load_request.check_request(job, req and req.routed, req.shards if req else [], req and req.identity,
-                                           opened, group, checkpoint_dir, agreed)
-            else:
-                opened.agree(group, f"load of {checkpoint_dir} failed")
-            if global_strict:
-                requested_global = load_request.requested_by_any_rank(checkpoint_keys(req.md), req.requested, group)
+        agreed = (f"validate_access_integrity={validate_access_integrity}, load_strategy={load_strategy}, "
+                  f"verify_state={verify_state}, strict *_all mode={global_strict}")
+        if not validate_access_integrity:  # (the same first collective as the check's, with these options)
+            load_request.agree_arguments(opened, group, checkpoint_dir, agreed)
+        else:
+            load_request.check_request(job, req and req.routed, req.shards if req else [], req and req.identity,
+                                       opened, group, checkpoint_dir, agreed)
+        if global_strict:
+            requested_global = load_request.requested_by_any_rank(checkpoint_keys(req.md), req.requested, group)
     except BaseException:
         if job is not None:
             job.reader.close()
@@ -441,8 +441,9 @@ class _LoadJob:
         merge(result, self.nonpersistent)
         merge(result, self.loaded)
         result = restore_list_types(result, self.template)
-        if self.factories:
-            result = apply_factory_merges(result, self.factories)
+        if self.factories:  # (unexpected keys, skipped by the strict mode: the factories they belong to too)
+            load_request.skip_incomplete_factories(result, self.factories, self.template, self.unexpected)
+            result = apply_factory_merges(result, self.factories) if self.factories else result
         return result, self.missing, self.unexpected
 
 

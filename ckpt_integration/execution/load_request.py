@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Protocol, Set, Tuple, Union
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 
 from ..errors import KeyNotInCheckpointError, MismatchError
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from ..planning.exchange import Routed
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
 from ..storage.opened import EMBEDDED_COMMON_KEY
@@ -91,12 +91,9 @@ def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List
     general check of shard records (``exchange.run``). ``arguments``: the load's options that every rank
     must pass alike (those that decide its collectives); the directory is added here."""
     context = f"load of {checkpoint_dir} failed"
-    # (the coordinator opened its path for every rank: a rank given another would read its files
-    # against the coordinator's manifest, and report them as damaged)
-    arguments = f"checkpoint_dir={canonical(checkpoint_dir)!r}, {arguments}"
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     whole = job.index_identity if job is not None and job.request_rows is not None else None
-    cached, all_whole = exchange.start_load(routed, whole, failure, group, context, arguments)
+    cached, all_whole = exchange.start_load(routed, whole, failure, group, context, _arguments(checkpoint_dir, arguments))
     if cached is not None:
         return
     found = exchange.check_whole_chunks(job.request_rows, group, context, identity) if all_whole else None
@@ -112,6 +109,49 @@ def check_request(job: Optional[LoadJob], routed: Optional[Routed], shards: List
     if found is not None:  # (the general check names what counting finds: this is a safety net)
         exchange.forget_plans("load")
         exchange.raise_problems(found, group, header)
+
+
+def agree_arguments(failure: Failure, group: Group, checkpoint_dir: Union[str, os.PathLike], arguments: str) -> None:
+    """What a load without the request check agrees on, collective: every rank's failure so far (raised
+    on every rank) and the options that decide the collectives that follow (:class:`MismatchError` on
+    every rank when they differ). The same first collective as :func:`check_request`'s, so ranks that
+    differ in ``validate_access_integrity`` itself meet in it (and raise) instead of aborting in
+    collectives of other sizes. (The directory is compared when the checkpoint is opened: a failure here.)"""
+    exchange.start_load(None, None, failure, group, f"load of {checkpoint_dir} failed", arguments)
+
+
+def _arguments(checkpoint_dir: Union[str, os.PathLike], arguments: str) -> str:
+    # (the coordinator opened its path for every rank: a rank given another would read its files
+    # against the coordinator's manifest, and report them as damaged)
+    return f"checkpoint_dir={canonical(checkpoint_dir)!r}, {arguments}"
+
+
+def skip_incomplete_factories(result: Any, factories: Any, template: Any, unexpected: Set[str]) -> None:
+    """In a strict mode that skips keys not in the checkpoint (``unexpected``): leave out of ``result``
+    and ``factories`` (in place) every factory that built such a key, as its ``merge_fn`` cannot
+    merge a part that was not loaded (a fused layer added since the save); its keys are reported
+    with the others. A factory inside a list cannot be left out of it: its merge raises, naming it."""
+    if not unexpected:
+        return
+    for k, f in list(factories.items()):
+        sub = template[k] if isinstance(template, (dict, list)) and (isinstance(template, dict) or k < len(template)) else None
+        if isinstance(f, ShardedTensorFactory):
+            if _keys_in(sub) & unexpected and isinstance(result, dict):
+                result.pop(k, None)
+                del factories[k]
+        elif isinstance(f, dict):
+            inner = result.get(k) if isinstance(result, dict) else (
+                result[k] if isinstance(result, list) and k < len(result) else None)
+            skip_incomplete_factories(inner if inner is not None else {}, f, sub, unexpected)
+            if not f:  # (nothing left to merge there)
+                del factories[k]
+
+
+def _keys_in(x: Any) -> Set[str]:
+    if isinstance(x, (ShardedTensor, ShardedObject)):
+        return {x.key}
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
+    return set().union(*(_keys_in(v) for v in values)) if values else set()
 
 
 def strict_after_check(job: LoadJob, strict: StrictHandling, requested: List[str], requested_global: Set[str],

@@ -122,7 +122,14 @@ def _built(x: object) -> Any:
     # (a module function, not a closure calling itself: such a closure is a reference cycle that
     # keeps everything it sees alive until the cycle collector runs)
     if isinstance(x, ShardedTensorFactory):
-        built = convert_foreign(x.build(), (f"<built by factory {x.key!r}>",))
+        try:
+            built = x.build()
+        except CheckpointingException:
+            raise
+        except Exception as e:  # (user code: name the factory, as a failing merge_fn is named)
+            raise CheckpointingException(f"build_fn of ShardedTensorFactory {x.key!r} failed: "
+                                         f"{type(e).__name__}: {e}") from e
+        built = convert_foreign(built, (f"<built by factory {x.key!r}>",))
         return dict_list_map_inplace(_built, built)
     return x
 
