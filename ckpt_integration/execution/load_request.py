@@ -134,7 +134,8 @@ def skip_incomplete_factories(result: Any, factories: Any, template: Any, unexpe
     if not unexpected:
         return
     for k, f in list(factories.items()):
-        sub = template[k] if isinstance(template, (dict, list)) and (isinstance(template, dict) or k < len(template)) else None
+        sub = template.get(k) if isinstance(template, dict) else (
+            template[k] if isinstance(template, list) and k < len(template) else None)
         if isinstance(f, ShardedTensorFactory):
             if _keys_in(sub) & unexpected and isinstance(result, dict):
                 result.pop(k, None)
