@@ -1,9 +1,8 @@
 """Load with resharding from the torch_dist backend.
 
-Every rank reads only the parts of saved chunks that overlap its requested
-shards (see :mod:`ckpt_integration.planning.reshard`; a per-key
-:class:`~ckpt_integration.planning.reshard.ChunkIndex` makes each request
-O(log chunks)), with a thread pool.
+Every rank reads only the parts of saved chunks that overlap its requested shards (see
+:mod:`ckpt_integration.planning.reshard`; a per-key :class:`~ckpt_integration.planning.reshard.ChunkIndex`
+makes each request O(log chunks)), with a thread pool.
 
 Collectives, none of which carries O(world) bytes to a rank when nothing fails:
 
