@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Protocol, Set, Tuple, Union
 
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 
+from ..dict_utils import nested_values
 from ..errors import KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from ..planning.exchange import Routed
@@ -137,7 +138,8 @@ def skip_incomplete_factories(result: Any, factories: Any, template: Any, unexpe
         sub = template.get(k) if isinstance(template, dict) else (
             template[k] if isinstance(template, list) and k < len(template) else None)
         if isinstance(f, ShardedTensorFactory):
-            if _keys_in(sub) & unexpected and isinstance(result, dict):
+            built = {v.key for v in nested_values(sub) if isinstance(v, (ShardedTensor, ShardedObject))}
+            if built & unexpected and isinstance(result, dict):
                 result.pop(k, None)
                 del factories[k]
         elif isinstance(f, dict):
@@ -146,13 +148,6 @@ def skip_incomplete_factories(result: Any, factories: Any, template: Any, unexpe
             skip_incomplete_factories(inner if inner is not None else {}, f, sub, unexpected)
             if not f:  # (nothing left to merge there)
                 del factories[k]
-
-
-def _keys_in(x: Any) -> Set[str]:
-    if isinstance(x, (ShardedTensor, ShardedObject)):
-        return {x.key}
-    values = x.values() if isinstance(x, dict) else x if isinstance(x, list) else ()
-    return set().union(*(_keys_in(v) for v in values)) if values else set()
 
 
 def strict_after_check(job: LoadJob, strict: StrictHandling, requested: List[str], requested_global: Set[str],

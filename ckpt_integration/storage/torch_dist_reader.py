@@ -392,20 +392,27 @@ class TorchDistReader:
         path = self.ck.file(info.relative_path)
         pread_exact(fd, memoryview(buf), info.offset, path)
         self._verify(info, buf, f"chunk {chunk.box} of {key!r}")
-
-        # safe_torch_load raises CorruptCheckpointError (naming the chunk and file) for damaged bytes
-        try:
-            t = safe_torch_load(io.BytesIO(bytes(buf)), what=f"chunk {chunk.box} of {key!r} in {path}")
-        except UnsafeCheckpointError as e:
-            # tensor data never needs arbitrary objects, so trusted=True is no remedy here
-            raise CorruptCheckpointError(
-                f"{path}: chunk {chunk.box} of {key!r} is not a plain tensor record and was refused "
-                f"without running it; the file is damaged or was not written by a checkpoint writer ({e})"
-            ) from None
-        if not isinstance(t, torch.Tensor) or t.numel() != chunk.box.numel:
-            raise CorruptCheckpointError(f"{path}: chunk {chunk.box} of {key!r} is not a tensor of the expected size")
+        t = load_item_tensor(bytes(buf), chunk.box.numel, path, f"chunk {chunk.box} of {key!r}")
         t = t.reshape(chunk.box.sizes)
         out.copy_(t[relative_slices(overlap, chunk.box)])
+
+
+def load_item_tensor(data: bytes, numel: int, path: str, what: str) -> torch.Tensor:
+    """A stored tensor item of an archive layout the fast path does not parse, loaded as ``torch.load``
+    loads it (restricted): :class:`CorruptCheckpointError` naming ``path`` and ``what`` when its bytes are
+    damaged, not a plain tensor record, or not ``numel`` elements. (The load's fallback and ``verify``.)"""
+    # safe_torch_load raises CorruptCheckpointError (naming the item and file) for damaged bytes
+    try:
+        t = safe_torch_load(io.BytesIO(data), what=f"{what} in {path}")
+    except UnsafeCheckpointError as e:
+        # tensor data never needs arbitrary objects, so trusted=True is no remedy here
+        raise CorruptCheckpointError(
+            f"{path}: {what} is not a plain tensor record and was refused without running it; the file is "
+            f"damaged or was not written by a checkpoint writer ({e})"
+        ) from None
+    if not isinstance(t, torch.Tensor) or t.numel() != numel:
+        raise CorruptCheckpointError(f"{path}: {what} is not a tensor of the expected size ({numel} elements)")
+    return t
 
 
 def check_archive_head(found: Optional[Tuple[torch.dtype, Tuple[int, ...]]], dtype: torch.dtype, sizes: Tuple[int, ...],

@@ -5,7 +5,6 @@ Megatron-Core's ``dict_utils.diff`` finds them) and the values of their ShardedO
 from __future__ import annotations
 
 import io
-
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple

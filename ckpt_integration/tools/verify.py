@@ -10,7 +10,6 @@ Data is streamed in pieces of 8 MiB, so memory stays small whatever the checkpoi
 from __future__ import annotations
 
 import collections
-import io
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -30,10 +29,9 @@ from ..storage.checksum import BlockHash
 from ..storage.filesystem import CheckpointLocation, FileReader, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
 from ..storage.opened import OpenedCheckpoint, pinned
-from ..storage.safe_pickle import safe_torch_load
 from ..storage.tensor_record import parse_tensor_record
 from ..storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata
-from ..storage.torch_dist_reader import TorchDistReader
+from ..storage.torch_dist_reader import TorchDistReader, load_item_tensor
 from ..storage.zarr_backend import ZarrReader
 from .common import READ_PIECE, ProgressFactory, dtype_size, no_progress, format_size, parse_size
 from .sources import DistCheckpointSource
@@ -523,10 +521,10 @@ class _DataPass:
         if rec is None:  # (loaded as a load would: restricted torch.load of the item, then its size and dtype)
             self.unparsed += 1
             try:
-                t = safe_torch_load(io.BytesIO(reader.read(info.offset, info.length)), what=f"{what} in {file}")
-                if not isinstance(t, torch.Tensor) or t.numel() != chunk.numel or t.dtype != chunk.dtype:
+                t = load_item_tensor(reader.read(info.offset, info.length), chunk.numel, file, what)
+                if t.dtype != chunk.dtype:
                     raise CorruptCheckpointError(f"{file}: {what} is not a tensor of {declared}")
-            except (CorruptCheckpointError, UnsafeCheckpointError) as e:
+            except CorruptCheckpointError as e:
                 self.problem(f"{file}: {what} cannot be loaded: {e}", info.relative_path, [index])
             return
         start = rec.data_offset + rec.storage_offset * dtype_size(rec.dtype)
