@@ -682,12 +682,38 @@ def _every_strategy_worker(rank, world, root):
             ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, src, load_strategy=strategy)
             assert torch.equal(out, full[:, rank * cols:(rank + 1) * cols]), (strategy, lws)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
+    # many small replicated tensors (norms, biases: read in runs, sent in batches by fully_parallel /
+    # two_stage), one of them flipped or cut short: every strategy refuses it, naming its file
+    small = os.path.join(root, "small")
+    values = {f"s{i:02d}": torch.arange(64, dtype=torch.float32) + 100 * i for i in range(24)}
+    ci.save({k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank) for k, v in values.items()}, small)
+    torch.distributed.barrier()
+    item = _w_item_of(small, (0,), key="s13")
+    if rank == 0:
+        for how in ("flipped", "truncated"):
+            shutil.copytree(small, small + how)
+            path = os.path.join(small + how, item.relative_path)
+            if how == "flipped":
+                flip_byte(path, item.offset + item.length // 2)
+            else:
+                os.truncate(path, item.offset + item.length // 2)
+    torch.distributed.barrier()
+    for strategy in STRATEGIES:
+        for how in ("flipped", "truncated"):
+            with pytest.raises(CheckpointingException) as ei:
+                ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(64), replica_id=rank) for k in values},
+                        small + how, load_strategy=strategy)
+            assert item.relative_path in str(ei.value), (strategy, how, str(ei.value))
+            assert type(ei.value).__name__ in ("CorruptCheckpointError", "DistributedCheckpointingError"), type(ei.value)
+        out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(64), replica_id=rank) for k in values}, small,
+                      load_strategy=strategy)
+        assert all(torch.equal(out[k], v) for k, v in values.items()), strategy
 
 
-def _w_item_of(d, offsets):
+def _w_item_of(d, offsets, key="w"):
     with open(os.path.join(d, ".metadata"), "rb") as f:
         md = pickle.load(f)
-    return next(v for k, v in md.storage_data.items() if k.fqn == "w" and tuple(k.offset) == offsets)
+    return next(v for k, v in md.storage_data.items() if k.fqn == key and tuple(k.offset) == offsets)
 
 
 @pytest.mark.slow

@@ -398,7 +398,8 @@ def test_staging_memory_is_bounded(mode, budget, monkeypatch):
     dests, tasks = _column_tasks(12)
     stats = pl.exchange_reads(_FakeReader(), tasks, False, mode=mode, thread_count=3, memory_budget=budget)
     unit = 8 * 4 * 4
-    assert live.count == 12  # every unit staged (non-contiguous destinations)
+    # every unit staged (non-contiguous destinations), small ones in batches the budget holds
+    assert live.count == {1: 12, 300: 6, 1 << 20: 1}[budget]
     assert live.peak <= max(budget, unit) and stats["peak_staging_bytes"] <= max(budget, unit)
     assert live.live == 0  # all freed
     for i, d in enumerate(dests):
@@ -437,6 +438,7 @@ def test_two_stage_reads_next_unit_during_exchange(thread_count, monkeypatch):
         return real(u, buf, rank, size, group)
 
     monkeypatch.setattr(pl, "_exchange_unit", exchange)
+    monkeypatch.setattr(pl, "SMALL_UNIT", 0)  # each unit alone: the pipeline, not the batches
     dests, tasks = _column_tasks(n)
     pl.exchange_reads(_FakeReader(on_read), tasks, False, mode="two_stage", thread_count=thread_count, memory_budget=1 << 20)
     assert order == list(range(n))
@@ -447,11 +449,51 @@ def test_two_stage_reads_next_unit_during_exchange(thread_count, monkeypatch):
 def test_fully_parallel_reads_round_before_exchange(monkeypatch):
     events = []
     monkeypatch.setattr(pl, "_exchange_unit", lambda u, *a: events.append(("x", u.key)))
+    monkeypatch.setattr(pl, "SMALL_UNIT", 0)  # each unit alone: the rounds, not the batches
     dests, tasks = _column_tasks(4)
     pl.exchange_reads(_FakeReader(lambda k: events.append(("r", k))), tasks, False, mode="fully_parallel",
                       thread_count=1, memory_budget=2 * 128)  # two staged units per round
     kinds = "".join(e[0] for e in events)
     assert kinds == "rrxxrrxx", events
+
+
+@pytest.mark.parametrize("mode", PARALLEL)
+def test_small_units_travel_in_batches(mode, monkeypatch):
+    """Thousands of small tensors (norms, biases) must not cost one transfer each: small units with
+    the same reader and needers are read into one buffer and exchanged once per batch, within the
+    budget, and every destination still gets exactly its own bytes (direct and staged ones alike)."""
+    sent = []
+    real = pl._exchange_unit
+    monkeypatch.setattr(pl, "_exchange_unit", lambda u, buf, *a: (sent.append(buf.numel() * buf.element_size()),
+                                                                    real(u, buf, *a)))
+    monkeypatch.setattr(pl, "BATCH_BYTES", 3 * 128)
+    dests, tasks = _column_tasks(7)  # staged (column views), 128 bytes each
+    whole = [torch.zeros(4, 4) for _ in range(2)]  # whole chunks (read in place when alone), 64 bytes each
+    tasks += [_Task(f"w{i}", _FakeChunk(Box((0, 0), (4, 4))), Box((0, 0), (4, 4)), d) for i, d in enumerate(whole)]
+    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode=mode, thread_count=2)
+    assert stats["units_read"] == 9 and stats["units_total"] == 9
+    assert sent == [3 * 128, 3 * 128, 128 + 2 * 64]  # k0-k2, k3-k5, then k6 with both whole tensors
+    for i, d in enumerate(dests):
+        assert torch.equal(d[:, :4], global_tensor(f"k{i}", (8, 8))[:, :4]) and not d[:, 4:].any()
+    for i, d in enumerate(whole):
+        assert torch.equal(d, global_tensor(f"w{i}", (8, 8))[:4, :4])
+
+
+def test_batches_are_a_function_of_the_plan():
+    """The same batches on every rank (the group walks them in one order): small units of one reader
+    and needers, in their order, up to the limit; large ones alone; a batch at its first unit's place."""
+    needs = [[_need(f"s{i}", ((0,), (16,)), ((0,), (16,))) for i in range(6)] + [_need("big", ((0,), (1024,)), ((0,), (1024,)))]] * 2
+    units = lu.plan_units(needs)
+    batches = lu.batch_units(units, small=64, limit=128)
+    assert sorted(u.index for b in batches for u in b) == list(range(len(units)))
+    assert [b[0].index for b in batches] == sorted(b[0].index for b in batches)
+    for b in batches:
+        assert len({(u.reader, u.needers) for u in b}) == 1
+        assert sum(lu.aligned(u.nbytes) for u in b) <= 128 or len(b) == 1
+        assert [u.index for u in b] == sorted(u.index for u in b)
+    assert [len(b) for b in batches if b[0].key == "big"] == [1]
+    assert sum(len(b) for b in batches if b[0].key != "big") == 6 and all(len(b) == 2 for b in batches if b[0].key != "big")
+    assert lu.batch_units(units, small=64, limit=128) == batches  # deterministic
 
 
 def test_summary_is_logged(caplog):

@@ -209,6 +209,21 @@ def _decisions(rank, world, d):
     assert torch.equal(out["big"], big)
     st = load_mod.last_load_stats
     assert st["strategy"] == "read_once" and st["union_bytes"] * 2 == st["separate_bytes"], st
+    # with many small replicated tensors beside it (norms, biases): "auto" reads the large tensor
+    # once and leaves the small whole items to each rank, read in runs as "local" reads them (a unit
+    # of the plan each made such a load several times slower); "read_once" still shares every block
+    small = {f"norm{i}": global_tensor(f"norm{i}", (256,)) for i in range(40)}
+    d2 = d + "-small"
+    ci.save({"big": ShardedTensor.from_rank_offsets("big", big[rank * 512 : (rank + 1) * 512].clone(), (0, rank, world)),
+             **{k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank) for k, v in small.items()}}, d2)
+    for strategy, local_items in (("auto", len(small)), ("read_once", 0)):
+        req = {"big": ShardedTensor.from_rank_offsets("big", torch.zeros(1024, 512), (1, rank, world)),
+               **{k: ShardedTensor.from_rank_offsets(k, torch.zeros(256), replica_id=rank) for k in small}}
+        out = ci.load(req, d2, load_strategy=strategy)
+        assert torch.equal(out["big"], big[:, rank * 512 : (rank + 1) * 512])
+        assert all(torch.equal(out[k], v) for k, v in small.items())
+        st = load_mod.last_load_stats
+        assert st["strategy"] == "read_once" and st["small_items_local"] == local_items, (strategy, st)
 
 
 def test_read_once_decision_of_whole_chunk_loads(tmp_path):

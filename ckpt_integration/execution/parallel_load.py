@@ -19,7 +19,11 @@ steps, generalised to any saved/requested layout):
    the unit, it is sent to the other ranks that need it (``broadcast`` when the
    whole group needs it, point-to-point sends to the needers otherwise, so a
    rank that needs nothing takes part in nothing), every needer copies its
-   parts into place, and the buffer is freed.
+   parts into place, and the buffer is freed. Small units (a model's norms and
+   biases) with the same reader and needers go as one *batch*
+   (:func:`~..planning.load_units.batch_units`): read as one run where they are
+   adjacent in a file, sent in one transfer, so thousands of them cost a few
+   collectives, not one each.
 
 Modes:
 
@@ -60,9 +64,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as tdist
 
-from ..planning.boxes import intersect, relative_slices
-from ..planning.load_units import Need, Unit, plan_units
+from ..planning.boxes import Box, intersect, relative_slices
+from ..planning.load_units import Need, Unit, aligned, batch_units, plan_units
 from ..storage.opened import CheckpointReader
+from ..storage.small_reads import read_small_items
 from . import dist
 from .dist import Group
 from .failure import Failure
@@ -72,6 +77,10 @@ from ..errors import CheckpointingException, CorruptCheckpointError
 logger = logging.getLogger(__name__)
 
 MODES = ("fully_parallel", "two_stage")
+# units of at most SMALL_UNIT bytes with the same reader and needers travel in batches of at most
+# BATCH_BYTES (or the smallest memory budget of the group): one read run and one transfer each
+SMALL_UNIT = 1 << 20
+BATCH_BYTES = 16 << 20
 
 
 class _Budget:
@@ -117,14 +126,33 @@ def _new_buffer(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 @dataclass
 class _Item:
-    """One unit as this rank handles it."""
+    """One unit, or a batch of small units with one reader and the same needers, as this rank handles it."""
 
-    unit: Unit
-    tasks: List[Any]
+    units: List[Unit]
+    tasks: List[List[Any]]  # per unit: this rank's tasks in it
+    offsets: List[int]  # per unit: where it starts in the item's buffer
+    nbytes: int  # the buffer's bytes
     direct: Optional[torch.Tensor] = None  # destination to read/receive into (no staging)
     staged: int = 0  # bytes admitted against the budget
     future: Optional["Future[torch.Tensor]"] = None
-    reads: bool = False  # this rank is the unit's reader
+    reads: bool = False  # this rank is the item's reader
+
+
+@dataclass
+class _Part:
+    """A unit's read into its view of the item's buffer (a ``ReadTask`` as ``read_small_items`` takes it)."""
+
+    key: str
+    chunk: Any
+    overlap: Box
+    out: torch.Tensor
+    dtype: torch.dtype
+    got: List[Box] = field(default_factory=list)
+
+
+def _view(flat: torch.Tensor, offset: int, u: Unit) -> torch.Tensor:
+    """Unit ``u``'s region in a flat byte buffer, as a tensor of its dtype and shape."""
+    return flat[offset : offset + u.nbytes].view(dtype_from_name(u.dtype)).view(u.region.sizes)
 
 
 @dataclass
@@ -173,13 +201,15 @@ def exchange_reads(
     st = _Stats()
     t0 = time.perf_counter()
     needs = [Need(t.key, t.chunk.box, t.overlap, dtype_name(t.dtype), t.dtype.itemsize) for t in tasks]
-    gathered = dist.all_gather_object((failed_before, needs), group)
+    gathered = dist.all_gather_object((failed_before, needs, int(memory_budget)), group)
     st.values["metadata_s"] = time.perf_counter() - t0
-    if any(failed for failed, _ in gathered):
+    if any(failed for failed, _, _ in gathered):
         st.values["failed"] = 1  # nothing read: the caller's final agreement raises on every rank
         return dict(st.values)
     t1 = time.perf_counter()
-    units = plan_units([n for _, n in gathered])
+    units = plan_units([n for _, n, _ in gathered])
+    # (the batches must be the same on every rank: the smallest budget of the group bounds them)
+    batches = batch_units(units, SMALL_UNIT, min(BATCH_BYTES, *(b for _, _, b in gathered)))
     device = dist.buffer_device(group)
     chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
     units_of_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Unit]] = defaultdict(list)
@@ -192,16 +222,22 @@ def exchange_reads(
                 tasks_of[u.index].append(t)
                 break
     items: List[_Item] = []
-    for u in units:
-        if rank not in u.needers:
+    for batch in batches:
+        head = batch[0]
+        if rank not in head.needers:
             continue  # a unit is only ever sent to the ranks that need it: no part in it
-        it = _Item(u, tasks_of.get(u.index, []), reads=u.reader == rank)
-        if device.type == "cpu" and len(it.tasks) == 1:
-            t = it.tasks[0]
-            if t.overlap == u.region and t.out.is_contiguous() and t.out.dtype == dtype_from_name(u.dtype):
+        offsets, end = [], 0
+        for u in batch:
+            offsets.append(end)
+            end += aligned(u.nbytes)
+        it = _Item(batch, [tasks_of.get(u.index, []) for u in batch], offsets,
+                   end if len(batch) > 1 else head.nbytes, reads=head.reader == rank)
+        if device.type == "cpu" and len(batch) == 1 and len(it.tasks[0]) == 1:
+            t = it.tasks[0][0]
+            if t.overlap == head.region and t.out.is_contiguous() and t.out.dtype == dtype_from_name(head.dtype):
                 it.direct = t.out
         if it.direct is None:
-            it.staged = u.nbytes
+            it.staged = it.nbytes
         items.append(it)
     st.values["plan_s"] = time.perf_counter() - t1
     st.values["units_total"] = len(units)
@@ -210,72 +246,77 @@ def exchange_reads(
     local = threading.local()
 
     def read(it: _Item) -> torch.Tensor:
-        """Read one unit (on a pool thread): into its destination, or into a staging buffer."""
-        u = it.unit
-        dtype = dtype_from_name(u.dtype)
+        """Read one item (on a pool thread): into its destination, or into a staging buffer; a
+        batch's units as one run of reads where they are adjacent whole items (``read_small_items``)."""
         if failure.failed:  # an earlier unit failed and the load will raise: skip the I/O
             raise RuntimeError("skipped after an earlier failure")
-        if it.direct is not None:
-            target = it.direct
-        elif device.type == "cpu":
-            target = _new_buffer(u.region.sizes, dtype, device)
-        else:
-            target = torch.empty(u.region.sizes, dtype=dtype, pin_memory=True)
+        flat, target = None, it.direct
+        if target is None:
+            flat = (_new_buffer((it.nbytes,), torch.uint8, device) if device.type == "cpu"
+                    else torch.empty(it.nbytes, dtype=torch.uint8, pin_memory=True))
+        parts = [_Part(u.key, chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u), u.region,
+                       target if flat is None else _view(flat, off, u), dtype_from_name(u.dtype))
+                 for u, off in zip(it.units, it.offsets)]
         tr = time.perf_counter()
-        chunk = chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u)
-        reader.read_region(u.key, chunk, u.region, target, dtype)
+        if len(parts) > 1 and getattr(reader, "block_records", None):
+            parts.sort(key=lambda p: (p.chunk.storage.relative_path, p.chunk.storage.offset))  # (as runs need)
+            parts = read_small_items(reader, parts, 1)
+        for p in parts:
+            reader.read_region(p.key, p.chunk, p.overlap, p.out, p.dtype)
         st.add("read_s", time.perf_counter() - tr)
-        st.add("bytes_read", u.nbytes)
-        st.add("units_read", 1)
+        st.add("bytes_read", sum(u.nbytes for u in it.units))
+        st.add("units_read", len(it.units))
+        if flat is None:
+            return target
         if device.type != "cpu":
             th = time.perf_counter()
-            dev = _new_buffer(u.region.sizes, dtype, device)
+            dev = _new_buffer((it.nbytes,), torch.uint8, device)
             stream = getattr(local, "stream", None)
             if stream is None:
                 stream = local.stream = torch.cuda.Stream(device)  # one per reader thread
             with torch.cuda.stream(stream):
-                dev.copy_(target, non_blocking=True)
+                dev.copy_(flat, non_blocking=True)
             stream.synchronize()
             st.add("h2d_s", time.perf_counter() - th)
-            target = dev
-        return target
+            flat = dev
+        return flat
 
     def finish(it: _Item) -> None:
-        """Exchange one admitted unit, copy it into place, free it (main thread, shared order)."""
-        u = it.unit
+        """Exchange one admitted item, copy it into place, free it (main thread, shared order)."""
+        head = it.units[0]
+        what = f"{head.key!r} {head.region}" + (f" (and {len(it.units) - 1} more small units)" if len(it.units) > 1 else "")
         tw = time.perf_counter()
         buf: Optional[torch.Tensor] = None
         if it.future is not None:
             try:
                 buf = it.future.result()
             except Exception as e:  # keep the transfer going: peers are waiting for it
-                failure.record(_failed(f"reading {u.key!r} {u.region}", e))
+                failure.record(_failed(f"reading {what}", e))
         st.add("read_wait_s", time.perf_counter() - tw)
         if buf is None:
-            if it.direct is not None:
-                buf = it.direct
-            else:
-                buf = _new_buffer(u.region.sizes, dtype_from_name(u.dtype), device)
-            if u.reader == rank:
+            buf = it.direct if it.direct is not None else _new_buffer((it.nbytes,), torch.uint8, device)
+            if head.reader == rank:
                 buf.zero_()
         if device.type != "cpu":
             buf.record_stream(torch.cuda.current_stream(device))
         tx = time.perf_counter()
-        _exchange_unit(u, buf, rank, size, group)
+        _exchange_unit(head, buf, rank, size, group)
         st.add("exchange_s", time.perf_counter() - tx)
-        if u.reader != rank and rank in u.needers:
-            st.add("bytes_received", u.nbytes)
-        if it.direct is None and it.tasks:
+        if head.reader != rank:
+            st.add("bytes_received", sum(u.nbytes for u in it.units))
+        if it.direct is None:
             tc = time.perf_counter()
             try:
-                for t in it.tasks:
-                    t.out.copy_(buf[relative_slices(t.overlap, u.region)])
-                    t.got.append(t.overlap)  # the delivery ledger (planning.delivery)
+                for u, off, ts in zip(it.units, it.offsets, it.tasks):
+                    view = _view(buf, off, u)
+                    for t in ts:
+                        t.out.copy_(view[relative_slices(t.overlap, u.region)])
+                        t.got.append(t.overlap)  # the delivery ledger (planning.delivery)
             except Exception as e:
-                failure.record(_failed(f"copying {u.key!r} {u.region} into place", e))
+                failure.record(_failed(f"copying {what} into place", e))
             st.add("copy_s", time.perf_counter() - tc)
-        elif it.direct is not None:  # read or received straight into the one task's destination
-            it.tasks[0].got.append(it.tasks[0].overlap)
+        else:  # read or received straight into the one task's destination
+            it.tasks[0][0].got.append(it.tasks[0][0].overlap)
         it.future = None
         del buf
         budget.release(it.staged)

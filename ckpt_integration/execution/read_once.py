@@ -15,7 +15,9 @@ over. Here:
    their own and the bytes of the union. ``load_strategy="auto"`` goes on only when the
    union is smaller by at least 1 MiB per rank (otherwise every rank reads its own blocks, as
    ``"local"``: two more exchanges cost more than re-reading a few shared blocks);
-   ``"read_once"`` always goes on;
+   ``"read_once"`` always goes on. Under ``"auto"``, whole items of at most 64 KiB (norms,
+   biases) are left out of this count and of the plan: each rank reads its own, in runs, as
+   ``"local"`` does (a unit of the plan costs more than reading such an item again);
 3. **plan** (``all_to_all``): each owner cuts the union into block-aligned units and gives
    each unit one reader among the ranks touching it (:func:`~..planning.read_once.plan_chunk`),
    and tells every rank the units it touches;
@@ -57,7 +59,7 @@ from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.readers import can_map
-from ..storage.small_reads import ReadTaskLike
+from ..storage.small_reads import ReadTaskLike, read_small_items
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
@@ -69,6 +71,10 @@ STRATEGIES = ("auto", "read_once")
 # the two extra exchanges of the plan cost more than reading the shared blocks again
 MIN_SAVING_PER_RANK = 1 << 20
 _TAG = 0x52_4F  # one tag for every transfer: pairs match messages in the shared order
+# "auto": whole items of at most this many bytes (a model's norms and biases) are read by each rank
+# that needs them, as "local" reads them (in runs of adjacent items): a unit of the plan costs
+# ~200 us (its mapping, check and messages; measured), more than reading such an item again
+SMALL_ALONE = 64 << 10
 
 
 def node_of(rank: int) -> int:
@@ -139,6 +145,7 @@ def load_read_once(
     group = dist.host_group(group)
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
+    small: List[Any] = []
     outgoing: Dict[int, bytes] = {}
     owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
     # this rank's own failure: a load that fails here must raise here, however the group decides
@@ -148,7 +155,7 @@ def load_read_once(
     mapped = False
     if not failed_before:
         with failure.capture():
-            chunks, leftover = _collect(reader, tasks)
+            chunks, leftover, small = _collect(reader, tasks, small_alone=mode == "auto")
             # ranks share a page cache only through mapped local files; otherwise each is its own node
             files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
             mapped = all(can_map(fd) for fd in files.values())
@@ -194,17 +201,22 @@ def load_read_once(
         return "failed", dict(st.values)
     st.values["plan_s"] = time.perf_counter() - t0
     st.values["read_once"] = 1
-    _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, memory_budget, st, failure)
+    st.values["small_items_local"] = len(small)
+    _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_count, memory_budget, st, failure)
     st.values["total_s"] = time.perf_counter() - t0
     if failure.failed:
         raise failure.exc
     return "done", dict(st.values)
 
 
-def _collect(reader: TorchDistReader, tasks: List[Any]) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any]]:
-    """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part."""
+def _collect(reader: TorchDistReader, tasks: List[Any], small_alone: bool = False
+             ) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any], List[Any]]:
+    """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part; and,
+    with ``small_alone`` (``"auto"``), whole items of at most ``SMALL_ALONE`` bytes, which this rank
+    reads itself."""
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     leftover: List[Any] = []
+    small: List[Any] = []
     records = getattr(reader, "block_records", None) or {}
     for t in tasks:
         info = t.chunk.storage
@@ -216,6 +228,10 @@ def _collect(reader: TorchDistReader, tasks: List[Any]) -> Tuple[Dict[Tuple[str,
     for cid, c in list(chunks.items()):
         t = c.task_list[0]
         brec = records.get(cid) if len(c.task_list) == 1 and t.overlap == t.chunk.box else None
+        if brec is not None and small_alone and t.chunk.storage.length <= SMALL_ALONE:
+            small.append(t)
+            del chunks[cid]
+            continue
         if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
             c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
             continue
@@ -238,7 +254,7 @@ def _collect(reader: TorchDistReader, tasks: List[Any]) -> Tuple[Dict[Tuple[str,
         for starts, lens in c.regions:
             spans += touched_ranges(lay.bounds, lay.data_start, lay.shape, lay.esize, starts, lens)
         c.ranges = merge_ranges(np.array([a for a, _ in spans], dtype=np.int64), np.array([b for _, b in spans], dtype=np.int64))
-    return chunks, leftover
+    return chunks, leftover, small
 
 
 def _layouts(reader: TorchDistReader, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
@@ -360,7 +376,7 @@ def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chun
                     c.remote[(lo, hi)] = remote
 
 
-def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, budget, st, failure: Failure) -> None:
+def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_count, budget, st, failure: Failure) -> None:
     """Verify this rank's units, copy node-local slices from the mapping, exchange the rest (the
     first error is kept in ``failure``; every transfer still runs, so no peer waits forever)."""
     note = failure.record
@@ -419,6 +435,8 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
     pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-read-once")
     try:
         futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
+        if small:  # whole small items: in runs, as "local" reads them (in the order of the tasks: by file)
+            futures.append(pool.submit(_read_runs, reader, small))
         for t in leftover:  # chunks not stored as plain arrays: read as "local" does
             futures.append(pool.submit(_read_whole, reader, t))
         _transfer(reader, ordered, mapped, rank, group, budget, st, note)
@@ -432,6 +450,11 @@ def _execute(reader, chunks, leftover, mapped, rank, node, group, thread_count, 
 def _read_whole(reader: TorchDistReader, t: ReadTaskLike) -> None:
     reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
     t.got.append(t.overlap)
+
+
+def _read_runs(reader: TorchDistReader, tasks: List[ReadTaskLike]) -> None:
+    for t in read_small_items(reader, tasks, 1):
+        _read_whole(reader, t)
 
 
 POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"

@@ -166,3 +166,39 @@ def plan_units(needs_per_rank: Sequence[Sequence[Need]]) -> List[Unit]:
     for i, u in enumerate(ordered):
         u.index = i
     return ordered
+
+
+# a batch's units start at multiples of this many bytes of its buffer: a view of any dtype is aligned
+ALIGN = 64
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def batch_units(units: Sequence[Unit], small: int, limit: int) -> List[List[Unit]]:
+    """The group's items in processing order: each unit alone, except that units of at most
+    ``small`` bytes with the same reader and the same needers are taken together, in their order,
+    into batches of at most ``limit`` bytes (each unit :func:`aligned`), read by their reader into
+    one buffer and delivered in one transfer. A batch takes the place of its first unit.
+
+    A pure function of the plan and the two numbers (every rank of the group must pass the same):
+    one transfer per batch instead of one per unit is what makes a load of thousands of small
+    tensors (norms, biases) cost about what a local load costs. Example: four 1 KiB units read by
+    rank 0 for ranks (0, 1) with ``limit`` 2 KiB: two batches of two."""
+    items: List[Tuple[int, List[Unit]]] = []
+    open_batch: Dict[Tuple[int, Tuple[int, ...]], Tuple[List[Unit], List[int]]] = {}
+    for u in units:
+        size = aligned(u.nbytes)
+        if u.nbytes > small or size > limit:
+            items.append((u.index, [u]))
+            continue
+        k = (u.reader, u.needers)
+        cur = open_batch.get(k)
+        if cur is None or cur[1][0] + size > limit:
+            cur = open_batch[k] = ([], [0])
+            items.append((u.index, cur[0]))
+        cur[0].append(u)
+        cur[1][0] += size
+    return [b for _, b in sorted(items, key=lambda ib: ib[0])]
+
