@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import ckpt_integration as ci
 import ckpt_integration.execution.parallel_load as pl
+import ckpt_integration.execution.load as load_mod
 import ckpt_integration.planning.load_units as lu
 from ckpt_integration.storage.torch_dist_reader import TorchDistReader
 from ckpt_integration.planning.boxes import Box
@@ -194,6 +195,8 @@ def _compare_strategies(rank, world, path, make_request, groups, group=None, bud
             thread_count=1 if strategy == "two_stage" else 2, **kw,
         )
         tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        if dist.get_world_size(group) > 1:  # (what the load's statistics say it ran)
+            assert load_mod.last_load_stats["strategy"] == strategy, (strategy, load_mod.last_load_stats)
         for name, exp in _expected(make_request(rank)).items():
             assert torch.equal(tensors[name], exp), (strategy, name)
         results[strategy] = (tensors, _gather(list(reads.log), world))

@@ -388,8 +388,8 @@ def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backe
         with failure.capture():
             pstats = exchange_reads(reader, tasks, failure.failed, group, mode=load_strategy,
                                     thread_count=thread_count, memory_budget=memory_budget)
-            if pstats.get("failed"):
-                outcome = "failed"
+            last_load_stats.update(pstats, strategy=str(load_strategy))
+            outcome = "failed" if pstats.get("failed") else outcome
         return outcome
     if job is not None and not failure.failed:
         with failure.capture():
