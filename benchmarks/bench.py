@@ -416,6 +416,18 @@ def _run_small(ctx: Ctx, root: str) -> Dict[str, Any]:
     assert torch.equal(dst[-1], local[-1]), "bad small-tensor load"
     _measure(ctx, "ours_load_verify_state", lambda: ci.load(sd(dst), d, thread_count=args.threads, verify_state=True),
              repeats=args.repeats, load=True)
+    # the same tensors as data-parallel replicas (every rank holds all of them: norms and biases),
+    # loaded by every rank, with the strategies that share reads
+    rep = lambda ts: {f"s{i}": ShardedTensor.from_rank_offsets(f"s{i}", t, replica_id=rank) for i, t in enumerate(ts)}  # noqa: E731
+    same = torch.arange(n * numel, dtype=torch.float32).view(n, numel)  # (replicas: the same on every rank)
+    dr = os.path.join(root, "small_replicas")
+    _measure(ctx, "ours_save_replicas", lambda: ci.save(rep(list(same)), dr, thread_count=args.threads),
+             setup=lambda: _fresh(dr, rank))
+    for strategy in ("auto", "fully_parallel", "two_stage"):
+        _measure(ctx, f"ours_load_replicas_{strategy}", lambda: ci.load(rep(dst), dr, thread_count=args.threads,
+                                                                         load_strategy=strategy),
+                 repeats=args.repeats, load=True)
+        assert torch.equal(torch.stack(dst), same), f"bad small-tensor load ({strategy})"
     if not args.skip_dcp:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh

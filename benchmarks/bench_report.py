@@ -17,7 +17,10 @@ def format_small(small: Dict[str, Any]) -> str:
             for name, key in (("ours save", "ours_save"), ("DCP save", "dcp_save"),
                               ("ours first load (request checked)", "ours_load_first"), ("ours load", "ours_load"),
                               ("ours load + state check", "ours_load_verify_state"),
-                              ("DCP load", "dcp_load")) if key in r))
+                              ("DCP load", "dcp_load"),
+                              ("replicas: auto", "ours_load_replicas_auto"),
+                              ("fully_parallel", "ours_load_replicas_fully_parallel"),
+                              ("two_stage", "ours_load_replicas_two_stage")) if key in r))
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ def test_bench_quick_runs_and_prints_table(tmp_path):
     assert target["ours_load_row_to_col_nodes"]["load"]["bytes_sent"] > 0
     small = res["small"]["targets"][str(tmp_path)]["results"]
     assert small["ours_load"]["us_per_tensor"] > 0 and small["ours_load_first"]["us_per_tensor"] > 0
+    assert all(small[f"ours_load_replicas_{s}"]["us_per_tensor"] > 0 for s in ("auto", "fully_parallel", "two_stage"))
 
 
 @pytest.mark.slow  # ~20-40 s (two configurations)
