@@ -474,3 +474,30 @@ def test_tiling_problem_names_gaps_doubles_and_strays():
     assert "outside" in tiling_problem(dest, rows[1:] + [Box((9, 0), (2, 6))])
     # a part missing and another delivered twice: the counts alone would balance
     assert "delivered twice" in tiling_problem(dest, rows[:3] + [Box((12, 0), (1, 6))])
+
+
+def _unaligned(rank, world, d):
+    # small complex128 items beside a large tensor, saved by rows and loaded by columns: the large
+    # one makes "auto" read once, and the small items' elements are not 16-byte aligned in the file
+    # (items follow each other unpadded): a copy out of such a mapping killed the process (SIGSEGV)
+    spec = {"big": (1024, torch.float32), "c0": (6, torch.complex128), "c1": (6, torch.complex128),
+            "c2": (10, torch.complex64)}
+
+    def full(k, n, dt):
+        return (torch.arange(n * n, dtype=torch.float64) + len(k)).to(dt).reshape(n, n) * (1 + 1j if dt.is_complex else 1)
+
+    ci.save({k: ShardedTensor.from_rank_offsets(k, full(k, n, dt)[rank * n // 2:(rank + 1) * n // 2].clone(), (0, rank, world))
+             for k, (n, dt) in spec.items()}, d)
+    for lws in (None, "1"):
+        if lws:
+            os.environ["LOCAL_WORLD_SIZE"] = lws  # every rank its own node: parts packed for sending
+        for strategy in ("auto", "read_once"):
+            out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(n, n // 2, dtype=dt), (1, rank, world))
+                           for k, (n, dt) in spec.items()}, d, load_strategy=strategy)
+            for k, (n, dt) in spec.items():
+                assert torch.equal(out[k], full(k, n, dt)[:, rank * n // 2:(rank + 1) * n // 2]), (k, strategy, lws)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def test_unaligned_complex_elements_load_by_columns(tmp_path):
+    run_distributed(_unaligned, 2, str(tmp_path / "ckpt"), timeout=120)

@@ -54,7 +54,13 @@ class Source:
         e0 = min(numel, max(0, -(-(lo - layout.data_start) // layout.esize)))
         e1 = min(numel, max(0, -(-(hi - layout.data_start) // layout.esize)))
         self.e0 = e0
-        self.flat = typed_view(buf, at(layout.data_start + e0 * layout.esize), e1 - e0, dtype, layout.esize)
+        start = at(layout.data_start + e0 * layout.esize)
+        self.flat = typed_view(buf, start, e1 - e0, dtype, layout.esize)
+        if self.flat.data_ptr() % layout.esize:
+            # elements not aligned in the file (small items follow each other unpadded, foreign files
+            # align nothing): copied to an aligned buffer first, as torch's strided copies of some
+            # dtypes (complex128) crash the process on unaligned elements
+            self.flat = typed_view(buf, start, (e1 - e0) * layout.esize, torch.uint8, 1).clone().view(dtype)
 
     def part(self, starts: Sequence[int], lens: Sequence[int]) -> torch.Tensor:
         if not self.shape:
