@@ -339,3 +339,27 @@ def test_verify_state_reads_back_across_chunks_and_names_a_tensor_that_differs(t
     report = verify_checkpoint(str(d), state=True)
     assert not report.ok and ["h"] == [k for p in report.problems for k in p["keys"]], report.format()
     assert "'h'" in report.format() and "not the state that was saved" in report.format()
+
+
+def test_a_cast_load_of_nan_values_is_reported_unchecked_not_failed(tmp_path):
+    """A cast keeps a NaN a NaN but not its bits (bf16 0x7fff comes back from fp32 as 0x7fc0, a
+    signalling NaN turns quiet), so a load with ``verify_state=True`` of NaN values into another
+    dtype cannot rebuild the saved bytes: the tensor is reported unchecked, the load does not fail;
+    a cast without NaN is checked, and a NaN loaded in its own dtype is checked bit for bit."""
+    from ckpt_integration.execution import load as load_mod
+
+    cases = [(torch.bfloat16, torch.int16, 0x7FFF, torch.float32), (torch.float32, torch.int32, 0x7F800001, torch.float64),
+             (torch.float8_e5m2, torch.int8, 0x7D, torch.float32)]
+    for i, (saved, bits, nan, loaded) in enumerate(cases):
+        w = torch.arange(1, 5).to(saved)
+        clean = w.clone()
+        w.view(bits)[1] = nan
+        d = str(tmp_path / f"c{i}")
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", w), "v": ShardedTensor.from_rank_offsets("v", clean)}, d)
+        out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=loaded)),
+                       "v": ShardedTensor.from_rank_offsets("v", torch.zeros(4, dtype=loaded))}, d, verify_state=True)
+        assert torch.equal(out["v"], clean.to(loaded)) and torch.isnan(out["w"][1]) and torch.equal(out["w"][2:], w[2:].to(loaded))
+        st = load_mod.last_load_stats
+        assert st["state_checked_keys"] == 1 and st["state_unchecked_keys"] == 1, (saved, st)
+        same = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=saved))}, d, verify_state=True)
+        assert torch.equal(same["w"].view(bits), w.view(bits)) and load_mod.last_load_stats["state_checked_keys"] == 1
