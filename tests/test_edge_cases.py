@@ -334,3 +334,18 @@ def test_local_world_size_is_read_one_way_and_a_bad_value_breaks_nothing(tmp_pat
     ci.save(sd, tmp_path / "c")
     assert torch.equal(ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, tmp_path / "c")["w"],
                        torch.arange(6.0))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "local", "fully_parallel"])
+def test_a_destination_on_the_meta_device_is_refused_not_left_empty(tmp_path, strategy):
+    """A module built on the meta device and not materialized has no memory to load into: a copy into
+    it does nothing, so the load returned meta tensors without an error. It names the key now."""
+    from ckpt_integration.errors import MismatchError
+
+    for backend in ("torch_dist", "zarr"):
+        d = str(tmp_path / backend)
+        ci.save({"w": ShardedTensor.from_rank_offsets("layer.w", torch.randn(4, 4))}, d, sharded_strategy=backend,
+                overwrite=True)
+        with pytest.raises(MismatchError, match="'layer.w' is on the meta device"):
+            ci.load({"w": ShardedTensor.from_rank_offsets("layer.w", torch.empty(4, 4, device="meta"))}, d,
+                    load_strategy=strategy, verify_state=True)

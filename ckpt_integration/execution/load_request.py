@@ -177,11 +177,15 @@ def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Gro
 
 def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], checkpoint_dir: Union[str, os.PathLike],
                         strict_dtype: bool) -> Any:
-    """A requested tensor against its saved metadata ``tmeta`` (None: not saved): key, kind, dtype
+    """A requested tensor against its saved metadata ``tmeta`` (None: not saved): key, a destination
+    with memory (not on the meta device), kind, dtype
     (a cast is allowed unless ``strict_dtype`` or it would drop an imaginary part), global shape and
     number of dims; returns the saved dtype. Raises naming the key."""
     if tmeta is None:
         raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
+    if sh.data is not None and sh.data.is_meta:  # (a copy into it does nothing: the load would return no data)
+        raise MismatchError(f"{checkpoint_dir}: the destination of {sh.key!r} is on the meta device, which holds no "
+                            "data to load into; materialize the module first (e.g. module.to_empty(device=...))")
     if not isinstance(tmeta, TensorStorageMetadata):
         raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
     saved_dtype = tmeta.properties.dtype
