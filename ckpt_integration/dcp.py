@@ -161,6 +161,8 @@ class Writer(StorageWriter):
             t = data.detach()
             if not t.is_cpu:
                 t = t.to("cpu")
+            if t.is_conj() or t.is_neg():  # (the files take a tensor's memory, which holds the values before the flip)
+                t = t.resolve_conj().resolve_neg()
             requests.append(WriteRequest(item.index.fqn, tuple(int(o) for o in item.tensor_data.chunk.offsets), t))
         fps = request_fingerprints(requests)
         written = write_data_files(locate(self.write_dir), _rank(), requests, self.thread_count, self.durable,

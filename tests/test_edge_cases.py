@@ -349,3 +349,57 @@ def test_a_destination_on_the_meta_device_is_refused_not_left_empty(tmp_path, st
         with pytest.raises(MismatchError, match="'layer.w' is on the meta device"):
             ci.load({"w": ShardedTensor.from_rank_offsets("layer.w", torch.empty(4, 4, device="meta"))}, d,
                     load_strategy=strategy, verify_state=True)
+
+
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path):
+    """A tensor's memory under a conjugate or negative view holds the values before the flip: every
+    save path wrote that memory (x.conj() stored as x, -x as x), sync and async, both backends and the
+    DCP door's Writer. They store the values now; as destinations such views are refused (the bytes
+    written into them would read back flipped), naming the key."""
+    import torch.distributed.checkpoint as dcp
+    from ckpt_integration.errors import MismatchError
+
+    c = torch.tensor([1 + 2j, 3 - 4j, 5 + 0.5j, -1j], dtype=torch.complex64)
+    r = torch.tensor([-1.5, 2.0, -3.0, 0.25])
+    values = {"c": c.conj().resolve_conj(), "r": -r}
+    for backend in ("torch_dist", "zarr"):
+        for asynchronous in (False, True):
+            d = str(tmp_path / f"{backend}{asynchronous}")
+            req = ci.save({"c": ShardedTensor.from_rank_offsets("c", c.conj()),
+                           "r": ShardedTensor.from_rank_offsets("r", torch._neg_view(r))}, d, sharded_strategy=backend,
+                          async_sharded_save=asynchronous)
+            if asynchronous:
+                req.wait()
+            out = ci.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in values.items()}, d,
+                          verify_state=True)
+            assert all(torch.equal(out[k], v) for k, v in values.items()), (backend, asynchronous, out)
+    d = str(tmp_path / "door")
+    dcp.save({"c": c.conj(), "r": torch._neg_view(r)}, storage_writer=ci.dcp.Writer(d), no_dist=True)
+    got = {k: torch.zeros_like(v) for k, v in values.items()}
+    dcp.load(got, checkpoint_id=d, no_dist=True)
+    assert all(torch.equal(got[k], v) for k, v in values.items()), got
+    for name, dest in (("conjugate or negative view", torch.zeros(4, dtype=torch.complex64).conj()),
+                       ("conjugate or negative view", torch._neg_view(torch.zeros(4))),
+                       ("expanded tensor", torch.zeros(1).expand(4)), ("sparse_coo", torch.zeros(4).to_sparse())):
+        key = "c" if dest.is_complex() else "r"
+        with pytest.raises(MismatchError, match=f"destination of '{key}' is .*{name}"):
+            ci.load({key: ShardedTensor.from_rank_offsets(key, dest)}, str(tmp_path / "torch_distFalse"))
+
+
+def test_tensors_a_save_cannot_store_as_they_are_are_refused_by_key(tmp_path):
+    """Data replaced after the ShardedTensor was built (another dtype or shape: its bytes would be
+    recorded as the old dtype's, and zarr returned bf16 bit patterns as float32 numbers), sparse,
+    quantized and MKL-DNN tensors: refused before anything is written, naming the key."""
+    for backend in ("torch_dist", "zarr"):
+        for i, (make, why) in enumerate((
+                (lambda sh: setattr(sh, "data", sh.data.bfloat16()), r"built for torch.float32 .* now torch.bfloat16"),
+                (lambda sh: setattr(sh, "data", sh.data.reshape(4, 3)), r"shape \(3, 4\), but its data is now .* \(4, 3\)"),
+                (lambda sh: setattr(sh, "data", sh.data.to_sparse()), "sparse_coo tensor"),
+                (lambda sh: setattr(sh, "data", torch.quantize_per_tensor(sh.data, 0.1, 0, torch.qint8)), "quantized"),
+                (lambda sh: setattr(sh, "data", sh.data.to_mkldnn()), "mkldnn"))):
+            sh = ShardedTensor.from_rank_offsets("layer.w", torch.arange(12.0).reshape(3, 4))
+            make(sh)
+            d = tmp_path / f"{backend}{i}"
+            with pytest.raises(CheckpointingException, match=f"'layer.w'.*{why}"):
+                ci.save({"w": sh}, str(d), sharded_strategy=backend)
+            assert not (d / "metadata.json").exists()

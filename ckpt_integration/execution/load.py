@@ -99,8 +99,7 @@ def _tensor_tasks(
     saved_dtype = load_request.check_against_saved(sh, tmeta, checkpoint_dir, strict_dtype)
     saved_shape = tmeta.size
     out = sh.data
-    if out is None:
-        out = torch.empty(sh.local_shape, dtype=sh.dtype)
+    out = torch.empty(sh.local_shape, dtype=sh.dtype) if out is None else out
     if out.shape != sh.local_shape:
         raise MismatchError(f"{sh.key!r}: data shape {tuple(out.shape)} != local_shape {sh.local_shape}")
     if not out.is_cpu:
@@ -151,8 +150,9 @@ def _whole_chunk_task(sh: ShardedTensor, sdm: Dict[str, Any], compact: CompactCh
         return None
     out = sh.data
     shape = sh.local_shape
-    if out is not None and (not out.is_cpu or out.shape != shape):
-        return None
+    if out is not None and (not out.is_cpu or out.shape != shape or out.layout is not torch.strided or out.is_quantized
+                            or not out.is_contiguous() or out.is_conj() or out.is_neg()):
+        return None  # (_tensor_tasks plans it, or refuses a destination whose memory is not its values)
     request = Box(sh.global_offset, shape)
     if not _inside(request, tmeta.size):
         return None

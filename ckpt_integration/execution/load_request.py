@@ -25,6 +25,7 @@ from . import dist
 from .dist import Group
 from . import exchange
 from .failure import Failure
+from .preprocess import memory_problem
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +184,13 @@ def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], check
     number of dims; returns the saved dtype. Raises naming the key."""
     if tmeta is None:
         raise KeyNotInCheckpointError(f"{checkpoint_dir}: tensor {sh.key!r} is not in the checkpoint")
-    if sh.data is not None and sh.data.is_meta:  # (a copy into it does nothing: the load would return no data)
-        raise MismatchError(f"{checkpoint_dir}: the destination of {sh.key!r} is on the meta device, which holds no "
-                            "data to load into; materialize the module first (e.g. module.to_empty(device=...))")
+    if sh.data is not None:
+        if sh.data.is_meta:  # (a copy into it does nothing: the load would return no data)
+            raise MismatchError(f"{checkpoint_dir}: the destination of {sh.key!r} is on the meta device, which holds no "
+                                "data to load into; materialize the module first (e.g. module.to_empty(device=...))")
+        problem = memory_problem(sh.data)
+        if problem:  # (its memory would be written as if it held the plain values)
+            raise MismatchError(f"{checkpoint_dir}: the destination of {sh.key!r} is {problem}; load into a plain tensor")
     if not isinstance(tmeta, TensorStorageMetadata):
         raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
     saved_dtype = tmeta.properties.dtype

@@ -6,8 +6,9 @@ copied before factories are applied.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,6 +29,22 @@ from ..planning.shards import ShardMeta, replica_tuple
 
 
 _MAIN = (0,)
+
+
+def memory_problem(t: torch.Tensor) -> Optional[str]:
+    """Why a save or a load cannot take ``t``'s memory as its values, or None. Saves write a tensor's
+    bytes and loads write into them, so the values must be the plain strided memory: not sparse,
+    quantized, nested or opaque (MKL-DNN), not a conjugate or negative view (its bytes hold the
+    values before the flip), and, for a load, no element sharing memory with another (expanded)."""
+    if t.layout is not torch.strided or t.is_nested:
+        return f"a {'nested' if t.is_nested else t.layout} tensor: only dense tensors are stored (use .to_dense())"
+    if t.is_quantized:
+        return "a quantized tensor: store its dequantize() (or int_repr() and its scales)"
+    if t.is_conj() or t.is_neg():
+        return "a conjugate or negative view: its memory holds the values before the flip (use .resolve_conj() / .resolve_neg())"
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        return "an expanded tensor: several of its elements share one memory location (use .clone())"
+    return None
 
 
 def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
@@ -166,3 +183,32 @@ def restore_list_types(x: object, template: object) -> Any:
                 x[k] = restore_list_types(x[k], template[k])
         return x
     return x
+
+
+def savable(shards: List[ShardedBase]) -> List[ShardedBase]:
+    """Before anything is written: tensors must have data a save can read as their values (not on the
+    meta device, dense, of the dtype and shape they were built with: ``data`` replaced since is
+    refused, as its bytes would be recorded as the old dtype's); a conjugate or negative view is
+    saved as its values (a resolved copy), since a save writes a tensor's memory."""
+    out = shards
+    for i, sh in enumerate(shards):  # (``is_meta``, not ``device.type``: no device object per tensor)
+        data = getattr(sh, "data", None)
+        if not (isinstance(sh, ShardedTensor) and isinstance(data, torch.Tensor)):
+            continue
+        if data.is_meta:
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} is on the meta device (it has a shape but no values); "
+                "materialize it (e.g. module.to_empty(device=...) and initialize) before saving"
+            )
+        if data.layout is not torch.strided or data.is_quantized or data.is_nested:
+            raise CheckpointingException(f"ShardedTensor {sh.key!r} cannot be saved: it is {memory_problem(data)}")
+        if data.dtype is not sh.dtype or (data.shape != sh.local_shape if sh.flattened_range is None
+                                          else data.numel() != sh.flat_numel()):
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} was built for {sh.dtype} of shape {sh.local_shape}, but its data is now "
+                f"{data.dtype} of shape {tuple(data.shape)} (replaced since): build the ShardedTensor from the data it saves"
+            )
+        if data.is_conj() or data.is_neg():
+            out = list(shards) if out is shards else out
+            out[i] = dataclasses.replace(sh, data=data.resolve_conj().resolve_neg())
+    return out

@@ -65,7 +65,7 @@ from .dist import Group, describe_error as _describe
 from .failure import Failure
 from .common_check import check_common_consistency
 from .gc_pause import with_gc_paused
-from .preprocess import local_shards, shards_identity, split_state_dict
+from .preprocess import local_shards, savable, shards_identity, split_state_dict
 from .save_base import frozen, open_base, resolve_base
 
 logger = logging.getLogger(__name__)
@@ -188,17 +188,6 @@ def remove_dead_staging(where: CheckpointLocation) -> None:
             storage.rmtree(path)
 
 
-def _check_savable(shards: List[ShardedBase]) -> None:
-    """Before anything is written: tensors must have data a save can read (not on the meta device)."""
-    for sh in shards:  # (``is_meta``, not ``device.type``: no device object per tensor)
-        data = getattr(sh, "data", None)
-        if isinstance(sh, ShardedTensor) and isinstance(data, torch.Tensor) and data.is_meta:
-            raise CheckpointingException(
-                f"ShardedTensor {sh.key!r} is on the meta device (it has a shape but no values); "
-                "materialize it (e.g. module.to_empty(device=...) and initialize) before saving"
-            )
-
-
 def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteRequest]:
     """The write requests of the chunks ``to_write`` (indices into ``shards``), named and placed as
     their records (:func:`shard_meta`) name and place them: a tensor by its key, global offset and
@@ -265,7 +254,7 @@ def prepare_save(
         shards = local_shards(sharded)
         if common_state_in_data:  # Megatron-Core 0.19's layout: no common.pt, rank 0's common state as an object
             shards.append(ShardedObject(EMBEDDED_COMMON_KEY, common, (1,), (0,), replica_id=rank))
-        _check_savable(shards)
+        shards = savable(shards)
         options = f"{balance}/{validate_access_integrity}/{backend}"
         # the structure of the last save planned (every save of a training run): its plan's digest
         # is known, and the shard records are built only if some rank's structure changed (below)
