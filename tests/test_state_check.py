@@ -363,3 +363,34 @@ def test_a_cast_load_of_nan_values_is_reported_unchecked_not_failed(tmp_path):
         assert st["state_checked_keys"] == 1 and st["state_unchecked_keys"] == 1, (saved, st)
         same = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, dtype=saved))}, d, verify_state=True)
         assert torch.equal(same["w"].view(bits), w.view(bits)) and load_mod.last_load_stats["state_checked_keys"] == 1
+
+
+def _cast_kinds(rank, world, root):
+    # rank 0 alone requests an integer mask into a bool destination (a pipeline stage's key): the
+    # check's cast test raised TypeError (torch.iinfo(bool)) on rank 0 alone, which left rank 1
+    # waiting in the check's collective; now it is not checkable there, and both ranks finish
+    from ckpt_integration.execution import load as load_mod
+
+    d = os.path.join(root, "c")
+    mask = torch.tensor([0, 1, 2, 0], dtype=torch.uint8)
+    ci.save({"m": ShardedTensor.from_rank_offsets("mask", mask.clone(), replica_id=rank),
+             "w": ShardedTensor.from_rank_offsets("w", torch.full((1, 4), float(rank)), (0, rank, world))}, d)
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(1, 4), (0, rank, world))}
+    if rank == 0:
+        req["m"] = ShardedTensor.from_rank_offsets("mask", torch.empty(4, dtype=torch.bool))
+    out = ci.load(req, d, verify_state=True)
+    assert torch.equal(out["w"], torch.full((1, 4), float(rank)))
+    if rank == 0:
+        assert torch.equal(out["m"], mask.bool()) and load_mod.last_load_stats["state_unchecked_keys"] == 1
+
+
+def test_a_cast_the_check_cannot_reverse_on_one_rank_leaves_no_rank_waiting(tmp_path):
+    run_distributed(_cast_kinds, 2, str(tmp_path), timeout=60)
+
+
+def test_a_cast_torch_cannot_make_is_refused_naming_both_dtypes(tmp_path):
+    from ckpt_integration.errors import MismatchError
+
+    ci.save({"m": ShardedTensor.from_rank_offsets("mask", torch.tensor([0, 1, 2, 0], dtype=torch.uint8))}, str(tmp_path / "c"))
+    with pytest.raises(MismatchError, match=r"'mask' is saved as torch.uint8 but requested as torch.bits8 \(torch has no cast"):
+        ci.load({"m": ShardedTensor.from_rank_offsets("mask", torch.empty(4, dtype=torch.bits8))}, str(tmp_path / "c"))

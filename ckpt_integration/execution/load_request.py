@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any, List, Optional, Protocol, Set, Tuple, Union
 
+import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 
 from ..dict_utils import nested_values
@@ -176,6 +177,22 @@ def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Gro
     return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
 
 
+_CASTS: dict = {}
+
+
+def _castable(a: Any, b: Any) -> bool:
+    """Whether torch copies ``a`` values into ``b`` (not between bit or packed dtypes), asked once per pair."""
+    ok = _CASTS.get((a, b))
+    if ok is None:
+        try:
+            torch.empty(1, dtype=b).copy_(torch.zeros(1, dtype=a))
+            ok = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _CASTS[(a, b)] = ok
+    return ok
+
+
 def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], checkpoint_dir: Union[str, os.PathLike],
                         strict_dtype: bool) -> Any:
     """A requested tensor against its saved metadata ``tmeta`` (None: not saved): key, a destination
@@ -195,8 +212,10 @@ def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], check
         raise MismatchError(f"{checkpoint_dir}: {sh.key!r} is stored as an object, not a tensor")
     saved_dtype = tmeta.properties.dtype
     saved_shape = tmeta.size
-    if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)):
-        why = "strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
+    if saved_dtype != sh.dtype and (strict_dtype or (saved_dtype.is_complex and not sh.dtype.is_complex)
+                                    or not _castable(saved_dtype, sh.dtype)):
+        why = ("strict_dtype=True" if strict_dtype else "a cast would drop the imaginary part"
+               if saved_dtype.is_complex and not sh.dtype.is_complex else "torch has no cast between them")
         raise MismatchError(
             f"{checkpoint_dir}: tensor {sh.key!r} is saved as {saved_dtype} but requested as {sh.dtype} ({why}); "
             "request it with the saved dtype"

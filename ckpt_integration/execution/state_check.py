@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..errors import StateVerificationError
+from ..errors import CheckpointingException, StateVerificationError
 from ..planning.boxes import Box, intersect
 from ..planning.records import MessageWriter, decode
 from ..storage.checkpoint_dir import Manifest
@@ -77,7 +77,9 @@ def lossless(saved: torch.dtype, loaded: torch.dtype) -> bool:
     if saved == loaded:
         return True
     if saved == torch.bool:
-        return loaded != torch.bool
+        return loaded != torch.bool and _has_limits(loaded)
+    if loaded == torch.bool or not (_has_limits(saved) and _has_limits(loaded)):
+        return False  # (bool keeps only 0/1; bit and packed dtypes have no values to compare)
     if saved.is_complex or loaded.is_complex:
         if not (saved.is_complex and loaded.is_complex):
             return False
@@ -89,6 +91,15 @@ def lossless(saved: torch.dtype, loaded: torch.dtype) -> bool:
         s, l_ = torch.iinfo(saved), torch.iinfo(loaded)
         return l_.min <= s.min and l_.max >= s.max
     return False
+
+
+def _has_limits(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` has numeric limits (``finfo`` / ``iinfo``): not bool, bits or packed dtypes."""
+    try:
+        (torch.finfo if dtype.is_floating_point or dtype.is_complex else torch.iinfo)(dtype)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 _noted: Set[str] = set()
@@ -120,6 +131,31 @@ def check_state(parts: Sequence[LoadedPart], recorded: Optional[Recorded], rank:
                           "tool): the loaded state was not checkable against what was saved")
         report.unchecked = {p.key: "no fingerprints recorded" for p in parts}
         return report
+    # this rank's own comparisons; a failure in them is raised after the collectives below, which
+    # every rank joins (a rank that left them would leave the others waiting)
+    local_failure = Failure()
+    outgoing: Dict[int, MessageWriter] = {}
+    with local_failure.capture():
+        outgoing = _compare_own(parts, recorded, rank, world, report)
+    if local:
+        if outgoing:
+            _check_owned({rank: outgoing[0].tobytes()}, recorded, report)
+    elif dist.all_reduce_ints([1 if outgoing else 0], "max", group)[0]:
+        inbox = dist.all_to_all_bytes({d: w.tobytes() for d, w in outgoing.items()}, group)
+        _check_owned(inbox, recorded, report)
+    report.seconds = time.perf_counter() - t0
+    e = local_failure.exc
+    if e is not None:
+        if isinstance(e, CheckpointingException):
+            raise e
+        raise CheckpointingException(f"load of {where}: the state check failed on rank {rank}: {type(e).__name__}: {e}") from e
+    return report
+
+
+def _compare_own(parts: Sequence[LoadedPart], recorded: Recorded, rank: int, world: int,
+                 report: StateReport) -> Dict[int, "MessageWriter"]:
+    """The parts this rank checks itself (whole saved chunks) into ``report``; the messages to the key
+    owners for the others."""
     values: List[Tuple[torch.Tensor, Tuple[int, ...]]] = []
     kept: List[LoadedPart] = []
     for p in parts:
@@ -151,14 +187,7 @@ def check_state(parts: Sequence[LoadedPart], recorded: Optional[Recorded], rank:
         w = outgoing.setdefault(_owner(p.key, world), MessageWriter())
         lo, hi = fp & 0xFFFFFFFF, fp >> 32
         w.add(w.sid(p.key), rank, 1 if p.main else 0, lo, hi, len(p.box.offsets), *p.box.offsets, *p.box.sizes)
-    if local:
-        if outgoing:
-            _check_owned({rank: outgoing[0].tobytes()}, recorded, report)
-    elif dist.all_reduce_ints([1 if outgoing else 0], "max", group)[0]:
-        inbox = dist.all_to_all_bytes({d: w.tobytes() for d, w in outgoing.items()}, group)
-        _check_owned(inbox, recorded, report)
-    report.seconds = time.perf_counter() - t0
-    return report
+    return outgoing
 
 
 def _differs(key: str, box: Box, ranks: Sequence[int], main: bool) -> str:
