@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
+import torch
+
 from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
@@ -15,7 +17,7 @@ from ..storage.filesystem import CheckpointLocation
 from . import dist
 from .dist import Group
 from .failure import Failure
-from .preprocess import dtype_from_name
+from .preprocess import dtype_from_name, dtype_name
 
 
 def tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
@@ -71,9 +73,13 @@ def zarr_chunk_requests(
     outgoing: Dict[int, List[Piece]] = {}
     for p in pieces:
         if owners[(p[0], p[1])] != rank:
-            # clone: a view would pickle the whole shard's storage
-            outgoing.setdefault(owners[(p[0], p[1])], []).append((p[0], p[1], p[2], p[3].detach().cpu().clone()))
-    received = exchange_pieces(outgoing, senders, rank, group) if senders else []
+            # as bytes (a copy: a view would pickle the whole shard's storage), since pickling a tensor
+            # of some dtypes (float8, uint16/32/64) fails in torch
+            t = p[3].detach().cpu()
+            outgoing.setdefault(owners[(p[0], p[1])], []).append(
+                (p[0], p[1], p[2], (t.contiguous().reshape(-1).view(torch.uint8).clone(), dtype_name(t.dtype), tuple(t.shape))))
+    received = [(k, c, b, raw.view(dtype_from_name(dt)).reshape(shape))
+                for k, c, b, (raw, dt, shape) in (exchange_pieces(outgoing, senders, rank, group) if senders else [])]
     if not failure.failed:
         with failure.capture():
             dtypes = {key: dtype for key, (dtype, _, _) in tensors.items()}
