@@ -403,3 +403,21 @@ def test_tensors_a_save_cannot_store_as_they_are_are_refused_by_key(tmp_path):
             with pytest.raises(CheckpointingException, match=f"'layer.w'.*{why}"):
                 ci.save({"w": sh}, str(d), sharded_strategy=backend)
             assert not (d / "metadata.json").exists()
+
+
+def _gather_odd_dtypes(rank, world):
+    from ckpt_integration.execution import dist as cdist
+
+    mine = {dt: (torch.arange(6) % 3 + rank).to(getattr(torch, dt)).reshape(2, 3)
+            for dt in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64", "bfloat16")}
+    for r, theirs in enumerate(cdist.all_gather_object(mine)):
+        for dt, t in theirs.items():
+            expected = (torch.arange(6) % 3 + r).to(getattr(torch, dt)).reshape(2, 3)
+            assert t.dtype == expected.dtype and torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), (r, dt)
+
+
+def test_object_collectives_carry_tensors_of_every_dtype():
+    """torch's pickling of float8 and uint16/32/64 tensors fails on load (``UntypedStorage has no
+    attribute dtype``): an object collective carrying one (optimizer states of such dtypes) raised on
+    the receiving ranks. They travel as their bytes now."""
+    run_distributed(_gather_odd_dtypes, 2, timeout=60)

@@ -37,6 +37,8 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from .objects import dumps
+
 from ..errors import CheckpointingException, DistributedCheckpointingError
 from .settle import python_refs, settle  # (re-exported: every collective helper here calls them)
 
@@ -498,21 +500,21 @@ def any_of_bits(bits: bytes, group: Group = None) -> bytes:
 def all_gather_object(obj: object, group: Group = None) -> List[Any]:
     if _local(group):
         return [obj]
-    return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj), group)]
+    return [pickle.loads(b) for b in all_gather_bytes(dumps(obj), group)]
 
 
 def gather_object(obj: object, dst: int = 0, group: Group = None) -> Optional[List[Any]]:
     """Gather to global rank ``dst``; returns the list there and ``None`` elsewhere."""
     if _local(group):
         return [obj]
-    out = gather_bytes(pickle.dumps(obj), dst, group)
+    out = gather_bytes(dumps(obj), dst, group)
     return None if out is None else [pickle.loads(b) for b in out]
 
 
 def broadcast_object(obj: object, src: int = 0, group: Group = None) -> Any:
     if _local(group):
         return obj
-    data = broadcast_bytes(pickle.dumps(obj) if own_global_rank(group) == src else None, src, group)
+    data = broadcast_bytes(dumps(obj) if own_global_rank(group) == src else None, src, group)
     return pickle.loads(data)
 
 
