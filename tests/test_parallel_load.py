@@ -482,6 +482,14 @@ def test_small_units_travel_in_batches(mode, monkeypatch):
         assert torch.equal(d, global_tensor(f"w{i}", (8, 8))[:4, :4])
 
 
+def test_a_failed_copy_out_of_a_batch_names_its_own_unit():
+    dests, tasks = _column_tasks(4)
+    tasks[2].out = torch.zeros(1, 4).expand(8, 4)  # a copy into it fails (elements share memory)
+    with pytest.raises(ci.CheckpointingException, match=r"copying 'k2' .* into place failed"):
+        pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=1)
+    assert torch.equal(dests[3][:, :4], global_tensor("k3", (8, 8))[:, :4])  # the batch's other units delivered
+
+
 def test_batches_are_a_function_of_the_plan():
     """The same batches on every rank (the group walks them in one order): small units of one reader
     and needers, in their order, up to the limit; large ones alone; a batch at its first unit's place."""

@@ -306,14 +306,14 @@ def exchange_reads(
             st.add("bytes_received", sum(u.nbytes for u in it.units))
         if it.direct is None:
             tc = time.perf_counter()
-            try:
-                for u, off, ts in zip(it.units, it.offsets, it.tasks):
+            for u, off, ts in zip(it.units, it.offsets, it.tasks):
+                try:
                     view = _view(buf, off, u)
                     for t in ts:
                         t.out.copy_(view[relative_slices(t.overlap, u.region)])
                         t.got.append(t.overlap)  # the delivery ledger (planning.delivery)
-            except Exception as e:
-                failure.record(_failed(f"copying {what} into place", e))
+                except Exception as e:
+                    failure.record(_failed(f"copying {u.key!r} {u.region} into place", e))
             st.add("copy_s", time.perf_counter() - tc)
         else:  # read or received straight into the one task's destination
             it.tasks[0][0].got.append(it.tasks[0][0].overlap)
