@@ -501,3 +501,27 @@ def _unaligned(rank, world, d):
 
 def test_unaligned_complex_elements_load_by_columns(tmp_path):
     run_distributed(_unaligned, 2, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _odd_strides(rank, world, d):
+    # destinations torch calls contiguous whose size-1 axes carry other strides (a slice of a wider
+    # tensor): a byte view of them is refused, which raised on one rank in the middle of the transfers
+    # and left the other waiting forever (read-once receiving in place, fully_parallel / two_stage
+    # reading or receiving straight into the destination)
+    v = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", v[rank:rank + 1].clone(), (0, rank, world)),
+             "r": ShardedTensor.from_rank_offsets("r", torch.tensor([1.5]), replica_id=rank)}, d)
+    for lws in ("1", None):
+        if lws:
+            os.environ["LOCAL_WORLD_SIZE"] = lws
+        for strategy in ("read_once", "auto", "fully_parallel", "two_stage"):
+            w = torch.zeros(2, 1, 2, dtype=torch.int32)[..., 1] if rank == 0 else torch.zeros(2, 1, dtype=torch.int32)
+            r = torch.zeros(1, 2)[:, 1] if rank == 0 else torch.zeros(1)
+            ci.load({"w": ShardedTensor.from_rank_offsets("w", w, (1, rank, world)),
+                     "r": ShardedTensor.from_rank_offsets("r", r, replica_id=rank)}, d, load_strategy=strategy)
+            assert torch.equal(w, v[:, rank:rank + 1]) and torch.equal(r, torch.tensor([1.5])), (strategy, lws)
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+
+
+def test_destinations_with_odd_strides_on_size_one_axes_load_instead_of_hanging(tmp_path):
+    run_distributed(_odd_strides, 2, str(tmp_path / "ckpt"), timeout=60)

@@ -413,7 +413,9 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Grou
     """Deliver the reader's ``buf`` to the other ranks that need ``u``. Called in the shared order."""
     if len(u.needers) == 1 or size == 1:
         return
-    flat = buf.reshape(-1).view(torch.uint8)
+    # (as_strided: a contiguous tensor's memory whatever strides its size-1 axes carry, which
+    # reshape keeps and a byte view refuses; an error here would leave the peers waiting)
+    flat = buf.as_strided((buf.numel(),), (1,)).view(torch.uint8)
     if u.needers == tuple(range(size)):
         before = dist.python_refs([flat])
         tdist.broadcast(flat, src=dist.global_rank(group, u.reader), group=group)

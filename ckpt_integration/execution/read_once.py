@@ -569,7 +569,9 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             if into is not None and into.dtype == dtype and into.is_contiguous():
                 # one box that is one run of the destination (a row split loaded by columns): received
                 # in place, no buffer and no copy out of one
-                work = dist.irecv(into.view(-1).view(torch.uint8), extra, group, _TAG)
+                # (as_strided: a contiguous box's memory whatever strides its size-1 axes carry, which
+                # view(-1) keeps and a byte view refuses; an error here would leave the sender waiting)
+                work = dist.irecv(into.as_strided((into.numel(),), (1,)).view(torch.uint8), extra, group, _TAG)
                 g, p = parts[0]
                 flight.post(work, 0, lambda t=c.task_list[g], p=p: delivered(t, p))
                 st.add("bytes_received_in_place", n * lay.esize)

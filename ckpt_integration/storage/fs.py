@@ -110,7 +110,8 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray(0))
     # through numpy: a bytes view of the same memory (a ctypes array type per size is slower)
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # (as_strided, not reshape: size-1 axes of a contiguous tensor may carry any stride, which a byte view refuses)
+    return memoryview(t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()).cast("B")
 
 
 def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
