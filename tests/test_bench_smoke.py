@@ -168,3 +168,9 @@ def test_metadata_cost_times_every_loaded_format(tmp_path):
     out = _bench_stdout("metadata_cost.py", "--small", 30, "--repeats", 1, "--dir", tmp_path)
     assert "| 4 |" in out and "| 5 |" in out and "| 6 |" in out, out
     assert not os.listdir(tmp_path)
+
+
+def test_small_beside_large_runs_every_strategy(tmp_path):
+    out = _bench_stdout("small_beside_large.py", "--small", 40, "--rows", 128, "--repeats", 1, "--dir", tmp_path)
+    for strategy in ("local", "auto", "read_once", "fully_parallel", "two_stage"):
+        assert f"(ran: {strategy})" in out or strategy == "auto", out
