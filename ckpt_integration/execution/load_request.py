@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, List, Optional, Protocol, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
@@ -177,10 +177,10 @@ def requested_by_any_rank(ckpt_keys: List[str], requested: List[str], group: Gro
     return {k for i, k in enumerate(ckpt_keys) if merged[i >> 3] >> (i & 7) & 1}
 
 
-_CASTS: dict = {}
+_CASTS: Dict[Tuple[torch.dtype, torch.dtype], bool] = {}
 
 
-def _castable(a: Any, b: Any) -> bool:
+def _castable(a: torch.dtype, b: torch.dtype) -> bool:
     """Whether torch copies ``a`` values into ``b`` (not between bit or packed dtypes), asked once per pair."""
     ok = _CASTS.get((a, b))
     if ok is None:
