@@ -176,6 +176,8 @@ class ShardedTensor(ShardedBase):
             raise CheckpointingException(
                 f"{key!r}: from_rank_offsets builds non-flat shards; use from_rank_offsets_flat for a flattened one"
             )
+        if data.is_nested:  # (it has no shape: torch raises an internal error at the next line)
+            raise CheckpointingException(f"{key!r}: a nested tensor has no shape to shard; store its components")
         shape = tuple(data.shape)
         ndim = len(shape) + prepend_axis_num
         global_offset = [0] * ndim

@@ -421,3 +421,10 @@ def test_object_collectives_carry_tensors_of_every_dtype():
     attribute dtype``): an object collective carrying one (optimizer states of such dtypes) raised on
     the receiving ranks. They travel as their bytes now."""
     run_distributed(_gather_odd_dtypes, 2, timeout=60)
+
+
+def test_a_nested_tensor_is_refused_naming_the_key():
+    nested = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    with pytest.raises(CheckpointingException, match="'layer.w': a nested tensor"):
+        ShardedTensor.from_rank_offsets("layer.w", nested)
+
