@@ -18,6 +18,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from ..storage.fs import byte_view
+
 _PICKLES: Dict[torch.dtype, bool] = {}
 
 
@@ -34,8 +36,7 @@ def _reduce_tensor(t: torch.Tensor) -> Any:
         _PICKLES[t.dtype] = ok
     if ok:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    host = t.detach().cpu().contiguous()
-    return _tensor_of_bytes, (host.reshape(-1).view(torch.uint8).numpy().tobytes(), str(t.dtype)[6:], tuple(t.shape),
+    return _tensor_of_bytes, (byte_view(t.cpu().contiguous()).numpy().tobytes(), str(t.dtype)[6:], tuple(t.shape),
                               str(t.device))
 
 

@@ -67,6 +67,7 @@ import torch.distributed as tdist
 from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.load_units import Need, Unit, aligned, batch_units, plan_units
 from ..storage.opened import CheckpointReader
+from ..storage.fs import byte_view
 from ..storage.small_reads import read_small_items
 from . import dist
 from .dist import Group
@@ -413,9 +414,7 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Grou
     """Deliver the reader's ``buf`` to the other ranks that need ``u``. Called in the shared order."""
     if len(u.needers) == 1 or size == 1:
         return
-    # (as_strided: a contiguous tensor's memory whatever strides its size-1 axes carry, which
-    # reshape keeps and a byte view refuses; an error here would leave the peers waiting)
-    flat = buf.as_strided((buf.numel(),), (1,)).view(torch.uint8)
+    flat = byte_view(buf)  # (not reshape: an error here would leave the peers waiting)
     if u.needers == tuple(range(size)):
         before = dist.python_refs([flat])
         tdist.broadcast(flat, src=dist.global_rank(group, u.reader), group=group)

@@ -31,15 +31,23 @@ from ..planning.shards import ShardMeta, replica_tuple
 _MAIN = (0,)
 
 
-def memory_problem(t: torch.Tensor) -> Optional[str]:
-    """Why a save or a load cannot take ``t``'s memory as its values, or None. Saves write a tensor's
-    bytes and loads write into them, so the values must be the plain strided memory: not sparse,
-    quantized, nested or opaque (MKL-DNN), not a conjugate or negative view (its bytes hold the
-    values before the flip), and, for a load, no element sharing memory with another (expanded)."""
+def layout_problem(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` has no plain strided memory holding its values (sparse, nested, quantized, opaque
+    MKL-DNN), or None: neither a save nor a load can take such a tensor's memory."""
     if t.layout is not torch.strided or t.is_nested:
         return f"a {'nested' if t.is_nested else t.layout} tensor: only dense tensors are stored (use .to_dense())"
     if t.is_quantized:
         return "a quantized tensor: store its dequantize() (or int_repr() and its scales)"
+    return None
+
+
+def memory_problem(t: torch.Tensor) -> Optional[str]:
+    """Why a load cannot write ``t``'s memory as its values, or None: :func:`layout_problem`, a
+    conjugate or negative view (its bytes hold the values before the flip), an expanded tensor
+    (elements sharing memory). (A save resolves the views and copies expanded data.)"""
+    problem = layout_problem(t)
+    if problem:
+        return problem
     if t.is_conj() or t.is_neg():
         return "a conjugate or negative view: its memory holds the values before the flip (use .resolve_conj() / .resolve_neg())"
     if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
@@ -200,8 +208,9 @@ def savable(shards: List[ShardedBase]) -> List[ShardedBase]:
                 f"ShardedTensor {sh.key!r} is on the meta device (it has a shape but no values); "
                 "materialize it (e.g. module.to_empty(device=...) and initialize) before saving"
             )
-        if data.layout is not torch.strided or data.is_quantized or data.is_nested:
-            raise CheckpointingException(f"ShardedTensor {sh.key!r} cannot be saved: it is {memory_problem(data)}")
+        problem = layout_problem(data)
+        if problem:
+            raise CheckpointingException(f"ShardedTensor {sh.key!r} cannot be saved: it is {problem}")
         if data.dtype is not sh.dtype or (data.shape != sh.local_shape if sh.flattened_range is None
                                           else data.numel() != sh.flat_numel()):
             raise CheckpointingException(

@@ -58,6 +58,7 @@ from ..planning.read_once import ChunkNeeds, merge_ranges, plan_chunk, touched_r
 from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
+from ..storage.fs import byte_view
 from ..storage.readers import can_map
 from ..storage.small_reads import ReadTaskLike, read_small_items
 from ..storage.torch_dist_reader import TorchDistReader
@@ -569,9 +570,8 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             if into is not None and into.dtype == dtype and into.is_contiguous():
                 # one box that is one run of the destination (a row split loaded by columns): received
                 # in place, no buffer and no copy out of one
-                # (as_strided: a contiguous box's memory whatever strides its size-1 axes carry, which
-                # view(-1) keeps and a byte view refuses; an error here would leave the sender waiting)
-                work = dist.irecv(into.as_strided((into.numel(),), (1,)).view(torch.uint8), extra, group, _TAG)
+                # (byte_view, not view(-1): an error here would leave the sender waiting)
+                work = dist.irecv(byte_view(into), extra, group, _TAG)
                 g, p = parts[0]
                 flight.post(work, 0, lambda t=c.task_list[g], p=p: delivered(t, p))
                 st.add("bytes_received_in_place", n * lay.esize)

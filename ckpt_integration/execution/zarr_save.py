@@ -5,9 +5,8 @@ owners from pieces the other writers send). The rest of a save is backend-neutra
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Dict, List, Tuple
-
-import torch
 
 from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
@@ -17,7 +16,8 @@ from ..storage.filesystem import CheckpointLocation
 from . import dist
 from .dist import Group
 from .failure import Failure
-from .preprocess import dtype_from_name, dtype_name
+from .objects import dumps
+from .preprocess import dtype_from_name
 
 
 def tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str]]:
@@ -73,13 +73,9 @@ def zarr_chunk_requests(
     outgoing: Dict[int, List[Piece]] = {}
     for p in pieces:
         if owners[(p[0], p[1])] != rank:
-            # as bytes (a copy: a view would pickle the whole shard's storage), since pickling a tensor
-            # of some dtypes (float8, uint16/32/64) fails in torch
-            t = p[3].detach().cpu()
-            outgoing.setdefault(owners[(p[0], p[1])], []).append(
-                (p[0], p[1], p[2], (t.contiguous().reshape(-1).view(torch.uint8).clone(), dtype_name(t.dtype), tuple(t.shape))))
-    received = [(k, c, b, raw.view(dtype_from_name(dt)).reshape(shape))
-                for k, c, b, (raw, dt, shape) in (exchange_pieces(outgoing, senders, rank, group) if senders else [])]
+            # clone: a view would pickle the whole shard's storage
+            outgoing.setdefault(owners[(p[0], p[1])], []).append((p[0], p[1], p[2], p[3].detach().cpu().clone()))
+    received = exchange_pieces(outgoing, group) if senders else []
     if not failure.failed:
         with failure.capture():
             dtypes = {key: dtype for key, (dtype, _, _) in tensors.items()}
@@ -87,19 +83,10 @@ def zarr_chunk_requests(
     return requests
 
 
-def exchange_pieces(outgoing: Dict[int, List[Piece]], senders: List[int], rank: int, group: Group) -> List[Piece]:
-    """Each sender scatters its pieces to their owners; returns the pieces sent to ``rank``.
-
-    One ``scatter_object_list`` per sending rank, so each piece travels only to its
-    owner (pieces are small: a coarsened chunk holds under 2 MiB).
-    """
-    import torch.distributed as tdist
-
-    world = dist.get_world_size(group)
-    received: List[Piece] = []
-    for src in senders:
-        inputs = [outgoing.get(r, []) for r in range(world)] if src == rank else None
-        box: List[Any] = [None]
-        tdist.scatter_object_list(box, inputs, src=dist.global_rank(group, src), group=group)
-        received.extend(box[0] or [])
-    return received
+def exchange_pieces(outgoing: Dict[int, List[Piece]], group: Group) -> List[Piece]:
+    """Every rank's pieces to their owners (one ``all_to_all``: each piece travels only to its owner;
+    pieces are small, a coarsened chunk holds under 2 MiB); returns the pieces sent to this rank.
+    Pickled by :func:`.objects.dumps`, which carries tensors of every dtype (torch's own pickling of
+    float8 and uint16/32/64 tensors fails on load)."""
+    inbox = dist.all_to_all_bytes({r: dumps(ps) for r, ps in outgoing.items()}, group)
+    return [p for src in sorted(inbox) for p in pickle.loads(inbox[src])]

@@ -102,6 +102,13 @@ def exchange_paths(a: PathLike, b: PathLike) -> bool:
     raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat byte tensor (no copy). ``as_strided``, not ``reshape``:
+    the size-1 axes of a contiguous tensor may carry any stride (a slice of a wider tensor), which
+    ``reshape`` keeps and a byte view refuses."""
+    return t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
 def tensor_buffer(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (any dtype, incl. bf16)."""
     if not t.is_contiguous() or t.device.type != "cpu":
@@ -110,8 +117,7 @@ def tensor_buffer(t: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray(0))
     # through numpy: a bytes view of the same memory (a ctypes array type per size is slower)
-    # (as_strided, not reshape: size-1 axes of a contiguous tensor may carry any stride, which a byte view refuses)
-    return memoryview(t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()).cast("B")
+    return memoryview(byte_view(t).numpy()).cast("B")
 
 
 def pread_exact(fd: int, buf: memoryview, offset: int, path: str = "") -> None:
