@@ -95,6 +95,7 @@ class Writer(StorageWriter):
         self.is_coordinator = False
         self._claim: Optional[claims.SaveClaim] = None
         self._held_at = ""  # the path this writer's claim is held under in _held
+        self._world = 1  # ranks saving (set by the global plan)
         self.write_dir = ""  # where this save's files go: the path, or a staging sibling when overwriting
 
     # -- DCP's sequence: reset, set_up, local plan, global plan (coordinator), write, finish (coordinator)
@@ -133,6 +134,7 @@ class Writer(StorageWriter):
         ck = locate(self.path)
         storage, path = ck.storage, ck.path
         token = uuid.uuid4().hex
+        self._world = len(plans)  # (one plan per rank of the save's process group, not of the world)
         stale = _held.pop(path, None)
         if stale is not None:  # an earlier save to this path from this process failed (DCP does not tell its writer)
             stale.release()
@@ -141,8 +143,12 @@ class Writer(StorageWriter):
                 raise CheckpointingException(
                     f"{path} already holds a committed checkpoint; save to a new directory (ci.dcp.Writer(overwrite=True) "
                     "replaces it once the new one is committed; not on object stores)")
-            remove_dead_staging(ck)  # (what such a failed save left beside it)
             self._claim = claims.claim_staging(ck, claims.staging_name(path, token), token, self.durable)
+            try:  # (what such a failed save left beside it; after the claim, as ci.save does)
+                remove_dead_staging(ck)
+            except BaseException:
+                self._claim.release()
+                raise
         else:
             self._claim = claims.claim_new(ck, token, self.durable)
         _held[path], self._held_at = self._claim, path
@@ -196,7 +202,7 @@ class Writer(StorageWriter):
         digest = save_block_hash()
         fmt = ckdir.manifest_format(digest)
         manifest = ckdir.Manifest(
-            **fmt, world_size=tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1,
+            **fmt, world_size=self._world,
             files=files, library_version=__version__, save=self._claim.token if self._claim else "", step=None,
             commit_seq=next_commit_seq(final), commit_id=uuid.uuid4().hex)
         rendered = None

@@ -268,3 +268,87 @@ def test_save_overwrite_whose_second_rename_fails_keeps_the_old_checkpoint(tmp_p
     out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, path)
     assert out["epoch"] == 1 and torch.equal(out["w"], torch.arange(12.0).reshape(3, 4))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_dead_staging_cleanup_leaves_a_users_look_alike_directories_alone(tmp_path):
+    """An overwrite save removes ``<dir>.tmp-<id>`` staging directories left by killed saves. It also
+    deleted every user directory whose name merely began with ``<dir>.tmp-`` (``model.tmp-backup``),
+    and one with the right name holding the user's files: only staging names holding nothing but
+    checkpoint files are the library's to delete."""
+    path = str(tmp_path / "model")
+    _checkpoint(path)
+    users = ["model.tmp-backup", "model.tmp-2024-01-01", "model.tmp-", "model.tmp-0123abcd"]
+    for name in users:
+        os.mkdir(tmp_path / name)
+        (tmp_path / name / "important.txt").write_text("user data")
+    dead = tmp_path / "model.tmp-deadbeef"  # what a save killed while writing leaves (no marker yet)
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"partial")
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(3, 4)), "epoch": 2}
+    ci.save(sd, path, overwrite=True, durable=False)
+    assert sorted(os.listdir(tmp_path)) == sorted(["model"] + users)
+    assert all((tmp_path / n / "important.txt").read_text() == "user data" for n in users)
+    out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, path)
+    assert out["epoch"] == 2 and torch.equal(out["w"], torch.ones(3, 4))
+
+
+def _locked(path: str) -> int:
+    """An fd holding ``flock`` on ``path`` (created), as a running save holds its marker."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def test_an_overwrite_refused_by_a_running_one_leaves_its_fresh_staging_directory(tmp_path):
+    """Of two saves replacing one checkpoint at once, the second removed the first one's staging
+    directory (created, its marker not written yet: it looked dead) before finding the checkpoint
+    locked, so both failed. The cleanup now runs only once this save holds the lock."""
+    path = str(tmp_path / "ckpt")
+    _checkpoint(path)
+    fd = _locked(os.path.join(path, "ckpt_integration.json"))  # the running save's claim of the checkpoint
+    fresh = tmp_path / "ckpt.tmp-0123abcd"
+    fresh.mkdir()  # the running save's staging directory, just made
+    try:
+        with pytest.raises(ci.SaveConflictError, match="replacing it right now"):
+            ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(3, 4))}, path, overwrite=True, durable=False)
+        assert fresh.is_dir()
+    finally:
+        os.close(fd)
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(3, 4))}, path, overwrite=True, durable=False)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # (dead now: removed by the next save)
+
+
+def test_a_new_directory_another_save_is_claiming_is_refused_as_a_conflict(tmp_path):
+    """Two saves into one new directory at once: the second saw the first one's temporary marker
+    file and said the directory held files this library did not write, telling the user to remove
+    them. A temporary marker that is locked is a save claiming the directory (a conflict); one left
+    by a save killed while writing its marker is cleaned up."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    temp = str(d / "ckpt_integration.json.tmp-4242-17")
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(3, 4))}
+    fd = _locked(temp)
+    try:
+        with pytest.raises(ci.SaveConflictError, match="another save started writing there at the same time"):
+            ci.save(sd, str(d), durable=False)
+        assert os.path.exists(temp)
+    finally:
+        os.close(fd)
+    ci.save(sd, str(d), durable=False)  # the writer is gone: its temporary marker is debris
+    out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, str(d))
+    assert torch.equal(out["w"], torch.ones(3, 4)) and not os.path.exists(temp)
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_overwrite_through_a_file_url_replaces_the_checkpoint(tmp_path, backend):
+    """``save(overwrite=True)`` to a ``file://`` URL staged and committed the new checkpoint, then
+    failed to put it in place (the swap was given the URL, not the path): the new one was lost."""
+    url = "file://" + str(tmp_path / "ckpt")
+    for v in (1.0, 2.0):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((3, 4), v)), "v": v}, url,
+                sharded_strategy=backend, overwrite=v > 1, durable=False)
+    out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, url)
+    assert out["v"] == 2.0 and torch.equal(out["w"], torch.full((3, 4), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

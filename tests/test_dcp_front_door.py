@@ -278,9 +278,17 @@ def _uncoordinated_worker(rank, world, path):
     out = {"w": torch.zeros(4)}
     dcp.load(out, storage_reader=ci.dcp.Reader(mine), no_dist=True)
     assert torch.equal(out["w"], torch.full((4,), float(rank)))
+    # the manifest counts the ranks that saved (it said the world's size: 2 here)
+    assert ci.open_checkpoint(mine).manifest.world_size == 1
+    alone = dist.new_group([1])
+    if rank == 1:
+        dcp.save({"w": torch.ones(4)}, storage_writer=ci.dcp.Writer(f"{path}-group"), process_group=alone)
+        assert ci.open_checkpoint(f"{path}-group").manifest.world_size == 1
+    dist.barrier()
 
 
 def test_an_uncoordinated_save_of_a_job_is_refused_on_every_rank(tmp_path):
     """``dcp.save(use_collectives=False)`` on several ranks into one path committed the first rank's part
-    alone (the other ranks failed against its claim): now every rank refuses before writing."""
+    alone (the other ranks failed against its claim): now every rank refuses before writing. A save by
+    one rank (``no_dist``, or a group of one) records one rank, not the world's size."""
     run_distributed(_uncoordinated_worker, 2, str(tmp_path / "ck"), timeout=60)

@@ -73,6 +73,7 @@ from . import dist
 from .dist import Group
 from .failure import Failure
 from .preprocess import dtype_from_name, dtype_name
+from .read_once_units import Stats
 from ..errors import CheckpointingException, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -156,16 +157,6 @@ def _view(flat: torch.Tensor, offset: int, u: Unit) -> torch.Tensor:
     return flat[offset : offset + u.nbytes].view(dtype_from_name(u.dtype)).view(u.region.sizes)
 
 
-@dataclass
-class _Stats:
-    values: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, key: str, v: float) -> None:
-        with self.lock:
-            self.values[key] += v
-
-
 PHASES = (
     ("metadata_s", "metadata exchange"),
     ("plan_s", "plan"),
@@ -199,7 +190,7 @@ def exchange_reads(
         raise ValueError(f"unknown parallel load mode {mode!r}; choose one of {MODES}")
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
-    st = _Stats()
+    st = Stats()
     t0 = time.perf_counter()
     needs = [Need(t.key, t.chunk.box, t.overlap, dtype_name(t.dtype), t.dtype.itemsize) for t in tasks]
     gathered = dist.all_gather_object((failed_before, needs, int(memory_budget)), group)

@@ -8,6 +8,7 @@ in a unit, in the order both sides of a transfer agree on).
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,12 +28,15 @@ BoxT = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
 @dataclass
 class Stats:
-    """Seconds per step and bytes of a read-once load (summed over its threads)."""
+    """Seconds per step and bytes of a shared-read load (summed over its threads: ``add`` holds a
+    lock, as ``values[key] += v`` from two threads can lose one of the additions)."""
 
     values: Dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, key: str, v: float) -> None:
-        self.values[key] += v
+        with self.lock:
+            self.values[key] += v
 
 
 def unit_parts(lay: ChunkLayout, lo: int, hi: int, regions: Sequence[BoxT]) -> Tuple[List[Tuple[int, BoxT]], int]:

@@ -145,9 +145,12 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
                 f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
                 "would delete; move them elsewhere first"
             )
-        remove_dead_staging(where)
-        staging = claims.staging_name(checkpoint_dir, token)
-        claim = claims.claim_staging(where, staging, token, durable)
+        claim = claims.claim_staging(where, claims.staging_name(checkpoint_dir, token), token, durable)
+        try:  # (after the claim: a save still creating its staging directory holds the lock this one now holds)
+            remove_dead_staging(where)
+        except BaseException:
+            claim.release()
+            raise
     else:
         claim = claims.claim_new(where, token, durable)
     _claims[claim.write_dir] = claim
@@ -175,14 +178,23 @@ def remove_dead_staging(where: CheckpointLocation) -> None:
     Called only while ``<dir>`` itself is committed, so a staging sibling without its own
     ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
     (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
-    and so is one whose save is still running (its marker is locked).
+    and so is one whose save is still running (its marker is locked). Only the names a save
+    stages under (``<dir>.tmp-`` and 8 hex digits) holding nothing but checkpoint files are ours:
+    a user's ``<dir>.tmp-backup`` is never touched.
     """
     storage, checkpoint_dir = where.storage, where.path
     parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
     for name in storage.listdir(parent or "."):
         path = join(parent, name)
-        if name.startswith(base + ".tmp-") and storage.isdir(path) and not storage.exists(join(path, ckdir.CONFIG_FILE)):
+        if (name.startswith(base + ".tmp-") and claims.is_replace_sibling(name) and storage.isdir(path)
+                and not storage.exists(join(path, ckdir.CONFIG_FILE))):
             if not claims.staging_is_dead(path):
+                continue
+            foreign = claims.classify_entries(where.at(path))[1]
+            if foreign:
+                logger.warning("leaving %s alone: it is named as the staging directory of a save to %s, but holds "
+                               "files that are not checkpoint files (%s)", path, checkpoint_dir,
+                               claims.describe_names(foreign))
                 continue
             logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
             storage.rmtree(path)
@@ -490,7 +502,9 @@ def _swap_if_staging(plan: SavePlan) -> None:
     """
     if not plan.staging:
         return
-    claims.replace(plan.target.storage, plan.write_dir, plan.checkpoint_dir, durable=plan.durable, data_synced=True)
+    # (the checkpoint's path on its storage: ``checkpoint_dir`` may be a ``file://`` URL)
+    claims.replace(plan.target.storage, plan.write_dir, locate(plan.checkpoint_dir).path, durable=plan.durable,
+                   data_synced=True)
 
 
 def _commit_zarr(plan: SavePlan, layout: CommitLayout) -> None:

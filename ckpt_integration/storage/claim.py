@@ -275,6 +275,9 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
     with writing(directory):
         storage.makedirs(directory)
     ours, foreign = classify_entries(ck)
+    if not storage.remote and MARKER_FILE not in ours and not foreign and ours and all(map(_marker_temp, ours)):
+        _remove_dead_marker_temps(ck, ours)  # (raises if another save is writing its marker right now)
+        ours = []
     if not ours and not foreign:
         try:
             fd = _write_marker(ck, token, replace=False, durable=durable)
@@ -318,6 +321,26 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
         if isinstance(old, int):
             _unlock(old)
     return SaveClaim(ck, False, token, [fd] if fd is not None else [])
+
+
+def _marker_temp(name: str) -> bool:
+    m = _TEMP_FILE.fullmatch(name)
+    return bool(m and m.group(1) == MARKER_FILE)
+
+
+def _remove_dead_marker_temps(ck: CheckpointLocation, names: List[str]) -> None:
+    """A directory holding only temporary marker files: another save is writing its marker there right
+    now (the writer locks it first: :class:`SaveConflictError`), or one was killed while it did (removed)."""
+    for n in names:
+        fd = _try_lock(ck.file(n))
+        if fd == _HELD:
+            raise SaveConflictError(f"cannot save to {ck.path}: another save started writing there at the same time")
+        if isinstance(fd, int):
+            _unlock(fd)
+        try:
+            ck.storage.remove_any(ck.file(n))
+        except FileNotFoundError:  # (its save finished writing it: the exclusive marker write decides)
+            pass
 
 
 def _started(marker: dict) -> str:
