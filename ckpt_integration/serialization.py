@@ -141,6 +141,7 @@ def save(
         save({"w": ShardedTensor.from_rank_offsets("w", local_w, (0, rank, world))}, "ckpt/iter_100")
         save(state, "ckpt/iter_200", base="ckpt/iter_100")  # links what did not change
     """
+    dist.check_group(process_group, "save")
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
     backend, version = backend_and_version(sharded_strategy)
@@ -246,6 +247,7 @@ def load(
     Megatron-Core raises there.
     """
     load_strategy = LoadStrategy.parse(load_strategy).value
+    dist.check_group(process_group, "load")
     if isinstance(checkpoint_dir, OpenedCheckpoint):
         # opened on every rank, or once for the job (open_shared: what the coordinator read)
         ck, shared = checkpoint_dir, checkpoint_dir.shared

@@ -341,6 +341,23 @@ def test_convert_torch_dist_copy_keeps_objects_and_common(two_rank_ckpt, tmp_pat
     assert code == 0, out
 
 
+@pytest.mark.parametrize("to", ["torch_dist", "zarr"])
+def test_convert_keeps_a_common_entry_named_as_a_tensor(tmp_path, capsys, to):
+    """The common state and the tensors' keys are separate namespaces: a common ``cfg`` beside a tensor
+    ``cfg`` (and an object ``sharded``) was dropped by a copy without a word, and ``diff`` told them apart."""
+    src, out_dir = tmp_path / "src", tmp_path / "out"
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2)), "cfg": {"lr": 0.1}, "sharded": 3,
+             "x": {"t": ci.ShardedTensor.from_rank_offsets("cfg", torch.arange(3.0))},
+             "o": ci.ShardedObject("sharded", {"a": 1}, (1,), (0,))}, str(src))
+    code, _, err = run_cli("convert", src, out_dir, "--to", to, capsys=capsys)
+    assert code == 0, err
+    assert ci.load_common_state_dict(str(out_dir)) == {"cfg": {"lr": 0.1}, "sharded": 3}
+    got = ci.load({"t": ci.ShardedTensor.from_rank_offsets("cfg", torch.empty(3)),
+                   "o": ci.ShardedObject("sharded", None, (1,), (0,))}, str(out_dir))
+    assert torch.equal(got["t"], torch.arange(3.0)) and got["o"] == {"a": 1}
+    assert run_cli("diff", src, out_dir, capsys=capsys)[0] == 0
+
+
 def test_convert_keeps_the_recorded_step(tmp_path, capsys):
     """A step given to save (not in the common state) survives a copy to either backend: commit
     order and ``ckpt_path="last"`` read it from the manifest."""

@@ -428,3 +428,33 @@ def test_a_nested_tensor_is_refused_naming_the_key():
     with pytest.raises(CheckpointingException, match="'layer.w': a nested tensor"):
         ShardedTensor.from_rank_offsets("layer.w", nested)
 
+
+
+def _misused_groups(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2, 2), (0, rank, world))}
+    ci.save(sd, f"{root}/ok")
+    alone = torch.distributed.new_group([1])  # rank 0 is not a member
+    mesh = init_device_mesh("cpu", (world,))
+    cases = [(list(range(world)), "got list; make one of those ranks with torch.distributed.new_group"),
+             (0, "got int"), (mesh, "got DeviceMesh; pass one of its dimensions' groups: mesh.get_group")]
+    if rank == 0:
+        cases.append((alone, "rank 0 is not a member of the process_group passed"))
+    for group, why in cases:
+        with pytest.raises(CheckpointingException, match=f"save: .*{why}"):
+            ci.save(sd, f"{root}/bad", process_group=group)
+        with pytest.raises(CheckpointingException, match=f"load: .*{why}"):
+            ci.load(sd, f"{root}/ok", process_group=group)
+    if rank == 1:  # a member of a group of one saves and loads alone
+        ci.save({"v": ShardedTensor.from_rank_offsets("v", torch.arange(3.0))}, f"{root}/alone", process_group=alone)
+        got = ci.load({"v": ShardedTensor.from_rank_offsets("v", torch.empty(3))}, f"{root}/alone", process_group=alone)
+        assert torch.equal(got["v"], torch.arange(3.0))
+    torch.distributed.barrier()
+
+
+def test_a_process_group_a_rank_cannot_use_is_refused_saying_what_to_pass(tmp_path):
+    """A list of ranks, an int, a DeviceMesh, or a group the rank is not a member of (what
+    ``new_group`` returns on the other ranks) raised bare TypeError / AttributeError / ValueError from
+    deep inside a save or load; now a CheckpointingException says what to pass, before any collective."""
+    run_distributed(_misused_groups, 2, str(tmp_path), timeout=90)

@@ -106,6 +106,22 @@ def test_waves_fill_the_last_wave_first_and_keep_every_wave_within_the_budget():
     assert sorted(i for w in early for i in w) + sorted(last) + direct == sorted([0, 2, 4]) + sorted(last) + [3]
 
 
+def test_a_budget_beyond_the_state_reserves_only_what_the_state_needs(tmp_path):
+    """``staging_budget`` is a bound: a 1 PiB budget for a 4 KiB state reserved a buffer of the whole
+    budget, and the save failed with torch's bare "can't allocate memory" from ``wait()``."""
+    queue = AsyncCallsQueue()
+    t = torch.arange(1024.0)
+    req = ci.save({"t": ShardedTensor.from_rank_offsets("t", t)}, str(tmp_path / "c"), async_sharded_save=True,
+                  staging_budget=1 << 50, async_queue=queue)
+    req.wait()
+    assert req.staging.bytes == 4096 and req.staging.waves == 1
+    out = ci.load({"t": ShardedTensor.from_rank_offsets("t", torch.empty(1024))}, str(tmp_path / "c"))
+    assert torch.equal(out["t"], t)
+    queue.close()
+    with pytest.raises(ci.errors.StagingMemoryError, match=r"rank 3: cannot allocate 1048576.00 GiB of host memory"):
+        sb.StagingArena().reserve(1 << 50, 3)
+
+
 def test_an_unbounded_save_that_cannot_fit_is_refused_naming_the_budget(tmp_path, monkeypatch):
     """No budget and not enough free host memory for the staging copy: the save fails with
     StagingMemoryError naming the bytes, nothing is committed, and the earlier checkpoint loads."""

@@ -252,13 +252,19 @@ def test_checkpoint_without_records_still_loads_and_verifies(ckpt, capsys):
         ci.load(_request((0, 4), (0, 3)), ckpt, validate_access_integrity=False, verify_state=True)
 
 
-def test_commit_refuses_a_chunk_no_rank_wrote(ckpt):
+def test_commit_refuses_a_chunk_no_rank_wrote(ckpt, tmp_path):
+    """A chunk no rank wrote would read as zeros: the commit refuses it, naming the key and saying what
+    to do (it said "internal error" to a save whose shards, unchecked, did not cover a tensor)."""
     from ckpt_integration.storage.zarr_backend import commit_file_records, read_index
 
     before = read_index(locate(ckpt))
-    with pytest.raises(ci.CheckpointingException, match="not written by any rank"):
+    with pytest.raises(ci.errors.ShardingIntegrityError, match="was saved by no rank"):
         commit_file_records(locate(ckpt), [])
     assert read_index(locate(ckpt)) == before
+    half = {"w": ci.ShardedTensor.from_global_offsets("w", torch.ones(2, 16), (8, 16), (0, 0))}
+    with pytest.raises(ci.errors.ShardingIntegrityError, match=r"part of 'w' was saved by no rank .*cover the whole tensor"):
+        ci.save(half, str(tmp_path / "half"), sharded_strategy="zarr", validate_access_integrity=False)
+    assert not (tmp_path / "half" / "metadata.json").exists()
 
 
 # --------------------------------------------------------------------------- fsspec URLs

@@ -218,6 +218,28 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def check_group(group: object, what: str) -> None:
+    """``group`` as a ``process_group`` argument of ``what``: the default (None), a library group, or a
+    torch process group this rank is a member of; anything else is refused here, saying what to pass
+    (torch raised bare errors from deep inside, or waited for ranks that never came)."""
+    if group is None or isinstance(group, PrivateGroup):
+        return
+    outside = group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())  # (new_group's value off its ranks)
+    if outside or isinstance(group, dist.ProcessGroup) and is_distributed() and dist.get_rank(group) < 0:
+        raise CheckpointingException(f"{what}: rank {dist.get_rank()} is not a member of the process_group passed; "
+                                     "only its members take part")
+    if not isinstance(group, dist.ProcessGroup):
+        hint = ""
+        if isinstance(group, (list, tuple, range)):
+            hint = "; make one of those ranks with torch.distributed.new_group(ranks), on every rank"
+        elif hasattr(group, "get_group") and hasattr(group, "mesh"):
+            hint = "; pass one of its dimensions' groups: mesh.get_group(dim)"
+        raise CheckpointingException(f"{what}: process_group must be a torch.distributed ProcessGroup, "
+                                     f"got {type(group).__name__}{hint}")
+    if not is_distributed():
+        raise CheckpointingException(f"{what}: a process_group was given but torch.distributed is not initialized")
+
+
 def get_rank(group: Group = None) -> int:
     if isinstance(group, PrivateGroup):
         return group.rank

@@ -58,10 +58,14 @@ class StagingArena:
     def __init__(self) -> None:
         self.buffer: Optional[torch.Tensor] = None
 
-    def reserve(self, nbytes: int) -> torch.Tensor:
+    def reserve(self, nbytes: int, rank: int = 0) -> torch.Tensor:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = None  # (the old one first: never two at once)
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            try:
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            except RuntimeError as e:  # (torch's allocator: "can't allocate memory")
+                raise StagingMemoryError(f"rank {rank}: cannot allocate {_size_text(nbytes)} of host memory to stage "
+                                         f"an async save in: {str(e).splitlines()[0]}") from None
         return self.buffer
 
     def stage(self, tensors: Sequence[torch.Tensor], nbytes: int) -> List[torch.Tensor]:
@@ -158,10 +162,13 @@ def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingR
         names |= set(rows.files)
         for i in stable:
             requests[i].stable = True
-        arena.reserve(budget)  # (the whole budget once: waves of other sizes never reallocate it)
         keep = [i for i in range(len(requests)) if i not in taken]
         rest = [requests[i] for i in keep]
         early, last, direct = waves(rest, budget)
+        # the largest wave once (waves of other sizes never reallocate it): the budget is a bound, a
+        # budget above what the state needs reserves only what it needs
+        arena.reserve(max([sum(_size(rest[i]) for i in w if isinstance(rest[i].data, torch.Tensor))
+                           for w in early + [last]], default=0), plan.rank)
         for i in direct:
             if not rest[i].data.is_cpu:
                 raise StagingMemoryError(

@@ -108,8 +108,8 @@ class MemoryCheckpoints:
         self.directory = os.path.abspath(os.fspath(directory))
         self.job_id = slots.check_job_id(job_id)
         self.root = os.path.join(self.directory, self.job_id)
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
+        dist.check_group(process_group, "MemoryCheckpoint")
+        self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         if ranks_per_node is None:
             env = dist.local_world_size()
             if env is None and self.world_size > 1:

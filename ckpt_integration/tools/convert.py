@@ -209,8 +209,9 @@ def _convert_to_torch_dist(
             sd.update(common)
         else:
             sd["common"] = common
-        for key, t in tensors.items():
-            sd[key] = ShardedTensor.from_rank_offsets(key, t)
+        # tensors and objects under a key of their own: a common-state entry may have a tensor's key
+        # (the two are separate namespaces); a dict holding only those leaves no trace in the common state
+        sharded: Dict[str, Any] = {key: ShardedTensor.from_rank_offsets(key, t) for key, t in tensors.items()}
         for unique_key in src.objects:
             if "/shard_" not in unique_key:  # a plain DCP byte item (a non-tensor value under its own key)
                 if unique_key in sd:
@@ -219,7 +220,11 @@ def _convert_to_torch_dist(
                 continue
             obj = ShardedObject.empty_from_unique_key(unique_key)
             obj.data = src.read_object(unique_key)
-            sd[unique_key] = obj
+            sharded[unique_key] = obj
+        slot = "sharded"
+        while slot in sd:
+            slot = "_" + slot
+        sd[slot] = sharded
     elif isinstance(src, TorchFileSource):
         sharded = {k: ShardedTensor.from_rank_offsets(k, src.tensor(k)) for k in src.tensors}
         sd = restore_structure(src.structure, sharded)

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from ...errors import CheckpointingException
+from ...errors import CheckpointingException, ShardingIntegrityError
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
 from ..filesystem import CheckpointLocation
@@ -317,9 +317,12 @@ def commit_file_records(target: CheckpointLocation, written: Iterable[WrittenIte
     missing = [(key, path) for key, path in expected_files(index) if path not in files]
     if missing:
         key, path = missing[0]
-        raise CheckpointingException(
-            f"internal error: {len(missing)} file(s) were not written by any rank, e.g. {path} of {key!r}"
-        )
+        keys = sorted({k for k, _ in missing})
+        raise ShardingIntegrityError(
+            f"nothing was saved: part of {key!r} was saved by no rank (its zarr chunk {path}; {len(missing)} such "
+            f"chunk(s), of {', '.join(repr(k) for k in keys[:5])}{' ...' if len(keys) > 5 else ''}). A zarr array holds every "
+            "element: save shards that cover the whole tensor (validate_access_integrity=True checks that before "
+            "writing), or use the torch_dist backend, which stores the saved parts only")
     storage = target.storage
     metadata_files = [target.file(metadata_file_name(key)) for key in sorted(index["tensors"])]
     for key, path in zip(sorted(index["tensors"]), metadata_files):
