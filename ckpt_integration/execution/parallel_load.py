@@ -183,13 +183,11 @@ def exchange_reads(
 
     ``tasks`` are this rank's :class:`~ckpt_integration.execution.load.ReadTask` (key,
     chunk, overlap, out, dtype). Returns this rank's statistics (bytes, seconds per
-    phase, peak staging bytes; ``failed``: some rank failed before, nothing was read). Raises after the last transfer when anything failed
-    on this rank; the caller's final agreement makes every rank raise.
+    phase, peak staging bytes; ``failed``: some rank failed before, nothing was read). Raises after the last transfer
+    when anything failed on this rank; the caller's final agreement makes every rank raise.
     """
     if mode not in MODES:
         raise ValueError(f"unknown parallel load mode {mode!r}; choose one of {MODES}")
-    rank = dist.get_rank(group)
-    size = dist.get_world_size(group)
     st = Stats()
     t0 = time.perf_counter()
     needs = [Need(t.key, t.chunk.box, t.overlap, dtype_name(t.dtype), t.dtype.itemsize) for t in tasks]
@@ -202,51 +200,84 @@ def exchange_reads(
     units = plan_units([n for _, n, _ in gathered])
     # (the batches must be the same on every rank: the smallest budget of the group bounds them)
     batches = batch_units(units, SMALL_UNIT, min(BATCH_BYTES, *(b for _, _, b in gathered)))
-    device = dist.buffer_device(group)
-    chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
-    units_of_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Unit]] = defaultdict(list)
-    for u in units:
-        units_of_chunk[(u.key, u.chunk.offsets)].append(u)
-    tasks_of: Dict[int, List[Any]] = defaultdict(list)
-    for t in tasks:
-        for u in units_of_chunk[(t.key, t.chunk.box.offsets)]:
-            if intersect(t.overlap, u.region) == t.overlap:
-                tasks_of[u.index].append(t)
-                break
-    items: List[_Item] = []
-    for batch in batches:
-        head = batch[0]
-        if rank not in head.needers:
-            continue  # a unit is only ever sent to the ranks that need it: no part in it
-        offsets, end = [], 0
-        for u in batch:
-            offsets.append(end)
-            end += aligned(u.nbytes)
-        it = _Item(batch, [tasks_of.get(u.index, []) for u in batch], offsets,
-                   end if len(batch) > 1 else head.nbytes, reads=head.reader == rank)
-        if device.type == "cpu" and len(batch) == 1 and len(it.tasks[0]) == 1:
-            t = it.tasks[0][0]
-            if t.overlap == head.region and t.out.is_contiguous() and t.out.dtype == dtype_from_name(head.dtype):
-                it.direct = t.out
-        if it.direct is None:
-            it.staged = it.nbytes
-        items.append(it)
+    run = _Run(reader, tasks, group, st, _Budget(memory_budget))
+    items = run.items(units, batches)
     st.values["plan_s"] = time.perf_counter() - t1
     st.values["units_total"] = len(units)
-    budget = _Budget(memory_budget)
-    failure = Failure()  # this rank's first error; every transfer still runs (peers wait for it)
-    local = threading.local()
+    pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-pload")
+    try:
+        if mode == "fully_parallel":
+            _run_rounds(items, run.budget, pool, run.read, run.finish)
+        else:
+            _run_pipelined(items, run.budget, pool, run.read, run.finish, run.failure)
+    finally:
+        run.budget.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+    st.values["peak_staging_bytes"] = run.budget.peak
+    st.values["total_s"] = time.perf_counter() - t0
+    stats = dict(st.values)
+    _log_summary(stats, mode, len(units), group)
+    if run.failure.failed:
+        e = run.failure.exc
+        raise type(e)(f"parallel load ({mode}) failed on rank {run.rank} of its group: {e}") from e.__cause__
+    return stats
 
-    def read(it: _Item) -> torch.Tensor:
+
+class _Run:
+    """One rank's part in a shared-read load: its items, their reads (pool threads) and their
+    exchanges (main thread, in the group's order). The first error is kept in ``failure``: every
+    transfer still runs, as the peers wait for it."""
+
+    def __init__(self, reader: CheckpointReader, tasks: List[Any], group: Group, st: Stats, budget: _Budget) -> None:
+        self.reader, self.tasks, self.group, self.st, self.budget = reader, tasks, group, st, budget
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = dist.buffer_device(group)
+        self.chunk_info = {(t.key, t.chunk.box.offsets): t.chunk for t in tasks}
+        self.failure = Failure()
+        self.local = threading.local()  # (a CUDA stream per reader thread)
+
+    def items(self, units: List[Unit], batches: List[List[Unit]]) -> List[_Item]:
+        """The batches this rank takes part in (it needs them), with its tasks in each unit."""
+        units_of_chunk: Dict[Tuple[str, Tuple[int, ...]], List[Unit]] = defaultdict(list)
+        for u in units:
+            units_of_chunk[(u.key, u.chunk.offsets)].append(u)
+        tasks_of: Dict[int, List[Any]] = defaultdict(list)
+        for t in self.tasks:
+            for u in units_of_chunk[(t.key, t.chunk.box.offsets)]:
+                if intersect(t.overlap, u.region) == t.overlap:
+                    tasks_of[u.index].append(t)
+                    break
+        items: List[_Item] = []
+        for batch in batches:
+            head = batch[0]
+            if self.rank not in head.needers:
+                continue  # a unit is only ever sent to the ranks that need it: no part in it
+            offsets, end = [], 0
+            for u in batch:
+                offsets.append(end)
+                end += aligned(u.nbytes)
+            it = _Item(batch, [tasks_of.get(u.index, []) for u in batch], offsets,
+                       end if len(batch) > 1 else head.nbytes, reads=head.reader == self.rank)
+            if self.device.type == "cpu" and len(batch) == 1 and len(it.tasks[0]) == 1:
+                t = it.tasks[0][0]
+                if t.overlap == head.region and t.out.is_contiguous() and t.out.dtype == dtype_from_name(head.dtype):
+                    it.direct = t.out
+            if it.direct is None:
+                it.staged = it.nbytes
+            items.append(it)
+        return items
+
+    def read(self, it: _Item) -> torch.Tensor:
         """Read one item (on a pool thread): into its destination, or into a staging buffer; a
         batch's units as one run of reads where they are adjacent whole items (``read_small_items``)."""
-        if failure.failed:  # an earlier unit failed and the load will raise: skip the I/O
+        if self.failure.failed:  # an earlier unit failed and the load will raise: skip the I/O
             raise RuntimeError("skipped after an earlier failure")
+        reader, device = self.reader, self.device
         flat, target = None, it.direct
         if target is None:
             flat = (_new_buffer((it.nbytes,), torch.uint8, device) if device.type == "cpu"
                     else torch.empty(it.nbytes, dtype=torch.uint8, pin_memory=True))
-        parts = [_Part(u.key, chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u), u.region,
+        parts = [_Part(u.key, self.chunk_info.get((u.key, u.chunk.offsets)) or _find_chunk(reader, u), u.region,
                        target if flat is None else _view(flat, off, u), dtype_from_name(u.dtype))
                  for u, off in zip(it.units, it.offsets)]
         tr = time.perf_counter()
@@ -255,27 +286,27 @@ def exchange_reads(
             parts = read_small_items(reader, parts, 1)
         for p in parts:
             reader.read_region(p.key, p.chunk, p.overlap, p.out, p.dtype)
-        st.add("read_s", time.perf_counter() - tr)
-        st.add("bytes_read", sum(u.nbytes for u in it.units))
-        st.add("units_read", len(it.units))
+        self.st.add("read_s", time.perf_counter() - tr)
+        self.st.add("bytes_read", sum(u.nbytes for u in it.units))
+        self.st.add("units_read", len(it.units))
         if flat is None:
             return target
         if device.type != "cpu":
             th = time.perf_counter()
             dev = _new_buffer((it.nbytes,), torch.uint8, device)
-            stream = getattr(local, "stream", None)
+            stream = getattr(self.local, "stream", None)
             if stream is None:
-                stream = local.stream = torch.cuda.Stream(device)  # one per reader thread
+                stream = self.local.stream = torch.cuda.Stream(device)  # one per reader thread
             with torch.cuda.stream(stream):
                 dev.copy_(flat, non_blocking=True)
             stream.synchronize()
-            st.add("h2d_s", time.perf_counter() - th)
+            self.st.add("h2d_s", time.perf_counter() - th)
             flat = dev
         return flat
 
-    def finish(it: _Item) -> None:
+    def finish(self, it: _Item) -> None:
         """Exchange one admitted item, copy it into place, free it (main thread, shared order)."""
-        head = it.units[0]
+        head, st, failure = it.units[0], self.st, self.failure
         what = f"{head.key!r} {head.region}" + (f" (and {len(it.units) - 1} more small units)" if len(it.units) > 1 else "")
         tw = time.perf_counter()
         buf: Optional[torch.Tensor] = None
@@ -286,15 +317,15 @@ def exchange_reads(
                 failure.record(_failed(f"reading {what}", e))
         st.add("read_wait_s", time.perf_counter() - tw)
         if buf is None:
-            buf = it.direct if it.direct is not None else _new_buffer((it.nbytes,), torch.uint8, device)
-            if head.reader == rank:
+            buf = it.direct if it.direct is not None else _new_buffer((it.nbytes,), torch.uint8, self.device)
+            if head.reader == self.rank:
                 buf.zero_()
-        if device.type != "cpu":
-            buf.record_stream(torch.cuda.current_stream(device))
+        if self.device.type != "cpu":
+            buf.record_stream(torch.cuda.current_stream(self.device))
         tx = time.perf_counter()
-        _exchange_unit(head, buf, rank, size, group)
+        _exchange_unit(head, buf, self.rank, self.size, self.group)
         st.add("exchange_s", time.perf_counter() - tx)
-        if head.reader != rank:
+        if head.reader != self.rank:
             st.add("bytes_received", sum(u.nbytes for u in it.units))
         if it.direct is None:
             tc = time.perf_counter()
@@ -311,25 +342,7 @@ def exchange_reads(
             it.tasks[0][0].got.append(it.tasks[0][0].overlap)
         it.future = None
         del buf
-        budget.release(it.staged)
-
-    pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-pload")
-    try:
-        if mode == "fully_parallel":
-            _run_rounds(items, budget, pool, read, finish)
-        else:
-            _run_pipelined(items, budget, pool, read, finish, failure)
-    finally:
-        budget.close()
-        pool.shutdown(wait=True, cancel_futures=True)
-    st.values["peak_staging_bytes"] = budget.peak
-    st.values["total_s"] = time.perf_counter() - t0
-    stats = dict(st.values)
-    _log_summary(stats, mode, len(units), group)
-    if failure.failed:
-        e = failure.exc
-        raise type(e)(f"parallel load ({mode}) failed on rank {rank} of its group: {e}") from e.__cause__
-    return stats
+        self.budget.release(it.staged)
 
 
 def _failed(what: str, e: BaseException) -> CheckpointingException:
