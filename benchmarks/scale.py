@@ -438,7 +438,7 @@ def simulate_commit(layout: GPTLayout, fin_msgs: Sequence[bytes], commit_dir: st
 # --------------------------------------------------------------------------- load
 def simulate_load(layout: GPTLayout, commit_dir: str, samples: Sequence[int]) -> Dict[str, Any]:
     """Coordinator reads and encodes; sampled ranks decode and plan the reads of their own shards."""
-    from ckpt_integration.execution.load import saved_chunk_reads
+    from ckpt_integration.storage.opened import saved_chunk_reads
     from ckpt_integration.execution.shared_metadata import decode_shared, encode_shared, read_local
     from ckpt_integration.storage.torch_dist_reader import TorchDistReader
     from ckpt_integration.storage.filesystem import locate

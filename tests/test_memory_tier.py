@@ -276,6 +276,28 @@ def test_snapshots_of_a_timeline_the_job_left_are_never_restored(tmp_path):
     fresh.close(remove=True)
 
 
+def test_a_second_open_tier_of_the_same_job_and_directory_is_refused(tmp_path):
+    """Two tiers of one job_id and directory (one per data-parallel group: both have a rank 0) wrote
+    the same files, and a restore returned another rank's state without an error. A rank's place is
+    locked while its tier is open: the second is refused naming the job, the first is untouched."""
+    import ckpt_integration as ci
+
+    d = str(tmp_path)
+    first = ci.MemoryCheckpoints(d, "twice", replicas=1)
+    first.save(_state(0, 1, 3), 3)
+    first.wait()
+    with pytest.raises(ci.errors.MemoryCheckpointError, match="rank 0's place .* job_id 'twice' .* its own job_id"):
+        ci.MemoryCheckpoints(d, "twice", replicas=1)
+    _check(first.load(_request(0, 1), 3), 0, 1, 3)
+    other = ci.MemoryCheckpoints(d, "other", replicas=1)  # another job beside it is fine
+    other.close(remove=True)
+    first.close()
+    again = ci.MemoryCheckpoints(d, "twice", replicas=1)  # closed (or its process gone): the place is free
+    _check(again.load(_request(0, 1), 3), 0, 1, 3)
+    again.close(remove=True)
+    assert sorted(os.listdir(d)) == []
+
+
 def _failing_write(*args, **kwargs):
     raise OSError(28, "no room")
 

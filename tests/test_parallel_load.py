@@ -322,6 +322,16 @@ def _worker2(rank, world, root):
     out = ci.load(_two_rank_request(rank), path, load_strategy="two_stage", thread_count=1)
     for name, exp in _expected(_two_rank_request(rank)).items():
         assert torch.equal(out[name], exp)
+    # None is the default; a bad budget or thread count on one rank fails the load on both (rank 1
+    # raised a bare TypeError inside a transfer, and rank 0 waited for it until the group's timeout)
+    for strategy in PARALLEL + ("read_once", "auto"):
+        out = ci.load(_two_rank_request(rank), path, load_strategy=strategy, memory_budget=None, thread_count=None)
+        for name, exp in _expected(_two_rank_request(rank)).items():
+            assert torch.equal(out[name], exp)
+        with pytest.raises(ci.CheckpointingException, match="rank 1: memory_budget must be a non-negative integer"):
+            ci.load(_two_rank_request(rank), path, load_strategy=strategy, memory_budget=-1 if rank else None)
+        with pytest.raises(ci.CheckpointingException, match="rank 0: thread_count must be a positive integer"):
+            ci.load(_two_rank_request(rank), path, load_strategy=strategy, thread_count=1.5 if rank == 0 else 2)
 
 
 def test_parallel_strategies_two_ranks(tmp_path):

@@ -23,7 +23,6 @@ import io
 import logging
 import os
 import operator
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
@@ -33,13 +32,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ..dict_utils import dict_list_map_inplace, merge
 from ..errors import KeyNotInCheckpointError, MismatchError, StateVerificationError
 from ..mapping import ShardedObject, ShardedTensor, apply_factory_merges, is_main_replica
-from ..planning.boxes import Box, clip_to_shape, intersect, relative_slices
+from ..planning.boxes import Box, clip_to_shape, relative_slices
 from ..planning.delivery import check_delivered
 from ..planning.request_check import object_place
-from ..planning.reshard import ChunkIndex, ChunkRead, plan_chunk_reads, uncovered_elements
+from ..planning.reshard import plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader, read_metadata
+from ..storage.opened import (MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader,
+                              read_metadata, saved_chunk_reads)
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.chunk_index import CompactChunks, checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_small_items
@@ -198,34 +198,6 @@ def _inside(box: Box, shape: Tuple[int, ...]) -> bool:
     return True
 
 
-_indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()
-
-
-def saved_chunk_reads(reader: CheckpointReader, key: str, request: Box) -> List[ChunkRead]:
-    """Reads filling ``request`` from the saved chunks of ``key`` (``source`` = the reader's chunk record).
-
-    When the metadata came from :mod:`.shared_metadata`, a binary search in the
-    broadcast's integers (sorted by the coordinator): O(log n) per request, chunk
-    records materialised only for the chunks read. Otherwise the key's
-    :class:`ChunkIndex` is built from the reader's chunk list on first use and kept as
-    long as the reader lives.
-    """
-    compact = compact_chunks_of(getattr(reader, "metadata", None))
-    if compact is not None and key in compact:
-        return compact.chunk_reads(key, request, getattr(reader, "directory", ""))
-    chunks = reader.chunks[key]
-    if len(chunks) == 1:  # the common case of many small tensors: no index to build
-        common = intersect(request, chunks[0].box)
-        return [] if common is None else [ChunkRead(chunks[0].box, common, chunks[0])]
-    per_reader = _indexes.get(reader)
-    if per_reader is None:
-        per_reader = _indexes[reader] = {}
-    index = per_reader.get(key)
-    if index is None:
-        index = per_reader[key] = ChunkIndex([c.box for c in chunks], chunks)
-    return index.reads(request)
-
-
 @with_gc_paused  # (issue 19: the per-item objects of a load, see gc_pause)
 def load_sharded(
     sharded_state_dict: Dict[str, Any],
@@ -261,7 +233,11 @@ def load_sharded(
     # followed it.
     opened, planned = Failure(), Failure()
     req: Optional[_Request] = None
+    (memory_budget, thread_count), bad = load_request.counts(rank, memory_budget=(memory_budget, 1 << 30),
+                                                            thread_count=(thread_count, 4))
     with opened.capture():
+        if bad is not None:  # (raised on every rank at the agreement below, not by one rank in a transfer)
+            raise bad
         req = _open_request(sharded_state_dict, checkpoint_dir, shared, group, trusted, allowed_globals,
                             validate_access_integrity, rank, world)
         checkpoint_dir = req.checkpoint_dir

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
 
 from ..dict_utils import nested_values
-from ..errors import KeyNotInCheckpointError, MismatchError
+from ..errors import CheckpointingException, KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from ..planning.exchange import Routed
 from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
@@ -231,3 +231,15 @@ def check_against_saved(sh: ShardedTensor, tmeta: Optional[STORAGE_TYPES], check
             f"{len(sh.global_shape)} were requested"
         )
     return saved_dtype
+
+
+def counts(rank: int, **given: Tuple[Any, int]) -> Tuple[List[int], Optional[CheckpointingException]]:
+    """Each ``name=(value, default)`` as a count (None: the default), and the error naming the others."""
+    out, bad = [], []
+    for name, (v, default) in given.items():
+        ok = v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= (name != "memory_budget"))
+        out.append(default if v is None or not ok else v)
+        if not ok:
+            bad.append(f"{name} must be a {'non-negative' if name == 'memory_budget' else 'positive'} integer "
+                       f"(or None for the default), got {v!r}")
+    return out, CheckpointingException(f"load on rank {rank}: {'; '.join(bad)}") if bad else None

@@ -27,6 +27,7 @@ allocation instead of a ``SIGBUS`` in the middle of a copy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,11 @@ import re
 import shutil
 import struct
 import uuid
+
+try:  # pragma: no cover - POSIX only
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -525,6 +531,40 @@ def owners(root: str) -> List[int]:
         return sorted(int(m.group(1)) for m in map(_OWNER_RE.match, os.listdir(root)) if m)
     except FileNotFoundError:
         return []
+
+
+class RankLock:
+    """``rank``'s place in this node's directory of the job, locked for a tier's life: two tiers given one
+    ``job_id`` and directory (one per data-parallel group, say: both have a rank 0) would overwrite
+    each other's snapshots and restore another rank's state. ``problem``: why it is not held (another
+    open tier holds it). Released by :meth:`release`, or when the object goes (a tier that failed to start)."""
+
+    def __init__(self, root: str, rank: int, job_id: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.path = os.path.join(root, f".r{rank:05d}.lock")
+        self.problem: Optional[str] = None
+        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            self.problem = (f"memory tier: rank {rank}'s place in {root} is taken by another MemoryCheckpoints of job_id "
+                            f"{job_id!r} that is still open (two tiers of one job_id and directory, e.g. one per "
+                            "data-parallel group, would overwrite each other's snapshots): give each its own job_id")
+        except OSError:  # (no flock on this filesystem: nothing to tell the tiers apart)
+            pass
+
+    def release(self, remove: bool = False) -> None:
+        """Let go of the lock (``remove``: and its file, as the job's directory goes)."""
+        if remove and self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        if self.fd is not None:
+            os.close(self.fd)  # (releases the lock)
+            self.fd = None
+
+    __del__ = release
 
 
 def remove_owner(root: str, owner: int) -> None:

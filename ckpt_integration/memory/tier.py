@@ -73,7 +73,8 @@ class MemoryCheckpoints:
 
     Args:
         directory: this node's shared-memory directory.
-        job_id: name of the training job (stable across restarts of the job).
+        job_id: name of the training job (stable across restarts of the job); one open tier per
+            job and directory (a second one's ranks would overwrite the first one's: refused).
         replicas: copies of each rank's snapshot on distinct nodes, its own included
             (``1``: no peer copies). Nodes form replica groups as in NVRx's clique replication
             (:mod:`ckpt_integration.memory.plan`).
@@ -81,10 +82,8 @@ class MemoryCheckpoints:
             ``r // ranks_per_node``).
         process_group: the ranks taking part (default: the world); a private gloo group with
             the same ranks carries the tier's traffic.
-        trusted: as for :func:`ckpt_integration.load`, for the common state and
-            ShardedObjects of a snapshot.
-        allowed_globals: as for :func:`ckpt_integration.load` (classes the restricted
-            unpickler may build from a snapshot's common state).
+        trusted, allowed_globals: as for :func:`ckpt_integration.load`, for the common state and
+            ShardedObjects of a snapshot (classes the restricted unpickler may build).
         timeout_s: how long the tier's background collectives wait for a peer.
 
     Example (every rank)::
@@ -144,8 +143,7 @@ class MemoryCheckpoints:
         self._persist_queue = AsyncCallsQueue(max_in_flight=1)
         self._pinned: Dict[int, int] = {}
         self._pin_cv = threading.Condition()
-        self._space_checked = False
-        self._closed = False
+        self._space_checked = self._closed = False
         # the newest complete step already in memory (a restarted job) must survive the next save
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
         done = rs.complete_any(inv)  # (also one of another job size: a smaller restart restores it)
@@ -157,15 +155,19 @@ class MemoryCheckpoints:
         self._ran = False  # (this run completed a snapshot: earlier runs' later steps were dropped then)
 
     def _check_distinct_memory(self, process_group: Group) -> None:
-        """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's
-        memory is named by its host, boot and the directory's device and inode (what two plan nodes
-        share when ``ranks_per_node`` does not match how the ranks are placed, or when two nodes
-        were given one directory); a copy that would land in its owner's memory is refused, naming
-        the ranks, before anything is written (it would protect nothing, and overwrite records)."""
-        gathered = dist.all_gather_object((slots.memory_identity(self.directory), self.directory), process_group)
+        """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's memory
+        is named by its host, boot and the directory's device and inode (what two plan nodes share when
+        ``ranks_per_node`` does not match how the ranks are placed, or when two nodes were given one
+        directory); a copy that would land in its owner's memory is refused, naming the ranks, before
+        anything is written (it would protect nothing, and overwrite records). Each rank's place in its
+        node's directory is locked for the tier's life (:class:`slots.RankLock`)."""
+        self._lock = slots.RankLock(self.root, self.rank, self.job_id)
+        mine = (slots.memory_identity(self.directory), self.directory, self._lock.problem)
+        gathered = dist.all_gather_object(mine, process_group)
         clash = memory_clashes(self.plan, [g[0] for g in gathered], [g[1] for g in gathered])
-        if clash is not None:
-            raise MemoryCheckpointError(clash)
+        if clash is not None or any(g[2] for g in gathered):
+            self._lock.release()
+            raise MemoryCheckpointError(clash or next(g[2] for g in gathered if g[2]))
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -206,12 +208,11 @@ class MemoryCheckpoints:
     def save(self, sharded_state_dict: Dict[str, Any], step: int) -> None:
         """Start a snapshot of ``sharded_state_dict`` as step ``step`` (every rank, same step).
 
-        Returns once the snapshot is under way: small tensors and the rest of the state are
-        copied, large tensors are being copied by a background thread (the next ``torch.optim``
-        step waits for that; other in-place changes must call
-        :func:`ckpt_integration.wait_for_snapshot` first). Waits for the previous snapshot and
-        raises its failure. The first call checks that every node has room for its snapshots
-        and raises :class:`MemorySpaceError` on every rank otherwise."""
+        Returns once the snapshot is under way: small tensors and the rest of the state are copied,
+        large tensors are being copied by a background thread (the next ``torch.optim`` step waits for
+        that; other in-place changes must call :func:`ckpt_integration.wait_for_snapshot` first). Waits
+        for the previous snapshot and raises its failure. The first call checks that every node has
+        room for its snapshots and raises :class:`MemorySpaceError` on every rank otherwise."""
         self._check_open()
         t0 = time.perf_counter()
         self._queue._make_room()  # the previous snapshot is complete everywhere (or raises)
@@ -226,8 +227,7 @@ class MemoryCheckpoints:
             for v in job.values:
                 if isinstance(v, ShardedTensor) and v.data.device.type == "meta":
                     raise CheckpointingException(f"ShardedTensor {v.key!r} is on the meta device: nothing to snapshot")
-        if job.failure.failed:
-            common = None
+        common = None if job.failure.failed else common
         if not self._space_checked:
             self._check_space(job)
         snap: Optional[Snapshot] = None
@@ -561,9 +561,7 @@ class MemoryCheckpoints:
     # -- teardown -----------------------------------------------------------------------------
     def close(self, remove: bool = False) -> None:
         """Wait for snapshots and persists in flight (raising a failure), stop the workers.
-
-        ``remove=True`` (collective: the job is over) deletes this job's snapshots on every node.
-        """
+        ``remove=True`` (collective: the job is over) deletes this job's snapshots on every node."""
         if self._closed:
             return
         first: Optional[BaseException] = None
@@ -580,8 +578,10 @@ class MemoryCheckpoints:
             dist.barrier(self._group)  # nobody reads a copy any more
             for owner in (self.rank, *self.plan.held_by(self.rank)):
                 slots.remove_owner(self.root, owner)
+            self._lock.release(remove=True)
             dist.barrier(self._group)
             slots.remove_job(self.root)
+        self._lock.release()
         self._destroy_groups()
         if first is not None:
             raise first

@@ -35,6 +35,7 @@ import contextlib
 import os
 import re
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, Union
@@ -43,12 +44,13 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..errors import CheckpointingException, CheckpointReplacedError, MismatchError
-from ..planning.boxes import Box
+from ..planning.boxes import Box, intersect
+from ..planning.reshard import ChunkIndex, ChunkRead
 from . import checkpoint_dir as ckdir
 from .checkpoint_dir import CONFIG_FILE, MANIFEST_FILE, SEALED_VERSION, WRITER_FILE, Manifest, is_plain_dcp, read_manifest
 from .checksum import HEAD_SEAL, check_sealed, check_sha_manifest
 from .filesystem import CheckpointLocation, Storage, locate, parent_of
-from .chunk_index import read_chunk_index
+from .chunk_index import compact_chunks_of, read_chunk_index
 from .torch_dist import read_dcp_metadata
 from .torch_dist_reader import MANIFEST_FROM_DIRECTORY, ChunkInfo, TorchDistReader
 from .zarr_backend import ZarrReader
@@ -517,3 +519,31 @@ def identity_of(manifest: Optional[Manifest]) -> str:
     if manifest is None:
         return ""
     return manifest.commit_id or f"created={manifest.created!r} save={manifest.save}"
+
+
+_indexes: "weakref.WeakKeyDictionary[Any, Dict[str, ChunkIndex]]" = weakref.WeakKeyDictionary()
+
+
+def saved_chunk_reads(reader: CheckpointReader, key: str, request: Box) -> List[ChunkRead]:
+    """Reads filling ``request`` from the saved chunks of ``key`` (``source`` = the reader's chunk record).
+
+    When the metadata came from :mod:`.shared_metadata`, a binary search in the
+    broadcast's integers (sorted by the coordinator): O(log n) per request, chunk
+    records materialised only for the chunks read. Otherwise the key's
+    :class:`ChunkIndex` is built from the reader's chunk list on first use and kept as
+    long as the reader lives.
+    """
+    compact = compact_chunks_of(getattr(reader, "metadata", None))
+    if compact is not None and key in compact:
+        return compact.chunk_reads(key, request, getattr(reader, "directory", ""))
+    chunks = reader.chunks[key]
+    if len(chunks) == 1:  # the common case of many small tensors: no index to build
+        common = intersect(request, chunks[0].box)
+        return [] if common is None else [ChunkRead(chunks[0].box, common, chunks[0])]
+    per_reader = _indexes.get(reader)
+    if per_reader is None:
+        per_reader = _indexes[reader] = {}
+    index = per_reader.get(key)
+    if index is None:
+        index = per_reader[key] = ChunkIndex([c.box for c in chunks], chunks)
+    return index.reads(request)
