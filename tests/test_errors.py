@@ -551,6 +551,26 @@ def test_strict_return_all_directions(ckpt):
     assert sd["iteration"] == 3
 
 
+def test_strict_modes_compare_a_tensor_named_like_an_object_shard_by_its_own_key(tmp_path):
+    """A tensor whose key ends like an object shard's (``a/shard_0_1``) was compared as the object
+    ``a``: a tensor ``a`` requested by nobody was not reported missing (nor raised by RAISE_ALL), and
+    an unrequested ``u/shard_0_1`` was reported as ``u``. Only objects go by their object's key."""
+    d = str(tmp_path / "c")
+    t = lambda k, v=1.0: ShardedTensor.from_rank_offsets(k, torch.full((2,), v))  # noqa: E731
+    ci.save({"a": t("a"), "b": t("a/shard_0_1", 2.0), "u": t("u/shard_0_1"),
+             "o": ShardedObject("obj", {"k": 1}, (2,), (0,)), "p": ShardedObject("obj", {"k": 2}, (2,), (1,))}, d)
+    out, missing, unexpected = ci.load({"b": t("a/shard_0_1", 0.0), "o": ShardedObject("obj", None, (2,), (1,))}, d,
+                                       strict=StrictHandling.RETURN_ALL)
+    assert missing == {"a", "u/shard_0_1"} and unexpected == set()
+    assert torch.equal(out["b"], torch.full((2,), 2.0)) and out["o"] == {"k": 2}
+    with pytest.raises(MismatchError, match=r"Missing keys \(for all ranks\): \{'a'\}"):
+        ci.load({"b": t("a/shard_0_1", 0.0), "u": t("u/shard_0_1", 0.0), "o": ShardedObject("obj", None, (2,), (0,))}, d,
+                strict=StrictHandling.RAISE_ALL)
+    _, missing, unexpected = ci.load({"x": t("x/shard_0_1"), "y": ShardedObject("y", None, (1,), (0,))}, d,
+                                     strict=StrictHandling.RETURN_ALL)
+    assert unexpected == {"x/shard_0_1", "y"} and missing == {"a", "a/shard_0_1", "u/shard_0_1", "obj"}
+
+
 def test_strict_return_unexpected(ckpt):
     sd, missing, unexpected = ci.load(_strict_request(), ckpt, strict=StrictHandling.RETURN_UNEXPECTED)
     assert unexpected == UNEXPECTED and missing == set()

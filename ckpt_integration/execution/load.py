@@ -247,7 +247,7 @@ def load_sharded(
             job = _prepare_reads(
                 checkpoint_dir, req.md, req.common, req.sharded, req.nonpersistent, req.factories, req.template,
                 strict, req.requested, trusted, allowed_globals, verify_checksums, rank, req.backend,
-                strict_dtype=strict_dtype, manifest=req.shared.manifest,
+                strict_dtype=strict_dtype, manifest=req.shared.manifest, shards=req.shards,
             )
     requested_global: Set[str] = set()  # (*_all modes: keys some rank requests, known after the check)
     try:
@@ -267,7 +267,7 @@ def load_sharded(
     failure = planned if planned.failed else opened
     if global_strict and job is not None and not failure.failed:
         with failure.capture():  # (a *_all mode that raises: before anything is read)
-            load_request.strict_after_check(job, strict, req.requested, requested_global, req.md, checkpoint_dir, rank)
+            load_request.strict_after_check(job, strict, req, requested_global, checkpoint_dir, rank)
     last_load_stats.clear()
     last_load_stats["strategy"] = "local"
     result: Any = None
@@ -425,7 +425,7 @@ class _LoadJob:
 def _prepare_reads(
     checkpoint_dir, md, common, sharded, nonpersistent, factories, template, strict,
     requested, trusted, allowed_globals, verify_checksums, rank, backend="torch_dist",
-    strict_dtype=False, manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY,
+    strict_dtype=False, manifest: Union[ckdir.Manifest, None, object] = MANIFEST_FROM_DIRECTORY, shards: Iterable[Any] = (),
 ) -> _LoadJob:
     """The local part of a load, planned before the ranks' requests are combined: unexpected keys
     are left out (and raised or logged here, except in a ``*_all`` strict mode, whose missing keys
@@ -434,7 +434,7 @@ def _prepare_reads(
     unexpected: Set[str] = set()
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         # (every key of the checkpoint: md lists the requested ones only)
-        _, unexpected = mismatched_keys(requested, requested, checkpoint_keys(md))
+        _, unexpected = mismatched_keys(requested, requested, checkpoint_keys(md), load_request.object_storage_keys(shards, md))
         if not StrictHandling.requires_global_app_metadata(strict):
             load_request.handle_strict(strict, missing, unexpected, checkpoint_dir, rank)
         if unexpected:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Protocol, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import STORAGE_TYPES, Metadata, TensorStorageMetadata
@@ -18,7 +18,7 @@ from ..dict_utils import nested_values
 from ..errors import CheckpointingException, KeyNotInCheckpointError, MismatchError
 from ..mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from ..planning.exchange import Routed
-from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys
+from ..planning.strict import StrictHandling, mismatch_message, mismatched_keys, object_keys
 from ..storage.opened import EMBEDDED_COMMON_KEY
 from ..storage.chunk_index import checkpoint_keys
 from ..storage.filesystem import canonical
@@ -42,6 +42,12 @@ class LoadJob(Protocol):
 
 def request_key(sh: Union[ShardedTensor, ShardedObject]) -> str:
     return sh.unique_key if isinstance(sh, ShardedObject) else sh.key
+
+
+def object_storage_keys(shards: Iterable[Any], md: Metadata) -> Set[str]:
+    """The storage keys of objects, requested in ``shards`` or stored in the checkpoint ``md`` describes
+    (a strict mode compares those by their object's key, tensors' keys as they are)."""
+    return object_keys(md) | {s.unique_key for s in shards if isinstance(s, ShardedObject)}
 
 
 def drop_keys(sharded: object, keys: Set[str]) -> Any:
@@ -152,12 +158,13 @@ def skip_incomplete_factories(result: Any, factories: Any, template: Any, unexpe
                 del factories[k]
 
 
-def strict_after_check(job: LoadJob, strict: StrictHandling, requested: List[str], requested_global: Set[str],
-                       md: Metadata, checkpoint_dir: Union[str, os.PathLike], rank: int) -> None:
+def strict_after_check(job: LoadJob, strict: StrictHandling, req: Any, requested_global: Set[str],
+                       checkpoint_dir: Union[str, os.PathLike], rank: int) -> None:
     """A ``*_all`` strict mode for reads planned before the ranks' requests were combined: the
     missing keys, and the mismatch raised or logged as when planning follows (unexpected keys were
-    left out of the plan)."""
-    missing, _ = mismatched_keys(requested, requested_global, checkpoint_keys(md))
+    left out of the plan). ``req``: the load's request (its ``requested`` keys, ``shards``, ``md``)."""
+    missing, _ = mismatched_keys(req.requested, requested_global, checkpoint_keys(req.md),
+                                 object_storage_keys(req.shards, req.md))
     # the common state stored as an object in the data (Megatron-Core 0.19's layout; save(...,
     # common_state_in_data=True)) is what every load returns as the common state, not a key to request
     missing.discard(EMBEDDED_COMMON_KEY)

@@ -13,6 +13,8 @@ import re
 from enum import Enum
 from typing import Iterable, Set, Tuple, Union
 
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
 
 class StrictHandling(Enum):
     """What ``load`` does on missing/unexpected keys (see module docstring for the words).
@@ -85,16 +87,29 @@ def report_key(storage_key: str) -> str:
 
 
 def mismatched_keys(
-    requested_local: Iterable[str], requested_global: Iterable[str], in_checkpoint: Iterable[str]
+    requested_local: Iterable[str], requested_global: Iterable[str], in_checkpoint: Iterable[str],
+    objects: Iterable[str] = (),
 ) -> Tuple[Set[str], Set[str]]:
     """Return ``(missing, unexpected)``: in the checkpoint but requested by no rank, and requested here
-    but not in the checkpoint. Keys are storage keys; ShardedObjects are compared, and reported,
-    by their key (:func:`report_key`), as Megatron-Core does: a shard of an object whose key is in
-    the checkpoint is not unexpected (reading it fails naming the shard if that shard is absent)."""
-    ckpt = {report_key(k) for k in in_checkpoint}
-    unexpected = {report_key(k) for k in requested_local} - ckpt
-    missing = ckpt - {report_key(k) for k in requested_global}
-    return missing, unexpected
+    but not in the checkpoint. Keys are storage keys; ``objects``: those of ShardedObject shards
+    (requested or stored), which are compared, and reported, by their object's key (:func:`report_key`),
+    as Megatron-Core does: a shard of an object whose key is in the checkpoint is not unexpected
+    (reading it fails naming the shard if that shard is absent). A tensor's key is compared as it is,
+    also one that ends like a shard's (``'a/shard_0_1'``)."""
+    objects = set(objects)
+
+    def named(keys: Iterable[str]) -> Set[str]:
+        return {report_key(k) if k in objects else k for k in keys}
+
+    ckpt = named(in_checkpoint)
+    return ckpt - named(requested_global), named(requested_local) - ckpt
+
+
+def object_keys(md: Metadata) -> Set[str]:
+    """The storage keys of the objects of the checkpoint ``md`` (DCP ``Metadata``) describes, those
+    left out of a load's metadata (``other_objects``) included."""
+    out = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    return out.union(getattr(md, "other_objects", None) or ())
 
 
 def _key_set(keys: Iterable[str]) -> str:

@@ -108,14 +108,10 @@ def encode_metadata(md: Metadata, w: MessageWriter) -> None:
             did = dtype_ids.get(dt)
             if did is None:
                 did = dtype_ids[dt] = w.sid(dtype_name(dt))
-            chunks = []
-            for c in meta.chunks:
-                offsets = tuple(c.offsets)
-                chunks.append((offsets, tuple(c.sizes), located.get((key, offsets), _MISSING)))
+            chunks = [(o := tuple(c.offsets), tuple(c.sizes), located.get((key, o), _MISSING)) for c in meta.chunks]
             _tensor(ints, w.sid(key), did, tuple(meta.size), chunks)
         else:
-            ints += (1, w.sid(key))
-            ints += located.get((key, None), _MISSING)
+            ints += (1, w.sid(key), *located.get((key, None), _MISSING))
 
 
 def index_of_layout(layout: CommitLayout, metadata_entry: Dict[str, int]) -> bytes:
@@ -237,6 +233,7 @@ def decode_metadata(
     positions: Dict[str, Tuple[int, ...]] = {}
     skip = lazy_chunks and keys is not None
     others: List[str] = []  # keys stepped over (skip)
+    other_objects: List[str] = []  # (those of them that are objects)
     sd_meta: dict = {}
     storage: dict = {}
     dtypes: Dict[int, torch.dtype] = {}
@@ -253,6 +250,7 @@ def decode_metadata(
                 nd = ints[p + 3]
                 p += 7 + nd + ints[p + 4 + nd] * (2 * nd + 3)
             else:
+                other_objects.append(key)
                 p += 5
             continue
         if kind == 0:
@@ -293,7 +291,7 @@ def decode_metadata(
     if not lazy_chunks:  # whole chunk lists: DCP's own class, as ``.metadata`` holds it
         return Metadata(**fields), p, positions
     # (other keys sorted with the listed ones when asked: most loads never ask)
-    return IndexedMetadata(**fields, other_keys=others if skip else None), p, positions
+    return IndexedMetadata(**fields, other_keys=others if skip else None, other_objects=other_objects), p, positions
 
 
 @dataclass
@@ -302,11 +300,12 @@ class IndexedMetadata(Metadata):
 
     ``chunks``: the index's chunk lists of the requested keys, where the DCP lists are left empty
     (:meth:`CompactMetadata.metadata_for`); ``other_keys``: the checkpoint's keys this metadata
-    leaves out (decoded for some keys only), which :func:`checkpoint_keys` adds back. DCP code
-    takes it as the ``Metadata`` it is."""
+    leaves out (decoded for some keys only), which :func:`checkpoint_keys` adds back, and
+    ``other_objects``: those of them that are objects. DCP code takes it as the ``Metadata`` it is."""
 
     chunks: Optional["CompactChunks"] = None
     other_keys: Optional[List[str]] = None
+    other_objects: Optional[List[str]] = None
 
 
 def checkpoint_keys(md: Metadata) -> List[str]:

@@ -534,7 +534,7 @@ class _DataPass:
                          info.relative_path, [index])
         elif start + chunk.nbytes > info.length:
             self.problem(f"{file}: the tensor data of {what} exceeds its stored item", info.relative_path, [index])
-        elif brec is not None and rec.is_contiguous and start != brec.data_offset:
+        elif brec is not None and rec.is_contiguous and chunk.nbytes and start != brec.data_offset:  # (no data: no place)
             self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
                          f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
 
