@@ -64,6 +64,17 @@ def test_replication_plan_distinct_nodes_and_groups():
         assert counts == [reps - 1] * world  # every rank keeps as many copies as it has holders
 
 
+def test_a_groups_ranks_per_node_follow_its_global_ranks():
+    import ckpt_integration as ci
+    from ckpt_integration.memory.plan import group_ranks_per_node
+
+    assert group_ranks_per_node([1, 3, 5, 7], 4) == 2 and group_ranks_per_node([0, 2], 2) == 1
+    assert group_ranks_per_node(range(8), 4) == 4 and group_ranks_per_node(range(3), 8) == 3
+    for ranks in ([0, 1, 2], [0, 2, 1, 3]):  # unequal blocks; a node's members not consecutive in the group
+        with pytest.raises(ci.errors.MemoryCheckpointError, match="pass ranks_per_node"):
+            group_ranks_per_node(ranks, 2)
+
+
 def test_replication_plan_refuses_impossible_layouts():
     import ckpt_integration as ci
     from ckpt_integration.memory.plan import replication_plan
@@ -549,6 +560,13 @@ def _rank_main(cfg: dict) -> None:
         out["other_latest"] = other.latest()
         _check(other.load(_request(rank, world), 100), rank, world, 100, sign=-1)
         other.close(remove=True)
+        # a tier per data-parallel group ({0, 2}, {1, 3}: each spans both nodes) copies to the other node
+        # (the default ranks_per_node applied LOCAL_WORLD_SIZE to group ranks: one node, no copies)
+        os.environ["LOCAL_WORLD_SIZE"] = str(rpn)
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        sub = ci.MemoryCheckpoints(node_dir, f"D{rank % 2}", replicas=2, process_group=groups[rank % 2])
+        out["sub_holders"] = [list(h) for h in sub.plan.holders]
+        sub.close(remove=True)
     for step in cfg["steps"]:
         tier.save(_state(rank, world, step), step)
         tier.wait()
@@ -618,6 +636,7 @@ def test_four_ranks_two_nodes_kill_restart_node_loss_corruption_and_reshard(tmp_
     assert rcs[2] == -signal.SIGKILL and all(o.get("done") for o in outs), f"{rcs}\n{_tails(logs)}"
     for o in outs:
         assert (o["latest"], o["source"], o["refused"], o["other_latest"]) == (4, "own memory", [], 100), o
+        assert o["sub_holders"] == [[1], [0]], o
     assert all(k_files[r] for r in range(4))
     for node in ("node0", "node1"):
         assert not os.path.exists(os.path.join(base, node, "K")), "job K's snapshots were not removed"

@@ -54,6 +54,23 @@ class ReplicationPlan:
         return tuple(sorted({node} | {self.node_of(h) for h in self.holders[rank]}))
 
 
+def group_ranks_per_node(global_ranks: Sequence[int], local_world_size: int) -> int:
+    """Ranks per node of a group whose members are ``global_ranks`` (in group order), on a job whose
+    nodes run ``local_world_size`` consecutive global ranks each (a data-parallel group ``{0, 2}`` of
+    2 ranks per node: 1). The plan numbers nodes by blocks of group ranks, so the members on one node
+    must be consecutive in the group, and equally many on every node.
+
+    Example: ``group_ranks_per_node([1, 3, 5, 7], 4) == 2``."""
+    nodes = [g // local_world_size for g in global_ranks]
+    size = nodes.count(nodes[0]) if nodes else 1
+    blocks = [nodes[i:i + size] for i in range(0, len(nodes), size)]
+    if any(len(set(b)) != 1 or len(b) != size for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise MemoryCheckpointError(
+            f"the process group's ranks {list(global_ranks)} do not sit on the nodes in blocks of equal size (node "
+            f"= global rank // LOCAL_WORLD_SIZE={local_world_size}): pass ranks_per_node, or a group ordered node by node")
+    return size
+
+
 def replication_plan(world_size: int, ranks_per_node: int, replicas: int) -> ReplicationPlan:
     """The copies of every rank's snapshot (see the module docstring).
 

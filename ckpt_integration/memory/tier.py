@@ -46,7 +46,7 @@ from ..storage.safe_pickle import torch_dumps
 from . import elastic, slots
 from . import restore as rs
 from .restore import RestoreReport
-from .plan import memory_clashes, replication_plan, space_problem
+from .plan import group_ranks_per_node, memory_clashes, replication_plan, space_problem
 from .transfer import Outgoing, exchange
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class MemoryCheckpoints:
         replicas: copies of each rank's snapshot on distinct nodes, its own included
             (``1``: no peer copies). Nodes form replica groups as in NVRx's clique replication
             (:mod:`ckpt_integration.memory.plan`).
-        ranks_per_node: ranks per node (default: ``LOCAL_WORLD_SIZE``; rank ``r`` runs on node
-            ``r // ranks_per_node``).
+        ranks_per_node: ranks per node (default: from ``LOCAL_WORLD_SIZE``, the group's ranks as
+            they sit on the job's nodes; rank ``r`` of the group runs on node ``r // ranks_per_node``).
         process_group: the ranks taking part (default: the world); a private gloo group with
             the same ranks carries the tier's traffic.
         trusted, allowed_globals: as for :func:`ckpt_integration.load`, for the common state and
@@ -114,7 +114,7 @@ class MemoryCheckpoints:
             if env is None and self.world_size > 1:
                 raise MemoryCheckpointError("MemoryCheckpoints needs ranks_per_node (LOCAL_WORLD_SIZE is not set, "
                                             "or not a positive integer)")
-            ranks_per_node = env or 1
+            ranks_per_node = group_ranks_per_node([dist.global_rank(process_group, g) for g in range(self.world_size)], env or 1)
         self.plan = replication_plan(self.world_size, int(ranks_per_node), int(replicas))
         self.trusted = trusted
         self.allowed_globals = list(allowed_globals or [])
