@@ -98,17 +98,31 @@ def _unreadable_manifest(ck: Any) -> Optional[str]:
     return None
 
 
-def _committed(directory: Union[str, os.PathLike], suffix: Optional[str] = None) -> List[str]:
+def _committed(directory: Union[str, os.PathLike], suffix: Optional[str] = None, depth: int = 0) -> List[str]:
     storage, d = storage_for(directory)
+    return _committed_in(storage, d, suffix, depth)
+
+
+def _committed_in(storage: Any, d: str, suffix: Optional[str], depth: int) -> List[str]:
     if not storage.isdir(d):
         return []
-    names = [n for n in storage.listdir(d) if (suffix is None or n.endswith(suffix)) and not is_replace_sibling(n)]
-    return [join(d, n) for n in names if storage.exists(join(d, n, CONFIG_FILE))]
+    out = []
+    for n in storage.listdir(d):
+        if is_replace_sibling(n):
+            continue
+        if (suffix is None or n.endswith(suffix)) and storage.exists(join(d, n, CONFIG_FILE)):
+            out.append(join(d, n))
+        elif depth > 0 and storage.isdir(join(d, n)) and not storage.exists(join(d, n, CONFIG_FILE)):
+            out += _committed_in(storage, join(d, n), suffix, depth - 1)
+    return out
 
 
-def ordered_checkpoints(directory: Union[str, os.PathLike], suffix: Optional[str] = None) -> List[CommitOrder]:
-    """The committed checkpoints directly inside ``directory``, oldest first (see the module doc)."""
-    return sorted((commit_order_of(p) for p in _committed(directory, suffix)), key=CommitOrder.key)
+def ordered_checkpoints(directory: Union[str, os.PathLike], suffix: Optional[str] = None,
+                        depth: int = 0) -> List[CommitOrder]:
+    """The committed checkpoints inside ``directory``, oldest first (see the module doc): directly
+    inside, or up to ``depth`` directories further down (a Lightning file name with ``/``, as
+    ``"{epoch}-{train/loss:.2f}"``, nests its checkpoints)."""
+    return sorted((commit_order_of(p) for p in _committed(directory, suffix, depth)), key=CommitOrder.key)
 
 
 def list_checkpoints(directory: Union[str, os.PathLike]) -> List[str]:
@@ -131,8 +145,10 @@ def list_checkpoints(directory: Union[str, os.PathLike]) -> List[str]:
     return [c.path for c in ordered_checkpoints(directory)]
 
 
-def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] = None, why: str = "") -> Optional[str]:
-    """The newest committed checkpoint in ``directory`` (names ending in ``suffix``), or None.
+def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] = None, why: str = "",
+                      depth: int = 0) -> Optional[str]:
+    """The newest committed checkpoint in ``directory`` (names ending in ``suffix``; ``depth``: as for
+    :func:`ordered_checkpoints`), or None.
 
     Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
     A committed checkpoint of ours whose manifest cannot be read (deleted, emptied, damaged, a
@@ -140,7 +156,7 @@ def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] 
     resume from an older one without a word, this raises :class:`CorruptCheckpointError` naming it
     and the newest readable one. Checkpoints of other writers (no manifest) are ordered by time.
     """
-    found = ordered_checkpoints(directory, suffix)
+    found = ordered_checkpoints(directory, suffix, depth)
     if not found:
         return None
     damaged = [c for c in found if c.damaged]

@@ -671,3 +671,15 @@ def test_verify_passes_a_checkpoint_holding_empty_tensors(tmp_path, capsys):
     ci.save({k: ci.ShardedTensor.from_rank_offsets(k, torch.ones(s)) for k, s in shapes.items()}, d)
     code, out, err = run_cli("verify", d, capsys=capsys)
     assert code == 0 and "OK" in out, out + err
+
+
+@pytest.mark.parametrize("tool", [("export", "--to", "hf"), ("convert", "--to", "safetensors")])
+def test_a_tensor_named_like_the_safetensors_header_is_refused(tmp_path, capsys, tool):
+    """A tensor keyed ``__metadata__`` was written into the header's metadata slot: the tools exited 0
+    with a file no safetensors reader opens."""
+    src = str(tmp_path / "ck")
+    ci.save({"a": ci.ShardedTensor.from_rank_offsets("__metadata__", torch.ones(1)),
+             "b": ci.ShardedTensor.from_rank_offsets("w", torch.ones(1))}, src)
+    code, _, err = run_cli(tool[0], src, tmp_path / "out", *tool[1:], capsys=capsys)
+    assert code == 2 and "'__metadata__' cannot be stored in safetensors" in err, err
+    assert not (tmp_path / "out").exists()

@@ -45,7 +45,7 @@ def _names(url):
     return storage.listdir(p)
 
 
-def _fit(url, epochs, ckpt_path=None, save_last=False, top_k=1):
+def _fit(url, epochs, ckpt_path=None, save_last=False, top_k=1, filename=None):
     import lightning as L
 
     import gpt
@@ -54,7 +54,7 @@ def _fit(url, epochs, ckpt_path=None, save_last=False, top_k=1):
     L.seed_everything(0, verbose=False)
     m = gpt.GPTModule(vocab_size=gpt.vocab_size(CHARS), corpus_chars=CHARS, n_layers=1)
     cb = DistCkptModelCheckpoint(dirpath=url, save_top_k=top_k, monitor="train_loss", save_last=save_last,
-                                 every_n_epochs=1)
+                                 every_n_epochs=1, filename=filename)
     t = L.Trainer(accelerator="cpu", devices=1, strategy=DistCkptSingleDeviceStrategy(), plugins=[DistCkptIO()],
                   max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                   callbacks=[cb], limit_train_batches=2, num_sanity_val_steps=0, limit_val_batches=0)
@@ -92,3 +92,16 @@ def test_topk_deletes_and_resume_on_fsspec_url(mem_url):
 def test_save_last_refused_on_object_store(mem_url):
     with pytest.raises(ValueError, match="save_last=True.*save_last=False"):
         _fit(mem_url, 1, save_last=True)
+
+
+def test_resume_last_finds_the_checkpoints_a_file_name_with_a_slash_nests(tmp_path):
+    """A metric name with ``/`` in the file name (``"{epoch}-{train/loss:.2f}"``) puts each checkpoint
+    one directory down: ``ckpt_path="last"`` found none there and trained again from epoch 0, with a
+    warning only. It looks as deep as the file name nests."""
+    from ckpt_integration.checkpoints import ordered_checkpoints
+
+    _fit(str(tmp_path), 3, filename="{epoch}/{step}")
+    assert [os.path.relpath(c.path, tmp_path) for c in ordered_checkpoints(str(tmp_path), depth=1)] == ["epoch=2/step=6.ckpt"]
+    m, t = _fit(str(tmp_path), 4, ckpt_path="last", filename="{epoch}/{step}")
+    assert min(dict(m.step_losses)) == 6 and t.global_step == 8
+

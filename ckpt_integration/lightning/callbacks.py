@@ -185,7 +185,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         io = _io(trainer)
         if self.dirpath is not None:
             try:
-                newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"')
+                # (a metric with "/" in the file name, "{epoch}-{train/loss:.2f}", nests the checkpoints)
+                newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"',
+                                                    depth=(self.filename or "").count("/"))
             except CorruptCheckpointError:  # a committed checkpoint whose step is unknown (it may be the newest)
                 if io is None or not io.memory_enabled:
                     raise

@@ -30,14 +30,14 @@ def is_complete_checkpoint(path: Any) -> bool:
     return ck.storage.exists(meta) and not ck.storage.isdir(meta)
 
 
-def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "") -> Optional[str]:
+def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "", depth: int = 0) -> Optional[str]:
     """The newest committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
 
     "Newest" is what the jobs recorded at commit (global step, then commit number; see
     :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
-    its reason are logged.
+    its reason are logged. ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
     """
-    return newest_checkpoint(dirpath, suffix, why=why)
+    return newest_checkpoint(dirpath, suffix, why=why, depth=depth)
 
 
 def resolve_checkpoint_path(path: str) -> str:

@@ -78,6 +78,9 @@ def write_safetensors_folder(src: TensorSource, entries: List[Tuple[str, TensorI
                              max_shard_size: int, budget: int, bar: ProgressBar) -> List[str]:
     """HF-style folder ``out_dir``: size-bounded ``.safetensors`` files and ``model.safetensors.index.json``,
     tensors streamed from ``src`` in blocks of at most ``budget`` bytes. Returns the names written."""
+    if any(key == "__metadata__" for key, _ in entries):  # (before any file: safetensors reserves the name)
+        raise CheckpointingException("a tensor named '__metadata__' cannot be stored in safetensors: the format keeps "
+                                     "its header's metadata under that name (no reader would open the file); rename it")
     plan = shard_plan(entries, max_shard_size)
     n = len(plan)
     names: List[str] = []
