@@ -348,3 +348,30 @@ def test_stock_checkpoint_of_fused_module_is_refused_and_checkpoint_dict(tmp_pat
     assert ckpt["global_step"] == 1 and ckpt["hyper_parameters"]["d_model"] == 8
     assert ckpt["state_dict"]["model.blocks.0.qkv.weight.part1"].shape == (8, 8)
     assert not [k for k in ckpt["state_dict"] if k.startswith("optimizer")]
+
+
+def test_model_weights_named_like_the_optimizer_are_kept_by_the_checkpoint_dict(tmp_path):
+    """``load_checkpoint_dict`` and ``DistCkptIO.load_checkpoint`` dropped every tensor whose key began
+    with "optimizer" (a submodule ``optimizer_net``, or one named ``optimizer``), not only the optimizer's
+    state (``optimizer.state.*``, ``optimizer_1.state.*``)."""
+    from ckpt_integration.lightning import DistCkptIO, load_checkpoint_dict
+    from ckpt_integration.optimizer import is_optimizer_state_key
+
+    assert is_optimizer_state_key("optimizer.state.exp_avg.net.w") and is_optimizer_state_key("optimizer_2.state.x.y")
+    assert not any(map(is_optimizer_state_key, ["optimizer_net.weight", "optimizer.weight", "optimizer_x.state.a",
+                                                "optimizer.statex.a", "net.optimizer.state.a"]))
+
+    class WithOptimizerNames(TinyModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.optimizer_net, self.optimizer = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    m = WithOptimizerNames()
+    t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path), plugins=[DistCkptIO()])
+    t.fit(m, loader())
+    path = t.checkpoint_callback.best_model_path
+    want = {k: v for k, v in m.state_dict().items()}
+    for got in (load_checkpoint_dict(path)["state_dict"], DistCkptIO().load_checkpoint(path)["state_dict"]):
+        assert {"optimizer_net.weight", "optimizer.bias"} <= set(got)
+        assert all(torch.equal(got[k], want[k]) for k in ("optimizer_net.weight", "optimizer_net.bias", "optimizer.weight"))
+        assert not [k for k in got if is_optimizer_state_key(k)]

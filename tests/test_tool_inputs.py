@@ -421,3 +421,18 @@ def test_diff_compares_bytesio_values_by_their_bytes(tmp_path, capsys):
     assert code == 0, out
     code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "c", "--trusted")
     assert code == 1 and "blob/shard_0_1: bytes b'same' vs bytes b'other'" in out and "meta/buf" in out, out
+
+
+def test_diff_counts_nan_in_the_common_state_and_objects_equal_to_itself(tmp_path, capsys):
+    """A checkpoint compared with itself was "different" when its common state (Lightning's
+    ``best_model_score`` of a diverged run) or an object held NaN; tensors already compared NaN equal."""
+    for name, last in (("a", 1.0), ("b", 1.0), ("c", 2.0)):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.tensor([float("nan"), 1.0])),
+                 "callbacks": {"best": torch.tensor([float("nan"), last]), "f": float("nan")},
+                 "o": ci.ShardedObject("o", {"loss": float("nan")}, (1,), (0,))}, str(tmp_path / name))
+    assert run_cli(capsys, "diff", tmp_path / "a", tmp_path / "a")[0] == 0
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert code == 0, out
+    code, out, _ = run_cli(capsys, "diff", tmp_path / "a", tmp_path / "c")
+    assert code == 1 and "callbacks/best: Tensor tensor([nan, 1.]) vs Tensor tensor([nan, 2.])" in out, out
+    assert "callbacks/f" not in out and "o/shard" not in out, out

@@ -20,7 +20,7 @@ from ..errors import CheckpointingException
 from ..execution import dist
 from ..execution.async_save import SNAPSHOT_MODES, AsyncCallsQueue, async_save_torch_dist
 from ..execution.shared_metadata import open_shared
-from ..optimizer import load_optimizer_state
+from ..optimizer import is_optimizer_state_key, load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import canonical, storage_for
 from ..storage.opened import OpenedCheckpoint, opened
@@ -446,7 +446,7 @@ class DistCkptIO(CheckpointIO):
             common = dict(serialization.load_common_state_dict(ck, trusted=self.trusted,
                                                                allowed_globals=self.load_kwargs()["allowed_globals"]))
             tensors = serialization.load_plain_tensors(ck, trusted=self.trusted, verify_state=self.verify_state)
-        common["state_dict"] = {k: v for k, v in tensors.items() if not k.startswith("optimizer")}
+        common["state_dict"] = {k: v for k, v in tensors.items() if not is_optimizer_state_key(k)}
         return common
 
     def remove_checkpoint(self, path: Any) -> None:

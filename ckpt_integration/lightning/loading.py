@@ -17,7 +17,7 @@ import torch
 from .. import serialization
 from ..execution.save import CONTENT_METADATA_KEY
 from ..modules import ParallelLayout, load_module_state_dict, module_sharded_state_dict
-from ..optimizer import optimizer_key
+from ..optimizer import is_optimizer_state_key, optimizer_key
 from ..storage.opened import OpenedCheckpoint, opened
 from .entries import RNG_KEY, model_key_report, sharded_keys
 from .io import MARKER, DistCkptIO
@@ -56,7 +56,7 @@ def load_checkpoint_dict(
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     out = _lightning_part(common, int(meta.get("num_optimizers", 0)))
     model = dict(common.get("state_dict") or {})
-    model.update({k: v for k, v in tensors.items() if not k.startswith("optimizer") and not k.startswith(RNG_KEY)})
+    model.update({k: v for k, v in tensors.items() if not is_optimizer_state_key(k) and not k.startswith(RNG_KEY)})
     out["state_dict"] = model
     return out
 

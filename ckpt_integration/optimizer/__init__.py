@@ -39,6 +39,7 @@ from .sharding import (
     UnmatchedParameterError,
     get_optim_param_to_id_map,
     get_param_id_to_sharded_param_map,
+    is_optimizer_state_key,
     make_sharded_optimizer_tensor,
     optim_state_to_sharding_state,
     optimizer_key,
@@ -50,6 +51,7 @@ from .zero import ZeroShardedOptimizer
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "is_optimizer_state_key",
     "optimizer_key",
     "PARAM_META_KEY",
     "OptimizerStateNotFoundError",

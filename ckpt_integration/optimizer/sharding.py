@@ -37,6 +37,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFIX = "optimizer"
 
 
+def is_optimizer_state_key(key: str) -> bool:
+    """Whether a stored tensor key is optimizer state as the Lightning integration and the tools store it
+    (``optimizer.state.<name>.<param>``, ``optimizer_1.state.…``), not a model weight whose name starts
+    alike (a submodule ``optimizer_net``, or one named ``optimizer``)."""
+    head, _, rest = key.partition(".")
+    return rest.startswith("state.") and (head == DEFAULT_PREFIX or (
+        head.startswith(DEFAULT_PREFIX + "_") and head[len(DEFAULT_PREFIX) + 1:].isdigit()))
+
+
 def optimizer_key(idx: int) -> str:
     """Prefix and top-level key of optimizer ``idx`` of several (``optimizer``, ``optimizer_1``, ...), as the
     Lightning integration and the tools store them."""

@@ -140,6 +140,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _show(value: Any, limit: int = 80) -> str:
     """``<type> repr`` of a differing value, the repr cut to ``limit`` characters."""
+    value = value.value if isinstance(value, _NaNEqual) else value
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= limit else text[:limit - 3] + '...'}"
 
@@ -158,10 +159,37 @@ def _path(path: Any) -> str:
     return "/".join(str(k) for k in path if not isinstance(k, type)) or "<root>"
 
 
+class _NaNEqual:
+    """A float or floating tensor holding NaN, equal to another whose NaNs are at the same places and
+    whose other values are equal (as ``diff`` compares tensors: a checkpoint equals itself)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __ne__(self, other: object) -> bool:
+        a, b = self.value, getattr(other, "value", None)
+        if isinstance(a, float):
+            return not (isinstance(b, float) and math.isnan(b))
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return True
+        return not bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+    def __eq__(self, other: object) -> bool:
+        return not self.__ne__(other)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 def _by_value(x: Any) -> Any:
-    """``x`` with each ``io.BytesIO`` as its bytes (its ``==`` is identity: equal buffers compared unequal)."""
+    """``x`` with each ``io.BytesIO`` as its bytes (its ``==`` is identity: equal buffers compared
+    unequal), and each NaN-holding float or tensor as a :class:`_NaNEqual` (NaN differs from itself)."""
     if isinstance(x, io.BytesIO):
         return x.getvalue()
+    if isinstance(x, float) and math.isnan(x):
+        return _NaNEqual(x)
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) and bool(torch.isnan(x).any()):
+        return _NaNEqual(x)
     if isinstance(x, dict):
         return {k: _by_value(v) for k, v in x.items()}
     return type(x)(_by_value(v) for v in x) if isinstance(x, (list, tuple)) and type(x) in (list, tuple) else x
