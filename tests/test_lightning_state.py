@@ -375,3 +375,20 @@ def test_model_weights_named_like_the_optimizer_are_kept_by_the_checkpoint_dict(
         assert {"optimizer_net.weight", "optimizer.bias"} <= set(got)
         assert all(torch.equal(got[k], want[k]) for k in ("optimizer_net.weight", "optimizer_net.bias", "optimizer.weight"))
         assert not [k for k in got if is_optimizer_state_key(k)]
+
+
+@pytest.mark.parametrize("key", ["optimizer", "content_metadata", "export_recipe", "rng_states"])
+def test_an_addition_under_a_name_the_integration_stores_its_state_under_is_refused(tmp_path, key):
+    """``on_save_checkpoint`` additions are saved and read back equal, but one named like the
+    integration's own entries was overwritten (``optimizer``, ``rng_states``, ``export_recipe``) or
+    replaced on load (``content_metadata``) without a word. Refused now, naming it."""
+    from ckpt_integration.errors import CheckpointingException
+    from ckpt_integration.lightning import DistCkptIO
+
+    class Adds(TinyModule):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint[key] = {"mine": 1}
+
+    t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path), plugins=[DistCkptIO()])
+    with pytest.raises(CheckpointingException, match=f"checkpoint\\['{key}'\\] .* rename it; nothing was saved"):
+        t.fit(Adds(), loader())

@@ -187,6 +187,13 @@ class DistCkptStrategyMixin(Strategy):
         """Lightning's ``checkpoint`` as the sharded state dict this strategy saves (with the plugin's
         marker). ``main_replica_only=False`` keeps every rank's own copy of replicated buffers (a memory
         snapshot restores each rank's own state)."""
+        n_opt = len(self.optimizers)  # type: ignore[attr-defined]
+        ours = {"content_metadata", "export_recipe", "rng_states", *(optimizer_key(i) for i in range(max(1, n_opt)))}
+        taken = sorted(k for k in checkpoint if k in ours)
+        if taken:  # (they were overwritten by this integration's state, or dropped on load: lost without a word)
+            raise CheckpointingException(
+                f"checkpoint[{taken[0]!r}] (added by on_save_checkpoint or a callback) uses a name the DistCkpt strategies "
+                f"store their own state under ({', '.join(sorted(ours))}): rename it; nothing was saved")
         state = dict(checkpoint)
         dumped = state.pop("state_dict", None)
         if isinstance(dumped, dict) and not _contains_sharded(dumped) and any(isinstance(v, torch.Tensor) for v in
