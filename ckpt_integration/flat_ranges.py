@@ -43,3 +43,21 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> List[Tupl
     if last_off:
         out += sub(last, 0, last_off)
     return out
+
+
+def narrowed_flat_runs(fr_start: int, fr_stop: int, local_len: int, inner: int, start: int,
+                       length: int) -> List[Tuple[int, int, int]]:
+    """``(lo, hi, new_lo)`` of each run of a flattened range ``[fr_start, fr_stop)`` inside a narrowing
+    to ``[start, start + length)`` of an axis of ``local_len`` (``inner`` elements per index of it): per
+    index of the axes before it, the narrowed region is one run; ``new_lo`` is where the run starts in
+    the narrowed shard's flattened order (:meth:`..mapping.ShardedTensor.narrow`)."""
+    block, new_block = local_len * inner, length * inner
+    out: List[Tuple[int, int, int]] = []
+    if block == 0 or new_block == 0:
+        return out
+    for o in range(fr_start // block, -(-fr_stop // block)):
+        lo = max(fr_start, o * block + start * inner)
+        hi = min(fr_stop, o * block + (start + length) * inner)
+        if lo < hi:
+            out.append((lo, hi, o * new_block + lo - o * block - start * inner))
+    return out

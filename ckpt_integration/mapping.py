@@ -20,6 +20,7 @@ collectives.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -27,7 +28,15 @@ import torch
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .errors import CheckpointingException
-from .flat_ranges import flat_range_to_boxes  # (public here too, under Megatron-Core's module name)
+from .flat_ranges import flat_range_to_boxes, narrowed_flat_runs  # (flat_range_to_boxes: public here too, as in Megatron-Core)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def good_key(key: object) -> bool:
+    """A non-empty str that UTF-8 can encode (keys are stored and exchanged as UTF-8: a lone surrogate is not)."""
+    return isinstance(key, str) and bool(key) and (key.isascii() or not _SURROGATE.search(key))
+
 
 ReplicaId = Union[int, Tuple[int, ...]]
 StateDict = Dict[str, Any]
@@ -108,8 +117,8 @@ class ShardedTensor(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Check that shapes, offsets and data agree; raise naming the key otherwise."""
-        if not isinstance(self.key, str) or not self.key:
-            raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {self.key!r}")
+        if not good_key(self.key):
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty str of encodable characters, got {self.key!r}")
         ndim = len(self.local_shape) + self.prepend_axis_num
         if len(self.global_shape) != ndim or len(self.global_offset) != ndim:
             raise CheckpointingException(
@@ -225,8 +234,8 @@ class ShardedTensor(ShardedBase):
         # construction here (shape and dtype are the data's, global shape and offset have
         # len(shape) + prepend_axis_num dims, and 0 <= rank_offset < num_fragments puts the
         # shard inside the global shape), as a test checks on random grids.
-        if not isinstance(key, str) or not key:
-            raise CheckpointingException(f"ShardedTensor key must be a non-empty str, got {key!r}")
+        if not good_key(key):
+            raise CheckpointingException(f"ShardedTensor key must be a non-empty str of encodable characters, got {key!r}")
         self = object.__new__(cls)
         self.__dict__.update(
             key=key, data=data, dtype=data.dtype, local_shape=local_shape, global_shape=global_shape,
@@ -287,18 +296,8 @@ class ShardedTensor(ShardedBase):
 
             ShardedTensor.from_global_offsets("emb", t[0:4], (10, 16), (0, 0))
         """
-        return cls(
-            key,
-            data,
-            data.dtype,
-            tuple(data.shape),
-            tuple(global_shape),
-            tuple(global_offset),
-            None,
-            replica_id,
-            prepend_axis_num,
-            allow_shape_mismatch,
-        )
+        return cls(key, data, data.dtype, tuple(data.shape), tuple(global_shape), tuple(global_offset), None,
+                   replica_id, prepend_axis_num, allow_shape_mismatch)
 
     # -- derived properties ---------------------------------------------------------------
     @property
@@ -390,21 +389,10 @@ class ShardedTensor(ShardedBase):
         if fr is None:
             data = self.data.narrow(dim, start, length) if self.data is not None else None
             return [replace(self, data=data, **fields)]
-        # flat: per index of the axes before `dim`, the narrowed region is one run of `block`
-        inner = math.prod(self.local_shape[dim + 1:])
-        block, new_block = local_len * inner, length * inner
-        out: List[ShardedTensor] = []
-        if block == 0 or new_block == 0:
-            return out
-        for o in range(fr.start // block, -(-fr.stop // block)):
-            lo = max(fr.start, o * block + start * inner)
-            hi = min(fr.stop, o * block + (start + length) * inner)
-            if lo >= hi:
-                continue
-            new_lo = o * new_block + lo - o * block - start * inner
-            data = self.data[lo - fr.start:hi - fr.start] if self.data is not None else None
-            out.append(replace(self, data=data, flattened_range=slice(new_lo, new_lo + hi - lo), **fields))
-        return out
+        return [replace(self, data=self.data[lo - fr.start:hi - fr.start] if self.data is not None else None,
+                        flattened_range=slice(new_lo, new_lo + hi - lo), **fields)
+                for lo, hi, new_lo in narrowed_flat_runs(fr.start, fr.stop, local_len, math.prod(self.local_shape[dim + 1:]),
+                                                         start, length)]
 
     def without_data(self) -> "ShardedTensor":
         return replace(self, data=None)
@@ -444,8 +432,8 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        if not isinstance(self.key, str) or not self.key:
-            raise CheckpointingException(f"ShardedObject key must be a non-empty str, got {self.key!r}")
+        if not good_key(self.key):
+            raise CheckpointingException(f"ShardedObject key must be a non-empty str of encodable characters, got {self.key!r}")
         if len(self.global_shape) != len(self.global_offset):
             raise CheckpointingException(
                 f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
@@ -544,9 +532,18 @@ def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
 
 def _built(x: object) -> Any:  # (not a closure calling itself: that is a reference cycle)
     if isinstance(x, ShardedTensorFactory):
-        built = x.build()
+        built = note_built_factories(x, x.build())
         return dict_list_map_inplace(_built, built) if isinstance(built, (dict, list)) else _built(built)
     return x
+
+
+def note_built_factories(factory: "ShardedTensorFactory", built: Any) -> Any:
+    """Keep on ``factory`` (``built_factories``) the factories its ``build_fn`` returned, at their
+    positions, before they are built in turn: :func:`apply_factory_merges` merges them first, so a
+    factory nested in another gets its own ``merge_fn`` called. Returns ``built``."""
+    nested = isinstance(built, (dict, list)) and extract_factories(built)[0]
+    factory.built_factories = built if isinstance(built, ShardedTensorFactory) else (nested or None)
+    return built
 
 
 def extract_factories(sharded_state_dict: ShardedStateDict) -> Tuple[Any, Any]:
@@ -557,8 +554,12 @@ def extract_factories(sharded_state_dict: ShardedStateDict) -> Tuple[Any, Any]:
 
 
 def apply_factory_merges(loaded: object, factories: Union[ShardedTensorFactory, Dict[Any, Any]], path: Tuple[Any, ...] = ()) -> Any:
-    """Call each factory's ``merge_fn`` on the loaded sub state dict at its position."""
+    """Call each factory's ``merge_fn`` on the loaded sub state dict at its position (the factories its
+    ``build_fn`` returned first, see :func:`note_built_factories`)."""
     if isinstance(factories, ShardedTensorFactory):
+        inner = getattr(factories, "built_factories", None)
+        if inner is not None:
+            loaded = apply_factory_merges(loaded, inner, path)
         try:
             return factories.merge_fn(loaded)
         except Exception as e:  # name the factory; the merge_fn is user code

@@ -458,3 +458,39 @@ def test_a_process_group_a_rank_cannot_use_is_refused_saying_what_to_pass(tmp_pa
     ``new_group`` returns on the other ranks) raised bare TypeError / AttributeError / ValueError from
     deep inside a save or load; now a CheckpointingException says what to pass, before any collective."""
     run_distributed(_misused_groups, 2, str(tmp_path), timeout=90)
+
+
+def test_a_factory_built_by_a_factory_is_merged_before_it(tmp_path):
+    """A ``build_fn`` may return another factory (save builds both levels), but load called only the
+    outer ``merge_fn``: it got the inner factory's raw parts and load returned them, no error."""
+    def halves(key, t, replica_id, _):
+        return {"p0": ShardedTensor.from_rank_offsets(f"{key}.p0", t[:1], replica_id=replica_id),
+                "p1": ShardedTensor.from_rank_offsets(f"{key}.p1", t[1:], replica_id=replica_id)}
+
+    def outer(key, t, replica_id, _):
+        return {"inner": ci.ShardedTensorFactory(key + ".in", t, halves, lambda sd: torch.cat([sd["p0"], sd["p1"]]),
+                                                 replica_id=replica_id)}
+
+    def direct(key, t, replica_id, _):  # a build_fn returning the factory itself
+        return ci.ShardedTensorFactory(key + ".d", t, halves, lambda sd: torch.cat([sd["p0"], sd["p1"]]))
+
+    def state(t):
+        return {"w": ci.ShardedTensorFactory("w", t, outer, lambda sub: sub["inner"]),
+                "v": [ci.ShardedTensorFactory("v", t + 10, direct, lambda x: x * 1)]}
+
+    x = torch.arange(4.0).reshape(2, 2)
+    ci.save(state(x.clone()), str(tmp_path / "c"))
+    assert sorted(ci.load_tensors_metadata(str(tmp_path / "c"))) == ["v.d.p0", "v.d.p1", "w.in.p0", "w.in.p1"]
+    out = ci.load(state(torch.zeros(2, 2)), str(tmp_path / "c"))
+    assert torch.equal(out["w"], x) and torch.equal(out["v"][0], x + 10)
+
+
+def test_a_key_utf8_cannot_encode_is_refused_where_it_is_made():
+    """A key with a lone surrogate saved, loaded with "auto", and failed parallel loads (both ranks)
+    with a bare UnicodeEncodeError: keys are stored and exchanged as UTF-8."""
+    for make in (lambda k: ShardedTensor.from_rank_offsets(k, torch.ones(2)),
+                 lambda k: ShardedTensor.from_global_offsets(k, torch.ones(2), (4,), (0,)),
+                 lambda k: ci.ShardedObject(k, 1, (1,), (0,))):
+        with pytest.raises(CheckpointingException, match=r"key must be a non-empty str of encodable characters, got 's\\ud800'"):
+            make("s\ud800")
+        make("ü/ß 🙂")

@@ -23,6 +23,7 @@ from ..mapping import (
     ShardedTensorFactory,
     extract_factories,
     is_sharded,
+    note_built_factories,
 )
 from ..planning.dtypes import dtype_from_name, dtype_name, element_size  # noqa: F401 - used here and re-exported
 from ..planning.shards import ShardMeta, replica_tuple
@@ -154,7 +155,7 @@ def _built(x: object) -> Any:
         except Exception as e:  # (user code: name the factory, as a failing merge_fn is named)
             raise CheckpointingException(f"build_fn of ShardedTensorFactory {x.key!r} failed: "
                                          f"{type(e).__name__}: {e}") from e
-        built = convert_foreign(built, (f"<built by factory {x.key!r}>",))
+        built = note_built_factories(x, convert_foreign(built, (f"<built by factory {x.key!r}>",)))
         return dict_list_map_inplace(_built, built)
     return x
 
