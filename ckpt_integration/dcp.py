@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .errors import CheckpointingException, CorruptCheckpointError
-from .execution.save import fingerprint_text, remove_dead_staging, request_fingerprints
+from .execution.save import fingerprint_text, request_fingerprints
 from .planning.written import encode_finalize, gather_finalize
 from .storage import checkpoint_dir as ckdir
 from .storage import claim as claims
@@ -145,7 +145,7 @@ class Writer(StorageWriter):
                     "replaces it once the new one is committed; not on object stores)")
             self._claim = claims.claim_staging(ck, claims.staging_name(path, token), token, self.durable)
             try:  # (what such a failed save left beside it; after the claim, as ci.save does)
-                remove_dead_staging(ck)
+                claims.remove_dead_staging(ck)
             except BaseException:
                 self._claim.release()
                 raise

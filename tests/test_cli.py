@@ -683,3 +683,15 @@ def test_a_tensor_named_like_the_safetensors_header_is_refused(tmp_path, capsys,
     code, _, err = run_cli(tool[0], src, tmp_path / "out", *tool[1:], capsys=capsys)
     assert code == 2 and "'__metadata__' cannot be stored in safetensors" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_diff_and_convert_take_file_urls_as_the_other_tools_do(tmp_path, capsys):
+    """save, load, verify, inspect and export took ``file://`` URLs; diff and convert said
+    "file:///... does not exist"."""
+    d = str(tmp_path / "c")
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.arange(3.0)), "step": 4}, "file://" + d)
+    code, out, err = run_cli("diff", "file://" + d, d, capsys=capsys)
+    assert code == 0, out + err
+    code, out, err = run_cli("convert", "file://" + d, tmp_path / "out", "--to", "torch_dist", capsys=capsys)
+    assert code == 0, out + err
+    assert torch.equal(ci.load_plain_tensors(str(tmp_path / "out"))["w"], torch.arange(3.0))

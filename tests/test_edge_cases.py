@@ -494,3 +494,14 @@ def test_a_key_utf8_cannot_encode_is_refused_where_it_is_made():
         with pytest.raises(CheckpointingException, match=r"key must be a non-empty str of encodable characters, got 's\\ud800'"):
             make("s\ud800")
         make("ü/ß 🙂")
+
+
+def test_an_object_named_like_the_embedded_common_state_is_refused_with_common_state_in_data(tmp_path):
+    """``common_state_in_data=True`` stores the common state as the object ``common_state``: a user's
+    object of that name gave a confusing "2 main replicas" error."""
+    sd = {"t": ShardedTensor.from_rank_offsets("t", torch.ones(2)), "o": ci.ShardedObject("common_state", 1, (1,), (0,))}
+    with pytest.raises(CheckpointingException, match="ShardedObject named 'common_state' cannot be saved with "
+                                                     "common_state_in_data=True"):
+        ci.save(sd, str(tmp_path / "c"), common_state_in_data=True)
+    ci.save(sd, str(tmp_path / "d"))  # (without it the name is free)
+    assert ci.load({"o": ci.ShardedObject("common_state", None, (1,), (0,))}, str(tmp_path / "d"))["o"] == 1

@@ -52,7 +52,7 @@ from ..storage.dcp_pickle import dumps_commit_layout
 from ..storage.item_table import file_sizes, table_of_written
 from ..storage.checksum import save_block_hash, write_recorded
 from ..storage.opened import EMBEDDED_COMMON_KEY, next_commit_seq
-from ..storage.filesystem import CheckpointLocation, canonical, join, locate, write_error
+from ..storage.filesystem import CheckpointLocation, canonical, locate, write_error
 from ..storage.fingerprint import encode_groups, fingerprints
 from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
@@ -147,7 +147,7 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
             )
         claim = claims.claim_staging(where, claims.staging_name(checkpoint_dir, token), token, durable)
         try:  # (after the claim: a save still creating its staging directory holds the lock this one now holds)
-            remove_dead_staging(where)
+            claims.remove_dead_staging(where)
         except BaseException:
             claim.release()
             raise
@@ -170,34 +170,6 @@ def _release_claim(write_dir: str) -> None:
     claim = _claims.pop(write_dir, None)
     if claim is not None:
         claim.release()
-
-
-def remove_dead_staging(where: CheckpointLocation) -> None:
-    """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
-
-    Called only while ``<dir>`` itself is committed, so a staging sibling without its own
-    ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
-    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
-    and so is one whose save is still running (its marker is locked). Only the names a save
-    stages under (``<dir>.tmp-`` and 8 hex digits) holding nothing but checkpoint files are ours:
-    a user's ``<dir>.tmp-backup`` is never touched.
-    """
-    storage, checkpoint_dir = where.storage, where.path
-    parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
-    for name in storage.listdir(parent or "."):
-        path = join(parent, name)
-        if (name.startswith(base + ".tmp-") and claims.is_replace_sibling(name) and storage.isdir(path)
-                and not storage.exists(join(path, ckdir.CONFIG_FILE))):
-            if not claims.staging_is_dead(path):
-                continue
-            foreign = claims.classify_entries(where.at(path))[1]
-            if foreign:
-                logger.warning("leaving %s alone: it is named as the staging directory of a save to %s, but holds "
-                               "files that are not checkpoint files (%s)", path, checkpoint_dir,
-                               claims.describe_names(foreign))
-                continue
-            logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
-            storage.rmtree(path)
 
 
 def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteRequest]:
@@ -265,6 +237,9 @@ def prepare_save(
         sharded, common, _nonpersistent, _factories, _template = split_state_dict(sharded_state_dict)
         shards = local_shards(sharded)
         if common_state_in_data:  # Megatron-Core 0.19's layout: no common.pt, rank 0's common state as an object
+            if any(isinstance(s, ShardedObject) and s.key == EMBEDDED_COMMON_KEY for s in shards):
+                raise CheckpointingException(f"a ShardedObject named {EMBEDDED_COMMON_KEY!r} cannot be saved with "
+                                             "common_state_in_data=True, which stores the common state under that name")
             shards.append(ShardedObject(EMBEDDED_COMMON_KEY, common, (1,), (0,), replica_id=rank))
         shards = savable(shards)
         options = f"{balance}/{validate_access_integrity}/{backend}"

@@ -390,6 +390,34 @@ def library_entries(ck: CheckpointLocation) -> List[str]:
     return classify_entries(ck)[0]
 
 
+def remove_dead_staging(where: CheckpointLocation) -> None:
+    """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
+
+    Called only while ``<dir>`` itself is committed, so a staging sibling without its own
+    ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
+    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
+    and so is one whose save is still running (its marker is locked). Only the names a save
+    stages under (``<dir>.tmp-`` and 8 hex digits) holding nothing but checkpoint files are ours:
+    a user's ``<dir>.tmp-backup`` is never touched.
+    """
+    storage, checkpoint_dir = where.storage, where.path
+    parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
+    for name in storage.listdir(parent or "."):
+        path = join(parent, name)
+        if (name.startswith(base + ".tmp-") and is_replace_sibling(name) and storage.isdir(path)
+                and not storage.exists(join(path, CONFIG_FILE))):
+            if not staging_is_dead(path):
+                continue
+            foreign = classify_entries(where.at(path))[1]
+            if foreign:
+                logger.warning("leaving %s alone: it is named as the staging directory of a save to %s, but holds "
+                               "files that are not checkpoint files (%s)", path, checkpoint_dir,
+                               describe_names(foreign))
+                continue
+            logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
+            storage.rmtree(path)
+
+
 # --------------------------------------------------------------------------- the atomic-replace rule
 def supports_replace(storage: Storage) -> bool:
     """Whether :func:`replace` can put one entry in place of another atomically on ``storage``."""
