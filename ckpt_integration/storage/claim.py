@@ -391,30 +391,33 @@ def library_entries(ck: CheckpointLocation) -> List[str]:
 
 
 def remove_dead_staging(where: CheckpointLocation) -> None:
-    """Delete ``<dir>.tmp-*`` siblings left by earlier overwrite saves killed before their commit.
+    """Delete the ``<dir>.tmp-*`` / ``<dir>.old-*`` siblings left by overwrite saves killed before they
+    finished: a staging directory (committed or not: killed before or after its swap) or the old
+    checkpoint a swap moved aside.
 
-    Called only while ``<dir>`` itself is committed, so a staging sibling without its own
-    ``metadata.json`` holds nothing that is not in ``<dir>``; a committed one is left alone
-    (it may be the newer checkpoint of an interrupted swap, see ``interrupted_overwrite_hint``),
-    and so is one whose save is still running (its marker is locked). Only the names a save
-    stages under (``<dir>.tmp-`` and 8 hex digits) holding nothing but checkpoint files are ours:
-    a user's ``<dir>.tmp-backup`` is never touched.
+    Called only while ``<dir>`` itself is committed and this save holds its claim (a save replacing
+    ``<dir>`` holds it from its staging directory's creation to its swap), so such a sibling is the
+    leftover of a save that is not running, and ``<dir>`` holds a complete checkpoint: the sibling is
+    the older one, or the newer one of a save that never returned. One whose marker is still locked is
+    left alone all the same. Only the names a save uses (``<dir>.tmp-`` / ``<dir>.old-`` and 8 hex
+    digits) holding nothing but checkpoint files are ours: a user's ``<dir>.tmp-backup`` is never touched.
     """
     storage, checkpoint_dir = where.storage, where.path
     parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
     for name in storage.listdir(parent or "."):
         path = join(parent, name)
-        if (name.startswith(base + ".tmp-") and is_replace_sibling(name) and storage.isdir(path)
-                and not storage.exists(join(path, CONFIG_FILE))):
+        if (name.startswith((base + ".tmp-", base + ".old-")) and len(name) == len(base) + 13
+                and is_replace_sibling(name) and storage.isdir(path)):
             if not staging_is_dead(path):
                 continue
             foreign = classify_entries(where.at(path))[1]
             if foreign:
-                logger.warning("leaving %s alone: it is named as the staging directory of a save to %s, but holds "
-                               "files that are not checkpoint files (%s)", path, checkpoint_dir,
-                               describe_names(foreign))
+                logger.warning("leaving %s alone: it is named as a leftover of a save to %s, but holds files "
+                               "that are not checkpoint files (%s)", path, checkpoint_dir, describe_names(foreign))
                 continue
-            logger.warning("removing %s: the staging directory of an earlier save to %s that never committed", path, checkpoint_dir)
+            what = "a committed" if storage.exists(join(path, CONFIG_FILE)) else "an uncommitted"
+            logger.warning("removing %s: %s leftover of an earlier save to %s that did not finish (%s holds a "
+                           "complete checkpoint)", path, what, checkpoint_dir, checkpoint_dir)
             storage.rmtree(path)
 
 
