@@ -505,3 +505,25 @@ def test_an_object_named_like_the_embedded_common_state_is_refused_with_common_s
         ci.save(sd, str(tmp_path / "c"), common_state_in_data=True)
     ci.save(sd, str(tmp_path / "d"))  # (without it the name is free)
     assert ci.load({"o": ci.ShardedObject("common_state", None, (1,), (0,))}, str(tmp_path / "d"))["o"] == 1
+
+
+def _empty_axis_resharded(rank, world, root):
+    sd = {"e": ShardedTensor.from_rank_offsets("e", torch.zeros(5, 0, 3), (0, rank, world)),
+          "w": ShardedTensor.from_rank_offsets("w", torch.full((3, 2), float(rank)), (0, rank, world))}
+    ci.save(sd, f"{root}/c")
+    for strategy in ("auto", "local", "read_once", "fully_parallel"):
+        for r in range(5):  # rows 2r..2r+2 of a (10, 0, 3) tensor: inside one saved chunk or across two
+            req = {"e": ShardedTensor.from_global_offsets("e", torch.ones(2, 0, 3), (10, 0, 3), (2 * r, 0, 0)),
+                   "w": ShardedTensor.from_rank_offsets("w", torch.empty(3, 2), (0, rank, world))}
+            out = ci.load(req, f"{root}/c", load_strategy=strategy)
+            assert out["e"].shape == (2, 0, 3) and torch.equal(out["w"], torch.full((3, 2), float(rank)))
+        for at in range(7):  # no rows at all, inside a saved chunk or at its border (an uneven split's empty piece)
+            req = {"w": ShardedTensor.from_global_offsets("w", torch.empty(0, 2), (6, 2), (at, 0))}
+            assert ci.load(req, f"{root}/c", load_strategy=strategy, validate_access_integrity=False)["w"].shape == (0, 2)
+
+
+def test_a_tensor_with_an_empty_axis_loads_into_any_layout(tmp_path):
+    """An empty request (no rows: an uneven split's empty piece) inside a saved chunk of a tensor saved
+    in several chunks passed the chunk index's overlap test, had no intersection, and every rank
+    failed with a bare AttributeError ('NoneType' object has no attribute 'numel')."""
+    run_distributed(_empty_axis_resharded, 2, str(tmp_path), timeout=90)

@@ -103,7 +103,9 @@ def overlapping_reads(
                 break
         else:
             box = Box(tuple(offsets), tuple(sizes))
-            out.append(ChunkRead(box, request if box == request else intersect(request, box), source))
+            common = request if box == request else intersect(request, box)
+            if common is not None:  # (an empty request inside a chunk passes the test above: nothing to read)
+                out.append(ChunkRead(box, common, source))
     return out
 
 
