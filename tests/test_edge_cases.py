@@ -509,8 +509,12 @@ def test_an_object_named_like_the_embedded_common_state_is_refused_with_common_s
 
 def _empty_axis_resharded(rank, world, root):
     sd = {"e": ShardedTensor.from_rank_offsets("e", torch.zeros(5, 0, 3), (0, rank, world)),
-          "w": ShardedTensor.from_rank_offsets("w", torch.full((3, 2), float(rank)), (0, rank, world))}
+          "w": ShardedTensor.from_rank_offsets("w", torch.full((3, 2), float(rank)), (0, rank, world)),
+          "z": ShardedTensor.from_rank_offsets("z", torch.empty(0, 3), (0, rank, world))}  # (every piece at offset 0)
     ci.save(sd, f"{root}/c")
+    # an empty tensor split over the ranks loads in the same layout (the request check took every rank's empty
+    # piece at offset 0 for a main replica of one saved chunk: "requested as main replica by [2] ranks")
+    assert ci.load({"z": ShardedTensor.from_rank_offsets("z", torch.empty(0, 3), (0, rank, world))}, f"{root}/c")["z"].shape == (0, 3)
     for strategy in ("auto", "local", "read_once", "fully_parallel"):
         for r in range(5):  # rows 2r..2r+2 of a (10, 0, 3) tensor: inside one saved chunk or across two
             req = {"e": ShardedTensor.from_global_offsets("e", torch.ones(2, 0, 3), (10, 0, 3), (2 * r, 0, 0)),
@@ -527,3 +531,17 @@ def test_a_tensor_with_an_empty_axis_loads_into_any_layout(tmp_path):
     in several chunks passed the chunk index's overlap test, had no intersection, and every rank
     failed with a bare AttributeError ('NoneType' object has no attribute 'numel')."""
     run_distributed(_empty_axis_resharded, 2, str(tmp_path), timeout=90)
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+@pytest.mark.parametrize("pieces", [[(0, 0), (0, 4)], [(0, 2), (2, 0), (2, 2)], [(0, 4), (0, 0)]])
+def test_an_empty_piece_at_the_offset_of_another_does_not_take_its_place(tmp_path, backend, pieces):
+    """An uneven split's empty piece (rows [0:0)) placed before a real piece at the same offset took that
+    piece's place in the save's plan: torch_dist committed a checkpoint without its data (every load then
+    failed: "do not cover"), zarr refused the save saying part of the tensor was saved by no rank."""
+    g = torch.arange(12.0).reshape(4, 3)
+    sd = {f"p{i}": ShardedTensor.from_global_offsets("w", g[o:o + n].clone(), (4, 3), (o, 0)) for i, (o, n) in enumerate(pieces)}
+    ci.save(sd, str(tmp_path / "c"), sharded_strategy=backend)
+    out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), -1.0))}, str(tmp_path / "c"))
+    assert torch.equal(out["w"], g)
+

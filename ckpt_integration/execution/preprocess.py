@@ -166,8 +166,10 @@ def local_shards(sharded: object) -> List[ShardedBase]:
     for _, v in nested_items(sharded):
         if isinstance(v, ShardedTensor) and v.flattened_range is not None:
             out.extend(v.unflattened())
-        else:
+        elif not (isinstance(v, ShardedTensor) and 0 in v.local_shape and 0 not in v.global_shape):
             out.append(v)
+        # (else an empty piece of a non-empty tensor, an uneven split's empty part: it holds nothing, and at the
+        # offset of another piece it took that piece's place in the save's plan, whose data was then not saved)
     return out
 
 
