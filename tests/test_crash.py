@@ -53,6 +53,7 @@ CHILD = textwrap.dedent(
     import ckpt_integration as ci
 
     path, point, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    backend = sys.argv[4] if len(sys.argv) > 4 else "torch_dist"
 
     def die(*_a, **_k):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -71,6 +72,15 @@ CHILD = textwrap.dedent(
         filesystem.Storage.exchange = die
     elif point == "after_swap":
         filesystem.Storage.rmtree = die
+    elif point == "in_zarr_arrays":  # the first array made, the second not yet
+        import zarr
+        real_create, made = zarr.create_array, []
+        def create_array(*a, **k):
+            made.append(1)
+            if len(made) == 2:
+                die()
+            return real_create(*a, **k)
+        zarr.create_array = create_array
     elif point == "between_renames":  # the fallback for filesystems without an atomic exchange
         filesystem.Storage.exchange = lambda self, a, b: False
         real_rename, calls = filesystem.Storage.rename, []
@@ -80,17 +90,17 @@ CHILD = textwrap.dedent(
                 die()
             real_rename(self, a, b)
         filesystem.Storage.rename = rename
-    ci.save(_state(2), path, overwrite=overwrite)
+    ci.save(_state(2), path, overwrite=overwrite, sharded_strategy=backend)
     print("finished without being killed")
     """
 )
 
 
-def _save_and_kill(tmp_path, path, point, overwrite):
+def _save_and_kill(tmp_path, path, point, overwrite, backend="torch_dist"):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(root=ROOT))
     # forked with ckpt_integration imported (tests/forked.py): a process of its own, killed as before
-    proc = forked.run([sys.executable, str(script), path, point, "1" if overwrite else "0"],
+    proc = forked.run([sys.executable, str(script), path, point, "1" if overwrite else "0", backend],
                       timeout=scaled_timeout(120), cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
 
@@ -141,3 +151,18 @@ def test_killed_first_save_is_incomplete_and_can_be_redone(tmp_path, point):
         ci.load(_request(), path)
     ci.save(_state(2), path)  # the debris of the killed save is cleaned up and replaced
     _assert_is_version(path, 2)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_zarr_save_killed_while_it_creates_its_arrays_is_cleaned_up_by_the_next(tmp_path, overwrite):
+    """The arrays' folders were made before the index that names them: a zarr save killed in between left
+    folders the next save took for foreign files, refusing every save into the path (or, for an
+    overwrite, keeping the staging directory for good)."""
+    path = str(tmp_path / "ckpt")
+    if overwrite:
+        ci.save(_state(1), path, sharded_strategy="zarr")
+    _save_and_kill(tmp_path, path, "in_zarr_arrays", overwrite=overwrite, backend="zarr")
+    ci.save(_state(3), path, overwrite=overwrite, sharded_strategy="zarr")
+    _assert_is_version(path, 3)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("ckpt.")] == []
+

@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Tuple
 from ..planning.shards import ShardMeta
 from ..storage.torch_dist import WriteRequest
 from ..storage.zarr_backend import Piece, assemble_border_chunks, create_arrays, plan_array_writes, split_for_chunks
-from ..storage.zarr_backend import write_index as write_zarr_index
 from ..storage.filesystem import CheckpointLocation
 from . import dist
 from .dist import Group
@@ -36,8 +35,7 @@ def tensor_layouts(all_metas: List[ShardMeta]) -> Tuple[Dict[str, Any], List[str
 
 def create_zarr_arrays(target: CheckpointLocation, all_metas: List[ShardMeta], durable: bool) -> None:
     tensors, objects = tensor_layouts(all_metas)
-    index = create_arrays(target, tensors, objects)
-    write_zarr_index(target, index, durable)  # also marks the directory as a (partial) save
+    create_arrays(target, tensors, objects, durable)  # (its index first: it marks the directory as a partial save)
 
 
 def zarr_chunk_requests(

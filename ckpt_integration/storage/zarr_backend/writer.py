@@ -191,10 +191,14 @@ def create_arrays(
     target: CheckpointLocation,
     tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...], List[Box]]],
     object_keys: Iterable[str],
+    durable: bool = True,
 ) -> Dict[str, Any]:
-    """Coordinator: create every array (metadata only) and return the index to commit.
+    """Coordinator: write the index of the arrays, then create every array (metadata only); return the
+    index to commit.
 
-    Refuses unsafe or colliding keys (:func:`check_layout_paths`) before anything is written.
+    Refuses unsafe or colliding keys (:func:`check_layout_paths`) before anything is written. The index
+    comes first: it names the arrays' folders as this save's, so a save killed while it creates them
+    leaves folders the next save knows for its own and cleans up (they were foreign to it before).
     """
     zarr = zarr_module()
 
@@ -203,12 +207,15 @@ def create_arrays(
     index: Dict[str, Any] = {"format": 1, "tensors": {}, "objects": object_keys}
     for key, (dtype, shape, boxes) in tensors.items():
         stored = storage_dtype(dtype)
-        chunks = array_chunks(dtype, shape, boxes)
+        index["tensors"][key] = {"dtype": str(dtype).replace("torch.", ""), "stored_dtype": str(stored).replace("torch.", ""),
+                                 "shape": list(shape), "chunks": list(array_chunks(dtype, shape, boxes))}
+    write_index(target, index, durable)  # (also marks the directory as a partial save of ours)
+    for key, entry in index["tensors"].items():
         zarr.create_array(  # (through the recording store: its zarr.json write gets the remote retries)
             store=store_wrappers()[0](base_store(target, key)),
-            shape=shape,
-            chunks=chunks,
-            dtype=numpy_dtype(stored),
+            shape=tuple(entry["shape"]),
+            chunks=tuple(entry["chunks"]),
+            dtype=numpy_dtype(storage_dtype(tensors[key][0])),
             compressors=None,
             fill_value=0,
             # pinned: chunk_file_names() enumerates chunk files in this encoding
@@ -216,12 +223,6 @@ def create_arrays(
             # (no overwrite: the save's directory is new, and zarr's overwrite deletes through fsspec's
             # rm, which reads "[", "*", "?" in a key as a pattern: another array's files went with it)
         )
-        index["tensors"][key] = {
-            "dtype": str(dtype).replace("torch.", ""),
-            "stored_dtype": str(stored).replace("torch.", ""),
-            "shape": list(shape),
-            "chunks": list(chunks),
-        }
     return index
 
 
