@@ -94,6 +94,11 @@ class DistributedCheckpointingError(CheckpointingException, _DCPCompatible):
     Also a DCP ``CheckpointException`` (what DCP raises on every rank in that case)."""
 
 
+class PeerLostError(DistributedCheckpointingError):
+    """A collective of a save or load with the other ranks failed in the backend: a peer exited, was
+    killed or cannot be reached (gloo's "Connection reset by peer", a timeout). Its own log says why."""
+
+
 class KeyNotInCheckpointError(MismatchError, _DCPCompatible):
     """A requested tensor or object is not in the checkpoint (an *unexpected* key, in
     Megatron-Core's words). Also a DCP ``CheckpointException``, the type Megatron-Core's

@@ -18,6 +18,7 @@ from .errors import CheckpointingException
 from .execution import dist
 from .execution.async_save import AsyncCallsQueue, async_save_torch_dist
 from .execution.load import last_load_stats, load_sharded, read_whole_tensors
+from .execution.preprocess import check_group
 from .execution.dist import Group
 from .execution.state_check import check_whole_tensors, default_verify_state
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
@@ -141,7 +142,7 @@ def save(
         save({"w": ShardedTensor.from_rank_offsets("w", local_w, (0, rank, world))}, "ckpt/iter_100")
         save(state, "ckpt/iter_200", base="ckpt/iter_100")  # links what did not change
     """
-    dist.check_group(process_group, "save")
+    check_group(process_group, "save")
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
     backend, version = backend_and_version(sharded_strategy)
@@ -247,7 +248,7 @@ def load(
     Megatron-Core raises there.
     """
     load_strategy = LoadStrategy.parse(load_strategy).value
-    dist.check_group(process_group, "load")
+    check_group(process_group, "load")
     if isinstance(checkpoint_dir, OpenedCheckpoint):
         # opened on every rank, or once for the job (open_shared: what the coordinator read)
         ck, shared = checkpoint_dir, checkpoint_dir.shared

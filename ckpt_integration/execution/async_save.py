@@ -74,7 +74,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Type
 import torch
 import weakref
 
-from ..errors import AsyncSaveAbandonedError, CheckpointingException
+from ..errors import AsyncSaveAbandonedError, CheckpointingException, PeerLostError
 from . import dist
 from .dist import Group, describe_error as _describe
 from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_local
@@ -488,7 +488,7 @@ def _write_and_commit(plan: SavePlan, snap: Optional[Snapshot] = None) -> None:
     try:
         finalize_save(plan)
     except Exception as e:
-        if isinstance(e, CheckpointingException) or e is plan.failure.exc:
+        if isinstance(e, CheckpointingException) and not isinstance(e, PeerLostError) or e is plan.failure.exc:
             raise  # the save's own outcome (every rank's errors, or this rank's write error)
         # a collective of the commit failed: another rank is gone, or the group was aborted
         why = getattr(plan.group, "reason", "") or "another rank left before the save was finalized"

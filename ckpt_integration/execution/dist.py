@@ -24,6 +24,7 @@ background (async saves finalize on one; see :func:`new_private_group`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import datetime
 import hashlib
 import logging
@@ -36,10 +37,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed import AllreduceOptions, AllToAllOptions, BroadcastOptions, GatherOptions
 
 from .objects import dumps
 
-from ..errors import CheckpointingException, DistributedCheckpointingError
+from ..errors import CheckpointingException, DistributedCheckpointingError, PeerLostError
 from .settle import python_refs, settle  # (re-exported: every collective helper here calls them)
 
 logger = logging.getLogger(__name__)
@@ -218,28 +220,6 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def check_group(group: object, what: str) -> None:
-    """``group`` as a ``process_group`` argument of ``what``: the default (None), a library group, or a
-    torch process group this rank is a member of; anything else is refused here, saying what to pass
-    (torch raised bare errors from deep inside, or waited for ranks that never came)."""
-    if group is None or isinstance(group, PrivateGroup):
-        return
-    outside = group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", object())  # (new_group's value off its ranks)
-    if outside or isinstance(group, dist.ProcessGroup) and is_distributed() and dist.get_rank(group) < 0:
-        raise CheckpointingException(f"{what}: rank {dist.get_rank()} is not a member of the process_group passed; "
-                                     "only its members take part")
-    if not isinstance(group, dist.ProcessGroup):
-        hint = ""
-        if isinstance(group, (list, tuple, range)):
-            hint = "; make one of those ranks with torch.distributed.new_group(ranks), on every rank"
-        elif hasattr(group, "get_group") and hasattr(group, "mesh"):
-            hint = "; pass one of its dimensions' groups: mesh.get_group(dim)"
-        raise CheckpointingException(f"{what}: process_group must be a torch.distributed ProcessGroup, "
-                                     f"got {type(group).__name__}{hint}")
-    if not is_distributed():
-        raise CheckpointingException(f"{what}: a process_group was given but torch.distributed is not initialized")
-
-
 def get_rank(group: Group = None) -> int:
     if isinstance(group, PrivateGroup):
         return group.rank
@@ -282,6 +262,23 @@ def _local(group: Group) -> bool:
 
 # --------------------------------------------------------------------------- raw collectives
 # The helpers below call these, which take group ranks and run on either kind of group.
+def _peers(fn: Any) -> Any:
+    """A collective that fails in the backend (a peer was killed, exited or cannot be reached: gloo's
+    "Connection reset by peer", a timeout) raises a :class:`PeerLostError` saying so."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if isinstance(e, (CheckpointingException, GroupClosedError)):
+                raise
+            raise PeerLostError(
+                f"rank {dist.get_rank() if is_distributed() else 0}: a collective of the checkpoint with the other ranks "
+                f"failed: one of them exited, was killed or cannot be reached (its log says why): "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return functools.wraps(fn)(run)
+
+
+@_peers
 def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Group) -> None:
     before = python_refs([t, *outs])
     if isinstance(group, PrivateGroup):
@@ -291,23 +288,21 @@ def _c_all_gather(outs: List[torch.Tensor], t: torch.Tensor, group: Group) -> No
     settle([t, *outs], before)
 
 
+@_peers
 def _c_all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[List[int]], in_splits: Optional[List[int]],
                   group: Group) -> None:
     before = python_refs([out, inp])
     if isinstance(group, PrivateGroup):
-        from torch.distributed import AllToAllOptions
-
         group.backend().alltoall_base(out, inp, out_splits or [], in_splits or [], AllToAllOptions()).wait()
     else:
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
     settle([out, inp], before)
 
 
+@_peers
 def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, group: Group) -> None:
     before = python_refs([t, *(outs or [])])
     if isinstance(group, PrivateGroup):
-        from torch.distributed import GatherOptions
-
         opts = GatherOptions()
         opts.rootRank = group.group_rank(dst)
         group.backend().gather([outs] if outs is not None else [], [t], opts).wait()
@@ -316,11 +311,10 @@ def _c_gather(t: torch.Tensor, outs: Optional[List[torch.Tensor]], dst: int, gro
     settle([t, *(outs or [])], before)
 
 
+@_peers
 def _c_broadcast(t: torch.Tensor, src: int, group: Group) -> None:
     before = python_refs([t])
     if isinstance(group, PrivateGroup):
-        from torch.distributed import BroadcastOptions
-
         opts = BroadcastOptions()
         opts.rootRank = group.group_rank(src)
         opts.rootTensor = 0
@@ -330,12 +324,11 @@ def _c_broadcast(t: torch.Tensor, src: int, group: Group) -> None:
     settle([t], before)
 
 
+@_peers
 def _c_all_reduce(t: torch.Tensor, op: str, group: Group) -> None:
     before = python_refs([t])
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     if isinstance(group, PrivateGroup):
-        from torch.distributed import AllreduceOptions
-
         opts = AllreduceOptions()
         opts.reduceOp = reduce_op
         group.backend().allreduce([t], opts).wait()
@@ -540,6 +533,7 @@ def broadcast_object(obj: object, src: int = 0, group: Group = None) -> Any:
     return pickle.loads(data)
 
 
+@_peers
 def barrier(group: Group = None) -> None:
     if _local(group):
         return

@@ -11,6 +11,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as tdist
 
 from ..dict_utils import dict_list_map_inplace, dict_list_map_outplace, extract_matching_values, nested_items
 from ..errors import CheckpointingException
@@ -27,6 +28,7 @@ from ..mapping import (
 )
 from ..planning.dtypes import dtype_from_name, dtype_name, element_size  # noqa: F401 - used here and re-exported
 from ..planning.shards import ShardMeta, replica_tuple
+from . import dist
 
 
 _MAIN = (0,)
@@ -224,3 +226,25 @@ def savable(shards: List[ShardedBase]) -> List[ShardedBase]:
             out = list(shards) if out is shards else out
             out[i] = dataclasses.replace(sh, data=data.resolve_conj().resolve_neg())
     return out
+
+
+def check_group(group: object, what: str) -> None:
+    """``group`` as a ``process_group`` argument of ``what``: the default (None), a library group, or a
+    torch process group this rank is a member of; anything else is refused here, saying what to pass
+    (torch raised bare errors from deep inside, or waited for ranks that never came)."""
+    if group is None or isinstance(group, dist.PrivateGroup):
+        return
+    outside = group is getattr(tdist.GroupMember, "NON_GROUP_MEMBER", object())  # (new_group's value off its ranks)
+    if outside or isinstance(group, tdist.ProcessGroup) and dist.is_distributed() and tdist.get_rank(group) < 0:
+        raise CheckpointingException(f"{what}: rank {tdist.get_rank()} is not a member of the process_group passed; "
+                                     "only its members take part")
+    if not isinstance(group, tdist.ProcessGroup):
+        hint = ""
+        if isinstance(group, (list, tuple, range)):
+            hint = "; make one of those ranks with torch.distributed.new_group(ranks), on every rank"
+        elif hasattr(group, "get_group") and hasattr(group, "mesh"):
+            hint = "; pass one of its dimensions' groups: mesh.get_group(dim)"
+        raise CheckpointingException(f"{what}: process_group must be a torch.distributed ProcessGroup, "
+                                     f"got {type(group).__name__}{hint}")
+    if not dist.is_distributed():
+        raise CheckpointingException(f"{what}: a process_group was given but torch.distributed is not initialized")

@@ -31,7 +31,7 @@ import torch
 from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayoutError, MemorySpaceError, MismatchError
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
-from ..execution.preprocess import dtype_name, split_state_dict
+from ..execution.preprocess import check_group, dtype_name, split_state_dict
 from ..execution.dist import Group, describe_error as _describe
 from ..execution.failure import Failure
 from ..execution.state_check import default_verify_state
@@ -107,7 +107,7 @@ class MemoryCheckpoints:
         self.directory = os.path.abspath(os.fspath(directory))
         self.job_id = slots.check_job_id(job_id)
         self.root = os.path.join(self.directory, self.job_id)
-        dist.check_group(process_group, "MemoryCheckpoint")
+        check_group(process_group, "MemoryCheckpoint")
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
         if ranks_per_node is None:
             env = dist.local_world_size()
