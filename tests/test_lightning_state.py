@@ -392,3 +392,23 @@ def test_an_addition_under_a_name_the_integration_stores_its_state_under_is_refu
     t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path), plugins=[DistCkptIO()])
     with pytest.raises(CheckpointingException, match=f"checkpoint\\['{key}'\\] .* rename it; nothing was saved"):
         t.fit(Adds(), loader())
+
+
+def test_incomplete_checkpoints_a_killed_run_left_are_removed_when_fitting_starts(tmp_path):
+    """A top-k save killed before its commit left ``epoch=1-step=38.ckpt`` without ``metadata.json``;
+    a resumed run that did not save that step again kept it for good. Fitting now starts by removing
+    such directories of dead saves (ours, unlocked); anything else in dirpath is left alone."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = tmp_path / "ck"
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(ck / "epoch=1-step=38.ckpt"))
+    (ck / "epoch=1-step=38.ckpt" / "metadata.json").unlink()  # what a save killed before its commit leaves
+    (ck / "notes.ckpt").mkdir()
+    (ck / "notes.ckpt" / "mine.txt").write_text("user data")
+    cb = DistCkptModelCheckpoint(dirpath=str(ck), save_top_k=1, monitor="train_loss")
+    t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path), plugins=[DistCkptIO()], callbacks=[cb])
+    t.fit(TinyModule(), loader())
+    names = sorted(os.listdir(ck))
+    assert "epoch=1-step=38.ckpt" not in names and "notes.ckpt" in names and len(names) == 2, names
+    assert (ck / "notes.ckpt" / "mine.txt").read_text() == "user data"

@@ -109,6 +109,7 @@ class SavePlan:
     committed: bool = False  # the coordinator committed it (metadata.json is in place)
     commit_started: bool = False  # every rank's outcome reached the coordinator (it may commit)
     target: Optional[CheckpointLocation] = None  # ``write_dir`` as the handle the writers take (made once)
+    final_path: Optional[str] = None  # ``checkpoint_dir`` on its storage (a ``file://`` URL's path): the swap's target
 
     def __post_init__(self) -> None:
         if self.target is None:
@@ -300,6 +301,7 @@ def prepare_save(
         world_size=world,
         group=group,
         checkpoint_dir=checkpoint_dir,
+        final_path=where.path,
         write_dir=write_dir,
         target=target,
         staging=staging,
@@ -478,7 +480,7 @@ def _swap_if_staging(plan: SavePlan) -> None:
     if not plan.staging:
         return
     # (the checkpoint's path on its storage: ``checkpoint_dir`` may be a ``file://`` URL)
-    claims.replace(plan.target.storage, plan.write_dir, locate(plan.checkpoint_dir).path, durable=plan.durable,
+    claims.replace(plan.target.storage, plan.write_dir, plan.final_path or plan.checkpoint_dir, durable=plan.durable,
                    data_synced=True)
 
 

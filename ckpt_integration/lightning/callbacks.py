@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any
@@ -12,10 +13,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from ..errors import CorruptCheckpointError
 from ..checkpoints import commit_order_of
 from ..storage.checkpoint_dir import CONFIG_FILE
-from ..storage.filesystem import is_remote, join
+from ..storage.claim import remove_dead_partial
+from ..storage.filesystem import is_remote, join, locate
 from .io import DistCkptIO
 from .memory import memory_candidate
 from .paths import is_complete_checkpoint, latest_complete_checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 def _resolve_link(path: Any) -> str:
@@ -144,6 +148,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             self._save_last_if_behind(trainer)
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Lightning's; then (rank 0, fitting, a local ``dirpath``) remove the checkpoint directories a
+        killed run left incomplete: a resumed run that does not save the same step again kept them for
+        good (``ckpt_path="last"`` never picks them; a running save's are locked, and kept)."""
         super().setup(trainer, pl_module, stage)
         if self.save_last and self.dirpath is not None and is_remote(os.fspath(self.dirpath)):
             raise ValueError(
@@ -152,6 +159,14 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 "atomically. Pass save_last=False: ckpt_path=\"last\" then resumes from the newest complete "
                 "checkpoint in dirpath."
             )
+        if stage != "fit" or not trainer.is_global_zero or not self.dirpath or is_remote(os.fspath(self.dirpath)):
+            return
+        io = _io(trainer)
+        for name in sorted(os.listdir(self.dirpath)) if os.path.isdir(self.dirpath) else []:
+            path = os.path.join(self.dirpath, name)
+            if (name.endswith(self.FILE_EXTENSION) and os.path.isdir(path) and not os.path.islink(path)
+                    and not (io is not None and io.saving(path)) and remove_dead_partial(locate(path))):
+                logger.warning("removed %s: an incomplete checkpoint a killed run left (never committed)", path)
 
     def file_exists(self, filepath: Any, trainer: "pl.Trainer") -> bool:
         """Only a complete checkpoint, or one this job's async save is writing, counts as existing

@@ -421,6 +421,24 @@ def remove_dead_staging(where: CheckpointLocation) -> None:
             storage.rmtree(path)
 
 
+def remove_dead_partial(where: CheckpointLocation) -> bool:
+    """Delete ``where`` if it holds only what a save of ours left when it was killed before its commit
+    (our marker, not locked by a running save; no ``metadata.json``; nothing but checkpoint files):
+    ``True`` when removed. Local directories only (an object store cannot tell a running save)."""
+    if where.storage.remote or where.exists(CONFIG_FILE) or read_marker(where) is None:
+        return False
+    fd = _try_lock(where.file(MARKER_FILE))
+    if not isinstance(fd, int):
+        return False  # a save is writing there (or there are no locks to tell)
+    try:
+        if classify_entries(where)[1]:
+            return False
+        where.storage.rmtree(where.path)
+    finally:
+        _unlock(fd)
+    return True
+
+
 # --------------------------------------------------------------------------- the atomic-replace rule
 def supports_replace(storage: Storage) -> bool:
     """Whether :func:`replace` can put one entry in place of another atomically on ``storage``."""

@@ -29,7 +29,7 @@ from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCh
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
-from ..storage.filesystem import name_problem, storage_for
+from ..storage.filesystem import is_remote, name_problem
 from ..storage.fs import tensor_buffer
 from ..storage.readers import open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
@@ -524,10 +524,9 @@ def open_source(path: str, trusted: bool = False) -> TensorSource:
     if isinstance(path, OpenedCheckpoint):
         return DistCheckpointSource(path, trusted=trusted)
     path = os.fspath(path)
-    storage, local = storage_for(path)
-    if storage.remote:  # (on object stores: checkpoint directories, which the source reads through fsspec)
+    if is_remote(path):  # (on object stores: checkpoint directories, which the source reads through fsspec)
         return DistCheckpointSource(path, trusted=trusted)
-    path = local  # (a file:// URL is its path)
+    path = path[len("file://"):] if path.startswith("file://") else path  # (a file:// URL is its path)
     kind = detect_kind(path)
     if kind == "torch_dist":
         return DistCheckpointSource(path, trusted=trusted)
