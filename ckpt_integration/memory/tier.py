@@ -82,8 +82,8 @@ class MemoryCheckpoints:
             they sit on the job's nodes; rank ``r`` of the group runs on node ``r // ranks_per_node``).
         process_group: the ranks taking part (default: the world); a private gloo group with
             the same ranks carries the tier's traffic.
-        trusted, allowed_globals: as for :func:`ckpt_integration.load`, for the common state and
-            ShardedObjects of a snapshot (classes the restricted unpickler may build).
+        trusted: as for :func:`ckpt_integration.load`, for a snapshot's common state and objects.
+        allowed_globals: as for :func:`ckpt_integration.load` (classes the unpickler may build).
         timeout_s: how long the tier's background collectives wait for a peer.
 
     Example (every rank)::
