@@ -331,9 +331,6 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str,
     sharded, _req_common, nonpersistent, factories, template = split_state_dict(sharded_state_dict)
     shards = local_shards(sharded)
     requested = sorted({load_request.request_key(s) for s in shards})
-    # an empty piece has nothing to read (its key still counts as requested): every rank's empty piece of an
-    # empty tensor is at offset 0, and the request check took them for main replicas of one chunk, twice
-    shards = [s for s in shards if not (isinstance(s, ShardedTensor) and 0 in s.local_shape)]
     md = shared.metadata_for(requested)  # chunk records of the requested keys only
     if md is None:  # zarr: the rank's reader reads the zarr index
         md = read_metadata(checkpoint_dir, trusted=trusted, backend=backend)
