@@ -108,12 +108,15 @@ def _committed_in(storage: Any, d: str, suffix: Optional[str], depth: int) -> Li
         return []
     out = []
     for n in storage.listdir(d):
-        if is_replace_sibling(n):
+        named = suffix is None or n.endswith(suffix)
+        if is_replace_sibling(n) or not (named or depth > 0):
             continue
-        if (suffix is None or n.endswith(suffix)) and storage.exists(join(d, n, CONFIG_FILE)):
-            out.append(join(d, n))
-        elif depth > 0 and storage.isdir(join(d, n)) and not storage.exists(join(d, n, CONFIG_FILE)):
-            out += _committed_in(storage, join(d, n), suffix, depth - 1)
+        p = join(d, n)
+        if storage.exists(join(p, CONFIG_FILE)):  # (one lookup per entry: committed, or a directory to look into)
+            if named:
+                out.append(p)
+        elif depth > 0 and storage.isdir(p):
+            out += _committed_in(storage, p, suffix, depth - 1)
     return out
 
 
