@@ -8,11 +8,11 @@ and decode the tiny ``data.pkl`` with a restricted unpickler that only
 understands tensor rebuilds. Archives written by others (DCP, Megatron-Core)
 are handled the same way; anything unusual falls back to a safe ``torch.load``.
 
-**Writing.** A tensor item is a ``torch.save`` archive; with the archive members' CRC32s off it is
-a per-(dtype, shape) template around the tensor's bytes (:func:`archive_template`). Small plain CPU
-tensors are written in bulk from it (:class:`SmallItemWriter`: one copy, one checksum and a share of
-one large write per item, a few microseconds instead of ~25 us through ``torch.save``, which decides
-the checkpoint time of models with tens of thousands of small tensors); a device tensor's bytes are
+**Writing.** A tensor item is a ``torch.save`` archive; with the archive members' CRC32s off it is a
+per-layout template around the tensor's bytes (:func:`archive_template`). Small plain CPU tensors
+are written in bulk from it (:class:`SmallItemWriter`: one copy, one checksum and a share of one
+large write per item, a few microseconds instead of ~25 us through ``torch.save``, which decides the
+checkpoint time of models with tens of thousands of small tensors); a device tensor's bytes are
 streamed into it through host buffers (:meth:`BlockDigestWriter.write_archive`), never copied whole.
 """
 
@@ -28,7 +28,7 @@ import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -82,18 +82,13 @@ class _SliceFile(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def read(self, n: int = -1) -> bytes:
+    def read(self, n: Optional[int] = -1) -> bytes:
         if n is None or n < 0:
             n = self.length - self.pos
         n = max(0, min(n, self.length - self.pos))
         data = self.reader.read(self.base + self.pos, n)
         self.pos += len(data)
         return data
-
-    def readinto(self, b: Union[bytearray, memoryview]) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
 
 def _storage_dtypes() -> dict:
@@ -176,10 +171,9 @@ def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = ""
     except CorruptCheckpointError:
         raise
     except Exception as e:
-        # Damaged archive bytes surface as many types besides BadZipFile: zipfile's
-        # NotImplementedError ("zip file version"), OSError/OverflowError from a pread at an
-        # impossible offset, MemoryError from a huge pickle length field, TypeError from a
-        # mangled rebuild call... All mean the record is unreadable: name file and offset.
+        # Damaged archive bytes raise many types (BadZipFile, NotImplementedError "zip file version",
+        # OSError/OverflowError of a pread at an impossible offset, MemoryError of a huge pickle
+        # length, TypeError of a mangled rebuild...): all mean the record is unreadable
         raise CorruptCheckpointError(
             f"{path}: the record at byte {offset} (length {length}) is not a readable tensor archive: {type(e).__name__}: {e}"
         ) from None
@@ -424,9 +418,7 @@ class BlockDigestWriter(io.RawIOBase):
 
 
 _HEAD_KEEP = 64 << 10  # header bytes kept for _plain_digest: a torch.save header is a few hundred bytes
-
-# Archives of tensors up to this size are written from a cached template (see save_tensor)
-TEMPLATE_MAX_BYTES = 1 << 20
+TEMPLATE_MAX_BYTES = 1 << 20  # archives of tensors up to this size are written from a template (save_tensor)
 _TEMPLATE_SLOTS = 1024
 _templates: "OrderedDict[Tuple[Any, ...], Tuple[bytes, bytes]]" = OrderedDict()
 _templates_lock = threading.Lock()
@@ -451,23 +443,26 @@ class _Probe(io.RawIOBase):
 
 def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
     """``(archive bytes before the data, archive bytes after it)`` of ``torch.save`` for tensors of
-    ``tensor``'s dtype and shape, or None when it cannot be templated.
+    ``tensor``'s dtype, shape and stride, or None when it cannot be templated.
 
     With the archive members' CRC32s switched off (as ``write_data_files`` does), ``torch.save``
     of a contiguous, plain CPU tensor (or a device tensor's host copy) writes the same bytes for
-    every tensor of one dtype and shape except the data itself (pickled size, stride and dtype,
-    member names and offsets, ``serialization_id``): one ``torch.save`` per shape, then each tensor
-    is the template around its own bytes (tests/test_small_tensors.py compares with ``torch.save``).
+    every tensor of one dtype, shape and stride except the data itself (pickled size, stride and
+    dtype, member names and offsets, ``serialization_id``; unless :func:`starts_like_descriptor`):
+    one ``torch.save`` per layout, then each tensor is the template around its own bytes
+    (tests/test_small_tensors.py compares with ``torch.save``).
     """
     if member_crcs_on():
         return None  # the archive's member CRC32s would depend on the data
-    key = (tensor.dtype, tuple(tensor.shape))
+    key = (tensor.dtype, tuple(tensor.shape), tensor.stride())  # (the pickle holds the stride)
     with _templates_lock:
         hit = _templates.get(key)
         if hit is not None:
             _templates.move_to_end(key)
             return hit
-    probe = _Probe(torch.empty(tensor.shape, dtype=tensor.dtype))  # (its bytes are never read)
+    probe = _Probe(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype))
+    # (uninitialized bytes left by an earlier archive may look like a descriptor: see starts_like_descriptor)
+    ctypes.memset(probe.ptr, 0, min(probe.nbytes, 8))
     torch.save(probe.tensor, probe)
     if probe.seen != probe.nbytes or member_crcs_on():  # not that layout; or switched on meanwhile
         return None
@@ -477,6 +472,12 @@ def archive_template(tensor: torch.Tensor) -> Optional[Tuple[bytes, bytes]]:
         while len(_templates) > _TEMPLATE_SLOTS:
             _templates.popitem(last=False)
     return hit
+
+
+def starts_like_descriptor(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes (CPU, contiguous) begin with a zip data descriptor's signature, whose next
+    4 bytes ``torch.save`` mixes into the archive's ``serialization_id``: no template writes that."""
+    return t.nbytes >= 8 and ctypes.string_at(t.data_ptr(), 4) == b"PK\x07\x08"
 
 
 def member_crcs_on() -> bool:
@@ -500,7 +501,7 @@ def save_tensor(tensor: torch.Tensor, w: "BlockDigestWriter") -> None:
         and not tensor.is_quantized and not tensor.requires_grad and tensor.device.type == "cpu"
         and tensor.is_contiguous() and tensor.storage_offset() == 0
     )
-    parts = archive_template(tensor) if plain else None
+    parts = archive_template(tensor) if plain and not starts_like_descriptor(tensor) else None
     if parts is None:
         torch.save(tensor, w)
         return
@@ -533,8 +534,8 @@ class SmallItemWriter:
         self.limit = min(block_size, TEMPLATE_MAX_BYTES)
         self.pending = 0  # bytes staged in ``buf``, not yet written
         self.pos = f.tell()  # the file offset of ``buf[0]``
-        # (dtype, shape) -> (template: header + room for the data + trailer, header length, its
-        # digest, trailer digest), or None when that dtype and shape cannot be templated
+        # (dtype, shape, stride) -> (template: header + room for the data + trailer, header length,
+        # its digest, trailer digest), or None when that layout cannot be templated
         self.templates: Dict[Tuple[Any, ...], Optional[Tuple[bytes, int, int, int]]] = {}
         self.enabled = not member_crcs_on()  # templates only without the archive members' CRC32s
         self.buf: Optional[torch.Tensor] = None  # allocated on the first item
@@ -547,9 +548,9 @@ class SmallItemWriter:
         if not self.enabled or type(t) is not torch.Tensor or not t.is_cpu or t.layout != torch.strided:
             return None
         nbytes = t.nbytes
-        if not 0 < nbytes <= self.limit or t.is_quantized or not t.is_contiguous():
+        if not 0 < nbytes <= self.limit or t.is_quantized or not t.is_contiguous() or starts_like_descriptor(t):
             return None
-        key = (t.dtype, t.shape)
+        key = (t.dtype, t.shape, t.stride())
         tpl = self.templates.get(key, False)
         if tpl is False:
             tpl = self.templates[key] = self._make_template(t)
