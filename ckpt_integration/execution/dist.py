@@ -33,7 +33,7 @@ import pickle
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -54,15 +54,14 @@ class GroupClosedError(RuntimeError):
 class PrivateGroup:
     """A gloo process group owned by this library, outside ``torch.distributed``'s registry.
 
-    ``destroy_process_group()`` shuts down every registered group, including those made
-    with ``new_group``; an async save whose commit still has to talk to the other ranks
-    would then be lost although every rank is alive and willing. This group lives until
-    :meth:`close` (its owner's ``close()``, or the library's exit handler, which runs
+    ``destroy_process_group()`` shuts down every registered group (``new_group``'s too): an async
+    save whose commit still has to talk to the other ranks would be lost although every rank is
+    alive. This group lives until :meth:`close` (its owner's, or the library's exit handler's,
     before the interpreter tears down), whatever the caller does with its own groups.
 
-    ``ranks`` are the members' global ranks in group order; ``rank`` is this process's
-    group rank and ``global_rank`` its global rank (kept, since ``torch.distributed``
-    cannot answer once the default group is destroyed).
+    ``ranks``: the members' global ranks in group order; ``rank``: this process's group rank;
+    ``global_rank``: its global rank (kept: ``torch.distributed`` cannot answer once the default
+    group is destroyed).
     """
 
     def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], global_rank: int):
@@ -109,8 +108,7 @@ class PrivateGroup:
             logger.debug("shutting down the private process group failed: %s", e)
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        return f"PrivateGroup(ranks={self.ranks}, rank={self.rank}, {state})"
+        return f"PrivateGroup(ranks={self.ranks}, rank={self.rank}, {'closed' if self.closed else 'open'})"
 
 
 _private_groups: "weakref.WeakSet[PrivateGroup]" = weakref.WeakSet()
@@ -196,18 +194,26 @@ def global_rank(group: Group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not None and is_distributed() else r
 
 
-def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> Any:
-    """Post a send of ``t`` to group rank ``dst`` (either kind of group); returns the work."""
+def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0) -> "Posted":
+    """Post a send of ``t`` to group rank ``dst`` (either kind of group)."""
     if isinstance(group, PrivateGroup):
-        return group.backend().send([t], dst, tag)
-    return dist.isend(t, dst=global_rank(group, dst), group=group, tag=tag)
+        return Posted(group.backend().send([t], dst, tag))
+    return Posted(dist.isend(t, dst=global_rank(group, dst), group=group, tag=tag))
 
 
-def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0) -> Any:
-    """Post a receive into ``t`` from group rank ``src`` (either kind of group); returns the work."""
+def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0) -> "Posted":
+    """Post a receive into ``t`` from group rank ``src`` (either kind of group)."""
     if isinstance(group, PrivateGroup):
-        return group.backend().recv([t], src, tag)
-    return dist.irecv(t, src=global_rank(group, src), group=group, tag=tag)
+        return Posted(group.backend().recv([t], src, tag))
+    return Posted(dist.irecv(t, src=global_rank(group, src), group=group, tag=tag))
+
+
+class Posted(NamedTuple):
+    """A posted send or receive: :meth:`wait` raises :class:`PeerLostError` when the peer is lost."""
+    work: Any
+
+    def wait(self) -> Any:
+        return _peers(self.work.wait)()
 
 
 def close_private_groups(reason: str = "exit") -> None:
@@ -335,6 +341,11 @@ def _c_all_reduce(t: torch.Tensor, op: str, group: Group) -> None:
     else:
         dist.all_reduce(t, op=reduce_op, group=group)
     settle([t], before)
+
+
+def broadcast_tensor(t: torch.Tensor, src: int, group: Group = None) -> None:
+    """``t`` of global rank ``src`` into ``t`` on every rank (a shared read's bytes: not counted)."""
+    _c_broadcast(t, src, group)
 
 
 # --------------------------------------------------------------------------- traffic counters
@@ -561,11 +572,8 @@ def describe_error(e: BaseException) -> str:
 
 
 def agree_on_errors(local_error: Optional[str], group: Group = None) -> List[str]:
-    """Every rank learns every rank's error message (``rank N: ...``).
-
-    One 8-byte all-reduce when nothing failed; the messages are gathered only when
-    some rank has one (a failure path, where O(world) bytes are acceptable).
-    """
+    """Every rank learns every rank's error message (``rank N: ...``): one 8-byte all-reduce when
+    nothing failed; the messages are gathered only when some rank has one (O(world) bytes then)."""
     if _local(group):
         return [f"rank {get_rank(group)}: {local_error}"] if local_error else []
     if not all_reduce_ints([1 if local_error else 0], "max", group)[0]:
@@ -575,15 +583,11 @@ def agree_on_errors(local_error: Optional[str], group: Group = None) -> List[str
 
 
 def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], context: str) -> None:
-    """Raise on every rank when any rank failed.
-
-    A rank that failed itself re-raises its own exception (specific type, with
-    the other ranks' errors attached as a note); healthy ranks raise
-    :class:`DistributedCheckpointingError` listing the causes.
-    """
+    """Raise on every rank when any rank failed: a rank that failed itself re-raises its own
+    exception (specific type, the other ranks' errors attached as a note); healthy ranks raise
+    :class:`DistributedCheckpointingError` listing the causes."""
     if not errors and local_exc is None:
         return
-
     if local_exc is not None:
         if hasattr(local_exc, "add_note"):
             me = f"rank {own_global_rank(None)}: " if is_distributed() else ""

@@ -62,7 +62,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as tdist
 
 from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.load_units import Need, Unit, aligned, batch_units, plan_units
@@ -420,9 +419,7 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Grou
         return
     flat = byte_view(buf)  # (not reshape: an error here would leave the peers waiting)
     if u.needers == tuple(range(size)):
-        before = dist.python_refs([flat])
-        tdist.broadcast(flat, src=dist.global_rank(group, u.reader), group=group)
-        dist.settle([flat], before)  # the worker thread must not be the one to free ``flat`` (see dist.settle)
+        dist.broadcast_tensor(flat, dist.global_rank(group, u.reader), group)
     elif rank == u.reader:
         works = [
             dist.isend(flat, r, group, u.index % (1 << 30))
