@@ -397,18 +397,23 @@ def test_an_addition_under_a_name_the_integration_stores_its_state_under_is_refu
 def test_incomplete_checkpoints_a_killed_run_left_are_removed_when_fitting_starts(tmp_path):
     """A top-k save killed before its commit left ``epoch=1-step=38.ckpt`` without ``metadata.json``;
     a resumed run that did not save that step again kept it for good. Fitting now starts by removing
-    such directories of dead saves (ours, unlocked); anything else in dirpath is left alone."""
+    such directories of dead saves (ours, unlocked), also those one directory down where the file
+    name has a "/"; anything else in dirpath is left alone."""
     import ckpt_integration as ci
     from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
 
     ck = tmp_path / "ck"
-    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(ck / "epoch=1-step=38.ckpt"))
-    (ck / "epoch=1-step=38.ckpt" / "metadata.json").unlink()  # what a save killed before its commit leaves
+    # a file name with "/" (a metric like train/loss) puts each checkpoint one directory down
+    for dead in (ck / "epoch=1-step=38.ckpt", ck / "epoch=1-train" / "loss=0.5.ckpt"):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(dead))
+        (dead / "metadata.json").unlink()  # what a save killed before its commit leaves
     (ck / "notes.ckpt").mkdir()
     (ck / "notes.ckpt" / "mine.txt").write_text("user data")
-    cb = DistCkptModelCheckpoint(dirpath=str(ck), save_top_k=1, monitor="train_loss")
+    cb = DistCkptModelCheckpoint(dirpath=str(ck), save_top_k=1, monitor="train_loss",
+                                 filename="{epoch}-train/loss={train_loss:.1f}")
     t = trainer(max_epochs=1, limit_train_batches=1, default_root_dir=str(tmp_path), plugins=[DistCkptIO()], callbacks=[cb])
     t.fit(TinyModule(), loader())
     names = sorted(os.listdir(ck))
-    assert "epoch=1-step=38.ckpt" not in names and "notes.ckpt" in names and len(names) == 2, names
+    assert "epoch=1-step=38.ckpt" not in names and "notes.ckpt" in names, names
+    assert not (ck / "epoch=1-train" / "loss=0.5.ckpt").exists(), sorted(os.listdir(ck / "epoch=1-train"))
     assert (ck / "notes.ckpt" / "mine.txt").read_text() == "user data"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any
+from typing import Any, List
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -162,10 +162,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         if stage != "fit" or not trainer.is_global_zero or not self.dirpath or is_remote(os.fspath(self.dirpath)):
             return
         io = _io(trainer)
-        for name in sorted(os.listdir(self.dirpath)) if os.path.isdir(self.dirpath) else []:
-            path = os.path.join(self.dirpath, name)
-            if (name.endswith(self.FILE_EXTENSION) and os.path.isdir(path) and not os.path.islink(path)
-                    and not (io is not None and io.saving(path)) and remove_dead_partial(locate(path))):
+        depth = (self.filename or "").count("/")  # (a file name with "/" nests checkpoints deeper)
+        for path in _checkpoint_dirs(os.fspath(self.dirpath), self.FILE_EXTENSION, depth):
+            if not (io is not None and io.saving(path)) and remove_dead_partial(locate(path)):
                 logger.warning("removed %s: an incomplete checkpoint a killed run left (never committed)", path)
 
     def file_exists(self, filepath: Any, trainer: "pl.Trainer") -> bool:
@@ -221,3 +220,17 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
 
 
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]
+
+
+def _checkpoint_dirs(d: str, ext: str, depth: int) -> List[str]:
+    """The directories (not links) named ``*<ext>`` in ``d`` or up to ``depth`` directories below it."""
+    out: List[str] = []
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        path = os.path.join(d, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if name.endswith(ext):
+            out.append(path)
+        elif depth > 0:
+            out += _checkpoint_dirs(path, ext, depth - 1)
+    return out
