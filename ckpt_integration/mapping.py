@@ -64,6 +64,9 @@ class ShardedBase:
     def without_data(self) -> "ShardedBase":  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def __str__(self) -> str:
+        return f"{type(self).__name__}(key={self.key!r})"
+
 
 @dataclass
 class ShardedTensor(ShardedBase):
@@ -404,9 +407,6 @@ class ShardedTensor(ShardedBase):
             shape = (self.flat_numel(),) if self.flattened_range is not None else self.local_shape
             self.data = init_fn(shape, dtype=self.dtype, device=device)
 
-    def __str__(self) -> str:
-        return f"{type(self).__name__}(key={self.key!r})"
-
 
 @dataclass
 class ShardedObject(ShardedBase):
@@ -439,19 +439,13 @@ class ShardedObject(ShardedBase):
                 f"ShardedObject {self.key!r}: global_shape {self.global_shape} and global_offset "
                 f"{self.global_offset} differ in length"
             )
-        for o, s in zip(self.global_offset, self.global_shape):
-            if not 0 <= o < s:
-                raise CheckpointingException(
-                    f"ShardedObject {self.key!r}: offset {self.global_offset} outside grid {self.global_shape}"
-                )
+        if any(not 0 <= o < s for o, s in zip(self.global_offset, self.global_shape)):
+            raise CheckpointingException(f"ShardedObject {self.key!r}: offset {self.global_offset} outside grid {self.global_shape}")
 
     @property
     def unique_key(self) -> str:
         """Storage name: ``{key}/shard_{offsets}_{shape}`` (the Megatron-Core convention)."""
-        return (
-            f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_"
-            f"{'.'.join(map(str, self.global_shape))}"
-        )
+        return f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_{'.'.join(map(str, self.global_shape))}"
 
     def without_data(self) -> "ShardedObject":
         return replace(self, data=None)
@@ -459,15 +453,21 @@ class ShardedObject(ShardedBase):
     @classmethod
     def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
         """Inverse of :attr:`unique_key` (data is ``None``)."""
-        key, _, shard = unique_key.rpartition("/shard_")
-        if not key or shard.count("_") != 1:
+        m = _OBJECT_NAME.fullmatch(unique_key)
+        if m is None:
             raise CheckpointingException(f"{unique_key!r} is not a ShardedObject storage key")
-        offset, shape = shard.split("_")
         as_tuple = lambda s: tuple(int(v) for v in s.split(".")) if s else ()
-        return cls(key, None, as_tuple(shape), as_tuple(offset), replica_id)
+        return cls(m.group(1), None, as_tuple(m.group(3)), as_tuple(m.group(2)), replica_id)
 
-    def __str__(self) -> str:
-        return f"{type(self).__name__}(key={self.key!r})"
+
+_OBJECT_NAME = re.compile(r"(.+)/shard_((?:\d+(?:\.\d+)*)?)_((?:\d+(?:\.\d+)*)?)", re.S)
+
+
+def object_key_of(unique_key: str) -> Optional[str]:
+    """The key of the :class:`ShardedObject` stored as ``unique_key``, or None when that is not such a
+    storage name (a byte item of plain PyTorch DCP under a key of its own, ``"a/shard_info"``)."""
+    m = _OBJECT_NAME.fullmatch(unique_key)
+    return m.group(1) if m else None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.opened import pinned
 from ..storage.filesystem import locate
-from ..mapping import ShardedObject, ShardedTensor
+from ..mapping import ShardedObject, ShardedTensor, object_key_of
 from ..serialization import load_common_state_dict, save
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .lightning_import import import_lightning_checkpoint, stock_lightning_kind
@@ -213,7 +213,7 @@ def _convert_to_torch_dist(
         # (the two are separate namespaces); a dict holding only those leaves no trace in the common state
         sharded: Dict[str, Any] = {key: ShardedTensor.from_rank_offsets(key, t) for key, t in tensors.items()}
         for unique_key in src.objects:
-            if "/shard_" not in unique_key:  # a plain DCP byte item (a non-tensor value under its own key)
+            if object_key_of(unique_key) is None:  # a plain DCP byte item (a non-tensor value under its own key)
                 if unique_key in sd:
                     raise CheckpointingException(f"{src.path}: {unique_key!r} is both a byte item and a common-state key")
                 sd[unique_key] = src.read_object(unique_key)  # (common state: what load_common_state_dict returns)

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
+from ..mapping import object_key_of
 from ..modules import ParallelLayout, load_into_module, module_sharded_state_dict
 from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
@@ -146,7 +147,7 @@ def _optimizer_prefixes(src: DistCheckpointSource, marker: Dict[str, Any]) -> Li
     Megatron-Core write them) and the per-param ``{prefix}.param_state.{key}`` objects of
     checkpoints written before scalars were stored in place."""
     prefixes = {optimizer_key(i) for i in range(int(marker.get("num_optimizers") or 0))}
-    keys = [u.rpartition("/shard_")[0] or u for u in src.objects] + list(src.tensors)
+    keys = [object_key_of(u) or u for u in src.objects] + list(src.tensors)
     if any(k.startswith(DEFAULT_PREFIX + ".state.") for k in keys):
         prefixes.add(DEFAULT_PREFIX)
     for key in keys:
@@ -274,7 +275,7 @@ def _model_objects(src: DistCheckpointSource, prefixes: Sequence[str]) -> List[s
     """ShardedObjects that may be model state (not RNG, optimizer or recipe objects)."""
     out = []
     for unique in src.objects:
-        key = unique.rpartition("/shard_")[0] or unique
+        key = object_key_of(unique) or unique
         if key in (EXPORT_RECIPE_KEY, "lightning.rng_states") or any(
             key.startswith((p + ".state.", p + ".param_state.")) for p in prefixes
         ):
