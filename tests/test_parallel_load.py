@@ -272,6 +272,17 @@ def _worker4(rank, world, root):
             rows = [ln.split()[0] for ln in summaries[0].splitlines()[1:]]
             assert rows[1:] == ["0", "1", "max"], rows
 
+    # 4. a failure in a DP group names the failing rank by its global rank, as every message does (it
+    # said "rank 1" for global rank 2, the second member of [0, 2])
+    reads.fail = (lambda key: True) if rank >= 2 else None
+    with pytest.raises((ci.CheckpointingException, OSError)) as info:  # (the failing rank: its own OSError)
+        ci.load(_same_layout_request(rank), f"{root}/torch_dist", process_group=dp_group, validate_access_integrity=False)
+    reads.fail = None
+    if rank < 2:
+        msg = str(info.value)
+        assert isinstance(info.value, ci.errors.DistributedCheckpointingError) and f"rank {rank + 2}: " in msg, msg
+        assert "rank 1: " not in msg or rank == 1, msg
+
 
 def test_parallel_strategies_four_ranks(tmp_path):
     """TP x DP, uneven, resharded, empty rank, DP groups; torch_dist and zarr; equal bytes, reads once."""

@@ -575,11 +575,11 @@ def agree_on_errors(local_error: Optional[str], group: Group = None) -> List[str
     """Every rank learns every rank's error message (``rank N: ...``): one 8-byte all-reduce when
     nothing failed; the messages are gathered only when some rank has one (O(world) bytes then)."""
     if _local(group):
-        return [f"rank {get_rank(group)}: {local_error}"] if local_error else []
+        return [f"rank {own_global_rank(group)}: {local_error}"] if local_error else []
     if not all_reduce_ints([1 if local_error else 0], "max", group)[0]:
         return []
     errors = all_gather_object(local_error, group)
-    return [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    return [f"rank {global_rank(group, r)}: {e}" for r, e in enumerate(errors) if e]  # (messages name global ranks)
 
 
 def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], context: str) -> None:

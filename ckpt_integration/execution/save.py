@@ -513,7 +513,7 @@ def finalize_save(plan: SavePlan) -> None:
     if plan.rank == 0:
         try:
             failures, written, summaries = gather_finalize(results)
-            errors = [f"rank {r}: {err}" for r, err in failures]
+            errors = [f"rank {dist.global_rank(plan.group, r)}: {err}" for r, err in failures]
             if errors:
                 status = "\n  ".join(errors)
             else:
