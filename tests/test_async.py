@@ -221,6 +221,37 @@ def test_bounded_in_flight(max_in_flight):
     assert all(r.is_done() for r in reqs[: max_in_flight + 1])
 
 
+@pytest.mark.parametrize("snapshot", ["background", "caller"])
+def test_threads_saving_on_one_queue_keep_their_own_data(tmp_path, snapshot):
+    """Two threads each saving in the background on one queue (the default queue, as ``save`` uses)
+    took the same stager slot and staged into each other's buffers: checkpoints held the other
+    thread's tensors beside their own common state, loaded and verified without an error."""
+    q = AsyncCallsQueue(snapshot=snapshot)
+    errors = []
+
+    def worker(tid):
+        try:
+            for i in range(4):
+                w = torch.full((256, 512), float(tid * 100 + i))  # (512 KiB: copied in the background)
+                sd = {"w": ShardedTensor.from_rank_offsets("w", w), "tid": tid}
+                async_save_torch_dist(sd, str(tmp_path / f"t{tid}_{i}"), queue=q).wait()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(scaled_timeout(60))
+    q.close()
+    assert not errors, errors
+    for tid in range(2):
+        for i in range(4):
+            path = str(tmp_path / f"t{tid}_{i}")
+            assert torch.equal(ci.load_plain_tensors(path)["w"], torch.full((256, 512), float(tid * 100 + i))), path
+            assert ci.load_common_state_dict(path)["tid"] == tid
+
+
 def test_async_write_failure_single_process(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("injected write failure")

@@ -155,6 +155,9 @@ class AsyncCallsQueue:
         self._unfinalized: Deque[AsyncRequest] = deque()
         self._jobs: Deque[Optional[AsyncRequest]] = deque()
         self._cv = threading.Condition()
+        # scheduling (room, a stager slot, staging, submit) and finalizing, one thread at a time: two
+        # threads saving on one queue took the same slot and staged into each other's buffers
+        self._schedule_lock = threading.RLock()
         self._worker: Optional[threading.Thread] = None
         self._next_idx = 0
         self._closed = False
@@ -181,14 +184,15 @@ class AsyncCallsQueue:
 
     # -- scheduling --------------------------------------------------------------------
     def _finalize_oldest(self) -> AsyncRequest:
-        req = self._unfinalized[0]
-        try:
-            if not req._reported:  # a failure already raised by req.wait() is not raised again
-                req.finalize()  # counts as in flight while we wait for it
-        finally:
-            if self._unfinalized and self._unfinalized[0] is req:
-                self._unfinalized.popleft()
-        return req
+        with self._schedule_lock:
+            req = self._unfinalized[0]
+            try:
+                if not req._reported:  # a failure already raised by req.wait() is not raised again
+                    req.finalize()  # counts as in flight while we wait for it
+            finally:
+                if self._unfinalized and self._unfinalized[0] is req:
+                    self._unfinalized.popleft()
+            return req
 
     def _make_room(self, slots: int = 1) -> None:
         while len(self._unfinalized) > self.max_in_flight - slots:
@@ -209,8 +213,9 @@ class AsyncCallsQueue:
             return async_request.call_idx
         if self._closed:
             raise RuntimeError("AsyncCallsQueue is closed")
-        self._make_room()
-        return self._submit(async_request)
+        with self._schedule_lock:
+            self._make_room()
+            return self._submit(async_request)
 
     def _submit(self, req: AsyncRequest) -> int:
         req.call_idx = self._next_idx
@@ -234,8 +239,9 @@ class AsyncCallsQueue:
             if req.snapshot is not None and req.snapshot.copied():
                 req.snapshot.wait(0)
         done: List[int] = []
-        while self._unfinalized and (blocking or self._unfinalized[0].is_done()):
-            done.append(self._finalize_oldest().call_idx)
+        with self._schedule_lock:
+            while self._unfinalized and (blocking or self._unfinalized[0].is_done()):
+                done.append(self._finalize_oldest().call_idx)
         maybe_remove_hook()
         return done
 
@@ -549,41 +555,42 @@ def async_save_torch_dist(
     mode = q.snapshot if snapshot is None else snapshot
     if mode not in SNAPSHOT_MODES:
         raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {mode!r}")
-    q._make_room()  # may raise the previous save's error (on every rank)
-    t1 = time.perf_counter()
-    # planned first: its first collective is where the ranks agree to save asynchronously (a rank that
-    # saves synchronously meets it there and both raise), before the private group, whose making
-    # would wait for every member
-    plan = prepare_save(sharded_state_dict, checkpoint_dir, asynchronous=True, **save_kwargs)
-    group = q.private_group(save_kwargs.get("process_group"))
-    t2 = time.perf_counter()
-    stager = q._next_stager()
-    snap: Optional[Snapshot] = None
-    report = StagingReport()
-    bounded = staging_budget is not None and plan.backend == "torch_dist"  # (zarr: staged whole, as before)
-    if bounded and not plan.failure.failed:
-        report = write_in_waves(plan, _arena_of(stager), int(staging_budget))
-    if not plan.failure.failed:
-        try:
-            if staging_budget is None:
-                report.bytes = sum(r.data.numel() * r.data.element_size() for r in plan.requests
-                                   if isinstance(r.data, torch.Tensor))
-                check_fits(max(0, report.bytes - stager.cached_bytes), checkpoint_dir, plan.rank)
-            snap = _stage_plan(plan, stager, None if bounded or mode != "background" else q.copy_now_bytes,
-                               tensors=not bounded)
-        except Exception as e:  # reported by finalize_save on every rank
-            plan.failure.record(e)
-            plan.requests = []
-    plan.group = group
-    t3 = time.perf_counter()
-    req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
-    req.snapshot = snap
-    req._cancellable = True
-    rank = dist.own_global_rank(group)
-    plan.stop = lambda: req._check_cancelled(str(checkpoint_dir), rank)
-    if snap is not None:
-        snap.start()
-    q._submit(req)
+    with q._schedule_lock:  # (see AsyncCallsQueue: the stager slot is this save's until it is finalized)
+        q._make_room()  # may raise the previous save's error (on every rank)
+        t1 = time.perf_counter()
+        # planned first: its first collective is where the ranks agree to save asynchronously (a rank that
+        # saves synchronously meets it there and both raise), before the private group, whose making
+        # would wait for every member
+        plan = prepare_save(sharded_state_dict, checkpoint_dir, asynchronous=True, **save_kwargs)
+        group = q.private_group(save_kwargs.get("process_group"))
+        t2 = time.perf_counter()
+        stager = q._next_stager()
+        snap: Optional[Snapshot] = None
+        report = StagingReport()
+        bounded = staging_budget is not None and plan.backend == "torch_dist"  # (zarr: staged whole, as before)
+        if bounded and not plan.failure.failed:
+            report = write_in_waves(plan, _arena_of(stager), int(staging_budget))
+        if not plan.failure.failed:
+            try:
+                if staging_budget is None:
+                    report.bytes = sum(r.data.numel() * r.data.element_size() for r in plan.requests
+                                       if isinstance(r.data, torch.Tensor))
+                    check_fits(max(0, report.bytes - stager.cached_bytes), checkpoint_dir, plan.rank)
+                snap = _stage_plan(plan, stager, None if bounded or mode != "background" else q.copy_now_bytes,
+                                   tensors=not bounded)
+            except Exception as e:  # reported by finalize_save on every rank
+                plan.failure.record(e)
+                plan.requests = []
+        plan.group = group
+        t3 = time.perf_counter()
+        req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
+        req.snapshot = snap
+        req._cancellable = True
+        rank = dist.own_global_rank(group)
+        plan.stop = lambda: req._check_cancelled(str(checkpoint_dir), rank)
+        if snap is not None:
+            snap.start()
+        q._submit(req)
     t4 = time.perf_counter()
     req.timings.update(wait_previous=t1 - t0, prepare=t2 - t1, stage=t3 - t2, submit=t4 - t3)
     req.blocking_seconds = t4 - t0
