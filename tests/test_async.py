@@ -252,6 +252,29 @@ def test_threads_saving_on_one_queue_keep_their_own_data(tmp_path, snapshot):
             assert ci.load_common_state_dict(path)["tid"] == tid
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_relative_path_is_the_one_of_the_save_call_not_of_the_write(tmp_path, monkeypatch, overwrite):
+    """Hydra changes the working directory: an async save to a relative path wrote against the cwd
+    of the moment its background write ran (a new checkpoint failed with "no such file or directory",
+    an overwrite left a staging directory behind); the path is the one the save was called with."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    if overwrite:
+        ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, "ck")
+    q = AsyncCallsQueue(max_in_flight=2)
+    gate = threading.Event()
+    q.schedule_async_request(AsyncRequest(gate.wait))  # the save's write runs after it
+    req = async_save_torch_dist({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, "ck", queue=q,
+                                overwrite=overwrite)
+    monkeypatch.chdir(tmp_path / "b")
+    gate.set()
+    req.wait()
+    q.close()
+    assert torch.equal(ci.load_plain_tensors(str(tmp_path / "a" / "ck"))["w"], torch.arange(4.0))
+    assert sorted(os.listdir(tmp_path / "a")) == ["ck"] and os.listdir(tmp_path / "b") == []
+
+
 def test_async_write_failure_single_process(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("injected write failure")

@@ -584,8 +584,8 @@ def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
     p = os.fspath(path)
     if p.startswith("file://"):
         p = p[len("file://") :]
-    if not is_remote(p):
-        return _LOCAL, p
+    if not is_remote(p):  # absolute now: a background save must not follow a later chdir (Hydra's)
+        return _LOCAL, p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
