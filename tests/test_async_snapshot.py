@@ -212,6 +212,30 @@ def test_large_buffers_changed_by_forward_wait_for_their_copy(gate, tmp_path):
     assert not snap_mod.hook_installed()
 
 
+def test_a_storage_freed_before_its_copy_is_copied_first_or_fails_the_save(gate, tmp_path):
+    """FSDP frees parameters with ``untyped_storage().resize_(0)``. Freed right after an async save
+    returned, the background copy read freed memory (a segfault in most runs) or a storage its byte
+    view had grown again, zero-filled: zeros committed, verified clean. The resize now waits for the
+    copy; a storage resized without that wait (torch's own method) fails the save naming the key and
+    is not grown again."""
+    w = torch.randn(*BIG)
+    ref = w.clone()
+    req = ci.save({"w": _st("w", w), "iteration": 3}, tmp_path / "a", async_sharded_save=True)
+    threading.Timer(0.3, gate.release).start()  # (the copy is held until then)
+    w.untyped_storage().resize_(0)  # waits for the copy
+    assert req.snapshot_done() and w.untyped_storage().nbytes() == 0
+    req.wait()
+    assert torch.equal(_load(str(tmp_path / "a"), {"w": BIG})["w"], ref)
+    v = torch.randn(*BIG)
+    req = ci.save({"v": _st("v", v), "iteration": 3}, tmp_path / "b", async_sharded_save=True)
+    torch._C.StorageBase.resize_(v.untyped_storage(), 0)
+    gate.release()
+    with pytest.raises(ci.errors.SnapshotModifiedError, match=r": v\b"):
+        req.wait()
+    assert v.untyped_storage().nbytes() == 0 and not (tmp_path / "b" / "metadata.json").exists()
+    assert not snap_mod.hook_installed() and "resize_" not in torch.UntypedStorage.__dict__
+
+
 def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_path):
     w, small = torch.randn(*BIG), torch.randn(16)
     with AsyncCallsQueue() as q:

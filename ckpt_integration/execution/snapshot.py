@@ -13,6 +13,9 @@ next optimizer step, so the wait is put right before it:
   ``step`` gets a closure (LBFGS, Lightning's automatic optimization, which runs
   forward and backward inside ``step``), the wait runs after the closure returns,
   so forward and backward still overlap the copy;
+* **automatically before a storage being copied is resized** (freed: FSDP frees parameters with
+  ``untyped_storage().resize_(0)``): ``UntypedStorage.resize_`` waits for that copy while a
+  snapshot is in flight (a freed or resized storage the copy has not reached fails the save);
 * **automatically before a module whose buffer is being copied runs** (a global module
   forward pre-hook, while a snapshot is in flight): a forward updates buffers in place, and
   some kernels do it without bumping version counters (BatchNorm's running statistics), so
@@ -197,6 +200,9 @@ def _register(snap: Snapshot) -> None:
 
             _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
             _forward_handle = register_module_forward_pre_hook(_before_forward)
+            import torch
+
+            torch.UntypedStorage.resize_ = _resize_after_copy  # (removed with the hooks)
 
 
 def _unregister(snap: Snapshot) -> None:
@@ -219,6 +225,10 @@ def maybe_remove_hook() -> None:
             _hook_handle.remove()
             _forward_handle.remove()
             _hook_handle = _forward_handle = None
+            import torch
+
+            if torch.UntypedStorage.__dict__.get("resize_") is _resize_after_copy:
+                del torch.UntypedStorage.resize_  # (torch's own, inherited, again)
 
 
 def hook_installed() -> bool:
@@ -272,6 +282,20 @@ def _before_forward(module: Any, args: tuple) -> None:
         finally:
             _tls.in_hook = False
     return None
+
+
+def _resize_after_copy(storage: Any, *args: Any, **kwargs: Any) -> Any:
+    """``UntypedStorage.resize_`` while a snapshot is in flight: a storage still being copied is
+    resized (freed, as FSDP frees parameters with ``resize_(0)``) once its copy has ended; the copy
+    would read freed memory (a crash) or a regrown, zeroed storage."""
+    if _in_flight:
+        ptr = storage.data_ptr()
+        waiting = [s for s in snapshots_in_flight() if not s.copied() and ptr in s.pending.sources]
+        if waiting:
+            _wait_all(waiting)
+    import torch
+
+    return torch._C.StorageBase.resize_(storage, *args, **kwargs)
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:

@@ -410,7 +410,7 @@ class StateDictStager:
         streams = {}
         for g in groups:
             n = g.hi - g.lo
-            if n == 0:
+            if n == 0 or _moved(g):  # (freed or resized since prepare: refused after the copy)
                 continue
             src = _byte_view(g.storage, g.device, g.lo, n)
             dst = _byte_view(g.buffer, torch.device("cpu"), 0, n)
@@ -450,6 +450,12 @@ class StateDictStager:
                     mod.synchronize()
 
 
+def _moved(g: _Group) -> bool:
+    """Whether ``g``'s source storage was freed, resized or reallocated since ``prepare`` (a byte view
+    of it would grow it again, zero-filled, and copy zeros)."""
+    return g.key is not None and (g.storage.data_ptr(), g.storage.nbytes()) != g.key[1:]
+
+
 def _copy_matches(g: _Group) -> bool:
     """Whether the staged bytes of ``g`` equal its source right after the copy. The source cannot
     change before the snapshot is complete (the next optimizer step waits for it), so a
@@ -460,6 +466,8 @@ def _copy_matches(g: _Group) -> bool:
     n = g.hi - g.lo
     if n <= 0 or g.storage is None or g.buffer is None:
         return True
+    if _moved(g):
+        return False
     src = _byte_view(g.storage, g.device, g.lo, n)
     dst = _byte_view(g.buffer, torch.device("cpu"), 0, n)
     if g.device.type == "cpu":
