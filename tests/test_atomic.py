@@ -352,3 +352,20 @@ def test_overwrite_through_a_file_url_replaces_the_checkpoint(tmp_path, backend)
     out = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(3, 4))}, url)
     assert out["v"] == 2.0 and torch.equal(out["w"], torch.full((3, 4), 2.0))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_an_overwrite_through_a_symbolic_link_replaces_the_name_and_says_so(tmp_path, caplog):
+    """``run/latest -> disk/iter``: an overwrite puts the new checkpoint in place of the link (as a
+    rename replaces a name) and the link's target keeps the old one; that surprised users who
+    expected the target replaced, so the save now says it, naming both."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "run").mkdir()
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": 1}, str(tmp_path / "disk" / "iter"))
+    os.symlink(tmp_path / "disk" / "iter", tmp_path / "run" / "latest")
+    with caplog.at_level("WARNING", logger="ckpt_integration"):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((4,), 2.0)), "step": 2},
+                str(tmp_path / "run" / "latest"), overwrite=True)
+    assert any("is a symbolic link to" in r.getMessage() and "keeps the old one" in r.getMessage() for r in caplog.records)
+    assert not os.path.islink(tmp_path / "run" / "latest")
+    assert ci.load_common_state_dict(str(tmp_path / "run" / "latest"))["step"] == 2
+    assert ci.load_common_state_dict(str(tmp_path / "disk" / "iter"))["step"] == 1

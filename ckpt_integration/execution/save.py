@@ -146,6 +146,10 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
                 f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
                 "would delete; move them elsewhere first"
             )
+        if os.path.islink(checkpoint_dir.rstrip(os.sep)):  # (rename semantics: the name is replaced, not the target)
+            target = os.path.realpath(checkpoint_dir)
+            logger.warning("%s is a symbolic link to %s: the overwrite puts the new checkpoint in place of the link, "
+                           "and %s keeps the old one", checkpoint_dir, target, target)
         claim = claims.claim_staging(where, claims.staging_name(checkpoint_dir, token), token, durable)
         try:  # (after the claim: a save still creating its staging directory holds the lock this one now holds)
             claims.remove_dead_staging(where)
