@@ -275,6 +275,31 @@ def test_a_relative_path_is_the_one_of_the_save_call_not_of_the_write(tmp_path, 
     assert sorted(os.listdir(tmp_path / "a")) == ["ck"] and os.listdir(tmp_path / "b") == []
 
 
+def test_megatron_flow_on_its_own_queue_waits_and_finalizes(tmp_path, monkeypatch):
+    """Megatron-Core's flow: ``req = save(..., async_sharded_save=True)``, ``req.add_finalize_fn(fn)``,
+    ``queue.schedule_async_request(req)`` on the job's own queue, later
+    ``queue.maybe_finalize_async_calls(blocking=True)``. The request was already on the default queue,
+    so the job's queue ignored it: it counted 0 calls, the blocking finalize returned at once with the
+    save uncommitted and ``fn`` (Megatron's tracker file update) not run."""
+    from ckpt_integration.execution.staging import PendingCopy
+
+    q = AsyncCallsQueue()
+    gate, copy = threading.Event(), PendingCopy.run
+    monkeypatch.setattr(PendingCopy, "run", lambda self: (gate.wait(scaled_timeout(60)), copy(self)))  # (held)
+    req = ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(256, 512))}, str(tmp_path / "iter_200"),
+                  async_sharded_save=True)
+    ran = []
+    req.add_finalize_fn(lambda: ran.append((tmp_path / "iter_200" / "metadata.json").exists()))
+    assert q.schedule_async_request(req) == req.call_idx
+    assert q.get_num_unfinalized_calls() == 1 and q.maybe_finalize_async_calls(blocking=False) == []
+    threading.Timer(0.2, gate.set).start()
+    assert q.maybe_finalize_async_calls(blocking=True) == [req.call_idx]
+    assert ran == [True] and q.get_num_unfinalized_calls() == 0
+    q.close()
+    ci.execution.async_save.get_default_async_queue().maybe_finalize_async_calls(blocking=True)
+    assert ran == [True]  # (once)
+
+
 def test_async_write_failure_single_process(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("injected write failure")

@@ -18,15 +18,13 @@ place calls :func:`~ckpt_integration.execution.snapshot.wait_for_snapshot` (or
 the save loudly instead of writing a torn tensor. ``snapshot="caller"`` copies
 everything before returning (the state may then be modified at once).
 
-Writing (``write_local``) and the commit (``finalize_save``) then run on one
-background worker thread per queue, saves strictly in order. The commit's
-collectives use a **dedicated gloo group** made once per process group, so
-they never interleave with the training loop's collectives and the caller never
-has to enter a collective to finalize: every rank's worker runs every save it
-started (``prepare_save`` was collective, so all ranks did), hence the
-collectives always match and no rank can hang because another one skipped a
-"finalize" call. ``wait()``, ``is_done()``, ``wait_for_snapshot()`` and
-``maybe_finalize_async_calls()`` are purely local.
+Writing (``write_local``) and the commit (``finalize_save``) then run on one background worker
+thread per queue, saves strictly in order. The commit's collectives use a **dedicated gloo group**
+made once per process group, so they never interleave with the training loop's collectives and the
+caller never enters a collective to finalize: every rank's worker runs every save it started
+(``prepare_save`` was collective, so all ranks did), hence the collectives always match and no rank
+hangs because another skipped a "finalize" call. ``wait()``, ``is_done()``,
+``wait_for_snapshot()`` and ``maybe_finalize_async_calls()`` are purely local.
 
 That group is the library's own (:class:`~.dist.PrivateGroup`), outside
 ``torch.distributed``'s registry: a script may call ``destroy_process_group()`` right
@@ -39,13 +37,10 @@ save: the other ranks' commit fails with :class:`~ckpt_integration.errors.AsyncS
 naming the path, nothing is committed there and earlier checkpoints stay as they were. At
 exit the wait is bounded by ``CKPT_INTEGRATION_EXIT_TIMEOUT`` seconds (default 600).
 
-Errors: a failure on any rank (snapshot, write, commit) makes ``finalize_save``
-fail on every rank and commit nothing (no ``metadata.json``); the exception is
-raised from ``wait()`` / ``finalize()``, from the next ``async_save_torch_dist``
-/ ``schedule_async_request`` on the same queue (when it waits for room), from
-``maybe_finalize_async_calls`` once the save is done, and at ``close()``; a
-failure already raised by ``wait()`` is not raised again by the queue. Since
-the commit step shares every rank's error, all ranks raise at the same call.
+Errors: a failure on any rank (snapshot, write, commit) makes ``finalize_save`` fail on every
+rank and commit nothing (no ``metadata.json``); it is raised from ``wait()`` / ``finalize()``, the
+next save or ``schedule_async_request`` on the queue (waiting for room), ``maybe_finalize_async_calls``
+once the save is done and ``close()`` (once: not again after ``wait()``), on all ranks at one call.
 
 Example (every rank)::
 
@@ -207,9 +202,14 @@ class AsyncCallsQueue:
         Waits first for the oldest request if ``max_in_flight`` are unfinalized
         (raising its error, if it failed; the new request is then not scheduled).
         A request that is already scheduled (``save(..., async_sharded_save=True)``
-        schedules its own; Megatron-Core code schedules it once more) keeps its index.
+        schedules its own on the default queue; Megatron-Core code schedules it again on its own)
+        keeps its index and is tracked here too: this queue's ``maybe_finalize_async_calls`` and
+        ``close`` wait for it and run its finalize functions (once, whichever queue comes first).
         """
         if async_request.call_idx is not None:
+            with self._schedule_lock:
+                if not async_request._finalized and all(r is not async_request for r in self._unfinalized):
+                    self._unfinalized.append(async_request)
             return async_request.call_idx
         if self._closed:
             raise RuntimeError("AsyncCallsQueue is closed")
