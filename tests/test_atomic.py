@@ -369,3 +369,22 @@ def test_an_overwrite_through_a_symbolic_link_replaces_the_name_and_says_so(tmp_
     assert not os.path.islink(tmp_path / "run" / "latest")
     assert ci.load_common_state_dict(str(tmp_path / "run" / "latest"))["step"] == 2
     assert ci.load_common_state_dict(str(tmp_path / "disk" / "iter"))["step"] == 1
+
+
+def test_a_failed_save_removes_the_directory_it_made(tmp_path, monkeypatch):
+    """A save that failed removed its files but not the directory it had made: an empty
+    ``epoch=0-step=8.ckpt`` stayed for good, and Lightning saved the redone step as ``...-v1.ckpt``
+    beside it. A directory the caller made (empty) stays."""
+    import errno
+
+    from ckpt_integration.execution import save as save_mod
+
+    def boom(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(save_mod, "write_data_files", boom)
+    (tmp_path / "mine").mkdir()
+    for name in ("epoch=0-step=8.ckpt", "mine"):
+        with pytest.raises(OSError, match="injected"):
+            ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / name))
+    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []

@@ -380,6 +380,8 @@ def cleanup_failed(target: CheckpointLocation, staging: bool) -> None:
         else:
             for n in claims.library_entries(target):
                 storage.remove_any(target.file(n))
+            if claim is not None and claim.created and not storage.listdir(write_dir):
+                storage.rmtree(write_dir)  # (an empty directory named like a checkpoint misleads: Lightning's -v1)
     except OSError:
         logger.exception("could not clean up the failed save in %s", write_dir)
     finally:

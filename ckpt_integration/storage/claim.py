@@ -233,6 +233,7 @@ class SaveClaim:
     staging: bool
     token: str
     fds: List[int] = field(default_factory=list)
+    created: bool = False  # the save made ``write_dir`` (a failed save then removes it, emptied)
 
     @property
     def write_dir(self) -> str:
@@ -272,6 +273,7 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
     another save is running there (locally: its marker is locked).
     """
     storage, directory = ck.storage, ck.path
+    created = not storage.exists(directory)
     with writing(directory):
         storage.makedirs(directory)
     ours, foreign = classify_entries(ck)
@@ -283,7 +285,7 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
             fd = _write_marker(ck, token, replace=False, durable=durable)
         except FileExistsError:
             raise SaveConflictError(f"cannot save to {directory}: another save started writing there at the same time") from None
-        return SaveClaim(ck, False, token, [fd] if fd is not None else [])
+        return SaveClaim(ck, False, token, [fd] if fd is not None else [], created)
     marker = read_marker(ck) if MARKER_FILE in ours else None
     if marker is None:
         names = foreign + [n for n in ours if n not in foreign]
