@@ -239,6 +239,30 @@ def test_a_manifest_changed_or_deleted_under_an_opened_checkpoint_is_named(tmp_p
             verify_checkpoint(ck)
 
 
+def test_a_read_the_system_refuses_is_not_taken_for_a_replaced_checkpoint(tmp_path, monkeypatch):
+    """The check that an opened checkpoint was not replaced took any error reading ``manifest.json``
+    for "the manifest is gone": a rank out of file descriptors (EMFILE) raised
+    ``CheckpointReplacedError`` for a checkpoint nobody touched. The system's error is raised."""
+    import errno
+
+    from ckpt_integration.errors import CheckpointReadError
+    from ckpt_integration.storage.opened import commit_identity
+
+    path = str(tmp_path / "c")
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, path)
+    ck = locate(path)
+    real = os.open
+
+    def no_fds(p, *args, **kwargs):
+        if str(p).endswith("manifest.json"):
+            raise OSError(errno.EMFILE, "Too many open files", str(p))
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_fds)
+    with pytest.raises(CheckpointReadError, match="too many open files"):
+        commit_identity(ck)
+
+
 @pytest.mark.parametrize("mode", ["opened", "path"])
 def test_evaluation_job_reads_while_training_saves(tmp_path, mode):
     """Issue 23 item 1 / issue 22, short form of ``benchmarks/readers_beside_writer.py``: a reader

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tupl
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ..errors import CheckpointingException, CheckpointReplacedError, MismatchError
+from ..errors import CheckpointingException, CheckpointReadError, CheckpointReplacedError, MismatchError
 from ..planning.boxes import Box, intersect
 from ..planning.reshard import ChunkIndex, ChunkRead
 from . import checkpoint_dir as ckdir
@@ -502,6 +502,8 @@ def commit_identity(ck: CheckpointLocation) -> Optional[str]:
         return "" if is_plain_dcp(ck) else None  # plain DCP: ``.metadata`` is its commit marker
     try:
         reader = ck.open(MANIFEST_FILE, "manifest")
+    except CheckpointReadError:
+        raise  # (the system refused the read, EMFILE or EIO: no sign that the checkpoint changed)
     except (OSError, CheckpointingException):  # no manifest: ours mid-replacement, or a foreign checkpoint
         return None if ck.exists(WRITER_FILE) else ""
     try:
