@@ -396,3 +396,26 @@ def test_durable_save_fsyncs_every_file_and_directory_before_the_commit_marker(t
     missing = sorted(os.path.relpath(p, path) for p in every - before)
     assert not missing, f"not fsync'ed before the commit marker: {missing}"
     assert any(p.endswith(os.path.join("model", "layer", "w", "c", "0")) for p in before)
+
+
+def test_a_chunk_write_the_disk_refuses_names_the_chunk_file(tmp_path, monkeypatch):
+    """A full disk during a local zarr save named ``/c/0`` (the store's path was looked up under an
+    fsspec store's attribute): the error names the chunk's file in the checkpoint."""
+    import errno
+
+    from zarr.storage import LocalStore
+
+    from ckpt_integration.errors import CheckpointWriteError
+
+    real = LocalStore.set
+
+    async def full(self, key, value, *args, **kwargs):  # (chunks only: the arrays' metadata is written)
+        if "/c/" in key or key.startswith("c/"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(self, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStore, "set", full)
+    path = tmp_path / "ck"
+    with pytest.raises(CheckpointWriteError) as info:
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("layer.w", torch.ones(1024))}, str(path), sharded_strategy="zarr")
+    assert info.value.errno == errno.ENOSPC and str(info.value.path).startswith(str(path) + "/"), (info.value, info.value.path)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:  # zarr is optional, and imported on first use
     from zarr.core.buffer import Buffer as ZarrBuffer, BufferPrototype
 
 def _url(store: Any, key: str) -> str:
-    """The URL of ``key`` in an fsspec store (for messages)."""
-    fs, path = getattr(store, "fs", None), getattr(store, "path", "")
+    """The URL of ``key`` in an fsspec store, or its path in a local one (for messages)."""
+    fs, path = getattr(store, "fs", None), getattr(store, "path", None) or str(getattr(store, "root", ""))
     proto = getattr(fs, "protocol", "")
     proto = proto[0] if isinstance(proto, (tuple, list)) else proto
     return f"{proto}://{path}/{key}" if proto and proto != "file" else f"{path}/{key}"
