@@ -1021,3 +1021,26 @@ def test_failure_keeps_the_first_cause_and_lets_interrupts_through():
     with pytest.raises(ValueError, match="first") as ei:
         failure.agree(None, "step failed")
     assert any("step failed" in n for n in getattr(ei.value, "__notes__", []))
+
+
+def test_write_and_read_errors_keep_the_paths_they_name():
+    """A write error lower-cased the whole system message, paths in it included (``/Run/Ckpt`` shown as
+    ``/run/ckpt``, a path that does not exist), and took the failing call's file name even when it lay
+    outside the checkpoint (EMFILE while torch imported a module named that module's source file)."""
+    import errno
+
+    from ckpt_integration.errors import CheckpointReadError
+    from ckpt_integration.storage.filesystem import write_error
+    from ckpt_integration.storage.readers import reading
+
+    e = write_error(OSError(errno.EBUSY, "cannot exchange /Run/Ckpt.tmp-1 and /Run/Ckpt: Device or resource busy"),
+                    "/Run/Ckpt")
+    assert "cannot exchange /Run/Ckpt.tmp-1 and /Run/Ckpt: Device or resource busy while writing /Run/Ckpt" in str(e)
+    e = write_error(OSError(errno.EMFILE, "Too many open files", "/usr/lib/python3/site-packages/torch/x.py"),
+                    "/Run/Ckpt/__0_0.distcp")
+    assert str(e) == "too many open files while writing /Run/Ckpt/__0_0.distcp" and e.path == "/Run/Ckpt/__0_0.distcp"
+    e = write_error(OSError(errno.ENOSPC, "No space left on device", "/Run/Ckpt/__1_0.distcp"), "/Run/Ckpt/__0_0.distcp")
+    assert e.path == "/Run/Ckpt/__1_0.distcp"  # (a file of the checkpoint: the one that failed)
+    with pytest.raises(CheckpointReadError, match="^bad thing at /Run/X while reading /Run/X$"):
+        with reading("/Run/X"):
+            raise OSError(errno.EIO, "Bad thing at /Run/X")

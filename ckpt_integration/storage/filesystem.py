@@ -237,11 +237,8 @@ def _os_error_in(e: BaseException) -> Optional[OSError]:
 
 
 def write_error(e: BaseException, path: str) -> BaseException:
-    """The library error for a failed write of ``path`` (``e`` itself if it is not an OS error).
-
-    torch's zip writer wraps the ``OSError`` of a full disk in a ``RuntimeError``
-    ("unexpected pos ..."); the cause is found in the exception chain.
-    """
+    """The library error for a failed write of ``path`` (``e`` itself if it is not an OS error; torch's
+    zip writer wraps a full disk's ``OSError`` in a ``RuntimeError``: the chain is searched)."""
     if isinstance(e, CheckpointingException):
         return e
     err = _os_error_in(e)
@@ -250,8 +247,10 @@ def write_error(e: BaseException, path: str) -> BaseException:
             return e
         code, reason = _errno.ENOSPC, "no space left on device"
     else:
-        code, reason = err.errno, (err.strerror or os.strerror(err.errno)).lower()
-        path = err.filename if isinstance(err.filename, str) and err.filename else path
+        code, reason = err.errno, err.strerror or os.strerror(err.errno)
+        reason = reason[:1].lower() + reason[1:]  # ("No space..." reads on; a path in it keeps its case)
+        near = os.path.dirname(path.rstrip(os.sep)) + os.sep  # (a file elsewhere: an import's EMFILE)
+        path = err.filename if isinstance(err.filename, str) and err.filename.startswith(near) else path
     out = CheckpointWriteError(f"{reason} while writing {path}")
     out.errno = code  # (strerror/filename left unset: they would replace the message in str())
     out.path = path

@@ -137,8 +137,8 @@ def reading(path: str) -> Iterator[None]:
     except (CheckpointingException, FileNotFoundError):
         raise
     except OSError as e:
-        reason = (e.strerror or str(e)).lower()
-        out = CheckpointReadError(f"{reason} while reading {path}")
+        reason = e.strerror or str(e)  # (first letter lowered: a path in it keeps its case)
+        out = CheckpointReadError(f"{reason[:1].lower() + reason[1:]} while reading {path}")
         out.errno = e.errno
         raise out from e
 
