@@ -416,3 +416,49 @@ def test_safetensors_index_names_and_special_input_files(tmp_path, capsys):
         for args in (("inspect", tmp_path / "model.pt"), ("diff", tmp_path / "model.pt", tmp_path / "outside.safetensors")):
             code, _, err = run_cli(*args, capsys=capsys)
             assert code == 2 and "not a regular file" in err, err
+
+
+@pytest.mark.parametrize("what", ["convert:torch", "convert:safetensors", "export:hf"])
+def test_a_tool_whose_output_disk_is_full_names_the_output(tmp_path, monkeypatch, what):
+    """``convert`` / ``export`` onto a full disk raised a bare ``OSError(28)`` naming no file (the CLI
+    printed "[Errno 28] No space left on device"); now a ``CheckpointWriteError`` names the output,
+    and nothing is left beside it."""
+    import builtins
+    import errno
+    import io
+
+    from ckpt_integration.errors import CheckpointWriteError
+    from ckpt_integration.tools import convert_checkpoint, export_checkpoint
+
+    src = str(tmp_path / "src")
+    ci.save({"model.w": ShardedTensor.from_rank_offsets("model.w", torch.ones(64, 64))}, src)
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    real_open = builtins.open
+
+    def full_disk(file, *args, **kwargs):  # (the outputs' partial files only)
+        f = real_open(file, *args, **kwargs)
+        return Full(f) if str(file).endswith(".partial") else f
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    monkeypatch.setattr(io, "open", full_disk)
+    tool, to = what.split(":")
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointWriteError, match=f"no space left on device while writing {out}$"):
+        convert_checkpoint(src, to, out) if tool == "convert" else export_checkpoint(src, out, to)
+    assert sorted(os.listdir(tmp_path)) == ["src"]

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import CheckpointingException, UntrustedObjectError
 from ..storage.opened import pinned
-from ..storage.filesystem import locate
+from ..storage.filesystem import locate, writing
 from ..mapping import ShardedObject, ShardedTensor, object_key_of
 from ..serialization import load_common_state_dict, save
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
@@ -156,8 +156,9 @@ def convert_checkpoint(
         try:
             tmp = staging_path(out, is_dir)
             try:
-                _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
-                commit_output(tmp, out)
+                with writing(out):  # (a full disk: CheckpointWriteError naming the output, not a bare OSError)
+                    _convert_into(src, to, tmp, max_shard_size, budget, nested, progress, result)
+                    commit_output(tmp, out)
             except BaseException:
                 discard_output(tmp)
                 raise

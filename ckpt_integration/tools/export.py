@@ -34,7 +34,7 @@ from ..optimizer import DEFAULT_PREFIX, load_optimizer_state, optimizer_key
 from ..planning.boxes import Box
 from ..serialization import load, load_common_state_dict
 from ..storage.opened import OpenedCheckpoint, pinned
-from ..storage.filesystem import locate
+from ..storage.filesystem import locate, writing
 from .common import DEFAULT_MAX_SHARD_SIZE, DEFAULT_MEMORY_BUDGET, ProgressFactory, no_progress, parse_size
 from .output import check_not_source, check_output, commit_output, discard_output, staging_path
 from .recipe import EXPORT_RECIPE_KEY, read_recipe
@@ -487,20 +487,21 @@ def export_checkpoint(
             tmp = staging_path(out, to == "hf")
             bar = progress(total=total, unit="B", unit_scale=True, desc=f"export to {to}")
             try:
-                if to == "hf":
-                    if extra_state:
-                        result.skipped.append(f"non-tensor state {sorted(extra_state)} (safetensors holds tensors only)")
-                    result.files += write_safetensors_folder(view, [(n, view.tensors[n]) for n in names], tmp, max_shard_size,
-                                                             budget, bar)
-                    _write_hf_config(config, tmp, result)
-                else:
-                    top = _lightning_top_level(common, marker, include_optimizer, result)
-                    if include_optimizer:
-                        top["optimizer_states"] = _module_optimizer_states(module, optimizers, src_path, marker)
-                        top.setdefault("lr_schedulers", [])
-                    _write_lightning(view, names, extra_state, top, tmp, budget, bar)
-                    result.files = [os.path.basename(os.path.abspath(out))]
-                commit_output(tmp, out)
+                with writing(out):  # (a full disk: CheckpointWriteError naming the output)
+                    if to == "hf":
+                        if extra_state:
+                            result.skipped.append(f"non-tensor state {sorted(extra_state)} (safetensors holds tensors only)")
+                        entries = [(n, view.tensors[n]) for n in names]
+                        result.files += write_safetensors_folder(view, entries, tmp, max_shard_size, budget, bar)
+                        _write_hf_config(config, tmp, result)
+                    else:
+                        top = _lightning_top_level(common, marker, include_optimizer, result)
+                        if include_optimizer:
+                            top["optimizer_states"] = _module_optimizer_states(module, optimizers, src_path, marker)
+                            top.setdefault("lr_schedulers", [])
+                        _write_lightning(view, names, extra_state, top, tmp, budget, bar)
+                        result.files = [os.path.basename(os.path.abspath(out))]
+                    commit_output(tmp, out)
             except BaseException:
                 discard_output(tmp)
                 raise
