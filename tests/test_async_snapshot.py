@@ -236,6 +236,20 @@ def test_a_storage_freed_before_its_copy_is_copied_first_or_fails_the_save(gate,
     assert not snap_mod.hook_installed() and "resize_" not in torch.UntypedStorage.__dict__
 
 
+def test_common_state_tensors_modified_early_are_named_by_their_keys(gate, tmp_path):
+    """Common-state tensors modified before their copy were named by their shape only, and two of one
+    shape counted once ("2 tensor(s)" for 3)."""
+    st = {"w": _st("w", torch.randn(*BIG)), "ema": {"a": torch.zeros(BIG[0] * 512), "b": torch.zeros(BIG[0] * 512)},
+          "buf": torch.zeros(70000), "iteration": 3}
+    req = ci.save(st, tmp_path / "c", async_sharded_save=True)
+    for t in (st["ema"]["a"], st["ema"]["b"], st["buf"]):
+        t.add_(1)
+    gate.release(10)
+    with pytest.raises(ci.errors.SnapshotModifiedError,
+                       match=r"3 tensor\(s\).*common state 'buf', common state 'ema\.a', common state 'ema\.b'"):
+        req.wait()
+
+
 def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_path):
     w, small = torch.randn(*BIG), torch.randn(16)
     with AsyncCallsQueue() as q:

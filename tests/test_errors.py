@@ -1044,3 +1044,18 @@ def test_write_and_read_errors_keep_the_paths_they_name():
     with pytest.raises(CheckpointReadError, match="^bad thing at /Run/X while reading /Run/X$"):
         with reading("/Run/X"):
             raise OSError(errno.EIO, "Bad thing at /Run/X")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_common_state_value_that_cannot_be_saved_is_named(tmp_path, mode):
+    """A lock (or a lambda, a generator) in the common state raised a bare ``TypeError: cannot pickle
+    '_thread.lock' object`` naming neither the key nor the file; the error names the key path."""
+    import threading
+
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "cfg": {"lr": 0.1, "hook": threading.Lock()}}
+    with pytest.raises(ci.CheckpointingException, match=r"'(common\.)?cfg\.hook' \(lock\).*cannot pickle"):
+        if mode == "sync":
+            ci.save(sd, str(tmp_path / "c"))
+        else:
+            ci.save(sd, str(tmp_path / "c"), async_sharded_save=True).wait()
+    assert not os.path.exists(tmp_path / "c")

@@ -74,7 +74,7 @@ from . import dist
 from .dist import Group, describe_error as _describe
 from .save import SavePlan, cleanup_failed, finalize_save, prepare_save, write_local
 from .async_request import AsyncRequest
-from .snapshot import Snapshot, maybe_remove_hook, wait_for_snapshot
+from .snapshot import Snapshot, common_tensor_names, maybe_remove_hook, wait_for_snapshot
 from .staging import StateDictStager
 from .staging_budget import StagingArena, StagingReport, check_fits, write_in_waves
 
@@ -455,7 +455,7 @@ def _stage_plan(plan: SavePlan, stager: StateDictStager, defer_from_bytes: Optio
     everything was copied here.
     """
     idx = [i for i, r in enumerate(plan.requests) if tensors and isinstance(r.data, torch.Tensor)]
-    names: Dict[int, str] = {}
+    names: Dict[int, str] = common_tensor_names(plan.common)
     for i in idx:
         r = plan.requests[i]
         at = f" at {tuple(r.offsets)}" if r.offsets and any(r.offsets) else ""

@@ -159,7 +159,7 @@ class Snapshot:
         changed = self.pending.changed()
         if not changed:
             return
-        names = sorted({self._names.get(id(t), f"<tensor of shape {tuple(t.shape)}>") for t in changed})
+        names = sorted({id(t): self._names.get(id(t), f"<tensor of shape {tuple(t.shape)}>") for t in changed}.values())
         self.error = SnapshotModifiedError(
             f"async save to {self.description}: {len(names)} tensor(s) were modified in place {when} (their "
             "version counter moved, or their copy differs from them: a change that bypassed the counters), "
@@ -182,6 +182,20 @@ _in_flight: List[Snapshot] = []
 _hook_handle: Any = None
 _forward_handle: Any = None
 _tls = threading.local()
+
+
+def common_tensor_names(value: Any, path: str = "") -> Dict[int, str]:
+    """``id(tensor) -> "common state 'a.b'"`` for the tensors in ``value``'s dicts, lists and tuples
+    (the names a :class:`Snapshot` gives in its error; tensors elsewhere are named by their shape)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {id(value): f"common state {path!r}"}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    out: Dict[int, str] = {}
+    for k, v in items:
+        out.update(common_tensor_names(v, f"{path}.{k}" if path else str(k)))
+    return out
 
 
 def snapshots_in_flight() -> List[Snapshot]:

@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..errors import CheckpointingException
 from ..storage.fingerprint import fingerprint
 
 __all__ = ["PendingCopy", "StagingStats", "StateDictStager"]
@@ -130,6 +131,14 @@ class _Group:
         self.buffer = None  # type: Optional[torch.UntypedStorage]
         self.members: List[torch.Tensor] = []  # the source tensors viewing this storage
         self.versions: List[int] = []  # their version counters at prepare (deferred groups only)
+
+
+class _Uncopyable(Exception):
+    """A value of the state deepcopy refuses; ``keys``: its path, filled in on the way out."""
+
+    def __init__(self, obj: object, cause: BaseException):
+        super().__init__()
+        self.obj, self.cause, self.keys = obj, f"{type(cause).__name__}: {cause}", []
 
 
 class StateDictStager:
@@ -280,12 +289,21 @@ class StateDictStager:
             out: Any = {}
             memo[oid] = out
             for k, v in obj.items():
-                out[k] = self._rebuild(v, staged, memo)
+                try:
+                    out[k] = self._rebuild(v, staged, memo)
+                except _Uncopyable as e:
+                    e.keys.insert(0, k)  # (the key path named by prepare's error)
+                    raise
             return out
         if t is list:
             out = []
             memo[oid] = out
-            out.extend(self._rebuild(v, staged, memo) for v in obj)
+            for i, v in enumerate(obj):
+                try:
+                    out.append(self._rebuild(v, staged, memo))
+                except _Uncopyable as e:
+                    e.keys.insert(0, i)
+                    raise
             return out
         if t is tuple:
             out = tuple(self._rebuild(v, staged, memo) for v in obj)
@@ -297,7 +315,10 @@ class StateDictStager:
             return out
         # everything else (OrderedDict, defaultdict, dataclasses, sets, custom classes):
         # deepcopy honours the class's own hooks; staged tensors are pre-seeded in the memo.
-        return copy.deepcopy(obj, memo)
+        try:
+            return copy.deepcopy(obj, memo)
+        except Exception as e:  # noqa: BLE001 - a lock, a generator, a lambda...: named by prepare
+            raise _Uncopyable(obj, e) from None
 
     # -- public ----------------------------------------------------------------------------
     def stage(self, state: object) -> Any:
@@ -365,7 +386,12 @@ class StateDictStager:
             memo[id(memo)] = list(tensors.values())  # keep sources alive while memo ids are used
             self.stats.tensors_staged += len(tensors)
             self.stats.storages_staged += len(order)
-            pending.state = self._rebuild(state, staged, memo)
+            try:
+                pending.state = self._rebuild(state, staged, memo)
+            except _Uncopyable as e:
+                name = ".".join(map(str, e.keys))
+                raise CheckpointingException(f"{repr(name) if name else 'the state'} ({type(e.obj).__name__}) cannot be "
+                                             f"copied for the background save ({e.cause}); nothing was written") from None
             self.stats.last_seconds = time.perf_counter() - t0
             if later:
                 self._pending = pending

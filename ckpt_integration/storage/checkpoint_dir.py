@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Hashable, Iterable, Mapping, Optional, T
 import torch
 
 from ..errors import (
+    CheckpointingException,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -93,9 +94,8 @@ class Manifest:
     format: str = FORMAT_NAME
     version: int = MANIFEST_VERSION
     created: float = field(default_factory=time.time)
-    # Order of commits (what "newest" means, see ckpt_integration.checkpoints): the training step
-    # the job recorded, and a number that grows with every commit into the same parent directory.
-    # Kept near the start of the file: listings read only its first bytes (see commit_order).
+    # Order of commits (what "newest" means, see ckpt_integration.checkpoints): the job's training step and a
+    # number that grows with every commit into the parent directory; first in the file (listings read its head).
     step: Optional[int] = None
     commit_seq: Optional[int] = None
     # this commit's identity (a random hex string, unique per commit; "" in older checkpoints):
@@ -170,9 +170,8 @@ class Manifest:
         return out
 
     def recorded_fingerprints(self, where: str = MANIFEST_FILE) -> Optional[Recorded]:
-        """Format 5: the fingerprints of the saved chunks (None: none recorded, as in older
-        formats); a damaged table raises :class:`CorruptCheckpointError` naming ``where``.
-        Format 6: those of its index's rows."""
+        """The fingerprints of the saved chunks (format 5; format 6: its index's rows; None: none recorded);
+        a damaged table raises :class:`CorruptCheckpointError` naming ``where``."""
         index = self.index()
         if index is not None:
             return index.fingerprints()
@@ -389,8 +388,24 @@ def write_config(ck: CheckpointLocation, config: CheckpointingConfig, durable: b
 def save_common(ck: CheckpointLocation, common_state_dict: Mapping[str, object], durable: bool = True) -> Dict[str, int]:
     """Write ``common.pt``; returns ``{"size", "crc32"}`` for the manifest."""
     buf = io.BytesIO()
-    torch.save(common_state_dict, buf)
+    try:
+        torch.save(common_state_dict, buf)
+    except Exception as e:  # noqa: BLE001 - pickling raises TypeError, AttributeError, PicklingError...
+        raise CheckpointingException(f"the common state cannot be saved to {ck.file(COMMON_FILE)}: "
+                                     f"{_unpicklable(common_state_dict)} ({type(e).__name__}: {e})") from None
     return write_recorded(ck, COMMON_FILE, buf.getvalue(), durable)
+
+
+def _unpicklable(value: object, path: str = "") -> str:
+    """Which entry of ``value`` cannot be pickled (the first met, by its key path), for the error."""
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    found = next(filter(None, (_unpicklable(v, f"{path}.{k}" if path else str(k)) for k, v in items)), "")
+    if not found and path:  # (its entries pickle: the value itself, then)
+        try:
+            torch.save(value, io.BytesIO())
+        except Exception:  # noqa: BLE001 - the one to name
+            found = f"{path!r} ({type(value).__name__})"
+    return found or ("" if path else "a value in it")
 
 
 def read_verified_file(ck: CheckpointLocation, name: str, manifest: Optional["Manifest"], what: str = "file") -> bytes:
