@@ -388,3 +388,18 @@ def test_a_failed_save_removes_the_directory_it_made(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="injected"):
             ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / name))
     assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
+
+
+def test_paths_a_save_cannot_use_are_refused_before_anything_is_written(tmp_path):
+    """A dangling symbolic link raised a bare ``FileExistsError``; an overwrite of ``<dir>/.`` (or of a
+    mount point) wrote the whole new checkpoint into a staging directory inside the old one, then
+    failed at the swap. Both are refused at once, saying why; the old checkpoint stays."""
+    os.symlink(tmp_path / "not_made_yet", tmp_path / "link")
+    with pytest.raises(ci.CheckpointingException, match="symbolic link to .*not_made_yet, which does not exist"):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / "link"))
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": 1}, str(tmp_path / "ck"))
+    with pytest.raises(ci.CheckpointingException, match="overwrite=True cannot replace .*mount point or a path ending in '.'"):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": 2}, str(tmp_path / "ck") + "/.",
+                overwrite=True)
+    assert ci.load_common_state_dict(str(tmp_path / "ck"))["step"] == 1
+    assert not [n for n in os.listdir(tmp_path / "ck") if ".tmp-" in n]  # (no staging made inside it)

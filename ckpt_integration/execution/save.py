@@ -146,6 +146,10 @@ def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool
                 f"library did not write ({claims.describe_names(sorted(foreign))}), which replacing the directory "
                 "would delete; move them elsewhere first"
             )
+        if os.path.basename(checkpoint_dir.rstrip(os.sep)) in (".", "..") or os.path.ismount(checkpoint_dir):
+            raise CheckpointingException(f"overwrite=True cannot replace {checkpoint_dir}: a checkpoint is replaced by renaming a "
+                                         "sibling directory over it, which a mount point or a path ending in '.' cannot take; "
+                                         "save into a directory below it")
         if os.path.islink(checkpoint_dir.rstrip(os.sep)):  # (rename semantics: the name is replaced, not the target)
             target = os.path.realpath(checkpoint_dir)
             logger.warning("%s is a symbolic link to %s: the overwrite puts the new checkpoint in place of the link, "

@@ -274,6 +274,9 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
     """
     storage, directory = ck.storage, ck.path
     created = not storage.exists(directory)
+    if created and not storage.remote and os.path.islink(directory.rstrip(os.sep)):
+        raise CheckpointingException(f"cannot save to {directory}: it is a symbolic link to {os.readlink(directory.rstrip(os.sep))}, "
+                                     "which does not exist; create that directory or remove the link")
     with writing(directory):
         storage.makedirs(directory)
     ours, foreign = classify_entries(ck)
