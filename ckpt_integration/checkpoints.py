@@ -100,7 +100,11 @@ def _unreadable_manifest(ck: Any) -> Optional[str]:
 
 def _committed(directory: Union[str, os.PathLike], suffix: Optional[str] = None, depth: int = 0) -> List[str]:
     storage, d = storage_for(directory)
-    return _committed_in(storage, d, suffix, depth)
+    out = _committed_in(storage, d, suffix, depth)
+    given = os.fspath(directory)
+    if not storage.remote and not given.startswith("file://") and not os.path.isabs(given):
+        out = [os.path.join(given, os.path.relpath(p, d)) for p in out]  # (a relative directory: as given)
+    return out
 
 
 def _committed_in(storage: Any, d: str, suffix: Optional[str], depth: int) -> List[str]:

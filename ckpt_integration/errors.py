@@ -172,3 +172,13 @@ class StagingMemoryError(CheckpointingException):
     """An async save's staging does not fit: in the host memory available (no ``staging_budget``
     given) or in ``staging_budget`` (a device tensor larger than it). The message names the bytes
     needed and the budget to pass; nothing is committed."""
+
+
+def format_size(n: int) -> str:
+    """Human-readable binary size, as every message and summary shows one: ``1.5 MiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover

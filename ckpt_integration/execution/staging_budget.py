@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import StagingMemoryError
+from ..errors import StagingMemoryError, format_size
 from ..planning.written import WrittenTable
 from ..storage.checksum import save_block_hash
 from ..storage.filesystem import write_error
@@ -64,7 +64,7 @@ class StagingArena:
             try:
                 self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
             except RuntimeError as e:  # (torch's allocator: "can't allocate memory")
-                raise StagingMemoryError(f"rank {rank}: cannot allocate {_size_text(nbytes)} of host memory to stage "
+                raise StagingMemoryError(f"rank {rank}: cannot allocate {format_size(nbytes)} of host memory to stage "
                                          f"an async save in: {str(e).splitlines()[0]}") from None
         return self.buffer
 
@@ -138,13 +138,9 @@ def check_fits(needed: int, where: str, rank: int) -> None:
     free = available_memory()
     if free is not None and needed > free:
         raise StagingMemoryError(
-            f"async save to {where}, rank {rank}: staging the state needs {_size_text(needed)} of host memory and "
-            f"{_size_text(free)} are available; pass staging_budget= (e.g. {max(free // 4, 1 << 20)} bytes; "
+            f"async save to {where}, rank {rank}: staging the state needs {format_size(needed)} of host memory and "
+            f"{format_size(free)} are available; pass staging_budget= (e.g. {max(free // 4, 1 << 20)} bytes; "
             "DistCkptIO(staging_budget=...)) to stage it in waves, or save synchronously")
-
-
-def _size_text(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingReport:

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ..errors import MemoryCheckpointError
+from ..errors import MemoryCheckpointError, format_size
 from ..flat_ranges import flat_range_to_boxes
 from ..planning.boxes import Box, intersect
 
@@ -174,8 +174,8 @@ def space_problem(plan: ReplicationPlan, rank: int, sizes: Sequence[int], free: 
     need = 2 * sum(sizes[o] for o in held)
     if need <= free:
         return None
-    return (f"node {plan.node_of(rank)} ({directory}, ranks {mine[0]}-{mine[-1]}): needs {need / 2**30:.2f} GiB for 2 "
-            f"slots of {len(mine)} own and {len(held) - len(mine)} peer snapshots, {free / 2**30:.2f} GiB free")
+    return (f"node {plan.node_of(rank)} ({directory}, ranks {mine[0]}-{mine[-1]}): needs {format_size(need)} for 2 "
+            f"slots of {len(mine)} own and {len(held) - len(mine)} peer snapshots, {format_size(free)} free")
 
 
 # --------------------------------------------------------------------------- elastic restore

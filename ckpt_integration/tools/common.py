@@ -8,6 +8,8 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Union
 
 import torch
 
+from ..errors import format_size  # (re-exported: the tools' summaries)
+
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -35,16 +37,6 @@ def parse_size(text: Union[str, int]) -> int:
     number, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
     power = "kmgtp".find(unit) + 1 if unit else 0
     return int(number * ((1024 if binary else 1000) ** power))
-
-
-def format_size(n: int) -> str:
-    """Human-readable binary size: ``1.5 MiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def no_progress(iterable: Optional[Iterable[Any]] = None, **_: object) -> Any:
