@@ -419,3 +419,20 @@ def test_a_chunk_write_the_disk_refuses_names_the_chunk_file(tmp_path, monkeypat
     with pytest.raises(CheckpointWriteError) as info:
         ci.save({"w": ci.ShardedTensor.from_rank_offsets("layer.w", torch.ones(1024))}, str(path), sharded_strategy="zarr")
     assert info.value.errno == errno.ENOSPC and str(info.value.path).startswith(str(path) + "/"), (info.value, info.value.path)
+
+
+def test_an_array_the_disk_cannot_create_is_named(tmp_path, monkeypatch):
+    """Out of inodes while zarr made an array's folder: a bare ``OSError`` ("[Errno 28] ... '<dir>/t1'")
+    came out of the save's preparation; it is a ``CheckpointWriteError`` naming the array's path."""
+    import errno
+
+    import zarr
+
+    def no_inodes(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(zarr, "create_array", no_inodes)
+    with pytest.raises(ci.CheckpointingException,
+                       match=r"CheckpointWriteError: no space left on device while writing .*/ck/t1"):
+        ci.save({"t1": ci.ShardedTensor.from_rank_offsets("t1", torch.ones(8))}, str(tmp_path / "ck"),
+                sharded_strategy="zarr")

@@ -21,7 +21,7 @@ import torch
 from ...errors import CheckpointingException, ShardingIntegrityError
 from ...planning.boxes import Box, intersect, relative_slices
 from ..checksum import crc32
-from ..filesystem import CheckpointLocation
+from ..filesystem import CheckpointLocation, writing
 from ..fs import fsync_dir, fsync_file
 from ..torch_dist import WriteRequest, WrittenItem, run_parallel
 from .checks import store_wrappers
@@ -211,18 +211,19 @@ def create_arrays(
                                  "shape": list(shape), "chunks": list(array_chunks(dtype, shape, boxes))}
     write_index(target, index, durable)  # (also marks the directory as a partial save of ours)
     for key, entry in index["tensors"].items():
-        zarr.create_array(  # (through the recording store: its zarr.json write gets the remote retries)
-            store=store_wrappers()[0](base_store(target, key)),
-            shape=tuple(entry["shape"]),
-            chunks=tuple(entry["chunks"]),
-            dtype=numpy_dtype(storage_dtype(tensors[key][0])),
-            compressors=None,
-            fill_value=0,
-            # pinned: chunk_file_names() enumerates chunk files in this encoding
-            chunk_key_encoding={"name": "default", "separator": "/"},
-            # (no overwrite: the save's directory is new, and zarr's overwrite deletes through fsspec's
-            # rm, which reads "[", "*", "?" in a key as a pattern: another array's files went with it)
-        )
+        with writing(target.file(key)):  # (no inodes left: a CheckpointWriteError naming the array)
+            zarr.create_array(  # (through the recording store: its zarr.json write gets the remote retries)
+                store=store_wrappers()[0](base_store(target, key)),
+                shape=tuple(entry["shape"]),
+                chunks=tuple(entry["chunks"]),
+                dtype=numpy_dtype(storage_dtype(tensors[key][0])),
+                compressors=None,
+                fill_value=0,
+                # pinned: chunk_file_names() enumerates chunk files in this encoding
+                chunk_key_encoding={"name": "default", "separator": "/"},
+                # (no overwrite: the save's directory is new, and zarr's overwrite deletes through fsspec's
+                # rm, which reads "[", "*", "?" in a key as a pattern: another array's files went with it)
+            )
     return index
 
 
