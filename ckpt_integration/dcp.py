@@ -54,7 +54,7 @@ from .storage.checkpoint_index import layout_of_metadata
 from .storage.checksum import save_block_hash
 from .storage.chunk_index import write_index
 from .storage.opened import next_commit_seq
-from .storage.filesystem import locate
+from .storage.filesystem import locate, storage_for
 from .storage.item_table import file_sizes, table_of_written
 from .storage.torch_dist import WriteRequest, read_dcp_metadata, write_data_files, write_dcp_metadata
 from .storage.torch_dist_reader import TorchDistReader
@@ -88,7 +88,7 @@ class Writer(StorageWriter):
 
     def __init__(self, path: PathLike = "", thread_count: int = 2, durable: bool = True, overwrite: bool = False):
         super().__init__()
-        self.path = os.fspath(path) if path else ""
+        self.path = _resolved(path)  # (absolute: torch's async_save writes in a thread, maybe after a chdir)
         self.thread_count = max(1, int(thread_count))
         self.durable = durable
         self.overwrite = overwrite
@@ -101,7 +101,7 @@ class Writer(StorageWriter):
     # -- DCP's sequence: reset, set_up, local plan, global plan (coordinator), write, finish (coordinator)
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _resolved(checkpoint_id)
         self._release()
 
     @classmethod
@@ -252,7 +252,7 @@ class Reader(StorageReader):
 
     def __init__(self, path: PathLike = "", trusted: bool = False):
         super().__init__()
-        self.path = os.fspath(path) if path else ""
+        self.path = _resolved(path)
         self.trusted = trusted
         self.manifest: Any = None
         self.storage_data: Dict[MetadataIndex, Any] = {}
@@ -260,7 +260,7 @@ class Reader(StorageReader):
 
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
         if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+            self.path = _resolved(checkpoint_id)
         self.manifest, self.storage_data, self._reader = None, {}, None
 
     @classmethod
@@ -331,3 +331,8 @@ class Reader(StorageReader):
 
 
 __all__ = ["Reader", "Writer"]
+
+
+def _resolved(path: Optional[PathLike]) -> str:
+    """``path`` as the storage helpers resolve it (a local one absolute), or ``""`` for none."""
+    return storage_for(path)[1] if path else ""

@@ -292,3 +292,40 @@ def test_an_uncoordinated_save_of_a_job_is_refused_on_every_rank(tmp_path):
     alone (the other ranks failed against its claim): now every rank refuses before writing. A save by
     one rank (``no_dist``, or a group of one) records one rank, not the world's size."""
     run_distributed(_uncoordinated_worker, 2, str(tmp_path / "ck"), timeout=60)
+
+
+def _relative_path_worker(rank, world, root):
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    for d, v in ((a, 1.0), (b, 2.0)):
+        dcp.save({"w": torch.full((4,), v)}, storage_writer=ci.dcp.Writer(os.path.join(d, "ck")))
+    gate, real = threading.Event(), ci.dcp.Writer.write_data
+
+    def held(self, *args, **kwargs):  # the background part of async_save waits until the caller moved on
+        if threading.current_thread() is not threading.main_thread():
+            gate.wait(60)
+        return real(self, *args, **kwargs)
+
+    ci.dcp.Writer.write_data = held
+    os.chdir(a)
+    fut = dcp.async_save({"w": torch.full((4,), 3.0)}, storage_writer=ci.dcp.Writer("ck", overwrite=True))
+    os.chdir(b)
+    gate.set()
+    fut.result()
+    ci.dcp.Writer.write_data = real
+    for d, v in ((a, 3.0), (b, 2.0)):
+        out = {"w": torch.zeros(4)}
+        dcp.load(out, storage_reader=ci.dcp.Reader(os.path.join(d, "ck")))
+        assert torch.equal(out["w"], torch.full((4,), v)), (d, out["w"])
+
+
+def test_a_relative_path_is_the_one_of_the_call_also_for_dcp_async_save(tmp_path):
+    """``dcp.async_save(..., storage_writer=ci.dcp.Writer("ck", overwrite=True))`` resolved the relative
+    path in DCP's background thread: after a ``chdir`` (Hydra's) it replaced another run's checkpoint at
+    the same relative path, the one asked for untouched. The writer resolves it when it is made."""
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    run_distributed(_relative_path_worker, 1, str(tmp_path), timeout=60)

@@ -1059,3 +1059,22 @@ def test_a_common_state_value_that_cannot_be_saved_is_named(tmp_path, mode):
         else:
             ci.save(sd, str(tmp_path / "c"), async_sharded_save=True).wait()
     assert not os.path.exists(tmp_path / "c")
+
+
+def test_an_empty_path_or_a_removed_working_directory_is_refused_clearly(tmp_path, monkeypatch):
+    """``save(state, "")`` (a config's empty path) failed with "no such file or directory while writing "
+    naming nothing; and once relative paths were resolved at the call, "" meant the working directory
+    (an overwrite replaced it). A relative path in a removed working directory raised ``os.getcwd``'s
+    bare ``FileNotFoundError``."""
+    sd = {"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}
+    monkeypatch.chdir(tmp_path)
+    for call in (lambda: ci.save(sd, ""), lambda: ci.save(sd, "", overwrite=True), lambda: ci.load(sd, "")):
+        with pytest.raises(ci.CheckpointingException, match="no checkpoint path: an empty string was given"):
+            call()
+    assert os.listdir(tmp_path) == []
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(ci.CheckpointingException, match="ck: a relative path, and the working directory was removed"):
+        ci.save(sd, "ck")

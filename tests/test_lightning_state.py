@@ -417,3 +417,58 @@ def test_incomplete_checkpoints_a_killed_run_left_are_removed_when_fitting_start
     assert "epoch=1-step=38.ckpt" not in names and "notes.ckpt" in names, names
     assert not (ck / "epoch=1-train" / "loss=0.5.ckpt").exists(), sorted(os.listdir(ck / "epoch=1-train"))
     assert (ck / "notes.ckpt" / "mine.txt").read_text() == "user data"
+
+
+def test_a_deferred_removal_of_a_relative_path_removes_what_was_named(tmp_path, monkeypatch):
+    """``DistCkptIO.remove_checkpoint("ckpts/old.ckpt")`` while an async save is in flight is deferred;
+    it ran against the working directory of its later moment and deleted another run's checkpoint."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    def state(v):
+        return {"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((256, 256), float(v))), "global_step": v}
+
+    for run, v in (("a", 1), ("b", 7)):
+        ci.save(state(v), str(tmp_path / run / "ckpts" / "old.ckpt"))
+    monkeypatch.chdir(tmp_path / "a")
+    io = DistCkptIO(async_save=True)
+    io.save_sharded(state(2), "ckpts/new.ckpt")
+    io.remove_checkpoint("ckpts/old.ckpt")  # (deferred: a save is in flight)
+    monkeypatch.chdir(tmp_path / "b")
+    io.maybe_finalize(blocking=True, collective=False)
+    io.teardown()
+    assert sorted(os.listdir(tmp_path / "a" / "ckpts")) == ["new.ckpt"]
+    assert sorted(os.listdir(tmp_path / "b" / "ckpts")) == ["old.ckpt"]
+
+
+class _Falling(TinyModule):
+    """A score that improves every epoch: the top 1 moves each epoch, deleting the one before."""
+
+    def training_step(self, batch, idx):
+        self.log("score", 5.0 - self.current_epoch)
+        return super().training_step(batch, idx)
+
+
+def test_a_last_link_left_by_save_last_link_is_replaced_when_resumed_with_save_last_true(tmp_path):
+    """A run with ``save_last="link"`` leaves ``last.ckpt -> epoch=1-step=N.ckpt``; resumed with
+    ``save_last=True``, the top 1 moved to epoch 2 and deleted the link's target, and the sync save of
+    ``last.ckpt`` then met a dangling link: ``fit`` failed (a bare ``FileExistsError`` before, a refusal
+    of the link after this session's check). The link is dropped and ``last.ckpt`` written itself; the
+    top-k checkpoint it named is never written into."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = tmp_path / "ck"
+
+    def run(epochs, save_last, resume=None):
+        cb = DistCkptModelCheckpoint(dirpath=str(ck), monitor="score", mode="min", save_top_k=1, save_last=save_last)
+        t = trainer(max_epochs=epochs, limit_train_batches=2, default_root_dir=str(tmp_path), plugins=[DistCkptIO()],
+                    callbacks=[cb])
+        t.fit(_Falling(options={}), loader(), ckpt_path=resume)
+        return t
+
+    run(2, "link")
+    assert os.path.islink(ck / "last.ckpt")
+    run(3, True, resume="last")
+    assert not os.path.islink(ck / "last.ckpt") and sorted(os.listdir(ck)) == ["epoch=2-step=6.ckpt", "last.ckpt"]
+    assert ci.load_common_state_dict(str(ck / "last.ckpt"))["global_step"] == 6

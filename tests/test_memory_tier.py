@@ -679,3 +679,29 @@ def test_four_ranks_two_nodes_kill_restart_node_loss_corruption_and_reshard(tmp_
 if __name__ == "__main__":  # one rank of a launch: python test_memory_tier.py '<json cfg>'
     sys.path.insert(0, ROOT)
     _rank_main(json.loads(sys.argv[1]))
+
+
+def test_a_persist_to_a_relative_path_writes_where_it_was_asked(tmp_path, monkeypatch):
+    """``tier.persist(step, "ck/persisted")`` resolved the path in its background thread: after a
+    ``chdir`` (Hydra's) the durable checkpoint landed under the new working directory (with
+    ``overwrite=True``, as Lightning persists, replacing a checkpoint there)."""
+    import threading
+
+    import ckpt_integration as ci
+    from ckpt_integration.memory.tier import MemoryCheckpoints
+
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    tier = ci.MemoryCheckpoints(str(tmp_path / "shm"), "rel", replicas=1)
+    tier.save(_state(0, 1, 3), 3)
+    tier.wait()
+    gate, real = threading.Event(), MemoryCheckpoints._run_persist
+    monkeypatch.setattr(MemoryCheckpoints, "_run_persist", lambda self, *a: (gate.wait(60), real(self, *a))[1])
+    req = tier.persist(3, "ck/persisted")
+    monkeypatch.chdir(tmp_path / "b")
+    gate.set()
+    req.wait()
+    tier.close()
+    assert ci.load_common_state_dict(str(tmp_path / "a" / "ck" / "persisted"))["iteration"] == 3
+    assert os.listdir(tmp_path / "b") == []

@@ -583,7 +583,7 @@ def async_save_torch_dist(
                 plan.requests = []
         plan.group = group
         t3 = time.perf_counter()
-        req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=str(checkpoint_dir))
+        req = AsyncRequest(_write_and_commit, (plan, snap), finalize_fns, description=plan.final_path or str(checkpoint_dir))
         req.snapshot = snap
         req._cancellable = True
         rank = dist.own_global_rank(group)

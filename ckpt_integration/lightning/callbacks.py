@@ -107,6 +107,12 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 if trainer.is_global_zero:  # replace the link to an older checkpoint, not the checkpoint it names
                     os.remove(link)
                 trainer.strategy.barrier()
+        elif self.save_last is True and self.dirpath is not None and not is_remote(os.fspath(self.dirpath)):
+            last = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+            if trainer.strategy.broadcast(os.path.islink(last)):  # left by a run with save_last="link"
+                if trainer.is_global_zero:  # written itself now: the link goes, never the checkpoint it names
+                    os.remove(last)
+                trainer.strategy.barrier()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
 

@@ -451,7 +451,7 @@ class DistCkptIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint directory; deferred while an async save is in flight."""
-        path = os.fspath(path)
+        path = storage_for(path)[1]  # (absolute: a deferred removal must not follow a later chdir)
         if self._requests:
             if path not in self._deferred_removals:
                 self._deferred_removals.append(path)

@@ -41,6 +41,7 @@ from ..execution.staging import StateDictStager
 from ..dict_utils import nested_values
 from ..mapping import ShardedObject, ShardedTensor
 from ..storage.checksum import save_block_hash
+from ..storage.filesystem import storage_for
 from ..storage.fingerprint import shard_fingerprints
 from ..storage.safe_pickle import torch_dumps
 from . import elastic, slots
@@ -488,12 +489,11 @@ class MemoryCheckpoints:
     def persist(self, step: int, checkpoint_dir: Union[str, os.PathLike], **save_kwargs: object) -> AsyncRequest:
         """Collective: write step ``step`` from memory as an ordinary durable checkpoint, in the background.
 
-        The snapshot's bytes are written as they are, each block verified first; the checkpoint loads
-        and reshards like any other. ``save_kwargs`` go to the save (``thread_count``, ``durable``,
-        ``overwrite``; ``balance`` defaults to ``False``: main replicas write; ``step`` to ``step``, which
-        orders it among the others). Returns a request: ``.wait()`` blocks and raises a failure (on
-        every rank). The slot stays pinned until then: a snapshot that would overwrite it waits.
-        """
+        The snapshot's bytes are written as they are, each block verified first; the checkpoint loads and
+        reshards like any other. ``save_kwargs`` go to the save (``thread_count``, ``durable``, ``overwrite``;
+        ``balance`` defaults to ``False``: main replicas write; ``step`` to ``step``, which orders it among
+        the others). Returns a request: ``.wait()`` blocks and raises a failure (on every rank); the slot
+        stays pinned until then."""
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
@@ -505,14 +505,14 @@ class MemoryCheckpoints:
         slot = self._slot_of_key(inv, key)
         with self._pin_cv:
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
-        path = os.fspath(checkpoint_dir)
+        path = storage_for(checkpoint_dir)[1]  # (absolute: the persist runs in the background, maybe after a chdir)
         held: List[AsyncRequest] = []
 
         def stop() -> None:  # the write's check before each item: abandon() stops it (nothing is committed)
             held[0]._check_cancelled(path, self.rank)
 
         req = AsyncRequest(self._run_persist, (inv, key, path, slot, save_kwargs, stop),
-                           description=f"persist step {step} to {checkpoint_dir}")
+                           description=f"persist step {step} to {path}")
         req._cancellable = True
         held.append(req)
         self._persist_queue.schedule_async_request(req)

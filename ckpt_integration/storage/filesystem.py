@@ -1,24 +1,21 @@
 """Where checkpoint files live: the local filesystem or any fsspec URL.
 
-Everything above this module addresses files by ``(filesystem, path)`` and
-uses only the small set of operations here, so the same save/load code runs on
-a local or shared filesystem (fast path: ``os.pwrite``/``os.preadv``, fsync) and
-on object stores or remote filesystems through fsspec (``s3://``, ``gs://``,
-``memory://`` ...).
+Everything above this module addresses files by ``(filesystem, path)`` and uses only the small set
+of operations here, so the same save/load code runs on a local or shared filesystem (fast path:
+``os.pwrite``/``os.preadv``, fsync) and on object stores or remote filesystems through fsspec
+(``s3://``, ``gs://``, ``memory://`` ...). A local path is made absolute when it is resolved.
 
-Atomicity on object stores: an object appears only once its upload is
-complete, and ``metadata.json`` is uploaded last, after every data object, so
-the commit protocol is the same as on a local filesystem. Renames are copies
-there, so replacing an existing checkpoint (``overwrite=True``) is refused
-for remote URLs rather than done non-atomically.
+Atomicity on object stores: an object appears only once its upload is complete, and
+``metadata.json`` is uploaded last, after every data object, so the commit protocol is the same as
+on a local filesystem. Renames are copies there, so replacing an existing checkpoint
+(``overwrite=True``) is refused for remote URLs rather than done non-atomically.
 
-Containment (readers): every file a reader opens is named relative to the checkpoint
-directory and goes through :func:`checked_path` (no absolute paths, no ``..``, no path
-separators where a plain file name is expected, and - locally - no symbolic link that
-resolves outside the directory unless ``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``), and is
-opened only if it is a regular file (checked with ``stat`` before opening and ``fstat``
-after a non-blocking open), so a FIFO, device or directory gives an error instead of a
-hang. Writes that fail with an ``OSError`` (disk full, permissions) raise
+Containment (readers): every file a reader opens is named relative to the checkpoint directory and
+goes through :func:`checked_path` (no absolute paths, no ``..``, no path separators where a plain
+file name is expected, and - locally - no symbolic link that resolves outside the directory unless
+``CKPT_INTEGRATION_ALLOW_SYMLINKS=1``), and is opened only if it is a regular file (``stat`` before
+opening, ``fstat`` after a non-blocking open), so a FIFO, device or directory gives an error instead
+of a hang. Writes that fail with an ``OSError`` (disk full, permissions) raise
 :class:`~ckpt_integration.errors.CheckpointWriteError` naming the file.
 
 **The handle** (:class:`CheckpointLocation`): what the storage functions take in place of a directory
@@ -28,22 +25,18 @@ string, one checkpoint directory's storage and path, resolved once: the readers 
 ``opened.read_metadata``) and the save's claim, writers and commit (``claim.claim_new``,
 ``torch_dist.write_data_files``, ``checkpoint_dir.write_manifest`` ...). An entry point given a path
 makes one with :func:`locate` and passes it down, so no function below it resolves the path again.
-Where the location holds what was read already (an :class:`~.opened.OpenedCheckpoint`, the public
-subclass), the readers return that instead of reading the file again; a plain location holds
-nothing, and every reader reads.
-
-Example::
+Where it holds what was read already (an :class:`~.opened.OpenedCheckpoint`, the public subclass),
+the readers return that instead of reading again; a plain location holds nothing. Example::
 
     ck = locate("s3://bucket/ckpt/iter_100")          # fsspec resolved here, once
     manifest = checkpoint_dir.read_manifest(ck)
     md = torch_dist.read_dcp_metadata(ck, manifest=manifest)
 
-The storage operations on the directory's files are its methods (``ck.read(name)``,
-``ck.open(name)``, ``ck.exists(name)``, ``ck.write(name, data)``, ``ck.remove(name)``,
-``ck.listdir()``, ``ck.file(name)`` for a message or a primitive that wants a path), so nothing
-above the storage layer joins a directory and a file name by hand: the containment checks of
-:func:`checked_path` apply to every read through them. The base holds only the fields and those
-methods, so that the modules below ``opened`` can honour them without importing it.
+The storage operations on the directory's files are its methods (``ck.read(name)``, ``ck.open(name)``,
+``ck.exists(name)``, ``ck.write(name, data)``, ``ck.remove(name)``, ``ck.listdir()``, ``ck.file(name)``
+for a message or a primitive that wants a path), so nothing above the storage layer joins a directory
+and a file name by hand: :func:`checked_path` applies to every read through them. The base holds only
+the fields and those methods, so the modules below ``opened`` honour them without importing it.
 """
 
 from __future__ import annotations
@@ -577,20 +570,28 @@ _LOCAL = Storage()
 
 
 def storage_for(path: Union[str, os.PathLike]) -> Tuple[Storage, str]:
-    """The storage and the path to use with it, for a local path or an fsspec URL (kept as given:
-    fsspec filesystems accept full URLs). Entry points call it once, through :func:`locate`; a
-    location is not a path (``os.fspath`` refuses it), so nothing resolves one again."""
+    """The storage and the path to use with it: a local path made absolute, an fsspec URL kept as given.
+    Entry points call it once, through :func:`locate` (a location is not a path: ``os.fspath`` refuses it)."""
     p = os.fspath(path)
     if p.startswith("file://"):
         p = p[len("file://") :]
+    if not p:
+        raise CheckpointingException("no checkpoint path: an empty string was given")
     if not is_remote(p):  # absolute now: a background save must not follow a later chdir (Hydra's)
-        return _LOCAL, p if os.path.isabs(p) else os.path.join(os.getcwd(), p)
+        return _LOCAL, p if os.path.isabs(p) else os.path.join(_cwd(p), p)
     try:
         import fsspec
     except ImportError:  # pragma: no cover - fsspec is a dependency
         raise ImportError(f"{p} is a URL: install fsspec (and the filesystem's package, e.g. s3fs)") from None
     fs, _ = fsspec.core.url_to_fs(p)
     return Storage(fs), p.rstrip("/")
+
+
+def _cwd(relative: str) -> str:
+    try:  # (os.getcwd's own error names nothing)
+        return os.getcwd()
+    except FileNotFoundError:
+        raise CheckpointingException(f"{relative}: a relative path, and the working directory was removed") from None
 
 
 def locate(where: Union[str, os.PathLike, CheckpointLocation]) -> CheckpointLocation:
