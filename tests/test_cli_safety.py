@@ -71,6 +71,18 @@ def test_convert_torch_file_onto_itself_is_refused(tmp_path, capsys):
     assert torch.equal(torch.load(src, weights_only=True)["w"], torch.ones(3))
 
 
+def test_an_output_inside_another_checkpoint_is_refused(tmp_path, capsys):
+    """``convert ck/s1 ck/s2/model.pt`` put a file inside another checkpoint without a word; every later
+    ``overwrite=True`` save of ``ck/s2`` (Lightning's last.ckpt rewrite) then refused the foreign file."""
+    _save(tmp_path / "s1")
+    _save(tmp_path / "s2")
+    for to, out in (("torch", tmp_path / "s2" / "model.pt"), ("safetensors", tmp_path / "s2" / "sub" / "st")):
+        code, _, err = run_cli("convert", tmp_path / "s1", out, "--to", to, capsys=capsys)
+        assert code == 2 and f"lies inside the checkpoint {tmp_path / 's2'}" in err, err
+    assert sorted(os.listdir(tmp_path / "s2")) == sorted(os.listdir(tmp_path / "s1"))
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, str(tmp_path / "s2"), overwrite=True)
+
+
 def _fail_after_first_block(monkeypatch):
     """Make every source raise while the conversion is under way."""
     def boom(self, key, budget):

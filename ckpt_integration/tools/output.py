@@ -18,6 +18,7 @@ from typing import List, Tuple
 
 from ..errors import CheckpointingException
 from ..storage import claim as claims
+from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import storage_for
 
 __all__ = ["ConvertResult", "check_not_source", "check_output", "staging_path", "commit_output", "discard_output",
@@ -69,9 +70,16 @@ def check_not_source(src: str, out: str) -> None:
 
 
 def check_output(out: str, overwrite: bool, is_dir: bool) -> None:
-    """OUT must not exist (or be an empty directory, for directory outputs) unless ``overwrite``."""
+    """OUT must not exist (or be an empty directory, for directory outputs) unless ``overwrite``, nor lie
+    inside a checkpoint (a file there makes every later overwrite of that checkpoint refuse it as foreign)."""
     if os.path.lexists(out) and not overwrite and (not is_dir or not os.path.isdir(out) or os.listdir(out)):
         raise CheckpointingException(f"{out} already exists; pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.realpath(out))
+    while parent != os.path.dirname(parent):
+        if os.path.exists(os.path.join(parent, CONFIG_FILE)):
+            raise CheckpointingException(f"output {out} lies inside the checkpoint {parent}: writing there would add "
+                                         "a file the checkpoint's own saves refuse to replace; choose another OUT")
+        parent = os.path.dirname(parent)
 
 
 def staging_path(out: str, is_dir: bool) -> str:
