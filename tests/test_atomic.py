@@ -403,3 +403,21 @@ def test_paths_a_save_cannot_use_are_refused_before_anything_is_written(tmp_path
                 overwrite=True)
     assert ci.load_common_state_dict(str(tmp_path / "ck"))["step"] == 1
     assert not [n for n in os.listdir(tmp_path / "ck") if ".tmp-" in n]  # (no staging made inside it)
+
+
+def test_an_overwrite_of_a_directory_with_a_name_near_the_limit_works(tmp_path):
+    """A checkpoint directory named with 243-255 bytes could be saved but never overwritten: the staging
+    sibling ``<name>.tmp-xxxxxxxx`` exceeded the filesystem's 255 bytes ("file name too long"). Such a
+    name's siblings are cut short and tagged with its hash; leftovers are still found and removed."""
+    from ckpt_integration.storage import claim
+
+    path = str(tmp_path / ("é" + "c" * 250))  # (252 bytes in UTF-8)
+    for step in (1, 2, 3):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((4,), float(step))), "step": step}, path,
+                overwrite=step > 1)
+        assert ci.load_common_state_dict(path)["step"] == step
+    dead = claim.staging_name(path, "0123456789abcdef")  # a leftover of a killed overwrite
+    assert len(os.path.basename(dead).encode()) <= 255
+    os.mkdir(dead)
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((4,), 4.0)), "step": 4}, path, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]

@@ -53,6 +53,7 @@ crash could leave half done.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -397,8 +398,7 @@ def library_entries(ck: CheckpointLocation) -> List[str]:
 
 def remove_dead_staging(where: CheckpointLocation) -> None:
     """Delete the ``<dir>.tmp-*`` / ``<dir>.old-*`` siblings left by overwrite saves killed before they
-    finished: a staging directory (committed or not: killed before or after its swap) or the old
-    checkpoint a swap moved aside.
+    finished: a staging directory (committed or not: killed before or after its swap) or the old one.
 
     Called only while ``<dir>`` itself is committed and this save holds its claim (a save replacing
     ``<dir>`` holds it from its staging directory's creation to its swap), so such a sibling is the
@@ -408,7 +408,7 @@ def remove_dead_staging(where: CheckpointLocation) -> None:
     digits) holding nothing but checkpoint files are ours: a user's ``<dir>.tmp-backup`` is never touched.
     """
     storage, checkpoint_dir = where.storage, where.path
-    parent, base = os.path.split(checkpoint_dir.rstrip(os.sep))
+    parent, base = os.path.split(sibling_stem(checkpoint_dir))
     for name in storage.listdir(parent or "."):
         path = join(parent, name)
         if (name.startswith((base + ".tmp-", base + ".old-")) and len(name) == len(base) + 13
@@ -450,14 +450,25 @@ def supports_replace(storage: Storage) -> bool:
     return not storage.remote
 
 
+def sibling_stem(target: str) -> str:
+    """``target`` as its replace siblings' names begin; a name too long for a 13-byte suffix within the
+    filesystem's 255 bytes is cut short and tagged with its hash (an overwrite could not name its staging)."""
+    target = target.rstrip(os.sep)
+    parent, base = os.path.split(target)
+    if len(base.encode()) <= 242:
+        return target
+    tag = hashlib.sha1(base.encode()).hexdigest()[:8]
+    return os.path.join(parent, base.encode()[:233].decode(errors="ignore") + "~" + tag)
+
+
 def old_name(target: str) -> str:
     """Where the two-rename fallback moves the old ``target`` aside (``<target>.old-<id>``)."""
-    return f"{target.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+    return f"{sibling_stem(target)}.old-{uuid.uuid4().hex[:8]}"
 
 
 def staging_name(target: str, token: str) -> str:
     """Where an overwrite save writes the new ``target`` before it is put in place (``<target>.tmp-<id>``)."""
-    return f"{target.rstrip(os.sep)}.tmp-{token[:8]}"
+    return f"{sibling_stem(target)}.tmp-{token[:8]}"
 
 
 # the two names above: both can hold a committed checkpoint for a moment, then vanish
@@ -571,7 +582,7 @@ def interrupted_overwrite_hint(ck: CheckpointLocation) -> str:
     storage, directory = ck.storage, ck.path
     if storage.remote:
         return ""
-    parent, base = os.path.split(directory.rstrip(os.sep))
+    parent, base = os.path.split(sibling_stem(directory))
     try:
         names = storage.listdir(parent or ".")
     except OSError:
