@@ -421,3 +421,22 @@ def test_an_overwrite_of_a_directory_with_a_name_near_the_limit_works(tmp_path):
     os.mkdir(dead)
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.full((4,), 4.0)), "step": 4}, path, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]
+
+
+def test_the_swap_makes_the_directory_the_kernel_renamed_in_durable(tmp_path, monkeypatch):
+    """``<link>/../ck`` names ``ck`` beside the link's target, as the kernel reads it; the swap's
+    parent-directory fsync took ``abspath``'s textual reading (beside the link itself): after a crash the
+    rename could be lost although the save had returned."""
+    from ckpt_integration.storage import claim
+
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    os.symlink(tmp_path / "real" / "sub", tmp_path / "link")
+    path = f"{tmp_path}/link/../ck"
+    synced = []
+    real_sync = claim._sync_parent
+    monkeypatch.setattr(claim, "_sync_parent", lambda storage, parent, durable: (synced.append(parent),
+                                                                                real_sync(storage, parent, durable)))
+    for step in (1, 2):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": step}, path, overwrite=step > 1)
+    assert (tmp_path / "real" / "ck" / "metadata.json").exists() and not (tmp_path / "ck").exists()
+    assert synced and {os.path.realpath(p) for p in synced} == {os.path.realpath(tmp_path / "real")}, synced

@@ -514,7 +514,7 @@ def replace(storage: Storage, staged: str, target: str, *, durable: bool = True,
             "and delete the old one afterwards")
     if durable and not data_synced:
         sync_tree(staged)
-    parent = os.path.dirname(os.path.abspath(target))
+    parent = os.path.dirname(os.path.join(os.getcwd(), target.rstrip(os.sep)))  # (not abspath: "link/.." as the kernel reads it)
     if not os.path.lexists(target):
         storage.rename(staged, target)  # nothing to keep: one rename
         _sync_parent(storage, parent, durable)
