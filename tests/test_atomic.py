@@ -397,6 +397,10 @@ def test_paths_a_save_cannot_use_are_refused_before_anything_is_written(tmp_path
     os.symlink(tmp_path / "not_made_yet", tmp_path / "link")
     with pytest.raises(ci.CheckpointingException, match="symbolic link to .*not_made_yet, which does not exist"):
         ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / "link"))
+    os.symlink("loop_b", tmp_path / "loop_a")
+    os.symlink("loop_a", tmp_path / "loop_b")
+    with pytest.raises(ci.CheckpointingException, match="symbolic link to loop_b, which leads back to itself"):
+        ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / "loop_a"))
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": 1}, str(tmp_path / "ck"))
     with pytest.raises(ci.CheckpointingException, match="overwrite=True cannot replace .*mount point or a path ending in '.'"):
         ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": 2}, str(tmp_path / "ck") + "/.",

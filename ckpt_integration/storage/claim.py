@@ -274,10 +274,11 @@ def claim_new(ck: CheckpointLocation, token: str, durable: bool = True) -> SaveC
     another save is running there (locally: its marker is locked).
     """
     storage, directory = ck.storage, ck.path
-    created = not storage.exists(directory)
-    if created and not storage.remote and os.path.islink(directory.rstrip(os.sep)):
-        raise CheckpointingException(f"cannot save to {directory}: it is a symbolic link to {os.readlink(directory.rstrip(os.sep))}, "
-                                     "which does not exist; create that directory or remove the link")
+    created, link = not storage.exists(directory), directory.rstrip(os.sep)
+    if created and not storage.remote and os.path.islink(link):  # (realpath stops at a link in a loop)
+        why = "leads back to itself" if os.path.islink(os.path.realpath(link)) else \
+            "does not exist; create that directory or remove the link"
+        raise CheckpointingException(f"cannot save to {directory}: it is a symbolic link to {os.readlink(link)}, which {why}")
     with writing(directory):
         storage.makedirs(directory)
     ours, foreign = classify_entries(ck)
@@ -453,10 +454,9 @@ def supports_replace(storage: Storage) -> bool:
 def sibling_stem(target: str) -> str:
     """``target`` as its replace siblings' names begin; a name too long for a 13-byte suffix within the
     filesystem's 255 bytes is cut short and tagged with its hash (an overwrite could not name its staging)."""
-    target = target.rstrip(os.sep)
-    parent, base = os.path.split(target)
+    parent, base = os.path.split(target.rstrip(os.sep))
     if len(base.encode()) <= 242:
-        return target
+        return target.rstrip(os.sep)
     tag = hashlib.sha1(base.encode()).hexdigest()[:8]
     return os.path.join(parent, base.encode()[:233].decode(errors="ignore") + "~" + tag)
 
