@@ -202,7 +202,7 @@ def save_base(
     ``"auto"`` a function the coordinator calls to find the newest checkpoint beside the target."""
     if isinstance(base, str) and base == "auto":
         return lambda: newest_beside(checkpoint_dir)
-    return base if base is None or callable(base) else os.fspath(base)
+    return base if base is None or callable(base) else storage_for(base)[1]  # (resolved now: see storage_for)
 
 
 __all__ = ["CommitOrder", "commit_order_of", "list_checkpoints", "newest_beside", "newest_checkpoint",

@@ -325,3 +325,31 @@ def test_a_base_file_checked_once_is_checked_again_after_it_changed(tmp_path, ca
     assert f"{frozen} is not intact" in caplog.text
     out = ci.load(_state(0, 1, 0), s3)
     assert torch.equal(out["base.weight"], _state(0, 1, 3)["base.weight"].data)
+
+    # remembered across the job's next saves (each link changes the file's change time: not read again) ...
+    from ckpt_integration.storage import incremental
+
+    checks = []
+    real = incremental._damage
+    incremental._damage = lambda *a: (checks.append(a[1]), real(*a))[1]
+    try:
+        for i, n in enumerate(("s4", "s5")):
+            ci.save(_state(0, 1, 4 + i), str(tmp_path / n), base=str(tmp_path / ("s3" if i == 0 else "s4")))
+        assert len([c for c in checks if c.endswith(frozen)]) == 1, checks  # (s4 read it; s5 did not)
+        # ... until damage that puts the modification time back (as bit rot leaves it): the change time moves
+        s5 = str(tmp_path / "s5")
+        st = os.stat(os.path.join(s5, frozen))
+        with open(os.path.join(s5, frozen), "r+b") as f:
+            f.seek(5000)
+            b = f.read(1)
+            f.seek(5000)
+            f.write(bytes([b[0] ^ 0x04]))
+        os.utime(os.path.join(s5, frozen), ns=(st.st_atime_ns, st.st_mtime_ns))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+            ci.save(_state(0, 1, 6), str(tmp_path / "s6"), base=s5)
+        assert f"{frozen} is not intact" in caplog.text  # (it was linked, unread, into s6)
+        out = ci.load(_state(0, 1, 0), str(tmp_path / "s6"))
+        assert torch.equal(out["base.weight"], _state(0, 1, 6)["base.weight"].data)
+    finally:
+        incremental._damage = real

@@ -705,3 +705,27 @@ def test_a_persist_to_a_relative_path_writes_where_it_was_asked(tmp_path, monkey
     tier.close()
     assert ci.load_common_state_dict(str(tmp_path / "a" / "ck" / "persisted"))["iteration"] == 3
     assert os.listdir(tmp_path / "b") == []
+
+
+def test_persist_with_base_auto_links_from_the_newest_checkpoint_beside_it(tmp_path, caplog):
+    """``persist(step, dir, base="auto")`` took "auto" for a path (``<cwd>/auto``: "cannot be used ...
+    writing every byte"), so nothing was linked; it means the newest committed checkpoint beside ``dir``,
+    as in ``save``."""
+    import logging
+
+    import ckpt_integration as ci
+
+    tier = ci.MemoryCheckpoints(str(tmp_path / "shm"), "auto", replicas=1)
+    for step in (1, 2):
+        tier.save(_state(0, 1, 1), step)  # (the same tensors: everything unchanged)
+        tier.wait()
+    tier.persist(1, str(tmp_path / "ck" / "p1")).wait()
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        tier.persist(2, str(tmp_path / "ck" / "p2"), base="auto").wait()
+    tier.close()
+    assert "cannot be used" not in caplog.text, caplog.text
+    inodes = {os.stat(tmp_path / "ck" / "p1" / n).st_ino for n in os.listdir(tmp_path / "ck" / "p1") if n.endswith(".distcp")}
+    linked = [n for n in os.listdir(tmp_path / "ck" / "p2") if n.endswith(".distcp")
+              and os.stat(tmp_path / "ck" / "p2" / n).st_ino in inodes]
+    assert linked, os.listdir(tmp_path / "ck" / "p2")
+    assert ci.load_common_state_dict(str(tmp_path / "ck" / "p2"))["iteration"] == 1

@@ -1,14 +1,14 @@
 """``MemoryCheckpoints``: frequent snapshots in host shared memory, copied to peer nodes.
 
-A snapshot is taken like an async save (:mod:`ckpt_integration.execution.async_save`): the
-caller is blocked only while the structure is staged (:class:`StateDictStager`, whose buffers
-here are slices of files in the node's shared memory, :mod:`.slots`); large tensors are copied
-by a background thread while training goes on (:class:`Snapshot`: the next ``torch.optim``
-step waits for it, an early in-place change fails the snapshot). A worker thread
-(:class:`AsyncCallsQueue`) then computes the block digests, commits the rank's record, sends the
-slot to the ranks that keep its copies and receives the copies it keeps (:mod:`.transfer`), and
-agrees with every rank on the outcome, all on a private gloo group. The caller never enters a
-collective for that; a failure is raised on every rank by ``wait()`` or the next ``save()``.
+A snapshot is taken like an async save (:mod:`ckpt_integration.execution.async_save`): the caller is
+blocked only while the structure is staged (:class:`StateDictStager`, whose buffers here are slices of
+files in the node's shared memory, :mod:`.slots`); large tensors are copied by a background thread
+while training goes on (:class:`Snapshot`: the next ``torch.optim`` step waits for it, an early
+in-place change fails the snapshot). A worker thread (:class:`AsyncCallsQueue`) then computes the
+block digests, commits the rank's record, sends the slot to the ranks that keep its copies and
+receives the copies it keeps (:mod:`.transfer`), and agrees with every rank on the outcome, all on a
+private gloo group; the caller never enters a collective for it (a failure is raised on every rank
+by ``wait()`` or the next ``save()``).
 
 Restores (:mod:`.restore`) read the rank's own files when its node still has them and
 otherwise fetch a peer's copy; every byte is checked against the block digests first.
@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Type, Union
 
 import torch
 
+from ..checkpoints import save_base
 from ..errors import CheckpointingException, MemoryCheckpointError, MemoryLayoutError, MemorySpaceError, MismatchError
 from ..execution import dist
 from ..execution.async_save import DEFAULT_COPY_NOW_BYTES, AsyncCallsQueue, AsyncRequest
@@ -156,12 +157,11 @@ class MemoryCheckpoints:
         self._ran = False  # (this run completed a snapshot: earlier runs' later steps were dropped then)
 
     def _check_distinct_memory(self, process_group: Group) -> None:
-        """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's memory
-        is named by its host, boot and the directory's device and inode (what two plan nodes share when
-        ``ranks_per_node`` does not match how the ranks are placed, or when two nodes were given one
-        directory); a copy that would land in its owner's memory is refused, naming the ranks, before
-        anything is written (it would protect nothing, and overwrite records). Each rank's place in its
-        node's directory is locked for the tier's life (:class:`slots.RankLock`)."""
+        """Collective: every copy of a snapshot must sit in other memory than its owner's. Each rank's memory is
+        named by its host, boot and the directory's device and inode (what two plan nodes share when
+        ``ranks_per_node`` does not match the placement, or two nodes were given one directory); a copy that
+        would land in its owner's memory is refused, naming the ranks, before anything is written (it would
+        protect nothing, and overwrite records). Each rank's place is locked for the tier's life (``RankLock``)."""
         self._lock = slots.RankLock(self.root, self.rank, self.job_id)
         mine = (slots.memory_identity(self.directory), self.directory, self._lock.problem)
         gathered = dist.all_gather_object(mine, process_group)
@@ -506,13 +506,13 @@ class MemoryCheckpoints:
         with self._pin_cv:
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
         path = storage_for(checkpoint_dir)[1]  # (absolute: the persist runs in the background, maybe after a chdir)
+        save_kwargs["base"] = save_base(save_kwargs.get("base"), path)  # ("auto": the newest beside it, as save's)
         held: List[AsyncRequest] = []
 
         def stop() -> None:  # the write's check before each item: abandon() stops it (nothing is committed)
             held[0]._check_cancelled(path, self.rank)
 
-        req = AsyncRequest(self._run_persist, (inv, key, path, slot, save_kwargs, stop),
-                           description=f"persist step {step} to {path}")
+        req = AsyncRequest(self._run_persist, (inv, key, path, slot, save_kwargs, stop), description=f"persist step {step} to {path}")
         req._cancellable = True
         held.append(req)
         self._persist_queue.schedule_async_request(req)

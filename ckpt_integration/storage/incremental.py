@@ -233,15 +233,15 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
         return False
     try:
         if storage.size(dst) == base.sizes[name]:
+            # checked whole by this process since it last changed: the identity holds the change time, which
+            # every write sets (a tool that puts the modification time back cannot); the link sets it too, so
+            # the identity after it is the one the next save finds
             if ident is not None and ident in _INTACT:
-                return True  # (checked whole by this process since it last changed)
+                _remember(_identity(storage, dst))
+                return True
             why = _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])], block_hash(base.block_hash))
             if why is None:
-                if ident is not None:
-                    with _INTACT_LOCK:
-                        _INTACT[ident] = None
-                        while len(_INTACT) > 4096:
-                            _INTACT.pop(next(iter(_INTACT)))
+                _remember(_identity(storage, dst))
                 return True
     except (OSError, CheckpointingException) as e:
         why = str(e)
@@ -256,13 +256,21 @@ _INTACT: Dict[Tuple[Any, ...], None] = {}
 _INTACT_LOCK = threading.Lock()
 
 
+def _remember(ident: Optional[Tuple[Any, ...]]) -> None:
+    if ident is not None:
+        with _INTACT_LOCK:
+            _INTACT[ident] = None
+            while len(_INTACT) > 4096:
+                _INTACT.pop(next(iter(_INTACT)))
+
+
 def _identity(storage: Storage, path: str) -> Optional[Tuple[Any, ...]]:
-    """What identifies the bytes of ``path``: device, inode, size and modification time locally; size and
+    """What identifies the bytes of ``path``: device, inode, size, modification and change time locally; size and
     ETag (or modification time) on an object store; None where unknown (the file is then always checked)."""
     try:
         if not storage.remote:
             st = os.stat(path)
-            return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+            return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
         info = retried(storage.fs, "info", path)
     except (OSError, CheckpointingException):
         return None
