@@ -131,7 +131,8 @@ def save(
             next is copied, and this call returns once only the last wave is left to write (the
             training loop waits as long as the state beyond the budget takes). Without it, an async
             save whose staging cannot fit in the host memory available fails with
-            ``StagingMemoryError`` naming the bytes needed, instead of an out-of-memory kill.
+            ``StagingMemoryError`` naming the bytes needed, instead of an out-of-memory kill. (A
+            synchronous save stages nothing: it writes from the tensors, within any budget.)
             ``request.staging`` reports the bytes staged, the waves and the time blocked.
         common_state_in_data: store the common state as the ``common_state`` ShardedObject inside the
             data files instead of ``common.pt`` (Megatron-Core 0.19's layout, which loads of this
