@@ -1,24 +1,21 @@
 """Collectives that also work without ``torch.distributed`` (a single process).
 
-Every save/load exchanges only small metadata (compact records, error messages);
-tensors never go through these helpers. All of them move **bytes** (objects are
-pickled here) so that each call knows exactly what it carries: :data:`traffic`
-counts the bytes this process sent and received through them, which tests read to
-check that the metadata traffic per rank does not grow with the world size.
+Every save/load exchanges only small metadata (compact records, error messages); tensors never go
+through these helpers. All of them move **bytes** (objects are pickled here) so that each call knows
+exactly what it carries: :data:`traffic` counts the bytes this process sent and received through
+them, which tests read to check that the metadata traffic per rank does not grow with the world size.
 
-Counting rule (what lands on this rank from others, as the tensors the backend
-moves): an all-gather delivers every other rank's padded buffer plus its size; an
-all-to-all the messages addressed here plus one 4-byte size per rank; a gather only
-to its destination; a broadcast the size and payload to every other rank; an
-all-reduce its vector once.
+Counting rule (what lands on this rank from others, as the tensors the backend moves): an all-gather
+delivers every other rank's padded buffer plus its size; an all-to-all the messages addressed here
+plus one 4-byte size per rank; a gather only to its destination; a broadcast the size and payload to
+every other rank; an all-reduce its vector once.
 
 ``src``/``dst`` arguments are global ranks, as in ``torch.distributed``.
 
-``group`` is ``None`` (the world), a ``torch.distributed`` group, or a
-:class:`PrivateGroup`: a gloo group of this library's own, built directly on the
-default store and kept out of ``torch.distributed``'s registry, so that
-``destroy_process_group()`` does not tear it down under a save still running in the
-background (async saves finalize on one; see :func:`new_private_group`).
+``group`` is ``None`` (the world), a ``torch.distributed`` group, or a :class:`PrivateGroup`: a gloo
+group of this library's own, built directly on the default store and kept out of
+``torch.distributed``'s registry, so that ``destroy_process_group()`` does not tear it down under a
+save still running in the background (async saves finalize on one; see :func:`new_private_group`).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ import pickle
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -579,7 +576,13 @@ def agree_on_errors(local_error: Optional[str], group: Group = None) -> List[str
     if not all_reduce_ints([1 if local_error else 0], "max", group)[0]:
         return []
     errors = all_gather_object(local_error, group)
-    return [f"rank {global_rank(group, r)}: {e}" for r, e in enumerate(errors) if e]  # (messages name global ranks)
+    return rank_errors(enumerate(errors), group)
+
+
+def rank_errors(messages: Iterable[Tuple[int, Optional[str]]], group: Group = None) -> List[str]:
+    """``rank N: message`` for each ``(group rank, message)`` with a message; N the global rank, as
+    every message names ranks (a group's [0, 2] called global rank 2 "rank 1")."""
+    return [f"rank {global_rank(group, r)}: {m}" for r, m in messages if m]
 
 
 def raise_if_any_failed(local_exc: Optional[BaseException], errors: List[str], context: str) -> None:

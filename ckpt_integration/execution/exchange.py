@@ -84,7 +84,7 @@ def _unframe(m: bytes) -> Tuple[bytes, bytes]:
 
 def _raise_errors(failure: Failure, group: Group, context: str) -> None:
     """Every rank raises (a failure is known to have happened somewhere)."""
-    errors = [f"rank {dist.global_rank(group, r)}: {e}" for r, e in enumerate(dist.all_gather_object(failure.message, group)) if e]
+    errors = dist.rank_errors(enumerate(dist.all_gather_object(failure.message, group)), group)
     dist.raise_if_any_failed(failure.exc, errors, context)
 
 

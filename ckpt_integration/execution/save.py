@@ -523,7 +523,7 @@ def finalize_save(plan: SavePlan) -> None:
     if plan.rank == 0:
         try:
             failures, written, summaries = gather_finalize(results)
-            errors = [f"rank {dist.global_rank(plan.group, r)}: {err}" for r, err in failures]
+            errors = dist.rank_errors(failures, plan.group)
             if errors:
                 status = "\n  ".join(errors)
             else:

@@ -100,19 +100,16 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
     def _save_last_checkpoint(self, trainer: "pl.Trainer", monitor_candidates: Any) -> None:
         if not self.save_last:
             return
+        link = ""  # a last.ckpt link to drop first: it is replaced, never the checkpoint it names
         if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
             self._last_checkpoint_saved = ""  # nothing saved at this step to link to: write last.ckpt itself
-            link = self.last_model_path
-            if link and trainer.strategy.broadcast(os.path.islink(link)):
-                if trainer.is_global_zero:  # replace the link to an older checkpoint, not the checkpoint it names
-                    os.remove(link)
-                trainer.strategy.barrier()
+            link = self.last_model_path  # (the link to an older checkpoint)
         elif self.save_last is True and self.dirpath is not None and not is_remote(os.fspath(self.dirpath)):
-            last = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
-            if trainer.strategy.broadcast(os.path.islink(last)):  # left by a run with save_last="link"
-                if trainer.is_global_zero:  # written itself now: the link goes, never the checkpoint it names
-                    os.remove(last)
-                trainer.strategy.barrier()
+            link = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)  # (save_last="link" left it)
+        if link and trainer.strategy.broadcast(os.path.islink(link)):
+            if trainer.is_global_zero:
+                os.remove(link)
+            trainer.strategy.barrier()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
 

@@ -236,10 +236,9 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
             # checked whole by this process since it last changed: the identity holds the change time, which
             # every write sets (a tool that puts the modification time back cannot); the link sets it too, so
             # the identity after it is the one the next save finds
-            if ident is not None and ident in _INTACT:
-                _remember(_identity(storage, dst))
-                return True
-            why = _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])], block_hash(base.block_hash))
+            known = ident is not None and ident in _INTACT
+            why = None if known else _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])],
+                                             block_hash(base.block_hash))
             if why is None:
                 _remember(_identity(storage, dst))
                 return True
