@@ -149,6 +149,47 @@ def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_co
     assert os.path.basename(t.ckpt_path).startswith("last.replaced-")
 
 
+def test_linking_last_waits_for_a_last_ckpt_save_still_in_flight(tmp_path):
+    """``max_in_flight=2``, ``save_last="link"``: a step that made no top-k save wrote ``last.ckpt`` itself
+    (async). At the next top-k save the link moved that directory aside while its save was writing it
+    (``fit`` failed, debris left), or, when that save overwrote ``last.ckpt`` through a staging directory,
+    its swap later put the older state over the link: ``last.ckpt`` silently held step 4 of 5."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import (DistCkptIO, DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy,
+                                           is_complete_checkpoint)
+
+    class Stepped(L.LightningModule):
+        def __init__(self, scores):
+            super().__init__()
+            self.lin, self.scores = nn.Linear(64, 64), scores
+
+        def training_step(self, batch, idx):
+            self.log("m", float(self.scores[self.global_step]))
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    # steps 1, 2 and 5 (or 4 and 6 ...) make the top 2; the others write last.ckpt themselves
+    for name, scores in [("overwrite", [5, 3, 8, 9, 1]), ("fresh", [5, 3, 8, 1, 9, 2, 7, 4, 6, 0])]:
+        ck = f"{tmp_path}/{name}"
+        torch.manual_seed(0)
+        t = L.Trainer(accelerator="cpu", max_steps=len(scores), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False,
+                      strategy=DistCkptSingleDeviceStrategy(checkpoint_io=DistCkptIO(async_save=True, max_in_flight=2)),
+                      callbacks=[DistCkptModelCheckpoint(dirpath=ck, save_top_k=2, monitor="m", mode="min",
+                                                         every_n_train_steps=1, save_last="link")])
+        t.fit(Stepped(scores), DataLoader(TensorDataset(torch.randn(4 * len(scores), 64)), batch_size=4))
+        last = f"{ck}/last.ckpt"
+        assert ci.load_common_state_dict(last)["global_step"] == len(scores), name
+        assert not any(n.startswith("last.replaced-") for n in os.listdir(ck)), sorted(os.listdir(ck))
+        assert all(is_complete_checkpoint(f"{ck}/{n}") for n in os.listdir(ck)), sorted(os.listdir(ck))
+        assert os.path.islink(last) and len(os.listdir(ck)) == 3, sorted(os.listdir(ck))
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_two_checkpoint_callbacks_in_one_directory_keep_their_own_checkpoints(tmp_path, async_save):
     """A "best" and a "latest" callback save at the same step under the same name. Lightning gives

@@ -393,7 +393,9 @@ def _lost_deliveries(rank, world, d):
 
     _save(rank, world, d)
     name, req, exp = _requests(rank, world)[0]  # row->col: every rank needs a slice of every chunk
-    real_copy, real_read = ro_mod.copy_parts, load_mod.read_task
+    from ckpt_integration.storage import small_reads as sr_mod
+
+    real_copy, real_read = ro_mod.copy_parts, sr_mod.read_task
 
     def skip_last(tasks, regions, parts, src):  # rank 0 drops its first copied part
         skip_last.n += 1
@@ -414,7 +416,7 @@ def _lost_deliveries(rank, world, d):
              ("local", "read_task", skip_read, "never delivered")]
     for strategy, hook, fake, words in cases:
         skip_read.first = None
-        target = ro_mod if hook == "copy_parts" else load_mod
+        target = ro_mod if hook == "copy_parts" else sr_mod
         setattr(target, hook, fake)
         if hook == "read_task":
             real_prepare = load_mod._prepare_reads

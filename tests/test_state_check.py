@@ -122,17 +122,19 @@ def _injected(rank, world, d):
     assert "'fused.k'" in text and "rank 1" in text, text
 
     # 4. a data-parallel replica that loaded a stale copy (rank 1's copy of "h", not its main)
-    real_read = load_mod.read_task
+    from ckpt_integration.storage import small_reads as sr_mod
+
+    real_read = sr_mod.read_task
 
     def stale(reader, t):
         real_read(reader, t)
         if rank == 1 and t.key == "h":
             t.out.add_(1)
-    load_mod.read_task = stale
+    sr_mod.read_task = stale
     try:
         text = caught("stale replica", "h", "local")
     finally:
-        load_mod.read_task = real_read
+        sr_mod.read_task = real_read
     assert "rank 1" in text and "replica" in text, text
 
     # nothing left behind: the same loads pass again

@@ -38,12 +38,11 @@ from ..planning.request_check import object_place
 from ..planning.reshard import plan_chunk_reads, uncovered_elements
 from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
-from ..storage.opened import (MANIFEST_FROM_DIRECTORY, CheckpointReader, backend_named, embedded_common_bytes, open_reader,
+from ..storage.opened import (MANIFEST_FROM_DIRECTORY, backend_named, embedded_common_bytes, open_reader,
                               read_metadata, saved_chunk_reads)
 from ..storage.safe_pickle import safe_torch_load
 from ..storage.chunk_index import CompactChunks, checkpoint_keys, compact_chunks_of
-from ..storage.small_reads import read_small_items
-from ..storage.torch_dist import run_parallel
+from ..storage.small_reads import read_tasks
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
@@ -399,9 +398,7 @@ class _LoadJob:
     parts: List[LoadedPart] = field(default_factory=list)
 
     def read_all(self, thread_count: int) -> None:
-        # whole small items in runs of adjacent items (one read each), the rest one region at a time
-        rest = read_small_items(self.reader, self.tasks, thread_count)
-        run_parallel(rest, lambda t: read_task(self.reader, t), thread_count)
+        read_tasks(self.reader, self.tasks, thread_count)
 
     def check_delivered(self, rank: int) -> None:
         """Every requested element was delivered exactly once (the ledger of each destination,
@@ -547,12 +544,6 @@ class _Planner:
         return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
 
 
-def read_task(reader: CheckpointReader, t: ReadTask) -> None:
-    """Read one task's region into its destination through the reader, and record the delivery."""
-    reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
-    t.got.append(t.overlap)
-
-
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, whole (no common state, no collectives)."""
     out: Dict[str, torch.Tensor] = {}
@@ -572,7 +563,6 @@ def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2)
             tasks += [ReadTask(key, chunk_of[r.chunk], r.overlap, out[key][relative_slices(r.overlap, whole)], out[key].dtype, whole)
                       for r in reads]
         tasks.sort(key=_read_order)
-        rest = read_small_items(reader, tasks, thread_count)
-        run_parallel(rest, lambda t: read_task(reader, t), thread_count)
+        read_tasks(reader, tasks, thread_count)
         check_delivered(tasks, 0, checkpoint_dir)
     return out

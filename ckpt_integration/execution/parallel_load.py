@@ -67,7 +67,7 @@ from ..planning.boxes import Box, intersect, relative_slices
 from ..planning.load_units import Need, Unit, aligned, batch_units, plan_units
 from ..storage.opened import CheckpointReader
 from ..storage.fs import byte_view
-from ..storage.small_reads import read_small_items
+from ..storage.small_reads import read_tasks
 from . import dist
 from .dist import Group
 from .failure import Failure
@@ -141,7 +141,7 @@ class _Item:
 
 @dataclass
 class _Part:
-    """A unit's read into its view of the item's buffer (a ``ReadTask`` as ``read_small_items`` takes it)."""
+    """A unit's read into its view of the item's buffer (a ``ReadTask`` as ``read_tasks`` takes it)."""
 
     key: str
     chunk: Any
@@ -268,7 +268,7 @@ class _Run:
 
     def read(self, it: _Item) -> torch.Tensor:
         """Read one item (on a pool thread): into its destination, or into a staging buffer; a
-        batch's units as one run of reads where they are adjacent whole items (``read_small_items``)."""
+        batch's units as one run of reads where they are adjacent whole items (``read_tasks``)."""
         if self.failure.failed:  # an earlier unit failed and the load will raise: skip the I/O
             raise RuntimeError("skipped after an earlier failure")
         reader, device = self.reader, self.device
@@ -280,11 +280,9 @@ class _Run:
                        target if flat is None else _view(flat, off, u), dtype_from_name(u.dtype))
                  for u, off in zip(it.units, it.offsets)]
         tr = time.perf_counter()
-        if len(parts) > 1 and getattr(reader, "block_records", None):
-            parts.sort(key=lambda p: (p.chunk.storage.relative_path, p.chunk.storage.offset))  # (as runs need)
-            parts = read_small_items(reader, parts, 1)
-        for p in parts:
-            reader.read_region(p.key, p.chunk, p.overlap, p.out, p.dtype)
+        if len(parts) > 1 and getattr(reader, "block_records", None):  # (runs join adjacent items only)
+            parts.sort(key=lambda p: (p.chunk.storage.relative_path, p.chunk.storage.offset))
+        read_tasks(reader, parts, 1)
         self.st.add("read_s", time.perf_counter() - tr)
         self.st.add("bytes_read", sum(u.nbytes for u in it.units))
         self.st.add("units_read", len(it.units))

@@ -60,7 +60,7 @@ from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.fs import byte_view
 from ..storage.readers import can_map
-from ..storage.small_reads import ReadTaskLike, read_small_items
+from ..storage.small_reads import read_task, read_tasks
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
@@ -437,25 +437,15 @@ def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_
     try:
         futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
         if small:  # whole small items: in runs, as "local" reads them (in the order of the tasks: by file)
-            futures.append(pool.submit(_read_runs, reader, small))
+            futures.append(pool.submit(read_tasks, reader, small, 1))
         for t in leftover:  # chunks not stored as plain arrays: read as "local" does
-            futures.append(pool.submit(_read_whole, reader, t))
+            futures.append(pool.submit(read_task, reader, t))
         _transfer(reader, ordered, mapped, rank, group, budget, st, note)
         for e in [f.exception() for f in futures]:
             if e is not None:
                 note(e)
     finally:
         pool.shutdown(wait=True)
-
-
-def _read_whole(reader: TorchDistReader, t: ReadTaskLike) -> None:
-    reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
-    t.got.append(t.overlap)
-
-
-def _read_runs(reader: TorchDistReader, tasks: List[ReadTaskLike]) -> None:
-    for t in read_small_items(reader, tasks, 1):
-        _read_whole(reader, t)
 
 
 POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"

@@ -118,8 +118,15 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         deleted, before the link takes its name: the checkpoint linked to may still be being written
         (an async save), and until it commits the one it replaces is the newest state. The moved one
         (``last.replaced-<id>.ckpt``, still a candidate for ``ckpt_path="last"``) is removed as a
-        replaced checkpoint is: after the commit, and never when the save fails."""
+        replaced checkpoint is: after the commit, and never when the save fails.
+
+        A ``last.ckpt`` this job's async save is still writing (``max_in_flight > 1``: a step that made no
+        top-k save wrote it) is waited for first: moved aside, its save failed; overwriting it through a
+        staging directory, its swap later put the older state over the link."""
         if os.path.abspath(filepath) != os.path.abspath(linkpath):
+            io = _io(trainer)
+            if io is not None:
+                io.wait_if_saving(linkpath)  # (every rank: the same saves are in flight on each)
             aside = None
             if trainer.is_global_zero and os.path.isdir(linkpath) and not os.path.islink(linkpath):
                 stem, ext = os.path.splitext(linkpath)

@@ -127,6 +127,14 @@ def hash_index(u: Unit) -> int:
     return zlib.crc32(f"{u.key}|{u.chunk.offsets}|{u.region.offsets}".encode())
 
 
+def least_loaded(ranks: Sequence[int], load: Dict[int, int], h: int) -> int:
+    """The rank of ``ranks`` that has read the fewest bytes so far (``load``); equal loads are broken
+    by rotating over the candidates by ``h`` (a hash of the unit), so ties do not always go to the
+    lowest rank. Both shared-read plans (these units, and read-once's block ranges) pick readers so."""
+    n = len(ranks)
+    return ranks[min(range(n), key=lambda p: (load.get(ranks[p], 0), (p - h) % n))]
+
+
 def plan_units(needs_per_rank: Sequence[Sequence[Need]]) -> List[Unit]:
     """Units to read, who reads each, in the group's processing order. Identical on every rank.
 
@@ -149,11 +157,7 @@ def plan_units(needs_per_rank: Sequence[Sequence[Need]]) -> List[Unit]:
     # broken by rotating over the candidates with a hash of the unit (never "lowest rank wins")
     load: Dict[int, int] = defaultdict(int)
     for u in sorted(units, key=lambda u: (-u.nbytes, u.ident)):
-        h = hash_index(u)
-        n = len(u.needers)
-        u.reader = min(
-            ((pos, r) for pos, r in enumerate(u.needers)), key=lambda pr: (load[pr[1]], (pr[0] - h) % n)
-        )[1]
+        u.reader = least_loaded(u.needers, load, hash_index(u))
         load[u.reader] += u.nbytes
     # processing order: interleave the readers (i-th unit of every reader, then the (i+1)-th, ...)
     # so all readers work at once, each in storage order of its own units

@@ -25,6 +25,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from .load_units import least_loaded
+
 # Largest unit: what a reader stages at once for ranks on other nodes (and the grain of
 # balancing within a chunk). Units are block-aligned, so a unit is at least one block.
 UNIT_BYTES = 8 << 20
@@ -224,11 +226,9 @@ def plan_chunk(needs: ChunkNeeds, load: Dict[int, int], salt: str = "", unit_byt
         for u_lo, u_hi in split_range(needs.bounds, a, b, pieces):
             idx = [i for i in touching if _overlaps(needs.ranges[i], u_lo, u_hi)]
             ranks = sorted(needs.ranks[i] for i in idx)
-            h = zlib.crc32(f"{salt}@{u_lo}".encode())
-            n = len(ranks)
-            reader = min(range(n), key=lambda p: (load.get(ranks[p], 0), (p - h) % n))
-            load[ranks[reader]] = load.get(ranks[reader], 0) + (u_hi - u_lo)
-            units.append(PlannedUnit(u_lo, u_hi, ranks[reader], tuple(ranks)))
+            reader = least_loaded(ranks, load, zlib.crc32(f"{salt}@{u_lo}".encode()))
+            load[reader] = load.get(reader, 0) + (u_hi - u_lo)
+            units.append(PlannedUnit(u_lo, u_hi, reader, tuple(ranks)))
     return units
 
 

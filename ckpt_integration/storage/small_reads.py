@@ -36,7 +36,7 @@ from ..planning.boxes import Box
 from .opened import CheckpointReader
 from .checkpoint_dir import MANIFEST_FILE
 from .checksum import BlockHash
-from .region_read import scratch_buffer, dtype_size
+from .region_read import dtype_size, run_parallel, scratch_buffer
 from .fs import tensor_buffer
 from .item_table import Digests
 from .tensor_record import describe_archive_head
@@ -67,6 +67,20 @@ def _fits(t: ReadTaskLike) -> bool:
         return False
     # (the shape first: a whole chunk's destination has the chunk's shape, compared without a product)
     return out.is_cpu and out.is_contiguous() and (out.shape == chunk.box.sizes or out.numel() == chunk.box.numel)
+
+
+def read_task(reader: CheckpointReader, t: ReadTaskLike) -> None:
+    """Read one task's region into its destination and record the delivery (its ledger, ``got``)."""
+    reader.read_region(t.key, t.chunk, t.overlap, t.out, t.dtype)
+    t.got.append(t.overlap)
+
+
+def read_tasks(reader: CheckpointReader, tasks: Sequence[ReadTaskLike], thread_count: int) -> None:
+    """Read every task, each byte verified: whole small items in runs of adjacent items (one read
+    each), the rest one region at a time, with up to ``thread_count`` threads. The one local read
+    of every load path (``local``, the leftovers of read-once, a shared-read unit's reader)."""
+    rest = read_small_items(reader, tasks, thread_count)
+    run_parallel(rest, lambda t: read_task(reader, t), thread_count)
 
 
 def read_small_items(reader: CheckpointReader, tasks: Sequence[ReadTaskLike], thread_count: int) -> List[ReadTaskLike]:
