@@ -353,3 +353,64 @@ def test_a_base_file_checked_once_is_checked_again_after_it_changed(tmp_path, ca
         assert torch.equal(out["base.weight"], _state(0, 1, 6)["base.weight"].data)
     finally:
         incremental._damage = real
+
+
+def test_a_file_checked_for_some_items_is_checked_again_for_the_others(tmp_path, caplog):
+    """The "found intact" cache held files, not items: once ``remove_sharded_tensors`` left a base recording
+    fewer items of a shared data file, a save against it checked those only, and a later save against a
+    checkpoint recording all of them linked the file unread, its damaged bytes into the new checkpoint."""
+    from ckpt_integration.storage import incremental
+
+    torch.manual_seed(0)  # (frozen parameters: one data file of their own, linked by later saves)
+    a, b = (torch.nn.Parameter(torch.randn(256, 256), requires_grad=False) for _ in range(2))
+    w = torch.randn(16, 16)
+
+    def state(keys, step):
+        d = {k: ShardedTensor.from_rank_offsets(k, t) for k, t in (("A", a), ("B", b)) if k in keys}
+        d["w"] = ShardedTensor.from_rank_offsets("w", w + step)
+        return d
+
+    s0, s1, s2, s3 = (str(tmp_path / n) for n in ("s0", "s1", "s2", "s3"))
+    incremental._INTACT.clear()
+    ci.save(state("AB", 0), s0, thread_count=1)
+    frozen = max(_data_files(s0), key=lambda n: _data_files(s0)[n][1])  # A and B, one file
+    ci.save(state("AB", 1), s1, thread_count=1, base=s0)
+    assert _data_files(s1)[frozen][0] == _data_files(s0)[frozen][0]
+    with open(os.path.join(s0, frozen), "r+b") as f:  # B's bytes damaged in place (s0's and s1's inode)
+        f.seek(os.path.getsize(os.path.join(s0, frozen)) - 1000)
+        f.write(b"\xff" * 8)
+    ci.remove_sharded_tensors(s0, "B")
+    ci.save(state("A", 2), s2, thread_count=1, base=s0)  # checks A only: intact
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(state("AB", 3), s3, thread_count=1, base=s1)
+    assert f"{frozen} is not intact" in caplog.text
+    req = {k: ShardedTensor.from_rank_offsets(k, torch.empty(256, 256)) for k in "AB"}
+    out = ci.load(req, s3)
+    assert torch.equal(out["A"], a) and torch.equal(out["B"], b)
+
+
+def test_a_base_data_file_that_is_a_symbolic_link_is_written_not_linked(tmp_path, caplog):
+    """``os.link`` of a symbolic link links the link: a base whose data file was a symbolic link (into
+    itself, as deduplicating tools leave them) gave the new checkpoint a link into the base, committed
+    without a word, which loads then refused (or which broke when the base was deleted)."""
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(512, 512), requires_grad=False)
+
+    def state(step):
+        return {"frozen": ShardedTensor.from_rank_offsets("frozen", frozen),
+                "w": ShardedTensor.from_rank_offsets("w", torch.full((64, 64), float(step)))}
+
+    s0, s1 = str(tmp_path / "s0"), str(tmp_path / "s1")
+    ci.save(state(0), s0)
+    name = max(_data_files(s0), key=lambda n: _data_files(s0)[n][1])
+    os.rename(os.path.join(s0, name), os.path.join(s0, "frozen.bin"))
+    os.symlink(os.path.join(s0, "frozen.bin"), os.path.join(s0, name))
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(state(1), s1, base=s0)
+    assert "symbolic link" in caplog.text
+    assert not os.path.islink(os.path.join(s1, name))
+    shutil.rmtree(s0)
+    req = {"frozen": ShardedTensor.from_rank_offsets("frozen", torch.empty(512, 512)),
+           "w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 64))}
+    out = ci.load(req, s1)
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["w"], torch.full((64, 64), 1.0))

@@ -29,7 +29,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
@@ -220,27 +220,35 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
     deletion would keep no loadable checkpoint). Reading costs less than the write it replaces."""
     base = reuse.base
     src, dst = join(base.directory, name), join(directory, name)
-    why = "its size is not the one recorded"  # (truncated or replaced since the base committed)
     try:
-        if base.sizes.get(name, -1) < 0 or storage.size(src) != base.sizes[name]:
-            logger.warning("incremental save: the base's %s is not intact (%s): writing its items from memory "
-                           "instead", src, why)
-            return None
+        why = None
+        if not storage.remote and os.path.islink(src):
+            # a hard link of a symbolic link is that link (into the base, or anywhere): the new checkpoint
+            # would be refused by loads, or broken when what it points to is deleted
+            why = "it is a symbolic link, not a file of the checkpoint"
+        elif base.sizes.get(name, -1) < 0 or storage.size(src) != base.sizes[name]:
+            why = "its size is not the one recorded"  # (truncated or replaced since the base committed)
     except OSError:
+        return None
+    if why is not None:
+        logger.warning("incremental save: the base's %s is not intact (%s): writing its items from memory instead",
+                       src, why)
         return None
     ident = _identity(storage, src)
     if not storage.link(src, dst):
         return False
     try:
         if storage.size(dst) == base.sizes[name]:
-            # checked whole by this process since it last changed: the identity holds the change time, which
-            # every write sets (a tool that puts the modification time back cannot); the link sets it too, so
-            # the identity after it is the one the next save finds
-            known = ident is not None and ident in _INTACT
-            why = None if known else _damage(storage, dst, [it for _, it in reuse.linked.get(name, [])],
-                                             block_hash(base.block_hash))
+            # these items checked by this process since the file last changed: the identity holds the change
+            # time, which every write sets (a tool that puts the modification time back cannot); the link sets
+            # it too, so the identity after it is the one the next save finds. Items, not the file: a base whose
+            # table lost some (``remove_sharded_tensors``) checks fewer, which says nothing of the others' bytes
+            items = [it for _, it in reuse.linked.get(name, [])]
+            checked = frozenset((it.start, it.length, it.digest, base.block_hash) for it in items)
+            before = _INTACT.get(ident, frozenset()) if ident is not None else frozenset()
+            why = None if checked <= before else _damage(storage, dst, items, block_hash(base.block_hash))
             if why is None:
-                _remember(_identity(storage, dst))
+                _remember(_identity(storage, dst), checked | before)
                 return True
     except (OSError, CheckpointingException) as e:
         why = str(e)
@@ -249,16 +257,17 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
     return None
 
 
-# files this process checked whole and found as their base recorded them, by identity: each save of a job
-# links the same base files again, and reads each once (a file changed since has another identity)
-_INTACT: Dict[Tuple[Any, ...], None] = {}
+# files this process checked and found as their base recorded them, by identity, with the items checked
+# (start, length, digest, digest kind): each save of a job links the same base files again, and reads each
+# once (a file changed since has another identity)
+_INTACT: Dict[Tuple[Any, ...], FrozenSet[Tuple[int, int, int, str]]] = {}
 _INTACT_LOCK = threading.Lock()
 
 
-def _remember(ident: Optional[Tuple[Any, ...]]) -> None:
+def _remember(ident: Optional[Tuple[Any, ...]], checked: FrozenSet[Tuple[int, int, int, str]]) -> None:
     if ident is not None:
         with _INTACT_LOCK:
-            _INTACT[ident] = None
+            _INTACT[ident] = checked
             while len(_INTACT) > 4096:
                 _INTACT.pop(next(iter(_INTACT)))
 
