@@ -414,3 +414,25 @@ def test_a_base_data_file_that_is_a_symbolic_link_is_written_not_linked(tmp_path
            "w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 64))}
     out = ci.load(req, s1)
     assert torch.equal(out["frozen"], frozen) and torch.equal(out["w"], torch.full((64, 64), 1.0))
+
+
+def test_a_base_file_that_kept_the_bytes_of_removed_items_is_written_anew(tmp_path):
+    """``remove_sharded_tensors`` keeps a data file whose last items it removed, bytes and all. A save that
+    linked it recorded the file's size as the end of its last kept item: ``verify`` then called the new
+    checkpoint damaged, and the next incremental save took the file for damaged and wrote it again."""
+    torch.manual_seed(0)
+    w, m = torch.randn(512, 512), torch.randn(512, 512)
+    pre = str(tmp_path / "pretrained")
+    ci.save({"model.w": ShardedTensor.from_rank_offsets("model.w", w),
+             "optimizer.m": ShardedTensor.from_rank_offsets("optimizer.m", m)}, pre, thread_count=1)
+    ci.remove_sharded_tensors(pre, "optimizer.")  # (its bytes stay: they end the file)
+    frozen = torch.nn.Parameter(w.clone(), requires_grad=False)
+    state = {"model.w": ShardedTensor.from_rank_offsets("model.w", frozen),
+             "adapter": ShardedTensor.from_rank_offsets("adapter", torch.zeros(8, 512))}
+    s1 = str(tmp_path / "s1")
+    ci.save(state, s1, base=pre)
+    assert verify_checkpoint(s1).ok
+    out = ci.load({"model.w": ShardedTensor.from_rank_offsets("model.w", torch.empty(512, 512))}, s1)
+    assert torch.equal(out["model.w"], w)
+    ci.save(state, str(tmp_path / "s2"), base=s1)  # now linked whole
+    assert _new_bytes(str(tmp_path / "s2"), _data_files(s1)) < 64 * 1024

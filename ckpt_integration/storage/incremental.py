@@ -196,7 +196,10 @@ def plan_reuse(requests: Sequence[Any], base: BaseFiles, h: BlockHash,
                 continue
             out.unchanged.add(i)
             pairs.append((i, it))
-        if whole and pairs and len(pairs) == base.counts.get(name, -1):
+        # a file is taken only if its items end where it ends: one that kept the bytes of items removed from
+        # the base's table (``remove_sharded_tensors``) is written anew (and its dead bytes left behind)
+        if whole and pairs and len(pairs) == base.counts.get(name, -1) \
+                and max(it.start + it.length for _, it in pairs) == base.sizes.get(name, -1):
             out.linked[name] = pairs
     return out
 
