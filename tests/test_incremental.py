@@ -436,3 +436,26 @@ def test_a_base_file_that_kept_the_bytes_of_removed_items_is_written_anew(tmp_pa
     assert torch.equal(out["model.w"], w)
     ci.save(state, str(tmp_path / "s2"), base=s1)  # now linked whole
     assert _new_bytes(str(tmp_path / "s2"), _data_files(s1)) < 64 * 1024
+
+
+def test_separation_hint_splits_a_base_file_that_mixed_its_keys(tmp_path):
+    """A base saved without ``separation_hint`` holds model and optimizer items in one file; a save with the
+    hint linked it whole, so ``remove_sharded_tensors(path, hint)`` of the new checkpoint freed nothing."""
+    from ckpt_integration.strategies import TorchDistSaveShardedStrategy
+
+    torch.manual_seed(0)
+    w, m = torch.randn(512, 512), torch.randn(512, 512)
+
+    def state():
+        return {"model.w": ShardedTensor.from_rank_offsets("model.w", w),
+                "optimizer.m": ShardedTensor.from_rank_offsets("optimizer.m", m)}
+
+    base, new = str(tmp_path / "base"), str(tmp_path / "new")
+    ci.save(state(), base, thread_count=1)
+    ci.save(state(), new, TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="optimizer."), thread_count=1,
+            base=base)
+    before = sum(size for _, size in _data_files(new).values())
+    ci.remove_sharded_tensors(new, "optimizer.")
+    assert before - sum(size for _, size in _data_files(new).values()) >= m.numel() * 4
+    out = ci.load({"model.w": ShardedTensor.from_rank_offsets("model.w", torch.empty(512, 512))}, new)
+    assert torch.equal(out["model.w"], w)

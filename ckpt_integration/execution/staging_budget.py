@@ -153,7 +153,8 @@ def write_in_waves(plan: SavePlan, arena: StagingArena, budget: int) -> StagingR
     names: set = set()
     try:
         fps = request_fingerprints(requests)
-        rows, taken, stable = link_unchanged(plan.target, requests, plan.base, save_block_hash(), None, fps)
+        rows, taken, stable = link_unchanged(plan.target, requests, plan.base, save_block_hash(), None, fps,
+                                             plan.separation_hint)
         report.linked_files = len(set(rows.files))
         names |= set(rows.files)
         for i in stable:

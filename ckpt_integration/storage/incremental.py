@@ -175,8 +175,11 @@ class Reuse:
 
 
 def plan_reuse(requests: Sequence[Any], base: BaseFiles, h: BlockHash,
-               fingerprints: Optional[Sequence[Optional[int]]] = None) -> Reuse:
+               fingerprints: Optional[Sequence[Optional[int]]] = None, hint: Optional[str] = None) -> Reuse:
     """Which of ``base``'s files hold exactly some of ``requests`` (``WriteRequest``s) and nothing else.
+
+    ``hint``: the save's ``separation_hint``; a file holding keys on both sides of it is not taken (the
+    save puts them into files of their own, which ``remove_sharded_tensors`` can then delete).
 
     ``fingerprints`` (one per request, as the save computes them for its manifest): a tensor whose
     fingerprint differs from the one the base recorded has changed, without hashing its bytes (every
@@ -199,7 +202,8 @@ def plan_reuse(requests: Sequence[Any], base: BaseFiles, h: BlockHash,
         # a file is taken only if its items end where it ends: one that kept the bytes of items removed from
         # the base's table (``remove_sharded_tensors``) is written anew (and its dead bytes left behind)
         if whole and pairs and len(pairs) == base.counts.get(name, -1) \
-                and max(it.start + it.length for _, it in pairs) == base.sizes.get(name, -1):
+                and max(it.start + it.length for _, it in pairs) == base.sizes.get(name, -1) \
+                and (not hint or len({it.key.startswith(hint) for _, it in pairs}) == 1):
             out.linked[name] = pairs
     return out
 

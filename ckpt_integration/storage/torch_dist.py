@@ -316,7 +316,7 @@ def write_data_files(
     block_size = block_size or BLOCK_SIZE
     digest = save_block_hash()
     storage = target.storage
-    linked, taken, stable = link_unchanged(target, requests, base, digest, stop, fingerprints)
+    linked, taken, stable = link_unchanged(target, requests, base, digest, stop, fingerprints, separation_hint)
     groups = _separate(requests, separation_hint, thread_count, [i for i in range(len(requests)) if i not in taken],
                        stable)
     buckets = [b for _, b in groups]
@@ -403,7 +403,8 @@ def _file_names(rank: int, prefixes: Sequence[str], taken: Set[str]) -> List[str
 
 def link_unchanged(target: CheckpointLocation, requests: Sequence[WriteRequest], base: Optional[BaseFiles],
                    digest: BlockHash, stop: Optional[Callable[[], None]],
-                   fingerprints: Optional[Sequence[Optional[int]]]) -> Tuple[WrittenTable, Set[int], Set[int]]:
+                   fingerprints: Optional[Sequence[Optional[int]]], hint: Optional[str] = None,
+                   ) -> Tuple[WrittenTable, Set[int], Set[int]]:
     """Link the base files that hold exactly some of ``requests``, unchanged (see :mod:`.incremental`):
     ``(their items' rows, the requests they hold, the requests to write into stable files)``."""
     storage, directory = target.storage, target.path
@@ -412,7 +413,7 @@ def link_unchanged(target: CheckpointLocation, requests: Sequence[WriteRequest],
     taken: Set[int] = set()
     if base is None:
         return rows, taken, stable
-    reuse = plan_reuse(requests, base, digest, fingerprints)
+    reuse = plan_reuse(requests, base, digest, fingerprints, hint)
     stable |= reuse.unchanged
     for name, pairs in sorted(reuse.linked.items()):
         if stop is not None:
