@@ -142,3 +142,19 @@ def test_an_unbounded_save_that_cannot_fit_is_refused_naming_the_budget(tmp_path
     out = ci.load({"t": ShardedTensor.from_rank_offsets("t", torch.empty_like(t))}, str(tmp_path / "bounded"))
     assert torch.equal(out["t"], t)
     queue.close()
+
+
+def test_a_budget_with_the_zarr_backend_is_refused_not_ignored(tmp_path):
+    """zarr stages the whole state: a ``staging_budget`` given with it was ignored without a word (32 MiB
+    staged under a 4 MiB budget, the report saying no budget). Refused now, before anything is written."""
+    from ckpt_integration.lightning import DistCkptIO
+
+    t = torch.randn(MiB)
+    queue = AsyncCallsQueue()
+    with pytest.raises(ci.CheckpointingException, match="staging_budget needs the torch_dist backend, not 'zarr'"):
+        ci.save({"t": ShardedTensor.from_rank_offsets("t", t)}, str(tmp_path / "z"), "zarr", async_sharded_save=True,
+                staging_budget=MiB // 2, async_queue=queue)
+    queue.close()
+    assert not os.path.exists(tmp_path / "z")
+    with pytest.raises(ValueError, match="torch_dist backend only"):
+        DistCkptIO(async_save=True, backend="zarr", staging_budget=MiB)

@@ -537,18 +537,18 @@ def async_save_torch_dist(
     ``request.wait_for_snapshot()`` or :func:`wait_for_snapshot`); an earlier
     modification fails the save with ``SnapshotModifiedError``. With
     ``snapshot="caller"`` everything is copied before returning.
-    ``save_kwargs`` are those of :func:`prepare_save` (``validate_access_integrity``,
-    ``content_metadata``, ``thread_count``, ``balance``, ``overwrite``, ``durable``,
-    ``process_group``). ``queue`` defaults to :func:`get_default_async_queue`.
-    Call ``request.wait()`` (or the queue's ``maybe_finalize_async_calls`` /
-    ``close``) to learn the outcome; the checkpoint is committed by the
-    background worker once every rank's data is written.
-    ``staging_budget`` (bytes, torch_dist): stage at most this much tensor data in host memory,
-    in waves (:mod:`.staging_budget`); without it, a save whose staging cannot fit in the host
-    memory available fails with ``StagingMemoryError`` naming the bytes needed.
+    ``save_kwargs`` are those of :func:`prepare_save` (``validate_access_integrity``, ``content_metadata``,
+    ``thread_count``, ``balance``, ``overwrite``, ``durable``, ``process_group``). ``queue`` defaults to
+    :func:`get_default_async_queue`. Call ``request.wait()`` (or the queue's ``maybe_finalize_async_calls`` /
+    ``close``) to learn the outcome; the background worker commits once every rank's data is written.
+    ``staging_budget`` (bytes, torch_dist only): stage at most this much tensor data in host memory, in waves
+    (:mod:`.staging_budget`); without it, a save whose staging cannot fit fails with ``StagingMemoryError``.
     ``request.staging`` reports the bytes staged, the waves and the time the caller was blocked.
     """
     t0 = time.perf_counter()
+    if staging_budget is not None and save_kwargs.get("backend", "torch_dist") != "torch_dist":  # (zarr stages all)
+        raise CheckpointingException(f"async save to {checkpoint_dir}: staging_budget needs the torch_dist backend, "
+                                     f"not {save_kwargs['backend']!r}")
     q = queue if queue is not None else get_default_async_queue()
     if q._closed:
         raise RuntimeError("AsyncCallsQueue is closed")
@@ -567,7 +567,7 @@ def async_save_torch_dist(
         stager = q._next_stager()
         snap: Optional[Snapshot] = None
         report = StagingReport()
-        bounded = staging_budget is not None and plan.backend == "torch_dist"  # (zarr: staged whole, as before)
+        bounded = staging_budget is not None
         if bounded and not plan.failure.failed:
             report = write_in_waves(plan, _arena_of(stager), int(staging_budget))
         if not plan.failure.failed:

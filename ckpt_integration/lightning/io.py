@@ -191,6 +191,8 @@ class DistCkptIO(CheckpointIO):
         if staging_budget is not None and int(staging_budget) < 1:
             raise ValueError(f"DistCkptIO: staging_budget must be >= 1 byte (or None), got {staging_budget}")
         self.staging_budget = None if staging_budget is None else int(staging_budget)
+        if self.staging_budget is not None and backend != "torch_dist":
+            raise ValueError(f"DistCkptIO: staging_budget is supported by the torch_dist backend only, not {backend!r}")
         if _plain(snapshot) not in SNAPSHOT_MODES:
             raise ValueError(f"DistCkptIO: snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
         self.snapshot = str(_plain(snapshot))
