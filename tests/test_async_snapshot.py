@@ -250,9 +250,12 @@ def test_common_state_tensors_modified_early_are_named_by_their_keys(gate, tmp_p
         req.wait()
 
 
-def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_path):
+@pytest.mark.parametrize("max_in_flight", [1, 2])
+def test_in_place_change_during_the_snapshot_fails_the_save_loudly(gate, tmp_path, max_in_flight):
+    """An in-place change before the snapshot fails the save, once: the next save copies those tensors before
+    returning, whichever slot of the queue it takes (each slot learned on its own: ``max_in_flight`` failed)."""
     w, small = torch.randn(*BIG), torch.randn(16)
-    with AsyncCallsQueue() as q:
+    with AsyncCallsQueue(max_in_flight=max_in_flight) as q:
         req = async_save_torch_dist({"w": _st("w", w), "small": _st("small", small), "iteration": 3},
                                     str(tmp_path / "bad"), queue=q)
         w.mul_(2.0)  # in place, outside any optimizer, before the copy: the copy would be newer (or torn)

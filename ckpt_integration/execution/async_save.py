@@ -144,9 +144,9 @@ class AsyncCallsQueue:
             raise ValueError(f"snapshot must be one of {SNAPSHOT_MODES}, got {snapshot!r}")
         self.max_in_flight = int(max_in_flight)
         self.snapshot = snapshot
-        self.copy_now_bytes = int(copy_now_bytes)
-        self.writer_nice = int(writer_nice)
-        self.stagers = [StateDictStager(pin_memory=pin_memory) for _ in range(self.max_in_flight)]
+        self.copy_now_bytes, self.writer_nice = int(copy_now_bytes), int(writer_nice)
+        learned: set = set()  # (slots share what they learn: a save fails once, not once per slot)
+        self.stagers = [StateDictStager(pin_memory, copy_now=learned) for _ in range(self.max_in_flight)]
         self._unfinalized: Deque[AsyncRequest] = deque()
         self._jobs: Deque[Optional[AsyncRequest]] = deque()
         self._cv = threading.Condition()

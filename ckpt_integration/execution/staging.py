@@ -152,6 +152,8 @@ class StateDictStager:
         allocator: ``allocator(sizes) -> [UntypedStorage, ...]`` makes the new buffers of one
             call at once (e.g. slices of one file in shared memory, see
             :mod:`ckpt_integration.memory`); default: one host tensor per buffer.
+        copy_now: the set of storages seen modified during a deferred copy, copied before returning
+            from then on; stagers of one queue share theirs (the lesson is the state's, not the slot's).
 
     Example::
 
@@ -162,7 +164,8 @@ class StateDictStager:
     """
 
     def __init__(self, pin_memory: Optional[bool] = None, share_memory: bool = False, copy_threads: int = 1,
-                 allocator: Optional[Callable[[List[int]], List[torch.UntypedStorage]]] = None):
+                 allocator: Optional[Callable[[List[int]], List[torch.UntypedStorage]]] = None,
+                 copy_now: Optional[set] = None):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self.share_memory = share_memory
         self.copy_threads = max(1, int(copy_threads))
@@ -171,7 +174,7 @@ class StateDictStager:
         self._by_key: Dict[_StorageKey, torch.UntypedStorage] = {}
         self._lock = threading.Lock()
         self._pending: Optional["PendingCopy"] = None  # deferred copies into our buffers, if running
-        self._copy_now: set = set()  # storages seen modified during a deferred copy
+        self._copy_now: set = set() if copy_now is None else copy_now  # (see copy_now)
         self._streams: Dict[Any, Any] = {}  # CUDA side streams for deferred copies
 
     # -- buffers ---------------------------------------------------------------------------
