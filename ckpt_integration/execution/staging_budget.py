@@ -43,7 +43,8 @@ _ALIGN = 64  # staged tensors start at multiples of this (>= any element size; t
 class StagingReport:
     """What one async save staged: ``bytes`` of tensor data copied into host buffers, ``waves`` (1 for
     an unbounded save), ``blocked_s`` (seconds the caller waited, staging and early waves included),
-    ``budget`` (None: unbounded), ``linked_files`` (data files taken from the base, not staged)."""
+    ``budget`` (None: unbounded), ``linked_files`` (data files taken from the base, not staged; 0 for an
+    unbounded save, which stages everything and links in the background)."""
 
     bytes: int = 0
     waves: int = 1
