@@ -122,9 +122,9 @@ def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_co
 
     tmp = str(tmp_path)
 
-    def run(name, ck, epochs, resume=None):
+    def run(name, ck, epochs, resume=None, module=None):
         cb = DistCkptModelCheckpoint(dirpath=ck, monitor="score", mode="min", save_top_k=1, save_last="link")
-        return _fit(tmp, name, epochs, ckpt_path=resume, module=_Scored(options={}), callbacks=[cb],
+        return _fit(tmp, name, epochs, ckpt_path=resume, module=module or _Scored(options={}), callbacks=[cb],
                     io=DistCkptIO(async_save=True))[1]
 
     run("ok", f"{tmp}/ok", 3)  # the link's save commits: the checkpoint it replaced is removed then
@@ -144,9 +144,89 @@ def test_linking_last_to_an_async_save_keeps_what_it_replaced_until_that_save_co
     with pytest.raises(ci.errors.CheckpointWriteError, match="no space left on device"):
         run("b", ck, 3, resume="last")
     monkeypatch.undo()
-    t = run("c", ck, 3, resume="last")
-    assert ci.load_common_state_dict(t.ckpt_path)["global_step"] == 6, t.ckpt_path  # the step-6 state, kept aside
+    m = _Scored(options={})
+    t = run("c", ck, 3, resume="last", module=m)
+    assert m.loaded_user["step"] == 6, t.ckpt_path  # the step-6 state, kept aside
     assert os.path.basename(t.ckpt_path).startswith("last.replaced-")
+    assert not any(n.startswith("last.replaced-") for n in os.listdir(ck))  # (removed once a newer last committed)
+
+
+class _Stepped:
+    """A Linear(64, 64) module logging ``scores[global_step]`` as "m"; fails at step ``fail_at``."""
+
+    @staticmethod
+    def fit(ck, scores, io, ckpt_path=None, fail_at=None, manual=None, **cb):
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from ckpt_integration.lightning import DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy
+
+        class Stepped(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(64, 64)
+
+            def training_step(self, batch, idx):
+                if self.global_step == fail_at:
+                    raise RuntimeError("crash")
+                self.log("m", float(scores[self.global_step]))
+                return self.lin(batch[0]).pow(2).mean()
+
+            def on_train_batch_end(self, *args):
+                if manual is not None and self.global_step == manual[0]:
+                    self.trainer.save_checkpoint(manual[1])
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        torch.manual_seed(0)
+        t = L.Trainer(accelerator="cpu", max_steps=len(scores), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, strategy=DistCkptSingleDeviceStrategy(checkpoint_io=io),
+                      callbacks=[DistCkptModelCheckpoint(dirpath=ck, **cb)])
+        try:
+            t.fit(Stepped(), DataLoader(TensorDataset(torch.randn(4 * len(scores), 64)), batch_size=4),
+                  ckpt_path=ckpt_path)
+        except RuntimeError as e:
+            if fail_at is None or "crash" not in str(e):
+                raise
+        return t
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_resumed_from_its_first_checkpoint_keeps_last_and_top_k_true(tmp_path, async_save):
+    """``save_last="link"``, crash after the first checkpoint, resume "last". That checkpoint's callback state
+    was saved before the link existed, so the resumed run wrote ``last-v1.ckpt`` beside a stale ``last.ckpt``
+    (async: the deferred top-k deletion then left ``last.ckpt`` dangling and ``fit`` failed on it); the
+    checkpoint "last" picked (a top-k one) was never deleted (Lightning keeps the one a run resumed from);
+    and a ``last.replaced-*`` a killed run left stayed for good."""
+    import shutil
+
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    ck = f"{tmp_path}/ck"
+    scores = [5, 3, 8, 9, 1, 7, 2, 6, 4, 0, 9, 8, 7, 6, 5, 4, 3, 2]
+    kw = dict(save_top_k=1, monitor="m", mode="min", every_n_train_steps=3, save_last="link")
+    _Stepped.fit(ck, scores, DistCkptIO(async_save=async_save), fail_at=5, **kw)
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=3.ckpt", "last.ckpt"], sorted(os.listdir(ck))
+    shutil.copytree(f"{ck}/epoch=0-step=3.ckpt", f"{ck}/last.replaced-0000abcd.ckpt")  # (as a killed run leaves)
+    t = _Stepped.fit(ck, scores, DistCkptIO(async_save=async_save), ckpt_path="last", **kw)
+    assert t.global_step == len(scores)
+    assert ci.load_common_state_dict(f"{ck}/last.ckpt")["global_step"] == len(scores)
+    names = sorted(os.listdir(ck))
+    assert len(names) == 2 and "last.ckpt" in names and os.path.islink(f"{ck}/last.ckpt"), names
+
+
+def test_a_manual_save_to_a_last_link_waits_for_the_save_it_names(tmp_path):
+    """``max_in_flight=2``: ``trainer.save_checkpoint(<dirpath>/last.ckpt)`` while ``last.ckpt`` linked to a
+    checkpoint still being written failed with ``SaveConflictError`` (the job's own save held the lock)."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO
+
+    ck = f"{tmp_path}/ck"
+    _Stepped.fit(ck, [0.0] * 6, DistCkptIO(async_save=True, max_in_flight=2), manual=(4, f"{ck}/last.ckpt"),
+                 save_top_k=-1, every_n_train_steps=3, save_last="link")
+    assert os.path.islink(f"{ck}/last.ckpt") and ci.load_common_state_dict(f"{ck}/last.ckpt")["global_step"] == 6
 
 
 def test_linking_last_waits_for_a_last_ckpt_save_still_in_flight(tmp_path):

@@ -100,18 +100,54 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
     def _save_last_checkpoint(self, trainer: "pl.Trainer", monitor_candidates: Any) -> None:
         if not self.save_last:
             return
-        link = ""  # a last.ckpt link to drop first: it is replaced, never the checkpoint it names
         if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
             self._last_checkpoint_saved = ""  # nothing saved at this step to link to: write last.ckpt itself
-            link = self.last_model_path  # (the link to an older checkpoint)
-        elif self.save_last is True and self.dirpath is not None and not is_remote(os.fspath(self.dirpath)):
-            link = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)  # (save_last="link" left it)
-        if link and trainer.strategy.broadcast(os.path.islink(link)):
-            if trainer.is_global_zero:
-                os.remove(link)
-            trainer.strategy.barrier()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         self._last_written_at_step = trainer.global_step
+        # ``last.replaced-*`` left by a run killed before its save committed (one may have been resumed
+        # from): a newer last is saved now, removed once it commits (as the strategy defers removals)
+        if self.dirpath is not None and not is_remote(os.fspath(self.dirpath)):
+            d, stem = os.fspath(self.dirpath), self.CHECKPOINT_NAME_LAST + ".replaced-"
+            names = sorted(n for n in os.listdir(d) if n.startswith(stem) and n.endswith(self.FILE_EXTENSION)) \
+                if trainer.is_global_zero and os.path.isdir(d) else []
+            for name in trainer.strategy.broadcast(names):
+                trainer.strategy.remove_checkpoint(os.path.join(d, name))
+
+    def _should_remove_checkpoint(self, trainer: "pl.Trainer", previous: str, current: str) -> bool:
+        """Lightning's, except that a top-k checkpoint that ``ckpt_path="last"`` resumed from is removed as any
+        other once it falls out of the top k. Lightning keeps the checkpoint a run resumed from, which for
+        "last" is its ``last.ckpt``; here "last" may pick a top-k checkpoint (the newest complete one), and
+        each crash and resume kept one more for good."""
+        if super()._should_remove_checkpoint(trainer, previous, current):
+            return True
+        if previous == current or trainer.ckpt_path is None or is_remote(os.fspath(previous)) or self.dirpath is None:
+            return False
+        prev, d = os.path.abspath(os.fspath(previous)), os.path.abspath(os.fspath(self.dirpath))
+        return (prev == os.path.abspath(os.fspath(trainer.ckpt_path)) and prev in getattr(self, "_last_found", ())
+                and prev.startswith(d.rstrip(os.sep) + os.sep))
+
+    def _save_checkpoint(self, trainer: "pl.Trainer", filepath: str) -> None:
+        """Lightning's, except that a symbolic link at ``filepath`` (a ``last.ckpt`` that ``save_last="link"``
+        left, to an older checkpoint or dangling once top-k deleted it) is dropped first: the save replaces
+        the link, never the checkpoint it names, and does not fail on one whose target is gone."""
+        if not is_remote(os.fspath(filepath)) and trainer.strategy.broadcast(os.path.islink(filepath)):
+            if trainer.is_global_zero:
+                os.remove(filepath)
+            trainer.strategy.barrier()
+        super()._save_checkpoint(trainer, filepath)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Lightning's; then, with ``save_last="link"``, a run resumed from the first checkpoint its link was
+        made to takes ``last.ckpt`` back: that checkpoint's state was saved before the link existed (no
+        ``last_model_path``), so every resume wrote ``last-v<N>.ckpt`` beside a stale ``last.ckpt``."""
+        super().load_state_dict(state_dict)
+        if self.save_last != "link" or self.last_model_path or not self.dirpath or "{" in self.CHECKPOINT_NAME_LAST \
+                or is_remote(os.fspath(self.dirpath)):
+            return
+        last = os.path.join(os.fspath(self.dirpath), self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+        mine = {os.path.basename(os.fspath(p)) for p in [*self.best_k_models, self.best_model_path] if p}
+        if os.path.islink(last) and os.path.basename(os.readlink(last).rstrip(os.sep)) in mine:
+            self.last_model_path = last
 
     def _link_checkpoint(self, trainer: "pl.Trainer", filepath: str, linkpath: str) -> None:
         """Lightning's, except that a ``last.ckpt`` written as a checkpoint itself is moved aside, not
@@ -125,8 +161,8 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         staging directory, its swap later put the older state over the link."""
         if os.path.abspath(filepath) != os.path.abspath(linkpath):
             io = _io(trainer)
-            if io is not None:
-                io.wait_if_saving(linkpath)  # (every rank: the same saves are in flight on each)
+            if io is not None:  # (a save of the name itself, not of what a link there names: every rank alike)
+                io.wait_if_saving(linkpath, follow_links=False)
             aside = None
             if trainer.is_global_zero and os.path.isdir(linkpath) and not os.path.islink(linkpath):
                 stem, ext = os.path.splitext(linkpath)
@@ -221,6 +257,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
             found = {max(found, key=lambda p: commit_order_of(p).key())}
         out = {_lightning_candidate(p) for p in found}
+        self._last_found = {os.path.abspath(os.fspath(p)) for p in out if not is_remote(os.fspath(p))}
         if io is not None and io.memory_enabled:  # the memory tier's newest snapshot competes too
             io._memory_last_requested = True  # "last": the strategy restores the newest of memory and durable
             snap = memory_candidate(io, trainer)

@@ -22,7 +22,7 @@ from ..execution.async_save import SNAPSHOT_MODES, AsyncCallsQueue, async_save_t
 from ..execution.shared_metadata import open_shared
 from ..optimizer import is_optimizer_state_key, load_optimizer_state
 from ..storage import checkpoint_dir as ckdir
-from ..storage.filesystem import canonical, storage_for
+from ..storage.filesystem import canonical, is_remote, storage_for
 from ..storage.opened import OpenedCheckpoint, opened
 from ..strategies import LoadStrategy
 
@@ -356,16 +356,22 @@ class DistCkptIO(CheckpointIO):
             self._check_group = dist.new_private_group(None)
         return self._check_group
 
-    def wait_if_saving(self, path: Any) -> None:
+    def wait_if_saving(self, path: Any, follow_links: bool = True) -> None:
         """A load of a checkpoint this job's async save is still writing waits for its commit (and
         raises its failure) instead of refusing an incomplete checkpoint. Every rank loads alike."""
-        if self.saving(path):
+        if self.saving(path, follow_links):
             self.maybe_finalize(blocking=True, collective=False)
 
-    def saving(self, path: Any) -> bool:
-        """True while an async save of this plugin to ``path`` is not finalized (this rank)."""
+    def saving(self, path: Any, follow_links: bool = True) -> bool:
+        """True while an async save of this plugin to ``path`` is not finalized (this rank); with
+        ``follow_links``, also when ``path`` is a symbolic link to it (``last.ckpt`` of ``save_last="link"``)."""
+        if not self._requests:
+            return False
         p = canonical(os.fspath(path))
-        return any(canonical(r.description) == p for r in self._requests)
+        if is_remote(p) or not follow_links:
+            return any(canonical(r.description) == p for r in self._requests)
+        p = os.path.realpath(p)
+        return any(os.path.realpath(canonical(r.description)) == p for r in self._requests)
 
     @property
     def num_unfinalized(self) -> int:
