@@ -498,9 +498,16 @@ def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
             manifest.files[zarr_backend.INDEX_FILE] = entry
             ckdir.write_manifest(ck, manifest)
     storage = ck.storage
+    removed = [ck.file(k) for k in tensors] + [zarr_backend.object_path(ck, k) for k in objects]
     for k in tensors:
         storage.rmtree(ck.file(k))
-    for k in objects:
-        path = zarr_backend.object_path(ck, k)
+    for path in removed[len(tensors):]:
         if storage.exists(path):
             storage.remove(path)
+    if not storage.remote:  # directories the removed keys alone used ("opt/state/m": opt/state, opt): else
+        root = os.path.abspath(ck.path)  # a later overwrite refused them as files this library did not write
+        for path in removed:
+            parent = os.path.dirname(os.path.abspath(path))
+            while parent.startswith(root + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
+                os.rmdir(parent)
+                parent = os.path.dirname(parent)

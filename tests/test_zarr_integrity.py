@@ -436,3 +436,20 @@ def test_an_array_the_disk_cannot_create_is_named(tmp_path, monkeypatch):
                        match=r"CheckpointWriteError: no space left on device while writing .*/ck/t1"):
         ci.save({"t1": ci.ShardedTensor.from_rank_offsets("t1", torch.ones(8))}, str(tmp_path / "ck"),
                 sharded_strategy="zarr")
+
+
+def test_removing_keys_from_a_zarr_checkpoint_leaves_nothing_an_overwrite_refuses(tmp_path):
+    """``remove_sharded_tensors`` on zarr deleted a key's files but left their directories (an object's,
+    the parents of nested keys) empty and unindexed: a later ``save(overwrite=True)`` refused the checkpoint
+    for holding "files this library did not write"."""
+    state = {"w": ShardedTensor.from_rank_offsets("model/w", torch.ones(3, 2)),
+             "m": ShardedTensor.from_rank_offsets("opt/state/m", torch.full((3, 2), 2.0)),
+             "rng": ShardedObject("opt/rng", {"x": 1}, (1,), (0,))}
+    ck = str(tmp_path / "ck")
+    ci.save(state, ck, "zarr")
+    ci.remove_sharded_tensors(ck, "opt/")
+    assert not os.path.exists(os.path.join(ck, "opt"))
+    assert os.listdir(os.path.join(ck, "model")) == ["w"]
+    ci.save(state, ck, "zarr", overwrite=True)
+    out = ci.load({"m": ShardedTensor.from_rank_offsets("opt/state/m", torch.empty(3, 2))}, ck)
+    assert torch.equal(out["m"], torch.full((3, 2), 2.0))
