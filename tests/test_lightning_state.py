@@ -593,3 +593,35 @@ def test_a_last_link_left_by_save_last_link_is_replaced_when_resumed_with_save_l
     run(3, True, resume="last")
     assert not os.path.islink(ck / "last.ckpt") and sorted(os.listdir(ck)) == ["epoch=2-step=6.ckpt", "last.ckpt"]
     assert ci.load_common_state_dict(str(ck / "last.ckpt"))["global_step"] == 6
+
+
+def test_memory_persists_use_the_plugins_backend(tmp_path):
+    """``DistCkptIO(backend="zarr", memory_persist_every_n=1)``: the memory tier's durable persists were
+    written as torch_dist beside zarr checkpoints (the plugin's backend was not passed on)."""
+    import json
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    class Small(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 2)
+
+        def training_step(self, batch, idx):
+            return self.lin(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    io = DistCkptIO(backend="zarr", memory_every_n_train_steps=1, memory_persist_every_n=1, memory_replicas=1,
+                    memory_dir=str(tmp_path / "shm"))
+    t = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, plugins=[io], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[DistCkptModelCheckpoint(dirpath=str(tmp_path / "ck"))])
+    t.fit(Small(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2))
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert any(n.startswith("memory-step=") for n in names), names
+    for n in names:
+        assert json.load(open(tmp_path / "ck" / n / "metadata.json"))["sharded_backend"] == "zarr", n

@@ -729,3 +729,21 @@ def test_persist_with_base_auto_links_from_the_newest_checkpoint_beside_it(tmp_p
               and os.stat(tmp_path / "ck" / "p2" / n).st_ino in inodes]
     assert linked, os.listdir(tmp_path / "ck" / "p2")
     assert ci.load_common_state_dict(str(tmp_path / "ck" / "p2"))["iteration"] == 1
+
+
+def test_persist_takes_the_save_options_of_save_and_refuses_others_at_the_call(tmp_path):
+    """``persist(step, dir, sharded_strategy="zarr")`` (the save's name for the backend) returned a request
+    whose ``wait`` raised a bare ``TypeError`` from the background; an unknown option likewise."""
+    import ckpt_integration as ci
+    from ckpt_integration.storage.checkpoint_dir import read_config
+    from ckpt_integration.storage.filesystem import locate
+
+    tier = ci.MemoryCheckpoints(str(tmp_path / "shm"), "opts", replicas=1)
+    tier.save(_state(0, 1, 1), 1)
+    tier.wait()
+    with pytest.raises(ci.CheckpointingException, match="thread_cont is not an option of the save"):
+        tier.persist(1, str(tmp_path / "bad"), thread_cont=2)
+    tier.persist(1, str(tmp_path / "z"), sharded_strategy="zarr").wait()
+    tier.close()
+    assert read_config(locate(str(tmp_path / "z"))).sharded_backend == "zarr"
+    assert ci.load_common_state_dict(str(tmp_path / "z"))["iteration"] == 1

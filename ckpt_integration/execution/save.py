@@ -1,26 +1,23 @@
 """Synchronous save on the torch_dist backend, in three phases.
 
-1. **prepare** (collective): split the state dict, exchange shard metadata so
-   that each chunk's copies meet on one rank and each key's chunks on another
-   (compact records over ``all_to_all``; see :mod:`.exchange` for the protocol),
-   validate sharding integrity there, and learn which chunks this rank writes
-   (balanced within each chunk's replica set). When every rank's shards have the
-   same structure as at the last save, one small all-reduce agrees on that and the
-   plan is reused without exchanging metadata.
-2. **write** (local, no collectives; may run in the background): write this
-   rank's chunks with several threads and fsync them.
-3. **finalize** (collective): gather compact write records (one per written
-   chunk) and the key owners' summaries on the coordinator, which checks that
-   every chunk was written once and writes ``.metadata``, ``common.pt``,
-   ``manifest.json`` and finally the ``metadata.json`` commit marker - work and
-   input O(unique chunks), not O(ranks x shards); the outcome is broadcast so that
-   a failure on any rank raises on every rank with all causes.
+1. **prepare** (collective): split the state dict, exchange shard metadata so that each chunk's
+   copies meet on one rank and each key's chunks on another (compact records over ``all_to_all``;
+   see :mod:`.exchange` for the protocol), validate sharding integrity there, and learn which
+   chunks this rank writes (balanced within each chunk's replica set). When every rank's shards
+   have the same structure as at the last save, one small all-reduce agrees on that and the plan
+   is reused without exchanging metadata.
+2. **write** (local, no collectives; may run in the background): write this rank's chunks with
+   several threads and fsync them.
+3. **finalize** (collective): gather compact write records (one per written chunk) and the key
+   owners' summaries on the coordinator, which checks that every chunk was written once and writes
+   ``.metadata``, ``common.pt``, ``manifest.json`` and finally the ``metadata.json`` commit marker -
+   work and input O(unique chunks), not O(ranks x shards); the outcome is broadcast so that a
+   failure on any rank raises on every rank with all causes.
 
-The coordinator claims the target directory first (``storage/claim.py``): it writes
-the save's marker before anything else, refuses directories holding files this
-library did not write, and holds the marker's lock until the save is committed or
-cleaned up, so two saves into one directory never mix their files and the second
-committer fails.
+The coordinator claims the target directory first (``storage/claim.py``): it writes the save's
+marker before anything else, refuses directories holding files this library did not write, and
+holds the marker's lock until the save is committed or cleaned up, so two saves into one
+directory never mix their files and the second committer fails.
 
 A local error in any phase is carried through the next collective instead of
 being raised at once, so no rank is left waiting in a collective (no hang).
@@ -28,6 +25,7 @@ being raised at once, so no rank is left waiting in a collective (no hang).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -58,6 +56,7 @@ from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import INDEX_FILE as ZARR_INDEX_FILE, commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
+from ..strategies import backend_and_version
 from . import dist
 from . import exchange
 from . import zarr_save
@@ -182,10 +181,8 @@ def _release_claim(write_dir: str) -> None:
 
 
 def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteRequest]:
-    """The write requests of the chunks ``to_write`` (indices into ``shards``), named and placed as
-    their records (:func:`shard_meta`) name and place them: a tensor by its key, global offset and
-    saved shape, an object by its unique key. (From the shards themselves: a save that reuses its
-    plan builds no records.)"""
+    """The write requests of the chunks ``to_write`` (indices into ``shards``), named and placed as their records
+    (:func:`shard_meta`) name and place them (from the shards: a save that reuses its plan builds no records)."""
     out = []
     for i in to_write:
         sh = shards[i]
@@ -203,6 +200,20 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
 
 
 @with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
+def save_options(kwargs: Dict[str, Any], what: str) -> Dict[str, Any]:
+    """A save's options given to another entry point (a memory tier's persist), checked at its call, not in
+    the background: ``sharded_strategy`` as ``save`` takes it; a name :func:`prepare_save` does not take refused."""
+    out, spec = dict(kwargs), kwargs.get("sharded_strategy")
+    if out.pop("sharded_strategy", None) is not None:
+        out["backend"], hint = backend_and_version(spec)[0], getattr(spec, "separation_hint", None)
+        out.update({"separation_hint": hint} if hint else {})
+    own = {"sharded_state_dict", "checkpoint_dir", "process_group", "asynchronous"}  # (the entry point's)
+    unknown = sorted(set(out) - (set(inspect.signature(prepare_save).parameters) - own))
+    if unknown:
+        raise CheckpointingException(f"{what}: {', '.join(unknown)} is not an option of the save")
+    return out
+
+
 def prepare_save(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,

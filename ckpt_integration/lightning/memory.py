@@ -251,7 +251,7 @@ class DistCkptMemorySnapshots(Callback):
         path = os.path.join(_checkpoint_dir(trainer), f"{kind}-step={step}.ckpt")
         incremental = {"base": save_base("auto", path)} if io.incremental and io.backend == "torch_dist" else {}
         req = tier_for(trainer.strategy).persist(step, path, thread_count=io.thread_count, overwrite=True,
-                                                 durable=io.durable, **incremental)
+                                                 durable=io.durable, backend=io.backend, **incremental)
         if kind == "memory":
             self._persists.append((path, req))
             self._prune(trainer)

@@ -36,7 +36,7 @@ from ..execution.preprocess import check_group, dtype_name, split_state_dict
 from ..execution.dist import Group, describe_error as _describe
 from ..execution.failure import Failure
 from ..execution.state_check import default_verify_state
-from ..execution.save import finalize_save, prepare_save, write_local
+from ..execution.save import finalize_save, prepare_save, save_options, write_local
 from ..execution.snapshot import Snapshot
 from ..execution.staging import StateDictStager
 from ..dict_utils import nested_values
@@ -490,10 +490,9 @@ class MemoryCheckpoints:
         """Collective: write step ``step`` from memory as an ordinary durable checkpoint, in the background.
 
         The snapshot's bytes are written as they are, each block verified first; the checkpoint loads and
-        reshards like any other. ``save_kwargs`` go to the save (``thread_count``, ``durable``, ``overwrite``;
-        ``balance`` defaults to ``False``: main replicas write; ``step`` to ``step``, which orders it among
-        the others). Returns a request: ``.wait()`` blocks and raises a failure (on every rank); the slot
-        stays pinned until then."""
+        reshards like any other. ``save_kwargs`` go to the save (``thread_count``, ``durable``, ``overwrite``,
+        ``sharded_strategy``; ``balance`` defaults to ``False``: main replicas write; ``step`` to ``step``).
+        Returns a request: ``.wait()`` blocks and raises a failure (on every rank); the slot stays pinned."""
         self._check_open()
         self._drain()
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
@@ -506,6 +505,7 @@ class MemoryCheckpoints:
         with self._pin_cv:
             self._pinned[slot] = self._pinned.get(slot, 0) + 1
         path = storage_for(checkpoint_dir)[1]  # (absolute: the persist runs in the background, maybe after a chdir)
+        save_kwargs = save_options(save_kwargs, f"persist of step {step} to {path}")
         save_kwargs["base"] = save_base(save_kwargs.get("base"), path)  # ("auto": the newest beside it, as save's)
         held: List[AsyncRequest] = []
 
