@@ -199,7 +199,6 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
     return out
 
 
-@with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
 def save_options(kwargs: Dict[str, Any], what: str) -> Dict[str, Any]:
     """A save's options given to another entry point (a memory tier's persist), checked at its call, not in
     the background: ``sharded_strategy`` as ``save`` takes it; a name :func:`prepare_save` does not take refused."""
@@ -214,6 +213,7 @@ def save_options(kwargs: Dict[str, Any], what: str) -> Dict[str, Any]:
     return out
 
 
+@with_gc_paused  # its per-item records (see gc_pause); also the blocking part of an async save
 def prepare_save(
     sharded_state_dict: Dict[str, Any],
     checkpoint_dir: str,
