@@ -625,3 +625,24 @@ def test_memory_persists_use_the_plugins_backend(tmp_path):
     assert any(n.startswith("memory-step=") for n in names), names
     for n in names:
         assert json.load(open(tmp_path / "ck" / n / "metadata.json"))["sharded_backend"] == "zarr", n
+
+
+def test_memory_persists_of_earlier_runs_are_pruned_too(tmp_path):
+    """``memory_persist_every_n``: "the two newest kept" held within one run only; each crash and resume
+    left its persists for good (8 after three runs of the probe)."""
+    from ckpt_integration.lightning import DistCkptIO
+
+    ck = f"{tmp_path}/ck"
+
+    def io():
+        return DistCkptIO(memory_every_n_train_steps=2, memory_persist_every_n=1, memory_replicas=1,
+                          memory_dir=str(tmp_path / "shm"))
+
+    scores = [0.0] * 16
+    _Stepped.fit(ck, scores[:10], io(), fail_at=9, save_top_k=1, monitor="m", save_last=True, every_n_train_steps=4)
+    first = sorted(n for n in os.listdir(ck) if n.startswith("memory-step="))
+    assert len(first) >= 2, first
+    _Stepped.fit(ck, scores, io(), ckpt_path="last", save_top_k=1, monitor="m", save_last=True, every_n_train_steps=4)
+    persisted = sorted(n for n in os.listdir(ck) if n.startswith("memory-step="))
+    step = lambda n: int(n[len("memory-step="):-len(".ckpt")])  # noqa: E731
+    assert len(persisted) == 2 and min(map(step, persisted)) > max(map(step, first)), (first, persisted)

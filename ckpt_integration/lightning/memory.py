@@ -36,7 +36,7 @@ from ..mapping import ShardedObject
 from ..memory import MemoryCheckpoints
 from ..optimizer import optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
 from ..storage import checkpoint_dir as ckdir
-from ..storage.filesystem import locate
+from ..storage.filesystem import is_remote, locate
 from ..serialization import load_common_state_dict
 from .entries import RNG_KEY, rng_from_safe, sharded_keys
 from .io import MARKER, DistCkptIO
@@ -94,6 +94,13 @@ def memory_candidate(io: DistCkptIO, trainer: "pl.Trainer") -> Optional[str]:
 
 def _is_memory_path(io: DistCkptIO, path: str) -> bool:
     return os.path.abspath(path).startswith(_dir(io) + os.sep)
+
+
+def _persisted_step(path: str) -> int:
+    """The step of a ``memory-step=<step>.ckpt`` path, -1 for any other name."""
+    name = os.path.basename(path)
+    digits = name[len("memory-step="):-len(".ckpt")] if name.startswith("memory-step=") and name.endswith(".ckpt") else ""
+    return int(digits) if digits.isdigit() else -1
 
 
 def _checkpoint_dir(trainer: "pl.Trainer") -> str:
@@ -267,6 +274,15 @@ class DistCkptMemorySnapshots(Callback):
         for p, r in done[-2:]:
             if r.exception() is not None:
                 logger.error("making memory snapshot %s durable failed: %s", p, r.exception())
+        kept = [p for p, r in done[-2:] if r.exception() is None]
+        if len(kept) == 2 and trainer.is_global_zero and not is_remote(kept[0]):
+            # those of earlier runs of the job (a crash, a restart) older than the two kept: else each restart
+            # added its two for good
+            d, floor = os.path.dirname(kept[0]), min(_persisted_step(p) for p in kept)
+            for name in sorted(os.listdir(d)):
+                path = os.path.join(d, name)
+                if -1 < _persisted_step(path) < floor and is_complete_checkpoint(path):
+                    DistCkptIO._remove_now(path)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
