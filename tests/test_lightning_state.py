@@ -155,7 +155,7 @@ class _Stepped:
     """A Linear(64, 64) module logging ``scores[global_step]`` as "m"; fails at step ``fail_at``."""
 
     @staticmethod
-    def fit(ck, scores, io, ckpt_path=None, fail_at=None, manual=None, **cb):
+    def fit(ck, scores, io, ckpt_path=None, fail_at=None, manual=None, callbacks=None, **cb):
         import lightning as L
         from torch.utils.data import DataLoader, TensorDataset
 
@@ -182,7 +182,7 @@ class _Stepped:
         torch.manual_seed(0)
         t = L.Trainer(accelerator="cpu", max_steps=len(scores), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, strategy=DistCkptSingleDeviceStrategy(checkpoint_io=io),
-                      callbacks=[DistCkptModelCheckpoint(dirpath=ck, **cb)])
+                      callbacks=callbacks or [DistCkptModelCheckpoint(dirpath=ck, **cb)])
         try:
             t.fit(Stepped(), DataLoader(TensorDataset(torch.randn(4 * len(scores), 64)), batch_size=4),
                   ckpt_path=ckpt_path)
@@ -646,3 +646,23 @@ def test_memory_persists_of_earlier_runs_are_pruned_too(tmp_path):
     persisted = sorted(n for n in os.listdir(ck) if n.startswith("memory-step="))
     step = lambda n: int(n[len("memory-step="):-len(".ckpt")])  # noqa: E731
     assert len(persisted) == 2 and min(map(step, persisted)) > max(map(step, first)), (first, persisted)
+
+
+def test_last_resumes_the_full_checkpoint_of_a_step_not_a_weights_only_one(tmp_path):
+    """Two callbacks in one directory, one ``save_weights_only=True``, both saving at step 4: "last" picked
+    the weights-only checkpoint (committed later) and the resume failed with Lightning's "checkpoint contains
+    only the model", though the full checkpoint of that step was there."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+
+    def callbacks():
+        return [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", save_last=True, every_n_train_steps=2),
+                DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=2, save_weights_only=True,
+                                        filename="weights-{step}")]
+
+    scores = [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]  # (each save the new best of both)
+    _Stepped.fit(ck, scores[:6], DistCkptIO(), fail_at=5, callbacks=callbacks())
+    assert "weights-step=4.ckpt" in os.listdir(ck), os.listdir(ck)
+    t = _Stepped.fit(ck, scores, DistCkptIO(), ckpt_path="last", callbacks=callbacks())
+    assert t.global_step == len(scores) and "weights" not in os.path.basename(t.ckpt_path), t.ckpt_path

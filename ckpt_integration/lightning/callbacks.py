@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, List
+from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from ..errors import CorruptCheckpointError
-from ..checkpoints import commit_order_of
+from ..errors import CheckpointingException, CorruptCheckpointError
+from ..checkpoints import commit_order_of, ordered_checkpoints
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.claim import remove_dead_partial
 from ..storage.filesystem import is_remote, join, locate
 from .io import DistCkptIO
 from .memory import memory_candidate
 from .paths import is_complete_checkpoint, latest_complete_checkpoint
+from ..serialization import load_content_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 if io is None or not io.memory_enabled:
                     raise
                 newest = None  # (the memory tier's restore decides, and says why: lightning/memory.py)
+            if newest is not None:  # (a fit resumes the full state, whichever callback asks)
+                newest = _with_optimizer_states(newest, os.fspath(self.dirpath), self.FILE_EXTENSION,
+                                                (self.filename or "").count("/"))
             if newest is not None:
                 found.add(newest)
         if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
@@ -267,6 +271,30 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
 
 
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]
+
+
+def _has_optimizer_states(path: str) -> Optional[bool]:
+    """What a checkpoint of the DistCkpt strategies recorded (``has_optimizer_states``); None: unknown."""
+    try:
+        meta = load_content_metadata(path)
+    except (CheckpointingException, OSError):
+        return None
+    return meta.get("has_optimizer_states") if isinstance(meta, dict) else None
+
+
+def _with_optimizer_states(newest: str, dirpath: str, ext: str, depth: int) -> str:
+    """``newest``, or, when it was saved weights-only (another callback's ``save_weights_only=True``), the
+    newest checkpoint of the same step that holds the optimizer states: a resume from a weights-only one
+    fails ("contains only the model") though the full state of that step is there."""
+    if _has_optimizer_states(newest) is not False:
+        return newest
+    order = ordered_checkpoints(dirpath, ext, depth)
+    step = next((c.step for c in order if os.path.abspath(c.path) == os.path.abspath(newest)), None)
+    for c in reversed(order):
+        if step is not None and c.step == step and c.path != newest and _has_optimizer_states(c.path):
+            logger.info('ckpt_path="last": %s was saved weights-only; resuming from %s of the same step', newest, c.path)
+            return c.path
+    return newest
 
 
 def _checkpoint_dirs(d: str, ext: str, depth: int) -> List[str]:
