@@ -33,7 +33,7 @@ from .storage.item_table import encode_text
 from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F401  (open_checkpoint: public)
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import (
-    LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, StrategySpec, backend_and_version, check_backend,
+    LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, StrategySpec, backend_and_version, save_strategy_options,
 )
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -146,8 +146,7 @@ def save(
     check_group(process_group, "save")
     if common_strategy is not None and _backend_from_strategy(common_strategy, "torch") != "torch":
         raise CheckpointingException(f"unsupported common strategy {common_strategy!r}; only 'torch' exists")
-    backend, version = backend_and_version(sharded_strategy)
-    check_backend(backend, version)
+    chosen = save_strategy_options(sharded_strategy)  # backend (checked), separation_hint
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise CheckpointingException(f"save: step must be an integer, got {step!r}")
     if isinstance(content_metadata, dict) and "dp_cp_group" in content_metadata:
@@ -162,16 +161,14 @@ def save(
         overwrite=overwrite,
         durable=durable,
         process_group=process_group,
-        backend=backend,
         preprocess_common=preprocess_common_before_consistancy_check,
         step=step,
+        **chosen,
     )
     if common_state_in_data:
         kwargs["common_state_in_data"] = True
     if base is not None:
         kwargs["base"] = save_base(base, checkpoint_dir)
-    if getattr(sharded_strategy, "separation_hint", None):  # TorchDistSaveShardedStrategy(separation_hint=...)
-        kwargs["separation_hint"] = sharded_strategy.separation_hint
     if staging_budget is not None and (isinstance(staging_budget, bool) or not isinstance(staging_budget, int)
                                        or staging_budget < 1):
         raise CheckpointingException(f"save: staging_budget must be a positive number of bytes, got {staging_budget!r}")
@@ -498,15 +495,15 @@ def _remove_from_zarr(ck: CheckpointLocation, key_prefix: str) -> None:
             manifest.files[zarr_backend.INDEX_FILE] = entry
             ckdir.write_manifest(ck, manifest)
     storage = ck.storage
-    removed = [ck.file(k) for k in tensors] + [zarr_backend.object_path(ck, k) for k in objects]
-    for k in tensors:
-        storage.rmtree(ck.file(k))
-    for path in removed[len(tensors):]:
+    arrays, files = [ck.file(k) for k in tensors], [zarr_backend.object_path(ck, k) for k in objects]
+    for path in arrays:
+        storage.rmtree(path)
+    for path in files:
         if storage.exists(path):
             storage.remove(path)
     if not storage.remote:  # directories the removed keys alone used ("opt/state/m": opt/state, opt): else
         root = os.path.abspath(ck.path)  # a later overwrite refused them as files this library did not write
-        for path in removed:
+        for path in arrays + files:
             parent = os.path.dirname(os.path.abspath(path))
             while parent.startswith(root + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
                 os.rmdir(parent)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Protocol, Tuple, Union
+from typing import Any, Dict, Optional, Protocol, Tuple, Union
 
 from .errors import CheckpointingException, UnsupportedCheckpointError
 from .storage.checkpoint_dir import SUPPORTED_BACKENDS
@@ -159,6 +159,15 @@ def backend_and_version(strategy: StrategySpec, default: str = "torch_dist") -> 
     if isinstance(strategy, tuple):
         return strategy[0], (strategy[1] if len(strategy) > 1 else 1)
     return getattr(strategy, "backend", default), getattr(strategy, "version", 1)
+
+
+def save_strategy_options(strategy: StrategySpec) -> Dict[str, Any]:
+    """What a save strategy decides of a save: ``backend`` (checked with its format version) and, where the
+    strategy has one, ``separation_hint`` (``TorchDistSaveShardedStrategy(separation_hint=...)``)."""
+    backend, version = backend_and_version(strategy)
+    check_backend(backend, version)
+    hint = getattr(strategy, "separation_hint", None)
+    return {"backend": backend, **({"separation_hint": hint} if hint else {})}
 
 
 __all__ = ["SaveShardedStrategy", "LoadShardedStrategy", "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy",

@@ -56,7 +56,7 @@ from ..storage.incremental import BaseFiles
 from ..storage.safe_pickle import torch_dumps
 from ..storage.zarr_backend import INDEX_FILE as ZARR_INDEX_FILE, commit_file_records, write_zarr_requests
 from ..storage.torch_dist import DCP_METADATA_FILE, WriteRequest, write_data_files
-from ..strategies import backend_and_version
+from ..strategies import save_strategy_options
 from . import dist
 from . import exchange
 from . import zarr_save
@@ -202,10 +202,10 @@ def _requests_for(shards: List[ShardedBase], to_write: List[int]) -> List[WriteR
 def save_options(kwargs: Dict[str, Any], what: str) -> Dict[str, Any]:
     """A save's options given to another entry point (a memory tier's persist), checked at its call, not in
     the background: ``sharded_strategy`` as ``save`` takes it; a name :func:`prepare_save` does not take refused."""
-    out, spec = dict(kwargs), kwargs.get("sharded_strategy")
-    if out.pop("sharded_strategy", None) is not None:
-        out["backend"], hint = backend_and_version(spec)[0], getattr(spec, "separation_hint", None)
-        out.update({"separation_hint": hint} if hint else {})
+    out = dict(kwargs)
+    spec = out.pop("sharded_strategy", None)
+    if spec is not None:
+        out.update(save_strategy_options(spec))
     own = {"sharded_state_dict", "checkpoint_dir", "process_group", "asynchronous"}  # (the entry point's)
     unknown = sorted(set(out) - (set(inspect.signature(prepare_save).parameters) - own))
     if unknown:
