@@ -152,10 +152,38 @@ def list_checkpoints(directory: Union[str, os.PathLike]) -> List[str]:
     return [c.path for c in ordered_checkpoints(directory)]
 
 
+def abandoned_checkpoints(found: List[CommitOrder], run_of: Callable[[str], Optional[Tuple[int, float]]]
+                          ) -> List[CommitOrder]:
+    """The checkpoints of ``found`` (oldest first) on a timeline a later run abandoned: a run resumed from an
+    earlier step than they hold (a rollback) and committed after them.
+
+    ``run_of(path)``: the run that saved a checkpoint, as ``(step it started from, time it started)``, or None
+    when not recorded (then nothing is abandoned). Only the run of the checkpoint committed last is asked (once,
+    and only when that one is not also the newest by step): a checkpoint holding a later step than that run
+    started from, committed before that run started, belongs to the timeline it left. Without this a rollback
+    followed by a crash resumes the abandoned timeline, which holds the higher steps.
+    """
+    committed = [c for c in found if c.created is not None]
+    if not committed:
+        return []
+    last = max(committed, key=lambda c: (_k(c.commit_seq), c.created))
+    if last is found[-1]:
+        return []
+    run = run_of(last.path)
+    if run is None:
+        return []
+    from_step, started = run
+    return [c for c in committed if c.step is not None and c.step > from_step and c.created < started and c is not last]
+
+
 def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] = None, why: str = "",
-                      depth: int = 0) -> Optional[str]:
+                      depth: int = 0, run_of: Optional[Callable[[str], Optional[Tuple[int, float]]]] = None
+                      ) -> Optional[str]:
     """The newest committed checkpoint in ``directory`` (names ending in ``suffix``; ``depth``: as for
     :func:`ordered_checkpoints`), or None.
+
+    ``run_of``: what the runs that saved them recorded (see :func:`abandoned_checkpoints`): the checkpoints of a
+    timeline a rollback abandoned are then left out (Lightning's strategies record their runs).
 
     Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
     A committed checkpoint of ours whose manifest cannot be read (deleted, emptied, damaged, a
@@ -175,6 +203,13 @@ def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] 
             + "; ".join(f"{c.path} is committed but cannot be ordered ({c.damaged})" for c in damaged)
             + f"; {newest}. Check it with `ckpt-integration verify`, then repair or remove it, or resume from "
             "an explicit path")
+    left = abandoned_checkpoints(found, run_of) if run_of is not None else []
+    if left:
+        gone = {c.path for c in left}
+        found = [c for c in found if c.path not in gone]
+        logger.info("%sleft out %d checkpoint(s) of a timeline a later run abandoned (it resumed from an earlier "
+                    "step and committed after them): %s", f"{why}: " if why else "", len(left),
+                    ", ".join(f"{base_name(c.path)} ({c.describe()})" for c in left))
     best = found[-1]
     reason = f"{best.describe()}"
     if len(found) > 1:
@@ -205,5 +240,5 @@ def save_base(
     return base if base is None or callable(base) else storage_for(base)[1]  # (resolved now: see storage_for)
 
 
-__all__ = ["CommitOrder", "commit_order_of", "list_checkpoints", "newest_beside", "newest_checkpoint",
+__all__ = ["CommitOrder", "abandoned_checkpoints", "commit_order_of", "list_checkpoints", "newest_beside", "newest_checkpoint",
            "ordered_checkpoints", "save_base"]

@@ -171,3 +171,27 @@ def test_lightning_last_refuses_a_newest_checkpoint_whose_manifest_is_gone(tmp_p
     with pytest.raises(ci.errors.CorruptCheckpointError, match=r"epoch=1-step=8\.ckpt is committed but cannot be "
                        r"ordered.*the newest readable one is .*epoch=0-step=4\.ckpt"):
         _fit(d, 3, ckpt_path="last")
+
+
+def test_checkpoints_of_a_timeline_a_rollback_left_are_not_the_newest(tmp_path, caplog):
+    """``newest_checkpoint(run_of=...)``: the run that committed last started from step 4 after run 1 had saved
+    steps 2..8; run 1's steps above 4 are left out, the rest of the order stands. A checkpoint of a lower step
+    committed later by the same run (a memory persist after a durable save) is not a rollback."""
+    from ckpt_integration.checkpoints import newest_checkpoint
+
+    runs = {}
+    for step in (2, 4, 6, 8):
+        _save(f"{tmp_path}/r1-{step}", step=step)
+        runs[f"{tmp_path}/r1-{step}"] = (0, 0.0)
+    started = time.time()
+    for step in (5, 6):
+        _save(f"{tmp_path}/r2-{step}", step=step)
+        runs[f"{tmp_path}/r2-{step}"] = (4, started)
+    assert newest_checkpoint(tmp_path).endswith("r1-8")  # (nothing recorded: by step)
+    with caplog.at_level(logging.INFO, logger="ckpt_integration.checkpoints"):
+        assert newest_checkpoint(tmp_path, run_of=runs.get, why="test").endswith("r2-6")
+    assert "left out 2 checkpoint(s)" in caplog.text and "r1-8" in caplog.text, caplog.text
+    _save(f"{tmp_path}/r2-persist-5", step=5)  # (committed after step 6, by the same run)
+    runs[f"{tmp_path}/r2-persist-5"] = (4, started)
+    assert newest_checkpoint(tmp_path, run_of=runs.get).endswith("r2-6")
+    assert newest_checkpoint(tmp_path, run_of=lambda p: None).endswith("r1-8")  # (the last run recorded nothing)

@@ -666,3 +666,39 @@ def test_last_resumes_the_full_checkpoint_of_a_step_not_a_weights_only_one(tmp_p
     assert "weights-step=4.ckpt" in os.listdir(ck), os.listdir(ck)
     t = _Stepped.fit(ck, scores, DistCkptIO(), ckpt_path="last", callbacks=callbacks())
     assert t.global_step == len(scores) and "weights" not in os.path.basename(t.ckpt_path), t.ckpt_path
+
+
+@pytest.mark.parametrize("save_last", [True, False])
+def test_last_follows_a_rollback_not_the_timeline_it_abandoned(tmp_path, save_last):
+    """Run 1 trains to step 16; run 2 is resumed from its step-4 checkpoint (a rollback, say past a loss
+    spike) and crashes at step 7 after saving step 6. ``ckpt_path="last"`` resumed run 1's step 16 (ordered by
+    step first), silently undoing the rollback; stock Lightning (``last.ckpt``) and Megatron-LM (its tracker
+    file) both continue the run that ran last. It resumes run 2's step 6 now, then that timeline's newest,
+    also once it has saved past step 16."""
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.checkpoints import ordered_checkpoints
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+    scores = [float(s) for s in range(16, 0, -1)] + [0.0] * 8
+    started = []
+
+    class Started(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append((trainer.global_step, float(pl_module.lin.weight.sum())))
+
+    def fit(n, ckpt_path=None, fail_at=None):
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=2, save_last=save_last), Started()]
+        t = _Stepped.fit(ck, scores[:n], DistCkptIO(), ckpt_path=ckpt_path, fail_at=fail_at, callbacks=cbs)
+        return started[-1][0], t.ckpt_path
+
+    fit(16)
+    four = next(c.path for c in ordered_checkpoints(ck) if c.step == 4)
+    fit(16, ckpt_path=four, fail_at=7)
+    run2 = [c.path for c in ordered_checkpoints(ck) if c.step == 6][-1]  # (run 1 saved step 6 too)
+    step, path = fit(16, ckpt_path="last", fail_at=9)
+    assert step == 6 and os.path.samefile(path, run2), (started, path, run2)
+    # run 3 saved step 8 and crashed; run 4 continues that timeline and passes run 1's last step
+    assert fit(20, ckpt_path="last", fail_at=19)[0] == 8, started
+    assert fit(24, ckpt_path="last")[0] == 18, started

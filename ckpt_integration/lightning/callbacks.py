@@ -238,9 +238,10 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         Newest by what the job recorded (global step, then the commit number written at
         commit; see :mod:`ckpt_integration.checkpoints`), not by modification times as
         Lightning compares its candidates: object stores keep those to the second and nodes'
-        clocks differ. Among complete ``last*`` checkpoints and every complete checkpoint of
-        ``dirpath``, so a ``last.ckpt`` whose save was interrupted after a later top-k save
-        committed gives way to that one. Which was chosen, and why, is logged.
+        clocks differ. Among every complete checkpoint of ``dirpath`` (``last*`` included), so a
+        ``last.ckpt`` whose save was interrupted after a later top-k save committed gives way to
+        that one; after a rollback, among those of the run that saved last (see
+        :func:`~ckpt_integration.lightning.paths.run_of`). Which was chosen, and why, is logged.
         """
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
         io = _io(trainer)
@@ -256,9 +257,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             if newest is not None:  # (a fit resumes the full state, whichever callback asks)
                 newest = _with_optimizer_states(newest, os.fspath(self.dirpath), self.FILE_EXTENSION,
                                                 (self.filename or "").count("/"))
-            if newest is not None:
-                found.add(newest)
-        if len(found) > 1:  # ``last*`` names found by Lightning outside dirpath's listing (rare)
+            if newest is not None:  # (Lightning's ``last*`` names are in that listing: the listing's choice stands,
+                found = {newest}     # also over a ``last.ckpt`` of a timeline a rollback left)
+        if len(found) > 1:  # no listing to choose from (a damaged checkpoint under the memory tier)
             found = {max(found, key=lambda p: commit_order_of(p).key())}
         out = {_lightning_candidate(p) for p in found}
         self._last_found = {os.path.abspath(os.fspath(p)) for p in out if not is_remote(os.fspath(p))}

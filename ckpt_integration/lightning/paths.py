@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
+from .. import serialization
 from ..checkpoints import newest_checkpoint
-from ..errors import IncompleteCheckpointError
+from ..errors import CheckpointingException, IncompleteCheckpointError
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.filesystem import base_name, locate, parent_of, storage_for
 
@@ -35,9 +36,26 @@ def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "
 
     "Newest" is what the jobs recorded at commit (global step, then commit number; see
     :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
-    its reason are logged. ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
+    its reason are logged. After a rollback (a run resumed from an earlier checkpoint) the
+    checkpoints of the timeline it left are not candidates (:func:`run_of`). ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
     """
-    return newest_checkpoint(dirpath, suffix, why=why, depth=depth)
+    return newest_checkpoint(dirpath, suffix, why=why, depth=depth, run_of=run_of)
+
+
+def run_of(path: str) -> Optional[Tuple[int, float]]:
+    """The run that saved a checkpoint of the DistCkpt strategies: ``(global step it started from, time it
+    started)``, or None (not recorded, or unreadable: then no timeline is left out)."""
+    try:
+        meta = serialization.load_content_metadata(path)
+    except (CheckpointingException, OSError):
+        return None
+    run = meta.get("run") if isinstance(meta, dict) else None
+    if not isinstance(run, dict):
+        return None
+    step, started = run.get("from_step"), run.get("started")
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(started, (int, float)):
+        return None
+    return step, float(started)
 
 
 def resolve_checkpoint_path(path: str) -> str:
@@ -68,4 +86,4 @@ def resolve_checkpoint_path(path: str) -> str:
     return path  # let ci.load raise its specific error (missing path, a file, ...)
 
 
-__all__ = ["is_complete_checkpoint", "latest_complete_checkpoint", "resolve_checkpoint_path"]
+__all__ = ["is_complete_checkpoint", "latest_complete_checkpoint", "resolve_checkpoint_path", "run_of"]

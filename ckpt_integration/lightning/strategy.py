@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -175,6 +176,14 @@ class DistCkptStrategyMixin(Strategy):
             if not any(isinstance(cb, DistCkptMemorySnapshots) for cb in trainer.callbacks):
                 trainer.callbacks.insert(0, DistCkptMemorySnapshots())
 
+    def on_train_start(self) -> None:
+        """Lightning's; then note where this run starts (the restored global step, and rank 0's clock, shared):
+        every checkpoint it saves records both, so that after a rollback (a run resumed from an earlier
+        checkpoint) ``ckpt_path="last"`` continues this run, not the timeline it left."""
+        super().on_train_start()  # type: ignore[misc]
+        self._run_record = {"from_step": int(self.lightning_module.trainer.global_step),
+                            "started": float(self.broadcast(time.time()))}
+
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Save on every rank (collective)."""
         if storage_options is not None:
@@ -232,6 +241,9 @@ class DistCkptStrategyMixin(Strategy):
             "has_optimizer_states": opt_states is not None,
             "layout": {"tp": lay.tp_size, "pp": lay.pp_size, "dp": lay.dp_size},
         }
+        run = getattr(self, "_run_record", None)
+        if run is not None:  # (where this run started: ``ckpt_path="last"`` follows a rollback, see paths.run_of)
+            state[MARKER]["run"] = dict(run)
         return state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
