@@ -73,6 +73,7 @@ from .dist import Group
 from .failure import Failure
 from .preprocess import dtype_from_name, dtype_name
 from .read_once_units import Stats
+from .transfer import Transfers
 from ..errors import CheckpointingException, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ MODES = ("fully_parallel", "two_stage")
 # BATCH_BYTES (or the smallest memory budget of the group): one read run and one transfer each
 SMALL_UNIT = 1 << 20
 BATCH_BYTES = 16 << 20
+_TAG = 0x50_4C  # every unit's transfer: pairs match them in the shared order
 
 
 class _Budget:
@@ -418,16 +420,15 @@ def _exchange_unit(u: Unit, buf: torch.Tensor, rank: int, size: int, group: Grou
     flat = byte_view(buf)  # (not reshape: an error here would leave the peers waiting)
     if u.needers == tuple(range(size)):
         dist.broadcast_tensor(flat, dist.global_rank(group, u.reader), group)
-    elif rank == u.reader:
-        works = [
-            dist.isend(flat, r, group, u.index % (1 << 30))
-            for r in u.needers
-            if r != rank
-        ]
-        for w in works:
-            w.wait()
+        return
+    moves = Transfers(group, _TAG)  # (waited for here: the unit's buffer is freed after it)
+    if rank == u.reader:
+        for r in u.needers:
+            if r != rank:
+                moves.send(flat, r)
     else:
-        dist.irecv(flat, u.reader, group, u.index % (1 << 30)).wait()
+        moves.recv(flat, u.reader)
+    moves.settle()
 
 
 def _log_summary(stats: Dict[str, float], mode: str, n_units: int, group: Group) -> None:

@@ -45,10 +45,10 @@ import os
 import socket
 import time
 import zlib
-from collections import defaultdict, deque
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ from ..storage.torch_dist_reader import TorchDistReader
 from . import dist
 from .dist import Group
 from .failure import Failure
+from .transfer import Transfers
 from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
 
 STRATEGIES = ("auto", "read_once")
@@ -453,52 +454,9 @@ POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 PIECE = 2 << 20
 
 
-class _InFlight:
-    """Posted sends and receives, waited for in the order they were posted, with at most ``budget``
-    bytes of buffers in flight.
-
-    Buffers are reused once their transfer is done (at most ``budget`` bytes of them kept):
-    memory a process has not touched yet is paged in on first use, which costs more than the
-    copy into it (here ~1 s per first load with a fresh buffer per transfer)."""
-
-    def __init__(self, budget: int, st: Stats, note: Callable[[BaseException], None]) -> None:
-        self.budget, self.st, self.note = budget, st, note
-        # (work, bytes, on completion, buffer to reuse)
-        self.pending: Deque[Tuple[Any, int, Optional[Callable[[], None]], Optional[torch.Tensor]]] = deque()
-        self.bytes = 0
-        self.free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        for i, b in enumerate(self.free):
-            if b.numel() >= nbytes:
-                return self.free.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def post(self, work: Any, nbytes: int, done: Optional[Callable[[], None]] = None,
-             base: Optional[torch.Tensor] = None) -> None:
-        self.pending.append((work, nbytes, done, base))
-        self.bytes += nbytes
-
-    def settle(self, keep_bytes: int) -> None:
-        """Wait for the oldest transfers until at most ``keep_bytes`` are in flight (-1: all)."""
-        while self.pending and self.bytes > keep_bytes:
-            work, nbytes, done, base = self.pending.popleft()
-            tw = time.perf_counter()
-            work.wait()
-            self.st.add("exchange_s", time.perf_counter() - tw)
-            self.bytes -= nbytes
-            if done is not None:
-                try:
-                    done()
-                except Exception as e:
-                    self.note(e)
-            if base is not None and sum(b.numel() for b in self.free) + base.numel() <= self.budget:
-                self.free.append(base)
-
-
 def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
     """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight."""
-    flight = _InFlight(budget, st, note)
+    flight = Transfers(group, _TAG, budget, note, lambda s: st.add("exchange_s", s))
     for file, offset, lo, hi, c, role, extra in ordered:
         lay = c.layout
         dtype = c.task_list[0].dtype
@@ -530,9 +488,8 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
                 nbytes = n * lay.esize
-                flight.settle(max(0, budget - nbytes))
-                tc = time.perf_counter()
                 base = flight.buffer(nbytes)
+                tc = time.perf_counter()
                 buf = base[:nbytes].view(dtype)
                 if src is not None:
                     pos = 0
@@ -543,8 +500,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 else:
                     buf.zero_()  # keep the peer going: the load fails anyway
                 st.add("copy_s", time.perf_counter() - tc)
-                work = dist.isend(base[:nbytes], r, group, _TAG)
-                flight.post(work, nbytes, None, base)
+                flight.send(base[:nbytes], r, base)
                 st.add("bytes_sent", nbytes)
                 del buf
             del src
@@ -561,12 +517,10 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 # one box that is one run of the destination (a row split loaded by columns): received
                 # in place, no buffer and no copy out of one
                 # (byte_view, not view(-1): an error here would leave the sender waiting)
-                work = dist.irecv(byte_view(into), extra, group, _TAG)
                 g, p = parts[0]
-                flight.post(work, 0, lambda t=c.task_list[g], p=p: delivered(t, p))
+                flight.recv(byte_view(into), extra, lambda t=c.task_list[g], p=p: delivered(t, p))
                 st.add("bytes_received_in_place", n * lay.esize)
                 continue
-            flight.settle(max(0, budget - n * lay.esize))
             base = flight.buffer(n * lay.esize)
             buf = base[: n * lay.esize].view(dtype)
 
@@ -580,7 +534,6 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                     pos += k
                 st.add("copy_s", time.perf_counter() - tc)
 
-            work = dist.irecv(base[: n * lay.esize], extra, group, _TAG)
-            flight.post(work, n * lay.esize, unpack, base)
+            flight.recv(base[: n * lay.esize], extra, unpack, base)
             del buf
     flight.settle(-1)

@@ -34,6 +34,7 @@ from ..errors import CorruptCheckpointError, MemoryCheckpointError, MemoryLayout
 from ..execution import dist
 from ..execution.dist import Group, describe_error
 from ..execution.preprocess import dtype_from_name, split_state_dict
+from ..execution.transfer import Transfers
 from ..mapping import ShardedObject, ShardedTensor
 from ..planning.boxes import Box, relative_slices
 from ..storage.checksum import DEFAULT_BLOCK_SIZE
@@ -42,7 +43,6 @@ from . import slots
 from .plan import CopyLocation, SavedPiece, block_hull, choose_sources, cover, saved_pieces
 from .restore import (Inventory, Key, RestoreReport, check_owner, entry_id, finish_result, host_destination,
                       read_own)
-from .transfer import chunks, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def _transfer(everyone: List[List[Tuple[int, int, int, int, int]]], rank: int, r
               maps: Dict[Tuple[int, str], torch.Tensor], report: ElasticRestore, where: str) -> List[Tuple[int, str, str]]:
     """Serve the ranges asked of this rank and receive those it asked for (in one order on both
     sides). A server that cannot read its copy sends zeros: the receiver's digest check refuses them."""
-    works: List[Any] = []
+    moves = Transfers(group, _TAG)
     for requester, asks in enumerate(everyone):
         for owner, region, lo, hi, server in asks:
             if server != rank:
@@ -328,14 +328,14 @@ def _transfer(everyone: List[List[Tuple[int, int, int, int, int]]], rank: int, r
             except Exception as e:  # noqa: BLE001
                 logger.warning("memory tier: rank %d cannot serve old rank %d's copy: %s", rank, owner, e)
                 data = torch.zeros(hi - lo, dtype=torch.uint8)
-            works += [group.pg.send([c], requester, _TAG) for c in chunks(data)]
+            moves.send(data, requester)
     received = []
     for owner, region, lo, hi, server in everyone[rank]:
         buf = torch.empty(hi - lo, dtype=torch.uint8)
-        works += [group.pg.recv([c], server, _TAG) for c in chunks(buf)]
+        moves.recv(buf, server)
         received.append((owner, region, lo, hi, server, buf))
     try:
-        wait_all(works)
+        moves.settle()
     except Exception as e:  # a dead peer or a timeout: the restore fails on every rank
         raise MemoryCheckpointError(f"{where}: fetching from a peer failed: {describe_error(e)}") from None
     failed = []

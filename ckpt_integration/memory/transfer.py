@@ -18,14 +18,13 @@ on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..execution.dist import PrivateGroup, irecv, isend
+from ..execution.dist import PrivateGroup
+from ..execution.transfer import CHUNK, Transfers
 from .slots import Record, decode_record
-
-CHUNK = 256 << 20  # bytes per message (bounds gloo's per-message buffers)
 _HEADER, _RECORD, _DATA = 11, 12, 13
 
 
@@ -35,23 +34,6 @@ class Outgoing:
 
     raw: Optional[bytes]
     files: Dict[str, torch.Tensor]
-
-
-def wait_all(works: List[Any]) -> None:
-    """Wait for every posted send/receive, then raise the first failure (none is left pending)."""
-    first: Optional[BaseException] = None
-    for w in works:
-        try:
-            w.wait()
-        except BaseException as e:  # noqa: BLE001 - wait for the others first, then raise
-            first = first or e
-    if first is not None:
-        raise first
-
-
-def chunks(t: torch.Tensor) -> List[torch.Tensor]:
-    """``t`` in messages of at most :data:`CHUNK` bytes (gloo's per-message buffers stay bounded)."""
-    return [t[o:o + CHUNK] for o in range(0, t.numel(), CHUNK)]
 
 
 def exchange(
@@ -70,37 +52,35 @@ def exchange(
     buffer, then dropped) so that the sender is not left waiting. ``describe(src)`` names a
     source in errors.
     """
-    works: List[Any] = []
     headers: Dict[int, torch.Tensor] = {}
+    moves = Transfers(group, _HEADER)
     for dst, out in sorted(sends.items()):
-        h = torch.tensor([0 if out.raw is not None else 1, len(out.raw or b"")], dtype=torch.int64)
-        works.append(isend(h, dst, group, _HEADER))
+        moves.send(torch.tensor([0 if out.raw is not None else 1, len(out.raw or b"")], dtype=torch.int64), dst)
     for src in sources:
         headers[src] = torch.zeros(2, dtype=torch.int64)
-        works.append(irecv(headers[src], src, group, _HEADER))
-    wait_all(works)
+        moves.recv(headers[src], src)
+    moves.settle()
 
-    works, raws = [], {}
+    raws: Dict[int, torch.Tensor] = {}
+    moves = Transfers(group, _RECORD)
     for dst, out in sorted(sends.items()):
         if out.raw is not None:
-            t = torch.frombuffer(bytearray(out.raw), dtype=torch.uint8)
-            works.append(isend(t, dst, group, _RECORD))
+            moves.send(torch.frombuffer(bytearray(out.raw), dtype=torch.uint8), dst)
     for src in sources:
         status, n = (int(x) for x in headers[src])
         if status == 0:
             raws[src] = torch.empty(n, dtype=torch.uint8)
-            works.append(irecv(raws[src], src, group, _RECORD))
-    wait_all(works)
+            moves.recv(raws[src], src)
+    moves.settle()
 
     records: Dict[int, Optional[Record]] = {src: None for src in sources}
     errors: Dict[int, str] = {}
-    works = []
+    moves = Transfers(group, _DATA)
     for dst, out in sorted(sends.items()):
         if out.raw is None:
             continue
         for name in sorted(out.files):
-            for c in chunks(out.files[name]):
-                works.append(isend(c, dst, group, _DATA))
+            moves.send(out.files[name], dst)
     for src, raw in raws.items():
         data = raw.numpy().tobytes()
         try:
@@ -114,12 +94,11 @@ def exchange(
             sink = torch.empty(min(CHUNK, max(sizes, default=0)), dtype=torch.uint8)
             for n in sizes:  # the sender sends every file in chunks: receive them into the sink
                 for o in range(0, n, CHUNK):
-                    works.append(irecv(sink[:min(CHUNK, n - o)], src, group, _DATA))
+                    moves.recv(sink[:min(CHUNK, n - o)], src)
             continue
         for t in targets:
-            for c in chunks(t):
-                works.append(irecv(c, src, group, _DATA))
-    wait_all(works)
+            moves.recv(t, src)
+    moves.settle()
     return records, errors
 
 
