@@ -53,10 +53,12 @@ def _complete_checkpoints(ckpt_dir: str) -> list:
 
 
 def prepare_ckpt_dir(cfg: DictConfig) -> None:
-    """Create ``ckpt_dir``; for a fresh run (``resume=false``) empty it first.
+    """Create ``ckpt_dir``; for a fresh run (``resume=false``) clear what this run's checkpoints would mix with.
 
     Complete checkpoints are only deleted with ``overwrite=true``: a forgotten ``resume=true``
-    must not throw a training run away. Leftovers of interrupted saves are always removed.
+    must not throw a training run away. Leftovers of interrupted saves (``*.ckpt`` directories
+    without ``metadata.json``) are always removed. Nothing else is touched: other files, and the
+    subdirectories a multirun sweep's jobs write to (``<ckpt_dir>/<overrides>``), stay.
     """
     fs, d = fsspec.core.url_to_fs(cfg.ckpt_dir)
     if not cfg.resume and fs.isdir(d):
@@ -67,7 +69,10 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
                 "resume=false would delete them. Pass resume=true to continue from them, overwrite=true to "
                 "delete them and start over, or another ckpt_dir=..."
             )
-        fs.rm(d, recursive=True)
+        for entry in fs.ls(d, detail=True):
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry["type"] == "directory" and (name in found or ".ckpt" in name):
+                fs.rm(entry["name"], recursive=True)
     fs.makedirs(d, exist_ok=True)
 
 

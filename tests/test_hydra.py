@@ -112,11 +112,18 @@ def test_fresh_run_refuses_to_delete_complete_checkpoints(tmp_path):
     assert (d / "last.ckpt" / "metadata.json").exists()
     prepare_ckpt_dir(_compose(f"ckpt_dir={d}", "resume=true"))  # resuming keeps everything
     assert sorted(os.listdir(d)) == ["last.ckpt", "partial.ckpt"]
+    # what is not this run's to clear stays: a multirun job's directory (its checkpoints one level down: before,
+    # a fresh run without overwrite=true deleted them, with the rest of ckpt_dir) and other files
+    (d / "parallel=tp2_dp1" / "last.ckpt").mkdir(parents=True)
+    (d / "parallel=tp2_dp1" / "last.ckpt" / "metadata.json").write_text("{}")
+    (d / "NOTES.txt").write_text("results")
     prepare_ckpt_dir(_compose(f"ckpt_dir={d}", "overwrite=true"))  # explicit: start over
-    assert os.listdir(d) == []
+    assert sorted(os.listdir(d)) == ["NOTES.txt", "parallel=tp2_dp1"]
     (d / "partial.ckpt").mkdir()
+    (d / "last.ckpt.tmp-1a2b").mkdir()
     prepare_ckpt_dir(_compose(f"ckpt_dir={d}"))  # only leftovers of interrupted saves: removed without asking
-    assert os.listdir(d) == []
+    assert sorted(os.listdir(d)) == ["NOTES.txt", "parallel=tp2_dp1"]
+    assert (d / "parallel=tp2_dp1" / "last.ckpt" / "metadata.json").exists()
 
 
 @pytest.mark.slow
