@@ -702,3 +702,25 @@ def test_last_follows_a_rollback_not_the_timeline_it_abandoned(tmp_path, save_la
     # run 3 saved step 8 and crashed; run 4 continues that timeline and passes run 1's last step
     assert fit(20, ckpt_path="last", fail_at=19)[0] == 8, started
     assert fit(24, ckpt_path="last")[0] == 18, started
+
+
+def test_last_after_a_rollback_takes_no_full_checkpoint_of_the_timeline_it_left(tmp_path):
+    """A rollback whose newest checkpoint is weights-only (a second callback): "last" then looked for a full
+    checkpoint of that step among every checkpoint, and resumed run 1's ``epoch=0-step=6.ckpt``, which it had
+    just left out as abandoned. It resumes the newest full checkpoint of the rolled-back run's timeline."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+
+    def callbacks():
+        return [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", mode="min", every_n_train_steps=2),
+                DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=2, save_weights_only=True,
+                                        filename="weights-{step}"),
+                DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=4, filename="full-{step}")]
+
+    run1 = [9, 8, 7, 6, 1, 0.5, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]  # the top-k callback's best: step 6
+    run2 = [9, 8, 7, 6, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]  # worse after the rollback: it saves nothing
+    _Stepped.fit(ck, run1, DistCkptIO(), callbacks=callbacks())
+    _Stepped.fit(ck, run2, DistCkptIO(), ckpt_path=f"{ck}/full-step=4.ckpt", fail_at=7, callbacks=callbacks())
+    t = _Stepped.fit(ck, run2, DistCkptIO(), ckpt_path="last", fail_at=9, callbacks=callbacks())
+    assert os.path.basename(t.ckpt_path) == "full-step=4.ckpt", t.ckpt_path

@@ -11,13 +11,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ..errors import CheckpointingException, CorruptCheckpointError
-from ..checkpoints import commit_order_of, ordered_checkpoints
+from ..checkpoints import abandoned_checkpoints, commit_order_of, ordered_checkpoints
 from ..storage.checkpoint_dir import CONFIG_FILE
 from ..storage.claim import remove_dead_partial
 from ..storage.filesystem import is_remote, join, locate
 from .io import DistCkptIO
 from .memory import memory_candidate
-from .paths import is_complete_checkpoint, latest_complete_checkpoint
+from .paths import is_complete_checkpoint, latest_complete_checkpoint, run_of
 from ..serialization import load_content_metadata
 
 logger = logging.getLogger(__name__)
@@ -285,15 +285,18 @@ def _has_optimizer_states(path: str) -> Optional[bool]:
 
 def _with_optimizer_states(newest: str, dirpath: str, ext: str, depth: int) -> str:
     """``newest``, or, when it was saved weights-only (another callback's ``save_weights_only=True``), the
-    newest checkpoint of the same step that holds the optimizer states: a resume from a weights-only one
-    fails ("contains only the model") though the full state of that step is there."""
+    newest checkpoint before it that holds the optimizer states (of the same step when there is one), on the
+    same timeline (:func:`~ckpt_integration.checkpoints.abandoned_checkpoints`): a resume from a weights-only
+    one fails ("contains only the model") though a full state is there."""
     if _has_optimizer_states(newest) is not False:
         return newest
     order = ordered_checkpoints(dirpath, ext, depth)
-    step = next((c.step for c in order if os.path.abspath(c.path) == os.path.abspath(newest)), None)
-    for c in reversed(order):
-        if step is not None and c.step == step and c.path != newest and _has_optimizer_states(c.path):
-            logger.info('ckpt_path="last": %s was saved weights-only; resuming from %s of the same step', newest, c.path)
+    left = {c.path for c in abandoned_checkpoints(order, run_of)}
+    at = next((i for i, c in enumerate(order) if os.path.abspath(c.path) == os.path.abspath(newest)), None)
+    for c in reversed(order[:at] if at is not None else []):
+        if c.path not in left and _has_optimizer_states(c.path) is not False:
+            logger.info('ckpt_path="last": %s was saved weights-only; resuming from %s (%s), the newest full '
+                        'checkpoint before it', newest, c.path, c.describe())
             return c.path
     return newest
 
