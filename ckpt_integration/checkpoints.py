@@ -152,8 +152,8 @@ def list_checkpoints(directory: Union[str, os.PathLike]) -> List[str]:
     return [c.path for c in ordered_checkpoints(directory)]
 
 
-def abandoned_checkpoints(found: List[CommitOrder], run_of: Callable[[str], Optional[Tuple[int, float]]]
-                          ) -> List[CommitOrder]:
+def abandoned_checkpoints(found: List[CommitOrder], run_of: Optional[Callable[[str], Optional[Tuple[int, float]]]],
+                          left_by: Optional[Tuple[int, float]] = None) -> List[CommitOrder]:
     """The checkpoints of ``found`` (oldest first) on a timeline a later run abandoned: a run resumed from an
     earlier step than they hold (a rollback) and committed after them.
 
@@ -162,28 +162,35 @@ def abandoned_checkpoints(found: List[CommitOrder], run_of: Callable[[str], Opti
     and only when that one is not also the newest by step): a checkpoint holding a later step than that run
     started from, committed before that run started, belongs to the timeline it left. Without this a rollback
     followed by a crash resumes the abandoned timeline, which holds the higher steps.
+
+    ``left_by``: ``(step, time)`` of a run known otherwise (the memory tier's newest snapshot: its step and when
+    the run that took it started): a checkpoint of a later step committed before that run started is of a
+    timeline it left too (that run went on from an earlier step).
     """
     committed = [c for c in found if c.created is not None]
     if not committed:
         return []
+    out = []
+    if left_by is not None:
+        out = [c for c in committed if c.step is not None and c.step > left_by[0] and c.created < left_by[1]]
     last = max(committed, key=lambda c: (_k(c.commit_seq), c.created))
-    if last is found[-1]:
-        return []
-    run = run_of(last.path)
-    if run is None:
-        return []
-    from_step, started = run
-    return [c for c in committed if c.step is not None and c.step > from_step and c.created < started and c is not last]
+    run = run_of(last.path) if run_of is not None and last is not found[-1] else None
+    if run is not None:
+        from_step, started = run
+        out += [c for c in committed if c.step is not None and c.step > from_step and c.created < started
+                and c is not last and c not in out]
+    return out
 
 
 def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] = None, why: str = "",
-                      depth: int = 0, run_of: Optional[Callable[[str], Optional[Tuple[int, float]]]] = None
-                      ) -> Optional[str]:
+                      depth: int = 0, run_of: Optional[Callable[[str], Optional[Tuple[int, float]]]] = None,
+                      left_by: Optional[Tuple[int, float]] = None) -> Optional[str]:
     """The newest committed checkpoint in ``directory`` (names ending in ``suffix``; ``depth``: as for
     :func:`ordered_checkpoints`), or None.
 
-    ``run_of``: what the runs that saved them recorded (see :func:`abandoned_checkpoints`): the checkpoints of a
-    timeline a rollback abandoned are then left out (Lightning's strategies record their runs).
+    ``run_of``, ``left_by``: what the runs that saved them recorded, and a run known otherwise (see
+    :func:`abandoned_checkpoints`): the checkpoints of a timeline a rollback abandoned are then left out
+    (Lightning's strategies record their runs); None when every checkpoint is.
 
     Logs which one was chosen and why (``why`` says what asked, e.g. ``ckpt_path="last"``).
     A committed checkpoint of ours whose manifest cannot be read (deleted, emptied, damaged, a
@@ -203,7 +210,9 @@ def newest_checkpoint(directory: Union[str, os.PathLike], suffix: Optional[str] 
             + "; ".join(f"{c.path} is committed but cannot be ordered ({c.damaged})" for c in damaged)
             + f"; {newest}. Check it with `ckpt-integration verify`, then repair or remove it, or resume from "
             "an explicit path")
-    left = abandoned_checkpoints(found, run_of) if run_of is not None else []
+    left = abandoned_checkpoints(found, run_of, left_by) if run_of is not None or left_by is not None else []
+    if len(left) == len(found):
+        return None  # (every checkpoint is of a timeline the run known otherwise left)
     if left:
         gone = {c.path for c in left}
         found = [c for c in found if c.path not in gone]

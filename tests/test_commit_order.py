@@ -195,3 +195,6 @@ def test_checkpoints_of_a_timeline_a_rollback_left_are_not_the_newest(tmp_path, 
     runs[f"{tmp_path}/r2-persist-5"] = (4, started)
     assert newest_checkpoint(tmp_path, run_of=runs.get).endswith("r2-6")
     assert newest_checkpoint(tmp_path, run_of=lambda p: None).endswith("r1-8")  # (the last run recorded nothing)
+    # a run known otherwise (the memory tier's snapshot of step 7, taken by a run that started then)
+    assert newest_checkpoint(tmp_path, left_by=(7, started)).endswith("r2-6")
+    assert newest_checkpoint(tmp_path, left_by=(1, time.time())) is None  # (every one left: none to offer)

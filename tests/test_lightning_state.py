@@ -724,3 +724,29 @@ def test_last_after_a_rollback_takes_no_full_checkpoint_of_the_timeline_it_left(
     _Stepped.fit(ck, run2, DistCkptIO(), ckpt_path=f"{ck}/full-step=4.ckpt", fail_at=7, callbacks=callbacks())
     t = _Stepped.fit(ck, run2, DistCkptIO(), ckpt_path="last", fail_at=9, callbacks=callbacks())
     assert os.path.basename(t.ckpt_path) == "full-step=4.ckpt", t.ckpt_path
+
+
+def test_last_after_a_rollback_resumes_the_memory_tier_not_the_timeline_left(tmp_path):
+    """The memory tier on: run 2 rolls back from step 16 to 4, takes snapshots of steps 5-7 and crashes before
+    its first durable save. "last" compared memory's step 7 with the newest durable checkpoint, run 1's step 16
+    (no durable checkpoint of run 2 to say a rollback happened), and resumed the abandoned timeline. A durable
+    checkpoint of a later step committed before the snapshot's run started is of the timeline it left."""
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck, started = f"{tmp_path}/ck", []
+
+    class Started(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    def fit(n, ckpt_path=None, fail_at=None):
+        io = DistCkptIO(memory_every_n_train_steps=1, memory_replicas=1, memory_dir=f"{tmp_path}/shm")
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=4, save_last=True), Started()]
+        _Stepped.fit(ck, [0.0] * n, io, ckpt_path=ckpt_path, fail_at=fail_at, callbacks=cbs)
+
+    fit(16)
+    fit(16, ckpt_path=f"{ck}/epoch=0-step=4.ckpt", fail_at=7)
+    fit(20, ckpt_path="last", fail_at=9)
+    assert started == [0, 4, 7], started

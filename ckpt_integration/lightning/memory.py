@@ -122,9 +122,11 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     mem_step = tier.latest()
     durable: Optional[str] = None if _is_memory_path(io, path) else path
     unordered: Optional[str] = None  # (a committed checkpoint whose step is unknown: none is called the newest)
+    # (a run that took the snapshot went on from before a later step committed before it started: a rollback)
+    left_by = None if mem_step is None or tier.latest_started is None else (mem_step, tier.latest_started)
     if durable is None and strategy.is_global_zero:
         try:
-            durable = latest_complete_checkpoint(_checkpoint_dir(trainer))
+            durable = latest_complete_checkpoint(_checkpoint_dir(trainer), left_by=left_by)
         except CorruptCheckpointError as e:
             unordered = str(e)
     durable, unordered = strategy.broadcast((durable, unordered))

@@ -31,15 +31,17 @@ def is_complete_checkpoint(path: Any) -> bool:
     return ck.storage.exists(meta) and not ck.storage.isdir(meta)
 
 
-def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "", depth: int = 0) -> Optional[str]:
+def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "", depth: int = 0,
+                               left_by: Optional[Tuple[int, float]] = None) -> Optional[str]:
     """The newest committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
 
     "Newest" is what the jobs recorded at commit (global step, then commit number; see
     :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
     its reason are logged. After a rollback (a run resumed from an earlier checkpoint) the
-    checkpoints of the timeline it left are not candidates (:func:`run_of`). ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
+    checkpoints of the timeline it left are not candidates (:func:`run_of`; ``left_by``: the memory
+    tier's newest snapshot, see :func:`~ckpt_integration.checkpoints.abandoned_checkpoints`). ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
     """
-    return newest_checkpoint(dirpath, suffix, why=why, depth=depth, run_of=run_of)
+    return newest_checkpoint(dirpath, suffix, why=why, depth=depth, run_of=run_of, left_by=left_by)
 
 
 def run_of(path: str) -> Optional[Tuple[int, float]]:

@@ -153,6 +153,7 @@ class MemoryCheckpoints:
         self._protected_slot: Optional[int] = self._slot_of_key(inv, done[0][0]) if done else None
         self.last_complete_step = done[0][0][0] if done and done[0][1] == self.world_size else None  # (persistable)
         self._worlds: Dict[int, int] = {}  # step -> job size that saved it, as latest() found them
+        self.latest_started: Optional[float] = None  # when the run that took latest()'s snapshot started (s)
         self._stale = bool(done) and done[0][1] != self.world_size  # snapshots of another job size to free
         self._ran = False  # (this run completed a snapshot: earlier runs' later steps were dropped then)
 
@@ -191,10 +192,9 @@ class MemoryCheckpoints:
             raise MemoryCheckpointError("MemoryCheckpoints is closed")
 
     def _held_arena(self, owner: int, slot: int) -> slots.Arena:
-        a = self._held.get((owner, slot))
-        if a is None:
-            a = self._held[(owner, slot)] = slots.Arena(self.root, owner, slot, self._tag)
-        return a
+        if (owner, slot) not in self._held:
+            self._held[(owner, slot)] = slots.Arena(self.root, owner, slot, self._tag)
+        return self._held[(owner, slot)]
 
     def _drain(self) -> None:
         """Wait for the snapshot in flight (its collectives use the tier's group)."""
@@ -412,6 +412,7 @@ class MemoryCheckpoints:
         inv = rs.gather_inventory(self.root, self.job_id, self.node, self._group)
         done = rs.complete_any(inv)
         self._worlds = {k[0]: w for k, w in reversed(done)}
+        self.latest_started = done[0][0][1][0] / 1e9 if done else None
         return done[0][0][0] if done else None
 
     def saved_world_size(self, step: int) -> Optional[int]:
@@ -589,9 +590,8 @@ class MemoryCheckpoints:
     def _destroy_groups(self) -> None:
         """Shut this tier's own gloo groups down now (their queues are closed): left to interpreter teardown, a
         group whose worker still holds a finished operation's tensors aborts the process when it needs the GIL."""
-        for g in (self._group, self._persist_group):  # (a use after close() then fails loudly)
-            if g is not None:
-                g.close("the memory tier was closed")
+        for g in filter(None, (self._group, self._persist_group)):  # (a use after close() then fails loudly)
+            g.close("the memory tier was closed")
 
     def __enter__(self) -> "MemoryCheckpoints":
         return self
