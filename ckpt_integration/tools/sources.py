@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
+from ..execution.preprocess import layout_problem
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
@@ -449,18 +450,25 @@ class TorchFileSource(TensorSource):
             ) from None
         except Exception as e:
             raise CorruptCheckpointError(f"{path} cannot be read by torch.load: {e}") from None
-        if isinstance(obj, torch.Tensor):
-            raise CheckpointingException(f"{path} holds a single tensor, not a dict of tensors")
+        if not isinstance(obj, (dict, list, tuple)):
+            what = "a single tensor" if isinstance(obj, torch.Tensor) else f"an object of type {type(obj).__name__}"
+            raise CheckpointingException(f"{path} holds {what}, not a dict of tensors")
         self._values: Dict[str, torch.Tensor] = {}
         self.structure = flatten_tensors(obj, "", self._values)
         for k, t in sorted(self._values.items()):
             self.tensors[k] = TensorInfo(t.dtype, tuple(t.shape))
 
     def tensor(self, key: str) -> torch.Tensor:
-        return self._values[key]
+        t = self._values[key]
+        # (a sparse or quantized tensor's values are not its memory: sliced, it failed with a bare error, or was
+        # written as raw integers without its quantizer; listed, as inspect lists it, it is fine)
+        problem = "a meta tensor: it holds no values" if t.is_meta else layout_problem(t)
+        if problem:
+            raise UnsupportedCheckpointError(f"{self.path}: the values of tensor {key!r} cannot be read: it is {problem}")
+        return t
 
     def read_block(self, key: str, box: Box) -> torch.Tensor:
-        return self._values[key][box_slices(box)]
+        return self.tensor(key)[box_slices(box)]
 
 
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
