@@ -173,7 +173,9 @@ def abandoned_checkpoints(found: List[CommitOrder], run_of: Optional[Callable[[s
     out = []
     if left_by is not None:
         out = [c for c in committed if c.step is not None and c.step > left_by[0] and c.created < left_by[1]]
-    last = max(committed, key=lambda c: (_k(c.commit_seq), c.created))
+    # (commit numbers count per directory: across the subdirectories a nested file name makes, the commit times)
+    one_dir = len({os.path.dirname(c.path.rstrip("/")) for c in committed}) == 1
+    last = max(committed, key=lambda c: (_k(c.commit_seq) if one_dir else (0, 0), c.created))
     run = run_of(last.path) if run_of is not None and last is not found[-1] else None
     if run is not None:
         from_step, started = run

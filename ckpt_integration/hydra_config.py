@@ -208,7 +208,7 @@ _ALLOWED = {
 _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
                  "trainer.global_batch_size", "model.n_heads", "checkpoint.memory.every_n_train_steps",
                  "checkpoint.memory.replicas", "checkpoint.memory.persist_every_n", "checkpoint.memory.ranks_per_node",
-                 "checkpoint.staging_budget", "trainer.max_epochs")
+                 "checkpoint.staging_budget", "trainer.max_epochs", "model.n_layers", "model.block_size")
 
 
 def _config_errors(cfg: Any) -> List[str]:
@@ -228,6 +228,12 @@ def _config_errors(cfg: Any) -> List[str]:
         v = OmegaConf.select(cfg, path)
         if v is not None and not v >= 0:  # (also NaN)
             errors.append(f"{path}={v} must be >= 0 (or null)")
+    top_k = OmegaConf.select(cfg, "trainer.save_top_k")
+    if top_k is not None and top_k < -1:  # (Lightning: -1 keeps every checkpoint, 0 none)
+        errors.append(f"trainer.save_top_k={top_k} must be >= -1")
+    if OmegaConf.select(cfg, "checkpoint.backend") == "zarr" and OmegaConf.select(cfg, "checkpoint.staging_budget"):
+        errors.append("checkpoint.staging_budget is not supported with checkpoint.backend=zarr (the zarr backend "
+                      "stages the whole state): unset one of them")
     if errors:  # the checks below divide by these values
         return errors
     tp, pp, dp = (OmegaConf.select(cfg, f"parallel.{k}") for k in ("tp", "pp", "dp"))

@@ -72,6 +72,11 @@ def test_validate_config_before_spawning():
                             "checkpoint.staging_budget=0": "checkpoint.staging_budget=0 must be >= 1",
                             "checkpoint.sigterm_grace_s=nan": "checkpoint.sigterm_grace_s=nan must be >= 0",
                             "trainer.max_epochs=-1": "trainer.max_epochs=-1 must be >= 1",
+                            "trainer.save_top_k=-5": "trainer.save_top_k=-5 must be >= -1",
+                            "model.n_layers=0": "model.n_layers=0 must be >= 1",
+                            "model.block_size=0": "model.block_size=0 must be >= 1",
+                            "checkpoint.backend=zarr checkpoint.staging_budget=1000": "staging_budget is not supported "
+                                                                                       "with checkpoint.backend=zarr",
                             "demo=true trainer.max_epochs=1": "demo=true .* trainer.max_epochs >= 2",
                             "demo=true strategy=single_device parallel=tp1_dp1": "demo=true resumes with parallel.dp=2",
                             "demo=true trainer.global_batch_size=3 parallel=tp1_dp1": "global_batch_size=3 must be even",
