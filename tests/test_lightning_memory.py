@@ -107,6 +107,7 @@ def _rank_main(cfg: dict) -> None:
                 callbacks=[Recorder(), ckpt_cb])
     t.fit(TinyModule(), loader(), ckpt_path=cfg.get("resume"))
     out["end_step"] = int(t.global_step)
+    out["ckpt_path"] = str(t.ckpt_path)
     out["finished"] = True
     dump()
     dist.barrier()
@@ -235,6 +236,8 @@ def test_lightning_memory_falls_back_to_the_durable_checkpoint_when_memory_canno
         assert rcs == [0] * world and all(o.get("finished") for o in outs), f"{rcs}\n{tails(logs)}"
         for r in range(world):
             assert outs[r]["start_step"] == 2, (outs[r], tails(logs))
+            # (it named the memory record Lightning had picked, not the checkpoint loaded)
+            assert os.path.basename(outs[r]["ckpt_path"]) == "last.ckpt", outs[r]
             start = torch.load(os.path.join(tmp, f"{name}-rank{r}.start.pt"), weights_only=False)
             for k, v in weights.items():
                 assert torch.equal(start["state_dict"][k], v), (name, r, k)

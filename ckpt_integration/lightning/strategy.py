@@ -260,6 +260,9 @@ class DistCkptStrategyMixin(Strategy):
             loaded, path = restore_newest(self, path)
             if loaded is not None:
                 return loaded
+            connector = getattr(getattr(self.lightning_module, "_trainer", None), "_checkpoint_connector", None)
+            if connector is not None and path != getattr(connector, "_ckpt_path", path):
+                connector._ckpt_path = path  # (``trainer.ckpt_path`` and Lightning's "Restored ..." name what was loaded)
         model_sd = self._module_sharded_state_dict()
         self._loaded_sharded_keys = sharded_keys(model_sd)
         if stock_layout(path) is not None:
