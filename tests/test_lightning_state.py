@@ -750,3 +750,25 @@ def test_last_after_a_rollback_resumes_the_memory_tier_not_the_timeline_left(tmp
     fit(16, ckpt_path=f"{ck}/epoch=0-step=4.ckpt", fail_at=7)
     fit(20, ckpt_path="last", fail_at=9)
     assert started == [0, 4, 7], started
+
+
+@pytest.mark.parametrize("save_last", [False, True])
+def test_a_resume_from_memory_keeps_top_k_true(tmp_path, save_last):
+    """The memory snapshot of a step is taken before ``ModelCheckpoint`` saves that step: restored from it (a tie
+    with the durable checkpoint of the step goes to memory), the callback did not know its own step-4 checkpoint,
+    which stayed for good beside ``save_top_k=1``'s best. The callbacks' states now come from that checkpoint."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+    scores = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0.5, 0.4, 0.3]
+
+    def fit(ckpt_path=None, fail_at=None):
+        io = DistCkptIO(memory_every_n_train_steps=2, memory_replicas=1, memory_dir=f"{tmp_path}/shm")
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", mode="min", every_n_train_steps=2,
+                                       save_last=save_last)]
+        return _Stepped.fit(ck, scores, io, ckpt_path=ckpt_path, fail_at=fail_at, callbacks=cbs)
+
+    fit(fail_at=5)
+    t = fit(ckpt_path="last")
+    assert t.global_step == len(scores)
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=12.ckpt"] + (["last.ckpt"] if save_last else []), os.listdir(ck)

@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from ..checkpoints import save_base
-from ..errors import CorruptCheckpointError, MemoryCheckpointError
+from ..checkpoints import ordered_checkpoints, save_base
+from ..errors import CheckpointingException, CorruptCheckpointError, MemoryCheckpointError
 from ..execution.dist import local_world_size
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
@@ -144,6 +144,8 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     if mem_step is not None and (durable is None or why is not None or mem_step >= durable_step):
         try:
             loaded = _load_memory(strategy, tier, mem_step)
+            if durable is not None and why is None and durable_step == mem_step:
+                _callback_states_of_step(strategy, loaded, io, mem_step, tier.latest_started)
             logger.info("rank %d: resumed from the memory tier, step %d (%s)", rank, mem_step, tier.last_restore.source)
             return loaded, None
         except MemoryCheckpointError as e:
@@ -160,6 +162,35 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     logger.info("rank %d: resuming from the durable checkpoint %s (step %d; newest in memory: %s)", rank, durable,
                 durable_step, mem_step)
     return None, durable
+
+
+def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkptIO, step: int,
+                             started: Optional[float]) -> None:
+    """Collective: the callbacks' states of the newest checkpoint a callback saved at ``step`` (in this run,
+    the one that took the snapshot), into ``loaded`` (a memory snapshot of that step).
+
+    The snapshot is taken at the batch end before ``ModelCheckpoint`` saves that step, so its callback state
+    lacks that save: restored from it, the checkpoint was never in ``best_k_models``, never deleted (one more
+    kept for good per restore from memory). The checkpoint of the step holds the state after its save."""
+    states = None
+    if strategy.is_global_zero:
+        try:
+            found = [c for c in ordered_checkpoints(_checkpoint_dir(strategy.lightning_module.trainer), ".ckpt")
+                     if c.step == step and not _is_snapshot_copy(c.path) and (started is None or (c.created or 0) >= started)]
+            if found:
+                states = load_common_state_dict(found[-1].path, **_common_kw(io)).get("callbacks")
+        except (CheckpointingException, OSError) as e:  # (memory's own states stand: one extra checkpoint at worst)
+            logger.warning("the callbacks' states of step %d's checkpoint cannot be read (%s): those of the memory "
+                           "snapshot are restored", step, e)
+    states = strategy.broadcast(states)
+    if isinstance(states, dict):
+        loaded["callbacks"] = states
+
+
+def _is_snapshot_copy(path: str) -> bool:
+    """A memory snapshot made durable (``memory-step=<n>.ckpt``, ``preempted-step=<n>.ckpt``): its callback
+    states are the snapshot's."""
+    return _persisted_step(path) >= 0 or os.path.basename(path).startswith("preempted-step=")
 
 
 def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:
