@@ -12,6 +12,7 @@ Fabric's ``"fsdp"`` needs a GPU and is not run here.
 from __future__ import annotations
 
 import json
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -337,3 +338,24 @@ def test_fabric_sharded_strategies_resume_each_other_exactly(tmp_path):
         common, loaded = ci.load_common_state_dict(str(tmp_path / load)), ci.load_common_state_dict(str(tmp_path / f"reload-{save}"))
         assert loaded["step"] == common["step"] and loaded["scheduler"] == common["scheduler"], strategy
         _same(loaded["optimizer"], common["optimizer"], f"{strategy} param groups")
+
+
+@dataclasses.dataclass
+class _Config:
+    """A user's object in the saved state: loads need ``allowed_globals=[_Config]``."""
+
+    width: int = 8
+
+
+def test_fabric_load_with_allowed_globals_loads_the_optimizer_too(tmp_path):
+    """``DistCkptIO(allowed_globals=[cls])`` for a user object in the state: ``fabric.load`` of a state with an
+    optimizer failed with UntrustedObjectError naming the class (the optimizer's load dropped them)."""
+    fabric = _fabric(allowed_globals=[_Config])
+    model, opt, _ = _setup(fabric)
+    _train(fabric, model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1), 2)
+    fabric.save(tmp_path / "ck", {"model": model, "optimizer": opt, "config": _Config(3)})
+    m2, o2, _ = _setup(_fabric(allowed_globals=[_Config]))
+    state = {"model": m2, "optimizer": o2, "config": None}
+    fabric.load(tmp_path / "ck", state)
+    assert state["config"] == _Config(3)
+    _same(_copy(opt.state_dict()), o2.state_dict(), "optimizer")

@@ -7,6 +7,7 @@ saving run ended with. Also: ``strict_loading``, and ``last.ckpt`` being the new
 decides.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -772,3 +773,62 @@ def test_a_resume_from_memory_keeps_top_k_true(tmp_path, save_last):
     t = fit(ckpt_path="last")
     assert t.global_step == len(scores)
     assert sorted(os.listdir(ck)) == ["epoch=0-step=12.ckpt"] + (["last.ckpt"] if save_last else []), os.listdir(ck)
+
+
+@dataclasses.dataclass
+class _RunConfig:
+    """A user's config object in the checkpoint (hyper-parameters): loads need ``allowed_globals=[_RunConfig]``."""
+
+    lr: float = 0.01
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_resume_with_allowed_globals_in_the_common_state(tmp_path, optimizer):
+    """``DistCkptIO(allowed_globals=[cls])`` for a user class the checkpoint holds (``save_hyperparameters`` of a
+    config object): every resume failed with UntrustedObjectError naming the class, as the optimizers' loads
+    dropped the plugin's ``allowed_globals`` (an SGD without momentum read the common state for its param groups,
+    an Adam loaded it with its state); and "last" after a rollback read the content metadata without them, so it
+    resumed the abandoned timeline."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckpt_integration.checkpoints import ordered_checkpoints
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy
+
+    ck, started = f"{tmp_path}/ck", []
+
+    class Module(L.LightningModule):
+        def __init__(self, config: _RunConfig, fail_at=None):
+            super().__init__()
+            self.save_hyperparameters()
+            self.lin = nn.Linear(8, 8)
+
+        def training_step(self, batch, idx):
+            if self.global_step == self.hparams.fail_at:
+                raise RuntimeError("crash")
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return getattr(torch.optim, optimizer)(self.parameters(), lr=self.hparams.config.lr)
+
+    class Started(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    def fit(ckpt_path=None, fail_at=None):
+        t = L.Trainer(accelerator="cpu", max_steps=16, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[
+                          DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=2, save_last=True),
+                          Started()],
+                      strategy=DistCkptSingleDeviceStrategy(checkpoint_io=DistCkptIO(allowed_globals=[_RunConfig])))
+        try:
+            t.fit(Module(_RunConfig(), fail_at), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4),
+                  ckpt_path=ckpt_path)
+        except RuntimeError as e:
+            assert "crash" in str(e)
+
+    fit()
+    fit(ckpt_path=next(c.path for c in ordered_checkpoints(ck) if c.step == 4), fail_at=7)
+    fit(ckpt_path="last", fail_at=9)
+    assert started == [0, 4, 6], started

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -249,14 +249,14 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             try:
                 # (a metric with "/" in the file name, "{epoch}-{train/loss:.2f}", nests the checkpoints)
                 newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"',
-                                                    depth=(self.filename or "").count("/"))
+                                                    depth=(self.filename or "").count("/"), **_read_kw(io))
             except CorruptCheckpointError:  # a committed checkpoint whose step is unknown (it may be the newest)
                 if io is None or not io.memory_enabled:
                     raise
                 newest = None  # (the memory tier's restore decides, and says why: lightning/memory.py)
             if newest is not None:  # (a fit resumes the full state, whichever callback asks)
                 newest = _with_optimizer_states(newest, os.fspath(self.dirpath), self.FILE_EXTENSION,
-                                                (self.filename or "").count("/"))
+                                                (self.filename or "").count("/"), _read_kw(io))
             if newest is not None:  # (Lightning's ``last*`` names are in that listing: the listing's choice stands,
                 found = {newest}     # also over a ``last.ckpt`` of a timeline a rollback left)
         if len(found) > 1:  # no listing to choose from (a damaged checkpoint under the memory tier)
@@ -274,27 +274,35 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]
 
 
-def _has_optimizer_states(path: str) -> Optional[bool]:
+def _read_kw(io: Optional[DistCkptIO]) -> Dict[str, Any]:
+    """How the job reads common state (``trusted``, ``allowed_globals``): the content metadata is in it."""
+    if io is None:
+        return {}
+    kw = io.load_kwargs()
+    return {"trusted": kw["trusted"], "allowed_globals": kw["allowed_globals"]}
+
+
+def _has_optimizer_states(path: str, kw: Dict[str, Any]) -> Optional[bool]:
     """What a checkpoint of the DistCkpt strategies recorded (``has_optimizer_states``); None: unknown."""
     try:
-        meta = load_content_metadata(path)
+        meta = load_content_metadata(path, **kw)
     except (CheckpointingException, OSError):
         return None
     return meta.get("has_optimizer_states") if isinstance(meta, dict) else None
 
 
-def _with_optimizer_states(newest: str, dirpath: str, ext: str, depth: int) -> str:
+def _with_optimizer_states(newest: str, dirpath: str, ext: str, depth: int, kw: Dict[str, Any]) -> str:
     """``newest``, or, when it was saved weights-only (another callback's ``save_weights_only=True``), the
     newest checkpoint before it that holds the optimizer states (of the same step when there is one), on the
     same timeline (:func:`~ckpt_integration.checkpoints.abandoned_checkpoints`): a resume from a weights-only
     one fails ("contains only the model") though a full state is there."""
-    if _has_optimizer_states(newest) is not False:
+    if _has_optimizer_states(newest, kw) is not False:
         return newest
     order = ordered_checkpoints(dirpath, ext, depth)
-    left = {c.path for c in abandoned_checkpoints(order, run_of)}
+    left = {c.path for c in abandoned_checkpoints(order, lambda p: run_of(p, **kw))}
     at = next((i for i, c in enumerate(order) if os.path.abspath(c.path) == os.path.abspath(newest)), None)
     for c in reversed(order[:at] if at is not None else []):
-        if c.path not in left and _has_optimizer_states(c.path) is not False:
+        if c.path not in left and _has_optimizer_states(c.path, kw) is not False:
             logger.info('ckpt_path="last": %s was saved weights-only; resuming from %s (%s), the newest full '
                         'checkpoint before it', newest, c.path, c.describe())
             return c.path

@@ -147,9 +147,6 @@ class DistCkptFabricMixin(Strategy):
             meta["dtensor_mesh"] = self._device_mesh
         return module_sharded_state_dict(module, _prefix(key), meta), None
 
-    def _load_kwargs(self, io: DistCkptIO) -> Dict[str, Any]:
-        return {k: v for k, v in io.load_kwargs().items() if k not in ("allowed_globals", "trusted")}
-
     # -- save ------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
@@ -330,7 +327,7 @@ class DistCkptFabricMixin(Strategy):
                 load_module_state_dict(self._module(module), got, prefix, strict=strict, missing_keys=miss,
                                        unexpected_keys=unexp, requested_keys=sharded_keys(request[key]))
         merged = {k: v for sd in request.values() for k, v in sd.items()}
-        kw = self._load_kwargs(io)
+        kw = io.load_kwargs()
         for key in opt_keys:
             if key not in present:
                 continue

@@ -341,10 +341,7 @@ class DistCkptIO(CheckpointIO):
 
     def load_optimizer(self, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str, module: Any = None) -> None:
         """Load one optimizer's state resharded for the current layout (collective)."""
-        kw = self.load_kwargs()
-        kw.pop("allowed_globals")
-        kw.pop("trusted")
-        load_optimizer_state(optimizer, model_sd, path, prefix=prefix, module=module, **kw)
+        load_optimizer_state(optimizer, model_sd, path, prefix=prefix, module=module, **self.load_kwargs())
 
     # -- async bookkeeping -----------------------------------------------------------------------
     def ensure_check_group(self) -> Any:

@@ -126,7 +126,7 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     left_by = None if mem_step is None or tier.latest_started is None else (mem_step, tier.latest_started)
     if durable is None and strategy.is_global_zero:
         try:
-            durable = latest_complete_checkpoint(_checkpoint_dir(trainer), left_by=left_by)
+            durable = latest_complete_checkpoint(_checkpoint_dir(trainer), left_by=left_by, **_common_kw(io))
         except CorruptCheckpointError as e:
             unordered = str(e)
     durable, unordered = strategy.broadcast((durable, unordered))

@@ -5,10 +5,11 @@ No Lightning objects here: the strategies, the plugin and ``DistCkptModelCheckpo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Iterable, Optional, Tuple
 
 from .. import serialization
 from ..checkpoints import newest_checkpoint
@@ -32,23 +33,27 @@ def is_complete_checkpoint(path: Any) -> bool:
 
 
 def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "", depth: int = 0,
-                               left_by: Optional[Tuple[int, float]] = None) -> Optional[str]:
+                               left_by: Optional[Tuple[int, float]] = None, trusted: bool = False,
+                               allowed_globals: Optional[Iterable[Any]] = None) -> Optional[str]:
     """The newest committed checkpoint directory in ``dirpath`` (local or fsspec URL), or ``None``.
 
     "Newest" is what the jobs recorded at commit (global step, then commit number; see
     :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
-    its reason are logged. After a rollback (a run resumed from an earlier checkpoint) the
+    its reason are logged (``trusted`` / ``allowed_globals``: as the job's loads). After a rollback (a run resumed from an earlier checkpoint) the
     checkpoints of the timeline it left are not candidates (:func:`run_of`; ``left_by``: the memory
     tier's newest snapshot, see :func:`~ckpt_integration.checkpoints.abandoned_checkpoints`). ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
     """
-    return newest_checkpoint(dirpath, suffix, why=why, depth=depth, run_of=run_of, left_by=left_by)
+    return newest_checkpoint(dirpath, suffix, why=why, depth=depth, left_by=left_by,
+                             run_of=functools.partial(run_of, trusted=trusted, allowed_globals=allowed_globals))
 
 
-def run_of(path: str) -> Optional[Tuple[int, float]]:
+def run_of(path: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None
+           ) -> Optional[Tuple[int, float]]:
     """The run that saved a checkpoint of the DistCkpt strategies: ``(global step it started from, time it
-    started)``, or None (not recorded, or unreadable: then no timeline is left out)."""
+    started)``, or None (not recorded, or unreadable: then no timeline is left out). ``trusted`` /
+    ``allowed_globals``: as the job's loads (the content metadata is read with the common state)."""
     try:
-        meta = serialization.load_content_metadata(path)
+        meta = serialization.load_content_metadata(path, trusted=trusted, allowed_globals=allowed_globals)
     except (CheckpointingException, OSError):
         return None
     run = meta.get("run") if isinstance(meta, dict) else None

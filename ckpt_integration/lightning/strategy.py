@@ -147,7 +147,7 @@ class DistCkptStrategyMixin(Strategy):
 
     def _load_optimizer(self, io: DistCkptIO, optimizer: Any, model_sd: Dict[str, Any], path: str, prefix: str) -> None:
         if self._is_fsdp1():
-            kw = {k: v for k, v in io.load_kwargs().items() if k not in ("allowed_globals", "trusted")}
+            kw = io.load_kwargs()
             fsdp.load_optimizer(self.model, _unwrap_optimizer(optimizer), model_sd, path, prefix, **kw)  # type: ignore[attr-defined]
             return
         io.load_optimizer(optimizer, model_sd, path, prefix, module=self.lightning_module)

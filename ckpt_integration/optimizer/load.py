@@ -41,10 +41,12 @@ def has_optimizer_state(checkpoint_dir: Union[str, "os.PathLike[str]"], prefix: 
     return any(k.startswith(prefix + ".") for k in load_sharded_metadata(checkpoint_dir))
 
 
-def saved_param_groups_only(checkpoint_dir: Union[str, "os.PathLike[str]"], key: str) -> bool:
+def saved_param_groups_only(checkpoint_dir: Union[str, "os.PathLike[str]"], key: str, *, trusted: bool = False,
+                            allowed_globals: Optional[Iterable[Any]] = None) -> bool:
     """True if the checkpoint's common state holds the param groups of an optimizer under ``key``
-    and no state: what an optimizer that keeps no state (SGD without momentum) saves."""
-    entry = load_common_state_dict(checkpoint_dir).get(key)
+    and no state: what an optimizer that keeps no state (SGD without momentum) saves. ``trusted`` /
+    ``allowed_globals``: as the load's (the common state holds what the job put there)."""
+    entry = load_common_state_dict(checkpoint_dir, trusted=trusted, allowed_globals=allowed_globals).get(key)
     return isinstance(entry, dict) and isinstance(entry.get("param_groups"), (list, dict)) and not entry.get("state")
 
 
@@ -353,7 +355,9 @@ def load_optimizer_state(
     or has another shape.
     """
     state_dict_key = state_dict_key or prefix
-    if not has_optimizer_state(checkpoint_dir, prefix) and not saved_param_groups_only(checkpoint_dir, state_dict_key):
+    if not has_optimizer_state(checkpoint_dir, prefix) and not saved_param_groups_only(
+            checkpoint_dir, state_dict_key, trusted=bool(load_kwargs.get("trusted")),
+            allowed_globals=load_kwargs.get("allowed_globals")):  # type: ignore[arg-type]
         report_missing_state(checkpoint_dir, prefix, missing_ok)
         return None
     params = optimizer_params(optimizer)
