@@ -69,6 +69,11 @@ def _rank() -> int:
     return tdist.get_rank() if tdist.is_available() and tdist.is_initialized() else 0
 
 
+_CACHED_OVERWRITE = ("ci.dcp.Writer(overwrite=True): {path} holds a committed checkpoint, and DCP's plan caching "
+                     "(DefaultSavePlanner(enable_plan_caching=True)) reuses an earlier save's plans, which cannot carry "
+                     "this save's staging directory to every rank: save to a new directory, or without plan caching")
+
+
 class Writer(StorageWriter):
     """A ``torch.distributed.checkpoint`` ``StorageWriter`` writing this library's format to ``path``
     (a directory, or an fsspec URL such as ``s3://bucket/run/step_100``).
@@ -152,12 +157,15 @@ class Writer(StorageWriter):
         else:
             self._claim = claims.claim_new(ck, token, self.durable)
         _held[path], self._held_at = self._claim, path
-        # every rank writes where the coordinator claimed (the plans carry it to them)
-        return [dataclasses.replace(p, storage_data=self._claim.write_dir) for p in plans]
+        if self._claim.write_dir != self.path and any(not p.usable for p in plans):
+            self._release()  # (nothing written yet)
+            raise CheckpointingException(_CACHED_OVERWRITE.format(path=path))
+        # every rank writes where the coordinator claimed (the plans carry it to them, with the path they are for)
+        return [dataclasses.replace(p, storage_data=(self.path, self._claim.write_dir)) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[List[WriteResult]]":
         """This rank's items into ``__<rank>_<i>.distcp`` files, with block digests and fingerprints."""
-        self.write_dir = plan.storage_data if isinstance(plan.storage_data, str) else self.path
+        self.write_dir = self._write_dir(plan)
         requests: List[WriteRequest] = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -184,6 +192,20 @@ class Writer(StorageWriter):
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+    def _write_dir(self, plan: SavePlan) -> str:
+        """Where this rank writes: the coordinator's claim (its own), or what the plans carried. A plan DCP's
+        plan caching kept from an earlier save (``DefaultSavePlanner(enable_plan_caching=True)``) carries that
+        save's directory: a new checkpoint is written in place at this save's path; an overwrite's staging
+        directory is known to the coordinator only (refused there, and here)."""
+        if self._claim is not None:
+            return self._claim.write_dir
+        got = plan.storage_data
+        if isinstance(got, tuple) and len(got) == 2 and got[0] == self.path:
+            return got[1]
+        if locate(self.path).exists(ckdir.CONFIG_FILE):
+            raise CheckpointingException(_CACHED_OVERWRITE.format(path=self.path))
+        return self.path
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         """Coordinator: ``.metadata`` (DCP's), ``common.pt``, ``manifest.json`` (digests of every item),

@@ -285,12 +285,32 @@ def _uncoordinated_worker(rank, world, path):
         dcp.save({"w": torch.ones(4)}, storage_writer=ci.dcp.Writer(f"{path}-group"), process_group=alone)
         assert ci.open_checkpoint(f"{path}-group").manifest.world_size == 1
     dist.barrier()
+    # DCP's plan caching reuses the first save's plans, which carried that save's directory: the second save's
+    # files went into the first checkpoint (SaveConflictError naming it) and every later save failed
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for step in (1, 2, 3):
+        dcp.save({f"w{rank}": torch.full((4,), float(10 * step + rank))}, planner=DefaultSavePlanner(enable_plan_caching=True),
+                 storage_writer=ci.dcp.Writer(f"{path}-cached-{step}"))
+    for step in (1, 2, 3):
+        out = {f"w{rank}": torch.zeros(4)}
+        dcp.load(out, storage_reader=ci.dcp.Reader(f"{path}-cached-{step}"))
+        assert torch.equal(out[f"w{rank}"], torch.full((4,), float(10 * step + rank))), (step, out)
+    # an overwrite's staging directory cannot reach the other ranks through a cached plan: refused on every rank
+    with pytest.raises(CheckpointException, match="plan caching"):
+        dcp.save({f"w{rank}": torch.zeros(4)}, planner=DefaultSavePlanner(enable_plan_caching=True),
+                 storage_writer=ci.dcp.Writer(f"{path}-cached-3", overwrite=True))
+    out = {f"w{rank}": torch.zeros(4)}
+    dcp.load(out, storage_reader=ci.dcp.Reader(f"{path}-cached-3"))
+    assert torch.equal(out[f"w{rank}"], torch.full((4,), float(30 + rank)))  # (the old checkpoint, whole)
+    dist.barrier()
 
 
 def test_an_uncoordinated_save_of_a_job_is_refused_on_every_rank(tmp_path):
     """``dcp.save(use_collectives=False)`` on several ranks into one path committed the first rank's part
     alone (the other ranks failed against its claim): now every rank refuses before writing. A save by
-    one rank (``no_dist``, or a group of one) records one rank, not the world's size."""
+    one rank (``no_dist``, or a group of one) records one rank, not the world's size. Saves with DCP's plan
+    caching each write their own checkpoint (an overwrite is refused: its staging directory cannot travel)."""
     run_distributed(_uncoordinated_worker, 2, str(tmp_path / "ck"), timeout=60)
 
 
