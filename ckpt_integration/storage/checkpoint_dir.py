@@ -341,18 +341,18 @@ def _parse_config(raw: object, directory: str, path: str) -> CheckpointingConfig
     versions = SUPPORTED_BACKENDS.get(config.sharded_backend)
     if versions is None:
         raise UnsupportedCheckpointError(
-            f"{directory}: unknown sharded backend {config.sharded_backend!r}; "
-            f"supported: {sorted(SUPPORTED_BACKENDS)}"
+            f"{path}: unknown sharded backend {config.sharded_backend!r}; "
+            f"supported: {sorted(SUPPORTED_BACKENDS)} (a newer writer, or a damaged file)"
         )
     if config.sharded_backend_version not in versions:
         raise UnsupportedCheckpointError(
-            f"{directory}: {config.sharded_backend} format version {config.sharded_backend_version} "
+            f"{path}: {config.sharded_backend} format version {config.sharded_backend_version} "
             f"is not supported (supported: {list(versions)})"
         )
     cversions = SUPPORTED_COMMON_BACKENDS.get(config.common_backend)
     if cversions is None or config.common_backend_version not in cversions:
         raise UnsupportedCheckpointError(
-            f"{directory}: unsupported common backend {config.common_backend!r} "
+            f"{path}: unsupported common backend {config.common_backend!r} "
             f"version {config.common_backend_version}"
         )
     return config
