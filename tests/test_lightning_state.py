@@ -832,3 +832,40 @@ def test_resume_with_allowed_globals_in_the_common_state(tmp_path, optimizer):
     fit(ckpt_path=next(c.path for c in ordered_checkpoints(ck) if c.step == 4), fail_at=7)
     fit(ckpt_path="last", fail_at=9)
     assert started == [0, 4, 6], started
+
+
+def test_hydra_hyper_parameters_resume_with_the_default_plugin(tmp_path):
+    """``save_hyperparameters(cfg)`` with Hydra's DictConfig (nested, a list, None): every resume failed with
+    UntrustedObjectError ("omegaconf.base.ContainerMetadata", then "typing.Any", then "dict"): the plugin allowed
+    the containers, not what a pickled one is made of. Docs: DictConfig hyper-parameters load without trusted."""
+    import lightning as L
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy
+
+    cfg = OmegaConf.create({"lr": 0.1, "model": {"width": 8, "layers": [1, 2], "bias": True}, "name": "run", "x": None})
+
+    class Module(L.LightningModule):
+        def __init__(self, cfg):
+            super().__init__()
+            self.save_hyperparameters(cfg)
+            self.lin = nn.Linear(8, 8)
+
+        def training_step(self, batch, idx):
+            return self.lin(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    def fit(steps, ckpt_path=None):
+        t = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[DistCkptModelCheckpoint(dirpath=f"{tmp_path}/ck")],
+                      strategy=DistCkptSingleDeviceStrategy(checkpoint_io=DistCkptIO()))
+        m = Module(cfg)
+        t.fit(m, DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4), ckpt_path=ckpt_path)
+        return t, m
+
+    fit(4)
+    t, m = fit(6, ckpt_path="last")
+    assert t.global_step == 6 and m.hparams.model.layers == [1, 2] and m.hparams.name == "run"

@@ -67,6 +67,25 @@ def _memory_options(memory: Any) -> Dict[str, Any]:
     return memory
 
 
+def _omegaconf_globals() -> List[Any]:
+    """What a pickled OmegaConf container is made of (Hydra's ``save_hyperparameters(cfg)``): the containers,
+    their metadata and value nodes, and the types that metadata names. Data classes and types only: nothing
+    here runs code when unpickled. (The containers alone were refused: ``ContainerMetadata``, then ``typing.Any``,
+    then ``dict``; a structured config's own classes still need ``allowed_globals``.)"""
+    try:
+        from omegaconf import DictConfig, ListConfig, nodes
+        from omegaconf.base import ContainerMetadata, Metadata
+    except ImportError:  # pragma: no cover
+        return []
+    import collections
+    import typing
+
+    value_nodes = [getattr(nodes, n) for n in ("AnyNode", "BooleanNode", "BytesNode", "EnumNode", "FloatNode",
+                                               "IntegerNode", "PathNode", "StringNode") if hasattr(nodes, n)]
+    return [DictConfig, ListConfig, ContainerMetadata, Metadata, *value_nodes, typing.Any, collections.defaultdict,
+            dict, list, tuple, int, float, str, bool, bytes]
+
+
 class DistCkptIO(CheckpointIO):
     """Lightning ``CheckpointIO`` plugin saving sharded, reshardable directory checkpoints.
 
@@ -270,13 +289,7 @@ class DistCkptIO(CheckpointIO):
         OmegaConf's containers, ``trusted``, strategy options), for the strategies and Fabric."""
         from lightning.fabric.utilities.data import AttributeDict
 
-        allowed = [AttributeDict, *self.allowed_globals]
-        try:
-            from omegaconf import DictConfig, ListConfig
-
-            allowed += [DictConfig, ListConfig]
-        except ImportError:  # pragma: no cover
-            pass
+        allowed = [AttributeDict, *self.allowed_globals, *_omegaconf_globals()]
         return dict(trusted=self.trusted, allowed_globals=allowed, thread_count=self.thread_count,
                     load_strategy=self.load_strategy, verify_state=self.verify_state)
 
