@@ -869,3 +869,28 @@ def test_hydra_hyper_parameters_resume_with_the_default_plugin(tmp_path):
     fit(4)
     t, m = fit(6, ckpt_path="last")
     assert t.global_step == 6 and m.hparams.model.layers == [1, 2] and m.hparams.name == "run"
+
+
+def test_an_explicit_incomplete_last_ckpt_falls_back_to_the_newest_complete_one(tmp_path):
+    """``fit(ckpt_path=".../last.ckpt")`` with a ``last.ckpt`` a killed save left incomplete: the callback's setup
+    removed it as debris before the strategy loaded the path, and the fit failed with "does not exist" instead
+    of falling back to the newest complete checkpoint beside it (as documented, with a warning)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck, started = f"{tmp_path}/ck", []
+
+    class Started(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    def fit(n, ckpt_path=None):
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=-1, every_n_train_steps=4, save_last=True), Started()]
+        return _Stepped.fit(ck, [0.0] * n, DistCkptIO(), ckpt_path=ckpt_path, callbacks=cbs)
+
+    fit(8)
+    os.remove(f"{ck}/last.ckpt/metadata.json")  # (what a save of last killed before its commit leaves)
+    t = fit(12, ckpt_path=f"{ck}/last.ckpt")
+    assert started == [0, 8] and t.global_step == 12, started
+    assert os.path.exists(f"{ck}/last.ckpt/metadata.json")  # (replaced by the resumed run's save of last)

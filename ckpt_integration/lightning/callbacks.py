@@ -17,7 +17,7 @@ from ..storage.claim import remove_dead_partial
 from ..storage.filesystem import is_remote, join, locate
 from .io import DistCkptIO
 from .memory import memory_candidate
-from .paths import is_complete_checkpoint, latest_complete_checkpoint, run_of
+from .paths import is_complete_checkpoint, is_last_name, latest_complete_checkpoint, run_of
 from ..serialization import load_content_metadata
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,9 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         """Lightning's; then (rank 0, fitting, a local ``dirpath``) remove the checkpoint directories a
         killed run left incomplete: a resumed run that does not save the same step again kept them for
-        good (``ckpt_path="last"`` never picks them; a running save's are locked, and kept)."""
+        good (``ckpt_path="last"`` never picks them; a running save's are locked, and kept). An incomplete
+        ``last*`` stays: a resume given its path falls back from it (removed here first, that resume failed
+        with "does not exist"), and the next save of ``last`` replaces it."""
         super().setup(trainer, pl_module, stage)
         if self.save_last and self.dirpath is not None and is_remote(os.fspath(self.dirpath)):
             raise ValueError(
@@ -211,6 +213,8 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         io = _io(trainer)
         depth = (self.filename or "").count("/")  # (a file name with "/" nests checkpoints deeper)
         for path in _checkpoint_dirs(os.fspath(self.dirpath), self.FILE_EXTENSION, depth):
+            if is_last_name(os.path.basename(path)):
+                continue  # (a resume given it falls back to the newest complete sibling, later: the next save replaces it)
             if not (io is not None and io.saving(path)) and remove_dead_partial(locate(path)):
                 logger.warning("removed %s: an incomplete checkpoint a killed run left (never committed)", path)
 

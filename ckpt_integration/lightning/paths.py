@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 _LAST_RE = re.compile(r"^(last(-v\d+)?|hpc_ckpt_\d+)(\.ckpt)?$")
 
 
+def is_last_name(name: str) -> bool:
+    """Whether ``name`` is one whose incomplete directory a resume falls back from (``last*.ckpt``, ``hpc_ckpt_<n>``)."""
+    return bool(_LAST_RE.match(name))
+
+
 def is_complete_checkpoint(path: Any) -> bool:
     """True if ``path`` (local path, fsspec URL or opened checkpoint) is a committed checkpoint directory
     (has ``metadata.json``)."""
@@ -93,4 +98,4 @@ def resolve_checkpoint_path(path: str) -> str:
     return path  # let ci.load raise its specific error (missing path, a file, ...)
 
 
-__all__ = ["is_complete_checkpoint", "latest_complete_checkpoint", "resolve_checkpoint_path", "run_of"]
+__all__ = ["is_complete_checkpoint", "is_last_name", "latest_complete_checkpoint", "resolve_checkpoint_path", "run_of"]
