@@ -283,16 +283,9 @@ class ShardedTensor(ShardedBase):
         return replace(placed, data=data, flattened_range=flattened_range)
 
     @classmethod
-    def from_global_offsets(
-        cls,
-        key: str,
-        data: torch.Tensor,
-        global_shape: Tuple[int, ...],
-        global_offset: Tuple[int, ...],
-        replica_id: ReplicaId = 0,
-        prepend_axis_num: int = 0,
-        allow_shape_mismatch: bool = False,
-    ) -> "ShardedTensor":
+    def from_global_offsets(cls, key: str, data: torch.Tensor, global_shape: Tuple[int, ...],
+                            global_offset: Tuple[int, ...], replica_id: ReplicaId = 0, prepend_axis_num: int = 0,
+                            allow_shape_mismatch: bool = False) -> "ShardedTensor":
         """Build a shard at an explicit global offset; use this for uneven shards.
 
         Example: rows 0..4 of a 10-row tensor split 4/3/3 across 3 ranks::
@@ -308,7 +301,12 @@ class ShardedTensor(ShardedBase):
         return self.axis_fragmentations is not None
 
     def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
-        return self.global_offset
+        """This shard's place in the grid of chunks (prepended axes: their offsets), as Megatron-Core's."""
+        p = self.prepend_axis_num
+        if any(s == 0 or o % s for o, s in zip(self.global_offset[p:], self.local_shape)):
+            raise CheckpointingException(f"{self.key!r} at {self.global_offset}: an offset is not a multiple of the "
+                                         f"local shape {tuple(self.local_shape)} (no regular grid of chunks)")
+        return tuple(self.global_offset[:p]) + tuple(o // s for o, s in zip(self.global_offset[p:], self.local_shape))
 
     def saved_shape(self) -> Tuple[int, ...]:
         """Shape of the saved chunk: local shape with the prepended axes as 1."""
@@ -317,13 +315,17 @@ class ShardedTensor(ShardedBase):
         return (1,) * self.prepend_axis_num + local if self.prepend_axis_num else local
 
     def max_allowed_chunks(self) -> Tuple[int, ...]:
-        if self.axis_fragmentations is None:
-            raise CheckpointingException(f"{self.key!r} has no regular grid")
-        return self.axis_fragmentations
+        """The chunk size per axis of the grid ``axis_fragmentations`` describes, as Megatron-Core's."""
+        frag = self.axis_fragmentations
+        if frag is None or (not self.allow_shape_mismatch and any(n % f for n, f in zip(self.global_shape, frag))):
+            raise CheckpointingException(f"{self.key!r}: shape {self.global_shape} has no regular grid {frag}")
+        return tuple(n // f for n, f in zip(self.global_shape, frag))
 
-    def global_slice(self) -> Tuple[slice, ...]:
-        """Slices of the global tensor covered by this shard (prepended axes as 1-long)."""
-        return tuple(slice(o, o + s) for o, s in zip(self.global_offset, self.saved_shape()))
+    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+        """Where this shard is in the global tensor (prepended axes as integers, so ``full[sh.global_slice()]`` has
+        the local shape), as Megatron-Core's."""
+        p = self.prepend_axis_num
+        return tuple(self.global_offset[:p]) + tuple(slice(o, o + s) for o, s in zip(self.global_offset[p:], self.local_shape))
 
     def local_numel(self) -> int:
         """Elements of the local shard (of the non-flat local shape)."""

@@ -173,3 +173,23 @@ def test_megatron_strict_handling_is_accepted(tmp_path):
     out, missing, unexpected = ci.load(req, tmp_path / "c", strict=MStrict.RETURN_ALL)
     assert unexpected == {"v"} and missing == set() and torch.equal(out["w"], torch.ones(2))
     assert {m.value for m in MStrict} == {m.value for m in ci.StrictHandling}
+
+
+def test_sharded_tensor_grid_methods_match_megatron():
+    """``local_chunk_offset_in_global``, ``max_allowed_chunks`` and ``global_slice`` gave other values than
+    Megatron-Core's on the same shard (element offsets for chunk indices, the fragmentation for the chunk size,
+    a slice for a prepended axis, so ``full[sh.global_slice()]`` had an extra dimension)."""
+    m = _megatron()
+    full = torch.arange(2 * 6 * 8, dtype=torch.float32).view(2, 6, 8)
+    cases = [(((0, 1, 2), (1, 1, 2)), {}, full[0]),  # rows and columns of a (6, 8) tensor, 2 x 2
+             (((0, 1, 2), (1, 0, 2), (2, 1, 2)), {"prepend_axis_num": 1}, full)]  # a (2, 6, 8) stack, layer 1
+    for offsets, kw, whole in cases:
+        data = torch.zeros(3, 4)
+        ours = ci.ShardedTensor.from_rank_offsets("w", data, *offsets, **kw)
+        theirs = m.ShardedTensor.from_rank_offsets("w", data, *offsets, **kw)
+        for name in ("local_chunk_offset_in_global", "max_allowed_chunks", "global_slice"):
+            assert getattr(ours, name)() == getattr(theirs, name)(), (name, offsets, kw)
+        assert tuple(whole[ours.global_slice()].shape) == (3, 4)
+    uneven = ci.ShardedTensor.from_global_offsets("u", torch.zeros(4, 3), (10, 3), (6, 0))
+    with pytest.raises(ci.CheckpointingException, match="no regular grid"):
+        uneven.local_chunk_offset_in_global()
