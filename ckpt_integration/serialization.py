@@ -24,7 +24,7 @@ from .execution.state_check import check_whole_tensors, default_verify_state
 from .execution.save import CONTENT_METADATA_KEY, save_sharded
 from .execution.shared_metadata import SharedMetadata, open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from .planning.strict import StrictHandling
+from .planning.strict import StrictHandling, parse_strict_flag  # noqa: F401 (Megatron-Core's name here too)
 from .storage import checkpoint_dir as ckdir, zarr_backend
 from .storage.opened import embedded_common_bytes, read_metadata
 from .storage.filesystem import CheckpointLocation, locate

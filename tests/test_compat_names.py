@@ -193,3 +193,15 @@ def test_sharded_tensor_grid_methods_match_megatron():
     uneven = ci.ShardedTensor.from_global_offsets("u", torch.zeros(4, 3), (10, 3), (6, 0))
     with pytest.raises(ci.CheckpointingException, match="no regular grid"):
         uneven.local_chunk_offset_in_global()
+
+
+def test_validation_names_at_megatrons_import_paths():
+    """``ckpt_integration.validation`` did not exist, nor ``serialization.parse_strict_flag``: code switched from
+    Megatron-Core by changing the import failed there."""
+    from ckpt_integration import serialization, validation
+
+    mval = import_megatron("megatron.core.dist_checkpointing.validation")
+    assert serialization.parse_strict_flag is validation.parse_strict_flag
+    for flag in ("assume_ok_unexpected", "log_all", "raise_unexpected", "return_all", "raise_all"):
+        assert validation.parse_strict_flag(flag).value == mval.parse_strict_flag(flag).value, flag
+    assert validation.StrictHandling.RAISE_ALL.value == mval.StrictHandling.RAISE_ALL.value

@@ -44,6 +44,7 @@ LAYERS: Dict[str, int] = {
     # 2 planning: pure functions over metadata
     "ckpt_integration.planning": 2,
     "ckpt_integration.memory.plan": 2,
+    "ckpt_integration.validation": 2,
     # 3 storage: formats, files, filesystems, checksums
     "ckpt_integration.storage": 3,
     "ckpt_integration.strategies": 3,
