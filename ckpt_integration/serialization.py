@@ -34,6 +34,7 @@ from .storage.opened import OpenedCheckpoint, open_checkpoint, opened  # noqa: F
 from .storage.torch_dist import DCP_METADATA_FILE, read_dcp_metadata, write_dcp_metadata
 from .strategies import (
     LoadShardedStrategy, LoadStrategy, SaveShardedStrategy, StrategySpec, backend_and_version, save_strategy_options,
+    strategy_option,
 )
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -156,7 +157,7 @@ def save(
         validate_access_integrity=validate_access_integrity,
         content_metadata=content_metadata,
         thread_count=thread_count if thread_count is not None else (
-            getattr(sharded_strategy, "thread_count", None) or default_thread_count()),
+            strategy_option(sharded_strategy, "thread_count") or default_thread_count()),
         balance=balance,
         overwrite=overwrite,
         durable=durable,

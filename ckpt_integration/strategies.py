@@ -161,14 +161,26 @@ def backend_and_version(strategy: StrategySpec, default: str = "torch_dist") -> 
     return getattr(strategy, "backend", default), getattr(strategy, "version", 1)
 
 
+def strategy_option(strategy: StrategySpec, name: str) -> Any:
+    """A save strategy's option ``name`` (``separation_hint``, ``thread_count``), or None: also through wrappers
+    such as Megatron-Core's ``FullyParallelSaveStrategyWrapper`` (its ``base_strategy`` holds them)."""
+    while strategy is not None and not isinstance(strategy, (str, tuple)):
+        value = getattr(strategy, name, None)
+        if value is not None:
+            return value
+        strategy = getattr(strategy, "base_strategy", None)
+    return None
+
+
 def save_strategy_options(strategy: StrategySpec) -> Dict[str, Any]:
     """What a save strategy decides of a save: ``backend`` (checked with its format version) and, where the
-    strategy has one, ``separation_hint`` (``TorchDistSaveShardedStrategy(separation_hint=...)``)."""
+    strategy has one, ``separation_hint`` (``TorchDistSaveShardedStrategy(separation_hint=...)``, also inside a
+    wrapper)."""
     backend, version = backend_and_version(strategy)
     check_backend(backend, version)
-    hint = getattr(strategy, "separation_hint", None)
+    hint = strategy_option(strategy, "separation_hint")
     return {"backend": backend, **({"separation_hint": hint} if hint else {})}
 
 
 __all__ = ["SaveShardedStrategy", "LoadShardedStrategy", "TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy",
-           "check_backend", "backend_and_version"]
+           "check_backend", "backend_and_version", "strategy_option"]

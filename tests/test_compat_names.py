@@ -8,6 +8,7 @@ same inputs; the ``utils`` helpers are checked on our classes and on Megatron's.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -162,6 +163,26 @@ def test_megatron_strategy_object_is_accepted(tmp_path):
 
     ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, tmp_path / "c", get_default_save_sharded_strategy())
     assert ci.get_default_load_sharded_strategy(tmp_path / "c").backend == "torch_dist"
+
+
+def test_a_wrapped_megatron_strategy_keeps_its_options(tmp_path):
+    """Megatron-LM wraps its save strategy in ``FullyParallelSaveStrategyWrapper``: its ``separation_hint`` (and
+    ``thread_count``) sit on the wrapped strategy, and were dropped, so ``remove_sharded_tensors(dir, hint)`` could
+    free nothing; Megatron's own save keeps them."""
+    _megatron()
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from ckpt_integration.strategies import save_strategy_options, strategy_option
+
+    inner = TorchDistSaveShardedStrategy("torch_dist", 1, separation_hint="optimizer.", thread_count=1)
+    wrapped = FullyParallelSaveStrategyWrapper(inner)
+    assert save_strategy_options(wrapped)["separation_hint"] == "optimizer."
+    assert strategy_option(wrapped, "thread_count") == 1
+    state = {k: ci.ShardedTensor.from_rank_offsets(k, torch.ones(2, 4)) for k in ("model.w", "optimizer.m")}
+    ci.save(state, tmp_path / "c", wrapped)
+    assert sorted(n for n in os.listdir(tmp_path / "c") if n.endswith(".distcp")) == ["__0_0.distcp",
+                                                                                      "optimizer.__0_1.distcp"]
 
 
 def test_megatron_strict_handling_is_accepted(tmp_path):
