@@ -26,7 +26,7 @@ from .execution.shared_metadata import SharedMetadata, open_shared, shared_of
 from .mapping import CkptShardedMetadata, ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from .planning.strict import StrictHandling, parse_strict_flag  # noqa: F401 (Megatron-Core's name here too)
 from .storage import checkpoint_dir as ckdir, zarr_backend
-from .storage.opened import embedded_common_bytes, read_metadata
+from .storage.opened import embedded_common_bytes, embedded_common_key, read_metadata
 from .storage.filesystem import CheckpointLocation, locate
 from .storage.checksum import write_recorded
 from .storage.item_table import encode_text
@@ -433,7 +433,10 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
         _remove_from_zarr(ck, key_prefix)
         return
     md = read_dcp_metadata(ck)
-    removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
+    # (the common state a save with common_state_in_data=True keeps as an item, where there is no common.pt, is not
+    # a sharded tensor: a prefix such as "common" removed it, and the checkpoint no longer loaded)
+    embedded = embedded_common_key(md) if not ck.exists(ckdir.COMMON_FILE) else None
+    removed = {k for k in md.state_dict_metadata if k.startswith(key_prefix) and k != embedded}
     if not removed:
         return
     files_kept, files_all = set(), set()

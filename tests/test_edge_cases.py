@@ -545,3 +545,19 @@ def test_an_empty_piece_at_the_offset_of_another_does_not_take_its_place(tmp_pat
     out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 3), -1.0))}, str(tmp_path / "c"))
     assert torch.equal(out["w"], g)
 
+
+
+def test_remove_sharded_tensors_keeps_the_common_state_of_common_state_in_data(tmp_path):
+    """``common_state_in_data=True`` keeps the common state as an item ``common_state/shard_0_1`` (no common.pt):
+    ``remove_sharded_tensors(dir, "common")`` removed it with the tensors of that prefix, and the checkpoint no longer
+    loaded ("no common state"). Without it, an object of that name is the user's and is removed."""
+    sd = {"commons": ShardedTensor.from_rank_offsets("commons", torch.ones(2)),
+          "t": ShardedTensor.from_rank_offsets("t", torch.ones(2)), "step": 7}
+    ci.save(sd, str(tmp_path / "c"), common_state_in_data=True)
+    ci.remove_sharded_tensors(str(tmp_path / "c"), "common")
+    assert ci.load_common_state_dict(str(tmp_path / "c"))["step"] == 7
+    assert set(ci.load_tensors_metadata(str(tmp_path / "c"))) == {"t"}
+    mine = {"t": ShardedTensor.from_rank_offsets("t", torch.ones(2)), "o": ci.ShardedObject("common_state", 1, (1,), (0,))}
+    ci.save(mine, str(tmp_path / "d"))
+    ci.remove_sharded_tensors(str(tmp_path / "d"), "common")
+    assert set(ci.load_sharded_metadata(str(tmp_path / "d"))) == {"t"}
