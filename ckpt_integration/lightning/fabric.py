@@ -242,7 +242,9 @@ class DistCkptFabricMixin(Strategy):
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         # an opened checkpoint given is read as it is (one commit, its small files read once); a path:
         # an incomplete last.ckpt falls back, other incomplete ones raise
-        path = given if isinstance(given, OpenedCheckpoint) else resolve_checkpoint_path(path)
+        kw = io.load_kwargs()
+        path = given if isinstance(given, OpenedCheckpoint) else resolve_checkpoint_path(path, kw["trusted"],
+                                                                                          kw["allowed_globals"])
         if not state:
             with io.opened_for_load(path) as ck:
                 return self._load_full(io, ck)

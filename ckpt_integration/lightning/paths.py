@@ -70,11 +70,12 @@ def run_of(path: str, trusted: bool = False, allowed_globals: Optional[Iterable[
     return step, float(started)
 
 
-def resolve_checkpoint_path(path: str) -> str:
+def resolve_checkpoint_path(path: str, trusted: bool = False, allowed_globals: Optional[Iterable[Any]] = None) -> str:
     """``path`` if complete; for an incomplete ``last*.ckpt`` or ``hpc_ckpt_<n>.ckpt`` the newest complete
     sibling; else raise.
 
-    Works for local paths and fsspec URLs (``s3://...``, ``memory://...``).
+    Works for local paths and fsspec URLs (``s3://...``, ``memory://...``). ``trusted`` / ``allowed_globals``: as
+    the job's loads (the choice after a rollback reads the checkpoints' content metadata).
     """
     if is_complete_checkpoint(path):
         return path
@@ -86,7 +87,8 @@ def resolve_checkpoint_path(path: str) -> str:
         if real != p and is_complete_checkpoint(real):
             return real
     if _LAST_RE.match(base_name(p)) and storage.exists(p):
-        alt = latest_complete_checkpoint(parent_of(p), why=f"{path} is incomplete")
+        alt = latest_complete_checkpoint(parent_of(p), why=f"{path} is incomplete", trusted=trusted,
+                                         allowed_globals=allowed_globals)
         if alt is not None:
             logger.warning("%s is incomplete (interrupted save); resuming from %s instead", path, alt)
             return alt

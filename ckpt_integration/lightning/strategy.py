@@ -268,7 +268,8 @@ class DistCkptStrategyMixin(Strategy):
         if stock_layout(path) is not None:
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
-        with io.opened_for_load(resolve_checkpoint_path(path)) as ck:  # one commit for every read below
+        kw = io.load_kwargs()
+        with io.opened_for_load(resolve_checkpoint_path(path, kw["trusted"], kw["allowed_globals"])) as ck:  # (one commit)
             return self._load_opened(io, ck, model_sd)
 
     def _load_opened(self, io: DistCkptIO, path: Any, model_sd: Dict[str, Any]) -> Dict[str, Any]:
