@@ -251,5 +251,5 @@ def save_base(
     return base if base is None or callable(base) else storage_for(base)[1]  # (resolved now: see storage_for)
 
 
-__all__ = ["CommitOrder", "abandoned_checkpoints", "commit_order_of", "list_checkpoints", "newest_beside", "newest_checkpoint",
-           "ordered_checkpoints", "save_base"]
+__all__ = ["CommitOrder", "abandoned_checkpoints", "commit_order_of", "list_checkpoints", "newest_beside",
+           "newest_checkpoint", "ordered_checkpoints", "save_base"]

@@ -176,7 +176,8 @@ def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkpt
     if strategy.is_global_zero:
         try:
             found = [c for c in ordered_checkpoints(_checkpoint_dir(strategy.lightning_module.trainer), ".ckpt")
-                     if c.step == step and not _is_snapshot_copy(c.path) and (started is None or (c.created or 0) >= started)]
+                     if c.step == step and not _is_snapshot_copy(c.path)
+                     and (started is None or (c.created or 0) >= started)]
             if found:
                 states = load_common_state_dict(found[-1].path, **_common_kw(io)).get("callbacks")
         except (CheckpointingException, OSError) as e:  # (memory's own states stand: one extra checkpoint at worst)

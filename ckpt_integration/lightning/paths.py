@@ -44,9 +44,11 @@ def latest_complete_checkpoint(dirpath: Any, suffix: str = ".ckpt", why: str = "
 
     "Newest" is what the jobs recorded at commit (global step, then commit number; see
     :mod:`ckpt_integration.checkpoints`), timestamps only for remaining ties; the choice and
-    its reason are logged (``trusted`` / ``allowed_globals``: as the job's loads). After a rollback (a run resumed from an earlier checkpoint) the
+    its reason are logged. After a rollback (a run resumed from an earlier checkpoint) the
     checkpoints of the timeline it left are not candidates (:func:`run_of`; ``left_by``: the memory
-    tier's newest snapshot, see :func:`~ckpt_integration.checkpoints.abandoned_checkpoints`). ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``).
+    tier's newest snapshot, see :func:`~ckpt_integration.checkpoints.abandoned_checkpoints`).
+    ``depth``: directories below ``dirpath`` to look in too (a file name with ``/``); ``trusted`` /
+    ``allowed_globals``: as the job's loads (the run records are in the checkpoints' common state).
     """
     return newest_checkpoint(dirpath, suffix, why=why, depth=depth, left_by=left_by,
                              run_of=functools.partial(run_of, trusted=trusted, allowed_globals=allowed_globals))
