@@ -753,26 +753,58 @@ def test_last_after_a_rollback_resumes_the_memory_tier_not_the_timeline_left(tmp
     assert started == [0, 4, 7], started
 
 
-@pytest.mark.parametrize("save_last", [False, True])
-def test_a_resume_from_memory_keeps_top_k_true(tmp_path, save_last):
+@pytest.mark.parametrize("layout", ["one", "two_dirs", "nested"])
+def test_a_resume_from_memory_keeps_top_k_true(tmp_path, layout):
     """The memory snapshot of a step is taken before ``ModelCheckpoint`` saves that step: restored from it (a tie
     with the durable checkpoint of the step goes to memory), the callback did not know its own step-4 checkpoint,
-    which stayed for good beside ``save_top_k=1``'s best. The callbacks' states now come from that checkpoint."""
+    which stayed for good beside ``save_top_k=1``'s best. The callbacks' states now come from the checkpoint of
+    that step committed last: also of a second callback in another directory (``two_dirs``: read from the first
+    callback's directory only, the second kept one checkpoint per resume) and below a file name with "/"."""
     from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
 
-    ck = f"{tmp_path}/ck"
+    ck, ck2 = f"{tmp_path}/ck", f"{tmp_path}/ck2"
     scores = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0.5, 0.4, 0.3]
 
     def fit(ckpt_path=None, fail_at=None):
         io = DistCkptIO(memory_every_n_train_steps=2, memory_replicas=1, memory_dir=f"{tmp_path}/shm")
-        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", mode="min", every_n_train_steps=2,
-                                       save_last=save_last)]
+        kw = dict(save_top_k=1, monitor="m", mode="min")
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, every_n_train_steps=2, save_last=layout != "nested",
+                                       **({"filename": "g/{step}"} if layout == "nested" else {}), **kw)]
+        if layout == "two_dirs":
+            cbs.append(DistCkptModelCheckpoint(dirpath=ck2, every_n_train_steps=4, **kw))
         return _Stepped.fit(ck, scores, io, ckpt_path=ckpt_path, fail_at=fail_at, callbacks=cbs)
 
     fit(fail_at=5)
+    fit(ckpt_path="last", fail_at=9)
     t = fit(ckpt_path="last")
     assert t.global_step == len(scores)
-    assert sorted(os.listdir(ck)) == ["epoch=0-step=12.ckpt"] + (["last.ckpt"] if save_last else []), os.listdir(ck)
+    if layout == "nested":
+        assert os.listdir(f"{ck}/g") == ["step=12.ckpt"], os.listdir(f"{ck}/g")
+    else:
+        assert sorted(os.listdir(ck)) == ["epoch=0-step=12.ckpt", "last.ckpt"], os.listdir(ck)
+    if layout == "two_dirs":
+        assert os.listdir(ck2) == ["epoch=0-step=12.ckpt"], os.listdir(ck2)
+
+
+def test_memory_persists_of_earlier_runs_are_pruned_when_a_run_makes_fewer_than_two(tmp_path):
+    """``memory_persist_every_n=1``: a persist starts at the batch end after its snapshot, so a resumed run that ends
+    soon makes one; the earlier runs' persists were pruned only once this run held two, and four stayed for good
+    (docs: the two newest are kept). At the end of ``fit`` the newest of them make up the two."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+
+    def fit(ckpt_path=None, fail_at=None):
+        io = DistCkptIO(memory_every_n_train_steps=2, memory_persist_every_n=1, memory_replicas=1,
+                        memory_dir=f"{tmp_path}/shm")
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", mode="min", every_n_train_steps=4)]
+        return _Stepped.fit(ck, [10.0 - i for i in range(20)], io, ckpt_path=ckpt_path, fail_at=fail_at, callbacks=cbs)
+
+    fit(fail_at=17)
+    assert len([n for n in os.listdir(ck) if n.startswith("memory-step=")]) >= 3, os.listdir(ck)
+    assert fit(ckpt_path="last").global_step == 20
+    assert sorted(n for n in os.listdir(ck) if n.startswith("memory-step=")) == ["memory-step=16.ckpt",
+                                                                                  "memory-step=18.ckpt"], os.listdir(ck)
 
 
 @dataclasses.dataclass

@@ -175,17 +175,28 @@ def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkpt
     states = None
     if strategy.is_global_zero:
         try:
-            found = [c for c in ordered_checkpoints(_checkpoint_dir(strategy.lightning_module.trainer), ".ckpt")
-                     if c.step == step and not _is_snapshot_copy(c.path)
+            found = [c for d, ext, depth in _checkpoint_dirs_of(strategy.lightning_module.trainer)
+                     for c in ordered_checkpoints(d, ext, depth) if c.step == step and not _is_snapshot_copy(c.path)
                      and (started is None or (c.created or 0) >= started)]
-            if found:
-                states = load_common_state_dict(found[-1].path, **_common_kw(io)).get("callbacks")
+            if found:  # (the one committed last: the callbacks that saved the step before it are in its state)
+                newest = max(found, key=lambda c: c.created or 0)
+                states = load_common_state_dict(newest.path, **_common_kw(io)).get("callbacks")
         except (CheckpointingException, OSError) as e:  # (memory's own states stand: one extra checkpoint at worst)
             logger.warning("the callbacks' states of step %d's checkpoint cannot be read (%s): those of the memory "
                            "snapshot are restored", step, e)
     states = strategy.broadcast(states)
     if isinstance(states, dict):
         loaded["callbacks"] = states
+
+
+def _checkpoint_dirs_of(trainer: "pl.Trainer") -> List[Tuple[str, str, int]]:
+    """``(dirpath, extension, depth)`` of every local checkpoint callback (a file name with "/" nests deeper)."""
+    out = []
+    for cb in getattr(trainer, "checkpoint_callbacks", None) or [trainer.checkpoint_callback]:
+        d = getattr(cb, "dirpath", None)
+        if d and not is_remote(os.fspath(d)) and (os.fspath(d), ".ckpt") not in [o[:2] for o in out]:
+            out.append((os.fspath(d), getattr(cb, "FILE_EXTENSION", ".ckpt"), (getattr(cb, "filename", "") or "").count("/")))
+    return out
 
 
 def _is_snapshot_copy(path: str) -> bool:
@@ -298,8 +309,9 @@ class DistCkptMemorySnapshots(Callback):
             self._prune(trainer)
         return req
 
-    def _prune(self, trainer: "pl.Trainer") -> None:
-        """Keep the two newest ``memory-step=*`` checkpoints; failures are logged here and raised at fit end."""
+    def _prune(self, trainer: "pl.Trainer", final: bool = False) -> None:
+        """Keep the two newest ``memory-step=*`` checkpoints (``final``: at the end of ``fit``, also when this run
+        made fewer than two); failures are logged here and raised at fit end."""
         done = [(p, r) for p, r in self._persists if r.is_done()]
         for p, r in done[:-2]:
             if r.exception() is None and trainer.is_global_zero and is_complete_checkpoint(p):
@@ -309,14 +321,25 @@ class DistCkptMemorySnapshots(Callback):
             if r.exception() is not None:
                 logger.error("making memory snapshot %s durable failed: %s", p, r.exception())
         kept = [p for p, r in done[-2:] if r.exception() is None]
-        if len(kept) == 2 and trainer.is_global_zero and not is_remote(kept[0]):
-            # those of earlier runs of the job (a crash, a restart) older than the two kept: else each restart
-            # added its two for good
-            d, floor = os.path.dirname(kept[0]), min(_persisted_step(p) for p in kept)
-            for name in sorted(os.listdir(d)):
-                path = os.path.join(d, name)
-                if -1 < _persisted_step(path) < floor and is_complete_checkpoint(path):
-                    DistCkptIO._remove_now(path)
+        d = os.path.dirname(kept[0]) if kept else _checkpoint_dir(trainer)
+        if (len(kept) == 2 or (final and self._persists_enabled(trainer))) and trainer.is_global_zero \
+                and not is_remote(d) and os.path.isdir(d):
+            # those of earlier runs of the job (a crash, a restart): older than the two kept, else each restart added
+            # its two for good; at the end, the newest of them make up the two when this run made fewer (its last
+            # persist starts after the snapshot, so a short run makes one), and any of a later step are of a
+            # timeline this run left
+            floor = min((_persisted_step(p) for p in kept), default=None)
+            earlier = sorted(((_persisted_step(os.path.join(d, n)), os.path.join(d, n)) for n in os.listdir(d)),
+                             reverse=True)
+            mine = {p for p, _ in self._persists}  # (this run's, also those still being written)
+            earlier = [(st, path) for st, path in earlier if st > -1 and path not in mine and is_complete_checkpoint(path)]
+            older = [path for st, path in earlier if floor is None or st < floor]
+            for path in [path for st, path in earlier if path not in older] + older[2 - len(kept):]:
+                DistCkptIO._remove_now(path)
+
+    def _persists_enabled(self, trainer: "pl.Trainer") -> bool:
+        io = self._io(trainer)
+        return io is not None and bool(io.memory_persist_every_n)
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -362,7 +385,7 @@ class DistCkptMemorySnapshots(Callback):
                 r.wait()
             except Exception as e:  # noqa: BLE001
                 failed = failed or e
-        self._prune(trainer)  # every persist is done now: the two newest are kept, as during the run
+        self._prune(trainer, final=True)  # every persist is done now: the two newest are kept, as during the run
         self._persists = []
         tier, io.memory_tier = io.memory_tier, None
         tier.close(remove=True)  # the job is finished: free the nodes' memory
