@@ -32,18 +32,6 @@ def chunks(t: torch.Tensor) -> List[torch.Tensor]:
     return [t[o:o + step] for o in range(0, t.numel(), step)]  # (empty: no message, on both sides)
 
 
-def wait_all(works: List[Any]) -> None:
-    """Wait for every posted send/receive, then raise the first failure (none is left pending)."""
-    first: Optional[BaseException] = None
-    for w in works:
-        try:
-            w.wait()
-        except BaseException as e:  # noqa: BLE001 - wait for the others first, then raise
-            first = first or e
-    if first is not None:
-        raise first
-
-
 class Transfers:
     """Sends and receives over ``group`` with one ``tag``, waited for in the order they were posted.
 

@@ -249,18 +249,19 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         """
         found = {p for p in super()._find_last_checkpoints(trainer) if is_complete_checkpoint(_resolve_link(p))}
         io = _io(trainer)
+        read_kw = io.read_kwargs() if io is not None else {}  # (the content metadata is in the common state)
         if self.dirpath is not None:
             try:
                 # (a metric with "/" in the file name, "{epoch}-{train/loss:.2f}", nests the checkpoints)
                 newest = latest_complete_checkpoint(self.dirpath, self.FILE_EXTENSION, why='ckpt_path="last"',
-                                                    depth=(self.filename or "").count("/"), **_read_kw(io))
+                                                    depth=(self.filename or "").count("/"), **read_kw)
             except CorruptCheckpointError:  # a committed checkpoint whose step is unknown (it may be the newest)
                 if io is None or not io.memory_enabled:
                     raise
                 newest = None  # (the memory tier's restore decides, and says why: lightning/memory.py)
             if newest is not None:  # (a fit resumes the full state, whichever callback asks)
                 newest = _with_optimizer_states(newest, os.fspath(self.dirpath), self.FILE_EXTENSION,
-                                                (self.filename or "").count("/"), _read_kw(io))
+                                                (self.filename or "").count("/"), read_kw)
             if newest is not None:  # (Lightning's ``last*`` names are in that listing: the listing's choice stands,
                 found = {newest}     # also over a ``last.ckpt`` of a timeline a rollback left)
         if len(found) > 1:  # no listing to choose from (a damaged checkpoint under the memory tier)
@@ -276,14 +277,6 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
 
 
 __all__ = ["DistCkptAsyncFinalizer", "DistCkptModelCheckpoint"]
-
-
-def _read_kw(io: Optional[DistCkptIO]) -> Dict[str, Any]:
-    """How the job reads common state (``trusted``, ``allowed_globals``): the content metadata is in it."""
-    if io is None:
-        return {}
-    kw = io.load_kwargs()
-    return {"trusted": kw["trusted"], "allowed_globals": kw["allowed_globals"]}
 
 
 def _has_optimizer_states(path: str, kw: Dict[str, Any]) -> Optional[bool]:

@@ -242,9 +242,7 @@ class DistCkptFabricMixin(Strategy):
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         # an opened checkpoint given is read as it is (one commit, its small files read once); a path:
         # an incomplete last.ckpt falls back, other incomplete ones raise
-        kw = io.load_kwargs()
-        path = given if isinstance(given, OpenedCheckpoint) else resolve_checkpoint_path(path, kw["trusted"],
-                                                                                          kw["allowed_globals"])
+        path = given if isinstance(given, OpenedCheckpoint) else resolve_checkpoint_path(path, **io.read_kwargs())
         if not state:
             with io.opened_for_load(path) as ck:
                 return self._load_full(io, ck)
@@ -262,8 +260,7 @@ class DistCkptFabricMixin(Strategy):
     def _load_full(self, io: DistCkptIO, path: OpenedCheckpoint) -> Dict[str, Any]:
         """Everything but optimizer tensors: the common state, and each module's tensors whole (one commit)."""
         meta = serialization.load_content_metadata(path) or {}
-        out = dict(serialization.load_common_state_dict(path, trusted=io.trusted,
-                                                        allowed_globals=io.load_kwargs()["allowed_globals"]))
+        out = dict(serialization.load_common_state_dict(path, **io.read_kwargs()))
         out.pop(CONTENT_METADATA_KEY, None)
         modules = meta.get("modules", {MODEL_KEY: ""} if meta.get("fabric") else {"state_dict": ""})
         optimizers = meta.get("optimizers", [k for k in out if k == "optimizer" or k.startswith("optimizer_")])
@@ -281,8 +278,7 @@ class DistCkptFabricMixin(Strategy):
         return out
 
     def _load_into(self, io: DistCkptIO, path: Any, state: Dict[str, Any], strict: bool) -> Dict[str, Any]:
-        meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
-                                                   trusted=io.trusted) or {}
+        meta = serialization.load_content_metadata(path, **io.read_kwargs()) or {}
         modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
         request: Dict[str, Any] = {}
         raws: Dict[str, Any] = {}

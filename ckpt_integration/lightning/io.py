@@ -287,11 +287,15 @@ class DistCkptIO(CheckpointIO):
     def load_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of this plugin's loads (``allowed_globals`` with Lightning's and
         OmegaConf's containers, ``trusted``, strategy options), for the strategies and Fabric."""
+        return dict(**self.read_kwargs(), thread_count=self.thread_count, load_strategy=self.load_strategy,
+                    verify_state=self.verify_state)
+
+    def read_kwargs(self) -> Dict[str, Any]:
+        """``trusted`` and ``allowed_globals`` (with Lightning's and OmegaConf's containers) of this plugin's loads:
+        what every read of a checkpoint's common state takes (content metadata, callback states, run records)."""
         from lightning.fabric.utilities.data import AttributeDict
 
-        allowed = [AttributeDict, *self.allowed_globals, *_omegaconf_globals()]
-        return dict(trusted=self.trusted, allowed_globals=allowed, thread_count=self.thread_count,
-                    load_strategy=self.load_strategy, verify_state=self.verify_state)
+        return dict(trusted=self.trusted, allowed_globals=[AttributeDict, *self.allowed_globals, *_omegaconf_globals()])
 
     def save_sharded(self, state: Dict[str, Any], path: str, content_metadata: Optional[dict] = None) -> None:
         """Save a sharded state dict (collective); async if configured."""
@@ -461,8 +465,7 @@ class DistCkptIO(CheckpointIO):
                 return TorchCheckpointIO().load_checkpoint(path, map_location=map_location)
             self.wait_if_saving(path)
         with opened(path, self.trusted, verified=True) as ck:  # both reads below are of one commit
-            common = dict(serialization.load_common_state_dict(ck, trusted=self.trusted,
-                                                               allowed_globals=self.load_kwargs()["allowed_globals"]))
+            common = dict(serialization.load_common_state_dict(ck, **self.read_kwargs()))
             tensors = serialization.load_plain_tensors(ck, trusted=self.trusted, verify_state=self.verify_state)
         common["state_dict"] = {k: v for k, v in tensors.items() if not is_optimizer_state_key(k)}
         return common

@@ -50,8 +50,7 @@ def load_checkpoint_dict(
     """
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
     with opened(_resolved(checkpoint_dir), trusted) as ck:  # the common state and the tensors of one commit
-        common = dict(serialization.load_common_state_dict(ck, trusted=trusted,
-                                                           allowed_globals=io.load_kwargs()["allowed_globals"]))
+        common = dict(serialization.load_common_state_dict(ck, **io.read_kwargs()))
         tensors = serialization.load_plain_tensors(ck, trusted=trusted, verify_state=io.verify_state)
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     out = _lightning_part(common, int(meta.get("num_optimizers", 0)))
@@ -123,8 +122,7 @@ def _load_module(cls: Any, path: Any, map_location: Any, strict: Optional[bool],
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     io = DistCkptIO(trusted=trusted, allowed_globals=list(allowed_globals or ()))
-    allowed = io.load_kwargs()["allowed_globals"]
-    common = dict(serialization.load_common_state_dict(path, trusted=trusted, allowed_globals=allowed))
+    common = dict(serialization.load_common_state_dict(path, **io.read_kwargs()))
     meta = serialization.load_content_metadata(preloaded_state_dict=common) or {}
     checkpoint = _lightning_part(common, int(meta.get("num_optimizers", 0)))
     model = _instantiate(cls, checkpoint, kwargs)
@@ -136,8 +134,8 @@ def _load_module(cls: Any, path: Any, map_location: Any, strict: Optional[bool],
         model.configure_model()
     request = module_sharded_state_dict(model, "", {"layout": ParallelLayout(), "replica_id": 0})
     loaded, ckpt_only, request_only = serialization.load(
-        {"state_dict": request}, path, strict="return_all", validate_access_integrity=False, trusted=trusted,
-        allowed_globals=allowed, thread_count=io.thread_count)
+        {"state_dict": request}, path, strict="return_all", validate_access_integrity=False, **io.read_kwargs(),
+        thread_count=io.thread_count)
     missing, unexpected = model_key_report(ckpt_only, request_only)
     checkpoint["state_dict"] = dict(loaded.get("state_dict") or {})
     model.on_load_checkpoint(checkpoint)

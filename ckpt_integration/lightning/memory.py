@@ -66,10 +66,8 @@ def tier_for(strategy: Any) -> Any:
     if io.memory_tier is None:
         trainer = strategy.lightning_module.trainer
         rpn = io.memory_ranks_per_node or local_world_size() or trainer.num_devices
-        kw = io.load_kwargs()
         io.memory_tier = MemoryCheckpoints(_dir(io), memory_job_id(io, trainer), replicas=io.memory_replicas,
-                                           ranks_per_node=rpn, trusted=kw["trusted"],
-                                           allowed_globals=kw["allowed_globals"])
+                                           ranks_per_node=rpn, **io.read_kwargs())
     return io.memory_tier
 
 
@@ -126,7 +124,7 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     left_by = None if mem_step is None or tier.latest_started is None else (mem_step, tier.latest_started)
     if durable is None and strategy.is_global_zero:
         try:
-            durable = latest_complete_checkpoint(_checkpoint_dir(trainer), left_by=left_by, **_common_kw(io))
+            durable = latest_complete_checkpoint(_checkpoint_dir(trainer), left_by=left_by, **io.read_kwargs())
         except CorruptCheckpointError as e:
             unordered = str(e)
     durable, unordered = strategy.broadcast((durable, unordered))
@@ -180,7 +178,7 @@ def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkpt
                      and (started is None or (c.created or 0) >= started)]
             if found:  # (the one committed last: the callbacks that saved the step before it are in its state)
                 newest = max(found, key=lambda c: c.created or 0)
-                states = load_common_state_dict(newest.path, **_common_kw(io)).get("callbacks")
+                states = load_common_state_dict(newest.path, **io.read_kwargs()).get("callbacks")
         except (CheckpointingException, OSError) as e:  # (memory's own states stand: one extra checkpoint at worst)
             logger.warning("the callbacks' states of step %d's checkpoint cannot be read (%s): those of the memory "
                            "snapshot are restored", step, e)
@@ -191,11 +189,13 @@ def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkpt
 
 def _checkpoint_dirs_of(trainer: "pl.Trainer") -> List[Tuple[str, str, int]]:
     """``(dirpath, extension, depth)`` of every local checkpoint callback (a file name with "/" nests deeper)."""
-    out = []
+    out: List[Tuple[str, str, int]] = []
     for cb in getattr(trainer, "checkpoint_callbacks", None) or [trainer.checkpoint_callback]:
         d = getattr(cb, "dirpath", None)
-        if d and not is_remote(os.fspath(d)) and (os.fspath(d), ".ckpt") not in [o[:2] for o in out]:
-            out.append((os.fspath(d), getattr(cb, "FILE_EXTENSION", ".ckpt"), (getattr(cb, "filename", "") or "").count("/")))
+        where = (os.fspath(d), getattr(cb, "FILE_EXTENSION", ".ckpt"), (getattr(cb, "filename", "") or "").count("/")) \
+            if d else None
+        if where is not None and not is_remote(where[0]) and where not in out:
+            out.append(where)
     return out
 
 
@@ -214,14 +214,9 @@ def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:
         manifest = ckdir.read_manifest(locate(path))
         if manifest is not None and manifest.step is not None:
             return int(manifest.step), None
-        return int(load_common_state_dict(path, **_common_kw(io)).get("global_step", -1)), None
+        return int(load_common_state_dict(path, **io.read_kwargs()).get("global_step", -1)), None
     except Exception as e:  # noqa: BLE001 - reported by the caller, and by the load if it is tried
         return -1, f"{type(e).__name__}: {e}"
-
-
-def _common_kw(io: DistCkptIO) -> Dict[str, Any]:
-    kw = io.load_kwargs()
-    return {"trusted": kw["trusted"], "allowed_globals": kw["allowed_globals"]}
 
 
 def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:

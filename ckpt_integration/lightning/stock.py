@@ -262,7 +262,7 @@ def load_stock_checkpoint(strategy: Any, path: str, request: Dict[str, Any], fit
     if layout is None:
         raise CheckpointingException(f"{path} is not a stock Lightning checkpoint")
     io = strategy.dist_checkpoint_io()
-    source = _Source(path, layout, io.trusted, io.load_kwargs()["allowed_globals"])
+    source = _Source(path, layout, **io.read_kwargs())
     loaded, missing, unexpected = _load_model(source, request)
     checkpoint = dict(source.rest)
     checkpoint["state_dict"] = loaded

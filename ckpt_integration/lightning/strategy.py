@@ -268,13 +268,11 @@ class DistCkptStrategyMixin(Strategy):
         if stock_layout(path) is not None:
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
-        kw = io.load_kwargs()
-        with io.opened_for_load(resolve_checkpoint_path(path, kw["trusted"], kw["allowed_globals"])) as ck:  # (one commit)
+        with io.opened_for_load(resolve_checkpoint_path(path, **io.read_kwargs())) as ck:  # one commit for every read below
             return self._load_opened(io, ck, model_sd)
 
     def _load_opened(self, io: DistCkptIO, path: Any, model_sd: Dict[str, Any]) -> Dict[str, Any]:
-        meta = serialization.load_content_metadata(path, allowed_globals=io.load_kwargs()["allowed_globals"],
-                                                   trusted=io.trusted) or {}
+        meta = serialization.load_content_metadata(path, **io.read_kwargs()) or {}
         request: Dict[str, Any] = {"state_dict": model_sd}
         rank, world = self.global_rank, self.world_size  # type: ignore[attr-defined]
         if meta.get("world_size") == world:
