@@ -141,10 +141,13 @@ def _same_tensor(t: torch.Tensor, item: BaseItem, h: BlockHash) -> bool:
     if t.is_cpu and t.is_contiguous():  # (most tensors: one view of the bytes, no tensor op per block)
         data = tensor_buffer(t)
         return all(h.digest(data[k : k + bs]) == digests[first + j] for j, k in enumerate(range(0, n, bs)))
-    flat = t.detach().reshape(-1).view(torch.uint8)
-    for j, k in enumerate(range(0, n, bs)):
-        piece = flat[k : k + bs]
-        if h.digest(tensor_buffer(piece.cpu().contiguous())) != digests[first + j]:
+    # block by block, each to host memory on its own: a device tensor is never copied whole, and a strided one
+    # (a column block of a matrix) is walked in element order, its stored order, with no byte view of it
+    flat, per = t.detach().reshape(-1), bs // t.element_size()
+    if per * t.element_size() != bs:
+        return False
+    for j, k in enumerate(range(0, t.numel(), per)):
+        if h.digest(tensor_buffer(flat[k : k + per].cpu().contiguous())) != digests[first + j]:
             return False
     return True
 
