@@ -191,6 +191,40 @@ def test_an_incremental_save_of_strided_views_links_them(tmp_path, dtype):
     assert torch.equal(out["w"], full)
 
 
+def test_a_base_replaced_while_it_is_linked_is_checked_not_trusted(tmp_path, monkeypatch, caplog):
+    """A process links a base file and checks it once; later saves link it again unread (it is the same file).
+    That identity was taken before the link: another writer's ``overwrite=True`` of the base between the two
+    put other bytes under the path, the link took them unread, and the committed checkpoint did not load
+    (found by a probe). Now the check is skipped only when the inode linked is the one the identity names."""
+    frozen = torch.arange(256 * 256, dtype=torch.float32).reshape(256, 256)
+
+    def state(f, step):
+        return {"frozen": ShardedTensor.from_rank_offsets("frozen", f),
+                "adapter": ShardedTensor.from_rank_offsets("adapter", torch.full((4, 4), float(step)))}
+
+    last = str(tmp_path / "last")
+    ci.save(state(frozen, 1), last)
+    ci.save(state(frozen, 2), str(tmp_path / "s2"), base=last)  # links and checks last's frozen file once
+    real_link, replaced = os.link, []
+
+    def link(src, dst, *a, **k):
+        if not replaced and os.path.dirname(src) == last:
+            replaced.append(src)  # another writer replaces the base right now: same layout, other bytes
+            monkeypatch.setattr(os, "link", real_link)
+            ci.save(state(frozen + 1, 9), last, overwrite=True)
+            monkeypatch.setattr(os, "link", link)
+        return real_link(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "link", link)
+    with caplog.at_level(logging.WARNING, logger="ckpt_integration"):
+        ci.save(state(frozen, 3), str(tmp_path / "s3"), base=last)
+    monkeypatch.setattr(os, "link", real_link)
+    assert replaced and "is not intact" in caplog.text
+    out = ci.load({"frozen": ShardedTensor.from_rank_offsets("frozen", torch.empty(256, 256)),
+                   "adapter": ShardedTensor.from_rank_offsets("adapter", torch.empty(4, 4))}, str(tmp_path / "s3"))
+    assert torch.equal(out["frozen"], frozen) and torch.equal(out["adapter"], torch.full((4, 4), 3.0))
+
+
 def test_without_links_the_bytes_are_written_and_that_is_said_once(tmp_path, caplog):
     """A base on another filesystem (no hard link possible): every byte is written, a warning says so
     once, and the checkpoint is exact."""

@@ -255,7 +255,10 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
             # table lost some (``remove_sharded_tensors``) checks fewer, which says nothing of the others' bytes
             items = [it for _, it in reuse.linked.get(name, [])]
             checked = frozenset((it.start, it.length, it.digest, base.block_hash) for it in items)
-            before = _INTACT.get(ident, frozenset()) if ident is not None else frozenset()
+            # (only when what was linked is the file the identity was taken of: replaced in between by another
+            # writer's overwrite, the path named other bytes at the link, which nobody checked)
+            same = ident is not None and _linked_is(storage, ident, src, dst)
+            before = _INTACT.get(ident, frozenset()) if same else frozenset()
             why = None if checked <= before else _damage(storage, dst, items, block_hash(base.block_hash))
             if why is None:
                 _remember(_identity(storage, dst), checked | before)
@@ -294,6 +297,15 @@ def _identity(storage: Storage, path: str) -> Optional[Tuple[Any, ...]]:
         return None
     tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
     return None if tag is None else (path, info.get("size"), str(tag))
+
+
+def _linked_is(storage: Storage, ident: Tuple[Any, ...], src: str, dst: str) -> bool:
+    """Whether the file linked to ``dst`` is the one ``ident`` was taken of: locally the same inode (a link
+    changes the change time, not the inode); on an object store the source unchanged after the copy."""
+    if not storage.remote:
+        after = _identity(storage, dst)
+        return after is not None and after[:2] == ident[:2]
+    return _identity(storage, src) == ident
 
 
 def _damage(storage: Storage, path: str, items: Sequence[BaseItem], h: BlockHash, piece: int = 32 << 20) -> Optional[str]:
