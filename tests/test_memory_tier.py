@@ -390,6 +390,28 @@ def _shared_directory(rank, world, root):
             tier.wait()
             got = tier.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(64), (0, rank, world))}, k + 1)
             assert torch.equal(got["w"], torch.full((64,), float(k + rank))) and tier.last_restore.source == "own memory"
+    # a rank that stages no tensor bytes: only common state, or a zero-size shard (the other rank holds the
+    # tensor whole). Its snapshot failed (found by a probe): no directory for its record (a bare
+    # FileNotFoundError), and a zero-size shard's empty region named a file the record did not keep, so
+    # the peer refused the copy as damaged. Both restore from memory and persist exactly now
+    full = torch.arange(8.0).reshape(4, 2)
+
+    def state(data, empty):
+        if rank == 1:
+            return {"w": ci.ShardedTensor.from_global_offsets("w", data, (4, 2), (0, 0)), "step": 5}
+        return {"step": 5} if empty is None else {"w": ci.ShardedTensor.from_global_offsets("w", empty, (4, 2), (0, 0)),
+                                                  "step": 5}
+
+    for name, empty in (("nothing", None), ("zero_size", full[:0].clone())):
+        with ci.MemoryCheckpoints(os.path.join(root, f"node{rank}"), name, replicas=2, ranks_per_node=1) as tier:
+            tier.save(state(full.clone(), empty), 5)
+            tier.wait()
+            got = tier.load(state(torch.zeros(4, 2), None if empty is None else torch.zeros(0, 2)), 5, verify_state=True)
+            assert got["step"] == 5 and (rank == 0 or torch.equal(got["w"], full))
+            tier.persist(5, os.path.join(root, f"persisted_{name}")).wait()
+        got = ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.zeros(4, 2), replica_id=rank)},
+                      os.path.join(root, f"persisted_{name}"))
+        assert torch.equal(got["w"], full)
 
 
 def test_copies_in_the_owners_own_memory_are_refused(tmp_path):

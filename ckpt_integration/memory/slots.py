@@ -245,6 +245,7 @@ def write_record(root: str, owner: int, slot: int, raw: bytes) -> None:
     """Commit a slot: write the record under a temporary name and rename it into place."""
     path = record_path(root, owner, slot)
     tmp = f"{path}.tmp-{os.getpid()}"
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # (a rank that stages no bytes has no arena file there)
     with open(tmp, "wb") as f:
         f.write(raw)
     os.replace(tmp, path)

@@ -1,14 +1,13 @@
 """``MemoryCheckpoints``: frequent snapshots in host shared memory, copied to peer nodes.
 
-A snapshot is taken like an async save (:mod:`ckpt_integration.execution.async_save`): the caller is
-blocked only while the structure is staged (:class:`StateDictStager`, whose buffers here are slices of
-files in the node's shared memory, :mod:`.slots`); large tensors are copied by a background thread
-while training goes on (:class:`Snapshot`: the next ``torch.optim`` step waits for it, an early
-in-place change fails the snapshot). A worker thread (:class:`AsyncCallsQueue`) then computes the
-block digests, commits the rank's record, sends the slot to the ranks that keep its copies and
-receives the copies it keeps (:mod:`.transfer`), and agrees with every rank on the outcome, all on a
-private gloo group; the caller never enters a collective for it (a failure is raised on every rank
-by ``wait()`` or the next ``save()``).
+A snapshot is taken like an async save (:mod:`ckpt_integration.execution.async_save`): the caller is blocked
+only while the structure is staged (:class:`StateDictStager`, whose buffers here are slices of files in the
+node's shared memory, :mod:`.slots`); large tensors are copied by a background thread while training goes on
+(:class:`Snapshot`: the next ``torch.optim`` step waits for it, an early in-place change fails the snapshot).
+A worker thread (:class:`AsyncCallsQueue`) then computes the block digests, commits the rank's record, sends
+the slot to the ranks that keep its copies and receives the copies it keeps (:mod:`.transfer`), and agrees
+with every rank on the outcome, all on a private gloo group; the caller never enters a collective for it (a
+failure is raised on every rank by ``wait()`` or the next ``save()``).
 
 Restores (:mod:`.restore`) read the rank's own files when its node still has them and
 otherwise fetch a peer's copy; every byte is checked against the block digests first.
@@ -289,7 +288,8 @@ class MemoryCheckpoints:
                             stride=list(t.stride()), dtype=dtype_name(t.dtype), fingerprint=next(prints))
             shards.append(head)
         blob = torch_dumps({"common": job.staged["common"], "objects": job.staged["objects"]})
-        keep = sorted({arena.locate_ptr(b.data_ptr()) for b in self._stagers[job.slot].buffers if b.nbytes()})
+        # (a region's file too: a zero-size tensor's empty region may lie in a buffer of no bytes)
+        keep = sorted({r[0] for r in regions} | {arena.locate_ptr(b.data_ptr()) for b in self._stagers[job.slot].buffers if b.nbytes()})
         files = {n: int(arena.maps[n].numel()) for n in keep}
         header = {"job_id": self.job_id, "owner": self.rank, "world_size": self.world_size, "step": job.step,
                   "slot": job.slot, "incarnation": list(self.incarnation), "files": files, "regions": regions,
