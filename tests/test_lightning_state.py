@@ -926,3 +926,36 @@ def test_an_explicit_incomplete_last_ckpt_falls_back_to_the_newest_complete_one(
     t = fit(12, ckpt_path=f"{ck}/last.ckpt")
     assert started == [0, 8] and t.global_step == 12, started
     assert os.path.exists(f"{ck}/last.ckpt/metadata.json")  # (replaced by the resumed run's save of last)
+
+
+@pytest.mark.parametrize("save_last", [False, True])
+def test_a_checkpoint_out_of_the_top_k_when_a_run_died_is_removed_on_resume(tmp_path, monkeypatch, save_last):
+    """A run killed after the save of step N committed and before the checkpoint it pushed out of the top k
+    was removed (Lightning removes it after the save; an async save defers that to its commit): the resume
+    took step N, whose callback state no longer named the one pushed out, so it stayed for good, one per such
+    crash (found by a probe). The state now lists the removals still due, and the resume makes them."""
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+    scores = [float(s) for s in range(20, 0, -1)]  # (lower is better: each step is the best so far)
+    real = DistCkptModelCheckpoint._remove_checkpoint
+
+    def killed_before_removal(self, trainer, filepath):  # (run 1 "dies" after its last save committed)
+        if trainer.global_step < 6:
+            real(self, trainer, filepath)
+
+    def fit(n, ckpt_path=None):
+        cb = DistCkptModelCheckpoint(dirpath=ck, save_top_k=2, monitor="m", mode="min", every_n_train_steps=1,
+                                     save_last=save_last)
+        _Stepped.fit(ck, scores[:n], DistCkptIO(), ckpt_path=ckpt_path, callbacks=[cb])
+        return cb
+
+    monkeypatch.setattr(DistCkptModelCheckpoint, "_remove_checkpoint", killed_before_removal)
+    fit(6)
+    monkeypatch.setattr(DistCkptModelCheckpoint, "_remove_checkpoint", real)
+    kept = sorted(n for n in os.listdir(ck) if not n.startswith("last"))
+    assert kept == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "epoch=0-step=6.ckpt"], kept
+    cb = fit(9, ckpt_path="last")
+    kept = sorted(n for n in os.listdir(ck) if not n.startswith("last"))
+    assert [n.split("-")[-1] for n in kept] == ["step=8.ckpt", "step=9.ckpt"], kept
+    assert sorted(os.path.basename(p) for p in cb.best_k_models) == kept
