@@ -959,3 +959,34 @@ def test_a_checkpoint_out_of_the_top_k_when_a_run_died_is_removed_on_resume(tmp_
     kept = sorted(n for n in os.listdir(ck) if not n.startswith("last"))
     assert [n.split("-")[-1] for n in kept] == ["step=8.ckpt", "step=9.ckpt"], kept
     assert sorted(os.path.basename(p) for p in cb.best_k_models) == kept
+
+
+def test_async_saves_slower_than_a_step_remove_what_left_the_top_k_as_they_commit(tmp_path, monkeypatch):
+    """Async saves each step, each slower than a step: a removal that waited for the save in flight ran only
+    once no save was in flight at all, which never happened while training, so every checkpoint out of the top
+    k stayed until the end (and a run killed meanwhile left them all: found by a probe). Each removal now
+    runs once the saves in flight when it was asked committed."""
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.execution import save as save_mod
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+    from ckpt_integration.lightning.paths import is_complete_checkpoint
+
+    ck, seen = f"{tmp_path}/ck", []
+    real = save_mod.write_data_files
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    class Count(Callback):
+        def on_train_batch_start(self, trainer, *args):
+            seen.append(sum(is_complete_checkpoint(os.path.join(ck, n)) for n in os.listdir(ck)) if os.path.isdir(ck) else 0)
+
+    monkeypatch.setattr(save_mod, "write_data_files", slow)
+    cb = DistCkptModelCheckpoint(dirpath=ck, save_top_k=2, monitor="m", mode="min", every_n_train_steps=1)
+    _Stepped.fit(ck, [float(s) for s in range(12, 0, -1)], DistCkptIO(async_save=True), callbacks=[cb, Count()])
+    assert max(seen) <= 3, seen  # the top 2, and the newest committed one whose removal of the oldest is due
+    assert sorted(os.listdir(ck)) == ["epoch=0-step=11.ckpt", "epoch=0-step=12.ckpt"]

@@ -217,7 +217,8 @@ class DistCkptIO(CheckpointIO):
         self.snapshot = str(_plain(snapshot))
         self._queue: Any = None
         self._requests: List[Any] = []
-        self._deferred_removals: List[str] = []
+        # path -> the saves in flight when its removal was asked (the one that replaced it among them)
+        self._deferred_removals: Dict[str, List[Any]] = {}
         self._check_group: Any = None
         self.save_fn: Callable[..., Any] = start_async_save
         for name, v in (("memory_every_n_train_steps", memory_every_n_train_steps),
@@ -304,8 +305,7 @@ class DistCkptIO(CheckpointIO):
         path = os.fspath(path)
         if self.incremental and self.backend == "torch_dist":
             kwargs["base"] = save_base("auto", path)
-        if path in self._deferred_removals:
-            self._deferred_removals.remove(path)
+        self._deferred_removals.pop(path, None)
         if not self.async_save:
             serialization.save(state, path, sharded_strategy=self.backend, **kwargs)
             return
@@ -315,6 +315,7 @@ class DistCkptIO(CheckpointIO):
         self.wait_if_saving(path)  # (max_in_flight > 1) the same path again: after the save still writing it
         if not self._make_room(path):
             return
+        self._run_removals_due()  # (the saves before it may have committed while it waited)
         extra = {"staging_budget": self.staging_budget} if self.staging_budget is not None else {}
         extra["snapshot"] = self.snapshot
         req = self.save_fn(state, path, self._queue, {**kwargs, "backend": self.backend, **extra})
@@ -410,6 +411,7 @@ class DistCkptIO(CheckpointIO):
             if collective and self._check_group is not None:
                 done = dist.all_reduce_ints([0 if done else 1], "max", self._check_group)[0] == 0
         if not done:
+            self._run_removals_due()
             return 0
         reqs, self._requests = self._requests, []
         first: Optional[BaseException] = None
@@ -434,7 +436,19 @@ class DistCkptIO(CheckpointIO):
 
     def _run_deferred_removals(self) -> None:
         while self._deferred_removals:
-            self._remove_now(self._deferred_removals.pop(0))
+            path = next(iter(self._deferred_removals))
+            del self._deferred_removals[path]
+            self._remove_now(path)
+
+    def _run_removals_due(self) -> None:
+        """The deferred removals whose saves in flight all committed (local: a commit is agreed by every rank).
+        Waiting for every save of the job instead kept them while newer saves kept starting: with a save each
+        step slower than a step, none was removed until training paused, and a run killed meanwhile left them
+        (found by a probe)."""
+        for path, waits in list(self._deferred_removals.items()):
+            if all(r.is_done() and r.exception() is None for r in waits):
+                del self._deferred_removals[path]
+                self._remove_now(path)
 
     # -- Lightning CheckpointIO API --------------------------------------------------------------
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
@@ -474,8 +488,7 @@ class DistCkptIO(CheckpointIO):
         """Remove a checkpoint directory; deferred while an async save is in flight."""
         path = storage_for(path)[1]  # (absolute: a deferred removal must not follow a later chdir)
         if self._requests:
-            if path not in self._deferred_removals:
-                self._deferred_removals.append(path)
+            self._deferred_removals.setdefault(path, list(self._requests))
             return
         self._remove_now(path)
 
