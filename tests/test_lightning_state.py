@@ -928,12 +928,16 @@ def test_an_explicit_incomplete_last_ckpt_falls_back_to_the_newest_complete_one(
     assert os.path.exists(f"{ck}/last.ckpt/metadata.json")  # (replaced by the resumed run's save of last)
 
 
-@pytest.mark.parametrize("save_last", [False, True])
-def test_a_checkpoint_out_of_the_top_k_when_a_run_died_is_removed_on_resume(tmp_path, monkeypatch, save_last):
+@pytest.mark.parametrize("save_last,recreated", [(False, False), (True, False), (False, True)])
+def test_a_checkpoint_out_of_the_top_k_when_a_run_died_is_removed_on_resume(tmp_path, monkeypatch, save_last,
+                                                                            recreated):
     """A run killed after the save of step N committed and before the checkpoint it pushed out of the top k
     was removed (Lightning removes it after the save; an async save defers that to its commit): the resume
     took step N, whose callback state no longer named the one pushed out, so it stayed for good, one per such
-    crash (found by a probe). The state now lists the removals still due, and the resume makes them."""
+    crash (found by a probe). The state now lists the removals still due, and the resume makes them; only of
+    the very checkpoint meant (``recreated``: another one saved under its name since is kept)."""
+    import ckpt_integration as ci
+
     from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
 
     ck = f"{tmp_path}/ck"
@@ -955,10 +959,13 @@ def test_a_checkpoint_out_of_the_top_k_when_a_run_died_is_removed_on_resume(tmp_
     monkeypatch.setattr(DistCkptModelCheckpoint, "_remove_checkpoint", real)
     kept = sorted(n for n in os.listdir(ck) if not n.startswith("last"))
     assert kept == ["epoch=0-step=4.ckpt", "epoch=0-step=5.ckpt", "epoch=0-step=6.ckpt"], kept
+    if recreated:  # (as a run resumed from an earlier step would)
+        ci.save({"x": ci.ShardedTensor.from_rank_offsets("x", torch.ones(2))}, f"{ck}/epoch=0-step=4.ckpt",
+                overwrite=True)
     cb = fit(9, ckpt_path="last")
     kept = sorted(n for n in os.listdir(ck) if not n.startswith("last"))
-    assert [n.split("-")[-1] for n in kept] == ["step=8.ckpt", "step=9.ckpt"], kept
-    assert sorted(os.path.basename(p) for p in cb.best_k_models) == kept
+    assert [n.split("-")[-1] for n in kept] == ["step=4.ckpt"] * recreated + ["step=8.ckpt", "step=9.ckpt"], kept
+    assert sorted(os.path.basename(p) for p in cb.best_k_models) == kept[recreated:]
 
 
 def test_async_saves_slower_than_a_step_remove_what_left_the_top_k_as_they_commit(tmp_path, monkeypatch):

@@ -136,11 +136,13 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         callback's state (``pending_removals``): Lightning removes one only after the save that replaced it
         (later still for an async save), and a run killed in between resumed that newer checkpoint, whose state
         no longer names it, so it stayed for good, one per such crash (found by a probe)."""
-        pending = [p for p in self._pending_removals + [p for p in self._tracked if p not in self.best_k_models]
-                   if self._should_remove_checkpoint(trainer, p, filepath)] if self.dirpath else []
+        due = [p for p in [*self._pending_removals, *(p for p in self._tracked if p not in self.best_k_models)]
+               if self._should_remove_checkpoint(trainer, p, filepath)] if self.dirpath else []
         local = not is_remote(os.fspath(filepath))
-        link, pending = trainer.strategy.broadcast(
-            (local and os.path.islink(filepath), [p for p in dict.fromkeys(pending) if local and os.path.lexists(p)]))
+        # (rank 0 decides; each by the commit it was: a later run may save another checkpoint under its name)
+        link, pending = trainer.strategy.broadcast((local and os.path.islink(filepath), {
+            p: self._pending_removals.get(p) or commit_order_of(p).created for p in dict.fromkeys(due)
+            if local and os.path.lexists(p)}) if trainer.is_global_zero else None)
         self._pending_removals, self._tracked = pending, list(self.best_k_models)
         if link:
             if trainer.is_global_zero:
@@ -148,11 +150,11 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             trainer.strategy.barrier()
         super()._save_checkpoint(trainer, filepath)
 
-    _pending_removals: List[str] = []
+    _pending_removals: Dict[str, Optional[float]] = {}  # (path -> the commit time of the checkpoint meant)
     _tracked: List[str] = []
 
     def state_dict(self) -> Dict[str, Any]:
-        return {**super().state_dict(), "pending_removals": list(self._pending_removals)}
+        return {**super().state_dict(), "pending_removals": dict(self._pending_removals)}
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Remove what the resumed checkpoint's state says had fallen out of the top k (see
@@ -160,12 +162,14 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         resumed = os.path.abspath(os.fspath(trainer.ckpt_path)) if trainer.ckpt_path else None
         d = os.path.abspath(os.fspath(self.dirpath)) + os.sep if self.dirpath else None
-        gone = [p for p in self._pending_removals if d and os.path.abspath(p).startswith(d) and p not in self.best_k_models
-                and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))]
-        for p in trainer.strategy.broadcast([p for p in gone if os.path.lexists(p)] if trainer.is_global_zero else None):
+        gone = [p for p, created in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
+                and p not in self.best_k_models and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))
+                and created is not None]
+        for p in trainer.strategy.broadcast([p for p in gone if os.path.lexists(p) and commit_order_of(p).created
+                                             == self._pending_removals[p]] if trainer.is_global_zero else None):
             logger.info("removing %s: it had fallen out of the top k when the checkpoint resumed from was saved", p)
             trainer.strategy.remove_checkpoint(p)
-        self._pending_removals, self._tracked = [], list(self.best_k_models)
+        self._pending_removals, self._tracked = {}, list(self.best_k_models)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Lightning's; then, with ``save_last="link"``, a run resumed from the first checkpoint its link was
@@ -173,7 +177,8 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         ``last_model_path``), so every resume wrote ``last-v<N>.ckpt`` beside a stale ``last.ckpt``."""
         super().load_state_dict(state_dict)
         same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
-        self._pending_removals = [str(p) for p in state_dict.get("pending_removals", ())] if same_dir else []
+        pending = state_dict.get("pending_removals")
+        self._pending_removals = {str(p): c for p, c in pending.items()} if same_dir and isinstance(pending, dict) else {}
         if self.save_last != "link" or self.last_model_path or not self.dirpath or "{" in self.CHECKPOINT_NAME_LAST \
                 or is_remote(os.fspath(self.dirpath)):
             return
