@@ -997,3 +997,49 @@ def test_async_saves_slower_than_a_step_remove_what_left_the_top_k_as_they_commi
     _Stepped.fit(ck, [float(s) for s in range(12, 0, -1)], DistCkptIO(async_save=True), callbacks=[cb, Count()])
     assert max(seen) <= 3, seen  # the top 2, and the newest committed one whose removal of the oldest is due
     assert sorted(os.listdir(ck)) == ["epoch=0-step=11.ckpt", "epoch=0-step=12.ckpt"]
+
+
+def test_a_checkpoint_whose_replacement_failed_is_not_removed_on_resume(tmp_path, monkeypatch):
+    """The top-k callback's async save of step 4 fails (no space); a second callback's save of that step, in the
+    same directory, commits and carries the first callback's state. That state listed step 3 as due for removal
+    (pushed out by the failed save), and the resume removed it: the one checkpoint of the first callback, kept
+    on purpose when its replacement failed, was gone (found by a probe of ``pending_removals``). A removal is
+    made only once what replaced it committed."""
+    import errno
+    import time
+
+    from lightning.pytorch.callbacks import Callback
+
+    from ckpt_integration.execution import save as save_mod
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+    scores = [5.0, 4.0, 3.0, 1.0, 9.0, 9.0, 9.0, 9.0]  # (step 4 would be the best)
+    real = save_mod.write_data_files
+
+    def no_space(target, *args, **kwargs):
+        if os.path.basename(target.path.rstrip("/")).startswith("epoch=0-step=4.ckpt"):
+            raise OSError(errno.ENOSPC, "No space left on device", target.path)
+        return real(target, *args, **kwargs)
+
+    class Settle(Callback):  # (each step starts once the saves before it are written: a slow step)
+        def on_train_batch_start(self, trainer, *args):
+            while not all(r.is_done() for r in trainer.strategy.checkpoint_io._requests):
+                time.sleep(0.01)
+
+    def fit(n, ckpt_path=None):
+        cbs = [DistCkptModelCheckpoint(dirpath=ck, save_top_k=1, monitor="m", mode="min", every_n_train_steps=1),
+               DistCkptModelCheckpoint(dirpath=ck, filename="all-{step}", save_top_k=-1, every_n_train_steps=1),
+               Settle()]
+        try:
+            _Stepped.fit(ck, scores[:n], DistCkptIO(async_save=True, max_in_flight=2), ckpt_path=ckpt_path,
+                         callbacks=cbs)
+        except Exception as e:  # noqa: BLE001 - the failed save, raised at a later step
+            assert "no space left on device" in str(e), e
+
+    monkeypatch.setattr(save_mod, "write_data_files", no_space)
+    fit(6)
+    monkeypatch.setattr(save_mod, "write_data_files", real)
+    assert "epoch=0-step=3.ckpt" in os.listdir(ck)
+    fit(8, ckpt_path="last")
+    assert "epoch=0-step=3.ckpt" in os.listdir(ck), sorted(os.listdir(ck))

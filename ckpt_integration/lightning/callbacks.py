@@ -139,10 +139,11 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         due = [p for p in [*self._pending_removals, *(p for p in self._tracked if p not in self.best_k_models)]
                if self._should_remove_checkpoint(trainer, p, filepath)] if self.dirpath else []
         local = not is_remote(os.fspath(filepath))
-        # (rank 0 decides; each by the commit it was: a later run may save another checkpoint under its name)
+        # (rank 0 decides. Each is named by the commit it was, since a later run may save another checkpoint
+        # under its name, and with the save that replaced it, which may fail: then it must stay)
         link, pending = trainer.strategy.broadcast((local and os.path.islink(filepath), {
-            p: self._pending_removals.get(p) or commit_order_of(p).created for p in dict.fromkeys(due)
-            if local and os.path.lexists(p)}) if trainer.is_global_zero else None)
+            p: self._pending_removals.get(p) or [commit_order_of(p).created, os.fspath(filepath)]
+            for p in dict.fromkeys(due) if local and os.path.lexists(p)}) if trainer.is_global_zero else None)
         self._pending_removals, self._tracked = pending, list(self.best_k_models)
         if link:
             if trainer.is_global_zero:
@@ -150,7 +151,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
             trainer.strategy.barrier()
         super()._save_checkpoint(trainer, filepath)
 
-    _pending_removals: Dict[str, Optional[float]] = {}  # (path -> the commit time of the checkpoint meant)
+    _pending_removals: Dict[str, List[Any]] = {}  # path -> [the commit time of the one meant, what replaced it]
     _tracked: List[str] = []
 
     def state_dict(self) -> Dict[str, Any]:
@@ -162,11 +163,12 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         resumed = os.path.abspath(os.fspath(trainer.ckpt_path)) if trainer.ckpt_path else None
         d = os.path.abspath(os.fspath(self.dirpath)) + os.sep if self.dirpath else None
-        gone = [p for p, created in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
+        gone = [p for p, (created, by) in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
                 and p not in self.best_k_models and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))
                 and created is not None]
-        for p in trainer.strategy.broadcast([p for p in gone if os.path.lexists(p) and commit_order_of(p).created
-                                             == self._pending_removals[p]] if trainer.is_global_zero else None):
+        for p in trainer.strategy.broadcast([  # (only once what replaced it committed: a failed save keeps it)
+                p for p in gone if os.path.lexists(p) and commit_order_of(p).created == self._pending_removals[p][0]
+                and is_complete_checkpoint(self._pending_removals[p][1])] if trainer.is_global_zero else None):
             logger.info("removing %s: it had fallen out of the top k when the checkpoint resumed from was saved", p)
             trainer.strategy.remove_checkpoint(p)
         self._pending_removals, self._tracked = {}, list(self.best_k_models)
@@ -178,7 +180,8 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super().load_state_dict(state_dict)
         same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
         pending = state_dict.get("pending_removals")
-        self._pending_removals = {str(p): c for p, c in pending.items()} if same_dir and isinstance(pending, dict) else {}
+        self._pending_removals = {str(p): list(v) for p, v in pending.items() if isinstance(v, (list, tuple)) and len(v) == 2} \
+            if same_dir and isinstance(pending, dict) else {}
         if self.save_last != "link" or self.last_model_path or not self.dirpath or "{" in self.CHECKPOINT_NAME_LAST \
                 or is_remote(os.fspath(self.dirpath)):
             return
