@@ -1004,7 +1004,7 @@ def test_a_checkpoint_whose_replacement_failed_is_not_removed_on_resume(tmp_path
     same directory, commits and carries the first callback's state. That state listed step 3 as due for removal
     (pushed out by the failed save), and the resume removed it: the one checkpoint of the first callback, kept
     on purpose when its replacement failed, was gone (found by a probe of ``pending_removals``). A removal is
-    made only once what replaced it committed."""
+    made only once what replaced it committed, and the top k then holds what committed."""
     import errno
     import time
 
@@ -1036,10 +1036,15 @@ def test_a_checkpoint_whose_replacement_failed_is_not_removed_on_resume(tmp_path
                          callbacks=cbs)
         except Exception as e:  # noqa: BLE001 - the failed save, raised at a later step
             assert "no space left on device" in str(e), e
+        return cbs[0]
 
     monkeypatch.setattr(save_mod, "write_data_files", no_space)
     fit(6)
     monkeypatch.setattr(save_mod, "write_data_files", real)
     assert "epoch=0-step=3.ckpt" in os.listdir(ck)
-    fit(8, ckpt_path="last")
+    top = fit(8, ckpt_path="last")
     assert "epoch=0-step=3.ckpt" in os.listdir(ck), sorted(os.listdir(ck))
+    # the state resumed names the failed save in the top k, where it held the place of one that exists (a probe:
+    # restored from a memory snapshot taken while that save was written, the next save removed a kept one):
+    # the top k after the resume holds what committed, the failed save's place given back
+    assert [os.path.basename(p) for p in top.best_k_models] == ["epoch=0-step=3.ckpt"], top.best_k_models

@@ -8,6 +8,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ..errors import CheckpointingException, CorruptCheckpointError
@@ -142,17 +143,19 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         # (rank 0 decides. Each is named by the commit it was, since a later run may save another checkpoint
         # under its name, and with the save that replaced it, which may fail: then it must stay)
         link, pending = trainer.strategy.broadcast((local and os.path.islink(filepath), {
-            p: self._pending_removals.get(p) or [commit_order_of(p).created, os.fspath(filepath)]
+            p: self._pending_removals.get(p) or [commit_order_of(p).created, os.fspath(filepath), self._tracked.get(p)]
             for p in dict.fromkeys(due) if local and os.path.lexists(p)}) if trainer.is_global_zero else None)
-        self._pending_removals, self._tracked = pending, list(self.best_k_models)
+        self._pending_removals, self._tracked = pending, dict(self.best_k_models)
         if link:
             if trainer.is_global_zero:
                 os.remove(filepath)
             trainer.strategy.barrier()
         super()._save_checkpoint(trainer, filepath)
 
-    _pending_removals: Dict[str, List[Any]] = {}  # path -> [the commit time of the one meant, what replaced it]
-    _tracked: List[str] = []
+    # path -> [the commit time of the one meant, what replaced it, its score]
+    _pending_removals: Dict[str, List[Any]] = {}
+    _tracked: Dict[str, Any] = {}
+    _debris: List[str] = []  # (incomplete checkpoints setup removed: saves that never committed)
 
     def state_dict(self) -> Dict[str, Any]:
         return {**super().state_dict(), "pending_removals": dict(self._pending_removals)}
@@ -163,15 +166,43 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         resumed = os.path.abspath(os.fspath(trainer.ckpt_path)) if trainer.ckpt_path else None
         d = os.path.abspath(os.fspath(self.dirpath)) + os.sep if self.dirpath else None
-        gone = [p for p, (created, by) in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
+        gone = [p for p, (created, _, _) in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
                 and p not in self.best_k_models and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))
                 and created is not None]
-        for p in trainer.strategy.broadcast([  # (only once what replaced it committed: a failed save keeps it)
-                p for p in gone if os.path.lexists(p) and commit_order_of(p).created == self._pending_removals[p][0]
-                and is_complete_checkpoint(self._pending_removals[p][1])] if trainer.is_global_zero else None):
+        same = [p for p in gone if os.path.lexists(p) and commit_order_of(p).created == self._pending_removals[p][0]]
+        io = _io(trainer)
+        back = [p for p in same if not is_complete_checkpoint(self._pending_removals[p][1])]
+        # top-k entries whose save never committed (a resume from a memory snapshot taken while it was written):
+        # they held a place, and the next save pushed out a checkpoint that exists instead. (Not one committed
+        # and removed since: a rollback's top k keeps those, as Lightning does)
+        never = {os.path.abspath(p) for p in [*self._debris, *(self._pending_removals[p][1] for p in back)]}
+        phantom = [p for p in self.best_k_models if os.path.abspath(os.fspath(p)) in never
+                   and not (io is not None and io.saving(p))]
+        drop, back, phantom = trainer.strategy.broadcast(
+            ([p for p in same if p not in back], back, phantom) if trainer.is_global_zero else None)
+        for p in drop:  # (only once what replaced it committed: a failed save keeps it)
             logger.info("removing %s: it had fallen out of the top k when the checkpoint resumed from was saved", p)
             trainer.strategy.remove_checkpoint(p)
-        self._pending_removals, self._tracked = {}, list(self.best_k_models)
+        if phantom or back:
+            self._reconcile_top_k(phantom, {p: self._pending_removals[p][2] for p in back})
+        self._pending_removals, self._tracked = {}, dict(self.best_k_models)
+
+    def _reconcile_top_k(self, phantom: List[str], back: Dict[str, Any]) -> None:
+        """Drop the top-k entries that never committed; take back those a failed save had pushed out."""
+        for p in phantom:
+            self.best_k_models.pop(p, None)
+        self.best_k_models.update({p: v for p, v in back.items() if v is not None})
+        logger.warning("top k after resume: %s never committed, %s taken back", phantom or "nothing", list(back) or "none")
+        k = len(self.best_k_models) + 1 if self.save_top_k == -1 else self.save_top_k
+        worst, best = (max, min) if self.mode == "min" else (min, max)
+        if self.best_k_models and len(self.best_k_models) >= k:
+            self.kth_best_model_path = worst(self.best_k_models, key=self.best_k_models.get)
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        else:
+            self.kth_best_model_path, self.kth_value = "", torch.tensor(float("inf") if self.mode == "min" else -float("inf"))
+        if self.best_k_models:
+            self.best_model_path = best(self.best_k_models, key=self.best_k_models.get)
+            self.best_model_score = self.best_k_models[self.best_model_path]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Lightning's; then, with ``save_last="link"``, a run resumed from the first checkpoint its link was
@@ -180,7 +211,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         super().load_state_dict(state_dict)
         same_dir = state_dict.get("dirpath", self.dirpath) == self.dirpath
         pending = state_dict.get("pending_removals")
-        self._pending_removals = {str(p): list(v) for p, v in pending.items() if isinstance(v, (list, tuple)) and len(v) == 2} \
+        self._pending_removals = {str(p): list(v) for p, v in pending.items() if isinstance(v, (list, tuple)) and len(v) == 3} \
             if same_dir and isinstance(pending, dict) else {}
         if self.save_last != "link" or self.last_model_path or not self.dirpath or "{" in self.CHECKPOINT_NAME_LAST \
                 or is_remote(os.fspath(self.dirpath)):
@@ -257,6 +288,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
                 continue  # (a resume given it falls back to the newest complete sibling, later: the next save replaces it)
             if not (io is not None and io.saving(path)) and remove_dead_partial(locate(path)):
                 logger.warning("removed %s: an incomplete checkpoint a killed run left (never committed)", path)
+                self._debris = [*self._debris, path]
 
     def file_exists(self, filepath: Any, trainer: "pl.Trainer") -> bool:
         """Only a complete checkpoint, or one this job's async save is writing, counts as existing
