@@ -1048,3 +1048,22 @@ def test_a_checkpoint_whose_replacement_failed_is_not_removed_on_resume(tmp_path
     # restored from a memory snapshot taken while that save was written, the next save removed a kept one):
     # the top k after the resume holds what committed, the failed save's place given back
     assert [os.path.basename(p) for p in top.best_k_models] == ["epoch=0-step=3.ckpt"], top.best_k_models
+
+
+def test_a_second_fit_keeps_a_checkpoint_the_first_fit_saved_again_over_debris_in_the_top_k(tmp_path):
+    """One callback, two fits. The first fit's setup removed the incomplete ``epoch=0-step=2.ckpt`` a killed save
+    left, then saved that step again, complete and in the top k. The second fit took the paths the first fit's
+    setup had removed for saves that never committed, and dropped that checkpoint from the top k."""
+    import ckpt_integration as ci
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint
+
+    ck = f"{tmp_path}/ck"
+    dead = f"{ck}/epoch=0-step=2.ckpt"
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(2))}, dead)
+    os.remove(f"{dead}/metadata.json")  # (what a save killed before its commit leaves)
+    cb = DistCkptModelCheckpoint(dirpath=ck, save_top_k=2, monitor="m", mode="min", every_n_train_steps=1)
+    _Stepped.fit(ck, [3.0, 2.0, 1.0], DistCkptIO(), callbacks=[cb])
+    assert sorted(os.path.basename(p) for p in cb.best_k_models) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
+    _Stepped.fit(ck, [3.0, 2.0, 1.0, 9.0], DistCkptIO(), ckpt_path="last", callbacks=[cb])
+    assert sorted(os.path.basename(p) for p in cb.best_k_models) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
+    assert sorted(n for n in os.listdir(ck)) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]

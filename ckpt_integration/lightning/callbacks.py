@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -164,28 +164,32 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         """Remove what the resumed checkpoint's state says had fallen out of the top k (see
         :meth:`_save_checkpoint`), unless it is back in the top k or is what this run resumed from."""
         super().on_train_start(trainer, pl_module)
-        resumed = os.path.abspath(os.fspath(trainer.ckpt_path)) if trainer.ckpt_path else None
-        d = os.path.abspath(os.fspath(self.dirpath)) + os.sep if self.dirpath else None
-        gone = [p for p, (created, _, _) in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
-                and p not in self.best_k_models and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))
-                and created is not None]
-        same = [p for p in gone if os.path.lexists(p) and commit_order_of(p).created == self._pending_removals[p][0]]
-        io = _io(trainer)
-        back = [p for p in same if not is_complete_checkpoint(self._pending_removals[p][1])]
-        # top-k entries whose save never committed (a resume from a memory snapshot taken while it was written):
-        # they held a place, and the next save pushed out a checkpoint that exists instead. (Not one committed
-        # and removed since: a rollback's top k keeps those, as Lightning does)
-        never = {os.path.abspath(p) for p in [*self._debris, *(self._pending_removals[p][1] for p in back)]}
-        phantom = [p for p in self.best_k_models if os.path.abspath(os.fspath(p)) in never
-                   and not (io is not None and io.saving(p))]
-        drop, back, phantom = trainer.strategy.broadcast(
-            ([p for p in same if p not in back], back, phantom) if trainer.is_global_zero else None)
+        drop, back, phantom = trainer.strategy.broadcast(self._resume_removals(trainer) if trainer.is_global_zero
+                                                         else None)
         for p in drop:  # (only once what replaced it committed: a failed save keeps it)
             logger.info("removing %s: it had fallen out of the top k when the checkpoint resumed from was saved", p)
             trainer.strategy.remove_checkpoint(p)
         if phantom or back:
             self._reconcile_top_k(phantom, {p: self._pending_removals[p][2] for p in back})
         self._pending_removals, self._tracked = {}, dict(self.best_k_models)
+
+    def _resume_removals(self, trainer: "pl.Trainer") -> Tuple[List[str], List[str], List[str]]:
+        """Rank 0, at resume: ``(checkpoints to remove, those to take back into the top k, top-k entries whose
+        save never committed)`` from ``pending_removals`` and what ``setup`` found."""
+        resumed = os.path.abspath(os.fspath(trainer.ckpt_path)) if trainer.ckpt_path else None
+        d = os.path.abspath(os.fspath(self.dirpath)) + os.sep if self.dirpath else None
+        same = [p for p, (created, _, _) in self._pending_removals.items() if d and os.path.abspath(p).startswith(d)
+                and p not in self.best_k_models and os.path.abspath(p) != resumed and not is_last_name(os.path.basename(p))
+                and created is not None and os.path.lexists(p) and commit_order_of(p).created == created]
+        back = [p for p in same if not is_complete_checkpoint(self._pending_removals[p][1])]
+        # top-k entries whose save never committed (a resume from a memory snapshot taken while it was written):
+        # they held a place, and the next save pushed out a checkpoint that exists instead. (Not one committed
+        # and removed since: a rollback's top k keeps those, as Lightning does)
+        never = {os.path.abspath(p) for p in [*self._debris, *(self._pending_removals[p][1] for p in back)]}
+        io = _io(trainer)
+        phantom = [p for p in self.best_k_models if os.path.abspath(os.fspath(p)) in never
+                   and not is_complete_checkpoint(p) and not (io is not None and io.saving(p))]
+        return [p for p in same if p not in back], back, phantom
 
     def _reconcile_top_k(self, phantom: List[str], back: Dict[str, Any]) -> None:
         """Drop the top-k entries that never committed; take back those a failed save had pushed out."""
@@ -272,6 +276,7 @@ class DistCkptModelCheckpoint(ModelCheckpoint):
         ``last*`` stays: a resume given its path falls back from it (removed here first, that resume failed
         with "does not exist"), and the next save of ``last`` replaces it."""
         super().setup(trainer, pl_module, stage)
+        self._debris = []  # (this fit's: a checkpoint an earlier fit removed as debris may have been saved again)
         if self.save_last and self.dirpath is not None and is_remote(os.fspath(self.dirpath)):
             raise ValueError(
                 f"DistCkptModelCheckpoint(save_last={self.save_last!r}) is not supported on {self.dirpath}: "
