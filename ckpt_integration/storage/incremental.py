@@ -257,11 +257,12 @@ def take_file(reuse: Reuse, name: str, directory: str, storage: Storage) -> Opti
             checked = frozenset((it.start, it.length, it.digest, base.block_hash) for it in items)
             # (only when what was linked is the file the identity was taken of: replaced in between by another
             # writer's overwrite, the path named other bytes at the link, which nobody checked)
-            same = ident is not None and _linked_is(storage, ident, src, dst)
+            after = _identity(storage, dst)  # (a read leaves it as it is: the one remembered below too)
+            same = ident is not None and _linked_is(storage, ident, after, src)
             before = _INTACT.get(ident, frozenset()) if same else frozenset()
             why = None if checked <= before else _damage(storage, dst, items, block_hash(base.block_hash))
             if why is None:
-                _remember(_identity(storage, dst), checked | before)
+                _remember(after, checked | before)
                 return True
     except (OSError, CheckpointingException) as e:
         why = str(e)
@@ -299,12 +300,11 @@ def _identity(storage: Storage, path: str) -> Optional[Tuple[Any, ...]]:
     return None if tag is None else (path, info.get("size"), str(tag))
 
 
-def _linked_is(storage: Storage, ident: Tuple[Any, ...], src: str, dst: str) -> bool:
-    """Whether the file linked to ``dst`` is the one ``ident`` was taken of: locally the same inode (a link
-    changes the change time, not the inode); on an object store the source unchanged after the copy."""
+def _linked_is(storage: Storage, ident: Tuple[Any, ...], linked: Optional[Tuple[Any, ...]], src: str) -> bool:
+    """Whether the file linked (its identity ``linked``) is the one ``ident`` was taken of: locally the same inode
+    (a link changes the change time, not the inode); on an object store the source unchanged after the copy."""
     if not storage.remote:
-        after = _identity(storage, dst)
-        return after is not None and after[:2] == ident[:2]
+        return linked is not None and linked[:2] == ident[:2]
     return _identity(storage, src) == ident
 
 
