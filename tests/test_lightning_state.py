@@ -156,8 +156,9 @@ class _Stepped:
     """A Linear(64, 64) module logging ``scores[global_step]`` as "m"; fails at step ``fail_at``."""
 
     @staticmethod
-    def fit(ck, scores, io, ckpt_path=None, fail_at=None, manual=None, callbacks=None, **cb):
+    def fit(ck, scores, io, ckpt_path=None, fail_at=None, manual=None, callbacks=None, sigterm_at=None, **cb):
         import lightning as L
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
         from torch.utils.data import DataLoader, TensorDataset
 
         from ckpt_integration.lightning import DistCkptModelCheckpoint, DistCkptSingleDeviceStrategy
@@ -170,6 +171,8 @@ class _Stepped:
             def training_step(self, batch, idx):
                 if self.global_step == fail_at:
                     raise RuntimeError("crash")
+                if self.global_step == sigterm_at:  # (what Lightning raises at the batch after a SIGTERM)
+                    raise SIGTERMException(1)
                 self.log("m", float(scores[self.global_step]))
                 return self.lin(batch[0]).pow(2).mean()
 
@@ -189,6 +192,9 @@ class _Stepped:
                   ckpt_path=ckpt_path)
         except RuntimeError as e:
             if fail_at is None or "crash" not in str(e):
+                raise
+        except SIGTERMException:
+            if sigterm_at is None:
                 raise
         return t
 
@@ -1067,3 +1073,43 @@ def test_a_second_fit_keeps_a_checkpoint_the_first_fit_saved_again_over_debris_i
     _Stepped.fit(ck, [3.0, 2.0, 1.0, 9.0], DistCkptIO(), ckpt_path="last", callbacks=[cb])
     assert sorted(os.path.basename(p) for p in cb.best_k_models) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
     assert sorted(n for n in os.listdir(ck)) == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt"]
+
+
+@pytest.mark.parametrize("copy", ["memory", "preempted"])
+def test_a_resume_from_a_durable_copy_of_a_snapshot_keeps_top_k_true(tmp_path, copy):
+    """The memory tier lost (a restart on other nodes), ``ckpt_path="last"`` resumes from the durable copy of the
+    newest snapshot (``memory-step=6.ckpt`` of ``memory_persist_every_n``, ``preempted-step=6.ckpt`` written at a
+    SIGTERM). The snapshot is taken before ``ModelCheckpoint`` saves its step, so the copy's callback state did not
+    know ``epoch=0-step=6.ckpt``: it stayed for good beside the top 1, and so did every ``preempted-step=*`` copy.
+    The callbacks' states now come from the checkpoint of that step, as for a restore from memory; a copy of a
+    preemption is removed once a newer one is durable, and at the end of a fit that saved a newer checkpoint."""
+    import shutil
+
+    from ckpt_integration.lightning import DistCkptIO
+
+    ck, shm = f"{tmp_path}/ck", f"{tmp_path}/shm"
+    scores = [10.0 - i for i in range(13)]
+
+    def fit(**kw):
+        io = DistCkptIO(memory_every_n_train_steps=2, memory_replicas=1, memory_dir=shm,
+                        memory_persist_every_n=1 if copy == "memory" else None)
+        return _Stepped.fit(ck, scores, io, save_top_k=1, monitor="m", mode="min", every_n_train_steps=2,
+                            save_last=True, **kw)
+
+    def names(prefix=""):
+        return sorted(n for n in os.listdir(ck) if n.startswith(prefix) and not n.startswith("memory-step="))
+
+    if copy == "memory":  # (memory-step=6 is made durable at the batch end of step 7)
+        fit(fail_at=7)
+    else:
+        fit(sigterm_at=6)
+        assert names("preempted") == ["preempted-step=6.ckpt"], names()
+    shutil.rmtree(shm)
+    if copy == "preempted":  # a second preemption: the newer copy replaces the older one
+        t = fit(ckpt_path="last", sigterm_at=10)
+        assert os.path.basename(str(t.ckpt_path)) == "preempted-step=6.ckpt", t.ckpt_path
+        assert names() == ["epoch=0-step=10.ckpt", "last.ckpt", "preempted-step=10.ckpt"], names()
+        shutil.rmtree(shm)
+    t = fit(ckpt_path="last")
+    assert t.global_step == len(scores) and "-step=" in os.path.basename(str(t.ckpt_path)), t.ckpt_path
+    assert names() == ["epoch=0-step=12.ckpt", "last.ckpt"], names()

@@ -40,7 +40,7 @@ from ..storage.filesystem import is_remote, locate
 from ..serialization import load_common_state_dict
 from .entries import RNG_KEY, rng_from_safe, sharded_keys
 from .io import MARKER, DistCkptIO
-from .paths import is_complete_checkpoint, latest_complete_checkpoint
+from .paths import is_complete_checkpoint, latest_complete_checkpoint, run_of
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +162,22 @@ def restore_newest(strategy: Any, path: str) -> Tuple[Optional[Dict[str, Any]], 
     return None, durable
 
 
+def callback_states_of_copy(strategy: Any, loaded: Dict[str, Any], path: str) -> None:
+    """Collective: when ``path`` (loaded into ``loaded``) is a durable copy of a memory snapshot
+    (``memory-step=<n>.ckpt``, ``preempted-step=<n>.ckpt``), the callbacks' states of the checkpoint of its
+    step, as for a restore from memory (:func:`_callback_states_of_step`): the copy holds the snapshot's, taken
+    before ``ModelCheckpoint`` saved that step, and a resume from it after the memory was lost kept that
+    step's checkpoint for good (found by a probe)."""
+    step = loaded.get("global_step")
+    if _is_snapshot_copy(path) and isinstance(step, int):
+        _callback_states_of_step(strategy, loaded, strategy.dist_checkpoint_io(), step, None, copy=path)
+
+
 def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkptIO, step: int,
-                             started: Optional[float]) -> None:
+                             started: Optional[float], copy: Optional[str] = None) -> None:
     """Collective: the callbacks' states of the newest checkpoint a callback saved at ``step`` (in this run,
-    the one that took the snapshot), into ``loaded`` (a memory snapshot of that step).
+    the one that took the snapshot), into ``loaded`` (a memory snapshot of that step; ``copy``: its durable
+    copy, whose run record says when that run started).
 
     The snapshot is taken at the batch end before ``ModelCheckpoint`` saves that step, so its callback state
     lacks that save: restored from it, the checkpoint was never in ``best_k_models``, never deleted (one more
@@ -173,6 +185,9 @@ def _callback_states_of_step(strategy: Any, loaded: Dict[str, Any], io: DistCkpt
     states = None
     if strategy.is_global_zero:
         try:
+            if copy is not None:  # (a checkpoint of the step that an earlier run, left by a rollback, saved is not it)
+                run = run_of(copy, **io.read_kwargs())
+                started = run[1] if run is not None else None
             found = [c for d, ext, depth in _checkpoint_dirs_of(strategy.lightning_module.trainer)
                      for c in ordered_checkpoints(d, ext, depth) if c.step == step and not _is_snapshot_copy(c.path)
                      and (started is None or (c.created or 0) >= started)]
@@ -199,10 +214,38 @@ def _checkpoint_dirs_of(trainer: "pl.Trainer") -> List[Tuple[str, str, int]]:
     return out
 
 
+def _prune_preempted(trainer: "pl.Trainer", below: Optional[int]) -> None:
+    """Rank 0: remove the ``preempted-step=<n>.ckpt`` copies of steps before ``below`` (a step a newer durable
+    checkpoint holds). Each preemption wrote one, and none was ever removed."""
+    d = _checkpoint_dir(trainer)
+    if below is None or not trainer.is_global_zero or is_remote(d) or not os.path.isdir(d):
+        return
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        if 0 <= _preempted_step(name) < below and is_complete_checkpoint(path):
+            DistCkptIO._remove_now(path)
+
+
+def _preempted_step(name: str) -> int:
+    digits = name[len("preempted-step="):-len(".ckpt")] if name.startswith("preempted-step=") and name.endswith(".ckpt") else ""
+    return int(digits) if digits.isdigit() else -1
+
+
+def _newest_step_committed_since(trainer: "pl.Trainer") -> Optional[int]:
+    """Rank 0: the newest step of a checkpoint this run committed (after the run started, so not one of a
+    timeline it left) in the directory of the snapshots' copies; None when it committed none."""
+    started = (getattr(trainer.strategy, "_run_record", None) or {}).get("started")
+    d = _checkpoint_dir(trainer)
+    if started is None or not trainer.is_global_zero or is_remote(d):
+        return None
+    steps = [c.step for c in ordered_checkpoints(d) if c.step is not None and (c.created or 0) >= started]
+    return max(steps, default=None)
+
+
 def _is_snapshot_copy(path: str) -> bool:
     """A memory snapshot made durable (``memory-step=<n>.ckpt``, ``preempted-step=<n>.ckpt``): its callback
     states are the snapshot's."""
-    return _persisted_step(path) >= 0 or os.path.basename(path).startswith("preempted-step=")
+    return _persisted_step(path) >= 0 or _preempted_step(os.path.basename(path)) >= 0
 
 
 def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:
@@ -331,6 +374,8 @@ class DistCkptMemorySnapshots(Callback):
             older = [path for st, path in earlier if floor is None or st < floor]
             for path in [path for st, path in earlier if path not in older] + older[2 - len(kept):]:
                 DistCkptIO._remove_now(path)
+            if len(kept) == 2:
+                _prune_preempted(trainer, below=floor)
 
     def _persists_enabled(self, trainer: "pl.Trainer") -> bool:
         io = self._io(trainer)
@@ -357,6 +402,7 @@ class DistCkptMemorySnapshots(Callback):
                 return
             self._persist(trainer, io, step, "preempted").wait()
             outcome["step"] = step
+            _prune_preempted(trainer, below=step)  # (the copies of earlier preemptions: this one is newer)
 
         th = threading.Thread(target=work, name="ckpt-memory-preempt", daemon=True)
         th.start()
@@ -381,6 +427,7 @@ class DistCkptMemorySnapshots(Callback):
             except Exception as e:  # noqa: BLE001
                 failed = failed or e
         self._prune(trainer, final=True)  # every persist is done now: the two newest are kept, as during the run
+        _prune_preempted(trainer, below=_newest_step_committed_since(trainer))
         self._persists = []
         tier, io.memory_tier = io.memory_tier, None
         tier.close(remove=True)  # the job is finished: free the nodes' memory

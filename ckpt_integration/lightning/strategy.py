@@ -25,7 +25,7 @@ from . import fsdp
 from .callbacks import DistCkptAsyncFinalizer
 from .entries import RNG_KEY, model_key_report, rng_from_safe, rng_to_safe, sharded_keys
 from .io import MARKER, DistCkptIO
-from .memory import DistCkptMemorySnapshots, restore_newest
+from .memory import DistCkptMemorySnapshots, callback_states_of_copy, restore_newest
 from .paths import resolve_checkpoint_path
 from .preemption import DistCkptPreemption
 from .stock import load_stock_checkpoint, stock_layout
@@ -268,8 +268,11 @@ class DistCkptStrategyMixin(Strategy):
         if stock_layout(path) is not None:
             loaded, self._load_report = load_stock_checkpoint(self, path, model_sd, self._fitting())
             return loaded
-        with io.opened_for_load(resolve_checkpoint_path(path, **io.read_kwargs())) as ck:  # one commit for every read below
-            return self._load_opened(io, ck, model_sd)
+        path = resolve_checkpoint_path(path, **io.read_kwargs())
+        with io.opened_for_load(path) as ck:  # one commit for every read below
+            loaded = self._load_opened(io, ck, model_sd)
+        callback_states_of_copy(self, loaded, path)  # (a durable copy of a memory snapshot)
+        return loaded
 
     def _load_opened(self, io: DistCkptIO, path: Any, model_sd: Dict[str, Any]) -> Dict[str, Any]:
         meta = serialization.load_content_metadata(path, **io.read_kwargs()) or {}
