@@ -727,3 +727,161 @@ def test_stacked_layers_with_a_layer_the_optimizer_has_no_state_for(tmp_path):
     run([ws[0], ws[2], ws[3]], frozen, 1)
     with pytest.raises(ci.errors.ShardingIntegrityError, match=r"optimizer state is sharded like its parameter.*frozen"):
         ci.save({"optimizer": optimizer_sharded_state_dict(frozen, msd(ws))}, tmp_path / "d")
+
+
+class _Tied(torch.nn.Module):
+    """An embedding tied to the output layer; ``head_first`` declares the two in the other order."""
+
+    def __init__(self, head_first: bool):
+        super().__init__()
+        for name in (("head", "emb") if head_first else ("emb", "head")):
+            setattr(self, name, torch.nn.Linear(4, 10, bias=False) if name == "head" else torch.nn.Embedding(10, 4))
+        self.head.weight = self.emb.weight
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.fc(self.emb(x))).pow(2).sum()
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_tied_weight_declared_in_another_order_loads_its_optimizer_state(tmp_path, zero):
+    """The optimizer state of a tied weight is keyed by the name the model's state dict lists first
+    (``emb.weight``). A module declaring ``head`` first asked for ``head.weight``'s state, found the
+    weight itself in the checkpoint, took it for a parameter without state and loaded none: Adam restarted
+    for the embedding without a word; under ZeRO its fp32 master stayed zero and the next step wiped it."""
+    from ckpt_integration.modules import default_sharded_state_dict
+
+    def optimizer(m):
+        return ZeroShardedOptimizer(list(m.parameters()), torch.optim.Adam, lr=0.01) if zero else \
+            torch.optim.Adam(m.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    a = _Tied(head_first=False)
+    opt_a = optimizer(a)
+    for _ in range(3):
+        a(torch.arange(10)).backward()
+        opt_a.step()
+        opt_a.zero_grad()
+    msd = default_sharded_state_dict(a)
+    sd = opt_a.sharded_state_dict(msd) if zero else optimizer_sharded_state_dict(opt_a, msd)
+    ci.save({"model": msd, "optimizer": sd}, tmp_path / "c")
+    b = _Tied(head_first=True)
+    msd_b = default_sharded_state_dict(b)
+    ci.load({"model": msd_b}, tmp_path / "c")
+    opt_b = optimizer(b)
+    if zero:
+        opt_b.load_checkpoint(msd_b, tmp_path / "c")
+        assert torch.equal(opt_b.main_param, opt_a.main_param)
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_b.optimizer.state[opt_b.main_param][name], opt_a.optimizer.state[opt_a.main_param][name])
+    else:
+        load_optimizer_state(opt_b, msd_b, tmp_path / "c")
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert p.shape == q.shape and sorted(opt_b.state[q]) == ["exp_avg", "exp_avg_sq", "step"]
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt_a.state[p][name], opt_b.state[q][name]), name
+    for m, o in ((a, opt_a), (b, opt_b)):  # and they go on alike
+        m(torch.arange(10)).backward()
+        o.step()
+    assert torch.equal(a.emb.weight, b.emb.weight) and torch.equal(a.fc.weight, b.fc.weight)
+
+
+def test_zero_masters_of_a_param_the_checkpoint_holds_no_state_for_are_its_weights(tmp_path):
+    """A layer frozen (left out of the ZeRO optimizer) at the save and trained after the resume: its masters
+    stayed zero (the checkpoint's masters were copied over the whole slice), and the next step wrote about
+    zero into its weights."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    m[0].requires_grad_(False)
+    z = ZeroShardedOptimizer([p for p in m.parameters() if p.requires_grad], torch.optim.Adam, lr=0.01)
+    m(torch.randn(3, 4)).sum().backward()
+    z.step()
+    from ckpt_integration.modules import default_sharded_state_dict
+
+    msd = default_sharded_state_dict(m)
+    ci.save({"model": msd, "optimizer": z.sharded_state_dict(msd)}, tmp_path / "c")
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    msd2 = default_sharded_state_dict(m2)
+    ci.load({"model": msd2}, tmp_path / "c")
+    z2 = ZeroShardedOptimizer(list(m2.parameters()), torch.optim.Adam, lr=0.01)
+    z2.load_checkpoint(msd2, tmp_path / "c")
+    assert torch.equal(z2.main_param, torch.cat([p.detach().reshape(-1) for p in m2.parameters()]))
+    assert torch.equal(z2.main_param[20:], z.main_param)  # (layer 0: 16 weights and 4 biases)
+
+
+@pytest.mark.parametrize("scalar_first", [False, True])
+def test_a_zero_dim_parameter_between_a_plain_and_a_zero_optimizer(tmp_path, scalar_first):
+    """A learned scalar (``nn.Parameter(torch.tensor(1.5))``): a plain optimizer saves its ``exp_avg`` as an
+    object (one element). Loaded by ZeRO it was taken for an optimizer-wide scalar such as ``step``: its
+    elements of the flat buffers stayed 0.0 (last param) or a 0-dim tensor replaced a whole buffer and the
+    next step failed (first param)."""
+    from ckpt_integration.modules import default_sharded_state_dict
+
+    def model():
+        m = torch.nn.Module()
+        names = ("s", "fc") if scalar_first else ("fc", "s")
+        for n in names:
+            setattr(m, n, torch.nn.Parameter(torch.tensor(1.5)) if n == "s" else torch.nn.Linear(3, 2))
+        return m
+
+    def train(m, opt):
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            (m.fc(torch.randn(4, 3, generator=g)) * m.s).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    torch.manual_seed(0)
+    ref = model()
+    opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+    train(ref, opt)
+    msd = default_sharded_state_dict(ref)
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(opt, msd)}, tmp_path / "plain")
+    m = model()
+    msd = default_sharded_state_dict(m)
+    ci.load({"model": msd}, tmp_path / "plain")
+    z = ZeroShardedOptimizer(list(m.parameters()), torch.optim.Adam, lr=0.1)
+    z.load_checkpoint(msd, tmp_path / "plain")
+    st = z.optimizer.state[z.main_param]
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(st[name], torch.cat([opt.state[p][name].reshape(-1) for p in ref.parameters()])), name
+    assert torch.equal(st["step"], torch.tensor(3.0))
+    g = torch.Generator().manual_seed(9)
+    for mm, o in ((ref, opt), (m, z)):
+        (mm.fc(torch.randn(4, 3, generator=g.manual_seed(9))) * mm.s).pow(2).sum().backward()
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), m.parameters()))
+
+
+@pytest.mark.parametrize("saved,loaded,lacking", [("RMSprop", "Adagrad", "sum"), ("Adam", "NAdam", "mu_product"),
+                                                  ("Adam", "Adamax", "exp_inf"), ("Adagrad", "Adadelta", "square_avg")])
+def test_a_checkpoint_of_another_optimizer_kind_is_refused_by_name(tmp_path, saved, loaded, lacking):
+    """Adagrad, NAdam, Adamax, Adadelta, ASGD, Rprop, RAdam were not known to the check: a checkpoint of another
+    kind loaded, and torch failed later with a bare ``KeyError`` (at the next step, or inside the load); the
+    same kind loads exactly."""
+    from ckpt_integration.modules import default_sharded_state_dict
+
+    def trained(kind):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(3, 2)
+        o = getattr(torch.optim, kind)(m.parameters(), lr=0.01)
+        m(torch.randn(4, 3)).sum().backward()
+        o.step()
+        return m, o
+
+    m, o = trained(saved)
+    msd = default_sharded_state_dict(m)
+    ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(o, msd)}, tmp_path / "c")
+    m2 = torch.nn.Linear(3, 2)
+    with pytest.raises(OptimizerStateMismatchError, match=rf"(?s)does not fit {loaded}.*parameter 'weight'[^\n]*: no {lacking}"):
+        load_optimizer_state(getattr(torch.optim, loaded)(m2.parameters()), default_sharded_state_dict(m2),
+                             tmp_path / "c", module=m2)
+    for kind in ("Adagrad", "NAdam", "Adamax", "Adadelta", "ASGD", "Rprop", "RAdam"):
+        m, o = trained(kind)
+        msd = default_sharded_state_dict(m)
+        ci.save({"model": msd, "optimizer": optimizer_sharded_state_dict(o, msd)}, tmp_path / kind)
+        fresh = getattr(torch.optim, kind)(m.parameters(), lr=0.01)
+        load_optimizer_state(fresh, msd, tmp_path / kind)
+        for p in m.parameters():
+            assert sorted(fresh.state[p]) == sorted(o.state[p]), kind
+            assert all(torch.equal(fresh.state[p][n], o.state[p][n]) for n in o.state[p]), kind

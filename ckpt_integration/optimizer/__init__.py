@@ -18,7 +18,7 @@ part, so they follow the weights into separate params keyed like the parts and b
 local (``LocalNonpersistentObject``). One module per job: ``sharding`` (the
 Megatron-compatible helpers), ``state``, ``load``, ``mixed_precision``, ``zero``.
 
-Public names: :func:`get_param_id_to_sharded_param_map`,
+Public names: :func:`get_param_id_to_sharded_param_map`, :func:`param_map_and_aliases`,
 :func:`make_sharded_optimizer_tensor`, :func:`optim_state_to_sharding_state`,
 :func:`sharding_state_to_optim_state`, :func:`optimizer_sharded_state_dict`,
 :func:`init_optimizer_state`, :func:`load_optimizer_state`, :func:`optimizer_key`,
@@ -43,6 +43,7 @@ from .sharding import (
     make_sharded_optimizer_tensor,
     optim_state_to_sharding_state,
     optimizer_key,
+    param_map_and_aliases,
     sharding_state_to_optim_state,
 )
 from .state import fill_empty_shards, init_optimizer_state, optimizer_sharded_state_dict
@@ -59,6 +60,7 @@ __all__ = [
     "UnmatchedParameterError",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
+    "param_map_and_aliases",
     "make_sharded_optimizer_tensor",
     "optim_state_to_sharding_state",
     "sharding_state_to_optim_state",

@@ -22,11 +22,11 @@ from .sharding import (
     OptimizerStateNotFoundError,
     ShardedParam,
     built_tensors,
-    get_param_id_to_sharded_param_map,
     grid_object,
     make_sharded_optimizer_tensor,
     merge_part_scalars,
     names_from_module,
+    param_map_and_aliases,
 )
 from .state import expected_states, fill_empty_shards, optimizer_params
 
@@ -129,6 +129,15 @@ def _saved_layout(ckpt_meta: Dict[str, Any], prefix: str) -> Tuple[Dict[str, Dic
     return tensors, objects, legacy
 
 
+def _with_saved_state(sp: ShardedParam, others: List[ShardedParam], saved: Tuple[Any, ...]) -> ShardedParam:
+    """``sp``, or the first of a tied param's ``others`` under whose key the checkpoint holds its state when
+    it holds none under ``sp``'s (the module declares the tied entries in another order than the saver did:
+    the state was silently left out, found by a probe)."""
+    def has_state(c: ShardedParam) -> bool:
+        return any(k in table for k in {c.key, *(part.key for part in _param_parts(c))} for table in saved)
+    return sp if has_state(sp) else next((c for c in others if has_state(c)), sp)
+
+
 def _param_parts(sp: ShardedParam) -> List[ShardedTensor]:
     """The ShardedTensors a param's tensors are stored as: itself, or what its factory builds."""
     return built_tensors(sp)
@@ -184,6 +193,7 @@ def read_optimizer_state(
     labels: Dict[str, str],
     state_dict_key: str,
     load_kwargs: Dict[str, Any],
+    aliases: Optional[Dict[int, List[ShardedParam]]] = None,
 ) -> Tuple[Dict[int, Dict[str, Any]], Dict[int, Dict[str, Any]], List[Dict[str, Any]]]:
     """Read every saved state of the params in ``id_map`` in one ``load`` (collective).
 
@@ -191,12 +201,16 @@ def read_optimizer_state(
     the optimizer first. Returns ``(tensor states, scalar states, param groups)``; the
     scalars are those saved as objects in place (also across a fused param and its unfused
     counterpart: :func:`_scalar_sources`), those of an earlier version's per-param object,
-    or Megatron-Core's ``common_step`` (as ``step``).
+    or Megatron-Core's ``common_step`` (as ``step``). ``aliases``: a tied param's other entries
+    (:func:`~.sharding.param_map_and_aliases`); ``id_map`` is changed in place to the one its state
+    was saved under.
     """
     group = load_kwargs.get("process_group")
     ckpt_meta = load_sharded_metadata(checkpoint_dir)
     tensors, objects, legacy = _saved_layout(ckpt_meta, prefix)
     legacy_map = {k: set() for k in legacy}
+    for pid, others in (aliases or {}).items():
+        id_map[pid] = _with_saved_state(id_map[pid], others, (tensors, objects, legacy))
     requests: Dict[int, Dict[str, Any]] = {}
     scalar_names: Dict[int, Set[str]] = {}
     requested_objects: Set[str] = set()  # objects this rank requests as their main replica
@@ -364,7 +378,7 @@ def load_optimizer_state(
     identity = list(model_params) if model_params is not None else params
     names = names_from_module(module, identity)
     # (a DTensor param with an empty shard on this rank is not in the map: nothing to load here)
-    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, identity, module=module)
+    id_map, aliases = param_map_and_aliases(model_sharded_state_dict, identity, module=module)
 
     def make_requests(pid: int, name: str, dtype: torch.dtype) -> Any:
         sp = id_map[pid]
@@ -374,7 +388,7 @@ def load_optimizer_state(
     template_groups = optimizer.state_dict()["param_groups"]
     state, scalars, groups = read_optimizer_state(
         checkpoint_dir, prefix, id_map, lambda pid, key, st: grid_object(key, st, None), make_requests,
-        template_groups, LabelDict(param_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs,
+        template_groups, LabelDict(param_labels(id_map, params, names, prefix)), state_dict_key, load_kwargs, aliases,
     )
     extracted: Dict[int, Dict[str, torch.Tensor]] = {}
     torch_state: Dict[int, Dict[str, Any]] = {}

@@ -139,17 +139,36 @@ def get_param_id_to_sharded_param_map(
     :class:`UnmatchedParameterError` naming it (names come from ``module`` if given);
     ``strict=False`` only logs, like Megatron-Core.
     """
+    return param_map_and_aliases(model_sharded_state_dict, optim_params_iter, strict=strict, module=module)[0]
+
+
+def param_map_and_aliases(
+    model_sharded_state_dict: ShardedStateDict,
+    optim_params_iter: Iterable[torch.Tensor],
+    *,
+    strict: bool = True,
+    module: Optional[torch.nn.Module] = None,
+) -> Tuple[Dict[int, ShardedParam], Dict[int, List[ShardedParam]]]:
+    """:func:`get_param_id_to_sharded_param_map`, and the other entries over each param's memory (a tied
+    weight: ``emb.weight`` and ``head.weight``). A param's optimizer state is keyed by the entry seen first;
+    a load into a module that declares the two in another order finds it under the other one."""
     params = list(optim_params_iter)
     param_to_id = get_optim_param_to_id_map(params)
     out: Dict[int, ShardedParam] = {}
+    aliases: Dict[int, List[ShardedParam]] = {}
     for v in nested_values(model_sharded_state_dict):
         if sharded_kind(v) not in ("ShardedTensor", "ShardedTensorFactory") or not isinstance(v.data, torch.Tensor):
             continue
         pid = param_to_id.get(_identity(v.data))
-        if pid is not None and pid not in out:
-            out[pid] = to_native(v)  # Megatron-Core's classes (a Megatron model's state dict) become ours
-            if isinstance(out[pid], ShardedTensor) and permuted(v.data, _local(params[pid])):
-                out[pid] = view_factory(out[pid], _local(params[pid]))
+        if pid is None:
+            continue
+        sp = to_native(v)  # Megatron-Core's classes (a Megatron model's state dict) become ours
+        if isinstance(sp, ShardedTensor) and permuted(v.data, _local(params[pid])):
+            sp = view_factory(sp, _local(params[pid]))
+        if pid not in out:
+            out[pid] = sp
+        elif sp.key != out[pid].key:
+            aliases.setdefault(pid, []).append(sp)
     # a DTensor param with an empty shard on this rank has no ShardedTensor here (nothing to save or load)
     unmatched = [i for i in range(len(params)) if i not in out and not empty_local_shard(params[i])]
     if unmatched:
@@ -163,7 +182,7 @@ def get_param_id_to_sharded_param_map(
         if strict:
             raise UnmatchedParameterError(msg)
         logger.warning(msg)
-    return out
+    return out, aliases
 
 
 def permuted(view: torch.Tensor, param: torch.Tensor) -> bool:

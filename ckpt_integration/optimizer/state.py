@@ -28,7 +28,15 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
+# per-param tensor states of the other torch optimizers (their first step does not create them as zeros
+# everywhere: Rprop's step_size is lr, NAdam's mu_product 1; so no placeholders are made for these)
+_OTHER_TENSOR_STATES = (("Adagrad", ("sum",)), ("Adamax", ("exp_avg", "exp_inf")), ("NAdam", ("exp_avg", "exp_avg_sq")),
+                        ("RAdam", ("exp_avg", "exp_avg_sq")), ("Adadelta", ("square_avg", "acc_delta")),
+                        ("ASGD", ("ax",)), ("Rprop", ("prev", "step_size")), ("Muon", ("momentum_buffer",)))
+_SCALAR_STATES = {"NAdam": ("mu_product",), "ASGD": ("eta", "mu")}  # (besides ``step``)
+
+
+def expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
     """Per-param tensor states a known torch optimizer keeps (``None``: unknown optimizer)."""
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
@@ -37,23 +45,28 @@ def _expected_tensor_states(optimizer: torch.optim.Optimizer, group: Dict[str, A
     if isinstance(optimizer, torch.optim.RMSprop):
         return (("square_avg",) + (("momentum_buffer",) if group.get("momentum", 0) > 0 else ())
                 + (("grad_avg",) if group.get("centered") else ()))
-    return None
+    return next((names for cls, names in _OTHER_TENSOR_STATES
+                 if isinstance(optimizer, getattr(torch.optim, cls, ()))), None)
 
 
 def expected_states(optimizer: torch.optim.Optimizer, group: Dict[str, Any]) -> Optional[Tuple[str, ...]]:
     """Per-param states (tensors and scalars such as ``step``) a known torch optimizer needs once a
-    param has state (``None``: unknown optimizer)."""
-    tensors = _expected_tensor_states(optimizer, group)
+    param has state (``None``: unknown optimizer): a checkpoint of another kind (RMSprop into Adagrad,
+    Adam into NAdam) is refused by name, where torch failed with a bare ``KeyError`` at the next step."""
+    tensors = expected_tensor_states(optimizer, group)
     if tensors is None:
         return None
-    has_step = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
-    return tensors + (("step",) if has_step else ())
+    no_step = isinstance(optimizer, (torch.optim.SGD, getattr(torch.optim, "Muon", ())))
+    scalars = next((names for cls, names in _SCALAR_STATES.items() if isinstance(optimizer, getattr(torch.optim, cls, ()))), ())
+    return tensors + scalars + (() if no_step else ("step",))
 
 
 def _zero_state(optimizer: torch.optim.Optimizer, group: Dict[str, Any], p: torch.Tensor) -> Optional[Dict[str, Any]]:
-    """Zeros for every state a known torch optimizer keeps for ``p`` (``step`` 0 first); ``None``: unknown."""
+    """Zeros for every state a torch optimizer whose first step starts from zeros keeps for ``p`` (``step`` 0
+    first); ``None``: another optimizer."""
     names = expected_states(optimizer, group)
-    if names is None:
+    if names is None or not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD,
+                                                   torch.optim.RMSprop)):
         return None
     out: Dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)} if "step" in names else {}
     out.update({n: torch.zeros_like(p, memory_format=torch.preserve_format) for n in names if n != "step"})

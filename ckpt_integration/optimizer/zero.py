@@ -23,8 +23,9 @@ from ..mapping import (
 )
 from ..planning.flat_pieces import row_aligned_save, row_unit
 from .load import LabelDict, has_optimizer_state, param_labels, read_optimizer_state, report_missing_state
-from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, OptimizerStateMismatchError, get_param_id_to_sharded_param_map,
-                       is_origin, is_view_factory, param_object, same_scalar)
+from .sharding import (DEFAULT_PREFIX, EXTRA_STATE_NAMES, OptimizerStateMismatchError, is_origin, is_view_factory,
+                       param_map_and_aliases, param_object, same_scalar)
+from .state import expected_tensor_states
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +232,12 @@ class ZeroShardedOptimizer:
         return self._boxes(sp, prefix, name, data, lo, lo + data.numel())
 
     def _id_map(self, model_sharded_state_dict: ShardedStateDict) -> Dict[int, ShardedTensor]:
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
-        for pid, sp in id_map.items():
+        return self._id_map_and_aliases(model_sharded_state_dict)[0]
+
+    def _id_map_and_aliases(self, model_sharded_state_dict: ShardedStateDict
+                            ) -> Tuple[Dict[int, ShardedTensor], Dict[int, List[ShardedTensor]]]:
+        id_map, aliases = param_map_and_aliases(model_sharded_state_dict, self.params)
+        for pid, sp in [*id_map.items(), *((p, a) for p, alts in aliases.items() for a in alts)]:
             if is_view_factory(sp):  # (its flat buffer is in the param's order, the view's pieces in another)
                 raise CheckpointingException(
                     f"ZeroShardedOptimizer: parameter {sp.key!r} is saved as a transposed or permuted view; ZeRO "
@@ -242,7 +247,7 @@ class ZeroShardedOptimizer:
                     f"ZeroShardedOptimizer: parameter {sp.key!r} is a ShardedTensorFactory; ZeRO checkpoints "
                     "support plain ShardedTensor params only"
                 )
-        return id_map  # type: ignore[return-value]
+        return id_map, aliases  # type: ignore[return-value]
 
     def _object(self, key: str, sp: ShardedTensor, pid: int, data: object) -> ShardedObject:
         """A per-param object (a scalar state), saved by the DP rank owning the param's first element."""
@@ -301,13 +306,14 @@ class ZeroShardedOptimizer:
         if not has_optimizer_state(checkpoint_dir, prefix):
             report_missing_state(checkpoint_dir, prefix, missing_ok)
             return False
-        id_map = self._id_map(model_sharded_state_dict)
+        id_map, aliases = self._id_map_and_aliases(model_sharded_state_dict)
         n_local = self.end - self.start
         buffers: Dict[str, torch.Tensor] = {}
 
         def make_requests(pid: int, name: str, dtype: torch.dtype) -> Any:
-            if name not in buffers:
-                buffers[name] = torch.zeros(n_local, dtype=dtype)
+            if name not in buffers:  # (masters of a param the checkpoint has none of are its loaded weights:
+                # one frozen at the save, unfrozen now; zeros there were written into the model at the next step)
+                buffers[name] = self._own_weights().to(dtype) if name == "fp32_param" else torch.zeros(n_local, dtype=dtype)
             pieces = self._pieces(id_map[pid], pid, prefix, name, buffers[name])
             return pieces or None
 
@@ -315,8 +321,9 @@ class ZeroShardedOptimizer:
         labels = LabelDict(param_labels(id_map, self.params, {}, prefix))
         _, scalars, groups = read_optimizer_state(
             checkpoint_dir, prefix, id_map, lambda pid, key, st: self._object(key, id_map[pid], pid, None),
-            make_requests, groups_template, labels, state_dict_key, load_kwargs,
+            make_requests, groups_template, labels, state_dict_key, load_kwargs, aliases,
         )
+        self._place_element_scalars(scalars, buffers, groups_template)
         # a ZeRO optimizer steps all its params as one: one value of each scalar (every rank reads every
         # param's object, so all ranks agree). A plain optimizer's checkpoint may hold several (a param first
         # stepped later): taking one would change the others' bias correction without a word
@@ -331,15 +338,31 @@ class ZeroShardedOptimizer:
                 f"checkpoint's parameters have different values ({values}): load it into an optimizer of its kind "
                 "(e.g. with load_optimizer_state), which keeps one per parameter")
         master = buffers.pop("fp32_param", None)
-        if master is not None:
-            self.main_param.copy_(master)
-        else:
-            flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-            self.main_param.copy_(flat[self.start:self.end])
+        self.main_param.copy_(master if master is not None else self._own_weights())
         inner_state = {name: buf for name, buf in buffers.items() if name not in EXTRA_STATE_NAMES}
         inner_state.update(all_scalars)
         self.optimizer.load_state_dict({"state": {0: inner_state} if inner_state else {}, "param_groups": groups})
         return True
+
+    def _own_weights(self) -> torch.Tensor:
+        """This rank's slice of the params, flat, in fp32 (the masters when none are loaded)."""
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])[self.start:self.end]
+
+    def _place_element_scalars(self, scalars: Dict[int, Dict[str, Any]], buffers: Dict[str, torch.Tensor],
+                               groups: List[Dict[str, Any]]) -> None:
+        """A 0-dim param's tensor states (``exp_avg`` of a learned scalar) come as objects from a plain optimizer's
+        checkpoint: they are its element of the flat buffers, not the optimizer-wide scalars such as ``step``
+        (taken for those, they replaced a whole buffer or were lost: found by a probe). In place."""
+        per_element = set(buffers) | set(expected_tensor_states(self.optimizer, groups[0] if groups else {}) or ())
+        n_local = self.end - self.start
+        for pid, s in scalars.items():
+            if self.params[pid].dim() != 0:
+                continue
+            for name in [n for n in s if n in per_element and isinstance(s[n], torch.Tensor)]:
+                value = s.pop(name)
+                buf = buffers.setdefault(name, torch.zeros(n_local, dtype=value.dtype))
+                if self.start <= self.offsets[pid] < self.end:
+                    buf[self.offsets[pid] - self.start] = value
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
