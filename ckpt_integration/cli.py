@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from typing import Any, Dict, Iterable, List, Optional, TextIO
 
 from . import tools
@@ -305,6 +306,11 @@ def _run(argv: Optional[List[str]]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception:  # noqa: BLE001 - a bug of ours: exit 1 would read as "damaged" (verify) or "different" (diff)
+        traceback.print_exc()
+        print(f"ckpt-integration {args.command}: internal error (the traceback above): please report it",
+              file=sys.stderr)
+        return EXIT_ERROR
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return EXIT_ERROR  # pragma: no cover
 

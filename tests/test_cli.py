@@ -738,3 +738,37 @@ def test_diff_of_complex32_tensors(tmp_path, capsys):
     assert code == 1 and "c: max abs diff 1" in out, (out, err)
     code, out, err = run_cli("diff", f"{tmp_path}/a.pt", f"{tmp_path}/a.pt", capsys=capsys)
     assert code == 0 and "identical" in out, (out, err)
+
+
+def test_diff_of_dtypes_without_arithmetic_and_of_float8(tmp_path, capsys):
+    """``bits8``, ``bits16``, ``float4_e2m1fn_x2`` save, load and convert, but ``diff`` died with a
+    NotImplementedError traceback and exit code 1 ("different"), also for a checkpoint against itself;
+    float8 has no ``torch.equal`` either. They are compared bit for bit."""
+    import ckpt_integration as ci
+
+    for dtype in (torch.bits8, torch.bits16, torch.float4_e2m1fn_x2, torch.float8_e4m3fn):
+        raw = torch.arange(8, dtype=torch.uint8)
+        changed = raw.clone()
+        changed[5] ^= 1
+        for name, data in (("a", raw), ("b", changed)):
+            ci.save({"x": ci.ShardedTensor.from_rank_offsets("x", data.view(dtype))}, f"{tmp_path}/{dtype}{name}")
+        code, out, err = run_cli("diff", f"{tmp_path}/{dtype}a", f"{tmp_path}/{dtype}a", capsys=capsys)
+        assert code == 0 and "identical" in out, (dtype, out, err)
+        code, out, err = run_cli("diff", f"{tmp_path}/{dtype}a", f"{tmp_path}/{dtype}b", capsys=capsys)
+        assert code == 1 and "x: max abs diff" in out, (dtype, out, err)
+
+
+def test_an_internal_error_of_a_tool_exits_2_not_1(tmp_path, capsys, monkeypatch):
+    """A bug of ours inside ``diff`` or ``verify`` left Python's exit code 1, which both commands use for
+    "different" / "damaged"; it is an error (2), with its traceback."""
+    import ckpt_integration as ci
+    from ckpt_integration import tools
+
+    ci.save({"x": ci.ShardedTensor.from_rank_offsets("x", torch.ones(2))}, f"{tmp_path}/a")
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(tools, "diff_checkpoints", broken)
+    code, out, err = run_cli("diff", f"{tmp_path}/a", f"{tmp_path}/a", capsys=capsys)
+    assert code == 2 and "ZeroDivisionError: a bug" in err and "diff: internal error" in err, (out, err)

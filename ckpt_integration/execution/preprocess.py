@@ -41,7 +41,13 @@ def layout_problem(t: torch.Tensor) -> Optional[str]:
         return f"a {'nested' if t.is_nested else t.layout} tensor: only dense tensors are stored (use .to_dense())"
     if t.is_quantized:
         return "a quantized tensor: store its dequantize() (or int_repr() and its scales)"
+    if t.dtype in _SUB_BYTE:  # (torch.save knows no such dtype: the save failed deep inside, naming no key)
+        return f"of dtype {t.dtype}, whose elements are smaller than a byte: store the packed uint8 tensor it is made from"
     return None
+
+
+_SUB_BYTE = frozenset(getattr(torch, f"{sign}int{bits}") for sign in ("", "u") for bits in range(1, 8)
+                      if isinstance(getattr(torch, f"{sign}int{bits}", None), torch.dtype))
 
 
 def memory_problem(t: torch.Tensor) -> Optional[str]:

@@ -4,8 +4,10 @@ Megatron-Core's ``dict_utils.diff`` finds them) and the values of their ShardedO
 
 from __future__ import annotations
 
+import functools
 import io
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -111,13 +113,49 @@ def _exact_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return eq
 
 
+@functools.lru_cache(maxsize=None)
+def _has_values(dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s elements convert to numbers (not so for ``bits8`` or ``float4_e2m1fn_x2``, which
+    checkpoints store as they store any other dtype: diff crashed on them)."""
+    t = _one(dtype)
+    return _works(lambda: t.to(torch.complex128 if t.is_complex() else torch.float64))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_equal(dtype: torch.dtype) -> bool:
+    """Whether ``torch.equal`` takes ``dtype`` on the CPU (not complex32, nor the float8 types)."""
+    t = _one(dtype)
+    return _works(lambda: torch.equal(t, t))
+
+
+def _one(dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(dtype.itemsize, dtype=torch.uint8).view(dtype)
+
+
+def _works(fn: Any) -> bool:
+    with warnings.catch_warnings():  # (complex32 says it is experimental)
+        warnings.simplefilter("ignore")
+        try:
+            fn()
+            return True
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest absolute difference, for display; non-zero exactly when some element differs.
 
     Integer/bool values are compared exactly; the magnitude (computed in float64) is then at
     least 1, the smallest difference two integers can have.
     """
-    if a.dtype == b.dtype and a.dtype != torch.complex32 and torch.equal(a, b):  # (no equal for complex32)
+    if not (_has_values(a.dtype) and _has_values(b.dtype)):  # (bits8, float4_e2m1fn_x2: no arithmetic, bytes)
+        same = a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+        return 0.0 if same else math.inf
+    if a.dtype == b.dtype and _has_equal(a.dtype) and torch.equal(a, b):
         return 0.0
     if _is_exact(a) and _is_exact(b):
         same = _exact_equal(a, b)
