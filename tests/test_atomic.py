@@ -444,3 +444,26 @@ def test_the_swap_makes_the_directory_the_kernel_renamed_in_durable(tmp_path, mo
         ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4)), "step": step}, path, overwrite=step > 1)
     assert (tmp_path / "real" / "ck" / "metadata.json").exists() and not (tmp_path / "ck").exists()
     assert synced and {os.path.realpath(p) for p in synced} == {os.path.realpath(tmp_path / "real")}, synced
+
+
+def test_the_cleanup_of_a_failed_save_removes_its_commit_marker_first(tmp_path, monkeypatch):
+    """A save that fails after its ``metadata.json`` is in place (its commit reported as failed) is cleaned up
+    file by file; the marker went last (sorted names), so a cleanup cut short (a failing delete, a kill) left a
+    "complete" checkpoint without its data, which listings and ``ckpt_path="last"`` then took."""
+    from ckpt_integration.execution.save import cleanup_failed
+    from ckpt_integration.storage.filesystem import Storage, locate
+
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, str(tmp_path / "ck"))
+    removed = []
+    real = Storage.remove_any
+
+    def remove_any(self, path):
+        removed.append(os.path.basename(path))
+        if len(removed) > 1:
+            raise OSError(5, "I/O error")  # (the cleanup is cut short after its first delete)
+        return real(self, path)
+
+    monkeypatch.setattr(Storage, "remove_any", remove_any)
+    cleanup_failed(locate(str(tmp_path / "ck")), staging=False)
+    assert removed[0] == "metadata.json", removed
+    assert ci.list_checkpoints(str(tmp_path)) == []

@@ -274,3 +274,55 @@ def test_incremental_save_copies_unchanged_objects_server_side(proxy, url):
                    "adapter": ci.ShardedTensor.from_rank_offsets("adapter", torch.zeros(1000))}, url + "/c2")
     assert torch.equal(out["frozen"], frozen.detach()) and torch.equal(out["adapter"], torch.full((1000,), 2.0))
     assert out["step"] == 2
+
+
+def test_a_create_whose_answer_was_lost_is_the_saves_own(proxy, url):
+    """The conditional PUT of the commit marker (``metadata.json``) or of the claim marker reached the store,
+    and the connection dropped before its answer: the client's retry got 412 Precondition Failed, the save was
+    reported as conflicting with another one (it had committed), and its cleanup removed the checkpoint."""
+    for i, marker in enumerate((r"metadata\.json", r"ckpt_integration\.json")):
+        proxy.clear()
+        proxy.add(Rule(op="PutObject", key=rf"/ck{i}/{marker}$", action="drop_after"))
+        ci.save(_state(float(i + 1)), f"{url}/ck{i}")
+        assert proxy.state.rules[0].fired == 1
+        _check(f"{url}/ck{i}", float(i + 1))
+    assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(url)] == ["ck0", "ck1"]
+
+
+def test_a_store_that_does_not_answer_never_reorders_checkpoints(proxy, url, monkeypatch):
+    """503s on the newest checkpoint's ``manifest.json`` while checkpoints were ordered: it was taken for a
+    checkpoint without a step and ``ckpt_path="last"`` resumed an older one without a word. A listing failing
+    while a save numbered its commit: numbered 1, so the new checkpoint was the oldest of those without a step.
+    Both now fail, naming the object; the save commits nothing and the others are untouched."""
+    from ckpt_integration.lightning import latest_complete_checkpoint
+    from ckpt_integration.storage import opened
+
+    monkeypatch.setenv(retry.ATTEMPTS_ENV, "2")
+    for s in (1, 2, 3):
+        ci.save(_state(float(s)), f"{url}/epoch={s}-step={s * 10}.ckpt", step=s * 10)
+    proxy.add(Rule(op="GetObject", key=r"step=30\.ckpt/manifest\.json$", status=503, times=2))
+    with pytest.raises(ci.errors.CheckpointReadError, match=r"step=30\.ckpt/manifest\.json failed after 2 attempt"):
+        latest_complete_checkpoint(url)
+    assert latest_complete_checkpoint(url).endswith("step=30.ckpt")  # (the store answers again)
+    for s in (1, 2):
+        ci.save(_state(float(s)), f"{url}/plain/ck{s}")
+    opened._last_seq.clear()  # (as in a new process)
+    import errno
+
+    from ckpt_integration.storage.filesystem import storage_for
+
+    fs, parent = storage_for(url)[0].fs, f"{url}/plain".split("://")[1]
+    real_ls = fs.ls
+
+    def ls(path, *args, **kwargs):  # (the parent's listing throttled on every attempt)
+        if path.rstrip("/").split("://")[-1] == parent:
+            raise OSError(errno.EBUSY, "Please reduce your request rate.")
+        return real_ls(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "ls", ls)
+    with pytest.raises(ci.CheckpointingException, match=r"plain failed after 2 attempt"):
+        ci.save(_state(3.0), f"{url}/plain/ck3")
+    monkeypatch.setattr(fs, "ls", real_ls)
+    assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(f"{url}/plain")] == ["ck1", "ck2"]
+    ci.save(_state(3.0), f"{url}/plain/ck3")
+    assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(f"{url}/plain")] == ["ck1", "ck2", "ck3"]

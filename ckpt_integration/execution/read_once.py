@@ -59,7 +59,7 @@ from ..planning.read_once import pieces as _pieces
 from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.fs import byte_view
-from ..storage.readers import can_map
+from ..storage.fs import can_map
 from ..storage.small_reads import read_task, read_tasks
 from ..storage.torch_dist_reader import TorchDistReader
 from . import dist

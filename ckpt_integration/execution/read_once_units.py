@@ -19,7 +19,8 @@ import torch
 
 from ..planning.delivery import global_part
 from ..planning.read_once import flat_index, range_boxes, strides
-from ..storage.readers import ItemMap, read_bytes, typed_view
+from ..storage.fs import ItemMap, typed_view
+from ..storage.readers import read_bytes
 from ..storage.region_read import ChunkLayout, verify_blocks
 from ..storage.small_reads import ReadTaskLike
 

@@ -17,10 +17,8 @@
 The coordinator claims the target directory first (``storage/claim.py``): it writes the save's
 marker before anything else, refuses directories holding files this library did not write, and
 holds the marker's lock until the save is committed or cleaned up, so two saves into one
-directory never mix their files and the second committer fails.
-
-A local error in any phase is carried through the next collective instead of
-being raised at once, so no rank is left waiting in a collective (no hang).
+directory never mix their files and the second committer fails. A local error in any phase is
+carried through the next collective instead of being raised at once (no rank left waiting: no hang).
 """
 
 from __future__ import annotations
@@ -115,8 +113,7 @@ class SavePlan:
             self.target = locate(self.write_dir)
 
 
-# Coordinator: the claim (marker lock) of each save in progress, by write directory.
-_claims: Dict[str, claims.SaveClaim] = {}
+_claims: Dict[str, claims.SaveClaim] = {}  # coordinator: the claim (marker lock) of each save in progress, by directory
 
 
 def _prepare_directory(where: CheckpointLocation, overwrite: bool, durable: bool = True) -> Tuple[str, bool]:
@@ -393,7 +390,7 @@ def cleanup_failed(target: CheckpointLocation, staging: bool) -> None:
         elif staging:
             storage.rmtree(write_dir)
         else:
-            for n in claims.library_entries(target):
+            for n in sorted(claims.library_entries(target), key=lambda n: n != ckdir.CONFIG_FILE):  # (marker first)
                 storage.remove_any(target.file(n))
             if claim is not None and claim.created and not storage.listdir(write_dir):
                 storage.rmtree(write_dir)  # (an empty directory named like a checkpoint misleads: Lightning's -v1)
@@ -477,6 +474,9 @@ def _write_commit_marker(plan: SavePlan, backend: str) -> None:
     try:
         ckdir.write_config(plan.target, ckdir.CheckpointingConfig(backend, 1), plan.durable, exclusive=not plan.staging)
     except FileExistsError:
+        claim = _claims.get(plan.write_dir)  # (a create whose answer was lost, retried: ours if nobody took over)
+        if claim is not None and claim.owned():
+            return
         raise SaveConflictError(
             f"cannot commit the save to {plan.write_dir}: another save committed a checkpoint there meanwhile "
             "(two jobs saved to the same path at once); this save is abandoned"

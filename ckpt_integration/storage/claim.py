@@ -12,18 +12,16 @@ a token unique to that save. The marker says three things:
   foreign checkpoint);
 * which save is writing there: the coordinator compares the token before it commits, so
   of two jobs saving into one directory at once the second committer fails;
-* locally, the marker is also a lock: the coordinator holds ``flock`` on it for the whole
-  save, so a save never cleans up (or mixes into) the files of a save that is still
-  running; a killed process's lock vanishes with it, so its leftovers are reclaimed.
-  Object stores have no locks: there a new prefix is claimed with a conditional PUT,
-  and a prefix left by an earlier save is taken over (the earlier save, if it is still
-  running, fails at its commit).
+* locally, the marker is also a lock: the coordinator holds ``flock`` on it for the whole save, so a
+  save never cleans up (or mixes into) the files of a save still running; a killed process's lock
+  vanishes with it. Object stores have no locks: a new prefix is claimed with a conditional PUT, a
+  prefix an earlier save left is taken over (that save, if still running, fails at its commit).
 
-What counts as ours (:func:`checkpoint_entry`): ``metadata.json``, ``.metadata``,
-``chunk_index.bin``, ``common.pt``, ``manifest.json``, ``ckpt_integration.json``, ``zarr_index.json``,
-``__<rank>_<i>.distcp`` (``<hint>__<rank>_<i>.distcp`` with a separation hint), the temporary names of atomic writes (``<one of those>.tmp-<n>``)
-and the top-level arrays/objects listed in ``zarr_index.json``. Anything else in a target
-directory (a user's ``notes.txt``, a nested checkpoint) makes a save refuse, naming it.
+What counts as ours (:func:`checkpoint_entry`): ``metadata.json``, ``.metadata``, ``chunk_index.bin``,
+``common.pt``, ``manifest.json``, ``ckpt_integration.json``, ``zarr_index.json``, ``__<rank>_<i>.distcp``
+(``<hint>__<rank>_<i>.distcp`` with a separation hint), the temporary names of atomic writes (``<one of those>.tmp-<n>``)
+and the top-level arrays/objects listed in ``zarr_index.json``. Anything else in a target directory (a
+user's ``notes.txt``, a nested checkpoint) makes a save refuse, naming it.
 
 **The one atomic-replace rule.**
 ``save(overwrite=True)`` writes the new checkpoint into a staging sibling ``<dir>.tmp-*`` and,
@@ -186,13 +184,15 @@ def _write_marker(where: CheckpointLocation, token: str, replace: bool, durable:
 
 def _write_marker_file(where: CheckpointLocation, token: str, replace: bool, durable: bool) -> Optional[int]:
     """Write this save's marker; locally return an fd holding its lock (taken before it is visible).
-
-    ``replace=False``: the marker must not exist (``FileExistsError`` otherwise), so of two
-    saves claiming a new directory at once exactly one succeeds.
-    """
+    ``replace=False``: the marker must not exist (``FileExistsError`` otherwise): of two saves
+    claiming a new directory at once exactly one succeeds."""
     path = where.file(MARKER_FILE)
     if where.storage.remote:
-        where.write(MARKER_FILE, _marker_bytes(token), durable, exclusive=not replace)
+        try:
+            where.write(MARKER_FILE, _marker_bytes(token), durable, exclusive=not replace)
+        except FileExistsError:  # (a create whose answer was lost, retried by the client: ours if it names us)
+            if (read_marker(where) or {}).get("save") != token:
+                raise
         return None
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident() % 100000}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)

@@ -52,7 +52,8 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, Callable, Iterator, List, O
 
 from ..errors import CheckpointingException, CheckpointWriteError, CorruptCheckpointError, UnsafeCheckpointError
 from .fs import atomic_write_bytes, exchange_paths, fsync_dir
-from .readers import FileReader, FsspecReader, LocalReader, exception_chain, open_regular, reading, retried, stream_failed
+from .readers import (FileReader, FsspecReader, LocalReader, exception_chain, is_exists_error, open_regular, reading, retried,
+                      stream_failed)
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -376,10 +377,8 @@ class Storage:
             raise
         except (TypeError, NotImplementedError, ValueError):
             pass  # no conditional writes here: check, then write (a small window remains)
-        except CheckpointingException:
-            raise
-        except OSError as e:
-            if e.errno in (_errno.EEXIST,) or "PreconditionFailed" in str(e) or "412" in str(e):
+        except OSError as e:  # (a CheckpointingException is one too: not an "exists" answer)
+            if is_exists_error(e) and not isinstance(e, CheckpointingException):
                 raise FileExistsError(_errno.EEXIST, "already exists", path) from None
             raise
         if self.exists(path):

@@ -445,6 +445,8 @@ def commit_order(ck: CheckpointLocation) -> Tuple[Optional[int], Optional[int], 
             step, seq = (None if g == b"null" else int(g) for g in m.groups()[1:])
             return step, seq, float(m.group(1))
         manifest = read_manifest(ck.afresh())  # (what the directory holds now)
+    except CheckpointReadError:
+        raise  # (the store did not answer: ordered as "no step", "last" took an older checkpoint without a word)
     except (OSError, CheckpointingException, ValueError):
         return None, None, None
     if manifest is None:
@@ -471,9 +473,9 @@ def next_commit_seq(ck: CheckpointLocation) -> int:
         if last is None:
             last = 0
             here = ck.at(parent)
-            try:
+            try:  # (a listing that fails is not an empty directory: the commit would be numbered 1, the oldest)
                 names = here.listdir() if ck.storage.isdir(parent) else []
-            except OSError:
+            except FileNotFoundError:
                 names = []
             for n in names:
                 sibling = ck.at(here.file(n))

@@ -1,22 +1,11 @@
 """Reading checkpoint files: the reader interface, the local reader (``preadv``), the remote one
-(fsspec) with the bounded retries every remote request goes through, and shared mappings of
-local data files.
+(fsspec) with the bounded retries every remote request goes through. (Shared mappings of local data
+files: :mod:`.fs`.)
 
 :class:`FileReader` is what the backends read through. :class:`LocalReader` reads a local regular
 file (opened by :func:`open_regular`: never a FIFO or a device).
 :class:`FsspecReader` reads objects of any fsspec filesystem with ranged requests, retried
 (:func:`retried`) and coalesced through read-ahead windows shared by the reading threads.
-
-**Stored chunk data as tensors over the page cache** (:class:`ItemMap`). A read-once load
-(``execution/read_once.py``) lets one rank of a node read and verify a block while the node's other ranks copy their slices of it straight from the same page
-cache pages: each rank maps the data file (``MAP_SHARED``, read-only, so every rank of
-the node sees the one cached copy of the file) and copies the box it needs out of a
-strided view. Nothing is staged. Remote files (fsspec) cannot be mapped: their bytes are
-read into a buffer (:func:`read_bytes`), and the other ranks get them over the process
-group.
-
-Views into a mapping must be dropped before :meth:`ItemMap.close` (a view that is still
-alive keeps its mapping open until it is collected).
 
 **Retries of remote requests** (:func:`retried`; :func:`retry_delay` for zarr's asynchronous stores; every
 remote operation of :class:`~ckpt_integration.storage.filesystem.Storage`). Object stores fail in
@@ -34,11 +23,10 @@ that failed after their own retries. So:
   number of attempts and the time spent. Permanent failures (missing object, access denied,
   invalid request) are not retried.
 
-Only idempotent whole-object requests are retried (read a range, list, stat, put a whole
-object, delete): repeating them cannot change the outcome. A write that timed out may still
-take effect at the server later; the commit protocol tolerates that (a late data object is
-not part of any commit; a late ``metadata.json`` of a failed save names files that the
-manifest check finds missing, so the directory loads as damaged, never as wrong data).
+Only idempotent whole-object requests are retried (read a range, list, stat, put a whole object, delete). A
+write that timed out may still take effect later: a late data object is in no commit; a late ``metadata.json``
+of a failed save names files the manifest check finds missing (damaged, never wrong data); an exclusive create
+whose answer was lost finds the object on the retry: its callers check whether it is their own.
 """
 
 from __future__ import annotations
@@ -47,7 +35,6 @@ import contextlib
 import errno as _errno
 import inspect
 import logging
-import mmap
 import os
 import random
 import stat
@@ -55,9 +42,8 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from ..errors import CheckpointingException, CheckpointReadError, CheckpointWriteError, CorruptCheckpointError
@@ -285,7 +271,7 @@ def _supports_timeout(fs: AbstractFileSystem, fn: Callable[..., object]) -> bool
 
 
 def retried(fs: AbstractFileSystem, method: str, path: str, *args: object, write: bool = False, what: str = "",
-         **kwargs: object) -> Any:
+            **kwargs: object) -> Any:
     """``getattr(fs, method)(path, *args, **kwargs)`` with per-attempt deadlines and bounded retries (the error
     when they are spent: :func:`retry_delay`; ``what`` says what the object is, for the message)."""
     policy = RetryPolicy.from_env()
@@ -299,6 +285,11 @@ def retried(fs: AbstractFileSystem, method: str, path: str, *args: object, write
             return fn(path, *args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified by retry_delay
             time.sleep(retry_delay(e, policy, attempt, start, method, path, write, what))
+
+
+def is_exists_error(e: BaseException) -> bool:  # (an exclusive create refused: the object exists; S3's 412)
+    return isinstance(e, FileExistsError) or (isinstance(e, OSError) and (
+        e.errno == _errno.EEXIST or "PreconditionFailed" in str(e) or "412" in str(e)))
 
 
 def retry_delay(e: Exception, policy: "RetryPolicy", attempt: int, start: float, method: str, path: str,
@@ -515,80 +506,6 @@ class FsspecReader(FileReader):
 
 # torch.from_numpy warns about read-only arrays: ours are read-only mappings, only ever copied from
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
-
-_INT_OF_SIZE = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64, 16: np.complex128}
-_PAGE = mmap.PAGESIZE
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14 (not exported by Python 3.11)
-
-
-class LocalFile(Protocol):
-    """A reader of a local file (``can_map`` said yes): its open descriptor."""
-
-    fd: int
-
-
-def can_map(file_reader: FileReader) -> bool:
-    """Whether ``file_reader``'s file is local and can be mapped (probed with one page)."""
-    fd = getattr(file_reader, "fd", None)
-    if not isinstance(fd, int) or getattr(file_reader, "size", 0) <= 0:
-        return False
-    try:
-        mmap.mmap(fd, min(_PAGE, file_reader.size), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ).close()
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-class ItemMap:
-    """A read-only shared mapping of bytes ``[base, base + length)`` of a local file.
-
-    Mapped per stored item and closed when the item is done, so the pages a rank touched
-    leave its resident set with the item (they stay in the page cache for the others).
-    ``at(x)`` is the index in :attr:`mm` of item-relative byte ``x``.
-    """
-
-    def __init__(self, file_reader: LocalFile, base: int, length: int, willneed: bool = True, populate: bool = True):
-        start = base - base % _PAGE
-        self.delta = base - start
-        self.mm = mmap.mmap(file_reader.fd, self.delta + length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
-        if willneed:
-            # page tables filled in one call instead of a fault per few pages (Linux >= 5.14; on
-            # disk this also reads the item, as one large request); older kernels: read ahead
-            for advice in ((_MADV_POPULATE_READ,) if populate else ()) + (mmap.MADV_WILLNEED,):
-                try:
-                    self.mm.madvise(advice)
-                    break
-                except (OSError, ValueError, AttributeError):
-                    continue
-
-    def at(self, x: int) -> int:
-        return self.delta + x
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still referenced: unmapped when it is collected
-            pass
-
-    def __enter__(self) -> "ItemMap":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def typed_view(buffer: Union[mmap.mmap, torch.Tensor], offset: int, numel: int, dtype: torch.dtype, esize: int) -> torch.Tensor:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of ``buffer`` (a mapping or a byte tensor),
-    without copying. The offset need not be aligned (items in DCP files are not)."""
-    np_type = _INT_OF_SIZE.get(esize)
-    if np_type is None:
-        raise ValueError(f"no view for elements of {esize} bytes")
-    if isinstance(buffer, torch.Tensor):
-        buffer = tensor_buffer(buffer)
-    arr = np.ndarray((numel,), dtype=np_type, buffer=buffer, offset=offset)
-    t = torch.from_numpy(arr)
-    return t if t.dtype == dtype else t.view(dtype)
-
 
 def read_bytes(file_reader: FileReader, start: int, length: int) -> torch.Tensor:
     """``length`` bytes of a file from ``start`` into a new byte tensor (files that are not mapped)."""
