@@ -34,7 +34,7 @@ from ..execution.dist import local_world_size
 from ..execution.save import CONTENT_METADATA_KEY
 from ..mapping import ShardedObject
 from ..memory import MemoryCheckpoints
-from ..optimizer import optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
+from ..optimizer import fill_empty_shards, optimizer_key, optimizer_sharded_state_dict, sharding_state_to_optim_state
 from ..storage import checkpoint_dir as ckdir
 from ..storage.filesystem import is_remote, locate
 from ..serialization import load_common_state_dict
@@ -285,6 +285,7 @@ def _load_memory(strategy: Any, tier: Any, step: int) -> Dict[str, Any]:
         for i, opt in enumerate(optimizers):
             osd = sharding_state_to_optim_state(loaded.pop(optimizer_key(i)))
             osd.pop("extracted", None)
+            fill_empty_shards([p for g in opt.param_groups for p in g["params"]], osd["state"])  # (DTensor params)
             opt.load_state_dict(osd)
         loaded["optimizer_states"] = [opt.state_dict() for opt in optimizers]
     for i in range(num_opt):

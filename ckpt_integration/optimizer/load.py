@@ -28,7 +28,7 @@ from .sharding import (
     names_from_module,
     param_map_and_aliases,
 )
-from .state import expected_states, fill_empty_shards, optimizer_params
+from .state import expected_states, fill_empty_shards, like_param, optimizer_params
 
 logger = logging.getLogger(__name__)
 
@@ -322,17 +322,6 @@ class LabelDict(dict):
         return self[max(hits, key=len)] if hits else default
 
 
-def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A loaded state tensor (this rank's shard) shaped like ``param``: a DTensor with the
-    param's mesh and placements if the param is one (FSDP2 / TP), else a view of its shape."""
-    if not is_dtensor(param):
-        return local.view(param.shape)
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local.view(param.to_local().shape), param.device_mesh, param.placements,
-                              run_check=False, shape=param.shape, stride=param.stride())
-
-
 def load_optimizer_state(
     optimizer: torch.optim.Optimizer,
     model_sharded_state_dict: ShardedStateDict,
@@ -398,7 +387,7 @@ def load_optimizer_state(
             if name in extract:
                 extracted.setdefault(pid, {})[name] = st.pop(name)
             elif isinstance(st[name], torch.Tensor):
-                st[name] = _like_param(st[name], params[pid])
+                st[name] = like_param(st[name], params[pid])
         st.update(scalars.get(pid, {}))
         if st:
             torch_state[pid] = st

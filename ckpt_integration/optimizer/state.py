@@ -195,16 +195,36 @@ def _state_from_offer(p: Any, offer: Dict[str, Tuple[str, Any, str]]) -> Dict[st
     return out
 
 
+def like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor (this rank's shard) shaped like ``param``: a DTensor with the
+    param's mesh and placements if the param is one (FSDP2 / TP), else a view of its shape."""
+    if not is_dtensor(param):
+        return local.view(param.shape)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.view(param.to_local().shape), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
 def fill_empty_shards(params: Sequence[torch.Tensor], state: Dict[int, Dict[str, Any]], group: Group = None) -> None:
     """Give every DTensor param whose shard on this rank is empty (a parameter with fewer rows than
     FSDP2 / TP ranks) the state its peers loaded, in place: empty tensor states and the same
     scalars (``step``). Nothing of such a param is saved on this rank, so a load finds nothing
     for it here; without this, the ranks' optimizer states differ in shape after a resume (torch's
     ``get_optimizer_state_dict(..., full_state_dict=True)`` then waits forever) and ``step`` restarts.
+    A DTensor param's tensor states loaded as this rank's shard (a load through a request) become
+    DTensors like it: as plain tensors, the next ``step()`` failed ("got mixed torch.Tensor and DTensor").
 
     Collective over ``group`` (one small all-reduce), and over each mesh dimension of the params
     when some rank has such a shard (peers are matched by param position, which every rank of a
     mesh shares, and checked by shape)."""
+    for pid, st in state.items():
+        p = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
+        if p is not None and is_dtensor(p) and st:
+            local = p.to_local().shape  # type: ignore[attr-defined]
+            for name, v in list(st.items()):
+                if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.dim() > 0 and v.shape == local:
+                    st[name] = like_param(v, p)
     empty = [pid for pid, p in enumerate(params) if is_dtensor(p) and empty_local_shard(p) and not state.get(pid)]
     if not all_reduce_ints([1 if empty else 0], "max", group)[0]:
         return
