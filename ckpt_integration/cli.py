@@ -253,7 +253,7 @@ def _run(argv: Optional[List[str]]) -> int:
                 _print_json(report.to_dict())
             else:
                 _out(report.format())
-            return EXIT_OK if report.ok else EXIT_FAIL
+            return EXIT_OK if report.ok else EXIT_ERROR if report.unreadable else EXIT_FAIL
         if args.command == "convert":
             result = tools.convert_checkpoint(
                 args.src, args.to, args.out,

@@ -326,3 +326,22 @@ def test_a_store_that_does_not_answer_never_reorders_checkpoints(proxy, url, mon
     assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(f"{url}/plain")] == ["ck1", "ck2"]
     ci.save(_state(3.0), f"{url}/plain/ck3")
     assert [p.rsplit("/", 1)[-1] for p in ci.list_checkpoints(f"{url}/plain")] == ["ck1", "ck2", "ck3"]
+
+
+def test_verify_says_a_store_that_does_not_answer_is_not_damage(proxy, url, monkeypatch, capsys):
+    """Data objects answering 503 on every attempt: ``verify`` said DAMAGED and exited 1 (its code for damage);
+    it is NOT VERIFIED, exit 2, problem kind ``unreadable``; once the store answers, OK."""
+    import json
+
+    from ckpt_integration.cli import main
+
+    monkeypatch.setenv(retry.ATTEMPTS_ENV, "2")
+    ci.save(_state(1.0), url)
+    capsys.readouterr()
+    proxy.add(Rule(op="GetObject", key=r"\.distcp$", status=503, times=None))
+    assert main(["verify", url]) == 2
+    assert "problem(s) (not damage: the storage did not answer: try again)" in capsys.readouterr().out
+    assert main(["verify", "--json", url]) == 2
+    assert {p["kind"] for p in json.loads(capsys.readouterr().out)["problems"]} == {"unreadable"}
+    proxy.clear()
+    assert main(["verify", url]) == 0

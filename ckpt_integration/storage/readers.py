@@ -323,6 +323,7 @@ def gave_up(e: BaseException, path: str, attempts: int, seconds: float, write: b
               f"({ATTEMPTS_ENV}, {TIMEOUT_ENV}): {_reason(e)}")
     out.errno = getattr(e, "errno", None) or _errno.EIO
     out.path = path
+    out.transient = True  # (the store did not answer: nothing says the object is damaged)
     return out
 
 

@@ -59,16 +59,24 @@ class VerifyReport:
     notes: List[str] = field(default_factory=list)
     state_checked: int = 0  # tensors whose read-back fingerprint was compared (verify --state)
 
-    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = (), unsupported: bool = False) -> None:
+    def add(self, message: str, file: Optional[str] = None, keys: Sequence[str] = (), unsupported: bool = False,
+            unreadable: bool = False) -> None:
         """A problem; ``unsupported``: not damage, but something this version cannot verify as it
-        is (an older manifest format to convert, a block digest it does not know)."""
+        is (an older manifest format to convert, a block digest it does not know); ``unreadable``: not
+        damage, the storage did not answer (an object store's errors after every retry)."""
         self.ok = False
         for p in self.problems:  # one damage seen by two checks (e.g. a damaged manifest) is one problem
             if p["message"] == message:
                 p["keys"] = sorted(set(p["keys"]) | set(keys))
                 return
         self.problems.append({"file": file, "message": message, "keys": sorted(set(keys)),
-                              "kind": "unsupported" if unsupported else "damage"})
+                              "kind": "unsupported" if unsupported else "unreadable" if unreadable else "damage"})
+
+    @property
+    def unreadable(self) -> bool:
+        """Not verified because the storage did not answer, and no damage found (``verify`` exits 2)."""
+        kinds = {p["kind"] for p in self.problems}
+        return "unreadable" in kinds and "damage" not in kinds
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in ("path", "ok", "checksums_available", "block_hash", "items_checked",
@@ -85,8 +93,9 @@ class VerifyReport:
                 lines.append(f"OK: state of {self.state_checked} tensors read back and equal to the saved state (fingerprints)")
         else:
             damaged = any(p["kind"] == "damage" for p in self.problems)
+            why = "the storage did not answer: try again" if self.unreadable else "this version cannot verify it as it is"
             lines.append(f"DAMAGED: {len(self.problems)} problem(s)" if damaged else
-                         f"NOT VERIFIED: {len(self.problems)} problem(s) (not damage: this version cannot verify it as it is)")
+                         f"NOT VERIFIED: {len(self.problems)} problem(s) (not damage: {why})")
             for p in self.problems:
                 lines.append(f"  - {p['message']}")
                 if p["keys"]:
@@ -380,8 +389,8 @@ class _DataPass:
         self.affected: Set[str] = set()
         self.unparsed = 0
 
-    def problem(self, message: str, file: Optional[str], items: Sequence[MetadataIndex]) -> None:
-        self.report.add(message, file, [_item_name(i) for i in items])
+    def problem(self, message: str, file: Optional[str], items: Sequence[MetadataIndex], unreadable: bool = False) -> None:
+        self.report.add(message, file, [_item_name(i) for i in items], unreadable=unreadable)
         self.affected.update(i.fqn for i in items)
 
     def run(self) -> Set[str]:
@@ -419,14 +428,14 @@ class _DataPass:
             self.problem(f"{file} is missing (listed in .metadata)", name, indexes)
         except CheckpointingException as e:  # refused: a name or link leading outside, a FIFO, a directory
             reader = None
-            self.problem(str(e), name, indexes)
+            self.problem(str(e), name, indexes, unreadable=getattr(e, "transient", False))
         if reader is None:
             self.bar.update(sum(info.length for _, info in items))
             return
         try:
             self._verify_items(reader, name, file, items)
         except CheckpointingException as e:  # an OS error while reading (CheckpointReadError) or a file that shrank
-            self.problem(str(e), name, indexes)
+            self.problem(str(e), name, indexes, unreadable=getattr(e, "transient", False))
         finally:
             reader.close()
 
