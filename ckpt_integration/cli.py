@@ -306,6 +306,8 @@ def _run(argv: Optional[List[str]]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except _StdoutClosed:
+        raise  # (main's: a closed stdout is no error of ours)
     except Exception:  # noqa: BLE001 - a bug of ours: exit 1 would read as "damaged" (verify) or "different" (diff)
         traceback.print_exc()
         print(f"ckpt-integration {args.command}: internal error (the traceback above): please report it",
