@@ -260,9 +260,64 @@ def _fsdp2_optimizer_api(rank, world, tmp):
         assert torch.equal(p.full_tensor(), p2.full_tensor()), n
 
 
+def _fsdp2_memory_restore(rank, world, tmp):
+    """FSDP2 under ``DistCkptModelParallelStrategy`` with memory snapshots: a run that dies at step 4, then
+    ``ckpt_path="last"`` restores step 4 from memory and trains on. The restore's optimizer states were plain
+    tensors beside DTensor params, and the first step failed ("got mixed torch.Tensor and DTensor")."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0")
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+
+    from ckpt_integration.lightning import DistCkptIO, DistCkptModelCheckpoint, DistCkptModelParallelStrategy
+
+    started = []
+
+    class Crashing(L.LightningModule):
+        def __init__(self, crash_at):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.crash_at = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 1)), crash_at
+
+        def configure_model(self):
+            fully_shard(self.net[0], mesh=self.device_mesh["data_parallel"])
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, idx):
+            if self.global_step == self.crash_at:
+                raise RuntimeError("crash")
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def on_train_start(self):
+            started.append(self.global_step)
+
+    def fit(crash_at, resume):
+        io = DistCkptIO(memory_every_n_train_steps=1, memory_replicas=1, memory_dir=f"{tmp}/shm/node{rank}",
+                        memory_job_id="m", memory_ranks_per_node=1)
+        t = L.Trainer(accelerator="cpu", devices=world, max_steps=8, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, plugins=[io], default_root_dir=tmp,
+                      strategy=DistCkptModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+                      callbacks=[DistCkptModelCheckpoint(dirpath=f"{tmp}/ck", every_n_train_steps=100)])
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)))
+        try:
+            t.fit(Crashing(crash_at), torch.utils.data.DataLoader(data, batch_size=2), ckpt_path=resume)
+        except RuntimeError as e:
+            assert "crash" in str(e), e
+            assert io.memory_tier is None  # (closed at teardown; its snapshots stay, as a killed job leaves them)
+        return t
+
+    fit(4, None)
+    t = fit(None, "last")
+    assert started == [0, 4] and t.global_step == 8, (started, t.global_step)
+
+
 def test_fsdp2_optimizer_state_roundtrip(tmp_path):
-    """optimizer_sharded_state_dict / load_optimizer_state with FSDP2 DTensor params and states."""
+    """optimizer_sharded_state_dict / load_optimizer_state with FSDP2 DTensor params and states; a restore from
+    the memory tier under FSDP2 (same processes)."""
     run_distributed(_fsdp2_optimizer_api, 2, str(tmp_path / "c"), timeout=120)
+    run_distributed(_fsdp2_memory_restore, 2, str(tmp_path / "m"), timeout=120)
 
 
 def _no_scheduler(rank, world, tmp):
