@@ -474,8 +474,8 @@ def _write_commit_marker(plan: SavePlan, backend: str) -> None:
     try:
         ckdir.write_config(plan.target, ckdir.CheckpointingConfig(backend, 1), plan.durable, exclusive=not plan.staging)
     except FileExistsError:
-        claim = _claims.get(plan.write_dir)  # (a create whose answer was lost, retried: ours if nobody took over)
-        if claim is not None and claim.owned():
+        claim = _claims.get(plan.write_dir)  # (an object store's create whose answer was lost, retried by the
+        if plan.target.storage.remote and claim is not None and claim.owned():  # client: ours if nobody took over)
             return
         raise SaveConflictError(
             f"cannot commit the save to {plan.write_dir}: another save committed a checkpoint there meanwhile "

@@ -94,10 +94,10 @@ def _is_memory_path(io: DistCkptIO, path: str) -> bool:
     return os.path.abspath(path).startswith(_dir(io) + os.sep)
 
 
-def _persisted_step(path: str) -> int:
-    """The step of a ``memory-step=<step>.ckpt`` path, -1 for any other name."""
-    name = os.path.basename(path)
-    digits = name[len("memory-step="):-len(".ckpt")] if name.startswith("memory-step=") and name.endswith(".ckpt") else ""
+def _persisted_step(path: str, kind: str = "memory") -> int:
+    """The step of a ``<kind>-step=<step>.ckpt`` path (``memory``, ``preempted``), -1 for any other name."""
+    name, head = os.path.basename(path), f"{kind}-step="
+    digits = name[len(head):-len(".ckpt")] if name.startswith(head) and name.endswith(".ckpt") else ""
     return int(digits) if digits.isdigit() else -1
 
 
@@ -222,13 +222,8 @@ def _prune_preempted(trainer: "pl.Trainer", below: Optional[int]) -> None:
         return
     for name in os.listdir(d):
         path = os.path.join(d, name)
-        if 0 <= _preempted_step(name) < below and is_complete_checkpoint(path):
+        if 0 <= _persisted_step(name, "preempted") < below and is_complete_checkpoint(path):
             DistCkptIO._remove_now(path)
-
-
-def _preempted_step(name: str) -> int:
-    digits = name[len("preempted-step="):-len(".ckpt")] if name.startswith("preempted-step=") and name.endswith(".ckpt") else ""
-    return int(digits) if digits.isdigit() else -1
 
 
 def _newest_step_committed_since(trainer: "pl.Trainer") -> Optional[int]:
@@ -245,7 +240,7 @@ def _newest_step_committed_since(trainer: "pl.Trainer") -> Optional[int]:
 def _is_snapshot_copy(path: str) -> bool:
     """A memory snapshot made durable (``memory-step=<n>.ckpt``, ``preempted-step=<n>.ckpt``): its callback
     states are the snapshot's."""
-    return _persisted_step(path) >= 0 or _preempted_step(os.path.basename(path)) >= 0
+    return _persisted_step(path) >= 0 or _persisted_step(path, "preempted") >= 0
 
 
 def _durable_step(path: str, io: DistCkptIO) -> Tuple[int, Optional[str]]:

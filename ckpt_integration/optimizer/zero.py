@@ -237,17 +237,12 @@ class ZeroShardedOptimizer:
     def _id_map_and_aliases(self, model_sharded_state_dict: ShardedStateDict
                             ) -> Tuple[Dict[int, ShardedTensor], Dict[int, List[ShardedTensor]]]:
         id_map, aliases = param_map_and_aliases(model_sharded_state_dict, self.params)
-        for pid, sp in [*id_map.items(), *((p, a) for p, alts in aliases.items() for a in alts)]:
-            if is_view_factory(sp):  # (its flat buffer is in the param's order, the view's pieces in another)
-                raise CheckpointingException(
-                    f"ZeroShardedOptimizer: parameter {sp.key!r} is saved as a transposed or permuted view; ZeRO "
-                    "checkpoints need the ShardedTensor to hold the parameter in its own element order")
-            if isinstance(sp, ShardedTensorFactory):
-                raise CheckpointingException(
-                    f"ZeroShardedOptimizer: parameter {sp.key!r} is a ShardedTensorFactory; ZeRO checkpoints "
-                    "support plain ShardedTensor params only"
-                )
-        return id_map, aliases  # type: ignore[return-value]
+        for sp in id_map.values():
+            problem = _zero_problem(sp)
+            if problem is not None:
+                raise CheckpointingException(f"ZeroShardedOptimizer: parameter {sp.key!r} {problem}")
+        # (a tied param's other entries: only those its state can be read through, as for its own)
+        return id_map, {p: [a for a in alts if _zero_problem(a) is None] for p, alts in aliases.items()}  # type: ignore[return-value]
 
     def _object(self, key: str, sp: ShardedTensor, pid: int, data: object) -> ShardedObject:
         """A per-param object (a scalar state), saved by the DP rank owning the param's first element."""
@@ -366,6 +361,16 @@ class ZeroShardedOptimizer:
 
     def state_dict(self) -> Dict[str, Any]:
         return self.optimizer.state_dict()
+
+
+def _zero_problem(sp: Any) -> Optional[str]:
+    """Why ZeRO cannot keep a param saved as ``sp`` in its flat buffer, or None."""
+    if is_view_factory(sp):  # (its flat buffer is in the param's order, the view's pieces in another)
+        return ("is saved as a transposed or permuted view; ZeRO checkpoints need the ShardedTensor to hold the "
+                "parameter in its own element order")
+    if isinstance(sp, ShardedTensorFactory):
+        return "is a ShardedTensorFactory; ZeRO checkpoints support plain ShardedTensor params only"
+    return None
 
 
 def _shown(v: object) -> str:
