@@ -23,6 +23,7 @@ import errno
 import mmap
 import os
 import threading
+import warnings
 from typing import Any, Protocol, Union
 
 import numpy as np
@@ -206,6 +207,11 @@ class ItemMap:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# torch.from_numpy warns about read-only arrays: ours are read-only mappings, only ever copied from
+# (the filter names this module: the warning is attributed to typed_view's call of from_numpy)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
 
 
 def typed_view(buffer: Union[mmap.mmap, torch.Tensor], offset: int, numel: int, dtype: torch.dtype, esize: int) -> torch.Tensor:

@@ -40,7 +40,6 @@ import random
 import stat
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -504,9 +503,6 @@ class FsspecReader(FileReader):
             pos += len(b)
 
 # --------------------------------------------------------------------------- shared mappings of local data files
-
-# torch.from_numpy warns about read-only arrays: ours are read-only mappings, only ever copied from
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=__name__)
 
 def read_bytes(file_reader: FileReader, start: int, length: int) -> torch.Tensor:
     """``length`` bytes of a file from ``start`` into a new byte tensor (files that are not mapped)."""
