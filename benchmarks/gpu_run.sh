@@ -10,7 +10,7 @@
 # Steps, each bounded by `timeout` and by what is left of GPU_RUN_BUDGET (seconds, default 420);
 # a failing step does not stop the later ones:
 #   1. install .whl/*.whl into /tmp/site; nvidia-smi, versions, memory, file systems  -> env.log
-#   2. the CUDA tests (tests/test_cuda.py, tests/test_cuda_snapshot.py)                -> tests.log
+#   2. the CUDA tests (tests/test_cuda.py, test_cuda_snapshot.py, test_cuda_paths.py)   -> tests.log
 #   3. benchmarks/gpu_bench.py on a tmpfs (/dev/shm)                                    -> bench_shm.log, .json
 #   4. benchmarks/exit_stress.py, a few runs per case, if it exists                     -> exit_stress.log
 #   5. benchmarks/gpu_bench.py on a disk directory                                      -> bench_disk.log, .json
@@ -100,7 +100,7 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export -f env_step
 step env 60 bash -c env_step
 
-step tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_cuda_snapshot.py
+step tests 150 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_cuda_snapshot.py tests/test_cuda_paths.py
 
 # tmpfs target: /dev/shm, or a tmpfs of our own where /dev/shm is too small (a container's 64 MiB)
 SHM=/dev/shm
