@@ -11,7 +11,7 @@ environment); a run that reports fewer (deselected by ``-m``, ``-k`` or ``--dese
 import sys
 import xml.etree.ElementTree as ET
 
-ALLOWED = ("tests.test_cuda", "tests.test_cuda_snapshot")  # modules whose tests need a CUDA device
+ALLOWED = ("tests.test_cuda", "tests.test_cuda_snapshot", "tests.test_cuda_paths")  # modules whose tests need a CUDA device
 
 
 def main(path: str, expect: int = 0) -> int:
