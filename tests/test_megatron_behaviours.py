@@ -148,3 +148,24 @@ def test_data_files_named_as_dcp_names_them(tmp_path):
     out = {"model.w": torch.empty(64)}
     dcp.load(out, checkpoint_id=str(tmp_path / "c"))
     assert torch.equal(out["model.w"], torch.arange(64.0))
+
+
+def _object_grid_with_a_hole(rank, world, root):
+    # 2 ranks save cells 0 and 1 of a grid of 3: Megatron-Core refuses this save ("Invalid access
+    # pattern: 1 ShardedObject are missing"); ours committed it, and only a load of cell 2 failed
+    sd = {"o": ShardedObject("o", {"r": rank}, (3,), (rank,), replica_id=0),
+          "w": ShardedTensor.from_rank_offsets("w", torch.ones(2), replica_id=rank)}
+    with pytest.raises(ci.errors.ShardingIntegrityError, match=r"'o': 1 of 3 object cells .* \(2,\)"):
+        ci.save(sd, root + "/c")
+    assert not os.path.exists(root + "/c/metadata.json")
+    # a load may ask for some of the cells (a smaller job reading its own): still allowed
+    full = {"o": ShardedObject("o", {"r": rank}, (2,), (rank,), replica_id=0), "w": sd["w"]}
+    ci.save(full, root + "/ok")
+    out = ci.load({"o": ShardedObject("o", None, (2,), (1,), replica_id=rank)}, root + "/ok")
+    assert out["o"] == {"r": 1}
+
+
+def test_a_save_with_object_cells_no_rank_saves_is_refused(tmp_path):
+    from tests.dist_utils import run_distributed
+
+    run_distributed(_object_grid_with_a_hole, 2, str(tmp_path))

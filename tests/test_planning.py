@@ -70,6 +70,21 @@ def test_object_cells():
     assert "2 main replicas" in validate_key("o", dup)[0]
 
 
+def test_object_grid_cells_nobody_saves_are_refused():
+    """A ShardedObject grid with a cell no rank saves (Megatron-Core: "Invalid access pattern: 1
+    ShardedObject are missing") or a cell outside the grid is refused at the save, naming the cells;
+    it was committed before and failed only when a load asked for the cell."""
+    holes = [meta("o", r, (r,), (1,), (3,), (0,), dtype="object", kind="object") for r in range(2)]
+    (err,) = validate_key("o", holes)
+    assert "'o'" in err and "1 of 3 object cells" in err and "(2,)" in err, err
+    grid = [meta("o", r, (r // 2, r % 2), (1, 1), (2, 3), (0,), dtype="object", kind="object") for r in range(4)]
+    (err,) = validate_key("o", grid)
+    assert "2 of 6 object cells" in err and "(0, 2)" in err and "(1, 2)" in err, err
+    outside = [meta("o", r, (r,), (1,), (2,), (0,), dtype="object", kind="object") for r in range(3)]
+    (err,) = validate_key("o", outside)
+    assert "outside its grid (2,)" in err and "(2,)" in err, err
+
+
 def test_validation_is_split_across_ranks():
     shards = row_split("a", 4, 2) + row_split("b", 4, 2) + row_split("c", 4, 2)
     bad = shards + [meta("d", 0, (0,), (2,), (4,))]  # gap in d

@@ -257,7 +257,7 @@ def run(
             parts = [_unframe(m) for m in inbox.values()]
             forwards_in = [f for f, _ in parts if f]
             answers_in = [a for _, a in parts if a]
-            problems, result.summaries = key_owner_step(forwards_in, validate=validate)
+            problems, result.summaries = key_owner_step(forwards_in, validate=validate, whole_grids=replies)
             detail = detail_requests(answers_in)
             if replies:
                 result.to_write = assign_writes(metas, answers_in)
@@ -273,7 +273,8 @@ def run(
         # main): those records in full to their chunk owners, holdings on to the key owners
         # every rank learns the global count (a rank with no problems of its own must still
         # take part in collecting them, or the ranks would enter different collectives)
-        problems, sums[0] = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context)
+        problems, sums[0] = _detail_round(metas, detail, forwards_in, rank, world, group, validate, result, context,
+                                          replies)
     if sums[0]:
         raise_problems(problems, group, problems_header, on_problems)
     result.token = digest64(f"{world}/{sums[3]}/{sums[4]}/{sums[5]}".encode()) or 1
@@ -288,7 +289,7 @@ def run(
 
 def _detail_round(
     metas: Sequence[ShardMeta], detail: List[int], forwards_in: List[bytes], rank: int, world: int, group: Group,
-    validate: bool, result: ExchangeResult, context: str,
+    validate: bool, result: ExchangeResult, context: str, whole_grids: bool = True,
 ) -> Tuple[List[str], int]:
     """The detail round: this rank's problems and the number of problems on all ranks."""
     failure = Failure()
@@ -304,7 +305,7 @@ def _detail_round(
     problems: List[str] = []
     if not failure.failed:
         with failure.capture():
-            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate)
+            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate, whole_grids=whole_grids)
     count, failed = dist.all_reduce_ints([len(problems), int(failure.failed)], "sum", group)
     if failed:
         _raise_errors(failure, group, context)

@@ -249,16 +249,51 @@ def find_gaps(global_shape: Sequence[int], boxes: Sequence[ShardMeta], limit: in
     return out
 
 
+def _object_grid_problems(key: str, grid: Tuple[int, ...], cells: Iterable[Tuple[int, ...]]) -> List[str]:
+    """A ShardedObject's grid must be filled: every cell in it saved by some rank, none outside it
+    (Megatron-Core refuses such a save: "Invalid access pattern"); a missing cell would otherwise be
+    found only by the load that asks for it."""
+    inside = {c for c in cells if len(c) == len(grid) and all(0 <= i < n for i, n in zip(c, grid))}
+    errors = []
+    outside = sorted(set(cells) - inside)
+    if outside:
+        errors.append(f"{key!r}: object cells {outside[:MAX_REPORTED]} lie outside its grid {grid}")
+    total = math.prod(grid)
+    if len(inside) < total:
+        missing = []
+        for flat in range(total):  # (the first few only: stops once MAX_REPORTED are found)
+            cell = tuple(int(i) for i in _unravel(flat, grid))
+            if cell not in inside:
+                missing.append(cell)
+                if len(missing) == MAX_REPORTED:
+                    break
+        errors.append(
+            f"{key!r}: {total - len(inside)} of {total} object cells of its grid {grid} are saved by no rank "
+            f"(first: {', '.join(map(str, missing))}); every cell needs a rank that saves it"
+        )
+    return errors
+
+
+def _unravel(flat: int, grid: Tuple[int, ...]) -> List[int]:
+    out = []
+    for n in reversed(grid):
+        flat, i = divmod(flat, n)
+        out.append(i)
+    return out[::-1]
+
+
 def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:
     """All integrity problems of one key (empty list when it is valid)."""
     return validate_key_records(key, [s for s in shards if s.is_main], holdings_of(shards))
 
 
-def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence[Holding]) -> List[str]:
+def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence[Holding],
+                         whole_grids: bool = True) -> List[str]:
     """:func:`validate_key` from the main-replica records and the holdings of every chunk.
 
     The form a key's owner receives in the scalable exchange
-    (:mod:`~ckpt_integration.planning.exchange`); the messages are the same.
+    (:mod:`~ckpt_integration.planning.exchange`); the messages are the same. ``whole_grids``: a
+    ShardedObject's grid must be filled (a save; a load may ask for some of the cells).
     """
     errors = _check_consistency(key, holdings)
     if errors:
@@ -281,7 +316,7 @@ def validate_key_records(key: str, main: Sequence[ShardMeta], holdings: Sequence
                 f"{key!r}: object cells {lost[:MAX_REPORTED]} have no main replica (replica_id 0); "
                 "they would not be saved"
             )
-        return errors
+        return errors + (_object_grid_problems(key, tuple(global_shape), holders) if whole_grids else [])
     if not main:
         return [
             f"{key!r}: no rank holds a main replica (replica_id all zeros); held by ranks "

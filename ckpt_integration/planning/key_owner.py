@@ -269,7 +269,8 @@ def _disjoint(rows: np.ndarray, nd: int, starts: np.ndarray, lengths: np.ndarray
     return result
 
 
-def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[List[str], List[KeySummary]]:
+def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True,
+                   whole_grids: bool = True) -> Tuple[List[str], List[KeySummary]]:
     """Step 3 (key owner): integrity problems of the owned keys (sorted by key) and their summaries."""
     rcv = _Received(inbox)
     strings = rcv.strings
@@ -318,7 +319,7 @@ def key_owner_step(inbox: Iterable[bytes], *, validate: bool = True) -> Tuple[Li
         if validate:
             ms = [m for kind in sorted(by_kind) for m in by_kind[kind][0]]
             hs = [h for kind in sorted(by_kind) for h in by_kind[kind][1]]
-            problems.extend(validate_key_records(key, sorted(ms, key=lambda m: (m.rank, m.offsets)), hs))
+            problems.extend(validate_key_records(key, sorted(ms, key=lambda m: (m.rank, m.offsets)), hs, whole_grids))
         for kind in sorted(by_kind):
             slow.append(_slow_summary(key, kind, *by_kind[kind]))
     summaries.extend(slow)
