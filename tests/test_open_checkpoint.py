@@ -364,3 +364,32 @@ def test_lightning_helpers_open_a_resolved_path_with_its_trusted_flag(tmp_path, 
     with pytest.raises(ci.CheckpointingException, match="argparse"):
         load_checkpoint_dict(good)
     assert torch.equal(load_checkpoint_dict(good, trusted=True)["state_dict"]["b"], torch.arange(8.0) + 3)
+
+
+@pytest.mark.parametrize("entry", ["load", "load_plain_tensors", "open_checkpoint"])
+def test_a_checkpoint_deleted_while_it_is_being_opened_is_named_not_a_bare_os_error(tmp_path, monkeypatch, entry):
+    """Another process deletes the checkpoint (the library's own deletion, commit marker first) between
+    the open's check that the commit marker exists and its read (probe: hit a few times per 30 s
+    of loads beside a save-and-delete loop). The open raised a bare FileNotFoundError, which a
+    caller catching CheckpointingException to take the next checkpoint does not catch."""
+    from ckpt_integration.storage import filesystem as fsmod
+
+    d = str(tmp_path / "ck")
+    ci.save({"w": ci.ShardedTensor.from_rank_offsets("w", torch.ones(4))}, d)
+    real = fsmod.Storage.exists
+
+    def exists(self, path):
+        found = real(self, path)
+        if found and path.endswith("ck/metadata.json"):
+            monkeypatch.setattr(fsmod.Storage, "exists", real)
+            self.rmtree(d)  # the deletion lands right after the check
+        return found
+
+    monkeypatch.setattr(fsmod.Storage, "exists", exists)
+    with pytest.raises(ci.errors.CheckpointNotFoundError, match="ck"):
+        if entry == "load":
+            ci.load({"w": ci.ShardedTensor.from_rank_offsets("w", torch.empty(4))}, d)
+        elif entry == "load_plain_tensors":
+            ci.load_plain_tensors(d)
+        else:
+            ci.open_checkpoint(d)

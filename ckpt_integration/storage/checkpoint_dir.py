@@ -287,16 +287,20 @@ def read_config(ck: CheckpointLocation) -> CheckpointingConfig:
         except (FileNotFoundError, CorruptCheckpointError):
             raw_bytes = None
     if raw_bytes is None:
-        found = _config_or_explain(ck, path)
+        try:
+            found = _config_or_explain(ck, path)
+        except FileNotFoundError:  # the marker went between the check and the read (a deletion or a
+            found = _config_or_explain(ck, path, again=True)  # replacement): explained once more
         if isinstance(found, CheckpointingConfig):
             return found
         raw_bytes = found
     return _parse_config(load_json(raw_bytes, path), ck.path, path)
 
 
-def _config_or_explain(ck: CheckpointLocation, path: str) -> Union[CheckpointingConfig, bytes]:
+def _config_or_explain(ck: CheckpointLocation, path: str, again: bool = False) -> Union[CheckpointingConfig, bytes]:
     """The commit marker's bytes (a plain PyTorch DCP checkpoint: its config), or the specific
-    error for why the directory has none."""
+    error for why the directory has none (``FileNotFoundError``: the marker went between the
+    check and the read; ``again``: named as removed)."""
     storage, directory = ck.storage, ck.path
     if not storage.exists(directory):
         raise CheckpointNotFoundError(
@@ -320,7 +324,13 @@ def _config_or_explain(ck: CheckpointLocation, path: str) -> Union[Checkpointing
                 f"{', '.join(_OURS_ONLY)})"
             )
         raise CheckpointNotFoundError(f"{directory} is not a distributed checkpoint: it has no {CONFIG_FILE}")
-    return ck.read(CONFIG_FILE, "commit marker")
+    try:
+        return ck.read(CONFIG_FILE, "commit marker")
+    except FileNotFoundError:
+        if not again:
+            raise
+        raise CheckpointNotFoundError(f"{directory}: its {CONFIG_FILE} was removed while the checkpoint was being "
+                                      "opened (it is being deleted or replaced by another process)") from None
 
 
 def _parse_config(raw: object, directory: str, path: str) -> CheckpointingConfig:
@@ -334,27 +344,20 @@ def _parse_config(raw: object, directory: str, path: str) -> CheckpointingConfig
     # escape as "TypeError: unhashable type" from the lookups below.
     for name, typ in (("sharded_backend", str), ("common_backend", str), ("sharded_backend_version", int), ("common_backend_version", int)):
         if name in raw and (not isinstance(raw[name], typ) or isinstance(raw[name], bool)):
-            raise CorruptCheckpointError(
-                f"{path}: field {name!r} must be a {typ.__name__}, got {type(raw[name]).__name__} {raw[name]!r}"
-            )
+            raise CorruptCheckpointError(f"{path}: field {name!r} must be a {typ.__name__}, "
+                                         f"got {type(raw[name]).__name__} {raw[name]!r}")
     config = CheckpointingConfig(**raw)
     versions = SUPPORTED_BACKENDS.get(config.sharded_backend)
     if versions is None:
-        raise UnsupportedCheckpointError(
-            f"{path}: unknown sharded backend {config.sharded_backend!r}; "
-            f"supported: {sorted(SUPPORTED_BACKENDS)} (a newer writer, or a damaged file)"
-        )
+        raise UnsupportedCheckpointError(f"{path}: unknown sharded backend {config.sharded_backend!r}; "
+                                         f"supported: {sorted(SUPPORTED_BACKENDS)} (a newer writer, or a damaged file)")
     if config.sharded_backend_version not in versions:
-        raise UnsupportedCheckpointError(
-            f"{path}: {config.sharded_backend} format version {config.sharded_backend_version} "
-            f"is not supported (supported: {list(versions)})"
-        )
+        raise UnsupportedCheckpointError(f"{path}: {config.sharded_backend} format version "
+                                         f"{config.sharded_backend_version} is not supported (supported: {list(versions)})")
     cversions = SUPPORTED_COMMON_BACKENDS.get(config.common_backend)
     if cversions is None or config.common_backend_version not in cversions:
-        raise UnsupportedCheckpointError(
-            f"{path}: unsupported common backend {config.common_backend!r} "
-            f"version {config.common_backend_version}"
-        )
+        raise UnsupportedCheckpointError(f"{path}: unsupported common backend {config.common_backend!r} "
+                                         f"version {config.common_backend_version}")
     return config
 
 
@@ -371,17 +374,14 @@ def check_strategy_version(directory: str, config: CheckpointingConfig, strategy
     if isinstance(version, bool) or not isinstance(version, int) or version != config.sharded_backend_version:
         raise UnsupportedCheckpointError(
             f"{directory} is a {config.sharded_backend} checkpoint of format version {config.sharded_backend_version}, "
-            f"but the load strategy asks for version {version!r}; pass sharded_strategy="
-            f"({config.sharded_backend!r}, {config.sharded_backend_version}) or leave it out (detected from the checkpoint)"
-        )
+            f"but the load strategy asks for version {version!r}; pass sharded_strategy=({config.sharded_backend!r}, "
+            f"{config.sharded_backend_version}) or leave it out (detected from the checkpoint)")
 
 
 def write_config(ck: CheckpointLocation, config: CheckpointingConfig, durable: bool = True, exclusive: bool = False) -> None:
-    """Write the commit marker (atomically). Call only when everything else is durable.
-
-    ``exclusive``: fail with ``FileExistsError`` if a commit marker exists already (two
-    saves committing into one directory: exactly one succeeds).
-    """
+    """Write the commit marker (atomically). Call only when everything else is durable. ``exclusive``:
+    fail with ``FileExistsError`` if a commit marker exists already (two saves committing into one
+    directory: exactly one succeeds)."""
     ck.write(CONFIG_FILE, json.dumps(asdict(config)).encode(), durable, exclusive=exclusive)
 
 
