@@ -208,7 +208,8 @@ _ALLOWED = {
 _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "parallel.tp", "parallel.pp", "parallel.dp",
                  "trainer.global_batch_size", "model.n_heads", "checkpoint.memory.every_n_train_steps",
                  "checkpoint.memory.replicas", "checkpoint.memory.persist_every_n", "checkpoint.memory.ranks_per_node",
-                 "checkpoint.staging_budget", "trainer.max_epochs", "model.n_layers", "model.block_size")
+                 "checkpoint.staging_budget", "trainer.max_epochs", "model.n_layers", "model.block_size",
+                 "model.d_model", "model.corpus_chars", "trainer.log_every_n_steps")
 
 
 def _config_errors(cfg: Any) -> List[str]:
@@ -228,6 +229,9 @@ def _config_errors(cfg: Any) -> List[str]:
         v = OmegaConf.select(cfg, path)
         if v is not None and not v >= 0:  # (also NaN)
             errors.append(f"{path}={v} must be >= 0 (or null)")
+    port = OmegaConf.select(cfg, "port")
+    if port is not None and not 1 <= port <= 65535:
+        errors.append(f"port={port} must be a TCP port, 1 to 65535 (or null: a free one)")
     top_k = OmegaConf.select(cfg, "trainer.save_top_k")
     if top_k is not None and top_k < -1:  # (Lightning: -1 keeps every checkpoint, 0 none)
         errors.append(f"trainer.save_top_k={top_k} must be >= -1")
@@ -252,6 +256,10 @@ def _config_errors(cfg: Any) -> List[str]:
     gbs = OmegaConf.select(cfg, "trainer.global_batch_size")
     if dp is not None and gbs is not None and gbs % dp:
         errors.append(f"trainer.global_batch_size={gbs} must be divisible by parallel.dp={dp}")
+    chars, block = OmegaConf.select(cfg, "model.corpus_chars"), OmegaConf.select(cfg, "model.block_size")
+    if None not in (chars, block, gbs) and (chars - 1) // block < gbs:  # (windows of block_size + 1 characters)
+        errors.append(f"model.corpus_chars={chars} gives {(chars - 1) // block} training windows of "
+                      f"model.block_size={block}: fewer than one global batch (trainer.global_batch_size={gbs})")
     if OmegaConf.select(cfg, "demo"):  # its second phase resumes with TP=1, DP=2 (examples/train.py)
         epochs = OmegaConf.select(cfg, "trainer.max_epochs")
         if epochs is not None and epochs < 2:

@@ -226,9 +226,28 @@ def main(cfg: DictConfig) -> None:
     end, start = a["losses"][-1], b["losses"][0]
     print(f"== loss before the switch: step {end[0]} = {end[1]:.4f}; after resuming with a new layout: "
           f"step {start[0]} = {start[1]:.4f} (a fresh model starts at {a['losses'][0][1]:.4f})")
-    if start[0] != end[0] + 1 or start[1] > a["losses"][0][1] - 0.2:
-        raise SystemExit("resume did not continue the run")
+    problem, note = continuity(a["losses"], b["losses"])
+    if note:
+        print(f"== {note}")
+    if problem:
+        raise SystemExit(f"resume did not continue the run: {problem}")
     print("== OK: the run continued from the checkpoint under a different parallel layout")
+
+
+def continuity(before: list, after: list) -> tuple:
+    """(problem or None, note or None) of the demo's phases, from their ``(step, loss)`` lists: the
+    resumed run starts at the next step, and with the trained weights: its loss is nearer phase 1's
+    last loss than a fresh model's. A phase 1 that lowered the loss by less than 0.2 cannot tell
+    those apart: then only the step is checked (a small model trained briefly is no failure)."""
+    (_, fresh), (end_step, end), (start_step, start) = before[0], before[-1], after[0]
+    if start_step != end_step + 1:
+        return f"it started at step {start_step}, not {end_step + 1}", None
+    if fresh - end < 0.2:
+        return None, (f"phase 1 lowered the loss by {fresh - end:.3f} only: the loss cannot tell a resumed run "
+                      "from a fresh one, so only the step was checked (train longer for that check)")
+    if abs(start - end) > abs(start - fresh):
+        return "the loss after resuming is a fresh model's", None
+    return None, None
 
 
 if __name__ == "__main__":

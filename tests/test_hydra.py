@@ -80,11 +80,20 @@ def test_validate_config_before_spawning():
                             "demo=true trainer.max_epochs=1": "demo=true .* trainer.max_epochs >= 2",
                             "demo=true strategy=single_device parallel=tp1_dp1": "demo=true resumes with parallel.dp=2",
                             "demo=true trainer.global_batch_size=3 parallel=tp1_dp1": "global_batch_size=3 must be even",
+                            # (accepted before, then every spawned rank died in the model or the loader: probe)
+                            "model.d_model=0": "model.d_model=0 must be >= 1",
+                            "model.d_model=-32": "model.d_model=-32 must be >= 1",
+                            "model.corpus_chars=0": "model.corpus_chars=0 must be >= 1",
+                            "model.corpus_chars=200": "corpus_chars=200 gives 6 training windows .*global_batch_size=8",
+                            "trainer.log_every_n_steps=-1": "trainer.log_every_n_steps=-1 must be >= 1",
+                            "port=-1": "port=-1 must be a TCP port",
+                            "port=99999": "port=99999 must be a TCP port",
                             }.items():
         with pytest.raises(ValueError, match=match):
             validate_config(_compose(*override.split()))
     validate_config(_compose("parallel=tp4_dp1"))  # 4 heads over 4 ranks
     validate_config(_compose("demo=true"))  # (the README's main job)
+    validate_config(_compose("port=29512", "model.corpus_chars=265"))  # 8 windows of 33 characters: one batch
     with pytest.raises(ValueError, match="strategy=single_device runs one process.*tp=2, dp=1"):
         validate_config(_compose("strategy=single_device"))
     validate_config(_compose("strategy=single_device", "parallel=tp1_dp1"))

@@ -78,3 +78,17 @@ def test_documented_resume_sequence_keeps_last_newest(tmp_path, capsys):
         else:
             expect = saved[name]
         assert torch.equal(value, expect), name
+
+
+def test_the_demo_judges_a_resume_by_its_step_and_a_loss_it_can_tell_apart():
+    """The demo's check (README's first command) failed a resume that worked when phase 1 had lowered the
+    loss by less than 0.2 (a small model trained briefly: probe); such a run is judged by its step."""
+    from train import continuity
+
+    trained = [(1, 4.2), (10, 2.9)]
+    assert continuity(trained, [(11, 2.85)]) == (None, None)
+    assert continuity(trained, [(1, 4.19)])[0] == "it started at step 1, not 11"
+    assert continuity(trained, [(11, 4.1)])[0] == "the loss after resuming is a fresh model's"
+    problem, note = continuity([(1, 3.60), (2, 3.52)], [(3, 3.5152)])  # the probe's tiny run
+    assert problem is None and "only the step was checked" in note
+    assert continuity([(1, 3.60), (2, 3.52)], [(1, 3.6)])[0] == "it started at step 1, not 3"
