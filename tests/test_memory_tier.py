@@ -475,6 +475,47 @@ def test_snapshot_is_a_copy_and_a_failed_snapshot_keeps_the_previous_step(tmp_pa
     tier.close()
 
 
+def test_a_snapshot_record_that_cannot_be_written_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The shared memory fills up while a snapshot's record is written (probe: a small tmpfs, ENOSPC).
+    That raised a bare OSError naming no file, and left ``s1.rec.tmp-<pid>`` behind."""
+    import errno
+
+    import ckpt_integration as ci
+    from ckpt_integration.storage import fs as fsmod
+
+    tier = ci.MemoryCheckpoints(str(tmp_path), "full", replicas=1)
+    tier.save(_state(0, 1, 1), 1)
+    tier.wait()
+
+    class Full:  # a file on a full file system: its bytes do not fit
+        def __init__(self, path, mode):
+            self.f = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsmod, "open", lambda path, mode="r", *a, **k: Full(path, mode) if ".rec.tmp-" in str(path)
+                        else open(path, mode, *a, **k), raising=False)
+    tier.save(_state(0, 1, 2), 2)
+    with pytest.raises(ci.errors.MemorySpaceError, match=r"r00000/s1\.rec cannot be written: No space left on device"):
+        tier.wait()
+    monkeypatch.undo()
+    owner = os.path.join(str(tmp_path), "full", "r00000")
+    assert not [n for n in os.listdir(owner) if ".tmp-" in n], os.listdir(owner)
+    assert tier.latest() == 1
+    _check(tier.load(_request(0, 1), 1), 0, 1, 1)
+    tier.save(_state(0, 1, 3), 3)  # room again: the next snapshot commits
+    tier.wait()
+    assert tier.latest() == 3
+    tier.close(remove=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_not_enough_shared_memory_is_refused_before_the_first_snapshot(tmp_path):
     import ckpt_integration as ci

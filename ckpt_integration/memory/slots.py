@@ -28,6 +28,7 @@ allocation instead of a ``SIGBUS`` in the middle of a copy.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ import torch
 
 from ..errors import CheckpointingException, CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
 from ..planning.dtypes import dtype_from_name, element_size
+from ..storage.fs import atomic_write_bytes
 from ..storage.checksum import CRC32, DEFAULT_BLOCK_SIZE, BlockHash, block_hash, crc32, save_block_hash
 
 logger = logging.getLogger(__name__)
@@ -242,13 +244,17 @@ def _check_layout(header: Dict[str, Any], where: str) -> None:
 
 
 def write_record(root: str, owner: int, slot: int, raw: bytes) -> None:
-    """Commit a slot: write the record under a temporary name and rename it into place."""
+    """Commit a slot: write the record under a temporary name and rename it into place (a failed
+    write removes the temporary file and raises :class:`MemorySpaceError` / :class:`MemoryCheckpointError`
+    naming the record: a bare ``OSError`` named no file, and left the temporary file behind)."""
     path = record_path(root, owner, slot)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(os.path.dirname(path), exist_ok=True)  # (a rank that stages no bytes has no arena file there)
-    with open(tmp, "wb") as f:
-        f.write(raw)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # (a rank that stages no bytes has no arena file there)
+        atomic_write_bytes(path, raw, durable=False)  # (shared memory: nothing to make durable)
+    except OSError as e:
+        kind = MemorySpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else MemoryCheckpointError
+        raise kind(f"memory snapshot record {path} cannot be written: {e.strerror or e} "
+                   f"({_size(shutil.disk_usage(root).free) if os.path.isdir(root) else '?'} free there)") from None
 
 
 def invalidate(root: str, owner: int, slot: int) -> None:
@@ -320,6 +326,11 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _size(n: int) -> str:
+    """Bytes for a message: GiB from 1 GiB up, else MiB (a small snapshot read "0.00 GiB")."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _map(path: str, size: int) -> torch.Tensor:
     """A shared (``MAP_SHARED``) read-write mapping of a whole file, as a uint8 tensor."""
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -336,8 +347,8 @@ def _preallocate(path: str, size: int, what: str) -> None:
         os.unlink(path)
         free = shutil.disk_usage(os.path.dirname(path)).free
         raise MemorySpaceError(
-            f"{what}: cannot allocate {size / 2**30:.2f} GiB in {os.path.dirname(path)} ({e.strerror}; "
-            f"{free / 2**30:.2f} GiB free): give the node's shared memory more room or use fewer replicas"
+            f"{what}: cannot allocate {_size(size)} in {os.path.dirname(path)} ({e.strerror}; "
+            f"{_size(free)} free): give the node's shared memory more room or use fewer replicas"
         ) from None
     finally:
         if fd >= 0:

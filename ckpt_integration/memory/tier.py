@@ -9,9 +9,8 @@ the slot to the ranks that keep its copies and receives the copies it keeps (:mo
 with every rank on the outcome, all on a private gloo group; the caller never enters a collective for it (a
 failure is raised on every rank by ``wait()`` or the next ``save()``).
 
-Restores (:mod:`.restore`) read the rank's own files when its node still has them and
-otherwise fetch a peer's copy; every byte is checked against the block digests first.
-"""
+Restores (:mod:`.restore`) read the rank's own files when its node still has them and otherwise fetch a
+peer's copy; every byte is checked against the block digests first."""
 
 from __future__ import annotations
 
@@ -333,8 +332,9 @@ class MemoryCheckpoints:
                 self._drop_other_runs(job.step + 1)
         errors = dist.agree_on_errors(failure.message or recv_err, self._group)
         if errors:
-            msg = f"memory snapshot of step {job.step} failed; the previous complete step stays restorable"
-            dist.raise_if_any_failed(failure.exc, errors, msg)
+            dist.raise_if_any_failed(failure.exc, errors, f"memory snapshot of step {job.step} failed: not every copy "
+                                     "of it was committed (the previous complete step stays restorable; latest() offers "
+                                     f"step {job.step} only where every rank's own record of it survives)")
         self._protected, self._protected_slot = (job.step, self.incarnation), job.slot
         self.last_complete_step = job.step
         if self._stale:  # a step of this job size is complete: free the snapshots of the larger one
