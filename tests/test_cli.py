@@ -237,9 +237,9 @@ def test_verify_missing_file_and_commit_marker(single_ckpt, capsys):
 
 
 def test_verify_foreign_checkpoint_without_manifest(single_ckpt, capsys):
-    # a foreign writer (Megatron-Core, DCP) writes neither the manifest nor our marker of it
-    os.remove(os.path.join(single_ckpt, "manifest.json"))
-    os.remove(os.path.join(single_ckpt, "ckpt_integration.json"))
+    # a foreign writer (Megatron-Core, DCP) writes neither the manifest nor our marker nor our index
+    for name in ("manifest.json", "ckpt_integration.json", "index.bin"):
+        os.remove(os.path.join(single_ckpt, name))
     code, out, _ = run_cli("verify", single_ckpt, capsys=capsys)
     assert code == 0
     assert "checksums are unavailable" in out and "OK: structure of" in out

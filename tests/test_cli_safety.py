@@ -148,13 +148,14 @@ def test_verify_reports_deleted_manifest_of_zarr_checkpoint(tmp_path, capsys):
 
 
 def test_verify_foreign_checkpoint_still_passes(tmp_path, capsys):
-    """A checkpoint without manifest.json and without our marker is a foreign (Megatron/DCP) one."""
+    """A checkpoint without manifest.json, our marker and our index is a foreign (Megatron/DCP) one."""
     from ckpt_integration.storage import checkpoint_dir as ckdir
 
     path = tmp_path / "ckpt"
     _save(path)
     os.remove(path / ckdir.MANIFEST_FILE)
     os.remove(path / ckdir.WRITER_FILE)
+    os.remove(path / "index.bin")
     code, out, _ = run_cli("verify", path, capsys=capsys)
     assert code == 0 and "checksums are unavailable" in out
 

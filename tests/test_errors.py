@@ -117,9 +117,10 @@ def _flip(path: str, offset: int) -> None:
 
 
 def _make_foreign(d: str) -> None:
-    """Strip our manifest and marker: the checkpoint now looks like Megatron-Core's (no checksums)."""
-    os.remove(os.path.join(d, "manifest.json"))
-    os.remove(os.path.join(d, "ckpt_integration.json"))
+    """Strip our manifest, marker and index: the checkpoint now looks like Megatron-Core's (no checksums)."""
+    for name in ("manifest.json", "ckpt_integration.json", "index.bin", "chunk_index.bin"):
+        if os.path.exists(os.path.join(d, name)):
+            os.remove(os.path.join(d, name))
 
 
 def _write_config(d: str, **fields) -> None:
@@ -365,6 +366,21 @@ def test_missing_common_pt(ckpt):
     os.remove(os.path.join(ckpt, "common.pt"))
     with pytest.raises(CorruptCheckpointError, match="common.pt is missing"):
         ci.load(_request(), ckpt)
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_a_checkpoint_that_lost_its_manifest_and_its_marker_is_not_loaded_unchecked(tmp_path, backend):
+    """Our checkpoint with manifest.json and ckpt_integration.json both gone (probe): it loaded as a
+    foreign checkpoint, without checksums. The index only our saves write says whose it is."""
+    d = str(tmp_path / "c")
+    ci.save(_state(), d, sharded_strategy=backend)
+    os.remove(os.path.join(d, "manifest.json"))
+    os.remove(os.path.join(d, "ckpt_integration.json"))
+    with pytest.raises(CorruptCheckpointError, match="manifest.json is missing"):
+        ci.load(_request(), d)
+    from ckpt_integration.cli import main
+
+    assert main(["verify", d]) == 1
 
 
 def test_damaged_manifest(ckpt):

@@ -487,12 +487,11 @@ def manifest_deleted(ck: CheckpointLocation) -> bool:
 
 
 def manifest_expected(ck: CheckpointLocation) -> bool:
-    """Whether the checkpoint was saved with a ``manifest.json`` (so its absence is damage).
-
-    False for checkpoints of other writers (Megatron-Core, PyTorch DCP), which have no
-    :data:`WRITER_FILE`, and for ours saved before the marker existed.
-    """
-    return ck.exists(WRITER_FILE)
+    """Whether the checkpoint was saved with a ``manifest.json`` (so its absence is damage): it has our
+    marker :data:`WRITER_FILE`, or, that lost too, an index only our saves write (Megatron-Core and
+    PyTorch DCP write neither: their checkpoints load unverified, a note says so)."""
+    # (an error of the storage propagates: taken for "not ours", it would load the checkpoint unchecked)
+    return ck.exists(WRITER_FILE) or bool(set(ck.listdir()) & {CHUNK_INDEX_FILE, INDEX_FILE, ZARR_INDEX_FILE})
 
 
 def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
@@ -563,11 +562,9 @@ def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Mani
 
 
 def read_manifest_checked(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
-    """:func:`read_manifest`, but a missing manifest of a checkpoint saved with one is damage.
-
-    ``None`` (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch
-    DCP) and ours saved before the marker existed; such loads log a note once per directory.
-    """
+    """:func:`read_manifest`, but a missing manifest of a checkpoint saved with one is damage. ``None``
+    (load unchecked) only for checkpoints of other writers (Megatron-Core, PyTorch DCP), with a note
+    logged once per directory."""
     if ck.manifest_read:  # checked when it was opened
         return ck.manifest
     manifest = read_manifest(ck, legacy)
