@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..errors import CheckpointingException, CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError
+from ..errors import CheckpointingException, CorruptCheckpointError, MemoryCheckpointError, MemorySpaceError, format_size
 from ..planning.dtypes import dtype_from_name, element_size
 from ..storage.fs import atomic_write_bytes
 from ..storage.checksum import CRC32, DEFAULT_BLOCK_SIZE, BlockHash, block_hash, crc32, save_block_hash
@@ -254,7 +254,7 @@ def write_record(root: str, owner: int, slot: int, raw: bytes) -> None:
     except OSError as e:
         kind = MemorySpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else MemoryCheckpointError
         raise kind(f"memory snapshot record {path} cannot be written: {e.strerror or e} "
-                   f"({_size(shutil.disk_usage(root).free) if os.path.isdir(root) else '?'} free there)") from None
+                   f"({format_size(shutil.disk_usage(root).free) if os.path.isdir(root) else '?'} free there)") from None
 
 
 def invalidate(root: str, owner: int, slot: int) -> None:
@@ -326,11 +326,6 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _size(n: int) -> str:
-    """Bytes for a message: GiB from 1 GiB up, else MiB (a small snapshot read "0.00 GiB")."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
 def _map(path: str, size: int) -> torch.Tensor:
     """A shared (``MAP_SHARED``) read-write mapping of a whole file, as a uint8 tensor."""
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -347,8 +342,8 @@ def _preallocate(path: str, size: int, what: str) -> None:
         os.unlink(path)
         free = shutil.disk_usage(os.path.dirname(path)).free
         raise MemorySpaceError(
-            f"{what}: cannot allocate {_size(size)} in {os.path.dirname(path)} ({e.strerror}; "
-            f"{_size(free)} free): give the node's shared memory more room or use fewer replicas"
+            f"{what}: cannot allocate {format_size(size)} in {os.path.dirname(path)} ({e.strerror}; "
+            f"{format_size(free)} free): give the node's shared memory more room or use fewer replicas"
         ) from None
     finally:
         if fd >= 0:
