@@ -305,7 +305,8 @@ def _detail_round(
     problems: List[str] = []
     if not failure.failed:
         with failure.capture():
-            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate, whole_grids=whole_grids)
+            problems, result.summaries = key_owner_step(forwards_in + list(inbox.values()), validate=validate,
+                                                        whole_grids=whole_grids)
     count, failed = dist.all_reduce_ints([len(problems), int(failure.failed)], "sum", group)
     if failed:
         _raise_errors(failure, group, context)

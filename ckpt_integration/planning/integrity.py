@@ -12,6 +12,7 @@ from the main-replica records and one :class:`Holding` per chunk and signature
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -260,26 +261,14 @@ def _object_grid_problems(key: str, grid: Tuple[int, ...], cells: Iterable[Tuple
         errors.append(f"{key!r}: object cells {outside[:MAX_REPORTED]} lie outside its grid {grid}")
     total = math.prod(grid)
     if len(inside) < total:
-        missing = []
-        for flat in range(total):  # (the first few only: stops once MAX_REPORTED are found)
-            cell = tuple(int(i) for i in _unravel(flat, grid))
-            if cell not in inside:
-                missing.append(cell)
-                if len(missing) == MAX_REPORTED:
-                    break
+        # (the first few only, in row-major order: stops once MAX_REPORTED are found)
+        missing = list(itertools.islice((c for c in itertools.product(*map(range, grid)) if c not in inside),
+                                        MAX_REPORTED))
         errors.append(
             f"{key!r}: {total - len(inside)} of {total} object cells of its grid {grid} are saved by no rank "
             f"(first: {', '.join(map(str, missing))}); every cell needs a rank that saves it"
         )
     return errors
-
-
-def _unravel(flat: int, grid: Tuple[int, ...]) -> List[int]:
-    out = []
-    for n in reversed(grid):
-        flat, i = divmod(flat, n)
-        out.append(i)
-    return out[::-1]
 
 
 def validate_key(key: str, shards: Sequence[ShardMeta]) -> List[str]:

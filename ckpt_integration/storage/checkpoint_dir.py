@@ -240,6 +240,7 @@ _DATA_MARKERS = (".metadata", CHUNK_INDEX_FILE, INDEX_FILE, COMMON_FILE, MANIFES
 # files only our saves (and Megatron-Core's) write: with them and no commit marker a
 # directory is an interrupted save, not a plain PyTorch DCP checkpoint
 _OURS_ONLY = (CHUNK_INDEX_FILE, INDEX_FILE, COMMON_FILE, MANIFEST_FILE, WRITER_FILE, ZARR_INDEX_FILE)
+_OUR_INDEXES = (CHUNK_INDEX_FILE, INDEX_FILE, ZARR_INDEX_FILE)  # (of those, what no other writer has: not common.pt)
 DCP_METADATA_FILE = ".metadata"
 
 
@@ -491,7 +492,7 @@ def manifest_expected(ck: CheckpointLocation) -> bool:
     marker :data:`WRITER_FILE`, or, that lost too, an index only our saves write (Megatron-Core and
     PyTorch DCP write neither: their checkpoints load unverified, a note says so)."""
     # (an error of the storage propagates: taken for "not ours", it would load the checkpoint unchecked)
-    return ck.exists(WRITER_FILE) or bool(set(ck.listdir()) & {CHUNK_INDEX_FILE, INDEX_FILE, ZARR_INDEX_FILE})
+    return ck.exists(WRITER_FILE) or bool(set(ck.listdir()).intersection(_OUR_INDEXES))
 
 
 def read_manifest(ck: CheckpointLocation, legacy: bool = False) -> Optional[Manifest]:
