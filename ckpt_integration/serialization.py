@@ -226,9 +226,9 @@ def load(
             stored block the load touches is read and verified by one rank of the job;
             ranks on its node copy their slices from the page cache, ranks on other nodes
             receive them over the process group), ``"local"`` (each rank reads and verifies
-            the blocks it touches), ``"fully_parallel"`` or ``"two_stage"`` (each needed
-            region is read once per ``process_group`` and broadcast to the ranks that
-            need it; see docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
+            the blocks it touches), ``"fully_parallel"`` or ``"two_stage"`` (Megatron-Core's
+            names: ``"read_once"`` on any backend, over ``process_group``, always planned;
+            see docs/strategies.md). ``memory_budget`` bounds the exchange buffers.
         process_group: the ranks taking part (default: the world).
         strict_dtype: refuse a dtype that differs from the saved one instead of casting.
         verify_state: after the load, prove that every loaded tensor region equals what was

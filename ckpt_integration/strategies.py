@@ -24,8 +24,8 @@ class LoadStrategy(str, Enum):
     ``auto`` (default): read once when that reads fewer bytes, else ``local``; ``read_once``: every
     stored block a load touches is read and verified by one rank, the others copy or receive their
     parts; ``local``: each rank reads what it requested; ``fully_parallel`` / ``two_stage``
-    (Megatron-Core's): each requested region is read by one rank and sent to the others that need
-    it (``two_stage`` overlaps the reads with the exchange). Members are strings, so the plain value
+    (Megatron-Core's names): ``read_once`` over the load's process group on any backend, always
+    planned (``two_stage`` logs a per-rank timing summary). Members are strings, so the plain value
     works everywhere a member does.
 
     Example: ``load(request, path, load_strategy=LoadStrategy.read_once)``

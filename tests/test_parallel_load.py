@@ -1,35 +1,35 @@
-"""Fully-parallel and two-stage loads.
+"""Fully-parallel and two-stage loads: Megatron-Core's names for loads that read each byte once
+per group, run by the read-once engine (``execution/read_once.py``).
 
 Checked against the plain (``local``) load with ``torch.equal`` on every tensor, across
 layouts (TP x DP, uneven shards, resharded loads, ranks that need nothing, tensors needed
-by only some ranks), on the world group and on explicit DP groups, for both backends.
-Reads are counted through a hook on the readers: with the parallel strategies no element
-is read twice within a group. Staging memory is measured with a hook on the buffer
-allocator (live bytes, not time), the prefetch overlap with an event handshake, and the
-load-time summary with a logging handler.
+by only some ranks), on the world group and on explicit DP groups, for both backends, on one
+node (pages shared through the file's mapping) and as if every rank were its own node (bytes
+sent over the group). Reads are counted through hooks on the engine's checks and on the
+readers: with the parallel strategies no stored byte is read twice within a group. Staging
+memory is the load's own statistic, the summary is caught with a logging handler.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import threading
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ckpt_integration as ci
-import ckpt_integration.execution.parallel_load as pl
 import ckpt_integration.execution.load as load_mod
-import ckpt_integration.planning.load_units as lu
+import ckpt_integration.execution.read_once as ro
 from ckpt_integration.storage.torch_dist_reader import TorchDistReader
-from ckpt_integration.planning.boxes import Box
-from tests.dist_utils import run_distributed, scaled_timeout
+from tests.dist_utils import run_distributed
 from tests.layouts import global_tensor, grid_shard
 
 PARALLEL = ("fully_parallel", "two_stage")
-LOGGER = "ckpt_integration.execution.parallel_load"
+LOGGER = "ckpt_integration.execution.read_once"
 SHAPES = {"w": (16, 8), "e": (32, 4), "u": (8, 8), "r": (12, 10), "c": (8, 12)}
 R_ROWS = [(0, 2), (2, 5), (7, 1), (8, 4)]  # uneven row split of "r" over 4 ranks
 
@@ -89,70 +89,44 @@ def _expected(req):
 
 
 class _Reads:
-    """Counts reads: a hook on ``read_region`` of both readers (and on the runs of small items)
-    records (key, region) per call."""
+    """Counts reads: every block range the engine checks (mapped or read into memory), every region
+    a reader reads (``read_region``: zarr's units, the ``local`` load) and every small item read in
+    a run, as ``(key, kind, where)`` per call, kind ``"bytes"`` (a stored item's byte range) or
+    ``"box"`` (global offsets and sizes)."""
 
     def __init__(self):
+        from ckpt_integration.storage import small_reads
         from ckpt_integration.storage.zarr_backend import ZarrReader
 
         self.log = []
         self.lock = threading.Lock()
         self.fail = None  # a callable(key) -> bool making the read raise
+
+        def record(key, kind, where):
+            if self.fail is not None and self.fail(key):
+                raise OSError(f"injected read failure for {key!r}")
+            with self.lock:
+                self.log.append((key, kind, where))
+
         for cls in (TorchDistReader, ZarrReader):
-            real = cls.read_region
-
-            def counting(reader, key, chunk, overlap, out, dtype, _real=real):
-                if self.fail is not None and self.fail(key):
-                    raise OSError(f"injected read failure for {key!r}")
-                with self.lock:
-                    self.log.append((key, overlap.offsets, overlap.sizes))
+            def counting(reader, key, chunk, overlap, out, dtype, _real=cls.read_region):
+                record(key, "box", (overlap.offsets, overlap.sizes))
                 return _real(reader, key, chunk, overlap, out, dtype)
-
             cls.read_region = counting
-        # whole small items are read in runs of adjacent items (storage/small_reads.py): the same log per item
-        from ckpt_integration.storage import small_reads
+        real_verify = ro.verify_unit
 
+        def verify(lay, im, at, lo, hi, st):
+            key = re.search(r" of '(.*)'$", lay.what).group(1)
+            record(key, "bytes", (lay.path, lay.base, lo, hi))
+            return real_verify(lay, im, at, lo, hi, st)
+        ro.verify_unit = verify
         real_fetch = small_reads._fetch
 
-        def counting_fetch(reader, span, buf, _real=real_fetch):
+        def fetch(reader, span, buf):
             for _name, _off, t, _brec in span:
-                if self.fail is not None and self.fail(t.key):
-                    raise OSError(f"injected read failure for {t.key!r}")
-                with self.lock:
-                    self.log.append((t.key, t.overlap.offsets, t.overlap.sizes))
-            return _real(reader, span, buf)
-
-        small_reads._fetch = counting_fetch
-
-
-class _LiveBytes:
-    """Live bytes of staging buffers: every ``_new_buffer`` allocation, released when it dies."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.live = self.peak = self.count = 0
-        real = pl._new_buffer
-
-        def tracked(shape, dtype, device):
-            t = real(shape, dtype, device)
-            n = t.numel() * t.element_size()
-            with self.lock:
-                self.live += n
-                self.count += 1
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, n)
-            return t
-
-        pl._new_buffer = tracked
-
-    def _free(self, n):
-        with self.lock:
-            self.live -= n
-
-    def reset(self):
-        with self.lock:
-            self.peak = self.live
-            self.count = 0
+                record(t.key, "box", (t.overlap.offsets, t.overlap.sizes))
+            return real_fetch(reader, span, buf)
+        small_reads._fetch = fetch
 
 
 class _Capture(logging.Handler):
@@ -171,24 +145,32 @@ def _gather(obj, world):
 
 
 def _assert_read_once(reads_per_rank, groups):
-    """Within each group no element of any tensor is read twice (every byte once per group)."""
+    """Within each group no element of any tensor (no byte of any stored item) is read twice."""
     for g in groups:
         for key, shape in SHAPES.items():
             count = torch.zeros(shape, dtype=torch.int32)
+            ranges = []
             for r in g:
-                for k, off, size in reads_per_rank[r]:
-                    if k == key:
-                        count[tuple(slice(o, o + s) for o, s in zip(off, size))] += 1
+                for k, kind, where in reads_per_rank[r]:
+                    if k != key:
+                        continue
+                    if kind == "box":
+                        count[tuple(slice(o, o + s) for o, s in zip(*where))] += 1
+                    else:
+                        ranges.append(where)
             assert int(count.max()) <= 1, f"group {g}: parts of {key!r} read {int(count.max())} times"
+            ranges.sort()
+            for (f1, b1, lo1, hi1), (f2, b2, lo2, hi2) in zip(ranges, ranges[1:]):
+                assert (f1, b1) != (f2, b2) or hi1 <= lo2, f"group {g}: bytes of {key!r} checked twice: {ranges}"
+            assert not (ranges and int(count.max())), f"group {g}: {key!r} read both ways"
 
 
 def _compare_strategies(rank, world, path, make_request, groups, group=None, budget=600, **kw):
     """Load with every strategy; parallel ones must equal ``local`` exactly and read once per group."""
-    reads, live = kw.pop("reads"), kw.pop("live")
-    results, peaks = {}, {}
+    reads = kw.pop("reads")
+    results, stats = {}, {}
     for strategy in ("local",) + PARALLEL:
         reads.log.clear()
-        live.reset()
         req = make_request(rank)
         out = ci.load(
             req, path, load_strategy=strategy, memory_budget=budget, process_group=group,
@@ -200,7 +182,7 @@ def _compare_strategies(rank, world, path, make_request, groups, group=None, bud
         for name, exp in _expected(make_request(rank)).items():
             assert torch.equal(tensors[name], exp), (strategy, name)
         results[strategy] = (tensors, _gather(list(reads.log), world))
-        peaks[strategy] = live.peak
+        stats[strategy] = dict(load_mod.last_load_stats)
     local, local_reads = results["local"]
     for strategy in PARALLEL:
         tensors, per_rank = results[strategy]
@@ -210,11 +192,12 @@ def _compare_strategies(rank, world, path, make_request, groups, group=None, bud
         _assert_read_once(per_rank, groups)
         # the same tensors are touched as by the plain load
         assert {k for rr in per_rank for k, _, _ in rr} == {k for rr in local_reads for k, _, _ in rr}
-    return results, peaks
+    return results, stats
 
 
 def _worker4(rank, world, root):
-    reads, live = _Reads(), _LiveBytes()
+    ro.SMALL_ALONE = 0  # (every tensor here is small: planned like large ones, so that reads are counted)
+    reads = _Reads()
     cap = _Capture()
     log = logging.getLogger(LOGGER)
     log.setLevel(logging.INFO)
@@ -225,40 +208,48 @@ def _worker4(rank, world, root):
     for backend in ("torch_dist", "zarr"):
         path = f"{root}/{backend}"
         ci.save(_saved_state(rank), path, sharded_strategy=backend)
-        common = dict(reads=reads, live=live)
+        common = dict(reads=reads)
 
-        # 1. same layout, world group: E needed by all (broadcast), W by half (point-to-point)
+        # 1. same layout, world group: E needed by all, W by half; one node (pages shared)
         cap.messages.clear()
         results, _ = _compare_strategies(rank, world, path, _same_layout_request, world_groups, **common)
         local_reads = results["local"][1]
         e_local = sum(1 for rr in local_reads for k, _, _ in rr if k == "e")
         assert e_local == world  # the plain load reads E on every rank: the counting sees duplicates
-        readers = {r for r, rr in enumerate(results["fully_parallel"][1]) if any(k in "ew" for k, _, _ in rr)}
-        assert len(readers) >= 3, readers  # shared reads spread over the group, not all on rank 0
+        readers = {r for r, rr in enumerate(results["fully_parallel"][1]) if any(k in "ewrc" for k, _, _ in rr)}
+        # shared reads spread over the group, not all on rank 0 (zarr stores each of the four shared
+        # tensors as one array, planned in blocks of rows of 1 MiB: one unit each)
+        assert len(readers) >= (3 if backend == "torch_dist" else 2), readers
         summaries = [m for m in cap.messages if "two_stage load summary" in m]
         if rank == 0:
             assert len(summaries) == 1, cap.messages
             text = summaries[0]
-            for phase in ("metadata", "read", "exchange", "copy", "total"):
+            for phase in ("plan", "read", "exchange", "copy", "total"):
                 assert phase in text
             rows = [ln.split()[0] for ln in text.splitlines()[1:]]
             assert rows[1:] == ["0", "1", "2", "3", "max"], rows
         else:
             assert summaries == []
 
-        # 2. resharded, uneven, overlapping requests, rank 3 needs nothing; small budget
-        budget = 256
-        _, peaks = _compare_strategies(rank, world, path, _resharded_request, world_groups, budget=budget, **common)
-        # live staging bytes never exceed max(budget, largest staged unit): with torch_dist the
-        # largest is R's saved rows 2:7 (200 B); zarr stores R as one chunk, and the overlapping
-        # requests of ranks 0-2 merge into all of it (12 x 10 x 4 = 480 B), staged alone
-        bound = max(budget, {"torch_dist": 200, "zarr": 480}[backend])
+        # 2. resharded, uneven, overlapping requests, rank 3 needs nothing; small budget; every rank
+        # its own node, so that every shared byte travels over the group
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        try:
+            budget = 256
+            _, stats = _compare_strategies(rank, world, path, _resharded_request, world_groups, budget=budget, **common)
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        # buffers in flight and a unit read into memory to send from stay within the budget, or,
+        # for a unit larger than it, that unit and one slice of it (the largest unit here: a
+        # stored item of 256 bytes; in zarr, all of W, 512)
+        bound = max(budget, 2 * {"torch_dist": 256, "zarr": 512}[backend])
         for strategy in PARALLEL:
-            assert peaks[strategy] <= bound, (strategy, peaks[strategy])
-        all_peaks = _gather(peaks, world)
-        assert any(p["two_stage"] > 0 for p in all_peaks)  # the layout does need staging somewhere
+            assert stats[strategy]["peak_staging_bytes"] <= bound, (strategy, stats[strategy])
+        all_stats = _gather(stats, world)
+        assert any(s["two_stage"]["peak_staging_bytes"] > 0 for s in all_stats)  # bytes did travel
+        assert any(s["two_stage"]["bytes_sent"] > 0 for s in all_stats)
         if rank == 3:
-            assert peaks["fully_parallel"] == peaks["two_stage"] == 0
+            assert stats["fully_parallel"].get("bytes_received", 0) == stats["two_stage"].get("bytes_received", 0) == 0
 
         # 3. explicit DP groups (TP=2 x DP=2, each DP group of 2 ranks loads on its own)
         cap.messages.clear()
@@ -312,20 +303,25 @@ def _two_rank_request(rank):
 
 
 def _worker2(rank, world, root):
-    reads, live = _Reads(), _LiveBytes()
+    ro.SMALL_ALONE = 0  # (small tensors planned like large ones, so that reads are counted)
+    reads = _Reads()
     path = f"{root}/ckpt"
     ci.save(_two_rank_save(rank), path)
-    for budget in (1, 1 << 20):  # every staged unit alone / everything at once
-        _, peaks = _compare_strategies(rank, world, path, _two_rank_request, [[0, 1]], budget=budget, reads=reads, live=live)
-        if budget == 1:
-            assert max(peaks.values()) <= 7 * 3 * 4  # one unit at a time: the largest staged unit
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # every rank its own node: the shared bytes travel
+    try:
+        for budget in (1, 1 << 20):  # every buffer alone / everything at once
+            _, stats = _compare_strategies(rank, world, path, _two_rank_request, [[0, 1]], budget=budget, reads=reads)
+            if budget == 1:  # one unit at a time and one slice of it: the largest, SHARED's 64 floats
+                assert max(s["peak_staging_bytes"] for s in stats.values() if "peak_staging_bytes" in s) <= 2 * 64 * 4
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
     # a failed read on one rank raises on both ranks (no rank left waiting in a transfer),
     # and the group is still usable afterwards
     reads.fail = (lambda key: True) if rank == 1 else None
     for strategy in PARALLEL:
-        with pytest.raises(ci.CheckpointingException) as info:
+        with pytest.raises(ci.CheckpointingException if rank == 0 else OSError) as info:
             ci.load(_two_rank_request(rank), path, load_strategy=strategy, thread_count=1, memory_budget=64)
-        # the failing rank raises its own error; the other names it and the rank
+        # the failing rank raises its own error (as every strategy does); the other names it and the rank
         assert "injected read failure" in str(info.value), (rank, str(info.value))
         if rank == 0:
             assert isinstance(info.value, ci.errors.DistributedCheckpointingError) and "rank 1" in str(info.value), str(info.value)
@@ -348,210 +344,6 @@ def _worker2(rank, world, root):
 def test_parallel_strategies_two_ranks(tmp_path):
     """DP=2, different tensor counts per rank, thread_count=1, tiny budget, read errors."""
     run_distributed(_worker2, 2, str(tmp_path), timeout=90)
-
-
-# -- single-process tests of the planning, the pipeline, the memory bound and the summary --
-
-
-def _need(key, chunk, region, dtype="float32"):
-    return lu.Need(key, Box(*chunk), Box(*region), dtype, 4)
-
-
-def test_plan_balanced_deterministic_and_split_by_region():
-    # 8 equal tensors replicated on 4 ranks: 2 reads each, not all on rank 0
-    needs = [[_need(f"t{i}", ((0,), (16,)), ((0,), (16,))) for i in range(8)] for _ in range(4)]
-    units = lu.plan_units(needs)
-    per_reader = {r: sum(1 for u in units if u.reader == r) for r in range(4)}
-    assert per_reader == {0: 2, 1: 2, 2: 2, 3: 2}
-    # deterministic, and independent of the order of each rank's records
-    again = lu.plan_units([list(reversed(n)) for n in needs])
-    assert [(u.ident, u.reader) for u in again] == [(u.ident, u.reader) for u in units]
-    # single units on an idle group: the tie-break rotates, it is not always the lowest rank
-    firsts = {lu.plan_units([[_need(f"k{i}", ((0,), (4,)), ((0,), (4,)))]] * 4)[0].reader for i in range(32)}
-    assert len(firsts) >= 3
-    # one chunk, disjoint regions -> separate units (no rank reads or receives the other's part);
-    # overlapping regions -> one unit (their bounding box), read once
-    chunk = ((0, 0), (8, 8))
-    split = lu.plan_units([[_need("c", chunk, ((0, 0), (8, 4)))], [_need("c", chunk, ((0, 4), (8, 4)))]])
-    assert [(u.region, u.needers) for u in split] == [(Box((0, 0), (8, 4)), (0,)), (Box((0, 4), (8, 4)), (1,))]
-    merged = lu.plan_units([[_need("c", chunk, ((0, 0), (5, 8)))], [_need("c", chunk, ((3, 0), (5, 8)))]])
-    assert [(u.region, u.needers) for u in merged] == [(Box((0, 0), (8, 8)), (0, 1))]
-
-
-class _FakeChunk:
-    def __init__(self, box):
-        self.box = box
-
-
-class _Task:
-    def __init__(self, key, chunk, overlap, out):
-        self.key, self.chunk, self.overlap, self.out, self.dtype = key, chunk, overlap, out, out.dtype
-        self.got = []  # the delivery ledger every load path records into (planning.delivery)
-
-
-class _FakeReader:
-    """Serves regions of deterministic global tensors; optional hook per read."""
-
-    def __init__(self, on_read=None):
-        self.on_read = on_read
-        self.reads = []
-
-    def read_region(self, key, chunk, overlap, out, dtype):
-        if self.on_read:
-            self.on_read(key)
-        self.reads.append((key, overlap))
-        full = global_tensor(key, (8, 8))
-        out.copy_(full[tuple(slice(o, o + s) for o, s in zip(overlap.offsets, overlap.sizes))])
-
-
-def _column_tasks(n):
-    """n tensors (8, 8); each task wants the left 4 columns into a non-contiguous view (staged)."""
-    dests, tasks = [], []
-    for i in range(n):
-        dest = torch.zeros(8, 8)
-        dests.append(dest)
-        tasks.append(_Task(f"k{i}", _FakeChunk(Box((0, 0), (8, 8))), Box((0, 0), (8, 4)), dest[:, :4]))
-    return dests, tasks
-
-
-@pytest.mark.parametrize("mode", PARALLEL)
-@pytest.mark.parametrize("budget", [1, 300, 1 << 20])
-def test_staging_memory_is_bounded(mode, budget, monkeypatch):
-    monkeypatch.setattr(pl, "_new_buffer", pl._new_buffer)  # restores the real one afterwards
-    live = _LiveBytes()
-    dests, tasks = _column_tasks(12)
-    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode=mode, thread_count=3, memory_budget=budget)
-    unit = 8 * 4 * 4
-    # every unit staged (non-contiguous destinations), small ones in batches the budget holds
-    assert live.count == {1: 12, 300: 6, 1 << 20: 1}[budget]
-    assert live.peak <= max(budget, unit) and stats["peak_staging_bytes"] <= max(budget, unit)
-    assert live.live == 0  # all freed
-    for i, d in enumerate(dests):
-        assert torch.equal(d[:, :4], global_tensor(f"k{i}", (8, 8))[:, :4]) and not d[:, 4:].any()
-
-
-def test_direct_destinations_stage_nothing(monkeypatch):
-    monkeypatch.setattr(pl, "_new_buffer", pl._new_buffer)  # restores the real one afterwards
-    live = _LiveBytes()
-    dest = torch.zeros(8, 8)
-    tasks = [_Task("k0", _FakeChunk(Box((0, 0), (8, 8))), Box((0, 0), (4, 8)), dest[:4])]  # contiguous rows
-    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=1)
-    assert live.count == 0 and stats["peak_staging_bytes"] == 0
-    assert torch.equal(dest[:4], global_tensor("k0", (8, 8))[:4])
-
-
-@pytest.mark.parametrize("thread_count", [1, 3])
-def test_two_stage_reads_next_unit_during_exchange(thread_count, monkeypatch):
-    """While unit i is being exchanged the prefetcher already reads unit i+1 (no wall-clock test:
-    the exchange of every unit waits for the read of the next one to start, which only a
-    prefetching implementation can satisfy; a sequential one fails on the timeout)."""
-    n = 5
-    started = [threading.Event() for _ in range(n)]
-    order = []
-
-    def on_read(key):
-        started[int(key[1:])].set()
-
-    real = pl._exchange_unit
-
-    def exchange(u, buf, rank, size, group):
-        i = int(u.key[1:])
-        if i + 1 < n:
-            assert started[i + 1].wait(scaled_timeout(10)), f"unit {i + 1} was not read while unit {i} was exchanged"
-        order.append(i)
-        return real(u, buf, rank, size, group)
-
-    monkeypatch.setattr(pl, "_exchange_unit", exchange)
-    monkeypatch.setattr(pl, "SMALL_UNIT", 0)  # each unit alone: the pipeline, not the batches
-    dests, tasks = _column_tasks(n)
-    pl.exchange_reads(_FakeReader(on_read), tasks, False, mode="two_stage", thread_count=thread_count, memory_budget=1 << 20)
-    assert order == list(range(n))
-    for i, d in enumerate(dests):
-        assert torch.equal(d[:, :4], global_tensor(f"k{i}", (8, 8))[:, :4])
-
-
-def test_fully_parallel_reads_round_before_exchange(monkeypatch):
-    events = []
-    monkeypatch.setattr(pl, "_exchange_unit", lambda u, *a: events.append(("x", u.key)))
-    monkeypatch.setattr(pl, "SMALL_UNIT", 0)  # each unit alone: the rounds, not the batches
-    dests, tasks = _column_tasks(4)
-    pl.exchange_reads(_FakeReader(lambda k: events.append(("r", k))), tasks, False, mode="fully_parallel",
-                      thread_count=1, memory_budget=2 * 128)  # two staged units per round
-    kinds = "".join(e[0] for e in events)
-    assert kinds == "rrxxrrxx", events
-
-
-@pytest.mark.parametrize("mode", PARALLEL)
-def test_small_units_travel_in_batches(mode, monkeypatch):
-    """Thousands of small tensors (norms, biases) must not cost one transfer each: small units with
-    the same reader and needers are read into one buffer and exchanged once per batch, within the
-    budget, and every destination still gets exactly its own bytes (direct and staged ones alike)."""
-    sent = []
-    real = pl._exchange_unit
-    monkeypatch.setattr(pl, "_exchange_unit", lambda u, buf, *a: (sent.append(buf.numel() * buf.element_size()),
-                                                                    real(u, buf, *a)))
-    monkeypatch.setattr(pl, "BATCH_BYTES", 3 * 128)
-    dests, tasks = _column_tasks(7)  # staged (column views), 128 bytes each
-    whole = [torch.zeros(4, 4) for _ in range(2)]  # whole chunks (read in place when alone), 64 bytes each
-    tasks += [_Task(f"w{i}", _FakeChunk(Box((0, 0), (4, 4))), Box((0, 0), (4, 4)), d) for i, d in enumerate(whole)]
-    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode=mode, thread_count=2)
-    assert stats["units_read"] == 9 and stats["units_total"] == 9
-    assert sent == [3 * 128, 3 * 128, 128 + 2 * 64]  # k0-k2, k3-k5, then k6 with both whole tensors
-    for i, d in enumerate(dests):
-        assert torch.equal(d[:, :4], global_tensor(f"k{i}", (8, 8))[:, :4]) and not d[:, 4:].any()
-    for i, d in enumerate(whole):
-        assert torch.equal(d, global_tensor(f"w{i}", (8, 8))[:4, :4])
-
-
-def test_a_failed_copy_out_of_a_batch_names_its_own_unit():
-    dests, tasks = _column_tasks(4)
-    tasks[2].out = torch.zeros(1, 4).expand(8, 4)  # a copy into it fails (elements share memory)
-    with pytest.raises(ci.CheckpointingException, match=r"copying 'k2' .* into place failed"):
-        pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=1)
-    assert torch.equal(dests[3][:, :4], global_tensor("k3", (8, 8))[:, :4])  # the batch's other units delivered
-
-
-def test_batches_are_a_function_of_the_plan():
-    """The same batches on every rank (the group walks them in one order): small units of one reader
-    and needers, in their order, up to the limit; large ones alone; a batch at its first unit's place."""
-    needs = [[_need(f"s{i}", ((0,), (16,)), ((0,), (16,))) for i in range(6)] + [_need("big", ((0,), (1024,)), ((0,), (1024,)))]] * 2
-    units = lu.plan_units(needs)
-    batches = lu.batch_units(units, small=64, limit=128)
-    assert sorted(u.index for b in batches for u in b) == list(range(len(units)))
-    assert [b[0].index for b in batches] == sorted(b[0].index for b in batches)
-    for b in batches:
-        assert len({(u.reader, u.needers) for u in b}) == 1
-        assert sum(lu.aligned(u.nbytes) for u in b) <= 128 or len(b) == 1
-        assert [u.index for u in b] == sorted(u.index for u in b)
-    assert [len(b) for b in batches if b[0].key == "big"] == [1]
-    assert sum(len(b) for b in batches if b[0].key != "big") == 6 and all(len(b) == 2 for b in batches if b[0].key != "big")
-    assert lu.batch_units(units, small=64, limit=128) == batches  # deterministic
-
-
-def test_summary_is_logged(caplog):
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    _, tasks = _column_tasks(3)
-    stats = pl.exchange_reads(_FakeReader(), tasks, False, mode="two_stage", thread_count=2)
-    msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
-    assert len(msgs) == 1 and "two_stage load summary: 3 units" in msgs[0]
-    for phase in ("metadata", "plan", "read", "waiting", "exchange", "copy", "total", "read MiB", "peak MiB"):
-        assert phase in msgs[0]
-    assert [ln.split()[0] for ln in msgs[0].splitlines()[2:]] == ["0", "max"]
-    assert stats["bytes_read"] == 3 * 8 * 4 * 4 and stats["units_read"] == 3
-    caplog.clear()
-    pl.exchange_reads(_FakeReader(), _column_tasks(1)[1], False, mode="fully_parallel")
-    assert not [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.INFO]  # DEBUG only
-
-
-def test_read_error_is_raised_after_the_transfers():
-    _, tasks = _column_tasks(3)
-
-    def boom(key):
-        if key == "k1":
-            raise OSError("disk gone")
-
-    with pytest.raises(ci.CheckpointingException, match="disk gone"):  # a library error, naming the cause
-        pl.exchange_reads(_FakeReader(boom), tasks, False, mode="two_stage", thread_count=1, memory_budget=1)
 
 
 def test_unknown_strategy(tmp_path):

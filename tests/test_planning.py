@@ -386,39 +386,24 @@ def test_chunk_index_matches_a_scan():
             assert all(chunks[r.source] == r.chunk for r in got)
 
 
-def test_region_merge_is_the_pairwise_fixpoint_and_near_linear(monkeypatch):
-    from ckpt_integration.planning import load_units as lu
-
-    def pairwise(regions):  # the definition: merge overlapping boxes until none overlap
-        groups = [(b, set(r)) for b, r in regions.items()]
-        changed = True
-        while changed:
-            changed = False
-            for i in range(len(groups)):
-                for j in range(i + 1, len(groups)):
-                    if intersect(groups[i][0], groups[j][0]) is not None:
-                        groups[i] = (lu.bounding([groups[i][0], groups[j][0]]), groups[i][1] | groups[j][1])
-                        del groups[j]
-                        changed = True
-                        break
-                if changed:
-                    break
-        return sorted(groups, key=lambda g: lu.box_order(g[0]))
+def test_overlapping_pairs_are_every_pair_that_shares_elements_found_in_near_linear_time(monkeypatch):
+    """The sweep behind the delivery ledger finds exactly the pairs a comparison of all pairs finds,
+    and for boxes in a row compares each with its neighbours only (was n*(n-1)/2 comparisons)."""
+    from ckpt_integration.planning import boxes as bx
 
     rng = random.Random(0)
     for _ in range(500):
         nd = rng.randint(1, 3)
-        regions = {}
-        for r in range(rng.randint(1, 10)):
-            off = tuple(rng.randint(0, 10) for _ in range(nd))
-            regions.setdefault(Box(off, tuple(rng.randint(1, 4) for _ in range(nd))), set()).add(r)
-        assert lu.clusters(regions) == pairwise(regions)
+        boxes = [Box(tuple(rng.randint(0, 10) for _ in range(nd)), tuple(rng.randint(1, 4) for _ in range(nd)))
+                 for _ in range(rng.randint(1, 10))]
+        want = {(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if intersect(boxes[i], boxes[j])}
+        assert {tuple(sorted(p)) for p in bx.overlapping_pairs(boxes)} == want
     calls = []
-    real = lu.intersect
-    monkeypatch.setattr(lu, "intersect", lambda a, b: calls.append(1) or real(a, b))
+    real = bx.intersect
+    monkeypatch.setattr(bx, "intersect", lambda a, b: calls.append(1) or real(a, b))
     n = 2000
-    out = lu.clusters({Box((2 * i, 0), (2, 8)): {i} for i in range(n)})  # disjoint: nothing merges
-    assert len(out) == n and len(calls) <= 2 * n  # was n*(n-1)/2 comparisons
+    assert bx.overlapping_pairs([Box((2 * i, 0), (2, 8)) for i in range(n)]) == []
+    assert len(calls) <= 2 * n
 
 
 def test_small_chunks_of_large_replica_groups_get_one_writer_chosen_by_their_owner():

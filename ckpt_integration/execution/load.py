@@ -50,7 +50,6 @@ from . import exchange
 from . import load_request
 from .failure import Failure
 from .gc_pause import with_gc_paused
-from .parallel_load import exchange_reads
 from .preprocess import local_shards, restore_list_types, shards_identity, split_state_dict
 from .read_once import load_read_once
 from .shared_metadata import SharedMetadata, open_shared
@@ -59,8 +58,9 @@ from .state_check import LoadedPart, verify_loaded_state
 logger = logging.getLogger(__name__)
 
 # load strategies handled by execution/read_once.py ("auto" falls back to "local" when reading
-# once would not read fewer bytes)
+# once would not read fewer bytes); READ_ONCE on backends that store plain arrays, PARALLEL on any
 READ_ONCE = ("auto", "read_once")
+PARALLEL = ("fully_parallel", "two_stage")
 # what this process's last load did (strategy used, bytes read/sent/received, seconds per
 # phase): read by benchmarks/bench.py
 last_load_stats: Dict[str, Any] = {}
@@ -344,28 +344,21 @@ def _open_request(sharded_state_dict: Dict[str, Any], checkpoint_dir: Union[str,
 
 def _read(job: Optional["_LoadJob"], failure: Failure, load_strategy: str, backend: str, group: Group,
           thread_count: int, memory_budget: int, disjoint: bool) -> str:
-    """The read step: ``"local"`` (each rank read its own ranges), ``"done"`` (read once) or
-    ``"parallel"`` (fully_parallel / two_stage): strategies that share reads, collective, every rank
-    takes part even after a failure; or ``"failed"`` (some rank failed: the final agreement
-    raises). A failure is recorded, not raised."""
+    """The read step: ``"local"`` (each rank read its own ranges), ``"done"`` (read once: the
+    strategies that share reads, collective, every rank takes part even after a failure) or
+    ``"failed"`` (some rank failed: the final agreement raises). A failure is recorded, not raised."""
     world = dist.get_world_size(group)
     reader, tasks = (job.reader, job.tasks) if job is not None else (None, [])
-    if load_strategy in READ_ONCE and world > 1 and backend_named(backend).mapped_chunks:
+    parallel = load_strategy in PARALLEL
+    if world > 1 and (parallel or load_strategy in READ_ONCE and backend_named(backend).mapped_chunks):
         outcome = "failed"
         with failure.capture():
-            outcome, stats = load_read_once(reader, tasks, failure.failed, group, mode=load_strategy,
+            outcome, stats = load_read_once(reader, tasks, failure.failed, group, mode=str(load_strategy),
                                             thread_count=thread_count, memory_budget=memory_budget, disjoint=disjoint)
-            last_load_stats.update(stats, strategy="read_once" if outcome == "done" else "local")
+            done = str(load_strategy) if parallel else "read_once"
+            last_load_stats.update(stats, strategy=done if outcome == "done" else "local")
         if outcome != "local":
             return outcome
-    elif load_strategy in ("fully_parallel", "two_stage") and world > 1:
-        outcome = "parallel"
-        with failure.capture():
-            pstats = exchange_reads(reader, tasks, failure.failed, group, mode=load_strategy,
-                                    thread_count=thread_count, memory_budget=memory_budget)
-            last_load_stats.update(pstats, strategy=str(load_strategy))
-            outcome = "failed" if pstats.get("failed") else outcome
-        return outcome
     if job is not None and not failure.failed:
         with failure.capture():
             job.read_all(thread_count)

@@ -37,10 +37,18 @@ records the error and still sends (so no rank waits forever), and the caller's f
 agreement raises everywhere; nothing is returned from an unverified block.
 
 Simulate several nodes on one host with ``LOCAL_WORLD_SIZE=1`` (every rank its own node).
+
+``fully_parallel`` and ``two_stage`` (Megatron-Core's names for loads that read each byte once per
+data-parallel group) are this engine with the plan always made (no step 2 decision), on any backend:
+a chunk that is not one plain array in a file (zarr's arrays, foreign records) is planned over its
+rows and its units are read through the checkpoint's reader (``read_once_units.whole_layout``).
+Whole items of at most 64 KiB are read by each rank that needs them, as under ``"auto"``.
+``two_stage`` logs a per-phase, per-rank summary on the group's first rank (INFO).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -60,15 +68,18 @@ from ..planning.records import digest64
 from ..planning.records import MessageWriter, decode
 from ..storage.fs import byte_view
 from ..storage.fs import can_map
-from ..storage.small_reads import read_task, read_tasks
-from ..storage.torch_dist_reader import TorchDistReader
+from ..storage.small_reads import read_tasks
+from ..storage.opened import CheckpointReader
 from . import dist
 from .dist import Group
 from .failure import Failure
 from .transfer import Transfers
-from .read_once_units import Source, Stats, copy_parts, delivered, dest_view, map_unit, unit_parts, unmap, verify_unit
+from .read_once_units import (Source, Stats, copy_parts, delivered, dest_view, log_summary, map_unit, read_rows,
+                              unit_parts, unmap, verify_unit, whole_layout)
 
-STRATEGIES = ("auto", "read_once")
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("auto", "read_once", "fully_parallel", "two_stage")
 # "auto" reads once only when that saves at least this many bytes per rank on average: below,
 # the two extra exchanges of the plan cost more than reading the shared blocks again
 MIN_SAVING_PER_RANK = 1 << 20
@@ -100,6 +111,9 @@ class _Chunk:
     layout: Any
     ranges: List[Tuple[int, int]]
     units: List[Tuple[int, int, int, int, bool]] = field(default_factory=list)  # lo, hi, reader, reader node, first
+    whole: bool = False  # not one plain array in a file: units read through the reader (read_rows)
+    mapped: bool = False  # its units come from a shared mapping of the file (same-node ranks copy from it)
+    node: int = -1  # this rank's node for this chunk (its own rank's when not mapped)
     remote: Dict[Tuple[int, int], List[Tuple[int, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]]] = field(default_factory=dict)
 
     @property
@@ -113,12 +127,12 @@ def _owner(file: str, offset: int, world: int) -> int:
 
 
 def load_read_once(
-    reader: TorchDistReader, tasks: List[Any], failed_before: bool, group: Group, *, mode: str = "auto",
+    reader: CheckpointReader, tasks: List[Any], failed_before: bool, group: Group, *, mode: str = "auto",
     thread_count: int = 2, memory_budget: int = 1 << 30, disjoint: bool = False,
 ) -> Tuple[str, Dict[str, float]]:
     """Collective: fill every task's ``out`` reading each touched block once per job.
 
-    Returns ``(outcome, stats)``: ``"done"``; ``"local"`` when ``mode="auto"`` found
+    ``mode``: one of :data:`STRATEGIES`. Returns ``(outcome, stats)``: ``"done"``; ``"local"`` when ``mode="auto"`` found
     nothing to save (the caller reads as ``"local"``); ``"failed"`` when some rank failed
     before reading (the caller's final agreement raises). Raises after the last transfer
     when a read, a check or a copy failed on this rank.
@@ -128,6 +142,8 @@ def load_read_once(
     (``mode="auto"``), no stored block is touched twice and one ``all_reduce`` decides "local"
     (the same-layout load) without computing touched ranges or exchanging them.
     """
+    if mode not in STRATEGIES:
+        raise ValueError(f"unknown shared-read load strategy {mode!r}; choose one of {STRATEGIES}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     st = Stats()
     t0 = time.perf_counter()
@@ -146,7 +162,6 @@ def load_read_once(
     # a gloo group of the same ranks (made once per group, here where every rank goes on)
     group = dist.host_group(group)
     chunks: Dict[Tuple[str, int], _Chunk] = {}
-    leftover: List[Any] = []
     small: List[Any] = []
     outgoing: Dict[int, bytes] = {}
     owned: Dict[Tuple[str, int], Tuple[ChunkNeeds, dict]] = {}
@@ -157,12 +172,15 @@ def load_read_once(
     mapped = False
     if not failed_before:
         with failure.capture():
-            chunks, leftover, small = _collect(reader, tasks, small_alone=mode == "auto")
+            chunks, small = _collect(reader, tasks, small_alone=mode != "read_once")
             # ranks share a page cache only through mapped local files; otherwise each is its own node
-            files = {c.file: reader.file_reader(c.file) for c in chunks.values()}
+            files = {c.file: reader.file_reader(c.file) for c in chunks.values() if not c.whole}
             mapped = all(can_map(fd) for fd in files.values())
             if mapped:
                 node = node_of(rank)
+            for c in chunks.values():
+                c.mapped = mapped and not c.whole
+                c.node = node if c.mapped else -1 - rank
             outgoing = _encode_ranges(chunks, world)
     # decision: bytes the ranks would read each on its own vs the union (flat integer arrays,
     # vectorised at the owners: cheap also for tens of thousands of small chunks)
@@ -184,7 +202,7 @@ def load_read_once(
     outgoing = {}
     with failure.capture():
         _layouts(reader, chunks)
-        outgoing = _encode_needs(chunks, node, world)
+        outgoing = _encode_needs(chunks, world)
     inbox = dist.all_to_all_bytes(outgoing if not failure.failed else {}, group)
     if not failure.failed:
         with failure.capture():
@@ -204,20 +222,20 @@ def load_read_once(
     st.values["plan_s"] = time.perf_counter() - t0
     st.values["read_once"] = 1
     st.values["small_items_local"] = len(small)
-    _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_count, memory_budget, st, failure)
+    _execute(reader, chunks, small, rank, group, thread_count, memory_budget, st, failure)
     st.values["total_s"] = time.perf_counter() - t0
+    if mode in ("fully_parallel", "two_stage"):
+        log_summary(st.values, mode, group, logger)
     if failure.failed:
         raise failure.exc
     return "done", dict(st.values)
 
 
-def _collect(reader: TorchDistReader, tasks: List[Any], small_alone: bool = False
-             ) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any], List[Any]]:
-    """This rank's chunks (tasks grouped, touched ranges computed); tasks that cannot take part; and,
-    with ``small_alone`` (``"auto"``), whole items of at most ``SMALL_ALONE`` bytes, which this rank
-    reads itself."""
+def _collect(reader: CheckpointReader, tasks: List[Any], small_alone: bool = False
+             ) -> Tuple[Dict[Tuple[str, int], _Chunk], List[Any]]:
+    """This rank's chunks (tasks grouped, touched ranges computed) and, with ``small_alone``, whole
+    items of at most ``SMALL_ALONE`` bytes, which this rank reads itself."""
     chunks: Dict[Tuple[str, int], _Chunk] = {}
-    leftover: List[Any] = []
     small: List[Any] = []
     records = getattr(reader, "block_records", None) or {}
     for t in tasks:
@@ -237,10 +255,10 @@ def _collect(reader: TorchDistReader, tasks: List[Any], small_alone: bool = Fals
         if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
             c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
             continue
-        c.layout = reader.chunk_layout(t.key, t.chunk, t.dtype)
+        layout_of = getattr(reader, "chunk_layout", None)  # (zarr: none, its arrays are read as rows)
+        c.layout = layout_of(t.key, t.chunk, t.dtype) if layout_of is not None else None
         if c.layout is None:
-            leftover += c.task_list
-            del chunks[cid]
+            c.layout, c.whole = whole_layout(t.key, t.chunk, t.dtype), True
     for c in chunks.values():
         lay = c.layout
         t = c.task_list[0]
@@ -256,10 +274,10 @@ def _collect(reader: TorchDistReader, tasks: List[Any], small_alone: bool = Fals
         for starts, lens in c.regions:
             spans += touched_ranges(lay.bounds, lay.data_start, lay.shape, lay.esize, starts, lens)
         c.ranges = merge_ranges(np.array([a for a, _ in spans], dtype=np.int64), np.array([b for _, b in spans], dtype=np.int64))
-    return chunks, leftover, small
+    return chunks, small
 
 
-def _layouts(reader: TorchDistReader, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
+def _layouts(reader: CheckpointReader, chunks: Dict[Tuple[str, int], _Chunk]) -> None:
     """The layouts _collect left for later (checks of tens of microseconds per chunk: with many
     small tensors, more than the decision that the load reads as ``local``)."""
     for c in (c for c in chunks.values() if c.layout is None):
@@ -281,7 +299,7 @@ def _encode_ranges(chunks: Dict[Tuple[str, int], _Chunk], world: int) -> Dict[in
     return {d: np.array(v, dtype=np.int64).tobytes() for d, v in rows.items()}
 
 
-def _encode_needs(chunks: Dict[Tuple[str, int], _Chunk], node: int, world: int) -> Dict[int, bytes]:
+def _encode_needs(chunks: Dict[Tuple[str, int], _Chunk], world: int) -> Dict[int, bytes]:
     writers: Dict[int, MessageWriter] = {}
     for c in chunks.values():
         if not c.ranges:
@@ -289,7 +307,7 @@ def _encode_needs(chunks: Dict[Tuple[str, int], _Chunk], node: int, world: int) 
         w = writers.setdefault(_owner(c.file, c.offset, world), MessageWriter())
         lay = c.layout
         regions = c.regions
-        w.add(w.sid(c.file), c.offset, node, lay.esize, lay.data_start, len(lay.shape), *lay.shape)
+        w.add(w.sid(c.file), c.offset, c.node, lay.esize, lay.data_start, len(lay.shape), *lay.shape)
         w.add(len(lay.bounds), *lay.bounds.tolist())
         w.add(len(c.ranges), *[v for r in c.ranges for v in r])
         w.add(len(regions), *[v for s, n in regions for v in (*s, *n)])
@@ -378,7 +396,7 @@ def _decode_replies(inbox: Dict[int, bytes], chunks: Dict[Tuple[str, int], _Chun
                     c.remote[(lo, hi)] = remote
 
 
-def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_count, budget, st, failure: Failure) -> None:
+def _execute(reader, chunks, small, rank, group, thread_count, budget, st, failure: Failure) -> None:
     """Verify this rank's units, copy node-local slices from the mapping, exchange the rest (the
     first error is kept in ``failure``; every transfer still runs, so no peer waits forever)."""
     note = failure.record
@@ -394,14 +412,14 @@ def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_
         then this rank's parts of them are copied out while they are still in cache. The parts
         in units checked by the node's other ranks are copied from the mapping as they are.
         """
-        if not mapped or not c.units:
+        if not c.mapped or not c.units:
             return  # unmapped: every part comes through _transfer (also from this rank's own reads)
         lay = c.layout
         try:
             t_copy = 0.0
             dtype = c.task_list[0].dtype
             for lo, hi, rd, rnode, first in c.units:
-                if rnode != node:
+                if rnode != c.node:
                     continue  # read on another node: arrives through _transfer
                 im, at = map_unit(lay, lo, hi, st, POPULATE)
                 try:
@@ -429,9 +447,9 @@ def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_
     ordered = []  # (file, offset, lo, hi, chunk, role, extra): transfers in the order shared by the group
     for c in chunks.values():
         for lo, hi, rd, rnode, first in c.units:
-            if rd == rank and ((lo, hi) in c.remote or not mapped):
+            if rd == rank and ((lo, hi) in c.remote or not c.mapped):
                 ordered.append((c.file, c.offset, lo, hi, c, "send", first))
-            elif rd != rank and (rnode != node or not mapped):
+            elif rd != rank and (rnode != c.node or not c.mapped):
                 ordered.append((c.file, c.offset, lo, hi, c, "recv", rd))
     ordered.sort(key=lambda x: x[:4])
     pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-read-once")
@@ -439,9 +457,7 @@ def _execute(reader, chunks, leftover, small, mapped, rank, node, group, thread_
         futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
         if small:  # whole small items: in runs, as "local" reads them (in the order of the tasks: by file)
             futures.append(pool.submit(read_tasks, reader, small, 1))
-        for t in leftover:  # chunks not stored as plain arrays: read as "local" does
-            futures.append(pool.submit(read_task, reader, t))
-        _transfer(reader, ordered, mapped, rank, group, budget, st, note)
+        _transfer(reader, ordered, rank, group, budget, st, note)
         for e in [f.exception() for f in futures]:
             if e is not None:
                 note(e)
@@ -454,18 +470,23 @@ POPULATE = os.environ.get("CKPT_READ_ONCE_POPULATE", "1") == "1"
 PIECE = 2 << 20
 
 
-def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
-    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight."""
+def _transfer(reader, ordered, rank, group, budget, st, note) -> None:
+    """Sends and receives in the shared order, at most ``budget`` bytes of buffers in flight
+    (their peak: ``peak_staging_bytes``)."""
     flight = Transfers(group, _TAG, budget, note, lambda s: st.add("exchange_s", s))
     for file, offset, lo, hi, c, role, extra in ordered:
         lay = c.layout
         dtype = c.task_list[0].dtype
         if role == "send":
             src = im = None
+            held = 0 if c.mapped else hi - lo  # (read into memory: counted against the budget while sent)
+            flight.hold(held)
             try:
                 if extra and lay.has_frame:
                     reader.check_frame(c.task_list[0].chunk, lay)
-                if mapped:
+                if c.whole:
+                    src = Source(lay, dtype, read_rows(reader, c.task_list[0], lay, lo, hi, st), lo, hi, lambda x: x - lo)
+                elif c.mapped:
                     im, at = map_unit(lay, lo, hi, st)
                     raw = verify_unit(c.layout, im, at, lo, hi, st)
                     src = Source(lay, dtype, im.mm, lo, hi, at)
@@ -475,7 +496,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             except Exception as e:
                 note(e)
             receivers = list(c.remote.get((lo, hi), []))
-            if not mapped:  # unmapped: this rank's own parts come from the buffer too
+            if not c.mapped:  # unmapped: this rank's own parts come from the buffer too
                 receivers.append((rank, c.regions))
             for r, regions in receivers:
                 tc = time.perf_counter()
@@ -504,6 +525,7 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
                 st.add("bytes_sent", nbytes)
                 del buf
             del src
+            flight.release(held)
             if im is not None:
                 unmap(im, st)
         else:
@@ -537,3 +559,4 @@ def _transfer(reader, ordered, mapped, rank, group, budget, st, note) -> None:
             flight.recv(base[: n * lay.esize], extra, unpack, base)
             del buf
     flight.settle(-1)
+    st.values["peak_staging_bytes"] = flight.peak

@@ -2,11 +2,16 @@
 
 The helpers :mod:`.read_once` runs per unit, on the rank that checks it and on the ranks of its
 node that copy their parts from the same mapping, and per transfer (the parts of a box that lie
-in a unit, in the order both sides of a transfer agree on).
+in a unit, in the order both sides of a transfer agree on). A chunk that is not one plain array in
+a file (a zarr array, a foreign record) is planned the same way over its row-major elements
+(:func:`whole_layout`); its reader reads a unit's rows through the checkpoint's reader
+(:func:`read_rows`), which checks them, instead of mapping bytes.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import mmap
 import threading
 import time
@@ -23,6 +28,9 @@ from ..storage.fs import ItemMap, typed_view
 from ..storage.readers import read_bytes
 from ..storage.region_read import ChunkLayout, verify_blocks
 from ..storage.small_reads import ReadTaskLike
+from ..planning.boxes import Box
+from .dist import Group
+from . import dist
 
 BoxT = Tuple[Tuple[int, ...], Tuple[int, ...]]
 
@@ -123,3 +131,71 @@ def copy_parts(tasks: Sequence[Any], regions: Sequence[BoxT], parts: Sequence[Tu
 def delivered(task: ReadTaskLike, part: BoxT) -> None:
     """Record ``part`` (chunk-relative starts and sizes) as filled in ``task``'s ledger."""
     task.got.append(global_part(task.chunk.box.offsets, part[0], part[1]))
+
+
+# rows of a chunk without a byte layout of its own are planned in blocks of about this many bytes
+# (the grain at which ranks that need different rows read different units)
+WHOLE_BLOCK = 1 << 20
+
+
+def whole_layout(key: str, chunk: Any, dtype: torch.dtype) -> ChunkLayout:
+    """A chunk that is not one plain array in a file, as the engine plans it: its row-major
+    elements from byte 0, in blocks of whole rows of about :data:`WHOLE_BLOCK` bytes, no file of
+    its own (``fd`` None: :func:`read_rows` reads it)."""
+    shape = tuple(chunk.box.sizes)
+    esize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * esize
+    row = math.prod(shape[1:]) * esize if shape else esize
+    nrows = shape[0] if shape else 1
+    per = max(1, WHOLE_BLOCK // max(1, row))
+    bounds = np.append(np.arange(0, nrows, per, dtype=np.int64) * row, nbytes) if nbytes else np.zeros(1, np.int64)
+    return ChunkLayout(path=key, fd=None, base=0, data_start=0, nbytes=nbytes, shape=shape, esize=esize,
+                       blocks=None, bounds=bounds, what=f"chunk {chunk.box} of {key!r}", length=nbytes, dtype=dtype)
+
+
+def read_rows(reader: Any, task: ReadTaskLike, lay: ChunkLayout, lo: int, hi: int, st: Stats) -> torch.Tensor:
+    """The bytes ``[lo, hi)`` (whole rows: block bounds) of a chunk of :func:`whole_layout`, read
+    and checked by ``reader.read_region``; a flat uint8 tensor."""
+    t0 = time.perf_counter()
+    box = task.chunk.box
+    if lay.shape:
+        row = lay.nbytes // lay.shape[0]
+        r0, r1 = lo // row, -(-hi // row)
+        region = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:]))
+    else:
+        region = box
+    out = torch.empty(region.sizes, dtype=lay.dtype)
+    reader.read_region(task.key, task.chunk, region, out, lay.dtype)
+    st.add("read_s", time.perf_counter() - t0)
+    st.add("bytes_read", hi - lo)
+    return out.reshape(-1).view(torch.uint8)
+
+
+PHASES = (("plan_s", "plan"), ("map_s", "mappings"), ("read_s", "storage reads"), ("crc_s", "checks"),
+          ("exchange_s", "waiting for transfers"), ("copy_s", "copies into place"), ("total_s", "total"))
+
+
+def log_summary(stats: Dict[str, float], mode: str, group: Group, logger: logging.Logger) -> None:
+    """Gather every rank's statistics to the group's first rank and log a per-phase, per-rank table
+    (INFO for ``two_stage``, as Megatron-Core's two-stage load reports; DEBUG otherwise). Collective."""
+    gathered = dist.gather_object(dict(stats), dst=dist.coordinator_rank(group), group=group)
+    level = logging.INFO if mode == "two_stage" else logging.DEBUG
+    if gathered is not None and logger.isEnabledFor(level):
+        logger.log(level, "%s", format_summary(gathered, mode))
+
+
+def format_summary(per_rank: Sequence[Dict[str, float]], mode: str) -> str:
+    """Text table: one row per group rank and a max row; seconds per phase, MiB read, sent, received."""
+    cols = [k for k, _ in PHASES]
+    sizes = ("bytes_read", "bytes_sent", "bytes_received")
+    head = f"{'rank':>5} " + " ".join(f"{k[:-2]:>9}" for k in cols) + "".join(f" {k[6:] + ' MiB':>13}" for k in sizes)
+
+    def row(label: str, s: Dict[str, float]) -> str:
+        return (f"{label:>5} " + " ".join(f"{s.get(k, 0.0):9.3f}" for k in cols)
+                + "".join(f" {s.get(k, 0) / 2**20:13.1f}" for k in sizes))
+
+    rows = [head] + [row(str(r), s) for r, s in enumerate(per_rank)]
+    rows.append(row("max", {k: max(s.get(k, 0.0) for s in per_rank) for k in cols + list(sizes)}))
+    total = sum(s.get("bytes_read", 0) for s in per_rank)
+    return (f"{mode} load summary: {total / 2**20:.1f} MiB read from storage by {len(per_rank)} ranks (seconds "
+            "per phase: " + ", ".join(f"{k[:-2]} = {d}" for k, d in PHASES) + ")\n  " + "\n  ".join(rows))

@@ -1,7 +1,7 @@
 """Point-to-point transfers posted in an order both sides know, waited for oldest first, bounded.
 
 Every byte one rank hands another outside a collective moves through :class:`Transfers`: a
-shared-read load's units (:mod:`.read_once`, :mod:`.parallel_load`) and the memory tier's
+shared-read load's units (:mod:`.read_once`, every strategy that shares reads) and the memory tier's
 snapshot copies (:mod:`ckpt_integration.memory.transfer`, :mod:`ckpt_integration.memory.elastic`).
 Both sides post their sends and receives in one order (the plan every rank computed alike),
 so one tag serves a whole exchange: gloo and NCCL match messages between a pair in the order
@@ -49,6 +49,7 @@ class Transfers:
         # (posted work, bytes, on completion, buffer to reuse)
         self.pending: Deque[Tuple[Any, int, Optional[Callable[[], None]], Optional[torch.Tensor]]] = deque()
         self.bytes = 0
+        self.peak = 0  # the most bytes of buffers ever in flight at once
         self.free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
 
     def buffer(self, nbytes: int) -> torch.Tensor:
@@ -60,6 +61,17 @@ class Transfers:
             if b.numel() >= nbytes:
                 return self.free.pop(i)
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def hold(self, nbytes: int) -> None:
+        """Count ``nbytes`` this rank keeps outside the transfers (a unit it read into memory to send
+        from) against the budget until :meth:`release`: room is made first, as for a buffer."""
+        if self.budget is not None:
+            self.settle(max(0, self.budget - nbytes))
+        self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def release(self, nbytes: int) -> None:
+        self.bytes -= nbytes
 
     def send(self, t: torch.Tensor, dst: int, base: Optional[torch.Tensor] = None) -> None:
         """Post a send of flat ``t`` to group rank ``dst``; ``base``: the :meth:`buffer` it lies in."""
@@ -81,6 +93,7 @@ class Transfers:
             self.pending.append((w, 0, None, None))
         self.pending.append((works[-1], nbytes, on_done, base))
         self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
 
     def settle(self, keep_bytes: int = -1) -> None:
         """Wait for the oldest transfers until at most ``keep_bytes`` bytes of buffers are in flight

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,22 @@ def sweep_axis(offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
         if best_key is None or key < best_key:
             best, best_key = a, key
     return best
+
+
+def overlapping_pairs(boxes: Sequence[Box]) -> List[Tuple[int, int]]:
+    """Index pairs of boxes that share elements: a sweep along the axis where they overlap least."""
+    if len(boxes) < 2:
+        return []
+    ndim = len(boxes[0].offsets)
+    if ndim == 0:
+        return [(0, j) for j in range(1, len(boxes))]
+    axis = sweep_axis([b.offsets for b in boxes], [b.sizes for b in boxes])
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[axis])
+    active: List[int] = []
+    pairs = []
+    for i in order:
+        start = boxes[i].offsets[axis]
+        active = [j for j in active if boxes[j].offsets[axis] + boxes[j].sizes[axis] > start]
+        pairs.extend((j, i) for j in active if intersect(boxes[i], boxes[j]) is not None)
+        active.append(i)
+    return pairs

@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 from ..errors import StateVerificationError
-from .boxes import Box, intersect
-from .load_units import overlapping_pairs
+from .boxes import Box, intersect, overlapping_pairs
 
 
 class _Keyed(Protocol):

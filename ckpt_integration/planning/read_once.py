@@ -25,7 +25,6 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from .load_units import least_loaded
 
 # Largest unit: what a reader stages at once for ranks on other nodes (and the grain of
 # balancing within a chunk). Units are block-aligned, so a unit is at least one block.
@@ -206,6 +205,14 @@ def union_bytes(ids: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> int:
 
 def _overlaps(ranges: Ranges, lo: int, hi: int) -> bool:
     return any(a < hi and lo < b for a, b in ranges)
+
+
+def least_loaded(ranks: Sequence[int], load: Dict[int, int], h: int) -> int:
+    """The rank of ``ranks`` that has read the fewest bytes so far (``load``); equal loads are broken
+    by rotating over the candidates by ``h`` (a hash of the unit), so ties do not always go to the
+    lowest rank. Every shared-read plan picks its readers so."""
+    n = len(ranks)
+    return ranks[min(range(n), key=lambda p: (load.get(ranks[p], 0), (p - h) % n))]
 
 
 def plan_chunk(needs: ChunkNeeds, load: Dict[int, int], salt: str = "", unit_bytes: int = UNIT_BYTES) -> List[PlannedUnit]:
