@@ -214,3 +214,28 @@ def test_remote_reads_coalesced_exact_under_threads_and_bounded(monkeypatch):
     for r in [*opened.values(), seq, fresh]:
         r.close()
     assert not [w for w in readers.FsspecReader._windows.windows if w.reader in (fresh, seq)]
+
+
+def test_a_listing_cached_while_a_checkpoint_was_incomplete_does_not_hide_its_files(s3_endpoint):
+    """A process that looked at a checkpoint while it was being written (a poller, or a load beside
+    a save that was then killed) later loads it after another process committed it. fsspec keeps the
+    listing it took then; the load took it for the truth and reported the good checkpoint as damaged
+    ("data file ... is missing (listed in .metadata)") for as long as the process lived."""
+    import fsspec
+
+    url = "s3://ckpt-bucket/stale/step=2"
+    fs = fsspec.filesystem("s3")  # the client this process's loads use (fsspec shares instances)
+    fs.pipe(url + "/__0_0.distcp", b"partial")  # a save in progress: one object, no commit marker
+    with pytest.raises((ci.IncompleteCheckpointError, ci.CheckpointNotFoundError)):
+        ci.load_plain_tensors(url)
+    # another process commits the checkpoint: written elsewhere, copied in by a client of its own
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0)), "step": 2}, "s3://ckpt-bucket/stale/elsewhere")
+    fs.ls(url)  # (the listing a poller takes, while the checkpoint is incomplete: cached)
+    other = fsspec.filesystem("s3", skip_instance_cache=True)
+    names = sorted(other.ls("ckpt-bucket/stale/elsewhere", detail=False), key=lambda n: n.endswith("metadata.json"))
+    for name in names:  # (the commit marker last, as a save writes it)
+        other.copy(name, "ckpt-bucket/stale/step=2/" + name.rsplit("/", 1)[1])
+    assert fs.ls(url, detail=False) and not any(n.endswith("metadata.json") for n in fs.ls(url, detail=False))  # stale
+    assert torch.equal(ci.load_plain_tensors(url)["w"], torch.arange(6.0))
+    out = ci.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, url)
+    assert torch.equal(out["w"], torch.arange(6.0)) and out["step"] == 2

@@ -277,10 +277,11 @@ class Storage:
         return self.fs is not None
 
     # -- queries -------------------------------------------------------------------
-    # Remote answers never come from fsspec's listing cache: a listing cached while a save was
-    # in progress (by this process, or a lagging one) would hide its commit marker for good.
-    def _fresh(self, path: str) -> None:
+    # Remote answers never come from fsspec's listing cache: a listing cached while a save was in progress
+    # (here, or in a lagging process) would hide its commit marker, or a file's size, for good.
+    def _fresh(self, path: str) -> str:
         self.fs.invalidate_cache(path)
+        return path
 
     def exists(self, path: str) -> bool:
         if not self.fs:
@@ -305,7 +306,7 @@ class Storage:
         return sorted(os.listdir(path))
 
     def size(self, path: str) -> int:
-        return int(retried(self.fs, "size", path)) if self.fs else os.path.getsize(path)
+        return int(retried(self.fs, "size", self._fresh(path))) if self.fs else os.path.getsize(path)
 
     # -- writing -------------------------------------------------------------------
     def makedirs(self, path: str) -> None:
@@ -401,8 +402,8 @@ class Storage:
             with os.fdopen(fd, "rb") as f:
                 return f.read()
 
-    def open_reader(self, path: str, what: str = "file") -> FileReader:
-        return FsspecReader(self.fs, path, what) if self.fs else LocalReader(path, what)
+    def open_reader(self, path: str, what: str = "file") -> FileReader:  # (opening asks for the size, too)
+        return FsspecReader(self.fs, self._fresh(path), what) if self.fs else LocalReader(path, what)
 
     def read_in(self, directory: str, name: str, what: str = "file", nested: bool = False, source: str = "") -> bytes:
         """:meth:`read_bytes` of ``directory/name`` after the containment checks of :func:`checked_path`."""
