@@ -402,12 +402,14 @@ def test_a_dcp_checkpoint_with_non_tensor_values_converts(tmp_path, capsys, to):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "optim": {"param_groups": [{"lr": 0.1}]}, "step": 7,
-                  "data/shard_info": 3},  # (a key with "/shard_" that is not a ShardedObject storage name)
+                  "data/shard_info": 3,  # (a key with "/shard_" that is not a ShardedObject storage name)
+                  "lrs": [0.01]},  # (a one-element list: a scheduler's _last_lr; it became 0.01)
                  checkpoint_id=str(src), no_dist=True)
     code, out, err = run_cli(capsys, "convert", src, tmp_path / "out", "--to", to)
     assert code == 0, (out, err)
-    assert ci.load_common_state_dict(str(tmp_path / "out")) == {"optim.param_groups.0.lr": 0.1, "step": 7,
-                                                                "data/shard_info": 3}
+    common = ci.load_common_state_dict(str(tmp_path / "out"))
+    assert common == {"optim.param_groups.0.lr": 0.1, "step": 7, "data/shard_info": 3, "lrs": [0.01]}, common
+    assert isinstance(common["lrs"], list)
     assert torch.equal(ci.load_plain_tensors(str(tmp_path / "out"))["model.w"], torch.arange(6.0).reshape(2, 3))
 
 

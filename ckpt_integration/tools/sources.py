@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
 from ..execution.preprocess import layout_problem
+from ..mapping import object_key_of
 from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
@@ -160,10 +161,12 @@ class DistCheckpointSource(TensorSource):
         return out
 
     def read_object(self, unique_key: str) -> Any:
-        """Unpickle a ShardedObject payload (restricted unless the source is trusted)."""
+        """Unpickle a byte item (restricted unless the source is trusted): a ShardedObject's payload,
+        stored as a one-element list (Megatron-Core's layout), or a plain DCP value, stored as is."""
         data = self.reader.read_bytes(unique_key)
         value = safe_torch_load(io.BytesIO(data), trusted=self.trusted, what=f"object {unique_key!r} in {self.path}")
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
+        wrapped = object_key_of(unique_key) is not None and isinstance(value, list) and len(value) == 1
+        return value[0] if wrapped else value
 
     def close(self) -> None:
         self.reader.close()
