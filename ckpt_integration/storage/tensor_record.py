@@ -72,8 +72,7 @@ class _SliceFile(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def seekable(self) -> bool:
-        return True
+    seekable = readable
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.length + pos)
@@ -136,6 +135,8 @@ class _Unusual(Exception):
 
 
 def _describe_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    if metadata:  # (a conjugate or negative bit: the stored bytes are not the values; torch.load applies it)
+        raise _Unusual(f"tensor metadata {sorted(metadata)}")
     return ("tensor", storage, int(storage_offset), tuple(size), tuple(stride))
 
 
