@@ -174,3 +174,14 @@ def test_small_beside_large_runs_every_strategy(tmp_path):
     out = _bench_stdout("small_beside_large.py", "--small", 40, "--rows", 128, "--repeats", 1, "--dir", tmp_path)
     for strategy in ("local", "auto", "read_once", "fully_parallel", "two_stage"):
         assert f"(ran: {strategy})" in out or strategy == "auto", out
+
+
+@pytest.mark.slow  # ~10-20 s (two spawned ranks)
+def test_shared_reads_runs_every_strategy_on_both_backends(tmp_path):
+    for backend in ("torch_dist", "zarr"):
+        out = _bench_stdout("shared_reads.py", "--gib", 0.002, "--tensors", 2, "--cols", 64, "--repeats", 1,
+                            "--backend", backend, "--dir", tmp_path)
+        for case in ("replicas", "rows->cols"):
+            for strategy in ("local", "auto", "read_once", "fully_parallel", "two_stage"):
+                assert f"{case:<11} {strategy:<15}" in out, out
+        assert "(ran: fully_parallel)" in out and "(ran: two_stage)" in out, out

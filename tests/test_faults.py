@@ -682,8 +682,30 @@ def _every_strategy_worker(rank, world, root):
             ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, src, load_strategy=strategy)
             assert torch.equal(out, full[:, rank * cols:(rank + 1) * cols]), (strategy, lws)
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    # many small replicated tensors (norms, biases: read in runs, sent in batches by fully_parallel /
-    # two_stage), one of them flipped or cut short: every strategy refuses it, naming its file
+    # zarr: fully_parallel / two_stage plan its arrays in bands of stored chunks, read by one rank each
+    # through the checked reader and sent to the other; the second rank's chunk file damaged four
+    # ways: every strategy refuses it on every rank, naming the file
+    zsrc = os.path.join(root, "zarr")
+    ci.save({"w": ShardedTensor.from_rank_offsets("w", full[rank * half:(rank + 1) * half].clone(), (0, rank, world))},
+            zsrc, sharded_strategy="zarr")
+    torch.distributed.barrier()
+    if rank == 0:
+        for how in damages:
+            shutil.copytree(zsrc, zsrc + how)
+            _damage(os.path.join(zsrc + how, "w", "c", "1", "0"), how, 100)
+    torch.distributed.barrier()
+    for how in damages:
+        for strategy in STRATEGIES:
+            out = sentinel.clone()
+            with pytest.raises(CheckpointingException) as ei:
+                ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, zsrc + how, load_strategy=strategy)
+            assert os.path.join("w", "c", "1", "0") in str(ei.value), (how, strategy, str(ei.value))
+    for strategy in STRATEGIES:
+        out = sentinel.clone()
+        ci.load({"w": ShardedTensor.from_rank_offsets("w", out, (1, rank, world))}, zsrc, load_strategy=strategy)
+        assert torch.equal(out, full[:, rank * cols:(rank + 1) * cols]), ("zarr", strategy)
+    # many small replicated tensors (norms, biases: read in runs by each rank under fully_parallel /
+    # two_stage and auto), one of them flipped or cut short: every strategy refuses it, naming its file
     small = os.path.join(root, "small")
     values = {f"s{i:02d}": torch.arange(64, dtype=torch.float32) + 100 * i for i in range(24)}
     ci.save({k: ShardedTensor.from_rank_offsets(k, v.clone(), replica_id=rank) for k, v in values.items()}, small)

@@ -75,7 +75,7 @@ from .dist import Group
 from .failure import Failure
 from .transfer import Transfers
 from .read_once_units import (Source, Stats, copy_parts, delivered, dest_view, log_summary, map_unit, read_rows,
-                              unit_parts, unmap, verify_unit, whole_layout)
+                              unit_parts, unmap, verify_unit, whole_destination, whole_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -255,10 +255,11 @@ def _collect(reader: CheckpointReader, tasks: List[Any], small_alone: bool = Fal
         if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
             c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
             continue
-        layout_of = getattr(reader, "chunk_layout", None)  # (zarr: none, its arrays are read as rows)
+        layout_of = getattr(reader, "chunk_layout", None)  # (zarr: none, its arrays are read in bands of rows)
         c.layout = layout_of(t.key, t.chunk, t.dtype) if layout_of is not None else None
         if c.layout is None:
-            c.layout, c.whole = whole_layout(t.key, t.chunk, t.dtype), True
+            grain = getattr(reader, "row_grain", None)
+            c.layout, c.whole = whole_layout(t.key, t.chunk, t.dtype, grain(t.key) if grain else None), True
     for c in chunks.values():
         lay = c.layout
         t = c.task_list[0]
@@ -478,14 +479,16 @@ def _transfer(reader, ordered, rank, group, budget, st, note) -> None:
         lay = c.layout
         dtype = c.task_list[0].dtype
         if role == "send":
-            src = im = None
+            src = im = direct = None
             held = 0 if c.mapped else hi - lo  # (read into memory: counted against the budget while sent)
             flight.hold(held)
             try:
                 if extra and lay.has_frame:
                     reader.check_frame(c.task_list[0].chunk, lay)
                 if c.whole:
-                    src = Source(lay, dtype, read_rows(reader, c.task_list[0], lay, lo, hi, st), lo, hi, lambda x: x - lo)
+                    direct = whole_destination(c.task_list, c.regions, lay, lo, hi)
+                    raw = read_rows(reader, c.task_list[0], lay, lo, hi, st, None if direct is None else direct[2])
+                    src = Source(lay, dtype, raw, lo, hi, lambda x: x - lo)
                 elif c.mapped:
                     im, at = map_unit(lay, lo, hi, st)
                     raw = verify_unit(c.layout, im, at, lo, hi, st)
@@ -504,11 +507,18 @@ def _transfer(reader, ordered, rank, group, budget, st, note) -> None:
                 if n == 0:
                     continue  # the receiver skips it too
                 if r == rank:
-                    if src is not None:
+                    if direct is not None and src is not None:  # (read straight into its destination)
+                        delivered(c.task_list[direct[0]], direct[1])
+                    elif src is not None:
                         copy_parts(c.task_list, regions, parts, src)
                     st.add("copy_s", time.perf_counter() - tc)
                     continue
                 nbytes = n * lay.esize
+                if not c.mapped and src is not None and n == src.flat.numel() and len({g for g, _ in parts}) == 1:
+                    # the receiver takes the whole unit, in its order: the bytes read are sent as they are
+                    flight.send(byte_view(src.flat), r, keep=src.flat)
+                    st.add("bytes_sent", nbytes)
+                    continue
                 base = flight.buffer(nbytes)
                 tc = time.perf_counter()
                 buf = base[:nbytes].view(dtype)

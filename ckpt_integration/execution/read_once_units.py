@@ -96,6 +96,20 @@ def unmap(im: ItemMap, st: Stats) -> None:
     st.add("map_s", time.perf_counter() - t0)
 
 
+def whole_destination(tasks: Sequence[Any], regions: Sequence[BoxT], lay: ChunkLayout, lo: int, hi: int
+                      ) -> Optional[Tuple[int, BoxT, torch.Tensor]]:
+    """``(region index, part, view)`` when this rank's destination of a unit of a
+    :func:`whole_layout` chunk is exactly the unit's rows, one contiguous host tensor of the stored
+    dtype: the unit is then read straight into it (no buffer, no copy). None otherwise."""
+    parts, n = unit_parts(lay, lo, hi, regions)
+    if len(parts) != 1 or n * lay.esize != hi - lo:
+        return None
+    g, p = parts[0]
+    view = dest_view(tasks[g], regions[g], p)
+    ok = view.dtype == lay.dtype and view.is_contiguous() and view.device.type == "cpu"
+    return (g, p, view) if ok else None
+
+
 def dest_view(task: ReadTaskLike, region: Tuple[Tuple[int, ...], Tuple[int, ...]], part: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> torch.Tensor:
     return task.out[tuple(slice(s - r, s - r + n) for s, r, n in zip(part[0], region[0], part[1]))]
 
@@ -138,24 +152,28 @@ def delivered(task: ReadTaskLike, part: BoxT) -> None:
 WHOLE_BLOCK = 1 << 20
 
 
-def whole_layout(key: str, chunk: Any, dtype: torch.dtype) -> ChunkLayout:
+def whole_layout(key: str, chunk: Any, dtype: torch.dtype, grain: Optional[int] = None) -> ChunkLayout:
     """A chunk that is not one plain array in a file, as the engine plans it: its row-major
-    elements from byte 0, in blocks of whole rows of about :data:`WHOLE_BLOCK` bytes, no file of
-    its own (``fd`` None: :func:`read_rows` reads it)."""
+    elements from byte 0, no file of its own (``fd`` None: :func:`read_rows` reads it), in blocks
+    of whole bands of ``grain`` rows (the storage's own chunks: zarr's) of about
+    :data:`WHOLE_BLOCK` bytes or more; one block when ``grain`` is None (a record that is read
+    whole whatever part of it is asked for)."""
     shape = tuple(chunk.box.sizes)
     esize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * esize
     row = math.prod(shape[1:]) * esize if shape else esize
     nrows = shape[0] if shape else 1
-    per = max(1, WHOLE_BLOCK // max(1, row))
-    bounds = np.append(np.arange(0, nrows, per, dtype=np.int64) * row, nbytes) if nbytes else np.zeros(1, np.int64)
+    per = nrows if grain is None else grain * max(1, WHOLE_BLOCK // max(1, grain * row))
+    bounds = np.append(np.arange(0, nrows, max(1, per), dtype=np.int64) * row, nbytes) if nbytes else np.zeros(1, np.int64)
     return ChunkLayout(path=key, fd=None, base=0, data_start=0, nbytes=nbytes, shape=shape, esize=esize,
                        blocks=None, bounds=bounds, what=f"chunk {chunk.box} of {key!r}", length=nbytes, dtype=dtype)
 
 
-def read_rows(reader: Any, task: ReadTaskLike, lay: ChunkLayout, lo: int, hi: int, st: Stats) -> torch.Tensor:
+def read_rows(reader: Any, task: ReadTaskLike, lay: ChunkLayout, lo: int, hi: int, st: Stats,
+              into: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The bytes ``[lo, hi)`` (whole rows: block bounds) of a chunk of :func:`whole_layout`, read
-    and checked by ``reader.read_region``; a flat uint8 tensor."""
+    and checked by ``reader.read_region`` (into ``into``, a contiguous destination of exactly those
+    rows, when given); a flat uint8 tensor."""
     t0 = time.perf_counter()
     box = task.chunk.box
     if lay.shape:
@@ -164,7 +182,7 @@ def read_rows(reader: Any, task: ReadTaskLike, lay: ChunkLayout, lo: int, hi: in
         region = Box((box.offsets[0] + r0, *box.offsets[1:]), (r1 - r0, *box.sizes[1:]))
     else:
         region = box
-    out = torch.empty(region.sizes, dtype=lay.dtype)
+    out = torch.empty(region.sizes, dtype=lay.dtype) if into is None else into
     reader.read_region(task.key, task.chunk, region, out, lay.dtype)
     st.add("read_s", time.perf_counter() - t0)
     st.add("bytes_read", hi - lo)

@@ -46,8 +46,9 @@ class Transfers:
                  seconds: Optional[Callable[[float], None]] = None) -> None:
         self.group, self.tag, self.budget = group, tag, budget
         self.note, self.seconds = note, seconds
-        # (posted work, bytes, on completion, buffer to reuse)
-        self.pending: Deque[Tuple[Any, int, Optional[Callable[[], None]], Optional[torch.Tensor]]] = deque()
+        # (posted work, bytes, on completion, buffer to reuse, memory kept alive until then)
+        self.pending: Deque[Tuple[Any, int, Optional[Callable[[], None]], Optional[torch.Tensor],
+                                  Optional[torch.Tensor]]] = deque()
         self.bytes = 0
         self.peak = 0  # the most bytes of buffers ever in flight at once
         self.free: List[torch.Tensor] = []  # uint8 buffers of finished transfers
@@ -73,9 +74,11 @@ class Transfers:
     def release(self, nbytes: int) -> None:
         self.bytes -= nbytes
 
-    def send(self, t: torch.Tensor, dst: int, base: Optional[torch.Tensor] = None) -> None:
-        """Post a send of flat ``t`` to group rank ``dst``; ``base``: the :meth:`buffer` it lies in."""
-        self._post([dist.isend(c, dst, self.group, self.tag) for c in chunks(t)], t, None, base)
+    def send(self, t: torch.Tensor, dst: int, base: Optional[torch.Tensor] = None,
+             keep: Optional[torch.Tensor] = None) -> None:
+        """Post a send of flat ``t`` to group rank ``dst``; ``base``: the :meth:`buffer` it lies in;
+        ``keep``: memory of the caller's own it lies in instead (kept alive and counted until sent)."""
+        self._post([dist.isend(c, dst, self.group, self.tag) for c in chunks(t)], t, None, base, keep)
 
     def recv(self, t: torch.Tensor, src: int, on_done: Optional[Callable[[], None]] = None,
              base: Optional[torch.Tensor] = None) -> None:
@@ -83,15 +86,16 @@ class Transfers:
         self._post([dist.irecv(c, src, self.group, self.tag) for c in chunks(t)], t, on_done, base)
 
     def _post(self, works: List[Any], t: torch.Tensor, on_done: Optional[Callable[[], None]],
-              base: Optional[torch.Tensor]) -> None:
-        nbytes = t.numel() * t.element_size() if base is not None else 0  # (in place: no buffer held)
+              base: Optional[torch.Tensor], keep: Optional[torch.Tensor] = None) -> None:
+        held = base is not None or keep is not None
+        nbytes = t.numel() * t.element_size() if held else 0  # (in place: no buffer held)
         if not works:  # (nothing to move)
             if on_done is not None:
                 on_done()
             return
         for w in works[:-1]:
-            self.pending.append((w, 0, None, None))
-        self.pending.append((works[-1], nbytes, on_done, base))
+            self.pending.append((w, 0, None, None, None))
+        self.pending.append((works[-1], nbytes, on_done, base, keep))
         self.bytes += nbytes
         self.peak = max(self.peak, self.bytes)
 
@@ -101,7 +105,7 @@ class Transfers:
         was waited for too: none is left pending with a buffer that is then freed."""
         failed: Optional[BaseException] = None
         while self.pending and (failed is not None or keep_bytes < 0 or self.bytes > keep_bytes):
-            work, nbytes, on_done, base = self.pending.popleft()
+            work, nbytes, on_done, base, _keep = self.pending.popleft()
             t0 = time.perf_counter()
             try:
                 work.wait()

@@ -134,6 +134,13 @@ class ZarrReader:
                 "files are recorded; nothing was allocated for it"
             )
 
+    def row_grain(self, key: str) -> int:
+        """Rows (along the first axis) of one band of ``key``'s stored chunks: regions whose rows
+        start and end at multiples of it decode every stored chunk they touch once (shared reads
+        plan zarr arrays in such bands)."""
+        chunks = self.index["tensors"][key].get("chunks") or [1]
+        return max(1, int(chunks[0]))
+
     def read_region(self, key: str, chunk: ChunkInfo, overlap: Box, out: torch.Tensor, dtype: torch.dtype) -> None:
         arr = self.array(key)
         info = self.index["tensors"][key]
