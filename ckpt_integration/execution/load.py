@@ -40,7 +40,7 @@ from ..planning.strict import StrictHandling, mismatched_keys, parse_strict_flag
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import (MANIFEST_FROM_DIRECTORY, backend_named, embedded_common_bytes, open_reader,
                               read_metadata, saved_chunk_reads)
-from ..storage.safe_pickle import safe_torch_load
+from ..storage.safe_pickle import object_payload, safe_torch_load
 from ..storage.chunk_index import CompactChunks, checkpoint_keys, compact_chunks_of
 from ..storage.small_reads import read_tasks
 from ..storage.torch_dist_reader import TorchDistReader
@@ -533,8 +533,7 @@ class _Planner:
                               what=f"ShardedObject {sh.unique_key!r} in {self.checkpoint_dir}")
         if self.rows is not None:  # (an object cell: one chunk, numbered by its storage key)
             self.count(object_place(sh.unique_key), is_main_replica(sh.replica_id))
-        # Megatron-Core stores objects as a one-element list
-        return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+        return object_payload(obj)
 
 
 def read_whole_tensors(checkpoint_dir: str, md: Metadata, thread_count: int = 2) -> Dict[str, torch.Tensor]:

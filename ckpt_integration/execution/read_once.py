@@ -238,6 +238,8 @@ def _collect(reader: CheckpointReader, tasks: List[Any], small_alone: bool = Fal
     chunks: Dict[Tuple[str, int], _Chunk] = {}
     small: List[Any] = []
     records = getattr(reader, "block_records", None) or {}
+    layout_of = getattr(reader, "chunk_layout", None)  # (zarr: none, its arrays are read in bands of rows)
+    grain = getattr(reader, "row_grain", None)
     for t in tasks:
         info = t.chunk.storage
         cid = (info.relative_path, info.offset)
@@ -255,10 +257,8 @@ def _collect(reader: CheckpointReader, tasks: List[Any], small_alone: bool = Fal
         if brec is not None:  # a whole chunk: its data's blocks; the layout only if reading once
             c.ranges = [(brec.data_offset, brec.data_offset + brec.data_length)] if brec.data_length else []
             continue
-        layout_of = getattr(reader, "chunk_layout", None)  # (zarr: none, its arrays are read in bands of rows)
         c.layout = layout_of(t.key, t.chunk, t.dtype) if layout_of is not None else None
         if c.layout is None:
-            grain = getattr(reader, "row_grain", None)
             c.layout, c.whole = whole_layout(t.key, t.chunk, t.dtype, grain(t.key) if grain else None), True
     for c in chunks.values():
         lay = c.layout

@@ -26,7 +26,7 @@ from ..planning.delivery import global_part
 from ..planning.read_once import flat_index, range_boxes, strides
 from ..storage.fs import ItemMap, typed_view
 from ..storage.readers import read_bytes
-from ..storage.region_read import ChunkLayout, verify_blocks
+from ..storage.region_read import ChunkLayout, dtype_size, verify_blocks
 from ..storage.small_reads import ReadTaskLike
 from ..planning.boxes import Box
 from .dist import Group
@@ -159,12 +159,12 @@ def whole_layout(key: str, chunk: Any, dtype: torch.dtype, grain: Optional[int] 
     :data:`WHOLE_BLOCK` bytes or more; one block when ``grain`` is None (a record that is read
     whole whatever part of it is asked for)."""
     shape = tuple(chunk.box.sizes)
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype_size(dtype)
     nbytes = math.prod(shape) * esize
     row = math.prod(shape[1:]) * esize if shape else esize
     nrows = shape[0] if shape else 1
     per = nrows if grain is None else grain * max(1, WHOLE_BLOCK // max(1, grain * row))
-    bounds = np.append(np.arange(0, nrows, max(1, per), dtype=np.int64) * row, nbytes) if nbytes else np.zeros(1, np.int64)
+    bounds = np.append(np.arange(0, nrows, per, dtype=np.int64) * row, nbytes) if nbytes else np.zeros(1, np.int64)
     return ChunkLayout(path=key, fd=None, base=0, data_start=0, nbytes=nbytes, shape=shape, esize=esize,
                        blocks=None, bounds=bounds, what=f"chunk {chunk.box} of {key!r}", length=nbytes, dtype=dtype)
 

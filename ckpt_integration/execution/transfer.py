@@ -56,8 +56,7 @@ class Transfers:
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least ``nbytes`` (one a finished transfer left, when one is large enough);
         pass it back as ``base`` to the transfer that uses it. Makes room under the budget first."""
-        if self.budget is not None:
-            self.settle(max(0, self.budget - nbytes))
+        self._make_room(nbytes)
         for i, b in enumerate(self.free):
             if b.numel() >= nbytes:
                 return self.free.pop(i)
@@ -66,10 +65,13 @@ class Transfers:
     def hold(self, nbytes: int) -> None:
         """Count ``nbytes`` this rank keeps outside the transfers (a unit it read into memory to send
         from) against the budget until :meth:`release`: room is made first, as for a buffer."""
-        if self.budget is not None:
-            self.settle(max(0, self.budget - nbytes))
+        self._make_room(nbytes)
         self.bytes += nbytes
         self.peak = max(self.peak, self.bytes)
+
+    def _make_room(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.settle(max(0, self.budget - nbytes))
 
     def release(self, nbytes: int) -> None:
         self.bytes -= nbytes

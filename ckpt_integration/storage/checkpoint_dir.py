@@ -51,7 +51,7 @@ from .item_table import (LEGACY_VERSIONS, MANIFEST_FILE, BlockRecord, ItemTable,
 from .checkpoint_index import INDEX_FILE, CheckpointIndex
 from .claim import MARKER_FILE, interrupted_overwrite_hint
 from .filesystem import CheckpointLocation, join
-from .safe_pickle import safe_torch_load
+from .safe_pickle import object_payload, safe_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -457,8 +457,7 @@ def load_common(ck: CheckpointLocation, trusted: bool = False, allowed_globals: 
         out = safe_torch_load(io.BytesIO(data), trusted=trusted, allowed_globals=allowed_globals, what=path)
     except (RuntimeError, EOFError) as e:
         raise CorruptCheckpointError(f"{path} is damaged and cannot be read: {e}") from None
-    # (a ShardedObject's value is stored as a one-element list)
-    return out[0] if embedded_used and isinstance(out, list) and len(out) == 1 else out
+    return object_payload(out) if embedded_used else out  # (embedded: a ShardedObject's payload)
 
 
 def write_manifest(ck: CheckpointLocation, manifest: Manifest, durable: bool = True, rendered: Optional[Dict[str, str]] = None) -> None:

@@ -194,3 +194,10 @@ def torch_dumps(obj: object) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def object_payload(stored: Any) -> Any:
+    """A ShardedObject's value from what its archive holds: saves store it as a one-element list
+    (Megatron-Core's layout), unwrapped here. Only for ShardedObject payloads: a plain DCP byte
+    item is stored as it is."""
+    return stored[0] if isinstance(stored, list) and len(stored) == 1 else stored

@@ -36,7 +36,7 @@ from ..storage.fs import tensor_buffer
 from ..storage.readers import open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
 from .common import SAFETENSORS_INDEX, dtype_size
-from ..storage.safe_pickle import safe_torch_load
+from ..storage.safe_pickle import object_payload, safe_torch_load
 
 
 def plan_blocks(shape: Sequence[int], dtype: torch.dtype, budget: int) -> List[Box]:
@@ -165,8 +165,7 @@ class DistCheckpointSource(TensorSource):
         stored as a one-element list (Megatron-Core's layout), or a plain DCP value, stored as is."""
         data = self.reader.read_bytes(unique_key)
         value = safe_torch_load(io.BytesIO(data), trusted=self.trusted, what=f"object {unique_key!r} in {self.path}")
-        wrapped = object_key_of(unique_key) is not None and isinstance(value, list) and len(value) == 1
-        return value[0] if wrapped else value
+        return object_payload(value) if object_key_of(unique_key) is not None else value
 
     def close(self) -> None:
         self.reader.close()
