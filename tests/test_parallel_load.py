@@ -110,7 +110,7 @@ class _Reads:
 
         for cls in (TorchDistReader, ZarrReader):
             def counting(reader, key, chunk, overlap, out, dtype, _real=cls.read_region):
-                record(key, "box", (overlap.offsets, overlap.sizes))
+                record(key, "box", (overlap.offsets, overlap.sizes, _chunk_id(chunk)))
                 return _real(reader, key, chunk, overlap, out, dtype)
             cls.read_region = counting
         real_verify = ro.verify_unit
@@ -124,7 +124,7 @@ class _Reads:
 
         def fetch(reader, span, buf):
             for _name, _off, t, _brec in span:
-                record(t.key, "box", (t.overlap.offsets, t.overlap.sizes))
+                record(t.key, "box", (t.overlap.offsets, t.overlap.sizes, _chunk_id(t.chunk)))
             return real_fetch(reader, span, buf)
         small_reads._fetch = fetch
 
@@ -144,25 +144,37 @@ def _gather(obj, world):
     return out
 
 
+def _chunk_id(chunk):
+    """A stored chunk as both kinds of read records name it: (file name, item offset); None for a
+    chunk without one (zarr's arrays)."""
+    storage = chunk.storage
+    path = getattr(storage, "relative_path", None)
+    return None if path is None else (os.path.basename(path), storage.offset)
+
+
 def _assert_read_once(reads_per_rank, groups):
-    """Within each group no element of any tensor (no byte of any stored item) is read twice."""
+    """Within each group no element of any tensor (no byte of any stored item) is read twice, and
+    no stored chunk is read both by boxes (a rank reading it for itself) and by units."""
     for g in groups:
         for key, shape in SHAPES.items():
             count = torch.zeros(shape, dtype=torch.int32)
             ranges = []
+            box_chunks = set()
             for r in g:
                 for k, kind, where in reads_per_rank[r]:
                     if k != key:
                         continue
                     if kind == "box":
-                        count[tuple(slice(o, o + s) for o, s in zip(*where))] += 1
+                        count[tuple(slice(o, o + s) for o, s in zip(where[0], where[1]))] += 1
+                        box_chunks.add(where[2])
                     else:
                         ranges.append(where)
             assert int(count.max()) <= 1, f"group {g}: parts of {key!r} read {int(count.max())} times"
             ranges.sort()
             for (f1, b1, lo1, hi1), (f2, b2, lo2, hi2) in zip(ranges, ranges[1:]):
                 assert (f1, b1) != (f2, b2) or hi1 <= lo2, f"group {g}: bytes of {key!r} checked twice: {ranges}"
-            assert not (ranges and int(count.max())), f"group {g}: {key!r} read both ways"
+            both = {(os.path.basename(f), b) for f, b, _, _ in ranges} & box_chunks
+            assert not both, f"group {g}: chunks {both} of {key!r} read both ways"
 
 
 def _compare_strategies(rank, world, path, make_request, groups, group=None, budget=600, **kw):

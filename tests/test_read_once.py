@@ -112,6 +112,10 @@ def _check_all(rank, world, d):
             if st["strategy"] == "read_once":
                 # every touched block read (and checked) by exactly one rank of the job
                 assert read == st["union_bytes"], (strategy, lws, name, read, st)
+            if st["strategy"] == "read_once" and name == "world size" and rank == 0:
+                # the first saved chunk is needed by rank 0 alone, for one destination: read into place
+                # as "local" reads (no mapping); the second holds the border of two: read in units
+                assert st.get("own_reads") == 1, st
             if strategy == "auto" and name == "row->col":
                 assert st["strategy"] == "read_once" and st["union_bytes"] < st["separate_bytes"]
             if lws == "1" and name == "row->col":

@@ -23,6 +23,7 @@ tensors, slices, casts, checkpoints without block records) is left to ``read_reg
 from __future__ import annotations
 
 import ctypes
+import operator
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,9 @@ from .torch_dist_reader import ChunkInfo, TorchDistReader, check_archive_head
 SMALL_ITEM = 1 << 20
 # bytes per read of a run of adjacent items (fits the per-thread scratch buffer of region_read)
 SPAN = 8 << 20
+# the order reads are made in: by file and offset (runs join adjacent items; a C getter, ~0.2 us a
+# task against ~0.6 through a property)
+read_order = operator.attrgetter("chunk.storage.relative_path", "chunk.storage.offset")
 
 
 class ReadTaskLike(Protocol):
