@@ -155,7 +155,7 @@ def test_the_reader_reads_plain_dcp_checkpoints_and_refuses_an_uncommitted_door_
     out = {"w": torch.zeros(8, 8), "step": 0}
     dcp.load(out, storage_reader=ci.dcp.Reader(str(tmp_path / "plain")), no_dist=True)
     assert torch.equal(out["w"], sd["w"]) and out["step"] == 3
-    assert any("its data has no checksums and is loaded unverified" in r.getMessage() for r in caplog.records)
+    assert any("tensor data is checked against its zip records' CRC32s" in r.getMessage() for r in caplog.records)
     dcp.save(sd, storage_writer=ci.dcp.Writer(str(tmp_path / "ours")), no_dist=True)
     os.remove(tmp_path / "ours" / "metadata.json")  # as if the save had been killed before its commit
     with pytest.raises(CheckpointException, match="no committed checkpoint"):

@@ -376,6 +376,36 @@ def test_verify_on_what_is_not_a_checkpoint_exits_2(saved, tmp_path, capsys):
 
 
 # =========================================================================== plain PyTorch DCP
+def test_a_flipped_bit_in_a_plain_dcp_checkpoint_is_refused_by_verify_convert_and_load(tmp_path, capsys):
+    # PyTorch DCP writes each tensor as a torch.save zip archive whose records carry CRC32s (torch.load
+    # checks none): verify passed the damage, convert wrote the bad value under fresh digests, and a
+    # load returned it
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_integration import CorruptCheckpointError, ShardedTensor
+
+    d = tmp_path / "dcp"
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(7)}, checkpoint_id=str(d))
+    data = d / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    at = raw.find(struct.pack("<f", 11.0)) + 3
+    raw[at] ^= 0x10
+    data.write_bytes(bytes(raw))
+    code, out, err = run_cli("verify", d, capsys=capsys)
+    assert code == 1 and "DAMAGED" in out and "__0_0.distcp" in out and "affected: w[" in out, (out, err)
+    code, _, err = run_cli("convert", d, tmp_path / "out", "--to", "torch_dist", capsys=capsys)
+    assert code == 2 and "__0_0.distcp" in err and "'w'" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp"):
+        ci.load_plain_tensors(str(d))
+    req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4))}
+    with pytest.raises(CorruptCheckpointError, match="__0_0.distcp"):
+        ci.load(req, str(d))
+    req = {"b": ShardedTensor.from_rank_offsets("b", torch.zeros(7))}  # (its own record is intact)
+    assert torch.equal(ci.load(req, str(d))["b"], torch.arange(7))
+
+
 def test_tools_on_a_plain_dcp_checkpoint(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
@@ -384,7 +414,7 @@ def test_tools_on_a_plain_dcp_checkpoint(tmp_path, capsys):
     with pytest.warns(UserWarning):
         dcp.save({"w": want.clone(), "b": torch.arange(7)}, checkpoint_id=str(d))
     code, out, err = run_cli("verify", d, capsys=capsys)
-    assert code == 0 and "OK: structure of" in out and "no checksums" in out, (out, err)
+    assert code == 0 and "OK: structure and record CRC32s of" in out and "no checksums of ours" in out, (out, err)
     assert "common.pt" not in out
     code, out, _ = run_cli("inspect", d, capsys=capsys)
     assert code == 0 and "w: [128, 96] float32" in out, out

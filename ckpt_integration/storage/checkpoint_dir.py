@@ -577,7 +577,7 @@ def read_manifest_checked(ck: CheckpointLocation, legacy: bool = False) -> Optio
             "the recorded checksums are lost, so its data cannot be verified (refusing to load it unchecked)"
         )
     _note_unchecked(path, "no manifest.json (written by another tool, e.g. Megatron-Core or PyTorch DCP): "
-                          "its data has no checksums and is loaded unverified")
+                          "no checksums of ours; tensor data is checked against its zip records' CRC32s")
     return None
 
 

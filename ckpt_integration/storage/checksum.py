@@ -42,9 +42,12 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import io
 import json
 import re
 import struct
+import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -116,6 +119,34 @@ def write_recorded(ck: CheckpointLocation, name: str, data: bytes, durable: bool
     and CRC32), what ``checkpoint_dir.read_verified_file`` checks at every read of it."""
     ck.write(name, data, durable)
     return {"size": len(data), "crc32": crc32(data)}
+
+
+def check_zip_bytes(data: Buffer, what: str) -> None:
+    """Raise :class:`CorruptCheckpointError` naming ``what`` when ``data``, a ``torch.save`` zip
+    archive (an item of another writer's DCP checkpoint), cannot be read or a record of it fails its
+    own CRC32 (``torch.load`` checks none: a flipped bit would load as a value). Bytes that are no zip
+    archive (the legacy ``torch.save`` format) carry no CRCs and pass."""
+    if bytes(memoryview(data)[:4]) != b"PK\x03\x04":
+        return
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        check_zip_crcs(zf, what)
+
+
+def check_zip_crcs(zf: zipfile.ZipFile, what: str) -> None:
+    """Read every record of ``zf`` that has a CRC32 (0: written without, as ``torch.save`` with
+    ``compute_crc32`` off and this library's writer write them) and check it; raise
+    :class:`CorruptCheckpointError` naming ``what`` and the record otherwise."""
+    name = None
+    try:
+        for info in zf.infolist():
+            name = info.filename
+            if info.CRC:
+                with zf.open(info) as f:  # (zipfile compares the CRC32 at the end of the record)
+                    while f.read(1 << 20):
+                        pass
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as e:
+        raise CorruptCheckpointError(f"{what} is damaged: record {name!r} of its zip archive cannot be read or "
+                                     f"fails its CRC32 check ({e})") from None
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

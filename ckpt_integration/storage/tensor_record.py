@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointWriteError, CorruptCheckpointError
-from .checksum import BlockHash, save_block_hash
+from .checksum import BlockHash, crc32, save_block_hash
 from .fs import tensor_buffer
 from .readers import FileReader
 
@@ -46,21 +46,21 @@ _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # zip local file header (30 bytes)
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """Where a serialized tensor's raw bytes lie, relative to the archive start."""
+    """Where a serialized tensor's raw bytes lie, relative to the archive start; its storage's zip record
+    (``member_size`` bytes from ``data_offset``) and that record's CRC32 (None: written without one)."""
 
     data_offset: int
     dtype: torch.dtype
     shape: Tuple[int, ...]
     stride: Tuple[int, ...]
     storage_offset: int  # in elements
+    member_size: int = 0
+    member_crc: Optional[int] = None
 
     @property
     def is_contiguous(self) -> bool:
-        expected, acc = [], 1
-        for s in reversed(self.shape):
-            expected.append(acc)
-            acc *= s
-        return all(st == ex or sz == 1 for st, ex, sz in zip(self.stride, reversed(expected), self.shape))
+        expected = [int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape))]
+        return all(st == ex or sz == 1 for st, ex, sz in zip(self.stride, expected, self.shape))
 
 
 class _SliceFile(io.RawIOBase):
@@ -168,7 +168,7 @@ def parse_tensor_record(fd: FileReader, offset: int, length: int, path: str = ""
             raise CorruptCheckpointError(f"{path}@{offset}: the tensor (storage offset {storage_offset}, shape {list(shape)}, "
                                          f"stride {list(stride)}) reaches past its storage data/{key} ({info.file_size} bytes)")
         data_start = _member_data_start(fd, offset, length, info)
-        return TensorRecord(data_start, dtype, shape, stride, storage_offset)
+        return TensorRecord(data_start, dtype, shape, stride, storage_offset, info.file_size, info.CRC or None)
     except CorruptCheckpointError:
         raise
     except Exception as e:
@@ -224,8 +224,8 @@ def _member_data_start(fd: int, offset: int, length: int, info: zipfile.ZipInfo)
 def _read_member(fd: int, offset: int, length: int, info: zipfile.ZipInfo) -> bytes:
     start = _member_data_start(fd, offset, length, info)
     data = fd.read(offset + start, info.file_size)
-    if len(data) != info.file_size:
-        raise zipfile.BadZipFile(f"member {info.filename} truncated")
+    if len(data) != info.file_size or info.CRC and crc32(data) != info.CRC:  # (0: written without CRC32s)
+        raise zipfile.BadZipFile(f"member {info.filename} is truncated or fails its CRC32 check")
     return data
 
 

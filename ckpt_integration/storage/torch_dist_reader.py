@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import CorruptCheckpointError, MismatchError, UnsafeCheckpointError
 from ..planning.boxes import Box, relative_slices
 from . import checkpoint_dir as ckdir
-from .checksum import CRC32, block_hash
+from .checksum import CRC32, block_hash, check_zip_bytes
 from .filesystem import CheckpointLocation, FileReader, name_problem
 from .item_table import BlockRecord
 from .region_read import Blocks, ChunkLayout, ReadStats, dtype_size, verify_blocks
@@ -85,6 +85,9 @@ class TorchDistReader:
         # (a checkpoint with a manifest is checked item by item: an item the table does not list, or
         # an emptied table, is damage; an empty table once turned verification off for every item)
         self.verify_checksums = verify_checksums and (manifest is not None or bool(self.checksums))
+        # another writer's checkpoint (PyTorch DCP, Megatron-Core): each item is a torch.save zip archive
+        # whose records carry their own CRC32s; read data is checked against them
+        self.check_records = verify_checksums and not self.verify_checksums
         self._files: Dict[str, FileReader] = {}
         self._records: Dict[Tuple[str, int], Optional[TensorRecord]] = {}
         self._frames_checked: set = set()
@@ -241,6 +244,8 @@ class TorchDistReader:
             return
         expected = self._expected_crc(info, what)
         if expected is None:
+            if self.check_records:
+                check_zip_bytes(buf, f"{self.ck.file(info.relative_path)}: {what} (bytes [{info.offset}, {info.offset + info.length}))")
             return
         if self.hash.digest(buf) != expected:
             raise CorruptCheckpointError(
@@ -294,6 +299,10 @@ class TorchDistReader:
             expected = self._expected_crc(info, what)
             if expected is not None:  # checkpoints before block checksums: the item is one block
                 blocks = Blocks(np.array([0, info.length], dtype=np.int64), [expected], self.hash)
+                bounds = blocks.bounds
+            elif self.check_records and rec.member_crc is not None:  # another writer's: its zip record's CRC32
+                blocks = Blocks(np.array([rec.data_offset, rec.data_offset + rec.member_size], dtype=np.int64),
+                                [rec.member_crc], block_hash(CRC32))
                 bounds = blocks.bounds
             else:  # unchecked: 1 MiB blocks of the data, only to plan who reads what
                 bounds = np.unique(np.concatenate([[0], np.arange(data_start, data_start + nbytes, BLOCK_SIZE), [data_start + nbytes, info.length]])).astype(np.int64)

@@ -32,6 +32,7 @@ from ..planning.boxes import Box, intersect, relative_slices
 from ..storage import checkpoint_dir as ckdir
 from ..storage.opened import OpenedCheckpoint, open_reader, read_metadata
 from ..storage.filesystem import is_remote, name_problem
+from ..storage.checksum import check_zip_crcs
 from ..storage.fs import tensor_buffer
 from ..storage.readers import open_regular
 from ..storage.torch_dist import DCP_METADATA_FILE
@@ -234,12 +235,11 @@ def check_zip_records(path: str) -> None:
         if f.read(4) != b"PK\x03\x04":
             return
     try:
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
+        zf = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as e:
         raise CorruptCheckpointError(f"{path} is damaged: its zip archive cannot be read ({e})") from None
-    if bad is not None:
-        raise CorruptCheckpointError(f"{path} is damaged: record {bad!r} of its zip archive fails its CRC32 check")
+    with zf:
+        check_zip_crcs(zf, path)
 
 
 def tensor_from_map(mm: Union[mmap.mmap, bytes], dtype: torch.dtype, shape: Tuple[int, ...], offset: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..storage import checkpoint_dir as ckdir
 from .verify_files import (integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
                            verify_other_recorded_files)
 from ..storage import chunk_index
-from ..storage.checksum import BlockHash
+from ..storage.checksum import CRC32, BlockHash, block_hash
 from ..storage.filesystem import CheckpointLocation, FileReader, join, locate, name_problem
 from ..storage.fingerprint import add, fingerprint
 from ..storage.opened import OpenedCheckpoint, pinned
@@ -87,7 +87,7 @@ class VerifyReport:
         lines = [f"checkpoint: {self.path}"]
         lines += [f"  note: {n}" for n in self.notes]
         if self.ok:
-            what = "checksums of" if self.checksums_available else "structure of"
+            what = "checksums of" if self.checksums_available else "structure and record CRC32s of"
             lines.append(f"OK: {what} {self.items_checked} items ({format_size(self.bytes_checked)}) verified")
             if self.state_checked:
                 lines.append(f"OK: state of {self.state_checked} tensors read back and equal to the saved state (fingerprints)")
@@ -297,11 +297,9 @@ def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: P
     report.block_hash = manifest.block_hash if manifest is not None else None
     plain = ckdir.is_plain_dcp(ck)
     if manifest is None and not manifest_reported:
-        report.notes.append(
-            "a plain PyTorch DCP checkpoint (no metadata.json): it has no checksums and no common state, only the "
-            "structure was verified" if plain else
-            "no manifest.json (checkpoint written by another tool): checksums are unavailable, only the structure "
-            "was verified")
+        report.notes.append(("a plain PyTorch DCP checkpoint (no metadata.json): no common state and" if plain else
+                             "no manifest.json (checkpoint written by another tool):") + " no checksums of ours; the "
+                            "structure and the CRC32 of every tensor's zip record were verified")
     try:
         # its bytes read and checked (size + CRC32) as every load reads them
         # (read from the file, never what an opened checkpoint decoded from its index)
@@ -477,13 +475,11 @@ class _DataPass:
         brec = self.blocks.get(rid)
         chunk = self.chunks.get(index)
         bounds = None
-        if expected is None and brec is None:  # no checksum (a foreign checkpoint): its data is not read
+        if expected is None and brec is None:  # another writer's: its zip records' own CRC32s, as a load checks
             self.report.items_checked += 1
             self.report.bytes_checked += info.length
             self.bar.update(info.length)
-            if chunk is not None:
-                self._check_archive(reader, file, index, info, chunk, None)
-            return None
+            return self._check_archive(reader, file, index, info, chunk, None) if chunk is not None else None
         if brec is not None:
             try:
                 bounds = brec.bounds(info.length)
@@ -515,8 +511,9 @@ class _DataPass:
         return None
 
     def _check_archive(self, reader: FileReader, file: str, index: MetadataIndex, info: Any, chunk: _Chunk,
-                       brec: Any) -> None:
-        """What ``.metadata`` says the chunk holds (elements x dtype) against the stored archive."""
+                       brec: Any) -> Optional[List[Tuple[int, int]]]:
+        """What ``.metadata`` says the chunk holds (elements x dtype) against the stored archive; without
+        digests of ours (``brec`` None), the byte range of a tensor record that fails its zip CRC32."""
         what = f"chunk at {tuple(index.offset or ())} of {chunk.key!r}"
         declared = f".metadata says {chunk.numel} elements of {chunk.dtype} ({chunk.nbytes} bytes)"
         if brec is not None and brec.data_length != chunk.nbytes:
@@ -546,6 +543,11 @@ class _DataPass:
         elif brec is not None and rec.is_contiguous and chunk.nbytes and start != brec.data_offset:  # (no data: no place)
             self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
                          f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
+        elif brec is None and rec.member_crc is not None:
+            lo = info.offset + rec.data_offset
+            if _stream_item(reader, lo, rec.member_size, block_hash(CRC32), None, None, no_progress())[0] != rec.member_crc:
+                return [(lo, lo + rec.member_size)]
+        return None
 
 
 class _InMemory:
