@@ -300,6 +300,20 @@ def test_convert_refuses_a_damaged_common_state(saved, ckpt, tmp_path, capsys, d
 # only verify reads (and reports); index.bin has no stand-in
 
 
+@pytest.mark.parametrize("metadata", ["flipped", "missing"])
+def test_verify_reports_damaged_data_beside_a_damaged_metadata(ckpt, capsys, metadata):
+    # .metadata (an export for DCP and Megatron-Core) could not be read, and verify then checked no
+    # data at all: the damaged data file beside it went unreported, though loads read it through index.bin
+    flip_byte(ckpt / DATA, 1000)
+    flip_byte(ckpt / ".metadata", 40) if metadata == "flipped" else os.remove(ckpt / ".metadata")
+    code, out, err = run_cli("verify", ckpt, capsys=capsys)
+    assert code == 1 and ".metadata" in out and f"{DATA}: checksum mismatch" in out, (out, err)
+    assert "checked through the index" in out, out
+    os.remove(ckpt / "index.bin")  # neither: the report says the data was not checked
+    code, out, err = run_cli("verify", ckpt, capsys=capsys)
+    assert code == 1 and "the data was not checked" in out, (out, err)
+
+
 @pytest.mark.parametrize("name", [DATA, "common.pt", ".metadata", "index.bin", "manifest.json", "metadata.json"])
 def test_tools_refuse_links_leading_outside(ckpt, tmp_path, capsys, monkeypatch, name):
     store = tmp_path / "dedup"

@@ -22,8 +22,8 @@ from ..checkpoints import list_checkpoints
 from ..errors import (CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError,
                       UnsupportedCheckpointError)
 from ..storage import checkpoint_dir as ckdir
-from .verify_files import (integrity_manifest_holds, read_manifest, recorded, recorded_size, verify_common,
-                           verify_other_recorded_files)
+from .verify_files import (index_metadata, integrity_manifest_holds, read_manifest, recorded, recorded_size,
+                           verify_common, verify_other_recorded_files)
 from ..storage import chunk_index
 from ..storage.checksum import CRC32, BlockHash, block_hash
 from ..storage.filesystem import CheckpointLocation, FileReader, join, locate, name_problem
@@ -308,7 +308,7 @@ def _verify_torch_dist(ck: CheckpointLocation, report: VerifyReport, progress: P
             report.files_checked += 1
     except CheckpointingException as e:
         report.add(str(e), DCP_METADATA_FILE)
-        md = None
+        md = index_metadata(manifest, report)
     if not plain:
         verify_common(ck, manifest, report)
     data_files = {getattr(info, "relative_path", None) for info in (md.storage_data or {}).values()

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from ..errors import CheckpointingException, UnsupportedCheckpointError
 from ..storage import checkpoint_dir as ckdir
+from ..storage.chunk_index import compact_of_index
 from ..storage.opened import EMBEDDED_COMMON_KEY, embedded_common_key
 from ..storage.filesystem import CheckpointLocation
 from ..storage.checksum import INTEGRITY_FILE, read_sha_manifest, sha_problems
@@ -144,3 +145,19 @@ def verify_other_recorded_files(ck: CheckpointLocation, manifest: ckdir.Manifest
         finally:
             reader.close()
     return whole
+
+
+def index_metadata(manifest: Optional[ckdir.Manifest], report: Report) -> Any:
+    """Where ``.metadata`` could not be read: the DCP ``Metadata`` that loads plan from, decoded from the
+    checkpoint's index (``index.bin``), so that the data is still checked and its damage reported;
+    None (and a note saying the data was not checked) when there is no usable index either."""
+    try:
+        index = manifest.index() if manifest is not None else None
+    except CheckpointingException:  # (reported with the other recorded files)
+        index = None
+    if index is None:
+        report.notes.append(f"the data was not checked: neither {DCP_METADATA_FILE} nor the index could be read")
+        return None
+    report.notes.append(f"{DCP_METADATA_FILE} could not be read: the data was checked through the index "
+                        f"({ckdir.INDEX_FILE}), as loads read it")
+    return compact_of_index(index).full()
