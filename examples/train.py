@@ -78,8 +78,10 @@ def prepare_ckpt_dir(cfg: DictConfig) -> None:
 
 def resume_point(cfg: DictConfig) -> str:
     """The checkpoint ``resume=true`` continues from: the newest complete one in ``ckpt_dir`` (as Lightning's
-    ``ckpt_path="last"`` with ``DistCkptModelCheckpoint``). With none there, stop: a run that silently
-    trained from step 0 (e.g. after a first run that failed) would look like a resumed one."""
+    ``ckpt_path="last"`` with ``DistCkptModelCheckpoint``); with the memory tier on (``checkpoint=memory``),
+    ``"last"`` itself, the newest of the memory snapshots and that checkpoint (an explicit path would be
+    loaded as given, passing over newer snapshots). With no complete checkpoint there, stop: a run that
+    silently trained from step 0 (e.g. after a first run that failed) would look like a resumed one."""
     from lightning.fabric.utilities.data import AttributeDict
     from omegaconf import ListConfig
 
@@ -98,6 +100,9 @@ def resume_point(cfg: DictConfig) -> str:
     layout = (ci.load_content_metadata(path) or {}).get("layout", {})
     print(f"== resuming from {path}: epoch {common.get('epoch')}, global step {common.get('global_step')} "
           f"(saved with TP={layout.get('tp', '?')}, DP={layout.get('dp', '?')})")
+    if OmegaConf.select(cfg, "checkpoint.memory.every_n_train_steps"):
+        print("== or from a newer memory snapshot, if one survived (ckpt_path='last')")
+        return "last"
     return path
 
 

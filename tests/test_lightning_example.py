@@ -45,6 +45,19 @@ def test_resume_with_nothing_to_resume_refuses(tmp_path):
         run(_cfg(f"ckpt_dir={tmp_path / 'ck'}", "resume=true"))
 
 
+def test_resume_with_the_memory_tier_takes_the_newest_of_memory_and_disk(tmp_path):
+    """With ``checkpoint=memory`` the example resumes with ``ckpt_path="last"``, which restores the newest
+    of the memory snapshots and the durable checkpoints; it passed the newest durable checkpoint's path,
+    which Lightning loads as given, so a job killed after a snapshot resumed an older step."""
+    import ckpt_integration as ci
+    from train import resume_point
+
+    ck = tmp_path / "ck"
+    ci.save({"epoch": 0, "global_step": 2}, str(ck / "epoch=0-step=2.ckpt"))
+    assert resume_point(_cfg(f"ckpt_dir={ck}", "resume=true")) == str(ck / "epoch=0-step=2.ckpt")
+    assert resume_point(_cfg(f"ckpt_dir={ck}", "resume=true", "checkpoint=memory")) == "last"
+
+
 @pytest.mark.slow
 def test_documented_resume_sequence_keeps_last_newest(tmp_path, capsys):
     import ckpt_integration as ci
