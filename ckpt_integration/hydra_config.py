@@ -23,6 +23,7 @@ Call :func:`register_configs` once before ``@hydra.main`` (``examples/train.py``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -212,6 +213,18 @@ _AT_LEAST_ONE = ("checkpoint.thread_count", "checkpoint.max_in_flight", "paralle
                  "model.d_model", "model.corpus_chars", "trainer.log_every_n_steps")
 
 
+def _ckpt_dir_errors(ckpt_dir: Optional[str]) -> List[str]:
+    """A local ``ckpt_dir`` that is a file, or lies under one, cannot hold checkpoints."""
+    if not ckpt_dir or "://" in str(ckpt_dir):
+        return []
+    path = os.path.abspath(str(ckpt_dir))
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"ckpt_dir={ckpt_dir}: {path} is a file, not a directory"]
+    return []
+
+
 def _config_errors(cfg: Any) -> List[str]:
     """Every problem :func:`validate_config` reports, one message per key."""
     from omegaconf import OmegaConf
@@ -232,6 +245,10 @@ def _config_errors(cfg: Any) -> List[str]:
     port = OmegaConf.select(cfg, "port")
     if port is not None and not 1 <= port <= 65535:
         errors.append(f"port={port} must be a TCP port, 1 to 65535 (or null: a free one)")
+    lr = OmegaConf.select(cfg, "model.lr")
+    if lr is not None and not lr >= 0:  # (also NaN; the optimizer refuses it in every spawned rank)
+        errors.append(f"model.lr={lr} must be >= 0")
+    errors += _ckpt_dir_errors(OmegaConf.select(cfg, "ckpt_dir"))
     top_k = OmegaConf.select(cfg, "trainer.save_top_k")
     if top_k is not None and top_k < -1:  # (Lightning: -1 keeps every checkpoint, 0 none)
         errors.append(f"trainer.save_top_k={top_k} must be >= -1")

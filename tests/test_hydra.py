@@ -88,6 +88,10 @@ def test_validate_config_before_spawning():
                             "trainer.log_every_n_steps=-1": "trainer.log_every_n_steps=-1 must be >= 1",
                             "port=-1": "port=-1 must be a TCP port",
                             "port=99999": "port=99999 must be a TCP port",
+                            # (the optimizer refused it in every spawned rank; a file as ckpt_dir gave a traceback)
+                            "model.lr=-1": "model.lr=-1.0 must be >= 0",
+                            f"ckpt_dir={__file__}": "is a file, not a directory",
+                            f"ckpt_dir={__file__}/sub": "is a file, not a directory",
                             }.items():
         with pytest.raises(ValueError, match=match):
             validate_config(_compose(*override.split()))
