@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -32,6 +33,8 @@ import time
 import fsspec
 import hydra
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+from multiprocessing import forkserver
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -147,6 +150,7 @@ NOISY_WARNINGS = (
 
 
 def _worker(rank: int, cfg_dict: dict, port: int, result_path: str, resume: str = "") -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (ignored by the forkserver: see run; Lightning handles it)
     world = cfg_dict["parallel"]["tp"] * cfg_dict["parallel"]["dp"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank),
                       WORLD_SIZE=str(world), NODE_RANK="0", OMP_NUM_THREADS="1")
@@ -197,8 +201,26 @@ def run(cfg: DictConfig) -> dict:
     # forkserver: one clean server process imports torch and Lightning once, every rank of every run is
     # forked from it (no CUDA / threads in the server, so this is as safe as spawn, without re-importing)
     mp.get_context("forkserver").set_forkserver_preload(["torch", "lightning"])
-    mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result, resume),
-                       nprocs=world, start_method="forkserver")
+    # A scheduler's SIGTERM (SLURM, `timeout`, `kill -TERM -<pgid>`) reaches every process of the job. The
+    # ranks then save where they are before they exit (DistCkptIO's preemption path), but torch interrupts
+    # a rank with SIGINT as soon as the process that forked it ends: the forkserver (started here with
+    # SIGTERM ignored, which it keeps; each rank restores the default) and this launcher (which waits) stay.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    preempted = []
+    try:
+        forkserver.ensure_running()
+        signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
+        mp.start_processes(_worker, args=(cfg_dict, cfg.port or _free_port(), result, resume),
+                           nprocs=world, start_method="forkserver")
+    except ProcessException:  # (a rank ended by the signal, or by Lightning's SIGTERMException)
+        if not preempted:
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if preempted or not os.path.exists(result):  # (ranks signalled alone end training early, without a result)
+        print(f"== stopped by SIGTERM: the ranks stopped at one batch, their save in flight committed or abandoned "
+              f"within checkpoint.sigterm_grace_s; resume=true continues from the newest checkpoint in {cfg.ckpt_dir}")
+        raise SystemExit(128 + signal.SIGTERM)
     with open(result) as f:
         out = json.load(f)
     losses = out["losses"]

@@ -58,6 +58,39 @@ def test_resume_with_the_memory_tier_takes_the_newest_of_memory_and_disk(tmp_pat
     assert resume_point(_cfg(f"ckpt_dir={ck}", "resume=true", "checkpoint=memory")) == "last"
 
 
+def test_a_sigterm_to_the_whole_job_lets_the_ranks_stop_cleanly(tmp_path):
+    """A scheduler's SIGTERM to the example's process group (``timeout``, SLURM, ``kill -TERM -<pgid>``):
+    the launcher and its forkserver used to die at once and torch then interrupted the ranks with SIGINT
+    (KeyboardInterrupt in the middle of their preemption path). Now the ranks stop at one batch and
+    exit, and the launcher says so and exits with 143; the newest checkpoint is complete."""
+    import signal
+    import subprocess
+    import time
+
+    import ckpt_integration as ci
+
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train.py"), f"ckpt_dir={ck}", *SMALL,
+           "trainer.max_epochs=100000", "trainer.save_top_k=-1", "parallel=tp1_dp2", "hydra.run.dir=" + str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(p.name.startswith("epoch=2") for p in ck.glob("*.ckpt")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM and "== stopped by SIGTERM" in out, (proc.returncode, out[-3000:])
+    assert "KeyboardInterrupt" not in out, out[-3000:]
+    from ckpt_integration.lightning import latest_complete_checkpoint
+
+    newest = latest_complete_checkpoint(str(ck))
+    assert newest is not None and ci.load_content_metadata(newest)["layout"]["dp"] == 2
+
+
 @pytest.mark.slow
 def test_documented_resume_sequence_keeps_last_newest(tmp_path, capsys):
     import ckpt_integration as ci
