@@ -297,7 +297,9 @@ class GPTModule(L.LightningModule):
 
 def make_dataloader(block_size: int, global_batch_size: int, dp_size: int, corpus_chars: int = 16000,
                     seed: int = 0) -> DataLoader:
-    """Shuffled loader whose per-rank batch is ``global_batch_size / dp_size`` (same global batches for any DP)."""
+    """Shuffled loader whose per-rank batch is ``global_batch_size / dp_size``. Under Lightning a
+    ``DistributedSampler`` splits the windows over the DP ranks (padding with repeated windows when they do
+    not divide), so the order of the windows, and by one the steps of an epoch, depend on the DP size."""
     if global_batch_size % dp_size:
         raise ValueError(f"global_batch_size {global_batch_size} must be divisible by the DP size {dp_size}")
     ds = CharDataset(make_corpus(corpus_chars, seed), block_size)
