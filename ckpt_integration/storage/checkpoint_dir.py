@@ -319,8 +319,8 @@ def _config_or_explain(ck: CheckpointLocation, path: str, again: bool = False) -
             return CheckpointingConfig("torch_dist", 1)
         if looks_like_partial_save(ck):
             raise IncompleteCheckpointError(
-                f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint, with data "
-                f"files but no {CONFIG_FILE} commit marker, so the save that wrote it did not finish; use an "
+                f"{directory} is not a distributed checkpoint: it holds an incomplete checkpoint (files of a save, "
+                f"no {CONFIG_FILE} commit marker), so the save that wrote it did not finish; use an "
                 f"earlier checkpoint (a complete PyTorch DCP checkpoint would have {DCP_METADATA_FILE} and none of "
                 f"{', '.join(_OURS_ONLY)})"
             )
