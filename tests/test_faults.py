@@ -216,9 +216,9 @@ def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
     assert torch.equal(out["w"], want)
     assert any("no checksums" in r.getMessage() for r in caplog.records)
     assert torch.equal(ci.load_plain_tensors(str(d))["w"], want)
-    # a damaged storage offset in a tensor's data.pkl (no checksum catches it): the tensor would reach past
-    # its storage, into the archive's other records; it was read from there (shifted values), where
-    # dcp.load raises
+    # a damaged storage offset in a tensor's data.pkl: the tensor would reach past its storage, into the
+    # archive's other records; it was read from there (shifted values), where dcp.load raises. The zip
+    # record's CRC32 now catches it first; the range check stands for archives written without CRC32s
     small = tmp_path / "small"
     with pytest.warns(UserWarning):
         dcp.save({"v": torch.arange(20.0).reshape(4, 5)}, checkpoint_id=str(small))
@@ -227,16 +227,17 @@ def test_plain_dcp_checkpoint_loads_as_foreign(tmp_path, caplog):
     (small / "__0_0.distcp").write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:])
     for load in (lambda: ci.load_plain_tensors(str(small)),
                  lambda: ci.load({"v": ShardedTensor.from_rank_offsets("v", torch.zeros(4, 5))}, str(small))):
-        with pytest.raises(CorruptCheckpointError, match=r"storage offset 1, .* reaches past its storage"):
+        with pytest.raises(CorruptCheckpointError, match=r"data.pkl is truncated or fails its CRC32 check"):
             load()
-    # a record loads refuse (a garbled rebuild function): verify said OK ("an unusual layout")
+    # a record loads refuse (a garbled rebuild function): verify said OK ("an unusual layout"); its
+    # data.pkl's CRC32 now names it first
     (small / "__0_0.distcp").write_bytes(data.replace(b"_rebuild_tensor_v2", b"_rebuild_tensorOv2"))
-    with pytest.raises(CorruptCheckpointError, match="not a plain tensor record"):
+    with pytest.raises(CorruptCheckpointError, match="data.pkl is truncated or fails its CRC32 check"):
         ci.load_plain_tensors(str(small))
     from ckpt_integration.tools.verify import verify_checkpoint
 
     report = verify_checkpoint(str(small))
-    assert not report.ok and "cannot be loaded" in report.format(), report.format()
+    assert not report.ok and "fails its CRC32 check" in report.format(), report.format()
     (small / "__0_0.distcp").write_bytes(data)
     assert verify_checkpoint(str(small)).ok
     # a field name of .metadata damaged (valid pickle, no checksum): was a raw AttributeError

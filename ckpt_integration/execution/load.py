@@ -82,8 +82,6 @@ class ReadTask:
     got: List[Box] = field(default_factory=list)
 
 
-
-
 def _tensor_tasks(
     sh: ShardedTensor, md: Metadata, reader: TorchDistReader, checkpoint_dir: str, strict_dtype: bool = False
 ) -> Tuple[torch.Tensor, List[ReadTask], Optional[Tuple[Box, torch.Tensor, torch.dtype]]]:

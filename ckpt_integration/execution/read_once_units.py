@@ -189,8 +189,9 @@ def read_rows(reader: Any, task: ReadTaskLike, lay: ChunkLayout, lo: int, hi: in
     return out.reshape(-1).view(torch.uint8)
 
 
-PHASES = (("plan_s", "plan"), ("own_s", "own reads"), ("map_s", "mappings"), ("read_s", "storage reads"), ("crc_s", "checks"),
-          ("exchange_s", "waiting for transfers"), ("copy_s", "copies into place"), ("total_s", "total"))
+PHASES = (("plan_s", "plan"), ("own_s", "own reads"), ("map_s", "mappings"), ("read_s", "storage reads"),
+          ("crc_s", "checks"), ("exchange_s", "waiting for transfers"), ("copy_s", "copies into place"),
+          ("total_s", "total"))
 
 
 def log_summary(stats: Dict[str, float], mode: str, group: Group, logger: logging.Logger) -> None:

@@ -245,7 +245,8 @@ class TorchDistReader:
         expected = self._expected_crc(info, what)
         if expected is None:
             if self.check_records:
-                check_zip_bytes(buf, f"{self.ck.file(info.relative_path)}: {what} (bytes [{info.offset}, {info.offset + info.length}))")
+                where = f"bytes [{info.offset}, {info.offset + info.length})"
+                check_zip_bytes(buf, f"{self.ck.file(info.relative_path)}: {what} ({where})")
             return
         if self.hash.digest(buf) != expected:
             raise CorruptCheckpointError(

@@ -544,8 +544,8 @@ class _DataPass:
             self.problem(f"{self.ck.file(ckdir.MANIFEST_FILE)} is damaged: its block record places the data of {what} "
                          f"at byte {brec.data_offset} of the item, the archive at byte {start}", ckdir.MANIFEST_FILE, [index])
         elif brec is None and rec.member_crc is not None:
-            lo = info.offset + rec.data_offset
-            if _stream_item(reader, lo, rec.member_size, block_hash(CRC32), None, None, no_progress())[0] != rec.member_crc:
+            lo, crc = info.offset + rec.data_offset, block_hash(CRC32)
+            if _stream_item(reader, lo, rec.member_size, crc, None, None, no_progress())[0] != rec.member_crc:
                 return [(lo, lo + rec.member_size)]
         return None
 
