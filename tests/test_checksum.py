@@ -439,3 +439,24 @@ def test_old_json_block_records_become_the_item_table_or_are_named_as_damage():
             bad = dict(raw, blocks=dict(blocks, **{key: wrong}), items=dict(items, **({} if key == "q@5" else {key: 1})))
             with pytest.raises(ValueError, match=key if key != "f@1200" else ""):
                 upgrade(bad, 5)
+
+
+def test_a_damaged_zip_record_of_another_writer_is_refused_naming_it():
+    """Another writer's item (a torch.save zip archive) is checked against its records' CRC32s: a cut
+    archive, whose zip directory cannot be read, is damage too (it escaped as a bare BadZipFile)."""
+    import io
+
+    from ckpt_integration.errors import CorruptCheckpointError
+    from ckpt_integration.storage.checksum import check_zip_bytes
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(64.0), buf)
+    data = bytearray(buf.getvalue())
+    check_zip_bytes(bytes(data), "item")  # intact
+    with pytest.raises(CorruptCheckpointError, match="item is damaged: its zip archive cannot be read"):
+        check_zip_bytes(bytes(data[:-30]), "item")
+    at = data.index(torch.arange(64.0).numpy().tobytes()) + 5
+    data[at] ^= 0x10
+    with pytest.raises(CorruptCheckpointError, match=r"item is damaged: record '.*data/0' .*fails its CRC32 check"):
+        check_zip_bytes(bytes(data), "item")
+

@@ -454,11 +454,10 @@ def _execute(reader, chunks, small, rank, group, thread_count, budget, st, failu
     # same-layout load). (Several destinations of one chunk stay on units: read per destination, a
     # block at their border would be read twice.) Whole items up to SMALL_ITEM join the small ones,
     # read in runs of adjacent items.
-    own = [c for c in chunks.values() if c.sole and len(c.task_list) == 1]
-    chunks = {k: c for k, c in chunks.items() if not (c.sole and len(c.task_list) == 1)}
-    alone = sorted(small + [t for c in own if c.task_list[0].chunk.storage.length <= SMALL_ITEM for t in c.task_list],
-                   key=read_order)
-    own = [c for c in own if c.task_list[0].chunk.storage.length > SMALL_ITEM]
+    own = {k: c.task_list[0] for k, c in chunks.items() if c.sole and len(c.task_list) == 1}
+    chunks = {k: c for k, c in chunks.items() if k not in own}
+    alone = sorted(small + [t for t in own.values() if t.chunk.storage.length <= SMALL_ITEM], key=read_order)
+    large = [t for t in own.values() if t.chunk.storage.length > SMALL_ITEM]
     ordered = []  # (file, offset, lo, hi, chunk, role, extra): transfers in the order shared by the group
     for c in chunks.values():
         for lo, hi, rd, rnode, first in c.units:
@@ -470,7 +469,7 @@ def _execute(reader, chunks, small, rank, group, thread_count, budget, st, failu
     pool = ThreadPoolExecutor(max(1, int(thread_count)), thread_name_prefix="ckpt-read-once")
     try:
         futures = [pool.submit(local_work, c) for c in sorted(chunks.values(), key=lambda c: (c.file, c.offset))]
-        futures += [pool.submit(_read_own, reader, c.task_list, st) for c in own]
+        futures += [pool.submit(_read_own, reader, [t], st) for t in large]
         if alone:
             futures.append(pool.submit(_read_own, reader, alone, st))
         _transfer(reader, ordered, rank, group, budget, st, note)

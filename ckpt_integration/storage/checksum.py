@@ -126,27 +126,27 @@ def check_zip_bytes(data: Buffer, what: str) -> None:
     archive (an item of another writer's DCP checkpoint), cannot be read or a record of it fails its
     own CRC32 (``torch.load`` checks none: a flipped bit would load as a value). Bytes that are no zip
     archive (the legacy ``torch.save`` format) carry no CRCs and pass."""
-    if bytes(memoryview(data)[:4]) != b"PK\x03\x04":
-        return
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        check_zip_crcs(zf, what)
+    if bytes(memoryview(data)[:4]) == b"PK\x03\x04":
+        check_zip_crcs(io.BytesIO(data), what)
 
 
-def check_zip_crcs(zf: zipfile.ZipFile, what: str) -> None:
-    """Read every record of ``zf`` that has a CRC32 (0: written without, as ``torch.save`` with
-    ``compute_crc32`` off and this library's writer write them) and check it; raise
-    :class:`CorruptCheckpointError` naming ``what`` and the record otherwise."""
+def check_zip_crcs(source: Any, what: str) -> None:
+    """Open the zip archive ``source`` (a path or a binary file) and read every record that has a CRC32
+    (0: written without, as ``torch.save`` with ``compute_crc32`` off and this library's writer write
+    them), checking it; raise :class:`CorruptCheckpointError` naming ``what`` (and the record) when the
+    archive cannot be read or a record fails its check."""
     name = None
     try:
-        for info in zf.infolist():
-            name = info.filename
-            if info.CRC:
-                with zf.open(info) as f:  # (zipfile compares the CRC32 at the end of the record)
-                    while f.read(1 << 20):
-                        pass
+        with zipfile.ZipFile(source) as zf:
+            for info in zf.infolist():
+                name = info.filename
+                if info.CRC:
+                    with zf.open(info) as f:  # (zipfile compares the CRC32 at the end of the record)
+                        while f.read(1 << 20):
+                            pass
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as e:
-        raise CorruptCheckpointError(f"{what} is damaged: record {name!r} of its zip archive cannot be read or "
-                                     f"fails its CRC32 check ({e})") from None
+        where = "its zip archive" if name is None else f"record {name!r} of its zip archive"
+        raise CorruptCheckpointError(f"{what} is damaged: {where} cannot be read or fails its CRC32 check ({e})") from None
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
